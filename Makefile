@@ -1,0 +1,42 @@
+# The two commands a user runs: `make lab` and `make test`. Both create .venv if missing.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+PYTEST  := $(VPY) -m pytest
+NBVAL_SOLUTIONS := LABKIT_STRICT=1 $(PYTEST) -q -p no:cacheprovider --nbval --nbval-current-env \
+	--sanitize-with .ci/nbval_sanitize.cfg -n 2 --dist loadscope solutions/
+NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-env -n 2 --dist loadscope notebooks/
+
+.PHONY: lab test install build notebooks unit clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+	$(VPY) -m pip install -q -r requirements.txt 2>&1 | grep -v "is ignored" || true
+	$(VPY) -m pip install -q -e . --no-deps 2>&1 | grep -v "is ignored" || true
+	$(VPY) -c "import torch, labkit, nbval, nbclient; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lab: $(STAMP)
+	$(VPY) -m labkit lab pipeline
+
+test: $(STAMP)
+	$(VPY) -m labkit build --check
+	$(NBVAL_SOLUTIONS)
+	$(NBVAL_NOTEBOOKS)
+	$(PYTEST) -q -n 2 tests/
+
+# run just one part
+unit: $(STAMP)
+	$(PYTEST) -q -n 2 tests/
+notebooks: $(STAMP)
+	$(NBVAL_SOLUTIONS)
+	$(NBVAL_NOTEBOOKS)
+build: $(STAMP)
+	$(VPY) -m labkit build
+
+clean:
+	rm -rf $(VENV) runs

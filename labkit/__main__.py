@@ -1,0 +1,56 @@
+"""Command line: ``python -m labkit COMMAND``.
+
+Commands:
+  doctor                 torch/CUDA/NCCL/gloo report and the backend "auto" picks
+  lab NAME [options]     train the GPT with one strategy (pipeline | tensor | moe)
+  bench NAME [options]   side-by-side speed comparison (pipeline | tensor | moe)
+  build [--check]        write notebooks/ (learner versions) from solutions/
+  grade PATH... [--results FILE]   run notebooks and grade their exercises
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+LABS = ("pipeline", "tensor", "moe")
+
+
+def _run_module(package: str, name: str, argv: list[str]) -> int:
+    if name not in LABS:
+        print(f"unknown {package[7:]} {name!r}; choose one of {', '.join(LABS)}", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(f"{package}.{name}")
+    return mod.main(argv) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "doctor":
+        p = argparse.ArgumentParser(prog="python -m labkit doctor")
+        p.add_argument("--world-size", type=int, nargs="*", default=[1, 2, 4, 8])
+        a = p.parse_args(rest)
+        from .dist import doctor
+        print(doctor(a.world_size))
+        return 0
+    if cmd in ("lab", "bench"):
+        if not rest:
+            print(f"usage: python -m labkit {cmd} {{{'|'.join(LABS)}}} [options]", file=sys.stderr)
+            return 2
+        return _run_module(f"labkit.{cmd}s" if cmd == "lab" else "labkit.bench", rest[0], rest[1:])
+    if cmd == "build":
+        from .grading.build import main as build_main
+        return build_main(rest) or 0
+    if cmd == "grade":
+        from .grading.grader import main as grade_main
+        return grade_main(rest) or 0
+    print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
