@@ -1,0 +1,176 @@
+"""The launcher: results in rank order, errors that name the rank, no hangs, no leftovers."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit import comm
+from labkit.dist import RankError, choose_backend, launch, make_grid
+
+
+def _children_alive():
+    """PIDs of this process's live children (zombies excluded)."""
+    me = os.getpid()
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == me and state != "Z":
+            out.append(int(pid))
+    return out
+
+
+def _rank_info(ctx, scale):
+    x = torch.full((3,), float(ctx.rank + 1))
+    comm.all_reduce(x, group=ctx.group)
+    return ctx.rank, ctx.world_size, x.tolist(), scale
+
+
+def test_launch_returns_results_in_rank_order():
+    out = launch(_rank_info, 4, 10)
+    assert [o[0] for o in out] == [0, 1, 2, 3]
+    assert all(o[1] == 4 and o[3] == 10 for o in out)
+    assert all(o[2] == [10.0, 10.0, 10.0] for o in out)  # 1+2+3+4
+
+
+def test_launch_four_ranks_is_fast():
+    launch(_rank_info, 4, 0)  # warm
+    t0 = time.perf_counter()
+    launch(_rank_info, 4, 0)
+    assert time.perf_counter() - t0 < 2.0
+
+
+def _fails_on_rank_2(ctx):
+    if ctx.rank == 2:
+        raise ValueError("bad value on purpose")
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    return 1
+
+
+def test_exception_names_rank_and_original_error():
+    t0 = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        launch(_fails_on_rank_2, 4, timeout=5)
+    e = info.value
+    assert e.rank == 2 and e.exc_type == "ValueError"
+    assert "rank 2" in str(e) and "bad value on purpose" in str(e)
+    assert time.perf_counter() - t0 < 5 + 3
+    assert _children_alive() == []
+
+
+def _mutual_recv(ctx):
+    x = torch.zeros(4)
+    dist.recv(x, src=(ctx.rank + 1) % ctx.world_size)  # everyone waits: a deadlock
+    return 0
+
+
+def test_deadlock_times_out_with_rank_error_and_no_leftovers():
+    t0 = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        launch(_mutual_recv, 3, timeout=2)
+    assert "rank" in str(info.value)
+    assert "Timed out" in str(info.value) or "timed out" in str(info.value).lower()
+    assert time.perf_counter() - t0 < 2 + 4
+    assert _children_alive() == []
+
+
+def _dies(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    time.sleep(0.5)
+    return 0
+
+
+def test_worker_that_dies_is_reported():
+    with pytest.raises(RankError) as info:
+        launch(_dies, 2, timeout=3)
+    assert info.value.rank == 1 and "exit" in str(info.value)
+    assert _children_alive() == []
+
+
+@pytest.mark.parametrize("ws", [0, -1, 2.0])
+def test_bad_world_size(ws):
+    with pytest.raises(ValueError, match="world_size"):
+        launch(_rank_info, ws, 0)
+
+
+def test_backend_choice_on_cpu():
+    assert choose_backend(4, "auto") == "gloo"
+    with pytest.raises(ValueError, match="backend"):
+        choose_backend(2, "mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="nccl"):
+            choose_backend(2, "nccl")
+
+
+def _grid_groups(ctx):
+    g = make_grid(ctx, tp=2, pp=2, dp=2)
+    out = {}
+    for name, grp in (("tp", g.tp_group), ("dp", g.dp_group), ("pp", g.pp_group)):
+        members = torch.zeros(ctx.world_size)
+        members[ctx.rank] = 1
+        dist.all_reduce(members, group=grp)
+        out[name] = [i for i, m in enumerate(members.tolist()) if m]
+    return out, (g.tp_rank, g.dp_rank, g.pp_rank), g.pp_ranks
+
+
+def test_grid_rank_order_tp_innermost_pp_outermost():
+    res = launch(_grid_groups, 8)
+    # rank = pp*4 + dp*2 + tp
+    groups, coords, pp_ranks = res[5]
+    assert coords == (1, 0, 1)
+    assert groups["tp"] == [4, 5]
+    assert groups["dp"] == [5, 7]
+    assert groups["pp"] == [1, 5] == pp_ranks
+    assert res[0][0]["tp"] == [0, 1] and res[0][0]["dp"] == [0, 2] and res[0][0]["pp"] == [0, 4]
+
+
+def _bad_grid(ctx):
+    make_grid(ctx, tp=3, pp=1, dp=1)
+
+
+def test_grid_that_does_not_fit_raises_before_communication():
+    with pytest.raises(RankError, match=r"tp=3 \* dp=1 \* pp=1 = 3 must equal world_size=2"):
+        launch(_bad_grid, 2, timeout=3)
+
+
+def test_same_code_under_torchrun(tmp_path):
+    script = tmp_path / "tr.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from labkit import comm
+        from labkit.dist import launch
+        def fn(ctx):
+            x = torch.tensor([float(ctx.rank + 1)])
+            comm.all_reduce(x, group=ctx.group)
+            return ctx.rank, x.item()
+        out = launch(fn, 2)
+        import os
+        if os.environ["RANK"] == "0":
+            print("RESULT", out)
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "RESULT [(0, 3.0), (1, 3.0)]" in p.stdout
+
+
+def test_doctor_cli():
+    p = subprocess.run([sys.executable, "-m", "labkit", "doctor"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0
+    assert "torch" in p.stdout and "auto backend for world size 4: gloo" in p.stdout
