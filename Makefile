@@ -12,7 +12,6 @@ NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 	$(VPY) -m pip install -q -r requirements.txt 2>&1 | grep -v "is ignored" || true
 	$(VPY) -m pip install -q -e . --no-deps 2>&1 | grep -v "is ignored" || true
 	$(VPY) -c "import torch, labkit, nbval, nbclient; assert torch.__version__.startswith('2.13.0'), torch.__version__"
