@@ -1,0 +1,222 @@
+"""Expert parallelism (EP): the E experts are sharded over P ranks, everything else replicated.
+
+GShard (Lepikhin et al. 2020, sec. 2.2-3) and Switch (Fedus et al. 2021, sec. 2.2): each of the
+P = ``ep_size`` ranks holds E/P consecutive experts (rank p: experts p*E/P .. (p+1)*E/P - 1) and
+its OWN tokens (data parallel over tokens). One MoE layer on one rank:
+
+1. route its T_p tokens (capacity C per rank: C = ceil(k * T_p / E * capacity_factor), i.e.
+   each rank is one GShard "group"; the single-device reference uses ``token_groups = P``);
+2. permute the kept slots by expert id (so they are also grouped by destination rank);
+3. all-to-all #0, the counts: every rank sends its per-expert counts [E] (E/P to each rank),
+   so each rank learns how many rows it will receive from every rank for every local expert;
+4. all-to-all #1, dispatch: rows go to the rank that holds their expert, uneven splits
+   (zero-size splits included);
+5. the local experts run on their rows (regrouped by local expert);
+6. all-to-all #2, combine: results go back by the reverse splits;
+7. unpermute and weight by the gates on the token's own rank (so the router gradient is
+   computed where the token lives, once per slot; dropped slots contribute nothing).
+
+Autograd: :class:`_AllToAll` is a Function whose backward is the reverse all-to-all, so the
+backward pass sends gradients along the same routes in the opposite direction.
+
+Gradients, the convention: each rank backpropagates ITS loss divided by P (the data-parallel
+mean). An expert's gradient is then complete on its rank (the backward all-to-all brought
+every rank's contribution); the replicated parameters (router, shared experts, the rest of the
+model) each hold 1/P-scaled partial gradients and :func:`sync_replicated_grads` all-reduces
+them with SUM. The aux-loss-free bias update uses loads all-reduced over the EP group.
+
+Bytes per layer and forward (counted with :class:`labkit.comm.CommLog`, what this rank sends):
+counts ``E * 8``; dispatch and combine each ``N_p * H * 4`` (fp32), N_p = kept slots of rank p.
+Backward repeats dispatch and combine in reverse (no counts).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from .dispatch import permute, run_experts, unpermute
+from .experts import Expert, MoEConfig, MoELayer
+from .router import TopKRouter
+
+__all__ = ["ExpertParallelMoE", "all_to_all", "all_to_all_uneven", "exchange_splits",
+           "sync_replicated_grads", "to_expert_parallel", "all_reduce_loads", "expert_param_names"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """y = all_to_all(x) with the given splits; backward: the reverse all-to-all of dy."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (list(output_splits), list(input_splits)), group
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        comm.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_s, in_s = ctx.splits
+        gx = grad.new_empty((sum(in_s),) + tuple(grad.shape[1:]))
+        comm.all_to_all_single(gx, grad.contiguous(), in_s, out_s, ctx.group)
+        return gx, None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group) -> torch.Tensor:
+    """Differentiable uneven all-to-all along dim 0: rows ``x[sum(input_splits[:q]) : ...]`` go to
+    rank q; the result holds ``output_splits[s]`` rows from each rank s, in rank order.
+    No validation (see :func:`all_to_all_uneven`)."""
+    return _AllToAll.apply(x, [int(s) for s in output_splits], [int(s) for s in input_splits], group)
+
+
+def exchange_splits(input_splits: Sequence[int], group) -> list[int]:
+    """All-to-all of the split sizes: returns what every rank will send to this one
+    (``[n_{0->me}, n_{1->me}, ...]``). One int64 per rank pair (8 bytes)."""
+    P = dist.get_world_size(group)
+    send = torch.tensor([int(s) for s in input_splits], dtype=torch.long)
+    recv = torch.empty(P, dtype=torch.long)
+    comm.all_to_all_single(recv, send, [1] * P, [1] * P, group)
+    return recv.tolist()
+
+
+def all_to_all_uneven(x: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int] | None = None,
+                      group=None) -> torch.Tensor:
+    """Validated, differentiable uneven all-to-all of x [N, ...] along dim 0.
+
+    Checks before any communication (ValueError): one split per rank, non-negative integers,
+    ``sum(input_splits) == x.shape[0]``. Then the split sizes are exchanged first; if
+    ``output_split_sizes`` is given and disagrees with what the other ranks will send, EVERY
+    rank raises ValueError naming the rank(s) whose lists disagree (a flag all-reduce makes
+    them all learn it) instead of hanging in a mismatched data all-to-all.
+    Returns [sum(output_splits), ...].
+    """
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    if len(input_splits) != P:
+        raise ValueError(f"rank {me}: input_split_sizes has {len(input_splits)} entries for {P} ranks")
+    if any(int(s) != s or s < 0 for s in input_splits):
+        raise ValueError(f"rank {me}: split sizes must be non-negative integers, got {list(input_splits)}")
+    if sum(input_splits) != x.shape[0]:
+        raise ValueError(f"rank {me}: input_split_sizes {list(input_splits)} sum to {sum(input_splits)} "
+                         f"but the input has {x.shape[0]} rows")
+    if output_splits is not None and len(output_splits) != P:
+        raise ValueError(f"rank {me}: output_split_sizes has {len(output_splits)} entries for {P} ranks")
+    incoming = exchange_splits(input_splits, group)
+    if output_splits is not None:
+        bad = torch.zeros(P, dtype=torch.long)
+        bad[me] = int(list(map(int, output_splits)) != incoming)
+        comm.all_reduce(bad, group)
+        if bad.any():
+            ranks = bad.nonzero().flatten().tolist()
+            detail = (f"; this rank {me} expects {list(output_splits)} but the ranks send {incoming}"
+                      if bad[me] else "")
+            raise ValueError(f"all_to_all split sizes disagree across ranks: output_split_sizes of rank(s) "
+                             f"{ranks} do not match the input_split_sizes the other ranks send{detail}")
+    return all_to_all(x, incoming, input_splits, group)
+
+
+class ExpertParallelMoE(MoELayer):
+    """The MoE layer with its E experts sharded over the ``ep_size`` ranks of ``ep_group``.
+
+    Holds the router and shared experts (replicated) and ``experts`` = the E/P local experts
+    (global ids ``expert_offset .. expert_offset + E/P - 1``). ``forward(x [..., H]) -> (y,
+    MoEStats)`` on this rank's tokens; every rank must call it (collective). Raises ValueError
+    at construction, before any communication, when P does not divide E or ``token_groups != 1``
+    (each rank is one group under EP).
+    """
+
+    def __init__(self, cfg: MoEConfig, ep_group, ep_rank: int, ep_size: int):
+        nn.Module.__init__(self)
+        E = cfg.n_routed_experts
+        if ep_size < 1 or E % ep_size:
+            raise ValueError(f"n_routed_experts={E} must be divisible by the EP size {ep_size}")
+        if cfg.token_groups != 1:
+            raise ValueError(f"under EP each rank routes its own tokens as one group; got token_groups="
+                             f"{cfg.token_groups} (use token_groups=P only in the single-device reference)")
+        self.cfg, self.ep_group, self.ep_rank, self.ep_size = cfg, ep_group, ep_rank, ep_size
+        self.n_local_experts = E // ep_size
+        self.expert_offset = ep_rank * self.n_local_experts
+        self.router = TopKRouter(cfg.n_embd, E, cfg.n_activated_experts, cfg.score_func, cfg.renormalize,
+                                 cfg.n_expert_groups, cfg.n_limited_groups, cfg.route_scale, cfg.expert_bias,
+                                 cfg.capacity_factor, cfg.drop_policy, cfg.min_capacity)
+        self.experts = nn.ModuleList([Expert(cfg.n_embd, cfg.moe_ffn_dim, cfg.activation, cfg.bias)
+                                      for _ in range(self.n_local_experts)])
+        self.shared_experts = (Expert(cfg.n_embd, cfg.n_shared_experts * cfg.moe_ffn_dim, cfg.activation, cfg.bias)
+                               if cfg.n_shared_experts else None)
+
+    @classmethod
+    def from_dense(cls, layer: MoELayer, ep_group, ep_rank: int, ep_size: int) -> "ExpertParallelMoE":
+        """This rank's shard of a single-device layer (same weights; config with token_groups=1)."""
+        from dataclasses import replace
+        ep = cls(replace(layer.cfg, token_groups=1), ep_group, ep_rank, ep_size)
+        ep.router.load_state_dict(layer.router.state_dict())
+        for i, expert in enumerate(ep.experts):
+            expert.load_state_dict(layer.experts[ep.expert_offset + i].state_dict())
+        if layer.shared_experts is not None:
+            ep.shared_experts.load_state_dict(layer.shared_experts.state_dict())
+        return ep
+
+    def forward(self, x: torch.Tensor):
+        shape, P, El = x.shape, self.ep_size, self.n_local_experts
+        x2 = x.reshape(-1, shape[-1])
+        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None)
+        rows, perm = permute(x2, r.indices, r.keep, self.cfg.n_routed_experts)     # sorted by global expert
+        # all-to-all #0: per-expert counts; recv_counts[s, e] = rows rank s sends to my local expert e
+        recv_counts = torch.empty_like(perm.tokens_per_expert)
+        comm.all_to_all_single(recv_counts, perm.tokens_per_expert, [El] * P, [El] * P, self.ep_group)
+        recv_counts = recv_counts.view(P, El)
+        input_splits = perm.tokens_per_expert.view(P, El).sum(1).tolist()
+        output_splits = recv_counts.sum(1).tolist()
+        # all-to-all #1: dispatch. Received rows are ordered by source rank, then local expert.
+        received = all_to_all(rows, output_splits, input_splits, self.ep_group)
+        local_expert = torch.repeat_interleave(torch.arange(El).repeat(P), recv_counts.flatten())
+        order = torch.argsort(local_expert, stable=True)                            # group by local expert
+        out = run_experts(received[order], recv_counts.sum(0).tolist(), self.experts)
+        out = out[torch.argsort(order)]                                             # back to arrival order
+        # all-to-all #2: combine (reverse splits), then weight on the token's own rank
+        returned = all_to_all(out, input_splits, output_splits, self.ep_group)
+        y = unpermute(returned, perm, r.weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x2)
+        return y.view(shape), stats
+
+
+def expert_param_names(model: nn.Module) -> set[str]:
+    """Names of the parameters of the local experts of every :class:`ExpertParallelMoE` in model."""
+    names = set()
+    for mname, m in model.named_modules():
+        if isinstance(m, ExpertParallelMoE):
+            for pname, _ in m.experts.named_parameters():
+                names.add(f"{mname}.experts.{pname}" if mname else f"experts.{pname}")
+    return names
+
+
+def sync_replicated_grads(model: nn.Module, group) -> None:
+    """All-reduce (SUM) the gradients of every replicated parameter (all but the local experts)
+    over the EP group. Convention: each rank backpropagated its loss / P. Parameters without a
+    gradient count as zero, so every rank issues the same all-reduces."""
+    skip = expert_param_names(model)
+    for name, p in model.named_parameters():
+        if name in skip or not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        comm.all_reduce(p.grad, group)
+
+
+def all_reduce_loads(tokens_per_expert: torch.Tensor, group) -> torch.Tensor:
+    """Loads [E] summed over the EP/DP ranks (for the aux-loss-free bias update). Returns a copy."""
+    t = tokens_per_expert.detach().clone()
+    return comm.all_reduce(t, group)
+
+
+def to_expert_parallel(model: nn.Module, ep_group, ep_rank: int, ep_size: int) -> nn.Module:
+    """Replace every :class:`MoELayer` inside ``model`` by this rank's :class:`ExpertParallelMoE`
+    shard (same weights), in place; returns ``model``."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, MoELayer) and not isinstance(child, ExpertParallelMoE):
+            setattr(model, name, ExpertParallelMoE.from_dense(child, ep_group, ep_rank, ep_size))
+        else:
+            to_expert_parallel(child, ep_group, ep_rank, ep_size)
+    return model

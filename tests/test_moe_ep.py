@@ -1,0 +1,185 @@
+"""Expert parallelism equals the single-device MoE layer (forward, input grads, router and
+expert grads, parameters after 3 SGD steps), the uneven all-to-all, and its errors."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from labkit.comm import CommLog
+from labkit.dist import RankError, launch
+from labkit.moe import MoEConfig, MoELayer
+from labkit.moe.expert_parallel import (ExpertParallelMoE, all_reduce_loads, all_to_all_uneven,
+                                        sync_replicated_grads)
+
+RTOL, ATOL = 1e-5, 1e-6
+H = 8
+
+
+def _data(P, T_r, step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(P * T_r, H, generator=g), torch.randn(P * T_r, H, generator=g)
+
+
+def _dense(cfg, seed=0):
+    torch.manual_seed(seed)
+    return MoELayer(cfg)
+
+
+def _ep_worker(ctx, cfg, T_r, steps, lr):
+    P, r = ctx.world_size, ctx.rank
+    layer = ExpertParallelMoE.from_dense(_dense(replace(cfg, token_groups=P)), ctx.group, r, P)
+    out = []
+    for step in range(steps):
+        x, g = _data(P, T_r, step)
+        x = x[r * T_r:(r + 1) * T_r].clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        with CommLog() as log:
+            y, stats = layer(x)
+            loss = ((y * g[r * T_r:(r + 1) * T_r]).sum() + stats.aux_loss) / P
+            loss.backward()
+        sync_replicated_grads(layer, ctx.group)
+        loads = all_reduce_loads(stats.tokens_per_expert, ctx.group)
+        out.append({
+            "y": y.detach(), "x_grad": x.grad, "dropped": stats.dropped_fraction,
+            "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+            "a2a": [rec.nbytes for rec in log.of("all_to_all")],
+        })
+        with torch.no_grad():
+            for p in layer.parameters():
+                p -= lr * p.grad
+        layer.update_bias(loads)
+    out.append({n: t.detach().clone() for n, t in layer.state_dict().items()})
+    return out
+
+
+def _reference(cfg, P, T_r, steps, lr):
+    layer = _dense(replace(cfg, token_groups=P))
+    out = []
+    for step in range(steps):
+        x, g = _data(P, T_r, step)
+        x.requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        y, stats = layer(x)
+        ((y * g).sum() / P + stats.aux_loss).backward()
+        out.append({"y": y.detach(), "x_grad": x.grad, "dropped": stats.dropped_fraction,
+                    "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}})
+        with torch.no_grad():
+            for p in layer.parameters():
+                p -= lr * p.grad
+        layer.update_bias(stats.tokens_per_expert)
+    out.append({n: t.detach().clone() for n, t in layer.state_dict().items()})
+    return out
+
+
+def _global_name(name, r, El):
+    """experts.{i}.x on rank r -> experts.{r*El+i}.x in the dense layer."""
+    if name.startswith("experts."):
+        _, i, rest = name.split(".", 2)
+        return f"experts.{r * El + int(i)}.{rest}"
+    return name
+
+
+CASES = {
+    # E=8, k=2, no capacity, aux + z loss, one shared expert
+    "aux_shared": MoEConfig(n_embd=H, n_routed_experts=8, n_activated_experts=2, moe_ffn_dim=12, n_shared_experts=1,
+                            aux_loss_coeff=0.1, z_loss_coeff=1e-2),
+    # tokens dropped (capacity_factor 0.5), position policy, aux-loss-free bias, sigmoid + groups
+    "drop_bias": MoEConfig(n_embd=H, n_routed_experts=8, n_activated_experts=2, moe_ffn_dim=12,
+                           capacity_factor=0.5, drop_policy="position", expert_bias=True, bias_update_rate=0.05,
+                           score_func="sigmoid", n_expert_groups=4, n_limited_groups=2, route_scale=2.0),
+    # 2 tokens per rank, top-1 over 8 experts: most (rank, expert) pairs receive nothing
+    "sparse_top1": MoEConfig(n_embd=H, n_routed_experts=8, n_activated_experts=1, moe_ffn_dim=12,
+                             capacity_factor=1.0, aux_loss_coeff=0.1),
+}
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_ep_matches_single_device(P, case):
+    cfg = CASES[case]
+    T_r = 2 if case == "sparse_top1" else 6
+    steps, lr = 3, 0.1
+    ep = launch(_ep_worker, P, cfg, T_r, steps, lr)
+    ref = _reference(cfg, P, T_r, steps, lr)
+    El = cfg.n_routed_experts // P
+    saw_zero_split = False
+    for step in range(steps):
+        for r in range(P):
+            got, want = ep[r][step], ref[step]
+            sl = slice(r * T_r, (r + 1) * T_r)
+            torch.testing.assert_close(got["y"], want["y"][sl], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(got["x_grad"], want["x_grad"][sl], rtol=RTOL, atol=ATOL)
+            for name, grad in got["grads"].items():
+                torch.testing.assert_close(grad, want["grads"][_global_name(name, r, El)], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"step {step} rank {r} grad {name}: {m}")
+            saw_zero_split |= 0 in got["a2a"]
+        assert sum(ep[r][step]["dropped"] for r in range(P)) / P == pytest.approx(ref[step]["dropped"])
+    for r in range(P):
+        for name, value in ep[r][steps].items():
+            torch.testing.assert_close(value, ref[steps][_global_name(name, r, El)], rtol=RTOL, atol=ATOL)
+    if case == "drop_bias":
+        assert ref[0]["dropped"] > 0
+        assert ref[steps]["router.expert_bias"].abs().sum() > 0
+    if case == "sparse_top1":
+        assert saw_zero_split
+
+
+def test_ep_comm_bytes_match_formula():
+    cfg = CASES["aux_shared"]
+    P, T_r = 4, 6
+    ep = launch(_ep_worker, P, cfg, T_r, 1, 0.0)
+    combine_total = 0
+    for r in range(P):
+        a2a = ep[r][0]["a2a"]
+        # forward: counts, dispatch, combine; backward: reverse of combine, reverse of dispatch
+        assert len(a2a) == 5
+        assert a2a[0] == cfg.n_routed_experts * 8                          # E int64 counts
+        assert a2a[1] == T_r * cfg.n_activated_experts * H * 4             # no dropping: every slot is sent
+        assert a2a[3] == a2a[1] and a2a[4] == a2a[2]                       # backward sends the grads back
+        combine_total += a2a[2]                                            # rows this rank's experts ran
+    assert combine_total == P * T_r * cfg.n_activated_experts * H * 4
+
+
+def test_ep_size_must_divide_experts():
+    with pytest.raises(ValueError, match="n_routed_experts=6 must be divisible by the EP size 4"):
+        ExpertParallelMoE(MoEConfig(n_embd=H, n_routed_experts=6), None, 0, 4)
+
+
+def _uneven_worker(ctx):
+    sizes = [6, 9, 5, 7]
+    splits = [[2, 2, 1, 1], [3, 2, 2, 2], [2, 1, 1, 1], [2, 2, 2, 1]]
+    r = ctx.rank
+    x = torch.arange(sizes[r], dtype=torch.float32) + 100 * r
+    return all_to_all_uneven(x, splits[r], group=ctx.group)
+
+
+def test_uneven_all_to_all_single():
+    out = launch(_uneven_worker, 4)
+    sizes = [6, 9, 5, 7]
+    splits = [[2, 2, 1, 1], [3, 2, 2, 2], [2, 1, 1, 1], [2, 2, 2, 1]]
+    for q in range(4):
+        expected = []
+        for s in range(4):
+            start = sum(splits[s][:q])
+            expected.append(torch.arange(sizes[s], dtype=torch.float32)[start:start + splits[s][q]] + 100 * s)
+        assert torch.equal(out[q], torch.cat(expected))
+
+
+def _mismatch_worker(ctx):
+    x = torch.zeros(4)
+    out_splits = [2, 2] if ctx.rank == 0 else [1, 3]    # rank 1 expects the wrong sizes
+    return all_to_all_uneven(x, [2, 2], out_splits, group=ctx.group)
+
+
+def test_mismatched_splits_raise_naming_rank():
+    with pytest.raises(RankError, match=r"rank\(s\) \[1\] do not match"):
+        launch(_mismatch_worker, 2, timeout=10)
+
+
+def _bad_sum_worker(ctx):
+    return all_to_all_uneven(torch.zeros(3), [2, 2], group=ctx.group)
+
+
+def test_split_sum_checked_before_communication():
+    with pytest.raises(RankError, match=r"input_split_sizes \[2, 2\] sum to 4 but the input has 3 rows"):
+        launch(_bad_sum_worker, 2, timeout=10)
