@@ -1,0 +1,26 @@
+"""Pipeline parallelism: schedules as data, a validator, a simulator, a runtime, a plot.
+
+* :mod:`.schedules`: ``Action(kind, stage, microbatch)`` and the builders
+  ``gpipe_schedule(K, M)``, ``one_f_one_b_schedule(K, M)``, ``interleaved_schedule(K, M, v)``;
+  ``add_communication`` inserts sends/receives into a compute-only schedule.
+* :mod:`.validate`: ``validate_schedule`` (raises ``ScheduleError`` naming rank and action).
+* :mod:`.simulate`: ``simulate`` (timeline, bubble fraction, peak in flight), ``bubble_formula``.
+* :mod:`.runtime`: ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B``, ``PipelineSchedule`` (any schedule data) on torch.distributed.
+* :mod:`.stages`: cut the reference GPT into stages by layers.
+* :mod:`.plot`: ``plot_timeline`` (Gantt chart of a simulated or measured timeline).
+"""
+from .schedules import (
+    COMM, COMPUTE, KINDS, Action, ScheduleError, add_communication, check_pipeline_sizes,
+    format_schedule, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule, parse_actions,
+    stage_rank,
+)
+from .simulate import SimResult, TimedAction, bubble_formula, bubble_fraction, peak_in_flight, simulate
+from .validate import validate_schedule
+
+__all__ = [
+    "Action", "ScheduleError", "COMPUTE", "COMM", "KINDS", "stage_rank", "parse_actions",
+    "format_schedule", "add_communication", "check_pipeline_sizes", "gpipe_schedule",
+    "one_f_one_b_schedule", "interleaved_schedule", "validate_schedule", "simulate", "SimResult",
+    "TimedAction", "bubble_formula", "bubble_fraction", "peak_in_flight",
+]

@@ -1,0 +1,203 @@
+"""Time a schedule without running it: per-rank timelines, bubble, activations in flight.
+
+Model (the runtime's semantics, see :mod:`labkit.pipeline.schedules`): each rank runs its
+actions in list order, one at a time. An F/B starts when the rank is free and its input is
+there: the output of the previous stage (forward) or the gradient from the next stage
+(backward), locally or as a message that arrives ``comm`` seconds after the matching SEND.
+SEND and RECV take no time on the rank (asynchronous); they appear in the timeline as
+zero-length entries.
+
+Bubble fraction = idle compute time / total: ``1 - sum(F, B durations) / (K * makespan)``,
+where makespan is when the last rank finishes. With backward = forward per stage
+(``b = f``) and free communication this is exactly (GPipe, Huang et al. 2019 sec. 2.2;
+interleaving, Narayanan et al. 2021 sec. 2.2.2):
+
+* GPipe and 1F1B:        (K-1) / (M+K-1)
+* interleaved, v chunks: (K-1) / (vM+K-1)
+
+For GPipe and 1F1B the formula holds for any ratio b/f (e.g. b = 2f, the usual FLOP
+count): the critical path is (M+K-1)(f+b). For interleaved 1F1B it is exact for b = f,
+and only approximate otherwise (see :func:`bubble_formula`). Pass ints or
+``fractions.Fraction`` costs to get exact ``Fraction`` results.
+
+Peak in flight on stage s: the most microbatches whose F(s) ran but whose B(s) has not,
+which depends only on the order of actions: M on every stage for GPipe, ``min(M, K - s)``
+for 1F1B (PipeDream-Flush, Narayanan et al. 2021 sec. 2.2.1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from numbers import Rational
+from typing import Callable, NamedTuple, Sequence, Union
+
+from .schedules import COMPUTE, Action, ScheduleError, _message, stage_rank
+
+__all__ = ["TimedAction", "SimResult", "simulate", "bubble_formula", "peak_in_flight",
+           "bubble_fraction", "infer_sizes"]
+
+Cost = Union[float, int, Fraction, Sequence, Callable[[int], float]]
+
+
+class TimedAction(NamedTuple):
+    """An action with its ``start`` and ``end`` time in seconds (simulated or measured,
+    relative to the step's common start)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` returns.
+
+    ``timeline``: ``{rank: [TimedAction, ...]}`` in execution order; ``makespan`` (s);
+    ``busy``: total F/B time over all ranks (s); ``bubble_fraction``: idle/total in [0, 1];
+    ``peak_in_flight``: list indexed by stage; ``K``, ``M``, ``n_stages``."""
+
+    timeline: dict
+    makespan: float
+    busy: float
+    bubble_fraction: float
+    peak_in_flight: list
+    K: int
+    M: int
+    n_stages: int
+    extra: dict = field(default_factory=dict)
+
+
+def bubble_formula(K: int, M: int, v: int = 1) -> Fraction:
+    """(K-1)/(vM+K-1): idle fraction of a GPipe/1F1B (v=1) or interleaved (v chunks)
+    step with uniform stages and b = f (Narayanan et al. 2021, sec. 2.2.2: bubble time
+    (K-1)(t_f+t_b)/v against ideal time M(t_f+t_b))."""
+    return Fraction(K - 1, v * M + K - 1)
+
+
+def _exact(x) -> bool:
+    return isinstance(x, Rational)
+
+
+def _ratio(a, b):
+    if b == 0:
+        return 0 if not _exact(a) else Fraction(0)
+    return Fraction(a) / Fraction(b) if _exact(a) and _exact(b) else a / b
+
+
+def _cost_fn(spec: Cost, what: str):
+    if callable(spec):
+        return spec
+    if isinstance(spec, (int, float, Fraction)):
+        if spec < 0:
+            raise ValueError(f"{what} cost must be >= 0, got {spec}")
+        return lambda s: spec
+    seq = list(spec)
+
+    def f(s):
+        if s >= len(seq):
+            raise ValueError(f"{what} costs given for {len(seq)} stages, schedule has stage {s}")
+        return seq[s]
+    return f
+
+
+def infer_sizes(schedule: dict, n_microbatches: int | None = None, n_stages: int | None = None):
+    """(K, M, n_stages) of a schedule: K = number of ranks; M and n_stages default to one
+    more than the largest microbatch and stage index used."""
+    acts = [a for r in schedule for a in schedule[r]]
+    M = n_microbatches if n_microbatches is not None else 1 + max((a.microbatch for a in acts), default=0)
+    S = n_stages if n_stages is not None else 1 + max((a.stage for a in acts), default=0)
+    return len(schedule), M, S
+
+
+def peak_in_flight(schedule: dict, n_stages: int | None = None) -> list:
+    """Most microbatches in flight (F done, B not yet) per stage, from the action order."""
+    _, _, S = infer_sizes(schedule, None, n_stages)
+    peak, live = [0] * S, [0] * S
+    for r in schedule:
+        for a in schedule[r]:
+            if a.kind == "F":
+                live[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], live[a.stage])
+            elif a.kind == "B":
+                live[a.stage] -= 1
+    return peak
+
+
+def bubble_fraction(timeline: dict, K: int | None = None):
+    """``1 - sum(F, B durations) / (K * makespan)`` of a timeline ``{rank: [TimedAction]}``
+    (simulated or measured); makespan = latest end of any entry, times start at 0."""
+    K = len(timeline) if K is None else K
+    busy = sum((t.end - t.start for r in timeline for t in timeline[r] if t.action.kind in COMPUTE), 0)
+    makespan = max((t.end for r in timeline for t in timeline[r]), default=0)
+    return 1 - _ratio(busy, K * makespan) if makespan else 0
+
+
+def simulate(schedule: dict, forward: Cost = 1, backward: Cost = 1, comm: Cost = 0,
+             n_microbatches: int | None = None, n_stages: int | None = None,
+             validate: bool = True) -> SimResult:
+    """Time ``schedule`` (``{rank: [Action]}``) with the given costs (seconds).
+
+    ``forward``/``backward``: one number for every stage, a sequence indexed by stage, or a
+    function ``stage -> cost``; ``comm``: time from a SEND to the arrival of its message
+    (number or function of the sending stage). The schedule is validated first (raises
+    :class:`ScheduleError`, e.g. on a deadlock) unless ``validate=False``; a deadlock found
+    while simulating also raises ScheduleError.
+    """
+    K, M, S = infer_sizes(schedule, n_microbatches, n_stages)
+    if validate:
+        from .validate import validate_schedule
+        validate_schedule(schedule, n_microbatches=M, n_stages=S)
+    fwd, bwd, com = _cost_fn(forward, "forward"), _cost_fn(backward, "backward"), _cost_fn(comm, "comm")
+    done: dict = {}      # (kind, stage, mb) -> end time of a compute action
+    arrival: dict = {}   # message key -> arrival time
+    t = {r: 0 for r in schedule}
+    idx = {r: 0 for r in schedule}
+    timeline = {r: [] for r in schedule}
+    progress = True
+    while progress:
+        progress = False
+        for r in schedule:
+            acts = schedule[r]
+            while idx[r] < len(acts):
+                a = acts[idx[r]]
+                if a.kind in COMPUTE:
+                    deps = []
+                    if a.kind == "F" and a.stage > 0:
+                        deps.append(("F", a.stage - 1, a.microbatch) if stage_rank(a.stage - 1, K) == r
+                                    else ("msg", ("F", a.stage - 1, a.microbatch)))
+                    if a.kind == "B":
+                        deps.append(("F", a.stage, a.microbatch))
+                        if a.stage < S - 1:
+                            deps.append(("B", a.stage + 1, a.microbatch) if stage_rank(a.stage + 1, K) == r
+                                        else ("msg", ("B", a.stage + 1, a.microbatch)))
+                    times = []
+                    for d in deps:
+                        tt = arrival.get(d[1]) if d[0] == "msg" else done.get(d)
+                        if tt is None:
+                            break
+                        times.append(tt)
+                    else:
+                        start = max([t[r]] + times)
+                        end = start + (fwd if a.kind == "F" else bwd)(a.stage)
+                        done[(a.kind, a.stage, a.microbatch)] = end
+                        timeline[r].append(TimedAction(a, start, end))
+                        t[r] = end
+                        idx[r] += 1
+                        progress = True
+                        continue
+                    break  # blocked on a dependency
+                if a.kind.startswith("SEND"):
+                    _, _, key = _message(a, K, S)
+                    arrival[key] = t[r] + com(a.stage)
+                timeline[r].append(TimedAction(a, t[r], t[r]))
+                idx[r] += 1
+                progress = True
+    stuck = [r for r in schedule if idx[r] < len(schedule[r])]
+    if stuck:
+        r = stuck[0]
+        raise ScheduleError(f"deadlock: rank {r}, action {idx[r]} ({schedule[r][idx[r]]!r}) waits for an input "
+                            f"that never comes (ranks blocked: {stuck})")
+    busy = sum((x.end - x.start for r in timeline for x in timeline[r] if x.action.kind in COMPUTE), 0)
+    makespan = max((x.end for r in timeline for x in timeline[r]), default=0)
+    bubble = 1 - _ratio(busy, K * makespan) if makespan else 0
+    return SimResult(timeline, makespan, busy, bubble, peak_in_flight(schedule, S), K, M, S)
