@@ -46,7 +46,8 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 def divide(n: int, t: int, what: str) -> int:
     """``n // t``, or ValueError naming ``what`` when the TP degree t does not divide n."""
     if n % t:
-        raise ValueError(f"tensor-parallel degree t={t} must divide {what}={n} (remainder {n % t})")
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel degree t={t} "
+                         f"({n} % {t} = {n % t}); every rank must get an equal share")
     return n // t
 
 
@@ -93,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.t, self.rank = tp_size(group), tp_rank(group)
         self.in_features, self.out_features = in_features, out_features
-        self.out_per_rank = divide(out_features, self.t, "out_features of ColumnParallelLinear")
+        self.out_per_rank = divide(out_features, self.t, "ColumnParallelLinear out_features")
         self.gather_output, self.copy_input = gather_output, copy_input
         self.weight = _mark(nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0)
         self.bias = _mark(nn.Parameter(torch.empty(self.out_per_rank)), 0) if bias else None
@@ -153,7 +154,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.t, self.rank = tp_size(group), tp_rank(group)
         self.in_features, self.out_features = in_features, out_features
-        self.in_per_rank = divide(in_features, self.t, "in_features of RowParallelLinear")
+        self.in_per_rank = divide(in_features, self.t, "RowParallelLinear in_features")
         self.input_is_parallel = input_is_parallel
         self.weight = _mark(nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -236,7 +237,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.t, self.rank = tp_size(group), tp_rank(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.per_rank = divide(num_embeddings, self.t, "num_embeddings (vocabulary size) of VocabParallelEmbedding")
+        self.per_rank = divide(num_embeddings, self.t, "VocabParallelEmbedding vocabulary size num_embeddings")
         self.vocab_start = self.rank * self.per_rank
         self.vocab_end = self.vocab_start + self.per_rank
         self.weight = _mark(nn.Parameter(torch.empty(self.per_rank, embedding_dim)), 0)
