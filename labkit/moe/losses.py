@@ -35,10 +35,10 @@ def router_probs(logits: torch.Tensor, score_func: str = "softmax") -> torch.Ten
     raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
 
 
-def _mask(mask, T, device):
+def _mask(mask, T, device, dtype=torch.float32):
     if mask is None:
-        return torch.ones(T, dtype=torch.float32, device=device)
-    mask = mask.reshape(-1).to(torch.float32)
+        return torch.ones(T, dtype=dtype, device=device)
+    mask = mask.reshape(-1).to(dtype=dtype, device=device)
     if mask.numel() != T:
         raise ValueError(f"token mask has {mask.numel()} entries for T={T} tokens")
     if mask.sum() == 0:
@@ -46,13 +46,14 @@ def _mask(mask, T, device):
     return mask
 
 
-def expert_fraction(indices: torch.Tensor, num_experts: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+def expert_fraction(indices: torch.Tensor, num_experts: int, mask: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """f [E]: fraction of token-slots routed to each expert, ``count_i / (T * k)`` over
     unmasked tokens (sums to 1; uniform routing gives 1/E). No gradient (it comes from top-k)."""
     T, k = indices.shape
-    m = _mask(mask, T, indices.device)
-    onehot = torch.zeros(T, num_experts, device=indices.device).scatter_add_(
-        1, indices, torch.ones(T, k, device=indices.device))
+    m = _mask(mask, T, indices.device, dtype)
+    onehot = torch.zeros(T, num_experts, device=indices.device, dtype=dtype).scatter_add_(
+        1, indices, torch.ones(T, k, device=indices.device, dtype=dtype))
     return (onehot * m[:, None]).sum(0) / (m.sum() * k)
 
 
@@ -72,9 +73,9 @@ def switch_aux_loss(logits: torch.Tensor, indices: torch.Tensor, alpha: float = 
     """
     _check_logits(logits)
     T, E = logits.shape
-    m = _mask(mask, T, logits.device)
+    m = _mask(mask, T, logits.device, logits.dtype)
     P = (logits.softmax(-1) * m[:, None]).sum(0) / m.sum()
-    f = expert_fraction(indices, E, mask)
+    f = expert_fraction(indices, E, mask, logits.dtype)
     return alpha * E * (f * P).sum()
 
 
@@ -83,7 +84,7 @@ def z_loss(logits: torch.Tensor, coeff: float = 1e-3, mask: torch.Tensor | None 
     ``coeff * (1/T) * sum_t (log sum_j exp z_{t,j})^2``, computed with logsumexp (stable for
     large logits). Uniform zero logits give ``coeff * (log E)^2``. Returns a 0-d tensor."""
     T = logits.shape[0]
-    m = _mask(mask, T, logits.device)
+    m = _mask(mask, T, logits.device, logits.dtype)
     return coeff * (torch.logsumexp(logits, dim=-1).square() * m).sum() / m.sum()
 
 
@@ -101,7 +102,7 @@ def expert_balance_loss(logits: torch.Tensor, indices: torch.Tensor, alpha1: flo
     _check_logits(logits)
     T, E = logits.shape
     s = router_probs(logits, score_func)
-    f = expert_fraction(indices, E) * E          # N'/(K'T) * count
+    f = expert_fraction(indices, E, dtype=logits.dtype) * E          # N'/(K'T) * count
     P = s.mean(0)
     return alpha1 * (f * P).sum()
 
@@ -126,7 +127,7 @@ def device_balance_loss(logits: torch.Tensor, indices: torch.Tensor, n_devices: 
     _check_logits(logits)
     T, E = logits.shape
     g = _device_groups(E, n_devices)
-    f = expert_fraction(indices, E) * E
+    f = expert_fraction(indices, E, dtype=logits.dtype) * E
     P = router_probs(logits, score_func).mean(0)
     return alpha2 * (f.view(n_devices, g).mean(1) * P.view(n_devices, g).sum(1)).sum()
 
@@ -147,7 +148,7 @@ def comm_balance_loss(logits: torch.Tensor, indices: torch.Tensor, n_devices: in
     T, E = logits.shape
     g = _device_groups(E, n_devices)
     dev = indices // g                                                    # [T, k] device of each slot
-    sent = torch.zeros(T, n_devices, device=logits.device).scatter_(1, dev, 1.0)
+    sent = torch.zeros(T, n_devices, device=logits.device, dtype=logits.dtype).scatter_(1, dev, 1.0)
     f2 = n_devices / (max_devices * T) * sent.sum(0)
     P = router_probs(logits, score_func).mean(0)
     return alpha3 * (f2 * P.view(n_devices, g).sum(1)).sum()
@@ -174,6 +175,6 @@ def sequence_balance_loss(logits: torch.Tensor, indices: torch.Tensor, seq_len: 
     s = router_probs(logits, score_func)
     s = s / s.sum(-1, keepdim=True)
     P = s.view(B, seq_len, E).mean(1)                                     # [B, E]
-    counts = torch.zeros(N, E, device=logits.device).scatter_add_(1, indices, torch.ones_like(indices, dtype=s.dtype))
+    counts = torch.zeros(N, E, device=logits.device, dtype=s.dtype).scatter_add_(1, indices, torch.ones_like(indices, dtype=s.dtype))
     f = counts.view(B, seq_len, E).sum(1) * E / (k * seq_len)             # [B, E]
     return alpha * (f * P).sum(1).mean()

@@ -1,0 +1,160 @@
+"""Every balance loss against a direct computation from its formula (plain loops)."""
+import math
+
+import pytest
+import torch
+
+from labkit.moe import (comm_balance_loss, device_balance_loss, expert_balance_loss, route, sequence_balance_loss,
+                        switch_aux_loss, z_loss)
+
+
+def _softmax(row):
+    m = max(row)
+    e = [math.exp(v - m) for v in row]
+    return [v / sum(e) for v in e]
+
+
+def _sigmoid(row):
+    return [1 / (1 + math.exp(-v)) for v in row]
+
+
+def _random_routing(seed, T=16, E=4, k=2):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+    _, idx, _ = route(logits, k)
+    return logits, idx
+
+
+def _loop_switch(logits, idx, alpha, mask=None):
+    T, E = logits.shape
+    k = idx.shape[1]
+    keep = [True] * T if mask is None else [bool(m) for m in mask]
+    n = sum(keep)
+    f = [0.0] * E
+    P = [0.0] * E
+    for t in range(T):
+        if not keep[t]:
+            continue
+        for j in range(k):
+            f[idx[t, j]] += 1 / (n * k)
+        p = _softmax(logits[t].tolist())
+        for i in range(E):
+            P[i] += p[i] / n
+    return alpha * E * sum(f[i] * P[i] for i in range(E))
+
+
+def test_switch_aux_matches_formula_and_mask():
+    logits, idx = _random_routing(0)
+    assert switch_aux_loss(logits, idx, 0.01).item() == pytest.approx(_loop_switch(logits, idx, 0.01), rel=1e-12)
+    mask = torch.tensor([1] * 10 + [0] * 6)
+    got = switch_aux_loss(logits, idx, 0.01, mask=mask).item()
+    assert got == pytest.approx(_loop_switch(logits, idx, 0.01, mask.tolist()), rel=1e-12)
+    assert got == pytest.approx(switch_aux_loss(logits[:10], idx[:10], 0.01).item(), rel=1e-12)
+
+
+def _wrong_aux(logits, idx, alpha):
+    """The bug: P from softmax over the k selected logits, averaged (always 1/k), not the full softmax."""
+    E, k = logits.shape[1], idx.shape[1]
+    topk_weights = logits.gather(1, idx).softmax(-1)
+    f = torch.bincount(idx.flatten(), minlength=E).double() / idx.numel()
+    return alpha * E * (f * topk_weights.mean()).sum()
+
+
+def test_switch_aux_depends_on_routing_wrong_version_is_constant():
+    right = {round(switch_aux_loss(*_random_routing(s), 1.0).item(), 10) for s in (0, 1, 2)}
+    wrong = {round(_wrong_aux(*_random_routing(s), 1.0).item(), 10) for s in (0, 1, 2)}
+    assert len(right) == 3
+    assert wrong == {2.0}                                      # alpha * E / k for every seed
+
+
+def test_uniform_routing_gives_alpha():
+    T, E, k = 8, 4, 2
+    logits = torch.zeros(T, E)
+    idx = torch.tensor([[0, 1], [2, 3]] * 4)
+    assert switch_aux_loss(logits, idx, 0.3).item() == pytest.approx(0.3)
+    assert expert_balance_loss(logits, idx, 0.3).item() == pytest.approx(0.3)
+    assert device_balance_loss(logits, idx, 2, 0.3).item() == pytest.approx(0.3)
+    assert comm_balance_loss(logits, idx, 2, 1, 0.3).item() == pytest.approx(0.3)   # each token on one device
+    assert sequence_balance_loss(logits, idx, 4, 0.3).item() == pytest.approx(0.3)
+    assert z_loss(logits, 0.1).item() == pytest.approx(0.1 * math.log(4) ** 2)
+
+
+def test_losses_reject_probabilities():
+    logits, idx = _random_routing(0)
+    with pytest.raises(ValueError, match="take router LOGITS"):
+        switch_aux_loss(logits.softmax(-1), idx)
+    with pytest.raises(ValueError, match="take router LOGITS"):
+        device_balance_loss(logits.softmax(-1), idx, 2)
+
+
+def test_aux_gradient_flows_through_P_only():
+    logits, idx = _random_routing(1)
+    logits.requires_grad_(True)
+    switch_aux_loss(logits, idx, 1.0).backward()
+    T, E = logits.shape
+    f = torch.bincount(idx.flatten(), minlength=E).double() / idx.numel()
+    p = logits.detach().softmax(-1)
+    # d/dz_t of E/T * sum_i f_i p_ti = E/T * p_t * (f - <f, p_t>)
+    want = E / T * p * (f - (p * f).sum(-1, keepdim=True))
+    torch.testing.assert_close(logits.grad, want)
+
+
+def test_z_loss_formula_and_stability():
+    logits, _ = _random_routing(0)
+    want = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / logits.shape[0]
+    assert z_loss(logits, 1e-3).item() == pytest.approx(1e-3 * want, rel=1e-12)
+    big = torch.tensor([[1e4, 0.0, -1e4]])
+    assert z_loss(big, 1.0).item() == pytest.approx(1e8)         # logsumexp, no overflow
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_deepseek_v2_expert_level(score_func):
+    logits, idx = _random_routing(4, T=12, E=8, k=3)
+    T, E, k = 12, 8, 3
+    s = [(_softmax if score_func == "softmax" else _sigmoid)(r) for r in logits.tolist()]
+    f = [E / (k * T) * sum(1 for t in range(T) if i in idx[t].tolist()) for i in range(E)]
+    P = [sum(s[t][i] for t in range(T)) / T for i in range(E)]
+    want = 0.003 * sum(f[i] * P[i] for i in range(E))
+    assert expert_balance_loss(logits, idx, 0.003, score_func).item() == pytest.approx(want, rel=1e-12)
+
+
+def test_deepseek_v2_device_level():
+    logits, idx = _random_routing(5, T=12, E=8, k=3)
+    T, E, k, D = 12, 8, 3, 4
+    s = [_softmax(r) for r in logits.tolist()]
+    f = [E / (k * T) * sum(1 for t in range(T) if i in idx[t].tolist()) for i in range(E)]
+    P = [sum(s[t][i] for t in range(T)) / T for i in range(E)]
+    groups = [list(range(d * 2, d * 2 + 2)) for d in range(D)]
+    want = 0.05 * sum((sum(f[j] for j in g) / len(g)) * sum(P[j] for j in g) for g in groups)
+    assert device_balance_loss(logits, idx, D, 0.05).item() == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="n_routed_experts=8 must be divisible by n_devices=3"):
+        device_balance_loss(logits, idx, 3)
+
+
+def test_deepseek_v2_comm_balance():
+    logits, idx = _random_routing(6, T=12, E=8, k=3)
+    T, D, M = 12, 4, 3
+    s = [_softmax(r) for r in logits.tolist()]
+    P = [sum(s[t][i] for t in range(T)) / T for i in range(8)]
+    f2 = [D / (M * T) * sum(1 for t in range(T) if any(e // 2 == d for e in idx[t].tolist())) for d in range(D)]
+    want = 0.02 * sum(f2[d] * (P[2 * d] + P[2 * d + 1]) for d in range(D))
+    assert comm_balance_loss(logits, idx, D, M, 0.02).item() == pytest.approx(want, rel=1e-12)
+
+
+def test_deepseek_v3_sequence_wise():
+    logits, _ = _random_routing(7, T=12, E=8, k=2)
+    _, idx, _ = route(logits, 2, "sigmoid")
+    S, E, k = 4, 8, 2
+    total = 0.0
+    for b in range(3):
+        rows = range(b * S, (b + 1) * S)
+        sp = []
+        for t in rows:
+            s = _sigmoid(logits[t].tolist())
+            sp.append([v / sum(s) for v in s])
+        f = [E / (k * S) * sum(1 for t in rows if i in idx[t].tolist()) for i in range(E)]
+        P = [sum(sp[n][i] for n in range(S)) / S for i in range(E)]
+        total += 1e-4 * sum(f[i] * P[i] for i in range(E))
+    assert sequence_balance_loss(logits, idx, S, 1e-4).item() == pytest.approx(total / 3, rel=1e-12)
+    with pytest.raises(ValueError, match="not a whole number of sequences of seq_len=5"):
+        sequence_balance_loss(logits, idx, 5)
