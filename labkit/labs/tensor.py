@@ -1,0 +1,198 @@
+"""Lab: train the GPT with Megatron-LM tensor parallelism and prove it equals one device.
+
+    python -m labkit lab tensor [--tp 2 4] [--steps N] [--data PATH] [--backend auto|gloo|nccl]
+    torchrun --nproc-per-node N -m labkit.labs.tensor [--steps N]
+
+For each TP degree t the GPT is built from the same reference weights (same seed), each
+rank keeps its shard (:class:`labkit.tensor_parallel.TensorParallelGPT`) and trains on the
+same batches as a single-device run. Printed per run: final training loss, the largest
+difference from the single-device loss curve (exit status 1 above ``--tolerance``,
+default 1e-4), counted all-reduces and bytes per step next to the formula
+(Megatron-LM sec. 3: 2 all-reduces per layer forward and 2 backward, plus embedding,
+output layer and the 3 small ones of the vocab-parallel cross-entropy), and tokens per
+second. The loss curves are saved as a PNG under a run folder whose path is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from ..comm import CommLog
+from ..data import Corpus
+from ..dist import in_torchrun, launch, make_grid
+from ..model import GPT, GPTConfig
+from ..tensor_parallel import TensorParallelGPT, expected_collectives
+
+
+def _config(args) -> GPTConfig:
+    return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.seq_len)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def _train(model, corpus, args, loss_fn, desc, show):
+    """Adam on the same batches; returns per-step losses, CommLog summary, seconds."""
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    losses, bar = [], _progress(args.steps, desc, show)
+    with CommLog() as log:
+        start = None
+        for step in range(args.steps):
+            if step == 1:
+                start = time.perf_counter()  # step 0 is warm-up, not timed
+            x, y = corpus.get_batch("train", args.batch_size, args.seq_len, step=step, seed=args.seed)
+            loss = loss_fn(model, x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        seconds = time.perf_counter() - start if start is not None else float("nan")
+    if bar is not None:
+        bar.close()
+    counts = {kind: (log.count(kind), log.bytes(kind)) for kind in sorted({r.kind for r in log.records})}
+    return {"losses": losses, "comm": counts, "seconds": seconds}
+
+
+def _tp_worker(ctx, args):
+    grid = make_grid(ctx, tp=ctx.world_size)
+    torch.manual_seed(args.seed)
+    cfg = _config(args)
+    corpus = Corpus.load(args.data)
+    model = TensorParallelGPT.from_reference(GPT(cfg, seed=args.seed), grid.tp_group).to(ctx.device)
+
+    def loss_fn(m, x, y):
+        return m(x.to(ctx.device), y.to(ctx.device))
+
+    out = _train(model, corpus, args, loss_fn, f"TP={ctx.world_size}", show=ctx.rank == 0)
+    return out if ctx.rank == 0 else {"losses": out["losses"]}
+
+
+def _single(args):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # one core, like each rank, so tokens/s compare
+    try:
+        torch.manual_seed(args.seed)
+        model = GPT(_config(args), seed=args.seed)
+        corpus = Corpus.load(args.data)
+        return _train(model, corpus, args, lambda m, x, y: m(x, y), "single device", show=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plot(curves: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot(1, 1, 1)
+    for i, (name, losses) in enumerate(curves.items()):
+        ax.plot(range(1, len(losses) + 1), losses, label=name, linestyle=["-", "--", ":", "-."][i % 4])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title("Tensor parallelism vs one device: same loss curve")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m labkit lab tensor", description=__doc__.split("\n")[0])
+    p.add_argument("--tp", "--world-size", dest="tp", type=int, nargs="+", default=None,
+                   help="tensor-parallel degrees t to run (default 2 4; under torchrun: WORLD_SIZE)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed loss-curve difference")
+    p.add_argument("--runs-dir", default="runs")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error(f"--steps must be >= 2, got {args.steps}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torchrun = in_torchrun()
+    if torchrun:
+        degrees = [int(os.environ["WORLD_SIZE"])]
+        if args.tp not in (None, degrees):
+            print(f"--tp {args.tp} ignored under torchrun: t = WORLD_SIZE = {degrees[0]}", file=sys.stderr)
+    else:
+        degrees = args.tp or [2, 4]
+    cfg = _config(args)
+    for t in degrees:  # bad sizes: a clear message before any process starts
+        for what, n in (("vocab_size", cfg.vocab_size), ("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head),
+                         ("ffn width", cfg.ffn_mult * cfg.n_embd)):
+            if t < 1 or n % t:
+                print(f"error: TP degree t={t} must divide {what}={n}", file=sys.stderr)
+                return 2
+    is_rank0 = not torchrun or int(os.environ["RANK"]) == 0
+
+    runs = {}
+    for t in degrees:
+        runs[f"TP={t}"] = launch(_tp_worker, t, args, backend=args.backend, timeout=120)[0]
+    if not is_rank0:
+        return 0
+    single = _single(args)
+    tokens = args.batch_size * args.seq_len
+    exp = expected_collectives(cfg.n_layer, args.batch_size, args.seq_len, cfg.n_embd)["step"]
+
+    print(f"\nTensor-parallel GPT (L={cfg.n_layer}, H={cfg.n_embd}, heads={cfg.n_head}, V={cfg.vocab_size}), "
+          f"{args.steps} Adam steps of {args.batch_size}x{args.seq_len} tokens, seed {args.seed}")
+    header = (f"{'run':<14}{'final loss':>11}{'max |dloss|':>13}{'all-reduces/step':>18}{'(formula)':>10}"
+              f"{'MiB/step':>10}{'(formula)':>10}{'tokens/s':>10}")
+    print(header)
+    print("-" * len(header))
+    timed = args.steps - 1
+    print(f"{'single device':<14}{single['losses'][-1]:>11.4f}{'-':>13}{'-':>18}{'-':>10}{'-':>10}{'-':>10}"
+          f"{tokens * timed / single['seconds']:>10.0f}")
+    worst, ok = 0.0, True
+    for name, r in runs.items():
+        diff = max(abs(a - b) for a, b in zip(r["losses"], single["losses"]))
+        worst = max(worst, diff)
+        n_ar, b_ar = r["comm"].get("all_reduce", (0, 0))
+        print(f"{name:<14}{r['losses'][-1]:>11.4f}{diff:>13.2e}{n_ar / args.steps:>18.1f}{exp[0]:>10d}"
+              f"{b_ar / args.steps / 2**20:>10.3f}{exp[1] / 2**20:>10.3f}{tokens * timed / r['seconds']:>10.0f}")
+        ok = ok and diff <= args.tolerance and (n_ar, b_ar) == (exp[0] * args.steps, exp[1] * args.steps)
+    print(f"\nformula per step: forward 2L+1 = {2 * cfg.n_layer + 1} all-reduces of B*S*H and 3 of B*S "
+          f"(cross-entropy), backward 2L+1 = {2 * cfg.n_layer + 1} of B*S*H (bytes = payload per rank; a ring moves "
+          f"2(t-1)/t of it). Every rank ran on one CPU thread.")
+
+    folder = Path(args.runs_dir) / f"tensor-{datetime.now():%Y%m%d-%H%M%S}"
+    folder.mkdir(parents=True, exist_ok=True)
+    curves = {"single device": single["losses"], **{n: r["losses"] for n, r in runs.items()}}
+    _plot(curves, folder / "loss_curves.png")
+    with open(folder / "losses.csv", "w") as f:
+        f.write("step," + ",".join(curves) + "\n")
+        for i in range(args.steps):
+            f.write(f"{i}," + ",".join(f"{c[i]:.7f}" for c in curves.values()) + "\n")
+    print(f"loss curves saved in {folder}/")
+    if not ok:
+        print(f"FAIL: a loss curve differs from the single-device one by {worst:.2e} > {args.tolerance:g}, "
+              f"or the collectives differ from the formula", file=sys.stderr)
+        return 1
+    print(f"OK: every TP loss curve within {args.tolerance:g} of single-device training (largest {worst:.2e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""The tensor lab runs end to end, equals single-device training, and fails loudly."""
+from labkit.labs import tensor as lab
+
+
+def test_tensor_lab_runs_and_matches_single_device(tmp_path, capsys):
+    rc = lab.main(["--tp", "2", "--steps", "3", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "TP=2" in out and "OK: every TP loss curve" in out
+    runs = list(tmp_path.glob("tensor-*/loss_curves.png"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
+    # an impossible tolerance must give a non-zero exit status
+    rc = lab.main(["--tp", "2", "--steps", "2", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path),
+                   "--tolerance", "-1"])
+    assert rc == 1
+
+
+def test_tensor_lab_rejects_bad_degree(capsys):
+    assert lab.main(["--tp", "3", "--steps", "2"]) == 2
+    assert "t=3 must divide" in capsys.readouterr().err
