@@ -18,3 +18,12 @@ def test_tensor_lab_runs_and_matches_single_device(tmp_path, capsys):
 def test_tensor_lab_rejects_bad_degree(capsys):
     assert lab.main(["--tp", "3", "--steps", "2"]) == 2
     assert "t=3 must divide" in capsys.readouterr().err
+
+
+def test_tensor_bench_runs_and_losses_agree(capsys):
+    from labkit.bench import tensor as bench
+
+    rc = bench.main(["--iters", "1", "--warmup", "0", "--n-embd", "32", "--seq-len", "16", "--batch-size", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "one transformer block" in out and "ratio" in out
