@@ -236,8 +236,9 @@ def _measure(n: int, strategy: str, width: int, batch: int, device: str) -> dict
             k = {"every layer": n, "sqrt(n) segments": max(1, round(math.sqrt(n))), "one segment": 1}[strategy]
             y = checkpoint_sequential(layers, k, x)
         forwards = counter[0]
+        after_forward = meter.live
         y.sum().backward()
-    row = {"n": n, "strategy": strategy, "saved_peak_bytes": meter.peak,
+    row = {"n": n, "strategy": strategy, "saved_peak_bytes": meter.peak, "saved_after_forward_bytes": after_forward,
            "extra_forward_layers": counter[0] - forwards, "extra_forward_passes": (counter[0] - forwards) / n}
     if cuda:
         torch.cuda.synchronize()
@@ -246,12 +247,14 @@ def _measure(n: int, strategy: str, width: int, batch: int, device: str) -> dict
 
 
 def memory_table(ns: Sequence[int] = (4, 16, 64), width: int = 256, batch: int = 64,
-                 device: str = "cpu") -> list:
+                 device: str | None = None) -> list:
     """Measure a stack of n Linear+GeLU layers under each checkpointing strategy.
 
-    Returns a list of rows ``{"n", "strategy", "saved_peak_bytes", "extra_forward_layers",
+    Returns a list of rows ``{"n", "strategy", "saved_peak_bytes", "saved_after_forward_bytes",
+    "extra_forward_layers",
     "extra_forward_passes"}`` (plus ``"cuda_peak_bytes"`` from
-    ``torch.cuda.max_memory_allocated`` when ``device`` is a CUDA device). Saved bytes are
+    ``torch.cuda.max_memory_allocated`` when ``device`` is a CUDA device; ``device=None``
+    picks "cuda" when CUDA is present, else "cpu"). Saved bytes are
     the peak of tensors alive in autograd's saved-tensor slots, counted with
     ``saved_tensors_hooks`` (parameters excluded); extra forwards are layer forward calls
     beyond the first n (``extra_forward_passes`` = that / n).
@@ -260,13 +263,23 @@ def memory_table(ns: Sequence[int] = (4, 16, 64), width: int = 256, batch: int =
     smaller constant: one input per layer), sqrt(n) segments O(sqrt n) with one extra
     forward pass, one segment O(n) at backward time (everything is recomputed at once).
     """
-    return [_measure(n, s, width, batch, device) for n in ns for s in STRATEGIES]
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return [_measure(n, s, width, batch, str(device)) for n in ns for s in STRATEGIES]
 
 
 def format_memory_table(rows: list) -> str:
     """The rows of :func:`memory_table` as an aligned text table (KiB, extra forwards)."""
-    lines = [f"{'n':>4}  {'strategy':<18} {'saved peak KiB':>14}  {'extra fwd passes':>16}"]
+    cuda = any("cuda_peak_bytes" in r for r in rows)
+    lines = [f"{'n':>4}  {'strategy':<18} {'after fwd KiB':>13} {'saved peak KiB':>14}  {'extra fwd passes':>16}"
+             + (f"  {'CUDA peak KiB':>13}" if cuda else "")]
     for r in rows:
-        lines.append(f"{r['n']:>4}  {r['strategy']:<18} {r['saved_peak_bytes'] / 1024:>14.0f}  "
-                     f"{r['extra_forward_passes']:>16.2f}")
+        lines.append(f"{r['n']:>4}  {r['strategy']:<18} {r['saved_after_forward_bytes'] / 1024:>13.0f} "
+                     f"{r['saved_peak_bytes'] / 1024:>14.0f}  "
+                     f"{r['extra_forward_passes']:>16.2f}"
+                     + (f"  {r.get('cuda_peak_bytes', 0) / 1024:>13.0f}" if cuda else ""))
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m labkit.checkpoint: print the table
+    print(format_memory_table(memory_table()))

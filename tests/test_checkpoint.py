@@ -106,7 +106,7 @@ def test_checkpoint_sequential_rejects_bad_segments():
 
 
 def test_memory_table_follows_chen_et_al():
-    rows = memory_table(ns=(4, 16, 64), width=64, batch=16)
+    rows = memory_table(ns=(4, 16, 64), width=64, batch=16, device="cpu")
     table = {(r["n"], r["strategy"]): r for r in rows}
     unit = 16 * 64 * 4                                   # one activation [batch, width] fp32, bytes
     text = format_memory_table(rows)
@@ -118,6 +118,11 @@ def test_memory_table_follows_chen_et_al():
         assert table[(n, "every layer")]["saved_peak_bytes"] == (n + 1) * unit
         assert table[(n, "sqrt(n) segments")]["saved_peak_bytes"] == (k + 2 * (n // k) - 1) * unit
         assert table[(n, "one segment")]["saved_peak_bytes"] == 2 * n * unit
+        # at the end of forward: all activations, one input per layer, k inputs, 1 input
+        assert table[(n, "none")]["saved_after_forward_bytes"] == 2 * n * unit
+        assert table[(n, "every layer")]["saved_after_forward_bytes"] == n * unit
+        assert table[(n, "sqrt(n) segments")]["saved_after_forward_bytes"] == k * unit
+        assert table[(n, "one segment")]["saved_after_forward_bytes"] == unit
         assert table[(n, "none")]["extra_forward_layers"] == 0
         for s in ("every layer", "sqrt(n) segments", "one segment"):
             assert table[(n, s)]["extra_forward_layers"] == n   # one extra forward pass
