@@ -35,6 +35,10 @@ class ParallelAttention(nn.Module):
     ``B*S*H`` elements (g after ``out_proj``), backward 1 all-reduce (f before q/k/v).
     Raises ValueError at construction (no communication) when t does not divide the
     number of attention heads or of key/value heads.
+
+    Dropout: the attention-probability dropout acts on this rank's heads with this rank's
+    RNG, so with dropout > 0 the masks differ from a single-device run's (Megatron keeps a
+    separate per-rank RNG stream for this region); equality tests use dropout 0.
     """
 
     def __init__(self, hidden: int, n_head: int, n_kv_head: int | None = None, bias: bool = True,

@@ -43,6 +43,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n_local = logits.shape[-1]
         V = n_local * t
         start = r * n_local
+        ctx.in_dtype = logits.dtype
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
         # 1. global max over the vocabulary (all-reduce MAX)
@@ -90,7 +91,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if eps > 0:
             grad -= eps / ctx.V
         grad *= (grad_loss * valid.to(grad.dtype)).unsqueeze(-1)
-        return grad, None, None, None, None
+        return grad.to(ctx.in_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,

@@ -81,7 +81,8 @@ class TensorParallelGPT(nn.Module):
 
     ``forward(idx, targets=None)``: idx ``[B, S]``; returns this rank's vocab-parallel
     logits ``[B, S, V/t]``, or with ``targets`` ``[B, S]`` the mean cross-entropy (0-d,
-    nats per token, identical on every rank and equal to the reference GPT's).
+    nats per token, identical on every rank and equal to the reference GPT's; targets equal
+    to ``ignore_index`` are left out, as in ``F.cross_entropy``).
     Raises ValueError at construction (no communication) when t does not divide V,
     n_head, n_kv_head or the FFN width.
     """
@@ -99,19 +100,21 @@ class TensorParallelGPT(nn.Module):
         """Shard the full reference ``gpt`` (identical on every rank) onto this rank."""
         return cls(gpt, group)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if targets is not None and targets.numel():
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                ignore_index: int = -100) -> torch.Tensor:
+        if targets is not None:  # checked here, before the first all-reduce (the embedding's)
             V = self.cfg.vocab_size
-            if int(targets.min()) < 0 or int(targets.max()) >= V:  # checked before any all-reduce
-                raise ValueError(f"targets must lie in [0, {V}); got min {int(targets.min())}, "
-                                 f"max {int(targets.max())}")
+            bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
+            if bool(bad.any()):
+                raise ValueError(f"targets must lie in [0, {V}) or equal ignore_index={ignore_index}; "
+                                 f"got {targets[bad][:8].tolist()}")
         x = self.embedding(idx)
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
         if targets is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, targets, group=self.group)
+        return vocab_parallel_cross_entropy(logits, targets, ignore_index=ignore_index, group=self.group)
 
 
 @torch.no_grad()
