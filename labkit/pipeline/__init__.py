@@ -24,3 +24,8 @@ __all__ = [
     "one_f_one_b_schedule", "interleaved_schedule", "validate_schedule", "simulate", "SimResult",
     "TimedAction", "bubble_formula", "bubble_fraction", "peak_in_flight",
 ]
+from .runtime import PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from .stages import GPTStage, gpt_stages_for_rank, split_gpt
+
+__all__ += ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+            "GPTStage", "split_gpt", "gpt_stages_for_rank"]

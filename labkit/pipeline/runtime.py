@@ -1,0 +1,389 @@
+"""Run any pipeline schedule on real ranks with point-to-point messages.
+
+Names follow ``torch.distributed.pipelining``: wrap each stage module in
+:class:`PipelineStage`, build a schedule object (:class:`ScheduleGPipe`,
+:class:`Schedule1F1B`, :class:`ScheduleInterleaved1F1B`, or :class:`PipelineSchedule` with
+any ``{rank: [Action]}`` data, e.g. a learner's), and call ``step(x, target=y,
+losses=losses)`` on every rank of the pipeline group.
+
+What ``step`` does on one rank, action by action (semantics in :mod:`.schedules`):
+
+* ``RECV_F``/``RECV_B``: post ``irecv`` into a fresh buffer; wait for it just before the
+  F/B that needs it.
+* ``F``: run the stage on microbatch m; the last stage also computes
+  ``loss_fn(output, target_m) / M``. The loss is scaled once, here, so that the M
+  backwards accumulate the gradient of the minibatch mean; gradients are never rescaled.
+* ``SEND_F``/``SEND_B``: ``isend`` the output (or input gradient); all sends are waited
+  for at the end of the step.
+* ``B``: ``torch.autograd.backward`` of the stored output with the received gradient (or
+  of the scaled loss); parameter gradients accumulate in ``.grad`` across microbatches and
+  across steps (zero them yourself, as with any optimizer loop).
+
+With ``recompute=True`` a forward keeps only the stage input and runs without autograd;
+the backward runs the stage forward again and then backward (GPipe's re-materialisation,
+Huang et al. 2019, sec. 2.3). Gradients are identical; the bytes stashed for backward,
+measured with ``torch.autograd.graph.saved_tensors_hooks``, drop to one input per
+microbatch.
+
+Measurements after each step (this rank): ``timeline`` (``[TimedAction]``, seconds from a
+common start taken right after a barrier), ``peak_in_flight`` and ``stash_peak_bytes``
+(dicts stage -> value), ``stash_bytes`` (stage -> list of bytes per microbatch).
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from .schedules import (Action, ScheduleError, check_pipeline_sizes, gpipe_schedule, interleaved_schedule,
+                        one_f_one_b_schedule, stage_rank)
+from .simulate import TimedAction
+from .validate import validate_schedule
+
+__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"]
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.long, torch.int32]
+
+
+class PipelineStage:
+    """One stage of the model on this rank.
+
+    Args: ``submodule`` (the stage's layers: input [b, ...] -> output [b, ...]),
+    ``stage_index`` (0..num_stages-1), ``num_stages`` (K * v), ``device`` (default CPU),
+    ``group`` (the pipeline process group; None: the default group). Stage i must be on
+    group rank ``i % K`` (looped placement); the schedule checks this."""
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device | str | None = None, group=None):
+        if not 0 <= stage_index < num_stages:
+            raise ScheduleError(f"stage_index={stage_index} outside 0..num_stages-1={num_stages - 1}")
+        self.submod = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.group = group
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+
+
+class PipelineSchedule:
+    """Execute ``actions`` (``{rank: [Action]}``, any valid schedule) with the given stages.
+
+    Args:
+        stages: this rank's :class:`PipelineStage` (or a list, for several chunks per rank).
+        n_microbatches: M; each input batch is split into M equal microbatches along dim 0.
+        loss_fn: ``loss_fn(output, target) -> 0-d tensor`` (mean over the microbatch).
+        actions: the schedule (every rank passes the same dict).
+        recompute: keep only stage inputs, recompute the forward in backward.
+        validate: run :func:`validate_schedule` first (turn off only to test failures).
+        timeout: seconds to wait for any receive (default: the group's, else 30).
+
+    Raises ScheduleError before any communication when M < 1, the group size does not equal
+    the schedule's K, or this rank's stages do not match the placement stage i -> rank i % K.
+    """
+
+    def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, actions: dict | None = None,
+                 recompute: bool = False, validate: bool = True, timeout: float | None = None):
+        self.stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        if not self.stages:
+            raise ScheduleError("no stages given")
+        if not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ScheduleError(f"n_microbatches (M) must be an integer >= 1, got {n_microbatches!r}")
+        self.n_microbatches = M = n_microbatches
+        self.loss_fn = loss_fn
+        self.recompute = recompute
+        self.timeout = timeout
+        self.group = self.stages[0].group
+        self.num_stages = S = self.stages[0].num_stages
+        self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        if actions is None:
+            actions = self._build(self.world, M, len(self.stages))
+        K = len(actions)
+        if K != self.world:
+            raise ScheduleError(f"the schedule has K={K} ranks but the pipeline group has world size {self.world}; "
+                                f"they must match")
+        if S % K:
+            raise ScheduleError(f"num_stages={S} is not a multiple of K={K} ranks")
+        mine = sorted(st.stage_index for st in self.stages)
+        expected = [s for s in range(S) if stage_rank(s, K) == self.rank]
+        if mine != expected:
+            raise ScheduleError(f"rank {self.rank} holds stages {mine} but with K={K} ranks and {S} stages it must "
+                                f"hold {expected} (stage i on rank i % K)")
+        if any(st.num_stages != S for st in self.stages):
+            raise ScheduleError("all stages must agree on num_stages")
+        if validate:
+            actions = validate_schedule(actions, n_microbatches=M, n_stages=S)
+        self.actions = {r: [Action(*a) for a in actions[r]] for r in actions}
+        self.K = K
+        self._by_index = {st.stage_index: st for st in self.stages}
+        self._shapes = None  # stage -> (input shape, input dtype, output shape, output dtype)
+        ranks = dist.get_process_group_ranks(self.group) if dist.is_initialized() and self.group is not None \
+            else list(range(K))
+        self._global = ranks
+        self._param_ptrs = {st.stage_index: {p.untyped_storage().data_ptr() for p in st.submod.parameters()}
+                            for st in self.stages}
+        self.timeline: list[TimedAction] = []
+        self.peak_in_flight: dict = {}
+        self.stash_peak_bytes: dict = {}
+        self.stash_bytes: dict = {}
+
+    def _build(self, K, M, v):  # overridden by the named schedules
+        raise ScheduleError("PipelineSchedule needs actions={rank: [Action, ...]}")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _peer(self, stage: int) -> int:
+        return self._global[stage_rank(stage, self.K)]
+
+    def _wait(self, work):
+        if self.timeout is not None:
+            work.wait(timedelta(seconds=self.timeout))
+        else:
+            work.wait()
+
+    def _infer_shapes(self, x_mb):
+        """Shapes of every stage's input/output on this rank: run each stage once (no grad)
+        on zeros, in stage order, and pass (shape, dtype) down the pipeline."""
+        shapes, prev_out = {}, None
+        for s in sorted(self._by_index):
+            st = self._by_index[s]
+            if s == 0:
+                shape, dtype = tuple(x_mb.shape), x_mb.dtype
+            elif stage_rank(s - 1, self.K) == self.rank:
+                shape, dtype = prev_out
+            else:
+                meta = torch.zeros(8, dtype=torch.long)
+                comm.recv(meta, self._peer(s - 1), self.group)
+                n = int(meta[0])
+                shape, dtype = tuple(int(d) for d in meta[1:1 + n]), _DTYPES[int(meta[7])]
+            with torch.no_grad():
+                out = st.submod(torch.zeros(shape, dtype=dtype, device=st.device))
+            shapes[s] = (shape, dtype, tuple(out.shape), out.dtype)
+            prev_out = (tuple(out.shape), out.dtype)
+            if s < self.num_stages - 1 and stage_rank(s + 1, self.K) != self.rank:
+                if out.dim() > 6:
+                    raise ValueError(f"stage {s} output has {out.dim()} dims; at most 6 are supported")
+                meta = torch.zeros(8, dtype=torch.long)
+                meta[0] = out.dim()
+                meta[1:1 + out.dim()] = torch.tensor(out.shape)
+                meta[7] = _DTYPES.index(out.dtype)
+                comm.send(meta, self._peer(s + 1), self.group)
+        return shapes
+
+    def _split(self, t, what):
+        M = self.n_microbatches
+        if t is None:
+            raise ValueError(f"this rank holds the {what} stage and needs the {'input' if what == 'first' else 'target'}")
+        if t.shape[0] % M:
+            raise ValueError(f"batch size {t.shape[0]} is not divisible by n_microbatches M={M}")
+        return list(t.chunk(M, dim=0))
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, *args, target=None, losses: list | None = None, forward_only: bool = False):
+        """Run one schedule step: forward and backward of M microbatches.
+
+        ``args[0]``: the batch [B, ...] (needed on the rank of stage 0), ``target``: [B, ...]
+        (needed on the rank of the last stage); B must be divisible by M. ``losses``: a list
+        that receives the M unscaled microbatch losses (last stage). ``forward_only``: run
+        the F actions only, without autograd (evaluation). Returns the last stage's output
+        [B, ...] on its rank, else None.
+        """
+        M, S = self.n_microbatches, self.num_stages
+        x_mbs = self._split(args[0] if args else None, "first") if 0 in self._by_index else None
+        t_mbs = self._split(target, "last") if (S - 1) in self._by_index and self.loss_fn is not None else None
+        if self._shapes is None:
+            self._shapes = self._infer_shapes(x_mbs[0] if x_mbs else None)
+        elif x_mbs is not None and tuple(x_mbs[0].shape) != self._shapes[0][0]:
+            raise ValueError(f"microbatch shape {tuple(x_mbs[0].shape)} differs from the first step's "
+                             f"{self._shapes[0][0]}; build a new schedule for another shape")
+        inputs, outputs, grads, pending, sends = {}, {}, {}, {}, []
+        results, rng = {}, {}
+        live = {s: 0 for s in self._by_index}
+        stash_live = {s: 0 for s in self._by_index}
+        stash_mb: dict = {}
+        self.peak_in_flight = {s: 0 for s in self._by_index}
+        self.stash_peak_bytes = {s: 0 for s in self._by_index}
+        self.stash_bytes = {s: [0] * M for s in self._by_index}
+        timeline: list = []
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+        t0 = time.perf_counter()
+        now = lambda: time.perf_counter() - t0  # noqa: E731
+
+        for a in self.actions[self.rank]:
+            kind, s, m = a
+            if forward_only and kind in ("B", "SEND_B", "RECV_B"):
+                continue
+            if kind == "RECV_F" or kind == "RECV_B":
+                shp = self._shapes[s]
+                shape, dtype = (shp[0], shp[1]) if kind == "RECV_F" else (shp[2], shp[3])
+                buf = torch.empty(shape, dtype=dtype, device=self._by_index[s].device)
+                src = s - 1 if kind == "RECV_F" else s + 1
+                t = now()
+                pending[(kind, s, m)] = (comm.irecv(buf, self._peer(src), self.group), buf, len(timeline))
+                timeline.append(TimedAction(a, t, t))
+            elif kind == "SEND_F" or kind == "SEND_B":
+                t = now()
+                tensor = outputs[(s, m)].detach() if kind == "SEND_F" else grads.pop((s, m))
+                dst = s + 1 if kind == "SEND_F" else s - 1
+                sends.append((comm.isend(tensor, self._peer(dst), self.group), tensor))
+                timeline.append(TimedAction(a, t, t))
+            elif kind == "F":
+                st = self._by_index[s]
+                if s == 0:
+                    inp = x_mbs[m]
+                elif stage_rank(s - 1, self.K) == self.rank:
+                    inp = outputs[(s - 1, m)].detach()
+                else:
+                    inp = self._take(pending, timeline, ("RECV_F", s, m), now)
+                if s > 0 and inp.is_floating_point() and not forward_only:
+                    inp.requires_grad_(True)
+                start = now()
+                tgt = t_mbs[m] if st.is_last and t_mbs is not None else None
+                out, loss, nbytes = self._forward(st, inp, tgt, s, m, forward_only, rng)
+                if st.is_last:
+                    results[m] = out.detach()
+                    if loss is not None and losses is not None:
+                        losses.append(loss.detach())
+                # what B differentiates: the scaled loss on the last stage, else the output
+                outputs[(s, m)] = loss / M if loss is not None and loss.requires_grad else out
+                timeline.append(TimedAction(a, start, now()))
+                inputs[(s, m)] = inp
+                if not forward_only:
+                    live[s] += 1
+                    self.peak_in_flight[s] = max(self.peak_in_flight[s], live[s])
+                    stash_mb[(s, m)] = nbytes
+                    self.stash_bytes[s][m] = nbytes
+                    stash_live[s] += nbytes
+                    self.stash_peak_bytes[s] = max(self.stash_peak_bytes[s], stash_live[s])
+                else:
+                    outputs.pop((s - 1, m), None)
+                    inputs.pop((s, m), None)
+            elif kind == "B":
+                st = self._by_index[s]
+                if st.is_last:
+                    grad = None
+                elif stage_rank(s + 1, self.K) == self.rank:
+                    grad = grads.pop((s + 1, m))
+                else:
+                    grad = self._take(pending, timeline, ("RECV_B", s, m), now)
+                start = now()
+                inp = inputs.pop((s, m))
+                out = outputs.pop((s, m))
+                if self.recompute:
+                    with torch.random.fork_rng(devices=[]):
+                        torch.set_rng_state(rng.pop((s, m)))
+                        out = st.submod(inp)
+                    if st.is_last:
+                        out = self.loss_fn(out, t_mbs[m]) / M if t_mbs is not None else out
+                torch.autograd.backward(out, grad_tensors=grad)
+                if s > 0:
+                    grads[(s, m)] = inp.grad
+                timeline.append(TimedAction(a, start, now()))
+                live[s] -= 1
+                stash_live[s] -= stash_mb.pop((s, m))
+            else:
+                raise ScheduleError(f"rank {self.rank}: unknown action kind {kind!r}")
+        for work, _ in sends:
+            self._wait(work)
+        if pending:
+            raise ScheduleError(f"rank {self.rank}: receives posted but never used: {sorted(pending)}")
+        self.timeline = timeline
+        if (S - 1) in self._by_index:
+            return torch.cat([results[m] for m in range(M)], dim=0)
+        return None
+
+    def _take(self, pending, timeline, key, now):
+        work, buf, i = pending.pop(key)
+        try:
+            self._wait(work)
+        except Exception as e:
+            a = timeline[i].action
+            src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
+            raise RuntimeError(f"pipeline rank {self.rank}: {a!r} (receive from rank {stage_rank(src, self.K)}) "
+                               f"did not complete: {e}") from e
+        e = timeline[i]
+        timeline[i] = TimedAction(e.action, e.start, now())
+        return buf
+
+    def _forward(self, st: PipelineStage, inp, target, s, m, forward_only, rng):
+        """Stage forward (and loss when ``target`` is given); returns (output, loss or None,
+        bytes stashed for backward). The loss is the unscaled microbatch mean."""
+        def run():
+            out = st.submod(inp)
+            return out, (self.loss_fn(out, target) if target is not None else None)
+
+        if forward_only:
+            with torch.no_grad():
+                return (*run(), 0)
+        if self.recompute:
+            rng[(s, m)] = torch.get_rng_state()
+            with torch.no_grad():
+                out, loss = run()
+            return out, loss, inp.numel() * inp.element_size()
+        seen: dict = {}
+        params = self._param_ptrs[s]
+
+        def pack(t):
+            stor = t.untyped_storage()
+            ptr = stor.data_ptr()
+            if ptr not in params:
+                seen[ptr] = stor.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, loss = run()
+        return out, loss, sum(seen.values())
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe: all forwards, then all backwards (:func:`~.schedules.gpipe_schedule`).
+    ``ScheduleGPipe(stage, n_microbatches, loss_fn, recompute=False)``; K = group size."""
+
+    def __init__(self, stage, n_microbatches, loss_fn=None, **kw):
+        super().__init__(stage, n_microbatches, loss_fn, **kw)
+
+    def _build(self, K, M, v):
+        check_pipeline_sizes(K, M)
+        if v != 1 or self.num_stages != K:
+            raise ScheduleError(f"ScheduleGPipe needs one stage per rank: num_stages={self.num_stages}, "
+                                f"world size K={K}, {v} stage(s) on this rank")
+        return gpipe_schedule(K, M)
+
+
+class Schedule1F1B(PipelineSchedule):
+    """1F1B / PipeDream-Flush (:func:`~.schedules.one_f_one_b_schedule`).
+    ``Schedule1F1B(stage, n_microbatches, loss_fn, recompute=False)``; K = group size."""
+
+    def __init__(self, stage, n_microbatches, loss_fn=None, **kw):
+        super().__init__(stage, n_microbatches, loss_fn, **kw)
+
+    def _build(self, K, M, v):
+        check_pipeline_sizes(K, M)
+        if v != 1 or self.num_stages != K:
+            raise ScheduleError(f"Schedule1F1B needs one stage per rank: num_stages={self.num_stages}, "
+                                f"world size K={K}, {v} stage(s) on this rank")
+        return one_f_one_b_schedule(K, M)
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B with v = len(stages) chunks per rank
+    (:func:`~.schedules.interleaved_schedule`; M must be a multiple of K when v >= 2)."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches, loss_fn=None, **kw):
+        super().__init__(list(stages) if isinstance(stages, (list, tuple)) else [stages],
+                         n_microbatches, loss_fn, **kw)
+
+    def _build(self, K, M, v):
+        check_pipeline_sizes(K, M, v)
+        if self.num_stages != K * v:
+            raise ScheduleError(f"ScheduleInterleaved1F1B: num_stages={self.num_stages} must equal K*v = "
+                                f"{K}*{v} (world size times stages per rank)")
+        return interleaved_schedule(K, M, v)

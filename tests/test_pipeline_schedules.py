@@ -1,0 +1,207 @@
+"""Schedules as data: builders, simulator formulas, validator messages, build-time errors.
+
+No process is started here."""
+from fractions import Fraction
+
+import pytest
+
+from labkit.pipeline import (Action, ScheduleError, add_communication, bubble_formula, format_schedule,
+                             gpipe_schedule, interleaved_schedule, one_f_one_b_schedule, parse_actions,
+                             peak_in_flight, simulate, validate_schedule)
+
+
+def _grid():
+    for K in range(1, 9):
+        for M in range(1, 33):
+            yield "gpipe", K, M, 1, gpipe_schedule(K, M)
+            yield "1f1b", K, M, 1, one_f_one_b_schedule(K, M)
+            for v in range(2, 5):
+                if M % K == 0:
+                    yield "interleaved", K, M, v, interleaved_schedule(K, M, v)
+
+
+GRID = list(_grid())
+
+
+def test_action_repr_and_parse_round_trip():
+    a = Action("F", 1, 0)
+    assert repr(a) == "F0@s1" and str(Action("SEND_B", 3, 12)) == "SEND_B12@s3"
+    acts = parse_actions("F0@s1, SEND_F0@s1\nRECV_B0@s1 B0@s1")
+    assert acts == [Action("F", 1, 0), Action("SEND_F", 1, 0), Action("RECV_B", 1, 0), Action("B", 1, 0)]
+    assert parse_actions(" ".join(map(repr, acts))) == acts
+    with pytest.raises(ScheduleError, match="cannot parse action 'X0@s1'"):
+        parse_actions("X0@s1")
+
+
+def test_builders_print_readably_and_place_stages_looped():
+    s = gpipe_schedule(2, 2)
+    assert format_schedule(s, compute_only=True) == "rank 0: F0@s0 F1@s0 B0@s0 B1@s0\nrank 1: F0@s1 F1@s1 B0@s1 B1@s1"
+    # 16 layers on K=4 ranks with v=2 -> 8 stages; rank 0 holds stages 0 and 4 (layers 0-1 and 8-9)
+    s = interleaved_schedule(4, 8, 2)
+    assert {a.stage for a in s[0]} == {0, 4} and {a.stage for a in s[3]} == {3, 7}
+    one = one_f_one_b_schedule(3, 4)
+    assert [repr(a) for a in one[0] if a.kind in "FB"] == \
+        ["F0@s0", "F1@s0", "F2@s0", "B0@s0", "F3@s0", "B1@s0", "B2@s0", "B3@s0"]
+
+
+def test_builders_validate_over_the_grid():
+    for name, K, M, v, s in GRID:
+        validate_schedule(s, n_microbatches=M, n_stages=K * v)
+
+
+def test_bubble_formula_exact_over_the_grid_b_equals_f():
+    """Uniform costs, b = f, free communication: bubble == (K-1)/(vM+K-1) exactly."""
+    for name, K, M, v, s in GRID:
+        r = simulate(s, forward=1, backward=1, comm=0, validate=False)
+        assert isinstance(r.bubble_fraction, Fraction)
+        assert r.bubble_fraction == bubble_formula(K, M, v), (name, K, M, v)
+        assert r.makespan == 2 * (v * M + K - 1)
+
+
+def test_bubble_formula_with_b_equals_2f():
+    """With b = 2f the formula stays exact for GPipe and 1F1B (critical path (M+K-1)(f+b));
+    for interleaved 1F1B with our schedule it also held on the whole grid (checked here)."""
+    for name, K, M, v, s in GRID:
+        r = simulate(s, forward=Fraction(1), backward=Fraction(2), validate=False)
+        assert r.bubble_fraction == bubble_formula(K, M, v), (name, K, M, v)
+
+
+def test_float_costs_match_formula_to_1e12():
+    for name, K, M, v, s in GRID[::7]:
+        r = simulate(s, forward=0.3, backward=0.3, validate=False)
+        assert abs(r.bubble_fraction - float(bubble_formula(K, M, v))) < 1e-12
+
+
+def test_peak_in_flight_over_the_grid():
+    for name, K, M, v, s in GRID:
+        peak = simulate(s, validate=False).peak_in_flight
+        assert peak == peak_in_flight(s)
+        if name == "gpipe":
+            assert peak == [M] * K
+        elif name == "1f1b":
+            assert peak == [min(M, K - st) for st in range(K)]
+        else:
+            assert max(peak) <= v * M
+
+
+def test_per_stage_costs_and_comm_cost():
+    # a slow last stage dominates: GPipe K=2, M=2, f=(1, 3), b=(1, 3), comm 0.5
+    r = simulate(gpipe_schedule(2, 2), forward=[1, 3], backward=[1, 3], comm=Fraction(1, 2))
+    tl = {repr(t.action): (t.start, t.end) for t in r.timeline[1]}
+    assert tl["F0@s1"] == (Fraction(3, 2), Fraction(9, 2))
+    assert tl["B1@s1"] == (Fraction(21, 2), Fraction(27, 2))
+    assert r.makespan == Fraction(27, 2) + Fraction(1, 2) + 1  # grad message, then B1@s0
+
+
+def test_add_communication_posts_receives_in_sender_order():
+    compute = {0: parse_actions("F0@s0 F1@s0 B0@s0 B1@s0"), 1: parse_actions("F0@s1 F1@s1 B0@s1 B1@s1")}
+    s = add_communication(compute, lookahead=0)
+    assert " ".join(map(repr, s[1])) == ("RECV_F0@s1 F0@s1 RECV_F1@s1 F1@s1 B0@s1 SEND_B0@s1 B1@s1 SEND_B1@s1")
+    validate_schedule(s)
+
+
+# ----------------------------------------------------------------------------- validator
+
+def _two_rank(rank0: str, rank1: str):
+    return {0: parse_actions(rank0), 1: parse_actions(rank1)}
+
+
+GOOD0 = "F0@s0 SEND_F0@s0 F1@s0 SEND_F1@s0 RECV_B0@s0 B0@s0 RECV_B1@s0 B1@s0"
+GOOD1 = "RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1 RECV_F1@s1 F1@s1 B1@s1 SEND_B1@s1"
+
+
+def test_validator_accepts_a_hand_written_1f1b():
+    validate_schedule(_two_rank(GOOD0, GOOD1))
+
+
+def test_validator_backward_before_forward():
+    s = _two_rank(GOOD0, "RECV_F0@s1 B0@s1 F0@s1 SEND_B0@s1 RECV_F1@s1 F1@s1 B1@s1 SEND_B1@s1")
+    with pytest.raises(ScheduleError, match=r"rank 1, action 1 \(B0@s1\): backward before forward"):
+        validate_schedule(s)
+
+
+def test_validator_missing_receive():
+    s = _two_rank(GOOD0, "RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1 F1@s1 B1@s1 SEND_B1@s1")
+    with pytest.raises(ScheduleError, match=r"rank 1, action 4 \(F1@s1\): no RECV_F1@s1 before it; its input "
+                                            r"comes from rank 0"):
+        validate_schedule(s)
+
+
+def test_validator_send_without_receive_and_receive_without_send():
+    s = _two_rank(GOOD0 + " ", GOOD1)
+    s[0].insert(2, Action("SEND_F", 0, 0))  # duplicate
+    with pytest.raises(ScheduleError, match=r"rank 0, action 2 \(SEND_F0@s0\): SEND_F0@s0 appears twice"):
+        validate_schedule(s)
+    s = _two_rank(GOOD0, GOOD1)
+    s[1] = [a for a in s[1] if repr(a) != "SEND_B1@s1"]
+    with pytest.raises(ScheduleError, match=r"rank 1, action 6 \(B1@s1\): its result is never sent"):
+        validate_schedule(s)
+
+
+def test_validator_send_order_mismatch():
+    s = _two_rank("F0@s0 F1@s0 SEND_F1@s0 SEND_F0@s0 RECV_B0@s0 B0@s0 RECV_B1@s0 B1@s0", GOOD1)
+    with pytest.raises(ScheduleError, match=r"rank 1, action 0 \(RECV_F0@s1\): receive number 0 from rank 0, but "
+                                            r"rank 0's send number 0 to rank 1 is SEND_F1@s0 \(action 2\)"):
+        validate_schedule(s)
+
+
+def test_validator_swapped_send_deadlocks_async():
+    """Rank 0 sends its activation only after the backward that needs the answer."""
+    s = _two_rank("F0@s0 RECV_B0@s0 B0@s0 SEND_F0@s0", "RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1")
+    with pytest.raises(ScheduleError, match=r"deadlock with async sends: rank 0, action 2 \(B0@s0\) waits for the "
+                                            r"input from rank 1; rank 1, action 1 \(F0@s1\) waits for the input "
+                                            r"from rank 0"):
+        validate_schedule(s)
+
+
+def test_validator_swapped_send_order_deadlocks_with_blocking_sends():
+    """Both neighbours send first: fine with the runtime's async sends, a deadlock with
+    blocking (rendezvous) sends; swapping rank 1's send and receive fixes it."""
+    bad1 = "RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1 RECV_F1@s1 F1@s1 B1@s1 SEND_B1@s1"
+    validate_schedule(_two_rank(GOOD0, bad1))
+    with pytest.raises(ScheduleError, match=r"deadlock with blocking \(rendezvous\) sends: rank 0, action 3 "
+                                            r"\(SEND_F1@s0\) waits for rank 1; rank 1, action 3 \(SEND_B0@s1\) "
+                                            r"waits for rank 0"):
+        validate_schedule(_two_rank(GOOD0, bad1), sends="blocking")
+    fixed1 = "RECV_F0@s1 F0@s1 B0@s1 RECV_F1@s1 SEND_B0@s1 F1@s1 B1@s1 SEND_B1@s1"
+    validate_schedule(_two_rank(GOOD0, fixed1), sends="blocking")
+
+
+def test_validator_wrong_rank_missing_action_and_bad_kind():
+    s = _two_rank("F0@s1", "F0@s0")
+    with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(F0@s1\): stage 1 lives on rank 1"):
+        validate_schedule(s)
+    s = _two_rank(GOOD0.replace(" RECV_B1@s0 B1@s0", ""), GOOD1)
+    with pytest.raises(ScheduleError, match=r"rank 0, action 6 \(end of list\): B1@s0 is missing; every stage "
+                                            r"runs F and B of every microbatch \(M=2\) exactly once"):
+        validate_schedule(s)
+    s = _two_rank(GOOD0, GOOD1)
+    s[0][0] = Action("W", 0, 0)
+    with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(W0@s0\): unknown kind 'W'"):
+        validate_schedule(s)
+
+
+def test_validator_local_stage_order_for_one_rank():
+    s = {0: parse_actions("F0@s1 F0@s0 B0@s1 B0@s0")}
+    with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(F0@s1\): forward of stage 1 before the forward "
+                                            r"of stage 0"):
+        validate_schedule(s)
+
+
+# ----------------------------------------------------------------------------- build-time errors
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: gpipe_schedule(4, 0), r"M \(microbatches\) must be an integer >= 1, got 0"),
+    (lambda: one_f_one_b_schedule(0, 4), r"K \(pipeline ranks\) must be an integer >= 1, got 0"),
+    (lambda: interleaved_schedule(4, 8, 0), r"v \(chunks per rank\) must be an integer >= 1, got 0"),
+    (lambda: interleaved_schedule(4, 6, 2), r"K=4 ranks and v=2 chunks needs M a multiple of K .*got M=6"),
+])
+def test_build_time_errors(call, message):
+    with pytest.raises(ScheduleError, match=message):
+        call()
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_caps_warmup():
+    s = one_f_one_b_schedule(4, 2)
+    validate_schedule(s)
+    assert simulate(s).peak_in_flight == [2, 2, 2, 1]
