@@ -27,3 +27,8 @@ def test_tensor_bench_runs_and_losses_agree(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "one transformer block" in out and "ratio" in out
+
+
+def test_tensor_lab_rejects_missing_data(tmp_path, capsys):
+    assert lab.main(["--tp", "2", "--steps", "2", "--data", str(tmp_path / "missing.txt")]) == 2
+    assert "missing.txt" in capsys.readouterr().err

@@ -66,11 +66,10 @@ def _train(model, corpus, args, loss_fn, desc, show):
     return {"losses": losses, "comm": counts, "seconds": seconds}
 
 
-def _tp_worker(ctx, args):
+def _tp_worker(ctx, args, corpus):
     grid = make_grid(ctx, tp=ctx.world_size)
     torch.manual_seed(args.seed)
     cfg = _config(args)
-    corpus = Corpus.load(args.data)
     model = TensorParallelGPT.from_reference(GPT(cfg, seed=args.seed), grid.tp_group).to(ctx.device)
 
     def loss_fn(m, x, y):
@@ -80,13 +79,12 @@ def _tp_worker(ctx, args):
     return out if ctx.rank == 0 else {"losses": out["losses"]}
 
 
-def _single(args):
+def _single(args, corpus):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # one core, like each rank, so tokens/s compare
     try:
         torch.manual_seed(args.seed)
         model = GPT(_config(args), seed=args.seed)
-        corpus = Corpus.load(args.data)
         return _train(model, corpus, args, lambda m, x, y: m(x, y), "single device", show=True)
     finally:
         torch.set_num_threads(threads)
@@ -111,9 +109,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m labkit lab tensor", description=__doc__.split("\n")[0])
     p.add_argument("--tp", "--world-size", dest="tp", type=int, nargs="+", default=None,
                    help="tensor-parallel degrees t to run (default 2 4; under torchrun: WORLD_SIZE)")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=100, help="training steps (Adam), default 100")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step B")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence S")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=64)
@@ -145,14 +143,19 @@ def main(argv: list[str] | None = None) -> int:
             if t < 1 or n % t:
                 print(f"error: TP degree t={t} must divide {what}={n}", file=sys.stderr)
                 return 2
+    try:  # a bad --data path: a clear message before any process starts
+        corpus = Corpus.load(args.data)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     is_rank0 = not torchrun or int(os.environ["RANK"]) == 0
 
     runs = {}
     for t in degrees:
-        runs[f"TP={t}"] = launch(_tp_worker, t, args, backend=args.backend, timeout=120)[0]
+        runs[f"TP={t}"] = launch(_tp_worker, t, args, corpus, backend=args.backend, timeout=120)[0]
     if not is_rank0:
         return 0
-    single = _single(args)
+    single = _single(args, corpus)
     tokens = args.batch_size * args.seq_len
     exp = expected_collectives(cfg.n_layer, args.batch_size, args.seq_len, cfg.n_embd)["step"]
 
