@@ -142,3 +142,17 @@ def test_saved_tensor_meter_counts_and_releases():
         y.sum().backward()
         del y
     assert m.live == 0 and m.peak >= 400
+
+
+def test_cpu_runs_make_no_cuda_calls(monkeypatch):
+    """The RNG save/restore touches CUDA only when an input lives on a GPU."""
+    def forbidden(*a, **k):
+        raise AssertionError("torch.cuda called on a CPU run")
+
+    for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "manual_seed",
+                 "synchronize", "reset_peak_memory_stats", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    plain = _linear_dropout_grads("plain")
+    ours = _linear_dropout_grads("labkit")
+    assert torch.equal(plain[0], ours[0])
+    memory_table(ns=(4,), width=8, batch=2, device="cpu")
