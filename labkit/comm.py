@@ -30,6 +30,9 @@ import torch
 import torch.distributed as dist
 
 _ACTIVE: list["CommLog"] = []
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (old names warn)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -116,14 +119,14 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     """Gather every rank's ``input`` (same shape) along dim 0 into ``output``
     (shape ``[t * input.shape[0], ...]``)."""
     _record("all_gather", input, group)
-    dist.all_gather_into_tensor(output, input.contiguous(), group=group)
+    _all_gather(output, input.contiguous(), group=group)
     return output
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``input`` (shape ``[t * n, ...]``) over ranks and keep this rank's ``n`` rows."""
     _record("reduce_scatter", input, group)
-    dist.reduce_scatter_tensor(output, input.contiguous(), group=group)
+    _reduce_scatter(output, input.contiguous(), group=group)
     return output
 
 
