@@ -221,12 +221,19 @@ def doctor(world_sizes: Sequence[int] = (1, 2, 4, 8)) -> str:
 # ----------------------------------------------------------------------------- workers
 
 
-def _free_store(world_size: int, timeout: float):
-    """A TCPStore server on a free port of the loopback interface (held by the parent)."""
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size + 1, True, timedelta(seconds=timeout), wait_for_workers=False
-    )
-    return store
+def _free_store(world_size: int, timeout: float) -> str:
+    """Path of a fresh rendezvous file for a FileStore.
+
+    Not a TCPStore held by the parent: its server thread may hold a lock (the allocator's)
+    at the moment a worker is forked, and that worker then hangs in init_process_group
+    (measured: ~20% of 5-rank launches failed on a loaded 2-core machine).
+    """
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="labkit-store-")
+    os.close(fd)
+    os.unlink(path)  # FileStore creates it
+    return path
 
 
 def _worker(fn, args, rank, world_size, backend, port, timeout, conn, start_method):
@@ -236,7 +243,8 @@ def _worker(fn, args, rank, world_size, backend, port, timeout, conn, start_meth
             # A forked child can hang in threaded kernels after the parent ran threaded
             # work; one thread per rank also keeps N ranks fair on a few cores.
             torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, False, timedelta(seconds=timeout))
+        store = dist.FileStore(port, world_size)  # ``port`` is the rendezvous file's path
+        store.set_timeout(timedelta(seconds=timeout))
         if backend == "nccl":
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
@@ -249,6 +257,9 @@ def _worker(fn, args, rank, world_size, backend, port, timeout, conn, start_meth
         ctx = DistContext(rank, world_size, rank, backend, device, dist.group.WORLD, timeout)
         result = fn(ctx, *args)
         payload = pickle.dumps(("ok", rank, result))
+        # No rank leaves before every rank is done: a rank that exits while a peer is still
+        # connecting (or receiving) makes that peer fail with "connection closed by peer".
+        dist.barrier(group=ctx.group)
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
         status = "error"
         payload = pickle.dumps(("error", rank, (type(e).__name__, str(e), traceback.format_exc())))
@@ -315,7 +326,7 @@ def launch(
     start_method = "spawn" if backend == "nccl" else "fork"
     mpctx = mp.get_context(start_method)
     store = _free_store(world_size, timeout)
-    port = store.port
+    port = store  # path of the FileStore's file
     procs, conns = [], {}
     try:
         for rank in range(world_size):
@@ -371,7 +382,8 @@ def launch(
         _kill_all(procs)
         for c in conns:
             c.close()
-        del store
+        if os.path.exists(store):
+            os.unlink(store)
 
 
 def _is_secondary(err: tuple) -> bool:
