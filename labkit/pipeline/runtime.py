@@ -208,9 +208,10 @@ class PipelineSchedule:
         live = {s: 0 for s in self._by_index}
         stash_live = {s: 0 for s in self._by_index}
         stash_mb: dict = {}
-        self.peak_in_flight = {s: 0 for s in self._by_index}
-        self.stash_peak_bytes = {s: 0 for s in self._by_index}
-        self.stash_bytes = {s: [0] * M for s in self._by_index}
+        if not forward_only:  # a forward-only (evaluation) step keeps the last training step's numbers
+            self.peak_in_flight = {s: 0 for s in self._by_index}
+            self.stash_peak_bytes = {s: 0 for s in self._by_index}
+            self.stash_bytes = {s: [0] * M for s in self._by_index}
         timeline: list = []
         if dist.is_initialized():
             dist.barrier(group=self.group)

@@ -1,0 +1,119 @@
+"""Benchmark: labkit's pipeline schedules against torch.distributed.pipelining.
+
+``python -m labkit bench pipeline`` runs GPipe, 1F1B and interleaved 1F1B (v=2) from
+labkit and the matching ``torch.distributed.pipelining`` schedules on the same GPT stages,
+input and ranks (4 gloo CPU ranks by default), alternating labkit and torch step by step
+so that both see the same machine load, and prints the median step time of each and the
+ratio labkit/torch (below 1.0: labkit is faster).
+
+Each timed step starts and ends with a barrier, so it measures the whole pipeline.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["main", "bench"]
+
+KINDS = ("gpipe", "1f1b", "interleaved")
+
+
+def _worker(ctx, a):
+    from torch.distributed import pipelining as tpp
+
+    from ..model import GPT, GPTConfig, lm_loss
+    from ..pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from ..pipeline.stages import gpt_stages_for_rank
+
+    K = ctx.world_size
+    cfg = GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
+    model = GPT(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (a.batch, a.seq), generator=g)
+    y = torch.randint(0, 256, (a.batch, a.seq), generator=g)
+    mine = {"gpipe": (ScheduleGPipe, tpp.ScheduleGPipe, 1), "1f1b": (Schedule1F1B, tpp.Schedule1F1B, 1),
+            "interleaved": (ScheduleInterleaved1F1B, tpp.ScheduleInterleaved1F1B, a.chunks)}
+    runs = {}
+    for kind in a.kinds:
+        lk_cls, tc_cls, v = mine[kind]
+        ids = [s for s in range(K * v) if s % K == ctx.rank]
+        mods = gpt_stages_for_rank(model, K, v, ctx.rank)
+        st = [PipelineStage(m, s, K * v, group=ctx.group) for m, s in zip(mods, ids)]
+        lk = lk_cls(st if v > 1 else st[0], a.microbatches, lm_loss)
+        tmods = gpt_stages_for_rank(model, K, v, ctx.rank)
+        tst = [tpp.PipelineStage(m, s, K * v, torch.device("cpu"), group=ctx.group) for m, s in zip(tmods, ids)]
+        tc = tc_cls(tst if v > 1 else tst[0], n_microbatches=a.microbatches, loss_fn=lm_loss)
+
+        def lk_step(lk=lk):
+            lk.step(x, target=y)
+
+        def tc_step(tc=tc):
+            if ctx.rank == 0:
+                tc.step(x, target=y if K == 1 else None)
+            elif ctx.rank == K - 1:
+                tc.step(target=y)
+            else:
+                tc.step()
+        runs[kind] = (lk_step, tc_step, mods + tmods)
+    times = {(k, w): [] for k in runs for w in ("labkit", "torch")}
+    for i in range(a.warmup + a.steps):
+        for kind, (lk_step, tc_step, mods) in runs.items():
+            order = [("labkit", lk_step), ("torch", tc_step)]
+            if i % 2:
+                order.reverse()
+            for who, fn in order:
+                for m in mods:
+                    m.zero_grad(set_to_none=True)
+                dist.barrier(group=ctx.group)
+                t0 = time.perf_counter()
+                fn()
+                dist.barrier(group=ctx.group)
+                if i >= a.warmup:
+                    times[(kind, who)].append(time.perf_counter() - t0)
+    return times
+
+
+def bench(a) -> dict:
+    """Run the benchmark; returns ``{kind: (labkit median s, torch median s, ratio)}``."""
+    from ..dist import launch
+    res = launch(_worker, a.world_size, a, backend=a.backend, timeout=120)
+    times = res[0]
+    out = {}
+    for kind in a.kinds:
+        lk = statistics.median(times[(kind, "labkit")])
+        tc = statistics.median(times[(kind, "torch")])
+        out[kind] = (lk, tc, lk / tc)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m labkit bench pipeline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--chunks", type=int, default=2, help="v for interleaved 1F1B")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per schedule and library")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--embd", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--schedule", dest="kinds", nargs="*", default=list(KINDS), choices=KINDS)
+    p.add_argument("--backend", default="gloo")
+    a = p.parse_args(argv)
+    print(f"pipeline benchmark: K={a.world_size} ranks ({a.backend}), M={a.microbatches}, v={a.chunks}, "
+          f"GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq}, median of {a.steps} steps")
+    out = bench(a)
+    print(f"{'schedule':<12} {'labkit ms':>10} {'torch ms':>10} {'labkit/torch':>13}")
+    for kind, (lk, tc, r) in out.items():
+        print(f"{kind:<12} {lk * 1e3:>10.1f} {tc * 1e3:>10.1f} {r:>13.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

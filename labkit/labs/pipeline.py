@@ -1,0 +1,248 @@
+"""Lab: train the GPT with pipeline parallelism and compare with one device.
+
+``python -m labkit lab pipeline`` (what ``make lab`` runs) trains the reference GPT on the
+default corpus once on a single device and then on K ranks (4 gloo CPU processes by
+default) with each schedule: GPipe, 1F1B and interleaved 1F1B (v chunks per rank), with
+the same seed, data and optimizer. It prints one table:
+
+* final train and validation loss, and the largest difference from the single-device
+  loss curve (the lab exits with status 1 if it is above 1e-4 for any schedule);
+* the bubble fraction measured from the runtime's timeline, the formula's
+  (K-1)/(vM+K-1), and the simulator's from the measured per-stage F/B times;
+* the measured peak number of microbatches in flight per stage; tokens per second.
+
+Gantt charts of the measured timelines and the loss curves are saved under
+``runs/pipeline-YYYYmmdd-HHMMSS/``. The same module runs under
+``torchrun --nproc-per-node K -m labkit.labs.pipeline`` (only rank 0 prints and saves).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+TOLERANCE = 1e-4
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m labkit lab pipeline",
+                                description="Train the GPT with GPipe, 1F1B and interleaved 1F1B on K ranks.")
+    p.add_argument("--world-size", type=int, default=None, help="K pipeline ranks (default 4; torchrun: WORLD_SIZE)")
+    p.add_argument("--schedule", nargs="+", default=["all"], choices=("all",) + SCHEDULES)
+    p.add_argument("--microbatches", type=int, default=8, help="M microbatches per step")
+    p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank for interleaved 1F1B")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--embd", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs", help="folder for the run folder")
+    return p
+
+
+def _config(a):
+    from ..model import GPTConfig
+    return GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
+
+
+def _single_device(a, corpus):
+    """Adam on one device: per-step train loss and final validation loss."""
+    from tqdm import tqdm
+
+    from ..model import GPT
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # like each rank; avoids slow multi-thread warm-up on small CPUs
+    try:
+        model = GPT(_config(a), seed=a.seed)
+        opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+        losses, t0 = [], time.perf_counter()
+        for step in tqdm(range(a.steps), desc="single device", leave=False):
+            x, y = corpus.get_batch("train", a.batch, a.seq, step, a.seed)
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        train_time = time.perf_counter() - t0
+        with torch.no_grad():
+            val = model(*corpus.get_batch("val", a.batch, a.seq, 0, a.seed)).item()
+    finally:
+        torch.set_num_threads(n)
+    return {"losses": losses, "val": val, "tokens_per_s": a.steps * a.batch * a.seq / train_time}
+
+
+def _rank_train(ctx, a, kind, corpus):
+    """One rank of a pipeline run. Returns losses (last stage), timelines, peaks, timing."""
+    from tqdm import tqdm
+
+    from ..model import GPT, lm_loss
+    from ..pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from ..pipeline.stages import gpt_stages_for_rank
+
+    K = ctx.world_size
+    v = a.chunks if kind == "interleaved" else 1
+    ids = [s for s in range(K * v) if s % K == ctx.rank]
+    mods = [m.to(ctx.device) for m in gpt_stages_for_rank(GPT(_config(a), seed=a.seed), K, v, ctx.rank)]
+    stages = [PipelineStage(m, s, K * v, ctx.device, group=ctx.group) for m, s in zip(mods, ids)]
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[kind]
+    sched = cls(stages if kind == "interleaved" else stages[0], a.microbatches, lm_loss)
+    opt = torch.optim.Adam([p for m in mods for p in m.parameters()], lr=a.lr)
+    losses, timelines, step_time = [], [], 0.0
+    bar = tqdm(range(a.steps), desc=f"{kind} K={K}", leave=False, disable=ctx.rank != 0)
+    for step in bar:
+        x, y = (t.to(ctx.device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
+        mb_losses: list = []
+        t0 = time.perf_counter()
+        sched.step(x, target=y, losses=mb_losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step > 0:  # the first step also infers the activation shapes
+            step_time += time.perf_counter() - t0
+        if mb_losses:
+            losses.append(torch.stack(mb_losses).mean().item())
+        if step >= max(1, a.steps - 5):
+            timelines.append([tuple(t) for t in sched.timeline])
+    val_losses: list = []
+    x, y = (t.to(ctx.device) for t in corpus.get_batch("val", a.batch, a.seq, 0, a.seed))
+    sched.step(x, target=y, losses=val_losses, forward_only=True)
+    return {"losses": losses, "val": torch.stack(val_losses).mean().item() if val_losses else None,
+            "timelines": timelines, "peak": dict(sched.peak_in_flight), "step_time": step_time,
+            "timed_steps": a.steps - 1}
+
+
+def _analyse(a, kind, K, results, single):
+    """Numbers for one schedule's table row, from the per-rank results."""
+    from ..pipeline import TimedAction, bubble_formula, bubble_fraction, simulate
+    from ..pipeline.schedules import Action, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
+    v = a.chunks if kind == "interleaved" else 1
+    M = a.microbatches
+    last = results[K - 1]
+    n_tl = len(results[0]["timelines"])
+    measured, tls = [], []
+    for i in range(n_tl):
+        tl = {r: [TimedAction(Action(*act), s, e) for act, s, e in results[r]["timelines"][i]] for r in range(K)}
+        tls.append(tl)
+        measured.append(float(bubble_fraction(tl, K)))
+    # mean measured F and B time per stage, then simulate the schedule with them
+    sums: dict = {}
+    for tl in tls:
+        for r in tl:
+            for t in tl[r]:
+                if t.action.kind in ("F", "B"):
+                    acc = sums.setdefault((t.action.kind, t.action.stage), [0.0, 0])
+                    acc[0] += t.end - t.start
+                    acc[1] += 1
+    fwd = [sums[("F", s)][0] / sums[("F", s)][1] for s in range(K * v)]
+    bwd = [sums[("B", s)][0] / sums[("B", s)][1] for s in range(K * v)]
+    build = {"gpipe": lambda: gpipe_schedule(K, M), "1f1b": lambda: one_f_one_b_schedule(K, M),
+             "interleaved": lambda: interleaved_schedule(K, M, v)}[kind]
+    sim = simulate(build(), forward=fwd, backward=bwd)
+    peak = {}
+    for r in results:
+        peak.update(r["peak"])
+    diff = max(abs(p - q) for p, q in zip(last["losses"], single["losses"]))
+    tokens = results[0]["timed_steps"] * a.batch * a.seq
+    return {
+        "schedule": kind if v == 1 else f"{kind} v={v}", "train": last["losses"][-1], "val": last["val"],
+        "diff": diff, "bubble": sum(measured) / len(measured), "formula": float(bubble_formula(K, M, v)),
+        "sim": float(sim.bubble_fraction), "peak": [peak[s] for s in sorted(peak)],
+        "tokens_per_s": tokens / max(results[0]["step_time"], 1e-9), "timeline": tls[-1], "losses": last["losses"],
+    }
+
+
+def _save_plots(folder: Path, rows, single, K):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..pipeline.plot import plot_timeline
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 2.2 * len(rows) + 0.5), squeeze=False)
+    for ax, row in zip(axes[:, 0], rows):
+        plot_timeline(row["timeline"], ax=ax, title=f"{row['schedule']} (measured, K={K})", unit="s")
+    fig.tight_layout()
+    fig.savefig(folder / "timelines.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(single["losses"], label="single device", linewidth=3, alpha=0.4, color="black")
+    for row in rows:
+        ax.plot(row["losses"], label=row["schedule"], linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "loss_curves.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from ..data import Corpus
+    from ..dist import in_torchrun, launch
+    from ..pipeline import ScheduleError, check_pipeline_sizes
+    from ..pipeline.stages import stage_layers
+
+    a = _parser().parse_args(argv)
+    torchrun = in_torchrun()
+    K = a.world_size or (int(os.environ["WORLD_SIZE"]) if torchrun else 4)
+    is_main = not torchrun or int(os.environ["RANK"]) == 0
+    kinds = list(SCHEDULES) if "all" in a.schedule else list(dict.fromkeys(a.schedule))
+    try:  # every size error before any process starts
+        for kind in kinds:
+            v = a.chunks if kind == "interleaved" else 1
+            check_pipeline_sizes(K, a.microbatches, v)
+            stage_layers(a.layers, K * v, 0)
+        if a.batch % a.microbatches:
+            raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
+    except ScheduleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    corpus = Corpus.load(a.data)
+    if is_main:
+        print(f"pipeline lab: GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq} tokens, {a.steps} Adam steps "
+              f"(lr {a.lr}), K={K} ranks, M={a.microbatches}, data: {corpus.source}")
+    single = _single_device(a, corpus) if is_main else None
+    rows = []
+    for kind in kinds:
+        results = launch(_rank_train, K, a, kind, corpus, backend=a.backend, timeout=60)
+        if is_main:
+            rows.append(_analyse(a, kind, K, results, single))
+    if not is_main:
+        return 0
+    folder = Path(a.out) / datetime.now().strftime("pipeline-%Y%m%d-%H%M%S")
+    folder.mkdir(parents=True, exist_ok=True)
+    _save_plots(folder, rows, single, K)
+    head = (f"{'schedule':<16} {'train':>7} {'val':>7} {'max|diff|':>10} {'bubble':>7} {'formula':>8} "
+            f"{'sim':>6} {'peak in flight/stage':<24} {'tokens/s':>9}")
+    print(head)
+    print("-" * len(head))
+    print(f"{'single device':<16} {single['losses'][-1]:>7.4f} {single['val']:>7.4f} {0:>10.1e} {'':>7} {'':>8} "
+          f"{'':>6} {'':<24} {single['tokens_per_s']:>9.0f}")
+    for r in rows:
+        print(f"{r['schedule']:<16} {r['train']:>7.4f} {r['val']:>7.4f} {r['diff']:>10.1e} {r['bubble']:>7.1%} "
+              f"{r['formula']:>8.1%} {r['sim']:>6.1%} {str(r['peak']):<24} {r['tokens_per_s']:>9.0f}")
+    drop = 1 - single["losses"][-1] / single["losses"][0]
+    print(f"\ntrain loss {single['losses'][0]:.3f} -> {single['losses'][-1]:.3f} ({drop:.0%} lower). "
+          f"bubble: measured from the runtime's timeline (mean of the last steps); formula (K-1)/(vM+K-1); "
+          f"sim = simulator with the measured mean F/B time per stage and free communication.")
+    print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
+    bad = [r["schedule"] for r in rows if not r["diff"] <= TOLERANCE]
+    if bad:
+        print(f"FAIL: loss curve differs from single device by more than {TOLERANCE} for {', '.join(bad)}",
+              file=sys.stderr)
+        return 1
+    print(f"OK: every schedule's loss curve equals the single-device one within {TOLERANCE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
