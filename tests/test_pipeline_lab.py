@@ -1,0 +1,63 @@
+"""Gantt plot, the pipeline lab command and the benchmark command (small, fast settings)."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from labkit.pipeline import Action, TimedAction, interleaved_schedule, one_f_one_b_schedule, simulate  # noqa: E402
+from labkit.pipeline.plot import plot_timeline  # noqa: E402
+
+
+def test_plot_from_simulator_and_from_measured_timeline():
+    sim = simulate(one_f_one_b_schedule(4, 8), forward=1, backward=2)
+    ax = plot_timeline(sim, title="1F1B")
+    n_compute = sum(1 for r in sim.timeline for t in sim.timeline[r] if t.action.kind in ("F", "B"))
+    assert len(ax.patches) == n_compute + 4  # one box per F/B plus the shaded row per rank
+    assert ax.get_title(loc="left") == "1F1B: bubble 27.3%"
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts.count("0") == 8 and texts.count("7") == 8  # microbatch numbers, F and B on 4 ranks
+    plt.close(ax.figure)
+    # a measured timeline has float times and send/receive entries, which are not drawn
+    measured = {0: [TimedAction(Action("F", 0, 0), 0.0, 0.5), TimedAction(Action("SEND_F", 0, 0), 0.5, 0.5),
+                    TimedAction(Action("B", 0, 0), 2.0, 3.0)],
+                1: [TimedAction(Action("RECV_F", 1, 0), 0.0, 0.6), TimedAction(Action("F", 1, 0), 0.6, 1.0),
+                    TimedAction(Action("B", 1, 0), 1.0, 2.0)]}
+    ax = plot_timeline(measured, unit="s")
+    assert len(ax.patches) == 4 + 2
+    assert ax.get_title(loc="left") == "bubble 51.7%"  # 1 - 3.1 / (2 * 3)
+    plt.close(ax.figure)
+    ax = plot_timeline(simulate(interleaved_schedule(2, 4, 2)))
+    assert "0/2" in {t.get_text() for t in ax.texts}  # microbatch/stage when a rank holds several stages
+    plt.close(ax.figure)
+
+
+def test_lab_runs_and_matches_single_device(tmp_path, capsys):
+    from labkit.labs.pipeline import main
+    rc = main(["--world-size", "2", "--steps", "3", "--microbatches", "2", "--batch", "4", "--seq", "16",
+               "--layers", "4", "--embd", "32", "--heads", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for name in ("single device", "gpipe", "1f1b", "interleaved v=2", "OK: every schedule"):
+        assert name in out
+    assert "[2, 1]" in out  # 1F1B peak in flight per stage, K=2, M=2
+    folder = next(tmp_path.iterdir())
+    assert folder.name.startswith("pipeline-")
+    assert (folder / "timelines.png").stat().st_size > 0 and (folder / "loss_curves.png").stat().st_size > 0
+
+
+def test_lab_rejects_bad_sizes_before_starting(capsys):
+    from labkit.labs.pipeline import main
+    assert main(["--world-size", "3", "--schedule", "gpipe"]) == 2
+    assert "n_layer=8 layers cannot be split evenly into K*v=3 stages" in capsys.readouterr().err
+    assert main(["--world-size", "4", "--schedule", "interleaved", "--microbatches", "6", "--batch", "12"]) == 2
+    assert "needs M a multiple of K" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_bench_smoke(capsys):
+    from labkit.bench.pipeline import main
+    assert main(["--world-size", "2", "--steps", "1", "--warmup", "0", "--schedule", "1f1b", "--layers", "2",
+                 "--embd", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--microbatches", "4"]) == 0
+    assert "labkit/torch" in capsys.readouterr().out
