@@ -71,12 +71,13 @@ def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequ
     return _AllToAll.apply(x, [int(s) for s in output_splits], [int(s) for s in input_splits], group)
 
 
-def exchange_splits(input_splits: Sequence[int], group) -> list[int]:
+def exchange_splits(input_splits: Sequence[int], group, device=None) -> list[int]:
     """All-to-all of the split sizes: returns what every rank will send to this one
-    (``[n_{0->me}, n_{1->me}, ...]``). One int64 per rank pair (8 bytes)."""
+    (``[n_{0->me}, n_{1->me}, ...]``). One int64 per rank pair (8 bytes). ``device``: where the
+    small tensors live (the rank's CUDA device under NCCL; CPU by default)."""
     P = dist.get_world_size(group)
-    send = torch.tensor([int(s) for s in input_splits], dtype=torch.long)
-    recv = torch.empty(P, dtype=torch.long)
+    send = torch.tensor([int(s) for s in input_splits], dtype=torch.long, device=device)
+    recv = torch.empty(P, dtype=torch.long, device=device)
     comm.all_to_all_single(recv, send, [1] * P, [1] * P, group)
     return recv.tolist()
 
@@ -102,9 +103,9 @@ def all_to_all_uneven(x: torch.Tensor, input_splits: Sequence[int], output_split
                          f"but the input has {x.shape[0]} rows")
     if output_splits is not None and len(output_splits) != P:
         raise ValueError(f"rank {me}: output_split_sizes has {len(output_splits)} entries for {P} ranks")
-    incoming = exchange_splits(input_splits, group)
+    incoming = exchange_splits(input_splits, group, x.device)
     if output_splits is not None:
-        bad = torch.zeros(P, dtype=torch.long)
+        bad = torch.zeros(P, dtype=torch.long, device=x.device)
         bad[me] = int(list(map(int, output_splits)) != incoming)
         comm.all_reduce(bad, group)
         if bad.any():
@@ -170,7 +171,7 @@ class ExpertParallelMoE(MoELayer):
         output_splits = recv_counts.sum(1).tolist()
         # all-to-all #1: dispatch. Received rows are ordered by source rank, then local expert.
         received = all_to_all(rows, output_splits, input_splits, self.ep_group)
-        local_expert = torch.repeat_interleave(torch.arange(El).repeat(P), recv_counts.flatten())
+        local_expert = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(P), recv_counts.flatten())
         order = torch.argsort(local_expert, stable=True)                            # group by local expert
         out = run_experts(received[order], recv_counts.sum(0).tolist(), self.experts)
         out = out[torch.argsort(order)]                                             # back to arrival order

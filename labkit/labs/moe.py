@@ -1,0 +1,259 @@
+"""Lab: train the MoE GPT with expert parallelism and watch the experts' loads.
+
+    python -m labkit lab moe [--ep 4] [--steps 60] [--balance-steps 150] [--out DIR]
+    torchrun --nproc-per-node 4 -m labkit.labs.moe
+
+1. Trains the MoE GPT (labkit.moe.model) on the default corpus with EP = P ranks (CPU
+   processes, or one GPU per rank under torchrun) and once on a single device with the same
+   weights and data (the reference routes the global batch in P groups, the capacity rule of
+   EP), and compares the loss at every step: exit code 1 when they differ by more than 1e-4.
+2. Counts the all-to-all bytes of each MoE layer (labkit.comm.CommLog) next to the formula:
+   counts E*8 bytes; dispatch N_p*H*4 bytes (N_p = kept slots of rank p; combine the same in total).
+3. Trains three times on one device: no balancing (watch the routing collapse onto a few
+   experts), the Switch auxiliary loss, DeepSeek-V3's aux-loss-free bias; prints the
+   imbalance MaxVio = max_i load_i / mean load - 1 (Wang et al. 2024) and plots the load of
+   every expert in every MoE layer, the dropped-token fraction and the balance loss.
+PNGs go to a run folder (printed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from ..comm import CommLog
+from ..data import Corpus
+from ..dist import in_torchrun, launch
+from ..model import GPTConfig
+from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_expert_parallel
+from ..moe.losses import switch_aux_loss
+from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
+
+BALANCE_MODES = ("none", "aux", "aux_free")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0])
+    p.add_argument("--ep", type=int, default=4, help="expert-parallel ranks P (default 4; torchrun: WORLD_SIZE)")
+    p.add_argument("--steps", type=int, default=40, help="steps of the EP vs single-device comparison")
+    p.add_argument("--balance-steps", type=int, default=150, help="steps of each balancing run")
+    p.add_argument("--experts", type=int, default=8, help="routed experts E")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--moe-every", type=int, default=2, help="1: every block is MoE; 2: every other (GShard)")
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences), divisible by P")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--aux-coeff", type=float, default=0.1,
+                   help="Switch aux loss alpha (Switch used 1e-2 over long runs; a 150-step run needs more)")
+    p.add_argument("--gamma", type=float, default=1e-2, help="aux-loss-free bias update speed")
+    p.add_argument("--compare-mode", default="aux_free", choices=BALANCE_MODES,
+                   help="balancing used in the EP vs single-device comparison")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="run folder (default runs/moe-<time>)")
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def _configs(a, balance: str, groups: int):
+    cfg = GPTConfig(block_size=a.seq, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd, ffn_mult=2)
+    moe = moe_config_for(cfg, n_routed_experts=a.experts, n_activated_experts=a.top_k,
+                         capacity_factor=a.capacity_factor, token_groups=groups,
+                         aux_loss_coeff=a.aux_coeff if balance == "aux" else 0.0,
+                         expert_bias=balance == "aux_free", bias_update_rate=a.gamma)
+    return cfg, moe
+
+
+def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> dict:
+    """One training run. ``ep=True``: this rank of an EP run over ``ctx.group``; else single device
+    (routing in ``a.ep`` token groups, like the EP run). Returns per-step histories."""
+    from tqdm.auto import tqdm
+
+    P = ctx.world_size if ep else 1
+    rank = ctx.rank if ep else 0
+    device = ctx.device if ctx is not None else torch.device("cpu")
+    cfg, moe = _configs(a, balance, 1 if ep else a.ep)
+    model = MoEGPT(cfg, moe, a.moe_every, seed=a.seed)
+    if ep:
+        to_expert_parallel(model, ctx.group, rank, P)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0, foreach=True)
+    corpus = Corpus.load()
+    rows = a.batch // P
+    hist = {"loss": [], "lm": [], "loads": [], "dropped": [], "balance": [], "bytes": []}
+    bar = tqdm(range(steps), desc=f"{'EP=%d' % P if ep else 'single'} {balance}", disable=not progress,
+               leave=False, file=sys.stderr)
+    for step in bar:
+        x, y = corpus.get_batch("train", a.batch, a.seq, step, a.seed)
+        x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
+        with CommLog() as fwd_log:
+            lm, stats = model(x, y)
+        aux = total_aux_loss(stats).to(device)
+        with CommLog() as bwd_log:
+            ((lm + aux) / P).backward()
+        if ep:
+            sync_replicated_grads(model, ctx.group)
+        loads = torch.stack([s.tokens_per_expert for s in stats])              # [L_moe, E]
+        if ep:
+            loads = all_reduce_loads(loads, ctx.group)
+        for layer, load in zip(model.moe_layers(), loads):
+            layer.update_bias(load)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            diag = [float(switch_aux_loss(s.router.logits.float(), s.router.indices, 1.0)) for s in stats]
+        a2a_f = [r.nbytes for r in fwd_log.of("all_to_all")]
+        hist["loss"].append((lm + aux).item())
+        hist["lm"].append(lm.item())
+        hist["loads"].append(loads.cpu())
+        hist["dropped"].append([s.dropped_fraction for s in stats])
+        hist["balance"].append(diag)
+        hist["bytes"].append({"forward": a2a_f, "backward": [r.nbytes for r in bwd_log.of("all_to_all")]})
+        bar.set_postfix(loss=f"{hist['lm'][-1]:.3f}")
+    hist["params"] = {n: p.detach().cpu() for n, p in model.state_dict().items()}
+    return hist
+
+
+def _ep_worker(ctx, a):
+    return train(ctx, a, a.compare_mode, a.steps, ep=True, progress=ctx.rank == 0)
+
+
+def max_vio(loads: torch.Tensor) -> float:
+    """MaxVio = max_i load_i / mean(load) - 1 (Wang et al. 2024, "Auxiliary-loss-free load balancing")."""
+    loads = loads.float()
+    return float(loads.max() / loads.mean() - 1)
+
+
+def _plots(out, runs, ep_hist, a):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_moe = len(runs["none"]["loads"][0])
+    fig, axes = plt.subplots(len(runs), n_moe, figsize=(4.5 * n_moe, 3.2 * len(runs)), squeeze=False, sharey=True)
+    for i, (mode, h) in enumerate(runs.items()):
+        loads = torch.stack(h["loads"]).float()                                  # [steps, L, E]
+        frac = loads / loads.sum(-1, keepdim=True)
+        for layer in range(n_moe):
+            ax = axes[i][layer]
+            ax.stackplot(range(len(frac)), frac[:, layer].T.numpy(), labels=[f"e{e}" for e in range(frac.shape[-1])])
+            ax.set_title(f"{mode}: MoE layer {layer}")
+            ax.set_xlabel("step")
+            ax.set_ylabel("share of token-slots")
+    axes[0][-1].legend(loc="upper right", fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "expert_load.png"), dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.5))
+    for mode, h in runs.items():
+        ax[0].plot([sum(d) / len(d) for d in h["dropped"]], label=mode)
+        ax[1].plot([sum(b) / len(b) for b in h["balance"]], label=mode)
+        ax[2].plot(h["lm"], label=mode)
+    ax[0].set_title(f"dropped fraction (capacity factor {a.capacity_factor})")
+    ax[1].set_title("balance loss E*sum f_i P_i (1 = uniform)")
+    ax[2].set_title("LM loss (nats/token)")
+    for x in ax:
+        x.set_xlabel("step")
+        x.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "balance.png"), dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    per_rank = [sum(h["bytes"][0]["forward"]) + sum(h["bytes"][0]["backward"]) for h in ep_hist]
+    ax.bar([f"rank {r}" for r in range(len(per_rank))], [b / 1024 for b in per_rank])
+    ax.set_ylabel("KiB sent, step 0 (fwd + bwd)")
+    ax.set_title("all-to-all bytes per rank")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "all_to_all_bytes.png"), dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if in_torchrun():
+        a.ep = int(os.environ["WORLD_SIZE"])
+    if a.batch % a.ep:
+        print(f"--batch={a.batch} must be divisible by --ep={a.ep}", file=sys.stderr)
+        return 2
+    if a.experts % a.ep:
+        print(f"--experts={a.experts} must be divisible by --ep={a.ep}", file=sys.stderr)
+        return 2
+    torch.manual_seed(a.seed)
+    if not in_torchrun():
+        torch.set_num_threads(1)     # tiny kernels: one thread is faster and keeps the forked ranks fair
+    t0 = time.perf_counter()
+    ep_hist = launch(_ep_worker, a.ep, a, timeout=120)
+    if in_torchrun() and int(os.environ["RANK"]) != 0:
+        return 0                                              # rank 0 runs the references and reports
+    H, E, k = a.n_embd, a.experts, a.top_k
+    t_ep = time.perf_counter() - t0
+    out = a.out or os.path.join("runs", time.strftime("moe-%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    ref = train(None, a, a.compare_mode, a.steps, ep=False)
+
+    # 1. EP == single device
+    ep_loss = [sum(h["loss"][s] for h in ep_hist) / a.ep for s in range(a.steps)]
+    diff = max(abs(x - y) for x, y in zip(ep_loss, ref["loss"]))
+    El = E // a.ep
+    pdiff = 0.0
+    for r, h in enumerate(ep_hist):
+        for name, value in h["params"].items():
+            gname = name
+            if ".experts." in name:
+                head, tail = name.split(".experts.")
+                i, rest = tail.split(".", 1)
+                gname = f"{head}.experts.{r * El + int(i)}.{rest}"
+            pdiff = max(pdiff, float((value - ref["params"][gname]).abs().max()))
+    print(f"MoE GPT: {a.n_layer} layers (MoE every {a.moe_every}), H={H}, E={E}, k={k}, "
+          f"capacity factor {a.capacity_factor}, batch {a.batch}x{a.seq} tokens, balance={a.compare_mode}")
+    print(f"EP={a.ep} vs single device, {a.steps} AdamW steps: max |loss diff| {diff:.2e}, "
+          f"max |param diff| {pdiff:.2e} (EP run {t_ep:.1f} s)")
+    ok = diff <= 1e-4
+
+    # 2. all-to-all bytes, step 0, next to the formula
+    n_moe = len(ep_hist[0]["loads"][0])
+    print(f"\nall-to-all bytes per MoE layer, step 0 (sent by each rank; fp32, H={H}):")
+    print("rank  layer  counts (E*8)  dispatch  formula N_p*H*4  combine")
+    for r, h in enumerate(ep_hist):
+        fwd, bwd = h["bytes"][0]["forward"], h["bytes"][0]["backward"]
+        kept = [round((1 - d) * (a.batch // a.ep) * a.seq * k) for d in h["dropped"][0]]
+        for layer in range(n_moe):
+            c, d, cb = fwd[3 * layer: 3 * layer + 3]
+            print(f"{r:>4}  {layer:>5}  {c:>5} ({E * 8:>4})  {d:>8}  {kept[layer] * H * 4:>15}  {cb:>7}")
+        print(f"{'':>4}  total backward all-to-all bytes this rank: {sum(bwd)} (= dispatch + combine of all layers)")
+
+    # 3. balancing runs
+    runs = {}
+    for mode in BALANCE_MODES:
+        runs[mode] = train(None, a, mode, a.balance_steps, ep=False)
+    print(f"\nbalancing, {a.balance_steps} steps on one device (loads of the last 10 steps):")
+    print(f"{'mode':>9}  {'LM loss':>7}  {'MaxVio per layer':>18}  {'dropped':>7}  {'balance loss':>12}  busiest expert share")
+    for mode, h in runs.items():
+        last = torch.stack(h["loads"][-10:]).sum(0)                             # [L, E]
+        vio = " ".join(f"{max_vio(l):.2f}" for l in last)
+        share = " ".join(f"{float(l.max() / l.sum()):.2f}" for l in last)
+        dropped = sum(sum(d) / len(d) for d in h["dropped"][-10:]) / 10
+        bal = sum(sum(b) / len(b) for b in h["balance"][-10:]) / 10
+        print(f"{mode:>9}  {sum(h['lm'][-10:]) / 10:7.3f}  {vio:>18}  {dropped:7.3f}  {bal:12.3f}  {share}")
+    if not a.no_plots:
+        _plots(out, runs, ep_hist, a)
+        print(f"\nplots: {os.path.join(out, 'expert_load.png')}, balance.png, all_to_all_bytes.png")
+    print(f"run folder: {out}")
+    print(f"total time {time.perf_counter() - t0:.1f} s")
+    if not ok:
+        print(f"MISMATCH: EP and single-device losses differ by {diff:.2e} > 1e-4", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

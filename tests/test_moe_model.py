@@ -1,0 +1,142 @@
+"""MoE GPT (single device and expert parallel), parameter counts, the lab and bench commands."""
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from labkit.dist import launch
+from labkit.model import Block, GPTConfig
+from labkit.moe import (DEEPSEEK_V3, MIXTRAL_8X7B, Expert, ModelSpec, MoEBlock, MoEGPT, count_parameters,
+                        moe_config_for, sync_replicated_grads, to_expert_parallel, total_aux_loss)
+from labkit.moe.expert_parallel import all_reduce_loads
+
+CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16, ffn_mult=2)
+MOE = moe_config_for(CFG, n_routed_experts=4, n_activated_experts=2, capacity_factor=1.0, aux_loss_coeff=0.1,
+                     z_loss_coeff=1e-3, n_shared_experts=1, expert_bias=True, bias_update_rate=0.05)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g)
+
+
+def test_moe_gpt_every_other_layer_and_aux():
+    model = MoEGPT(replace(CFG, n_layer=4), MOE, moe_layer_freq=2, seed=0)
+    kinds = [type(b) for b in model.blocks]
+    assert kinds == [Block, MoEBlock, Block, MoEBlock]
+    assert all(not hasattr(b, "mlp") for b in model.blocks if isinstance(b, MoEBlock))
+    loss, stats = model(*_batch(0))
+    assert len(stats) == 2 and loss.dim() == 0
+    assert torch.equal(total_aux_loss(stats), stats[0].aux_loss + stats[1].aux_loss)
+    assert all(int(s.tokens_per_expert.sum()) == 64 * 2 for s in stats)
+    logits, _ = model(_batch(0)[0])
+    assert logits.shape == (4, 16, 256)
+    # deterministic from the seed
+    again = MoEGPT(replace(CFG, n_layer=4), MOE, moe_layer_freq=2, seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+
+
+def _sgd_steps(model, P, rank, group, steps=3, lr=0.1):
+    out = []
+    rows = 4 // P
+    for step in range(steps):
+        x, y = _batch(step)
+        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        model.zero_grad(set_to_none=True)
+        loss, stats = model(x, y)
+        ((loss + total_aux_loss(stats)) / P).backward()
+        loads = torch.stack([s.tokens_per_expert for s in stats])
+        if group is not None:
+            sync_replicated_grads(model, group)
+            loads = all_reduce_loads(loads, group)
+        out.append({"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        for layer, load in zip(model.moe_layers(), loads):
+            layer.update_bias(load)
+    out.append({n: t.clone() for n, t in model.state_dict().items()})
+    return out
+
+
+def _ep_gpt_worker(ctx):
+    model = MoEGPT(CFG, MOE, moe_layer_freq=1, seed=3)
+    to_expert_parallel(model, ctx.group, ctx.rank, ctx.world_size)
+    return _sgd_steps(model, ctx.world_size, ctx.rank, ctx.group)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_ep_moe_gpt_matches_single_device(P):
+    ep = launch(_ep_gpt_worker, P)
+    ref = _sgd_steps(MoEGPT(CFG, replace(MOE, token_groups=P), moe_layer_freq=1, seed=3), 1, 0, None)
+    El = MOE.n_routed_experts // P
+
+    def gname(name, r):
+        if ".experts." not in name:
+            return name
+        head, tail = name.split(".experts.")
+        i, rest = tail.split(".", 1)
+        return f"{head}.experts.{r * El + int(i)}.{rest}"
+
+    for step in range(3):
+        assert sum(ep[r][step]["loss"] for r in range(P)) / P == pytest.approx(ref[step]["loss"], rel=1e-6)
+        for r in range(P):
+            for name, g in ep[r][step]["grads"].items():
+                torch.testing.assert_close(g, ref[step]["grads"][gname(name, r)], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"step {step} rank {r} {name}: {m}")
+    for r in range(P):
+        for name, v in ep[r][3].items():
+            torch.testing.assert_close(v, ref[3][gname(name, r)], rtol=1e-5, atol=1e-6)
+
+
+def test_published_parameter_counts():
+    mix = count_parameters(MIXTRAL_8X7B)
+    assert 46.5e9 < mix.total < 47.0e9              # ~47B, not 8 x 7B = 56B
+    assert 12.7e9 < mix.active < 13.1e9             # ~13B active per token
+    v3 = count_parameters(DEEPSEEK_V3)
+    assert 670.5e9 < v3.total < 671.5e9             # 671B (main model, MTP excluded)
+    assert 36.5e9 < v3.active < 38.0e9              # ~37B active
+    mtp = count_parameters(DEEPSEEK_V3, include_mtp=True).breakdown["mtp"]
+    assert 13e9 < mtp < 14.5e9                      # published: 14B MTP module weights
+
+
+class _TinyAttn(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.q = nn.Linear(s.hidden, s.n_heads * s.head_dim, bias=False)
+        self.k = nn.Linear(s.hidden, s.n_kv_heads * s.head_dim, bias=False)
+        self.v = nn.Linear(s.hidden, s.n_kv_heads * s.head_dim, bias=False)
+        self.o = nn.Linear(s.n_heads * s.head_dim, s.hidden, bias=False)
+
+
+def test_parameter_count_matches_modules():
+    s = ModelSpec(name="tiny", vocab_size=50, hidden=12, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=3,
+                  n_dense_layers=1, dense_ffn=20, moe_ffn=8, n_routed_experts=6, n_activated_experts=2,
+                  n_shared_experts=1)
+    layers = []
+    for i in range(3):
+        ffn = ([Expert(12, 20, "swiglu")] if i < 1 else
+               [nn.Linear(12, 6, bias=False)] + [Expert(12, 8, "swiglu") for _ in range(7)])
+        layers.append(nn.ModuleList([_TinyAttn(s), nn.RMSNorm(12), nn.RMSNorm(12)] + ffn))
+    model = nn.ModuleList(layers + [nn.Embedding(50, 12), nn.RMSNorm(12), nn.Linear(12, 50, bias=False)])
+    count = count_parameters(s)
+    assert count.total == sum(p.numel() for p in model.parameters())
+    per_expert = 3 * 12 * 8
+    assert count.total - count.active == 2 * (6 - 2) * per_expert
+
+
+def test_lab_runs_and_matches():
+    from labkit.labs.moe import main
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--ep", "2", "--steps", "3", "--balance-steps", "3", "--batch", "4", "--seq", "16",
+                     "--n-embd", "16", "--n-layer", "2", "--experts", "4", "--no-plots", "--out", "/tmp/labkit-moe-test"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_lab_rejects_bad_sizes(capsys):
+    from labkit.labs.moe import main
+    assert main(["--ep", "4", "--batch", "6"]) == 2
+    assert "--batch=6 must be divisible by --ep=4" in capsys.readouterr().err
