@@ -1,0 +1,220 @@
+"""``python -m labkit build``: write the learner notebooks ``notebooks/`` from ``solutions/``.
+
+The solution notebooks are the single source. In a solution code cell the exercise cell starts
+with a line ``# Exercise N.k: <one-line task>`` and the learner's part sits between the lines
+``### BEGIN SOLUTION`` and ``### END SOLUTION`` (indented like the code around them). The
+learner version of each notebook:
+
+* replaces each region (markers included) with ``raise NotImplementedError("Exercise N.k: <task>")``
+  at the region's indentation;
+* clears every output and execution count, drops execution-timing metadata;
+* tags exercise cells ``raises-exception`` so nbval and the grader accept the stub's exception
+  (tag other cells that *use* an exercise's answer ``raises-exception`` in the solution);
+* records ``metadata.labkit.notebook`` (the solution's stem) so the grader still knows the
+  notebook when a learner renames the file.
+
+Output is deterministic (nbformat's stable JSON, the solution's cell ids).
+
+Usage::
+
+    python -m labkit build                     # write notebooks/*.ipynb
+    python -m labkit build --check             # exit 1 naming each notebook that is stale
+    python -m labkit build --execute [NAME...] # re-run solutions (in place, nbclient), then build
+
+NAME is a notebook stem or its number prefix ("01" or "01_pipeline_bubble").
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+__all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "execute_notebook", "main",
+           "BuildError", "find_root"]
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+EXERCISE_RE = re.compile(r"^\s*#\s*Exercise\s+(\d+(?:\.\d+)*)\s*:\s*(.+?)\s*$")
+EXCEPTION_TAG = "raises-exception"
+_DROP_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
+
+
+class BuildError(ValueError):
+    """A solution notebook that cannot be turned into a learner notebook (message names it)."""
+
+
+def find_root(start: Path | None = None) -> Path:
+    """The repository root: ``start`` (default: cwd) or a parent holding ``solutions/``,
+    else the folder above the installed ``labkit`` package."""
+    here = (start or Path.cwd()).resolve()
+    for p in (here, *here.parents):
+        if (p / "solutions").is_dir():
+            return p
+    return Path(__file__).resolve().parents[2]
+
+
+def _exercise_header(source: str):
+    for line in source.splitlines():
+        if line.strip():
+            m = EXERCISE_RE.match(line)
+            return (m.group(1), m.group(2)) if m else None
+    return None
+
+
+def _stub_source(source: str, where: str) -> str:
+    """Replace each solution region of ``source`` by the NotImplementedError stub."""
+    header = _exercise_header(source)
+    if header is None:
+        raise BuildError(f"{where}: a cell with '{BEGIN}' must start with '# Exercise N.k: <task>'")
+    ex_id, task = header
+    message = f"Exercise {ex_id}: {task}".replace("\\", "\\\\").replace('"', '\\"')
+    out, inside, indent = [], False, ""
+    for n, line in enumerate(source.split("\n"), 1):
+        stripped = line.strip()
+        if stripped == BEGIN:
+            if inside:
+                raise BuildError(f"{where}, line {n}: '{BEGIN}' inside another solution region")
+            inside, indent = True, line[: len(line) - len(line.lstrip())]
+            out.append(f'{indent}raise NotImplementedError("{message}")')
+        elif stripped == END:
+            if not inside:
+                raise BuildError(f"{where}, line {n}: '{END}' without '{BEGIN}'")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise BuildError(f"{where}: '{BEGIN}' is never closed by '{END}'")
+    return "\n".join(out)
+
+
+def learner_version(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
+    """The learner notebook for solution notebook ``nb`` (stem ``name``); ``nb`` is unchanged."""
+    nb = copy.deepcopy(nb)
+    for i, cell in enumerate(nb.cells, 1):
+        for key in _DROP_CELL_METADATA:
+            cell.metadata.pop(key, None)
+        where = f"solutions/{name}.ipynb, cell {i}"
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+            if any(l.strip() == BEGIN for l in cell.source.splitlines()):
+                cell.source = _stub_source(cell.source, where)
+                tags = list(cell.metadata.get("tags", []))
+                if EXCEPTION_TAG not in tags:
+                    tags.append(EXCEPTION_TAG)
+                cell.metadata["tags"] = tags
+            elif any(l.strip() == END for l in cell.source.splitlines()):
+                raise BuildError(f"{where}: '{END}' without '{BEGIN}'")
+        elif BEGIN in cell.source:
+            raise BuildError(f"{where}: solution regions are only allowed in code cells")
+    nb.metadata["labkit"] = {"notebook": name}
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
+def build_text(solution_path: Path) -> str:
+    """The exact text ``build`` writes for ``solution_path``."""
+    nb = nbformat.read(str(solution_path), as_version=4)
+    learner = learner_version(nb, solution_path.stem)
+    nbformat.validate(learner)
+    return nbformat.writes(learner) + "\n"
+
+
+def _solutions(root: Path) -> list[Path]:
+    return sorted((root / "solutions").glob("*.ipynb"))
+
+
+def build_all(root: Path) -> list[Path]:
+    """Write ``notebooks/NAME.ipynb`` for every ``solutions/NAME.ipynb``; return the written paths."""
+    out_dir = root / "notebooks"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    for sol in _solutions(root):
+        target = out_dir / sol.name
+        text = build_text(sol)
+        if not target.exists() or target.read_text(encoding="utf-8") != text:
+            target.write_text(text, encoding="utf-8")
+        written.append(target)
+    return written
+
+
+def stale_notebooks(root: Path) -> list[str]:
+    """Descriptions of each ``notebooks/`` file that differs from what ``build`` would write."""
+    problems = []
+    sols = _solutions(root)
+    for sol in sols:
+        target = root / "notebooks" / sol.name
+        if not target.exists():
+            problems.append(f"notebooks/{sol.name} is missing")
+        elif target.read_text(encoding="utf-8") != build_text(sol):
+            problems.append(f"notebooks/{sol.name} is stale (differs from solutions/{sol.name})")
+    names = {s.name for s in sols}
+    for extra in sorted((root / "notebooks").glob("*.ipynb")):
+        if extra.name not in names:
+            problems.append(f"notebooks/{extra.name} has no solutions/{extra.name}")
+    return problems
+
+
+def execute_notebook(path: Path, timeout: int = 600) -> None:
+    """Execute ``path`` in place with nbclient (kernel ``python3`` of this environment), with
+    ``LABKIT_STRICT=1`` so a failing check stops it; outputs are saved, timing is not."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(str(path), as_version=4)
+    env = dict(os.environ, LABKIT_STRICT="1")
+    env.pop("LABKIT_RESULTS_FILE", None)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute(env=env)
+    for cell in nb.cells:
+        for key in _DROP_CELL_METADATA:
+            cell.metadata.pop(key, None)
+    nbformat.write(nb, str(path))
+
+
+def _select(root: Path, names: list[str]) -> list[Path]:
+    sols = _solutions(root)
+    if not names:
+        return sols
+    chosen = []
+    for name in names:
+        stem = Path(name).stem
+        hits = [s for s in sols if s.stem == stem or s.stem.split("_")[0] == stem]
+        if not hits:
+            raise BuildError(f"no solution notebook matches {name!r}; have {', '.join(s.stem for s in sols)}")
+        chosen += [h for h in hits if h not in chosen]
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m labkit build", description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="fail (exit 1) when notebooks/ is stale")
+    p.add_argument("--execute", nargs="*", metavar="NAME", default=None,
+                   help="execute these solution notebooks (all when none named) in place first")
+    p.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
+    a = p.parse_args(argv)
+    root = a.root.resolve() if a.root else find_root()
+    try:
+        if a.execute is not None:
+            for path in _select(root, a.execute):
+                print(f"executing solutions/{path.name}", flush=True)
+                execute_notebook(path)
+        if a.check:
+            problems = stale_notebooks(root)
+            for line in problems:
+                print(line, file=sys.stderr)
+            if problems:
+                print("run `python -m labkit build` and commit notebooks/", file=sys.stderr)
+                return 1
+            print(f"notebooks/ is up to date ({len(_solutions(root))} notebooks)")
+            return 0
+        for path in build_all(root):
+            print(f"wrote {path.relative_to(root)}")
+    except BuildError as e:
+        print(f"build error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,144 @@
+"""Exercises of notebook 00_distributed_primer: collectives and a ring all-reduce.
+
+The ring all-reduce (Patarasuk & Yuan 2009; used by Horovod and NCCL) runs a reduce-scatter
+(N-1 steps) then an all-gather (N-1 steps) around a ring of N ranks, so each rank sends
+2(N-1)/N of the tensor, independent of N.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ...dist import launch
+from ..registry import CheckFailure, exercise, expect_close, expect_equal
+
+# ----------------------------------------------------------------------------- 0.1
+ex01 = exercise(
+    "0.1", title="what each rank holds after reduce-scatter", notebook="00_distributed_primer", points=2,
+    hint="Cut every rank's input into N equal chunks; rank i ends with the SUM over ranks of chunk i.")
+
+
+def _rs_inputs(N: int, c: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(-9, 10, (N * c,), generator=g).float() for _ in range(N)]
+
+
+def _gloo_reduce_scatter(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Ground truth: the real collective on len(inputs) gloo ranks."""
+    N = len(inputs)
+
+    def body(ctx, inputs):
+        out = torch.empty(inputs[ctx.rank].numel() // N)
+        dist.reduce_scatter_tensor(out, inputs[ctx.rank].clone(), group=ctx.group)
+        return out
+
+    return launch(body, N, inputs, timeout=10)
+
+
+def _rs_case(N: int, c: int, seed: int):
+    def case(reduce_scatter_by_hand):
+        inputs = _rs_inputs(N, c, seed)
+        given = [x.clone() for x in inputs]
+        got = reduce_scatter_by_hand(given)
+        expected = _gloo_reduce_scatter(inputs)
+        expect_equal(type(got) in (list, tuple), True, f"reduce_scatter_by_hand(N={N}) returns a list")
+        expect_close(list(got), expected, f"reduce_scatter_by_hand(inputs of {N} ranks x {N * c} elements)")
+    return case
+
+
+ex01.case("N=2 ranks, 3 elements per chunk")(_rs_case(2, 3, 0))
+ex01.case("N=4 ranks, 2 elements per chunk")(_rs_case(4, 2, 1))
+ex01.case("N=3 ranks, 1 element per chunk", hidden=True)(_rs_case(3, 1, 2))
+ex01.case("N=1 rank", hidden=True)(_rs_case(1, 5, 3))
+
+
+# ----------------------------------------------------------------------------- 0.2
+ex02 = exercise(
+    "0.2", title="ring all-reduce from send/recv", notebook="00_distributed_primer", points=4,
+    hint="Split the tensor into N chunks. N-1 reduce-scatter steps (send chunk (r-s)%N to r+1, add the "
+         "one received from r-1), then N-1 all-gather steps (pass the finished chunks on, overwriting).")
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                "all_to_all", "all_to_all_single", "broadcast", "reduce", "all_reduce_coalesced")
+
+
+@contextlib.contextmanager
+def _p2p_only(counter: dict):
+    """Inside a rank: collectives raise; send/isend count the elements they send."""
+    saved = []
+
+    def forbid(name):
+        def f(*a, **k):
+            raise CheckFailure(f"ring_all_reduce must use send/recv only, but it called {name}")
+        return f
+
+    def counting(fn):
+        def f(tensor, *a, **k):
+            counter["elements"] += tensor.numel()
+            return fn(tensor, *a, **k)
+        return f
+
+    for mod in (dist, c10d):
+        for name in _COLLECTIVES:
+            if hasattr(mod, name):
+                saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, forbid(name))
+    # one wrapper object for both modules: dist.P2POp accepts only c10d's current isend
+    send, isend = counting(c10d.send), counting(c10d.isend)
+    for mod in (dist, c10d):
+        saved += [(mod, "send", getattr(mod, "send")), (mod, "isend", getattr(mod, "isend"))]
+        mod.send, mod.isend = send, isend
+    try:
+        yield counter
+    finally:
+        for mod, name, fn in reversed(saved):
+            setattr(mod, name, fn)
+
+
+def _run_ring(ring_all_reduce, N: int, numel: int, seed: int):
+    def body(ctx, ring_all_reduce):
+        torch.manual_seed(seed + ctx.rank)
+        x = torch.randn(numel)
+        mine = x.clone()
+        counter = {"elements": 0}
+        with _p2p_only(counter):
+            out = ring_all_reduce(ctx, x)
+        if out is None:
+            out = x  # reduced in place
+        if not isinstance(out, torch.Tensor):
+            raise CheckFailure(f"ring_all_reduce returned {type(out).__name__}, not a tensor")
+        return {"input": mine, "output": out.detach().clone(), "sent": counter["elements"]}
+
+    return launch(body, N, ring_all_reduce, timeout=5)
+
+
+def _ring_case(N: int, numel: int, seed: int):
+    def case(ring_all_reduce):
+        res = _run_ring(ring_all_reduce, N, numel, seed)
+        expected = torch.stack([r["input"] for r in res]).sum(0)
+        for r in range(N):
+            expect_close(res[r]["output"], expected,
+                         f"rank {r} of N={N}, {numel} elements (compared with all_reduce)", rtol=1e-5, atol=1e-5)
+    return case
+
+
+ex02.case("N=2 ranks, 6 elements")(_ring_case(2, 6, 10))
+ex02.case("N=3 ranks, 7 elements (uneven chunks)")(_ring_case(3, 7, 20))
+ex02.case("N=4 ranks, 16 elements")(_ring_case(4, 16, 30))
+ex02.case("N=4 ranks, 3 elements (an empty chunk)", hidden=True)(_ring_case(4, 3, 40))
+ex02.case("N=5 ranks, 11 elements", hidden=True, timeout=15)(_ring_case(5, 11, 50))
+ex02.case("N=1 rank", hidden=True)(_ring_case(1, 4, 60))
+
+
+@ex02.case("each rank sends 2(N-1)/N of the tensor", hidden=True)
+def _(ring_all_reduce):
+    N, numel = 4, 16
+    res = _run_ring(ring_all_reduce, N, numel, 70)
+    limit = 2 * (N - 1) * numel // N
+    for r in range(N):
+        if res[r]["sent"] > limit:
+            raise CheckFailure(f"rank {r} sent {res[r]['sent']} elements; a ring all-reduce of {numel} "
+                               f"elements on N={N} ranks sends 2(N-1)/N x {numel} = {limit}")

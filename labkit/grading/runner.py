@@ -1,0 +1,297 @@
+"""Running an exercise's cases against an answer, and the one line ``check`` prints.
+
+Each case runs in a forked child process (fork keeps functions defined in a notebook usable):
+
+* the child gets its own process group, so at the time limit the parent kills the child and
+  every rank it launched (``labkit.dist.launch`` forks from it) with one ``killpg``;
+* the child's stdout/stderr (Python objects and file descriptors 1/2) are redirected to
+  /dev/null, so what the learner's code prints never reaches the notebook in random order;
+* only a small picklable verdict travels back through a pipe: a status and a one-line
+  message, never the learner's objects.
+
+Statuses: ``passed``, ``failed``, ``not_attempted`` (the answer raised NotImplementedError,
+i.e. it is still the stub; directly or inside a rank of ``launch``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import select
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch  # imported here, before any fork, so case children never pay for it
+
+from ..dist import RankError
+from .registry import Case, CheckFailure, Exercise, get_exercise
+
+__all__ = ["CaseResult", "CheckResult", "run_case", "evaluate", "format_line", "RESULTS_ENV", "STRICT_ENV"]
+
+RESULTS_ENV = "LABKIT_RESULTS_FILE"  # set by the grader: check() appends one JSON line per case
+STRICT_ENV = "LABKIT_STRICT"  # "1": check() raises when an exercise is not passed
+MAX_MESSAGE = 400  # characters of a case message shown on the one line
+
+
+@dataclass
+class CaseResult:
+    """Verdict of one case: ``status`` in passed | failed | not_attempted; one-line ``message``."""
+
+    name: str
+    hidden: bool
+    status: str
+    message: str = ""
+
+
+@dataclass
+class CheckResult:
+    """What ``check`` returns: ``status`` (passed | failed | not_attempted), ``passed`` and
+    ``total`` case counts, the printed ``message`` line, and per-case ``cases``.
+
+    In a notebook the result displays nothing (``_ipython_display_``), so a ``check(...)``
+    on a cell's last line adds no ``Out[...]`` line; ``repr`` is deterministic.
+    """
+
+    exercise: str
+    status: str
+    passed: int
+    total: int
+    message: str
+    cases: list[CaseResult] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.status == "passed"
+
+    def __repr__(self) -> str:
+        return f"CheckResult(exercise={self.exercise!r}, status={self.status!r}, passed={self.passed}, total={self.total})"
+
+    def _ipython_display_(self) -> None:  # the line was already printed by check()
+        return None
+
+
+def _one_line(text: str, limit: int = MAX_MESSAGE) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_BACKEND_NOISE = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+_STALLED = re.compile(r"timed out|timeout|connection closed|connection reset", re.I)
+
+
+def _clean_backend_text(text: str) -> str:
+    """First sentence of a gloo/NCCL message without the C++ source location."""
+    text = _BACKEND_NOISE.sub("", " ".join(str(text).split()))
+    cut = text.find(". This is typically")
+    return text[:cut + 1] if cut >= 0 else text
+
+
+def _verdict(exc: BaseException) -> tuple[str, str]:
+    """Map an exception raised by a case to (status, message)."""
+    if isinstance(exc, NotImplementedError):
+        return "not_attempted", _one_line(str(exc) or "NotImplementedError")
+    if isinstance(exc, CheckFailure):
+        return "failed", _one_line(str(exc))
+    if isinstance(exc, RankError):
+        if exc.exc_type == "NotImplementedError":
+            return "not_attempted", _one_line(exc.original_message)
+        if exc.exc_type == "CheckFailure":
+            return "failed", _one_line(f"rank {exc.rank}: {exc.original_message}")
+        text = _clean_backend_text(exc.original_message)
+        if _STALLED.search(text):
+            text += " (a send/recv or collective never completed: a deadlock, or a peer that stopped early)"
+        return "failed", _one_line(f"rank {exc.rank} raised {exc.exc_type}: {text}")
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return "failed", _one_line(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+
+
+def _fmt_seconds(t: float) -> str:
+    return f"{int(t)} s" if float(t).is_integer() else f"{t:g} s"
+
+
+def _child(case: Case, answer: Any, wfd: int) -> None:
+    """Body of the forked child: run the case, write (status, message) to ``wfd``, exit."""
+    status, message = "failed", "the case process ended without a verdict"
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = open(os.devnull, "w")
+        torch.set_num_threads(1)  # a forked child can hang in threaded kernels otherwise
+        try:
+            case.fn(answer)
+            status, message = "passed", ""
+        except BaseException as e:  # noqa: BLE001 - every exception is a verdict
+            status, message = _verdict(e)
+    except BaseException as e:  # noqa: BLE001
+        status, message = "failed", _one_line(f"grader error: {type(e).__name__}: {e}")
+    try:
+        os.write(wfd, pickle.dumps((status, message)))
+    finally:
+        os._exit(0)
+
+
+def run_case(case: Case, answer: Any) -> CaseResult:
+    """Run ``case`` against ``answer`` in a forked child, stopped after ``case.timeout`` s."""
+    rfd, wfd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(rfd)
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass
+        _child(case, answer, wfd)
+    os.close(wfd)
+    try:
+        os.setpgid(pid, pid)  # both sides set it: no race with an early kill
+    except OSError:
+        pass
+    deadline = time.monotonic() + case.timeout
+    chunks, timed_out = [], False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([rfd], [], [], left)
+            if not ready:
+                continue
+            data = os.read(rfd, 65536)
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(rfd)
+        if timed_out:
+            _kill_group(pid)
+        else:
+            _reap(pid)
+    if timed_out:
+        return CaseResult(case.name, case.hidden, "failed",
+                          f"did not finish within the time limit of {_fmt_seconds(case.timeout)} (stopped)")
+    try:
+        status, message = pickle.loads(b"".join(chunks))
+    except Exception:
+        status, message = "failed", "the case process died before reporting (crashed or was killed)"
+    return CaseResult(case.name, case.hidden, status, message)
+
+
+def _kill_group(pid: int) -> None:
+    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            target()
+        except (ProcessLookupError, PermissionError):
+            pass
+    _reap(pid)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+    # ranks launched by the case (same process group) must not outlive it
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False) -> CheckResult:
+    """Run every case of ``exercise_id`` against ``answer``; return a :class:`CheckResult`.
+
+    Prints nothing and never raises for a wrong answer (KeyError for an unknown id).
+    With ``stop_at_first_failure`` the cases after the first failing one are not run (they
+    count as failed). Once a case finds the stub (NotImplementedError) the remaining cases
+    are not run and the exercise is "not attempted".
+    """
+    ex = get_exercise(exercise_id)
+    results: list[CaseResult] = []
+    for i, case in enumerate(ex.cases):
+        r = run_case(case, answer)
+        results.append(r)
+        if r.status == "not_attempted":
+            results += [CaseResult(c.name, c.hidden, "not_attempted", "not run: the stub raises NotImplementedError")
+                        for c in ex.cases[i + 1:]]
+            break
+        if r.status == "failed" and stop_at_first_failure:
+            results += [CaseResult(c.name, c.hidden, "failed", "not run (an earlier case failed)")
+                        for c in ex.cases[i + 1:]]
+            break
+    passed = sum(r.status == "passed" for r in results)
+    if any(r.status == "not_attempted" for r in results):
+        status = "not_attempted"
+    elif passed == len(ex.cases):
+        status = "passed"
+    else:
+        status = "failed"
+    res = CheckResult(ex.id, status, passed, len(ex.cases), "", results)
+    res.message = format_line(ex, res)
+    return res
+
+
+def format_line(ex: Exercise, res: CheckResult) -> str:
+    """The one deterministic line ``check`` prints for ``res``."""
+    if not ex.cases:
+        return f"{ex.label}: no cases are registered for this exercise."
+    if res.status == "passed":
+        return f"{ex.label}: passed, {res.total}/{res.total} cases."
+    if res.status == "not_attempted":
+        return f"{ex.label}: not attempted (the stub still raises NotImplementedError)."
+    first = next(r for r in res.cases if r.status == "failed")
+    hint = f" Hint: {ex.hint}" if ex.hint else ""
+    if first.hidden:
+        what = "a hidden case failed (its details are not shown)."
+        if "time limit" in first.message:
+            what = f"a hidden case failed: {first.message}."
+        return f"{ex.label}: failed: {what}{hint}"
+    msg = first.message.rstrip(".")
+    return f"{ex.label}: failed case \"{first.name}\": {msg}.{hint}"
+
+
+def _record(ex: Exercise, res: CheckResult) -> None:
+    path = os.environ.get(RESULTS_ENV)
+    if not path:
+        return
+    call = f"{os.getpid()}-{time.monotonic_ns()}"
+    with open(path, "a", encoding="utf-8") as f:
+        for r in res.cases:
+            f.write(json.dumps({"call": call, "exercise": ex.id, "notebook": ex.notebook, "case": r.name,
+                                "hidden": r.hidden, "status": r.status, "message": r.message,
+                                "line": res.message}) + "\n")
+
+
+class CheckNotPassed(AssertionError):
+    """Raised by ``check`` under ``LABKIT_STRICT=1`` when an exercise is not passed."""
+
+
+def check(exercise_id: str, answer: Any) -> CheckResult:
+    """Check ``answer`` against exercise ``exercise_id`` and print ONE line.
+
+    The line says "passed, n/n cases"; or "failed case "<name>": <what: expected X, got Y>.
+    Hint: ..." for the first failing public case ("a hidden case failed" for a hidden one);
+    or "not attempted" while the answer is still the stub (raises NotImplementedError).
+
+    Never raises for a wrong answer, so later cells still run, unless env
+    ``LABKIT_STRICT=1``: then anything but "passed" raises :class:`CheckNotPassed` (CI runs
+    solutions/ this way). Returns a :class:`CheckResult` that displays nothing in a notebook.
+    Under the grader (env ``LABKIT_RESULTS_FILE``) every case runs and is recorded;
+    otherwise the cases stop at the first failure. An unknown id raises KeyError.
+    """
+    ex = get_exercise(exercise_id)
+    grading = bool(os.environ.get(RESULTS_ENV))
+    res = evaluate(ex.id, answer, stop_at_first_failure=not grading)
+    print(res.message, flush=True)
+    _record(ex, res)
+    if os.environ.get(STRICT_ENV, "") not in ("", "0") and res.status != "passed":
+        raise CheckNotPassed(res.message)
+    return res
