@@ -281,3 +281,21 @@ def test_stages_are_built_from_the_same_weights():
     for st in split_gpt(model, 8):
         h = st(h)
     torch.testing.assert_close(h, model(x), rtol=0, atol=0)
+
+
+def _dropout_recompute(ctx):
+    cfg = GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=16, dropout=0.2)
+    out = []
+    for recompute in (False, True):
+        mods = gpt_stages_for_rank(GPT(cfg, seed=0), 2, 1, ctx.rank)
+        sched = Schedule1F1B(PipelineStage(mods[0], ctx.rank, 2, group=ctx.group), 4, lm_loss, recompute=recompute)
+        torch.manual_seed(1234 + ctx.rank)
+        sched.step(*_batch(0)[:1], target=_batch(0)[1])
+        out.append(_named_grads(mods))
+    return out
+
+
+def test_recompute_replays_dropout_masks():
+    """With dropout, the recomputed forward must draw the same masks as the first one."""
+    for no_rc, rc in launch(_dropout_recompute, 2, timeout=30):
+        assert all(torch.equal(no_rc[n], rc[n]) for n in no_rc)

@@ -52,6 +52,31 @@ __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.long, torch.int32]
 
 
+def _rng_state(device: torch.device):
+    """RNG state(s) that a stage forward on ``device`` draws from (CPU, plus CUDA on GPU)."""
+    cpu = torch.get_rng_state()
+    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu, None)
+
+
+class _replay_rng:
+    """Run a block with the RNG state saved by :func:`_rng_state`, then restore the current
+    one: the recomputed forward draws the same dropout masks as the original."""
+
+    def __init__(self, device, state):
+        self.device, self.state = device, state
+
+    def __enter__(self):
+        self.saved = _rng_state(self.device)
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc):
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1], self.device)
+
+
 class PipelineStage:
     """One stage of the model on this rank.
 
@@ -161,7 +186,7 @@ class PipelineSchedule:
             elif stage_rank(s - 1, self.K) == self.rank:
                 shape, dtype = prev_out
             else:
-                meta = torch.zeros(8, dtype=torch.long)
+                meta = torch.zeros(8, dtype=torch.long, device=st.device)
                 comm.recv(meta, self._peer(s - 1), self.group)
                 n = int(meta[0])
                 shape, dtype = tuple(int(d) for d in meta[1:1 + n]), _DTYPES[int(meta[7])]
@@ -172,9 +197,9 @@ class PipelineSchedule:
             if s < self.num_stages - 1 and stage_rank(s + 1, self.K) != self.rank:
                 if out.dim() > 6:
                     raise ValueError(f"stage {s} output has {out.dim()} dims; at most 6 are supported")
-                meta = torch.zeros(8, dtype=torch.long)
+                meta = torch.zeros(8, dtype=torch.long, device=st.device)
                 meta[0] = out.dim()
-                meta[1:1 + out.dim()] = torch.tensor(out.shape)
+                meta[1:1 + out.dim()] = torch.tensor(out.shape, device=st.device)
                 meta[7] = _DTYPES.index(out.dtype)
                 comm.send(meta, self._peer(s + 1), self.group)
         return shapes
@@ -282,8 +307,7 @@ class PipelineSchedule:
                 inp = inputs.pop((s, m))
                 out = outputs.pop((s, m))
                 if self.recompute:
-                    with torch.random.fork_rng(devices=[]):
-                        torch.set_rng_state(rng.pop((s, m)))
+                    with _replay_rng(st.device, rng.pop((s, m))):  # same dropout masks as the forward
                         out = st.submod(inp)
                     if st.is_last:
                         out = self.loss_fn(out, t_mbs[m]) / M if t_mbs is not None else out
@@ -328,7 +352,7 @@ class PipelineSchedule:
             with torch.no_grad():
                 return (*run(), 0)
         if self.recompute:
-            rng[(s, m)] = torch.get_rng_state()
+            rng[(s, m)] = _rng_state(st.device)
             with torch.no_grad():
                 out, loss = run()
             return out, loss, inp.numel() * inp.element_size()
