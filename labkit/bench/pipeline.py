@@ -34,19 +34,19 @@ def _worker(ctx, a):
     cfg = GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
     model = GPT(cfg, seed=0)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (a.batch, a.seq), generator=g)
-    y = torch.randint(0, 256, (a.batch, a.seq), generator=g)
+    x = torch.randint(0, 256, (a.batch, a.seq), generator=g).to(ctx.device)
+    y = torch.randint(0, 256, (a.batch, a.seq), generator=g).to(ctx.device)
     mine = {"gpipe": (ScheduleGPipe, tpp.ScheduleGPipe, 1), "1f1b": (Schedule1F1B, tpp.Schedule1F1B, 1),
             "interleaved": (ScheduleInterleaved1F1B, tpp.ScheduleInterleaved1F1B, a.chunks)}
     runs = {}
     for kind in a.kinds:
         lk_cls, tc_cls, v = mine[kind]
         ids = [s for s in range(K * v) if s % K == ctx.rank]
-        mods = gpt_stages_for_rank(model, K, v, ctx.rank)
-        st = [PipelineStage(m, s, K * v, group=ctx.group) for m, s in zip(mods, ids)]
+        mods = [m.to(ctx.device) for m in gpt_stages_for_rank(model, K, v, ctx.rank)]
+        st = [PipelineStage(m, s, K * v, ctx.device, group=ctx.group) for m, s in zip(mods, ids)]
         lk = lk_cls(st if v > 1 else st[0], a.microbatches, lm_loss)
-        tmods = gpt_stages_for_rank(model, K, v, ctx.rank)
-        tst = [tpp.PipelineStage(m, s, K * v, torch.device("cpu"), group=ctx.group) for m, s in zip(tmods, ids)]
+        tmods = [m.to(ctx.device) for m in gpt_stages_for_rank(model, K, v, ctx.rank)]
+        tst = [tpp.PipelineStage(m, s, K * v, ctx.device, group=ctx.group) for m, s in zip(tmods, ids)]
         tc = tc_cls(tst if v > 1 else tst[0], n_microbatches=a.microbatches, loss_fn=lm_loss)
 
         def lk_step(lk=lk):
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--schedule", dest="kinds", nargs="*", default=list(KINDS), choices=KINDS)
-    p.add_argument("--backend", default="gloo")
+    p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl"))
     a = p.parse_args(argv)
     print(f"pipeline benchmark: K={a.world_size} ranks ({a.backend}), M={a.microbatches}, v={a.chunks}, "
           f"GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq}, median of {a.steps} steps")

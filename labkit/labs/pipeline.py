@@ -56,7 +56,7 @@ def _config(a):
     return GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
 
 
-def _single_device(a, corpus):
+def _single_device(a, corpus, device):
     """Adam on one device: per-step train loss and final validation loss."""
     from tqdm import tqdm
 
@@ -64,11 +64,11 @@ def _single_device(a, corpus):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # like each rank; avoids slow multi-thread warm-up on small CPUs
     try:
-        model = GPT(_config(a), seed=a.seed)
+        model = GPT(_config(a), seed=a.seed).to(device)
         opt = torch.optim.Adam(model.parameters(), lr=a.lr)
         losses, t0 = [], time.perf_counter()
         for step in tqdm(range(a.steps), desc="single device", leave=False):
-            x, y = corpus.get_batch("train", a.batch, a.seq, step, a.seed)
+            x, y = (t.to(device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
             loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -76,7 +76,7 @@ def _single_device(a, corpus):
             losses.append(loss.item())
         train_time = time.perf_counter() - t0
         with torch.no_grad():
-            val = model(*corpus.get_batch("val", a.batch, a.seq, 0, a.seed)).item()
+            val = model(*(t.to(device) for t in corpus.get_batch("val", a.batch, a.seq, 0, a.seed))).item()
     finally:
         torch.set_num_threads(n)
     return {"losses": losses, "val": val, "tokens_per_s": a.steps * a.batch * a.seq / train_time}
@@ -187,7 +187,7 @@ def _save_plots(folder: Path, rows, single, K):
 
 def main(argv=None) -> int:
     from ..data import Corpus
-    from ..dist import in_torchrun, launch
+    from ..dist import choose_backend, in_torchrun, launch
     from ..pipeline import ScheduleError, check_pipeline_sizes
     from ..pipeline.stages import stage_layers
 
@@ -210,7 +210,14 @@ def main(argv=None) -> int:
     if is_main:
         print(f"pipeline lab: GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq} tokens, {a.steps} Adam steps "
               f"(lr {a.lr}), K={K} ranks, M={a.microbatches}, data: {corpus.source}")
-    single = _single_device(a, corpus) if is_main else None
+    try:
+        backend = choose_backend(K, a.backend)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # the reference runs where the ranks run: CPU for gloo, the first GPU for NCCL
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    single = _single_device(a, corpus, device) if is_main else None
     rows = []
     for kind in kinds:
         results = launch(_rank_train, K, a, kind, corpus, backend=a.backend, timeout=60)
