@@ -6,6 +6,7 @@ import torch
 
 from labkit import comm
 from labkit.grading import evaluate
+from labkit.grading.testing import assert_check_fails, assert_check_passes
 from labkit.grading.exercises.nb06_megatron_ffn import gelu
 
 
@@ -82,8 +83,7 @@ class ReduceBothWays(torch.autograd.Function):
 
 @pytest.mark.parametrize("ex, answer", [("6.1", mlp_partials), ("6.2", CopyToRegion), ("6.3", ReduceFromRegion)])
 def test_solution_passes(ex, answer):
-    res = evaluate(ex, answer)
-    assert res.status == "passed", res.message
+    assert_check_passes(ex, answer)
 
 
 @pytest.mark.parametrize("ex, answer, words", [

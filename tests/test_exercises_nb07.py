@@ -1,0 +1,117 @@
+"""Exercises of notebook 07_attention_embedding_loss: the solutions pass, plausible wrong answers
+fail with a message that says what was expected and what came back."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from labkit import comm
+from labkit.grading.testing import assert_check_fails, assert_check_passes
+
+
+def heads_of_rank(n_head, t, rank):
+    if t < 1 or n_head % t:
+        raise ValueError("t must divide n_head")
+    if not 0 <= rank < t:
+        raise ValueError("rank outside 0..t-1")
+    w = n_head // t
+    return list(range(rank * w, (rank + 1) * w))
+
+
+def heads_strided(n_head, t, rank):
+    """Wrong: round-robin heads (rank r takes r, r+t, ...); the layers' shards are contiguous."""
+    if n_head % t:
+        raise ValueError("t must divide n_head")
+    return list(range(rank, n_head, t))
+
+
+def heads_no_rank_check(n_head, t, rank):
+    """Wrong only in a hidden case: accepts a rank outside 0..t-1."""
+    if n_head % t:
+        raise ValueError("t must divide n_head")
+    w = n_head // t
+    return list(range(rank * w, (rank + 1) * w))
+
+
+def partial_embedding(ids, weight_shard, vocab_start):
+    n = weight_shard.shape[0]
+    outside = (ids < vocab_start) | (ids >= vocab_start + n)
+    out = F.embedding((ids - vocab_start).masked_fill(outside, 0), weight_shard)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def embedding_clamped(ids, weight_shard, vocab_start):
+    """Wrong: clamps foreign ids into the block instead of zeroing their rows."""
+    n = weight_shard.shape[0]
+    return F.embedding((ids - vocab_start).clamp(0, n - 1), weight_shard)
+
+
+def embedding_mask_ids_only(ids, weight_shard, vocab_start):
+    """Wrong: replaces foreign ids by row 0 but forgets to zero the output rows."""
+    n = weight_shard.shape[0]
+    outside = (ids < vocab_start) | (ids >= vocab_start + n)
+    return F.embedding((ids - vocab_start).masked_fill(outside, 0), weight_shard)
+
+
+def _target_logit(z, target, group):
+    n = z.shape[-1]
+    start = dist.get_rank(group) * n
+    mine = (target >= start) & (target < start + n)
+    return z.gather(-1, (target - start).masked_fill(~mine, 0).unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+
+
+def vocab_parallel_ce(local_logits, target, group):
+    m = local_logits.max(dim=-1).values
+    comm.all_reduce(m, group=group, op=dist.ReduceOp.MAX)
+    z = local_logits - m.unsqueeze(-1)
+    z_y = comm.all_reduce(_target_logit(z, target, group), group=group)
+    s = comm.all_reduce(z.exp().sum(-1), group=group)
+    return s.log() - z_y
+
+
+def ce_local_max(local_logits, target, group):
+    """Wrong: subtracts each rank's own max (the shifted pieces no longer add up)."""
+    z = local_logits - local_logits.max(dim=-1, keepdim=True).values
+    z_y = comm.all_reduce(_target_logit(z, target, group), group=group)
+    s = comm.all_reduce(z.exp().sum(-1), group=group)
+    return s.log() - z_y
+
+
+def ce_no_max(local_logits, target, group):
+    """Wrong: no max subtraction (right for small logits, overflows for large ones)."""
+    z_y = comm.all_reduce(_target_logit(local_logits, target, group), group=group)
+    s = comm.all_reduce(local_logits.exp().sum(-1), group=group)
+    return s.log() - z_y
+
+
+def ce_gather(local_logits, target, group):
+    """Wrong: gathers the N x V logits."""
+    parts = [torch.empty_like(local_logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local_logits.contiguous(), group=group)
+    return F.cross_entropy(torch.cat(parts, dim=-1), target, reduction="none")
+
+
+def ce_mean(local_logits, target, group):
+    """Wrong: returns the mean instead of one loss per token."""
+    return vocab_parallel_ce(local_logits, target, group).mean()
+
+
+@pytest.mark.parametrize("ex, answer", [("7.1", heads_of_rank), ("7.2", partial_embedding),
+                                        ("7.3", vocab_parallel_ce)])
+def test_solution_passes(ex, answer):
+    assert_check_passes(ex, answer)
+
+
+@pytest.mark.parametrize("ex, answer, contains", [
+    ("7.1", heads_strided, "heads_of_rank(n_head=4, t=2, rank=0)[1]: expected 1, got 2"),
+    ("7.1", heads_no_rank_check, "a hidden case failed"),
+    ("7.2", embedding_clamped, "rows of ids it does not own must be 0"),
+    ("7.2", embedding_mask_ids_only, "largest difference"),
+    ("7.3", ce_local_max, "per-token loss on rank 0 (vs F.cross_entropy on the full logits)"),
+    ("7.3", ce_no_max, "subtract the global max before exp"),
+    ("7.3", ce_gather, "it called all_gather"),
+    ("7.3", ce_mean, "one loss per token"),
+])
+def test_wrong_answer_fails_with_a_useful_message(ex, answer, contains):
+    res = assert_check_fails(ex, answer, contains=contains)
+    assert "Hint:" in res.message
