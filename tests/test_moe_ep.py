@@ -143,6 +143,31 @@ def test_ep_comm_bytes_match_formula():
 def test_ep_size_must_divide_experts():
     with pytest.raises(ValueError, match="n_routed_experts=6 must be divisible by the EP size 4"):
         ExpertParallelMoE(MoEConfig(n_embd=H, n_routed_experts=6), None, 0, 4)
+    with pytest.raises(ValueError, match="got token_groups=2"):
+        ExpertParallelMoE(MoEConfig(n_embd=H, n_routed_experts=8, token_groups=2), None, 0, 4)
+
+
+def _partial_router_grad_worker(ctx, cfg, T_r):
+    P, r = ctx.world_size, ctx.rank
+    layer = ExpertParallelMoE.from_dense(_dense(cfg), ctx.group, r, P)
+    x, g = _data(P, T_r, 0)
+    y, stats = layer(x[r * T_r:(r + 1) * T_r])
+    (((y * g[r * T_r:(r + 1) * T_r]).sum() + stats.aux_loss) / P).backward()
+    return layer.router.weight.grad.clone()        # BEFORE sync_replicated_grads
+
+
+def test_router_grad_before_sync_is_this_ranks_tokens_only():
+    """The gates multiply on the token's own rank: rows a rank computes for other ranks' tokens
+    add nothing to its router gradient; the partial gradient is exactly that of its own tokens."""
+    cfg, P, T_r = CASES["drop_bias"], 4, 6
+    partial = launch(_partial_router_grad_worker, P, cfg, T_r)
+    x, g = _data(P, T_r, 0)
+    for r in range(P):
+        layer = _dense(cfg)
+        y, stats = layer(x[r * T_r:(r + 1) * T_r])
+        (((y * g[r * T_r:(r + 1) * T_r]).sum() + stats.aux_loss) / P).backward()
+        torch.testing.assert_close(partial[r], layer.router.weight.grad, rtol=RTOL, atol=ATOL)
+    assert not torch.allclose(partial[0], partial[1])
 
 
 def _uneven_worker(ctx):

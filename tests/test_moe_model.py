@@ -140,3 +140,22 @@ def test_lab_rejects_bad_sizes(capsys):
     from labkit.labs.moe import main
     assert main(["--ep", "4", "--batch", "6"]) == 2
     assert "--batch=6 must be divisible by --ep=4" in capsys.readouterr().err
+
+
+def test_moe_gpt_errors():
+    with pytest.raises(ValueError, match="moe_layer_freq must be >= 1, got 0"):
+        MoEGPT(CFG, MOE, moe_layer_freq=0)
+    with pytest.raises(ValueError, match="MoEConfig.n_embd=32 must equal GPTConfig.n_embd=16"):
+        MoEGPT(CFG, replace(MOE, n_embd=32))
+
+
+def test_bench_runs_and_methods_agree(capsys):
+    from labkit.bench.moe import bench_one, main
+    r = bench_one(64, 4, 8, 2, 1.0, repeat=1)          # asserts the two dispatches agree
+    assert r["bytes_dense"] == 2 * 64 * 4 * r["C"] * 4 + 4 * r["C"] * 8 * 4 + 64 * 8 * 4
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--tokens", "32", "--experts", "4", "--repeat", "1", "--hidden", "8"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "sort ms" in capsys.readouterr().out

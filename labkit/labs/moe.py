@@ -235,15 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for mode in BALANCE_MODES:
         runs[mode] = train(None, a, mode, a.balance_steps, ep=False)
-    print(f"\nbalancing, {a.balance_steps} steps on one device (loads of the last 10 steps):")
+    n = min(10, a.balance_steps)
+    print(f"\nbalancing, {a.balance_steps} steps on one device (averages over the last {n} steps):")
     print(f"{'mode':>9}  {'LM loss':>7}  {'MaxVio per layer':>18}  {'dropped':>7}  {'balance loss':>12}  busiest expert share")
     for mode, h in runs.items():
-        last = torch.stack(h["loads"][-10:]).sum(0)                             # [L, E]
+        last = torch.stack(h["loads"][-n:]).sum(0)                              # [L, E]
         vio = " ".join(f"{max_vio(l):.2f}" for l in last)
         share = " ".join(f"{float(l.max() / l.sum()):.2f}" for l in last)
-        dropped = sum(sum(d) / len(d) for d in h["dropped"][-10:]) / 10
-        bal = sum(sum(b) / len(b) for b in h["balance"][-10:]) / 10
-        print(f"{mode:>9}  {sum(h['lm'][-10:]) / 10:7.3f}  {vio:>18}  {dropped:7.3f}  {bal:12.3f}  {share}")
+        dropped = sum(sum(d) / len(d) for d in h["dropped"][-n:]) / n
+        bal = sum(sum(b) / len(b) for b in h["balance"][-n:]) / n
+        print(f"{mode:>9}  {sum(h['lm'][-n:]) / n:7.3f}  {vio:>18}  {dropped:7.3f}  {bal:12.3f}  {share}")
     if not a.no_plots:
         _plots(out, runs, ep_hist, a)
         print(f"\nplots: {os.path.join(out, 'expert_load.png')}, balance.png, all_to_all_bytes.png")

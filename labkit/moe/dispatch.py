@@ -83,8 +83,7 @@ def dense_dispatch_tensors(weights: torch.Tensor, indices: torch.Tensor, keep: t
     Raises ValueError when the kept slots do not fit in C.
     """
     T, k = indices.shape
-    flat_e = indices.reshape(-1)
-    flat_keep = keep.reshape(-1)
+    flat_e, flat_keep = indices.reshape(-1), keep.reshape(-1)
     onehot = F.one_hot(flat_e, num_experts) * flat_keep[:, None]                 # [T*k, E]
     position = ((onehot.cumsum(0) - 1) * onehot).sum(1)                          # slot within its expert
     needed = int(onehot.sum(0).max()) if onehot.numel() else 0
@@ -92,10 +91,10 @@ def dense_dispatch_tensors(weights: torch.Tensor, indices: torch.Tensor, keep: t
     if needed > C:
         raise ValueError(f"an expert has {needed} kept slots but capacity C={C}")
     C = max(C, 1)
-    pos_onehot = F.one_hot(position.clamp(max=C - 1), C) * flat_keep[:, None]      # [T*k, C]
-    slot_tensor = onehot[:, :, None].to(weights.dtype) * pos_onehot[:, None, :]   # [T*k, E, C]
-    dispatch = slot_tensor.view(T, k, num_experts, C).sum(1)
-    combine = (slot_tensor * weights.reshape(-1)[:, None, None]).view(T, k, num_experts, C).sum(1)
+    kept = flat_keep.nonzero().squeeze(1)
+    where = (kept // k, flat_e[kept], position[kept])                             # (t, e, c) of each kept slot
+    dispatch = weights.new_zeros(T, num_experts, C).index_put(where, weights.new_ones(kept.numel()))
+    combine = weights.new_zeros(T, num_experts, C).index_put(where, weights.reshape(-1)[kept])
     return dispatch, combine, C
 
 
