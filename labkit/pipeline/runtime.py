@@ -190,7 +190,8 @@ class PipelineSchedule:
                 comm.recv(meta, self._peer(s - 1), self.group)
                 n = int(meta[0])
                 shape, dtype = tuple(int(d) for d in meta[1:1 + n]), _DTYPES[int(meta[7])]
-            with torch.no_grad():
+            # no grad, and the RNG left as it was (dropout must not see an extra draw)
+            with torch.no_grad(), _replay_rng(st.device, _rng_state(st.device)):
                 out = st.submod(torch.zeros(shape, dtype=dtype, device=st.device))
             shapes[s] = (shape, dtype, tuple(out.shape), out.dtype)
             prev_out = (tuple(out.shape), out.dtype)
@@ -225,7 +226,8 @@ class PipelineSchedule:
         """
         M, S = self.n_microbatches, self.num_stages
         x_mbs = self._split(args[0] if args else None, "first") if 0 in self._by_index else None
-        t_mbs = self._split(target, "last") if (S - 1) in self._by_index and self.loss_fn is not None else None
+        needs_target = (S - 1) in self._by_index and self.loss_fn is not None
+        t_mbs = self._split(target, "last") if needs_target and not (forward_only and target is None) else None
         if self._shapes is None:
             self._shapes = self._infer_shapes(x_mbs[0] if x_mbs else None)
         elif x_mbs is not None and tuple(x_mbs[0].shape) != self._shapes[0][0]:
