@@ -5,13 +5,30 @@ Learners use one function::
     from labkit.grading import check
     check("1.1", bubble_fraction)     # prints one line: passed / failed (why, hint) / not attempted
 
+``check`` returns a :class:`~labkit.grading.runner.CheckResult` (status, passed, total, message)
+that displays nothing in a notebook, so the printed line is the cell's only output.
+
 Instructors and authors: :mod:`labkit.grading.registry` (declaring exercises and cases, hidden
 case files), :mod:`labkit.grading.build` (``python -m labkit build``),
 :mod:`labkit.grading.grader` (``python -m labkit grade``), :mod:`labkit.grading.testing`
-(one-line wrong-answer tests).
+(one-line wrong-answer tests). Names are imported lazily, so ``python -m labkit build`` does not
+import torch.
 """
-from .registry import CheckFailure, exercise, expect_close, expect_equal  # noqa: F401
-from .runner import CheckNotPassed, CheckResult, check, evaluate  # noqa: F401
+from __future__ import annotations
 
-__all__ = ["check", "evaluate", "CheckResult", "CheckNotPassed", "CheckFailure", "exercise",
-           "expect_close", "expect_equal"]
+import importlib
+
+_EXPORTS = {
+    "check": "runner", "evaluate": "runner", "CheckResult": "runner", "CheckNotPassed": "runner",
+    "CheckFailure": "registry", "exercise": "registry", "expect_close": "registry",
+    "expect_equal": "registry",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,163 @@
+"""``python -m labkit build``: stubs, tags, cleared outputs, determinism, --check, and no
+solution text left in the learner notebooks (the committed ones and a synthetic one)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.grading.build import BEGIN, END, BuildError, build_all, build_text, learner_version, stale_notebooks
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK_CALL = re.compile(r"(?<![\w.])check\(\s*[\"']")
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+
+EXERCISE_CELL = '''# Exercise 3.1: return the "answer", indented
+import math
+
+def answer(x):
+    """Docstring stays."""
+    y = x
+    ### BEGIN SOLUTION
+    secret_line_one = math.sqrt(y)
+    return secret_line_one * 42
+    ### END SOLUTION
+
+
+# Exercise 3.1 continued at top level
+### BEGIN SOLUTION
+top_level_secret = answer(4)
+### END SOLUTION
+print("after")'''
+
+
+def _synthetic(root: Path) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    md = nbformat.v4.new_markdown_cell("# Title")
+    code = nbformat.v4.new_code_cell(EXERCISE_CELL)
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="after\n")]
+    code.execution_count = 3
+    code.metadata["execution"] = {"iopub.status.idle": "2026-01-01T00:00:00"}
+    plain = nbformat.v4.new_code_cell("check('3.1', answer)")
+    plain.metadata["tags"] = ["nbval-ignore-output"]
+    for i, c in enumerate((md, code, plain)):
+        c.id = f"cell-{i}"
+    nb.cells = [md, code, plain]
+    (root / "solutions").mkdir(parents=True)
+    (root / "notebooks").mkdir()
+    path = root / "solutions" / "03_synthetic.ipynb"
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_learner_version_stubs_regions_and_clears_outputs(tmp_path):
+    sol = _synthetic(tmp_path)
+    learner = nbformat.reads(build_text(sol), as_version=4)
+    code = learner.cells[1]
+    assert code.source == '''# Exercise 3.1: return the "answer", indented
+import math
+
+def answer(x):
+    """Docstring stays."""
+    y = x
+    raise NotImplementedError("Exercise 3.1: return the \\"answer\\", indented")
+
+
+# Exercise 3.1 continued at top level
+raise NotImplementedError("Exercise 3.1: return the \\"answer\\", indented")
+print("after")'''
+    compile(code.source, "cell", "exec")  # still valid Python
+    assert code.outputs == [] and code.execution_count is None and "execution" not in code.metadata
+    assert code.metadata["tags"] == ["raises-exception"]
+    assert learner.cells[2].metadata["tags"] == ["nbval-ignore-output"]  # other tags kept
+    assert [c.id for c in learner.cells] == ["cell-0", "cell-1", "cell-2"]
+    assert learner.metadata["labkit"] == {"notebook": "03_synthetic"}
+    text = build_text(sol)
+    for secret in ("secret_line_one", "top_level_secret", "42", BEGIN, END):
+        assert secret not in text
+    assert build_text(sol) == text  # deterministic
+
+
+def test_build_then_check_round_trip_names_stale_notebooks(tmp_path):
+    sol = _synthetic(tmp_path)
+    build = [sys.executable, "-m", "labkit", "build", "--root", str(tmp_path)]
+    out = subprocess.run(build + ["--check"], capture_output=True, text=True)
+    assert out.returncode == 1 and "notebooks/03_synthetic.ipynb is missing" in out.stderr
+    assert subprocess.run(build, capture_output=True, text=True).returncode == 0
+    out = subprocess.run(build + ["--check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    # a solution edit makes the learner notebook stale
+    nb = nbformat.read(str(sol), as_version=4)
+    nb.cells[0].source = "# Title, edited"
+    nbformat.write(nb, str(sol))
+    out = subprocess.run(build + ["--check"], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "notebooks/03_synthetic.ipynb is stale (differs from solutions/03_synthetic.ipynb)" in out.stderr
+    build_all(tmp_path)
+    assert stale_notebooks(tmp_path) == []
+    (tmp_path / "notebooks" / "04_orphan.ipynb").write_text("{}")
+    assert stale_notebooks(tmp_path) == ["notebooks/04_orphan.ipynb has no solutions/04_orphan.ipynb"]
+
+
+@pytest.mark.parametrize("source, match", [
+    ("x = 1\n### BEGIN SOLUTION\nx = 2\n### END SOLUTION", "must start with '# Exercise N.k"),
+    ("# Exercise 1.1: t\n### BEGIN SOLUTION\nx = 2", "never closed"),
+    ("# Exercise 1.1: t\n### END SOLUTION", "without"),
+    ("# Exercise 1.1: t\n### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION", "inside another"),
+])
+def test_malformed_regions_are_errors_naming_the_cell(source, match):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("x"), nbformat.v4.new_code_cell(source)]
+    with pytest.raises(BuildError, match=match) as info:
+        learner_version(nb, "05_bad")
+    assert "solutions/05_bad.ipynb, cell 2" in str(info.value)
+
+
+def test_committed_notebooks_are_up_to_date():
+    assert stale_notebooks(ROOT) == [], "run `python -m labkit build` and commit notebooks/"
+
+
+def _region_lines(nb) -> tuple[set, set]:
+    inside, outside = set(), set()
+    for cell in nb.cells:
+        in_region = False
+        for line in cell.source.splitlines():
+            s = line.strip()
+            if s == BEGIN:
+                in_region = True
+            elif s == END:
+                in_region = False
+            elif s:
+                (inside if in_region else outside).add(s)
+    return inside, outside
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_no_solution_text_in_learner_notebook(solution):
+    nb = nbformat.read(str(solution), as_version=4)
+    inside, outside = _region_lines(nb)
+    learner = nbformat.read(str(ROOT / "notebooks" / solution.name), as_version=4)
+    text = "\n".join(c.source for c in learner.cells)
+    leaked = sorted(s for s in inside - outside if s in text.splitlines() or f"\n{s}" in text)
+    assert not leaked, f"solution lines left in notebooks/{solution.name}: {leaked[:5]}"
+    assert BEGIN not in text and END not in text
+    assert all(not c.get("outputs") for c in learner.cells if c.cell_type == "code")
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_check_cells_print_exactly_one_line(solution):
+    """In the stored solutions every check(...) cell shows one "passed" line and no Out[]."""
+    nb = nbformat.read(str(solution), as_version=4)
+    for i, cell in enumerate(nb.cells, 1):
+        n_checks = len(CHECK_CALL.findall(cell.source)) if cell.cell_type == "code" else 0
+        if not n_checks:
+            continue
+        results = [o for o in cell.outputs if o.output_type == "execute_result"]
+        assert not results, f"{solution.name} cell {i}: check() produced an Out[] line"
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        assert text.count(": passed, ") == n_checks, f"{solution.name} cell {i}: {text!r}"

@@ -1,0 +1,47 @@
+"""Every solution notebook grades 100%; every untouched learner notebook grades 0, each of its
+exercises "not attempted". One test per notebook (xdist spreads them; each runs a kernel)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from labkit.grading.grader import grade_notebook, results_json, validate_results
+from labkit.grading.registry import exercises_for_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+LEARNER = [ROOT / "notebooks" / p.name for p in SOLUTIONS]
+
+
+def _lines(grade) -> str:
+    return "\n".join(f"  {eg.exercise.id}: {eg.status} {eg.score}/{eg.max_score} {eg.message}"
+                     for eg in grade.exercises)
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_solution_grades_full_marks(path):
+    assert exercises_for_notebook(path.stem), f"no exercises registered for notebook {path.stem}"
+    grade = grade_notebook(path)
+    assert grade.stopped == "", f"{path.name} stopped: {grade.stopped}"
+    obj = results_json([grade])
+    validate_results(obj)
+    total = sum(t["max_score"] for t in obj["tests"])
+    assert total > 0 and abs(obj["score"] - total) < 1e-3, f"{path.name}\n{_lines(grade)}"
+    assert all(eg.status == "passed" for eg in grade.exercises), _lines(grade)
+
+
+@pytest.mark.parametrize("path", LEARNER, ids=[p.stem for p in LEARNER])
+def test_untouched_learner_notebook_grades_zero_not_attempted(path):
+    if not path.exists():
+        pytest.fail(f"{path.relative_to(ROOT)} is missing: run `python -m labkit build`")
+    grade = grade_notebook(path)
+    obj = results_json([grade])
+    validate_results(obj)
+    assert obj["score"] == 0, _lines(grade)
+    assert grade.exercises, f"no exercises registered for {path.stem}"
+    assert grade.stopped == "", (f"{path.name} stopped at an untagged cell: {grade.stopped} (tag cells that use "
+                                 f"an exercise's answer 'raises-exception' in the solution)")
+    not_attempted = [eg for eg in grade.exercises if eg.status != "not_attempted"]
+    assert not not_attempted, _lines(grade)
+    assert all("not attempted" in eg.message for eg in grade.exercises), _lines(grade)
