@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.moe import (MoEConfig, MoELayer, TopKRouter, capacity_mask, compute_capacity, dense_dispatch_tensors,
+from labkit.moe import (comm_balance_loss, device_balance_loss, sequence_balance_loss, switch_aux_loss, z_loss,
+                        MoEConfig, MoELayer, TopKRouter, capacity_mask, compute_capacity, dense_dispatch_tensors,
                         dense_moe, fine_grained, route, sorted_moe, update_expert_bias)
 
 
@@ -233,3 +234,25 @@ def test_layer_errors():
     with pytest.raises(ValueError, match="an expert has"):
         dense_dispatch_tensors(torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.bool),
                                2, capacity=2)
+
+
+def test_layer_losses_are_means_over_token_groups():
+    layer, x = _layer_and_input(aux_loss_coeff=0.1, z_loss_coeff=1e-3, seq_aux_loss_coeff=1e-2, device_loss_coeff=0.05,
+                                comm_loss_coeff=0.02, n_devices=2, max_devices=1, n_expert_groups=2,
+                                n_limited_groups=1, token_groups=2)
+    _, stats = layer(x)
+    want = {k: [] for k in ("aux", "z", "seq_aux", "device", "comm")}
+    for chunk in x.reshape(-1, 8).chunk(2):
+        r = layer.router(chunk)
+        want["aux"].append(switch_aux_loss(r.logits, r.indices, 0.1))
+        want["z"].append(z_loss(r.logits, 1e-3))
+        want["seq_aux"].append(sequence_balance_loss(r.logits, r.indices, 6, 1e-2, "softmax"))
+        want["device"].append(device_balance_loss(r.logits, r.indices, 2, 0.05))
+        want["comm"].append(comm_balance_loss(r.logits, r.indices, 2, 1, 0.02))
+    assert set(stats.losses) == set(want)
+    for name, values in want.items():
+        torch.testing.assert_close(stats.losses[name], torch.stack(values).mean())
+    torch.testing.assert_close(stats.aux_loss, sum(stats.losses.values()))
+    # group-limited routing with 1 of 2 groups: both experts of every token on one device (M = 1)
+    devices = stats.router.indices // 2
+    assert torch.equal(devices[:, 0], devices[:, 1])

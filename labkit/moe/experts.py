@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .dispatch import dense_moe, sorted_moe
-from .losses import sequence_balance_loss, switch_aux_loss, z_loss, device_balance_loss
+from .losses import comm_balance_loss, device_balance_loss, sequence_balance_loss, switch_aux_loss, z_loss
 from .router import RouterOutput, TopKRouter, update_expert_bias
 
 __all__ = ["Expert", "MoEConfig", "MoEStats", "MoELayer", "MoE", "fine_grained"]
@@ -64,7 +64,8 @@ class MoEConfig:
     ``token_groups`` G (GShard groups: the T tokens are routed in G equal consecutive groups,
     capacity and balance losses computed per group and averaged; under EP each rank is a group).
     Balancing: ``aux_loss_coeff`` (Switch aux), ``z_loss_coeff``, ``seq_aux_loss_coeff``
-    (DeepSeek-V3 sequence-wise), ``device_loss_coeff`` with ``n_devices`` (DeepSeek-V2),
+    (DeepSeek-V3 sequence-wise), ``device_loss_coeff`` with ``n_devices`` and ``comm_loss_coeff``
+    with ``max_devices`` M (DeepSeek-V2 device-level and communication balance),
     ``expert_bias`` (aux-loss-free bias buffer) with ``bias_update_rate`` gamma.
     ``dispatch``: "sort" (default) or "dense" (GShard one-hot reference).
     """
@@ -89,7 +90,9 @@ class MoEConfig:
     z_loss_coeff: float = 0.0
     seq_aux_loss_coeff: float = 0.0
     device_loss_coeff: float = 0.0
+    comm_loss_coeff: float = 0.0
     n_devices: int = 1
+    max_devices: int = 1
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
     dispatch: str = "sort"
@@ -172,6 +175,9 @@ class MoELayer(nn.Module):
         if cfg.device_loss_coeff:
             add("device", [device_balance_loss(o.logits, o.indices, cfg.n_devices, cfg.device_loss_coeff,
                                                cfg.score_func) for o in outs])
+        if cfg.comm_loss_coeff:
+            add("comm", [comm_balance_loss(o.logits, o.indices, cfg.n_devices, cfg.max_devices, cfg.comm_loss_coeff,
+                                           cfg.score_func) for o in outs])
         cat = RouterOutput(
             weights=torch.cat([o.weights for o in outs]), indices=torch.cat([o.indices for o in outs]),
             keep=torch.cat([o.keep for o in outs]), logits=torch.cat([o.logits for o in outs]),
