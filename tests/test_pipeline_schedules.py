@@ -205,3 +205,11 @@ def test_1f1b_with_fewer_microbatches_than_stages_caps_warmup():
     s = one_f_one_b_schedule(4, 2)
     validate_schedule(s)
     assert simulate(s).peak_in_flight == [2, 2, 2, 1]
+
+
+def test_validator_max_in_flight():
+    K, M = 4, 8
+    validate_schedule(one_f_one_b_schedule(K, M), max_in_flight=[min(M, K - s) for s in range(K)])
+    with pytest.raises(ScheduleError, match=r"rank 0, action \d+ \(F4@s0\): stage 0 would hold 5 microbatches in "
+                                            r"flight \(forward done, backward not yet\), more than max_in_flight=4"):
+        validate_schedule(gpipe_schedule(K, M), max_in_flight=[min(M, K - s) for s in range(K)])

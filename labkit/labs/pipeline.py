@@ -241,6 +241,10 @@ def main(argv=None) -> int:
     print(f"\ntrain loss {single['losses'][0]:.3f} -> {single['losses'][-1]:.3f} ({drop:.0%} lower). "
           f"bubble: measured from the runtime's timeline (mean of the last steps); formula (K-1)/(vM+K-1); "
           f"sim = simulator with the measured mean F/B time per stage and free communication.")
+    cores = os.cpu_count() or 1
+    if backend == "gloo" and K > cores:
+        print(f"note: {K} ranks share {cores} CPU cores, so a rank often waits for a core; the measured bubble "
+              f"and F/B times include that wait.")
     print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
     bad = [r["schedule"] for r in rows if not r["diff"] <= TOLERANCE]
     if bad:

@@ -12,7 +12,9 @@ the rank, the action index and the rule for the FIRST problem it finds:
    needs is sent;
 4. pairing: every send has its receive and vice versa, and between each pair of ranks the
    i-th send is the i-th receive (messages are matched in order: NCCL has no tags);
-5. no deadlock, by running the schedule symbolically. ``sends="async"`` (default) is the
+5. optionally, memory: no stage holds more than ``max_in_flight`` microbatches whose
+   forward ran and whose backward has not (their activations are stashed);
+6. no deadlock, by running the schedule symbolically. ``sends="async"`` (default) is the
    runtime's semantics: a SEND never blocks, a rank blocks only before an F/B whose input
    has not been sent yet. ``sends="blocking"`` checks the stricter semantics of blocking
    (rendezvous) point-to-point calls, as with ``dist.send``/``dist.recv`` on NCCL: a SEND
@@ -54,20 +56,27 @@ def _normalise(schedule) -> dict:
 
 
 def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stages: int | None = None,
-                      sends: str = "async") -> dict:
+                      sends: str = "async", max_in_flight=None) -> dict:
     """Raise :class:`ScheduleError` for the first problem of ``schedule``; return it (as a
     dict of :class:`Action` lists) when it is valid.
 
     ``schedule``: ``{rank: [Action(kind, stage, microbatch), ...]}`` for ranks 0..K-1 (plain
     tuples are accepted). ``n_microbatches`` (M) and ``n_stages`` default to one more than
     the largest index used. ``sends``: "async" (the runtime's semantics) or "blocking"
-    (rendezvous sends); see the module docstring. Starts no process.
+    (rendezvous sends); see the module docstring. ``max_in_flight``: None, an int for every
+    stage, or a sequence indexed by stage (e.g. ``[min(M, K - s) for s in range(K)]`` for
+    1F1B). Starts no process.
     """
     if sends not in ("async", "blocking"):
         raise ValueError(f"sends must be 'async' or 'blocking', got {sends!r}")
     sched = _normalise(schedule)
     K, M, S = infer_sizes(sched, n_microbatches, n_stages)
     where_F, where_B = {}, {}  # (stage, mb) -> (rank, index)
+    if max_in_flight is not None and not isinstance(max_in_flight, int):
+        max_in_flight = list(max_in_flight)
+        if len(max_in_flight) != S:
+            raise ValueError(f"max_in_flight has {len(max_in_flight)} entries for {S} stages")
+    live = [0] * S
 
     # 1-3: each rank on its own
     for r in range(K):
@@ -105,6 +114,12 @@ def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stage
                         raise ScheduleError(f"{here}: no RECV_F{m}@s{s} before it; its input comes from rank "
                                             f"{stage_rank(s - 1, K)} (stage {s - 1})")
                 where_F[(s, m)] = (r, i)
+                live[s] += 1
+                if max_in_flight is not None:
+                    cap = max_in_flight if isinstance(max_in_flight, int) else max_in_flight[s]
+                    if live[s] > cap:
+                        raise ScheduleError(f"{here}: stage {s} would hold {live[s]} microbatches in flight "
+                                            f"(forward done, backward not yet), more than max_in_flight={cap}")
             elif a.kind == "B":
                 if Action("F", s, m) not in seen:
                     raise ScheduleError(f"{here}: backward before forward: F{m}@s{s} has not run on this rank")
@@ -117,6 +132,7 @@ def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stage
                         raise ScheduleError(f"{here}: no RECV_B{m}@s{s} before it; its output gradient comes "
                                             f"from rank {stage_rank(s + 1, K)} (stage {s + 1})")
                 where_B[(s, m)] = (r, i)
+                live[s] -= 1
             elif a.kind in ("SEND_F", "SEND_B"):
                 src = Action(a.kind[-1], s, m)
                 if src not in seen:
@@ -161,7 +177,7 @@ def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stage
                     f"rank {rr} is {a_s!r} (action {i_s}); sends and receives between two ranks must come in the "
                     f"same order (messages are matched in order)")
 
-    # 5: deadlock
+    # 6: deadlock
     (_deadlock_async if sends == "async" else _deadlock_blocking)(sched, K, S)
     return sched
 
