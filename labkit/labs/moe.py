@@ -245,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         dropped = sum(sum(d) / len(d) for d in h["dropped"][-n:]) / n
         bal = sum(sum(b) / len(b) for b in h["balance"][-n:]) / n
         print(f"{mode:>9}  {sum(h['lm'][-n:]) / n:7.3f}  {vio:>18}  {dropped:7.3f}  {bal:12.3f}  {share}")
+    print(f"\nshare of token-slots per expert (last {n} steps; uniform = {1 / E:.3f}):")
+    for mode, h in runs.items():
+        last = torch.stack(h["loads"][-n:]).sum(0).float()
+        for layer, l in enumerate(last):
+            print(f"{mode:>9} layer {layer}: " + " ".join(f"{float(v):.3f}" for v in l / l.sum()))
     if not a.no_plots:
         _plots(out, runs, ep_hist, a)
         print(f"\nplots: {os.path.join(out, 'expert_load.png')}, balance.png, all_to_all_bytes.png")

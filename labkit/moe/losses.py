@@ -83,6 +83,7 @@ def z_loss(logits: torch.Tensor, coeff: float = 1e-3, mask: torch.Tensor | None 
     """Router z-loss (ST-MoE, Zoph et al. 2022, sec. 3.1 eq. 5):
     ``coeff * (1/T) * sum_t (log sum_j exp z_{t,j})^2``, computed with logsumexp (stable for
     large logits). Uniform zero logits give ``coeff * (log E)^2``. Returns a 0-d tensor."""
+    _check_logits(logits)
     T = logits.shape[0]
     m = _mask(mask, T, logits.device, logits.dtype)
     return coeff * (torch.logsumexp(logits, dim=-1).square() * m).sum() / m.sum()

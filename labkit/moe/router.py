@@ -198,6 +198,11 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
 
+    @property
+    def n_activated_experts(self) -> int:
+        """k (DeepSeek-V3's name for ``top_k``)."""
+        return self.top_k
+
     def forward(self, x: torch.Tensor) -> RouterOutput:
         logits = x @ self.weight.t()
         weights, indices, scores = route(logits, self.top_k, self.score_func, self.renormalize,
