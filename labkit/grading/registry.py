@@ -21,6 +21,14 @@ and first line). A case whose answer raises ``NotImplementedError`` (the learner
 exercise "not attempted". Each case runs in a forked child and is stopped after ``timeout``
 seconds (default :data:`DEFAULT_TIMEOUT`).
 
+Answers are best functions (or objects a function builds): ``check("1.2", smallest_microbatches)``.
+In the learner notebook the stub only raises when the function is called, so a ``check`` in a
+later cell still runs and prints "not attempted". A value computed at the top level of an exercise
+cell is never assigned in the learner notebook (the stub raises while the cell runs), so a later
+``check("N.k", value)`` would stop with NameError; ask for a function returning the value instead.
+Cells that use an exercise's answer (plots, tables) should be tagged ``raises-exception`` in the
+solution notebook, so the untouched learner notebook runs to the end under nbval and the grader.
+
 Hidden case files
 -----------------
 Instructors keep extra cases out of the learners' copy: set ``LABKIT_HIDDEN_CASES`` to a folder
