@@ -98,6 +98,25 @@ class PipelineStage:
         self.is_last = stage_index == num_stages - 1
 
 
+class _StepState:
+    """What one rank keeps during a step, keyed by (stage, microbatch): stage inputs and
+    outputs (until B), input gradients (until sent), posted receives, pending sends, RNG
+    states (recompute), the timeline, and in-flight / stashed-bytes counters per stage."""
+
+    def __init__(self, x_mbs, t_mbs, losses, forward_only, stages):
+        self.x_mbs, self.t_mbs, self.losses, self.forward_only = x_mbs, t_mbs, losses, forward_only
+        self.inputs, self.outputs, self.grads, self.pending, self.results, self.rng = {}, {}, {}, {}, {}, {}
+        self.sends: list = []
+        self.timeline: list = []
+        self.live = {s: 0 for s in stages}
+        self.stash_live = {s: 0 for s in stages}
+        self.stash_mb: dict = {}
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
 class PipelineSchedule:
     """Execute ``actions`` (``{rank: [Action]}``, any valid schedule) with the given stages.
 
@@ -221,8 +240,9 @@ class PipelineSchedule:
         ``args[0]``: the batch [B, ...] (needed on the rank of stage 0), ``target``: [B, ...]
         (needed on the rank of the last stage); B must be divisible by M. ``losses``: a list
         that receives the M unscaled microbatch losses (last stage). ``forward_only``: run
-        the F actions only, without autograd (evaluation). Returns the last stage's output
-        [B, ...] on its rank, else None.
+        the F actions only, without autograd (evaluation; keeps the last training step's
+        in-flight and stash numbers). Returns the last stage's output [B, ...] on its rank,
+        else None. Afterwards ``self.timeline`` holds this rank's :class:`TimedAction` list.
         """
         M, S = self.n_microbatches, self.num_stages
         x_mbs = self._split(args[0] if args else None, "first") if 0 in self._by_index else None
@@ -233,114 +253,123 @@ class PipelineSchedule:
         elif x_mbs is not None and tuple(x_mbs[0].shape) != self._shapes[0][0]:
             raise ValueError(f"microbatch shape {tuple(x_mbs[0].shape)} differs from the first step's "
                              f"{self._shapes[0][0]}; build a new schedule for another shape")
-        inputs, outputs, grads, pending, sends = {}, {}, {}, {}, []
-        results, rng = {}, {}
-        live = {s: 0 for s in self._by_index}
-        stash_live = {s: 0 for s in self._by_index}
-        stash_mb: dict = {}
-        if not forward_only:  # a forward-only (evaluation) step keeps the last training step's numbers
+        st = _StepState(x_mbs, t_mbs, losses, forward_only, list(self._by_index))
+        if not forward_only:
             self.peak_in_flight = {s: 0 for s in self._by_index}
             self.stash_peak_bytes = {s: 0 for s in self._by_index}
             self.stash_bytes = {s: [0] * M for s in self._by_index}
-        timeline: list = []
         if dist.is_initialized():
-            dist.barrier(group=self.group)
-        t0 = time.perf_counter()
-        now = lambda: time.perf_counter() - t0  # noqa: E731
-
+            dist.barrier(group=self.group)  # a common start for every rank's timeline
+        st.t0 = time.perf_counter()
+        run = {"RECV_F": self._do_recv, "RECV_B": self._do_recv, "SEND_F": self._do_send,
+               "SEND_B": self._do_send, "F": self._do_forward, "B": self._do_backward}
         for a in self.actions[self.rank]:
-            kind, s, m = a
-            if forward_only and kind in ("B", "SEND_B", "RECV_B"):
+            if forward_only and a.kind in ("B", "SEND_B", "RECV_B"):
                 continue
-            if kind == "RECV_F" or kind == "RECV_B":
-                shp = self._shapes[s]
-                shape, dtype = (shp[0], shp[1]) if kind == "RECV_F" else (shp[2], shp[3])
-                buf = torch.empty(shape, dtype=dtype, device=self._by_index[s].device)
-                src = s - 1 if kind == "RECV_F" else s + 1
-                t = now()
-                pending[(kind, s, m)] = (comm.irecv(buf, self._peer(src), self.group), buf, len(timeline))
-                timeline.append(TimedAction(a, t, t))
-            elif kind == "SEND_F" or kind == "SEND_B":
-                t = now()
-                tensor = outputs[(s, m)].detach() if kind == "SEND_F" else grads.pop((s, m))
-                dst = s + 1 if kind == "SEND_F" else s - 1
-                sends.append((comm.isend(tensor, self._peer(dst), self.group), tensor))
-                timeline.append(TimedAction(a, t, t))
-            elif kind == "F":
-                st = self._by_index[s]
-                if s == 0:
-                    inp = x_mbs[m]
-                elif stage_rank(s - 1, self.K) == self.rank:
-                    inp = outputs[(s - 1, m)].detach()
-                else:
-                    inp = self._take(pending, timeline, ("RECV_F", s, m), now)
-                if s > 0 and inp.is_floating_point() and not forward_only:
-                    inp.requires_grad_(True)
-                start = now()
-                tgt = t_mbs[m] if st.is_last and t_mbs is not None else None
-                out, loss, nbytes = self._forward(st, inp, tgt, s, m, forward_only, rng)
-                if st.is_last:
-                    results[m] = out.detach()
-                    if loss is not None and losses is not None:
-                        losses.append(loss.detach())
-                # what B differentiates: the scaled loss on the last stage, else the output
-                outputs[(s, m)] = loss / M if loss is not None and loss.requires_grad else out
-                timeline.append(TimedAction(a, start, now()))
-                inputs[(s, m)] = inp
-                if not forward_only:
-                    live[s] += 1
-                    self.peak_in_flight[s] = max(self.peak_in_flight[s], live[s])
-                    stash_mb[(s, m)] = nbytes
-                    self.stash_bytes[s][m] = nbytes
-                    stash_live[s] += nbytes
-                    self.stash_peak_bytes[s] = max(self.stash_peak_bytes[s], stash_live[s])
-                else:
-                    outputs.pop((s - 1, m), None)
-                    inputs.pop((s, m), None)
-            elif kind == "B":
-                st = self._by_index[s]
-                if st.is_last:
-                    grad = None
-                elif stage_rank(s + 1, self.K) == self.rank:
-                    grad = grads.pop((s + 1, m))
-                else:
-                    grad = self._take(pending, timeline, ("RECV_B", s, m), now)
-                start = now()
-                inp = inputs.pop((s, m))
-                out = outputs.pop((s, m))
-                if self.recompute:
-                    with _replay_rng(st.device, rng.pop((s, m))):  # same dropout masks as the forward
-                        out = st.submod(inp)
-                    if st.is_last:
-                        out = self.loss_fn(out, t_mbs[m]) / M if t_mbs is not None else out
-                torch.autograd.backward(out, grad_tensors=grad)
-                if s > 0:
-                    grads[(s, m)] = inp.grad
-                timeline.append(TimedAction(a, start, now()))
-                live[s] -= 1
-                stash_live[s] -= stash_mb.pop((s, m))
-            else:
-                raise ScheduleError(f"rank {self.rank}: unknown action kind {kind!r}")
-        for work, _ in sends:
+            if a.kind not in run:
+                raise ScheduleError(f"rank {self.rank}: unknown action kind {a.kind!r}")
+            run[a.kind](a, st)
+        for work, _ in st.sends:
             self._wait(work)
-        if pending:
-            raise ScheduleError(f"rank {self.rank}: receives posted but never used: {sorted(pending)}")
-        self.timeline = timeline
+        if st.pending:
+            raise ScheduleError(f"rank {self.rank}: receives posted but never used: {sorted(st.pending)}")
+        self.timeline = st.timeline
         if (S - 1) in self._by_index:
-            return torch.cat([results[m] for m in range(M)], dim=0)
+            return torch.cat([st.results[m] for m in range(M)], dim=0)
         return None
 
-    def _take(self, pending, timeline, key, now):
-        work, buf, i = pending.pop(key)
+    # ------------------------------------------------------------------ the six actions
+
+    def _do_recv(self, a: Action, st: "_StepState"):
+        """Post an irecv for the input (RECV_F) or output gradient (RECV_B) of stage a.stage."""
+        in_shape, in_dtype, out_shape, out_dtype = self._shapes[a.stage]
+        fwd = a.kind == "RECV_F"
+        buf = torch.empty(in_shape if fwd else out_shape, dtype=in_dtype if fwd else out_dtype,
+                          device=self._by_index[a.stage].device)
+        src = a.stage - 1 if fwd else a.stage + 1
+        t = st.now()
+        st.pending[(a.kind, a.stage, a.microbatch)] = (comm.irecv(buf, self._peer(src), self.group), buf,
+                                                       len(st.timeline))
+        st.timeline.append(TimedAction(a, t, t))
+
+    def _do_send(self, a: Action, st: "_StepState"):
+        """isend the output of F (SEND_F) or the input gradient of B (SEND_B); waited at the end."""
+        key = (a.stage, a.microbatch)
+        t = st.now()
+        if a.kind == "SEND_F":
+            tensor, dst = st.outputs[key].detach(), a.stage + 1
+        else:
+            tensor, dst = st.grads.pop(key), a.stage - 1
+        st.sends.append((comm.isend(tensor, self._peer(dst), self.group), tensor))
+        st.timeline.append(TimedAction(a, t, t))
+
+    def _do_forward(self, a: Action, st: "_StepState"):
+        s, m = a.stage, a.microbatch
+        stage = self._by_index[s]
+        if s == 0:
+            inp = st.x_mbs[m]
+        elif stage_rank(s - 1, self.K) == self.rank:  # previous stage on this rank (K = 1)
+            inp = st.outputs[(s - 1, m)].detach()
+        else:
+            inp = self._take(st, ("RECV_F", s, m))
+        if s > 0 and inp.is_floating_point() and not st.forward_only:
+            inp.requires_grad_(True)  # B needs the gradient with respect to this input
+        start = st.now()
+        target = st.t_mbs[m] if stage.is_last and st.t_mbs is not None else None
+        out, loss, nbytes = self._forward(stage, inp, target, s, m, st.forward_only, st.rng)
+        if stage.is_last:
+            st.results[m] = out.detach()
+            if loss is not None and st.losses is not None:
+                st.losses.append(loss.detach())
+        # what B differentiates: the loss scaled by 1/M on the last stage, else the output
+        st.outputs[(s, m)] = loss / self.n_microbatches if loss is not None and loss.requires_grad else out
+        st.timeline.append(TimedAction(a, start, st.now()))
+        if st.forward_only:
+            st.outputs.pop((s - 1, m), None)
+            return
+        st.inputs[(s, m)] = inp
+        st.live[s] += 1
+        self.peak_in_flight[s] = max(self.peak_in_flight[s], st.live[s])
+        st.stash_mb[(s, m)] = nbytes
+        self.stash_bytes[s][m] = nbytes
+        st.stash_live[s] += nbytes
+        self.stash_peak_bytes[s] = max(self.stash_peak_bytes[s], st.stash_live[s])
+
+    def _do_backward(self, a: Action, st: "_StepState"):
+        s, m = a.stage, a.microbatch
+        stage = self._by_index[s]
+        if stage.is_last:
+            grad = None  # the scaled loss is a scalar
+        elif stage_rank(s + 1, self.K) == self.rank:  # next stage on this rank (K = 1)
+            grad = st.grads.pop((s + 1, m))
+        else:
+            grad = self._take(st, ("RECV_B", s, m))
+        start = st.now()
+        inp, out = st.inputs.pop((s, m)), st.outputs.pop((s, m))
+        if self.recompute:  # GPipe re-materialisation: run the forward again, now with autograd
+            with _replay_rng(stage.device, st.rng.pop((s, m))):  # same dropout masks as the forward
+                out = stage.submod(inp)
+            if stage.is_last and st.t_mbs is not None:
+                out = self.loss_fn(out, st.t_mbs[m]) / self.n_microbatches
+        torch.autograd.backward(out, grad_tensors=grad)  # parameter .grad accumulate
+        if s > 0:
+            st.grads[(s, m)] = inp.grad
+        st.timeline.append(TimedAction(a, start, st.now()))
+        st.live[s] -= 1
+        st.stash_live[s] -= st.stash_mb.pop((s, m))
+
+    def _take(self, st: "_StepState", key):
+        """Wait for a posted receive; returns its buffer and stamps the RECV's end time."""
+        work, buf, i = st.pending.pop(key)
         try:
             self._wait(work)
         except Exception as e:
-            a = timeline[i].action
+            a = st.timeline[i].action
             src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
             raise RuntimeError(f"pipeline rank {self.rank}: {a!r} (receive from rank {stage_rank(src, self.K)}) "
                                f"did not complete: {e}") from e
-        e = timeline[i]
-        timeline[i] = TimedAction(e.action, e.start, now())
+        e = st.timeline[i]
+        st.timeline[i] = TimedAction(e.action, e.start, st.now())
         return buf
 
     def _forward(self, st: PipelineStage, inp, target, s, m, forward_only, rng):
