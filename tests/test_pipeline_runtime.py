@@ -1,6 +1,5 @@
 """The pipeline runtime on real gloo ranks equals single-device training and
 torch.distributed.pipelining; measurements match the simulator; failures end quickly."""
-import copy
 import os
 import time
 
@@ -10,8 +9,9 @@ from torch.distributed import pipelining as tpp
 
 from labkit.dist import RankError, launch
 from labkit.model import GPT, GPTConfig, lm_loss
-from labkit.pipeline import (PipelineSchedule, validate_schedule, one_f_one_b_schedule, interleaved_schedule, PipelineStage, Schedule1F1B, ScheduleError, ScheduleGPipe,
-                             ScheduleInterleaved1F1B, add_communication, gpipe_schedule, parse_actions, simulate)
+from labkit.pipeline import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleError, ScheduleGPipe,
+                             ScheduleInterleaved1F1B, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule,
+                             parse_actions, simulate, validate_schedule)
 from labkit.pipeline.stages import gpt_param_name, gpt_stages_for_rank, split_gpt
 
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)

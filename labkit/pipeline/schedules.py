@@ -39,7 +39,7 @@ receives.
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 __all__ = [
     "Action", "ScheduleError", "COMPUTE", "COMM", "KINDS",
