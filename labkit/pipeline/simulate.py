@@ -18,8 +18,8 @@ interleaving, Narayanan et al. 2021 sec. 2.2.2):
 The classic convention behind the formula is b = f per stage (chunk). For GPipe and 1F1B
 it holds for any ratio b/f (e.g. b = 2f, the usual FLOP count): the critical path is
 (M+K-1)(f+b) and each rank computes M(f+b). For our interleaved schedule it also held
-exactly for b/f in {1/2, 1, 2, 3} over K = 1..8, M = 1..32, v = 1..4 (checked by the
-tests for b = f and b = 2f). With communication cost > 0 or uneven stages the bubble is
+exactly for b/f in {1/2, 1, 2, 3} over K = 1..8, M = 1..32, v = 1..4 (the tests check
+b = f on all of it and b = 2f on most). With communication cost > 0 or uneven stages the bubble is
 larger. Pass ints or ``fractions.Fraction`` costs to get exact ``Fraction`` results.
 
 Peak in flight on stage s: the most microbatches whose F(s) ran but whose B(s) has not,
