@@ -106,8 +106,8 @@ def infer_sizes(schedule: dict, n_microbatches: int | None = None, n_stages: int
     """(K, M, n_stages) of a schedule: K = number of ranks; M and n_stages default to one
     more than the largest microbatch and stage index used."""
     acts = [a for r in schedule for a in schedule[r]]
-    M = n_microbatches if n_microbatches is not None else 1 + max((a.microbatch for a in acts), default=0)
-    S = n_stages if n_stages is not None else 1 + max((a.stage for a in acts), default=0)
+    M = n_microbatches if n_microbatches is not None else 1 + max((a[2] for a in acts), default=0)
+    S = n_stages if n_stages is not None else 1 + max((a[1] for a in acts), default=0)
     return len(schedule), M, S
 
 
@@ -116,12 +116,12 @@ def peak_in_flight(schedule: dict, n_stages: int | None = None) -> list:
     _, _, S = infer_sizes(schedule, None, n_stages)
     peak, live = [0] * S, [0] * S
     for r in schedule:
-        for a in schedule[r]:
-            if a.kind == "F":
-                live[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], live[a.stage])
-            elif a.kind == "B":
-                live[a.stage] -= 1
+        for kind, stage, _ in schedule[r]:
+            if kind == "F":
+                live[stage] += 1
+                peak[stage] = max(peak[stage], live[stage])
+            elif kind == "B":
+                live[stage] -= 1
     return peak
 
 
@@ -145,10 +145,12 @@ def simulate(schedule: dict, forward: Cost = 1, backward: Cost = 1, comm: Cost =
     :class:`ScheduleError`, e.g. on a deadlock) unless ``validate=False``; a deadlock found
     while simulating also raises ScheduleError.
     """
-    K, M, S = infer_sizes(schedule, n_microbatches, n_stages)
-    if validate:
+    if validate:  # also turns plain (kind, stage, microbatch) tuples into Actions
         from .validate import validate_schedule
-        validate_schedule(schedule, n_microbatches=M, n_stages=S)
+        schedule = validate_schedule(schedule, n_microbatches=n_microbatches, n_stages=n_stages)
+    else:
+        schedule = {r: [Action(*a) for a in schedule[r]] for r in schedule}
+    K, M, S = infer_sizes(schedule, n_microbatches, n_stages)
     fwd, bwd, com = _cost_fn(forward, "forward"), _cost_fn(backward, "backward"), _cost_fn(comm, "comm")
     done: dict = {}      # (kind, stage, mb) -> end time of a compute action
     arrival: dict = {}   # message key -> arrival time
