@@ -1,0 +1,109 @@
+"""Exercises of notebook 09_moe_routing: the solutions pass, plausible wrong answers fail with a
+message that says what was expected and what came back."""
+import math
+
+import torch
+
+from labkit.grading.testing import assert_check_fails, assert_check_passes
+
+
+def top_k_gate(logits, k, renormalize=False):
+    weights, indices = logits.softmax(dim=-1).topk(k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, indices
+
+
+def gate_softmax_over_top_k(logits, k, renormalize=False):
+    """Wrong: softmax over the k chosen logits only (Mixtral's form) is the RENORMALISED gate."""
+    top, idx = logits.topk(k, dim=-1)
+    return top.softmax(dim=-1), idx
+
+
+def gate_detached(logits, k, renormalize=False):
+    """Wrong: weights cut off from the graph, the gate would never learn."""
+    return top_k_gate(logits.detach(), k, renormalize)
+
+
+def capacity_keep(indices, num_experts, capacity_factor):
+    T, k = indices.shape
+    C = math.ceil(k * T / num_experts * capacity_factor)
+    used, keep = [0] * num_experts, torch.zeros(T, k, dtype=torch.bool)
+    for t in range(T):
+        for j in range(k):
+            e = int(indices[t, j])
+            if used[e] < C:
+                keep[t, j], used[e] = True, used[e] + 1
+    return C, keep
+
+
+def capacity_floor(indices, num_experts, capacity_factor):
+    """Wrong: rounds the capacity down."""
+    T, k = indices.shape
+    return int(k * T / num_experts * capacity_factor), capacity_keep(indices, num_experts, capacity_factor)[1]
+
+
+def capacity_choice_major(indices, num_experts, capacity_factor):
+    """Wrong (here): all first choices before second choices; the notebook asks for token order."""
+    T, k = indices.shape
+    C = math.ceil(k * T / num_experts * capacity_factor)
+    used, keep = [0] * num_experts, torch.zeros(T, k, dtype=torch.bool)
+    for j in range(k):
+        for t in range(T):
+            e = int(indices[t, j])
+            if used[e] < C:
+                keep[t, j], used[e] = True, used[e] + 1
+    return C, keep
+
+
+def moe_param_count(spec):
+    H = spec.hidden
+    attention = 2 * H * spec.n_heads * spec.head_dim + 2 * H * spec.n_kv_heads * spec.head_dim
+    expert = 3 * H * spec.moe_ffn
+    shared = attention + spec.n_routed_experts * H + 2 * H
+    outside = 2 * spec.vocab_size * H + H
+    return (spec.n_layers * (shared + spec.n_routed_experts * expert) + outside,
+            spec.n_layers * (shared + spec.n_activated_experts * expert) + outside)
+
+
+def params_eight_models(spec):
+    """Wrong: "8x7B" read as eight whole models (attention and embeddings counted E times)."""
+    H = spec.hidden
+    attention = 2 * H * spec.n_heads * spec.head_dim + 2 * H * spec.n_kv_heads * spec.head_dim
+    one = spec.n_layers * (attention + 3 * H * spec.moe_ffn) + 2 * spec.vocab_size * H
+    return spec.n_routed_experts * one, spec.n_activated_experts * one
+
+
+def params_no_embeddings(spec):
+    """Wrong: forgets the embedding and the output head."""
+    total, active = moe_param_count(spec)
+    return total - 2 * spec.vocab_size * spec.hidden, active - 2 * spec.vocab_size * spec.hidden
+
+
+def test_solutions_pass():
+    for ex, answer in (("9.1", top_k_gate), ("9.2", capacity_keep), ("9.3", moe_param_count)):
+        assert_check_passes(ex, answer)
+
+
+def test_gate_softmax_over_top_k_fails():
+    assert_check_fails("9.1", gate_softmax_over_top_k, contains="expected tensor([0.6095, 0.2242")
+
+
+def test_gate_detached_fails():
+    assert_check_fails("9.1", gate_detached, contains="no gradient back to the logits")
+
+
+def test_capacity_rounded_down_fails():
+    assert_check_fails("9.2", capacity_floor, contains="capacity C = ceil(1*6/4*1.0): expected 2, got 1")
+
+
+def test_capacity_choice_major_order_fails():
+    assert_check_fails("9.2", capacity_choice_major, contains="expected keep=")
+
+
+def test_params_eight_whole_models_fails():
+    assert_check_fails("9.3", params_eight_models, contains="total parameters: expected 46.703B")
+
+
+def test_params_without_embeddings_fails():
+    assert_check_fails("9.3", params_no_embeddings, contains="expected 46.703B (within 0.1%), got 46.441B")

@@ -1,0 +1,107 @@
+"""Exercises of notebook 10_balance_losses: the solutions pass, plausible wrong answers fail with
+a message that says what was expected and what came back."""
+import torch
+
+from labkit.grading.testing import assert_check_fails, assert_check_passes
+
+
+def _f_P(logits, indices):
+    T, E = logits.shape
+    counts = torch.bincount(indices.reshape(-1), minlength=E).to(logits.dtype)
+    return counts / (T * indices.shape[1]), logits.softmax(dim=-1).mean(dim=0)
+
+
+def switch_aux_loss(logits, indices, alpha=0.01):
+    f, P = _f_P(logits, indices)
+    return alpha * logits.shape[1] * (f * P).sum()
+
+
+def aux_soft_f(logits, indices, alpha=0.01):
+    """Wrong: uses the probabilities for f too (P . P), not the hard choices."""
+    P = logits.softmax(dim=-1).mean(dim=0)
+    return alpha * logits.shape[1] * (P * P).sum()
+
+
+def aux_without_E(logits, indices, alpha=0.01):
+    """Wrong: forgets the factor E (uniform routing then gives alpha / E)."""
+    f, P = _f_P(logits, indices)
+    return alpha * (f * P).sum()
+
+
+def aux_f_not_per_slot(logits, indices, alpha=0.01):
+    """Wrong: divides the counts by T instead of T*k (f sums to k)."""
+    f, P = _f_P(logits, indices)
+    return alpha * logits.shape[1] * (f * indices.shape[1] * P).sum()
+
+
+def device_balance_loss(logits, indices, n_devices, alpha2=0.05):
+    T, E = logits.shape
+    f, P = _f_P(logits, indices)
+    f = f * E
+    return alpha2 * (f.view(n_devices, -1).mean(1) * P.view(n_devices, -1).sum(1)).sum()
+
+
+def device_loss_sum_f(logits, indices, n_devices, alpha2=0.05):
+    """Wrong: sums f over the device's experts instead of averaging."""
+    T, E = logits.shape
+    f, P = _f_P(logits, indices)
+    f = f * E
+    return alpha2 * (f.view(n_devices, -1).sum(1) * P.view(n_devices, -1).sum(1)).sum()
+
+
+def device_loss_strided(logits, indices, n_devices, alpha2=0.05):
+    """Wrong: device d holds experts d, d+D, d+2D, ... (strided, not consecutive)."""
+    T, E = logits.shape
+    f, P = _f_P(logits, indices)
+    f = f * E
+    return alpha2 * (f.view(-1, n_devices).mean(0) * P.view(-1, n_devices).sum(0)).sum()
+
+
+def update_bias(bias, loads, gamma):
+    loads = loads.to(bias.dtype)
+    return bias + gamma * torch.sign(loads.mean() - loads)
+
+
+def bias_wrong_sign(bias, loads, gamma):
+    """Wrong: makes overloaded experts even more attractive."""
+    loads = loads.to(bias.dtype)
+    return bias + gamma * torch.sign(loads - loads.mean())
+
+
+def bias_proportional(bias, loads, gamma):
+    """Wrong: a step proportional to the imbalance instead of its sign."""
+    loads = loads.to(bias.dtype)
+    return bias + gamma * (loads.mean() - loads)
+
+
+def test_solutions_pass():
+    for ex, answer in (("10.1", switch_aux_loss), ("10.2", device_balance_loss), ("10.3", update_bias)):
+        assert_check_passes(ex, answer)
+
+
+def test_aux_with_soft_f_fails():
+    assert_check_fails("10.1", aux_soft_f, contains="switch_aux_loss(T=16, E=4, k=1, alpha=0.1): value: expected")
+
+
+def test_aux_without_E_fails():
+    assert_check_fails("10.1", aux_without_E, contains="expected tensor([0.01], shape=()), got tensor([0.0025]")
+
+
+def test_aux_f_not_normalised_by_k_fails():
+    assert_check_fails("10.1", aux_f_not_per_slot, contains="T=16, E=8, k=2")
+
+
+def test_device_loss_sum_of_f_fails():
+    assert_check_fails("10.2", device_loss_sum_f, contains="expected tensor([0.05], shape=()), got tensor([0.1]")
+
+
+def test_device_loss_strided_experts_fails():
+    assert_check_fails("10.2", device_loss_strided, contains="device_balance_loss(T=16, E=8, k=2, D=4): value")
+
+
+def test_bias_wrong_sign_fails():
+    assert_check_fails("10.3", bias_wrong_sign, contains="expected tensor([-0.001, 0.001, 0.001, -0.001])")
+
+
+def test_bias_proportional_fails():
+    assert_check_fails("10.3", bias_proportional, contains="update_bias(0, loads [10, 2, 4, 8], 1e-3)")

@@ -1,0 +1,65 @@
+"""Exercises of notebook 11_expert_parallelism: the solutions pass, plausible wrong answers fail
+with a message that says what was expected and what came back."""
+from labkit.grading.testing import assert_check_fails, assert_check_passes
+
+
+def _send_counts(indices_per_rank, destination):
+    P = len(indices_per_rank)
+    return [[int((destination(idx).reshape(-1) == q).sum()) for q in range(P)] for idx in indices_per_rank]
+
+
+def dispatch_splits(indices_per_rank, experts_per_rank):
+    send = _send_counts(indices_per_rank, lambda idx: idx // experts_per_rank)
+    P = len(send)
+    return [(send[p], [send[s][p] for s in range(P)]) for p in range(P)]
+
+
+def splits_receive_what_it_sends(indices_per_rank, experts_per_rank):
+    """Wrong: output_split_sizes = input_split_sizes (what it sends, not what it receives)."""
+    return [(i, list(i)) for i, _ in dispatch_splits(indices_per_rank, experts_per_rank)]
+
+
+def splits_round_robin(indices_per_rank, experts_per_rank):
+    """Wrong: expert e placed on rank e % P (labkit places consecutive experts on a rank)."""
+    P = len(indices_per_rank)
+    send = _send_counts(indices_per_rank, lambda idx: idx % P)
+    return [(send[p], [send[s][p] for s in range(P)]) for p in range(P)]
+
+
+def a2a_bytes(input_split_sizes, output_split_sizes, n_experts, hidden, elem_bytes=4):
+    return {"counts": 8 * n_experts, "dispatch": sum(input_split_sizes) * hidden * elem_bytes,
+            "combine": sum(output_split_sizes) * hidden * elem_bytes}
+
+
+def bytes_combine_same_as_dispatch(input_split_sizes, output_split_sizes, n_experts, hidden, elem_bytes=4):
+    """Wrong: the combine sends back what this rank dispatched, not what its experts computed."""
+    return dict(a2a_bytes(input_split_sizes, output_split_sizes, n_experts, hidden, elem_bytes),
+                combine=sum(input_split_sizes) * hidden * elem_bytes)
+
+
+def bytes_counts_int32(input_split_sizes, output_split_sizes, n_experts, hidden, elem_bytes=4):
+    """Wrong: counts as 4-byte ints."""
+    return dict(a2a_bytes(input_split_sizes, output_split_sizes, n_experts, hidden, elem_bytes), counts=4 * n_experts)
+
+
+def test_solutions_pass():
+    assert_check_passes("11.1", dispatch_splits)
+    assert_check_passes("11.2", a2a_bytes)
+
+
+def test_output_splits_equal_to_input_splits_fails():
+    assert_check_fails("11.1", splits_receive_what_it_sends,
+                       contains="output_split_sizes (slots it RECEIVES from ranks 0..P-1)[1]: expected 2, got 1")
+
+
+def test_round_robin_expert_placement_fails():
+    assert_check_fails("11.1", splits_round_robin,
+                       contains="input_split_sizes (slots it SENDS to ranks 0..P-1)[0]: expected 2, got 1")
+
+
+def test_combine_bytes_of_the_dispatch_fails():
+    assert_check_fails("11.2", bytes_combine_same_as_dispatch, contains="combine bytes (measured by CommLog): expected")
+
+
+def test_counts_as_int32_fails():
+    assert_check_fails("11.2", bytes_counts_int32, contains="counts bytes (measured by CommLog): expected 64, got 32")

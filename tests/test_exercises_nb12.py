@@ -1,0 +1,103 @@
+"""Exercises of notebook 12_deepseek_moe: the solutions pass, plausible wrong answers fail with a
+message that says what was expected and what came back."""
+import inspect
+import math
+
+import torch
+
+from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.moe import MoELayer
+from labkit.moe.router import route
+
+
+def n_combinations(E, k, m):
+    return math.comb(m * E, m * k)
+
+
+def combinations_times_m(E, k, m):
+    """Wrong: m times as many combinations, not C(mE, mk)."""
+    return m * math.comb(E, k)
+
+
+def _select(scores, k, n_groups, topk_groups, group_score):
+    T, E = scores.shape
+    grouped = scores.view(T, n_groups, E // n_groups)
+    best = group_score(grouped).topk(topk_groups, dim=-1).indices
+    out = torch.ones(T, n_groups, dtype=torch.bool).scatter(1, best, False)
+    return grouped.masked_fill(out[:, :, None], float("-inf")).view(T, E).topk(k, dim=-1).indices
+
+
+def group_limited_topk(scores, k, n_groups, topk_groups):
+    return _select(scores, k, n_groups, topk_groups, lambda g: g.topk(2, dim=-1).values.sum(-1))
+
+
+def group_by_max(scores, k, n_groups, topk_groups):
+    """Wrong: scores a group by its single best expert (V3 uses the sum of the top 2)."""
+    return _select(scores, k, n_groups, topk_groups, lambda g: g.amax(-1))
+
+
+def no_group_limit(scores, k, n_groups, topk_groups):
+    """Wrong: plain top-k, ignoring the groups."""
+    return scores.topk(k, dim=-1).indices
+
+
+def _line(fn, fragment):
+    (hit,) = [l.strip() for l in inspect.getsource(fn).splitlines() if fragment in l]
+    return hit
+
+
+def gate_lines():
+    return {
+        "score_function": (route, _line(route, "scores = logits")),
+        "bias_for_selection": (route, _line(route, "select = scores.detach()")),
+        "group_score": (route, _line(route, "group_scores = grouped.topk")),
+        "group_mask": (route, _line(route, "masked_fill")),
+        "top_k": (route, _line(route, "indices = select.topk")),
+        "gating_weights": (route, _line(route, "weights = scores.gather")),
+        "shared_expert": (MoELayer.forward, _line(MoELayer.forward, "self.shared_experts(x2)")),
+    }
+
+
+def gate_lines_renormalisation_as_weights():
+    """Wrong: points at the renormalisation, not at where the (unbiased) weights are taken."""
+    return dict(gate_lines(), gating_weights=(route, _line(route, "weights = weights / weights.sum")))
+
+
+def gate_lines_wrong_function():
+    """Wrong: the shared expert is added in MoELayer.forward, not in route."""
+    return dict(gate_lines(), shared_expert=(route, _line(MoELayer.forward, "self.shared_experts(x2)")))
+
+
+def gate_lines_invented_line():
+    """Wrong: a line that is not in labkit's code."""
+    return dict(gate_lines(), top_k=(route, "indices = torch.topk(scores, k).indices"))
+
+
+def test_solutions_pass():
+    for ex, answer in (("12.1", n_combinations), ("12.2", group_limited_topk), ("12.3", gate_lines)):
+        assert_check_passes(ex, answer)
+
+
+def test_combinations_times_m_fails():
+    assert_check_fails("12.1", combinations_times_m, contains="expected 4426165368, got 480")
+
+
+def test_group_score_by_max_fails():
+    assert_check_fails("12.2", group_by_max, contains="token 0 should use experts [2, 3], got [0, 1]")
+
+
+def test_no_group_limit_fails():
+    assert_check_fails("12.2", no_group_limit, contains="token 0 should use experts [2, 3]")
+
+
+def test_renormalisation_is_not_the_gating_weights_line():
+    assert_check_fails("12.3", gate_lines_renormalisation_as_weights,
+                       contains="does not take the UNBIASED scores of the chosen experts")
+
+
+def test_shared_expert_in_the_wrong_function_fails():
+    assert_check_fails("12.3", gate_lines_wrong_function, contains="is in MoELayer.forward, not in route")
+
+
+def test_invented_line_fails():
+    assert_check_fails("12.3", gate_lines_invented_line, contains="is not a line of route")
