@@ -87,10 +87,11 @@ def all_to_all_uneven(x: torch.Tensor, input_splits: Sequence[int], output_split
     """Validated, differentiable uneven all-to-all of x [N, ...] along dim 0.
 
     Checks before any communication (ValueError): one split per rank, non-negative integers,
-    ``sum(input_splits) == x.shape[0]``. Then the split sizes are exchanged first; if
-    ``output_split_sizes`` is given and disagrees with what the other ranks will send, EVERY
-    rank raises ValueError naming the rank(s) whose lists disagree (a flag all-reduce makes
-    them all learn it) instead of hanging in a mismatched data all-to-all.
+    ``sum(input_splits) == x.shape[0]``. Then the split sizes are exchanged first (all-to-all
+    of one int64 per rank pair) and checked: if ``output_splits`` is given and disagrees with
+    what the other ranks will send, EVERY rank raises ValueError naming the rank(s) whose lists
+    disagree (a flag all-reduce tells them all) instead of hanging in a mismatched data
+    all-to-all. ``output_splits=None``: use what the exchange says.
     Returns [sum(output_splits), ...].
     """
     P, me = dist.get_world_size(group), dist.get_rank(group)
@@ -104,16 +105,17 @@ def all_to_all_uneven(x: torch.Tensor, input_splits: Sequence[int], output_split
     if output_splits is not None and len(output_splits) != P:
         raise ValueError(f"rank {me}: output_split_sizes has {len(output_splits)} entries for {P} ranks")
     incoming = exchange_splits(input_splits, group, x.device)
-    if output_splits is not None:
-        bad = torch.zeros(P, dtype=torch.long, device=x.device)
-        bad[me] = int(list(map(int, output_splits)) != incoming)
-        comm.all_reduce(bad, group)
-        if bad.any():
-            ranks = bad.nonzero().flatten().tolist()
-            detail = (f"; this rank {me} expects {list(output_splits)} but the ranks send {incoming}"
-                      if bad[me] else "")
-            raise ValueError(f"all_to_all split sizes disagree across ranks: output_split_sizes of rank(s) "
-                             f"{ranks} do not match the input_split_sizes the other ranks send{detail}")
+    # always one flag all-reduce (also when this rank passed no output sizes), so every rank
+    # issues the same collectives whichever ranks gave output_split_sizes
+    bad = torch.zeros(P, dtype=torch.long, device=x.device)
+    bad[me] = int(output_splits is not None and list(map(int, output_splits)) != incoming)
+    comm.all_reduce(bad, group)
+    if bad.any():
+        ranks = bad.nonzero().flatten().tolist()
+        detail = (f"; this rank {me} expects {list(output_splits)} but the ranks send {incoming}"
+                  if bad[me] else "")
+        raise ValueError(f"all_to_all split sizes disagree across ranks: output_split_sizes of rank(s) "
+                         f"{ranks} do not match the input_split_sizes the other ranks send{detail}")
     return all_to_all(x, incoming, input_splits, group)
 
 

@@ -11,12 +11,14 @@ The pipeline of :func:`route` for router logits ``z = x W_g`` ([T, E]):
 2. selection scores ``s + b`` where ``b`` is the expert bias of the aux-loss-free balancing
    (DeepSeek-V3 sec. 2.1.2, eq. 16). The bias changes WHICH experts are chosen, never the
    gating weights.
-3. group-limited routing (DeepSeek-V2 sec. 2.1.3 "device-limited routing", DeepSeek-V3
-   reference ``Gate``): experts are split into ``n_expert_groups`` groups of E/G; each token
-   keeps only its best ``n_limited_groups`` groups. Group score: with a bias, the sum of the
-   top-2 selection scores in the group; without a bias, the max. (Both are what DeepSeek-V3's
-   published inference code ``model.py: Gate.forward`` does; the V3 report sec. 2.1.2 /
-   3.2 describes node-limited routing by "the sum of the highest K_r/M affinity scores".)
+3. group-limited routing (DeepSeek-V2 sec. 2.2.2 "device-limited routing", DeepSeek-V3 sec.
+   2.1.2 "node-limited routing"): experts are split into ``n_expert_groups`` groups of E/G;
+   each token keeps only its best ``n_limited_groups`` groups. Group score: without a bias,
+   the group's highest affinity (V2: devices chosen by their highest-affinity expert); with
+   the bias, the sum of the group's top-2 selection scores (V3: "the sum of the highest
+   K_r/M affinity scores" of each node, K_r/M = 8/4 = 2). DeepSeek-V3's published inference
+   code (``model.py``, ``Gate.forward``) does exactly this: ``amax`` without a bias, top-2
+   sum with it, both on the biased selection scores.
 4. top-k over the (masked, biased) selection scores -> ``indices`` [T, k].
 5. gating weights = the UNBIASED scores at ``indices``; optionally renormalised to sum to 1
    over the k chosen (``renormalize``; DeepSeek-V3 eq. 13 does this for sigmoid scores),
