@@ -49,10 +49,10 @@ def _rs_case(N: int, c: int, seed: int):
     return case
 
 
-ex01.case("N=2 ranks, 3 elements per chunk")(_rs_case(2, 3, 0))
-ex01.case("N=4 ranks, 2 elements per chunk")(_rs_case(4, 2, 1))
-ex01.case("N=3 ranks, 1 element per chunk", hidden=True)(_rs_case(3, 1, 2))
-ex01.case("N=1 rank", hidden=True)(_rs_case(1, 5, 3))
+ex01.case("N=2 ranks, 3 elements per chunk", timeout=20)(_rs_case(2, 3, 0))
+ex01.case("N=4 ranks, 2 elements per chunk", timeout=20)(_rs_case(4, 2, 1))
+ex01.case("N=3 ranks, 1 element per chunk", hidden=True, timeout=20)(_rs_case(3, 1, 2))
+ex01.case("N=1 rank", hidden=True, timeout=20)(_rs_case(1, 5, 3))
 
 
 # ----------------------------------------------------------------------------- 0.2
@@ -61,6 +61,8 @@ ex02 = exercise(
     hint="Split the tensor into N chunks. N-1 reduce-scatter steps (send chunk (r-s)%N to r+1, add the "
          "one received from r-1), then N-1 all-gather steps (pass the finished chunks on, overwriting).")
 
+RING_TIMEOUT = 8.0  # seconds a send/recv of the learner's ring may wait
+CASE_TIMEOUT = 20.0  # seconds per case (a launch of up to 5 ranks plus a possible RING_TIMEOUT)
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "all_to_all", "all_to_all_single", "broadcast", "reduce", "all_reduce_coalesced")
 
@@ -112,7 +114,9 @@ def _run_ring(ring_all_reduce, N: int, numel: int, seed: int):
             raise CheckFailure(f"ring_all_reduce returned {type(out).__name__}, not a tensor")
         return {"input": mine, "output": out.detach().clone(), "sent": counter["elements"]}
 
-    return launch(body, N, ring_all_reduce, timeout=5)
+    # 8 s: a deadlocked answer fails within the case's 20 s limit with the rank's own
+    # "timed out" error, while a right answer never waits that long even on a loaded machine
+    return launch(body, N, ring_all_reduce, timeout=RING_TIMEOUT)
 
 
 def _ring_case(N: int, numel: int, seed: int):
@@ -125,15 +129,15 @@ def _ring_case(N: int, numel: int, seed: int):
     return case
 
 
-ex02.case("N=2 ranks, 6 elements")(_ring_case(2, 6, 10))
-ex02.case("N=3 ranks, 7 elements (uneven chunks)")(_ring_case(3, 7, 20))
-ex02.case("N=4 ranks, 16 elements")(_ring_case(4, 16, 30))
-ex02.case("N=4 ranks, 3 elements (an empty chunk)", hidden=True)(_ring_case(4, 3, 40))
-ex02.case("N=5 ranks, 11 elements", hidden=True, timeout=15)(_ring_case(5, 11, 50))
-ex02.case("N=1 rank", hidden=True)(_ring_case(1, 4, 60))
+ex02.case("N=2 ranks, 6 elements", timeout=CASE_TIMEOUT)(_ring_case(2, 6, 10))
+ex02.case("N=3 ranks, 7 elements (uneven chunks)", timeout=CASE_TIMEOUT)(_ring_case(3, 7, 20))
+ex02.case("N=4 ranks, 16 elements", timeout=CASE_TIMEOUT)(_ring_case(4, 16, 30))
+ex02.case("N=4 ranks, 3 elements (an empty chunk)", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(4, 3, 40))
+ex02.case("N=5 ranks, 11 elements", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(5, 11, 50))
+ex02.case("N=1 rank", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(1, 4, 60))
 
 
-@ex02.case("each rank sends 2(N-1)/N of the tensor", hidden=True)
+@ex02.case("each rank sends 2(N-1)/N of the tensor", hidden=True, timeout=CASE_TIMEOUT)
 def _(ring_all_reduce):
     N, numel = 4, 16
     res = _run_ring(ring_all_reduce, N, numel, 70)
