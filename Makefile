@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTEST  := $(VPY) -m pytest
 NBVAL_SOLUTIONS := LABKIT_STRICT=1 $(PYTEST) -q -p no:cacheprovider --nbval --nbval-current-env \
-	--sanitize-with .ci/nbval_sanitize.cfg -n 2 --dist loadscope solutions/
+	--nbval-sanitize-with .ci/nbval_sanitize.cfg -n 2 --dist loadscope solutions/
 NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-env -n 2 --dist loadscope notebooks/
 
 .PHONY: lab test install build notebooks unit clean
