@@ -105,7 +105,7 @@ ex52.case("n=16 layers, equal sizes")(_best_case(16, 1, 1))
 ex52.case("n=16, a layer saves twice its input")(_best_case(16, 4096, 8192))
 ex52.case("n=100, a layer saves 8x its input")(_best_case(100, 1, 8))
 ex52.case("n=1")(_best_case(1, 10, 10))
-ex52.case("n=48, a layer saves 34x its input (a transformer block)", hidden=True)(_best_case(48, 2, 68))
+ex52.case("n=48, a layer saves 17x its input (a transformer layer)", hidden=True)(_best_case(48, 2, 34))
 ex52.case("n=30, inputs larger than a layer's saved tensors", hidden=True)(_best_case(30, 9, 2))
 
 
