@@ -45,6 +45,8 @@ def _partials_case(N: int, H: int, F_: int, t: int, seed: int):
         X, A, B = _mlp_data(N, H, F_, seed)
         what = f"mlp_partials(X [{N}, {H}], A [{H}, {F_}], B [{F_}, {H}], t={t})"
         got = mlp_partials(X.copy(), A.copy(), B.copy(), t)
+        if isinstance(got, np.ndarray) and got.ndim == 3:
+            got = list(got)  # a stacked [t, N, H] array is fine too
         if not isinstance(got, (list, tuple)):
             raise CheckFailure(f"{what}: expected a list of {t} arrays, got {type(got).__name__}")
         if len(got) != t:
