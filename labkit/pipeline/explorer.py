@@ -1,0 +1,149 @@
+"""A schedule explorer: pick a schedule, K, M and v; see its Gantt chart, bubble and memory.
+
+Two plain functions, so that tests (and a script) can use them without a browser:
+
+* :func:`render` draws one configuration with the simulator (:func:`~.simulate.simulate`)
+  and the plotter (:func:`~.plot.plot_timeline`) and returns the numbers it shows;
+* :func:`explorer` wires :func:`render` to an ``ipywidgets.interactive`` with a schedule
+  dropdown and K, M, v sliders (children in that order, then the output area).
+
+What the numbers mean (uniform stage costs, backward time ``b`` times the forward time):
+
+* bubble: idle fraction of the K ranks over the step, simulated; the formula
+  (K-1)/(vM+K-1) (Narayanan et al. 2021, sec. 2.2.2; v = 1 for GPipe and 1F1B) is exact
+  for b = 1;
+* peak in flight per rank: the most (microbatch, stage) pairs whose forward ran and whose
+  backward has not, summed over the rank's stages. With v chunks a pair holds the
+  activations of 1/v of the rank's layers, so ``peak / v`` is in units of "one microbatch
+  through all the rank's layers" (GPipe: M; 1F1B rank r: min(M, K - r));
+* point-to-point sends per step: every activation and every gradient that crosses a stage
+  boundary between two ranks, 2M(Kv-1) for K > 1 (v times 1F1B's 2M(K-1), roughly).
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import matplotlib.pyplot as plt
+
+from .plot import plot_timeline
+from .schedules import ScheduleError, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
+from .simulate import TimedAction, bubble_formula, simulate
+
+__all__ = ["SCHEDULES", "build_schedule", "peak_in_flight_per_rank", "count_sends", "render", "describe", "explorer"]
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved 1F1B")
+
+
+def build_schedule(schedule: str, K: int, M: int, v: int = 1) -> dict:
+    """The ``{rank: [Action]}`` data of ``schedule`` (one of :data:`SCHEDULES`).
+
+    ``v`` is used by "Interleaved 1F1B" only (v = 1 there is plain 1F1B). Raises
+    ValueError for an unknown name and :class:`~.schedules.ScheduleError` for sizes the
+    schedule does not allow (e.g. M not a multiple of K for interleaving with v >= 2)."""
+    if schedule == "GPipe":
+        return gpipe_schedule(K, M)
+    if schedule == "1F1B":
+        return one_f_one_b_schedule(K, M)
+    if schedule == "Interleaved 1F1B":
+        return interleaved_schedule(K, M, v)
+    raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def peak_in_flight_per_rank(actions: dict) -> list:
+    """Per rank: the most (microbatch, stage) pairs held at once, i.e. forwards that ran
+    whose backward has not, over all the stages on that rank (action order only)."""
+    out = []
+    for r in sorted(actions):
+        live = peak = 0
+        for a in actions[r]:
+            if a.kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif a.kind == "B":
+                live -= 1
+        out.append(peak)
+    return out
+
+
+def count_sends(actions: dict) -> int:
+    """Point-to-point sends in one step, all ranks, both directions (SEND_F + SEND_B)."""
+    return sum(a.kind in ("SEND_F", "SEND_B") for r in actions for a in actions[r])
+
+
+def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward: float = 1.0,
+           ax=None) -> dict:
+    """Simulate ``schedule`` with K ranks, M microbatches (and v chunks for interleaving) and
+    draw its Gantt chart on ``ax`` (a new figure when None).
+
+    Time unit: the forward of one microbatch through all the layers of a rank; with v
+    chunks a stage's forward takes 1/v of it. ``backward``: time of a backward relative to
+    a forward (e.g. 2.0). Returns a dict: ``schedule``, ``K``, ``M``, ``v`` (1 unless interleaved),
+    ``bubble`` (simulated, Fraction for rational costs), ``bubble_formula``
+    ((K-1)/(vM+K-1)), ``peak_in_flight`` (per rank, see :func:`peak_in_flight_per_rank`),
+    ``sends`` (per step), ``makespan`` (time units, a Fraction), ``error`` (None, or the message of
+    the rule that forbids this configuration; then nothing is simulated and the axes show
+    the message), ``ax``.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.6 * K + 1.4))
+    v_used = v if schedule == "Interleaved 1F1B" else 1
+    info = {"schedule": schedule, "K": K, "M": M, "v": v_used, "bubble": None, "bubble_formula": None,
+            "peak_in_flight": None, "sends": None, "makespan": None, "error": None, "ax": ax}
+    try:
+        actions = build_schedule(schedule, K, M, v_used)
+    except ScheduleError as e:
+        info["error"] = str(e)
+        ax.text(0.5, 0.5, "not a valid configuration:\n" + str(e), ha="center", va="center", wrap=True,
+                fontsize=9, transform=ax.transAxes)
+        ax.set_axis_off()
+        return info
+    # a stage holds 1/v of the rank's layers: forward 1/v, backward b/v time units
+    b = Fraction(backward).limit_denominator(1000) if isinstance(backward, float) else Fraction(backward)
+    sim = simulate(actions, forward=Fraction(1, v_used), backward=b / v_used)
+    info.update(bubble=sim.bubble_fraction, bubble_formula=bubble_formula(K, M, v_used),
+                peak_in_flight=peak_in_flight_per_rank(actions), sends=count_sends(actions),
+                makespan=sim.makespan)
+    name = schedule + (f", v={v_used}" if schedule == "Interleaved 1F1B" else "")
+    # plot in floats (plot_timeline passes the times to matplotlib, which rejects Fractions)
+    timeline = {r: [TimedAction(t.action, float(t.start), float(t.end)) for t in sim.timeline[r]]
+                for r in sim.timeline}
+    plot_timeline(timeline, ax=ax, title=f"{name}, K={K}, M={M} (formula {float(info['bubble_formula']):.1%})",
+                  unit="forward time of a rank's layers")
+    if 2 * v_used * M > 40:  # too many boxes for readable "m/s" labels: keep the colours only
+        for text in list(ax.texts):
+            text.remove()
+    return info
+
+
+def describe(info: dict) -> str:
+    """Two lines of text for a :func:`render` result (deterministic)."""
+    if info["error"]:
+        return f"{info['schedule']} K={info['K']} M={info['M']} v={info['v']}: {info['error']}"
+    return (f"{info['schedule']} K={info['K']} M={info['M']} v={info['v']}: bubble {float(info['bubble']):.3f} "
+            f"(formula (K-1)/(vM+K-1) = {float(info['bubble_formula']):.3f}), "
+            f"{info['sends']} point-to-point sends per step\n"
+            f"peak (microbatch, stage) pairs in flight per rank: {info['peak_in_flight']}")
+
+
+def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int = 2, max_K: int = 8,
+             max_M: int = 16, max_v: int = 4):
+    """An ``ipywidgets.interactive``: a dropdown (schedule) and sliders K, M, v, then the
+    output area (children 0-4). Moving a control re-runs :func:`render`, prints
+    :func:`describe` and shows the figure; the last result dict is ``widget.result``."""
+    import ipywidgets as w
+
+    def show(schedule, K, M, v):
+        info = render(schedule, K, M, v)
+        print(describe(info))
+        plt.show()
+        info = dict(info)
+        info.pop("ax")
+        return info
+
+    return w.interactive(
+        show,
+        schedule=w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule"),
+        K=w.IntSlider(value=K, min=1, max=max_K, description="K (ranks)"),
+        M=w.IntSlider(value=M, min=1, max=max_M, description="M (microb.)"),
+        v=w.IntSlider(value=v, min=1, max=max_v, description="v (chunks)"),
+    )

@@ -1,0 +1,66 @@
+"""Exercises of notebook 03_1f1b: the solutions pass; a warm-up one forward too long or too short,
+a backward before its forward and a wrong in-flight formula fail with useful messages."""
+from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.pipeline import Action
+
+
+def order_with_warmup(extra):
+    def one_f_one_b_order(K, M):
+        order = {}
+        for r in range(K):
+            warmup = max(0, min(K - r - 1 + extra, M))
+            acts = [Action("F", r, m) for m in range(warmup)]
+            for i in range(M - warmup):
+                acts += [Action("F", r, warmup + i), Action("B", r, i)]
+            acts += [Action("B", r, m) for m in range(M - warmup, M)]
+            order[r] = acts
+        return order
+    return one_f_one_b_order
+
+
+def backward_first(K, M):
+    """Wrong: B before F in the steady state (so the last stage runs B0 before F0)."""
+    order = {}
+    for r in range(K):
+        warmup = min(K - r - 1, M)
+        acts = [Action("F", r, m) for m in range(warmup)]
+        for i in range(M - warmup):
+            acts += [Action("B", r, i), Action("F", r, warmup + i)]
+        acts += [Action("B", r, m) for m in range(M - warmup, M)]
+        order[r] = acts
+    return order
+
+
+def test_1f1b_solution_passes():
+    assert_check_passes("3.1", order_with_warmup(0))
+
+
+def test_warmup_one_too_long_fails_naming_the_stage():
+    assert_check_fails("3.1", order_with_warmup(+1),
+                       contains="stage 0 holds 3 microbatch(es) in flight at its peak, 1F1B holds min(M, K-s) = 2; "
+                                "it holds more than 1F1B needs: the warm-up is too long")
+
+
+def test_warmup_one_too_short_fails_naming_the_stage():
+    assert_check_fails("3.1", order_with_warmup(-1),
+                       contains="stage 0 holds 1 microbatch(es) in flight at its peak, 1F1B holds min(M, K-s) = 2; "
+                                "the pipeline never fills: the warm-up is too short")
+
+
+def test_backward_before_forward_fails_with_validator_message():
+    assert_check_fails("3.1", backward_first,
+                       contains="backward before forward: F0@s1 has not run on this rank")
+
+
+def test_in_flight_solution_passes():
+    assert_check_passes("3.2", lambda K, M: [min(M, K - s) for s in range(K)])
+
+
+def test_in_flight_without_min_fails_for_few_microbatches():
+    assert_check_fails("3.2", lambda K, M: [K - s for s in range(K)],
+                       contains="in_flight_1f1b(K=4, M=2)[0]: expected 2, got 4")
+
+
+def test_in_flight_gpipe_answer_fails_against_measurement():
+    assert_check_fails("3.2", lambda K, M: [M] * K,
+                       contains="vs the peak measured by the runtime[0]: expected 4, got 8")

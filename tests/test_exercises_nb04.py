@@ -1,0 +1,57 @@
+"""Exercises of notebook 04_interleaved: the solutions pass; 1-based layers, the contiguous split,
+a bubble without v, no ValueError for a bad M and forward-only send counts fail with useful messages."""
+from labkit.grading.testing import assert_check_fails, assert_check_passes
+
+
+def layers_of_rank(rank, n_layers, K, v):
+    per = n_layers // (K * v)
+    return [layer for c in range(v) for layer in range((c * K + rank) * per, (c * K + rank + 1) * per)]
+
+
+def interleaved_bubble(K, M, v):
+    if v > 1 and M % K:
+        raise ValueError("M must be a multiple of K")
+    return (K - 1) / (v * M + K - 1)
+
+
+def test_layers_solution_passes():
+    assert_check_passes("4.1", layers_of_rank)
+
+
+def test_layers_counted_from_one_fails_naming_the_convention():
+    assert_check_fails("4.1", lambda r, L, K, v: [i + 1 for i in layers_of_rank(r, L, K, v)],
+                       contains="expected [0, 1, 8, 9], got [1, 2, 9, 10]: this notebook counts layers from 0")
+
+
+def test_contiguous_split_fails_naming_looped_placement():
+    assert_check_fails("4.1", lambda r, L, K, v: list(range(r * L // K, (r + 1) * L // K)),
+                       contains="that is the contiguous split of plain 1F1B")
+
+
+def test_bubble_solution_passes():
+    assert_check_passes("4.2", interleaved_bubble)
+
+
+def test_bubble_without_v_fails():
+    assert_check_fails("4.2", lambda K, M, v: (K - 1) / (M + K - 1),
+                       contains="interleaved_bubble(K=4, M=8, v=2) vs the simulated bubble: expected 0.157895, "
+                                "got 0.272727")
+
+
+def test_bubble_without_the_microbatch_rule_fails():
+    assert_check_fails("4.2", lambda K, M, v: (K - 1) / (v * M + K - 1),
+                       contains="interleaved_bubble(K=4, M=6, v=2): expected ValueError to be raised")
+
+
+def test_sends_solution_passes():
+    assert_check_passes("4.3", lambda K, M, v: 0 if K == 1 else 2 * M * (K * v - 1))
+
+
+def test_sends_forward_only_fails():
+    assert_check_fails("4.3", lambda K, M, v: M * (K * v - 1),
+                       contains="p2p_sends(K=4, M=8, v=1) vs the SEND actions in the schedule: expected 48, got 24")
+
+
+def test_sends_ignoring_chunks_fails():
+    assert_check_fails("4.3", lambda K, M, v: 2 * M * (K - 1),
+                       contains="p2p_sends(K=4, M=8, v=2) vs the SEND actions in the schedule: expected 112, got 48")
