@@ -221,7 +221,7 @@ def doctor(world_sizes: Sequence[int] = (1, 2, 4, 8)) -> str:
 # ----------------------------------------------------------------------------- workers
 
 
-def _free_store(world_size: int, timeout: float) -> str:
+def _rendezvous_file() -> str:
     """Path of a fresh rendezvous file for a FileStore.
 
     Not a TCPStore held by the parent: its server thread may hold a lock (the allocator's)
@@ -236,14 +236,14 @@ def _free_store(world_size: int, timeout: float) -> str:
     return path
 
 
-def _worker(fn, args, rank, world_size, backend, port, timeout, conn, start_method):
+def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, start_method):
     status = "ok"
     try:
         if start_method == "fork":
             # A forked child can hang in threaded kernels after the parent ran threaded
             # work; one thread per rank also keeps N ranks fair on a few cores.
             torch.set_num_threads(1)
-        store = dist.FileStore(port, world_size)  # ``port`` is the rendezvous file's path
+        store = dist.FileStore(store_path, world_size)
         store.set_timeout(timedelta(seconds=timeout))
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -325,15 +325,14 @@ def launch(
     backend = choose_backend(world_size, backend)
     start_method = "spawn" if backend == "nccl" else "fork"
     mpctx = mp.get_context(start_method)
-    store = _free_store(world_size, timeout)
-    port = store  # path of the FileStore's file
+    store = _rendezvous_file()
     procs, conns = [], {}
     try:
         for rank in range(world_size):
             recv_end, send_end = mpctx.Pipe(duplex=False)
             p = mpctx.Process(
                 target=_worker,
-                args=(fn, args, rank, world_size, backend, port, timeout, send_end, start_method),
+                args=(fn, args, rank, world_size, backend, store, timeout, send_end, start_method),
                 daemon=True,
             )
             p.start()
@@ -374,7 +373,7 @@ def launch(
             if first_error_at is not None and time.monotonic() >= first_error_at + 1.0:
                 break  # give the other ranks a moment to report, then stop everything
         if errors:
-            errors.sort(key=lambda e: (_is_secondary(e[2]), e[0]))
+            errors.sort(key=lambda e: (_error_priority(e[2]), e[0]))
             _, rank, (etype, msg, tb) = errors[0]
             raise RankError(rank, etype, msg, tb)
         return [results[r] for r in range(world_size)]
@@ -386,11 +385,19 @@ def launch(
             os.unlink(store)
 
 
-def _is_secondary(err: tuple) -> bool:
-    """Timeouts and broken connections are usually consequences of another rank's error."""
+def _error_priority(err: tuple) -> int:
+    """Which error explains a failed launch best (lower is better).
+
+    0: a real exception (or a worker that died); 1: a timeout, the symptom of a wrong
+    schedule or a missing peer; 2: a broken connection, which follows when another rank
+    failed and exited first."""
     etype, msg, _ = err
     text = f"{etype} {msg}".lower()
-    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "processdied"))
+    if any(s in text for s in ("connection closed", "connection reset", "broken pipe")):
+        return 2
+    if "timed out" in text or "timeout" in text:
+        return 1
+    return 0
 
 
 def _launch_torchrun(fn, world_size, args, backend, timeout):
