@@ -275,10 +275,11 @@ def test_grader_end_to_end(tmp_path):
         "check('99.3', lambda: 1)",
     ]
     nb.cells = [nbformat.v4.new_code_cell(s) for s in srcs]
-    path = tmp_path / "99_tiny.ipynb"
+    (tmp_path / "submission").mkdir()
+    path = tmp_path / "submission" / "99_tiny.ipynb"  # the kernel runs in submission/
     nbformat.write(nb, str(path))
     results = tmp_path / "results.json"
-    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(hidden), LABKIT_STRICT="1")
+    env = dict(os.environ, LABKIT_HIDDEN_CASES="cases", LABKIT_STRICT="1")  # relative to cwd
     proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(path), "--results", str(results)],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr

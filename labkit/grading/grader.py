@@ -30,7 +30,7 @@ from pathlib import Path
 
 import nbformat
 
-from .registry import Exercise, exercises_for_notebook, get_exercise
+from .registry import HIDDEN_ENV, Exercise, exercises_for_notebook, get_exercise
 from .runner import RESULTS_ENV, STRICT_ENV
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
@@ -90,6 +90,8 @@ def _execute(nb, path: Path, results_file: str, cell_timeout: int) -> str:
     env = dict(os.environ)
     env[RESULTS_ENV] = results_file
     env.pop(STRICT_ENV, None)
+    if env.get(HIDDEN_ENV):  # the kernel runs in the notebook's folder: make the paths absolute
+        env[HIDDEN_ENV] = os.pathsep.join(str(Path(p).resolve()) for p in env[HIDDEN_ENV].split(os.pathsep) if p)
     current = {"index": None}
 
     def on_cell_execute(cell, cell_index, **_):
