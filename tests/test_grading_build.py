@@ -162,3 +162,26 @@ def test_check_cells_print_exactly_one_line(solution):
         assert not results, f"{solution.name} cell {i}: check() produced an Out[] line"
         text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
         assert text.count(": passed, ") == n_checks, f"{solution.name} cell {i}: {text!r}"
+
+
+def test_build_execute_saves_outputs_then_builds(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("# Exercise 8.1: print the answer\n### BEGIN SOLUTION\n"
+                                          "print(6 * 7)\n### END SOLUTION")]
+    nb.cells[0].id = "only-cell"
+    sol = tmp_path / "solutions" / "08_exec.ipynb"
+    nbformat.write(nb, str(sol))
+    out = subprocess.run([sys.executable, "-m", "labkit", "build", "--root", str(tmp_path), "--execute", "08"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    executed = nbformat.read(str(sol), as_version=4).cells[0]
+    assert executed.outputs[0]["text"] == "42\n" and executed.execution_count == 1
+    assert "execution" not in executed.metadata  # no timestamps stored
+    learner = nbformat.read(str(tmp_path / "notebooks" / "08_exec.ipynb"), as_version=4).cells[0]
+    assert learner.source.endswith('raise NotImplementedError("Exercise 8.1: print the answer")')
+    assert learner.outputs == []
+    bad = subprocess.run([sys.executable, "-m", "labkit", "build", "--root", str(tmp_path), "--execute", "99"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no solution notebook matches '99'" in bad.stderr
