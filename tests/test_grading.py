@@ -408,3 +408,10 @@ def test_nb00_ring_deadlock_ends_with_readable_error():
     res = evaluate("0.2", deadlock, stop_at_first_failure=True)
     assert res.status == "failed"
     assert "never completed: a deadlock, or a peer that stopped early" in res.message
+
+
+def test_broken_exercise_module_is_named_not_fatal(monkeypatch):
+    monkeypatch.setitem(registry.IMPORT_ERRORS, "nb98_broken", "SyntaxError: invalid syntax (nb98_broken.py, line 3)")
+    with pytest.raises(KeyError, match=r"exercise module nb98_broken failed to import \(SyntaxError"):
+        registry.get_exercise("98.1")
+    assert registry.get_exercise("T.1").title == "double"  # the others still work

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from labkit.grading.grader import grade_notebook, results_json, validate_results
-from labkit.grading.registry import exercises_for_notebook
+from labkit.grading.registry import IMPORT_ERRORS, exercises_for_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -21,7 +21,8 @@ def _lines(grade) -> str:
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
 def test_solution_grades_full_marks(path):
-    assert exercises_for_notebook(path.stem), f"no exercises registered for notebook {path.stem}"
+    assert exercises_for_notebook(path.stem), (f"no exercises registered for notebook {path.stem}; "
+                                               f"import errors: {IMPORT_ERRORS}")
     grade = grade_notebook(path)
     assert grade.stopped == "", f"{path.name} stopped: {grade.stopped}"
     obj = results_json([grade])

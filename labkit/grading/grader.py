@@ -302,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"no such notebook: {', '.join(missing)}", file=sys.stderr)
         return 2
+    from .registry import IMPORT_ERRORS, load_all
+
+    load_all()
+    for module, err in sorted(IMPORT_ERRORS.items()):
+        print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
+              file=sys.stderr)
     grades = grade_paths(a.paths, a.cell_timeout)
     print(format_table(grades))
     if a.results:

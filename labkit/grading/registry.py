@@ -82,6 +82,7 @@ DEFAULT_TIMEOUT = 10.0  # seconds one case may run before it is stopped and fail
 HIDDEN_ENV = "LABKIT_HIDDEN_CASES"
 
 _REGISTRY: dict[str, "Exercise"] = {}
+IMPORT_ERRORS: dict[str, str] = {}  # exercise module -> the error its import raised
 _LOADED = False
 _ADDING_HIDDEN = False  # True while a hidden-case file runs: its cases default to hidden
 
@@ -208,7 +209,12 @@ def load_all(reload_hidden: bool = False) -> dict[str, Exercise]:
     from . import exercises as pkg
 
     for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
-        importlib.import_module(f"{pkg.__name__}.{info.name}")
+        # One broken exercise module must not break the checks of every other notebook:
+        # its error is kept and shown when one of its exercises is looked up.
+        try:
+            importlib.import_module(f"{pkg.__name__}.{info.name}")
+        except Exception as e:  # noqa: BLE001
+            IMPORT_ERRORS[info.name] = f"{type(e).__name__}: {e}"
     _LOADED = True
     folders = [Path(__file__).parent / "hidden"]
     folders += [Path(p) for p in os.environ.get(HIDDEN_ENV, "").split(os.pathsep) if p]
@@ -244,7 +250,8 @@ def get_exercise(id: str) -> Exercise:
         return _REGISTRY[str(id)]
     except KeyError:
         known = ", ".join(sorted(_REGISTRY, key=_sort_key)) or "none"
-        raise KeyError(f"no exercise {id!r}; known exercises: {known}") from None
+        broken = "".join(f"; exercise module {m} failed to import ({err})" for m, err in sorted(IMPORT_ERRORS.items()))
+        raise KeyError(f"no exercise {id!r}; known exercises: {known}{broken}") from None
 
 
 def all_exercises() -> list[Exercise]:
