@@ -55,6 +55,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import numbers
 import os
 import pkgutil
 import sys
@@ -352,9 +353,9 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
     if isinstance(expected, (int, float)) and not isinstance(expected, bool) and not exact:
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
-        if not isinstance(got, (int, float)) or isinstance(got, bool):
+        if not isinstance(got, numbers.Real) or isinstance(got, bool):  # numpy scalars count
             raise CheckFailure(f"{what}: expected a number close to {_short(expected)}, got {type(got).__name__} {_short(got)}")
-        if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
+        if not math.isclose(float(got), expected, rel_tol=rtol, abs_tol=atol):
             raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}")
         return
     if type(got) is bool and type(expected) is not bool or type(expected) is bool and type(got) is not bool:
