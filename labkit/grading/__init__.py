@@ -8,6 +8,17 @@ Learners use one function::
 ``check`` returns a :class:`~labkit.grading.runner.CheckResult` (status, passed, total, message)
 that displays nothing in a notebook, so the printed line is the cell's only output.
 
+Instructor workflow::
+
+    python -m labkit build                       # notebooks/ (learner versions) from solutions/
+    python -m labkit build --check               # CI: exit 1 naming each stale notebook
+    LABKIT_HIDDEN_CASES=/secret/cases \
+        python -m labkit grade submission.ipynb --results results.json   # Gradescope format
+
+Author workflow: write ``solutions/NN_topic.ipynb`` (exercise regions between
+``### BEGIN SOLUTION`` / ``### END SOLUTION``) and ``labkit/grading/exercises/nbNN_topic.py``,
+then ``python -m labkit build --execute NN`` and commit both folders.
+
 Instructors and authors: :mod:`labkit.grading.registry` (declaring exercises and cases, hidden
 case files), :mod:`labkit.grading.build` (``python -m labkit build``),
 :mod:`labkit.grading.grader` (``python -m labkit grade``), :mod:`labkit.grading.testing`
