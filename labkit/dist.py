@@ -324,6 +324,10 @@ def launch(
         return _launch_torchrun(fn, world_size, args, backend, timeout)
     backend = choose_backend(world_size, backend)
     start_method = "spawn" if backend == "nccl" else "fork"
+    if start_method == "fork":
+        # torch imports sympy lazily on the first ``tensor.backward(grad)`` (~0.3-0.6 s);
+        # import it once here so forked ranks inherit it instead of each paying in turn.
+        import torch.fx.experimental.symbolic_shapes  # noqa: F401
     mpctx = mp.get_context(start_method)
     store = _rendezvous_file()
     procs, conns = [], {}

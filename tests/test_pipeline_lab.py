@@ -31,6 +31,10 @@ def test_plot_from_simulator_and_from_measured_timeline():
     ax = plot_timeline(simulate(interleaved_schedule(2, 4, 2)))
     assert "0/2" in {t.get_text() for t in ax.texts}  # microbatch/stage when a rank holds several stages
     plt.close(ax.figure)
+    from fractions import Fraction  # exact simulator times are Fractions; the plot takes them too
+    ax = plot_timeline(simulate(one_f_one_b_schedule(2, 2), forward=Fraction(1, 2)))
+    assert ax.get_title(loc="left").startswith("bubble ")
+    plt.close(ax.figure)
 
 
 def test_lab_runs_and_matches_single_device(tmp_path, capsys):

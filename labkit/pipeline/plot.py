@@ -34,7 +34,7 @@ def plot_timeline(timeline, ax=None, title: str | None = None, K: int | None = N
     K = K or len(ranks)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.2))
-    makespan = max((t.end for r in ranks for t in timeline[r]), default=0) or 1
+    makespan = float(max((t.end for r in ranks for t in timeline[r]), default=0)) or 1.0
     if show_stage is None:
         show_stage = any(len({t.action.stage for t in timeline[r]}) > 1 for r in ranks)
     for row, r in enumerate(ranks):
@@ -46,10 +46,11 @@ def plot_timeline(timeline, ax=None, title: str | None = None, K: int | None = N
                 continue
             chunk = min(stage // K, 3)
             color = (_F if kind == "F" else _B)[chunk if show_stage else 1]
-            ax.barh(y, t.end - t.start, left=t.start, height=0.8, color=color, edgecolor="white",
+            start, end = float(t.start), float(t.end)  # the simulator may give Fractions
+            ax.barh(y, end - start, left=start, height=0.8, color=color, edgecolor="white",
                     linewidth=0.5, zorder=1)
             label = f"{mb}/{stage}" if show_stage else f"{mb}"
-            ax.text((t.start + t.end) / 2, y, label, ha="center", va="center", fontsize=7, zorder=2)
+            ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=7, zorder=2)
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels([f"rank {r}" for r in reversed(ranks)])
     ax.set_xlim(0, makespan)
