@@ -38,16 +38,16 @@ BALANCE_MODES = ("none", "aux", "aux_free")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0])
-    p.add_argument("--ep", type=int, default=4, help="expert-parallel ranks P (default 4; torchrun: WORLD_SIZE)")
+    p.add_argument("--ep", "--world-size", dest="ep", type=int, default=4, help="expert-parallel ranks P (default 4; torchrun: WORLD_SIZE)")
     p.add_argument("--steps", type=int, default=40, help="steps of the EP vs single-device comparison")
     p.add_argument("--balance-steps", type=int, default=150, help="steps of each balancing run")
     p.add_argument("--experts", type=int, default=8, help="routed experts E")
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-layer", "--layers", dest="n_layer", type=int, default=4)
     p.add_argument("--moe-every", type=int, default=2, help="1: every block is MoE; 2: every other (GShard)")
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", "--embd", dest="n_embd", type=int, default=64)
+    p.add_argument("--n-head", "--heads", dest="n_head", type=int, default=4)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences), divisible by P")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-mode", default="aux_free", choices=BALANCE_MODES,
                    help="balancing used in the EP vs single-device comparison")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--out", default=None, help="run folder (default runs/moe-<time>)")
     p.add_argument("--no-plots", action="store_true")
     return p
@@ -85,7 +87,7 @@ def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> 
         to_expert_parallel(model, ctx.group, rank, P)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0, foreach=True)
-    corpus = Corpus.load()
+    corpus = Corpus.load(a.data)
     rows = a.batch // P
     hist = {"loss": [], "lm": [], "loads": [], "dropped": [], "balance": [], "bytes": []}
     bar = tqdm(range(steps), desc=f"{'EP=%d' % P if ep else 'single'} {balance}", disable=not progress,
@@ -187,11 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.experts % a.ep:
         print(f"--experts={a.experts} must be divisible by --ep={a.ep}", file=sys.stderr)
         return 2
+    try:  # a bad --data path: a clear message before any process starts
+        Corpus.load(a.data)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     torch.manual_seed(a.seed)
     if not in_torchrun():
         torch.set_num_threads(1)     # tiny kernels: one thread is faster and keeps the forked ranks fair
     t0 = time.perf_counter()
-    ep_hist = launch(_ep_worker, a.ep, a, timeout=120)
+    ep_hist = launch(_ep_worker, a.ep, a, backend=a.backend, timeout=120)
     if in_torchrun() and int(os.environ["RANK"]) != 0:
         return 0                                              # rank 0 runs the references and reports
     H, E, k = a.n_embd, a.experts, a.top_k
