@@ -230,10 +230,8 @@ def _rendezvous_file() -> str:
     """
     import tempfile
 
-    fd, path = tempfile.mkstemp(prefix="labkit-store-")
-    os.close(fd)
-    os.unlink(path)  # FileStore creates it
-    return path
+    # a private folder, removed whole after the launch (FileStore may leave helper files)
+    return os.path.join(tempfile.mkdtemp(prefix="labkit-store-"), "store")
 
 
 def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, start_method):
@@ -385,8 +383,9 @@ def launch(
         _kill_all(procs)
         for c in conns:
             c.close()
-        if os.path.exists(store):
-            os.unlink(store)
+        import shutil
+
+        shutil.rmtree(os.path.dirname(store), ignore_errors=True)
 
 
 def _error_priority(err: tuple) -> int:
@@ -417,8 +416,22 @@ def _launch_torchrun(fn, world_size, args, backend, timeout):
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        import atexit
+
+        atexit.register(_shutdown_torchrun)
     ctx = DistContext(rank, world_size, local_rank, backend, device, dist.group.WORLD, timeout)
     result = fn(ctx, *args)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, result)
     return gathered
+
+
+def _shutdown_torchrun() -> None:
+    """At exit under torchrun: wait for every rank, then tear the group down, so that no rank
+    closes its connections while a peer still uses them (gloo aborts the peer then)."""
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except Exception:
+        pass
