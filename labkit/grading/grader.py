@@ -5,15 +5,21 @@ runs every cell with a per-cell time limit and collects what each ``check(...)``
 kernel gets env ``LABKIT_RESULTS_FILE`` (a temporary file) and ``check`` appends one JSON line per
 case, running every case (not stopping at the first failure). ``LABKIT_STRICT`` is removed.
 
-Which exercises a notebook has: those registered for its name (``metadata.labkit.notebook``
-written by ``build``, else the file's stem). An exercise whose check never ran scores zero:
+Which exercises a notebook has: every exercise registered for its notebook, whatever ran. The
+notebook is ``metadata.labkit.notebook`` (written by ``build``), else the file's stem when
+exercises are registered for it, else the notebook(s) of the exercise ids in the
+``check("N.k", ...)`` calls of its code cells (read from the sources, not from what ran, so a
+renamed copy whose metadata was lost keeps its full total). Exercises of other notebooks that
+the notebook did check are graded too. An exercise whose check never ran scores zero:
 "not reached: cell N raised <Error>: <message>" when execution stopped at a cell that raised
 (cells tagged ``raises-exception`` do not stop it) or ran past the time limit, else "not
 attempted: no check(...) call ran". When ``check`` ran more than once for an exercise, the last
 call counts.
 
-Points: an exercise's points are split equally across its cases (public and hidden); each passed
-case earns its share (rounded to 4 decimals). The results file follows the Gradescope autograder
+Points: an exercise's points are split across its cases (public and hidden) by
+:func:`~labkit.grading.registry.case_points` (equal shares rounded to 4 decimals, the remainder
+to the last case, so they add up to the exercise's points); each passed case earns its share.
+The kernel's own stderr is discarded (its warnings are not the learner's errors). The results file follows the Gradescope autograder
 format: top-level ``score`` and ``tests``, one test per case with ``name``, ``score``,
 ``max_score``, ``status`` ("passed" / "failed"), ``output`` and ``visibility`` (``visible`` for
 public cases, ``after_published`` for hidden ones, whose output never gives details).
@@ -23,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -30,7 +38,7 @@ from pathlib import Path
 
 import nbformat
 
-from .registry import HIDDEN_ENV, Exercise, exercises_for_notebook, get_exercise
+from .registry import HIDDEN_ENV, Exercise, case_points, exercises_for_notebook, get_exercise
 from .runner import RESULTS_ENV, STRICT_ENV
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
@@ -78,8 +86,34 @@ class NotebookGrade:
     exercises: list[ExerciseGrade] = field(default_factory=list)
 
 
-def _notebook_name(nb, path: Path) -> str:
-    return nb.metadata.get("labkit", {}).get("notebook") or path.stem
+_CHECK_CALL = re.compile(r"""\bcheck\(\s*(?P<q>["'])(?P<id>[^"'\n]+)(?P=q)""")
+
+
+def _notebook_names(nb, path: Path) -> list[str]:
+    """The notebook(s) whose exercises ``nb`` is graded on.
+
+    ``metadata.labkit.notebook`` (written by ``build``); else the file's stem when exercises are
+    registered for it; else the notebooks of the exercise ids in ``check("N.k", ...)`` calls
+    found in the code cells' sources (a static scan: a renamed copy whose metadata was lost is
+    still graded on every exercise of its notebook, whatever ran). Empty when nothing matches.
+    """
+    name = nb.metadata.get("labkit", {}).get("notebook")
+    if name:
+        return [name]
+    if exercises_for_notebook(path.stem):
+        return [path.stem]
+    names: list[str] = []
+    for cell in nb.cells:
+        if cell.get("cell_type") != "code":
+            continue
+        for m in _CHECK_CALL.finditer(cell.get("source", "")):
+            try:
+                ex = get_exercise(m.group("id"))
+            except KeyError:
+                continue
+            if ex.notebook not in names:
+                names.append(ex.notebook)
+    return names
 
 
 def _execute(nb, path: Path, results_file: str, cell_timeout: int) -> str:
@@ -101,7 +135,10 @@ def _execute(nb, path: Path, results_file: str, cell_timeout: int) -> str:
                             allow_errors=False, on_cell_execute=on_cell_execute,
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     try:
-        client.execute(env=env)
+        # The kernel's own stderr (ipykernel's "running over TCP without encryption" warning,
+        # the ZMQError traceback of a kernel interrupted at the time limit) is noise here: the
+        # errors that matter reach the grade through the cells' outputs and the stop reason.
+        client.execute(env=env, stderr=subprocess.DEVNULL)
     except CellTimeoutError:
         return f"cell {_cell_no(current['index'])} ran past the time limit of {cell_timeout} s"
     except DeadKernelError as e:
@@ -145,8 +182,7 @@ def _read_records(results_file: str) -> dict[str, list[dict]]:
 
 
 def _grade_exercise(ex: Exercise, records: list[dict] | None, stopped: str) -> ExerciseGrade:
-    n = max(len(ex.cases), 1)
-    share = ex.points / n
+    shares = case_points(ex.points, len(ex.cases))  # add up to ex.points
     by_name = {r["case"]: r for r in records or []}
     cases = []
     if records is None:
@@ -154,10 +190,10 @@ def _grade_exercise(ex: Exercise, records: list[dict] | None, stopped: str) -> E
             status, msg = "not_reached", f"not reached: {stopped}"
         else:
             status, msg = "not_attempted", f"not attempted: no check(\"{ex.id}\", ...) call ran"
-        for c in ex.cases:
+        for c, share in zip(ex.cases, shares):
             cases.append(CaseGrade(c.name, c.hidden, status, msg, 0.0, share))
         return ExerciseGrade(ex, status, msg, cases)
-    for c in ex.cases:
+    for c, share in zip(ex.cases, shares):
         r = by_name.get(c.name)
         if r is None:
             cases.append(CaseGrade(c.name, c.hidden, "failed", "this case was not run", 0.0, share))
@@ -178,7 +214,7 @@ def grade_notebook(path: str | Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -
     """Execute notebook ``path`` and grade every exercise registered for it."""
     path = Path(path)
     nb = nbformat.read(str(path), as_version=4)
-    name = _notebook_name(nb, path)
+    names = _notebook_names(nb, path)
     fd, results_file = tempfile.mkstemp(prefix="labkit-checks-", suffix=".jsonl")
     os.close(fd)
     try:
@@ -186,15 +222,17 @@ def grade_notebook(path: str | Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -
         records = _read_records(results_file)
     finally:
         os.unlink(results_file)
-    exercises = exercises_for_notebook(name)
-    if not exercises:  # an unknown notebook: grade what it checked
-        exercises = []
-        for ex_id in records:
-            try:
-                exercises.append(get_exercise(ex_id))
-            except KeyError:
-                pass
-    grade = NotebookGrade(str(path), name, stopped)
+    exercises = [ex for name in names for ex in exercises_for_notebook(name)]
+    for ex_id in records:  # a check of another notebook's exercise counts too
+        try:
+            ex = get_exercise(ex_id)
+        except KeyError:
+            continue
+        if all(e.id != ex.id for e in exercises):
+            exercises.append(ex)
+            if ex.notebook not in names:
+                names.append(ex.notebook)
+    grade = NotebookGrade(str(path), ", ".join(names) or path.stem, stopped)
     for ex in exercises:
         grade.exercises.append(_grade_exercise(ex, records.get(ex.id), stopped))
     return grade

@@ -47,8 +47,12 @@ A case added this way is hidden unless it says ``hidden=False``; a file may also
 exercises with the full ``exercise(...)`` form. Case names must be unique within an exercise
 (a later case with the same name replaces the earlier one).
 
-Points: an exercise's ``points`` are split equally across its cases (public and hidden); the
-grader awards each passed case its share.
+A case may carry its own hint, shown instead of the exercise's hint when that case is the first
+to fail: ``@ex.case("rejects M=0 with ValueError", hint="Check M >= 1 before computing.")``.
+
+Points: an exercise's ``points`` are split across its cases (public and hidden) by
+:func:`case_points`: equal shares rounded to 4 decimals, the last case taking the remainder, so
+the shares add up to the exercise's points. The grader awards each passed case its share.
 """
 from __future__ import annotations
 
@@ -77,6 +81,7 @@ __all__ = [
     "expect_true",
     "expect_raises",
     "DEFAULT_TIMEOUT",
+    "case_points",
 ]
 
 DEFAULT_TIMEOUT = 10.0  # seconds one case may run before it is stopped and failed
@@ -104,6 +109,7 @@ class Case:
     fn: Callable[[Any], Any]
     hidden: bool = False
     timeout: float = DEFAULT_TIMEOUT
+    hint: str | None = None  # replaces the exercise's hint when this case is the one that failed
 
 
 @dataclass
@@ -117,11 +123,13 @@ class Exercise:
     hint: str = ""
     cases: list[Case] = field(default_factory=list)
 
-    def case(self, name: str, hidden: bool | None = None, timeout: float | None = None):
+    def case(self, name: str, hidden: bool | None = None, timeout: float | None = None,
+             hint: str | None = None):
         """Decorator registering ``fn(answer)`` as a case named ``name``.
 
         ``hidden`` defaults to False (True inside a hidden-case file); ``timeout`` in seconds
-        defaults to :data:`DEFAULT_TIMEOUT`.
+        defaults to :data:`DEFAULT_TIMEOUT`; ``hint``, when given, is shown instead of the
+        exercise's hint when this case is the first one that fails.
         """
         if hidden is None:
             hidden = _ADDING_HIDDEN
@@ -130,7 +138,7 @@ class Exercise:
             raise ValueError(f"case {name!r} of exercise {self.id}: timeout must be > 0 s, got {timeout!r}")
 
         def register(fn):
-            new = Case(str(name), fn, bool(hidden), t)
+            new = Case(str(name), fn, bool(hidden), t, None if hint is None else str(hint))
             for i, c in enumerate(self.cases):
                 if c.name == new.name:
                     self.cases[i] = new
@@ -259,6 +267,19 @@ def all_exercises() -> list[Exercise]:
     """Every registered exercise, ordered by id."""
     load_all()
     return [_REGISTRY[k] for k in sorted(_REGISTRY, key=_sort_key)]
+
+
+def case_points(points: float, n: int) -> list[float]:
+    """``points`` split over ``n`` cases: equal shares rounded to 4 decimals, the last case
+    taking the remainder, so ``sum`` gives back ``points`` (to float precision, 1e-12).
+
+    ``n == 0`` gives ``[]``. Example: ``case_points(2, 3) == [0.6667, 0.6667, 0.6666]``.
+    """
+    if n <= 0:
+        return []
+    share = round(points / n, 4)
+    head = [share] * (n - 1)
+    return head + [round(points - share * (n - 1), 4)]
 
 
 def exercises_for_notebook(notebook: str) -> list[Exercise]:

@@ -211,8 +211,9 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False)
     """Run every case of ``exercise_id`` against ``answer``; return a :class:`CheckResult`.
 
     Prints nothing and never raises for a wrong answer (KeyError for an unknown id).
-    With ``stop_at_first_failure`` the cases after the first failing one are not run (they
-    count as failed). Once a case finds the stub (NotImplementedError) the remaining cases
+    With ``stop_at_first_failure`` the cases after the first failing public case are not run
+    (they count as failed); after a failing hidden case the rest still run, so the line can say
+    how many cases passed. Once a case finds the stub (NotImplementedError) the remaining cases
     are not run and the exercise is "not attempted".
     """
     ex = get_exercise(exercise_id)
@@ -224,7 +225,8 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False)
             results += [CaseResult(c.name, c.hidden, "not_attempted", "not run: the stub raises NotImplementedError")
                         for c in ex.cases[i + 1:]]
             break
-        if r.status == "failed" and stop_at_first_failure:
+        # a failing hidden case does not stop the run: its line says how many cases passed
+        if r.status == "failed" and stop_at_first_failure and not case.hidden:
             results += [CaseResult(c.name, c.hidden, "failed", "not run (an earlier case failed)")
                         for c in ex.cases[i + 1:]]
             break
@@ -249,11 +251,14 @@ def format_line(ex: Exercise, res: CheckResult) -> str:
     if res.status == "not_attempted":
         return f"{ex.label}: not attempted (the stub still raises NotImplementedError)."
     first = next(r for r in res.cases if r.status == "failed")
-    hint = f" Hint: {ex.hint}" if ex.hint else ""
+    case = next((c for c in ex.cases if c.name == first.name), None)
+    text = case.hint if case is not None and case.hint is not None else ex.hint
+    hint = f" Hint: {text}" if text else ""
     if first.hidden:
-        what = "a hidden case failed (its details are not shown)."
+        counts = f"{res.passed} of {res.total} cases passed"
+        what = f"a hidden case failed ({counts}; its details are not shown)."
         if "time limit" in first.message:
-            what = f"a hidden case failed: {first.message}."
+            what = f"a hidden case failed ({counts}): {first.message}."
         return f"{ex.label}: failed: {what}{hint}"
     msg = first.message.rstrip(".")
     return f"{ex.label}: failed case \"{first.name}\": {msg}.{hint}"

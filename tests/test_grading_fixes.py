@@ -1,0 +1,169 @@
+"""Grader robustness found by a user test: the total of a notebook without metadata, hidden-case
+lines that say how many cases passed, per-case hints, per-case points that add up, and a grade
+run without the kernel's stderr noise."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.grading import check
+from labkit.grading.grader import _grade_exercise, _notebook_names, grade_notebook, results_json, validate_results
+from labkit.grading.grader import NotebookGrade
+from labkit.grading.registry import case_points, exercise, expect_equal, get_exercise
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION_01 = ROOT / "solutions" / "01_pipeline_bubble.ipynb"
+
+TF = exercise("T.fix", title="square", notebook="zz_grading_fixes", points=1, hint="Multiply x by itself.")
+
+
+@TF.case("x=3")
+def _(f):
+    expect_equal(f(3), 9, "f(3)")
+
+
+@TF.case("rejects negative x", hint="Raise ValueError for x < 0.")
+def _(f):
+    try:
+        f(-1)
+    except ValueError:
+        return
+    raise AssertionError("f(-1) did not raise ValueError")
+
+
+# ----------------------------------------------------------------------------- which notebook
+
+
+def _code_nb(*sources, metadata_notebook=None):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    if metadata_notebook:
+        nb.metadata["labkit"] = {"notebook": metadata_notebook}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    return nb
+
+
+def test_notebook_from_metadata_stem_or_check_calls():
+    nb = _code_nb("check('1.1', f)", metadata_notebook="02_gpipe")
+    assert _notebook_names(nb, Path("sub.ipynb")) == ["02_gpipe"]
+    nb = _code_nb("x = 1")
+    assert _notebook_names(nb, Path("/x/01_pipeline_bubble.ipynb")) == ["01_pipeline_bubble"]
+    nb = _code_nb("from labkit.grading import check", "x = 1\ncheck( \"1.2\" , g)", "check('no.such', h)")
+    assert _notebook_names(nb, Path("sub.ipynb")) == ["01_pipeline_bubble"]
+    assert _notebook_names(_code_nb("print('hi')"), Path("sub.ipynb")) == []
+
+
+def _metadata_less_solution_01(tmp_path: Path, extra_source: str, after_check: str | None) -> Path:
+    nb = nbformat.read(str(SOLUTION_01), as_version=4)
+    nb.metadata.pop("labkit", None)
+    index = 0 if after_check is None else 1 + next(
+        i for i, c in enumerate(nb.cells) if c.cell_type == "code" and f'check("{after_check}"' in c.source)
+    nb.cells.insert(index, nbformat.v4.new_code_cell(extra_source))
+    path = tmp_path / "sub.ipynb"  # renamed: the stem names no notebook
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_metadata_less_copy_stopped_by_an_error_keeps_every_exercise(tmp_path):
+    path = _metadata_less_solution_01(tmp_path, "undefined_name_in_submission", after_check="1.1")
+    g = grade_notebook(path, cell_timeout=120)
+    assert g.notebook == "01_pipeline_bubble"
+    assert "raised NameError" in g.stopped
+    by_id = {eg.exercise.id: eg for eg in g.exercises}
+    assert sorted(by_id) == ["1.1", "1.2"]
+    assert by_id["1.1"].status == "passed" and by_id["1.1"].score == 2
+    assert by_id["1.2"].status == "not_reached" and by_id["1.2"].score == 0 and by_id["1.2"].max_score == 2
+    assert sum(eg.max_score for eg in g.exercises) == 4
+
+
+def test_metadata_less_copy_past_the_cell_time_limit_scores_out_of_the_full_total(tmp_path):
+    # The first cell sleeps past the limit: no check ever runs; the grade still has every
+    # exercise of notebook 01 (found from the check("1.k", ...) calls in the sources), and the
+    # kernel's stderr (ZMQError traceback, TCP warning) does not reach the grader's output.
+    path = _metadata_less_solution_01(tmp_path, "import time\ntime.sleep(60)", after_check=None)
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(path), "--cell-timeout", "2"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "(01_pipeline_bubble): 0/4 points; stopped: cell 1 ran past the time limit of 2 s" in proc.stdout
+    assert proc.stdout.count("not reached: cell 1 ran past the time limit of 2 s") == 2
+    assert "ZMQError" not in proc.stderr and "IPKernelApp" not in proc.stderr
+    assert "without encryption" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- lines and hints
+
+
+def test_float_answer_to_1_2_fails_a_public_case(capsys):
+    def as_float(K, target):
+        M = 1
+        while (K - 1) / (M + K - 1) > target:
+            M += 1
+        return float(M)
+
+    res = check("1.2", as_float)
+    line = capsys.readouterr().out
+    assert res.status == "failed"
+    assert line.startswith('Exercise 1.2 (smallest M for a target bubble): failed case "returns an int": '
+                           'smallest_microbatches(K=4, target=0.05): expected an int, got float. Hint: Return an int')
+    assert not next(c for c in get_exercise("1.2").cases if c.name == "returns an int").hidden
+
+
+def test_hidden_failure_line_counts_passed_cases_deterministically():
+    wrong = lambda K, M: 0.5 if K == 8 else _bubble_checked(K, M)  # noqa: E731 - wrong only for K=8
+    lines = {check("1.1", wrong).message for _ in range(2)}
+    assert lines == {"Exercise 1.1 (bubble fraction): failed: a hidden case failed (5 of 6 cases passed; its "
+                     "details are not shown). Hint: Count time slots: each stage works M slots and idles K-1 "
+                     "of the M+K-1 slots."}
+
+
+def _bubble_checked(K, M):
+    if K < 1 or M < 1:
+        raise ValueError(f"K={K}, M={M}")
+    return (K - 1) / (M + K - 1)
+
+
+def test_case_hint_replaces_the_exercise_hint():
+    res = check("T.fix", lambda x: x * x)
+    assert res.message.endswith("Hint: Raise ValueError for x < 0.") and "Multiply" not in res.message
+    res = check("T.fix", lambda x: x + x if x >= 0 else 1 / 0)
+    assert res.message.endswith("Hint: Multiply x by itself.")
+    res = check("1.1", lambda K, M: (K - 1) / (M + K - 1) if M > 0 else 1.0)
+    assert 'failed case "rejects M=0 with ValueError"' in res.message
+    assert "Hint: Check the inputs first: raise ValueError" in res.message and "time slots" not in res.message
+
+
+# ----------------------------------------------------------------------------- points add up
+
+
+@pytest.mark.parametrize("points", [0, 0.5, 1, 1.5, 2, 3, 4, 7, 12.5])
+def test_case_points_add_up_to_the_exercise_points(points):
+    for n in range(1, 40):
+        shares = case_points(points, n)
+        assert len(shares) == n and all(s >= 0 for s in shares)
+        assert all(s == round(s, 4) for s in shares)
+        assert abs(sum(shares) - points) < 1e-9 and round(sum(shares), 4) == points
+    assert case_points(2, 3) == [0.6667, 0.6667, 0.6666]
+    assert case_points(3, 0) == []
+
+
+def test_results_max_scores_add_up_exactly_for_notebook_01():
+    exercises = [get_exercise("1.1"), get_exercise("1.2")]
+    assert [len(ex.cases) for ex in exercises] == [6, 5]  # 6 shares of 2 points do not divide evenly
+    grade = NotebookGrade("sub.ipynb", "01_pipeline_bubble", "")
+    for ex in exercises:
+        records = [{"case": c.name, "status": "passed", "message": "", "line": "passed"} for c in ex.cases]
+        grade.exercises.append(_grade_exercise(ex, records, ""))
+    obj = results_json([grade])
+    validate_results(obj)
+    for ex in exercises:
+        mine = [t["max_score"] for t in obj["tests"] if t["name"].startswith(f"Exercise {ex.id} ")]
+        assert abs(sum(mine) - ex.points) < 1e-9 and round(sum(mine), 4) == ex.points
+    total = sum(t["max_score"] for t in obj["tests"])
+    assert abs(total - 4) < 1e-9 and round(total, 4) == 4 and obj["score"] == 4
+    assert math.isclose(sum(t["score"] for t in obj["tests"]), 4, abs_tol=1e-9)
+    assert "Total 4 / 4" in obj["output"]
