@@ -28,9 +28,29 @@ def test_plot_from_simulator_and_from_measured_timeline():
     assert len(ax.patches) == 4 + 2
     assert ax.get_title(loc="left") == "bubble 51.7%"  # 1 - 3.1 / (2 * 3)
     plt.close(ax.figure)
-    ax = plot_timeline(simulate(interleaved_schedule(2, 4, 2)))
-    assert "0/2" in {t.get_text() for t in ax.texts}  # microbatch/stage when a rank holds several stages
+    # a rank holding several stages: the chunk is the shade, one legend entry per shade; m/s on request
+    ax = plot_timeline(simulate(interleaved_schedule(2, 4, 2)), note="last step")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "forward, chunk 0", "forward, chunk 1", "backward, chunk 0", "backward, chunk 1", "idle (bubble)"]
+    assert {t.get_text() for t in ax.texts} == {"0", "1", "2", "3"}
+    assert ax.get_title(loc="left").endswith(" (last step)")
     plt.close(ax.figure)
+    assert "0/2" in {t.get_text() for t in plot_timeline(simulate(interleaved_schedule(2, 4, 2)),
+                                                          show_stage=True).texts}
+    plt.close("all")
+    # dense timelines: a label is left out where its box is too narrow, so no two labels overlap
+    for sched, min_labels in ((interleaved_schedule(4, 8, 2), 128), (interleaved_schedule(4, 16, 4), 0)):
+        ax = plot_timeline(simulate(sched), show_stage=True)
+        ax.figure.canvas.draw()
+        renderer = ax.figure.canvas.get_renderer()
+        rows: dict = {}
+        for t in ax.texts:
+            rows.setdefault(t.get_position()[1], []).append(t.get_window_extent(renderer))
+        for boxes in rows.values():
+            boxes.sort(key=lambda b: b.x0)
+            assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), "overlapping labels"
+        assert min_labels <= len(ax.texts) < sum(len(v) for v in simulate(sched).timeline.values())
+        plt.close(ax.figure)
     from fractions import Fraction  # exact simulator times are Fractions; the plot takes them too
     ax = plot_timeline(simulate(one_f_one_b_schedule(2, 2), forward=Fraction(1, 2)))
     assert ax.get_title(loc="left").startswith("bubble ")
