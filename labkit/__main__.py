@@ -1,4 +1,4 @@
-"""Command line: ``python -m labkit COMMAND``.
+"""Command line: python -m labkit COMMAND [options]
 
 Commands:
   doctor                 torch/CUDA/NCCL/gloo report and the backend "auto" picks
@@ -6,6 +6,8 @@ Commands:
   bench NAME [options]   side-by-side speed comparison (pipeline | tensor | moe)
   build [--check]        write notebooks/ (learner versions) from solutions/
   grade PATH... [--results FILE]   run notebooks and grade their exercises
+
+python -m labkit COMMAND --help (or lab NAME --help, bench NAME --help) lists its options.
 """
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ import sys
 LABS = ("pipeline", "tensor", "moe")
 
 
-def _run_module(package: str, name: str, argv: list[str]) -> int:
+def _run_module(cmd: str, name: str, argv: list[str]) -> int:
+    """Run ``labkit.labs.NAME`` (cmd "lab") or ``labkit.bench.NAME`` (cmd "bench") with ``argv``."""
     if name not in LABS:
-        print(f"unknown {package[7:]} {name!r}; choose one of {', '.join(LABS)}", file=sys.stderr)
+        print(f"error: unknown {cmd} {name!r}; choose one of {', '.join(LABS)}", file=sys.stderr)
         return 2
-    mod = importlib.import_module(f"{package}.{name}")
+    mod = importlib.import_module(f"labkit.{'labs' if cmd == 'lab' else 'bench'}.{name}")
     return mod.main(argv) or 0
 
 
@@ -31,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "doctor":
-        p = argparse.ArgumentParser(prog="python -m labkit doctor")
-        p.add_argument("--world-size", type=int, nargs="*", default=[1, 2, 4, 8])
+        p = argparse.ArgumentParser(prog="python -m labkit doctor",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument("--world-size", type=int, nargs="*", default=[1, 2, 4, 8], help="world sizes to try")
         a = p.parse_args(rest)
         from .dist import doctor
         print(doctor(a.world_size))
@@ -41,14 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         if not rest:
             print(f"usage: python -m labkit {cmd} {{{'|'.join(LABS)}}} [options]", file=sys.stderr)
             return 2
-        return _run_module(f"labkit.{cmd}s" if cmd == "lab" else "labkit.bench", rest[0], rest[1:])
+        return _run_module(cmd, rest[0], rest[1:])
     if cmd == "build":
         from .grading.build import main as build_main
         return build_main(rest) or 0
     if cmd == "grade":
         from .grading.grader import main as grade_main
         return grade_main(rest) or 0
-    print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+    print(f"error: unknown command {cmd!r}; choose one of doctor, lab, bench, build, grade "
+          f"(python -m labkit --help)", file=sys.stderr)
     return 2
 
 

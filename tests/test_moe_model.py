@@ -139,7 +139,11 @@ def test_lab_runs_and_matches():
 def test_lab_rejects_bad_sizes(capsys):
     from labkit.labs.moe import main
     assert main(["--ep", "4", "--batch", "6"]) == 2
-    assert "--batch=6 must be divisible by --ep=4" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("error: --batch 6 must be divisible by --ep 4")
+    assert main(["--ep", "0"]) == 2
+    assert capsys.readouterr().err == "error: --ep must be >= 1, got 0\n"
+    assert main(["--top-k", "9"]) == 2
+    assert capsys.readouterr().err == "error: --top-k 9 must be in [1, --experts 8]\n"
 
 
 def test_moe_gpt_errors():

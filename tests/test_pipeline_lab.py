@@ -79,6 +79,28 @@ def test_lab_rejects_bad_sizes_before_starting(capsys):
     assert "needs M a multiple of K" in capsys.readouterr().err
 
 
+def test_lab_rejects_bad_options_with_one_error_line(tmp_path, capsys):
+    from labkit.labs.pipeline import main
+    for argv, message in ((["--steps", "0"], "--steps must be >= 1, got 0"),
+                          (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+                          (["--heads", "3"], "n_embd=64 must be divisible by n_head=3"),
+                          (["--data", str(tmp_path / "missing")], "no such file or folder"),
+                          (["--data", str(tmp_path)], "folder holds no text files")):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_lab_one_step(tmp_path, capsys):
+    """--steps 1: the timeline comes from step 0 (no timed step, tokens/s nan), no crash."""
+    from labkit.labs.pipeline import main
+    rc = main(["--world-size", "2", "--steps", "1", "--microbatches", "2", "--batch", "4", "--seq", "16",
+               "--layers", "2", "--embd", "32", "--heads", "2", "--schedule", "1f1b", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "1f1b" in out and "OK: every schedule" in out and "timelines.png" in out
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_bench_smoke(capsys):
     from labkit.bench.pipeline import main

@@ -18,6 +18,15 @@ def test_tensor_lab_runs_and_matches_single_device(tmp_path, capsys):
 def test_tensor_lab_rejects_bad_degree(capsys):
     assert lab.main(["--tp", "3", "--steps", "2"]) == 2
     assert "t=3 must divide" in capsys.readouterr().err
+    assert lab.main(["--tp", "0"]) == 2
+    assert capsys.readouterr().err == "error: TP degree t=0 must be >= 1 (--tp 0)\n"
+
+
+def test_tensor_lab_one_step_names_its_files(tmp_path, capsys):
+    rc = lab.main(["--tp", "2", "--steps", "1", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "loss_curves.png" in out and "losses.csv" in out and "OK: every TP loss curve" in out
 
 
 def test_tensor_bench_runs_and_losses_agree(capsys):

@@ -65,13 +65,14 @@ def bench_one(T: int, E: int, H: int, k: int, capacity_factor: float, repeat: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m labkit bench moe", description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
-    p.add_argument("--experts", type=int, nargs="+", default=[8, 64])
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--repeat", type=int, default=5)
+    p = argparse.ArgumentParser(prog="python -m labkit bench moe", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192], help="token counts T to time")
+    p.add_argument("--experts", type=int, nargs="+", default=[8, 64], help="expert counts E to time")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size H")
+    p.add_argument("--top-k", type=int, default=2, help="experts k per token")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="capacity C = factor * k * T / E")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs (median)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -92,19 +92,20 @@ def bench(a) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m labkit bench pipeline", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=8)
+    p = argparse.ArgumentParser(prog="python -m labkit bench pipeline", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world-size", type=int, default=4, help="K pipeline ranks")
+    p.add_argument("--microbatches", type=int, default=8, help="M microbatches per step")
     p.add_argument("--chunks", type=int, default=2, help="v for interleaved 1F1B")
     p.add_argument("--steps", type=int, default=20, help="timed steps per schedule and library")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--embd", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--schedule", dest="kinds", nargs="*", default=list(KINDS), choices=KINDS)
-    p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks L")
+    p.add_argument("--embd", type=int, default=128, help="hidden size H")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    p.add_argument("--schedule", dest="kinds", nargs="*", default=list(KINDS), choices=KINDS, help="schedules to time")
+    p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     a = p.parse_args(argv)
     print(f"pipeline benchmark: K={a.world_size} ranks ({a.backend}), M={a.microbatches}, v={a.chunks}, "
           f"GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq}, median of {a.steps} steps")

@@ -124,15 +124,16 @@ def _worker(ctx, args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m labkit bench tensor", description=__doc__.split("\n")[0])
-    p.add_argument("--tp", "--world-size", dest="tp", type=int, default=2)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    p = argparse.ArgumentParser(prog="python -m labkit bench tensor", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tp", "--world-size", dest="tp", type=int, default=2, help="TP degree t (gloo ranks)")
+    p.add_argument("--iters", type=int, default=20, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step B")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence S")
+    p.add_argument("--n-layer", type=int, default=2, help="transformer blocks L")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
+    p.add_argument("--n-embd", type=int, default=128, help="hidden size H")
     return p.parse_args(argv)
 
 

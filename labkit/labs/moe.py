@@ -34,33 +34,43 @@ from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 
 BALANCE_MODES = ("none", "aux", "aux_free")
+SMOOTH = 10  # steps of the moving average in expert_load.png
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default, except None (the help text says what unset means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0])
-    p.add_argument("--ep", "--world-size", dest="ep", type=int, default=4, help="expert-parallel ranks P (default 4; torchrun: WORLD_SIZE)")
+    p = argparse.ArgumentParser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0],
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--ep", "--world-size", dest="ep", type=int, default=None,
+                   help="expert-parallel ranks P (unset: 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--steps", type=int, default=40, help="steps of the EP vs single-device comparison")
     p.add_argument("--balance-steps", type=int, default=150, help="steps of each balancing run")
     p.add_argument("--experts", type=int, default=8, help="routed experts E")
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--n-layer", "--layers", dest="n_layer", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=2, help="experts k activated per token")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="expert capacity C = factor * k * T / E")
+    p.add_argument("--n-layer", "--layers", dest="n_layer", type=int, default=4, help="transformer blocks L")
     p.add_argument("--moe-every", type=int, default=2, help="1: every block is MoE; 2: every other (GShard)")
-    p.add_argument("--n-embd", "--embd", dest="n_embd", type=int, default=64)
-    p.add_argument("--n-head", "--heads", dest="n_head", type=int, default=4)
-    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--n-embd", "--embd", dest="n_embd", type=int, default=64, help="hidden size H")
+    p.add_argument("--n-head", "--heads", dest="n_head", type=int, default=4, help="attention heads")
+    p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences), divisible by P")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--aux-coeff", type=float, default=0.1,
                    help="Switch aux loss alpha (Switch used 1e-2 over long runs; a 150-step run needs more)")
     p.add_argument("--gamma", type=float, default=1e-2, help="aux-loss-free bias update speed")
     p.add_argument("--compare-mode", default="aux_free", choices=BALANCE_MODES,
                    help="balancing used in the EP vs single-device comparison")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    p.add_argument("--out", default=None, help="run folder (default runs/moe-<time>)")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
+    p.add_argument("--out", default=None, help="run folder (unset: runs/moe-<time>)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     return p
 
 
@@ -71,6 +81,33 @@ def _configs(a, balance: str, groups: int):
                          aux_loss_coeff=a.aux_coeff if balance == "aux" else 0.0,
                          expert_bias=balance == "aux_free", bias_update_rate=a.gamma)
     return cfg, moe
+
+
+def _bad_args(a) -> str | None:
+    """The first rule the options break, as a message naming the values; None if all are fine."""
+    for flag, value in (("--ep", a.ep), ("--steps", a.steps), ("--balance-steps", a.balance_steps),
+                        ("--experts", a.experts), ("--n-layer", a.n_layer), ("--moe-every", a.moe_every),
+                        ("--n-embd", a.n_embd), ("--n-head", a.n_head), ("--seq", a.seq), ("--batch", a.batch)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if not 1 <= a.top_k <= a.experts:
+        return f"--top-k {a.top_k} must be in [1, --experts {a.experts}]"
+    if a.moe_every > a.n_layer:
+        return f"--moe-every {a.moe_every} > --n-layer {a.n_layer} leaves no MoE layer"
+    if not a.capacity_factor > 0:
+        return f"--capacity-factor must be > 0, got {a.capacity_factor}"
+    if not a.lr > 0:
+        return f"--lr must be > 0, got {a.lr}"
+    if a.batch % a.ep:
+        return f"--batch {a.batch} must be divisible by --ep {a.ep} (each rank gets batch/P sequences)"
+    if a.experts % a.ep:
+        return f"--experts {a.experts} must be divisible by --ep {a.ep} (each rank holds E/P experts)"
+    try:
+        for mode in BALANCE_MODES:
+            _configs(a, mode, a.ep)
+    except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
+        return f"{e} (--n-embd {a.n_embd}, --n-head {a.n_head})"
+    return None
 
 
 def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> dict:
@@ -90,7 +127,8 @@ def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> 
     corpus = Corpus.load(a.data)
     rows = a.batch // P
     hist = {"loss": [], "lm": [], "loads": [], "dropped": [], "balance": [], "bytes": []}
-    bar = tqdm(range(steps), desc=f"{'EP=%d' % P if ep else 'single'} {balance}", disable=not progress,
+    # disable=None: no bar when stderr is not a terminal (logs); else one bar (rank 0) cleared when done
+    bar = tqdm(range(steps), desc=f"{'EP=%d' % P if ep else 'single'} {balance}", disable=None if progress else True,
                leave=False, file=sys.stderr)
     for step in bar:
         x, y = corpus.get_batch("train", a.batch, a.seq, step, a.seed)
@@ -138,19 +176,42 @@ def _plots(out, runs, ep_hist, a):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # expert_load.png: share of the token-slots of every expert, moving average over SMOOTH steps
+    # (loads summed over the window, then normalised), stacked so the bands add up to 1; the
+    # dotted lines mark the uniform split 1/E, 2/E, ... A collapse shows as a few wide bands.
     n_moe = len(runs["none"]["loads"][0])
-    fig, axes = plt.subplots(len(runs), n_moe, figsize=(4.5 * n_moe, 3.2 * len(runs)), squeeze=False, sharey=True)
+    E = a.experts
+    window = min(SMOOTH, len(runs["none"]["loads"]))
+    titles = {"none": "no balancing", "aux": f"Switch aux loss (alpha={a.aux_coeff:g})",
+              "aux_free": f"aux-loss-free bias (gamma={a.gamma:g})"}
+    colors = plt.get_cmap("tab10" if E <= 10 else "tab20")
+    fig, axes = plt.subplots(len(runs), n_moe, figsize=(4.8 * n_moe, 2.9 * len(runs) + 0.8), squeeze=False,
+                             sharex=True, sharey=True, layout="constrained")
     for i, (mode, h) in enumerate(runs.items()):
-        loads = torch.stack(h["loads"]).float()                                  # [steps, L, E]
-        frac = loads / loads.sum(-1, keepdim=True)
+        loads = torch.stack(h["loads"]).double()                                 # [steps, L, E]
+        csum = torch.cat([torch.zeros_like(loads[:1]), loads.cumsum(0)])
+        start = (torch.arange(len(loads)) + 1 - window).clamp(min=0)
+        smooth = csum[1:] - csum[start]                                          # trailing window sums
+        frac = smooth / smooth.sum(-1, keepdim=True)
+        last = torch.stack(h["loads"][-window:]).sum(0).float()                  # [L, E]
         for layer in range(n_moe):
             ax = axes[i][layer]
-            ax.stackplot(range(len(frac)), frac[:, layer].T.numpy(), labels=[f"e{e}" for e in range(frac.shape[-1])])
-            ax.set_title(f"{mode}: MoE layer {layer}")
-            ax.set_xlabel("step")
-            ax.set_ylabel("share of token-slots")
-    axes[0][-1].legend(loc="upper right", fontsize=6, ncol=2)
-    fig.tight_layout()
+            ax.stackplot(range(1, len(frac) + 1), frac[:, layer].T.numpy(),
+                         colors=[colors(e % colors.N) for e in range(E)], labels=[f"expert {e}" for e in range(E)])
+            for j in range(1, E):
+                ax.axhline(j / E, color="white", linewidth=0.6, linestyle=":")
+            ax.set_title(f"{titles[mode]}\nMoE layer {layer}: MaxVio {max_vio(last[layer]):.2f} "
+                         f"(last {window} steps)", fontsize=10)
+            ax.set_ylim(0, 1)
+            ax.set_xlim(1, len(frac))
+            if layer == 0:
+                ax.set_ylabel("share of token-slots")
+            if i == len(runs) - 1:
+                ax.set_xlabel("step")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.suptitle(f"Expert load per MoE layer ({window}-step moving average; dotted lines: uniform 1/E, E={E})",
+                 fontsize=11)
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(E, 8), fontsize=9, frameon=False)
     fig.savefig(os.path.join(out, "expert_load.png"), dpi=100)
     plt.close(fig)
 
@@ -182,12 +243,15 @@ def _plots(out, runs, ep_hist, a):
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if in_torchrun():
-        a.ep = int(os.environ["WORLD_SIZE"])
-    if a.batch % a.ep:
-        print(f"--batch={a.batch} must be divisible by --ep={a.ep}", file=sys.stderr)
-        return 2
-    if a.experts % a.ep:
-        print(f"--experts={a.experts} must be divisible by --ep={a.ep}", file=sys.stderr)
+        ws = int(os.environ["WORLD_SIZE"])
+        if a.ep not in (None, ws) and int(os.environ["RANK"]) == 0:
+            print(f"note: --ep {a.ep} ignored under torchrun: P = WORLD_SIZE = {ws}", file=sys.stderr)
+        a.ep = ws
+    elif a.ep is None:
+        a.ep = 4
+    bad = _bad_args(a)  # every size error before any process starts
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
         return 2
     try:  # a bad --data path: a clear message before any process starts
         Corpus.load(a.data)
@@ -228,15 +292,23 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. all-to-all bytes, step 0, next to the formula
     n_moe = len(ep_hist[0]["loads"][0])
-    print(f"\nall-to-all bytes per MoE layer, step 0 (sent by each rank; fp32, H={H}):")
-    print("rank  layer  counts (E*8)  dispatch  formula N_p*H*4  combine")
+    print(f"\nall-to-all bytes per MoE layer, forward of step 0 (sent by each rank; fp32, H={H}):")
+    head = (f"{'rank':>4}  {'layer':>5}  {'counts':>6} {'(E*8)':>6}  {'dispatch':>8} {'(N_p*H*4)':>9}  "
+            f"{'combine':>7}  {'N_p':>5}")
+    print(head)
+    print("-" * len(head))
     for r, h in enumerate(ep_hist):
         fwd, bwd = h["bytes"][0]["forward"], h["bytes"][0]["backward"]
         kept = [round((1 - d) * (a.batch // a.ep) * a.seq * k) for d in h["dropped"][0]]
         for layer in range(n_moe):
             c, d, cb = fwd[3 * layer: 3 * layer + 3]
-            print(f"{r:>4}  {layer:>5}  {c:>5} ({E * 8:>4})  {d:>8}  {kept[layer] * H * 4:>15}  {cb:>7}")
-        print(f"{'':>4}  total backward all-to-all bytes this rank: {sum(bwd)} (= dispatch + combine of all layers)")
+            print(f"{r:>4}  {layer:>5}  {c:>6} {E * 8:>6}  {d:>8} {kept[layer] * H * 4:>9}  {cb:>7}  {kept[layer]:>5}")
+        print(f"{'':>4}  backward, all layers: {sum(bwd)} bytes (= dispatch + combine, reversed)")
+    print(f"(...) = formula. counts: all-to-all #0 sends the E={E} per-expert slot counts (int64, E*8 bytes), so\n"
+          f"every rank knows how many rows it will receive. dispatch: the N_p kept token-slots of the rank (of\n"
+          f"k*T_p = {k * (a.batch // a.ep) * a.seq}) go to their experts' ranks, N_p*H*4 bytes. combine: the "
+          f"expert outputs go back, i.e. the rows\nthis rank's experts processed (differs per rank; the totals "
+          f"over ranks equal dispatch's).")
 
     # 3. balancing runs
     runs = {}
@@ -259,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:>9} layer {layer}: " + " ".join(f"{float(v):.3f}" for v in l / l.sum()))
     if not a.no_plots:
         _plots(out, runs, ep_hist, a)
-        print(f"\nplots: {os.path.join(out, 'expert_load.png')}, balance.png, all_to_all_bytes.png")
+        print("\nplots: " + ", ".join(os.path.join(out, f) for f in ("expert_load.png", "balance.png", "all_to_all_bytes.png")))
     print(f"run folder: {out}")
     print(f"total time {time.perf_counter() - t0:.1f} s")
     if not ok:

@@ -30,25 +30,49 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TOLERANCE = 1e-4
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default, except None (the help text says what unset means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m labkit lab pipeline",
+    p = argparse.ArgumentParser(prog="python -m labkit lab pipeline", formatter_class=_HelpFormatter,
                                 description="Train the GPT with GPipe, 1F1B and interleaved 1F1B on K ranks.")
-    p.add_argument("--world-size", type=int, default=None, help="K pipeline ranks (default 4; torchrun: WORLD_SIZE)")
-    p.add_argument("--schedule", nargs="+", default=["all"], choices=("all",) + SCHEDULES)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="K pipeline ranks (unset: 4; under torchrun always WORLD_SIZE)")
+    p.add_argument("--schedule", nargs="+", default=["all"], choices=("all",) + SCHEDULES, help="schedules to run")
     p.add_argument("--microbatches", type=int, default=8, help="M microbatches per step")
     p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank for interleaved 1F1B")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--steps", type=int, default=30, help="Adam steps")
+    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--embd", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks L")
+    p.add_argument("--embd", type=int, default=64, help="hidden size H")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--out", default="runs", help="folder for the run folder")
     return p
+
+
+def _bad_args(a, K) -> str | None:
+    """The first rule the options break, as a message naming the values; None if all are fine."""
+    for flag, value in (("--world-size", K), ("--steps", a.steps), ("--microbatches", a.microbatches),
+                        ("--chunks", a.chunks), ("--batch", a.batch), ("--seq", a.seq), ("--layers", a.layers),
+                        ("--embd", a.embd), ("--heads", a.heads)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if not a.lr > 0:
+        return f"--lr must be > 0, got {a.lr}"
+    try:
+        _config(a)
+    except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
+        return f"{e} (--embd {a.embd}, --heads {a.heads})"
+    return None
 
 
 def _config(a):
@@ -67,7 +91,7 @@ def _single_device(a, corpus, device):
         model = GPT(_config(a), seed=a.seed).to(device)
         opt = torch.optim.Adam(model.parameters(), lr=a.lr)
         losses, t0 = [], time.perf_counter()
-        for step in tqdm(range(a.steps), desc="single device", leave=False):
+        for step in tqdm(range(a.steps), desc="single device", leave=False, disable=None):
             x, y = (t.to(device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
             loss = model(x, y)
             opt.zero_grad(set_to_none=True)
@@ -99,7 +123,8 @@ def _rank_train(ctx, a, kind, corpus):
     sched = cls(stages if kind == "interleaved" else stages[0], a.microbatches, lm_loss)
     opt = torch.optim.Adam([p for m in mods for p in m.parameters()], lr=a.lr)
     losses, timelines, step_time = [], [], 0.0
-    bar = tqdm(range(a.steps), desc=f"{kind} K={K}", leave=False, disable=ctx.rank != 0)
+    # rank 0 only, and only on a terminal (disable=None: tqdm turns itself off when stderr is not a TTY)
+    bar = tqdm(range(a.steps), desc=f"{kind} K={K}", leave=False, disable=None if ctx.rank == 0 else True)
     for step in bar:
         x, y = (t.to(ctx.device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
         mb_losses: list = []
@@ -111,7 +136,7 @@ def _rank_train(ctx, a, kind, corpus):
             step_time += time.perf_counter() - t0
         if mb_losses:
             losses.append(torch.stack(mb_losses).mean().item())
-        if step >= max(1, a.steps - 5):
+        if step >= min(max(1, a.steps - 5), a.steps - 1):  # step 0 only when it is the only one
             timelines.append([tuple(t) for t in sched.timeline])
     val_losses: list = []
     x, y = (t.to(ctx.device) for t in corpus.get_batch("val", a.batch, a.seq, 0, a.seed))
@@ -157,7 +182,8 @@ def _analyse(a, kind, K, results, single):
         "schedule": kind if v == 1 else f"{kind} v={v}", "train": last["losses"][-1], "val": last["val"],
         "diff": diff, "bubble": sum(measured) / len(measured), "formula": float(bubble_formula(K, M, v)),
         "sim": float(sim.bubble_fraction), "peak": [peak[s] for s in sorted(peak)],
-        "tokens_per_s": tokens / max(results[0]["step_time"], 1e-9), "timeline": tls[-1], "losses": last["losses"],
+        "tokens_per_s": tokens / results[0]["step_time"] if tokens else float("nan"),  # nan: no timed step
+        "timeline": tls[-1], "losses": last["losses"],
     }
 
 
@@ -193,9 +219,18 @@ def main(argv=None) -> int:
 
     a = _parser().parse_args(argv)
     torchrun = in_torchrun()
-    K = a.world_size or (int(os.environ["WORLD_SIZE"]) if torchrun else 4)
     is_main = not torchrun or int(os.environ["RANK"]) == 0
+    if torchrun:
+        K = int(os.environ["WORLD_SIZE"])
+        if a.world_size not in (None, K) and is_main:
+            print(f"note: --world-size {a.world_size} ignored under torchrun: K = WORLD_SIZE = {K}", file=sys.stderr)
+    else:
+        K = 4 if a.world_size is None else a.world_size
     kinds = list(SCHEDULES) if "all" in a.schedule else list(dict.fromkeys(a.schedule))
+    bad = _bad_args(a, K)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     try:  # every size error before any process starts
         for kind in kinds:
             v = a.chunks if kind == "interleaved" else 1
@@ -206,7 +241,11 @@ def main(argv=None) -> int:
     except ScheduleError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    corpus = Corpus.load(a.data)
+    try:  # a bad --data path: a clear message before any process starts
+        corpus = Corpus.load(a.data)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if is_main:
         print(f"pipeline lab: GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq} tokens, {a.steps} Adam steps "
               f"(lr {a.lr}), K={K} ranks, M={a.microbatches}, data: {corpus.source}")

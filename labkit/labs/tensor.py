@@ -35,10 +35,12 @@ def _config(args) -> GPTConfig:
 
 
 def _progress(total: int, desc: str, enabled: bool):
+    """A tqdm bar on stderr, only where ``enabled`` and stderr is a terminal (``disable=None``)."""
     if not enabled:
         return None
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=None)
 
 
 def _train(model, corpus, args, loss_fn, desc, show):
@@ -105,50 +107,76 @@ def _plot(curves: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default, except None (the help text says what unset means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m labkit lab tensor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m labkit lab tensor", description=__doc__.split("\n")[0],
+                                formatter_class=_HelpFormatter)
     p.add_argument("--tp", "--world-size", dest="tp", type=int, nargs="+", default=None,
-                   help="tensor-parallel degrees t to run (default 2 4; under torchrun: WORLD_SIZE)")
-    p.add_argument("--steps", type=int, default=100, help="training steps (Adam), default 100")
+                   help="tensor-parallel degrees t to run (unset: 2 4; under torchrun always WORLD_SIZE)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (Adam)")
     p.add_argument("--batch-size", "--batch", dest="batch_size", type=int, default=8, help="sequences per step B")
     p.add_argument("--seq-len", "--seq", dest="seq_len", type=int, default=64, help="tokens per sequence S")
-    p.add_argument("--n-layer", "--layers", dest="n_layer", type=int, default=2)
-    p.add_argument("--n-head", "--heads", dest="n_head", type=int, default=4)
-    p.add_argument("--n-embd", "--embd", dest="n_embd", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--n-layer", "--layers", dest="n_layer", type=int, default=2, help="transformer blocks L")
+    p.add_argument("--n-head", "--heads", dest="n_head", type=int, default=4, help="attention heads")
+    p.add_argument("--n-embd", "--embd", dest="n_embd", type=int, default=64, help="hidden size H")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed loss-curve difference")
-    p.add_argument("--runs-dir", default="runs")
-    args = p.parse_args(argv)
-    if args.steps < 2:
-        p.error(f"--steps must be >= 2, got {args.steps}")
-    return args
+    p.add_argument("--runs-dir", "--out", dest="runs_dir", default="runs", help="folder for the run folder")
+    return p.parse_args(argv)
+
+
+def _bad_args(args, degrees) -> str | None:
+    """The first rule the options break, as a message naming the values; None if all are fine."""
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
+                        ("--n-layer", args.n_layer), ("--n-head", args.n_head), ("--n-embd", args.n_embd)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if not args.lr > 0:
+        return f"--lr must be > 0, got {args.lr}"
+    try:
+        cfg = _config(args)
+    except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
+        return f"{e} (--n-embd {args.n_embd}, --n-head {args.n_head})"
+    for t in degrees:
+        if t < 1:
+            return f"TP degree t={t} must be >= 1 (--tp {' '.join(map(str, degrees))})"
+        for what, n in (("vocab_size", cfg.vocab_size), ("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head),
+                        ("ffn width", cfg.ffn_mult * cfg.n_embd)):
+            if n % t:
+                return f"TP degree t={t} must divide {what}={n}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torchrun = in_torchrun()
+    is_rank0 = not torchrun or int(os.environ["RANK"]) == 0
     if torchrun:
         degrees = [int(os.environ["WORLD_SIZE"])]
-        if args.tp not in (None, degrees):
-            print(f"--tp {args.tp} ignored under torchrun: t = WORLD_SIZE = {degrees[0]}", file=sys.stderr)
+        if args.tp not in (None, degrees) and is_rank0:
+            print(f"note: --tp {' '.join(map(str, args.tp))} ignored under torchrun: t = WORLD_SIZE = {degrees[0]}",
+                  file=sys.stderr)
     else:
-        degrees = args.tp or [2, 4]
+        degrees = [2, 4] if args.tp is None else args.tp
+    bad = _bad_args(args, degrees)  # bad sizes: a clear message before any process starts
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     cfg = _config(args)
-    for t in degrees:  # bad sizes: a clear message before any process starts
-        for what, n in (("vocab_size", cfg.vocab_size), ("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head),
-                         ("ffn width", cfg.ffn_mult * cfg.n_embd)):
-            if t < 1 or n % t:
-                print(f"error: TP degree t={t} must divide {what}={n}", file=sys.stderr)
-                return 2
     try:  # a bad --data path: a clear message before any process starts
         corpus = Corpus.load(args.data)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    is_rank0 = not torchrun or int(os.environ["RANK"]) == 0
 
     runs = {}
     for t in degrees:
@@ -165,16 +193,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{'MiB/step':>10}{'(formula)':>10}{'tokens/s':>10}")
     print(header)
     print("-" * len(header))
-    timed = args.steps - 1
+    timed = args.steps - 1  # step 0 is warm-up; with --steps 1 there is no timed step (tokens/s nan)
+
+    def tok_s(seconds):
+        return tokens * timed / seconds if timed else float("nan")
     print(f"{'single device':<14}{single['losses'][-1]:>11.4f}{'-':>13}{'-':>18}{'-':>10}{'-':>10}{'-':>10}"
-          f"{tokens * timed / single['seconds']:>10.0f}")
+          f"{tok_s(single['seconds']):>10.0f}")
     worst, ok = 0.0, True
     for name, r in runs.items():
         diff = max(abs(a - b) for a, b in zip(r["losses"], single["losses"]))
         worst = max(worst, diff)
         n_ar, b_ar = r["comm"].get("all_reduce", (0, 0))
         print(f"{name:<14}{r['losses'][-1]:>11.4f}{diff:>13.2e}{n_ar / args.steps:>18.1f}{exp[0]:>10d}"
-              f"{b_ar / args.steps / 2**20:>10.3f}{exp[1] / 2**20:>10.3f}{tokens * timed / r['seconds']:>10.0f}")
+              f"{b_ar / args.steps / 2**20:>10.3f}{exp[1] / 2**20:>10.3f}{tok_s(r['seconds']):>10.0f}")
         ok = ok and diff <= args.tolerance and (n_ar, b_ar) == (exp[0] * args.steps, exp[1] * args.steps)
     print(f"\nformula per step: forward 2L+1 = {2 * cfg.n_layer + 1} all-reduces of B*S*H and 3 of B*S "
           f"(cross-entropy), backward 2L+1 = {2 * cfg.n_layer + 1} of B*S*H (bytes = payload per rank; a ring moves "
@@ -188,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write("step," + ",".join(curves) + "\n")
         for i in range(args.steps):
             f.write(f"{i}," + ",".join(f"{c[i]:.7f}" for c in curves.values()) + "\n")
-    print(f"loss curves saved in {folder}/")
+    print(f"plots: {folder / 'loss_curves.png'}, {folder / 'losses.csv'}")
     if not ok:
         print(f"FAIL: a loss curve differs from the single-device one by {worst:.2e} > {args.tolerance:g}, "
               f"or the collectives differ from the formula", file=sys.stderr)
