@@ -240,6 +240,14 @@ def _plots(out, runs, ep_hist, a):
     plt.close(fig)
 
 
+
+def _error(message: str) -> int:
+    """Print ``error: message`` on stderr (once: rank 0 only under torchrun); returns exit code 2."""
+    if not in_torchrun() or os.environ["RANK"] == "0":
+        print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if in_torchrun():
@@ -251,13 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         a.ep = 4
     bad = _bad_args(a)  # every size error before any process starts
     if bad:
-        print(f"error: {bad}", file=sys.stderr)
-        return 2
+        return _error(bad)
     try:  # a bad --data path: a clear message before any process starts
         Corpus.load(a.data)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     torch.manual_seed(a.seed)
     if not in_torchrun():
         torch.set_num_threads(1)     # tiny kernels: one thread is faster and keeps the forked ranks fair
@@ -331,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:>9} layer {layer}: " + " ".join(f"{float(v):.3f}" for v in l / l.sum()))
     if not a.no_plots:
         _plots(out, runs, ep_hist, a)
-        print("\nplots: " + ", ".join(os.path.join(out, f) for f in ("expert_load.png", "balance.png", "all_to_all_bytes.png")))
+        names = ("expert_load.png", "balance.png", "all_to_all_bytes.png")
+        print("\nplots: " + ", ".join(os.path.join(out, f) for f in names))
     print(f"run folder: {out}")
     print(f"total time {time.perf_counter() - t0:.1f} s")
     if not ok:

@@ -211,6 +211,15 @@ def _save_plots(folder: Path, rows, single, K):
     plt.close(fig)
 
 
+
+def _error(message: str) -> int:
+    """Print ``error: message`` on stderr (once: rank 0 only under torchrun); returns exit code 2."""
+    from ..dist import in_torchrun
+    if not in_torchrun() or os.environ["RANK"] == "0":
+        print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     from ..data import Corpus
     from ..dist import choose_backend, in_torchrun, launch
@@ -229,8 +238,7 @@ def main(argv=None) -> int:
     kinds = list(SCHEDULES) if "all" in a.schedule else list(dict.fromkeys(a.schedule))
     bad = _bad_args(a, K)
     if bad:
-        print(f"error: {bad}", file=sys.stderr)
-        return 2
+        return _error(bad)
     try:  # every size error before any process starts
         for kind in kinds:
             v = a.chunks if kind == "interleaved" else 1
@@ -239,21 +247,18 @@ def main(argv=None) -> int:
         if a.batch % a.microbatches:
             raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
     except ScheduleError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     try:  # a bad --data path: a clear message before any process starts
         corpus = Corpus.load(a.data)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     if is_main:
         print(f"pipeline lab: GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq} tokens, {a.steps} Adam steps "
               f"(lr {a.lr}), K={K} ranks, M={a.microbatches}, data: {corpus.source}")
     try:
         backend = choose_backend(K, a.backend)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     # the reference runs where the ranks run: CPU for gloo, the first GPU for NCCL
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     single = _single_device(a, corpus, device) if is_main else None

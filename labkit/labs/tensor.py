@@ -156,6 +156,14 @@ def _bad_args(args, degrees) -> str | None:
     return None
 
 
+
+def _error(message: str) -> int:
+    """Print ``error: message`` on stderr (once: rank 0 only under torchrun); returns exit code 2."""
+    if not in_torchrun() or os.environ["RANK"] == "0":
+        print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torchrun = in_torchrun()
@@ -169,14 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         degrees = [2, 4] if args.tp is None else args.tp
     bad = _bad_args(args, degrees)  # bad sizes: a clear message before any process starts
     if bad:
-        print(f"error: {bad}", file=sys.stderr)
-        return 2
+        return _error(bad)
     cfg = _config(args)
     try:  # a bad --data path: a clear message before any process starts
         corpus = Corpus.load(args.data)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
 
     runs = {}
     for t in degrees:
