@@ -195,7 +195,8 @@ def _save_plots(folder: Path, rows, single, K):
     from ..pipeline.plot import plot_timeline
     fig, axes = plt.subplots(len(rows), 1, figsize=(11, 2.2 * len(rows) + 0.5), squeeze=False)
     for ax, row in zip(axes[:, 0], rows):
-        plot_timeline(row["timeline"], ax=ax, title=f"{row['schedule']} (measured, K={K})", unit="s")
+        plot_timeline(row["timeline"], ax=ax, title=f"{row['schedule']} (measured, K={K}), last step",
+                      note=f"table: mean of the last steps {row['bubble']:.1%}", unit="s")
     fig.tight_layout()
     fig.savefig(folder / "timelines.png", dpi=110)
     plt.close(fig)
