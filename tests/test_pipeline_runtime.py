@@ -12,7 +12,7 @@ from labkit.model import GPT, GPTConfig, lm_loss
 from labkit.pipeline import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleError, ScheduleGPipe,
                              ScheduleInterleaved1F1B, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule,
                              parse_actions, simulate, validate_schedule)
-from labkit.pipeline.stages import gpt_param_name, gpt_stages_for_rank, split_gpt
+from labkit.pipeline.stages import gpt_param_name, gpt_stages_for_rank, split_gpt, step_torch_schedule
 
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
 BATCH, SEQ = 16, 16
@@ -90,12 +90,7 @@ def _run_all(ctx, name, M):
     mods = gpt_stages_for_rank(model, K, v, ctx.rank)
     stages = [tpp.PipelineStage(m, s, K * v, torch.device("cpu"), group=ctx.group) for m, s in zip(mods, ids)]
     tsched = SCHEDULES[name][1](stages if v > 1 else stages[0], n_microbatches=M, loss_fn=lm_loss)
-    if ctx.rank == 0:
-        tsched.step(x, target=y if K == 1 else None)
-    elif ctx.rank == K - 1:
-        tsched.step(target=y)
-    else:
-        tsched.step()
+    step_torch_schedule(tsched, ctx.rank, K, x, y)
     out["grads_torch"] = _named_grads(mods)
     return out
 

@@ -15,24 +15,13 @@ with T^2 whatever E is. Times are medians of ``--repeat`` runs (seconds); ratios
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 from ..moe.dispatch import dense_dispatch_tensors, permute, unpermute
 from ..moe.router import capacity_mask, compute_capacity, route
-
-
-def _time(fn, repeat):
-    fn()                                                            # warm-up
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+from . import median_time
 
 
 def bench_one(T: int, E: int, H: int, k: int, capacity_factor: float, repeat: int, seed: int = 0) -> dict:
@@ -53,8 +42,8 @@ def bench_one(T: int, E: int, H: int, k: int, capacity_factor: float, repeat: in
         expert_in = torch.einsum("tec,th->ech", dispatch, x)
         return torch.einsum("tec,ech->th", combine, expert_in), dispatch, combine, expert_in
 
-    t_sort, (y_sort, rows, perm) = _time(sort_based, repeat)
-    t_dense, (y_dense, dispatch, combine, expert_in) = _time(dense, repeat)
+    t_sort, (y_sort, rows, perm) = median_time(sort_based, repeat)
+    t_dense, (y_dense, dispatch, combine, expert_in) = median_time(dense, repeat)
     torch.testing.assert_close(y_sort, y_dense, rtol=1e-4, atol=1e-5)
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)
     b_sort = nbytes(rows, perm.token_index, perm.slot, y_sort)

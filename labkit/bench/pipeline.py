@@ -28,7 +28,7 @@ def _worker(ctx, a):
 
     from ..model import GPT, GPTConfig, lm_loss
     from ..pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from ..pipeline.stages import gpt_stages_for_rank
+    from ..pipeline.stages import gpt_stages_for_rank, step_torch_schedule
 
     K = ctx.world_size
     cfg = GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
@@ -53,12 +53,7 @@ def _worker(ctx, a):
             lk.step(x, target=y)
 
         def tc_step(tc=tc):
-            if ctx.rank == 0:
-                tc.step(x, target=y if K == 1 else None)
-            elif ctx.rank == K - 1:
-                tc.step(target=y)
-            else:
-                tc.step()
+            step_torch_schedule(tc, ctx.rank, K, x, y)
         runs[kind] = (lk_step, tc_step, mods + tmods)
     times = {(k, w): [] for k in runs for w in ("labkit", "torch")}
     for i in range(a.warmup + a.steps):

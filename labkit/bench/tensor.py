@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +27,7 @@ import torch.nn.functional as F
 from ..dist import launch
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import ParallelBlock, TensorParallelGPT
+from . import median_time
 
 
 def _torch_tp_gpt(ref: GPT, mesh, t: int):
@@ -61,17 +60,6 @@ def _torch_tp_block(ref_block, mesh, t: int):
     return parallelize_module(block, mesh, plan)
 
 
-def _time(step, iters: int, warmup: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        value = step()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        value = step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), value
-
-
 def _worker(ctx, args):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import loss_parallel
@@ -98,7 +86,7 @@ def _worker(ctx, args):
         return step
 
     for name, m in (("labkit", ours_b), ("pytorch", theirs_b)):
-        results[("block", name)] = _time(block_step(m), args.iters, args.warmup)
+        results[("block", name)] = median_time(block_step(m), args.iters, args.warmup)
 
     # the whole GPT with vocab-parallel embedding and loss
     ours, theirs = TensorParallelGPT.from_reference(ref, g), _torch_tp_gpt(ref, mesh, t)
@@ -117,8 +105,8 @@ def _worker(ctx, args):
             loss.backward()
         return loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
 
-    results[("gpt", "labkit")] = _time(ours_step, args.iters, args.warmup)
-    results[("gpt", "pytorch")] = _time(theirs_step, args.iters, args.warmup)
+    results[("gpt", "labkit")] = median_time(ours_step, args.iters, args.warmup)
+    results[("gpt", "pytorch")] = median_time(theirs_step, args.iters, args.warmup)
     results[("gpt", "reference loss")] = (float("nan"), ref(idx, tgt).item())
     return results
 

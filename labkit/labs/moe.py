@@ -21,7 +21,6 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -32,21 +31,15 @@ from ..model import GPTConfig
 from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_expert_parallel
 from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
+from . import HelpFormatter, error, is_main_rank
 
 BALANCE_MODES = ("none", "aux", "aux_free")
 SMOOTH = 10  # steps of the moving average in expert_load.png
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows every option's default, except None (the help text says what unset means)."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0],
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--ep", "--world-size", dest="ep", type=int, default=None,
                    help="expert-parallel ranks P (unset: 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--steps", type=int, default=40, help="steps of the EP vs single-device comparison")
@@ -241,35 +234,28 @@ def _plots(out, runs, ep_hist, a):
 
 
 
-def _error(message: str) -> int:
-    """Print ``error: message`` on stderr (once: rank 0 only under torchrun); returns exit code 2."""
-    if not in_torchrun() or os.environ["RANK"] == "0":
-        print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if in_torchrun():
         ws = int(os.environ["WORLD_SIZE"])
-        if a.ep not in (None, ws) and int(os.environ["RANK"]) == 0:
+        if a.ep not in (None, ws) and is_main_rank():
             print(f"note: --ep {a.ep} ignored under torchrun: P = WORLD_SIZE = {ws}", file=sys.stderr)
         a.ep = ws
     elif a.ep is None:
         a.ep = 4
     bad = _bad_args(a)  # every size error before any process starts
     if bad:
-        return _error(bad)
+        return error(bad)
     try:  # a bad --data path: a clear message before any process starts
         Corpus.load(a.data)
     except (OSError, ValueError) as e:
-        return _error(str(e))
+        return error(str(e))
     torch.manual_seed(a.seed)
     if not in_torchrun():
         torch.set_num_threads(1)     # tiny kernels: one thread is faster and keeps the forked ranks fair
     t0 = time.perf_counter()
     ep_hist = launch(_ep_worker, a.ep, a, backend=a.backend, timeout=120)
-    if in_torchrun() and int(os.environ["RANK"]) != 0:
+    if not is_main_rank():
         return 0                                              # rank 0 runs the references and reports
     H, E, k = a.n_embd, a.experts, a.top_k
     t_ep = time.perf_counter() - t0

@@ -26,19 +26,14 @@ from pathlib import Path
 
 import torch
 
+from . import HelpFormatter, error, is_main_rank
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TOLERANCE = 1e-4
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows every option's default, except None (the help text says what unset means)."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m labkit lab pipeline", formatter_class=_HelpFormatter,
+    p = argparse.ArgumentParser(prog="python -m labkit lab pipeline", formatter_class=HelpFormatter,
                                 description="Train the GPT with GPipe, 1F1B and interleaved 1F1B on K ranks.")
     p.add_argument("--world-size", type=int, default=None,
                    help="K pipeline ranks (unset: 4; under torchrun always WORLD_SIZE)")
@@ -213,14 +208,6 @@ def _save_plots(folder: Path, rows, single, K):
 
 
 
-def _error(message: str) -> int:
-    """Print ``error: message`` on stderr (once: rank 0 only under torchrun); returns exit code 2."""
-    from ..dist import in_torchrun
-    if not in_torchrun() or os.environ["RANK"] == "0":
-        print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv=None) -> int:
     from ..data import Corpus
     from ..dist import choose_backend, in_torchrun, launch
@@ -229,7 +216,7 @@ def main(argv=None) -> int:
 
     a = _parser().parse_args(argv)
     torchrun = in_torchrun()
-    is_main = not torchrun or int(os.environ["RANK"]) == 0
+    is_main = is_main_rank()
     if torchrun:
         K = int(os.environ["WORLD_SIZE"])
         if a.world_size not in (None, K) and is_main:
@@ -239,7 +226,7 @@ def main(argv=None) -> int:
     kinds = list(SCHEDULES) if "all" in a.schedule else list(dict.fromkeys(a.schedule))
     bad = _bad_args(a, K)
     if bad:
-        return _error(bad)
+        return error(bad)
     try:  # every size error before any process starts
         for kind in kinds:
             v = a.chunks if kind == "interleaved" else 1
@@ -248,18 +235,18 @@ def main(argv=None) -> int:
         if a.batch % a.microbatches:
             raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
     except ScheduleError as e:
-        return _error(str(e))
+        return error(str(e))
     try:  # a bad --data path: a clear message before any process starts
         corpus = Corpus.load(a.data)
     except (OSError, ValueError) as e:
-        return _error(str(e))
+        return error(str(e))
     if is_main:
         print(f"pipeline lab: GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq} tokens, {a.steps} Adam steps "
               f"(lr {a.lr}), K={K} ranks, M={a.microbatches}, data: {corpus.source}")
     try:
         backend = choose_backend(K, a.backend)
     except ValueError as e:
-        return _error(str(e))
+        return error(str(e))
     # the reference runs where the ranks run: CPU for gloo, the first GPU for NCCL
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     single = _single_device(a, corpus, device) if is_main else None

@@ -28,6 +28,7 @@ from ..data import Corpus
 from ..dist import in_torchrun, launch, make_grid
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import TensorParallelGPT, expected_collectives
+from . import HelpFormatter, error, is_main_rank
 
 
 def _config(args) -> GPTConfig:
@@ -107,16 +108,9 @@ def _plot(curves: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows every option's default, except None (the help text says what unset means)."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m labkit lab tensor", description=__doc__.split("\n")[0],
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--tp", "--world-size", dest="tp", type=int, nargs="+", default=None,
                    help="tensor-parallel degrees t to run (unset: 2 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--steps", type=int, default=100, help="training steps (Adam)")
@@ -157,17 +151,10 @@ def _bad_args(args, degrees) -> str | None:
 
 
 
-def _error(message: str) -> int:
-    """Print ``error: message`` on stderr (once: rank 0 only under torchrun); returns exit code 2."""
-    if not in_torchrun() or os.environ["RANK"] == "0":
-        print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torchrun = in_torchrun()
-    is_rank0 = not torchrun or int(os.environ["RANK"]) == 0
+    is_rank0 = is_main_rank()
     if torchrun:
         degrees = [int(os.environ["WORLD_SIZE"])]
         if args.tp not in (None, degrees) and is_rank0:
@@ -177,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         degrees = [2, 4] if args.tp is None else args.tp
     bad = _bad_args(args, degrees)  # bad sizes: a clear message before any process starts
     if bad:
-        return _error(bad)
+        return error(bad)
     cfg = _config(args)
     try:  # a bad --data path: a clear message before any process starts
         corpus = Corpus.load(args.data)
     except (OSError, ValueError) as e:
-        return _error(str(e))
+        return error(str(e))
 
     runs = {}
     for t in degrees:

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt
 
 from .plot import plot_timeline
 from .schedules import ScheduleError, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
-from .simulate import TimedAction, bubble_formula, simulate
+from .simulate import bubble_formula, simulate
 
 __all__ = ["SCHEDULES", "build_schedule", "peak_in_flight_per_rank", "count_sends", "render", "describe", "explorer"]
 
@@ -104,14 +104,8 @@ def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward:
                 peak_in_flight=peak_in_flight_per_rank(actions), sends=count_sends(actions),
                 makespan=sim.makespan)
     name = schedule + (f", v={v_used}" if schedule == "Interleaved 1F1B" else "")
-    # plot in floats (plot_timeline passes the times to matplotlib, which rejects Fractions)
-    timeline = {r: [TimedAction(t.action, float(t.start), float(t.end)) for t in sim.timeline[r]]
-                for r in sim.timeline}
-    plot_timeline(timeline, ax=ax, title=f"{name}, K={K}, M={M} (formula {float(info['bubble_formula']):.1%})",
-                  unit="forward time of a rank's layers")
-    if 2 * v_used * M > 40:  # too many boxes for readable "m/s" labels: keep the colours only
-        for text in list(ax.texts):
-            text.remove()
+    plot_timeline(sim, ax=ax, title=f"{name}, K={K}, M={M} (formula {float(info['bubble_formula']):.1%})",
+                  unit="forward time of a rank's layers")  # labels only where they fit
     return info
 
 

@@ -405,34 +405,31 @@ class PipelineSchedule:
         return out, loss, self._stash_cache[s]
 
 
-class ScheduleGPipe(PipelineSchedule):
+class _OneStagePerRank(PipelineSchedule):
+    """A named schedule with one stage per rank, built by ``_builder(K, M)``."""
+
+    _builder = None
+
+    def _build(self, K, M, v):
+        check_pipeline_sizes(K, M)
+        if v != 1 or self.num_stages != K:
+            raise ScheduleError(f"{type(self).__name__} needs one stage per rank: num_stages={self.num_stages}, "
+                                f"world size K={K}, {v} stage(s) on this rank")
+        return self._builder(K, M)
+
+
+class ScheduleGPipe(_OneStagePerRank):
     """GPipe: all forwards, then all backwards (:func:`~.schedules.gpipe_schedule`).
     ``ScheduleGPipe(stage, n_microbatches, loss_fn, recompute=False)``; K = group size."""
 
-    def __init__(self, stage, n_microbatches, loss_fn=None, **kw):
-        super().__init__(stage, n_microbatches, loss_fn, **kw)
-
-    def _build(self, K, M, v):
-        check_pipeline_sizes(K, M)
-        if v != 1 or self.num_stages != K:
-            raise ScheduleError(f"ScheduleGPipe needs one stage per rank: num_stages={self.num_stages}, "
-                                f"world size K={K}, {v} stage(s) on this rank")
-        return gpipe_schedule(K, M)
+    _builder = staticmethod(gpipe_schedule)
 
 
-class Schedule1F1B(PipelineSchedule):
+class Schedule1F1B(_OneStagePerRank):
     """1F1B / PipeDream-Flush (:func:`~.schedules.one_f_one_b_schedule`).
     ``Schedule1F1B(stage, n_microbatches, loss_fn, recompute=False)``; K = group size."""
 
-    def __init__(self, stage, n_microbatches, loss_fn=None, **kw):
-        super().__init__(stage, n_microbatches, loss_fn, **kw)
-
-    def _build(self, K, M, v):
-        check_pipeline_sizes(K, M)
-        if v != 1 or self.num_stages != K:
-            raise ScheduleError(f"Schedule1F1B needs one stage per rank: num_stages={self.num_stages}, "
-                                f"world size K={K}, {v} stage(s) on this rank")
-        return one_f_one_b_schedule(K, M)
+    _builder = staticmethod(one_f_one_b_schedule)
 
 
 class ScheduleInterleaved1F1B(PipelineSchedule):

@@ -17,7 +17,8 @@ import torch.nn as nn
 from ..model import GPT, lm_loss
 from .schedules import ScheduleError, stage_rank
 
-__all__ = ["GPTStage", "split_gpt", "stage_layers", "gpt_stages_for_rank", "gpt_param_name", "lm_loss"]
+__all__ = ["GPTStage", "split_gpt", "stage_layers", "gpt_stages_for_rank", "gpt_param_name", "lm_loss",
+           "step_torch_schedule"]
 
 
 def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
@@ -86,3 +87,16 @@ def gpt_param_name(stage: GPTStage, name: str) -> str:
         _, i, rest = name.split(".", 2)
         return f"blocks.{stage.layer_ids[int(i)]}.{rest}"
     return name
+
+
+def step_torch_schedule(schedule, rank: int, K: int, x, target) -> None:
+    """One step of a ``torch.distributed.pipelining`` schedule, with its calling convention
+    (the reference that labkit's runtime is compared with): rank 0 passes the input ``x``
+    [B, S], rank K-1 the ``target`` [B, S], one rank holding every stage passes both, and
+    the ranks between pass neither."""
+    if rank == 0:
+        schedule.step(x, target=target if K == 1 else None)
+    elif rank == K - 1:
+        schedule.step(target=target)
+    else:
+        schedule.step()

@@ -11,10 +11,6 @@ exercises of notebooks 03 and 04.
 from __future__ import annotations
 
 import torch
-# The first torch.autograd.backward(out, grad_tensors=...) of a process imports sympy lazily
-# (about 0.6 s). Importing it here, before check() forks the case processes and their ranks,
-# saves that on every rank of every pipeline run.
-import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 from ...comm import CommLog
 from ...dist import launch
