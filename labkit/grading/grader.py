@@ -39,7 +39,8 @@ from pathlib import Path
 import nbformat
 
 from .registry import HIDDEN_ENV, Exercise, case_points, exercises_for_notebook, get_exercise
-from .runner import RESULTS_ENV, STRICT_ENV
+from .runner import STRICT_ENV
+RESULTS_ENV = "LABKIT_RESULTS_FILE"  # removed next: the grader is being rewritten
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
            "ExerciseGrade", "CaseGrade", "NotebookGrade"]
