@@ -1,0 +1,298 @@
+"""The learner's kernel as the grader sees it: started, fed cells, asked for data, killed.
+
+The grader starts an IPython kernel itself (no nbclient) so it controls everything the
+submission could abuse:
+
+* **user**: when the grader runs as root, the kernel runs as an unprivileged user
+  (``labkit-kernel``, created with ``useradd`` if missing; ``nobody`` if that fails), with its
+  own private HOME/TMPDIR, so it can neither signal the grader nor write the results file nor
+  read files the instructor keeps to root (hidden cases). As any other user, isolation is
+  partial: :func:`isolation_note` says so.
+* **process tree**: the kernel starts a new session (its own process group); at the end the
+  grader kills that group, every process of that session and, for the dedicated user, every
+  process of that user, so nothing the submission started outlives grading.
+* **output**: nobody subscribes to the kernel's IOPub channel, so a flood of output is dropped
+  by ZMQ instead of filling the grader's memory; only execute replies (status, error name and
+  value) come back, over a shell socket whose message size is capped.
+* **time**: each cell has a limit; past it the kernel gets SIGINT, and if it still does not
+  answer within :data:`INTERRUPT_GRACE` seconds, it is killed (the grader then starts a fresh
+  kernel and replays the cells that ran, see :mod:`labkit.grading.grader`).
+* **environment**: ``LABKIT_HIDDEN_CASES`` and ``LABKIT_STRICT`` are removed; ``LABKIT_GRADING=1``
+  tells ``check`` to register answers instead of judging them. The kernel is not told where
+  the results go.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from .kernel import GRADING_ENV
+from .proxy import CaseTimeout, KernelFailure, request_kernel
+from .registry import HIDDEN_ENV
+
+__all__ = ["KernelUser", "kernel_user", "KernelSession", "isolation_note", "INTERRUPT_GRACE"]
+
+INTERRUPT_GRACE = 3.0  # seconds a kernel gets to stop after SIGINT before it is killed
+START_TIMEOUT = 60.0  # seconds a kernel may take to start
+KERNEL_USER = "labkit-kernel"
+MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
+
+
+@dataclass
+class KernelUser:
+    name: str
+    uid: int
+    gid: int
+    dedicated: bool  # only then may every process of this uid be killed at the end
+
+
+def kernel_user() -> KernelUser | None:
+    """The unprivileged user kernels run as when this process is root (else None)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pw = pwd.getpwnam(KERNEL_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+                        "--shell", "/usr/sbin/nologin", "--user-group", KERNEL_USER],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        try:
+            pw = pwd.getpwnam(KERNEL_USER)
+        except KeyError:
+            pw = pwd.getpwnam("nobody")
+    user = KernelUser(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_name == KERNEL_USER)
+    try:  # can that user run this environment's Python and import the kit?
+        probe = subprocess.run([sys.executable, "-c", "import ipykernel, labkit.grading.kernel"], cwd="/",
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                               user=user.uid, group=user.gid, extra_groups=[])
+        ok = probe.returncode == 0
+        why = _first_line(probe.stderr)
+    except (OSError, subprocess.SubprocessError) as e:
+        ok, why = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        _UNUSABLE[:] = [f"user {user.name} cannot run {sys.executable} with labkit ({why})"]
+        return None
+    return user
+
+
+_UNUSABLE: list[str] = []  # why running as root did not give an unprivileged kernel
+
+
+def _first_line(text: str) -> str:
+    lines = [l.strip() for l in str(text).strip().splitlines() if l.strip()]
+    return lines[-1][:200] if lines else "no output"
+
+
+def isolation_note(user: KernelUser | None) -> str:
+    """One line for the grader's output about how the kernel is isolated."""
+    if user is None and os.geteuid() == 0:
+        return ("isolation is partial: the grader runs as root, but " + "; ".join(_UNUSABLE or ["no unprivileged user"])
+                + ", so the submission's kernel runs as root; make Python and labkit readable by other users "
+                  "(e.g. chmod o+rx on their folders) for full isolation.")
+    if user is not None:
+        return (f"isolation: the submission's kernel runs as user {user.name} (uid {user.uid}) in its own session; "
+                f"it cannot signal the grader or write the results")
+    return ("isolation is partial: the grader is not root, so the submission's kernel runs as the same user; "
+            "code in it could signal the grader, read files this user can read (hidden cases) and write where "
+            "this user can. Run the grader as root (as autograder containers do) for full isolation.")
+
+
+def _pdeathsig():
+    """In the kernel (after it changed user): die with the grader."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[3])  # state ppid pgrp session ...
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _uid_of(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+class KernelSession:
+    """One learner kernel (see the module docstring). ``cwd``: its working directory."""
+
+    def __init__(self, cwd: str, user: KernelUser | None = None):
+        self.user = user
+        self.dir = tempfile.mkdtemp(prefix="labkit-kernel-")
+        self.cwd = self.dir if user is not None else cwd
+        self.proc = None
+        self.kc = None
+        self.info = None
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        import zmq
+        from jupyter_client.blocking import BlockingKernelClient
+        from jupyter_client.connect import write_connection_file
+
+        conn = os.path.join(self.dir, "kernel.json")
+        _, self.info = write_connection_file(conn, ip="127.0.0.1")
+        env = {k: v for k, v in os.environ.items()
+               if k not in (HIDDEN_ENV, "LABKIT_STRICT", "LABKIT_RESULTS_FILE") and not k.startswith("JPY_")}
+        env[GRADING_ENV] = "1"
+        env["MPLBACKEND"] = "Agg"
+        kw = {}
+        if self.user is not None:
+            for sub in ("tmp", "ipython", "mpl"):
+                os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
+            for root, dirs, files in os.walk(self.dir):
+                for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+                    os.chown(name, self.user.uid, self.user.gid)
+            env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
+                       LOGNAME=self.user.name, IPYTHONDIR=os.path.join(self.dir, "ipython"),
+                       MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
+            kw = dict(user=self.user.uid, group=self.user.gid, extra_groups=[])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
+            start_new_session=True, preexec_fn=_pdeathsig, close_fds=True, **kw)
+        ctx = zmq.Context()
+        ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self.kc = BlockingKernelClient(context=ctx)
+        self.kc.load_connection_info(self.info)
+        self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            msg_id = self.kc.kernel_info()
+            try:
+                while True:
+                    msg = self.kc.get_shell_msg(timeout=0.5)
+                    if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                        return
+            except queue.Empty:
+                pass
+            if not self.alive():
+                raise RuntimeError(f"the kernel exited while starting (exit code {self.proc.poll()})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the kernel did not start within {START_TIMEOUT:g} s")
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # ------------------------------------------------------------------ run
+    def execute(self, code: str, timeout: float) -> tuple[str, str, str]:
+        """Run one cell: ("ok" | "error" | "timeout" | "dead", error name, error value)."""
+        if not self.alive():
+            return "dead", "", ""
+        msg_id = self.kc.execute(code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False)
+        deadline = time.monotonic() + timeout
+        interrupted = False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if interrupted:
+                    return "timeout", "", ""
+                self.interrupt()
+                interrupted = True
+                deadline = time.monotonic() + INTERRUPT_GRACE
+                continue
+            try:
+                msg = self.kc.get_shell_msg(timeout=min(0.5, left))
+            except queue.Empty:
+                if not self.alive():
+                    return "dead", "", ""
+                continue
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if interrupted:
+                return "timeout", "", ""
+            c = msg.get("content", {})
+            if c.get("status") == "ok":
+                return "ok", "", ""
+            return "error", str(c.get("ename", "Error"))[:200], str(c.get("evalue", ""))[:2000]
+
+    def request(self, req: dict, wait: float = 10.0):
+        """One :func:`labkit.grading.kernel.serve` request; its decoded reply dict (or None)."""
+        from . import wire
+
+        try:
+            data = request_kernel(self.kc, req, wait, self.alive)
+            reply = wire.loads(data)
+        except (CaseTimeout, KernelFailure, wire.WireError):
+            return None
+        return reply if isinstance(reply, dict) else None
+
+    def interrupt(self) -> None:
+        try:
+            os.kill(self.proc.pid, signal.SIGINT)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ------------------------------------------------------------------ end
+    def kill(self) -> None:
+        """Kill the kernel, its process group, its session and (dedicated user) its user's processes."""
+        if self.proc is not None:
+            pid = self.proc.pid
+            for _ in range(3):  # a fork bomb may need more than one sweep
+                victims = []
+                for entry in os.listdir("/proc"):
+                    if not entry.isdigit() or int(entry) == os.getpid():
+                        continue
+                    p = int(entry)
+                    if _session_of(p) == pid or (self.user is not None and self.user.dedicated
+                                                 and _uid_of(p) == self.user.uid):
+                        victims.append(p)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                for p in victims:
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                if not victims:
+                    break
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.kc is not None:
+            try:
+                self.kc.stop_channels()
+                self.kc.context.destroy(linger=0)
+            except Exception:  # noqa: BLE001
+                pass
+            self.kc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def hidden_files_readable(self, paths) -> list[str]:
+        """Which of ``paths`` the kernel user could open (root mode only)."""
+        if self.user is None or not paths:
+            return []
+        code = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'rb').close()\n        print(p)\n"
+                "    except OSError:\n        pass\n")
+        try:
+            out = subprocess.run([sys.executable, "-S", "-c", code, *map(str, paths)], capture_output=True,
+                                 text=True, timeout=30, user=self.user.uid, group=self.user.gid, extra_groups=[],
+                                 cwd="/")
+        except Exception:  # noqa: BLE001
+            return []
+        return [l for l in out.stdout.splitlines() if l]
