@@ -209,19 +209,29 @@ def grade_notebook(path: str | Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -
     cell_problems: dict[int, str] = {}
     stop = ""
 
-    def start():
+    spare: list = []
+
+    def launch():
         s = KernelSession(str(path.parent.resolve()), user)
-        s.start()
+        s.launch()
         return s
 
+    def start():
+        # after a first dead or stuck cell a spare kernel warms up while the next one is used
+        s = spare.pop() if spare else launch()
+        s.wait_ready()
+        if restarts and not spare:
+            spare.append(launch())
+        return s
+
+    restarts = 0
     session = start()
     readable = session.hidden_files_readable(_hidden_files())
     for f in readable:
         print(f"warning: the kernel's user {user.name} can read the hidden case file {f}; make it readable by "
               f"root only (chmod o-r, and its folder o-x)", file=sys.stderr)
     seen: dict[str, int] = {}
-    ran: list[int] = []  # positions in ``cells`` that ran in the current kernel
-    restarts = 0
+    ran: list[int] = []  # positions in ``cells`` that ran without an error (replayed in a fresh kernel)
     try:
         k = 0
         while k < len(cells):
@@ -230,7 +240,8 @@ def grade_notebook(path: str | Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -
             if status in ("ok", "error"):
                 if status == "error":
                     cell_problems[idx] = f"cell {idx + 1} raised {ename}: {_first(evalue)}".rstrip(": ")
-                ran.append(k)
+                else:
+                    ran.append(k)
                 now = _registered(session)
                 for ex_id, serial in now.items():
                     if ex_id in wanted and seen.get(ex_id) != serial:
@@ -262,6 +273,8 @@ def grade_notebook(path: str | Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -
             k += 1
     finally:
         session.kill()
+        for s in spare:
+            s.kill()
     problems = "; ".join(cell_problems[i] for i in sorted(cell_problems))
     grade = NotebookGrade(str(path), ", ".join(names) or path.stem, stop or problems, isolation=isolation_note(user))
     for ex in exercises:
@@ -317,6 +330,8 @@ def results_json(grades: list[NotebookGrade]) -> dict:
                     output = "passed"
                 elif c.hidden and c.status == "failed":
                     output = HIDDEN_OUTPUT
+                elif c.status == "not_attempted" and not c.message.startswith("not attempted"):
+                    output = "not attempted (the stub still raises NotImplementedError)"
                 elif c.status in ("not_attempted", "not_reached"):
                     output = c.message
                 else:

@@ -28,7 +28,7 @@ _EX = "labkit.grading.exercises"
 
 REFERENCES: dict[str, list[str]] = {
     "0.1": [f"{_EX}.nb00_distributed_primer:_gloo_reduce_scatter", "labkit.comm:reduce_scatter_tensor"],
-    "0.2": ["labkit.comm:all_reduce"],
+    "0.2": [],  # collectives are refused by the case itself (send/recv only)
     "1.1": [f"{_SIM}:bubble_formula", f"{_SIM}:bubble_fraction", f"{_SIM}:simulate",
             f"{_EX}.nb01_pipeline_bubble:_bubble"],
     "1.2": [f"{_EX}.nb01_pipeline_bubble:_smallest"],

@@ -309,12 +309,13 @@ def check(exercise_id: str, answer: Any) -> CheckResult:
     process, calling the answer for data (see :mod:`labkit.grading`). The line then says
     "recorded for grading".
     """
-    ex = get_exercise(exercise_id)
     if os.environ.get(GRADING_ENV) == "1":
-        register(ex.id, answer)
-        res = CheckResult(ex.id, "recorded", 0, len(ex.cases), f"{ex.label}: recorded for grading.")
+        # the kernel may not know the exercise (hidden-case files declare some): register by id
+        register(str(exercise_id), answer)
+        res = CheckResult(str(exercise_id), "recorded", 0, 0, f"Exercise {exercise_id}: recorded for grading.")
         print(res.message, flush=True)
         return res
+    ex = get_exercise(exercise_id)
     res = evaluate(ex.id, answer, stop_at_first_failure=True)
     print(res.message, flush=True)
     if os.environ.get(STRICT_ENV, "") not in ("", "0") and res.status != "passed":

@@ -40,7 +40,7 @@ from .registry import HIDDEN_ENV
 
 __all__ = ["KernelUser", "kernel_user", "KernelSession", "isolation_note", "INTERRUPT_GRACE"]
 
-INTERRUPT_GRACE = 3.0  # seconds a kernel gets to stop after SIGINT before it is killed
+INTERRUPT_GRACE = 2.0  # seconds a kernel gets to stop after SIGINT before it is killed
 START_TIMEOUT = 60.0  # seconds a kernel may take to start
 KERNEL_USER = "labkit-kernel"
 MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
@@ -144,6 +144,12 @@ class KernelSession:
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
+        """Launch the kernel and wait until it answers (see :meth:`launch`, :meth:`wait_ready`)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the kernel process and connect; returns at once (a spare warms up meanwhile)."""
         import zmq
         from jupyter_client.blocking import BlockingKernelClient
         from jupyter_client.connect import write_connection_file
@@ -174,6 +180,8 @@ class KernelSession:
         self.kc = BlockingKernelClient(context=ctx)
         self.kc.load_connection_info(self.info)
         self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             msg_id = self.kc.kernel_info()
@@ -181,6 +189,7 @@ class KernelSession:
                 while True:
                     msg = self.kc.get_shell_msg(timeout=0.5)
                     if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                        self._warm_up()
                         return
             except queue.Empty:
                 pass
@@ -188,6 +197,19 @@ class KernelSession:
                 raise RuntimeError(f"the kernel exited while starting (exit code {self.proc.poll()})")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the kernel did not start within {START_TIMEOUT:g} s")
+
+    def _warm_up(self) -> None:
+        """Import torch and the kit before the first cell, so no cell's time limit pays for it."""
+        mid = self.kc.execute("import torch, labkit.grading.kernel", silent=True, store_history=False,
+                              allow_stdin=False)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline and self.alive():
+            try:
+                msg = self.kc.get_shell_msg(timeout=0.5)
+            except queue.Empty:
+                continue
+            if msg.get("parent_header", {}).get("msg_id") == mid:
+                return
 
     @property
     def pid(self) -> int | None:
