@@ -173,3 +173,43 @@ def test_labkit_reference_as_the_answer_is_refused():
             return {}
 
     assert "gpipe_schedule" in evaluate("2.1", wraps_it).message
+
+
+FORGE = [
+    "from labkit.grading import check\nimport os, json, signal",
+    "def triple(x):\n    raise NotImplementedError('Exercise H.1')\ncheck('H.1', triple)",
+    # where the grader writes: its command line, read from /proc
+    "argv = open(f'/proc/{os.getppid()}/cmdline').read().split('\\0')\n"
+    "target = argv[argv.index('--results') + 1]",
+    "open(target, 'w').write(json.dumps({'score': 100, 'tests': []}))",   # forge the results file
+    "os.kill(os.getppid(), signal.SIGKILL)",                              # then kill the grader
+    "print(open(f'/proc/{os.getppid()}/environ').read())",               # where are the hidden cases?
+]
+
+
+def _isolated() -> bool:
+    if os.geteuid() != 0:
+        return False
+    from labkit.grading.session import kernel_user
+
+    return kernel_user() is not None
+
+
+@pytest.mark.skipif(not _isolated(), reason="needs root with an unprivileged kernel user; as another user the "
+                                            "kernel CAN signal the grader (documented: isolation is partial)")
+def test_as_root_the_kernel_cannot_forge_results_kill_the_grader_or_read_hidden_cases(tmp_path):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "hostile.py").write_text(CASES)
+    _notebook(tmp_path / "forge.ipynb", FORGE)
+    results = tmp_path / "results.json"
+    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp_path / "cases"))
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "forge.ipynb"), "--results",
+                           str(results), "--cell-timeout", "20"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(results.read_text())
+    assert obj["score"] == 0 and len(obj["tests"]) == 4
+    assert "cell 4 raised PermissionError" in proc.stdout or "cell 4 raised FileNotFoundError" in proc.stdout
+    assert "cell 5 raised PermissionError" in proc.stdout  # the grader cannot be signalled
+    assert "cell 6 raised PermissionError" in proc.stdout  # nor its environment read
+    assert "runs as user labkit-kernel" in proc.stdout or "runs as user nobody" in proc.stdout

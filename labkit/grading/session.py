@@ -52,6 +52,23 @@ class KernelUser:
     uid: int
     gid: int
     dedicated: bool  # only then may every process of this uid be killed at the end
+    jail: bool = False  # run through _jail.py (a private mount namespace makes Python reachable)
+
+    def command(self, cmd: list[str], cwd: str | None = None) -> tuple[list[str], dict]:
+        """``cmd`` as this user: (argv, extra Popen keywords)."""
+        if not self.jail:
+            return cmd, dict(user=self.uid, group=self.gid, extra_groups=[])
+        import labkit
+
+        needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                  os.path.dirname(os.path.realpath(sys.executable)),
+                  os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))}
+        needed |= {p for p in sys.path if p and os.path.isdir(p)}
+        if cwd:
+            needed.add(cwd)
+        jail = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail.py")
+        return (["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-S", "-I", jail,
+                 str(self.uid), str(self.gid), *sorted(needed), "--", *cmd], {})
 
 
 def kernel_user() -> KernelUser | None:
@@ -69,18 +86,25 @@ def kernel_user() -> KernelUser | None:
         except KeyError:
             pw = pwd.getpwnam("nobody")
     user = KernelUser(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_name == KERNEL_USER)
-    try:  # can that user run this environment's Python and import the kit?
-        probe = subprocess.run([sys.executable, "-c", "import ipykernel, labkit.grading.kernel"], cwd="/",
-                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
-                               user=user.uid, group=user.gid, extra_groups=[])
-        ok = probe.returncode == 0
-        why = _first_line(probe.stderr)
-    except (OSError, subprocess.SubprocessError) as e:
-        ok, why = False, f"{type(e).__name__}: {e}"
+    ok, why = _probe(user)
+    if not ok and shutil.which("unshare") and shutil.which("mount"):
+        user.jail = True  # Python sits in a folder that user cannot enter: make it reachable
+        ok, _ = _probe(user)
     if not ok:
         _UNUSABLE[:] = [f"user {user.name} cannot run {sys.executable} with labkit ({why})"]
         return None
     return user
+
+
+def _probe(user: KernelUser) -> tuple[bool, str]:
+    """Can ``user`` run this environment's Python and import the kit?"""
+    argv, kw = user.command([sys.executable, "-c", "import ipykernel, labkit.grading.kernel"])
+    try:
+        probe = subprocess.run(argv, cwd="/", stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=120, **kw)
+        return probe.returncode == 0, _first_line(probe.stderr)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"{type(e).__name__}: {e}"
 
 
 _UNUSABLE: list[str] = []  # why running as root did not give an unprivileged kernel
@@ -98,8 +122,8 @@ def isolation_note(user: KernelUser | None) -> str:
                 + ", so the submission's kernel runs as root; make Python and labkit readable by other users "
                   "(e.g. chmod o+rx on their folders) for full isolation.")
     if user is not None:
-        return (f"isolation: the submission's kernel runs as user {user.name} (uid {user.uid}) in its own session; "
-                f"it cannot signal the grader or write the results")
+        return (f"isolation: the submission's kernel runs as user {user.name} (uid {user.uid}) in its own session"
+                + (" and mount namespace" if user.jail else "") + "; it cannot signal the grader or write the results")
     return ("isolation is partial: the grader is not root, so the submission's kernel runs as the same user; "
             "code in it could signal the grader, read files this user can read (hidden cases) and write where "
             "this user can. Run the grader as root (as autograder containers do) for full isolation.")
@@ -170,9 +194,11 @@ class KernelSession:
             env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
                        LOGNAME=self.user.name, IPYTHONDIR=os.path.join(self.dir, "ipython"),
                        MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-            kw = dict(user=self.user.uid, group=self.user.gid, extra_groups=[])
+        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"]
+        if self.user is not None:
+            argv, kw = self.user.command(argv, self.cwd)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"],
+            argv,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
             start_new_session=True, preexec_fn=_pdeathsig, close_fds=True, **kw)
         ctx = zmq.Context()
@@ -311,10 +337,9 @@ class KernelSession:
             return []
         code = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'rb').close()\n        print(p)\n"
                 "    except OSError:\n        pass\n")
+        argv, kw = self.user.command([sys.executable, "-S", "-c", code, *map(str, paths)])
         try:
-            out = subprocess.run([sys.executable, "-S", "-c", code, *map(str, paths)], capture_output=True,
-                                 text=True, timeout=30, user=self.user.uid, group=self.user.gid, extra_groups=[],
-                                 cwd="/")
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/", **kw)
         except Exception:  # noqa: BLE001
             return []
         return [l for l in out.stdout.splitlines() if l]
