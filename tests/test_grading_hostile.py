@@ -72,9 +72,8 @@ ATTACKS = [
     "for _ in range(5):\n    check('H.1', triple)",
     # look for the instructor's hidden cases
     "hidden = [m for m in sys.modules if m.startswith('labkit_hidden')]\n"
-    "json.dump({'env': os.environ.get('LABKIT_HIDDEN_CASES'), 'modules': hidden,\n"
-    "           'cases': [c.name for ex in registry.all_exercises() for c in ex.cases if ex.id.startswith('H.')]},\n"
-    "          open('observed.json', 'w'))",
+    "raise RuntimeError('OBSERVED ' + json.dumps({'env': os.environ.get('LABKIT_HIDDEN_CASES'), 'modules': hidden,\n"
+    "    'cases': [c.name for ex in registry.all_exercises() for c in ex.cases if ex.id.startswith('H.')]}))",
 ]
 
 ROBUST = [
@@ -134,8 +133,8 @@ def test_attacks_score_zero_and_only_the_notebooks_exercises_count(graded):
 
 def test_the_kernel_never_sees_hidden_cases(graded):
     tmp, proc, obj = graded
-    observed = json.loads((tmp / "submission" / "observed.json").read_text())
-    assert observed == {"env": None, "modules": [], "cases": []}
+    # the attack cell raised what it found; its error is in the grader's output
+    assert 'raised RuntimeError: OBSERVED {"env": null, "modules": [], "cases": []}' in proc.stdout
     assert str(SECRET) not in proc.stdout + json.dumps(obj)
 
 

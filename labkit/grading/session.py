@@ -139,20 +139,46 @@ def _pdeathsig():
         pass
 
 
-def _session_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[3])  # state ppid pgrp session ...
-    except (OSError, IndexError, ValueError):
-        return None
+_KEEP: set[int] = set()  # kernels of this grader that are alive (a spare must survive another's kill)
 
 
-def _uid_of(pid: int) -> int | None:
+def _processes() -> dict[int, tuple[int, int, int]]:
+    """pid -> (ppid, session id, uid) of every process in /proc."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # state ppid pgrp session ...
+            out[int(entry)] = (int(fields[1]), int(fields[3]), os.stat(f"/proc/{entry}").st_uid)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _become_subreaper() -> None:
+    """Orphans of the kernel's processes (double forks, setsid) become this process's children,
+    so :meth:`KernelSession.kill` still finds them (Linux PR_SET_CHILD_SUBREAPER)."""
     try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(36, 1)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 class KernelSession:
@@ -197,10 +223,13 @@ class KernelSession:
         argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"]
         if self.user is not None:
             argv, kw = self.user.command(argv, self.cwd)
+        if self.user is not None:
+            _become_subreaper()
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
             start_new_session=True, preexec_fn=_pdeathsig, close_fds=True, **kw)
+        _KEEP.add(self.proc.pid)
         ctx = zmq.Context()
         ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         self.kc = BlockingKernelClient(context=ctx)
@@ -295,18 +324,18 @@ class KernelSession:
 
     # ------------------------------------------------------------------ end
     def kill(self) -> None:
-        """Kill the kernel, its process group, its session and (dedicated user) its user's processes."""
+        """Kill the kernel and everything it started: its process group, its session, its
+        descendants, and (root) processes of the kernel user orphaned to this process."""
         if self.proc is not None:
             pid = self.proc.pid
             for _ in range(3):  # a fork bomb may need more than one sweep
-                victims = []
-                for entry in os.listdir("/proc"):
-                    if not entry.isdigit() or int(entry) == os.getpid():
+                victims = set(_descendants(pid))
+                for p, (ppid, sid, uid) in _processes().items():
+                    if p == os.getpid():
                         continue
-                    p = int(entry)
-                    if _session_of(p) == pid or (self.user is not None and self.user.dedicated
-                                                 and _uid_of(p) == self.user.uid):
-                        victims.append(p)
+                    if sid == pid or (self.user is not None and ppid == os.getpid() and uid == self.user.uid
+                                      and p != pid and p not in _KEEP):
+                        victims.add(p)
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -318,10 +347,12 @@ class KernelSession:
                         pass
                 if not victims:
                     break
+                time.sleep(0.05)
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+            _KEEP.discard(pid)
         if self.kc is not None:
             try:
                 self.kc.stop_channels()
