@@ -1,7 +1,9 @@
 """The labs: ``python -m labkit lab NAME`` (or ``torchrun ... -m labkit.labs.NAME``).
 
 What every lab shares: ``--help`` that shows defaults, one ``error:`` line for bad input,
-and the rule that under torchrun only rank 0 prints.
+the rule that under torchrun only rank 0 prints, one line (no traceback) when the run is
+interrupted or a rank fails (:func:`run_cli`), a fresh run folder per run (:func:`run_folder`)
+and the verdict (:mod:`labkit.labs.verdict`).
 """
 from __future__ import annotations
 
@@ -78,3 +80,26 @@ def bad_seed(seed: int) -> str | None:
     if not 0 <= seed < 2**40:
         return f"--seed must be in [0, 2**40), got {seed}"
     return None
+
+
+def run_cli(main, *args) -> int:
+    """Run ``main(*args)`` the way a command line should end: its return code; Ctrl-C -> one line,
+    exit 130; SIGTERM -> one line, exit 143 (128 + signal); a failed rank (RankError) -> one
+    ``error:`` line naming the rank, exit 1. Workers are stopped and temporary files removed
+    by :func:`labkit.dist.launch` before the line is printed."""
+    import signal
+
+    from ..dist import RankError, Terminated, terminate_as_exception
+    try:
+        with terminate_as_exception():
+            return main(*args) or 0
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
+        return 130
+    except Terminated as e:
+        print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
+        return 128 + e.signum
+    except RankError as e:
+        if is_main_rank():
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1

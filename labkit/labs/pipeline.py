@@ -298,4 +298,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from . import run_cli
+    sys.exit(run_cli(main))
