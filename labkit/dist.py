@@ -310,11 +310,16 @@ def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, star
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if err_fd is not None:  # stderr goes through the parent, which keeps its last lines
-            tty = os.isatty(2)
-            sys.stderr.flush()
+            tty = sys.stderr is not None and sys.stderr.isatty()
+            try:
+                sys.stderr.flush()
+            except Exception:
+                pass
             os.dup2(err_fd, 2)
             os.close(err_fd)
-            sys.stderr = _IsattyAs(sys.stderr, tty)
+            import io
+            sys.stderr = _IsattyAs(io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
+                                                    line_buffering=True, write_through=True), tty)
         if start_method == "fork":
             # A forked child can hang in threaded kernels after the parent ran threaded
             # work; one thread per rank also keeps N ranks fair on a few cores.
