@@ -31,7 +31,8 @@ from ..model import GPTConfig
 from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_expert_parallel
 from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
-from . import HelpFormatter, bad_number, bad_out, bad_seed, error, is_main_rank, run_folder
+from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
+               error, is_main_rank, run_folder)
 from .verdict import add_tolerance_option, verdict_exit
 
 BALANCE_MODES = ("none", "aux", "aux_free")
@@ -100,10 +101,17 @@ def _bad_args(a) -> str | None:
         return f"--experts {a.experts} must be divisible by --ep {a.ep} (each rank holds E/P experts)"
     try:
         for mode in BALANCE_MODES:
-            _configs(a, mode, a.ep)
+            cfg, moe = _configs(a, mode, a.ep)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--n-embd {a.n_embd}, --n-head {a.n_head})"
-    return None
+    # every EP rank builds the full model (4 bytes/param each), keeps its experts with AdamW (16 in
+    # all); rank 0's reference (8) and the verdict's gathered copies (24). Activations: the dense
+    # part (Korthikanti) plus, per token and MoE layer, k expert inputs and hidden states
+    extra = a.top_k * (2 * a.n_embd + 2 * moe.moe_ffn_dim) * 4
+    return bad_memory(_n_params(a), 4 * a.ep + 48,
+                      activation_bytes(a.n_layer, a.batch, a.seq, a.n_embd, a.n_head, cfg.vocab_size, extra), 2,
+                      f"--experts {a.experts} --n-embd {a.n_embd} --n-layer {a.n_layer} --seq {a.seq} "
+                      f"--batch {a.batch} (P={a.ep})")
 
 
 def _global_name(name: str, rank: int, n_local: int) -> str:
@@ -192,6 +200,16 @@ def _lockstep(ctx, a, balance: str, corpus):
             undo()
         return lm + total_aux_loss(stats).to(ctx.device), "; ".join(dict.fromkeys(problems)) or None
     return Lockstep(ctx.group, ctx.rank, ref, ref_loss, rtol=a.tolerance, atol=a.tolerance / 10)
+
+
+def _n_params(a) -> int:
+    """Parameters of the MoE GPT of ``a``, without building E experts (4096 modules take ~10 s even
+    on the meta device): the count is linear in E, so count the models with E = k and 2k."""
+    counts = []
+    for E in (a.top_k, 2 * a.top_k):
+        cfg, moe = _configs(argparse.Namespace(**{**vars(a), "experts": E}), "aux_free", 1)
+        counts.append(count_parameters_meta(lambda: MoEGPT(cfg, moe, a.moe_every)))
+    return counts[0] + (a.experts - a.top_k) * (counts[1] - counts[0]) // a.top_k
 
 
 def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> dict:
@@ -345,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         return error(bad)
     try:  # a bad --data path: a clear message before any process starts
-        Corpus.load(a.data)
+        Corpus.load(a.data, block_size=a.seq)
     except (OSError, ValueError) as e:
         return error(str(e))
     torch.manual_seed(a.seed)

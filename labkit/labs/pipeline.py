@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from . import HelpFormatter, bad_number, bad_out, bad_seed, error, is_main_rank, run_folder
+from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
+               error, is_main_rank, run_folder)
 from .verdict import add_tolerance_option, check_tolerance, verdict_exit
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -69,10 +70,16 @@ def _bad_args(a, K) -> str | None:
     if bad:
         return bad
     try:
-        _config(a)
+        cfg = _config(a)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--embd {a.embd}, --heads {a.heads})"
-    return None
+    from ..model import GPT
+    # every rank builds the full model (4 bytes/param each), then keeps its stages with Adam (16 in
+    # all); rank 0's reference (8) and the verdict's gathered copies (24); the whole batch's
+    # activations in flight and once more in the reference
+    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * K + 48,
+                      activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})")
 
 
 def _config(a):
