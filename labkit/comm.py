@@ -149,6 +149,16 @@ def all_to_all_single(
     return output
 
 
+def all_gather_object(object_list: list, obj: Any, group=None) -> list:
+    """``dist.all_gather_object``: every rank's picklable ``obj`` into ``object_list`` (length t,
+    rank order). Counted as ``"all_gather_object"`` with 0 bytes (the pickled size is not known
+    before the call). For small control messages (e.g. error text), not for tensors."""
+    if _ACTIVE:
+        _record("all_gather_object", torch.empty(0), group, nbytes=0)
+    dist.all_gather_object(object_list, obj, group=group)
+    return object_list
+
+
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
     _record("broadcast", tensor, group)
     dist.broadcast(tensor, src=src, group=group)
