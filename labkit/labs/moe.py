@@ -256,7 +256,8 @@ def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> 
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            diag = [float(switch_aux_loss(s.router.logits.float(), s.router.indices, 1.0)) for s in stats]
+            diag = [float(switch_aux_loss(s.router.logits.float(), s.router.indices, 1.0, from_logits=True))
+                    for s in stats]
         a2a_f = [r.nbytes for r in fwd_log.of("all_to_all")]
         hist["loss"].append((lm + aux).item())
         hist["lm"].append(lm.item())
