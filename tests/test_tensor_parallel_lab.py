@@ -25,10 +25,11 @@ def test_tensor_lab_rejects_bad_degree(capsys):
 
 
 def test_tensor_lab_one_step_names_its_files(tmp_path, capsys):
-    rc = lab.main(["--tp", "2", "--steps", "1", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path)])
+    """--steps 1 works; --tp 1 is handled (a group of one: no collectives, formula 0)."""
+    rc = lab.main(["--tp", "1", "2", "--steps", "1", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "loss_curves.png" in out and "losses.csv" in out and "OK: every run (TP=2)" in out
+    assert "loss_curves.png" in out and "losses.csv" in out and "OK: every run (TP=1, TP=2)" in out
 
 
 def test_tensor_bench_runs_and_losses_agree(capsys):

@@ -6,7 +6,11 @@
 1. Trains the MoE GPT (labkit.moe.model) on the default corpus with EP = P ranks (CPU
    processes, or one GPU per rank under torchrun) and once on a single device with the same
    weights and data (the reference routes the global batch in P groups, the capacity rule of
-   EP), and compares the loss at every step: exit code 1 when they differ by more than 1e-4.
+   EP). The verdict (labkit.labs.verdict, exit code 1 when it fails): at every step the EP
+   run's loss and every gradient against the single-device model's at the same parameters,
+   with the EP run's routing replayed in the reference (a choice that differs from the
+   reference's own must be a near-tie, scores within TIE), so a flipped top-k choice at a
+   tie cannot fail a correct run and a routing bug still does.
 2. Counts the all-to-all bytes of each MoE layer (labkit.comm.CommLog) next to the formula:
    counts E*8 bytes; dispatch N_p*H*4 bytes (N_p = kept slots of rank p; combine the same in total).
 3. Trains three times on one device: no balancing (watch the routing collapse onto a few
