@@ -419,7 +419,8 @@ def _describe_exit(code) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        note = {"SIGABRT": " (a native abort)", "SIGSEGV": " (a native crash)", "SIGKILL": " (killed, e.g. out of memory)"}
+        note = {"SIGABRT": " (a native abort)", "SIGSEGV": " (a native crash)",
+                "SIGKILL": " (killed, e.g. out of memory)"}
         return f"signal {name}{note.get(name, '')}"
     return f"exit code {code}"
 

@@ -159,6 +159,7 @@ def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: 
     need = params * model_bytes_per_param + act * act_copies
     if need <= limit:
         return None
-    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters: {_gib(params * model_bytes_per_param)}; "
+    weights = _gib(params * model_bytes_per_param)
+    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters: {weights}; "
             f"activations: {_gib(act * act_copies)}, Korthikanti et al. 2022 eq. 1), more than the {_gib(limit)} "
             f"available; use smaller sizes")

@@ -161,7 +161,8 @@ def _replayed_routing(model: MoEGPT, extras: list, problems: list):
                 sel = scores + (0 if r.expert_bias is None else r.expert_bias)
                 differs = (own.sort(1).values != indices.sort(1).values).any(1)
                 if bool(differs.any()):
-                    gap = float((sel.gather(1, own).min(1).values - sel.gather(1, indices).min(1).values)[differs].max())
+                    gaps = sel.gather(1, own).min(1).values - sel.gather(1, indices).min(1).values
+                    gap = float(gaps[differs].max())
                     if gap > TIE:
                         problems.append(f"MoE layer {layer}: the EP run routed {int(differs.sum())} token(s) to "
                                         f"experts that score {gap:.2g} below the reference's choice")

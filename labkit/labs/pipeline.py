@@ -30,7 +30,7 @@ import torch
 
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
                error, is_main_rank, run_folder)
-from .verdict import add_tolerance_option, check_tolerance, verdict_exit
+from .verdict import add_tolerance_option, verdict_exit
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -198,7 +198,8 @@ def _analyse(a, kind, K, results, single):
     tokens = results[0]["timed_steps"] * a.batch * a.seq
     return {
         "schedule": kind if v == 1 else f"{kind} v={v}", "train": last["losses"][-1], "val": last["val"],
-        "curve": curve, "verdict": results[0]["verdict"], "bubble": sum(measured) / len(measured), "formula": float(bubble_formula(K, M, v)),
+        "curve": curve, "verdict": results[0]["verdict"], "bubble": sum(measured) / len(measured),
+        "formula": float(bubble_formula(K, M, v)),
         "sim": float(sim.bubble_fraction), "peak": [peak[s] for s in sorted(peak)],
         "tokens_per_s": tokens / results[0]["step_time"] if tokens else float("nan"),  # nan: no timed step
         "timeline": tls[-1], "losses": last["losses"],
