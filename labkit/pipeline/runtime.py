@@ -33,6 +33,7 @@ forward of each stage and reused afterwards (the shapes are fixed; the hooks cos
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -111,6 +112,7 @@ class _StepState:
         self.live = {s: 0 for s in stages}
         self.stash_live = {s: 0 for s in stages}
         self.stash_mb: dict = {}
+        self.n_backward = {s: 0 for s in stages}
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
@@ -351,7 +353,12 @@ class PipelineSchedule:
                 out = stage.submod(inp)
             if stage.is_last and st.t_mbs is not None:
                 out = self.loss_fn(out, st.t_mbs[m]) / self.n_microbatches
-        torch.autograd.backward(out, grad_tensors=grad)  # parameter .grad accumulate
+        # a stage wrapped in DistributedDataParallel reduces its gradients in its last backward
+        # of the step only; the others run under no_sync() (torch.distributed.pipelining's rule)
+        st.n_backward[s] += 1
+        last = st.n_backward[s] == self.n_microbatches
+        with contextlib.nullcontext() if last or not hasattr(stage.submod, "no_sync") else stage.submod.no_sync():
+            torch.autograd.backward(out, grad_tensors=grad)  # parameter .grad accumulate
         if s > 0:
             st.grads[(s, m)] = inp.grad
         st.timeline.append(TimedAction(a, start, st.now()))
