@@ -9,5 +9,6 @@ The one place that builds a model on a :class:`labkit.dist.ProcessGrid` from the
 * :mod:`.moe`: :class:`ParallelMoEGPT` (attention TP over t, experts over EP = the DP group).
 """
 from .gpt import SCHEDULES, ParallelGPT, check_layout, layout
+from .moe import ParallelMoEGPT
 
-__all__ = ["SCHEDULES", "ParallelGPT", "check_layout", "layout"]
+__all__ = ["SCHEDULES", "ParallelGPT", "ParallelMoEGPT", "check_layout", "layout"]
