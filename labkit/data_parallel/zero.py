@@ -63,7 +63,7 @@ class ZeroRedundancyOptimizer:
 
     Gradients are the *local* ones (no DDP all-reduce before): :meth:`step` reduce-scatters
     them. ``param.grad`` is left as it was (local); :attr:`grad_shard` holds this rank's
-    averaged partition after the step. ``partition`` = (start, end) of this rank's elements in
+    averaged partition between :meth:`reduce_gradients` and the update. ``partition`` = (start, end) of this rank's elements in
     the flat order. Raises ValueError (no communication) for an empty or mixed-dtype params.
     """
 
@@ -118,16 +118,41 @@ class ZeroRedundancyOptimizer:
                 p.grad.zero_()
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Reduce-scatter the gradients, step this rank's partition, all-gather the parameters."""
+    def reduce_gradients(self) -> torch.Tensor:
+        """Step 1 alone: reduce-scatter the local gradients; returns (and keeps as
+        :attr:`grad_shard`) this rank's averaged partition [ceil(n/d)]."""
         shard = self.shard.numel()
         self._flatten_into(self._flat_grad, [p.grad for p in self.params])
         g = torch.empty(shard, dtype=self._flat_grad.dtype, device=self._flat_grad.device)
         comm.reduce_scatter_tensor(g, self._flat_grad, self.process_group)
         g.div_(self.d)
         self.grad_shard = g
-        self.shard.grad = g
+        return g
+
+    @torch.no_grad()
+    def gather_gradients(self) -> None:
+        """For inspection only (a lab's verdict): all-gather the averaged partitions and write
+        the full averaged gradient into every ``param.grad`` (one extra all-gather of n/d per
+        rank, NOT part of ZeRO-1's step). Call after :meth:`reduce_gradients`."""
+        if self.grad_shard is None:
+            raise RuntimeError("gather_gradients() needs reduce_gradients() first")
+        full = torch.empty_like(self._flat_grad)
+        comm.all_gather_into_tensor(full, self.grad_shard, self.process_group)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = full[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Reduce-scatter the gradients (unless :meth:`reduce_gradients` already did), step this
+        rank's partition, all-gather the parameters."""
+        if self.grad_shard is None:
+            self.reduce_gradients()
+        self.shard.grad = self.grad_shard
         self.optim.step()
+        self.grad_shard = None
         comm.all_gather_into_tensor(self._flat_param, self.shard.detach(), self.process_group)
         offset = 0
         for p in self.params:
