@@ -43,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--world-size", type=int, nargs="*", default=[1, 2, 4, 8], help="world sizes to try")
         p.add_argument("--run", action="store_true",
                        help="also run every lab briefly on the backend auto picks: one PASS/FAIL line per lab")
+        p.add_argument("--verbose", action="store_true", help="with --run: show the labs' own output")
         a = p.parse_args(rest)
         from .dist import doctor
         if not a.run:
             print(doctor(a.world_size))
             return 0
         from .doctor import run_all
-        return run_all()
+        return run_all(a.verbose)
     if cmd in ("lab", "bench"):
         if not rest:
             print(f"usage: python -m labkit {cmd} {{{'|'.join(LABS if cmd == 'lab' else BENCHES)}}} [options]",
