@@ -38,7 +38,7 @@ def _plans(world: int | None, out: str) -> list[tuple[str, int, list[str]]]:
     return [
         ("pipeline", n, ["--world-size", str(n), "--schedule", "1f1b", "--microbatches", "2", "--layers", str(2 * n),
                          "--out", out, *small]),
-        ("tensor", n, ["--tp", str(n), "--layers", "1", "--out", out, *small]),
+        ("tensor", n, ["--tp", str(n), "--layers", "1", "--out", out, *small, "--heads", str(n), "--embd", str(8 * n)]),
         ("moe", n, ["--ep", str(n), "--experts", str(2 * n), "--balance-steps", "2", "--layers", "2",
                     "--no-plots", "--out", os.path.join(out, "moe"), *small]),
         ("3d", t * p * d, ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--microbatches", "2", "--layers", "2",
