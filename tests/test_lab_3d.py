@@ -42,3 +42,24 @@ def test_lab_3d_errors(argv, msg, capsys, tmp_path):
     rc = main(["lab", "3d", *base, *argv, "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and msg in err and "Traceback" not in err
+
+
+def test_lab_3d_bad_data_and_help(tmp_path, capsys):
+    assert main(["lab", "3d", "--data", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    for cmd in (["lab", "3d"], ["bench", "dp"]):
+        with pytest.raises(SystemExit):
+            main([*cmd, "--help"])
+        assert capsys.readouterr().out.count("(default: ") >= 5
+
+
+def test_bench_dp_runs_and_sides_agree(capsys):
+    rc = main(["bench", "dp", "--iters", "1", "--iters3d", "1", "--layers", "2", "--embd", "16", "--heads", "2",
+               "--seq", "8", "--batch", "4", "--microbatches", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("DDP,", "ZeRO-1,", "3D t"))]
+    assert len(rows) == 3
+    for row in rows:                      # same model, same data: the two sides train alike
+        assert float(row.split()[-1] if not row.startswith("3D") else row.split("(|dloss|")[0].split()[-1]) < 1e-5

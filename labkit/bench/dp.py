@@ -10,6 +10,14 @@ On the same gloo ranks, the same reference weights, the same batches and the sam
   all-gather) against ``torch.distributed.optim.ZeroRedundancyOptimizer`` with Adam on top of
   torch's DDP (all-reduce, 1/d of Adam by whole parameters, broadcast), forward + backward + step.
 
+* 3D (t x p x d, 1F1B): :class:`labkit.parallel.ParallelGPT` (labkit TP layers in labkit pipeline
+  stages, labkit DDP across) against PyTorch's own composition on the same gloo ranks: a 3-D
+  ``DeviceMesh("cpu", (p, d, t))``, ``parallelize_module`` (``ColwiseParallel`` /
+  ``RowwiseParallel``, as in ``bench tensor``, the output layer gathered) on each stage cut by
+  :func:`labkit.pipeline.stages.split_gpt`, ``torch.distributed.pipelining`` ``PipelineStage`` +
+  ``Schedule1F1B`` over the pp group, and FSDP2 ``fully_shard(reshard_after_forward=False)``
+  over the dp group (torch's DDP does not take DTensor parameters); forward + backward + SGD step.
+
 The two sides alternate step by step (a noisy shared machine slows both alike) and the median
 step time of each is printed with the ratio labkit / PyTorch (below 1: labkit faster), and the
 largest parameter difference between the two after the timed steps (they train the same model).
@@ -49,6 +57,7 @@ def _worker(ctx, a):
 
     from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 
+    _quiet()
     d, r = ctx.world_size, ctx.rank
     cfg = GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
     ref = GPT(cfg, seed=0)
@@ -83,6 +92,86 @@ def _worker(ctx, a):
     return out if r == 0 else None
 
 
+def _quiet():
+    import warnings  # torch's FSDP2 / DTensor warn about views and scalars on every step; not ours
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def _worker_3d(ctx, a):
+    _quiet()
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage as TorchStage, Schedule1F1B as TorchSchedule
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from ..dist import make_grid
+    from ..parallel import ParallelGPT
+    from ..pipeline.stages import split_gpt
+
+    t, p, d, M = a.tp, a.pp, a.dp3, a.microbatches
+    cfg = GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
+    ref = GPT(cfg, seed=0)
+    B = a.batch * d
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
+    # labkit
+    grid = make_grid(ctx, tp=t, pp=p, dp=d)
+    lk = ParallelGPT(ref, grid, "1f1b", M, bucket_cap_mb=a.bucket_cap_mb)
+    lk_opt = lk.make_optimizer("sgd", 0.01)
+    lk_loss = []
+
+    def lk_step(i):
+        lk.zero_grad()
+        loss = lk.train_step(x, y)
+        lk_opt.step()
+        lk_loss.append(loss)
+    # torch
+    mesh = init_device_mesh("cpu", (p, d, t), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    stage = split_gpt(ref, p, [pp_rank])[0]
+    plan = {}
+    if stage.embedding is not None:
+        plan["embedding.wte"] = RowwiseParallel(input_layouts=Replicate())
+    if stage.head is not None:
+        plan["head.lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    for i, block in enumerate(stage.blocks):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"blocks.{i}.attn.{name}"] = ColwiseParallel()
+        plan[f"blocks.{i}.attn.out_proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.mlp.fc1"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.fc2"] = RowwiseParallel()
+        block.attn.n_head //= t          # the module reshapes by its local head counts
+        block.attn.n_kv_head //= t
+    if t > 1:
+        stage = parallelize_module(stage, mesh["tp"], plan)
+    if d > 1:
+        fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=False)
+    sched = TorchSchedule(TorchStage(stage, pp_rank, p, torch.device("cpu"), group=mesh["pp"].get_group()), M,
+                          loss_fn=lambda out, tgt: F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1)))
+    th_opt = torch.optim.SGD(stage.parameters(), lr=0.01)
+    th_loss = []
+    xs, ys = x[dp_rank * a.batch:(dp_rank + 1) * a.batch], y[dp_rank * a.batch:(dp_rank + 1) * a.batch]
+
+    def th_step(i):
+        th_opt.zero_grad()
+        losses = []
+        if pp_rank == 0 and p > 1:
+            sched.step(xs)
+        elif pp_rank == p - 1 and p > 1:
+            sched.step(target=ys, losses=losses)
+        else:
+            sched.step(xs, target=ys, losses=losses)
+        th_opt.step()
+        if losses:
+            th_loss.append(float(sum(float(v.detach()) for v in losses) / len(losses)))
+    ta, tb = _pairs(lk_step, th_step, a.iters3d, warmup=2)
+    last = lk.has_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
+    return (statistics.median(ta), statistics.median(tb), abs(lk_loss[0] - th_loss[0])) if last else None
+
+
 def parse_args(argv):
     from ..labs import HelpFormatter
     p = argparse.ArgumentParser(prog="python -m labkit bench dp", formatter_class=HelpFormatter,
@@ -94,7 +183,12 @@ def parse_args(argv):
     p.add_argument("--embd", type=int, default=64, help="hidden size H")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--batch", type=int, default=8, help="sequences per (DP) rank")
+    p.add_argument("--tp", type=int, default=2, help="3D comparison: t")
+    p.add_argument("--pp", type=int, default=2, help="3D comparison: p")
+    p.add_argument("--dp3", type=int, default=2, help="3D comparison: d")
+    p.add_argument("--microbatches", type=int, default=4, help="3D comparison: M per DP rank")
+    p.add_argument("--iters3d", type=int, default=5, help="timed steps of each side in the 3D comparison (0: skip it)")
     return p.parse_args(argv)
 
 
@@ -111,9 +205,18 @@ def main(argv: list[str] | None = None) -> int:
         return error(f"--bucket-cap-mb must be > 0, got {a.bucket_cap_mb}")
     if a.embd % a.heads:
         return error(f"--embd {a.embd} must be divisible by --heads {a.heads}")
+    if a.iters3d:
+        from ..parallel import check_layout
+        try:
+            check_layout(GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq),
+                         a.tp * a.pp * a.dp3, a.tp, a.pp, a.dp3, 1, a.microbatches, a.batch * a.dp3)
+        except ValueError as e:
+            return error(str(e))
     res = launch(_worker, a.dp, a, backend="gloo", timeout=300)[0]
-    if res is None:
-        return 0
+    res3 = None
+    if a.iters3d:
+        res3 = next(r for r in launch(_worker_3d, a.tp * a.pp * a.dp3, a, backend="gloo", timeout=300)
+                    if r is not None)
     print(f"GPT L={a.layers} H={a.embd} S={a.seq}, {a.batch} sequences per rank, d={a.dp} gloo ranks, "
           f"buckets of {a.bucket_cap_mb:g} MiB; median of {a.iters} alternating steps")
     head = f"{'':<34}{'labkit s':>10}{'torch s':>10}{'ratio':>8}{'max |dparam|':>14}"
@@ -122,8 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     for key, name in (("ddp", f"DDP, SGD ({res['ddp'][3]} buckets)"), ("zero", "ZeRO-1, Adam")):
         lk, th, diff, _ = res[key]
         print(f"{name:<34}{lk:>10.4f}{th:>10.4f}{lk / th:>8.2f}{diff:>14.1e}")
+    if res3 is not None:
+        lk, th, dloss = res3
+        print(f"{f'3D t{a.tp} p{a.pp} d{a.dp3} 1F1B M={a.microbatches}':<34}{lk:>10.4f}{th:>10.4f}{lk / th:>8.2f}"
+              f"{dloss:>14.1e}  (|dloss| of step 1; median of {a.iters3d})")
     print("ratio = labkit / torch (below 1: labkit faster). torch's ZeRO runs on top of torch's DDP "
-          "(all-reduce + broadcast of whole parameters); labkit's reduce-scatters and all-gathers one flat buffer.")
+          "(all-reduce + broadcast of whole parameters); labkit's reduce-scatters and all-gathers one flat buffer.\n"
+          "3D: torch = DeviceMesh + parallelize_module inside torch.distributed.pipelining stages + FSDP2 "
+          "(reshard_after_forward=False) over dp; labkit = labkit.parallel.ParallelGPT with DDP.")
     return 0
 
 
