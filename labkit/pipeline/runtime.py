@@ -48,6 +48,7 @@ forward of each stage and reused afterwards (the shapes are fixed; the hooks cos
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 from typing import Callable, NamedTuple, Sequence
@@ -152,6 +153,7 @@ class _StepState:
         self.live = {s: 0 for s in stages}
         self.stash_live = {s: 0 for s in stages}
         self.stash_mb: dict = {}
+        self.n_backward = {s: 0 for s in stages}
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
@@ -458,8 +460,13 @@ class PipelineSchedule:
         if len(tensors) != len(grads):
             raise ScheduleError(f"rank {self.rank}: {a!r}: {len(tensors)} output(s) require grad but "
                                 f"{len(grads)} gradient(s) arrived")
-        if tensors:
-            torch.autograd.backward(tensors, grad_tensors=list(grads))  # parameter .grad accumulate
+        # a stage wrapped in DistributedDataParallel reduces its gradients in its last backward
+        # of the step only; the others run under no_sync() (torch.distributed.pipelining's rule)
+        st.n_backward[s] += 1
+        last = st.n_backward[s] == self.n_microbatches
+        with contextlib.nullcontext() if last or not hasattr(stage.submod, "no_sync") else stage.submod.no_sync():
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors=list(grads))  # parameter .grad accumulate
         if s > 0:
             st.grads[(s, m)] = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                      for t, meta in zip(inp, self._shapes[s][0]) if meta.requires_grad)
