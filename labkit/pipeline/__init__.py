@@ -31,8 +31,10 @@ __all__ = [
     "PLACEMENTS", "infer_placement", "peak_waiting_for_w", "zb_h1_schedule", "zbv_schedule", "dualpipev_schedule",
     "dualpipev_overlapped", "bubble_time_formula",
 ]
-from .runtime import PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from .runtime import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                      ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble)
 from .stages import GPTStage, gpt_stages_for_rank, split_gpt
 
 __all__ += ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+            "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
             "GPTStage", "split_gpt", "gpt_stages_for_rank"]

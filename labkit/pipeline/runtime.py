@@ -18,6 +18,9 @@ What ``step`` does on one rank, action by action (semantics in :mod:`.schedules`
 * ``B``: ``torch.autograd.backward`` of the stored output with the received gradient (or
   of the scaled loss); parameter gradients accumulate in ``.grad`` across microbatches and
   across steps (zero them yourself, as with any optimizer loop).
+* ``I`` / ``W`` (zero-bubble schedules): the same backward in two parts, the input
+  gradient first (sent by SEND_B) and the parameter gradients later
+  (:mod:`.split_backward`); the microbatch's activations stay until its W.
 
 With ``recompute=True`` a forward keeps only the stage input and runs without autograd;
 the backward runs the stage forward again and then backward (GPipe's re-materialisation,
@@ -42,12 +45,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .schedules import (Action, ScheduleError, check_pipeline_sizes, gpipe_schedule, interleaved_schedule,
-                        one_f_one_b_schedule, stage_rank)
+from .schedules import (Action, ScheduleError, check_pipeline_sizes, gpipe_schedule, infer_placement,
+                        interleaved_schedule, one_f_one_b_schedule, stage_rank)
 from .simulate import TimedAction
+from .split_backward import backward_input, backward_weight
 from .validate import validate_schedule
+from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
-__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"]
+__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+           "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.long, torch.int32]
 
@@ -107,6 +113,8 @@ class _StepState:
         self.x_mbs, self.t_mbs, self.losses, self.forward_only = x_mbs, t_mbs, losses, forward_only
         self.inputs, self.outputs, self.grads, self.pending, self.results, self.rng = {}, {}, {}, {}, {}, {}
         self.sends: list = []
+        self.weight_grads: dict = {}  # (stage, mb) -> what I kept for W
+        self.waiting_w: dict = {}     # stage -> microbatches whose I ran and W has not
         self.timeline: list = []
         self.live = {s: 0 for s in stages}
         self.stash_live = {s: 0 for s in stages}
@@ -156,15 +164,17 @@ class PipelineSchedule:
                                 f"they must match")
         if S % K:
             raise ScheduleError(f"num_stages={S} is not a multiple of K={K} ranks")
+        self.placement = infer_placement(actions, S)  # "loop" (stage i on rank i % K) or "v" (ZB-V, DualPipeV)
         mine = sorted(st.stage_index for st in self.stages)
-        expected = [s for s in range(S) if stage_rank(s, K) == self.rank]
+        expected = [s for s in range(S) if stage_rank(s, K, self.placement) == self.rank]
         if mine != expected:
+            rule = "stage i on rank i % K" if self.placement == "loop" else "V placement: rank r holds r and 2K-1-r"
             raise ScheduleError(f"rank {self.rank} holds stages {mine} but with K={K} ranks and {S} stages it must "
-                                f"hold {expected} (stage i on rank i % K)")
+                                f"hold {expected} ({rule})")
         if any(st.num_stages != S for st in self.stages):
             raise ScheduleError("all stages must agree on num_stages")
         if validate:
-            actions = validate_schedule(actions, n_microbatches=M, n_stages=S)
+            actions = validate_schedule(actions, n_microbatches=M, n_stages=S, placement=self.placement)
         self.actions = {r: [Action(*a) for a in actions[r]] for r in actions}
         self.K = K
         self._by_index = {st.stage_index: st for st in self.stages}
@@ -177,6 +187,7 @@ class PipelineSchedule:
                             for st in self.stages}
         self.timeline: list[TimedAction] = []
         self.peak_in_flight: dict = {}
+        self.peak_waiting_for_w: dict = {}
         self.stash_peak_bytes: dict = {}
         self.stash_bytes: dict = {}
 
@@ -185,8 +196,11 @@ class PipelineSchedule:
 
     # ------------------------------------------------------------------ helpers
 
+    def _rank_of(self, stage: int) -> int:
+        return stage_rank(stage, self.K, self.placement)
+
     def _peer(self, stage: int) -> int:
-        return self._global[stage_rank(stage, self.K)]
+        return self._global[self._rank_of(stage)]
 
     def _wait(self, work):
         if self.timeout is not None:
@@ -202,7 +216,7 @@ class PipelineSchedule:
             st = self._by_index[s]
             if s == 0:
                 shape, dtype = tuple(x_mb.shape), x_mb.dtype
-            elif stage_rank(s - 1, self.K) == self.rank:
+            elif self._rank_of(s - 1) == self.rank:
                 shape, dtype = prev_out
             else:
                 meta = torch.zeros(8, dtype=torch.long, device=st.device)
@@ -214,7 +228,7 @@ class PipelineSchedule:
                 out = st.submod(torch.zeros(shape, dtype=dtype, device=st.device))
             shapes[s] = (shape, dtype, tuple(out.shape), out.dtype)
             prev_out = (tuple(out.shape), out.dtype)
-            if s < self.num_stages - 1 and stage_rank(s + 1, self.K) != self.rank:
+            if s < self.num_stages - 1 and self._rank_of(s + 1) != self.rank:
                 if out.dim() > 6:
                     raise ValueError(f"stage {s} output has {out.dim()} dims; at most 6 are supported")
                 meta = torch.zeros(8, dtype=torch.long, device=st.device)
@@ -256,15 +270,17 @@ class PipelineSchedule:
         st = _StepState(x_mbs, t_mbs, losses, forward_only, list(self._by_index))
         if not forward_only:
             self.peak_in_flight = {s: 0 for s in self._by_index}
+            self.peak_waiting_for_w = {s: 0 for s in self._by_index}
             self.stash_peak_bytes = {s: 0 for s in self._by_index}
             self.stash_bytes = {s: [0] * M for s in self._by_index}
         if dist.is_initialized():
             dist.barrier(group=self.group)  # a common start for every rank's timeline
         st.t0 = time.perf_counter()
         run = {"RECV_F": self._do_recv, "RECV_B": self._do_recv, "SEND_F": self._do_send,
-               "SEND_B": self._do_send, "F": self._do_forward, "B": self._do_backward}
+               "SEND_B": self._do_send, "F": self._do_forward, "B": self._do_backward,
+               "I": self._do_backward_input, "W": self._do_backward_weight}
         for a in self.actions[self.rank]:
-            if forward_only and a.kind in ("B", "SEND_B", "RECV_B"):
+            if forward_only and a.kind in ("B", "I", "W", "SEND_B", "RECV_B"):
                 continue
             if a.kind not in run:
                 raise ScheduleError(f"rank {self.rank}: unknown action kind {a.kind!r}")
@@ -308,7 +324,7 @@ class PipelineSchedule:
         stage = self._by_index[s]
         if s == 0:
             inp = st.x_mbs[m]
-        elif stage_rank(s - 1, self.K) == self.rank:  # previous stage on this rank (K = 1)
+        elif self._rank_of(s - 1) == self.rank:  # previous stage on this rank (K = 1; V placement's turn)
             inp = st.outputs[(s - 1, m)].detach()
         else:
             inp = self._take(st, ("RECV_F", s, m))
@@ -340,7 +356,7 @@ class PipelineSchedule:
         stage = self._by_index[s]
         if stage.is_last:
             grad = None  # the scaled loss is a scalar
-        elif stage_rank(s + 1, self.K) == self.rank:  # next stage on this rank (K = 1)
+        elif self._rank_of(s + 1) == self.rank:  # next stage on this rank (K = 1; V placement's turn)
             grad = st.grads.pop((s + 1, m))
         else:
             grad = self._take(st, ("RECV_B", s, m))
@@ -358,6 +374,46 @@ class PipelineSchedule:
         st.live[s] -= 1
         st.stash_live[s] -= st.stash_mb.pop((s, m))
 
+    # ------------------------------------------------------------------ split backward (zero bubble)
+
+    def _do_backward_input(self, a: Action, st: "_StepState"):
+        """I: the gradient with respect to the stage input only (what stage s-1 waits for);
+        the graph and what W needs stay alive (:mod:`.split_backward`)."""
+        s, m = a.stage, a.microbatch
+        stage = self._by_index[s]
+        if stage.is_last:
+            grad = None
+        elif self._rank_of(s + 1) == self.rank:
+            grad = st.grads.pop((s + 1, m))
+        else:
+            grad = self._take(st, ("RECV_B", s, m))
+        start = st.now()
+        inp, out = st.inputs[(s, m)], st.outputs.pop((s, m))
+        if self.recompute:
+            with _replay_rng(stage.device, st.rng.pop((s, m))):
+                out = stage.submod(inp)
+            if stage.is_last and st.t_mbs is not None:
+                out = self.loss_fn(out, st.t_mbs[m]) / self.n_microbatches
+        gin, pending = backward_input(out, inp if s > 0 else None, grad, stage.submod.parameters())
+        if s > 0:
+            st.grads[(s, m)] = gin
+        st.weight_grads[(s, m)] = pending
+        st.timeline.append(TimedAction(a, start, st.now()))
+        st.waiting_w[s] = st.waiting_w.get(s, 0) + 1
+        self.peak_waiting_for_w[s] = max(self.peak_waiting_for_w[s], st.waiting_w[s])
+
+    def _do_backward_weight(self, a: Action, st: "_StepState"):
+        """W: the parameter gradients of (stage, microbatch) from what its I kept; they
+        accumulate in ``.grad`` like B's. Frees the microbatch's activations."""
+        s, m = a.stage, a.microbatch
+        start = st.now()
+        backward_weight(st.weight_grads.pop((s, m)))
+        st.inputs.pop((s, m))
+        st.timeline.append(TimedAction(a, start, st.now()))
+        st.waiting_w[s] -= 1
+        st.live[s] -= 1
+        st.stash_live[s] -= st.stash_mb.pop((s, m))
+
     def _take(self, st: "_StepState", key):
         """Wait for a posted receive; returns its buffer and stamps the RECV's end time."""
         work, buf, i = st.pending.pop(key)
@@ -366,7 +422,7 @@ class PipelineSchedule:
         except Exception as e:
             a = st.timeline[i].action
             src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
-            raise RuntimeError(f"pipeline rank {self.rank}: {a!r} (receive from rank {stage_rank(src, self.K)}) "
+            raise RuntimeError(f"pipeline rank {self.rank}: {a!r} (receive from rank {self._rank_of(src)}) "
                                f"did not complete: {e}") from e
         e = st.timeline[i]
         st.timeline[i] = TimedAction(e.action, e.start, st.now())
@@ -446,3 +502,49 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
             raise ScheduleError(f"ScheduleInterleaved1F1B: num_stages={self.num_stages} must equal K*v = "
                                 f"{K}*{v} (world size times stages per rank)")
         return interleaved_schedule(K, M, v)
+
+
+# ----------------------------------------------------------------------------- zero-bubble schedules
+
+
+class ScheduleZBH1(_OneStagePerRank):
+    """ZB-H1 (Qi et al. 2024, sec. 2.1; :func:`~.zero_bubble.zb_h1_schedule`): 1F1B with each
+    backward split into I (input gradient) and W (weight gradients), W delayed on the first
+    ranks. ``ScheduleZBH1(stage, n_microbatches, loss_fn, recompute=False)``; K = group size.
+    torch's nearest is ``ScheduleInterleavedZeroBubble`` with one stage per rank."""
+
+    _builder = staticmethod(zb_h1_schedule)
+
+
+class _TwoStagesV(PipelineSchedule):
+    """A named schedule with two stages per rank in V placement (rank r: stages r, 2K-1-r)."""
+
+    _builder = None
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches, loss_fn=None, **kw):
+        super().__init__(list(stages) if isinstance(stages, (list, tuple)) else [stages],
+                         n_microbatches, loss_fn, **kw)
+
+    def _build(self, K, M, v):
+        check_pipeline_sizes(K, M)
+        if v != 2 or self.num_stages != 2 * K:
+            raise ScheduleError(f"{type(self).__name__} needs exactly 2 stages per rank (V placement: rank r holds "
+                                f"stages r and 2K-1-r): got {v} stage(s) on this rank, num_stages="
+                                f"{self.num_stages}, K={K}")
+        return type(self)._builder(K, M)
+
+
+class ScheduleZBVZeroBubble(_TwoStagesV):
+    """ZB-V (Qi et al. 2024, sec. 6; :func:`~.zero_bubble.zbv_schedule`), torch's name and
+    order. ``ScheduleZBVZeroBubble([stage_r, stage_2K-1-r], n_microbatches, loss_fn)``."""
+
+    _builder = staticmethod(zbv_schedule)
+
+
+class ScheduleDualPipeV(_TwoStagesV):
+    """DualPipeV (DualPipe README; :func:`~.zero_bubble.dualpipev_schedule`), torch's name
+    and order; M >= 2K. The overlapped F&B pairs run one after the other here (one compute
+    stream; the overlap of communication with compute is DualPipe's point on GPUs).
+    ``ScheduleDualPipeV([stage_r, stage_2K-1-r], n_microbatches, loss_fn)``."""
+
+    _builder = staticmethod(dualpipev_schedule)
