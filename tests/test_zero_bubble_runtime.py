@@ -35,8 +35,9 @@ def _my_stages(K, r, v_shape):
 
 
 def _named(mods, what):
-    return {gpt_param_name(m, n): (p.grad if what == "grad" else p.detach()).clone()
-            for m in mods for n, p in m.named_parameters()}
+    def val(p):  # a missing gradient reads as zeros, so a comparison (not a crash) catches it
+        return (p.grad if p.grad is not None else torch.zeros_like(p)) if what == "grad" else p.detach()
+    return {gpt_param_name(m, n): val(p).clone() for m in mods for n, p in m.named_parameters()}
 
 
 def _rank(ctx, name, steps):
