@@ -122,7 +122,7 @@ def _render_zero_bubble(schedule, K, M, backward, weight_share, ax) -> dict:
     T_I = (1 - weight_share) b and T_W = weight_share b; ZB-V and DualPipeV hold two chunks
     per rank (each chunk's costs are half the rank's). ``bubble_formula`` is the formula's
     idle fraction where it is exact (:func:`~.zero_bubble.bubble_time_formula`), else None."""
-    from .zero_bubble import bubble_time_formula
+    from .zero_bubble import bubble_time_formula, dualpipev_overlapped
     v_used = 1 if schedule == "ZB-H1" else 2
     info = {"schedule": schedule, "K": K, "M": M, "v": v_used, "bubble": None, "bubble_formula": None,
             "peak_in_flight": None, "sends": None, "makespan": None, "error": None, "ax": ax,
@@ -138,7 +138,9 @@ def _render_zero_bubble(schedule, K, M, backward, weight_share, ax) -> dict:
     b = Fraction(backward).limit_denominator(1000)
     ws = Fraction(weight_share).limit_denominator(1000)
     f, i, w = Fraction(1, v_used), b * (1 - ws) / v_used, b * ws / v_used
-    sim = simulate(actions, forward=f, backward_input=i, backward_weight=w)
+    # DualPipeV's F&B pairs run as one unit (here without overlap gain: F&B = F + B)
+    pairs = dualpipev_overlapped(K, M) if schedule == "DualPipeV" else None
+    sim = simulate(actions, forward=f, backward_input=i, backward_weight=w, overlapped=pairs)
     name = {"ZB-H1": "zb-h1", "ZB-V": "zbv", "DualPipeV": "dualpipev"}[schedule]
     text = {"zb-h1": "(K-1)(T_F+T_I-T_W)", "zbv": "(K-1)T_F when T_F=T_I=T_W",
             "dualpipev": "(K-1)(F&B+B-3W), F&B=F+B"}[name]
