@@ -96,7 +96,7 @@ def test_explorer_offers_the_zero_bubble_schedules():
         assert "input grad (I)" in " ".join(labels) and "weight grad (W)" in " ".join(labels)
         plt.close(info["ax"].figure)
     t = bubble_time_formula("zb-h1", 4, 1, 1, 1)
-    assert render("ZB-H1", 4, 8)["bubble_formula"] == t / (8 * 3 + t)
+    assert render("ZB-H1", 4, 8)["bubble_formula"] == Fraction(t, 8 * 3 + t)
     info = render("DualPipeV", 4, 6)
     assert "M >= 2K = 8" in info["error"]
     plt.close(info["ax"].figure)
