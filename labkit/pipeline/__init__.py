@@ -10,6 +10,7 @@
 * :mod:`.runtime`: ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``,
   ``ScheduleInterleaved1F1B``, ``PipelineSchedule`` (any schedule data) on torch.distributed.
 * :mod:`.stages`: cut the reference GPT into stages by layers.
+* :mod:`.trace`: ``write_chrome_trace`` (timelines as Chrome trace-event JSON for Perfetto).
 * :mod:`.plot`: ``plot_timeline`` (Gantt chart of a simulated or measured timeline).
 """
 from .schedules import (
@@ -34,7 +35,9 @@ __all__ = [
 from .runtime import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                       ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble)
 from .stages import GPTStage, gpt_stages_for_rank, split_gpt
+from .trace import chrome_trace, write_chrome_trace
 
 __all__ += ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
             "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
             "GPTStage", "split_gpt", "gpt_stages_for_rank"]
+__all__ += ["chrome_trace", "write_chrome_trace"]

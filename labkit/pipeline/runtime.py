@@ -83,6 +83,18 @@ class _replay_rng:
             torch.cuda.set_rng_state(self.saved[1], self.device)
 
 
+def _check_cost_model(cost_model):
+    """None, or a dict kind -> seconds >= 0 for kinds among F, B, I, W (ValueError otherwise)."""
+    if cost_model is None:
+        return None
+    if not isinstance(cost_model, dict):
+        raise ValueError(f"cost_model must be a dict like {{'F': 0.02, 'I': 0.02, 'W': 0.02}}, got {cost_model!r}")
+    for k, t in cost_model.items():
+        if k not in ("F", "B", "I", "W") or not isinstance(t, (int, float)) or t < 0:
+            raise ValueError(f"cost_model entries are F, B, I, W -> seconds >= 0; got {k!r}: {t!r}")
+    return dict(cost_model)
+
+
 class PipelineStage:
     """One stage of the model on this rank.
 
@@ -136,13 +148,19 @@ class PipelineSchedule:
         recompute: keep only stage inputs, recompute the forward in backward.
         validate: run :func:`validate_schedule` first (turn off only to test failures).
         timeout: seconds to wait for any receive (default: the group's, else 30).
+        cost_model: ``{"F": t_F, "B": t_B, "I": t_I, "W": t_W}`` in seconds (missing kinds:
+            no padding): each such action still computes for real, then sleeps until it has
+            taken its chosen time, so its duration is max(real, chosen) without holding a
+            core. With chosen times well above the real ones the measured bubble equals
+            the schedule's formula even on fewer cores than ranks (see ``timeline``).
 
     Raises ScheduleError before any communication when M < 1, the group size does not equal
     the schedule's K, or this rank's stages do not match the placement stage i -> rank i % K.
     """
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, actions: dict | None = None,
-                 recompute: bool = False, validate: bool = True, timeout: float | None = None):
+                 recompute: bool = False, validate: bool = True, timeout: float | None = None,
+                 cost_model: dict | None = None):
         self.stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         if not self.stages:
             raise ScheduleError("no stages given")
@@ -152,6 +170,7 @@ class PipelineSchedule:
         self.loss_fn = loss_fn
         self.recompute = recompute
         self.timeout = timeout
+        self.cost_model = _check_cost_model(cost_model)
         self.group = self.stages[0].group
         self.num_stages = S = self.stages[0].num_stages
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -285,6 +304,8 @@ class PipelineSchedule:
             if a.kind not in run:
                 raise ScheduleError(f"rank {self.rank}: unknown action kind {a.kind!r}")
             run[a.kind](a, st)
+            if self.cost_model and a.kind in self.cost_model and not st.forward_only:
+                self._pad(st, self.cost_model[a.kind])
         for work, _ in st.sends:
             self._wait(work)
         if st.pending:
@@ -373,6 +394,15 @@ class PipelineSchedule:
         st.timeline.append(TimedAction(a, start, st.now()))
         st.live[s] -= 1
         st.stash_live[s] -= st.stash_mb.pop((s, m))
+
+    def _pad(self, st: "_StepState", seconds: float):
+        """Cost model: sleep until the compute action just recorded has lasted ``seconds``
+        (from its start, after its input arrived), and stamp its new end."""
+        e = st.timeline[-1]
+        rest = e.start + seconds - st.now()
+        if rest > 0:
+            time.sleep(rest)
+        st.timeline[-1] = TimedAction(e.action, e.start, st.now())
 
     # ------------------------------------------------------------------ split backward (zero bubble)
 
