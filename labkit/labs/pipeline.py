@@ -263,8 +263,8 @@ def _analyse_zero_bubble(a, kind, K, results, single):
                    overlapped=dualpipev_overlapped(K, M) if kind == "dualpipev" else None)
     chunks = 2 if kind in V_SHAPED else 1
     work = chunks * M * (f + i + w)
-    exact = {"zb-h1": lambda: w <= min(f, i) * 1.05, "zbv": lambda: max(f, i, w) <= 1.05 * min(f, i, w),
-             "dualpipev": lambda: abs(f - i) <= 0.05 * max(f, i) and w <= i * 1.05}[kind]()
+    exact = {"zb-h1": lambda: w <= min(f, i) * 1.15, "zbv": lambda: max(f, i, w) <= 1.15 * min(f, i, w),
+             "dualpipev": lambda: abs(f - i) <= 0.15 * max(f, i) and w <= i * 1.15}[kind]()
     if exact:
         name = kind
         fi = (f + i) / 2 if kind == "dualpipev" else None
