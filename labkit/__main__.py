@@ -44,6 +44,10 @@ def _main(argv: list[str] | None = None) -> int:
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         p.add_argument("--world-size", type=int, nargs="*", default=[1, 2, 4, 8], help="world sizes to try")
         a = p.parse_args(rest)
+        bad = [w for w in a.world_size if w < 1]
+        if bad:
+            print(f"error: --world-size must be >= 1, got {bad[0]}", file=sys.stderr)
+            return 2
         from .dist import doctor
         print(doctor(a.world_size))
         return 0

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from . import HelpFormatter, bad_number, bad_out, bad_seed, error, is_main_rank, run_folder
-from .verdict import add_tolerance_option, check_tolerance, verdict_exit
+from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
+               error, is_main_rank, run_folder)
+from .verdict import add_tolerance_option, verdict_exit
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # backward split into I and W (labkit.pipeline.zero_bubble)
@@ -84,10 +85,16 @@ def _bad_args(a, K) -> str | None:
         except ValueError:
             return f"--cost-model takes three numbers >= 0 in milliseconds, F,I,W (e.g. 20,20,20), got {a.cost_model!r}"
     try:
-        _config(a)
+        cfg = _config(a)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--embd {a.embd}, --heads {a.heads})"
-    return None
+    from ..model import GPT
+    # every rank builds the full model (4 bytes/param each), then keeps its stages with Adam (16 in
+    # all); rank 0's reference (8) and the verdict's gathered copies (24); the whole batch's
+    # activations in flight and once more in the reference
+    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * K + 48,
+                      activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})")
 
 
 def _cost_model(a):
@@ -234,7 +241,8 @@ def _analyse(a, kind, K, results, single):
     tokens = results[0]["timed_steps"] * a.batch * a.seq
     return {
         "schedule": kind if v == 1 else f"{kind} v={v}", "train": last["losses"][-1], "val": last["val"],
-        "curve": curve, "verdict": results[0]["verdict"], "bubble": sum(measured) / len(measured), "formula": float(bubble_formula(K, M, v)),
+        "curve": curve, "verdict": results[0]["verdict"], "bubble": sum(measured) / len(measured),
+        "formula": float(bubble_formula(K, M, v)),
         "sim": float(sim.bubble_fraction), "peak": [peak[s] for s in sorted(peak)],
         "tokens_per_s": tokens / results[0]["step_time"] if tokens else float("nan"),  # nan: no timed step
         "timeline": tls[-1], "losses": last["losses"],

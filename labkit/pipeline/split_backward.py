@@ -42,21 +42,21 @@ class PendingWeightGrad:
         self.edges, self.grads, self.params = edges, grads, params
 
 
-def _classify(root, param_nodes: set):
-    """For every node reachable from ``root``: does it lead to the input ('o') and/or to
+def _classify(roots, param_nodes: set):
+    """For every node reachable from ``roots``: does it lead to an input ('o') and/or to
     parameters ('p')? Iterative post-order walk; returns {node: frozenset}."""
     lead: dict = {}
-    stack = [(root, False)]
+    stack = [(r, False) for r in roots]
     while stack:
         node, expanded = stack.pop()
         if node in lead:
             continue
         if node in param_nodes:
-            lead[node] = frozenset("p")
+            lead[node] = PONLY
             continue
         children = [c for c, _ in node.next_functions if c is not None]
         if not children:
-            # a leaf that is not a parameter (the stage input's AccumulateGrad) leads to "o"
+            # a leaf that is not a parameter (a stage input's AccumulateGrad) leads to "o"
             lead[node] = frozenset("o") if type(node).__name__ == "AccumulateGrad" else frozenset()
             continue
         if expanded:
@@ -70,25 +70,42 @@ def _classify(root, param_nodes: set):
     return lead
 
 
-def backward_input(out: torch.Tensor, inp: torch.Tensor | None, grad: torch.Tensor | None, params):
-    """I: the gradient of ``out`` (with output gradient ``grad``; None for a scalar loss) with
-    respect to the stage input ``inp`` only. Returns (input gradient or None,
-    :class:`PendingWeightGrad` for :func:`backward_weight`). The autograd graph is kept."""
+def _as_list(x):
+    if x is None:
+        return []
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def backward_input(outputs, inputs, grads, params):
+    """I: the gradient of ``outputs`` (tensor or list; output gradients ``grads``, None for a
+    scalar loss) with respect to the stage ``inputs`` only (tensor, list, or None).
+
+    Returns (input gradients: a list with one entry per input, None where it gets none, or a
+    single tensor/None when ``inputs`` was a tensor/None; :class:`PendingWeightGrad` for
+    :func:`backward_weight`). The autograd graph is kept (``retain_graph=True``)."""
+    single = inputs is None or isinstance(inputs, torch.Tensor)
+    outs, ins = _as_list(outputs), [t for t in _as_list(inputs)]
+    gouts = [None] * len(outs) if grads is None else (_as_list(grads) if not isinstance(grads, torch.Tensor)
+                                                       else [grads])
     params = [p for p in params if p.requires_grad]
-    root = out.grad_fn
-    if root is None:
-        return None, PendingWeightGrad([], [], [])
+
+    def result(gins):
+        return (gins[0] if ins else None) if single else gins
+
+    if not outs:
+        return result([None] * len(ins)), PendingWeightGrad([], [], [])
     param_nodes = {get_gradient_edge(p).node: p for p in params}
-    lead = _classify(root, set(param_nodes))
+    roots = [get_gradient_edge(o).node for o in outs]
+    lead = _classify(roots, set(param_nodes))
     used = [param_nodes[n] for n in lead if n in param_nodes]
-    wants_inp = inp is not None and inp.requires_grad and "o" in lead[root]
-    if lead[root] == PONLY or not wants_inp:
-        # nothing flows to the input: W is the whole backward, from the output
-        g = grad if grad is not None else torch.ones_like(out)
-        return None, PendingWeightGrad([[get_gradient_edge(out)]], [[g]], [used])
+    to_input = [t for t in ins if t.requires_grad]
+    whole = [[get_gradient_edge(o) for o in outs]], [[g if g is not None else torch.ones_like(o)
+                                                      for o, g in zip(outs, gouts)]], [used]
+    if not to_input or not any("o" in lead[r] for r in roots):
+        # nothing flows to an input: W is the whole backward, from the outputs
+        return result([None] * len(ins)), PendingWeightGrad(*whole)
     # boundary nodes and, for each, the parameters below it through parameter-only nodes
-    groups = []  # (boundary node, [params])
-    owner: dict = {}
+    groups = []  # (boundary node, [params], the parameter-only nodes below it)
     for node, ld in lead.items():
         if "o" not in ld:
             continue
@@ -103,17 +120,19 @@ def backward_input(out: torch.Tensor, inp: torch.Tensor | None, grad: torch.Tens
             stack.extend(x for x, _ in c.next_functions if x is not None)
         if below:
             groups.append((node, below, seen))
+    owner: dict = {}
     shared = False
     for node, _, seen in groups:
         for c in seen:
             if owner.setdefault(c, node) is not node:
                 shared = True  # a parameter reached from two boundary nodes (e.g. a weight used twice)
     edges = [GradientEdge(n, k) for n, _, _ in groups for k in range(len(n._input_metadata))]
-    res = torch.autograd.grad(out, [inp] + edges, grad_outputs=grad, retain_graph=True, allow_unused=True)
+    res = torch.autograd.grad(outs, to_input + edges, grad_outputs=gouts, retain_graph=True, allow_unused=True)
+    by_input = dict(zip(map(id, to_input), res[:len(to_input)]))
+    gins = [by_input.get(id(t)) for t in ins]
     if shared:  # correct but slower: W runs the whole backward again, for the parameters only
-        g = grad if grad is not None else torch.ones_like(out)
-        return res[0], PendingWeightGrad([[get_gradient_edge(out)]], [[g]], [used])
-    it = iter(res[1:])
+        return result(gins), PendingWeightGrad(*whole)
+    it = iter(res[len(to_input):])
     e_groups, g_groups, p_groups = [], [], []
     for n, below, _ in groups:
         pairs = [(GradientEdge(n, k), next(it)) for k in range(len(n._input_metadata))]
@@ -122,7 +141,7 @@ def backward_input(out: torch.Tensor, inp: torch.Tensor | None, grad: torch.Tens
             e_groups.append([e for e, _ in pairs])
             g_groups.append([g for _, g in pairs])
             p_groups.append(below)
-    return res[0], PendingWeightGrad(e_groups, g_groups, p_groups)
+    return result(gins), PendingWeightGrad(e_groups, g_groups, p_groups)
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
