@@ -30,6 +30,10 @@ ex61 = exercise(
          "output is gelu(X @ A_i) @ B_i. Use the notebook's gelu.")
 
 
+_ONLY_F = ("Only the FFN width F = A.shape[1] is split (A by columns, B by rows); the hidden size H "
+           "= A.shape[0] is not, so t must divide F and need not divide H: test F % t, not H % t.")
+
+
 def _mlp_data(N: int, H: int, F_: int, seed: int):
     rng = np.random.default_rng(seed)
     return rng.standard_normal((N, H)), rng.standard_normal((H, F_)), rng.standard_normal((F_, H))
@@ -70,16 +74,24 @@ def _partials_case(N: int, H: int, F_: int, t: int, seed: int):
 ex61.case("t=2, X [6, 4], A [4, 16]")(_partials_case(6, 4, 16, 2, 0))
 ex61.case("t=4, X [3, 8], A [8, 32]")(_partials_case(3, 8, 32, 4, 1))
 ex61.case("t=1 is the unsplit MLP")(_partials_case(5, 4, 16, 1, 2))
+ex61.case("t=4, X [3, 6], A [6, 24]: t divides F, not H", hint=_ONLY_F)(_partials_case(3, 6, 24, 4, 6))
 
 
-@ex61.case("t=3 does not divide F=16: ValueError")
+@ex61.case("t=3 does not divide F=16 (H=6): ValueError", hint=_ONLY_F)
 def _(mlp_partials):
-    X, A, B = _mlp_data(2, 4, 16, 3)
-    expect_raises(ValueError, mlp_partials, X, A, B, 3, what="mlp_partials(X, A [4, 16], B, t=3)")
+    X, A, B = _mlp_data(2, 6, 16, 3)
+    expect_raises(ValueError, mlp_partials, X, A, B, 3, what="mlp_partials(X [2, 6], A [6, 16], B, t=3)")
 
 
 ex61.case("t=8, X [7, 5], A [5, 40]", hidden=True)(_partials_case(7, 5, 40, 8, 4))
 ex61.case("t=2, one token", hidden=True)(_partials_case(1, 6, 12, 2, 5))
+ex61.case("t=3, X [4, 5], A [5, 12]", hidden=True)(_partials_case(4, 5, 12, 3, 7))
+
+
+@ex61.case("t=5 does not divide F=12 (H=10): ValueError", hidden=True)
+def _(mlp_partials):
+    X, A, B = _mlp_data(2, 10, 12, 8)
+    expect_raises(ValueError, mlp_partials, X, A, B, 5, what="mlp_partials(X [2, 10], A [10, 12], B, t=5)")
 
 
 # ----------------------------------------------------------------------------- 6.2 / 6.3
