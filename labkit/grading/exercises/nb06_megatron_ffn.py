@@ -184,3 +184,69 @@ ex63.case("t=2 ranks: output and gradients equal one device", timeout=20)(_opera
 ex63.case("t=4 ranks: output and gradients equal one device", timeout=25)(_operator_case("g", 4, 3, 4, 16, 21))
 ex63.case("t=1 rank", hidden=True, timeout=20)(_operator_case("g", 1, 2, 4, 8, 22))
 ex63.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_operator_case("g", 3, 5, 7, 12, 23))
+
+
+# ----------------------------------------------------------------------------- 6.4
+ex64 = exercise(
+    "6.4", title="the row-parallel layer's bias", notebook=NOTEBOOK, points=2,
+    hint="Each rank computes only a partial product x_r W_r^T; the all-reduce (g) sums the t partials. The bias "
+         "belongs to the sum, not to the partials: add it once, AFTER the all-reduce (adding it on every rank "
+         "before would add it t times).")
+
+
+def _row_run(ctx, row_parallel_linear, N, F_, H, seed):
+    """One forward/backward of the learner's row-parallel linear on this rank; returns its output and the
+    gradients of its input shard, weight shard and bias."""
+    t, r = ctx.world_size, ctx.rank
+    g = torch.Generator().manual_seed(seed)
+    X, W, b = torch.randn(N, F_, generator=g), torch.randn(H, F_, generator=g), torch.randn(H, generator=g)
+    G = torch.randn(N, H, generator=g)  # dL/dy: L = sum(y * G)
+    w = F_ // t
+    x_r = X[:, r * w:(r + 1) * w].clone().requires_grad_(True)
+    W_r = W[:, r * w:(r + 1) * w].clone().requires_grad_(True)
+    bias = b.clone().requires_grad_(True)
+    y = row_parallel_linear(x_r, W_r, bias, ctx.group)
+    if not isinstance(y, torch.Tensor):
+        raise CheckFailure(f"row_parallel_linear returned {type(y).__name__}, not a tensor")
+    if tuple(y.shape) != (N, H):
+        raise CheckFailure(f"row_parallel_linear returned shape {tuple(y.shape)}, expected [N, H] = {(N, H)}")
+    (y * G).sum().backward()
+    grad = lambda p: None if p.grad is None else p.grad.clone()  # noqa: E731
+    return {"y": y.detach().clone(), "dx": grad(x_r), "dW": grad(W_r), "db": grad(bias)}
+
+
+def _row_case(t: int, N: int, F_: int, H: int, seed: int):
+    def case(row_parallel_linear):
+        res = launch(_row_run, t, row_parallel_linear, N, F_, H, seed, timeout=8)
+        g = torch.Generator().manual_seed(seed)
+        X = torch.randn(N, F_, generator=g).requires_grad_(True)
+        W = torch.randn(H, F_, generator=g).requires_grad_(True)
+        b = torch.randn(H, generator=g).requires_grad_(True)
+        G = torch.randn(N, H, generator=g)
+        y = F.linear(X, W, b)
+        (y * G).sum().backward()
+        w, where = F_ // t, f"t={t}, x [{N}, {F_}], weight [{H}, {F_}]"
+        for r, out in enumerate(res):
+            extra = out["y"] - y.detach()
+            for k in range(2, t + 1):  # the bias added on k ranks before the sum
+                if t > 1 and torch.allclose(extra, (k - 1) * b.detach().expand_as(extra), rtol=1e-4, atol=1e-5):
+                    raise CheckFailure(
+                        f"{where}: the output on rank {r} is the single device's plus {k - 1} x bias, i.e. it holds "
+                        f"the bias {k} times: it was added to the partial products on {k} ranks before the "
+                        f"all-reduce summed them; add it once, after the all-reduce")
+            expect_close(out["y"], y.detach(), f"{where}: output on rank {r} (vs F.linear on one device)",
+                         rtol=1e-5, atol=1e-5)
+            for key, ref, name in (("dx", X.grad[:, r * w:(r + 1) * w], "dL/dx_r"),
+                                   ("dW", W.grad[:, r * w:(r + 1) * w], "dL/dW_r"), ("db", b.grad, "dL/dbias")):
+                if out[key] is None:
+                    raise CheckFailure(f"{where}: {name} on rank {r} is None: build the output from x_shard, "
+                                       f"weight_shard and bias with differentiable operations")
+                expect_close(out[key], ref, f"{where}: {name} on rank {r} (vs the slice of one device's)",
+                             rtol=1e-5, atol=1e-5)
+    return case
+
+
+ex64.case("t=2 ranks: output and gradients equal one device", timeout=20)(_row_case(2, 4, 8, 6, 40))
+ex64.case("t=4 ranks: output and gradients equal one device", timeout=25)(_row_case(4, 3, 16, 5, 41))
+ex64.case("t=1 rank", hidden=True, timeout=20)(_row_case(1, 2, 4, 3, 42))
+ex64.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_row_case(3, 5, 12, 7, 43))
