@@ -129,9 +129,14 @@ def _ring_case(N: int, numel: int, seed: int):
     return case
 
 
+def _ring_results(ring_all_reduce, N: int, numel: int, seed: int):
+    """Per rank: its output (and the reference) and the elements it sent; no expected value."""
+    return _run_ring(ring_all_reduce, N, numel, seed), None
+
+
 def _traffic_case(N: int, numel: int, seed: int):
     def case(ring_all_reduce):
-        res = _run_ring(ring_all_reduce, N, numel, seed)
+        res, _ = _ring_results(ring_all_reduce, N, numel, seed)
         limit = 2 * (N - 1) * numel // N
         for r in range(N):
             sent = res[r]["sent"]

@@ -20,6 +20,7 @@ from ...pipeline import (COMPUTE, Action, PipelineSchedule, PipelineStage, Sched
                          peak_in_flight, validate_schedule)
 from ...pipeline.stages import gpt_param_name, gpt_stages_for_rank
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
+from . import kernel_side
 
 # A tiny GPT: 8 layers split over K*v stages (K=4, v=2 at most), 8 sequences of 16 tokens.
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
@@ -270,11 +271,16 @@ def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
     return f"; it is {ratio:.4g} times the full-batch gradient"
 
 
+def _accumulate_run(accumulate_microbatches, M: int, steps: int, seed: int):
+    """Kernel side: the learner's accumulation in :func:`_sgd_run`; its gradients and parameters."""
+    return _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed)
+
+
 def _accumulate_case(M: int, steps: int, seed: int):
     def case(accumulate_microbatches):
         what = f"accumulate_microbatches(model, x [{ACC_BATCH}, {ACC_SEQ}], y, M={M})"
+        got_g, got_p = kernel_side(accumulate_microbatches, _accumulate_run, M, steps, seed)
         want_g, want_p = _sgd_run(lambda model, x, y: model(x, y).backward(), steps, seed)
-        got_g, got_p = _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed)
         for name, w in want_g.items():
             g = got_g.get(name)
             if g is None:

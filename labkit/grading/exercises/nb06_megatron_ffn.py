@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ...dist import launch
 from ...tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from ..registry import CheckFailure, exercise, expect_close, expect_raises
+from . import kernel_side
 
 NOTEBOOK = "06_megatron_ffn"
 
@@ -215,9 +216,14 @@ def _row_run(ctx, row_parallel_linear, N, F_, H, seed):
     return {"y": y.detach().clone(), "dx": grad(x_r), "dW": grad(W_r), "db": grad(bias)}
 
 
+def _row_outputs(row_parallel_linear, t: int, N: int, F_: int, H: int, seed: int):
+    """Kernel side: the learner's row-parallel linear on t ranks; per rank what :func:`_row_run` returns."""
+    return launch(_row_run, t, row_parallel_linear, N, F_, H, seed, timeout=8)
+
+
 def _row_case(t: int, N: int, F_: int, H: int, seed: int):
     def case(row_parallel_linear):
-        res = launch(_row_run, t, row_parallel_linear, N, F_, H, seed, timeout=8)
+        res = kernel_side(row_parallel_linear, _row_outputs, t, N, F_, H, seed)
         g = torch.Generator().manual_seed(seed)
         X = torch.randn(N, F_, generator=g).requires_grad_(True)
         W = torch.randn(H, F_, generator=g).requires_grad_(True)

@@ -21,6 +21,7 @@ import torch
 from ...moe.experts import MoELayer
 from ...moe.router import route
 from ..registry import CheckFailure, exercise, expect_equal
+from . import kernel_side
 
 # ----------------------------------------------------------------------------- 12.1
 ex121 = exercise(
@@ -175,13 +176,23 @@ V3_GATE = {
 }
 
 
-def _v3_config(answer):
+def _v3_fields(answer) -> dict:
+    """Kernel side: the fields of the MoEConfig the learner's function returns, as a dict."""
+    import dataclasses
+
     from ...moe import MoEConfig
 
     cfg = answer() if callable(answer) and not isinstance(answer, MoEConfig) else answer
     if not isinstance(cfg, MoEConfig):
         raise CheckFailure(f"deepseek_v3_gate() must return a labkit.moe.MoEConfig, got {type(cfg).__name__}")
-    return cfg
+    return dataclasses.asdict(cfg)
+
+
+def _v3_config(answer):
+    """The learner's configuration, rebuilt in this process from its fields."""
+    from ...moe import MoEConfig
+
+    return MoEConfig(**kernel_side(answer, _v3_fields))
 
 
 def _v3_fields_case(names):
