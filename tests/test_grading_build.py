@@ -228,3 +228,14 @@ def test_plot_fingerprint_ignores_docstrings_and_comments_only():
     assert uses_plotting_code(nb)
     nb.cells = [nbformat.v4.new_code_cell("from labkit.pipeline import simulate  # labkit.pipeline.plot later")]
     assert not uses_plotting_code(nb)
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_no_widget_text_stored_in_solutions(solution):
+    """A stored widget output is the one-line note, never the widget's repr (notebook 04's explorer)."""
+    nb = nbformat.read(str(solution), as_version=4)
+    for i, cell in enumerate(nb.cells, 1):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            assert "application/vnd.jupyter.widget-view+json" not in data, f"{solution.name} cell {i}"
+            assert "children=(" not in data.get("text/plain", ""), f"{solution.name} cell {i}"
