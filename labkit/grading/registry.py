@@ -336,7 +336,11 @@ def expect_true(cond: Any, message: str) -> None:
 def expect_equal(got: Any, expected: Any, what: str = "result") -> None:
     """``got == expected`` exactly (tensors: same shape, dtype and values; containers element-wise).
 
-    Raises :class:`CheckFailure` "what: expected X, got Y".
+    Raises :class:`CheckFailure` "what: expected X, got Y". Numbers and 0-d tensors are shown as
+    numbers; tensors of up to 6 elements by their values; larger tensors of the same shape by how
+    they differ: "tensors of shape S differ in n of N elements; largest difference d at index
+    [i, j]: expected a, got b; around it: expected [...], got [...]" and, when ``got`` is a constant
+    multiple c of ``expected``, "; got is c x expected everywhere".
     """
     _compare(got, expected, what, exact=True, rtol=0.0, atol=0.0)
 
@@ -345,7 +349,9 @@ def expect_close(got: Any, expected: Any, what: str = "result", rtol: float = 1e
                  atol: float = 1e-6) -> None:
     """``|got - expected| <= atol + rtol * |expected|`` for numbers and tensors (fp32 defaults).
 
-    Containers (list/tuple/dict) are compared element-wise. Raises :class:`CheckFailure`.
+    Containers (list/tuple/dict) are compared element-wise. Raises :class:`CheckFailure` with the
+    message described in :func:`expect_equal` (an element differs when it is not within the
+    tolerance; NaN always differs).
     """
     _compare(got, expected, what, exact=False, rtol=rtol, atol=atol)
 
