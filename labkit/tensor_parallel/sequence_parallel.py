@@ -49,7 +49,7 @@ from .mappings import (SEQUENCE_DIM, all_gather_along_dim, copy_to_tensor_model_
                        gather_from_sequence_parallel_region, reduce_from_tensor_model_parallel_region,
                        reduce_scatter_along_dim, reduce_scatter_to_sequence_parallel_region, tp_size)
 
-__all__ = ["ParallelTransformerLayer", "allreduce_layernorm_grads", "RECOMPUTE_GRANULARITIES"]
+__all__ = ["ParallelTransformerLayer", "allreduce_layernorm_grads", "measure_activation_bytes", "RECOMPUTE_GRANULARITIES"]
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 
@@ -134,6 +134,7 @@ class ParallelTransformerLayer(nn.Module):
         self.attn = ParallelAttention.from_reference(reference.attn, group)
         self.ln2 = copy.deepcopy(reference.ln2)
         self.mlp = ParallelMLP.from_reference(reference.mlp, group)
+        self.to(reference.ln1.weight.dtype)          # the shards are built in fp32; match a bf16 reference
         if self.sequence_parallel:
             # Parameters that see only this rank's tokens: Megatron marks them
             # ``sequence_parallel`` and all-reduces their gradients over the TP group.
@@ -220,3 +221,21 @@ def allreduce_layernorm_grads(model: nn.Module, group) -> int:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
     return flat.numel()
+
+
+def measure_activation_bytes(module: nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes of tensors ``module(*inputs)`` saves for backward, on this rank, measured with
+    ``torch.autograd.graph.saved_tensors_hooks`` (:class:`labkit.checkpoint.SavedTensorMeter`;
+    parameters excluded, tensors sharing storage counted once, the inputs included when saved).
+
+    Runs one forward (training mode as set), counts what is alive after it, then drops the
+    graph without a backward. Collective when ``module`` communicates (every TP rank calls it).
+    Compare with :func:`labkit.plan.layer_activation_bytes`.
+    """
+    from ..checkpoint import SavedTensorMeter
+
+    with SavedTensorMeter(exclude=list(module.parameters())) as meter:
+        out = module(*inputs)
+        live = meter.live
+    del out
+    return live
