@@ -99,7 +99,8 @@ def torch_saved_bytes_per_element(bytes_per_element: int, device: str = "cpu") -
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                            recompute: str = "none", bytes_per_element: int = 4, ffn: int | None = None,
                            kv_heads: int | None = None, dropout: bool = False, mask_bytes: int | None = None,
-                           ln_stat_bytes: int | None = None, regather_in_backward: bool = True) -> int:
+                           ln_stat_bytes: int | None = None, regather_in_backward: bool = True,
+                           fused_attention: bool = False) -> int:
     """labkit's exact count: bytes one :class:`labkit.tensor_parallel.ParallelTransformerLayer`
     (or :class:`labkit.model.Block` for t = 1) keeps for backward, per rank.
 
@@ -108,7 +109,9 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_
     bytes, FFN width ``ffn`` (default 4h), key/value heads ``kv_heads`` (default a),
     ``dropout`` (p > 0: masks are kept), ``mask_bytes`` and ``ln_stat_bytes`` (default: CPU
     torch, both = ``bytes_per_element``; see :func:`torch_saved_bytes_per_element`),
-    ``regather_in_backward`` (see the layer). Returns an int (bytes).
+    ``regather_in_backward`` (see the layer), ``fused_attention`` (a flash-attention kernel, as
+    in Megatron-Core with Transformer Engine: no ``s^2`` terms; it keeps the output and a
+    per-row fp32 log-sum-exp ``[b, a/t, s]``; not labkit's layer). Returns an int (bytes).
 
     Term by term (N = s b tokens, e bytes, ts = t with SP else 1; see the module docstring
     for how it differs from the paper): LayerNorm inputs ``2 N h e / ts`` and statistics
@@ -137,6 +140,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_
         total += 2 * N * h * m // ts                              # residual dropout masks
     if recompute == "selective":                                  # keep q, k, v; no s^2 term
         return total + N * (a + 2 * a_kv) * (h // a) * e // t
+    if fused_attention:                                           # q, k, v, output, log-sum-exp
+        return total + N * (2 * a + 2 * a_kv) * (h // a) * e // t + N * a * 4 // t
     total += 3 * N * h * e // t                                   # q, k, v (k, v repeated for GQA)
     total += s * s                                                # causal mask (bool)
     total += a * s * s * b * e // t                               # softmax output
