@@ -190,7 +190,11 @@ def _head_act(spec: ModelSpec, lay: Layout, device: str) -> int:
     sb = spec.seq_len * lay.b
     ts = lay.t if lay.sequence_parallel else 1
     vocab = math.ceil(spec.vocab_size / lay.t)
-    return 2 * sb * spec.hidden * e // ts + 2 * sb * st // ts + sb * vocab * 4 + 3 * sb
+    norm_and_linear = 2 * sb * spec.hidden * e // ts + 2 * sb * st // ts
+    if lay.t == 1:   # F.cross_entropy: log-softmax output and the int64 targets
+        return norm_and_linear + sb * spec.vocab_size * e + 8 * sb
+    # vocab_parallel_cross_entropy: fp32 softmax of the local vocabulary, int64 local targets, 2 masks
+    return norm_and_linear + sb * vocab * 4 + 10 * sb
 
 
 def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[RankMemory]:

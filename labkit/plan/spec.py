@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
-__all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "preset", "load_model_json", "SCHEDULES", "PRECISIONS"]
+__all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "PUBLISHED", "preset", "load_model_json", "SCHEDULES", "PRECISIONS"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16")
@@ -181,6 +181,15 @@ class ModelSpec:
             total += lp["split"] + lp["replicated"] + lp["expert"] * min(lp["experts"], self.n_activated_experts)
         return total
 
+    @classmethod
+    def from_gpt_config(cls, cfg, seq_len: int | None = None, global_batch: int = 1, name: str = "labkit-gpt") -> "ModelSpec":
+        """The spec of labkit's reference GPT for a :class:`labkit.model.GPTConfig` (learned
+        positions of ``block_size``, LayerNorm, GeLU MLP of ``ffn_mult * n_embd``, untied head)."""
+        return cls(name=name, n_layer=cfg.n_layer, hidden=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+                   ffn=cfg.ffn_mult * cfg.n_embd, vocab_size=cfg.vocab_size, seq_len=seq_len or cfg.block_size,
+                   max_position=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout, global_batch=global_batch,
+                   source="labkit.model.GPT")
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
@@ -268,6 +277,24 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
        source="DeepSeek-AI 2024, DeepSeek-V3 Technical Report, sec. 4.2 (61 layers, 256+1 experts, top-8; "
               "671B / 37B active; trained with 16-way PP, 64-way EP, ZeRO-1 DP, no TP)"),
 ]}
+
+
+# Figures the papers publish, which the tests and notebook 08 reproduce.
+PUBLISHED = {
+    # total and active parameters
+    "parameters": {"megatron-8.3b": (8.3e9, 8.3e9), "gpt3-175b": (175e9, 175e9), "mt-nlg-530b": (530e9, 530e9),
+                   "llama3-70b": (70.6e9, 70.6e9), "mixtral-8x7b": (46.7e9, 12.9e9),
+                   "deepseek-v3": (671e9, 37e9)},
+    # Shoeybi et al. 2019, abstract and sec. 5.1: 15.1 PFLOP/s over 512 GPUs, 76 % scaling
+    # efficiency against one GPU's 39 TFLOP/s (30 % of the V100's peak)
+    "megatron-8.3b": {"gpus": 512, "tflops_one_gpu": 39, "scaling": 0.76, "pflops": 15.1, "t": 8, "d": 64},
+    # Smith et al. 2022, sec. 3: 8-way TP x 35-way PP x 16-way DP on 4480 A100 80GB,
+    # 126 TFLOP/s per GPU (against 312 peak bf16), ~1.4 EFLOP/s peak for the cluster
+    "mt-nlg-530b": {"t": 8, "p": 35, "d": 16, "gpus": 4480, "tflops_per_gpu": 126, "peak_tflops": 312,
+                    "peak_eflops": 1.4, "gpu_memory_gb": 80},
+    # Narayanan et al. 2021, Table 1: GPT-3 175B on 1024 A100, t=8, p=16, batch 1536, 140 TFLOP/s per GPU
+    "gpt3-175b": {"t": 8, "p": 16, "gpus": 1024, "tflops_per_gpu": 140, "peak_tflops": 312},
+}
 
 
 def preset(name: str) -> ModelSpec:
