@@ -15,7 +15,7 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   recompute repeats the forward's collectives in backward.
 * PP: each stage boundary sends ``N h`` forward and the gradient back (labkit sends the
   full activation; Megatron with SP sends the shard); a tied embedding adds one all-reduce of
-  its gradient between the first and the last stage per step.
+  its gradient between the first and the last stage per step (axis "embedding").
 * DP (Rajbhandari et al. 2020 sec. 7): ZeRO-0 all-reduces the gradients once per step
   (``2 (d-1)/d`` Psi on the wire), ZeRO-1/2 reduce-scatter the gradients and all-gather the
   updated parameters (the same wire bytes), ZeRO-3 also all-gathers the parameters for every
@@ -85,7 +85,8 @@ def axis_links(lay: Layout, cluster: Cluster) -> dict:
 def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
                   act_bytes: int | None = None, regather_in_backward: bool = True) -> dict:
     """Communication of one training step on a rank of pipeline rank ``pp_rank``:
-    ``{"tp": AxisComm, "pp": AxisComm, "dp": AxisComm, "ep": AxisComm}``.
+    ``{"tp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
+    of a tied embedding's gradient between the first and the last pipeline rank).
 
     ``act_bytes``: bytes per activation element (default: the layout's precision, 2 for bf16,
     4 for fp32). Raises ValueError for an impossible layout.
@@ -100,6 +101,7 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     N, h = spec.seq_len * lay.b, spec.hidden
     act = N * h * e
     out = {k: AxisComm(k, n, links[k]) for k, n in (("tp", t), ("pp", p), ("dp", lay.d), ("ep", lay.ep))}
+    out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
     ids = [i for ch in rank_chunks(spec.n_layer, p, v, r) for i in ch]
@@ -136,11 +138,8 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     if p > 1:
         pp.add("send", M * (n_send_f + n_send_b), act)
         pp.add("recv", M * (n_send_f + n_send_b), act)
-        if spec.tied_embeddings and r in (0, p - 1):
-            emb = math.ceil(spec.vocab_size / t) * h
-            c, b = pp.ops.get("all_reduce", (0, 0))
-            pp.ops["all_reduce"] = (c + 1, b + emb * gb)        # between the 2 ends: a group of 2
-            pp.wire += emb * gb
+        if spec.tied_embeddings and r in (0, p - 1):          # the 2 copies of a tied embedding
+            out["embedding"].add("all_reduce", 1, math.ceil(spec.vocab_size / t) * h * gb)
 
     # ---- DP: once per step
     dp = out["dp"]
@@ -149,8 +148,10 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
         if n == 0 or dd == 1:
             continue
         sub = AxisComm("dp", dd, links["dp"])
-        if lay.zero == 0:
+        if lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
             sub.add("all_reduce", 1, n * gb)
+            if v > 1:
+                sub.ops["all_reduce"] = (v, n * gb)
         else:
             padded = _zero_shard(n, dd) * dd
             sub.add("reduce_scatter", 1, padded * gb)
