@@ -29,6 +29,12 @@ def _run_module(cmd: str, name: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; Ctrl-C, SIGTERM and a failed rank end with one line (labs.run_cli)."""
+    from .labs import run_cli
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
