@@ -188,6 +188,7 @@ class ModelSpec:
         return cls(name=name, n_layer=cfg.n_layer, hidden=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
                    ffn=cfg.ffn_mult * cfg.n_embd, vocab_size=cfg.vocab_size, seq_len=seq_len or cfg.block_size,
                    max_position=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout, global_batch=global_batch,
+                   tied_embeddings=bool(getattr(cfg, "share_embeddings_and_output_weights", False)),
                    source="labkit.model.GPT")
 
     def to_json(self) -> str:
