@@ -180,3 +180,28 @@ def test_cli(capsys, tmp_path):
         assert labkit_main(["plan", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and msg in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_in_flight_units_equal_labkit_schedules():
+    from labkit.pipeline import schedules as sch
+
+    def peak(actions):
+        live = top = 0
+        for a in actions:
+            live += (a.kind == "F") - (a.kind == "B")
+            top = max(top, live)
+        return top
+    for K in (2, 3, 4):
+        for M in (1, 2, K, 2 * K, 3 * K):
+            for v, name in ((1, "1f1b"), (1, "gpipe"), (2, "interleaved"), (3, "interleaved")):
+                if v > 1 and M % K:
+                    continue
+                s = (sch.gpipe_schedule(K, M) if name == "gpipe" else sch.one_f_one_b_schedule(K, M) if v == 1
+                     else sch.interleaved_schedule(K, M, v))
+                lay = Layout(p=K, v=v, M=M, schedule=name)
+                assert [peak(s[r]) for r in range(K)] == [plan_memory.in_flight_units(lay, M, r) for r in range(K)], \
+                    (K, M, v, name)
+                first = peak([a for a in s[0] if a.stage == 0])
+                last = peak([a for a in s[K - 1] if a.stage == K * v - 1])
+                assert (first, last) == (plan_memory.stage_in_flight(lay, M, "first"),
+                                         plan_memory.stage_in_flight(lay, M, "last")), (K, M, v, name)

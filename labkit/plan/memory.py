@@ -27,7 +27,7 @@ from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
 __all__ = ["RankMemory", "memory_per_rank", "most_loaded_rank", "check_layout", "in_flight_units",
-           "BYTES", "rank_param_counts", "rank_chunks"]
+           "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
@@ -103,14 +103,30 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
 
 def in_flight_units(lay: Layout, M: int, pp_rank: int) -> int:
     """Microbatch-chunks alive at the peak on pipeline rank ``pp_rank`` (each chunk: L/(p v)
-    layers of one microbatch). GPipe M v... (all forwards first); 1F1B ``min(p - r, M)``;
-    interleaved ``min(p v + p - 1 - 2 r, M v)`` (labkit's schedule, counted from its actions)."""
+    layers of one microbatch). GPipe ``M`` (all forwards first); 1F1B ``min(p - r, M)``;
+    interleaved ``min(p v + p - 1 - 2 r, M v)``, its warm-up plus one, and ``M v`` when M = p
+    (then every forward runs first, as in Megatron's ``all_warmup_microbatches``). Checked
+    against labkit's schedules, counted from their actions (tests/test_plan.py)."""
     p, v, r = lay.p, lay.v, pp_rank
     if lay.schedule == "gpipe":
         return M * v
     if lay.schedule == "1f1b":
         return min(p - r, M)
+    if M == p:
+        return M * v
     return min(p * v + p - 1 - 2 * r, M * v)
+
+
+def stage_in_flight(lay: Layout, M: int, which: str) -> int:
+    """Microbatches alive at the peak on the FIRST stage (it holds the input embedding) or the
+    LAST stage (the output layer and loss): GPipe M and M; 1F1B ``min(p, M)`` and 1; interleaved
+    ``min(2p, M)`` and 1, or M and M when M = p (labkit's schedules, tests/test_plan.py)."""
+    p = lay.p
+    if lay.schedule == "gpipe" or (lay.schedule == "interleaved" and M == p):
+        return M
+    if which == "last":
+        return 1
+    return min(p, M) if lay.schedule == "1f1b" else min(2 * p, M)
 
 
 def rank_chunks(n_layer: int, p: int, v: int, pp_rank: int) -> list[range]:
@@ -223,12 +239,10 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         if lay.recompute == "full":   # the layer being recomputed in backward is alive too
             act += max(_layer_act(spec, Layout(**{**lay.__dict__, "recompute": "none"}),
                                   spec.is_moe and i >= spec.first_dense_layers, device) for i in ids)
-        first_units = in_flight_units(lay, M, 0) if lay.v == 1 else min(lay.p * lay.v + lay.p - 1, M * lay.v)
         if r == 0:
-            act += min(M, first_units) * _embedding_act(spec, lay)
+            act += stage_in_flight(lay, M, "first") * _embedding_act(spec, lay)
         if r == lay.p - 1:
-            last_units = M if lay.schedule == "gpipe" else 1
-            act += last_units * _head_act(spec, lay, device)
+            act += stage_in_flight(lay, M, "last") * _head_act(spec, lay, device)
         out.append(RankMemory(r, params, grads, opt, int(act), dense + expert, units, cnt["layers"]))
     return out
 
