@@ -84,7 +84,10 @@ def _parse_layout(text: str, a, spec: ModelSpec) -> Layout:
     if t * p * d != a.gpus:
         raise ValueError(f"--layout t*p*d = {t}*{p}*{d} = {t * p * d} must equal --gpus {a.gpus}")
     v = kv.get("v", 1)
-    return Layout(t=t, p=p, d=d, v=v, b=a.micro_batch, M=kv.get("M"), schedule="interleaved" if v > 1 else "1f1b",
+    M = kv.get("M")
+    if M is None and spec.global_batch % (a.micro_batch * d) == 0:
+        M = spec.global_batch // (a.micro_batch * d)
+    return Layout(t=t, p=p, d=d, v=v, b=a.micro_batch, M=M, schedule="interleaved" if v > 1 else "1f1b",
                   zero=a.zero, sequence_parallel=t > 1 and not a.no_sp, recompute=a.recompute or "none",
                   precision=a.precision, ep=kv.get("ep", 1), fused_attention=a.flash_attention)
 
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             lay = _parse_layout(a.layout, a, spec)
             ranks = memory_per_rank(spec, lay)
             T = step_time(spec, lay, cluster)
-            print(f"layout {lay.describe()} (M={n_microbatches(spec, lay)})")
+            print(f"layout {lay.describe()}")
             print("memory per GPU by pipeline rank (GB): params grads optimizer activations = total")
             for r in ranks:
                 flag = "" if r.total <= cluster.gpu_memory else "  > GPU memory"
