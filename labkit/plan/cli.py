@@ -21,9 +21,15 @@ from .spec import PRESETS, Cluster, Layout, ModelSpec, load_model_json, preset
 __all__ = ["main", "build_parser"]
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The examples as written; every option's default shown, except None (the help says what unset means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labkit plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m labkit plan", description=__doc__, formatter_class=_HelpFormatter)
     m = p.add_argument_group("model (a preset, a JSON file, or the sizes)")
     m.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a JSON file with ModelSpec fields")
     for flag, kw in [("--layers", {"type": int}), ("--hidden", {"type": int}), ("--heads", {"type": int}),
