@@ -38,8 +38,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 @dataclass(frozen=True)
 class CommRecord:
     """One operation: ``kind`` (e.g. "all_reduce"), ``group_size`` (ranks in the group),
-    ``nbytes`` (payload in bytes), ``shape`` and ``dtype`` of the tensor, and ``peer``
-    (global rank for send/recv, else None)."""
+    ``nbytes`` (payload in bytes), ``shape`` and ``dtype`` of the tensor, ``peer``
+    (global rank for send/recv, else None) and ``ranks`` (the group's global ranks)."""
 
     kind: str
     group_size: int
@@ -47,6 +47,7 @@ class CommRecord:
     shape: tuple
     dtype: str
     peer: Optional[int] = None
+    ranks: Optional[tuple] = None   # global ranks of the group (tells the TP/DP/PP axes apart)
 
 
 class CommLog:
@@ -124,6 +125,7 @@ def _record(kind: str, tensor: torch.Tensor, group=None, peer=None, nbytes=None)
         tuple(tensor.shape),
         str(tensor.dtype).replace("torch.", ""),
         peer,
+        tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)),
     )
     for log in _ACTIVE:
         log.records.append(rec)
@@ -132,11 +134,12 @@ def _record(kind: str, tensor: torch.Tensor, group=None, peer=None, nbytes=None)
 # --------------------------------------------------------------------------- collectives
 
 
-def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of ``tensor`` over ``group``; returns ``tensor``."""
+def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of ``tensor`` over ``group``; returns ``tensor``, or with
+    ``async_op=True`` the ``Work`` handle (call ``.wait()`` before reading ``tensor``)."""
     _record("all_reduce", tensor, group)
-    dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else tensor
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:

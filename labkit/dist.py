@@ -310,11 +310,12 @@ def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, star
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if err_fd is not None:  # stderr goes through the parent, which keeps its last lines
-            tty = sys.stderr is not None and sys.stderr.isatty()
             try:
-                sys.stderr.flush()
+                tty = sys.stderr is not None and bool(sys.stderr.isatty())
             except Exception:
-                pass
+                tty = False
+            # (no flush of the inherited sys.stderr: its buffer is the parent's, already printed
+            # or still to be printed by the parent; and a notebook's stream cannot flush here)
             os.dup2(err_fd, 2)
             os.close(err_fd)
             import io
@@ -418,7 +419,8 @@ def _describe_exit(code) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        note = {"SIGABRT": " (a native abort)", "SIGSEGV": " (a native crash)", "SIGKILL": " (killed, e.g. out of memory)"}
+        note = {"SIGABRT": " (a native abort)", "SIGSEGV": " (a native crash)",
+                "SIGKILL": " (killed, e.g. out of memory)"}
         return f"signal {name}{note.get(name, '')}"
     return f"exit code {code}"
 

@@ -103,3 +103,63 @@ def run_cli(main, *args) -> int:
         if is_main_rank():
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
+
+
+def count_parameters_meta(build) -> int:
+    """Parameters of the model ``build()`` returns, built on the meta device (no memory used)."""
+    import torch
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
+
+
+def activation_bytes(n_layer: int, batch: int, seq: int, hidden: int, heads: int, vocab: int,
+                     extra_per_token: int = 0) -> int:
+    """Bytes autograd keeps for one fp32 forward of the GPT over a ``batch x seq`` batch.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+    sec. 4.1 eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations; fp32 doubles
+    it. Plus the logits, their softmax and gradient (3 * b*s*V * 4 bytes) and ``extra_per_token``
+    bytes per token and layer (e.g. MoE expert inputs)."""
+    per_layer = seq * batch * hidden * 34 + 5 * heads * seq * seq * batch
+    return 2 * n_layer * per_layer + 12 * batch * seq * vocab + n_layer * batch * seq * extra_per_token
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available now (Linux ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n < 2**40 else f"{n / 2**40:.3g} TiB"
+
+
+def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: float, sizes: str,
+               limit: int | None = None) -> str | None:
+    """Refuse a run whose estimated memory exceeds what this machine has (all CPU ranks share it).
+
+    ``params``: parameters of the model; ``model_bytes_per_param``: bytes per parameter over the
+    whole run at its peak (every copy: each rank's fp32 weights, gradients and Adam's 2 moments
+    = 16, the reference's weights and gradients = 8, ...); ``act``: :func:`activation_bytes` of
+    the whole batch, held ``act_copies`` times at the peak. ``sizes``: the options, for the
+    message. ``limit``: bytes available (None: :func:`available_memory`). The estimate is
+    rough (within a factor of ~2), so it refuses only what clearly cannot run."""
+    limit = available_memory() if limit is None else limit
+    if limit is None:
+        return None
+    need = params * model_bytes_per_param + act * act_copies
+    if need <= limit:
+        return None
+    weights = _gib(params * model_bytes_per_param)
+    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters: {weights}; "
+            f"activations: {_gib(act * act_copies)}, Korthikanti et al. 2022 eq. 1), more than the {_gib(limit)} "
+            f"available; use smaller sizes")

@@ -6,7 +6,11 @@
 1. Trains the MoE GPT (labkit.moe.model) on the default corpus with EP = P ranks (CPU
    processes, or one GPU per rank under torchrun) and once on a single device with the same
    weights and data (the reference routes the global batch in P groups, the capacity rule of
-   EP), and compares the loss at every step: exit code 1 when they differ by more than 1e-4.
+   EP). The verdict (labkit.labs.verdict, exit code 1 when it fails): at every step the EP
+   run's loss and every gradient against the single-device model's at the same parameters,
+   with the EP run's routing replayed in the reference (a choice that differs from the
+   reference's own must be a near-tie, scores within TIE), so a flipped top-k choice at a
+   tie cannot fail a correct run and a routing bug still does.
 2. Counts the all-to-all bytes of each MoE layer (labkit.comm.CommLog) next to the formula:
    counts E*8 bytes; dispatch N_p*H*4 bytes (N_p = kept slots of rank p; combine the same in total).
 3. Trains three times on one device: no balancing (watch the routing collapse onto a few
@@ -31,7 +35,8 @@ from ..model import GPTConfig
 from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_expert_parallel
 from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
-from . import HelpFormatter, bad_number, bad_out, bad_seed, error, is_main_rank, run_folder
+from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
+               error, is_main_rank, run_folder)
 from .verdict import add_tolerance_option, verdict_exit
 
 BALANCE_MODES = ("none", "aux", "aux_free")
@@ -100,10 +105,17 @@ def _bad_args(a) -> str | None:
         return f"--experts {a.experts} must be divisible by --ep {a.ep} (each rank holds E/P experts)"
     try:
         for mode in BALANCE_MODES:
-            _configs(a, mode, a.ep)
+            cfg, moe = _configs(a, mode, a.ep)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--n-embd {a.n_embd}, --n-head {a.n_head})"
-    return None
+    # every EP rank builds the full model (4 bytes/param each), keeps its experts with AdamW (16 in
+    # all); rank 0's reference (8) and the verdict's gathered copies (24). Activations: the dense
+    # part (Korthikanti) plus, per token and MoE layer, k expert inputs and hidden states
+    extra = a.top_k * (2 * a.n_embd + 2 * moe.moe_ffn_dim) * 4
+    return bad_memory(_n_params(a), 4 * a.ep + 48,
+                      activation_bytes(a.n_layer, a.batch, a.seq, a.n_embd, a.n_head, cfg.vocab_size, extra), 2,
+                      f"--experts {a.experts} --n-embd {a.n_embd} --n-layer {a.n_layer} --seq {a.seq} "
+                      f"--batch {a.batch} (P={a.ep})")
 
 
 def _global_name(name: str, rank: int, n_local: int) -> str:
@@ -149,7 +161,8 @@ def _replayed_routing(model: MoEGPT, extras: list, problems: list):
                 sel = scores + (0 if r.expert_bias is None else r.expert_bias)
                 differs = (own.sort(1).values != indices.sort(1).values).any(1)
                 if bool(differs.any()):
-                    gap = float((sel.gather(1, own).min(1).values - sel.gather(1, indices).min(1).values)[differs].max())
+                    gaps = sel.gather(1, own).min(1).values - sel.gather(1, indices).min(1).values
+                    gap = float(gaps[differs].max())
                     if gap > TIE:
                         problems.append(f"MoE layer {layer}: the EP run routed {int(differs.sum())} token(s) to "
                                         f"experts that score {gap:.2g} below the reference's choice")
@@ -192,6 +205,16 @@ def _lockstep(ctx, a, balance: str, corpus):
             undo()
         return lm + total_aux_loss(stats).to(ctx.device), "; ".join(dict.fromkeys(problems)) or None
     return Lockstep(ctx.group, ctx.rank, ref, ref_loss, rtol=a.tolerance, atol=a.tolerance / 10)
+
+
+def _n_params(a) -> int:
+    """Parameters of the MoE GPT of ``a``, without building E experts (4096 modules take ~10 s even
+    on the meta device): the count is linear in E, so count the models with E = k and 2k."""
+    counts = []
+    for E in (a.top_k, 2 * a.top_k):
+        cfg, moe = _configs(argparse.Namespace(**{**vars(a), "experts": E}), "aux_free", 1)
+        counts.append(count_parameters_meta(lambda: MoEGPT(cfg, moe, a.moe_every)))
+    return counts[0] + (a.experts - a.top_k) * (counts[1] - counts[0]) // a.top_k
 
 
 def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> dict:
@@ -346,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         return error(bad)
     try:  # a bad --data path: a clear message before any process starts
-        Corpus.load(a.data)
+        Corpus.load(a.data, block_size=a.seq)
     except (OSError, ValueError) as e:
         return error(str(e))
     torch.manual_seed(a.seed)

@@ -28,7 +28,8 @@ from ..data import Corpus
 from ..dist import in_torchrun, launch, make_grid
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import TensorParallelGPT, expected_collectives
-from . import HelpFormatter, bad_number, bad_out, bad_seed, error, is_main_rank, run_folder
+from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
+               error, is_main_rank, run_folder)
 from .verdict import Lockstep, add_tolerance_option, sharded_pieces, verdict_exit
 
 
@@ -152,7 +153,7 @@ def _bad_args(args, degrees) -> str | None:
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
     bad = (bad_number("--lr", args.lr) or bad_number("--tolerance", args.tolerance) or bad_seed(args.seed)
-           or bad_out(args.runs_dir, "--runs-dir"))
+           or bad_out(args.runs_dir, "--out"))
     if bad:
         return bad
     try:
@@ -166,7 +167,15 @@ def _bad_args(args, degrees) -> str | None:
                         ("ffn width", cfg.ffn_mult * cfg.n_embd)):
             if n % t:
                 return f"TP degree t={t} must divide {what}={n}"
-    return None
+    # every rank builds the full model (4 bytes/param each), keeps its shard with Adam (16 in all);
+    # rank 0's reference (8) and the verdict's gathered copies (24); activations: each rank at most
+    # the whole batch's, plus the reference's
+    t = max(degrees)
+    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * t + 48,
+                      activation_bytes(cfg.n_layer, args.batch_size, args.seq_len, cfg.n_embd, cfg.n_head,
+                                       cfg.vocab_size), t + 1,
+                      f"--n-layer {cfg.n_layer} --n-embd {cfg.n_embd} --seq-len {args.seq_len} "
+                      f"--batch-size {args.batch_size} (t={t})")
 
 
 
