@@ -1,6 +1,7 @@
 """Lab: train the MoE GPT with expert parallelism and watch the experts' loads.
 
     python -m labkit lab moe [--ep 4] [--steps 60] [--balance-steps 150] [--out DIR]
+    python -m labkit lab moe --eplb [--gpus-per-node 2]     (EPLB replicas: see labkit.labs.moe_eplb)
     torchrun --nproc-per-node 4 -m labkit.labs.moe
 
 1. Trains the MoE GPT (labkit.moe.model) on the default corpus with EP = P ranks (CPU
@@ -31,7 +32,7 @@ from ..model import GPTConfig
 from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_expert_parallel
 from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
-from . import HelpFormatter, error, is_main_rank
+from . import HelpFormatter, error, is_main_rank, moe_eplb
 
 BALANCE_MODES = ("none", "aux", "aux_free")
 SMOOTH = 10  # steps of the moving average in expert_load.png
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     p.add_argument("--out", default=None, help="run folder (unset: runs/moe-<time>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    moe_eplb.add_arguments(p)
     return p
 
 
@@ -250,9 +252,16 @@ def main(argv: list[str] | None = None) -> int:
         Corpus.load(a.data)
     except (OSError, ValueError) as e:
         return error(str(e))
+    if a.eplb:
+        bad = "--eplb starts its own ranks: run it with python -m labkit lab moe --eplb" if in_torchrun() \
+            else moe_eplb.bad_args(a)
+        if bad:
+            return error(bad)
     torch.manual_seed(a.seed)
     if not in_torchrun():
         torch.set_num_threads(1)     # tiny kernels: one thread is faster and keeps the forked ranks fair
+    if a.eplb:
+        return moe_eplb.main(a)
     t0 = time.perf_counter()
     ep_hist = launch(_ep_worker, a.ep, a, backend=a.backend, timeout=120)
     if not is_main_rank():
