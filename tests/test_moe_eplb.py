@@ -78,7 +78,10 @@ def test_invariants(E, groups, nodes, gpus, R):
             for g in range(groups):
                 members = torch.isin(p2l[layer], torch.arange(g * E // groups, (g + 1) * E // groups))
                 assert node_of_phys[members].unique().numel() == 1
-    # every GPU holds R/G physical experts by construction; the hot expert is copied and the
+    # every GPU holds R/G physical experts: GPU g's are columns g*R/G .. (g+1)*R/G - 1, each a real expert
+    per_gpu = p2l.view(3, gpus, R // gpus)
+    assert ((per_gpu >= 0) & (per_gpu < E)).all()
+    # the hot expert is copied and the
     # busiest GPU is lighter than with one copy per expert placed contiguously
     if groups % nodes != 0 or nodes == 1:
         assert (imbalance(gpu_loads(w, p2l, cnt, gpus)) < imbalance(contiguous_gpu_loads(w, gpus))).all()

@@ -1,6 +1,6 @@
 """The MoE GPT under pipeline parallelism (GPipe, 1F1B, 1F1B with recomputation, interleaved) on
 pp=2 x dp=2 ranks equals single-device training: microbatch LM losses, aux losses, every
-parameter gradient, the aux-loss-free bias and the parameters after 2 SGD steps. An aux loss
+parameter gradient, the aux-loss-free bias and the parameters after 3 SGD steps. An aux loss
 scaled by 1 instead of 1/M, and one not attached at all, are caught."""
 import pytest
 import torch
@@ -16,7 +16,7 @@ RTOL, ATOL = 1e-5, 1e-6
 CFG = GPTConfig(n_layer=4, n_embd=16, n_head=2, block_size=8, ffn_mult=2)
 MOE = moe_config_for(CFG, n_routed_experts=4, n_activated_experts=2, capacity_factor=1.0, aux_loss_coeff=0.1,
                      z_loss_coeff=1e-3, expert_bias=True, bias_update_rate=0.05)
-PP, DP, M, B, S, STEPS, LR = 2, 2, 2, 4, 8, 2, 0.5      # B sequences per DP rank, M microbatches
+PP, DP, M, B, S, STEPS, LR = 2, 2, 2, 4, 8, 3, 0.5      # B sequences per DP rank, M microbatches
 RUNS = [("gpipe", False), ("1f1b", False), ("1f1b", True), ("interleaved", False)]
 
 

@@ -115,7 +115,7 @@ def inter_node_rows(indices: torch.Tensor, keep: torch.Tensor, experts_per_node:
     if not hierarchical:
         return int(remote.sum())
     n_nodes = int(node.max()) + 1 if node.numel() else 1
-    hit = torch.zeros(indices.shape[0], max(n_nodes, my_node + 1), dtype=torch.bool)
+    hit = torch.zeros(indices.shape[0], max(n_nodes, my_node + 1), dtype=torch.bool, device=indices.device)
     hit.scatter_(1, torch.where(remote, node, torch.full_like(node, my_node)), True)
     hit[:, my_node] = False
     return int(hit.sum())

@@ -137,7 +137,7 @@ def finish_step(stages, dp_group=None) -> dict:
         for lid, layer in st.moe_layers().items():
             load = st.loads.pop(lid, None)
             if load is None:
-                load = torch.zeros(layer.cfg.n_routed_experts, dtype=torch.long)
+                load = torch.zeros(layer.cfg.n_routed_experts, dtype=torch.long, device=layer.router.weight.device)
             if dp_group is not None:
                 load = all_reduce_loads(load, dp_group)
             layer.update_bias(load)
