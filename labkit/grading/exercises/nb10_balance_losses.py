@@ -53,7 +53,7 @@ def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool =
         got, got_grad = answer.run(_loss_with_grad, logits, indices, tuple(extra))
         got = _scalar(got, what)
         ref_x = logits.clone().requires_grad_(True)
-        want = reference(ref_x, indices, *extra)
+        want = reference(ref_x, indices, *extra, from_logits=True)
         expect_close(got.detach(), want.detach(), f"{what}: value")
         if grad:
             if not got.requires_grad or got_grad is None:
