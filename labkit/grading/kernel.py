@@ -84,6 +84,24 @@ def _tripwire(*args, **kwargs):  # its code object replaces a reference function
     raise k.ReferenceUsed(name)
 
 
+def _trip_code_for(fn, label: str):
+    """A tripwire code object that can replace ``fn.__code__`` (same free variables)."""
+    fv = fn.__code__.co_freevars
+    if not fv:
+        return _trip_code(_tripwire, label)
+    src = ("def _outer():\n    " + " = ".join(fv) + " = None\n"
+           "    def _trip(*args, **kwargs):\n        (" + ", ".join(fv) + ",)\n"
+           "        _s = __import__('sys')\n        _k = _s.modules['labkit.grading.kernel']\n"
+           "        _n = _s._getframe().f_code.co_qualname\n        _k._TRIPPED.append(_n)\n"
+           "        raise _k.ReferenceUsed(_n)\n    return _trip\n")
+    ns: dict = {}
+    exec(compile(src, "<labkit tripwire>", "exec"), ns)  # noqa: S102 - our own fixed template
+    code = ns["_outer"]().__code__
+    if code.co_freevars != fv:
+        return None
+    return _trip_code(type("T", (), {"__code__": code}), label)
+
+
 def _functions_of(obj):
     """Plain Python functions that ``obj`` (a function, or a class and its methods) runs."""
     import types
@@ -111,18 +129,17 @@ class _Tripwires:
             except Exception:  # noqa: BLE001 - a name that moved must not break grading
                 continue
             for fn in _functions_of(obj):
-                if fn.__closure__:  # a closure's code cannot be swapped; skip it
-                    continue
-                self.saved.append((fn, fn.__code__))
+                trip = _trip_code_for(fn, f"{fn.__module__}:{fn.__qualname__}")
+                if trip is not None:
+                    self.saved.append((fn, fn.__code__, trip))
 
     def __enter__(self):
-        for fn, code in self.saved:
-            label = f"{fn.__module__}:{fn.__qualname__}"
-            fn.__code__ = _trip_code(_tripwire, label)
+        for fn, code, trip in self.saved:
+            fn.__code__ = trip
         return self
 
     def __exit__(self, *exc):
-        for fn, code in self.saved:
+        for fn, code, trip in self.saved:
             fn.__code__ = code
         return False
 

@@ -71,8 +71,17 @@ class KernelUser:
                  str(self.uid), str(self.gid), *sorted(needed), "--", *cmd], {})
 
 
+_USER_CACHE: list = []
+
+
 def kernel_user() -> KernelUser | None:
-    """The unprivileged user kernels run as when this process is root (else None)."""
+    """The unprivileged user kernels run as when this process is root (else None); probed once."""
+    if not _USER_CACHE:
+        _USER_CACHE.append(_find_kernel_user())
+    return _USER_CACHE[0]
+
+
+def _find_kernel_user() -> KernelUser | None:
     if os.geteuid() != 0:
         return None
     try:
