@@ -5,7 +5,8 @@ Two notebooks are graded in one grader run (each in its own kernel):
 * ``attacks.ipynb``: every answer is still the stub, and its cells try to game the grader:
   replace the case runner and every registry case from the kernel, append forged "passed"
   records, check exercises of another notebook and check the same exercise again and again,
-  look for the instructor's hidden cases. Honest score: 0 of 3.
+  answer H.3 with labkit's reference function, look for the instructor's hidden cases.
+  Honest score: 0 of 3.
 * ``robust.ipynb``: right answers to H.1 and H.3 around cells that flood 50 MB of output, hold a
   syntax error (the H.2 cell), call ``os._exit``, loop forever ignoring SIGINT, and SIGKILL
   the kernel. Honest score: 2 of 3 (H.2 alone is lost).
@@ -70,6 +71,9 @@ ATTACKS = [
     # checks of another notebook's exercises (right answers: they must add nothing) and repeats
     "check('1.1', lambda K, M: (K - 1) / (M + K - 1))\ncheck('12.1', lambda E, k, m: 1)\n"
     "for _ in range(5):\n    check('H.1', triple)",
+    # a right value computed with the labkit function the exercise stands for (the last check counts)
+    "from labkit.pipeline.simulate import bubble_formula\n"
+    "check('H.3', lambda x: x * x + 0 * int(bubble_formula(2, 2)))",
     # look for the instructor's hidden cases
     "hidden = [m for m in sys.modules if m.startswith('labkit_hidden')]\n"
     "raise RuntimeError('OBSERVED ' + json.dumps({'env': os.environ.get('LABKIT_HIDDEN_CASES'), 'modules': hidden,\n"
@@ -129,6 +133,9 @@ def test_attacks_score_zero_and_only_the_notebooks_exercises_count(graded):
     assert sum(t["max_score"] for t in attacks) == 3  # each exercise at most its points
     assert "attacks.ipynb: 0 / 3" in obj["output"]
     assert "not attempted" in attacks[0]["output"]
+    h3 = attacks[3]
+    assert h3["name"] == "Exercise H.3 (square) - case: x=3"
+    assert "labkit's own bubble_formula (labkit.pipeline.simulate)" in h3["output"], h3
 
 
 def test_the_kernel_never_sees_hidden_cases(graded):

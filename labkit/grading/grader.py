@@ -176,7 +176,10 @@ def _grade_in_kernel(ex: Exercise, session) -> ExerciseGrade:
         token = uuid.uuid4().hex
         return lambda: KernelBackend(info, pid, token)
 
-    res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory)
+    def go_on(result) -> bool:  # after a failed case: is the kernel still answering?
+        return session.request({"op": "ping"}, wait=5) is not None
+
+    res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on)
     session.request({"op": "end"}, wait=10)
     return _exercise_grade(ex, res)
 

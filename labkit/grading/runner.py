@@ -238,7 +238,9 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
 
     ``backend_factory(case)`` (the grader's) returns a function that, called in the case's
     process, makes the backend that reaches the learner's code; by default the answer is
-    ``answer`` itself, in this process.
+    ``answer`` itself, in this process. ``go_on(result)`` (the grader's), called after a case
+    that failed, may return False to skip the remaining cases (e.g. the kernel stopped
+    answering); they then fail with that reason.
     """
     ex = get_exercise(exercise_id)
     results: list[CaseResult] = []
@@ -247,6 +249,10 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
         results.append(r)
         if r.status == "not_attempted":
             results += [CaseResult(c.name, c.hidden, "not_attempted", "not run: the stub raises NotImplementedError")
+                        for c in ex.cases[i + 1:]]
+            break
+        if r.status == "failed" and go_on is not None and not go_on(r):
+            results += [CaseResult(c.name, c.hidden, "failed", "not run: the learner's kernel stopped answering")
                         for c in ex.cases[i + 1:]]
             break
         # a failing hidden case does not stop the run: its line says how many cases passed
