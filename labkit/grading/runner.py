@@ -227,7 +227,7 @@ def _reap(pid: int) -> None:
 
 
 def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False, backend_factory=None,
-         ) -> CheckResult:
+             go_on=None) -> CheckResult:
     """Run every case of ``exercise_id`` against ``answer``; return a :class:`CheckResult`.
 
     Prints nothing and never raises for a wrong answer (KeyError for an unknown id).
