@@ -59,6 +59,9 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
             assert [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
             sig, to_group = cases[name]
             (os.killpg if to_group else os.kill)(p.pid, sig)  # Ctrl-C goes to the whole foreground group
+            if name == "SIGINT":  # an impatient second Ctrl-C must not cut the clean-up short
+                time.sleep(0.05)
+                os.killpg(p.pid, sig)
         t0 = time.monotonic()
         for name, p in procs.items():
             out, err = p.communicate(timeout=20)
