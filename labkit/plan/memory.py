@@ -99,7 +99,7 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         rules.append((M % lay.p == 0, f"the interleaved schedule needs M={M} to be a multiple of p={lay.p}"))
     for ok, msg in rules:
         if not ok:
-            raise ValueError(f"layout {lay.describe()} does not fit {spec.name}: {msg}")
+            raise ValueError(f"layout {lay.describe()} is not valid for {spec.name}: {msg}")
 
 
 def in_flight_units(lay: Layout, M: int, pp_rank: int) -> int:
