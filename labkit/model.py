@@ -33,7 +33,9 @@ from .data import VOCAB_SIZE
 class GPTConfig:
     """Sizes: ``vocab_size`` V, ``block_size`` (longest sequence S), ``n_layer`` L,
     ``n_head`` heads, ``n_kv_head`` key/value heads (None: = n_head), ``n_embd`` H,
-    ``ffn_mult`` (FFN width = ffn_mult * H), ``dropout`` probability, ``bias``."""
+    ``ffn_mult`` (FFN width = ffn_mult * H), ``dropout`` probability, ``bias``;
+    ``share_embeddings_and_output_weights`` (Megatron-Core's name; "weight tying", Press & Wolf
+    2017): the output projection uses the input embedding matrix ``wte`` [V, H]."""
 
     vocab_size: int = VOCAB_SIZE
     block_size: int = 64
@@ -44,6 +46,7 @@ class GPTConfig:
     ffn_mult: int = 4
     dropout: float = 0.0
     bias: bool = True
+    share_embeddings_and_output_weights: bool = False
 
     def __post_init__(self):
         """Raises ValueError naming the field, its value and the rule: every size an integer
@@ -197,6 +200,8 @@ class GPT(nn.Module):
             self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
             self.head = Head(cfg)
             init_weights(self)
+            if cfg.share_embeddings_and_output_weights:  # one matrix: logits = LN_f(x) @ wte^T
+                self.head.lm_head.weight = self.embedding.wte.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embedding(idx)
