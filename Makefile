@@ -20,7 +20,7 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP)
 
 lab: $(STAMP)
-	$(VPY) -m labkit lab pipeline
+	$(VPY) -m labkit lab 3d
 
 test: $(STAMP)
 	$(VPY) -m labkit build --check

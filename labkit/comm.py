@@ -38,8 +38,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 @dataclass(frozen=True)
 class CommRecord:
     """One operation: ``kind`` (e.g. "all_reduce"), ``group_size`` (ranks in the group),
-    ``nbytes`` (payload in bytes), ``shape`` and ``dtype`` of the tensor, and ``peer``
-    (global rank for send/recv, else None)."""
+    ``nbytes`` (payload in bytes), ``shape`` and ``dtype`` of the tensor, ``peer``
+    (global rank for send/recv, else None) and ``ranks`` (the group's global ranks)."""
 
     kind: str
     group_size: int
@@ -47,6 +47,7 @@ class CommRecord:
     shape: tuple
     dtype: str
     peer: Optional[int] = None
+    ranks: Optional[tuple] = None   # global ranks of the group (tells the TP/DP/PP axes apart)
 
 
 class CommLog:
@@ -74,6 +75,12 @@ class CommLog:
         recs = self.records if kind is None else self.of(kind)
         return sum(r.nbytes for r in recs)
 
+    def wire_bytes(self, kind: str | None = None) -> int:
+        """Bytes this rank sends over the wire for ``kind`` (all kinds when None) under the
+        ring algorithms: see :func:`ring_wire_bytes`."""
+        recs = self.records if kind is None else self.of(kind)
+        return sum(ring_wire_bytes(r) for r in recs)
+
     def summary(self) -> dict:
         """``{(kind, group_size): (count, bytes)}``."""
         out: dict = defaultdict(lambda: [0, 0])
@@ -84,6 +91,24 @@ class CommLog:
 
     def clear(self) -> None:
         self.records.clear()
+
+
+def ring_wire_bytes(rec: CommRecord) -> int:
+    """Bytes one rank sends for ``rec`` under the ring algorithms (Patarasuk & Yuan 2009;
+    Megatron-LM sec. 3): all-reduce of P bytes over t ranks ``2 (t-1)/t P`` (a reduce-scatter
+    then an all-gather), reduce-scatter of a P-byte input ``(t-1)/t P``, all-gather of a
+    P-byte shard ``(t-1) P``, all-to-all ``(t-1)/t P`` (its own block stays), send P, recv 0,
+    broadcast P (a chain). Integer division: exact whenever t divides the payload."""
+    t, p = rec.group_size, rec.nbytes
+    if rec.kind == "all_reduce":
+        return 2 * (t - 1) * p // t
+    if rec.kind in ("reduce_scatter", "all_to_all"):
+        return (t - 1) * p // t
+    if rec.kind == "all_gather":
+        return (t - 1) * p
+    if rec.kind == "recv":
+        return 0
+    return p
 
 
 def _group_size(group) -> int:
@@ -100,6 +125,7 @@ def _record(kind: str, tensor: torch.Tensor, group=None, peer=None, nbytes=None)
         tuple(tensor.shape),
         str(tensor.dtype).replace("torch.", ""),
         peer,
+        tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)),
     )
     for log in _ACTIVE:
         log.records.append(rec)
@@ -108,11 +134,12 @@ def _record(kind: str, tensor: torch.Tensor, group=None, peer=None, nbytes=None)
 # --------------------------------------------------------------------------- collectives
 
 
-def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of ``tensor`` over ``group``; returns ``tensor``."""
+def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of ``tensor`` over ``group``; returns ``tensor``, or with
+    ``async_op=True`` the ``Work`` handle (call ``.wait()`` before reading ``tensor``)."""
     _record("all_reduce", tensor, group)
-    dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else tensor
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
@@ -149,6 +176,16 @@ def all_to_all_single(
     return output
 
 
+def all_gather_object(object_list: list, obj: Any, group=None) -> list:
+    """``dist.all_gather_object``: every rank's picklable ``obj`` into ``object_list`` (length t,
+    rank order). Counted as ``"all_gather_object"`` with 0 bytes (the pickled size is not known
+    before the call). For small control messages (e.g. error text), not for tensors."""
+    if _ACTIVE:
+        _record("all_gather_object", torch.empty(0), group, nbytes=0)
+    dist.all_gather_object(object_list, obj, group=group)
+    return object_list
+
+
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
     _record("broadcast", tensor, group)
     dist.broadcast(tensor, src=src, group=group)
@@ -180,7 +217,17 @@ def irecv(tensor: torch.Tensor, src: int, group=None):
 
 
 def batch_isend_irecv(ops: list) -> list:
-    """``dist.batch_isend_irecv`` on a list of ``dist.P2POp``; records each op."""
+    """``dist.batch_isend_irecv`` on a list of ``dist.P2POp``; records each op. Returns the
+    list of works to ``wait()`` on.
+
+    Matching: several messages between the SAME PAIR of ranks are matched in order, not by
+    tag (NCCL has no tags): the i-th send from rank a to rank b (counting every isend/send
+    and batched op a issues to b in this group, in issue order) is received by the i-th
+    receive that b posts from a. The receiver must therefore list its ``irecv`` ops from a
+    given peer in the order that peer sends, each with the matching shape and dtype; a swapped
+    pair of equal-sized messages is not an error, just wrong data. Messages between different
+    pairs do not constrain each other.
+    """
     for op in ops:
         kind = "send" if op.op in (dist.isend, getattr(dist, "send", None)) else "recv"
         _record(kind, op.tensor, op.group, peer=op.peer)

@@ -19,6 +19,7 @@ the last stage. Construction is deterministic from ``seed``.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,9 @@ from .data import VOCAB_SIZE
 class GPTConfig:
     """Sizes: ``vocab_size`` V, ``block_size`` (longest sequence S), ``n_layer`` L,
     ``n_head`` heads, ``n_kv_head`` key/value heads (None: = n_head), ``n_embd`` H,
-    ``ffn_mult`` (FFN width = ffn_mult * H), ``dropout`` probability, ``bias``."""
+    ``ffn_mult`` (FFN width = ffn_mult * H), ``dropout`` probability, ``bias``;
+    ``share_embeddings_and_output_weights`` (Megatron-Core's name; "weight tying", Press & Wolf
+    2017): the output projection uses the input embedding matrix ``wte`` [V, H]."""
 
     vocab_size: int = VOCAB_SIZE
     block_size: int = 64
@@ -43,17 +46,24 @@ class GPTConfig:
     ffn_mult: int = 4
     dropout: float = 0.0
     bias: bool = True
+    share_embeddings_and_output_weights: bool = False
 
     def __post_init__(self):
+        """Raises ValueError naming the field, its value and the rule: every size an integer
+        >= 1 (``n_kv_head`` too, once defaulted), ``n_embd % n_head == 0``, ``n_head % n_kv_head
+        == 0``, ``0 <= dropout < 1``. Sizes are checked before they are divided by."""
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_mult"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_mult"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (isinstance(self.dropout, numbers.Real) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"dropout must be a probability in [0, 1), got {self.dropout!r}")
 
     @property
     def head_dim(self) -> int:
@@ -190,6 +200,8 @@ class GPT(nn.Module):
             self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
             self.head = Head(cfg)
             init_weights(self)
+            if cfg.share_embeddings_and_output_weights:  # one matrix: logits = LN_f(x) @ wte^T
+                self.head.lm_head.weight = self.embedding.wte.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embedding(idx)
