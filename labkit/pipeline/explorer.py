@@ -188,7 +188,7 @@ def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int 
     """The widget: a dropdown (schedule) and sliders K, M, v, then the output area
     (``children`` 0-4 of an ``ipywidgets.VBox``). Moving a control re-runs :func:`render`
     and shows :func:`describe` and the figure; the last result dict is ``widget.result``. The v
-    slider is disabled while the schedule is GPipe or 1F1B (they have one stage per rank).
+    slider is disabled unless the schedule is "Interleaved 1F1B" (the others ignore v).
 
     The output area is filled with ``Output.append_stdout`` / ``append_display_data``
     rather than by capturing a ``with out:`` block: a headless notebook runner (nbclient,
@@ -207,7 +207,8 @@ def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int 
     box.add_class("widget-interact")
 
     def update(*_):
-        # v only matters for interleaving: GPipe and 1F1B ignore it, so the slider is greyed out
+        # v only matters for interleaving: the other schedules ignore it (ZB-V and DualPipeV have
+        # their own two chunks per rank), so the slider is greyed out for them
         controls[3].disabled = controls[0].value != "Interleaved 1F1B"
         info = dict(render(*(c.value for c in controls)))
         fig = info.pop("ax").figure
