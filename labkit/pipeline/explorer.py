@@ -213,7 +213,8 @@ def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int 
     box.add_class("widget-interact")
 
     def update(*_):
-        # v only matters for interleaving: GPipe and 1F1B ignore it, so the slider is greyed out
+        # v only matters for interleaving: the other schedules ignore it (ZB-V and DualPipeV have
+        # their own two chunks per rank), so the slider is greyed out for them
         controls[3].disabled = controls[0].value != "Interleaved 1F1B"
         info = dict(render(*(c.value for c in controls)))
         fig = info.pop("ax").figure
