@@ -32,6 +32,12 @@ def _run_module(cmd: str, name: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; Ctrl-C, SIGTERM and a failed rank end with one line (labs.run_cli)."""
+    from .labs import run_cli
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -45,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="also run every lab briefly on the backend auto picks: one PASS/FAIL line per lab")
         p.add_argument("--verbose", action="store_true", help="with --run: show the labs' own output")
         a = p.parse_args(rest)
+        bad = [w for w in a.world_size if w < 1]
+        if bad:
+            print(f"error: --world-size must be >= 1, got {bad[0]}", file=sys.stderr)
+            return 2
         from .dist import doctor
         if not a.run:
             print(doctor(a.world_size))

@@ -152,6 +152,16 @@ def all_to_all_single(
     return output
 
 
+def all_gather_object(object_list: list, obj: Any, group=None) -> list:
+    """``dist.all_gather_object``: every rank's picklable ``obj`` into ``object_list`` (length t,
+    rank order). Counted as ``"all_gather_object"`` with 0 bytes (the pickled size is not known
+    before the call). For small control messages (e.g. error text), not for tensors."""
+    if _ACTIVE:
+        _record("all_gather_object", torch.empty(0), group, nbytes=0)
+    dist.all_gather_object(object_list, obj, group=group)
+    return object_list
+
+
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
     _record("broadcast", tensor, group)
     dist.broadcast(tensor, src=src, group=group)
@@ -183,7 +193,17 @@ def irecv(tensor: torch.Tensor, src: int, group=None):
 
 
 def batch_isend_irecv(ops: list) -> list:
-    """``dist.batch_isend_irecv`` on a list of ``dist.P2POp``; records each op."""
+    """``dist.batch_isend_irecv`` on a list of ``dist.P2POp``; records each op. Returns the
+    list of works to ``wait()`` on.
+
+    Matching: several messages between the SAME PAIR of ranks are matched in order, not by
+    tag (NCCL has no tags): the i-th send from rank a to rank b (counting every isend/send
+    and batched op a issues to b in this group, in issue order) is received by the i-th
+    receive that b posts from a. The receiver must therefore list its ``irecv`` ops from a
+    given peer in the order that peer sends, each with the matching shape and dtype; a swapped
+    pair of equal-sized messages is not an error, just wrong data. Messages between different
+    pairs do not constrain each other.
+    """
     for op in ops:
         kind = "send" if op.op in (dist.isend, getattr(dist, "send", None)) else "recv"
         _record(kind, op.tensor, op.group, peer=op.peer)

@@ -32,10 +32,15 @@ def stdlib_files() -> list[Path]:
 
 
 def text_files(path: str | os.PathLike) -> list[Path]:
-    """Text files under ``path`` (or ``path`` itself), sorted. Raises FileNotFoundError."""
+    """Text files under ``path`` (or ``path`` itself), sorted.
+
+    Raises FileNotFoundError (no such path, or a folder without text files) and ValueError
+    (``path`` exists but is neither a regular file nor a folder, e.g. ``/dev/null``)."""
     p = Path(path)
     if p.is_file():
         return [p]
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--data {path!s}: exists but is not a regular text file or folder")
     if not p.is_dir():
         raise FileNotFoundError(f"--data {path!s}: no such file or folder")
     files = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES),
@@ -45,17 +50,36 @@ def text_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
+def looks_binary(data: bytes) -> bool:
+    """True when ``data`` does not look like text: it holds a NUL byte, or over 30% of its first
+    8 KiB are control bytes other than tab/newline/carriage return/form feed (UTF-8 text passes)."""
+    head = data[:8192]
+    if b"\0" in head:
+        return True
+    control = sum(1 for b in head if b < 32 and b not in (9, 10, 12, 13))
+    return bool(head) and control > 0.3 * len(head)
+
+
 def load_bytes(path: str | os.PathLike | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """The corpus as bytes: ``path`` (file or folder) or, when None, the standard library."""
+    """The corpus as bytes: ``path`` (file or folder) or, when None, the standard library.
+
+    Reads at most ``max_bytes`` in all (a 1 GB file costs ``max_bytes`` of memory, not 1 GB).
+    Raises ValueError for a file given as ``path`` that does not look like text
+    (:func:`looks_binary`); binary files found inside a folder are skipped."""
     files = stdlib_files() if path is None else text_files(path)
     chunks, total = [], 0
     for f in files:
-        data = f.read_bytes()
+        with open(f, "rb") as fh:
+            data = fh.read(max_bytes - total)
+        if path is not None and looks_binary(data):
+            if Path(path).is_file():
+                raise ValueError(f"--data {path!s}: does not look like text (binary bytes in its first 8 KiB)")
+            continue
         chunks.append(data)
         total += len(data)
         if total >= max_bytes:
             break
-    return b"".join(chunks)[:max_bytes]
+    return b"".join(chunks)
 
 
 @dataclass
@@ -73,7 +97,13 @@ class Corpus:
     source: str
 
     @classmethod
-    def load(cls, path=None, val_fraction: float = 0.1, max_bytes: int = DEFAULT_MAX_BYTES) -> "Corpus":
+    def load(cls, path=None, val_fraction: float = 0.1, max_bytes: int = DEFAULT_MAX_BYTES,
+             block_size: int | None = None) -> "Corpus":
+        """Read the corpus (see :func:`load_bytes`) and split off the last ``val_fraction``.
+
+        ``block_size``: the sequence length the caller will ask for; checked here (ValueError naming
+        both sizes) so that a too-short file fails before any training, not at validation.
+        Raises FileNotFoundError / ValueError (see :func:`text_files`, :func:`load_bytes`)."""
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         raw = load_bytes(path, max_bytes)
@@ -82,9 +112,25 @@ class Corpus:
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         n_val = max(int(len(data) * val_fraction), 256)
         source = str(path) if path is not None else f"Python {sysconfig.get_python_version()} standard library"
-        return cls(data[:-n_val], data[-n_val:], source)
+        corpus = cls(data[:-n_val], data[-n_val:], source)
+        if block_size is not None:
+            corpus.check_block_size(block_size)
+        return corpus
+
+    def check_block_size(self, block_size: int) -> None:
+        """ValueError unless both splits hold more than ``block_size + 1`` tokens."""
+        for split in ("train", "val"):
+            n = len(getattr(self, split))
+            if n <= block_size + 1:
+                raise ValueError(f"--data {self.source}: the {split} split has {n} tokens, too few for sequences "
+                                 f"of {block_size} tokens (needs > {block_size + 1}); use a longer text or a "
+                                 f"shorter --seq")
 
     def get_batch(self, split: str, batch_size: int, block_size: int, step: int = 0, seed: int = 0):
+        """``(x, y)`` [batch_size, block_size] long. Raises ValueError for a split other than
+        "train"/"val" or a block_size the split is too short for."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         data = {"train": self.train, "val": self.val}[split]
         if len(data) <= block_size + 1:
             raise ValueError(f"{split} split has {len(data)} tokens; block_size={block_size} needs more")

@@ -13,8 +13,12 @@ returns the per-rank results in rank order. Three ways to get ranks:
 
 Failure handling: each process group gets a ``timeout`` so a collective that can never
 complete (a wrong schedule, a missing send) raises instead of hanging. The first rank to
-fail ends the launch with :class:`RankError`, naming the rank and carrying its traceback;
-every other worker is terminated and joined, so no process outlives a failed launch.
+fail ends the launch with :class:`RankError`, naming the rank and carrying its traceback
+(or, for a worker killed by a signal or a native abort, its exit code or signal name and
+the last lines of its stderr); every other worker is terminated and joined, so no process
+outlives a failed launch. Forked workers also die with their parent whatever kills it
+(Linux ``PR_SET_PDEATHSIG``), and SIGTERM / Ctrl-C of the parent stop every worker and
+remove the rendezvous folder (SIGTERM raises :class:`Terminated` in the parent).
 
 Process groups are passed in, never global: :class:`DistContext` travels into every layer,
 and :func:`make_grid` builds the TP / DP / PP groups with Megatron's rank order
@@ -26,6 +30,8 @@ import os
 import pickle
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -38,6 +44,7 @@ import multiprocessing as mp
 from multiprocessing.connection import wait as mp_wait
 
 __all__ = [
+    "Terminated",
     "DistContext",
     "ProcessGrid",
     "RankError",
@@ -49,6 +56,38 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 30.0  # seconds a collective may wait before it raises
+
+
+class Terminated(BaseException):
+    """Raised in the parent by SIGTERM while :func:`launch` (or a labkit command) runs, so that
+    ``finally`` blocks stop the workers and remove temporary files. ``signum``: the signal.
+    A BaseException, like KeyboardInterrupt: ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        self.signum = int(signum)
+        super().__init__(f"terminated by {signal.Signals(self.signum).name}")
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+class terminate_as_exception:
+    """Context manager: while inside, SIGTERM raises :class:`Terminated` (main thread only, and
+    only where SIGTERM still has its default action; otherwise it does nothing)."""
+
+    def __enter__(self):
+        import threading
+        self._old = None
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._old = signal.signal(signal.SIGTERM, _raise_terminated)
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+        return False
 
 
 class RankError(RuntimeError):
@@ -63,9 +102,10 @@ class RankError(RuntimeError):
         self.exc_type = exc_type
         self.original_message = message
         self.remote_traceback = remote_traceback
+        what = "report" if exc_type == "ProcessDied" else "traceback"
         super().__init__(
             f"rank {rank} failed with {exc_type}: {message}\n"
-            f"--- traceback from rank {rank} ---\n{remote_traceback}"
+            f"--- {what} from rank {rank} ---\n{remote_traceback}"
         )
 
 
@@ -234,9 +274,53 @@ def _rendezvous_file() -> str:
     return os.path.join(tempfile.mkdtemp(prefix="labkit-store-"), "store")
 
 
-def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, start_method):
+def _die_with_parent(parent_pid: int) -> None:
+    """In a worker: get SIGKILL when the parent dies, whatever kills it (Linux prctl
+    PR_SET_PDEATHSIG), and exit now if the parent is already gone (it died before prctl)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            PR_SET_PDEATHSIG = 1
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class _IsattyAs:
+    """A stream that reports ``isatty()`` as given: a worker's stderr is a pipe to the parent,
+    yet tqdm on rank 0 should still draw its bar when the parent's stderr is a terminal."""
+
+    def __init__(self, stream, tty: bool):
+        self._stream, self._tty = stream, tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, start_method, parent_pid, err_fd):
     status = "ok"
     try:
+        _die_with_parent(parent_pid)
+        # the parent handles Ctrl-C (it stops every worker); SIGTERM kills a worker at once
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if err_fd is not None:  # stderr goes through the parent, which keeps its last lines
+            try:
+                tty = sys.stderr is not None and bool(sys.stderr.isatty())
+            except Exception:
+                tty = False
+            # (no flush of the inherited sys.stderr: its buffer is the parent's, already printed
+            # or still to be printed by the parent; and a notebook's stream cannot flush here)
+            os.dup2(err_fd, 2)
+            os.close(err_fd)
+            import io
+            sys.stderr = _IsattyAs(io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
+                                                    line_buffering=True, write_through=True), tty)
         if start_method == "fork":
             # A forked child can hang in threaded kernels after the parent ran threaded
             # work; one thread per rank also keeps N ranks fair on a few cores.
@@ -274,7 +358,71 @@ def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, star
             dist.destroy_process_group()
         except Exception:
             pass
+    try:
+        sys.stderr.flush()
+    except Exception:
+        pass
     os._exit(0)
+
+
+class _StderrTails(threading.Thread):
+    """Parent side: forwards every worker's stderr (one pipe per rank) to this process's fd 2
+    as it comes, and keeps the last bytes of each, for the report of a worker that died."""
+
+    KEEP = 8192
+
+    def __init__(self, fds: dict):
+        super().__init__(daemon=True, name="labkit-stderr")
+        self.fds = dict(fds)                                # fd -> rank
+        self.tails = {r: b"" for r in self.fds.values()}
+        self.closed = {r: threading.Event() for r in self.fds.values()}
+
+    def run(self) -> None:
+        import selectors
+        sel = selectors.DefaultSelector()
+        for fd in self.fds:
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map():
+            for key, _ in sel.select(timeout=0.5):
+                fd, rank = key.fd, self.fds[key.fd]
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    sel.unregister(fd)
+                    os.close(fd)
+                    self.closed[rank].set()
+                    continue
+                self.tails[rank] = (self.tails[rank] + data)[-self.KEEP:]
+                try:
+                    while data:
+                        data = data[os.write(2, data):]
+                except OSError:
+                    pass
+
+    def tail(self, rank: int, lines: int = 15, wait: float = 1.0) -> str:
+        """The last ``lines`` lines rank ``rank`` wrote to stderr (waits up to ``wait`` s for its end)."""
+        if rank not in self.closed:
+            return ""
+        self.closed[rank].wait(wait)
+        text = self.tails[rank].decode(errors="replace").replace("\r", "\n")
+        return "\n".join([l for l in text.splitlines() if l.strip()][-lines:])
+
+
+def _describe_exit(code) -> str:
+    """'exit code 3', 'signal SIGABRT (a native abort)' ... for a multiprocessing exitcode."""
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        note = {"SIGABRT": " (a native abort)", "SIGSEGV": " (a native crash)",
+                "SIGKILL": " (killed, e.g. out of memory)"}
+        return f"signal {name}{note.get(name, '')}"
+    return f"exit code {code}"
 
 
 def _kill_all(procs, grace: float = 1.0) -> None:
@@ -310,14 +458,22 @@ def launch(
     Returns: ``[result_of_rank_0, ..., result_of_rank_{N-1}]`` (each result is pickled in
     the worker and unpickled here).
 
-    Raises: ValueError for ``world_size < 1`` or a bad backend (before any process starts);
-    :class:`RankError` naming the first rank that failed and its original exception. No
-    worker is left alive after ``launch`` returns or raises.
+    Raises: ValueError (before any process starts) for ``world_size`` not an integer >= 1,
+    ``fn`` not callable, ``timeout`` not a finite number > 0, or a bad backend;
+    :class:`RankError` naming the first rank that failed and its original exception (a worker
+    that died: its exit code or signal name, and the last lines of its stderr, which is also
+    forwarded live to this process's stderr for forked workers). No worker is left alive after
+    ``launch`` returns or raises; SIGTERM of this process while it waits raises
+    :class:`Terminated` after stopping the workers and removing the rendezvous folder.
 
     Under ``torchrun`` this process is one rank: ``world_size`` must equal ``WORLD_SIZE``.
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {fn!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     if in_torchrun():
         return _launch_torchrun(fn, world_size, args, backend, timeout)
     backend = choose_backend(world_size, backend)
@@ -327,20 +483,44 @@ def launch(
         # import it once here so forked ranks inherit it instead of each paying in turn.
         import torch.fx.experimental.symbolic_shapes  # noqa: F401
     mpctx = mp.get_context(start_method)
+    with terminate_as_exception():
+        return _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
+
+
+def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method):
     store = _rendezvous_file()
-    procs, conns = [], {}
+    procs, conns, err_fds = [], {}, {}
+    tails = None
     try:
         for rank in range(world_size):
             recv_end, send_end = mpctx.Pipe(duplex=False)
+            err_r, err_w = os.pipe() if start_method == "fork" else (None, None)
             p = mpctx.Process(
                 target=_worker,
-                args=(fn, args, rank, world_size, backend, store, timeout, send_end, start_method),
+                args=(fn, args, rank, world_size, backend, store, timeout, send_end, start_method,
+                      os.getpid(), err_w),
                 daemon=True,
             )
-            p.start()
+            try:
+                p.start()
+            finally:
+                if err_w is not None:
+                    os.close(err_w)
+                    err_fds[err_r] = rank
             send_end.close()
             procs.append(p)
             conns[recv_end] = rank
+        if err_fds:
+            tails = _StderrTails(err_fds)
+            tails.start()
+            err_fds = {}
+
+        def died(rank, proc):
+            proc.join(0.5)
+            tail = tails.tail(rank) if tails is not None else ""
+            return ("ProcessDied", f"worker died with {_describe_exit(proc.exitcode)} before returning a result",
+                    f"last lines of rank {rank}'s stderr:\n{tail}" if tail else "(no stderr output)")
+
         results: dict[int, Any] = {}
         errors: list[tuple[float, int, tuple]] = []
         sentinels = {p.sentinel: r for r, p in enumerate(procs)}
@@ -355,7 +535,7 @@ def launch(
                     try:
                         kind, r, value = pickle.loads(obj.recv_bytes())
                     except EOFError:
-                        kind, r, value = "error", rank, ("ProcessDied", "worker exited without a result", "")
+                        kind, r, value = ("error", rank, died(rank, procs[rank]))
                     obj.close()
                     if kind == "ok":
                         results[r] = value
@@ -369,8 +549,7 @@ def launch(
                     conn = next((c for c, r in pending.items() if r == rank), None)
                     if conn is not None and not conn.poll(0):
                         pending.pop(conn)
-                        errors.append((time.monotonic(), rank, (
-                            "ProcessDied", f"worker exited with code {proc.exitcode} before returning", "")))
+                        errors.append((time.monotonic(), rank, died(rank, proc)))
                         first_error_at = first_error_at or time.monotonic()
             if first_error_at is not None and time.monotonic() >= first_error_at + 1.0:
                 break  # give the other ranks a moment to report, then stop everything
@@ -383,6 +562,10 @@ def launch(
         _kill_all(procs)
         for c in conns:
             c.close()
+        for fd in err_fds:  # not handed to the forwarder (a start failed)
+            os.close(fd)
+        if tails is not None:
+            tails.join(2.0)
         import shutil
 
         shutil.rmtree(os.path.dirname(store), ignore_errors=True)

@@ -19,6 +19,7 @@ the last stage. Construction is deterministic from ``seed``.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +49,21 @@ class GPTConfig:
     share_embeddings_and_output_weights: bool = False
 
     def __post_init__(self):
+        """Raises ValueError naming the field, its value and the rule: every size an integer
+        >= 1 (``n_kv_head`` too, once defaulted), ``n_embd % n_head == 0``, ``n_head % n_kv_head
+        == 0``, ``0 <= dropout < 1``. Sizes are checked before they are divided by."""
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_mult"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_mult"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (isinstance(self.dropout, numbers.Real) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"dropout must be a probability in [0, 1), got {self.dropout!r}")
 
     @property
     def head_dim(self) -> int:

@@ -100,10 +100,37 @@ def test_worker_that_dies_is_reported():
     assert _children_alive() == []
 
 
-@pytest.mark.parametrize("ws", [0, -1, 2.0])
+def _aborts(ctx):
+    if ctx.rank == 1:
+        print("rank 1: about to abort on purpose", file=sys.stderr, flush=True)
+        os.abort()  # what a native (C++) abort does: SIGABRT, no Python traceback
+    time.sleep(0.5)
+    return 0
+
+
+def test_worker_killed_by_a_signal_is_reported_with_its_name_and_stderr(capfd):
+    with pytest.raises(RankError) as info:
+        launch(_aborts, 2, timeout=3)
+    e = info.value
+    assert e.rank == 1 and e.exc_type == "ProcessDied"
+    assert "signal SIGABRT (a native abort)" in str(e).splitlines()[0]
+    assert "last lines of rank 1's stderr:\nrank 1: about to abort on purpose" in str(e)
+    assert "rank 1: about to abort on purpose" in capfd.readouterr().err  # forwarded live, too
+    assert _children_alive() == []
+
+
+@pytest.mark.parametrize("ws", [0, -1, 2.0, True])
 def test_bad_world_size(ws):
     with pytest.raises(ValueError, match="world_size"):
         launch(_rank_info, ws, 0)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "5"])
+def test_bad_timeout_and_fn(timeout):
+    with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds > 0"):
+        launch(_rank_info, 2, 0, timeout=timeout)
+    with pytest.raises(ValueError, match="fn must be callable, got True"):
+        launch(True, 2)
 
 
 def test_backend_choice_on_cpu():

@@ -27,6 +27,21 @@ BAD = [
     (["lab", "moe", "--moe-every", "5"], "--moe-every 5 > --n-layer 4 leaves no MoE layer"),
     (["lab", "moe", "--data", "/nonexistent-labkit"], "--data /nonexistent-labkit: no such file or folder"),
     (["lab", "nosuch"], "unknown lab 'nosuch'; choose one of pipeline, tensor, moe"),
+    *[(["lab", lab, "--seed", "99999999999999999999"], "--seed must be in [0, 2**40), got 99999999999999999999")
+      for lab in ("pipeline", "tensor", "moe")],
+    *[(["lab", lab, "--lr", "inf"], "--lr must be a finite number > 0, got inf")
+      for lab in ("pipeline", "tensor", "moe")],
+    *[(["lab", lab, "--tolerance", v], f"--tolerance must be a finite number > 0, got {float(v)}")
+      for lab in ("pipeline", "tensor", "moe") for v in ("0", "-1", "nan")],
+    *[(["lab", lab, "--data", "/dev/null"], "--data /dev/null: exists but is not a regular text file or folder")
+      for lab in ("pipeline", "tensor", "moe")],
+    (["lab", "moe", "--capacity-factor", "inf"], "--capacity-factor must be a finite number > 0, got inf"),
+    (["lab", "moe", "--gamma", "nan"], "--gamma must be a finite number >= 0, got nan"),
+    (["lab", "moe", "--aux-coeff", "-0.1"], "--aux-coeff must be a finite number >= 0, got -0.1"),
+    (["lab", "pipeline", "--seq", "100000"], "TiB of memory"),
+    (["lab", "tensor", "--embd", "65536"], "103,118,798,848 parameters"),
+    (["lab", "moe", "--experts", "4096", "--n-embd", "1024"], "34,419,056,640 parameters"),
+    (["doctor", "--world-size", "4", "0"], "--world-size must be >= 1, got 0"),
     (["bench", "nosuch"], "unknown bench 'nosuch'; choose one of pipeline, tensor, moe"),
 ]
 
@@ -39,6 +54,24 @@ def test_bad_input_is_one_error_line(argv, message, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert message in lines[0]
+
+
+def test_bad_files_are_one_error_line_before_any_rank(tmp_path, capsys):
+    exe = tmp_path / "prog.bin"
+    exe.write_bytes(bytes(range(256)) * 64)
+    short = tmp_path / "short.txt"
+    short.write_text("def f(x):\n    return x\n" * 100)  # 2500 bytes: the validation split has 256 tokens
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for lab in ("pipeline", "tensor", "moe"):
+        for argv, message in ((["--data", str(exe)], "does not look like text"),
+                              (["--data", str(short), "--seq", "400"], "the val split has 256 tokens, too few for "
+                                                                       "sequences of 400 tokens"),
+                              (["--out", str(afile)], f"--out {afile}: {afile} exists and is not a folder"),
+                              (["--out", str(afile / "sub")], "exists and is not a folder")):
+            assert cli(["lab", lab, *argv]) == 2, (lab, argv)
+            out, err = capsys.readouterr()
+            assert out == "" and err.startswith("error: ") and err.count("\n") == 1 and message in err, (lab, err)
 
 
 def test_empty_data_folder(tmp_path, capsys):
@@ -76,3 +109,10 @@ def test_moe_load_plot_from_histories(tmp_path):
     moe._plots(str(tmp_path), runs, ep_hist, a)
     for name in ("expert_load.png", "balance.png", "all_to_all_bytes.png"):
         assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_run_folders_are_never_shared(tmp_path):
+    from labkit.labs import run_folder
+    folders = [run_folder(tmp_path, "pipeline") for _ in range(3)]  # within one second
+    assert len(set(folders)) == 3 and all(f.is_dir() for f in folders)
+    assert folders[1].name == folders[0].name + "-2"

@@ -1,5 +1,6 @@
 """Expert parallelism equals the single-device MoE layer (forward, input grads, router and
 expert grads, parameters after 3 SGD steps), the uneven all-to-all, and its errors."""
+import re
 from dataclasses import replace
 
 import pytest
@@ -25,7 +26,7 @@ def _dense(cfg, seed=0):
     return MoELayer(cfg)
 
 
-def _ep_worker(ctx, cfg, T_r, steps, lr):
+def _ep_worker(ctx, cfg, T_r, steps, lr, mask=None):
     P, r = ctx.world_size, ctx.rank
     layer = ExpertParallelMoE.from_dense(_dense(replace(cfg, token_groups=P)), ctx.group, r, P)
     out = []
@@ -34,7 +35,7 @@ def _ep_worker(ctx, cfg, T_r, steps, lr):
         x = x[r * T_r:(r + 1) * T_r].clone().requires_grad_(True)
         layer.zero_grad(set_to_none=True)
         with CommLog() as log:
-            y, stats = layer(x)
+            y, stats = layer(x, None if mask is None else mask[r * T_r:(r + 1) * T_r])
             loss = ((y * g[r * T_r:(r + 1) * T_r]).sum() + stats.aux_loss) / P
             loss.backward()
         sync_replicated_grads(layer, ctx.group)
@@ -52,14 +53,14 @@ def _ep_worker(ctx, cfg, T_r, steps, lr):
     return out
 
 
-def _reference(cfg, P, T_r, steps, lr):
+def _reference(cfg, P, T_r, steps, lr, mask=None):
     layer = _dense(replace(cfg, token_groups=P))
     out = []
     for step in range(steps):
         x, g = _data(P, T_r, step)
         x.requires_grad_(True)
         layer.zero_grad(set_to_none=True)
-        y, stats = layer(x)
+        y, stats = layer(x, mask)
         ((y * g).sum() / P + stats.aux_loss).backward()
         out.append({"y": y.detach(), "x_grad": x.grad, "dropped": stats.dropped_fraction,
                     "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}})
@@ -122,6 +123,28 @@ def test_ep_matches_single_device(P, case):
         assert ref[steps]["router.expert_bias"].abs().sum() > 0
     if case == "sparse_top1":
         assert saw_zero_split
+
+
+def test_ep_with_padding_mask_matches_single_device():
+    """A padding mask under EP (one rank's tokens all padding): balance losses, loads and hence
+    every gradient and the parameters after 3 SGD steps equal the single-device layer's."""
+    cfg = replace(CASES["aux_shared"], device_loss_coeff=0.05, n_devices=2, expert_bias=True, bias_update_rate=0.05)
+    P, T_r, steps, lr = 2, 6, 3, 0.1
+    mask = torch.tensor([1, 1, 0, 1, 0, 1] + [0] * 6, dtype=torch.bool)
+    ep = launch(_ep_worker, P, cfg, T_r, steps, lr, mask)
+    ref = _reference(cfg, P, T_r, steps, lr, mask)
+    for step in range(steps):
+        for r in range(P):
+            got, want = ep[r][step], ref[step]
+            torch.testing.assert_close(got["x_grad"], want["x_grad"][r * T_r:(r + 1) * T_r], rtol=RTOL, atol=ATOL)
+            for name, grad in got["grads"].items():
+                torch.testing.assert_close(grad, want["grads"][_global_name(name, r, 4)], rtol=RTOL, atol=ATOL)
+    for r in range(P):
+        for name, value in ep[r][steps].items():
+            torch.testing.assert_close(value, ref[steps][_global_name(name, r, 4)], rtol=RTOL, atol=ATOL)
+    # the mask mattered: the unmasked reference ends elsewhere
+    unmasked = _reference(cfg, P, T_r, steps, lr)
+    assert not torch.allclose(unmasked[steps]["router.weight"], ref[steps]["router.weight"])
 
 
 def test_ep_comm_bytes_match_formula():
@@ -197,7 +220,8 @@ def _mismatch_worker(ctx):
 
 
 def test_mismatched_splits_raise_naming_rank():
-    with pytest.raises(RankError, match=r"rank\(s\) \[1\] do not match"):
+    with pytest.raises(RankError, match=r"invalid on rank\(s\) \[1\] .*rank 1: output_split_sizes \[1, 3\] do not "
+                                        r"match the input_split_sizes the other ranks send \(\[2, 2\]\)"):
         launch(_mismatch_worker, 2, timeout=10)
 
 
@@ -208,3 +232,55 @@ def _bad_sum_worker(ctx):
 def test_split_sum_checked_before_communication():
     with pytest.raises(RankError, match=r"input_split_sizes \[2, 2\] sum to 4 but the input has 3 rows"):
         launch(_bad_sum_worker, 2, timeout=10)
+
+
+BAD_SPLITS = {   # rank 1's bad input -> the rule every rank must name
+    "length": ([2, 1, 1], "rank 1: input_split_sizes has 3 entries for 2 ranks"),
+    "negative": ([5, -1], r"rank 1: split sizes must be non-negative integers, got input_split_sizes \[5, -1\]"),
+    "sum": ([2, 1], r"rank 1: input_split_sizes \[2, 1\] sum to 3 but the input has 4 rows"),
+}
+
+
+def _one_bad_rank_worker(ctx, bad_splits, early_raise):
+    """Rank 1 passes bad splits; every rank reports (exception type, message, seconds)."""
+    import time
+
+    from labkit.moe import expert_parallel as ep
+    if early_raise:   # the bug on purpose: the bad rank raises on its own, before any collective
+        check = ep._split_problem
+
+        def _split_problem(*a):
+            problem = check(*a)
+            if problem:
+                raise ValueError(problem)
+            return problem
+        ep._split_problem = _split_problem
+    t0 = time.monotonic()
+    try:
+        all_to_all_uneven(torch.zeros(4), bad_splits if ctx.rank == 1 else [2, 2], group=ctx.group)
+        return ("ok", "", time.monotonic() - t0)
+    except Exception as e:
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+
+
+def _every_rank_raised_at_once(results, rule, limit=1.5):
+    for r, (kind, msg, seconds) in enumerate(results):
+        assert kind == "ValueError", f"rank {r}: {kind}: {msg}"
+        assert seconds < limit, f"rank {r} waited {seconds:.1f} s"
+        assert re.search(r"invalid on rank\(s\) \[1\] \(checked on every rank\): " + rule, msg), msg
+
+
+@pytest.mark.parametrize("case", list(BAD_SPLITS))
+def test_bad_splits_on_one_rank_raise_on_every_rank_at_once(case):
+    """Under torchrun a rank that raised alone would leave its peers in the next collective
+    until the group timeout: every rank must raise the same ValueError, at once."""
+    splits, rule = BAD_SPLITS[case]
+    _every_rank_raised_at_once(launch(_one_bad_rank_worker, 2, splits, False, timeout=20), rule)
+
+
+def test_the_every_rank_check_catches_a_rank_that_raises_alone():
+    """The bug on purpose (the bad rank raises before any collective): its peer waits in the
+    counts exchange until the group timeout, so the test above cannot pass."""
+    with pytest.raises(RankError, match="Timed out"):
+        _every_rank_raised_at_once(launch(_one_bad_rank_worker, 2, BAD_SPLITS["sum"][0], True, timeout=1),
+                                   BAD_SPLITS["sum"][1])

@@ -45,11 +45,11 @@ def _loop_switch(logits, idx, alpha, mask=None):
 
 def test_switch_aux_matches_formula_and_mask():
     logits, idx = _random_routing(0)
-    assert switch_aux_loss(logits, idx, 0.01).item() == pytest.approx(_loop_switch(logits, idx, 0.01), rel=1e-12)
+    assert switch_aux_loss(logits, idx, 0.01, from_logits=True).item() == pytest.approx(_loop_switch(logits, idx, 0.01), rel=1e-12)
     mask = torch.tensor([1] * 10 + [0] * 6)
-    got = switch_aux_loss(logits, idx, 0.01, mask=mask).item()
+    got = switch_aux_loss(logits, idx, 0.01, mask=mask, from_logits=True).item()
     assert got == pytest.approx(_loop_switch(logits, idx, 0.01, mask.tolist()), rel=1e-12)
-    assert got == pytest.approx(switch_aux_loss(logits[:10], idx[:10], 0.01).item(), rel=1e-12)
+    assert got == pytest.approx(switch_aux_loss(logits[:10], idx[:10], 0.01, from_logits=True).item(), rel=1e-12)
 
 
 def _wrong_aux(logits, idx, alpha):
@@ -61,7 +61,7 @@ def _wrong_aux(logits, idx, alpha):
 
 
 def test_switch_aux_depends_on_routing_wrong_version_is_constant():
-    right = {round(switch_aux_loss(*_random_routing(s), 1.0).item(), 10) for s in (0, 1, 2)}
+    right = {round(switch_aux_loss(*_random_routing(s), 1.0, from_logits=True).item(), 10) for s in (0, 1, 2)}
     wrong = {round(_wrong_aux(*_random_routing(s), 1.0).item(), 10) for s in (0, 1, 2)}
     assert len(right) == 3
     assert wrong == {2.0}                                      # alpha * E / k for every seed
@@ -71,26 +71,93 @@ def test_uniform_routing_gives_alpha():
     T, E, k = 8, 4, 2
     logits = torch.zeros(T, E)
     idx = torch.tensor([[0, 1], [2, 3]] * 4)
-    assert switch_aux_loss(logits, idx, 0.3).item() == pytest.approx(0.3)
-    assert expert_balance_loss(logits, idx, 0.3).item() == pytest.approx(0.3)
-    assert device_balance_loss(logits, idx, 2, 0.3).item() == pytest.approx(0.3)
-    assert comm_balance_loss(logits, idx, 2, 1, 0.3).item() == pytest.approx(0.3)   # each token on one device
-    assert sequence_balance_loss(logits, idx, 4, 0.3).item() == pytest.approx(0.3)
+    assert switch_aux_loss(logits, idx, 0.3, from_logits=True).item() == pytest.approx(0.3)
+    assert expert_balance_loss(logits, idx, 0.3, from_logits=True).item() == pytest.approx(0.3)
+    assert device_balance_loss(logits, idx, 2, 0.3, from_logits=True).item() == pytest.approx(0.3)
+    assert comm_balance_loss(logits, idx, 2, 1, 0.3, from_logits=True).item() == pytest.approx(0.3)   # each token on one device
+    assert sequence_balance_loss(logits, idx, 4, 0.3, from_logits=True).item() == pytest.approx(0.3)
     assert z_loss(logits, 0.1).item() == pytest.approx(0.1 * math.log(4) ** 2)
 
 
-def test_losses_reject_probabilities():
-    logits, idx = _random_routing(0)
-    with pytest.raises(ValueError, match="take router LOGITS"):
-        switch_aux_loss(logits.softmax(-1), idx)
-    with pytest.raises(ValueError, match="take router LOGITS"):
-        device_balance_loss(logits.softmax(-1), idx, 2)
+LOSSES = {   # name -> (loss, positional args after (scores, indices)) for T=16, E=4 (2 devices), sequences of 4
+    "switch": (switch_aux_loss, (0.3,)),
+    "expert": (expert_balance_loss, (0.3, "softmax")),
+    "device": (device_balance_loss, (2, 0.3, "softmax")),
+    "comm": (comm_balance_loss, (2, 1, 0.3, "softmax")),
+    "sequence": (sequence_balance_loss, (4, 0.3, "softmax")),
+}
+
+
+def _loss(name):
+    fn, args = LOSSES[name]
+    return lambda z, i, m, fl: fn(z, i, *args, mask=m, from_logits=fl)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_meaning_of_scores_is_stated_never_guessed(name):
+    """Logits that are non-negative and sum to 1 per row are valid logits (a top-1 gate with
+    logits [1, 0, 0, 0]); the caller says what the tensor is, and both forms give one value."""
+    loss = _loss(name)
+    z = torch.tensor([[1.0, 0, 0, 0]] * 10 + [[0, 1.0, 0, 0]] * 4 + [[0, 0, 0, 1.0]] * 2, dtype=torch.float64)
+    idx = z.argmax(-1, keepdim=True)                      # a top-1 gate
+    as_logits = loss(z, idx, None, True)
+    p = z.softmax(-1)                                   # [e, 1, 1, 1] / (e + 3): not one-hot
+    assert as_logits.item() == pytest.approx(loss(p, idx, None, False).item(), rel=1e-12)
+    # the same tensor read as probabilities is a different (also valid) input: one-hot gates
+    as_probs = loss(z, idx, None, False)
+    assert as_probs.item() != pytest.approx(as_logits.item(), rel=1e-3)
+    fn, args = LOSSES[name]
+    with pytest.raises(TypeError, match="from_logits"):      # no default: the meaning must be stated
+        fn(z, idx, *args)
+    with pytest.raises(ValueError, match=r"from_logits=False says scores are probabilities.*outside \[0, 1\]"):
+        loss(z * 3 - 1, idx, None, False)
+    with pytest.raises(ValueError, match="from_logits must be True .* or False"):
+        loss(z, idx, None, "logits")
+
+
+def test_z_loss_takes_any_logits():
+    z = torch.tensor([[1.0, 0, 0, 0]] * 4)                 # non-negative, rows sum to 1: still logits
+    want = 1e-3 * math.log(math.e + 3) ** 2
+    assert z_loss(z, 1e-3).item() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_mask_drops_padded_tokens_from_f_and_P(name):
+    """With a padding mask each loss equals the loss on the real tokens alone (sequence loss:
+    per sequence, over its real tokens), value and gradient; padded rows get zero gradient."""
+    loss = _loss(name)
+    logits, idx = _random_routing(3)                       # T=16, E=4, k=2, float64
+    mask = torch.ones(16, dtype=torch.bool)
+    mask[[2, 3, 9, 13, 14, 15]] = False                    # the last sequence: real token 12 only
+    z = logits.clone().requires_grad_(True)
+    got = loss(z, idx, mask, True)
+    got.backward()
+    if name == "sequence":
+        parts = [(z_b[m_b], i_b[m_b]) for z_b, i_b, m_b in zip(logits.view(4, 4, 4), idx.view(4, 4, 2), mask.view(4, 4))]
+        ref_z = [p.clone().requires_grad_(True) for p, _ in parts]
+        want = torch.stack([sequence_balance_loss(rz, i, len(i), 0.3, "softmax", from_logits=True)
+                            for rz, (_, i) in zip(ref_z, parts)]).mean()
+        want.backward()
+        ref_grad = torch.zeros_like(logits)
+        ref_grad[mask] = torch.cat([rz.grad for rz in ref_z])
+    else:
+        rz = logits[mask].clone().requires_grad_(True)
+        want = loss(rz, idx[mask], None, True)
+        want.backward()
+        ref_grad = torch.zeros_like(logits)
+        ref_grad[mask] = rz.grad
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+    torch.testing.assert_close(z.grad, ref_grad, rtol=1e-12, atol=1e-15)
+    # a bug that ignores the mask changes the value
+    assert loss(logits, idx, None, True).item() != pytest.approx(got.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="keeps no token"):
+        loss(logits, idx, torch.zeros(16), True)
 
 
 def test_aux_gradient_flows_through_P_only():
     logits, idx = _random_routing(1)
     logits.requires_grad_(True)
-    switch_aux_loss(logits, idx, 1.0).backward()
+    switch_aux_loss(logits, idx, 1.0, from_logits=True).backward()
     T, E = logits.shape
     f = torch.bincount(idx.flatten(), minlength=E).double() / idx.numel()
     p = logits.detach().softmax(-1)
@@ -115,7 +182,7 @@ def test_deepseek_v2_expert_level(score_func):
     f = [E / (k * T) * sum(1 for t in range(T) if i in idx[t].tolist()) for i in range(E)]
     P = [sum(s[t][i] for t in range(T)) / T for i in range(E)]
     want = 0.003 * sum(f[i] * P[i] for i in range(E))
-    assert expert_balance_loss(logits, idx, 0.003, score_func).item() == pytest.approx(want, rel=1e-12)
+    assert expert_balance_loss(logits, idx, 0.003, score_func, from_logits=True).item() == pytest.approx(want, rel=1e-12)
 
 
 def test_deepseek_v2_device_level():
@@ -126,9 +193,9 @@ def test_deepseek_v2_device_level():
     P = [sum(s[t][i] for t in range(T)) / T for i in range(E)]
     groups = [list(range(d * 2, d * 2 + 2)) for d in range(D)]
     want = 0.05 * sum((sum(f[j] for j in g) / len(g)) * sum(P[j] for j in g) for g in groups)
-    assert device_balance_loss(logits, idx, D, 0.05).item() == pytest.approx(want, rel=1e-12)
+    assert device_balance_loss(logits, idx, D, 0.05, from_logits=True).item() == pytest.approx(want, rel=1e-12)
     with pytest.raises(ValueError, match="n_routed_experts=8 must be divisible by n_devices=3"):
-        device_balance_loss(logits, idx, 3)
+        device_balance_loss(logits, idx, 3, from_logits=True)
 
 
 def test_deepseek_v2_comm_balance():
@@ -138,7 +205,7 @@ def test_deepseek_v2_comm_balance():
     P = [sum(s[t][i] for t in range(T)) / T for i in range(8)]
     f2 = [D / (M * T) * sum(1 for t in range(T) if any(e // 2 == d for e in idx[t].tolist())) for d in range(D)]
     want = 0.02 * sum(f2[d] * (P[2 * d] + P[2 * d + 1]) for d in range(D))
-    assert comm_balance_loss(logits, idx, D, M, 0.02).item() == pytest.approx(want, rel=1e-12)
+    assert comm_balance_loss(logits, idx, D, M, 0.02, from_logits=True).item() == pytest.approx(want, rel=1e-12)
 
 
 def test_deepseek_v3_sequence_wise():
@@ -155,6 +222,6 @@ def test_deepseek_v3_sequence_wise():
         f = [E / (k * S) * sum(1 for t in rows if i in idx[t].tolist()) for i in range(E)]
         P = [sum(sp[n][i] for n in range(S)) / S for i in range(E)]
         total += 1e-4 * sum(f[i] * P[i] for i in range(E))
-    assert sequence_balance_loss(logits, idx, S, 1e-4).item() == pytest.approx(total / 3, rel=1e-12)
+    assert sequence_balance_loss(logits, idx, S, 1e-4, from_logits=True).item() == pytest.approx(total / 3, rel=1e-12)
     with pytest.raises(ValueError, match="not a whole number of sequences of seq_len=5"):
-        sequence_balance_loss(logits, idx, 5)
+        sequence_balance_loss(logits, idx, 5, from_logits=True)

@@ -163,3 +163,30 @@ def test_bench_runs_and_methods_agree(capsys):
     finally:
         torch.set_num_threads(threads)
     assert "sort ms" in capsys.readouterr().out
+
+
+def test_moe_gpt_padding_mask_reaches_every_moe_layer():
+    """MoEGPT(idx, targets, mask): with right padding (causal attention: real tokens never see
+    it) the balance losses, loads and LM loss (targets -100 at padding) do not depend on what
+    the padded positions hold; without the mask the balance losses do."""
+    model = MoEGPT(replace(CFG, n_layer=2), replace(MOE, capacity_factor=None), moe_layer_freq=1, seed=0)
+    idx, y = _batch(0)
+    mask = torch.ones(4, 16, dtype=torch.bool)
+    mask[1, 10:] = mask[3, 4:] = False
+    y = y.masked_fill(~mask, -100)
+    other = idx.masked_fill(~mask, 7)
+    results = []
+    for ids in (idx, other):
+        loss, stats = model(ids, y, mask=mask)
+        results.append((loss, [s.losses for s in stats], [s.tokens_per_expert for s in stats]))
+    (l0, losses0, loads0), (l1, losses1, loads1) = results
+    torch.testing.assert_close(l0, l1, rtol=1e-6, atol=1e-7)
+    for a, b in zip(losses0, losses1):
+        assert set(a) == {"aux", "z"}
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-8)
+    assert all(torch.equal(a, b) for a, b in zip(loads0, loads1))
+    assert all(int(load.sum()) == int(mask.sum()) * 2 for load in loads0)    # k = 2 slots per real token
+    _, s0 = model(idx, y)
+    _, s1 = model(other, y)
+    assert not torch.allclose(s0[0].losses["aux"], s1[0].losses["aux"])

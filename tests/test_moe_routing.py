@@ -216,7 +216,7 @@ def test_fine_grained_same_parameters_more_experts():
     ({"n_expert_groups": 4, "n_limited_groups": 5}, r"n_limited_groups=5 must be in \[1, n_expert_groups=4\]"),
     ({"n_expert_groups": 4, "n_limited_groups": 1, "n_activated_experts": 3}, "hold fewer than top_k=3"),
     ({"drop_policy": "random"}, "drop_policy must be one of"),
-    ({"capacity_factor": 0.0}, "capacity_factor must be > 0 or None, got 0.0"),
+    ({"capacity_factor": 0.0}, "capacity_factor must be a finite number > 0, or None for no dropping; got 0.0"),
 ])
 def test_router_errors(kwargs, message):
     args = dict(n_embd=8, n_routed_experts=8, n_activated_experts=2)
@@ -244,11 +244,11 @@ def test_layer_losses_are_means_over_token_groups():
     want = {k: [] for k in ("aux", "z", "seq_aux", "device", "comm")}
     for chunk in x.reshape(-1, 8).chunk(2):
         r = layer.router(chunk)
-        want["aux"].append(switch_aux_loss(r.logits, r.indices, 0.1))
+        want["aux"].append(switch_aux_loss(r.logits, r.indices, 0.1, from_logits=True))
         want["z"].append(z_loss(r.logits, 1e-3))
-        want["seq_aux"].append(sequence_balance_loss(r.logits, r.indices, 6, 1e-2, "softmax"))
-        want["device"].append(device_balance_loss(r.logits, r.indices, 2, 0.05))
-        want["comm"].append(comm_balance_loss(r.logits, r.indices, 2, 1, 0.02))
+        want["seq_aux"].append(sequence_balance_loss(r.logits, r.indices, 6, 1e-2, "softmax", from_logits=True))
+        want["device"].append(device_balance_loss(r.logits, r.indices, 2, 0.05, from_logits=True))
+        want["comm"].append(comm_balance_loss(r.logits, r.indices, 2, 1, 0.02, from_logits=True))
     assert set(stats.losses) == set(want)
     for name, values in want.items():
         torch.testing.assert_close(stats.losses[name], torch.stack(values).mean())
@@ -256,3 +256,42 @@ def test_layer_losses_are_means_over_token_groups():
     # group-limited routing with 1 of 2 groups: both experts of every token on one device (M = 1)
     devices = stats.router.indices // 2
     assert torch.equal(devices[:, 0], devices[:, 1])
+
+
+def test_layer_padding_mask_keeps_padded_tokens_out_of_balance_losses_and_loads():
+    """MoELayer(x, mask): every balance loss (value and router gradient) and the loads equal
+    those of the real tokens alone, and do not change when the padded tokens change."""
+    cfg = dict(aux_loss_coeff=0.1, z_loss_coeff=1e-2, seq_aux_loss_coeff=1e-2, device_loss_coeff=0.05,
+               comm_loss_coeff=0.02, n_devices=2, max_devices=2)
+    layer, x = _layer_and_input(**cfg)                           # x [2, 6, 8]
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)   # right padding
+    _, stats = layer(x, mask)
+    stats.aux_loss.backward()
+    got_grad = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    # reference: the losses of the 8 real tokens, routed alone (the router is per token)
+    r = layer.router(x[mask])
+    want = {"aux": switch_aux_loss(r.logits, r.indices, 0.1, from_logits=True), "z": z_loss(r.logits, 1e-2),
+            "device": device_balance_loss(r.logits, r.indices, 2, 0.05, from_logits=True),
+            "comm": comm_balance_loss(r.logits, r.indices, 2, 2, 0.02, from_logits=True),
+            "seq_aux": torch.stack([sequence_balance_loss(r.logits[:6], r.indices[:6], 6, 1e-2, "softmax",
+                                                          from_logits=True),
+                                    sequence_balance_loss(r.logits[6:], r.indices[6:], 2, 1e-2, "softmax",
+                                                          from_logits=True)]).mean()}
+    assert set(stats.losses) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(stats.losses[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    sum(want.values()).backward()
+    torch.testing.assert_close(got_grad, layer.router.weight.grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(stats.tokens_per_expert, torch.bincount(r.indices.reshape(-1), minlength=4))
+    # other padding content: the same numbers; without the mask they differ (the bug it prevents)
+    x2 = x.clone()
+    x2[~mask] = torch.randn(int((~mask).sum()), 8) * 5
+    _, stats2 = layer(x2, mask)
+    for name in want:
+        torch.testing.assert_close(stats2.losses[name], stats.losses[name], rtol=1e-6, atol=1e-8)
+    assert torch.equal(stats2.tokens_per_expert, stats.tokens_per_expert)
+    _, unmasked = layer(x2)
+    assert not torch.allclose(unmasked.losses["aux"], stats.losses["aux"])
+    with pytest.raises(ValueError, match="padding mask has 6 entries for T=12 tokens"):
+        layer(x, mask[0])

@@ -63,7 +63,8 @@ def test_lab_runs_and_matches_single_device(tmp_path, capsys):
                "--layers", "4", "--embd", "32", "--heads", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for name in ("single device", "gpipe", "1f1b", "interleaved v=2", "OK: every schedule"):
+    for name in ("single device", "gpipe", "1f1b", "interleaved v=2", "OK: every run (gpipe, 1f1b, interleaved v=2) equals single-device training at every step",
+                 "AT THE SAME PARAMETERS"):
         assert name in out
     assert "[2, 1]" in out  # 1F1B peak in flight per stage, K=2, M=2
     folder = next(tmp_path.iterdir())
@@ -98,7 +99,7 @@ def test_lab_one_step(tmp_path, capsys):
                "--layers", "2", "--embd", "32", "--heads", "2", "--schedule", "1f1b", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "1f1b" in out and "OK: every schedule" in out and "timelines.png" in out
+    assert "1f1b" in out and "OK: every run (1f1b)" in out and "timelines.png" in out
 
 
 @pytest.mark.filterwarnings("ignore")

@@ -204,30 +204,56 @@ def test_runtime_runs_a_hand_written_schedule_and_1f1b_with_M_below_K():
     _assert_close(res[0][0], ref_grads, "K=1 v=4")
 
 
-def _wrong(ctx):
-    s = gpipe_schedule(2, 2)
-    s[0] = [a for a in s[0] if repr(a) != "SEND_F1@s0"]  # rank 1 waits for a message never sent
+HUNG = {
+    # rank 1 waits for a message never sent
+    "missing send": ({0: [a for a in gpipe_schedule(2, 2)[0] if repr(a) != "SEND_F1@s0"], 1: gpipe_schedule(2, 2)[1]},
+                     "the first action that cannot complete is F1@s1 on rank 1 (its action 3): it needs the input "
+                     "that rank 0 never sends (SEND_F1@s0 is not in rank 0's list)"),
+    # both ranks wait for each other: rank 0 sends F1 only after B0, which needs rank 1's gradient of F0
+    "deadlock": ({0: parse_actions("F0@s0 SEND_F0@s0 F1@s0 RECV_B0@s0 B0@s0 SEND_F1@s0 RECV_B1@s0 B1@s0"),
+                  1: parse_actions("RECV_F0@s1 F0@s1 RECV_F1@s1 F1@s1 B0@s1 SEND_B0@s1 B1@s1 SEND_B1@s1")},
+                 "the first action that cannot complete is B0@s0 on rank 0 (its action 4): deadlock: rank 0's B0@s0 "
+                 "waits for SEND_B0@s1, which rank 1 reaches only after its own F1@s1; rank 1's F1@s1 waits for "
+                 "SEND_F1@s0, which rank 0 reaches only after its own B0@s0"),
+}
+WAITING = {  # where each rank is stuck in each case, as the report of that rank says it
+    "missing send": {0: "at B0@s0 waiting for RECV_B0@s0 (from rank 1)", 1: "at F1@s1 waiting for RECV_F1@s1 (from rank 0)"},
+    "deadlock": {0: "at B0@s0 waiting for RECV_B0@s0 (from rank 1)", 1: "at F1@s1 waiting for RECV_F1@s1 (from rank 0)"},
+}
+
+
+def _wrong(ctx, case):
     mods = gpt_stages_for_rank(GPT(CFG, seed=0), 2, 1, ctx.rank)
-    sched = PipelineSchedule(PipelineStage(mods[0], ctx.rank, 2, group=ctx.group), 2, lm_loss, actions=s,
+    sched = PipelineSchedule(PipelineStage(mods[0], ctx.rank, 2, group=ctx.group), 2, lm_loss, actions=HUNG[case][0],
                              validate=False)
     sched.step(*_batch(0)[:1], target=_batch(0)[1])
 
 
-def test_wrong_schedule_fails_with_rank_error_and_leaves_no_worker():
+@pytest.mark.parametrize("case", list(HUNG))
+def test_wrong_schedule_fails_with_rank_error_and_leaves_no_worker(case):
+    """validate=False: the first line names the first action that cannot complete (the same on
+    every rank) and says that the rank in the RankError header is the one reporting, and where
+    it waited; no worker is left."""
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        launch(_wrong, 2, timeout=5)
-    assert time.monotonic() - t0 < 20
-    assert info.value.rank in (0, 1)
-    assert "rank" in str(info.value)
+        launch(_wrong, 2, case, timeout=3)
+    assert time.monotonic() - t0 < 15
+    r = info.value.rank
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(f"rank {r} failed with RuntimeError: pipeline schedule hung: {HUNG[case][1]}; "
+                            f"this error is rank {r}'s (the rank in the RankError header), which was "
+                            f"{WAITING[case][r]}"), first
+    assert "validate_schedule (skipped with validate=False) reports:" in str(info.value)
     time.sleep(0.2)
     assert _children_alive() == []
-    # the validator would have refused it, naming the rank and action
-    s = gpipe_schedule(2, 2)
-    s[0] = [a for a in s[0] if repr(a) != "SEND_F1@s0"]
+
+
+def test_wrong_schedule_is_refused_by_the_validator():
     with pytest.raises(ScheduleError, match=r"rank 0, action 3 \(F1@s0\): its result is never sent "
                                             r"\(SEND_F1@s0 is missing\); rank 1 needs it"):
-        validate_schedule(s)
+        validate_schedule(HUNG["missing send"][0])
+    with pytest.raises(ScheduleError, match=r"deadlock with async sends"):
+        validate_schedule(HUNG["deadlock"][0])
 
 
 def _errors(ctx):

@@ -6,13 +6,15 @@ def test_tensor_lab_runs_and_matches_single_device(tmp_path, capsys):
     rc = lab.main(["--tp", "2", "--steps", "3", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "TP=2" in out and "OK: every TP loss curve" in out
+    assert "TP=2" in out and "OK: every run (TP=2) equals single-device training at every step" in out
     runs = list(tmp_path.glob("tensor-*/loss_curves.png"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
-    # an impossible tolerance must give a non-zero exit status
+    # a tolerance below fp32 roundoff must fail, with the FAIL line on stderr
     rc = lab.main(["--tp", "2", "--steps", "2", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path),
-                   "--tolerance", "-1"])
-    assert rc == 1
+                   "--tolerance", "1e-12"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "FAIL TP=2  step 0" in out and err.startswith("FAIL: TP=2 differ"), (out, err)
+    assert len(list(tmp_path.glob("tensor-*"))) == 2  # two runs in the same second: two folders
 
 
 def test_tensor_lab_rejects_bad_degree(capsys):
@@ -23,10 +25,11 @@ def test_tensor_lab_rejects_bad_degree(capsys):
 
 
 def test_tensor_lab_one_step_names_its_files(tmp_path, capsys):
-    rc = lab.main(["--tp", "2", "--steps", "1", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path)])
+    """--steps 1 works; --tp 1 is handled (a group of one: no collectives, formula 0)."""
+    rc = lab.main(["--tp", "1", "2", "--steps", "1", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "loss_curves.png" in out and "losses.csv" in out and "OK: every TP loss curve" in out
+    assert "loss_curves.png" in out and "losses.csv" in out and "OK: every run (TP=1, TP=2)" in out
 
 
 def test_tensor_bench_runs_and_losses_agree(capsys):

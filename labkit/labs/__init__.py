@@ -1,13 +1,18 @@
 """The labs: ``python -m labkit lab NAME`` (or ``torchrun ... -m labkit.labs.NAME``).
 
 What every lab shares: ``--help`` that shows defaults, one ``error:`` line for bad input,
-and the rule that under torchrun only rank 0 prints.
+the rule that under torchrun only rank 0 prints, one line (no traceback) when the run is
+interrupted or a rank fails (:func:`run_cli`), a fresh run folder per run (:func:`run_folder`)
+and the verdict (:mod:`labkit.labs.verdict`).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from datetime import datetime
+from pathlib import Path
 
 from ..dist import in_torchrun
 
@@ -29,3 +34,132 @@ def error(message: str) -> int:
     if is_main_rank():
         print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+def run_folder(parent: str | os.PathLike, prefix: str) -> Path:
+    """Create and return a NEW folder ``parent/prefix-YYYYmmdd-HHMMSS`` (``-2``, ``-3``, ... when
+    a run that finished in the same second took the name): two runs never share a folder."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    stem = f"{prefix}-{datetime.now():%Y%m%d-%H%M%S}"
+    for i in range(1, 10_000):
+        folder = parent / (stem if i == 1 else f"{stem}-{i}")
+        try:
+            folder.mkdir()  # atomic: exactly one run gets each name
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: no free run folder name {stem}-N")
+
+
+def bad_out(path: str | os.PathLike | None, flag: str = "--out") -> str | None:
+    """Why ``path`` cannot hold run folders (an existing non-folder, or under one), else None."""
+    if path is None:
+        return None
+    p = Path(path)
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                return f"{flag} {path}: {q} exists and is not a folder"
+            if not os.access(q, os.W_OK):
+                return f"{flag} {path}: folder {q} is not writable"
+            return None
+    return None
+
+
+def bad_number(flag: str, value: float, low: float = 0.0, strict: bool = True) -> str | None:
+    """``flag`` must be finite and > low (``strict``) or >= low; returns the message or None."""
+    if not math.isfinite(value) or (value <= low if strict else value < low):
+        return f"{flag} must be a finite number {'>' if strict else '>='} {low:g}, got {value}"
+    return None
+
+
+def bad_seed(seed: int) -> str | None:
+    """Seeds feed ``torch.Generator.manual_seed`` after ``seed * 1_000_003 + 2 * step``: keep them
+    in [0, 2**40) so that stays a valid 64-bit seed."""
+    if not 0 <= seed < 2**40:
+        return f"--seed must be in [0, 2**40), got {seed}"
+    return None
+
+
+def run_cli(main, *args) -> int:
+    """Run ``main(*args)`` the way a command line should end: its return code; Ctrl-C -> one line,
+    exit 130; SIGTERM -> one line, exit 143 (128 + signal); a failed rank (RankError) -> one
+    ``error:`` line naming the rank, exit 1. Workers are stopped and temporary files removed
+    by :func:`labkit.dist.launch` before the line is printed."""
+    import signal
+
+    from ..dist import RankError, Terminated, terminate_as_exception
+    try:
+        with terminate_as_exception():
+            return main(*args) or 0
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
+        return 130
+    except Terminated as e:
+        print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
+        return 128 + e.signum
+    except RankError as e:
+        if is_main_rank():
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+def count_parameters_meta(build) -> int:
+    """Parameters of the model ``build()`` returns, built on the meta device (no memory used)."""
+    import torch
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
+
+
+def activation_bytes(n_layer: int, batch: int, seq: int, hidden: int, heads: int, vocab: int,
+                     extra_per_token: int = 0) -> int:
+    """Bytes autograd keeps for one fp32 forward of the GPT over a ``batch x seq`` batch.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+    sec. 4.1 eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations; fp32 doubles
+    it. Plus the logits, their softmax and gradient (3 * b*s*V * 4 bytes) and ``extra_per_token``
+    bytes per token and layer (e.g. MoE expert inputs)."""
+    per_layer = seq * batch * hidden * 34 + 5 * heads * seq * seq * batch
+    return 2 * n_layer * per_layer + 12 * batch * seq * vocab + n_layer * batch * seq * extra_per_token
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available now (Linux ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n < 2**40 else f"{n / 2**40:.3g} TiB"
+
+
+def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: float, sizes: str,
+               limit: int | None = None) -> str | None:
+    """Refuse a run whose estimated memory exceeds what this machine has (all CPU ranks share it).
+
+    ``params``: parameters of the model; ``model_bytes_per_param``: bytes per parameter over the
+    whole run at its peak (every copy: each rank's fp32 weights, gradients and Adam's 2 moments
+    = 16, the reference's weights and gradients = 8, ...); ``act``: :func:`activation_bytes` of
+    the whole batch, held ``act_copies`` times at the peak. ``sizes``: the options, for the
+    message. ``limit``: bytes available (None: :func:`available_memory`). The estimate is
+    rough (within a factor of ~2), so it refuses only what clearly cannot run."""
+    limit = available_memory() if limit is None else limit
+    if limit is None:
+        return None
+    need = params * model_bytes_per_param + act * act_copies
+    if need <= limit:
+        return None
+    weights = _gib(params * model_bytes_per_param)
+    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters: {weights}; "
+            f"activations: {_gib(act * act_copies)}, Korthikanti et al. 2022 eq. 1), more than the {_gib(limit)} "
+            f"available; use smaller sizes")

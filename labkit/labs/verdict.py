@@ -291,7 +291,8 @@ def report(results: dict, rtol: float | None = None, atol: float | None = None) 
             lines.append(f"FAIL {name:<{width}}  no step was compared")
         elif bad is None:
             w = max(res.records, key=lambda r: max(r.grad_err, r.loss_err))
-            lines.append(f"OK   {name:<{width}}  {len(res.records)} steps; largest error {max(w.grad_err, w.loss_err):.2g}"
+            err = max(w.grad_err, w.loss_err)
+            lines.append(f"OK   {name:<{width}}  {len(res.records)} steps; largest error {err:.2g}"
                          f" of the tolerance (step {w.step}: gradient of {w.worst or '-'} off by {w.grad_diff:.1e}, "
                          f"allowed {w.grad_bound:.1e})")
         else:
@@ -302,7 +303,8 @@ def report(results: dict, rtol: float | None = None, atol: float | None = None) 
                 why = (f"gradient of {bad.worst} differs by {bad.grad_diff:.3g} > allowed {bad.grad_bound:.2g}")
             else:
                 why = f"loss {bad.loss:.7g} vs reference {bad.ref_loss:.7g}"
-            lines.append(f"FAIL {name:<{width}}  step {bad.step} (first of {n_bad} failing of {len(res.records)}): {why}")
+            lines.append(f"FAIL {name:<{width}}  step {bad.step} (first of {n_bad} failing of {len(res.records)}): "
+                         f"{why}")
     return ok, "\n".join(lines)
 
 

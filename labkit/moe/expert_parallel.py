@@ -31,6 +31,7 @@ Backward repeats dispatch and combine in reverse (no counts).
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -82,40 +83,59 @@ def exchange_splits(input_splits: Sequence[int], group, device=None) -> list[int
     return recv.tolist()
 
 
+def _split_problem(x: torch.Tensor, input_splits, output_splits, P: int) -> str | None:
+    """What is wrong with this rank's split lists on their own (None: nothing)."""
+    def ints(splits):
+        return all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 0 for s in splits)
+
+    if len(input_splits) != P:
+        return f"input_split_sizes has {len(input_splits)} entries for {P} ranks"
+    if not ints(input_splits):
+        return f"split sizes must be non-negative integers, got input_split_sizes {list(input_splits)}"
+    if sum(input_splits) != x.shape[0]:
+        return (f"input_split_sizes {list(input_splits)} sum to {sum(input_splits)} but the input has "
+                f"{x.shape[0]} rows")
+    if output_splits is not None and len(output_splits) != P:
+        return f"output_split_sizes has {len(output_splits)} entries for {P} ranks"
+    if output_splits is not None and not ints(output_splits):
+        return f"split sizes must be non-negative integers, got output_split_sizes {list(output_splits)}"
+    return None
+
+
 def all_to_all_uneven(x: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int] | None = None,
                       group=None) -> torch.Tensor:
     """Validated, differentiable uneven all-to-all of x [N, ...] along dim 0.
 
-    Checks before any communication (ValueError): one split per rank, non-negative integers,
-    ``sum(input_splits) == x.shape[0]``. Then the split sizes are exchanged first (all-to-all
-    of one int64 per rank pair) and checked: if ``output_splits`` is given and disagrees with
-    what the other ranks will send, EVERY rank raises ValueError naming the rank(s) whose lists
-    disagree (a flag all-reduce tells them all) instead of hanging in a mismatched data
-    all-to-all. ``output_splits=None``: use what the exchange says.
-    Returns [sum(output_splits), ...].
+    The checks: one split per rank, non-negative integers, ``sum(input_splits) == x.shape[0]``,
+    and, when ``output_splits`` is given, that it equals what the other ranks will send (learnt
+    from an all-to-all of the split sizes, one int64 per rank pair). A rank that finds a problem
+    does NOT raise on its own (its peers would then wait in the next collective until the group
+    timeout, e.g. under torchrun): every rank first takes part in the counts exchange (a rank
+    whose own lists are unusable sends zeros) and in one flag all-reduce, so every rank learns
+    which ranks failed; those ranks' messages are then gathered (error path only), and EVERY rank
+    raises the same ValueError naming each failing rank and its rule. ``output_splits=None``:
+    use what the exchange says. Returns [sum(output_splits), ...].
+    Collectives on the success path: the counts all-to-all and the flag all-reduce.
     """
     P, me = dist.get_world_size(group), dist.get_rank(group)
-    if len(input_splits) != P:
-        raise ValueError(f"rank {me}: input_split_sizes has {len(input_splits)} entries for {P} ranks")
-    if any(int(s) != s or s < 0 for s in input_splits):
-        raise ValueError(f"rank {me}: split sizes must be non-negative integers, got {list(input_splits)}")
-    if sum(input_splits) != x.shape[0]:
-        raise ValueError(f"rank {me}: input_split_sizes {list(input_splits)} sum to {sum(input_splits)} "
-                         f"but the input has {x.shape[0]} rows")
-    if output_splits is not None and len(output_splits) != P:
-        raise ValueError(f"rank {me}: output_split_sizes has {len(output_splits)} entries for {P} ranks")
-    incoming = exchange_splits(input_splits, group, x.device)
+    problem = _split_problem(x, input_splits, output_splits, P)
+    # a rank with a malformed list still joins the exchange, sending zeros, so nobody hangs
+    incoming = exchange_splits([0] * P if problem else input_splits, group, x.device)
+    if problem is None and output_splits is not None and list(map(int, output_splits)) != incoming:
+        problem = (f"output_split_sizes {list(map(int, output_splits))} do not match the input_split_sizes "
+                   f"the other ranks send ({incoming})")
     # always one flag all-reduce (also when this rank passed no output sizes), so every rank
     # issues the same collectives whichever ranks gave output_split_sizes
     bad = torch.zeros(P, dtype=torch.long, device=x.device)
-    bad[me] = int(output_splits is not None and list(map(int, output_splits)) != incoming)
+    bad[me] = int(problem is not None)
     comm.all_reduce(bad, group)
     if bad.any():
         ranks = bad.nonzero().flatten().tolist()
-        detail = (f"; this rank {me} expects {list(output_splits)} but the ranks send {incoming}"
-                  if bad[me] else "")
-        raise ValueError(f"all_to_all split sizes disagree across ranks: output_split_sizes of rank(s) "
-                         f"{ranks} do not match the input_split_sizes the other ranks send{detail}")
+        problems = [None] * P
+        comm.all_gather_object(problems, problem, group)   # every rank reaches this: no hang
+        detail = "; ".join(f"rank {r}: {problems[r]}" for r in ranks)
+        raise ValueError(f"all_to_all split sizes are invalid on rank(s) {ranks} (checked on every rank): "
+                         f"{detail}")
     return all_to_all(x, incoming, input_splits, group)
 
 
@@ -123,16 +143,20 @@ class ExpertParallelMoE(MoELayer):
     """The MoE layer with its E experts sharded over the ``ep_size`` ranks of ``ep_group``.
 
     Holds the router and shared experts (replicated) and ``experts`` = the E/P local experts
-    (global ids ``expert_offset .. expert_offset + E/P - 1``). ``forward(x [..., H]) -> (y,
-    MoEStats)`` on this rank's tokens; every rank must call it (collective). Raises ValueError
-    at construction, before any communication, when P does not divide E or ``token_groups != 1``
-    (each rank is one group under EP).
+    (global ids ``expert_offset .. expert_offset + E/P - 1``). ``forward(x [..., H], mask=None)
+    -> (y, MoEStats)`` on this rank's tokens (``mask``: padding, as in :class:`MoELayer`); every rank must call it (collective). Raises ValueError
+    at construction, before any communication, when ``ep_size`` P < 1, ``ep_rank`` is outside
+    0..P-1, P does not divide E or ``token_groups != 1`` (each rank is one group under EP).
     """
 
     def __init__(self, cfg: MoEConfig, ep_group, ep_rank: int, ep_size: int):
         nn.Module.__init__(self)
         E = cfg.n_routed_experts
-        if ep_size < 1 or E % ep_size:
+        if isinstance(ep_size, bool) or not isinstance(ep_size, numbers.Integral) or ep_size < 1:
+            raise ValueError(f"ep_size must be an integer >= 1, got {ep_size!r}")
+        if isinstance(ep_rank, bool) or not isinstance(ep_rank, numbers.Integral) or not 0 <= ep_rank < ep_size:
+            raise ValueError(f"ep_rank={ep_rank!r} must be an integer in 0..ep_size-1 = 0..{ep_size - 1}")
+        if E % ep_size:
             raise ValueError(f"n_routed_experts={E} must be divisible by the EP size {ep_size}")
         if cfg.token_groups != 1:
             raise ValueError(f"under EP each rank routes its own tokens as one group; got token_groups="
@@ -160,10 +184,10 @@ class ExpertParallelMoE(MoELayer):
             ep.shared_experts.load_state_dict(layer.shared_experts.state_dict())
         return ep
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         shape, P, El = x.shape, self.ep_size, self.n_local_experts
         x2 = x.reshape(-1, shape[-1])
-        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None)
+        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None, mask)
         rows, perm = permute(x2, r.indices, r.keep, self.cfg.n_routed_experts)     # sorted by global expert
         # all-to-all #0: per-expert counts; recv_counts[s, e] = rows rank s sends to my local expert e
         recv_counts = torch.empty_like(perm.tokens_per_expert)

@@ -134,8 +134,9 @@ class MoEStats:
 class MoELayer(nn.Module):
     """Single-device MoE layer (``MoE`` in DeepSeek-V3's code): router + E experts + shared.
 
-    ``forward(x [..., H]) -> (y [..., H], MoEStats)``. With x [B, S, H] the sequence-wise loss
-    uses S as the sequence length. Raises ValueError when T is not divisible by ``token_groups``.
+    ``forward(x [..., H], mask=None) -> (y [..., H], MoEStats)``; ``mask`` (shape
+    ``x.shape[:-1]``, 1 = real token, 0 = padding) keeps padded tokens out of the balance
+    losses and the loads. With x [B, S, H] the sequence-wise loss uses S as the sequence length. Raises ValueError when T is not divisible by ``token_groups``.
     """
 
     def __init__(self, cfg: MoEConfig):
@@ -150,34 +151,53 @@ class MoELayer(nn.Module):
                                if cfg.n_shared_experts else None)
 
     # -- routing of the G token groups (shared with the expert-parallel layer) ----------------
-    def route_tokens(self, x2: torch.Tensor, seq_len: int | None):
-        """Route x2 [T, H] in ``token_groups`` groups. Returns (RouterOutput of all T tokens
-        concatenated, MoEStats without the router field)."""
+    def route_tokens(self, x2: torch.Tensor, seq_len: int | None, mask: torch.Tensor | None = None):
+        """Route x2 [T, H] in ``token_groups`` groups. ``mask`` [T] (1 = real token, 0 = padding)
+        or None: padded tokens count in neither f nor P of any balance loss, nor in the loads
+        ``tokens_per_expert``; they are still routed, take capacity slots and pass through their
+        experts (their outputs are the caller's to ignore). A group with no real token adds 0
+        to the mean over groups. Returns (RouterOutput of all T tokens concatenated, MoEStats
+        without the router field)."""
         cfg, G = self.cfg, self.cfg.token_groups
         T = x2.shape[0]
         if T % G:
             raise ValueError(f"T={T} tokens are not divisible by token_groups={G}")
+        if mask is not None:
+            mask = mask.reshape(-1).to(device=x2.device)
+            if mask.numel() != T:
+                raise ValueError(f"padding mask has {mask.numel()} entries for T={T} tokens (it must have "
+                                 f"the shape of x without its last dimension)")
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError("padding mask must hold 0 (padding) or 1 (real token) only")
+            mask = mask.bool()
         outs = [self.router(chunk) for chunk in x2.chunk(G, dim=0)] if T else [self.router(x2)]
+        masks = list(mask.chunk(G)) if mask is not None and T else [None] * len(outs)
         losses: dict[str, torch.Tensor] = {}
 
-        def add(name, values):
+        def add(name, loss_of_group):
+            # a group without a real token adds 0 (so EP, one group per rank, sums the same)
+            values = [loss_of_group(o, m) if m is None or bool(m.any()) else x2.new_zeros(())
+                      for o, m in zip(outs, masks)]
             losses[name] = torch.stack(values).mean()
 
         if cfg.aux_loss_coeff:
-            add("aux", [switch_aux_loss(o.logits, o.indices, cfg.aux_loss_coeff) for o in outs])
+            add("aux", lambda o, m: switch_aux_loss(o.logits, o.indices, cfg.aux_loss_coeff, m, from_logits=True))
         if cfg.z_loss_coeff:
-            add("z", [z_loss(o.logits, cfg.z_loss_coeff) for o in outs])
+            add("z", lambda o, m: z_loss(o.logits, cfg.z_loss_coeff, m))
         if cfg.seq_aux_loss_coeff:
             if seq_len is None:
                 raise ValueError("the sequence-wise balance loss needs x of shape [B, S, H]")
-            add("seq_aux", [sequence_balance_loss(o.logits, o.indices, seq_len, cfg.seq_aux_loss_coeff,
-                                                  cfg.score_func) for o in outs])
+            add("seq_aux", lambda o, m: sequence_balance_loss(o.logits, o.indices, seq_len, cfg.seq_aux_loss_coeff,
+                                                              cfg.score_func, m, from_logits=True))
         if cfg.device_loss_coeff:
-            add("device", [device_balance_loss(o.logits, o.indices, cfg.n_devices, cfg.device_loss_coeff,
-                                               cfg.score_func) for o in outs])
+            add("device", lambda o, m: device_balance_loss(o.logits, o.indices, cfg.n_devices, cfg.device_loss_coeff,
+                                                           cfg.score_func, m, from_logits=True))
         if cfg.comm_loss_coeff:
-            add("comm", [comm_balance_loss(o.logits, o.indices, cfg.n_devices, cfg.max_devices, cfg.comm_loss_coeff,
-                                           cfg.score_func) for o in outs])
+            add("comm", lambda o, m: comm_balance_loss(o.logits, o.indices, cfg.n_devices, cfg.max_devices,
+                                                       cfg.comm_loss_coeff, cfg.score_func, m, from_logits=True))
+        if mask is not None:   # loads over real tokens only (what the aux-loss-free bias update uses)
+            for o, m in zip(outs, masks):
+                o.tokens_per_expert = torch.bincount(o.indices[m].reshape(-1), minlength=cfg.n_routed_experts)
         cat = RouterOutput(
             weights=torch.cat([o.weights for o in outs]), indices=torch.cat([o.indices for o in outs]),
             keep=torch.cat([o.keep for o in outs]), logits=torch.cat([o.logits for o in outs]),
@@ -189,10 +209,10 @@ class MoELayer(nn.Module):
         stats = MoEStats(aux, losses, cat.tokens_per_expert.detach(), cat.dropped_fraction, cat)
         return cat, stats
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None)
+        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None, mask)
         if self.cfg.dispatch == "sort":
             y = sorted_moe(x2, r.weights, r.indices, r.keep, self.experts)
         else:

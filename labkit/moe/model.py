@@ -26,16 +26,17 @@ __all__ = ["MoEBlock", "MoEGPT", "total_aux_loss", "moe_config_for"]
 
 class MoEBlock(Block):
     """Pre-LN block whose MLP is an MoE layer: x + Attn(LN1 x), then x + MoE(LN2 x).
-    ``forward(x [B, S, H]) -> (x, MoEStats)``."""
+    ``forward(x [B, S, H], mask=None) -> (x, MoEStats)``; ``mask`` [B, S] (1 = real token, 0 =
+    padding) goes to the MoE layer (padded tokens count in no balance loss)."""
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig):
         super().__init__(cfg)
         del self.mlp
         self.moe = MoELayer(moe)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         x = x + self.attn(self.ln1(x))
-        y, stats = self.moe(self.ln2(x))
+        y, stats = self.moe(self.ln2(x), mask)
         return x + y, stats
 
 
@@ -48,7 +49,11 @@ def moe_config_for(cfg: GPTConfig, **overrides) -> MoEConfig:
 
 class MoEGPT(nn.Module):
     """GPT with MoE FFNs. ``embedding``, ``blocks`` (Block or MoEBlock), ``head`` as in GPT.
-    Deterministic from ``seed`` (does not touch the global RNG)."""
+    Deterministic from ``seed`` (does not touch the global RNG).
+
+    ``forward(idx [B, S], targets=None, mask=None)``: ``mask`` [B, S] (1 = real token, 0 =
+    padding) keeps padded tokens out of every MoE layer's balance losses and loads; to keep
+    them out of the LM loss too, set their ``targets`` to -100 (cross-entropy's ignore_index)."""
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, moe_layer_freq: int = 2, seed: int = 0):
         super().__init__()
@@ -72,12 +77,12 @@ class MoEGPT(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [b.moe for b in self.blocks if isinstance(b, MoEBlock)]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, mask: torch.Tensor | None = None):
         x = self.embedding(idx)
         stats: list[MoEStats] = []
         for block in self.blocks:
             if isinstance(block, MoEBlock):
-                x, s = block(x)
+                x, s = block(x, mask)
                 stats.append(s)
             else:
                 x = block(x)

@@ -34,6 +34,7 @@ that expert (the token still passes through the residual connection).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -74,12 +75,20 @@ def compute_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fac
     sec. 2.2: "expert capacity"; Switch eq. 3-4). ``capacity_factor=None`` -> None (no dropping).
 
     Example: T=5, E=4, k=1, capacity_factor=3.0 -> ceil(3.75) = 4.
-    Raises ValueError for capacity_factor <= 0.
+    Raises ValueError, naming the value, for E < 1, k < 1, T < 0, min_capacity < 0, or a
+    capacity_factor that is not a finite number > 0 (inf and NaN included: "no dropping"
+    is ``None``).
     """
+    for name, value, low in (("num_tokens T", num_tokens, 0), ("num_experts E", num_experts, 1),
+                             ("top_k k", top_k, 1), ("min_capacity", min_capacity, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"compute_capacity: {name} must be an integer >= {low}, got {value!r}")
     if capacity_factor is None:
         return None
-    if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
+    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
+            or not math.isfinite(capacity_factor) or capacity_factor <= 0):
+        raise ValueError(f"capacity_factor must be a finite number > 0, or None for no dropping; "
+                         f"got {capacity_factor!r}")
     return max(int(min_capacity), math.ceil(top_k * num_tokens / num_experts * capacity_factor))
 
 
@@ -188,7 +197,7 @@ class TopKRouter(nn.Module):
         # validate the routing options once, on a dummy row
         route(torch.zeros(1, n_routed_experts), n_activated_experts, score_func, renormalize,
               n_expert_groups, n_limited_groups)
-        compute_capacity(1, n_routed_experts, n_activated_experts, capacity_factor)
+        compute_capacity(1, n_routed_experts, n_activated_experts, capacity_factor, min_capacity)
         self.n_routed_experts, self.top_k = n_routed_experts, n_activated_experts
         self.score_func, self.renormalize, self.route_scale = score_func, renormalize, route_scale
         self.n_expert_groups, self.n_limited_groups = n_expert_groups, n_limited_groups

@@ -10,6 +10,7 @@ stage 0 = blocks 0-1 (and the embedding) and stage 4 = blocks 8-9.
 from __future__ import annotations
 
 import copy
+import numbers
 
 import torch
 import torch.nn as nn
@@ -24,10 +25,18 @@ __all__ = ["GPTStage", "split_gpt", "stage_layers", "gpt_stages_for_rank", "gpt_
 def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
     """Block indices of ``stage`` (L blocks over ``n_stages`` stages; L % n_stages == 0).
 
-    Raises ScheduleError when the layers do not divide evenly."""
-    if n_stages < 1 or n_layer % n_stages:
+    Raises ScheduleError (a ValueError) when a size is not an integer (n_layer >= 1,
+    n_stages >= 1), the layers do not divide evenly, or ``stage`` is outside 0..n_stages-1."""
+    for name, value in (("n_layer", n_layer), ("n_stages", n_stages), ("stage", stage)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ScheduleError(f"stage_layers: {name} must be an integer, got {value!r}")
+    if n_layer < 1 or n_stages < 1:
+        raise ScheduleError(f"stage_layers: n_layer={n_layer} and n_stages={n_stages} must both be >= 1")
+    if n_layer % n_stages:
         raise ScheduleError(f"n_layer={n_layer} layers cannot be split evenly into K*v={n_stages} stages "
                             f"(the number of layers must be a multiple of K*v)")
+    if not 0 <= stage < n_stages:
+        raise ScheduleError(f"stage={stage} is outside 0..n_stages-1 = 0..{n_stages - 1}")
     per = n_layer // n_stages
     return range(stage * per, (stage + 1) * per)
 

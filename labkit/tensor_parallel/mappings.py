@@ -174,5 +174,14 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Te
     """``[*, n/t] -> [*, n]``: concatenates every rank's slice along the last dimension.
 
     Forward 1 all-gather; backward keeps this rank's slice of the gradient (no communication).
+
+    The backward ASSUMES that the incoming gradient dL/dY [*, n] is the same on every rank of
+    ``group``, which holds when everything after the gather is replicated (every rank computes
+    the same function of the same gathered Y, e.g. ``ColumnParallelLinear(gather_output=True)``
+    followed by replicated layers and the same loss). Then rank i's slice of dL/dY is the whole
+    gradient of its shard. If ranks use Y differently (different losses, data or dropout masks
+    after the gather), the true gradient of shard i is the SUM over ranks of their slice i,
+    i.e. a reduce-scatter, and this operator silently returns only this rank's term. Megatron-
+    Core's operator makes the same assumption.
     """
     return _GatherFromModelParallelRegion.apply(x, group)

@@ -38,7 +38,7 @@ def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool =
         x = logits.clone().requires_grad_(True)
         got = _scalar(answer(x, indices.clone(), *extra), what)
         ref_x = logits.clone().requires_grad_(True)
-        want = reference(ref_x, indices, *extra)
+        want = reference(ref_x, indices, *extra, from_logits=True)
         expect_close(got.detach(), want.detach(), f"{what}: value")
         if grad:
             if not got.requires_grad:

@@ -1,0 +1,75 @@
+"""Faults end cleanly: SIGTERM, Ctrl-C and SIGKILL of the parent leave no process (checked by
+process group) and, for SIGTERM/Ctrl-C, no rendezvous folder (checked by name), in bounded time;
+the command ends with one line and the usual exit code."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    from labkit.dist import launch
+    from labkit.labs import run_cli
+
+    def rank_fn(ctx, ready):
+        open(os.path.join(ready, f"ready{ctx.rank}"), "w").close()
+        time.sleep(60)
+
+    sys.exit(run_cli(lambda: launch(rank_fn, 2, sys.argv[1], timeout=90)))
+""")
+
+
+def _group(pgid):
+    """Live (non-zombie) processes of process group ``pgid``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
+def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    cases = {"SIGTERM": (signal.SIGTERM, False), "SIGINT": (signal.SIGINT, True), "SIGKILL": (signal.SIGKILL, False)}
+    procs = {}
+    for name, (sig, to_group) in cases.items():  # all three at once: the test takes one run's time
+        tmp = tmp_path / name
+        (tmp / "ready").mkdir(parents=True)
+        env = dict(os.environ, TMPDIR=str(tmp), OMP_NUM_THREADS="1")
+        procs[name] = subprocess.Popen([sys.executable, str(script), str(tmp / "ready")], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.monotonic() + 60
+    for name, p in procs.items():
+        ready = tmp_path / name / "ready"
+        while len(os.listdir(ready)) < 2 and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(os.listdir(ready)) == 2, (name, p.poll(), p.stderr.read() if p.poll() is not None else "")
+        assert len(_group(p.pid)) == 3  # the parent and its 2 ranks
+        assert [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
+        sig, to_group = cases[name]
+        (os.killpg if to_group else os.kill)(p.pid, sig)  # Ctrl-C goes to the whole foreground group
+    t0 = time.monotonic()
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=20)
+        while _group(p.pid) and time.monotonic() < t0 + 10:  # the ranks die with their parent
+            time.sleep(0.05)
+        assert _group(p.pid) == [], name
+        left = [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
+        if name == "SIGKILL":
+            assert p.returncode == -signal.SIGKILL  # nothing can run in a SIGKILLed parent; its ranks still die
+            continue
+        assert left == [], name
+        assert p.returncode == {"SIGTERM": 143, "SIGINT": 130}[name], (name, err)
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith("terminated (SIGTERM)" if name == "SIGTERM" else "interrupted (Ctrl-C)"), err
+    assert time.monotonic() - t0 < 15

@@ -1,0 +1,78 @@
+"""pyproject.toml declares every third-party package labkit imports, with ranges that the
+pinned requirements.txt satisfies (so `pip install .` gives a labkit that imports)."""
+import ast
+import importlib.metadata as md
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared() -> dict:
+    """{normalised distribution name: Requirement} from [project].dependencies."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {_norm(r.name): r for r in map(Requirement, project["dependencies"])}
+
+
+def third_party_imports(package: Path = ROOT / "labkit") -> dict:
+    """{top-level module: first file importing it} for every absolute import in the package
+    (also imports inside functions), leaving out the standard library and labkit itself."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "labkit":
+                    found.setdefault(top, str(path.relative_to(ROOT)))
+    return found
+
+
+def missing(imports: dict, deps: dict) -> list:
+    """Imports whose distribution (as installed here) is not declared."""
+    owners = md.packages_distributions()
+    out = []
+    for module, where in sorted(imports.items()):
+        dists = {_norm(d) for d in owners.get(module, [module])}
+        if not dists & set(deps):
+            out.append(f"{module} (imported in {where}; distribution {sorted(dists)})")
+    return out
+
+
+def test_declared_dependencies_cover_every_third_party_import():
+    imports = third_party_imports()
+    assert {"torch", "numpy", "matplotlib", "tqdm", "nbformat", "nbclient", "ipywidgets"} <= set(imports)
+    assert missing(imports, declared()) == []
+
+
+def test_the_check_catches_an_undeclared_import():
+    deps = declared()
+    del deps["tqdm"]
+    gaps = missing(third_party_imports(), deps)
+    assert len(gaps) == 1 and gaps[0].startswith("tqdm (imported in labkit/"), gaps
+
+
+def test_ranges_are_real_and_the_pin_satisfies_them():
+    deps = declared()
+    torch = deps["torch"].specifier
+    assert Version("2.6") in torch and Version("2.5.1") not in torch     # oldest with the APIs labkit uses
+    pins = dict(line.split("==") for line in (ROOT / "requirements.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert pins["torch"] == "2.13.0" and Version(pins["torch"]) in torch
+    for name, req in deps.items():                                       # the installed versions fit too
+        assert str(req.specifier), f"{name} has no version range"
+        assert Version(md.version(name)) in req.specifier, (name, md.version(name), str(req.specifier))
