@@ -122,13 +122,15 @@ GRIDS = [  # (t, p, d, schedule, v)
     (1, 2, 2, "interleaved", 2),
     (2, 1, 2, "1f1b", 1),
     (1, 1, 4, "1f1b", 1),
+    (2, 2, 1, "zbh1", 1),          # zero-bubble: backward split into I and W, DDP/TP inside
+    (1, 2, 2, "zbv", 2),           # V placement: rank r holds stages r and 2p-1-r
 ]
 
 
 @pytest.mark.parametrize("t,p,d,schedule,v", GRIDS)
 def test_3d_equals_single_device_sgd(t, p, d, schedule, v):
     cfg = cfg_for()
-    out = run(cfg, t, p, d, schedule, v, M=2 if v == 1 else 2)
+    out = run(cfg, t, p, d, schedule, v, M=2 if schedule != "zbv" else 4)
     check_equal(out, cfg, 3)
     check_comm(out)
 

@@ -46,8 +46,9 @@ def _parser():
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree p")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel degree d (unset: 2; under torchrun WORLD_SIZE / (t*p))")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"), help="pipeline schedule")
-    p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank (interleaved only)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"),
+                   help="pipeline schedule (zbh1, zbv, dualpipev: zero-bubble, backward split into I and W)")
+    p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank (interleaved; zbv/dualpipev: 2)")
     p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
@@ -67,6 +68,23 @@ def _parser():
     p.add_argument("--out", default="runs", help="folder for the run folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     return p
+
+
+def _v(a) -> int:
+    """Chunks per rank: --chunks for interleaved, 2 for the V-shaped schedules, else 1."""
+    return a.chunks if a.schedule == "interleaved" else 2 if a.schedule in ("zbv", "dualpipev") else 1
+
+
+def _bubble_formula(a) -> float:
+    """Idle fraction from the formulas with equal costs per stage (T_F = T_I = T_W = 1, T_B = 2):
+    bubble time / (ideal time v*M*(T_F + T_B) + bubble time). GPipe/1F1B/interleaved:
+    (p-1)/(vM+p-1) (Narayanan et al. 2021); zero-bubble: :func:`labkit.pipeline.bubble_time_formula`."""
+    from ..pipeline import bubble_formula, bubble_time_formula
+    p, M, v = a.pp, a.microbatches, _v(a)
+    if a.schedule in ("gpipe", "1f1b", "interleaved"):
+        return float(bubble_formula(p, M, v))
+    bubble = float(bubble_time_formula({"zbh1": "zb-h1"}.get(a.schedule, a.schedule), p))
+    return bubble / (v * M * 3 + bubble)
 
 
 def _config(a):
@@ -89,7 +107,7 @@ def _bad_args(a, world) -> str | None:
     try:
         cfg = _config(a)
         from ..parallel import check_layout
-        v = a.chunks if a.schedule == "interleaved" else 1
+        v = _v(a)
         check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule)
     except ValueError as e:
         return str(e)
@@ -108,7 +126,7 @@ def _worker(ctx, a, corpus):
     from .verdict import Lockstep, sharded_pieces
 
     torch.manual_seed(a.seed)
-    v = a.chunks if a.schedule == "interleaved" else 1
+    v = _v(a)
     grid = make_grid(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
     cfg = _config(a)
     pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
@@ -203,13 +221,12 @@ def run_3d(a, corpus=None) -> dict:
     (rank 0: :class:`labkit.labs.verdict.LockstepResult`)."""
     from ..data import Corpus
     from ..dist import in_torchrun, launch
-    from ..pipeline import TimedAction, bubble_formula, bubble_fraction
+    from ..pipeline import TimedAction, bubble_fraction
     from ..pipeline.schedules import Action
     corpus = corpus if corpus is not None else Corpus.load(a.data)
     world = a.tp * a.pp * a.dp
     ranks = launch(_worker, world, a, corpus, backend=a.backend, timeout=120)
     single = _single(a, corpus) if not in_torchrun() or int(os.environ["RANK"]) == 0 else None
-    v = a.chunks if a.schedule == "interleaved" else 1
     pipe = sorted((r for r in ranks if r["timelines"] is not None), key=lambda r: r["pp_rank"])
     measured = []
     for i in range(1, a.steps) if a.steps > 1 else [0]:
@@ -221,7 +238,7 @@ def run_3d(a, corpus=None) -> dict:
         losses.append(sum(ls) / len(ls))
     ov = [o for r in ranks for o in r["overlap"][1:] if o == o] if a.dp > 1 and not a.zero else []
     return {"ranks": ranks, "single": single, "losses": losses,
-            "bubble": (sum(measured) / len(measured), float(bubble_formula(a.pp, a.microbatches, v))),
+            "bubble": (sum(measured) / len(measured), _bubble_formula(a)),
             "overlap": sum(ov) / len(ov) if ov else float("nan")}
 
 
@@ -268,8 +285,9 @@ def _plots(a, out, folder: Path):
     fig.tight_layout()
     fig.savefig(folder / "loss_curves.png", dpi=110)
 
-    v = a.chunks if a.schedule == "interleaved" else 1
-    cells = layout(_config(a), a.tp, a.pp, a.dp, v)
+    from ..parallel.gpt import placement_of
+    v = _v(a)
+    cells = layout(_config(a), a.tp, a.pp, a.dp, v, placement_of(a.schedule))
     cols = a.dp * a.tp
     fig = Figure(figsize=(max(5.0, 1.9 * cols), max(2.4, 1.3 * a.pp + 0.8)))
     ax = fig.add_subplot(1, 1, 1)
@@ -327,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_main_rank():
         return 0
     from .verdict import verdict_exit
-    v = a.chunks if a.schedule == "interleaved" else 1
+    v = _v(a)
     ranks = out["ranks"]
     print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
           f"on t={a.tp} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0]['backend']}), {a.schedule}"
@@ -341,8 +359,12 @@ def main(argv: list[str] | None = None) -> int:
           "the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an all-gather "
           "of n/d; b = B/(d*M).")
     meas, formula = out["bubble"]
+    name = "(p-1)/(vM+p-1)" if a.schedule in ("gpipe", "1f1b", "interleaved") else "(T_F = T_I = T_W)"
     print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "
-          f"formula (p-1)/(vM+p-1) = {formula:.1%}")
+          f"formula {name} = {formula:.1%}")
+    if len(ranks) > (os.cpu_count() or 1):
+        print(f"note: {len(ranks)} ranks share {os.cpu_count()} CPU cores, so a rank often waits for a core; the "
+              f"measured bubble includes that wait")
     if a.dp > 1 and not a.zero:
         print(f"DP all-reduce time hidden behind backward: {out['overlap']:.0%} (buckets of {a.bucket_cap_mb:g} MiB, "
               f"started from gradient hooks)")
