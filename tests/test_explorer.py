@@ -103,3 +103,27 @@ def test_explorer_offers_the_zero_bubble_schedules():
     w = explorer()
     w.children[0].value = "ZB-V"
     assert w.result["schedule"] == "ZB-V" and w.result["bubble"] == w.result["bubble_formula"]
+
+
+def test_v_slider_is_disabled_where_v_is_ignored():
+    w = explorer(schedule="1F1B", K=4, M=8, v=2)
+    dropdown, v_slider = w.children[0], w.children[3]
+    assert v_slider.disabled
+    dropdown.value = "Interleaved 1F1B"
+    assert not v_slider.disabled
+    dropdown.value = "GPipe"
+    assert v_slider.disabled
+    assert not explorer(schedule="Interleaved 1F1B").children[3].disabled
+
+
+def test_render_widens_crowded_charts_and_can_label_stages():
+    from labkit.pipeline.explorer import figure_width
+
+    assert figure_width("1F1B", 8, 4) == 10 and figure_width("Interleaved 1F1B", 8, 2) == 10
+    assert figure_width("Interleaved 1F1B", 8, 4) == 14.8 and figure_width("Interleaved 1F1B", 16, 4) == 16
+    info = render("Interleaved 1F1B", K=4, M=8, v=4)
+    assert info["ax"].figure.get_figwidth() == 14.8
+    info = render("Interleaved 1F1B", K=2, M=4, v=2, show_stage=True)
+    labels = {t.get_text() for t in info["ax"].texts}
+    assert {"0/0", "0/1", "0/2", "0/3", "3/3"} <= labels  # microbatch/stage
+    assert all("/" not in t.get_text() for t in render("1F1B", K=2, M=4)["ax"].texts)

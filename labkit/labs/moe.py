@@ -1,6 +1,7 @@
 """Lab: train the MoE GPT with expert parallelism and watch the experts' loads.
 
     python -m labkit lab moe [--ep 4] [--steps 60] [--balance-steps 150] [--out DIR]
+    python -m labkit lab moe --eplb [--gpus-per-node 2]     (EPLB replicas: see labkit.labs.moe_eplb)
     torchrun --nproc-per-node 4 -m labkit.labs.moe
 
 1. Trains the MoE GPT (labkit.moe.model) on the default corpus with EP = P ranks (CPU
@@ -36,7 +37,7 @@ from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_ex
 from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               error, is_main_rank, run_folder)
+               error, is_main_rank, moe_eplb, run_folder)
 from .verdict import add_tolerance_option, verdict_exit
 
 BALANCE_MODES = ("none", "aux", "aux_free")
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="run folder (unset: runs/moe-<time>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     add_tolerance_option(p)
+    moe_eplb.add_arguments(p)
     return p
 
 
@@ -372,9 +374,16 @@ def main(argv: list[str] | None = None) -> int:
         Corpus.load(a.data, block_size=a.seq)
     except (OSError, ValueError) as e:
         return error(str(e))
+    if a.eplb:
+        bad = "--eplb starts its own ranks: run it with python -m labkit lab moe --eplb" if in_torchrun() \
+            else moe_eplb.bad_args(a)
+        if bad:
+            return error(bad)
     torch.manual_seed(a.seed)
     if not in_torchrun():
         torch.set_num_threads(1)     # tiny kernels: one thread is faster and keeps the forked ranks fair
+    if a.eplb:
+        return moe_eplb.main(a)
     t0 = time.perf_counter()
     ep_hist = launch(_ep_worker, a.ep, a, backend=a.backend, timeout=120)
     if not is_main_rank():

@@ -5,7 +5,8 @@ aux-loss-free bias), ``losses`` (Switch/GShard aux, z-loss, DeepSeek-V2 expert/d
 communication, DeepSeek-V3 sequence-wise), ``dispatch`` (sort-based and GShard one-hot),
 ``experts`` (FFN experts, shared and fine-grained, the single-device ``MoELayer``),
 ``expert_parallel`` (experts sharded over ranks, all-to-all dispatch), ``model`` (MoE GPT),
-``params`` (total vs active parameter counts).
+``params`` (total vs active parameter counts), ``eplb`` (redundant experts and their
+placement), ``replicas`` (expert parallelism over the copies).
 """
 from .router import RouterOutput, TopKRouter, Gate, route, compute_capacity, capacity_mask, update_expert_bias
 from .losses import (switch_aux_loss, z_loss, expert_balance_loss, device_balance_loss, comm_balance_loss,
@@ -16,3 +17,5 @@ from .expert_parallel import (ExpertParallelMoE, all_to_all, all_to_all_uneven, 
                               sync_replicated_grads, to_expert_parallel, all_reduce_loads)
 from .model import MoEBlock, MoEGPT, total_aux_loss, moe_config_for
 from .params import ModelSpec, ParamCount, count_parameters, MIXTRAL_8X7B, DEEPSEEK_V3
+from .eplb import rebalance_experts
+from .replicas import ReplicatedExpertParallelMoE, sync_replica_grads, to_replicated_expert_parallel

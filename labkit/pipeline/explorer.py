@@ -29,7 +29,8 @@ from .plot import plot_timeline
 from .schedules import ScheduleError, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
 from .simulate import bubble_formula, simulate
 
-__all__ = ["SCHEDULES", "ZERO_BUBBLE", "build_schedule", "peak_in_flight_per_rank", "count_sends", "render", "describe", "explorer"]
+__all__ = ["SCHEDULES", "ZERO_BUBBLE", "build_schedule", "peak_in_flight_per_rank", "count_sends", "figure_width",
+           "render", "describe", "explorer"]
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1", "ZB-V", "DualPipeV")
 ZERO_BUBBLE = ("ZB-H1", "ZB-V", "DualPipeV")  # backward split into I and W (:mod:`.zero_bubble`)
@@ -75,10 +76,18 @@ def count_sends(actions: dict) -> int:
     return sum(a.kind in ("SEND_F", "SEND_B") for r in actions for a in actions[r])
 
 
+def figure_width(schedule: str, M: int, v: int) -> float:
+    """Width in inches of a new figure for :func:`render`: 10, widened for schedules with many boxes
+    per rank (2Mv for interleaving) so that their microbatch numbers still fit, at most 16."""
+    v_used = v if schedule == "Interleaved 1F1B" else 1
+    return float(min(16.0, max(10.0, 0.2 * 2 * M * v_used + 2)))
+
+
 def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward: float | None = None,
-           ax=None, weight_share: float = 0.5) -> dict:
+           ax=None, weight_share: float = 0.5, show_stage: bool = False) -> dict:
     """Simulate ``schedule`` with K ranks, M microbatches (and v chunks for interleaving) and
-    draw its Gantt chart on ``ax`` (a new figure when None).
+    draw its Gantt chart on ``ax`` (a new figure, :func:`figure_width` wide, when None).
+    ``show_stage``: label the boxes ``m/s`` (microbatch/stage) instead of ``m``, where they fit.
 
     Time unit: the forward of one microbatch through all the layers of a rank; with v
     chunks a stage's forward takes 1/v of it. ``backward``: time of a backward relative to
@@ -90,7 +99,7 @@ def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward:
     the message), ``ax``.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.6 * K + 1.4))
+        _, ax = plt.subplots(figsize=(figure_width(schedule, M, v), 0.6 * K + 1.4))
     if schedule in ZERO_BUBBLE:  # default b = 2: T_F = T_I = T_W, the zero-bubble paper's case
         return _render_zero_bubble(schedule, K, M, 2.0 if backward is None else backward, weight_share, ax)
     backward = 1.0 if backward is None else backward
@@ -113,7 +122,7 @@ def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward:
                 makespan=sim.makespan)
     name = schedule + (f", v={v_used}" if schedule == "Interleaved 1F1B" else "")
     plot_timeline(sim, ax=ax, title=f"{name}, K={K}, M={M} (formula {float(info['bubble_formula']):.1%})",
-                  unit="forward time of a rank's layers")  # labels only where they fit
+                  unit="forward time of a rank's layers", show_stage=show_stage)  # labels only where they fit
     return info
 
 
@@ -178,7 +187,8 @@ def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int 
              max_M: int = 16, max_v: int = 4):
     """The widget: a dropdown (schedule) and sliders K, M, v, then the output area
     (``children`` 0-4 of an ``ipywidgets.VBox``). Moving a control re-runs :func:`render`
-    and shows :func:`describe` and the figure; the last result dict is ``widget.result``.
+    and shows :func:`describe` and the figure; the last result dict is ``widget.result``. The v
+    slider is disabled while the schedule is GPipe or 1F1B (they have one stage per rank).
 
     The output area is filled with ``Output.append_stdout`` / ``append_display_data``
     rather than by capturing a ``with out:`` block: a headless notebook runner (nbclient,
@@ -197,6 +207,8 @@ def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int 
     box.add_class("widget-interact")
 
     def update(*_):
+        # v only matters for interleaving: GPipe and 1F1B ignore it, so the slider is greyed out
+        controls[3].disabled = controls[0].value != "Interleaved 1F1B"
         info = dict(render(*(c.value for c in controls)))
         fig = info.pop("ax").figure
         out.outputs = ()

@@ -1,0 +1,110 @@
+"""Exercises of notebook 14_moe_at_scale: the solutions pass, plausible wrong answers fail with a
+message that says what was expected and what came back."""
+from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.moe.params import count_parameters
+
+
+def pack_groups(loads, n_nodes):
+    per = len(loads) // n_nodes
+    node_load, count, node = [0.0] * n_nodes, [0] * n_nodes, [0] * len(loads)
+    for g in sorted(range(len(loads)), key=lambda i: -loads[i]):
+        n = min((m for m in range(n_nodes) if count[m] < per), key=lambda m: node_load[m])
+        node[g], node_load[n], count[n] = n, node_load[n] + loads[g], count[n] + 1
+    return node
+
+
+def round_robin(loads, n_nodes):
+    """Wrong: ignores the loads."""
+    return [g % n_nodes for g in range(len(loads))]
+
+
+def greedy_without_room_limit(loads, n_nodes):
+    """Wrong: lightest node, but nodes may end up with different numbers of groups."""
+    node_load, node = [0.0] * n_nodes, [0] * len(loads)
+    for g in sorted(range(len(loads)), key=lambda i: -loads[i]):
+        n = min(range(n_nodes), key=lambda m: node_load[m])
+        node[g], node_load[n] = n, node_load[n] + loads[g]
+    return node
+
+
+def replica_counts(load, num_replicas):
+    cnt = [1] * len(load)
+    for _ in range(num_replicas - len(load)):
+        e = max(range(len(load)), key=lambda i: load[i] / cnt[i])
+        cnt[e] += 1
+    return cnt
+
+
+def all_extras_to_the_heaviest(load, num_replicas):
+    """Wrong: every extra copy goes to the expert with the highest total load."""
+    cnt = [1] * len(load)
+    cnt[max(range(len(load)), key=lambda i: load[i])] += num_replicas - len(load)
+    return cnt
+
+
+def proportional_rounding(load, num_replicas):
+    """Wrong: copies proportional to the load, rounded (can be 0 and need not sum to R)."""
+    return [round(num_replicas * l / sum(load)) for l in load]
+
+
+def inter_node_bytes(indices, experts_per_node, my_node, hidden, bytes_per_element):
+    node = indices // experts_per_node
+    flat = int((node != my_node).sum())
+    hier = sum(len(set(row.tolist()) - {my_node}) for row in node)
+    return flat * hidden * bytes_per_element, hier * hidden * bytes_per_element
+
+
+def hierarchical_per_slot(indices, experts_per_node, my_node, hidden, bytes_per_element):
+    """Wrong: the hierarchical count is the flat one (tokens not de-duplicated per node)."""
+    flat, _ = inter_node_bytes(indices, experts_per_node, my_node, hidden, bytes_per_element)
+    return flat, flat
+
+
+def counting_my_own_node(indices, experts_per_node, my_node, hidden, bytes_per_element):
+    """Wrong: the token's own node counts as inter-node."""
+    node = indices // experts_per_node
+    return (indices.numel() * hidden * bytes_per_element,
+            sum(len(set(r.tolist())) for r in node) * hidden * bytes_per_element)
+
+
+def decode_bound(spec, bytes_per_param, bandwidth):
+    nbytes = count_parameters(spec).active * bytes_per_param
+    return nbytes, nbytes / bandwidth
+
+
+def decode_bound_total(spec, bytes_per_param, bandwidth):
+    """Wrong: reads ALL parameters of the MoE per token."""
+    nbytes = count_parameters(spec).total * bytes_per_param
+    return nbytes, nbytes / bandwidth
+
+
+def decode_bound_gigabytes(spec, bytes_per_param, bandwidth):
+    """Wrong units: GB instead of bytes."""
+    nbytes = count_parameters(spec).active * bytes_per_param
+    return nbytes / 1e9, nbytes / bandwidth
+
+
+def test_solutions_pass():
+    for ex, answer in (("14.1", pack_groups), ("14.2", replica_counts), ("14.3", inter_node_bytes),
+                       ("14.4", decode_bound)):
+        assert_check_passes(ex, answer)
+
+
+def test_packing_wrong_answers_fail():
+    assert_check_fails("14.1", round_robin, contains="the heaviest node carries 12 (node loads [12, 6])")
+    assert_check_fails("14.1", greedy_without_room_limit, contains="every node must hold 2 groups, got [1, 3, 2, 2]")
+
+
+def test_replica_wrong_answers_fail():
+    assert_check_fails("14.2", all_extras_to_the_heaviest, contains="the busiest copy serves")
+    assert_check_fails("14.2", proportional_rounding, contains="every expert needs at least one copy")
+
+
+def test_bytes_wrong_answers_fail():
+    assert_check_fails("14.3", hierarchical_per_slot, contains="hierarchical inter-node bytes expected 192, got 256")
+    assert_check_fails("14.3", counting_my_own_node, contains="flat inter-node bytes expected 256, got 512")
+
+
+def test_decode_wrong_answers_fail():
+    assert_check_fails("14.4", decode_bound_total, contains="bytes read per token")
+    assert_check_fails("14.4", decode_bound_gigabytes, contains="bytes read per token")
