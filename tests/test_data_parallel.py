@@ -6,7 +6,7 @@ import torch
 
 from labkit.comm import CommLog
 from labkit.data_parallel import (DistributedDataParallel, ZeroRedundancyOptimizer, expected_dp_comm,
-                                  optimizer_state_bytes, ring_bytes)
+                                  optimizer_state_bytes)
 from labkit.dist import launch
 from labkit.model import GPT, GPTConfig
 
@@ -132,10 +132,12 @@ def test_zero1_equals_single_device(opt_name, steps):
     for c in out[0]["counts"]:  # one reduce-scatter of the n (padded) gradient elements, one all-gather of n/d
         assert c == {("reduce_scatter", d): (1, padded * 4), ("all_gather", d): (1, padded // d * 4)}
     # in a ring, reduce-scatter + all-gather send what DP's all-reduce of the same n sends: 2(d-1)/d * n
+    from labkit.comm import CommRecord, ring_wire_bytes
     for dd in (2, 4, 8):
         n_bytes = 4 * dd * 1000
-        assert ring_bytes("reduce_scatter", n_bytes, dd) + ring_bytes("all_gather", n_bytes // dd, dd) == \
-            ring_bytes("all_reduce", n_bytes, dd) == 2 * (dd - 1) / dd * n_bytes
+        rs, ag, ar = (CommRecord(k, dd, b, (), "float32") for k, b in
+                      (("reduce_scatter", n_bytes), ("all_gather", n_bytes // dd), ("all_reduce", n_bytes)))
+        assert ring_wire_bytes(rs) + ring_wire_bytes(ag) == ring_wire_bytes(ar) == 2 * (dd - 1) * n_bytes // dd
     if opt_name == "adam":      # exp_avg and exp_avg_sq of n/d elements instead of n
         assert full_state == 2 * n * 4
         assert out[0]["state"] == 2 * (padded // d) * 4

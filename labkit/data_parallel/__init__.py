@@ -8,8 +8,8 @@
 Both use the DP process group passed in (``ProcessGrid.dp_group``); all communication goes
 through :mod:`labkit.comm` and is counted.
 """
-from .ddp import DistributedDataParallel, broadcast_parameters, expected_dp_comm, overlap_share, ring_bytes
+from .ddp import DistributedDataParallel, broadcast_parameters, expected_dp_comm, overlap_share
 from .zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
-__all__ = ["DistributedDataParallel", "broadcast_parameters", "expected_dp_comm", "overlap_share", "ring_bytes",
+__all__ = ["DistributedDataParallel", "broadcast_parameters", "expected_dp_comm", "overlap_share",
            "ZeroRedundancyOptimizer", "optimizer_state_bytes"]

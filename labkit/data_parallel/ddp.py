@@ -22,7 +22,8 @@ How the average is computed (PyTorch DDP, Li et al. 2020, "PyTorch Distributed",
 
 What a ring all-reduce costs: each rank sends and receives ``2(d-1)/d`` of the buffer's bytes
 (reduce-scatter then all-gather; Patarasuk & Yuan 2009). :class:`labkit.comm.CommLog` counts
-the payload (the bucket's bytes); :func:`expected_dp_comm` gives both numbers.
+the payload (the bucket's bytes; ``CommLog.wire_bytes`` the ring's); :func:`expected_dp_comm`
+gives both numbers.
 
 ``no_sync()``: inside it the hooks do nothing, gradients accumulate locally (gradient
 accumulation over microbatches); the first backward outside it reduces the accumulated sum.
@@ -43,7 +44,7 @@ import torch.nn as nn
 
 from .. import comm
 
-__all__ = ["DistributedDataParallel", "broadcast_parameters", "expected_dp_comm", "overlap_share", "ring_bytes"]
+__all__ = ["DistributedDataParallel", "broadcast_parameters", "expected_dp_comm", "overlap_share"]
 
 
 def _group_ranks(group) -> list[int]:
@@ -76,24 +77,6 @@ def expected_dp_comm(param_numels: list[int], bucket_cap_mb: float, d: int, byte
     buckets += 1 if cur else 0
     payload = sum(param_numels) * bytes_per_element
     return {"buckets": buckets, "all_reduce_bytes": payload, "ring_bytes_per_rank": 2 * (d - 1) / d * payload}
-
-
-def ring_bytes(kind: str, payload: int, d: int) -> float:
-    """Bytes one rank sends in a ring implementation of a collective whose counted payload
-    (:mod:`labkit.comm`'s convention) is ``payload`` bytes over d ranks.
-
-    all_reduce (payload n): 2(d-1)/d * n (reduce-scatter then all-gather);
-    reduce_scatter (payload: the full input n): (d-1)/d * n;
-    all_gather (payload: the local shard n/d): (d-1) * n/d.
-    So ZeRO-1's reduce-scatter + all-gather send exactly what DP's all-reduce sends.
-    """
-    if kind == "all_reduce":
-        return 2 * (d - 1) / d * payload
-    if kind == "reduce_scatter":
-        return (d - 1) / d * payload
-    if kind == "all_gather":
-        return (d - 1) * payload
-    raise ValueError(f"kind must be all_reduce, reduce_scatter or all_gather, got {kind!r}")
 
 
 def overlap_share(intervals: list[tuple[float, float]], backward_end: float) -> float:
