@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from ..dist import launch
 from ..model import GPT, GPTConfig
-from . import median_time  # noqa: F401  (the shared helper; the alternating loop below is this bench's)
 
 
 def _pairs(step_a, step_b, iters: int, warmup: int = 2):
@@ -237,4 +236,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..labs import run_cli
+    sys.exit(run_cli(main))

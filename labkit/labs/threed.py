@@ -30,12 +30,13 @@ import argparse
 import os
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
-from . import HelpFormatter, error, is_main_rank
+from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
+               error, is_main_rank, run_folder)
+from .verdict import add_tolerance_option
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
 
@@ -63,8 +64,7 @@ def _parser():
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
-    p.add_argument("--tolerance", type=float, default=1e-5,
-                   help="verdict's relative tolerance rtol (atol = rtol/10): see labkit/labs/verdict.py")
+    add_tolerance_option(p)
     p.add_argument("--out", default="runs", help="folder for the run folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     return p
@@ -95,15 +95,15 @@ def _config(a):
 
 def _bad_args(a, world) -> str | None:
     """The first rule the options break, as one message naming the values; None if all are fine."""
-    import math
     for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--chunks", a.chunks),
                         ("--microbatches", a.microbatches), ("--steps", a.steps), ("--batch", a.batch),
                         ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    for flag, value in (("--lr", a.lr), ("--tolerance", a.tolerance), ("--bucket-cap-mb", a.bucket_cap_mb)):
-        if not (math.isfinite(value) and value > 0):
-            return f"{flag} must be a finite number > 0, got {value}"
+    bad = (bad_number("--lr", a.lr) or bad_number("--tolerance", a.tolerance)
+           or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
+    if bad:
+        return bad
     try:
         cfg = _config(a)
         from ..parallel import check_layout
@@ -111,7 +111,13 @@ def _bad_args(a, world) -> str | None:
         check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule)
     except ValueError as e:
         return str(e)
-    return None
+    from ..model import GPT
+    # every rank builds the full reference (4 bytes/param each) and keeps its shard with Adam (16 in
+    # all); rank 0's reference (8) and the verdict's gathered copies (24); activations: the whole
+    # batch in flight over the ranks, plus the reference's
+    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * world + 48,
+                      activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} ({world} ranks)")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -381,8 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntokens/s: {tokens / par_s:,.0f} on {len(ranks)} ranks vs {tokens / one_s:,.0f} on one device "
               f"(one CPU thread each; {os.cpu_count()} cores here)")
     print(f"lab time: {time.perf_counter() - t_start:.1f} s")
-    folder = Path(a.out) / f"3d-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = run_folder(a.out, "3d")
     with open(folder / "losses.csv", "w") as f:
         f.write("step,single,3d\n")
         for i in range(a.steps):
@@ -398,4 +403,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from . import run_cli
+    sys.exit(run_cli(main))
