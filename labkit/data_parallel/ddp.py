@@ -226,14 +226,11 @@ class DistributedDataParallel(nn.Module):
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
-        offset = 0
-        for p in b.params:
-            n = p.numel()
-            if p.grad is None:
-                b.buffer[offset:offset + n].zero_()
-            else:
-                b.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
-            offset += n
+        # one copy of the bucket's gradients into its flat buffer, 1/d folded in (the all-reduce
+        # then sums means); a parameter without a gradient counts as zero
+        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params],
+                  out=b.buffer)
+        b.buffer.div_(self.d)
         b.times = [time.perf_counter(), None]
         b.work = comm.all_reduce(b.buffer, self.process_group, async_op=True)
 
@@ -269,7 +266,6 @@ class DistributedDataParallel(nn.Module):
         backward_end = getattr(self, "_backward_end", time.perf_counter())
         for b in self.buckets:
             b.work.wait()
-            b.buffer.div_(self.d)
             offset = 0
             for p in b.params:
                 n = p.numel()
