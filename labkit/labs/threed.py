@@ -21,8 +21,9 @@ or a count fails. Saved under ``runs/3d-<time>/``: ``loss_curves.png``, ``rank_g
 
 For the planner: :func:`run_3d` returns the measured data without printing: per rank
 ``memory`` (``{"params", "grads", "optimizer"}`` bytes), ``comm`` (per step, ``{axis: {kind:
-(count, bytes)}}`` counted by :class:`labkit.comm.CommLog`), ``expected`` (the same from the
-formulas), ``overlap``, ``bubble`` and the loss curves.
+(count, bytes)}}`` counted by :class:`labkit.comm.CommLog`), ``wire`` (per step, ``{axis: bytes
+sent}`` under the ring algorithms), ``expected`` (the counts from the formulas), ``overlap``,
+``bubble`` and the loss curves.
 """
 from __future__ import annotations
 
@@ -159,6 +160,7 @@ def _worker(ctx, a, corpus):
             out += sharded_pieces(m, grid.tp_rank, grid.tp, rename)
         return out
 
+    wire = []
     losses, comm, seconds, overlaps, timelines, peak_mem = [], [], 0.0, [], [], {"params": 0, "grads": 0,
                                                                                      "optimizer": 0}
     for step in range(a.steps):
@@ -180,13 +182,14 @@ def _worker(ctx, a, corpus):
         if step >= 1:
             seconds += t_bwd + t_opt        # step 0 is warm-up (shape messages), not timed
         comm.append(pg.comm_by_axis(log.records + log2.records))
+        wire.append(pg.wire_by_axis(log.records + log2.records))
         losses.append(loss)
         overlaps.append(pg.dp_overlap())
         timelines.append([(tuple(e.action), e.start, e.end) for e in pg.schedule.timeline])
         mem = pg.memory()
         peak_mem = {k: max(peak_mem[k], mem[k]) for k in mem}
     res = {"rank": ctx.rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank, "pp_rank": grid.pp_rank,
-           "last": pg.has_last_stage, "losses": losses, "comm": comm, "expected": pg.expected_comm(a.batch, a.seq),
+           "last": pg.has_last_stage, "losses": losses, "comm": comm, "wire": wire, "expected": pg.expected_comm(a.batch, a.seq),
            "seconds": seconds, "overlap": overlaps, "memory": peak_mem,
            "timelines": timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
            "verdict": check.result(), "device": str(ctx.device), "backend": ctx.backend}
@@ -273,6 +276,9 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
         n_ranks = sum(1 for e in exp if e[0])
         rows.append(f"{labels[ax]:<12}{k:<16}{meas[i][0]:>11d}{exp[i][0]:>10d}{_mib(meas[i][1]):>10.3f}"
                     f"{_mib(exp[i][1]):>10.3f}  {n_ranks} of {len(ranks)}")
+    axes = [ax for ax in labels if any(ax in r["wire"][-1] for r in ranks)]
+    sent = ", ".join(f"{labels[ax]} {_mib(max(r['wire'][-1].get(ax, 0) for r in ranks)):.3f}" for ax in axes)
+    rows.append(f"MiB sent per step on the wire (ring algorithms, busiest rank): {sent}")
     return rows, ok
 
 

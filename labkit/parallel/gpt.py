@@ -35,6 +35,7 @@ What the planner reads (helper functions returning data, no printing):
   (parameters, their ``.grad``, per-element optimizer state);
 * :meth:`ParallelGPT.comm_by_axis` (records of a :class:`labkit.comm.CommLog`) ->
   ``{axis: {kind: (count, bytes)}}`` for axes ``"tp"``, ``"pp"``, ``"dp"``, ``"embedding"``;
+* :meth:`ParallelGPT.wire_by_axis` -> ``{axis: bytes sent under the ring algorithms}``;
 * :meth:`ParallelGPT.expected_comm` -> the same dict from the formulas, for one training step
   after the first (the first also sends the pipeline's shape messages);
 * :func:`layout` -> which rank holds which layers and which shard (for the rank-grid picture).
@@ -325,6 +326,15 @@ class ParallelGPT:
             c[0] += 1
             c[1] += r.nbytes
         return {a: {k: tuple(v) for k, v in kinds.items()} for a, kinds in out.items()}
+
+    def wire_by_axis(self, records) -> dict:
+        """``{axis: bytes}`` this rank sends under the ring algorithms
+        (:func:`labkit.comm.ring_wire_bytes`: an all-reduce of P bytes over d ranks sends
+        2(d-1)/d * P, a receive nothing)."""
+        out: dict = defaultdict(int)
+        for r in records:
+            out[self.axis_of(r)] += comm.ring_wire_bytes(r)
+        return dict(out)
 
     def expected_comm(self, batch: int, seq: int, bytes_per_element: int = 4) -> dict:
         """The formulas for one training step of this rank (after the first), same shape as
