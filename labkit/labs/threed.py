@@ -189,7 +189,8 @@ def _worker(ctx, a, corpus):
         mem = pg.memory()
         peak_mem = {k: max(peak_mem[k], mem[k]) for k in mem}
     res = {"rank": ctx.rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank, "pp_rank": grid.pp_rank,
-           "last": pg.has_last_stage, "losses": losses, "comm": comm, "wire": wire, "expected": pg.expected_comm(a.batch, a.seq),
+           "last": pg.has_last_stage, "losses": losses, "comm": comm, "wire": wire,
+           "expected": pg.expected_comm(a.batch, a.seq),
            "seconds": seconds, "overlap": overlaps, "memory": peak_mem,
            "timelines": timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
            "verdict": check.result(), "device": str(ctx.device), "backend": ctx.backend}
