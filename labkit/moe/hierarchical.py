@@ -153,10 +153,10 @@ class HierarchicalExpertParallelMoE(ExpertParallelMoE):
             ep.shared_experts.load_state_dict(layer.shared_experts.state_dict())
         return ep
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None)
+        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None, mask)
         self.last_bytes = LevelBytes()
         if self.hierarchical:
             y = self._two_level(x2, r.indices, r.keep, r.weights)

@@ -185,14 +185,16 @@ class ExpertSlicedMoE(nn.Module):
     def from_dense(cls, layer: MoELayer, groups: SlicingGroups) -> "ExpertSlicedMoE":
         return cls(layer, groups)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         g, shape = self.g, x.shape
         x_all = x.reshape(-1, shape[-1])
         if x_all.shape[0] % g.t:
             raise ValueError(f"{x_all.shape[0]} tokens cannot be split over the TP degree t={g.t}")
         n = x_all.shape[0] // g.t
         x2 = x_all[g.tp_rank * n:(g.tp_rank + 1) * n]                    # 1. my 1/t of the tokens
-        r, stats = self.route_tokens(x2, None)
+        if mask is not None:
+            mask = mask.reshape(-1)[g.tp_rank * n:(g.tp_rank + 1) * n]
+        r, stats = self.route_tokens(x2, None, mask)
         # 2. dispatch: slot of expert e -> rank (e // n_local) * s + my slice index
         slot = r.keep.reshape(-1).nonzero().squeeze(1)
         expert = r.indices.reshape(-1)[slot]
