@@ -35,6 +35,7 @@ from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads
 from ..moe.hierarchical import HierarchicalExpertParallelMoE, make_node_groups
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 from ..moe.replicas import sync_replica_grads, to_replicated_expert_parallel
+from . import run_folder
 from .verdict import report
 
 WINDOW = 10          # steps over which loads are measured
@@ -203,8 +204,11 @@ def main(a) -> int:
     R = E + (P if a.redundant_experts is None else a.redundant_experts)
     groups = N if a.expert_groups is None else a.expert_groups
     policy = "hierarchical" if groups % N == 0 else "global"
-    out = a.out or os.path.join("runs", time.strftime("moe-eplb-%Y%m%d-%H%M%S"))
-    os.makedirs(out, exist_ok=True)
+    if a.out:
+        out = a.out
+        os.makedirs(out, exist_ok=True)
+    else:
+        out = str(run_folder("runs", "moe-eplb"))
     n = min(WINDOW, a.balance_steps)
 
     # 1. train without balancing, then measure the loads of the trained model on the last n batches
