@@ -7,6 +7,7 @@ Commands:
   bench NAME [options]   side-by-side speed comparison (pipeline | tensor | moe | dp)
   build [--check]        write notebooks/ (learner versions) from solutions/
   grade PATH... [--results FILE]   run notebooks and grade their exercises
+  plan --model NAME --gpus N [options]   memory, communication and step time per GPU; best layouts
 
 python -m labkit COMMAND --help (or lab NAME --help, bench NAME --help) lists its options.
 """
@@ -70,10 +71,13 @@ def _main(argv: list[str] | None = None) -> int:
     if cmd == "build":
         from .grading.build import main as build_main
         return build_main(rest) or 0
+    if cmd == "plan":
+        from .plan.cli import main as plan_main
+        return plan_main(rest) or 0
     if cmd == "grade":
         from .grading.grader import main as grade_main
         return grade_main(rest) or 0
-    print(f"error: unknown command {cmd!r}; choose one of doctor, lab, bench, build, grade "
+    print(f"error: unknown command {cmd!r}; choose one of doctor, lab, bench, build, grade, plan "
           f"(python -m labkit --help)", file=sys.stderr)
     return 2
 

@@ -75,6 +75,12 @@ class CommLog:
         recs = self.records if kind is None else self.of(kind)
         return sum(r.nbytes for r in recs)
 
+    def wire_bytes(self, kind: str | None = None) -> int:
+        """Bytes this rank sends over the wire for ``kind`` (all kinds when None) under the
+        ring algorithms: see :func:`ring_wire_bytes`."""
+        recs = self.records if kind is None else self.of(kind)
+        return sum(ring_wire_bytes(r) for r in recs)
+
     def summary(self) -> dict:
         """``{(kind, group_size): (count, bytes)}``."""
         out: dict = defaultdict(lambda: [0, 0])
@@ -85,6 +91,24 @@ class CommLog:
 
     def clear(self) -> None:
         self.records.clear()
+
+
+def ring_wire_bytes(rec: CommRecord) -> int:
+    """Bytes one rank sends for ``rec`` under the ring algorithms (Patarasuk & Yuan 2009;
+    Megatron-LM sec. 3): all-reduce of P bytes over t ranks ``2 (t-1)/t P`` (a reduce-scatter
+    then an all-gather), reduce-scatter of a P-byte input ``(t-1)/t P``, all-gather of a
+    P-byte shard ``(t-1) P``, all-to-all ``(t-1)/t P`` (its own block stays), send P, recv 0,
+    broadcast P (a chain). Integer division: exact whenever t divides the payload."""
+    t, p = rec.group_size, rec.nbytes
+    if rec.kind == "all_reduce":
+        return 2 * (t - 1) * p // t
+    if rec.kind in ("reduce_scatter", "all_to_all"):
+        return (t - 1) * p // t
+    if rec.kind == "all_gather":
+        return (t - 1) * p
+    if rec.kind == "recv":
+        return 0
+    return p
 
 
 def _group_size(group) -> int:

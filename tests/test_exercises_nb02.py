@@ -1,6 +1,8 @@
 """Exercises of notebook 02_gpipe: the solutions pass, plausible wrong answers fail with a message
 that says what was wrong (the validator's words, or expected/got)."""
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.registry import get_exercise
+from labkit.grading.runner import run_case
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 from labkit.pipeline import Action
 
 
@@ -108,3 +110,54 @@ def test_counting_forwards_only_fails_on_1f1b():
 def test_counting_per_rank_fails_with_several_stages_per_rank():
     res = assert_check_fails("2.2", count_per_rank)
     assert res.passed >= 3  # the one-stage-per-rank cases pass; the interleaved one (hidden) fails
+
+
+# ----------------------------------------------------------------------------- feedback (issue 13)
+
+
+def test_counting_per_rank_fails_a_public_interleaved_case():
+    assert_public_case_fails("2.2", count_per_rank, "interleaved K=2, M=4, v=2",
+                             contains="expected 4 numbers, one per stage ([4, 3, 2, 1]), got 2, one per rank",
+                             hint="Count per STAGE, not per rank")
+    assert any(c.hidden and c.name.startswith("interleaved") for c in get_exercise("2.2").cases)
+
+
+def accumulate(model, x, y, M):
+    for xm, ym in zip(x.chunk(M), y.chunk(M)):
+        (model(xm, ym) / M).backward()
+
+
+def accumulate_unscaled(model, x, y, M):
+    """Wrong: every microbatch's mean loss backpropagated as it is: gradients M times too large."""
+    for xm, ym in zip(x.chunk(M), y.chunk(M)):
+        model(xm, ym).backward()
+
+
+def accumulate_zeroing(model, x, y, M):
+    """Wrong: zeroes the gradients before each microbatch, so only the last one is left."""
+    for xm, ym in zip(x.chunk(M), y.chunk(M)):
+        model.zero_grad()
+        (model(xm, ym) / M).backward()
+
+
+def test_accumulation_solution_passes():
+    assert_check_passes("2.3", accumulate)
+
+
+def test_unscaled_microbatch_loss_fails_naming_the_factor_M():
+    assert_public_case_fails("2.3", accumulate_unscaled, "M=4: every parameter gradient",
+                             contains="it is exactly M=4 times the full-batch gradient: each microbatch's loss "
+                                      "must be scaled by 1/M")
+
+
+def test_unscaled_loss_is_also_caught_by_the_plain_sgd_case():
+    """The SGD case alone (Adam would hide the factor M; plain SGD does not)."""
+    case = next(c for c in get_exercise("2.3").cases if "SGD steps" in c.name and not c.hidden)
+    assert run_case(case, accumulate).status == "passed"
+    res = run_case(case, accumulate_unscaled)
+    assert res.status == "failed" and "M=4 times the full-batch gradient" in res.message
+
+
+def test_zeroing_inside_the_loop_fails_with_the_difference():
+    assert_public_case_fails("2.3", accumulate_zeroing, "M=4: every parameter gradient",
+                             contains="embedding.wte.weight vs the full batch's: tensors of shape (256, 16) differ in")

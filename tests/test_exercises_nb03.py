@@ -1,6 +1,7 @@
 """Exercises of notebook 03_1f1b: the solutions pass; a warm-up one forward too long or too short,
 a backward before its forward and a wrong in-flight formula fail with useful messages."""
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.registry import get_exercise
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 from labkit.pipeline import Action
 
 
@@ -64,3 +65,23 @@ def test_in_flight_without_min_fails_for_few_microbatches():
 def test_in_flight_gpipe_answer_fails_against_measurement():
     assert_check_fails("3.2", lambda K, M: [M] * K,
                        contains="vs the peak measured by the runtime[0]: expected 4, got 8")
+
+
+def unclamped_warmup(K, M):
+    """Wrong: a warm-up of K-r-1 forwards even when there are fewer microbatches (M < K)."""
+    order = {}
+    for r in range(K):
+        warmup = K - r - 1
+        acts = [Action("F", r, m) for m in range(warmup)]
+        for i in range(M - warmup):
+            acts += [Action("F", r, warmup + i), Action("B", r, i)]
+        acts += [Action("B", r, m) for m in range(M - warmup, M)]
+        order[r] = acts
+    return order
+
+
+def test_unclamped_warmup_fails_a_public_case_with_m_below_k():
+    assert_public_case_fails("3.1", unclamped_warmup, "fewer microbatches than stages (K=4, M=2)",
+                             contains="the validator says: rank 0, action 4 (RECV_B-1@s0): microbatch -1 outside 0..1",
+                             hint="Clamp the warm-up to the microbatches there are")
+    assert any(c.hidden and c.name.startswith("M < K") for c in get_exercise("3.1").cases)

@@ -1,6 +1,7 @@
 """Exercises of notebook 04_interleaved: the solutions pass; 1-based layers, the contiguous split,
 a bubble without v, no ValueError for a bad M and forward-only send counts fail with useful messages."""
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.registry import get_exercise
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 
 
 def layers_of_rank(rank, n_layers, K, v):
@@ -55,3 +56,10 @@ def test_sends_forward_only_fails():
 def test_sends_ignoring_chunks_fails():
     assert_check_fails("4.3", lambda K, M, v: 2 * M * (K - 1),
                        contains="p2p_sends(K=4, M=8, v=2) vs the SEND actions in the schedule: expected 112, got 48")
+
+
+def test_sends_forgetting_k1_fails_a_public_case():
+    assert_public_case_fails("4.3", lambda K, M, v: 2 * M * (K * v - 1), "K=1, M=4, v=3",
+                             contains="p2p_sends(K=1, M=4, v=3) vs the SEND actions in the schedule: expected 0, got 16",
+                             hint="With K = 1 every stage sits on the same rank")
+    assert any(c.hidden and c.name.startswith("K=1") for c in get_exercise("4.3").cases)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.registry import get_exercise
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 
 
 def segment_boundaries(n, k):
@@ -76,7 +77,7 @@ class CheckpointNoRng(torch.autograd.Function):
 
 
 class CheckpointNoFork(torch.autograd.Function):
-    """Wrong (hidden case): restores the RNG state without fork_rng, rewinding the training stream."""
+    """Wrong (caught by a public case since issue 13): restores the RNG state without fork_rng, rewinding the training stream."""
 
     @staticmethod
     def forward(ctx, run, x):
@@ -126,7 +127,6 @@ def test_solution_passes(ex, answer):
     ("5.1", boundaries_range_step, "expected k+1 = 5 boundaries (k segments), got 6"),
     ("5.2", best_sqrt, "k=10 has a peak of 90 bytes, but k=25 has 57"),
     ("5.3", CheckpointNoRng, 'failed case "dropout p=0.5: the recomputation draws the same masks": dropout p=0.5: dL/dx'),
-    ("5.3", CheckpointNoFork, "a hidden case failed"),
     ("5.3", CheckpointNoGrad, "recompute under torch.enable_grad()"),
 ])
 def test_wrong_answer_fails_with_a_useful_message(ex, answer, contains):
@@ -136,3 +136,11 @@ def test_wrong_answer_fails_with_a_useful_message(ex, answer, contains):
 
 def test_not_a_function_class():
     assert_check_fails("5.3", lambda run, x: run(x), contains="autograd.Function subclass")
+
+
+def test_restoring_the_rng_without_fork_fails_a_public_case():
+    assert_public_case_fails("5.3", CheckpointNoFork, "the RNG stream after backward",
+                             contains="torch.rand(3) right after backward (the RNG stream of the rest of training "
+                                      "must not be rewound by the recomputation): expected tensor([",
+                             hint="torch.random.fork_rng()")
+    assert any(c.hidden and "RNG stream" in c.name for c in get_exercise("5.3").cases)

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from labkit import comm
+from labkit.tensor_parallel import reduce_from_tensor_model_parallel_region
 from labkit.grading import evaluate
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.registry import get_exercise
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 from labkit.grading.exercises.nb06_megatron_ffn import gelu
 
 
@@ -104,3 +106,48 @@ def test_wrong_answer_fails_with_a_useful_message(ex, answer, words):
 def test_not_a_function_class():
     res = evaluate("6.2", lambda x, group: x, stop_at_first_failure=True)
     assert res.status == "failed" and "autograd.Function" in res.message, res.message
+
+
+def partials_divisible_H(X, A, B, t):
+    """Wrong: checks that t divides H (the hidden size) instead of F (the FFN width)."""
+    if X.shape[1] % t:
+        raise ValueError(f"t={t} must divide H={X.shape[1]}")
+    w = A.shape[1] // t
+    return [gelu(X @ A[:, i * w:(i + 1) * w]) @ B[i * w:(i + 1) * w, :] for i in range(t)]
+
+
+def test_raising_on_H_instead_of_F_fails_a_public_case():
+    assert_public_case_fails("6.1", partials_divisible_H, "t=4, X [3, 6], A [6, 24]: t divides F, not H",
+                             contains="ValueError: t=4 must divide H=6", hint="test F % t, not H % t")
+    hidden = [c.name for c in get_exercise("6.1").cases if c.hidden]
+    assert "t=8, X [7, 5], A [5, 40]" in hidden
+
+
+def row_parallel(x_shard, weight_shard, bias, group):
+    return reduce_from_tensor_model_parallel_region(x_shard @ weight_shard.t(), group) + bias
+
+
+def row_parallel_bias_before_reduce(x_shard, weight_shard, bias, group):
+    """Wrong: every rank adds the bias to its partial product, so the all-reduce sums t biases."""
+    return reduce_from_tensor_model_parallel_region(x_shard @ weight_shard.t() + bias, group)
+
+
+def row_parallel_no_reduce(x_shard, weight_shard, bias, group):
+    """Wrong: forgets the all-reduce (each rank returns its partial product plus the bias)."""
+    return x_shard @ weight_shard.t() + bias
+
+
+def test_row_parallel_bias_before_the_all_reduce_fails_naming_t_biases():
+    assert_public_case_fails("6.4", row_parallel_bias_before_reduce, "t=2 ranks",
+                             contains="the output on rank 0 is the single device's plus 1 x bias, i.e. it holds "
+                                      "the bias 2 times", hint="add it once, AFTER the all-reduce")
+
+
+def test_row_parallel_without_the_all_reduce_fails_with_the_difference():
+    assert_public_case_fails("6.4", row_parallel_no_reduce, "t=2 ranks",
+                             contains="output on rank 0 (vs F.linear on one device): tensors of shape (4, 6) differ")
+
+
+def test_row_parallel_right_answer_passes_the_public_cases():
+    res = evaluate("6.4", row_parallel, stop_at_first_failure=True)
+    assert all(c.status == "passed" for c in res.cases if not c.hidden), res.message

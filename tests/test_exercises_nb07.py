@@ -6,7 +6,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit import comm
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.registry import get_exercise
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 
 
 def heads_of_rank(n_head, t, rank):
@@ -115,3 +116,30 @@ def test_solution_passes(ex, answer):
 def test_wrong_answer_fails_with_a_useful_message(ex, answer, contains):
     res = assert_check_fails(ex, answer, contains=contains)
     assert "Hint:" in res.message
+
+
+def embedding_no_offset(ids, weight_shard, vocab_start):
+    """Wrong: indexes the shard with the global ids (forgets to subtract vocab_start)."""
+    n = weight_shard.shape[0]
+    outside = (ids < vocab_start) | (ids >= vocab_start + n)
+    return weight_shard[ids.masked_fill(outside, 0)].masked_fill(outside[..., None], 0.0)
+
+
+def ce_no_offset(local_logits, target, group):
+    """Wrong: gathers the target's logit at the global id (no - r*V/t)."""
+    r, n = dist.get_rank(group), local_logits.shape[1]
+    m = comm.all_reduce(local_logits.max(1).values.clone(), group=group, op=dist.ReduceOp.MAX)
+    own = (target >= r * n) & (target < (r + 1) * n)
+    zy = torch.where(own, local_logits.gather(1, target[:, None]).squeeze(1) - m, torch.zeros_like(m))
+    zy = comm.all_reduce(zy, group=group)
+    s = comm.all_reduce((local_logits - m[:, None]).exp().sum(1), group=group)
+    return s.log() - zy
+
+
+def test_index_error_from_a_missing_offset_gets_a_hint():
+    assert_public_case_fails("7.2", embedding_no_offset, "V=16, t=2",
+                             contains="vocab_start=8) raised IndexError: index 12 is out of bounds for dimension 0 "
+                                      "with size 8; the shard holds rows vocab_start .. vocab_start + V/t - 1")
+    assert_public_case_fails("7.3", ce_no_offset, "t=2 ranks, N=6, V=16",
+                             contains="raised RuntimeError: index 14 is out of bounds for dimension 1 with size 8; "
+                                      "local_logits holds the columns of ids r*V/t")

@@ -1,11 +1,14 @@
 """Exercises of notebook 12_deepseek_moe: the solutions pass, plausible wrong answers fail with a
 message that says what was expected and what came back."""
 import inspect
+
+import pytest
 import math
 
 import torch
 
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.registry import get_exercise
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 from labkit.moe import MoELayer
 from labkit.moe.router import route
 
@@ -101,3 +104,30 @@ def test_shared_expert_in_the_wrong_function_fails():
 
 def test_invented_line_fails():
     assert_check_fails("12.3", gate_lines_invented_line, contains="is not a line of route")
+
+
+# ----------------------------------------------------------------------------- 12.4
+from dataclasses import replace  # noqa: E402
+
+from labkit.moe import MoEConfig  # noqa: E402
+
+
+def deepseek_v3_gate():
+    return MoEConfig(n_embd=7168, moe_ffn_dim=2048, activation="swiglu", n_routed_experts=256, n_shared_experts=1,
+                     n_activated_experts=8, score_func="sigmoid", expert_bias=True, n_expert_groups=8,
+                     n_limited_groups=4, route_scale=2.5)
+
+
+def test_v3_gate_solution_passes():
+    assert_check_passes("12.4", deepseek_v3_gate)
+
+
+@pytest.mark.parametrize("change, case, contains", [
+    ({"n_limited_groups": 8}, "group-limited routing", "MoEConfig.n_limited_groups: expected 4, got 8"),
+    ({"score_func": "softmax"}, "scores and weights", "MoEConfig.score_func: expected 'sigmoid', got 'softmax'"),
+    ({"route_scale": 1.0}, "scores and weights", "MoEConfig.route_scale: expected 2.5, got 1.0"),
+    ({"n_shared_experts": 0}, "experts:", "MoEConfig.n_shared_experts: expected 1, got 0"),
+    ({"n_activated_experts": 2}, "experts:", "MoEConfig.n_activated_experts: expected 8, got 2"),
+])
+def test_v3_gate_misread_fails_naming_the_field(change, case, contains):
+    assert_public_case_fails("12.4", lambda: replace(deepseek_v3_gate(), **change), case, contains=contains)

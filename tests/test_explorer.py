@@ -60,9 +60,9 @@ def test_helpers_count_from_the_schedule_data():
     assert peak_in_flight_per_rank(one_f_one_b_schedule(4, 2)) == [2, 2, 2, 1]
     assert count_sends(one_f_one_b_schedule(1, 4)) == 0
     assert count_sends(interleaved_schedule(2, 4, 3)) == 2 * 4 * (2 * 3 - 1)
-    assert set(SCHEDULES) == {"GPipe", "1F1B", "Interleaved 1F1B"}
-    with pytest.raises(ValueError, match="unknown schedule 'ZB-H1'"):
-        build_schedule("ZB-H1", 4, 8)
+    assert set(SCHEDULES) == {"GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1", "ZB-V", "DualPipeV"}
+    with pytest.raises(ValueError, match="unknown schedule 'ZB-H2'"):
+        build_schedule("ZB-H2", 4, 8)
 
 
 def test_widget_controls_rerender_with_the_chosen_values():
@@ -81,3 +81,49 @@ def test_widget_controls_rerender_with_the_chosen_values():
     assert w.result["error"] is not None and "got M=3" in w.result["error"]
     dropdown.value = "GPipe"
     assert w.result["error"] is None and w.result["v"] == 1 and w.result["peak_in_flight"] == [3, 3]
+
+
+def test_explorer_offers_the_zero_bubble_schedules():
+    from labkit.pipeline.explorer import describe, render
+    from labkit.pipeline.zero_bubble import bubble_time_formula
+    for name, v in (("ZB-H1", 1), ("ZB-V", 2), ("DualPipeV", 2)):
+        info = render(name, 4, 8)
+        assert info["error"] is None and info["v"] == v
+        # default backward 2 = T_F + T_F split in halves: T_F = T_I = T_W, every formula exact
+        assert info["bubble"] == info["bubble_formula"], name
+        assert "formula" in describe(info)
+        labels = [t.get_text() for t in info["ax"].get_legend().get_texts()]
+        assert "input grad (I)" in " ".join(labels) and "weight grad (W)" in " ".join(labels)
+        plt.close(info["ax"].figure)
+    t = bubble_time_formula("zb-h1", 4, 1, 1, 1)
+    assert render("ZB-H1", 4, 8)["bubble_formula"] == Fraction(t, 8 * 3 + t)
+    info = render("DualPipeV", 4, 6)
+    assert "M >= 2K = 8" in info["error"]
+    plt.close(info["ax"].figure)
+    w = explorer()
+    w.children[0].value = "ZB-V"
+    assert w.result["schedule"] == "ZB-V" and w.result["bubble"] == w.result["bubble_formula"]
+
+
+def test_v_slider_is_disabled_where_v_is_ignored():
+    w = explorer(schedule="1F1B", K=4, M=8, v=2)
+    dropdown, v_slider = w.children[0], w.children[3]
+    assert v_slider.disabled
+    dropdown.value = "Interleaved 1F1B"
+    assert not v_slider.disabled
+    dropdown.value = "GPipe"
+    assert v_slider.disabled
+    assert not explorer(schedule="Interleaved 1F1B").children[3].disabled
+
+
+def test_render_widens_crowded_charts_and_can_label_stages():
+    from labkit.pipeline.explorer import figure_width
+
+    assert figure_width("1F1B", 8, 4) == 10 and figure_width("Interleaved 1F1B", 8, 2) == 10
+    assert figure_width("Interleaved 1F1B", 8, 4) == 14.8 and figure_width("Interleaved 1F1B", 16, 4) == 16
+    info = render("Interleaved 1F1B", K=4, M=8, v=4)
+    assert info["ax"].figure.get_figwidth() == 14.8
+    info = render("Interleaved 1F1B", K=2, M=4, v=2, show_stage=True)
+    labels = {t.get_text() for t in info["ax"].texts}
+    assert {"0/0", "0/1", "0/2", "0/3", "3/3"} <= labels  # microbatch/stage
+    assert all("/" not in t.get_text() for t in render("1F1B", K=2, M=4)["ax"].texts)

@@ -10,7 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.grading.build import BEGIN, END, BuildError, build_all, build_text, learner_version, stale_notebooks
+from labkit.grading.build import (BEGIN, END, WIDGET_NOTE, BuildError, _code_only, build_all, build_text,
+                                  learner_version, plot_code_fingerprint, stale_notebooks, uses_plotting_code)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_CALL = re.compile(r"(?<![\w.])check\(\s*[\"']")
@@ -169,8 +170,9 @@ def test_build_execute_saves_outputs_then_builds(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("# Exercise 8.1: print the answer\n### BEGIN SOLUTION\n"
-                                          "print(6 * 7)\n### END SOLUTION")]
-    nb.cells[0].id = "only-cell"
+                                          "print(6 * 7)\n### END SOLUTION"),
+                nbformat.v4.new_code_cell("import ipywidgets\nipywidgets.IntSlider(value=3)")]
+    nb.cells[0].id, nb.cells[1].id = "only-cell", "widget-cell"
     sol = tmp_path / "solutions" / "08_exec.ipynb"
     nbformat.write(nb, str(sol))
     out = subprocess.run([sys.executable, "-m", "labkit", "build", "--root", str(tmp_path), "--execute", "08"],
@@ -179,9 +181,61 @@ def test_build_execute_saves_outputs_then_builds(tmp_path):
     executed = nbformat.read(str(sol), as_version=4).cells[0]
     assert executed.outputs[0]["text"] == "42\n" and executed.execution_count == 1
     assert "execution" not in executed.metadata  # no timestamps stored
+    # a widget's stored output is one line saying where it appears, not its "IntSlider(value=3)" text
+    stored = nbformat.read(str(sol), as_version=4)
+    assert [o["data"] for o in stored.cells[1].outputs] == [{"text/plain": WIDGET_NOTE}]
+    assert "widgets" not in stored.metadata and "labkit" not in stored.metadata  # no plotting code used
     learner = nbformat.read(str(tmp_path / "notebooks" / "08_exec.ipynb"), as_version=4).cells[0]
     assert learner.source.endswith('raise NotImplementedError("Exercise 8.1: print the answer")')
     assert learner.outputs == []
     bad = subprocess.run([sys.executable, "-m", "labkit", "build", "--root", str(tmp_path), "--execute", "99"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no solution notebook matches '99'" in bad.stderr
+
+
+def test_stale_figures_are_named_until_the_notebook_is_re_executed(tmp_path):
+    """A solution that draws with labkit's plotting modules records their fingerprint when executed;
+    `build --check` names it when the record is missing or the plotting code changed since."""
+    (tmp_path / "solutions").mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from labkit.pipeline.plot import plot_timeline\nplot_timeline({})")]
+    nb.cells[0].id = "plot"
+    sol = tmp_path / "solutions" / "07_plots.ipynb"
+    nbformat.write(nb, str(sol))
+    build_all(tmp_path)
+    problems = stale_notebooks(tmp_path)
+    assert len(problems) == 1 and problems[0].startswith(
+        "solutions/07_plots.ipynb: its stored figures carry no record of the plotting code (labkit/pipeline/plot.py")
+    assert problems[0].endswith("run `python -m labkit build --execute 07`")
+    nb.metadata["labkit"] = {"plot_code": "0" * 16}  # drawn by other code
+    nbformat.write(nb, str(sol))
+    build_all(tmp_path)
+    assert "were drawn before the plotting code last changed" in stale_notebooks(tmp_path)[0]
+    nb.metadata["labkit"] = {"plot_code": plot_code_fingerprint()}
+    nbformat.write(nb, str(sol))
+    build_all(tmp_path)
+    assert stale_notebooks(tmp_path) == []
+    learner = nbformat.read(str(tmp_path / "notebooks" / "07_plots.ipynb"), as_version=4)
+    assert learner.metadata["labkit"] == {"notebook": "07_plots"}  # no fingerprint in the learner copy
+
+
+def test_plot_fingerprint_ignores_docstrings_and_comments_only():
+    a = 'def f(x):\n    """Doc."""\n    return x + 1  # one\n'
+    assert _code_only(a) == _code_only('def f(x):\n    """Other doc."""\n    return x + 1\n')
+    assert _code_only(a) != _code_only('def f(x):\n    """Doc."""\n    return x + 2\n')
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import labkit.pipeline.explorer as ex")]
+    assert uses_plotting_code(nb)
+    nb.cells = [nbformat.v4.new_code_cell("from labkit.pipeline import simulate  # labkit.pipeline.plot later")]
+    assert not uses_plotting_code(nb)
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_no_widget_text_stored_in_solutions(solution):
+    """A stored widget output is the one-line note, never the widget's repr (notebook 04's explorer)."""
+    nb = nbformat.read(str(solution), as_version=4)
+    for i, cell in enumerate(nb.cells, 1):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            assert "application/vnd.jupyter.widget-view+json" not in data, f"{solution.name} cell {i}"
+            assert "children=(" not in data.get("text/plain", ""), f"{solution.name} cell {i}"

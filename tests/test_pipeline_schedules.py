@@ -175,8 +175,8 @@ def test_validator_wrong_rank_missing_action_and_bad_kind():
                                             r"runs F and B of every microbatch \(M=2\) exactly once"):
         validate_schedule(s)
     s = _two_rank(GOOD0, GOOD1)
-    s[0][0] = Action("W", 0, 0)
-    with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(W0@s0\): unknown kind 'W'"):
+    s[0][0] = Action("X", 0, 0)
+    with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(X0@s0\): unknown kind 'X'"):
         validate_schedule(s)
 
 

@@ -1,6 +1,8 @@
 """Benchmark: labkit's pipeline schedules against torch.distributed.pipelining.
 
-``python -m labkit bench pipeline`` runs GPipe, 1F1B and interleaved 1F1B (v=2) from
+``python -m labkit bench pipeline`` runs GPipe, 1F1B and interleaved 1F1B (v=2) (and, with
+``--schedule zb-h1 zbv dualpipev``, the zero-bubble ones against torch's
+ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV) from
 labkit and the matching ``torch.distributed.pipelining`` schedules on the same GPT stages,
 input and ranks (4 gloo CPU ranks by default), alternating labkit and torch step by step
 so that both see the same machine load, and prints the median step time of each and the
@@ -21,14 +23,16 @@ import torch.distributed as dist
 __all__ = ["main", "bench"]
 
 KINDS = ("gpipe", "1f1b", "interleaved")
+ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # against ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ...DualPipeV
 
 
 def _worker(ctx, a):
     from torch.distributed import pipelining as tpp
 
     from ..model import GPT, GPTConfig, lm_loss
-    from ..pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from ..pipeline.stages import gpt_stages_for_rank, step_torch_schedule
+    from ..pipeline import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                            ScheduleZBH1, ScheduleZBVZeroBubble)
+    from ..pipeline.stages import gpt_stages_for_rank, split_gpt, step_torch_schedule
 
     K = ctx.world_size
     cfg = GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
@@ -37,17 +41,36 @@ def _worker(ctx, a):
     x = torch.randint(0, 256, (a.batch, a.seq), generator=g).to(ctx.device)
     y = torch.randint(0, 256, (a.batch, a.seq), generator=g).to(ctx.device)
     mine = {"gpipe": (ScheduleGPipe, tpp.ScheduleGPipe, 1), "1f1b": (Schedule1F1B, tpp.Schedule1F1B, 1),
-            "interleaved": (ScheduleInterleaved1F1B, tpp.ScheduleInterleaved1F1B, a.chunks)}
+            "interleaved": (ScheduleInterleaved1F1B, tpp.ScheduleInterleaved1F1B, a.chunks),
+            "zb-h1": (ScheduleZBH1, tpp.ScheduleInterleavedZeroBubble, 1),
+            "zbv": (ScheduleZBVZeroBubble, tpp.ScheduleZBVZeroBubble, 2),
+            "dualpipev": (ScheduleDualPipeV, tpp.ScheduleDualPipeV, 2)}
     runs = {}
     for kind in a.kinds:
         lk_cls, tc_cls, v = mine[kind]
+        if kind in ("zbv", "dualpipev"):  # V placement: rank r holds stages r and 2K-1-r
+            ids, S = [ctx.rank, 2 * K - 1 - ctx.rank], 2 * K
+            mods = [m.to(ctx.device) for m in split_gpt(model, S, ids)]
+            lk = lk_cls([PipelineStage(m, s, S, ctx.device, group=ctx.group) for m, s in zip(mods, ids)],
+                        a.microbatches, lm_loss)
+            tmods = [m.to(ctx.device) for m in split_gpt(model, S, ids)]
+            tc = tc_cls([tpp.PipelineStage(m, s, S, ctx.device, group=ctx.group) for m, s in zip(tmods, ids)],
+                        n_microbatches=a.microbatches, loss_fn=lm_loss)
+
+            def lk_step(lk=lk):
+                lk.step(x, target=y)
+
+            def tc_step(tc=tc, first=0 in ids, last=S - 1 in ids):
+                tc.step(*((x,) if first else ()), **({"target": y} if last else {}))
+            runs[kind] = (lk_step, tc_step, mods + tmods)
+            continue
         ids = [s for s in range(K * v) if s % K == ctx.rank]
         mods = [m.to(ctx.device) for m in gpt_stages_for_rank(model, K, v, ctx.rank)]
         st = [PipelineStage(m, s, K * v, ctx.device, group=ctx.group) for m, s in zip(mods, ids)]
         lk = lk_cls(st if v > 1 else st[0], a.microbatches, lm_loss)
         tmods = [m.to(ctx.device) for m in gpt_stages_for_rank(model, K, v, ctx.rank)]
         tst = [tpp.PipelineStage(m, s, K * v, ctx.device, group=ctx.group) for m, s in zip(tmods, ids)]
-        tc = tc_cls(tst if v > 1 else tst[0], n_microbatches=a.microbatches, loss_fn=lm_loss)
+        tc = tc_cls(tst if v > 1 or kind == "zb-h1" else tst[0], n_microbatches=a.microbatches, loss_fn=lm_loss)
 
         def lk_step(lk=lk):
             lk.step(x, target=y)
@@ -99,7 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
-    p.add_argument("--schedule", dest="kinds", nargs="*", default=list(KINDS), choices=KINDS, help="schedules to time")
+    p.add_argument("--schedule", dest="kinds", nargs="*", default=list(KINDS), choices=KINDS + ZERO_BUBBLE,
+                   help="schedules to time")
     p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     a = p.parse_args(argv)
     print(f"pipeline benchmark: K={a.world_size} ranks ({a.backend}), M={a.microbatches}, v={a.chunks}, "

@@ -15,6 +15,15 @@ learner version of each notebook:
 
 Output is deterministic (nbformat's stable JSON, the solution's cell ids).
 
+Stored outputs of the solutions (``--execute``):
+
+* a notebook that imports one of labkit's plotting modules (:data:`PLOTTING_MODULES`) records a
+  fingerprint of their code in ``metadata.labkit.plot_code``; ``--check`` names the notebook when
+  the code has changed since (its stored figures are then stale: re-execute it). The fingerprint
+  ignores docstrings and comments, so only a change to what is drawn counts;
+* an interactive widget's stored output is replaced by one line saying that it appears in a live
+  kernel (a notebook viewer would otherwise show the widget's ``VBox(children=...)`` text).
+
 Usage::
 
     python -m labkit build                     # write notebooks/*.ipynb
@@ -26,7 +35,9 @@ NAME is a notebook stem or its number prefix ("01" or "01_pipeline_bubble").
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
+import hashlib
 import os
 import re
 import sys
@@ -35,12 +46,19 @@ from pathlib import Path
 import nbformat
 
 __all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "execute_notebook", "main",
-           "BuildError", "find_root"]
+           "BuildError", "find_root", "PLOTTING_MODULES", "plot_code_fingerprint", "uses_plotting_code",
+           "WIDGET_NOTE"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 EXERCISE_RE = re.compile(r"^\s*#\s*Exercise\s+(\d+(?:\.\d+)*)\s*:\s*(.+?)\s*$")
 EXCEPTION_TAG = "raises-exception"
 _DROP_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
+
+
+# labkit modules that draw the figures stored in solution notebooks (explorer draws with plot)
+PLOTTING_MODULES = ("labkit.pipeline.plot", "labkit.pipeline.explorer")
+WIDGET_NOTE = "[interactive widget: it appears when this cell runs in a live kernel]"
+_WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
 class BuildError(ValueError):
@@ -124,6 +142,52 @@ def build_text(solution_path: Path) -> str:
     return nbformat.writes(learner) + "\n"
 
 
+def _module_path(module: str) -> Path:
+    package_root = Path(__file__).resolve().parents[2]  # the folder holding labkit/
+    return package_root.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def _code_only(source: str) -> str:
+    """The module's code without docstrings or comments (``ast.dump`` of the tree)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def plot_code_fingerprint() -> str:
+    """16 hex digits of SHA-256 over the code (docstrings and comments left out) of every module in
+    :data:`PLOTTING_MODULES`: it changes exactly when what those modules draw may have changed."""
+    h = hashlib.sha256()
+    for module in PLOTTING_MODULES:
+        h.update(module.encode() + b"\0" + _code_only(_module_path(module).read_text(encoding="utf-8")).encode())
+    return h.hexdigest()[:16]
+
+
+def uses_plotting_code(nb: nbformat.NotebookNode) -> bool:
+    """Whether a code cell of ``nb`` imports one of :data:`PLOTTING_MODULES` (``from M import`` or
+    ``import M``)."""
+    pattern = re.compile(r"^\s*(?:from\s+(?:%s)\s+import|import\s+(?:%s)\b)" % (
+        "|".join(map(re.escape, PLOTTING_MODULES)), "|".join(map(re.escape, PLOTTING_MODULES))), re.M)
+    return any(c.cell_type == "code" and pattern.search(c.source) for c in nb.cells)
+
+
+def _stale_figures(sol: Path) -> str | None:
+    nb = nbformat.read(str(sol), as_version=4)
+    if not uses_plotting_code(nb):
+        return None
+    stored = nb.metadata.get("labkit", {}).get("plot_code")
+    if stored == plot_code_fingerprint():
+        return None
+    mods = " / ".join(str(_module_path(m).relative_to(_module_path(m).parents[2])) for m in PLOTTING_MODULES)
+    why = "were drawn before the plotting code last changed" if stored else "carry no record of the plotting code"
+    return (f"solutions/{sol.name}: its stored figures {why} ({mods}); run "
+            f"`python -m labkit build --execute {sol.stem.split('_')[0]}`")
+
+
 def _solutions(root: Path) -> list[Path]:
     return sorted((root / "solutions").glob("*.ipynb"))
 
@@ -152,6 +216,10 @@ def stale_notebooks(root: Path) -> list[str]:
             problems.append(f"notebooks/{sol.name} is missing")
         elif target.read_text(encoding="utf-8") != build_text(sol):
             problems.append(f"notebooks/{sol.name} is stale (differs from solutions/{sol.name})")
+    for sol in sols:
+        stale = _stale_figures(sol)
+        if stale:
+            problems.append(stale)
     names = {s.name for s in sols}
     for extra in sorted((root / "notebooks").glob("*.ipynb")):
         if extra.name not in names:
@@ -161,7 +229,9 @@ def stale_notebooks(root: Path) -> list[str]:
 
 def execute_notebook(path: Path, timeout: int = 600) -> None:
     """Execute ``path`` in place with nbclient (kernel ``python3`` of this environment), with
-    ``LABKIT_STRICT=1`` so a failing check stops it; outputs are saved, timing is not."""
+    ``LABKIT_STRICT=1`` so a failing check stops it; outputs are saved, timing is not. Widget
+    outputs become :data:`WIDGET_NOTE`; a notebook that uses :data:`PLOTTING_MODULES` records
+    :func:`plot_code_fingerprint` in ``metadata.labkit.plot_code``."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(str(path), as_version=4)
@@ -173,6 +243,19 @@ def execute_notebook(path: Path, timeout: int = 600) -> None:
     for cell in nb.cells:
         for key in _DROP_CELL_METADATA:
             cell.metadata.pop(key, None)
+        for out in cell.get("outputs", []):
+            if _WIDGET_MIME in out.get("data", {}):
+                out["data"] = {"text/plain": WIDGET_NOTE}
+                out["metadata"] = {}
+    nb.metadata.pop("widgets", None)  # the widgets' state: their views are gone
+    meta = dict(nb.metadata.get("labkit", {}))
+    meta.pop("plot_code", None)
+    if uses_plotting_code(nb):
+        meta["plot_code"] = plot_code_fingerprint()
+    if meta:
+        nb.metadata["labkit"] = meta
+    else:
+        nb.metadata.pop("labkit", None)
     nbformat.write(nb, str(path))
 
 

@@ -56,6 +56,7 @@ the shares add up to the exercise's points. The grader awards each passed case i
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -80,6 +81,7 @@ __all__ = [
     "expect_close",
     "expect_true",
     "expect_raises",
+    "explain_index_errors",
     "DEFAULT_TIMEOUT",
     "case_points",
 ]
@@ -290,24 +292,37 @@ def exercises_for_notebook(notebook: str) -> list[Exercise]:
 # ----------------------------------------------------------------------------- expectations
 
 
+def _num(v: Any) -> str:
+    """A number as the learner would write it: 6 significant digits for floats."""
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, complex):
+        return f"{v:.6g}"
+    return str(v)
+
+
 def _short(x: Any, limit: int = 120) -> str:
+    """A short, deterministic text for ``x``: a 0-d tensor (or one-element NumPy array) is shown as
+    its number, a small tensor by its values, a large one by shape and dtype."""
     try:
         import torch
 
         if isinstance(x, torch.Tensor):
+            if x.dim() == 0:
+                return _num(x.item())
             if x.numel() <= 6:
                 vals = x.detach().cpu().reshape(-1).tolist()
                 body = ", ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in vals)
-                text = f"tensor([{body}]" + (f", shape={tuple(x.shape)})" if x.dim() != 1 else ")")
-            else:
-                text = f"tensor of shape {tuple(x.shape)}, dtype={str(x.dtype).replace('torch.', '')}"
-            return text
+                return f"tensor([{body}]" + (f", shape={tuple(x.shape)})" if x.dim() != 1 else ")")
+            return f"tensor of shape {tuple(x.shape)}, dtype={str(x.dtype).replace('torch.', '')}"
     except ImportError:  # pragma: no cover
         pass
-    if isinstance(x, float):
-        text = f"{x:.6g}"
-    else:
-        text = repr(x)
+    if type(x).__module__ == "numpy" and hasattr(x, "item") and getattr(x, "size", 2) == 1 \
+            and getattr(x, "ndim", 1) == 0:
+        return _num(x.item())  # a NumPy scalar
+    text = _num(x) if isinstance(x, (float, complex)) else repr(x)
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -321,7 +336,11 @@ def expect_true(cond: Any, message: str) -> None:
 def expect_equal(got: Any, expected: Any, what: str = "result") -> None:
     """``got == expected`` exactly (tensors: same shape, dtype and values; containers element-wise).
 
-    Raises :class:`CheckFailure` "what: expected X, got Y".
+    Raises :class:`CheckFailure` "what: expected X, got Y". Numbers and 0-d tensors are shown as
+    numbers; tensors of up to 6 elements by their values; larger tensors of the same shape by how
+    they differ: "tensors of shape S differ in n of N elements; largest difference d at index
+    [i, j]: expected a, got b; around it: expected [...], got [...]" and, when ``got`` is a constant
+    multiple c of ``expected``, "; got is c x expected everywhere".
     """
     _compare(got, expected, what, exact=True, rtol=0.0, atol=0.0)
 
@@ -330,7 +349,9 @@ def expect_close(got: Any, expected: Any, what: str = "result", rtol: float = 1e
                  atol: float = 1e-6) -> None:
     """``|got - expected| <= atol + rtol * |expected|`` for numbers and tensors (fp32 defaults).
 
-    Containers (list/tuple/dict) are compared element-wise. Raises :class:`CheckFailure`.
+    Containers (list/tuple/dict) are compared element-wise. Raises :class:`CheckFailure` with the
+    message described in :func:`expect_equal` (an element differs when it is not within the
+    tolerance; NaN always differs).
     """
     _compare(got, expected, what, exact=False, rtol=rtol, atol=atol)
 
@@ -351,8 +372,12 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
             ok = torch.allclose(got.detach().double().cpu(), expected.detach().double().cpu(),
                                 rtol=rtol, atol=atol)
         if not ok:
-            raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}"
-                               + _first_difference(got, expected))
+            if got.numel() <= 1:
+                raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}")
+            if got.numel() <= 6:
+                raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}"
+                                   + _first_difference(got, expected))
+            raise CheckFailure(f"{what}: {_how_tensors_differ(got, expected, exact, rtol, atol)}")
         return
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)):
@@ -371,9 +396,10 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
         for k in expected:
             _compare(got[k], expected[k], f"{what}[{k!r}]", exact, rtol, atol)
         return
+    if isinstance(expected, (int, float)) and not isinstance(expected, bool) and isinstance(got, torch.Tensor) \
+            and got.numel() == 1 and not exact:
+        got = got.item()
     if isinstance(expected, (int, float)) and not isinstance(expected, bool) and not exact:
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
-            got = got.item()
         if not isinstance(got, numbers.Real) or isinstance(got, bool):  # numpy scalars count
             raise CheckFailure(f"{what}: expected a number close to {_short(expected)}, got {type(got).__name__} {_short(got)}")
         if not math.isclose(float(got), expected, rel_tol=rtol, abs_tol=atol):
@@ -383,6 +409,66 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
         raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}")
     if got != expected:
         raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}")
+
+
+def _how_tensors_differ(got, expected, exact: bool, rtol: float, atol: float) -> str:
+    """Text for two same-shape tensors that differ: how many elements, the largest difference and
+    where, a few values of each, and the factor when ``got`` is a multiple of ``expected``."""
+    import torch
+
+    g, e = got.detach().cpu(), expected.detach().cpu()
+    shape = tuple(e.shape)
+    try:
+        gd, ed = g.double(), e.double()
+    except (RuntimeError, TypeError):  # e.g. complex: compare as they are
+        gd, ed = g, e
+    if exact:
+        bad = gd != ed
+        bad = bad & ~(torch.isnan(gd) & torch.isnan(ed)) if gd.is_floating_point() else bad
+    else:
+        bad = ~torch.isclose(gd, ed, rtol=rtol, atol=atol)
+    diff = (gd - ed).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    diff = torch.where(bad, diff, torch.zeros_like(diff))
+    flat = int(torch.argmax(diff.reshape(-1)))
+    pos = [int(i) for i in torch.unravel_index(torch.tensor(flat), shape)]
+    n_bad, n = int(bad.sum()), e.numel()
+    text = (f"tensors of shape {shape} differ in {n_bad} of {n} elements; largest difference "
+            f"{_num(float(diff.reshape(-1)[flat]))} at index {pos}: expected {_num(e.reshape(-1)[flat].item())}, "
+            f"got {_num(g.reshape(-1)[flat].item())}")
+    lo = max(0, min(flat - 1, n - 4))  # four neighbours in memory order, around the largest difference
+    hi = min(n, lo + 4)
+
+    def window(t):
+        vals = ", ".join(_num(v) for v in t.reshape(-1)[lo:hi].tolist())
+        return f"[{'..., ' if lo > 0 else ''}{vals}{', ...' if hi < n else ''}]"
+
+    if n > 1:
+        text += f"; around it: expected {window(e)}, got {window(g)}"
+    try:  # a wrong scale (loss not divided by M, bias added t times, ...) is worth naming
+        denom = float((ed * ed).sum())
+        if denom > 0 and torch.isfinite(gd).all():
+            ratio = float((gd * ed).sum()) / denom
+            if abs(ratio - 1) > 1e-3 and torch.allclose(gd, ratio * ed, rtol=1e-4, atol=1e-7):
+                text += f"; got is {_num(round(ratio, 4))} x expected everywhere"
+    except (RuntimeError, TypeError):
+        pass
+    return text
+
+
+@contextlib.contextmanager
+def explain_index_errors(what: str, hint: str):
+    """Inside the block, an IndexError (or torch's "index ... is out of bounds" RuntimeError) raised
+    by the learner's code becomes a :class:`CheckFailure` "<what> raised IndexError: <message>; <hint>",
+    e.g. the hint that a shard's rows are numbered from 0, so a global id needs its offset removed."""
+    try:
+        yield
+    except IndexError as e:
+        raise CheckFailure(f"{what} raised IndexError: {_first_line(e)}; {hint}") from None
+    except RuntimeError as e:
+        if "out of bounds" not in str(e) and "out of range" not in str(e):
+            raise
+        raise CheckFailure(f"{what} raised {type(e).__name__}: {_first_line(e)}; {hint}") from None
 
 
 def _first_difference(got, expected) -> str:

@@ -33,6 +33,9 @@ from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out,
 from .verdict import add_tolerance_option, verdict_exit
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # backward split into I and W (labkit.pipeline.zero_bubble)
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank in V placement: rank r holds stages r and 2K-1-r
+GROUPS = {"all": SCHEDULES, "zero-bubble": ("1f1b",) + ZERO_BUBBLE}
 
 
 def _parser():
@@ -40,7 +43,14 @@ def _parser():
                                 description="Train the GPT with GPipe, 1F1B and interleaved 1F1B on K ranks.")
     p.add_argument("--world-size", type=int, default=None,
                    help="K pipeline ranks (unset: 4; under torchrun always WORLD_SIZE)")
-    p.add_argument("--schedule", nargs="+", default=["all"], choices=("all",) + SCHEDULES, help="schedules to run")
+    p.add_argument("--schedule", nargs="+", default=["all"], choices=tuple(GROUPS) + SCHEDULES + ZERO_BUBBLE,
+                   help="schedules to run; 'all' = gpipe 1f1b interleaved, 'zero-bubble' = 1f1b zb-h1 zbv dualpipev")
+    p.add_argument("--cost-model", default=None, metavar="F,I,W",
+                   help="milliseconds each forward, input-gradient and weight-gradient pass takes at least "
+                        "(B = I + W): ranks sleep the rest without holding a core, so the measured bubble shows "
+                        "the schedule's, not core sharing (unset: real compute only)")
+    p.add_argument("--trace", action="store_true",
+                   help="also write each schedule's measured timeline as Chrome trace JSON (open in ui.perfetto.dev)")
     p.add_argument("--microbatches", type=int, default=8, help="M microbatches per step")
     p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank for interleaved 1F1B")
     p.add_argument("--steps", type=int, default=30, help="Adam steps")
@@ -69,6 +79,11 @@ def _bad_args(a, K) -> str | None:
            or bad_out(a.out))
     if bad:
         return bad
+    if a.cost_model is not None:
+        try:
+            _cost_model(a)
+        except ValueError:
+            return f"--cost-model takes three numbers >= 0 in milliseconds, F,I,W (e.g. 20,20,20), got {a.cost_model!r}"
     try:
         cfg = _config(a)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
@@ -80,6 +95,28 @@ def _bad_args(a, K) -> str | None:
     return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * K + 48,
                       activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
                       f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})")
+
+
+def _cost_model(a):
+    """--cost-model "F,I,W" (ms) -> runtime cost_model in seconds (B = I + W), or None."""
+    if a.cost_model is None:
+        return None
+    parts = [float(x) for x in a.cost_model.split(",")]
+    if len(parts) != 3 or any(not x >= 0 for x in parts):
+        raise ValueError(a.cost_model)
+    f, i, w = (x / 1000 for x in parts)
+    return {"F": f, "I": i, "W": w, "B": i + w}
+
+
+def _stage_ids(kind, K, rank, v):
+    """Stages of ``rank``: r and 2K-1-r for the V-shaped schedules, else looped r, r+K, ..."""
+    if kind in V_SHAPED:
+        return [rank, 2 * K - 1 - rank]
+    return [s for s in range(K * v) if s % K == rank]
+
+
+def _n_stages(kind, K, a):
+    return 2 * K if kind in V_SHAPED else K * (a.chunks if kind == "interleaved" else 1)
 
 
 def _config(a):
@@ -118,17 +155,21 @@ def _rank_train(ctx, a, kind, corpus):
     from tqdm import tqdm
 
     from ..model import GPT, lm_loss
-    from ..pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from ..pipeline.stages import gpt_param_name, gpt_stages_for_rank
+    from ..pipeline import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                            ScheduleZBH1, ScheduleZBVZeroBubble)
+    from ..pipeline.stages import gpt_param_name, split_gpt
     from .verdict import Lockstep, module_pieces
 
     K = ctx.world_size
     v = a.chunks if kind == "interleaved" else 1
-    ids = [s for s in range(K * v) if s % K == ctx.rank]
-    mods = [m.to(ctx.device) for m in gpt_stages_for_rank(GPT(_config(a), seed=a.seed), K, v, ctx.rank)]
-    stages = [PipelineStage(m, s, K * v, ctx.device, group=ctx.group) for m, s in zip(mods, ids)]
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[kind]
-    sched = cls(stages if kind == "interleaved" else stages[0], a.microbatches, lm_loss)
+    ids = _stage_ids(kind, K, ctx.rank, v)
+    S = _n_stages(kind, K, a)
+    mods = [m.to(ctx.device) for m in split_gpt(GPT(_config(a), seed=a.seed), S, ids)]
+    stages = [PipelineStage(m, s, S, ctx.device, group=ctx.group) for m, s in zip(mods, ids)]
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+           "zb-h1": ScheduleZBH1, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[kind]
+    multi = kind == "interleaved" or kind in V_SHAPED
+    sched = cls(stages if multi else stages[0], a.microbatches, lm_loss, cost_model=_cost_model(a))
     opt = torch.optim.Adam([p for m in mods for p in m.parameters()], lr=a.lr)
     ref = GPT(_config(a), seed=a.seed).to(ctx.device) if ctx.rank == 0 else None
 
@@ -168,6 +209,8 @@ def _analyse(a, kind, K, results, single):
     """Numbers for one schedule's table row, from the per-rank results."""
     from ..pipeline import TimedAction, bubble_formula, bubble_fraction, simulate
     from ..pipeline.schedules import Action, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
+    if kind in ZERO_BUBBLE:
+        return _analyse_zero_bubble(a, kind, K, results, single)
     v = a.chunks if kind == "interleaved" else 1
     M = a.microbatches
     last = results[K - 1]
@@ -202,6 +245,68 @@ def _analyse(a, kind, K, results, single):
         "formula": float(bubble_formula(K, M, v)),
         "sim": float(sim.bubble_fraction), "peak": [peak[s] for s in sorted(peak)],
         "tokens_per_s": tokens / results[0]["step_time"] if tokens else float("nan"),  # nan: no timed step
+        "timeline": tls[-1], "losses": last["losses"],
+    }
+
+
+def _mean_times(tls, S):
+    """Mean measured duration per (kind, stage) over the timelines, as {kind: [per stage]}."""
+    sums: dict = {}
+    for tl in tls:
+        for r in tl:
+            for t in tl[r]:
+                if t.action.kind in ("F", "B", "I", "W"):
+                    acc = sums.setdefault((t.action.kind, t.action.stage), [0.0, 0])
+                    acc[0] += t.end - t.start
+                    acc[1] += 1
+    out = {}
+    for kind in ("F", "B", "I", "W"):
+        if all((kind, s) in sums for s in range(S)):
+            out[kind] = [sums[(kind, s)][0] / sums[(kind, s)][1] for s in range(S)]
+    return out
+
+
+def _analyse_zero_bubble(a, kind, K, results, single):
+    """The table row of a zero-bubble schedule: measured bubble; the formula's, from the
+    measured mean T_F, T_I, T_W (where the formula is exact for them, else nan); the
+    simulator's with the measured per-stage times."""
+    from ..pipeline import TimedAction, bubble_fraction, dualpipev_overlapped, simulate
+    from ..pipeline.schedules import Action
+    from ..pipeline.zero_bubble import bubble_time_formula, dualpipev_schedule, zb_h1_schedule, zbv_schedule
+    M, S = a.microbatches, _n_stages(kind, K, a)
+    last = results[0] if kind in V_SHAPED else results[K - 1]  # V: the last stage is on rank 0
+    tls = [{r: [TimedAction(Action(*act), s, e) for act, s, e in results[r]["timelines"][i]] for r in range(K)}
+           for i in range(len(results[0]["timelines"]))]
+    measured = [float(bubble_fraction(tl, K)) for tl in tls]
+    times = _mean_times(tls, S)
+    mean = {k: sum(v) / len(v) for k, v in times.items()}
+    f, i, w = mean["F"], mean.get("I", 0.0), mean.get("W", 0.0)
+    build = {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}[kind]
+    sim = simulate(build(K, M), forward=times["F"], backward=times.get("B", [i + w] * S),
+                   backward_input=times.get("I"), backward_weight=times.get("W"),
+                   overlapped=dualpipev_overlapped(K, M) if kind == "dualpipev" else None)
+    chunks = 2 if kind in V_SHAPED else 1
+    work = chunks * M * (f + i + w)
+    exact = {"zb-h1": lambda: w <= min(f, i) * 1.15, "zbv": lambda: max(f, i, w) <= 1.15 * min(f, i, w),
+             "dualpipev": lambda: abs(f - i) <= 0.15 * max(f, i) and w <= i * 1.15}[kind]()
+    if exact:
+        name = kind
+        fi = (f + i) / 2 if kind == "dualpipev" else None
+        t = bubble_time_formula(name, K, fi or f, fi or i, w) if kind != "zbv" else (K - 1) * (f + i + w) / 3
+        formula = t / (work + t)
+    else:
+        formula = float("nan")
+    peak = {}
+    for r in results:
+        peak.update(r["peak"])
+    curve = max(abs(p - q) for p, q in zip(last["losses"], single["losses"]))  # drifts: shown, not judged
+    tokens = results[0]["timed_steps"] * a.batch * a.seq
+    return {
+        "schedule": kind, "train": last["losses"][-1], "val": last["val"], "curve": curve,
+        "verdict": results[0]["verdict"],
+        "bubble": sum(measured) / len(measured), "formula": formula, "sim": float(sim.bubble_fraction),
+        "peak": [peak[s] for s in sorted(peak)],
+        "tokens_per_s": tokens / results[0]["step_time"] if tokens else float("nan"),
         "timeline": tls[-1], "losses": last["losses"],
     }
 
@@ -247,7 +352,7 @@ def main(argv=None) -> int:
             print(f"note: --world-size {a.world_size} ignored under torchrun: K = WORLD_SIZE = {K}", file=sys.stderr)
     else:
         K = 4 if a.world_size is None else a.world_size
-    kinds = list(SCHEDULES) if "all" in a.schedule else list(dict.fromkeys(a.schedule))
+    kinds = list(dict.fromkeys(k for name in a.schedule for k in GROUPS.get(name, (name,))))
     bad = _bad_args(a, K)
     if bad:
         return error(bad)
@@ -255,7 +360,10 @@ def main(argv=None) -> int:
         for kind in kinds:
             v = a.chunks if kind == "interleaved" else 1
             check_pipeline_sizes(K, a.microbatches, v)
-            stage_layers(a.layers, K * v, 0)
+            stage_layers(a.layers, _n_stages(kind, K, a), 0)
+            if kind in ZERO_BUBBLE:  # their own rules, e.g. DualPipeV's M >= 2K
+                from ..pipeline.zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
+                {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}[kind](K, a.microbatches)
         if a.batch % a.microbatches:
             raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
     except ScheduleError as e:
@@ -283,6 +391,12 @@ def main(argv=None) -> int:
         return 0
     folder = run_folder(a.out, "pipeline")
     _save_plots(folder, rows, single, K)
+    traces = []
+    if a.trace:
+        from ..pipeline.trace import write_chrome_trace
+        for row in rows:
+            traces.append(write_chrome_trace(folder / f"trace-{row['schedule'].replace(' ', '')}.json",
+                                             {f"{row['schedule']} (measured, last step)": row["timeline"]}))
     head = (f"{'schedule':<16} {'train':>7} {'val':>7} {'curve gap':>10} {'bubble':>7} {'formula':>8} "
             f"{'sim':>6} {'peak in flight/stage':<24} {'tokens/s':>9}")
     print(head)
@@ -292,6 +406,15 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['schedule']:<16} {r['train']:>7.4f} {r['val']:>7.4f} {r['curve']:>10.1e} {r['bubble']:>7.1%} "
               f"{r['formula']:>8.1%} {r['sim']:>6.1%} {str(r['peak']):<24} {r['tokens_per_s']:>9.0f}")
+    if a.cost_model is not None:
+        print(f"cost model: every F, I, W lasts at least {a.cost_model} ms (B = I + W), sleeping the rest; the bubble "
+              f"then shows the schedule rather than ranks waiting for a core. Run without --cost-model for the "
+              f"real-compute measurement.")
+    else:
+        print("real compute: the times are what the ranks measured (no cost model).")
+    if any(r["schedule"] in ZERO_BUBBLE for r in rows):
+        print("zero-bubble formulas: zb-h1 (K-1)(T_F+T_I-T_W), zbv (K-1)T_F with T_F=T_I=T_W, dualpipev "
+              "(K-1)(F&B+B-3W) with F&B=F+B, from the measured mean T_F, T_I, T_W (nan: not exact for them).")
     drop = 1 - single["losses"][-1] / single["losses"][0]
     print(f"\ntrain loss {single['losses'][0]:.3f} -> {single['losses'][-1]:.3f} ({drop:.0%} lower). "
           f"curve gap: largest |loss difference| between the two separate trainings (shown, not judged). "
@@ -302,6 +425,8 @@ def main(argv=None) -> int:
         print(f"note: {K} ranks share {cores} CPU cores, so a rank often waits for a core; the measured bubble "
               f"and F/B times include that wait.")
     print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
+    for t in traces:
+        print(f"trace (open in https://ui.perfetto.dev): {t}")
     return verdict_exit({r["schedule"]: r["verdict"] for r in rows})
 
 

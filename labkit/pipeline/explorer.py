@@ -29,9 +29,11 @@ from .plot import plot_timeline
 from .schedules import ScheduleError, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
 from .simulate import bubble_formula, simulate
 
-__all__ = ["SCHEDULES", "build_schedule", "peak_in_flight_per_rank", "count_sends", "render", "describe", "explorer"]
+__all__ = ["SCHEDULES", "ZERO_BUBBLE", "build_schedule", "peak_in_flight_per_rank", "count_sends", "figure_width",
+           "render", "describe", "explorer"]
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved 1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1", "ZB-V", "DualPipeV")
+ZERO_BUBBLE = ("ZB-H1", "ZB-V", "DualPipeV")  # backward split into I and W (:mod:`.zero_bubble`)
 
 
 def build_schedule(schedule: str, K: int, M: int, v: int = 1) -> dict:
@@ -46,12 +48,16 @@ def build_schedule(schedule: str, K: int, M: int, v: int = 1) -> dict:
         return one_f_one_b_schedule(K, M)
     if schedule == "Interleaved 1F1B":
         return interleaved_schedule(K, M, v)
+    if schedule in ZERO_BUBBLE:
+        from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
+        return {"ZB-H1": zb_h1_schedule, "ZB-V": zbv_schedule, "DualPipeV": dualpipev_schedule}[schedule](K, M)
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 
-def peak_in_flight_per_rank(actions: dict) -> list:
+def peak_in_flight_per_rank(actions: dict, split_until_w: bool = True) -> list:
     """Per rank: the most (microbatch, stage) pairs held at once, i.e. forwards that ran
-    whose backward has not, over all the stages on that rank (action order only)."""
+    whose backward has not, over all the stages on that rank (action order only). With a
+    split backward a pair is held until its W."""
     out = []
     for r in sorted(actions):
         live = peak = 0
@@ -59,7 +65,7 @@ def peak_in_flight_per_rank(actions: dict) -> list:
             if a.kind == "F":
                 live += 1
                 peak = max(peak, live)
-            elif a.kind == "B":
+            elif a.kind == "B" or (a.kind == "W" and split_until_w):
                 live -= 1
         out.append(peak)
     return out
@@ -70,10 +76,18 @@ def count_sends(actions: dict) -> int:
     return sum(a.kind in ("SEND_F", "SEND_B") for r in actions for a in actions[r])
 
 
-def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward: float = 1.0,
-           ax=None) -> dict:
+def figure_width(schedule: str, M: int, v: int) -> float:
+    """Width in inches of a new figure for :func:`render`: 10, widened for schedules with many boxes
+    per rank (2Mv for interleaving) so that their microbatch numbers still fit, at most 16."""
+    v_used = v if schedule == "Interleaved 1F1B" else 1
+    return float(min(16.0, max(10.0, 0.2 * 2 * M * v_used + 2)))
+
+
+def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward: float | None = None,
+           ax=None, weight_share: float = 0.5, show_stage: bool = False) -> dict:
     """Simulate ``schedule`` with K ranks, M microbatches (and v chunks for interleaving) and
-    draw its Gantt chart on ``ax`` (a new figure when None).
+    draw its Gantt chart on ``ax`` (a new figure, :func:`figure_width` wide, when None).
+    ``show_stage``: label the boxes ``m/s`` (microbatch/stage) instead of ``m``, where they fit.
 
     Time unit: the forward of one microbatch through all the layers of a rank; with v
     chunks a stage's forward takes 1/v of it. ``backward``: time of a backward relative to
@@ -85,7 +99,10 @@ def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward:
     the message), ``ax``.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.6 * K + 1.4))
+        _, ax = plt.subplots(figsize=(figure_width(schedule, M, v), 0.6 * K + 1.4))
+    if schedule in ZERO_BUBBLE:  # default b = 2: T_F = T_I = T_W, the zero-bubble paper's case
+        return _render_zero_bubble(schedule, K, M, 2.0 if backward is None else backward, weight_share, ax)
+    backward = 1.0 if backward is None else backward
     v_used = v if schedule == "Interleaved 1F1B" else 1
     info = {"schedule": schedule, "K": K, "M": M, "v": v_used, "bubble": None, "bubble_formula": None,
             "peak_in_flight": None, "sends": None, "makespan": None, "error": None, "ax": ax}
@@ -105,12 +122,59 @@ def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward:
                 makespan=sim.makespan)
     name = schedule + (f", v={v_used}" if schedule == "Interleaved 1F1B" else "")
     plot_timeline(sim, ax=ax, title=f"{name}, K={K}, M={M} (formula {float(info['bubble_formula']):.1%})",
-                  unit="forward time of a rank's layers")  # labels only where they fit
+                  unit="forward time of a rank's layers", show_stage=show_stage)  # labels only where they fit
+    return info
+
+
+def _render_zero_bubble(schedule, K, M, backward, weight_share, ax) -> dict:
+    """:func:`render` for ZB-H1, ZB-V and DualPipeV: the backward ``b`` splits into
+    T_I = (1 - weight_share) b and T_W = weight_share b; ZB-V and DualPipeV hold two chunks
+    per rank (each chunk's costs are half the rank's). ``bubble_formula`` is the formula's
+    idle fraction where it is exact (:func:`~.zero_bubble.bubble_time_formula`), else None."""
+    from .zero_bubble import bubble_time_formula, dualpipev_overlapped
+    v_used = 1 if schedule == "ZB-H1" else 2
+    info = {"schedule": schedule, "K": K, "M": M, "v": v_used, "bubble": None, "bubble_formula": None,
+            "peak_in_flight": None, "sends": None, "makespan": None, "error": None, "ax": ax,
+            "formula_text": None}
+    try:
+        actions = build_schedule(schedule, K, M)
+    except ScheduleError as e:
+        info["error"] = str(e)
+        ax.text(0.5, 0.5, "not a valid configuration:\n" + str(e), ha="center", va="center", wrap=True,
+                fontsize=9, transform=ax.transAxes)
+        ax.set_axis_off()
+        return info
+    b = Fraction(backward).limit_denominator(1000)
+    ws = Fraction(weight_share).limit_denominator(1000)
+    f, i, w = Fraction(1, v_used), b * (1 - ws) / v_used, b * ws / v_used
+    # DualPipeV's F&B pairs run as one unit (here without overlap gain: F&B = F + B)
+    pairs = dualpipev_overlapped(K, M) if schedule == "DualPipeV" else None
+    sim = simulate(actions, forward=f, backward_input=i, backward_weight=w, overlapped=pairs)
+    name = {"ZB-H1": "zb-h1", "ZB-V": "zbv", "DualPipeV": "dualpipev"}[schedule]
+    text = {"zb-h1": "(K-1)(T_F+T_I-T_W)", "zbv": "(K-1)T_F when T_F=T_I=T_W",
+            "dualpipev": "(K-1)(F&B+B-3W), F&B=F+B"}[name]
+    exact = {"zb-h1": w <= min(f, i) and M >= K, "zbv": f == i == w, "dualpipev": f == i and w <= i}[name]
+    work = v_used * M * (f + i + w)
+    formula = None
+    if exact:
+        t = bubble_time_formula(name, K, f, i, w)
+        formula = t / (work + t)
+    info.update(bubble=sim.bubble_fraction, bubble_formula=formula, formula_text=text,
+                peak_in_flight=peak_in_flight_per_rank(actions), sends=count_sends(actions),
+                makespan=sim.makespan)
+    note = f"formula {float(formula):.1%}" if formula is not None else "formula not exact for these costs"
+    plot_timeline(sim, ax=ax, title=f"{schedule}, K={K}, M={M} ({note})", unit="forward time of a rank's layers")
     return info
 
 
 def describe(info: dict) -> str:
     """Two lines of text for a :func:`render` result (deterministic)."""
+    if info.get("formula_text") and not info["error"]:
+        formula = (f"formula {info['formula_text']} = {float(info['bubble_formula']):.3f}"
+                   if info["bubble_formula"] is not None else f"formula {info['formula_text']} not exact here")
+        return (f"{info['schedule']} K={info['K']} M={info['M']} v={info['v']}: bubble {float(info['bubble']):.3f} "
+                f"({formula}), {info['sends']} point-to-point sends per step\n"
+                f"peak (microbatch, stage) pairs in flight per rank (until W): {info['peak_in_flight']}")
     if info["error"]:
         return f"{info['schedule']} K={info['K']} M={info['M']} v={info['v']}: {info['error']}"
     return (f"{info['schedule']} K={info['K']} M={info['M']} v={info['v']}: bubble {float(info['bubble']):.3f} "
@@ -123,7 +187,8 @@ def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int 
              max_M: int = 16, max_v: int = 4):
     """The widget: a dropdown (schedule) and sliders K, M, v, then the output area
     (``children`` 0-4 of an ``ipywidgets.VBox``). Moving a control re-runs :func:`render`
-    and shows :func:`describe` and the figure; the last result dict is ``widget.result``.
+    and shows :func:`describe` and the figure; the last result dict is ``widget.result``. The v
+    slider is disabled while the schedule is GPipe or 1F1B (they have one stage per rank).
 
     The output area is filled with ``Output.append_stdout`` / ``append_display_data``
     rather than by capturing a ``with out:`` block: a headless notebook runner (nbclient,
@@ -142,6 +207,8 @@ def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int 
     box.add_class("widget-interact")
 
     def update(*_):
+        # v only matters for interleaving: GPipe and 1F1B ignore it, so the slider is greyed out
+        controls[3].disabled = controls[0].value != "Interleaved 1F1B"
         info = dict(render(*(c.value for c in controls)))
         fig = info.pop("ax").figure
         out.outputs = ()

@@ -1,6 +1,7 @@
 """Gantt chart of a pipeline timeline, simulated or measured (same function).
 
-One row per rank (rank 0 on top), forward boxes in blue, backward boxes in orange, the
+One row per rank (rank 0 on top), forward boxes in blue, backward boxes in orange (a split
+backward: input gradient I in purple, weight gradient W in green), the
 microbatch number in each box that is wide enough for it, and the idle time (the bubble)
 shaded grey. When a rank holds several stages (interleaved 1F1B, v model chunks per rank;
 Narayanan et al. 2021, sec. 2.2), stage s = c*K + rank is model chunk c of its rank, and the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
+from .schedules import infer_placement
 from .simulate import SimResult, bubble_fraction
 
 __all__ = ["plot_timeline"]
@@ -19,6 +21,11 @@ __all__ = ["plot_timeline"]
 # light to dark; text on the two darkest shades is written in white
 _F = ("#9ecae1", "#4292c6", "#2171b5", "#08519c")
 _B = ("#fdae6b", "#f16913", "#d94801", "#a63603")
+# zero-bubble split backward (Qi et al. 2024): input gradient I in purples, weight gradient W in greens
+_I = ("#bcbddc", "#807dba", "#6a51a3", "#4a1486")
+_W = ("#a1d99b", "#41ab5d", "#238b45", "#005a32")
+_PALETTES = {"F": _F, "B": _B, "I": _I, "W": _W}
+_NAMES = {"F": "forward", "B": "backward", "I": "input grad (I)", "W": "weight grad (W)"}
 _IDLE = "#e0e0e0"
 _FONT_SIZES = (7, 6)        # points; a label that fits neither is left out (the colour stays)
 _CHAR_EM = 0.62             # width of a digit or "/" in ems (DejaVu Sans), slightly generous
@@ -62,7 +69,8 @@ def plot_timeline(timeline, ax=None, title: str | None = None, K: int | None = N
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.2))
     makespan = float(max((t.end for r in ranks for t in timeline[r]), default=0)) or 1.0
-    computed = [t for r in ranks for t in timeline[r] if t.action.kind in ("F", "B")]
+    computed = [t for r in ranks for t in timeline[r] if t.action.kind in _PALETTES]
+    kinds = [k for k in _PALETTES if any(t.action.kind == k for t in computed)] or ["F", "B"]
     v = max((t.action.stage // K for t in computed), default=0) + 1
     # data units per pixel of the axes as laid out now (tight_layout later only widens it a bit)
     fig = ax.figure
@@ -72,11 +80,11 @@ def plot_timeline(timeline, ax=None, title: str | None = None, K: int | None = N
         ax.barh(y, makespan, left=0, height=0.8, color=_IDLE, edgecolor="none", zorder=0)
         for t in timeline[r]:
             kind, stage, mb = t.action
-            if kind not in ("F", "B"):
+            if kind not in _PALETTES:
                 continue
             shade = _shade(stage // K, v)
             start, end = float(t.start), float(t.end)  # the simulator may give Fractions
-            ax.barh(y, end - start, left=start, height=0.8, color=(_F if kind == "F" else _B)[shade],
+            ax.barh(y, end - start, left=start, height=0.8, color=_PALETTES[kind][shade],
                     edgecolor="white", linewidth=0.5, zorder=1)
             label = f"{mb}/{stage}" if show_stage else f"{mb}"
             size = _label_fits(label, end - start, data_per_px, fig.dpi)
@@ -91,12 +99,14 @@ def plot_timeline(timeline, ax=None, title: str | None = None, K: int | None = N
     ax.set_title(f"{title + ': ' if title else ''}bubble {bub:.1%}{f' ({note})' if note else ''}",
                  loc="left", fontsize=10)
     # the legend is a column right of the axes, so a long title never runs into it
+    # the kinds that occur, in the order F, B, I, W (I and W: a split backward, zero bubble)
     if v == 1:
-        handles, legend_title = [Patch(color=_F[1], label="forward"), Patch(color=_B[1], label="backward")], None
+        handles, legend_title = [Patch(color=_PALETTES[k][1], label=_NAMES[k]) for k in kinds], None
     else:  # one entry per shade
-        handles = [Patch(color=pal[_shade(c, v)], label=f"{name}, chunk {c}")
-                   for pal, name in ((_F, "forward"), (_B, "backward")) for c in range(v)]
-        legend_title = f"stage = chunk*{K} + rank"
+        handles = [Patch(color=_PALETTES[k][_shade(c, v)], label=f"{_NAMES[k]}, chunk {c}")
+                   for k in kinds for c in range(v)]
+        v_shape = infer_placement({r: [t.action for t in timeline[r]] for r in ranks}) == "v"
+        legend_title = "V: chunk 0 = stage r, chunk 1 = stage 2K-1-r" if v_shape else f"stage = chunk*{K} + rank"
     handles.append(Patch(color=_IDLE, label="idle (bubble)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,
               title=legend_title, title_fontsize=7, alignment="left")

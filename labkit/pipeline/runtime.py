@@ -18,6 +18,9 @@ What ``step`` does on one rank, action by action (semantics in :mod:`.schedules`
 * ``B``: ``torch.autograd.backward`` of the stored output with the received gradient (or
   of the scaled loss); parameter gradients accumulate in ``.grad`` across microbatches and
   across steps (zero them yourself, as with any optimizer loop).
+* ``I`` / ``W`` (zero-bubble schedules): the same backward in two parts, the input
+  gradient(s) first (sent by SEND_B) and the parameter gradients later
+  (:mod:`.split_backward`); the microbatch's activations stay until its W.
 
 Stage boundaries: a stage may return one tensor or a tuple of tensors; the next stage is
 called with them as positional arguments (``submod(*outputs)``), and ``step(*args)`` gives
@@ -59,11 +62,13 @@ import torch.nn as nn
 
 from .. import comm
 from .schedules import (COMPUTE, Action, ScheduleError, _message, _needs, check_pipeline_sizes, gpipe_schedule,
-                        interleaved_schedule, one_f_one_b_schedule, stage_rank)
+                        infer_placement, interleaved_schedule, one_f_one_b_schedule, stage_rank)
 from .simulate import TimedAction
+from .split_backward import backward_input, backward_weight
 from .validate import validate_schedule
+from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
-__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"]
+__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.long, torch.int32, torch.bool,
            torch.int8, torch.uint8, torch.int16]
@@ -118,6 +123,18 @@ class _replay_rng:
             torch.cuda.set_rng_state(self.saved[1], self.device)
 
 
+def _check_cost_model(cost_model):
+    """None, or a dict kind -> seconds >= 0 for kinds among F, B, I, W (ValueError otherwise)."""
+    if cost_model is None:
+        return None
+    if not isinstance(cost_model, dict):
+        raise ValueError(f"cost_model must be a dict like {{'F': 0.02, 'I': 0.02, 'W': 0.02}}, got {cost_model!r}")
+    for k, t in cost_model.items():
+        if k not in ("F", "B", "I", "W") or not isinstance(t, (int, float)) or t < 0:
+            raise ValueError(f"cost_model entries are F, B, I, W -> seconds >= 0; got {k!r}: {t!r}")
+    return dict(cost_model)
+
+
 class PipelineStage:
     """One stage of the model on this rank.
 
@@ -154,6 +171,8 @@ class _StepState:
         self.stash_live = {s: 0 for s in stages}
         self.stash_mb: dict = {}
         self.n_backward = {s: 0 for s in stages}
+        self.weight_grads: dict = {}  # (stage, mb) -> what I kept for W (zero-bubble schedules)
+        self.waiting_w = {s: 0 for s in stages}  # microbatches whose I ran and whose W has not
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
@@ -171,13 +190,19 @@ class PipelineSchedule:
         recompute: keep only stage inputs, recompute the forward in backward.
         validate: run :func:`validate_schedule` first (turn off only to test failures).
         timeout: seconds to wait for any receive (default: the group's, else 30).
+        cost_model: ``{"F": t_F, "B": t_B, "I": t_I, "W": t_W}`` in seconds (missing kinds:
+            no padding): each such action still computes for real, then sleeps until it has
+            taken its chosen time, so its duration is max(real, chosen) without holding a
+            core. With chosen times well above the real ones the measured bubble shows the
+            schedule's formula even on fewer cores than ranks (see ``timeline``).
 
     Raises ScheduleError before any communication when M < 1, the group size does not equal
     the schedule's K, or this rank's stages do not match the placement stage i -> rank i % K.
     """
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, actions: dict | None = None,
-                 recompute: bool = False, validate: bool = True, timeout: float | None = None):
+                 recompute: bool = False, validate: bool = True, timeout: float | None = None,
+                 cost_model: dict | None = None):
         self.stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         if not self.stages:
             raise ScheduleError("no stages given")
@@ -187,6 +212,7 @@ class PipelineSchedule:
         self.loss_fn = loss_fn
         self.recompute = recompute
         self.timeout = timeout
+        self.cost_model = _check_cost_model(cost_model)
         self.group = self.stages[0].group
         self.num_stages = S = self.stages[0].num_stages
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -199,15 +225,17 @@ class PipelineSchedule:
                                 f"they must match")
         if S % K:
             raise ScheduleError(f"num_stages={S} is not a multiple of K={K} ranks")
+        self.placement = infer_placement(actions, S)  # "loop" (stage i on rank i % K) or "v" (ZB-V, DualPipeV)
         mine = sorted(st.stage_index for st in self.stages)
-        expected = [s for s in range(S) if stage_rank(s, K) == self.rank]
+        expected = [s for s in range(S) if stage_rank(s, K, self.placement) == self.rank]
         if mine != expected:
+            rule = "stage i on rank i % K" if self.placement == "loop" else "V placement: rank r holds r and 2K-1-r"
             raise ScheduleError(f"rank {self.rank} holds stages {mine} but with K={K} ranks and {S} stages it must "
-                                f"hold {expected} (stage i on rank i % K)")
+                                f"hold {expected} ({rule})")
         if any(st.num_stages != S for st in self.stages):
             raise ScheduleError("all stages must agree on num_stages")
         if validate:
-            actions = validate_schedule(actions, n_microbatches=M, n_stages=S)
+            actions = validate_schedule(actions, n_microbatches=M, n_stages=S, placement=self.placement)
         self.actions = {r: [Action(*a) for a in actions[r]] for r in actions}
         self.K = K
         self._by_index = {st.stage_index: st for st in self.stages}
@@ -220,6 +248,7 @@ class PipelineSchedule:
                             for st in self.stages}
         self.timeline: list[TimedAction] = []
         self.peak_in_flight: dict = {}
+        self.peak_waiting_for_w: dict = {}  # stage -> most microbatches between their I and their W
         self.stash_peak_bytes: dict = {}
         self.stash_bytes: dict = {}
 
@@ -228,8 +257,11 @@ class PipelineSchedule:
 
     # ------------------------------------------------------------------ helpers
 
+    def _rank_of(self, stage: int) -> int:
+        return stage_rank(stage, self.K, self.placement)
+
     def _peer(self, stage: int) -> int:
-        return self._global[stage_rank(stage, self.K)]
+        return self._global[self._rank_of(stage)]
 
     def _wait(self, work):
         if self.timeout is not None:
@@ -249,7 +281,7 @@ class PipelineSchedule:
             st = self._by_index[s]
             if s == 0:
                 ins = tuple(_Meta(tuple(t.shape), t.dtype, False) for t in x_mb)
-            elif stage_rank(s - 1, self.K) == self.rank:
+            elif self._rank_of(s - 1) == self.rank:
                 ins = prev_out
             else:
                 count = torch.zeros(1, dtype=torch.long, device=st.device)
@@ -270,7 +302,7 @@ class PipelineSchedule:
             del raw, zeros
             metas[s] = (ins, outs)
             prev_out = outs
-            if s < self.num_stages - 1 and stage_rank(s + 1, self.K) != self.rank:
+            if s < self.num_stages - 1 and self._rank_of(s + 1) != self.rank:
                 block = torch.zeros(len(outs), 9, dtype=torch.long, device=st.device)
                 for i, m in enumerate(outs):
                     if len(m.shape) > _MAX_DIMS:
@@ -331,19 +363,23 @@ class PipelineSchedule:
         st = _StepState(x_mbs, t_mbs, losses, forward_only, list(self._by_index))
         if not forward_only:
             self.peak_in_flight = {s: 0 for s in self._by_index}
+            self.peak_waiting_for_w = {s: 0 for s in self._by_index}
             self.stash_peak_bytes = {s: 0 for s in self._by_index}
             self.stash_bytes = {s: [0] * M for s in self._by_index}
         if dist.is_initialized():
             dist.barrier(group=self.group)  # a common start for every rank's timeline
         st.t0 = time.perf_counter()
         run = {"RECV_F": self._do_recv, "RECV_B": self._do_recv, "SEND_F": self._do_send,
-               "SEND_B": self._do_send, "F": self._do_forward, "B": self._do_backward}
+               "SEND_B": self._do_send, "F": self._do_forward, "B": self._do_backward,
+               "I": self._do_backward_input, "W": self._do_backward_weight}
         for a in self.actions[self.rank]:
-            if forward_only and a.kind in ("B", "SEND_B", "RECV_B"):
+            if forward_only and a.kind in ("B", "I", "W", "SEND_B", "RECV_B"):
                 continue
             if a.kind not in run:
                 raise ScheduleError(f"rank {self.rank}: unknown action kind {a.kind!r}")
             run[a.kind](a, st)
+            if self.cost_model and a.kind in self.cost_model and not st.forward_only:
+                self._pad(st, self.cost_model[a.kind])
         for works, _, a in st.sends:
             for work in works:
                 self._wait_or_explain(work, a, a)
@@ -384,7 +420,8 @@ class PipelineSchedule:
             tensors, dst = tuple(o.detach() for o in st.outputs[key]), a.stage + 1
         else:
             if key not in st.grads:
-                raise ScheduleError(f"rank {self.rank}: {a!r} before B{a.microbatch}@s{a.stage} ran")
+                raise ScheduleError(f"rank {self.rank}: {a!r} before B{a.microbatch}@s{a.stage} (or "
+                                    f"I{a.microbatch}@s{a.stage}) ran")
             tensors, dst = st.grads.pop(key), a.stage - 1
         works = [comm.isend(t_, self._peer(dst), self.group) for t_ in tensors]
         st.sends.append((works, tensors, a))
@@ -396,7 +433,7 @@ class PipelineSchedule:
         ins = self._shapes[s][0]
         if s == 0:
             inp = st.x_mbs[m]
-        elif stage_rank(s - 1, self.K) == self.rank:  # previous stage on this rank (K = 1)
+        elif self._rank_of(s - 1) == self.rank:  # previous stage on this rank (K = 1; V placement's turn)
             inp = tuple(t.detach() for t in st.outputs[(s - 1, m)])
         else:
             inp = self._take(st, ("RECV_F", s, m), a)
@@ -438,7 +475,7 @@ class PipelineSchedule:
         stage = self._by_index[s]
         if stage.is_last:
             grads = None  # the scaled loss is a scalar
-        elif stage_rank(s + 1, self.K) == self.rank:  # next stage on this rank (K = 1)
+        elif self._rank_of(s + 1) == self.rank:  # next stage on this rank (K = 1; V placement's turn)
             grads = st.grads.pop((s + 1, m))
         else:
             grads = self._take(st, ("RECV_B", s, m), a)
@@ -471,6 +508,70 @@ class PipelineSchedule:
             st.grads[(s, m)] = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                      for t, meta in zip(inp, self._shapes[s][0]) if meta.requires_grad)
         st.timeline.append(TimedAction(a, start, st.now()))
+        st.live[s] -= 1
+        st.stash_live[s] -= st.stash_mb.pop((s, m))
+
+    # ------------------------------------------------------------------ split backward (zero bubble)
+
+    def _pad(self, st: "_StepState", seconds: float):
+        """Cost model: sleep until the compute action just recorded has lasted ``seconds``
+        (from its start, after its input arrived), and stamp its new end."""
+        e = st.timeline[-1]
+        rest = e.start + seconds - st.now()
+        if rest > 0:
+            time.sleep(rest)
+        st.timeline[-1] = TimedAction(e.action, e.start, st.now())
+
+    def _do_backward_input(self, a: Action, st: "_StepState"):
+        """I: the gradient(s) with respect to the stage input(s) only (what stage s-1 waits
+        for); the graph and what W needs stay alive (:mod:`.split_backward`)."""
+        s, m = a.stage, a.microbatch
+        stage = self._by_index[s]
+        if stage.is_last:
+            grads = None
+        elif self._rank_of(s + 1) == self.rank:
+            grads = st.grads.pop((s + 1, m))
+        else:
+            grads = self._take(st, ("RECV_B", s, m), a)
+        start = st.now()
+        inp, out = st.inputs[(s, m)], st.outputs.pop((s, m))
+        if self.recompute:  # run the forward again with autograd, same dropout masks
+            with _replay_rng(stage.device, st.rng.pop((s, m))):
+                out = stage.submod(*inp)
+            if stage.is_last:
+                loss = self.loss_fn(out, st.t_mbs[m]) / self.n_microbatches if st.t_mbs is not None else None
+                out = (loss,) if loss is not None and loss.requires_grad else ()
+            else:
+                out = _as_tuple(out, f"the output of stage {s}")
+        tensors = [o for o in out if o.requires_grad]
+        if grads is None:
+            grads = (None,) * len(tensors)
+        if len(tensors) != len(grads):
+            raise ScheduleError(f"rank {self.rank}: {a!r}: {len(tensors)} output(s) require grad but "
+                                f"{len(grads)} gradient(s) arrived")
+        wants = [t for t, meta in zip(inp, self._shapes[s][0]) if meta.requires_grad] if s > 0 else []
+        gins, pending = backward_input(tensors, wants, list(grads), stage.submod.parameters())
+        if s > 0:
+            st.grads[(s, m)] = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(gins, wants))
+        st.weight_grads[(s, m)] = pending
+        st.timeline.append(TimedAction(a, start, st.now()))
+        st.waiting_w[s] += 1
+        self.peak_waiting_for_w[s] = max(self.peak_waiting_for_w[s], st.waiting_w[s])
+
+    def _do_backward_weight(self, a: Action, st: "_StepState"):
+        """W: the parameter gradients of (stage, microbatch) from what its I kept; they
+        accumulate in ``.grad`` like B's (a DistributedDataParallel stage reduces in its last
+        W of the step only). Frees the microbatch's activations."""
+        s, m = a.stage, a.microbatch
+        stage = self._by_index[s]
+        start = st.now()
+        st.n_backward[s] += 1
+        last = st.n_backward[s] == self.n_microbatches
+        with contextlib.nullcontext() if last or not hasattr(stage.submod, "no_sync") else stage.submod.no_sync():
+            backward_weight(st.weight_grads.pop((s, m)))
+        st.inputs.pop((s, m))
+        st.timeline.append(TimedAction(a, start, st.now()))
+        st.waiting_w[s] -= 1
         st.live[s] -= 1
         st.stash_live[s] -= st.stash_mb.pop((s, m))
 
@@ -573,10 +674,56 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         return interleaved_schedule(K, M, v)
 
 
+# ----------------------------------------------------------------------------- zero-bubble schedules
+
+
+class ScheduleZBH1(_OneStagePerRank):
+    """ZB-H1 (Qi et al. 2024, sec. 2.1; :func:`~.zero_bubble.zb_h1_schedule`): 1F1B with each
+    backward split into I (input gradient) and W (weight gradients), W delayed on the first
+    ranks. ``ScheduleZBH1(stage, n_microbatches, loss_fn, recompute=False)``; K = group size.
+    torch's nearest is ``ScheduleInterleavedZeroBubble`` with one stage per rank."""
+
+    _builder = staticmethod(zb_h1_schedule)
+
+
+class _TwoStagesV(PipelineSchedule):
+    """A named schedule with two stages per rank in V placement (rank r: stages r, 2K-1-r)."""
+
+    _builder = None
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches, loss_fn=None, **kw):
+        super().__init__(list(stages) if isinstance(stages, (list, tuple)) else [stages],
+                         n_microbatches, loss_fn, **kw)
+
+    def _build(self, K, M, v):
+        check_pipeline_sizes(K, M)
+        if v != 2 or self.num_stages != 2 * K:
+            raise ScheduleError(f"{type(self).__name__} needs exactly 2 stages per rank (V placement: rank r holds "
+                                f"stages r and 2K-1-r): got {v} stage(s) on this rank, num_stages="
+                                f"{self.num_stages}, K={K}")
+        return type(self)._builder(K, M)
+
+
+class ScheduleZBVZeroBubble(_TwoStagesV):
+    """ZB-V (Qi et al. 2024, sec. 6; :func:`~.zero_bubble.zbv_schedule`), torch's name and
+    order. ``ScheduleZBVZeroBubble([stage_r, stage_2K-1-r], n_microbatches, loss_fn)``."""
+
+    _builder = staticmethod(zbv_schedule)
+
+
+class ScheduleDualPipeV(_TwoStagesV):
+    """DualPipeV (DualPipe README; :func:`~.zero_bubble.dualpipev_schedule`), torch's name
+    and order; M >= 2K. The overlapped F&B pairs run one after the other here (one compute
+    stream; the overlap of communication with compute is DualPipe's point on GPUs).
+    ``ScheduleDualPipeV([stage_r, stage_2K-1-r], n_microbatches, loss_fn)``."""
+
+    _builder = staticmethod(dualpipev_schedule)
+
+
 # ---------------------------------------------------------------------- explaining a hang
 
-def _peer_of(a: Action, K: int) -> int:
-    return stage_rank(a.stage - 1 if a.kind in ("RECV_F", "SEND_B") else a.stage + 1, K)
+def _peer_of(a: Action, K: int, placement: str = "loop") -> int:
+    return stage_rank(a.stage - 1 if a.kind in ("RECV_F", "SEND_B") else a.stage + 1, K, placement)
 
 
 def diagnose_hang(actions: dict, K: int, n_stages: int):
@@ -589,6 +736,7 @@ def diagnose_hang(actions: dict, K: int, n_stages: int):
     for each other in a cycle, described from the lowest rank. When nothing is stuck, a SEND
     whose receive no rank posts is reported. Every rank computes the same answer."""
     S = n_stages
+    pl = infer_placement(actions, S)
     idx, sent = [0] * K, set()
     progress = True
     while progress:
@@ -597,19 +745,19 @@ def diagnose_hang(actions: dict, K: int, n_stages: int):
             acts = actions[r]
             while idx[r] < len(acts):
                 a = acts[idx[r]]
-                need = _needs(a, K, S) if a.kind in COMPUTE else None
-                if need is not None and _message(need, K, S)[2] not in sent:
+                need = _needs(a, K, S, pl) if a.kind in COMPUTE else None
+                if need is not None and _message(need, K, S, pl)[2] not in sent:
                     break
                 if a.kind.startswith("SEND"):
-                    sent.add(_message(a, K, S)[2])
+                    sent.add(_message(a, K, S, pl)[2])
                 idx[r] += 1
                 progress = True
     stuck = [r for r in range(K) if idx[r] < len(actions[r])]
 
     def waits_for(r):
         """(peer, the SEND it waits for, that SEND's index on the peer or None)."""
-        need = _needs(actions[r][idx[r]], K, S)
-        src, _, (direction, stage, mb) = _message(need, K, S)
+        need = _needs(actions[r][idx[r]], K, S, pl)
+        src, _, (direction, stage, mb) = _message(need, K, S, pl)
         send = Action("SEND_" + direction, stage, mb)
         where = next((j for j, b in enumerate(actions[src]) if b == send), None)
         return src, send, where
@@ -631,11 +779,11 @@ def diagnose_hang(actions: dict, K: int, n_stages: int):
             r = src
         first = stuck[0]
         return first, idx[first], actions[first][idx[first]], "deadlock: " + "; ".join(chain)
-    posted = {(r, _message(a, K, S)[2]) for r in range(K) for a in actions[r] if a.kind.startswith("RECV")}
+    posted = {(r, _message(a, K, S, pl)[2]) for r in range(K) for a in actions[r] if a.kind.startswith("RECV")}
     for r in range(K):
         for i, a in enumerate(actions[r]):
             if a.kind.startswith("SEND"):
-                _, dst, key = _message(a, K, S)
+                _, dst, key = _message(a, K, S, pl)
                 if (dst, key) not in posted:
                     return r, i, a, f"rank {dst} never posts the matching receive"
     return None
@@ -646,7 +794,7 @@ def explain_hang(actions: dict, K: int, n_stages: int, rank: int, a: Action, com
     """The message of a failed wait on ``rank`` (at action ``a``, waiting for ``comm_action``).
     First line: the first action that cannot complete (:func:`diagnose_hang`) and which rank
     this report is from (the rank a :class:`~labkit.dist.RankError` header names)."""
-    peer = _peer_of(comm_action, K)
+    peer = _peer_of(comm_action, K, infer_placement(actions, n_stages))
     here = (f"this error is rank {rank}'s (the rank in the RankError header), which was at {a!r} waiting for "
             f"{comm_action!r} ({'from' if comm_action.kind.startswith('RECV') else 'to'} rank {peer})")
     found = diagnose_hang(actions, K, n_stages)

@@ -14,12 +14,18 @@ the rank that runs the action:
 kind       meaning (stage s, microbatch m)
 =========  ==============================================================================
 ``F``      forward of stage s on microbatch m
-``B``      backward of stage s on microbatch m (input gradient and weight gradients)
+``B``      full backward of stage s on microbatch m (input gradient and weight gradients)
+``I``      input-gradient part of the backward (what stage s-1 waits for); torch's
+           ``BACKWARD_INPUT``, the zero-bubble paper's "B" (Qi et al. 2024, sec. 2)
+``W``      weight-gradient part of the backward, any time after the matching ``I`` on the
+           same rank (nobody waits for it); torch's ``BACKWARD_WEIGHT``
 ``SEND_F`` send the output of F(s, m) to the rank of stage s+1
 ``RECV_F`` receive the input of F(s, m) from the rank of stage s-1
-``SEND_B`` send the input gradient of B(s, m) to the rank of stage s-1
-``RECV_B`` receive the output gradient of B(s, m) from the rank of stage s+1
+``SEND_B`` send the input gradient of B(s, m) (or I(s, m)) to the rank of stage s-1
+``RECV_B`` receive the output gradient of B(s, m) (or I(s, m)) from the rank of stage s+1
 =========  ==============================================================================
+
+A (stage, microbatch) runs either ``B`` or the pair ``I`` then ``W``, never both.
 
 So ``SEND_F m@s`` on one rank pairs with ``RECV_F m@s+1`` on the next, and ``SEND_B m@s``
 pairs with ``RECV_B m@s-1``. Neighbouring stages on the same rank (K = 1) pass tensors
@@ -33,6 +39,12 @@ before the first F/B that needs the tensor. Between one pair of ranks messages a
 in order (NCCL ignores tags), so the i-th send from rank a to rank b must be the i-th
 receive on b from a.
 
+Placement: "loop" (the default above) or "v" (zero-bubble V schedules, Qi et al. 2024,
+sec. 6, and DualPipeV): with ``n_stages = 2K`` rank r holds stages r and 2K-1-r, so stage
+K-1 and stage K are both on rank K-1 and the microbatch turns back there ("V" shape).
+:func:`stage_rank` takes the placement; the validator, simulator and runtime infer it
+from the schedule (:func:`infer_placement`).
+
 A schedule is a plain ``dict[int, list[Action]]`` (rank -> actions). A learner can write the
 compute order only (F and B actions) and let :func:`add_communication` insert the sends and
 receives.
@@ -45,10 +57,12 @@ __all__ = [
     "Action", "ScheduleError", "COMPUTE", "COMM", "KINDS",
     "stage_rank", "parse_actions", "format_schedule", "add_communication",
     "gpipe_schedule", "one_f_one_b_schedule", "interleaved_schedule",
-    "check_pipeline_sizes",
+    "check_pipeline_sizes", "PLACEMENTS", "infer_placement",
 ]
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "I", "W")
+BACKWARD = ("B", "I")  # the kinds that produce the input gradient (consume the output gradient)
+PLACEMENTS = ("loop", "v")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE + COMM
 
@@ -73,9 +87,30 @@ class Action(NamedTuple):
     __str__ = __repr__
 
 
-def stage_rank(stage: int, K: int) -> int:
-    """Rank that holds ``stage`` with K ranks (looped placement: ``stage % K``)."""
+def stage_rank(stage: int, K: int, placement: str = "loop") -> int:
+    """Rank that holds ``stage`` with K ranks: ``stage % K`` for looped placement ("loop"),
+    ``stage`` for stage < K and ``2K - 1 - stage`` above for V placement ("v", 2K stages)."""
+    if placement == "v":
+        return stage if stage < K else 2 * K - 1 - stage
+    if placement != "loop":
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     return stage % K
+
+
+def infer_placement(schedule: dict, n_stages: int | None = None) -> str:
+    """"v" when the schedule has 2K stages (K = number of ranks >= 2) and every action's
+    stage sits on its rank by V placement but not all do by looped placement; else "loop".
+
+    So a looped schedule (and any schedule with a stage on the wrong rank) is judged by the
+    looped rule, and the validator names that rule in its message."""
+    K = len(schedule)
+    acts = [(r, a[1]) for r in schedule for a in schedule[r]]
+    S = n_stages if n_stages is not None else 1 + max((st for _, st in acts), default=0)
+    if K < 2 or S != 2 * K or not all(isinstance(st, int) and 0 <= st < S for _, st in acts):
+        return "loop"
+    if all(stage_rank(st, K, "loop") == r for r, st in acts):
+        return "loop"
+    return "v" if all(stage_rank(st, K, "v") == r for r, st in acts) else "loop"
 
 
 def parse_actions(text: str) -> list[Action]:
@@ -120,40 +155,48 @@ def check_pipeline_sizes(K: int, M: int, v: int = 1) -> None:
 # ----------------------------------------------------------------------------- communication
 
 
-def _message(a: Action, K: int, n_stages: int):
+def _message(a: Action, K: int, n_stages: int, placement: str = "loop"):
     """For a SEND/RECV action: (src_rank, dst_rank, (direction, stage_from, microbatch)), or
     None for the compute kinds. The message key names the tensor independent of the side."""
+    def rk(s):
+        return stage_rank(s, K, placement)
     if a.kind == "SEND_F":
-        return stage_rank(a.stage, K), stage_rank(a.stage + 1, K), ("F", a.stage, a.microbatch)
+        return rk(a.stage), rk(a.stage + 1), ("F", a.stage, a.microbatch)
     if a.kind == "RECV_F":
-        return stage_rank(a.stage - 1, K), stage_rank(a.stage, K), ("F", a.stage - 1, a.microbatch)
+        return rk(a.stage - 1), rk(a.stage), ("F", a.stage - 1, a.microbatch)
     if a.kind == "SEND_B":
-        return stage_rank(a.stage, K), stage_rank(a.stage - 1, K), ("B", a.stage, a.microbatch)
+        return rk(a.stage), rk(a.stage - 1), ("B", a.stage, a.microbatch)
     if a.kind == "RECV_B":
-        return stage_rank(a.stage + 1, K), stage_rank(a.stage, K), ("B", a.stage + 1, a.microbatch)
+        return rk(a.stage + 1), rk(a.stage), ("B", a.stage + 1, a.microbatch)
     return None
 
 
-def _needs(a: Action, K: int, n_stages: int):
-    """The remote message an F/B action consumes, as the RECV action that brings it, or None."""
-    if a.kind == "F" and a.stage > 0 and stage_rank(a.stage - 1, K) != stage_rank(a.stage, K):
+def _needs(a: Action, K: int, n_stages: int, placement: str = "loop"):
+    """The remote message an F/B/I action consumes, as the RECV action that brings it, or None
+    (W consumes nothing remote: it needs only its own I)."""
+    def rk(s):
+        return stage_rank(s, K, placement)
+    if a.kind == "F" and a.stage > 0 and rk(a.stage - 1) != rk(a.stage):
         return Action("RECV_F", a.stage, a.microbatch)
-    if a.kind == "B" and a.stage < n_stages - 1 and stage_rank(a.stage + 1, K) != stage_rank(a.stage, K):
+    if a.kind in BACKWARD and a.stage < n_stages - 1 and rk(a.stage + 1) != rk(a.stage):
         return Action("RECV_B", a.stage, a.microbatch)
     return None
 
 
-def _produces(a: Action, K: int, n_stages: int):
-    """The SEND action that ships the result of an F/B action to another rank, or None."""
-    if a.kind == "F" and a.stage < n_stages - 1 and stage_rank(a.stage + 1, K) != stage_rank(a.stage, K):
+def _produces(a: Action, K: int, n_stages: int, placement: str = "loop"):
+    """The SEND action that ships the result of an F/B/I action to another rank, or None."""
+    def rk(s):
+        return stage_rank(s, K, placement)
+    if a.kind == "F" and a.stage < n_stages - 1 and rk(a.stage + 1) != rk(a.stage):
         return Action("SEND_F", a.stage, a.microbatch)
-    if a.kind == "B" and a.stage > 0 and stage_rank(a.stage - 1, K) != stage_rank(a.stage, K):
+    if a.kind in BACKWARD and a.stage > 0 and rk(a.stage - 1) != rk(a.stage):
         return Action("SEND_B", a.stage, a.microbatch)
     return None
 
 
-def add_communication(compute: dict, n_stages: int | None = None, lookahead: int = 1) -> dict:
-    """Insert SEND/RECV actions into a compute-only schedule (F and B per rank).
+def add_communication(compute: dict, n_stages: int | None = None, lookahead: int = 1,
+                      placement: str | None = None) -> dict:
+    """Insert SEND/RECV actions into a compute-only schedule (F, B, I, W per rank).
 
     Each SEND goes right after the F/B that produces the tensor. Receives are posted
     early, ``lookahead`` compute actions before the one that needs the tensor (0: right
@@ -161,25 +204,28 @@ def add_communication(compute: dict, n_stages: int | None = None, lookahead: int
     of ranks match in order. Posting early lets the transfer overlap compute; the rank
     still blocks only before the consuming F/B (see the module docstring).
 
-    Args: ``compute``: ``{rank: [Action("F"|"B", stage, microbatch), ...]}`` for ranks
-    0..K-1; ``n_stages`` defaults to 1 + the largest stage index. Returns a new dict.
-    Raises ScheduleError if an action is not F/B.
+    Args: ``compute``: ``{rank: [Action("F"|"B"|"I"|"W", stage, microbatch), ...]}`` for
+    ranks 0..K-1; ``n_stages`` defaults to 1 + the largest stage index; ``placement``
+    "loop" or "v" (None: :func:`infer_placement`). Returns a new dict. Raises ScheduleError
+    if an action is not a compute kind.
     """
     K = len(compute)
     acts = [a for r in compute for a in compute[r]]
     for r in compute:
         for i, a in enumerate(compute[r]):
             if a.kind not in COMPUTE:
-                raise ScheduleError(f"rank {r}, action {i} ({a!r}): add_communication takes F/B actions only")
+                raise ScheduleError(f"rank {r}, action {i} ({a!r}): add_communication takes compute actions "
+                                    f"({', '.join(COMPUTE)}) only")
     if n_stages is None:
         n_stages = 1 + max((a.stage for a in acts), default=0)
+    pl = placement or infer_placement(compute, n_stages)
     # the order in which each sender emits messages on each channel (src, dst)
     sent_order: dict = {}
     for r in sorted(compute):
         for a in compute[r]:
-            snd = _produces(a, K, n_stages)
+            snd = _produces(a, K, n_stages, pl)
             if snd is not None:
-                src, dst, key = _message(snd, K, n_stages)
+                src, dst, key = _message(snd, K, n_stages, pl)
                 sent_order.setdefault((src, dst), []).append(key)
     out = {}
     for r in sorted(compute):
@@ -189,7 +235,7 @@ def add_communication(compute: dict, n_stages: int | None = None, lookahead: int
         seq: list[Action] = []
 
         def post_up_to(recv: Action):
-            src, dst, key = _message(recv, K, n_stages)
+            src, dst, key = _message(recv, K, n_stages, pl)
             order = sent_order.get((src, dst), [])
             if key in posted:
                 return
@@ -211,11 +257,11 @@ def add_communication(compute: dict, n_stages: int | None = None, lookahead: int
 
         for j, a in enumerate(ops):
             for ahead in ops[j:j + lookahead + 1]:
-                need = _needs(ahead, K, n_stages)
+                need = _needs(ahead, K, n_stages, pl)
                 if need is not None:
                     post_up_to(need)
             seq.append(a)
-            snd = _produces(a, K, n_stages)
+            snd = _produces(a, K, n_stages, pl)
             if snd is not None:
                 seq.append(snd)
         out[r] = seq

@@ -39,6 +39,10 @@ __all__ = [
     "tp_rank",
     "split_along_dim",
     "all_gather_along_dim",
+    "reduce_scatter_along_dim",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
 ]
 
 
@@ -185,3 +189,112 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Te
     Core's operator makes the same assumption.
     """
     return _GatherFromModelParallelRegion.apply(x, group)
+
+
+# --------------------------------------------------------------------------- sequence parallel
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+# sec. 4.2.2, Fig. 5: in the LayerNorm and dropout regions of a layer the activations are split
+# along the SEQUENCE over the TP group. Entering a tensor-parallel region the sequence shards
+# are all-gathered (operator g, replacing f); leaving it the partial sums are reduce-scattered
+# along the sequence (operator g-bar, replacing the all-reduce g). A ring all-reduce IS a
+# reduce-scatter followed by an all-gather, so the bytes on the wire are the same.
+# labkit's activations are [B, S, H]: the sequence dimension is 1 (Megatron uses [S, B, H], dim 0).
+
+SEQUENCE_DIM = 1
+
+
+def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``group`` and keep this rank's contiguous 1/t slice of ``dim``.
+
+    Shape ``[..., n, ...] -> [..., n/t, ...]``. One reduce-scatter of ``x.numel()`` elements
+    (counted as ``"reduce_scatter"``, payload = the full input). Not differentiable by itself.
+    Raises ValueError when t does not divide ``x.shape[dim]``.
+    """
+    t = tp_size(group)
+    if t == 1:
+        return x
+    n = x.shape[dim]
+    if n % t:
+        raise ValueError(f"cannot reduce-scatter dimension {dim} of size {n} over t={t} ranks")
+    front = x.movedim(dim, 0).contiguous()     # reduce_scatter_tensor splits dim 0
+    out = front.new_empty((n // t,) + tuple(front.shape[1:]))
+    comm.reduce_scatter_tensor(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: keep this rank's slice of the sequence; backward: all-gather the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along_dim(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along_dim(grad, SEQUENCE_DIM, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Forward: all-gather the sequence shards; backward: reduce-scatter (or split) the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group, ctx.tp_output_grad = group, tensor_parallel_output_grad
+        return all_gather_along_dim(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.tp_output_grad:   # each rank holds a partial dL/dX (its heads / FFN columns): sum them
+            return reduce_scatter_along_dim(grad, SEQUENCE_DIM, ctx.group), None, None
+        return split_along_dim(grad, SEQUENCE_DIM, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: reduce-scatter the partial sums along the sequence; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_along_dim(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along_dim(grad, SEQUENCE_DIM, ctx.group), None
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """``[B, S, H] -> [B, S/t, H]``: this rank's contiguous block of the sequence (no
+    communication forward); backward all-gathers the gradient (1 all-gather).
+
+    Raises ValueError when t does not divide S. Megatron-Core name; Korthikanti et al. 2022
+    sec. 4.2.2.
+    """
+    return _ScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group,
+                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """The paper's ``g`` (Fig. 5): ``[B, S/t, H] -> [B, S, H]``, all-gathering the sequence
+    shards in rank order before a column-parallel layer.
+
+    Backward: reduce-scatter of dL/dX along the sequence (each rank's column-parallel branch
+    produced a partial gradient), or, with ``tensor_parallel_output_grad=False`` (the
+    gradient is already complete on every rank), just this rank's slice.
+    Communication: forward 1 all-gather (payload ``x.numel()`` per rank), backward 1
+    reduce-scatter (payload ``t * x.numel()``). Korthikanti et al. 2022, sec. 4.2.2.
+    """
+    return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """The paper's ``g-bar`` (Fig. 5): ``[B, S, H] -> [B, S/t, H]``, summing the partial
+    outputs of a row-parallel layer and keeping this rank's block of the sequence.
+
+    Backward: all-gather of the gradient shards. Communication: forward 1 reduce-scatter
+    (payload ``x.numel()``), backward 1 all-gather (payload ``x.numel() / t``). Together with
+    :func:`gather_from_sequence_parallel_region` the bytes on the wire equal those of the
+    all-reduces they replace (a ring all-reduce = reduce-scatter + all-gather).
+    Raises ValueError when t does not divide S. Korthikanti et al. 2022, sec. 4.2.2.
+    """
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)

@@ -129,20 +129,34 @@ def _ring_case(N: int, numel: int, seed: int):
     return case
 
 
+def _ring_results(ring_all_reduce, N: int, numel: int, seed: int):
+    """Per rank: its output (and the reference) and the elements it sent; no expected value."""
+    return _run_ring(ring_all_reduce, N, numel, seed), None
+
+
+def _traffic_case(N: int, numel: int, seed: int):
+    def case(ring_all_reduce):
+        res, _ = _ring_results(ring_all_reduce, N, numel, seed)
+        limit = 2 * (N - 1) * numel // N
+        for r in range(N):
+            sent = res[r]["sent"]
+            if sent > limit:
+                whole = f"; that is {sent / numel:g} whole tensors" if sent % numel == 0 else ""
+                raise CheckFailure(f"rank {r} sent {sent} elements{whole}, but a ring all-reduce of {numel} "
+                                   f"elements on N={N} ranks sends 2(N-1) chunks of {numel}/N: "
+                                   f"2(N-1)/N x {numel} = {limit}")
+    return case
+
+
 ex02.case("N=2 ranks, 6 elements", timeout=CASE_TIMEOUT)(_ring_case(2, 6, 10))
+ex02.case("each rank sends 2(N-1)/N of the tensor (N=4, 16 elements)", timeout=CASE_TIMEOUT,
+          hint="Send one chunk per step, never the whole tensor: cut it with torch.tensor_split(tensor, N) and "
+               "in step s send only chunk (r-s)%N (reduce-scatter) or (r+1-s)%N (all-gather).")(
+    _traffic_case(4, 16, 70))
+ex02.case("each rank sends 2(N-1)/N of the tensor (N=3, 12 elements)", hidden=True,
+          timeout=CASE_TIMEOUT)(_traffic_case(3, 12, 80))
 ex02.case("N=3 ranks, 7 elements (uneven chunks)", timeout=CASE_TIMEOUT)(_ring_case(3, 7, 20))
 ex02.case("N=4 ranks, 16 elements", timeout=CASE_TIMEOUT)(_ring_case(4, 16, 30))
 ex02.case("N=4 ranks, 3 elements (an empty chunk)", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(4, 3, 40))
 ex02.case("N=5 ranks, 11 elements", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(5, 11, 50))
 ex02.case("N=1 rank", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(1, 4, 60))
-
-
-@ex02.case("each rank sends 2(N-1)/N of the tensor", hidden=True, timeout=CASE_TIMEOUT)
-def _(ring_all_reduce):
-    N, numel = 4, 16
-    res = _run_ring(ring_all_reduce, N, numel, 70)
-    limit = 2 * (N - 1) * numel // N
-    for r in range(N):
-        if res[r]["sent"] > limit:
-            raise CheckFailure(f"rank {r} sent {res[r]['sent']} elements; a ring all-reduce of {numel} "
-                               f"elements on N={N} ranks sends 2(N-1)/N x {numel} = {limit}")

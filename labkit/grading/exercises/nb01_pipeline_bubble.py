@@ -5,6 +5,8 @@ of a forward (and of a backward) pass: bubble fraction (K-1)/(M+K-1).
 """
 from __future__ import annotations
 
+import numbers
+
 from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
 
 
@@ -80,6 +82,20 @@ def _(smallest_microbatches):
     expect_equal(smallest_microbatches(1, 0.01), 1, "smallest_microbatches(K=1, target=0.01)")
 
 
+@ex12.case("K=3, target 0.3 (the bound M >= 14/3 is not a whole number)",
+           hint="Solving (K-1)/(M+K-1) <= target gives M >= (K-1)(1-target)/target, usually not a whole "
+                "number: round it UP (math.ceil); rounding down (int, //, math.floor) leaves the bubble "
+                "above the target.")
+def _(smallest_microbatches):
+    K, target = 3, 0.3
+    got = smallest_microbatches(K, target)
+    want = _smallest(K, target)
+    if isinstance(got, numbers.Real) and not isinstance(got, bool) and got == want - 1:
+        raise CheckFailure(f"smallest_microbatches(K={K}, target={target}): expected {want}, got {got}; with "
+                           f"M={got} the bubble is {_bubble(K, int(got)):.4g} > {target} (rounded down?)")
+    expect_equal(got, want, f"smallest_microbatches(K={K}, target={target})")
+
+
 @ex12.case("returns an int",
            hint="Return an int (a number of microbatches), e.g. with math.ceil or int(...), not a float.")
 def _(smallest_microbatches):
@@ -87,6 +103,11 @@ def _(smallest_microbatches):
     if not isinstance(got, int) or isinstance(got, bool):
         raise CheckFailure(f"smallest_microbatches(K=4, target=0.05): expected an int, got {type(got).__name__}")
     expect_equal(got, _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)")
+
+
+@ex12.case("K=5, target 0.15", hidden=True)
+def _(smallest_microbatches):
+    expect_equal(smallest_microbatches(5, 0.15), _smallest(5, 0.15), "smallest_microbatches(K=5, target=0.15)")
 
 
 @ex12.case("grid of K and targets", hidden=True)

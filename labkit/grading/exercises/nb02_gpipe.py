@@ -20,6 +20,7 @@ from ...pipeline import (COMPUTE, Action, PipelineSchedule, PipelineStage, Sched
                          peak_in_flight, validate_schedule)
 from ...pipeline.stages import gpt_param_name, gpt_stages_for_rank
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
+from . import kernel_side
 
 # A tiny GPT: 8 layers split over K*v stages (K=4, v=2 at most), 8 sequences of 16 tokens.
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
@@ -187,8 +188,21 @@ def _count_case(make, n_stages: int, label: str):
         got = count_in_flight(sched)
         if isinstance(got, tuple):
             got = list(got)
-        expect_equal(got, peak_in_flight(sched, n_stages), f"count_in_flight({label})")
+        want = peak_in_flight(sched, n_stages)
+        n_ranks = len(sched)
+        if isinstance(got, list) and len(got) == n_ranks != n_stages:
+            raise CheckFailure(f"count_in_flight({label}): expected {n_stages} numbers, one per stage ({want}), "
+                               f"got {n_ranks}, one per rank ({got}): rank r holds stages r, r+{n_ranks} and so on")
+        expect_equal(got, want, f"count_in_flight({label})")
     return case
+
+
+ex22.case("a hand-written K=2, M=3 schedule")(
+    _count_case(lambda: {r: parse_actions(t) for r, t in _HAND_1F1B.items()}, 2, "hand-written 1F1B, K=2, M=3"))
+ex22.case("interleaved K=2, M=4, v=2 (two stages per rank, 4 stages)",
+          hint="Count per STAGE, not per rank: with interleaving a rank holds several stages (stage s on rank "
+               "s % K), so the list has one entry per stage (K*v of them), indexed by Action.stage.")(
+    _count_case(lambda: interleaved_schedule(2, 4, 2), 4, "interleaved K=2, M=4, v=2"))
 
 
 @ex22.case("GPipe K=4, M=8: measured on 4 real ranks", timeout=40)
@@ -200,9 +214,93 @@ def _(count_in_flight):
                  "count_in_flight(GPipe K=4, M=8) vs the peak measured by the runtime")
 
 
-ex22.case("a hand-written K=2, M=3 schedule")(
-    _count_case(lambda: {r: parse_actions(t) for r, t in _HAND_1F1B.items()}, 2, "hand-written 1F1B, K=2, M=3"))
 ex22.case("1F1B K=4, M=6", hidden=True)(_count_case(lambda: one_f_one_b_schedule(4, 6), 4, "1F1B K=4, M=6"))
-ex22.case("interleaved K=2, M=4, v=2 (two stages per rank)", hidden=True)(
-    _count_case(lambda: interleaved_schedule(2, 4, 2), 4, "interleaved K=2, M=4, v=2"))
+ex22.case("interleaved K=3, M=6, v=2", hidden=True)(
+    _count_case(lambda: interleaved_schedule(3, 6, 2), 6, "interleaved K=3, M=6, v=2"))
 ex22.case("GPipe K=1, M=5", hidden=True)(_count_case(lambda: gpipe_schedule(1, 5), 1, "GPipe K=1, M=5"))
+
+
+# ----------------------------------------------------------------------------- 2.3
+ex23 = exercise(
+    "2.3", title="accumulate M microbatch gradients", notebook="02_gpipe", points=2,
+    hint="For each of the M microbatches (x.chunk(M), y.chunk(M)): loss = model(x_m, y_m) / M, then "
+         "loss.backward(). The .grad buffers add up the M backwards; never zero them inside the loop.")
+
+# A smaller GPT than the pipeline's: one device, a few SGD steps per case.
+ACC_CFG = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
+ACC_BATCH, ACC_SEQ, ACC_LR = 8, 8, 0.5
+
+
+def _acc_batch(seed: int):
+    g = torch.Generator().manual_seed(2300 + seed)
+    return (torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g),
+            torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g))
+
+
+def _sgd_run(step_grads, steps: int, seed: int) -> tuple[dict, dict]:
+    """``steps`` steps of plain SGD (lr ACC_LR) on a fresh tiny GPT; ``step_grads(model, x, y)`` fills
+    .grad each step. Returns (gradients of the first step, parameters after the last)."""
+    model = GPT(ACC_CFG, seed=seed)
+    first = {}
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        x, y = _acc_batch(seed * 10 + step)
+        step_grads(model, x, y)
+        if step == 0:
+            first = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+        with torch.no_grad():  # plain SGD, w <- w - lr * g (torch.optim would import torch._dynamo: 1 s)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= ACC_LR * p.grad
+    return first, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
+    """' (... M times ...)' when ``got`` is ``want`` times a constant that is M or 1/M."""
+    denom = float((want * want).sum())
+    if denom == 0:
+        return ""
+    ratio = float((got * want).sum()) / denom
+    if not torch.allclose(got, ratio * want, rtol=1e-4, atol=1e-7):
+        return ""
+    if abs(ratio - M) < 1e-3 * M:
+        return (f"; it is exactly M={M} times the full-batch gradient: each microbatch's loss must be "
+                f"scaled by 1/M (the batch loss is the MEAN of the M microbatch losses)")
+    if M > 1 and abs(ratio - 1 / M) < 1e-3 / M:
+        return f"; it is 1/M = 1/{M} of the full-batch gradient: the loss was divided by M twice"
+    return f"; it is {ratio:.4g} times the full-batch gradient"
+
+
+def _accumulate_run(accumulate_microbatches, M: int, steps: int, seed: int):
+    """Kernel side: the learner's accumulation in :func:`_sgd_run`; its gradients and parameters."""
+    return _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed)
+
+
+def _accumulate_case(M: int, steps: int, seed: int):
+    def case(accumulate_microbatches):
+        what = f"accumulate_microbatches(model, x [{ACC_BATCH}, {ACC_SEQ}], y, M={M})"
+        got_g, got_p = kernel_side(accumulate_microbatches, _accumulate_run, M, steps, seed)
+        want_g, want_p = _sgd_run(lambda model, x, y: model(x, y).backward(), steps, seed)
+        for name, w in want_g.items():
+            g = got_g.get(name)
+            if g is None:
+                raise CheckFailure(f"{what}: parameter {name} has no gradient afterwards; call loss.backward() "
+                                   f"for every microbatch")
+            if not torch.allclose(g, w, rtol=1e-5, atol=1e-6) and _scale_hint(g, w, M):
+                raise CheckFailure(f"{what}: the accumulated gradient of {name} differs from the full batch's"
+                                   + _scale_hint(g, w, M))
+            expect_close(g, w, f"{what}: the accumulated gradient of {name} vs the full batch's")
+        if steps > 1:
+            for name, w in want_p.items():
+                expect_close(got_p[name], w, f"{what}: parameter {name} after {steps} plain SGD steps "
+                                             f"(lr={ACC_LR}) vs full-batch training")
+    return case
+
+
+ex23.case("M=4: every parameter gradient equals the full batch's")(_accumulate_case(4, 1, 0))
+ex23.case("M=4, 3 plain SGD steps: parameters equal full-batch training",
+          hint="Plain SGD (not Adam, which divides by the gradient's size) shows a gradient that is M times "
+               "too large: scale each microbatch's loss by 1/M before backward().")(_accumulate_case(4, 3, 1))
+ex23.case("M=1 is the full batch")(_accumulate_case(1, 1, 2))
+ex23.case("M=8 (one sequence per microbatch), 2 SGD steps", hidden=True)(_accumulate_case(8, 2, 3))
+ex23.case("M=2, 3 SGD steps", hidden=True)(_accumulate_case(2, 3, 4))

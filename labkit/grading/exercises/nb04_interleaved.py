@@ -101,6 +101,9 @@ def _sends_case(K: int, M: int, v: int):
 
 ex43.case("K=4, M=8, v=1 and v=2 (from the schedule data)")(
     lambda f: (_sends_case(4, 8, 1)(f), _sends_case(4, 8, 2)(f)))
+ex43.case("K=1, M=4, v=3: all stages on one rank",
+          hint="With K = 1 every stage sits on the same rank: a microbatch never crosses to another rank, "
+               "so there are no point-to-point sends at all (0), whatever M and v are.")(_sends_case(1, 4, 3))
 
 
 @ex43.case("K=4, M=4, v=2: counted with CommLog on 4 real ranks", timeout=40)
@@ -109,6 +112,6 @@ def _(p2p_sends):
     expect_equal(p2p_sends(4, 4, 2), measured, "p2p_sends(K=4, M=4, v=2) vs sends counted with CommLog in one step")
 
 
-ex43.case("K=1: all stages on one rank", hidden=True)(_sends_case(1, 4, 3))
+ex43.case("K=1, M=2, v=2: all stages on one rank", hidden=True)(_sends_case(1, 2, 2))
 ex43.case("K=2, M=6, v=3", hidden=True)(_sends_case(2, 6, 3))
 ex43.case("K=8, M=16, v=4", hidden=True)(_sends_case(8, 16, 4))

@@ -193,7 +193,12 @@ ex53.case("no dropout: output and every gradient equal plain backprop")(
     _ckpt_case(0.0, 0, label="no dropout"))
 ex53.case("dropout p=0.5: the recomputation draws the same masks")(
     _ckpt_case(0.5, 1, label="dropout p=0.5"))
+ex53.case("the RNG stream after backward is the one without checkpointing",
+          hint="Restoring the saved state rewinds the global RNG: every later torch.rand (the next dropout "
+               "masks) would repeat old numbers. Restore it inside `with torch.random.fork_rng():`, which "
+               "puts the training stream back when the block ends.")(
+    _ckpt_case(0.5, 3, segments=2, check_stream=True, label="RNG stream"))
 ex53.case("three checkpointed segments in a row, dropout", hidden=True)(
     _ckpt_case(0.3, 2, segments=3, label="3 segments, dropout p=0.3"))
-ex53.case("the RNG stream after backward is the one without checkpointing", hidden=True)(
-    _ckpt_case(0.5, 3, segments=2, check_stream=True, label="RNG stream"))
+ex53.case("the RNG stream after three segments", hidden=True)(
+    _ckpt_case(0.2, 4, segments=3, check_stream=True, label="RNG stream, 3 segments"))

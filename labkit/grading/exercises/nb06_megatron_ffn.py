@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ...dist import launch
 from ...tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from ..registry import CheckFailure, exercise, expect_close, expect_raises
+from . import kernel_side
 
 NOTEBOOK = "06_megatron_ffn"
 
@@ -28,6 +29,10 @@ ex61 = exercise(
     "6.1", title="partial outputs of the column/row split MLP", notebook=NOTEBOOK, points=2,
     hint="Rank i holds the columns i*F/t .. (i+1)*F/t - 1 of A and the SAME rows of B; its partial "
          "output is gelu(X @ A_i) @ B_i. Use the notebook's gelu.")
+
+
+_ONLY_F = ("Only the FFN width F = A.shape[1] is split (A by columns, B by rows); the hidden size H "
+           "= A.shape[0] is not, so t must divide F and need not divide H: test F % t, not H % t.")
 
 
 def _mlp_data(N: int, H: int, F_: int, seed: int):
@@ -70,16 +75,24 @@ def _partials_case(N: int, H: int, F_: int, t: int, seed: int):
 ex61.case("t=2, X [6, 4], A [4, 16]")(_partials_case(6, 4, 16, 2, 0))
 ex61.case("t=4, X [3, 8], A [8, 32]")(_partials_case(3, 8, 32, 4, 1))
 ex61.case("t=1 is the unsplit MLP")(_partials_case(5, 4, 16, 1, 2))
+ex61.case("t=4, X [3, 6], A [6, 24]: t divides F, not H", hint=_ONLY_F)(_partials_case(3, 6, 24, 4, 6))
 
 
-@ex61.case("t=3 does not divide F=16: ValueError")
+@ex61.case("t=3 does not divide F=16 (H=6): ValueError", hint=_ONLY_F)
 def _(mlp_partials):
-    X, A, B = _mlp_data(2, 4, 16, 3)
-    expect_raises(ValueError, mlp_partials, X, A, B, 3, what="mlp_partials(X, A [4, 16], B, t=3)")
+    X, A, B = _mlp_data(2, 6, 16, 3)
+    expect_raises(ValueError, mlp_partials, X, A, B, 3, what="mlp_partials(X [2, 6], A [6, 16], B, t=3)")
 
 
 ex61.case("t=8, X [7, 5], A [5, 40]", hidden=True)(_partials_case(7, 5, 40, 8, 4))
 ex61.case("t=2, one token", hidden=True)(_partials_case(1, 6, 12, 2, 5))
+ex61.case("t=3, X [4, 5], A [5, 12]", hidden=True)(_partials_case(4, 5, 12, 3, 7))
+
+
+@ex61.case("t=5 does not divide F=12 (H=10): ValueError", hidden=True)
+def _(mlp_partials):
+    X, A, B = _mlp_data(2, 10, 12, 8)
+    expect_raises(ValueError, mlp_partials, X, A, B, 5, what="mlp_partials(X [2, 10], A [10, 12], B, t=5)")
 
 
 # ----------------------------------------------------------------------------- 6.2 / 6.3
@@ -172,3 +185,74 @@ ex63.case("t=2 ranks: output and gradients equal one device", timeout=20)(_opera
 ex63.case("t=4 ranks: output and gradients equal one device", timeout=25)(_operator_case("g", 4, 3, 4, 16, 21))
 ex63.case("t=1 rank", hidden=True, timeout=20)(_operator_case("g", 1, 2, 4, 8, 22))
 ex63.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_operator_case("g", 3, 5, 7, 12, 23))
+
+
+# ----------------------------------------------------------------------------- 6.4
+ex64 = exercise(
+    "6.4", title="the row-parallel layer's bias", notebook=NOTEBOOK, points=2,
+    hint="Each rank computes only a partial product x_r W_r^T; the all-reduce (g) sums the t partials. The bias "
+         "belongs to the sum, not to the partials: add it once, AFTER the all-reduce (adding it on every rank "
+         "before would add it t times).")
+
+
+def _row_run(ctx, row_parallel_linear, N, F_, H, seed):
+    """One forward/backward of the learner's row-parallel linear on this rank; returns its output and the
+    gradients of its input shard, weight shard and bias."""
+    t, r = ctx.world_size, ctx.rank
+    g = torch.Generator().manual_seed(seed)
+    X, W, b = torch.randn(N, F_, generator=g), torch.randn(H, F_, generator=g), torch.randn(H, generator=g)
+    G = torch.randn(N, H, generator=g)  # dL/dy: L = sum(y * G)
+    w = F_ // t
+    x_r = X[:, r * w:(r + 1) * w].clone().requires_grad_(True)
+    W_r = W[:, r * w:(r + 1) * w].clone().requires_grad_(True)
+    bias = b.clone().requires_grad_(True)
+    y = row_parallel_linear(x_r, W_r, bias, ctx.group)
+    if not isinstance(y, torch.Tensor):
+        raise CheckFailure(f"row_parallel_linear returned {type(y).__name__}, not a tensor")
+    if tuple(y.shape) != (N, H):
+        raise CheckFailure(f"row_parallel_linear returned shape {tuple(y.shape)}, expected [N, H] = {(N, H)}")
+    (y * G).sum().backward()
+    grad = lambda p: None if p.grad is None else p.grad.clone()  # noqa: E731
+    return {"y": y.detach().clone(), "dx": grad(x_r), "dW": grad(W_r), "db": grad(bias)}
+
+
+def _row_outputs(row_parallel_linear, t: int, N: int, F_: int, H: int, seed: int):
+    """Kernel side: the learner's row-parallel linear on t ranks; per rank what :func:`_row_run` returns."""
+    return launch(_row_run, t, row_parallel_linear, N, F_, H, seed, timeout=8)
+
+
+def _row_case(t: int, N: int, F_: int, H: int, seed: int):
+    def case(row_parallel_linear):
+        res = kernel_side(row_parallel_linear, _row_outputs, t, N, F_, H, seed)
+        g = torch.Generator().manual_seed(seed)
+        X = torch.randn(N, F_, generator=g).requires_grad_(True)
+        W = torch.randn(H, F_, generator=g).requires_grad_(True)
+        b = torch.randn(H, generator=g).requires_grad_(True)
+        G = torch.randn(N, H, generator=g)
+        y = F.linear(X, W, b)
+        (y * G).sum().backward()
+        w, where = F_ // t, f"t={t}, x [{N}, {F_}], weight [{H}, {F_}]"
+        for r, out in enumerate(res):
+            extra = out["y"] - y.detach()
+            for k in range(2, t + 1):  # the bias added on k ranks before the sum
+                if t > 1 and torch.allclose(extra, (k - 1) * b.detach().expand_as(extra), rtol=1e-4, atol=1e-5):
+                    raise CheckFailure(
+                        f"{where}: the output on rank {r} is the single device's plus {k - 1} x bias, i.e. it holds "
+                        f"the bias {k} times: it was added to the partial products on {k} ranks before the "
+                        f"all-reduce summed them; add it once, after the all-reduce")
+            expect_close(out["y"], y.detach(), f"{where}: output on rank {r} (vs F.linear on one device)",
+                         rtol=1e-5, atol=1e-5)
+            for key, ref, name in (("dx", X.grad[:, r * w:(r + 1) * w], "dL/dx_r"),
+                                   ("dW", W.grad[:, r * w:(r + 1) * w], "dL/dW_r"), ("db", b.grad, "dL/dbias")):
+                if out[key] is None:
+                    raise CheckFailure(f"{where}: {name} on rank {r} is None: build the output from x_shard, "
+                                       f"weight_shard and bias with differentiable operations")
+                expect_close(out[key], ref, f"{where}: {name} on rank {r} (vs the slice of one device's)",
+                             rtol=1e-5, atol=1e-5)
+    return case
+
+
+ex64.case("t=2 ranks: output and gradients equal one device", timeout=20)(_row_case(2, 4, 8, 6, 40))
+ex64.case("t=4 ranks: output and gradients equal one device", timeout=25)(_row_case(4, 3, 16, 5, 41))
+ex64.case("t=1 rank", hidden=True, timeout=20)(_row_case(1, 2, 4, 3, 42))
+ex64.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_row_case(3, 5, 12, 7, 43))

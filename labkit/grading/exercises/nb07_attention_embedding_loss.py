@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ... import comm
 from ...dist import launch
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises, explain_index_errors
 
 NOTEBOOK = "07_attention_embedding_loss"
 
@@ -84,8 +84,14 @@ def _shards(W, t):
     return [(W[r * n:(r + 1) * n].clone(), r * n) for r in range(t)]
 
 
+_OFFSET_HINT = ("the shard holds rows vocab_start .. vocab_start + V/t - 1 of the full table as ITS rows "
+                "0 .. V/t - 1, so subtract vocab_start from the ids before indexing it (and mask the ids "
+                "outside the block)")
+
+
 def _call_emb(partial_embedding, ids, shard, start, what):
-    got = partial_embedding(ids.clone(), shard, start)
+    with explain_index_errors(what, _OFFSET_HINT):
+        got = partial_embedding(ids.clone(), shard, start)
     if not isinstance(got, torch.Tensor):
         raise CheckFailure(f"{what}: expected a tensor, got {type(got).__name__}")
     return got
@@ -215,7 +221,11 @@ def _run_ce(vocab_parallel_ce, t, logits, target):
         n = V // t
         local = logits[:, ctx.rank * n:(ctx.rank + 1) * n].clone()
         counter: list = []
-        with _only_all_reduce(counter):
+        with _only_all_reduce(counter), explain_index_errors(
+                f"vocab_parallel_ce on rank {ctx.rank} (logits of ids {ctx.rank * n}..{(ctx.rank + 1) * n - 1})",
+                f"local_logits holds the columns of ids r*V/t .. (r+1)*V/t - 1 as its columns 0 .. V/t - 1: "
+                f"subtract the block's start r*V/t from the target before indexing (and give the ranks that "
+                f"do not own the target a 0)"):
             loss = vocab_parallel_ce(local, target.clone(), ctx.group)
         if not isinstance(loss, torch.Tensor):
             raise CheckFailure(f"vocab_parallel_ce returned {type(loss).__name__}, not a tensor")

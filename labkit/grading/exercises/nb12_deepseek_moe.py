@@ -21,6 +21,7 @@ import torch
 from ...moe.experts import MoELayer
 from ...moe.router import route
 from ..registry import CheckFailure, exercise, expect_equal
+from . import kernel_side
 
 # ----------------------------------------------------------------------------- 12.1
 ex121 = exercise(
@@ -153,3 +154,83 @@ ex123.case("score function, bias, top-k, gating weights")(
 ex123.case("group score and group mask")(_concept_case(["group_score", "group_mask"]))
 ex123.case("shared expert")(_concept_case(["shared_expert"]))
 ex123.case("every concept", hidden=True)(_concept_case(list(CONCEPTS)))
+
+
+# ----------------------------------------------------------------------------- 12.4
+ex124 = exercise(
+    "12.4", title="DeepSeek-V3's gate in labkit's names", notebook="12_deepseek_moe", points=2,
+    hint="Take each number from the description of DeepSeek-V3's gate (report sec. 2.1.2 and 4.2) and put it in "
+         "the MoEConfig field of the same meaning: n_routed_experts, n_shared_experts, n_activated_experts, "
+         "score_func, expert_bias, n_expert_groups, n_limited_groups, route_scale.")
+
+# field -> (DeepSeek-V3's value, where the description says it)
+V3_GATE = {
+    "n_routed_experts": (256, "256 routed experts per MoE layer (sec. 4.2)"),
+    "n_shared_experts": (1, "1 shared expert per MoE layer (sec. 4.2)"),
+    "n_activated_experts": (8, "8 routed experts activated per token (sec. 4.2)"),
+    "score_func": ("sigmoid", "sigmoid affinity scores s = sigma(u^T e) (eq. 15)"),
+    "expert_bias": (True, "the aux-loss-free bias b_i added for selection only (eq. 16, notebook 10)"),
+    "n_expert_groups": (8, "the experts form 8 groups, one per node of 8 GPUs (sec. 2.1.2, 4.2)"),
+    "n_limited_groups": (4, "each token is sent to at most 4 nodes, i.e. 4 groups (sec. 4.2)"),
+    "route_scale": (2.5, "the gating weights are scaled by 2.5 (routed_scaling_factor of the released config)"),
+}
+
+
+def _v3_fields(answer) -> dict:
+    """Kernel side: the fields of the MoEConfig the learner's function returns, as a dict."""
+    import dataclasses
+
+    from ...moe import MoEConfig
+
+    cfg = answer() if callable(answer) and not isinstance(answer, MoEConfig) else answer
+    if not isinstance(cfg, MoEConfig):
+        raise CheckFailure(f"deepseek_v3_gate() must return a labkit.moe.MoEConfig, got {type(cfg).__name__}")
+    return dataclasses.asdict(cfg)
+
+
+def _v3_config(answer):
+    """The learner's configuration, rebuilt in this process from its fields."""
+    from ...moe import MoEConfig
+
+    return MoEConfig(**kernel_side(answer, _v3_fields))
+
+
+def _v3_fields_case(names):
+    def case(answer):
+        cfg = _v3_config(answer)
+        for name in names:
+            want, why = V3_GATE[name]
+            got = getattr(cfg, name)
+            same = (type(got) is bool) == (type(want) is bool) and got == want
+            if not same:
+                raise CheckFailure(f"MoEConfig.{name}: expected {want!r}, got {got!r}: {why}")
+        if cfg.renormalize is False:
+            raise CheckFailure("MoEConfig.renormalize: expected None or True, got False: V3 renormalises the "
+                               "sigmoid scores of the chosen 8 experts (eq. 13)")
+    return case
+
+
+ex124.case("experts: routed, shared, activated per token")(
+    _v3_fields_case(["n_routed_experts", "n_shared_experts", "n_activated_experts"]))
+ex124.case("scores and weights: sigmoid, aux-loss-free bias, route scale")(
+    _v3_fields_case(["score_func", "expert_bias", "route_scale"]))
+ex124.case("group-limited routing: 8 groups, at most 4 per token")(
+    _v3_fields_case(["n_expert_groups", "n_limited_groups"]))
+
+
+@ex124.case("routing 32 tokens with this gate: 8 experts from at most 4 groups, weights summing to 2.5",
+            hidden=True)
+def _(answer):
+    cfg = _v3_config(answer)
+    E, G = cfg.n_routed_experts, cfg.n_expert_groups
+    logits = torch.randn(32, E, generator=torch.Generator().manual_seed(124))
+    weights, idx, _ = route(logits, cfg.n_activated_experts, cfg.score_func, renormalize=cfg.renormalize,
+                            n_expert_groups=G, n_limited_groups=cfg.n_limited_groups,
+                            route_scale=cfg.route_scale, expert_bias=torch.zeros(E) if cfg.expert_bias else None)
+    groups = max(len(set((row // (E // G)).tolist())) for row in idx)
+    expect_equal(tuple(idx.shape), (32, 8), "experts chosen per token [T, k]")
+    if groups > 4:
+        raise CheckFailure(f"a token's experts lie in {groups} groups; DeepSeek-V3 allows at most 4")
+    if not torch.allclose(weights.sum(-1), torch.full((32,), 2.5), rtol=1e-5, atol=1e-5):
+        raise CheckFailure(f"the gating weights of a token sum to {float(weights.sum(-1)[0]):.4g}, expected 2.5 "
+                           f"(renormalised over the 8, times route_scale)")

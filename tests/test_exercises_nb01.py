@@ -1,0 +1,26 @@
+"""Exercise 1.2: rounding the bound on M down (floor/int) fails a PUBLIC case with the bubble it
+leaves, and a hint to round up; hidden cases keep other K and targets."""
+import math
+
+from labkit.grading.registry import get_exercise
+from labkit.grading.testing import assert_check_passes, assert_public_case_fails
+
+
+def smallest_ceil(K, target):
+    return max(1, math.ceil(round((K - 1) * (1 - target) / target, 9)))
+
+
+def smallest_floor(K, target):
+    """Wrong: rounds (K-1)(1-target)/target down."""
+    return max(1, math.floor(round((K - 1) * (1 - target) / target, 9)))
+
+
+def test_ceil_passes():
+    assert_check_passes("1.2", smallest_ceil)
+
+
+def test_floor_fails_a_public_case_with_the_bubble_it_leaves():
+    assert_public_case_fails("1.2", smallest_floor, "K=3, target 0.3",
+                             contains="expected 5, got 4; with M=4 the bubble is 0.3333 > 0.3",
+                             hint="round it UP (math.ceil)")
+    assert len([c for c in get_exercise("1.2").cases if c.hidden]) >= 2

@@ -1,0 +1,159 @@
+"""Exercises of notebook 08_3d_parallelism: the solutions pass, plausible wrong answers fail with a
+message that says what was expected and what came back; the expected values agree with the planner."""
+import pytest
+
+from labkit.grading.exercises import nb08_3d_parallelism as nb08
+from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.plan.comm import comm_per_rank
+from labkit.plan.memory import memory_per_rank
+from labkit.plan.spec import Layout, ModelSpec
+
+
+def rank_coords(rank, t, p, d):
+    if not 0 <= rank < t * p * d:
+        raise ValueError("rank outside the grid")
+    return rank % t, rank // (t * d), (rank // t) % d
+
+
+def coords_pp_inner(rank, t, p, d):
+    """Wrong: PP next to TP (rank = dp*(p t) + pp*t + tp)."""
+    if not 0 <= rank < t * p * d:
+        raise ValueError("rank outside the grid")
+    return rank % t, (rank // t) % p, rank // (t * p)
+
+
+def rank_groups(rank, t, p, d):
+    tp, pp, dp = rank_coords(rank, t, p, d)
+    return {"tp": [pp * d * t + dp * t + i for i in range(t)], "dp": [pp * d * t + j * t + tp for j in range(d)],
+            "pp": [k * d * t + dp * t + tp for k in range(p)]}
+
+
+def groups_dp_stride_wrong(rank, t, p, d):
+    """Wrong: the DP group as consecutive ranks after the TP block."""
+    g = rank_groups(rank, t, p, d)
+    base = (rank // (t * d)) * t * d
+    g["dp"] = [base + j for j in range(d)]
+    return g
+
+
+BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+
+
+def model_state_bytes(P, t, p, d, zero, precision):
+    pb, gb, ob = BYTES[precision]
+    n = P / (t * p)
+    return {"params": pb * n / (d if zero >= 3 else 1), "grads": gb * n / (d if zero >= 2 else 1),
+            "optimizer": ob * n / (d if zero >= 1 else 1)}
+
+
+def states_adam_fp16_moments(P, t, p, d, zero, precision):
+    """Wrong: optimizer 8 bytes in bf16 (forgets the fp32 master copy)."""
+    out = model_state_bytes(P, t, p, d, zero, precision)
+    if precision == "bf16":
+        out["optimizer"] *= 8 / 12
+    return out
+
+
+def states_zero_all(P, t, p, d, zero, precision):
+    """Wrong: any ZeRO stage shards everything."""
+    out = model_state_bytes(P, t, p, d, 0, precision)
+    return {k: v / (d if zero else 1) for k, v in out.items()}
+
+
+def first_stage_activation_bytes(s, b, h, a, L, t, p, M, sequence_parallel, recompute):
+    sbh = s * b * h
+    ts = t if sequence_parallel else 1
+    if recompute == "full":
+        per = 2 * sbh / ts
+    elif sequence_parallel:
+        per = sbh * (34 + (0 if recompute == "selective" else 5 * a * s / h)) / t
+    else:
+        per = sbh * (10 + 24 / t + (0 if recompute == "selective" else 5 * a * s / (h * t)))
+    return min(p, M) * (L / p) * per
+
+
+def act_p_always(s, b, h, a, L, t, p, M, sequence_parallel, recompute):
+    """Wrong: p microbatches in flight even when M < p."""
+    return first_stage_activation_bytes(s, b, h, a, L, t, p, max(M, p), sequence_parallel, recompute)
+
+
+def act_sp_ignored(s, b, h, a, L, t, p, M, sequence_parallel, recompute):
+    """Wrong: sequence parallelism changes nothing."""
+    return first_stage_activation_bytes(s, b, h, a, L, t, p, M, False, recompute)
+
+
+def choose_layout(n_gpus, gpus_per_node, gpu_memory, memory):
+    ok = [(t, p) for (t, p), need in memory.items() if t <= gpus_per_node and n_gpus % (t * p) == 0
+          and need <= gpu_memory]
+    if not ok:
+        raise ValueError("no layout fits")
+    t, p = min(ok, key=lambda tp: (tp[0] * tp[1], -tp[0]))
+    return t, p, n_gpus // (t * p)
+
+
+def choose_pp_first(n_gpus, gpus_per_node, gpu_memory, memory):
+    """Wrong: for the same t*p prefers the deeper pipeline."""
+    ok = [(t, p) for (t, p), need in memory.items() if t <= gpus_per_node and need <= gpu_memory]
+    if not ok:
+        raise ValueError("no layout fits")
+    t, p = min(ok, key=lambda tp: (tp[0] * tp[1], tp[0]))
+    return t, p, n_gpus // (t * p)
+
+
+def choose_ignores_memory(n_gpus, gpus_per_node, gpu_memory, memory):
+    """Wrong: the smallest t*p, fitting or not."""
+    t, p = min(memory, key=lambda tp: (tp[0] * tp[1], -tp[0]))
+    return t, p, n_gpus // (t * p)
+
+
+def axis_bytes(s, b, h, L, t, p, d, M, n_params, e):
+    act = s * b * h * e
+    return {"tp": 4 * (L // p) * M * 2 * (t - 1) / t * act, "pp": 2 * M * act, "dp": 2 * (d - 1) / d * n_params * e}
+
+
+def axis_payload_not_ring(s, b, h, L, t, p, d, M, n_params, e):
+    """Wrong: payload instead of ring bytes for TP and DP."""
+    out = axis_bytes(s, b, h, L, t, p, d, M, n_params, e)
+    act = s * b * h * e
+    return {**out, "tp": 4 * (L // p) * M * act if t > 1 else 0.0, "dp": n_params * e if d > 1 else 0.0}
+
+
+@pytest.mark.parametrize("ex,answer", [("8.1", rank_coords), ("8.2", rank_groups), ("8.3", model_state_bytes),
+                                       ("8.4", first_stage_activation_bytes), ("8.5", choose_layout),
+                                       ("8.6", axis_bytes)])
+def test_solutions_pass(ex, answer):
+    assert_check_passes(ex, answer)
+
+
+@pytest.mark.parametrize("ex,wrong,contains", [
+    ("8.1", coords_pp_inner, "expected"),
+    ("8.2", groups_dp_stride_wrong, "['dp']"),
+    ("8.3", states_adam_fp16_moments, "['optimizer']"),
+    ("8.3", states_zero_all, "['params']"),
+    ("8.4", act_p_always, "M=2"),
+    ("8.4", act_sp_ignored, "sequence_parallel=True"),
+    ("8.5", choose_pp_first, "expected"),
+    ("8.5", choose_ignores_memory, "GB >"),
+    ("8.6", axis_payload_not_ring, "['tp']"),
+])
+def test_wrong_answers_fail(ex, wrong, contains):
+    assert_check_fails(ex, wrong, contains=contains)
+
+
+def test_stub_is_not_attempted():
+    def stub(*a):
+        raise NotImplementedError
+    for ex in ("8.1", "8.2", "8.3", "8.4", "8.5", "8.6"):
+        assert_check_fails(ex, stub, status="not_attempted")
+
+
+def test_expected_values_agree_with_the_planner():
+    spec = ModelSpec(name="x", n_layer=16, hidden=1024, n_head=16, vocab_size=1000, seq_len=512, dropout=0.1,
+                     global_batch=64)
+    lay = Layout(t=2, p=4, d=4, b=2, M=8)
+    c = comm_per_rank(spec, lay, pp_rank=1)                      # a middle stage
+    n_params = memory_per_rank(spec, lay)[1].param_count
+    want = nb08._axis(512, 2, 1024, 16, 2, 4, 4, 8, n_params, 2)
+    assert c["tp"].wire == want["tp"] and c["pp"].wire == want["pp"] and c["dp"].wire == int(want["dp"])
+    # 8.4 is the planner's first-stage count with the paper's 16-bit layer (no embedding / head, no LN stats)
+    assert nb08._act(512, 2, 1024, 16, 16, 2, 4, 8, True, "selective") == 4 * 4 * 512 * 2 * 1024 * 34 / 2

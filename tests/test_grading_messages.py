@@ -1,0 +1,74 @@
+"""What a failed comparison says (labkit.grading.registry.expect_*): same-shape tensors say how
+they differ (how many elements, the largest difference and where, values around it, a constant
+factor), scalars are shown as numbers, and an IndexError from a missing offset gets a hint."""
+import numpy as np
+import pytest
+import torch
+
+from labkit.grading.registry import CheckFailure, expect_close, expect_equal, explain_index_errors
+
+
+def _message(fn, *args, **kwargs) -> str:
+    with pytest.raises(CheckFailure) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+def test_same_shape_tensors_say_where_and_how_much_they_differ():
+    expected = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    got = expected.clone()
+    got[2, 3] += 0.5
+    msg = _message(expect_close, got, expected, "out")
+    assert msg.startswith("out: tensors of shape (4, 8) differ in 1 of 32 elements; largest difference 0.5 at "
+                          "index [2, 3]: expected 19, got 19.5; around it: expected [..., 18, 19, 20, 21, ...], "
+                          "got [..., 18, 19.5, 20, 21, ...]"), msg
+    assert "expected tensor of shape" not in msg and "x expected everywhere" not in msg
+    assert _message(expect_equal, got, expected, "out") == msg  # exact comparison: same words
+
+
+def test_a_constant_factor_is_named():
+    expected = torch.linspace(-1, 1, 12).reshape(3, 4)
+    msg = _message(expect_close, 4 * expected, expected, "grad")
+    assert "differ in 12 of 12 elements" in msg and msg.endswith("; got is 4 x expected everywhere"), msg
+
+
+def test_nan_counts_as_a_difference():
+    expected = torch.ones(10)
+    got = expected.clone()
+    got[7] = float("nan")
+    msg = _message(expect_close, got, expected, "y")
+    assert "differ in 1 of 10 elements; largest difference inf at index [7]: expected 1, got nan" in msg, msg
+
+
+def test_scalars_are_numbers():
+    assert _message(expect_close, torch.tensor(1.105), 1.0, "loss") == "loss: expected 1, got 1.105"
+    assert _message(expect_close, torch.tensor(1.105), torch.tensor(1.0), "loss") == "loss: expected 1, got 1.105"
+    assert _message(expect_equal, torch.tensor(3), torch.tensor(4), "n") == "n: expected 4, got 3"
+    assert _message(expect_equal, np.float64(0.25), 0.5, "p") == "p: expected 0.5, got 0.25"
+    assert "shape=()" not in _message(expect_close, torch.tensor([1.105]).reshape(()), 2.0, "x")
+
+
+def test_small_tensors_show_their_values():
+    msg = _message(expect_close, torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]), "v")
+    assert msg == ("v: expected tensor([1, 3]), got tensor([1, 2]) (largest difference at index [1]: expected 3, "
+                   "got 2)"), msg
+
+
+def test_shape_and_dtype_mismatches_are_unchanged():
+    assert _message(expect_close, torch.zeros(2, 3), torch.zeros(3, 2), "x") == \
+        "x: expected shape (3, 2), got shape (2, 3)"
+    assert _message(expect_equal, torch.zeros(2), torch.zeros(2, dtype=torch.float64), "x") == \
+        "x: expected dtype torch.float64, got torch.float32"
+
+
+def test_index_errors_get_the_hint():
+    with pytest.raises(CheckFailure, match=r"^f\(ids\) raised IndexError: index 9 is out of bounds .*; subtract "
+                                           r"the offset$"):
+        with explain_index_errors("f(ids)", "subtract the offset"):
+            torch.zeros(4)[torch.tensor([9])]
+    with pytest.raises(CheckFailure, match="raised RuntimeError: index 5 is out of bounds"):
+        with explain_index_errors("g", "hint"):
+            torch.zeros(2, 3).gather(1, torch.tensor([[5]]))
+    with pytest.raises(RuntimeError, match="other"):  # other errors pass through
+        with explain_index_errors("g", "hint"):
+            raise RuntimeError("other")
