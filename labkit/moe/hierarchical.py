@@ -34,8 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
 from .. import comm
 from .dispatch import run_experts

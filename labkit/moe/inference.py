@@ -33,7 +33,7 @@ E routed experts per layer). With a batch of B tokens an MoE layer touches on av
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from .. import comm
 from ..tensor_parallel.attention import ParallelAttention
 from ..tensor_parallel.layers import ColumnParallelLinear, ParallelMLP, VocabParallelEmbedding
 from ..tensor_parallel.mappings import all_gather_along_dim
-from .experts import Expert, MoEConfig, MoELayer
+from .experts import Expert, MoELayer
 from .expert_parallel import all_to_all, exchange_splits
 from .model import MoEBlock, MoEGPT
 from .params import ModelSpec, count_parameters
