@@ -180,7 +180,8 @@ def _a2a_worker(ctx, a, layer, x, g):
     rows = x.shape[0] // ctx.world_size
     mine = x[r * rows:(r + 1) * rows]
     out = {}
-    for M in [None] + [m for m in range(1, N + 1) if m * (layer.cfg.n_routed_experts // N) >= layer.cfg.n_activated_experts]:
+    E, k = layer.cfg.n_routed_experts, layer.cfg.n_activated_experts
+    for M in [None] + [m for m in range(1, N + 1) if m * (E // N) >= k]:       # M nodes must hold k experts
         cfg = layer.cfg if M is None else replace(layer.cfg, n_expert_groups=N, n_limited_groups=M)
         res = {}
         for hier in (False, True):
@@ -220,9 +221,10 @@ def main(a) -> int:
     state = {k: v.clone() for k, v in trained.state_dict().items()}
     ranks = launch(_replica_worker, P, a, state, phy2log, a.balance_steps, backend=a.backend, timeout=120)
     n_r = min(WINDOW, a.steps)
-    measured = torch.stack([rk["tokens"][-n_r:].sum(0) for rk in ranks], dim=1).double()   # [L_moe, P]
+    # the first n_r steps after the rebalance (training moves the loads on; EPLB re-runs periodically)
+    measured = torch.stack([rk["tokens"][:n_r].sum(0) for rk in ranks], dim=1).double()    # [L_moe, P]
     # the same steps' logical loads, as EPLB predicts them for this placement
-    w_after = ranks[0]["loads"][-n_r:].sum(0).double()
+    w_after = ranks[0]["loads"][:n_r].sum(0).double()
     # 4. the alternatives: balance losses and bias, one copy per expert
     results = {"no balancing, 1 copy per expert": contiguous_gpu_loads(weight, P),
                f"no balancing + EPLB, R={R} copies (predicted)": gpu_loads(weight, phy2log, logcnt, P)}
@@ -244,7 +246,7 @@ def main(a) -> int:
     print(f"{'':<{width}}" + "".join(f"  layer {i}" for i in range(len(weight))))
     for label, gl in results.items():
         print(f"{label:<{width}}" + "".join(f"  {float(v):7.2f}" for v in imbalance(gl)))
-    label = f"EPLB measured on {P} ranks (steps +{a.steps - n_r + 1}..+{a.steps})"
+    label = f"EPLB measured on {P} ranks (steps +1..+{n_r})"
     pred = gpu_loads(w_after, phy2log, logcnt, P)
     print(f"{label:<{width}}" + "".join(f"  {float(v):7.2f}" for v in imbalance(measured))
           + "   (EPLB's prediction for those steps: " + " ".join(f"{float(v):.2f}" for v in imbalance(pred)) + ")")
