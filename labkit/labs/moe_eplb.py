@@ -252,6 +252,9 @@ def main(a) -> int:
           + "   (EPLB's prediction for those steps: " + " ".join(f"{float(v):.2f}" for v in imbalance(pred)) + ")")
     print(f"{'':<{width}}  tokens per GPU, layer 0 measured: {measured[0].long().tolist()}, "
           f"predicted: {[round(float(v)) for v in pred[0]]}")
+    print(f"{'':<{width}}  (the placement was computed from earlier loads; training moves them on, which is why\n"
+          f"{'':<{width}}  EPLB re-balances periodically. Its prediction for the same steps separates drift from "
+          f"placement;\n{'':<{width}}  the hierarchical policy also keeps each group on one node: try --expert-groups 1.)")
 
     # 5. hierarchical all-to-all on the first MoE layer's input
     captured = {}
