@@ -381,7 +381,7 @@ def test_nb00_ring_calling_all_reduce_fails():
     assert_check_fails("0.2", cheat, contains="ring_all_reduce must use send/recv only, but it called all_reduce")
 
 
-def test_nb00_ring_sending_whole_tensors_fails_hidden_case():
+def test_nb00_ring_sending_whole_tensors_fails_the_public_traffic_case():
     def naive(ctx, t):  # correct sum, but (N-1) x the whole tensor per rank
         n = ctx.world_size
         out, cur = t.clone(), t.clone()
@@ -394,10 +394,11 @@ def test_nb00_ring_sending_whole_tensors_fails_hidden_case():
             cur = buf
         return out
 
-    res = assert_check_fails("0.2", naive, contains="a hidden case failed")
+    res = assert_check_fails("0.2", naive, contains="rank 0 sent 48 elements")
     sent = [c for c in res.cases if c.status == "failed"]
-    assert [c.name for c in sent] == ["each rank sends 2(N-1)/N of the tensor"]
-    assert "rank 0 sent 48 elements" in sent[0].message
+    assert [c.name for c in sent] == ["each rank sends 2(N-1)/N of the tensor (N=4, 16 elements)",
+                                      "each rank sends 2(N-1)/N of the tensor (N=3, 12 elements)"]
+    assert [c.hidden for c in sent] == [False, True]
 
 
 def test_nb00_ring_deadlock_ends_with_readable_error():

@@ -144,9 +144,10 @@ class ExpertParallelMoE(MoELayer):
 
     Holds the router and shared experts (replicated) and ``experts`` = the E/P local experts
     (global ids ``expert_offset .. expert_offset + E/P - 1``). ``forward(x [..., H], mask=None)
-    -> (y, MoEStats)`` on this rank's tokens (``mask``: padding, as in :class:`MoELayer`); every rank must call it (collective). Raises ValueError
-    at construction, before any communication, when ``ep_size`` P < 1, ``ep_rank`` is outside
-    0..P-1, P does not divide E or ``token_groups != 1`` (each rank is one group under EP).
+    -> (y, MoEStats)`` on this rank's tokens (``mask``: padding, as in :class:`MoELayer`);
+    every rank must call it (collective). Raises ValueError at construction, before any
+    communication, when ``ep_size`` P < 1, ``ep_rank`` is outside 0..P-1, P does not divide E
+    or ``token_groups != 1`` (each rank is one group under EP).
     """
 
     def __init__(self, cfg: MoEConfig, ep_group, ep_rank: int, ep_size: int):

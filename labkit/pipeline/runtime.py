@@ -48,6 +48,10 @@ common start taken right after a barrier), ``peak_in_flight`` and ``stash_peak_b
 (dicts stage -> value), ``stash_bytes`` (stage -> list of bytes per microbatch). The bytes
 one microbatch's forward saves for backward are measured with the hooks on the first
 forward of each stage and reused afterwards (the shapes are fixed; the hooks cost time).
+With a split backward a microbatch stays in flight (its stash alive) until its W;
+``peak_waiting_for_w`` (stage -> most microbatches between their I and their W) and
+``w_grads_peak_bytes`` (stage -> most bytes of the gradients I keeps for W) count what the
+split adds.
 """
 from __future__ import annotations
 
@@ -173,6 +177,7 @@ class _StepState:
         self.n_backward = {s: 0 for s in stages}
         self.weight_grads: dict = {}  # (stage, mb) -> what I kept for W (zero-bubble schedules)
         self.waiting_w = {s: 0 for s in stages}  # microbatches whose I ran and whose W has not
+        self.w_bytes = {s: 0 for s in stages}    # bytes of the gradients I keeps for W
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
@@ -249,6 +254,7 @@ class PipelineSchedule:
         self.timeline: list[TimedAction] = []
         self.peak_in_flight: dict = {}
         self.peak_waiting_for_w: dict = {}  # stage -> most microbatches between their I and their W
+        self.w_grads_peak_bytes: dict = {}  # stage -> most bytes of gradients kept by I for W at once
         self.stash_peak_bytes: dict = {}
         self.stash_bytes: dict = {}
 
@@ -364,6 +370,7 @@ class PipelineSchedule:
         if not forward_only:
             self.peak_in_flight = {s: 0 for s in self._by_index}
             self.peak_waiting_for_w = {s: 0 for s in self._by_index}
+            self.w_grads_peak_bytes = {s: 0 for s in self._by_index}
             self.stash_peak_bytes = {s: 0 for s in self._by_index}
             self.stash_bytes = {s: [0] * M for s in self._by_index}
         if dist.is_initialized():
@@ -557,6 +564,8 @@ class PipelineSchedule:
         st.timeline.append(TimedAction(a, start, st.now()))
         st.waiting_w[s] += 1
         self.peak_waiting_for_w[s] = max(self.peak_waiting_for_w[s], st.waiting_w[s])
+        st.w_bytes[s] += pending.nbytes
+        self.w_grads_peak_bytes[s] = max(self.w_grads_peak_bytes[s], st.w_bytes[s])
 
     def _do_backward_weight(self, a: Action, st: "_StepState"):
         """W: the parameter gradients of (stage, microbatch) from what its I kept; they
@@ -567,8 +576,10 @@ class PipelineSchedule:
         start = st.now()
         st.n_backward[s] += 1
         last = st.n_backward[s] == self.n_microbatches
+        pending = st.weight_grads.pop((s, m))
+        st.w_bytes[s] -= pending.nbytes
         with contextlib.nullcontext() if last or not hasattr(stage.submod, "no_sync") else stage.submod.no_sync():
-            backward_weight(st.weight_grads.pop((s, m)))
+            backward_weight(pending)
         st.inputs.pop((s, m))
         st.timeline.append(TimedAction(a, start, st.now()))
         st.waiting_w[s] -= 1
