@@ -144,10 +144,10 @@ class ReplicatedExpertParallelMoE(ExpertParallelMoE):
             ep.shared_experts.load_state_dict(layer.shared_experts.state_dict())
         return ep
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None)
+        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None, mask)
         physical = choose_replicas(r.indices, r.keep, self.log2phy, self.logcnt, self.ep_rank)
         y, self.last_recv_counts = expert_parallel_ffn(x2, physical, r.keep, r.weights, self.experts,
                                                        self.n_physical, self.ep_group)
