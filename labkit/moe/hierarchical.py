@@ -142,13 +142,7 @@ class HierarchicalExpertParallelMoE(ExpertParallelMoE):
     @classmethod
     def from_dense(cls, layer: MoELayer, nodes: NodeGroups, hierarchical: bool = True):
         """This rank's shard of a single-device layer (same weights)."""
-        ep = cls(replace(layer.cfg, token_groups=1), nodes, hierarchical)
-        ep.router.load_state_dict(layer.router.state_dict())
-        for i, expert in enumerate(ep.experts):
-            expert.load_state_dict(layer.experts[ep.expert_offset + i].state_dict())
-        if layer.shared_experts is not None:
-            ep.shared_experts.load_state_dict(layer.shared_experts.state_dict())
-        return ep
+        return cls(replace(layer.cfg, token_groups=1), nodes, hierarchical)._copy_from(layer)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         shape = x.shape
