@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -559,16 +558,43 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
             raise RankError(rank, etype, msg, tb)
         return [results[r] for r in range(world_size)]
     finally:
-        _kill_all(procs)
-        for c in conns:
-            c.close()
-        for fd in err_fds:  # not handed to the forwarder (a start failed)
-            os.close(fd)
-        if tails is not None:
-            tails.join(2.0)
-        import shutil
+        with _signals_deferred():  # a second Ctrl-C must not cut the clean-up short
+            _kill_all(procs)
+            for c in conns:
+                c.close()
+            for fd in err_fds:  # not handed to the forwarder (a start failed)
+                os.close(fd)
+            if tails is not None:
+                tails.join(2.0)
+            import shutil
 
-        shutil.rmtree(os.path.dirname(store), ignore_errors=True)
+            shutil.rmtree(os.path.dirname(store), ignore_errors=True)
+
+
+class _signals_deferred:
+    """While inside (main thread only): SIGINT and SIGTERM are recorded, not acted on; on leaving,
+    the previous handlers are back and the first recorded signal is raised (KeyboardInterrupt,
+    or :class:`Terminated`), unless an exception is already on its way out."""
+
+    def __enter__(self):
+        self._old, self._got = {}, []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, lambda signum, frame: self._got.append(signum))
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        if self._got and exc_type is None:
+            old = self._old[self._got[0]]
+            if callable(old):
+                old(self._got[0], None)  # e.g. Python's default SIGINT handler: KeyboardInterrupt
+            elif self._got[0] == signal.SIGINT:
+                raise KeyboardInterrupt
+            else:
+                raise Terminated(self._got[0])
+        return False
 
 
 def _error_priority(err: tuple) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import sys
 import tempfile
 import time
 

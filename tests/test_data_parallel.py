@@ -131,6 +131,13 @@ def test_zero1_equals_single_device(opt_name, steps):
     assert padded == math.ceil(n / d) * d
     for c in out[0]["counts"]:  # one reduce-scatter of the n (padded) gradient elements, one all-gather of n/d
         assert c == {("reduce_scatter", d): (1, padded * 4), ("all_gather", d): (1, padded // d * 4)}
+    # in a ring, reduce-scatter + all-gather send what DP's all-reduce of the same n sends: 2(d-1)/d * n
+    from labkit.comm import CommRecord, ring_wire_bytes
+    for dd in (2, 4, 8):
+        n_bytes = 4 * dd * 1000
+        rs, ag, ar = (CommRecord(k, dd, b, (), "float32") for k, b in
+                      (("reduce_scatter", n_bytes), ("all_gather", n_bytes // dd), ("all_reduce", n_bytes)))
+        assert ring_wire_bytes(rs) + ring_wire_bytes(ag) == ring_wire_bytes(ar) == 2 * (dd - 1) * n_bytes // dd
     if opt_name == "adam":      # exp_avg and exp_avg_sq of n/d elements instead of n
         assert full_state == 2 * n * 4
         assert out[0]["state"] == 2 * (padded // d) * 4
@@ -141,3 +148,26 @@ def test_zero1_check_catches_missing_average():
     _, ref_params, _ = reference(2, "sgd")
     out = launch(_zero_worker, 2, 2, "sgd", True, backend="gloo")
     assert not close(out[0]["params"], ref_params)
+
+
+def _unused_worker(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1e-5)   # one bucket per parameter
+    x = torch.full((2, 4), float(ctx.rank + 1))
+    model["used"](x).sum().backward()
+    try:
+        ddp(x)                          # the sync is still open: unused parameters got no gradient
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    ddp.finish_grad_sync()
+    return raised, model["used"].weight.grad.clone(), model["unused"].weight.grad.clone()
+
+
+def test_ddp_unused_parameters_need_finish_grad_sync():
+    out = launch(_unused_worker, 2, backend="gloo")
+    for raised, g_used, g_unused in out:
+        assert raised is not None and "finish_grad_sync" in raised and "unused.weight" in raised
+        # mean over the ranks of x.sum(0) broadcast: rows (1+1, 2+2)/2 -> every entry (2 + 4) / 2 = 3
+        assert torch.equal(g_used, torch.full((4, 4), 3.0)) and torch.equal(g_unused, torch.zeros(4, 4))

@@ -102,6 +102,8 @@ def test_worker_that_dies_is_reported():
 
 def _aborts(ctx):
     if ctx.rank == 1:
+        import faulthandler
+        faulthandler.disable()  # pytest's dump would only add noise to the test log
         print("rank 1: about to abort on purpose", file=sys.stderr, flush=True)
         os.abort()  # what a native (C++) abort does: SIGABRT, no Python traceback
     time.sleep(0.5)

@@ -48,28 +48,39 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
         env = dict(os.environ, TMPDIR=str(tmp), OMP_NUM_THREADS="1")
         procs[name] = subprocess.Popen([sys.executable, str(script), str(tmp / "ready")], stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    deadline = time.monotonic() + 60
-    for name, p in procs.items():
-        ready = tmp_path / name / "ready"
-        while len(os.listdir(ready)) < 2 and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(os.listdir(ready)) == 2, (name, p.poll(), p.stderr.read() if p.poll() is not None else "")
-        assert len(_group(p.pid)) == 3  # the parent and its 2 ranks
-        assert [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
-        sig, to_group = cases[name]
-        (os.killpg if to_group else os.kill)(p.pid, sig)  # Ctrl-C goes to the whole foreground group
-    t0 = time.monotonic()
-    for name, p in procs.items():
-        out, err = p.communicate(timeout=20)
-        while _group(p.pid) and time.monotonic() < t0 + 10:  # the ranks die with their parent
-            time.sleep(0.05)
-        assert _group(p.pid) == [], name
-        left = [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
-        if name == "SIGKILL":
-            assert p.returncode == -signal.SIGKILL  # nothing can run in a SIGKILLed parent; its ranks still die
-            continue
-        assert left == [], name
-        assert p.returncode == {"SIGTERM": 143, "SIGINT": 130}[name], (name, err)
-        assert err.count("\n") == 1 and "Traceback" not in err, err
-        assert err.startswith("terminated (SIGTERM)" if name == "SIGTERM" else "interrupted (Ctrl-C)"), err
-    assert time.monotonic() - t0 < 15
+    try:
+        deadline = time.monotonic() + 60
+        for name, p in procs.items():
+            ready = tmp_path / name / "ready"
+            while len(os.listdir(ready)) < 2 and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(os.listdir(ready)) == 2, (name, p.poll(), p.stderr.read() if p.poll() is not None else "")
+            assert len(_group(p.pid)) == 3  # the parent and its 2 ranks
+            assert [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
+            sig, to_group = cases[name]
+            (os.killpg if to_group else os.kill)(p.pid, sig)  # Ctrl-C goes to the whole foreground group
+            if name == "SIGINT":  # an impatient second Ctrl-C must not cut the clean-up short
+                time.sleep(0.05)
+                os.killpg(p.pid, sig)
+        t0 = time.monotonic()
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=20)
+            while _group(p.pid) and time.monotonic() < t0 + 10:  # the ranks die with their parent
+                time.sleep(0.05)
+            assert _group(p.pid) == [], name
+            left = [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
+            if name == "SIGKILL":
+                assert p.returncode == -signal.SIGKILL  # nothing can run in a SIGKILLed parent; its ranks still die
+                continue
+            assert left == [], name
+            assert p.returncode == {"SIGTERM": 143, "SIGINT": 130}[name], (name, err)
+            assert err.count("\n") == 1 and "Traceback" not in err, err
+            assert err.startswith("terminated (SIGTERM)" if name == "SIGTERM" else "interrupted (Ctrl-C)"), err
+        assert time.monotonic() - t0 < 15
+    finally:  # whatever failed above, leave nothing behind
+        for p in procs.values():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)

@@ -35,7 +35,8 @@ def test_lab_3d_fails_on_wrong_dp_average(tmp_path, capsys, monkeypatch):
     (["--layers", "3"], "n_layer=3 layers must be divisible by p*v"),
     (["--batch", "6"], "global batch B=6 must be divisible by d*M"),
     (["--lr", "0"], "--lr must be a finite number > 0"),
-    (["--schedule", "interleaved", "--chunks", "2", "--layers", "2"], "n_layer=2 layers must be divisible by p*v = 2*2"),
+    (["--schedule", "interleaved", "--chunks", "2", "--layers", "2"],
+     "n_layer=2 layers must be divisible by p*v = 2*2"),
 ])
 def test_lab_3d_errors(argv, msg, capsys, tmp_path):
     base = ["--heads", "2", "--embd", "16", "--microbatches", "2"]

@@ -45,7 +45,8 @@ def _loop_switch(logits, idx, alpha, mask=None):
 
 def test_switch_aux_matches_formula_and_mask():
     logits, idx = _random_routing(0)
-    assert switch_aux_loss(logits, idx, 0.01, from_logits=True).item() == pytest.approx(_loop_switch(logits, idx, 0.01), rel=1e-12)
+    want = _loop_switch(logits, idx, 0.01)
+    assert switch_aux_loss(logits, idx, 0.01, from_logits=True).item() == pytest.approx(want, rel=1e-12)
     mask = torch.tensor([1] * 10 + [0] * 6)
     got = switch_aux_loss(logits, idx, 0.01, mask=mask, from_logits=True).item()
     assert got == pytest.approx(_loop_switch(logits, idx, 0.01, mask.tolist()), rel=1e-12)
@@ -74,7 +75,8 @@ def test_uniform_routing_gives_alpha():
     assert switch_aux_loss(logits, idx, 0.3, from_logits=True).item() == pytest.approx(0.3)
     assert expert_balance_loss(logits, idx, 0.3, from_logits=True).item() == pytest.approx(0.3)
     assert device_balance_loss(logits, idx, 2, 0.3, from_logits=True).item() == pytest.approx(0.3)
-    assert comm_balance_loss(logits, idx, 2, 1, 0.3, from_logits=True).item() == pytest.approx(0.3)   # each token on one device
+    # each token on one device
+    assert comm_balance_loss(logits, idx, 2, 1, 0.3, from_logits=True).item() == pytest.approx(0.3)
     assert sequence_balance_loss(logits, idx, 4, 0.3, from_logits=True).item() == pytest.approx(0.3)
     assert z_loss(logits, 0.1).item() == pytest.approx(0.1 * math.log(4) ** 2)
 
@@ -133,7 +135,8 @@ def test_mask_drops_padded_tokens_from_f_and_P(name):
     got = loss(z, idx, mask, True)
     got.backward()
     if name == "sequence":
-        parts = [(z_b[m_b], i_b[m_b]) for z_b, i_b, m_b in zip(logits.view(4, 4, 4), idx.view(4, 4, 2), mask.view(4, 4))]
+        parts = [(z_b[m_b], i_b[m_b])
+                 for z_b, i_b, m_b in zip(logits.view(4, 4, 4), idx.view(4, 4, 2), mask.view(4, 4))]
         ref_z = [p.clone().requires_grad_(True) for p, _ in parts]
         want = torch.stack([sequence_balance_loss(rz, i, len(i), 0.3, "softmax", from_logits=True)
                             for rz, (_, i) in zip(ref_z, parts)]).mean()
@@ -182,7 +185,8 @@ def test_deepseek_v2_expert_level(score_func):
     f = [E / (k * T) * sum(1 for t in range(T) if i in idx[t].tolist()) for i in range(E)]
     P = [sum(s[t][i] for t in range(T)) / T for i in range(E)]
     want = 0.003 * sum(f[i] * P[i] for i in range(E))
-    assert expert_balance_loss(logits, idx, 0.003, score_func, from_logits=True).item() == pytest.approx(want, rel=1e-12)
+    got = expert_balance_loss(logits, idx, 0.003, score_func, from_logits=True)
+    assert got.item() == pytest.approx(want, rel=1e-12)
 
 
 def test_deepseek_v2_device_level():

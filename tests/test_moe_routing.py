@@ -258,7 +258,17 @@ def test_layer_losses_are_means_over_token_groups():
     assert torch.equal(devices[:, 0], devices[:, 1])
 
 
-def test_layer_padding_mask_keeps_padded_tokens_out_of_balance_losses_and_loads():
+@pytest.fixture
+def one_thread():
+    """Tiny models run on one thread (as each rank does): the first multi-threaded CPU kernels
+    of a process take seconds to warm up."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_layer_padding_mask_keeps_padded_tokens_out_of_balance_losses_and_loads(one_thread):
     """MoELayer(x, mask): every balance loss (value and router gradient) and the loads equal
     those of the real tokens alone, and do not change when the padded tokens change."""
     cfg = dict(aux_loss_coeff=0.1, z_loss_coeff=1e-2, seq_aux_loss_coeff=1e-2, device_loss_coeff=0.05,

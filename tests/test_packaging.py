@@ -1,6 +1,7 @@
 """pyproject.toml declares every third-party package labkit imports, with ranges that the
 pinned requirements.txt satisfies (so `pip install .` gives a labkit that imports)."""
 import ast
+import functools
 import importlib.metadata as md
 import re
 import sys
@@ -42,12 +43,18 @@ def third_party_imports(package: Path = ROOT / "labkit") -> dict:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def _owners() -> dict:
+    return md.packages_distributions()      # scans every installed distribution: once
+
+
 def missing(imports: dict, deps: dict) -> list:
     """Imports whose distribution (as installed here) is not declared."""
-    owners = md.packages_distributions()
     out = []
     for module, where in sorted(imports.items()):
-        dists = {_norm(d) for d in owners.get(module, [module])}
+        if _norm(module) in deps:           # import name = distribution name (torch, tqdm, ...)
+            continue
+        dists = {_norm(d) for d in _owners().get(module, [module])}
         if not dists & set(deps):
             out.append(f"{module} (imported in {where}; distribution {sorted(dists)})")
     return out

@@ -53,7 +53,7 @@ def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug):
     if bug == "no_embedding_allreduce":               # injected: tied copies not summed
         pg.emb_group = None
     keep = grid.dp_rank == 0 and grid.tp_rank == 0     # one copy of each stage goes back
-    out = {"losses": [], "grads": [], "comm": [], "expected": pg.expected_comm(B, S),
+    out = {"losses": [], "grads": [], "comm": [], "expected": pg.expected_comm(B, S), "peers": set(),
            "tp_rank": grid.tp_rank, "last": pg.has_last_stage, "keep": keep}
     for x, y in batches(cfg, steps):
         pg.zero_grad()
@@ -64,6 +64,10 @@ def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug):
                     q.grad.div_(d)
             pg.optimizer.step()
         out["comm"].append(pg.comm_by_axis(log.records))
+        # every send/recv goes to the rank with the same (dp_rank, tp_rank) on another pipeline rank
+        out["peers"].update((r.peer % (d * t), r.peer // (d * t) != grid.pp_rank)
+                            for r in log.records if r.peer is not None)
+        out["me"] = ctx.rank % (d * t)
         grads = pg.gather_full("grad") if not zero else None  # after the step: not counted
         if keep:
             out["grads"].append(grads)
@@ -108,6 +112,7 @@ def check_equal(out, cfg, steps, opt="sgd", lr=0.1, grads=True):
 
 def check_comm(out):
     for r in out:
+        assert r["peers"] <= {(r["me"], True)}, r["peers"]
         for step_counts in r["comm"][1:]:       # after the first step (shape messages)
             assert step_counts == r["expected"], (step_counts, r["expected"])
 
@@ -117,13 +122,15 @@ GRIDS = [  # (t, p, d, schedule, v)
     (1, 2, 2, "interleaved", 2),
     (2, 1, 2, "1f1b", 1),
     (1, 1, 4, "1f1b", 1),
+    (2, 2, 1, "zbh1", 1),          # zero-bubble: backward split into I and W, DDP/TP inside
+    (1, 2, 2, "zbv", 2),           # V placement: rank r holds stages r and 2p-1-r
 ]
 
 
 @pytest.mark.parametrize("t,p,d,schedule,v", GRIDS)
 def test_3d_equals_single_device_sgd(t, p, d, schedule, v):
     cfg = cfg_for()
-    out = run(cfg, t, p, d, schedule, v, M=2 if v == 1 else 2)
+    out = run(cfg, t, p, d, schedule, v, M=2 if schedule != "zbv" else 4)
     check_equal(out, cfg, 3)
     check_comm(out)
 
@@ -193,3 +200,26 @@ def test_layout_errors(kw, match):
     M = kw.pop("M", 1)
     with pytest.raises(ValueError, match=match):
         check_layout(cfg, n_microbatches=M, **kw)
+
+
+def test_tied_outside_the_composition():
+    """TensorParallelGPT and a one-stage split keep the tie; a multi-stage split refuses it."""
+    from labkit.pipeline.schedules import ScheduleError
+    from labkit.pipeline.stages import split_gpt
+    gpt = GPT(cfg_for(tied=True, n_layer=2))
+    assert gpt.head.lm_head.weight is gpt.embedding.wte.weight
+    one = split_gpt(gpt, 1)[0]
+    assert one.head.lm_head.weight is one.embedding.wte.weight
+    with pytest.raises(ScheduleError, match="tied embeddings"):
+        split_gpt(gpt, 2)
+
+
+def _tp_tied(ctx):
+    from labkit.tensor_parallel import TensorParallelGPT
+    cfg = cfg_for(tied=True, n_layer=1)
+    m = TensorParallelGPT.from_reference(GPT(cfg), make_grid(ctx, tp=2).tp_group)
+    return m.head.lm_head.weight is m.embedding.wte.weight
+
+
+def test_tensor_parallel_gpt_keeps_the_tie():
+    assert launch(_tp_tied, 2, backend="gloo") == [True, True]

@@ -217,8 +217,10 @@ HUNG = {
                  "SEND_F1@s0, which rank 0 reaches only after its own B0@s0"),
 }
 WAITING = {  # where each rank is stuck in each case, as the report of that rank says it
-    "missing send": {0: "at B0@s0 waiting for RECV_B0@s0 (from rank 1)", 1: "at F1@s1 waiting for RECV_F1@s1 (from rank 0)"},
-    "deadlock": {0: "at B0@s0 waiting for RECV_B0@s0 (from rank 1)", 1: "at F1@s1 waiting for RECV_F1@s1 (from rank 0)"},
+    "missing send": {0: "at B0@s0 waiting for RECV_B0@s0 (from rank 1)",
+                     1: "at F1@s1 waiting for RECV_F1@s1 (from rank 0)"},
+    "deadlock": {0: "at B0@s0 waiting for RECV_B0@s0 (from rank 1)",
+                 1: "at F1@s1 waiting for RECV_F1@s1 (from rank 0)"},
 }
 
 

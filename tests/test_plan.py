@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from labkit import plan as P
 from labkit.__main__ import main as labkit_main
 from labkit.checkpoint import SavedTensorMeter
 from labkit.comm import CommLog
@@ -18,7 +17,7 @@ from labkit.plan import memory as plan_memory
 from labkit.plan.comm import comm_per_rank
 from labkit.plan.memory import memory_per_rank
 from labkit.plan.planner import PlanError, plan, step_time
-from labkit.plan.spec import PRESETS, PUBLISHED, Cluster, Layout, ModelSpec, preset
+from labkit.plan.spec import PUBLISHED, Cluster, Layout, ModelSpec, preset
 from labkit.tensor_parallel import TensorParallelGPT
 
 CFG = GPTConfig(vocab_size=VOCAB_SIZE, block_size=32, n_layer=4, n_head=4, n_embd=32)

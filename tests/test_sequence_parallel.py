@@ -12,7 +12,6 @@ import copy
 import pytest
 import torch
 
-from labkit import comm
 from labkit.comm import CommLog
 from labkit.dist import RankError, launch
 from labkit.model import Block, GPTConfig

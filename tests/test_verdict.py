@@ -47,8 +47,8 @@ def _fails(res: LockstepResult, step: int, words: str):
 
 
 def test_correct_runs_pass_any_seed_grid_and_schedule():
-    res = _pipeline("interleaved", ["--seed", "1", "--layers", "4"])
-    assert res.ok and len(res.records) == 3, res.records
+    res = _pipeline("interleaved", ["--seed", "1", "--layers", "4", "--steps", "2"])
+    assert res.ok and len(res.records) == 2, res.records
     assert max(max(r.grad_err, r.loss_err) for r in res.records) < 0.5
     assert _tensor(t=1).ok  # --tp 1 is handled: a group of one
     res = _moe(["--seed", "3"])

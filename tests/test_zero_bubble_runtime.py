@@ -56,6 +56,8 @@ def _rank(ctx, name, steps):
     out["grads"] = _named(mods, "grad")
     out["kinds"] = sorted({a.kind for a in sched.actions[r]})
     out["peak_w"] = dict(sched.peak_waiting_for_w)
+    out["peak"] = dict(sched.peak_in_flight)
+    out["w_bytes"] = dict(sched.w_grads_peak_bytes)
     opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.5)
     opt.step()
     opt.zero_grad()
@@ -114,6 +116,12 @@ def test_split_backward_equals_single_device_and_torch(name, K):
         torch.set_num_threads(n)
     res = launch(_rank, K, name, steps, backend="gloo", timeout=60)
     assert "I" in res[0]["kinds"] and "W" in res[0]["kinds"]
+    # measured in flight (F to W) and between I and W equal what the schedule data says
+    from labkit.pipeline import dualpipev_schedule, peak_in_flight, peak_waiting_for_w, zb_h1_schedule, zbv_schedule
+    data = {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}[name](K, M)
+    assert [_merge(res, "peak")[s] for s in sorted(_merge(res, "peak"))] == peak_in_flight(data)
+    assert [_merge(res, "peak_w")[s] for s in sorted(_merge(res, "peak_w"))] == peak_waiting_for_w(data)
+    assert all(v > 0 for v in _merge(res, "w_bytes").values()) or name == "dualpipev"
     _close(_merge(res, "grads"), grads, f"{name} K={K} grad")
     _close(_merge(res, "grads_torch"), grads, f"torch {name} K={K} grad")
     _close(_merge(res, "grads"), _merge(res, "grads_torch"), f"{name} K={K} vs torch grad")

@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from ..dist import launch
 from ..model import GPT, GPTConfig
-from . import median_time  # noqa: F401  (the shared helper; the alternating loop below is this bench's)
 
 
 def _pairs(step_a, step_b, iters: int, warmup: int = 2):
@@ -230,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{f'3D t{a.tp} p{a.pp} d{a.dp3} 1F1B M={a.microbatches}':<34}{lk:>10.4f}{th:>10.4f}{lk / th:>8.2f}"
               f"{dloss:>14.1e}  (|dloss| of step 1; median of {a.iters3d})")
     print("ratio = labkit / torch (below 1: labkit faster). torch's ZeRO runs on top of torch's DDP "
-          "(all-reduce + broadcast of whole parameters); labkit's reduce-scatters and all-gathers one flat buffer.\n"
-          "3D: torch = DeviceMesh + parallelize_module inside torch.distributed.pipelining stages + FSDP2 "
-          "(reshard_after_forward=False) over dp; labkit = labkit.parallel.ParallelGPT with DDP.")
+          "(all-reduce + broadcast of whole parameters); labkit's reduce-scatters and all-gathers one flat buffer.")
+    if res3 is not None:
+        print("3D: torch = DeviceMesh + parallelize_module inside torch.distributed.pipelining stages + FSDP2 "
+              "(reshard_after_forward=False) over dp; labkit = labkit.parallel.ParallelGPT with DDP.")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..labs import run_cli
+    sys.exit(run_cli(main))

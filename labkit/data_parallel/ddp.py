@@ -16,11 +16,14 @@ How the average is computed (PyTorch DDP, Li et al. 2020, "PyTorch Distributed",
    earlier layers. Buckets start in index order on every rank (collectives must be issued in
    the same order everywhere);
 3. at the end of backward (a callback queued on the autograd engine) every all-reduce is
-   waited for, divided by d and copied back into ``param.grad``.
+   waited for, divided by d and copied back into ``param.grad``. When some parameter got no
+   gradient yet (a zero-bubble W that runs several backward calls, or an unused parameter) the
+   sync stays open until the rest arrives or :meth:`DistributedDataParallel.finish_grad_sync`.
 
 What a ring all-reduce costs: each rank sends and receives ``2(d-1)/d`` of the buffer's bytes
 (reduce-scatter then all-gather; Patarasuk & Yuan 2009). :class:`labkit.comm.CommLog` counts
-the payload (the bucket's bytes); :func:`expected_dp_comm` gives both numbers.
+the payload (the bucket's bytes; ``CommLog.wire_bytes`` the ring's); :func:`expected_dp_comm`
+gives both numbers.
 
 ``no_sync()``: inside it the hooks do nothing, gradients accumulate locally (gradient
 accumulation over microbatches); the first backward outside it reduces the accumulated sum.
@@ -179,6 +182,14 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._expert_hook)
 
     def forward(self, *args, **kwargs):
+        if self.require_backward_grad_sync and self._in_progress():
+            missing = [n for n, p in self.module.named_parameters()
+                       if id(p) in self._bucket_of and not self._bucket_of[id(p)].work
+                       and p.requires_grad]
+            raise RuntimeError(
+                "DistributedDataParallel: the last synchronised backward left the gradient sync open: some "
+                f"parameters got no gradient ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); "
+                "call finish_grad_sync() after backward (it counts them as zero) or use every parameter")
         return self.module(*args, **kwargs)
 
     @contextmanager
@@ -215,14 +226,11 @@ class DistributedDataParallel(nn.Module):
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
-        offset = 0
-        for p in b.params:
-            n = p.numel()
-            if p.grad is None:
-                b.buffer[offset:offset + n].zero_()
-            else:
-                b.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
-            offset += n
+        # one copy of the bucket's gradients into its flat buffer, 1/d folded in (the all-reduce
+        # then sums means); a parameter without a gradient counts as zero
+        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params],
+                  out=b.buffer)
+        b.buffer.div_(self.d)
         b.times = [time.perf_counter(), None]
         b.work = comm.all_reduce(b.buffer, self.process_group, async_op=True)
 
@@ -230,15 +238,34 @@ class DistributedDataParallel(nn.Module):
             times[1] = time.perf_counter()
         b.work.get_future().then(done)
 
+    def _in_progress(self) -> bool:
+        return self._next > 0 or any(b.ready for b in self.buckets)
+
     def _finalize(self) -> None:
-        """End of backward: start what is left (unused parameters count as zero), wait for
-        every bucket, write ``buffer / d`` back into the gradients."""
-        backward_end = time.perf_counter()
+        """End of an autograd run. When every bucket has started: wait for them, write
+        ``buffer / d`` back into the gradients. Otherwise the sync stays open: a zero-bubble
+        W runs several backward calls, and the rest of the gradients come in the next ones
+        (:meth:`finish_grad_sync` closes it, counting unused parameters as zero)."""
+        self._callback_queued = False
+        self._backward_end = time.perf_counter()
+        if self._next == len(self.buckets):
+            self._complete()
+
+    def finish_grad_sync(self) -> None:
+        """Close an open gradient sync (Megatron-Core's name): start the buckets whose
+        parameters got no gradient (counted as zero), wait, write the averages back. No-op when
+        no sync is open."""
+        if not self._in_progress():
+            return
         for b in self.buckets[self._next:]:
             self._launch(b)
+        self._next = len(self.buckets)
+        self._complete()
+
+    def _complete(self) -> None:
+        backward_end = getattr(self, "_backward_end", time.perf_counter())
         for b in self.buckets:
             b.work.wait()
-            b.buffer.div_(self.d)
             offset = 0
             for p in b.params:
                 n = p.numel()
@@ -258,4 +285,3 @@ class DistributedDataParallel(nn.Module):
         for b in self.buckets:
             b.ready, b.work = 0, None
         self._next = 0
-        self._callback_queued = False

@@ -63,8 +63,9 @@ class ZeroRedundancyOptimizer:
 
     Gradients are the *local* ones (no DDP all-reduce before): :meth:`step` reduce-scatters
     them. ``param.grad`` is left as it was (local); :attr:`grad_shard` holds this rank's
-    averaged partition between :meth:`reduce_gradients` and the update. ``partition`` = (start, end) of this rank's elements in
-    the flat order. Raises ValueError (no communication) for an empty or mixed-dtype params.
+    averaged partition between :meth:`reduce_gradients` and the update. ``partition`` = (start,
+    end) of this rank's elements in the flat order. Raises ValueError (no communication) for no
+    parameters or parameters of mixed dtypes/devices.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer_class=torch.optim.Adam, process_group=None,

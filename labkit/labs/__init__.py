@@ -86,7 +86,9 @@ def run_cli(main, *args) -> int:
     """Run ``main(*args)`` the way a command line should end: its return code; Ctrl-C -> one line,
     exit 130; SIGTERM -> one line, exit 143 (128 + signal); a failed rank (RankError) -> one
     ``error:`` line naming the rank, exit 1. Workers are stopped and temporary files removed
-    by :func:`labkit.dist.launch` before the line is printed."""
+    by :func:`labkit.dist.launch` before the line is printed. After an interrupt the command is
+    ending: further SIGINT/SIGTERM are ignored from then on (an impatient second Ctrl-C would
+    otherwise print a traceback from Python's exit handlers)."""
     import signal
 
     from ..dist import RankError, Terminated, terminate_as_exception
@@ -94,9 +96,11 @@ def run_cli(main, *args) -> int:
         with terminate_as_exception():
             return main(*args) or 0
     except KeyboardInterrupt:
+        _ignore_signals()
         print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
         return 130
     except Terminated as e:
+        _ignore_signals()
         print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
         return 128 + e.signum
     except RankError as e:
@@ -163,3 +167,11 @@ def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: 
     return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters: {weights}; "
             f"activations: {_gib(act * act_copies)}, Korthikanti et al. 2022 eq. 1), more than the {_gib(limit)} "
             f"available; use smaller sizes")
+
+
+def _ignore_signals() -> None:
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)

@@ -14,6 +14,14 @@ the same seed, data and optimizer. It prints one table:
   (K-1)/(vM+K-1), and the simulator's from the measured per-stage F/B times;
 * the measured peak number of microbatches in flight per stage; tokens per second.
 
+``--schedule zero-bubble`` runs 1F1B, ZB-H1, ZB-V and DualPipeV (the backward split into I
+and W, :mod:`labkit.pipeline.zero_bubble`; ZB-V and DualPipeV hold stages r and 2K-1-r on
+rank r); their formula column is the zero-bubble formula from the measured mean T_F, T_I,
+T_W (nan where it is not exact for them). ``--cost-model F,I,W`` (milliseconds) makes every
+action last at least that long by sleeping without holding a core, so that on fewer cores
+than ranks the measured bubble shows the schedule (the output says which measurement it is);
+``--trace`` also writes each measured timeline as Chrome trace-event JSON for Perfetto.
+
 Gantt charts of the measured timelines and the loss curves are saved under
 ``runs/pipeline-YYYYmmdd-HHMMSS/``. The same module runs under
 ``torchrun --nproc-per-node K -m labkit.labs.pipeline`` (only rank 0 prints and saves).

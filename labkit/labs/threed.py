@@ -21,8 +21,9 @@ or a count fails. Saved under ``runs/3d-<time>/``: ``loss_curves.png``, ``rank_g
 
 For the planner: :func:`run_3d` returns the measured data without printing: per rank
 ``memory`` (``{"params", "grads", "optimizer"}`` bytes), ``comm`` (per step, ``{axis: {kind:
-(count, bytes)}}`` counted by :class:`labkit.comm.CommLog`), ``expected`` (the same from the
-formulas), ``overlap``, ``bubble`` and the loss curves.
+(count, bytes)}}`` counted by :class:`labkit.comm.CommLog`), ``wire`` (per step, ``{axis: bytes
+sent}`` under the ring algorithms), ``expected`` (the counts from the formulas), ``overlap``,
+``bubble`` and the loss curves.
 """
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ import argparse
 import os
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
-from . import HelpFormatter, error, is_main_rank
+from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
+               error, is_main_rank, run_folder)
+from .verdict import add_tolerance_option
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
 
@@ -46,8 +48,9 @@ def _parser():
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree p")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel degree d (unset: 2; under torchrun WORLD_SIZE / (t*p))")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"), help="pipeline schedule")
-    p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank (interleaved only)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"),
+                   help="pipeline schedule (zbh1, zbv, dualpipev: zero-bubble, backward split into I and W)")
+    p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank (interleaved; zbv/dualpipev: 2)")
     p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
@@ -62,11 +65,27 @@ def _parser():
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
-    p.add_argument("--tolerance", type=float, default=1e-5,
-                   help="verdict's relative tolerance rtol (atol = rtol/10): see labkit/labs/verdict.py")
+    add_tolerance_option(p)
     p.add_argument("--out", default="runs", help="folder for the run folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     return p
+
+
+def _v(a) -> int:
+    """Chunks per rank: --chunks for interleaved, 2 for the V-shaped schedules, else 1."""
+    return a.chunks if a.schedule == "interleaved" else 2 if a.schedule in ("zbv", "dualpipev") else 1
+
+
+def _bubble_formula(a) -> float:
+    """Idle fraction from the formulas with equal costs per stage (T_F = T_I = T_W = 1, T_B = 2):
+    bubble time / (ideal time v*M*(T_F + T_B) + bubble time). GPipe/1F1B/interleaved:
+    (p-1)/(vM+p-1) (Narayanan et al. 2021); zero-bubble: :func:`labkit.pipeline.bubble_time_formula`."""
+    from ..pipeline import bubble_formula, bubble_time_formula
+    p, M, v = a.pp, a.microbatches, _v(a)
+    if a.schedule in ("gpipe", "1f1b", "interleaved"):
+        return float(bubble_formula(p, M, v))
+    bubble = float(bubble_time_formula({"zbh1": "zb-h1"}.get(a.schedule, a.schedule), p))
+    return bubble / (v * M * 3 + bubble)
 
 
 def _config(a):
@@ -77,23 +96,29 @@ def _config(a):
 
 def _bad_args(a, world) -> str | None:
     """The first rule the options break, as one message naming the values; None if all are fine."""
-    import math
     for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--chunks", a.chunks),
                         ("--microbatches", a.microbatches), ("--steps", a.steps), ("--batch", a.batch),
                         ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    for flag, value in (("--lr", a.lr), ("--tolerance", a.tolerance), ("--bucket-cap-mb", a.bucket_cap_mb)):
-        if not (math.isfinite(value) and value > 0):
-            return f"{flag} must be a finite number > 0, got {value}"
+    bad = (bad_number("--lr", a.lr) or bad_number("--tolerance", a.tolerance)
+           or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
+    if bad:
+        return bad
     try:
         cfg = _config(a)
         from ..parallel import check_layout
-        v = a.chunks if a.schedule == "interleaved" else 1
+        v = _v(a)
         check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule)
     except ValueError as e:
         return str(e)
-    return None
+    from ..model import GPT
+    # every rank builds the full reference (4 bytes/param each) and keeps its shard with Adam (16 in
+    # all); rank 0's reference (8) and the verdict's gathered copies (24); activations: the whole
+    # batch in flight over the ranks, plus the reference's
+    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * world + 48,
+                      activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} ({world} ranks)")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -108,7 +133,7 @@ def _worker(ctx, a, corpus):
     from .verdict import Lockstep, sharded_pieces
 
     torch.manual_seed(a.seed)
-    v = a.chunks if a.schedule == "interleaved" else 1
+    v = _v(a)
     grid = make_grid(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
     cfg = _config(a)
     pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
@@ -135,6 +160,7 @@ def _worker(ctx, a, corpus):
             out += sharded_pieces(m, grid.tp_rank, grid.tp, rename)
         return out
 
+    wire = []
     losses, comm, seconds, overlaps, timelines, peak_mem = [], [], 0.0, [], [], {"params": 0, "grads": 0,
                                                                                      "optimizer": 0}
     for step in range(a.steps):
@@ -156,13 +182,15 @@ def _worker(ctx, a, corpus):
         if step >= 1:
             seconds += t_bwd + t_opt        # step 0 is warm-up (shape messages), not timed
         comm.append(pg.comm_by_axis(log.records + log2.records))
+        wire.append(pg.wire_by_axis(log.records + log2.records))
         losses.append(loss)
         overlaps.append(pg.dp_overlap())
         timelines.append([(tuple(e.action), e.start, e.end) for e in pg.schedule.timeline])
         mem = pg.memory()
         peak_mem = {k: max(peak_mem[k], mem[k]) for k in mem}
     res = {"rank": ctx.rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank, "pp_rank": grid.pp_rank,
-           "last": pg.has_last_stage, "losses": losses, "comm": comm, "expected": pg.expected_comm(a.batch, a.seq),
+           "last": pg.has_last_stage, "losses": losses, "comm": comm, "wire": wire,
+           "expected": pg.expected_comm(a.batch, a.seq),
            "seconds": seconds, "overlap": overlaps, "memory": peak_mem,
            "timelines": timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
            "verdict": check.result(), "device": str(ctx.device), "backend": ctx.backend}
@@ -203,13 +231,12 @@ def run_3d(a, corpus=None) -> dict:
     (rank 0: :class:`labkit.labs.verdict.LockstepResult`)."""
     from ..data import Corpus
     from ..dist import in_torchrun, launch
-    from ..pipeline import TimedAction, bubble_formula, bubble_fraction
+    from ..pipeline import TimedAction, bubble_fraction
     from ..pipeline.schedules import Action
     corpus = corpus if corpus is not None else Corpus.load(a.data)
     world = a.tp * a.pp * a.dp
     ranks = launch(_worker, world, a, corpus, backend=a.backend, timeout=120)
     single = _single(a, corpus) if not in_torchrun() or int(os.environ["RANK"]) == 0 else None
-    v = a.chunks if a.schedule == "interleaved" else 1
     pipe = sorted((r for r in ranks if r["timelines"] is not None), key=lambda r: r["pp_rank"])
     measured = []
     for i in range(1, a.steps) if a.steps > 1 else [0]:
@@ -221,7 +248,7 @@ def run_3d(a, corpus=None) -> dict:
         losses.append(sum(ls) / len(ls))
     ov = [o for r in ranks for o in r["overlap"][1:] if o == o] if a.dp > 1 and not a.zero else []
     return {"ranks": ranks, "single": single, "losses": losses,
-            "bubble": (sum(measured) / len(measured), float(bubble_formula(a.pp, a.microbatches, v))),
+            "bubble": (sum(measured) / len(measured), _bubble_formula(a)),
             "overlap": sum(ov) / len(ov) if ov else float("nan")}
 
 
@@ -250,6 +277,9 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
         n_ranks = sum(1 for e in exp if e[0])
         rows.append(f"{labels[ax]:<12}{k:<16}{meas[i][0]:>11d}{exp[i][0]:>10d}{_mib(meas[i][1]):>10.3f}"
                     f"{_mib(exp[i][1]):>10.3f}  {n_ranks} of {len(ranks)}")
+    axes = [ax for ax in labels if any(ax in r["wire"][-1] for r in ranks)]
+    sent = ", ".join(f"{labels[ax]} {_mib(max(r['wire'][-1].get(ax, 0) for r in ranks)):.3f}" for ax in axes)
+    rows.append(f"MiB sent per step on the wire (ring algorithms, busiest rank): {sent}")
     return rows, ok
 
 
@@ -268,8 +298,9 @@ def _plots(a, out, folder: Path):
     fig.tight_layout()
     fig.savefig(folder / "loss_curves.png", dpi=110)
 
-    v = a.chunks if a.schedule == "interleaved" else 1
-    cells = layout(_config(a), a.tp, a.pp, a.dp, v)
+    from ..parallel.gpt import placement_of
+    v = _v(a)
+    cells = layout(_config(a), a.tp, a.pp, a.dp, v, placement_of(a.schedule))
     cols = a.dp * a.tp
     fig = Figure(figsize=(max(5.0, 1.9 * cols), max(2.4, 1.3 * a.pp + 0.8)))
     ax = fig.add_subplot(1, 1, 1)
@@ -327,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_main_rank():
         return 0
     from .verdict import verdict_exit
-    v = a.chunks if a.schedule == "interleaved" else 1
+    v = _v(a)
     ranks = out["ranks"]
     print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
           f"on t={a.tp} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0]['backend']}), {a.schedule}"
@@ -341,8 +372,12 @@ def main(argv: list[str] | None = None) -> int:
           "the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an all-gather "
           "of n/d; b = B/(d*M).")
     meas, formula = out["bubble"]
+    name = "(p-1)/(vM+p-1)" if a.schedule in ("gpipe", "1f1b", "interleaved") else "(T_F = T_I = T_W)"
     print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "
-          f"formula (p-1)/(vM+p-1) = {formula:.1%}")
+          f"formula {name} = {formula:.1%}")
+    if len(ranks) > (os.cpu_count() or 1):
+        print(f"note: {len(ranks)} ranks share {os.cpu_count()} CPU cores, so a rank often waits for a core; the "
+              f"measured bubble includes that wait")
     if a.dp > 1 and not a.zero:
         print(f"DP all-reduce time hidden behind backward: {out['overlap']:.0%} (buckets of {a.bucket_cap_mb:g} MiB, "
               f"started from gradient hooks)")
@@ -359,8 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntokens/s: {tokens / par_s:,.0f} on {len(ranks)} ranks vs {tokens / one_s:,.0f} on one device "
               f"(one CPU thread each; {os.cpu_count()} cores here)")
     print(f"lab time: {time.perf_counter() - t_start:.1f} s")
-    folder = Path(a.out) / f"3d-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = run_folder(a.out, "3d")
     with open(folder / "losses.csv", "w") as f:
         f.write("step,single,3d\n")
         for i in range(a.steps):
@@ -376,4 +410,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from . import run_cli
+    sys.exit(run_cli(main))

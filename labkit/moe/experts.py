@@ -136,7 +136,8 @@ class MoELayer(nn.Module):
 
     ``forward(x [..., H], mask=None) -> (y [..., H], MoEStats)``; ``mask`` (shape
     ``x.shape[:-1]``, 1 = real token, 0 = padding) keeps padded tokens out of the balance
-    losses and the loads. With x [B, S, H] the sequence-wise loss uses S as the sequence length. Raises ValueError when T is not divisible by ``token_groups``.
+    losses and the loads. With x [B, S, H] the sequence-wise loss uses S as the sequence
+    length. Raises ValueError when T is not divisible by ``token_groups``.
     """
 
     def __init__(self, cfg: MoEConfig):

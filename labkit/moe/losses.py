@@ -224,6 +224,7 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seq_len: 
     real = n.squeeze(1) > 0
     n = n.clamp(min=1)
     P = (s.view(B, seq_len, E) * m).sum(1) / n                           # [B, E]
-    counts = torch.zeros(N, E, device=s.device, dtype=s.dtype).scatter_add_(1, indices, torch.ones_like(indices, dtype=s.dtype))
+    counts = torch.zeros(N, E, device=s.device, dtype=s.dtype).scatter_add_(
+        1, indices, torch.ones_like(indices, dtype=s.dtype))
     f = (counts.view(B, seq_len, E) * m).sum(1) * E / (k * n)            # [B, E]
     return alpha * (f * P).sum(1)[real].mean()

@@ -11,7 +11,8 @@ TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP out
   (:mod:`labkit.tensor_parallel`): vocab-parallel embedding, head-split attention, column/row
   MLP, column-parallel output layer and vocab-parallel cross-entropy;
 * the stages exchange activations and gradients with any labkit schedule (GPipe, 1F1B,
-  interleaved 1F1B: :mod:`labkit.pipeline.runtime`) over the pipeline group, which holds the
+  interleaved 1F1B, and the zero-bubble ZB-H1, ZB-V and DualPipeV whose backward is split into
+  I and W: :mod:`labkit.pipeline.runtime`) over the pipeline group, which holds the
   ranks with the same (dp_rank, tp_rank): TP rank j of stage s sends to TP rank j of stage s+1;
 * each stage is wrapped in :class:`labkit.data_parallel.DistributedDataParallel` over the DP
   group (same pp_rank and tp_rank): gradients are averaged in the stage's last backward of the
@@ -34,6 +35,7 @@ What the planner reads (helper functions returning data, no printing):
   (parameters, their ``.grad``, per-element optimizer state);
 * :meth:`ParallelGPT.comm_by_axis` (records of a :class:`labkit.comm.CommLog`) ->
   ``{axis: {kind: (count, bytes)}}`` for axes ``"tp"``, ``"pp"``, ``"dp"``, ``"embedding"``;
+* :meth:`ParallelGPT.wire_by_axis` -> ``{axis: bytes sent under the ring algorithms}``;
 * :meth:`ParallelGPT.expected_comm` -> the same dict from the formulas, for one training step
   after the first (the first also sends the pipeline's shape messages);
 * :func:`layout` -> which rank holds which layers and which shard (for the rank-grid picture).
@@ -50,7 +52,8 @@ from .. import comm
 from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer, expected_dp_comm
 from ..data_parallel.zero import optimizer_state_bytes
 from ..model import lm_loss
-from ..pipeline.runtime import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from ..pipeline.runtime import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                ScheduleZBH1, ScheduleZBVZeroBubble)
 from ..pipeline.schedules import stage_rank
 from ..pipeline.stages import GPTStage, gpt_param_name, stage_layers
 from ..tensor_parallel import ParallelBlock, vocab_parallel_cross_entropy
@@ -59,7 +62,14 @@ from ..tensor_parallel.model import _Embedding as TPEmbedding, _Head as TPHead
 
 __all__ = ["SCHEDULES", "check_layout", "ParallelGPT", "layout"]
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "zbh1": ScheduleZBH1, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+V_SHAPED = ("zbv", "dualpipev")   # two stages per rank in V placement: rank r holds stages r and 2p-1-r
+
+
+def placement_of(schedule: str) -> str:
+    """"v" for the V-shaped zero-bubble schedules, else "loop" (stage i on rank i % p)."""
+    return "v" if schedule in V_SHAPED else "loop"
 
 
 def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_microbatches: int = 1,
@@ -69,9 +79,10 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     communication (call it before any rank starts).
 
     Rules: t * p * d = world size; L divisible by p * v; t divides n_head, n_kv_head, the
-    vocabulary V and the FFN width; the global batch divisible by d * M; GPipe and 1F1B have
-    v = 1, interleaved 1F1B with v >= 2 needs M a multiple of p; E experts divisible by the
-    EP size (= d); tied embeddings with p = 1 need v = 1.
+    vocabulary V and the FFN width; the global batch divisible by d * M; GPipe, 1F1B and ZB-H1
+    have v = 1, ZB-V and DualPipeV v = 2 (DualPipeV also M >= 2p), interleaved 1F1B with v >= 2
+    needs M a multiple of p; E experts divisible by the EP size (= d); tied embeddings with
+    p = 1 need v = 1, and are not combined with the V-shaped schedules.
     """
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
                       ("M (microbatches)", n_microbatches)):
@@ -81,8 +92,12 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
         raise ValueError(f"t={tp} * p={pp} * d={dp} = {tp * pp * dp} must equal the world size {world_size}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if schedule != "interleaved" and v != 1:
+    if schedule in V_SHAPED and v != 2:
+        raise ValueError(f"schedule {schedule!r} runs two stages per rank (v=2, V placement); got v={v}")
+    if schedule not in V_SHAPED and schedule != "interleaved" and v != 1:
         raise ValueError(f"schedule {schedule!r} runs one stage per rank (v=1); got v={v} (use interleaved)")
+    if schedule == "dualpipev" and n_microbatches < 2 * pp:
+        raise ValueError(f"DualPipeV needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
     if cfg.n_layer % (pp * v):
         raise ValueError(f"n_layer={cfg.n_layer} layers must be divisible by p*v = {pp}*{v} = {pp * v} "
                          f"(each pipeline stage gets the same number of layers)")
@@ -98,23 +113,24 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
                          f"{dp * n_microbatches} (each DP rank splits its B/d sequences into M microbatches)")
     if n_experts is not None and n_experts % dp:
         raise ValueError(f"n_routed_experts E={n_experts} must be divisible by the EP size {dp} (EP folded onto DP)")
-    if getattr(cfg, "share_embeddings_and_output_weights", False) and pp == 1 and v > 1:
-        raise ValueError(f"tied embeddings with p=1 need v=1 (got v={v}): the first and last stage would be "
-                         f"two modules on one rank")
+    tied = getattr(cfg, "share_embeddings_and_output_weights", False)
+    if tied and ((pp == 1 and v > 1) or schedule in V_SHAPED):
+        raise ValueError(f"tied embeddings with p={pp}, v={v}, schedule {schedule!r}: the first and last stage "
+                         f"would be two modules on one rank; use p > 1 with loop placement, or v = 1")
 
 
 def _rank_of(grid, p, d, t):
     return p * grid.dp * grid.tp + d * grid.tp + t
 
 
-def layout(cfg, tp: int, pp: int, dp: int, v: int = 1) -> list[dict]:
+def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") -> list[dict]:
     """For every global rank: ``{"rank", "tp_rank", "dp_rank", "pp_rank", "stages", "layers",
     "embedding", "head", "shard"}`` (``shard``: "heads a..b, vocab c..d" of this TP rank)."""
     out = []
     n_stages = pp * v
     for r in range(tp * pp * dp):
         t, d, p = r % tp, (r // tp) % dp, r // (tp * dp)
-        stages = [s for s in range(n_stages) if stage_rank(s, pp) == p]
+        stages = [s for s in range(n_stages) if stage_rank(s, pp, placement) == p]
         layers = [j for s in stages for j in stage_layers(cfg.n_layer, n_stages, s)]
         h, V = cfg.n_head // tp, cfg.vocab_size // tp
         out.append({"rank": r, "tp_rank": t, "dp_rank": d, "pp_rank": p, "stages": stages, "layers": layers,
@@ -129,7 +145,8 @@ class ParallelGPT:
     Args:
         reference: the single-device :class:`labkit.model.GPT` (same seed on every rank).
         grid: from ``make_grid(ctx, tp=t, pp=p, dp=d)``.
-        schedule: "gpipe" | "1f1b" | "interleaved"; ``v``: chunks per rank (interleaved).
+        schedule: "gpipe" | "1f1b" | "interleaved" | "zbh1" | "zbv" | "dualpipev"; ``v``: chunks
+            per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).
         n_microbatches: M per step (per DP rank).
         zero: ZeRO-1 over the DP group instead of DDP (see :meth:`make_optimizer`).
         bucket_cap_mb: DDP bucket size.
@@ -151,7 +168,8 @@ class ParallelGPT:
         self.n_stages = n = p * v
         device = grid.ctx.device
         tpg = grid.tp_group if t > 1 else None
-        self.stage_ids = [s for s in range(n) if stage_rank(s, p) == grid.pp_rank]
+        self.placement = placement = placement_of(schedule)
+        self.stage_ids = [s for s in range(n) if stage_rank(s, p, placement) == grid.pp_rank]
         self.modules: list[GPTStage] = []
         for s in self.stage_ids:
             ids = stage_layers(cfg.n_layer, n, s)
@@ -183,7 +201,8 @@ class ParallelGPT:
         else:
             loss_fn = lm_loss
         cls = SCHEDULES[schedule]
-        self.schedule = cls(stages if schedule == "interleaved" else stages[0], n_microbatches, loss_fn)
+        one_per_rank = schedule not in V_SHAPED and schedule != "interleaved"
+        self.schedule = cls(stages[0] if one_per_rank else stages, n_microbatches, loss_fn)
         self.optimizer = None
 
     # ---------------------------------------------------------------- training
@@ -223,6 +242,9 @@ class ParallelGPT:
         dev = self.grid.ctx.device
         losses: list = []
         self.schedule.step(x[sl].to(dev), target=y[sl].to(dev), losses=losses)
+        for w in self.ddp:
+            if w is not None:
+                w.finish_grad_sync()          # no-op when the last backward completed it
         if self.emb_group is not None:
             w = self._tied_weight()
             if w.grad is None:
@@ -305,6 +327,15 @@ class ParallelGPT:
             c[1] += r.nbytes
         return {a: {k: tuple(v) for k, v in kinds.items()} for a, kinds in out.items()}
 
+    def wire_by_axis(self, records) -> dict:
+        """``{axis: bytes}`` this rank sends under the ring algorithms
+        (:func:`labkit.comm.ring_wire_bytes`: an all-reduce of P bytes over d ranks sends
+        2(d-1)/d * P, a receive nothing)."""
+        out: dict = defaultdict(int)
+        for r in records:
+            out[self.axis_of(r)] += comm.ring_wire_bytes(r)
+        return dict(out)
+
     def expected_comm(self, batch: int, seq: int, bytes_per_element: int = 4) -> dict:
         """The formulas for one training step of this rank (after the first), same shape as
         :meth:`comm_by_axis`.
@@ -329,8 +360,11 @@ class ParallelGPT:
                 c = out["tp"]["all_reduce"]
                 c[0] += M * (4 * nb + first + 4 * last)
                 c[1] += M * ((4 * nb + first + last) * A + 3 * last * N * e)
-            if g.pp > 1:
-                n_send = M * ((not last) + (not first))
+            # a boundary to a stage on another rank costs one send (and one receive) per microbatch
+            me = g.pp_rank
+            n_send = M * ((not last and stage_rank(s + 1, g.pp, self.placement) != me)
+                          + (not first and stage_rank(s - 1, g.pp, self.placement) != me))
+            if n_send:
                 for kind in ("send", "recv"):
                     out["pp"][kind][0] += n_send
                     out["pp"][kind][1] += n_send * A

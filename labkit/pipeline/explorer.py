@@ -80,7 +80,10 @@ def figure_width(schedule: str, M: int, v: int) -> float:
     """Width in inches of a new figure for :func:`render`: 10, widened for schedules with many boxes
     per rank (2Mv for interleaving) so that their microbatch numbers still fit, at most 16."""
     v_used = v if schedule == "Interleaved 1F1B" else 1
-    return float(min(16.0, max(10.0, 0.2 * 2 * M * v_used + 2)))
+    boxes = 2 * M * v_used
+    if schedule in ZERO_BUBBLE:  # F, I, W per microbatch and stage; two stages per rank for ZB-V, DualPipeV
+        boxes = 3 * M * (1 if schedule == "ZB-H1" else 2)
+    return float(min(16.0, max(10.0, 0.2 * boxes + 2)))
 
 
 def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward: float | None = None,
@@ -101,7 +104,8 @@ def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward:
     if ax is None:
         _, ax = plt.subplots(figsize=(figure_width(schedule, M, v), 0.6 * K + 1.4))
     if schedule in ZERO_BUBBLE:  # default b = 2: T_F = T_I = T_W, the zero-bubble paper's case
-        return _render_zero_bubble(schedule, K, M, 2.0 if backward is None else backward, weight_share, ax)
+        return _render_zero_bubble(schedule, K, M, 2.0 if backward is None else backward, weight_share, ax,
+                                   show_stage)
     backward = 1.0 if backward is None else backward
     v_used = v if schedule == "Interleaved 1F1B" else 1
     info = {"schedule": schedule, "K": K, "M": M, "v": v_used, "bubble": None, "bubble_formula": None,
@@ -126,7 +130,7 @@ def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward:
     return info
 
 
-def _render_zero_bubble(schedule, K, M, backward, weight_share, ax) -> dict:
+def _render_zero_bubble(schedule, K, M, backward, weight_share, ax, show_stage=False) -> dict:
     """:func:`render` for ZB-H1, ZB-V and DualPipeV: the backward ``b`` splits into
     T_I = (1 - weight_share) b and T_W = weight_share b; ZB-V and DualPipeV hold two chunks
     per rank (each chunk's costs are half the rank's). ``bubble_formula`` is the formula's
@@ -163,7 +167,8 @@ def _render_zero_bubble(schedule, K, M, backward, weight_share, ax) -> dict:
                 peak_in_flight=peak_in_flight_per_rank(actions), sends=count_sends(actions),
                 makespan=sim.makespan)
     note = f"formula {float(formula):.1%}" if formula is not None else "formula not exact for these costs"
-    plot_timeline(sim, ax=ax, title=f"{schedule}, K={K}, M={M} ({note})", unit="forward time of a rank's layers")
+    plot_timeline(sim, ax=ax, title=f"{schedule}, K={K}, M={M} ({note})", unit="forward time of a rank's layers",
+                  show_stage=show_stage)
     return info
 
 
@@ -188,7 +193,8 @@ def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int 
     """The widget: a dropdown (schedule) and sliders K, M, v, then the output area
     (``children`` 0-4 of an ``ipywidgets.VBox``). Moving a control re-runs :func:`render`
     and shows :func:`describe` and the figure; the last result dict is ``widget.result``. The v
-    slider is disabled while the schedule is GPipe or 1F1B (they have one stage per rank).
+    slider is disabled unless the schedule is Interleaved 1F1B (GPipe, 1F1B and ZB-H1 have one
+    stage per rank, ZB-V and DualPipeV two, in V placement).
 
     The output area is filled with ``Output.append_stdout`` / ``append_display_data``
     rather than by capturing a ``with out:`` block: a headless notebook runner (nbclient,
@@ -207,7 +213,8 @@ def explorer(schedule: str = "Interleaved 1F1B", K: int = 4, M: int = 8, v: int 
     box.add_class("widget-interact")
 
     def update(*_):
-        # v only matters for interleaving: GPipe and 1F1B ignore it, so the slider is greyed out
+        # v only matters for interleaving: the other schedules ignore it (ZB-V and DualPipeV have
+        # their own two chunks per rank), so the slider is greyed out for them
         controls[3].disabled = controls[0].value != "Interleaved 1F1B"
         info = dict(render(*(c.value for c in controls)))
         fig = info.pop("ax").figure

@@ -48,6 +48,10 @@ common start taken right after a barrier), ``peak_in_flight`` and ``stash_peak_b
 (dicts stage -> value), ``stash_bytes`` (stage -> list of bytes per microbatch). The bytes
 one microbatch's forward saves for backward are measured with the hooks on the first
 forward of each stage and reused afterwards (the shapes are fixed; the hooks cost time).
+With a split backward a microbatch stays in flight (its stash alive) until its W;
+``peak_waiting_for_w`` (stage -> most microbatches between their I and their W) and
+``w_grads_peak_bytes`` (stage -> most bytes of the gradients I keeps for W) count what the
+split adds.
 """
 from __future__ import annotations
 
@@ -61,11 +65,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .schedules import (COMPUTE, Action, ScheduleError, _message, _needs, check_pipeline_sizes, gpipe_schedule,
+from .schedules import (Action, ScheduleError, _message, _needs, check_pipeline_sizes, gpipe_schedule,
                         infer_placement, interleaved_schedule, one_f_one_b_schedule, stage_rank)
 from .simulate import TimedAction
 from .split_backward import backward_input, backward_weight
-from .validate import validate_schedule
+from .validate import advance_async, validate_schedule
 from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
@@ -173,6 +177,7 @@ class _StepState:
         self.n_backward = {s: 0 for s in stages}
         self.weight_grads: dict = {}  # (stage, mb) -> what I kept for W (zero-bubble schedules)
         self.waiting_w = {s: 0 for s in stages}  # microbatches whose I ran and whose W has not
+        self.w_bytes = {s: 0 for s in stages}    # bytes of the gradients I keeps for W
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
@@ -249,6 +254,7 @@ class PipelineSchedule:
         self.timeline: list[TimedAction] = []
         self.peak_in_flight: dict = {}
         self.peak_waiting_for_w: dict = {}  # stage -> most microbatches between their I and their W
+        self.w_grads_peak_bytes: dict = {}  # stage -> most bytes of gradients kept by I for W at once
         self.stash_peak_bytes: dict = {}
         self.stash_bytes: dict = {}
 
@@ -364,6 +370,7 @@ class PipelineSchedule:
         if not forward_only:
             self.peak_in_flight = {s: 0 for s in self._by_index}
             self.peak_waiting_for_w = {s: 0 for s in self._by_index}
+            self.w_grads_peak_bytes = {s: 0 for s in self._by_index}
             self.stash_peak_bytes = {s: 0 for s in self._by_index}
             self.stash_bytes = {s: [0] * M for s in self._by_index}
         if dist.is_initialized():
@@ -470,7 +477,11 @@ class PipelineSchedule:
         st.stash_live[s] += nbytes
         self.stash_peak_bytes[s] = max(self.stash_peak_bytes[s], st.stash_live[s])
 
-    def _do_backward(self, a: Action, st: "_StepState"):
+    def _backward_inputs(self, a: Action, st: "_StepState", keep_inputs: bool):
+        """What B and I share: the output gradient(s) (received, or from the next stage on this
+        rank), the stage's outputs (re-materialised first under recompute) and the inputs.
+        Returns ``(start, inp, tensors, grads)``: the outputs that carry a gradient and their
+        gradients, paired. ``keep_inputs``: I keeps the inputs for W."""
         s, m = a.stage, a.microbatch
         stage = self._by_index[s]
         if stage.is_last:
@@ -480,7 +491,8 @@ class PipelineSchedule:
         else:
             grads = self._take(st, ("RECV_B", s, m), a)
         start = st.now()
-        inp, out = st.inputs.pop((s, m)), st.outputs.pop((s, m))
+        inp = st.inputs[(s, m)] if keep_inputs else st.inputs.pop((s, m))
+        out = st.outputs.pop((s, m))
         if self.recompute:  # GPipe re-materialisation: run the forward again, now with autograd
             with _replay_rng(stage.device, st.rng.pop((s, m))):  # same dropout masks as the forward
                 out = stage.submod(*inp)
@@ -497,6 +509,12 @@ class PipelineSchedule:
         if len(tensors) != len(grads):
             raise ScheduleError(f"rank {self.rank}: {a!r}: {len(tensors)} output(s) require grad but "
                                 f"{len(grads)} gradient(s) arrived")
+        return start, inp, tensors, grads
+
+    def _do_backward(self, a: Action, st: "_StepState"):
+        s, m = a.stage, a.microbatch
+        stage = self._by_index[s]
+        start, inp, tensors, grads = self._backward_inputs(a, st, keep_inputs=False)
         # a stage wrapped in DistributedDataParallel reduces its gradients in its last backward
         # of the step only; the others run under no_sync() (torch.distributed.pipelining's rule)
         st.n_backward[s] += 1
@@ -527,28 +545,7 @@ class PipelineSchedule:
         for); the graph and what W needs stay alive (:mod:`.split_backward`)."""
         s, m = a.stage, a.microbatch
         stage = self._by_index[s]
-        if stage.is_last:
-            grads = None
-        elif self._rank_of(s + 1) == self.rank:
-            grads = st.grads.pop((s + 1, m))
-        else:
-            grads = self._take(st, ("RECV_B", s, m), a)
-        start = st.now()
-        inp, out = st.inputs[(s, m)], st.outputs.pop((s, m))
-        if self.recompute:  # run the forward again with autograd, same dropout masks
-            with _replay_rng(stage.device, st.rng.pop((s, m))):
-                out = stage.submod(*inp)
-            if stage.is_last:
-                loss = self.loss_fn(out, st.t_mbs[m]) / self.n_microbatches if st.t_mbs is not None else None
-                out = (loss,) if loss is not None and loss.requires_grad else ()
-            else:
-                out = _as_tuple(out, f"the output of stage {s}")
-        tensors = [o for o in out if o.requires_grad]
-        if grads is None:
-            grads = (None,) * len(tensors)
-        if len(tensors) != len(grads):
-            raise ScheduleError(f"rank {self.rank}: {a!r}: {len(tensors)} output(s) require grad but "
-                                f"{len(grads)} gradient(s) arrived")
+        start, inp, tensors, grads = self._backward_inputs(a, st, keep_inputs=True)
         wants = [t for t, meta in zip(inp, self._shapes[s][0]) if meta.requires_grad] if s > 0 else []
         gins, pending = backward_input(tensors, wants, list(grads), stage.submod.parameters())
         if s > 0:
@@ -557,6 +554,8 @@ class PipelineSchedule:
         st.timeline.append(TimedAction(a, start, st.now()))
         st.waiting_w[s] += 1
         self.peak_waiting_for_w[s] = max(self.peak_waiting_for_w[s], st.waiting_w[s])
+        st.w_bytes[s] += pending.nbytes
+        self.w_grads_peak_bytes[s] = max(self.w_grads_peak_bytes[s], st.w_bytes[s])
 
     def _do_backward_weight(self, a: Action, st: "_StepState"):
         """W: the parameter gradients of (stage, microbatch) from what its I kept; they
@@ -567,8 +566,10 @@ class PipelineSchedule:
         start = st.now()
         st.n_backward[s] += 1
         last = st.n_backward[s] == self.n_microbatches
+        pending = st.weight_grads.pop((s, m))
+        st.w_bytes[s] -= pending.nbytes
         with contextlib.nullcontext() if last or not hasattr(stage.submod, "no_sync") else stage.submod.no_sync():
-            backward_weight(st.weight_grads.pop((s, m)))
+            backward_weight(pending)
         st.inputs.pop((s, m))
         st.timeline.append(TimedAction(a, start, st.now()))
         st.waiting_w[s] -= 1
@@ -737,21 +738,7 @@ def diagnose_hang(actions: dict, K: int, n_stages: int):
     whose receive no rank posts is reported. Every rank computes the same answer."""
     S = n_stages
     pl = infer_placement(actions, S)
-    idx, sent = [0] * K, set()
-    progress = True
-    while progress:
-        progress = False
-        for r in range(K):
-            acts = actions[r]
-            while idx[r] < len(acts):
-                a = acts[idx[r]]
-                need = _needs(a, K, S, pl) if a.kind in COMPUTE else None
-                if need is not None and _message(need, K, S, pl)[2] not in sent:
-                    break
-                if a.kind.startswith("SEND"):
-                    sent.add(_message(a, K, S, pl)[2])
-                idx[r] += 1
-                progress = True
+    idx = advance_async(actions, K, S, pl)
     stuck = [r for r in range(K) if idx[r] < len(actions[r])]
 
     def waits_for(r):

@@ -22,7 +22,11 @@ exactly for b/f in {1/2, 1, 2, 3} over K = 1..8, M = 1..32, v = 1..4 (the tests 
 b = f on all of it and b = 2f on most). With communication cost > 0 or uneven stages the bubble is
 larger. Pass ints or ``fractions.Fraction`` costs to get exact ``Fraction`` results.
 
-Peak in flight on stage s: the most microbatches whose F(s) ran but whose B(s) has not,
+Zero-bubble schedules (:mod:`.zero_bubble`) split B into I and W with costs T_I and T_W;
+``SimResult.bubble_time`` (idle time per rank) is what their formulas give, e.g. ZB-H1's
+(K-1)(T_F + T_I - T_W) (Qi et al. 2024, sec. 2.1), checked on a grid by the tests.
+
+Peak in flight on stage s: the most microbatches whose F(s) ran but whose B(s) (or W(s)) has not,
 which depends only on the order of actions: M on every stage for GPipe, ``min(M, K - s)``
 for 1F1B (PipeDream-Flush, Narayanan et al. 2021 sec. 2.2.1).
 """

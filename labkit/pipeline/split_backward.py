@@ -41,6 +41,12 @@ class PendingWeightGrad:
     def __init__(self, edges, grads, params):
         self.edges, self.grads, self.params = edges, grads, params
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gradients kept for W (the output gradients of the boundary nodes);
+        the activations W needs are kept too, and counted with the forward's stash."""
+        return sum(g.numel() * g.element_size() for gs in (self.grads or []) for g in gs)
+
 
 def _classify(roots, param_nodes: set):
     """For every node reachable from ``roots``: does it lead to an input ('o') and/or to

@@ -72,15 +72,16 @@ def split_gpt(model: GPT, n_stages: int, stages=None) -> list[GPTStage]:
     ``model.cfg.n_layer`` is not a multiple of ``n_stages``."""
     L = model.cfg.n_layer
     stage_layers(L, n_stages, 0)  # validates
+    if getattr(model.cfg, "share_embeddings_and_output_weights", False) and n_stages > 1:
+        raise ScheduleError("a GPT with tied embeddings cannot be cut into separate stage copies here: the first "
+                            "and last stage must all-reduce the shared matrix's gradient (use labkit.parallel."
+                            "ParallelGPT, which does)")
     out = []
     for i in (range(n_stages) if stages is None else stages):
         ids = stage_layers(L, n_stages, i)
-        out.append(GPTStage(
-            copy.deepcopy(model.embedding) if i == 0 else None,
-            [copy.deepcopy(model.blocks[j]) for j in ids],
-            copy.deepcopy(model.head) if i == n_stages - 1 else None,
-            ids,
-        ))
+        # one deepcopy of (embedding, head): a matrix they share (tied, one stage) stays shared
+        emb, head = copy.deepcopy((model.embedding if i == 0 else None, model.head if i == n_stages - 1 else None))
+        out.append(GPTStage(emb, [copy.deepcopy(model.blocks[j]) for j in ids], head, ids))
     return out
 
 

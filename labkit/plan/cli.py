@@ -13,8 +13,8 @@ import argparse
 import os
 import sys
 
-from .comm import axis_links, comm_per_rank
-from .memory import memory_per_rank, n_microbatches
+from .comm import comm_per_rank
+from .memory import memory_per_rank
 from .planner import GB, PlanError, explain, plan, step_time
 from .spec import PRESETS, Cluster, Layout, ModelSpec, load_model_json, preset
 

@@ -72,7 +72,8 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (lay.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {lay.schedule!r}"),
         (lay.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {lay.precision!r}"),
         (lay.zero in (0, 1, 2, 3), f"ZeRO stage must be 0, 1, 2 or 3, got {lay.zero}"),
-        (lay.recompute in ("none", "selective", "full"), f"recompute must be none, selective or full, got {lay.recompute!r}"),
+        (lay.recompute in ("none", "selective", "full"),
+         f"recompute must be none, selective or full, got {lay.recompute!r}"),
     ]
     for ok, msg in rules:
         if not ok:
@@ -98,7 +99,7 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         rules.append((M % lay.p == 0, f"the interleaved schedule needs M={M} to be a multiple of p={lay.p}"))
     for ok, msg in rules:
         if not ok:
-            raise ValueError(f"layout {lay.describe()} does not fit {spec.name}: {msg}")
+            raise ValueError(f"layout {lay.describe()} is not valid for {spec.name}: {msg}")
 
 
 def in_flight_units(lay: Layout, M: int, pp_rank: int) -> int:
@@ -234,7 +235,8 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         units = in_flight_units(lay, M, r)
         # the rank's layers may differ (dense / MoE, uneven chunks): average over its chunks
         ids = [i for ch in rank_chunks(spec.n_layer, lay.p, lay.v, r) for i in ch]
-        chunk_act = sum(_layer_act(spec, lay, spec.is_moe and i >= spec.first_dense_layers, device) for i in ids) / lay.v
+        moe = [spec.is_moe and i >= spec.first_dense_layers for i in ids]
+        chunk_act = sum(_layer_act(spec, lay, m, device) for m in moe) / lay.v
         act = units * chunk_act
         if lay.recompute == "full":   # the layer being recomputed in backward is alive too
             act += max(_layer_act(spec, Layout(**{**lay.__dict__, "recompute": "none"}),

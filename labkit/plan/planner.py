@@ -24,7 +24,7 @@ those that fit the GPU memory, and ranks them by predicted step time.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .comm import axis_links, comm_per_rank
 from .memory import check_layout, memory_per_rank, n_microbatches
@@ -196,8 +196,9 @@ def explain(spec: ModelSpec, entries: list[PlanEntry], cluster: Cluster, n_gpus:
         lines.append(f"  rule 2 (model parallelism just large enough): t*p={L.t * L.p} is the smallest that fits; "
                      f"t*p={mp} needs {_gb(need)} > {_gb(cluster.gpu_memory)} per GPU.")
     elif smaller:
-        lines.append(f"  rule 2: smaller t*p also fit but are slower (best with t*p={smaller[0].layout.t * smaller[0].layout.p}: "
-                     f"{smaller[0].time.total:.2f} s per step).")
+        s0 = smaller[0]
+        lines.append(f"  rule 2: smaller t*p also fit but are slower (best with t*p={s0.layout.t * s0.layout.p}: "
+                     f"{s0.time.total:.2f} s per step).")
     else:
         lines.append(f"  rule 2: t*p={L.t * L.p} is the smallest model-parallel size for {n_gpus} GPUs.")
     lines.append(f"  the rest is data parallelism: d={L.d}, one gradient reduction per step "

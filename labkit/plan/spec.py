@@ -11,10 +11,10 @@ low-rank q and kv projections) and its first dense layers.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields
 
-__all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "PUBLISHED", "preset", "load_model_json", "SCHEDULES", "PRECISIONS"]
+__all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "PUBLISHED", "preset", "load_model_json", "SCHEDULES",
+           "PRECISIONS"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16")
@@ -79,7 +79,8 @@ class ModelSpec:
         if not self.is_mla and self.hidden % self.n_head:
             raise ValueError(f"model {self.name!r}: hidden={self.hidden} must be divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
-            raise ValueError(f"model {self.name!r}: n_head={self.n_head} must be divisible by n_kv_head={self.kv_heads}")
+            raise ValueError(f"model {self.name!r}: n_head={self.n_head} must be divisible by "
+                             f"n_kv_head={self.kv_heads}")
         if self.n_routed_experts and not 1 <= self.n_activated_experts <= self.n_routed_experts:
             raise ValueError(f"model {self.name!r}: need 1 <= n_activated_experts <= n_routed_experts="
                              f"{self.n_routed_experts}, got {self.n_activated_experts}")
@@ -147,7 +148,8 @@ class ModelSpec:
         if moe:
             e_split, e_rep = self.mlp_params(self.moe_ffn or self.ffn_hidden)
             shared = self.n_shared_experts
-            return {"split": a_split + shared * e_split, "replicated": rep + shared * e_rep + self.n_routed_experts * self.hidden,
+            router = self.n_routed_experts * self.hidden
+            return {"split": a_split + shared * e_split, "replicated": rep + shared * e_rep + router,
                     "expert": e_split + e_rep, "experts": self.n_routed_experts}
         m_split, m_rep = self.mlp_params(self.ffn_hidden)
         return {"split": a_split + m_split, "replicated": rep + m_rep, "expert": 0, "experts": 0}
@@ -182,7 +184,8 @@ class ModelSpec:
         return total
 
     @classmethod
-    def from_gpt_config(cls, cfg, seq_len: int | None = None, global_batch: int = 1, name: str = "labkit-gpt") -> "ModelSpec":
+    def from_gpt_config(cls, cfg, seq_len: int | None = None, global_batch: int = 1,
+                        name: str = "labkit-gpt") -> "ModelSpec":
         """The spec of labkit's reference GPT for a :class:`labkit.model.GPTConfig` (learned
         positions of ``block_size``, LayerNorm, GeLU MLP of ``ffn_mult * n_embd``, untied head)."""
         return cls(name=name, n_layer=cfg.n_layer, hidden=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
@@ -268,12 +271,12 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
        norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, global_batch=2048,
        source="Dubey et al. 2024, The Llama 3 Herd of Models, Table 3 (80 layers, h 8192, 64/8 heads, FFN 28672)"),
     _p(name="mixtral-8x7b", n_layer=32, hidden=4096, n_head=32, n_kv_head=8, ffn=14336, vocab_size=32000, seq_len=4096,
-       norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, n_routed_experts=8, n_activated_experts=2,
-       moe_ffn=14336, global_batch=1024,
+       norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, n_routed_experts=8,
+       n_activated_experts=2, moe_ffn=14336, global_batch=1024,
        source="Jiang et al. 2024, Mixtral of Experts, Table 1 (32 layers, 8 experts, top-2; 46.7B / 12.9B active)"),
     _p(name="deepseek-v3", n_layer=61, hidden=7168, n_head=128, ffn=18432, vocab_size=129280, seq_len=4096,
-       norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, n_routed_experts=256, n_activated_experts=8,
-       n_shared_experts=1, moe_ffn=2048, first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
+       norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, n_routed_experts=256,
+       n_activated_experts=8, n_shared_experts=1, moe_ffn=2048, first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, global_batch=15360,
        source="DeepSeek-AI 2024, DeepSeek-V3 Technical Report, sec. 4.2 (61 layers, 256+1 experts, top-8; "
               "671B / 37B active; trained with 16-way PP, 64-way EP, ZeRO-1 DP, no TP)"),

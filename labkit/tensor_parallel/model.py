@@ -94,6 +94,10 @@ class TensorParallelGPT(nn.Module):
         self.embedding = _Embedding(reference.embedding, group)
         self.blocks = nn.ModuleList([ParallelBlock(b, group) for b in reference.blocks])
         self.head = _Head(reference.head, group)
+        if getattr(cfg, "share_embeddings_and_output_weights", False):
+            # tied: the vocab-parallel embedding and the column-parallel output layer hold the
+            # same V/t rows on this rank, so the shards are one matrix too
+            self.head.lm_head.weight = self.embedding.wte.weight
 
     @classmethod
     def from_reference(cls, gpt: nn.Module, group) -> "TensorParallelGPT":

@@ -49,7 +49,8 @@ from .mappings import (SEQUENCE_DIM, all_gather_along_dim, copy_to_tensor_model_
                        gather_from_sequence_parallel_region, reduce_from_tensor_model_parallel_region,
                        reduce_scatter_along_dim, reduce_scatter_to_sequence_parallel_region, tp_size)
 
-__all__ = ["ParallelTransformerLayer", "allreduce_layernorm_grads", "measure_activation_bytes", "RECOMPUTE_GRANULARITIES"]
+__all__ = ["ParallelTransformerLayer", "allreduce_layernorm_grads", "measure_activation_bytes",
+           "RECOMPUTE_GRANULARITIES"]
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 

@@ -3,7 +3,9 @@
 GPipe runs the forwards of all M microbatches through the K stages, then all the backwards,
 so every stage keeps the activations of all M microbatches at its peak. The checks judge a
 learner's action list with the validator, then run it on real gloo ranks and compare every
-parameter gradient with the single-device model.
+parameter gradient with the single-device model. Exercise 2.3 (gradient accumulation) checks
+the 1/M scaling of each microbatch's loss with plain SGD, which shows a gradient M times too
+large where Adam, scale-invariant, would hide it.
 
 The helpers here (a tiny GPT on K ranks, the single-device reference) are shared with the
 exercises of notebooks 03 and 04.

@@ -4,6 +4,8 @@ Shoeybi et al. 2019, "Megatron-LM", sec. 3, eq. 3 and Fig. 3a: with A split by c
 by rows, ``GeLU(X A) B = sum_i GeLU(X A_i) B_i``, so each of the t ranks computes one partial
 output with no communication and ONE all-reduce (the operator g) sums them. The conjugate
 operator f in front of the block is the identity forward and an all-reduce of dL/dX backward.
+Exercise 6.4: a row-parallel layer adds its bias once, after the all-reduce (before it, the sum
+holds the bias t times).
 """
 from __future__ import annotations
 

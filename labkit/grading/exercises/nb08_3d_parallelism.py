@@ -17,8 +17,6 @@ Expected values come from :mod:`labkit.plan` (the planner that the tests check a
 """
 from __future__ import annotations
 
-import math
-
 from ...plan.activations import korthikanti_layer_activation_bytes
 from ...plan.memory import BYTES
 from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
@@ -222,7 +220,8 @@ ex85.case("GPT-3 175B on 1024 GPUs of 40 GB")(_choose_case("gpt3-175b", 1024, 8,
 ex85.case("Llama-3 70B on 256 GPUs of 80 GB")(_choose_case("llama3-70b", 256, 8, 80))
 ex85.case("nothing fits: GPT-3 on 8 GPUs: ValueError")(_choose_case("gpt3-175b", 8, 8, 80))
 ex85.case("Megatron 8.3B on 512 GPUs of 16 GB", hidden=True)(_choose_case("megatron-8.3b", 512, 8, 16))
-ex85.case("Llama-3 70B on 512 GPUs of 40 GB, 4 per node, full recompute", hidden=True)(_choose_case("llama3-70b", 512, 4, 40, "full"))
+ex85.case("Llama-3 70B on 512 GPUs of 40 GB, 4 per node, full recompute",
+          hidden=True)(_choose_case("llama3-70b", 512, 4, 40, "full"))
 
 # ----------------------------------------------------------------------------- 8.6
 ex86 = exercise(

@@ -7,6 +7,8 @@
   ``topk_groups`` groups, then top-k inside them.
 * 12.3 reading labkit's own gate: point at the line that implements each concept. Checked
   against the code itself with :mod:`inspect`, so it stays true when the code moves.
+* 12.4 DeepSeek-V3's gate as described (256 routed, 1 shared, top 8, sigmoid, aux-loss-free bias,
+  8 groups keeping 4, route scale 2.5; report sec. 2.1.2 and 4.2) written as a labkit MoEConfig.
 
 Ground truth: :func:`labkit.moe.router.route` and :class:`labkit.moe.experts.MoELayer`.
 """
