@@ -342,7 +342,13 @@ def loads(data: bytes, limit: int = MAX_BYTES) -> Any:
             raise WireError("array size does not match its shape")
         return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
 
-    return dec(head.get("v"), 0)
+    try:
+        return dec(head.get("v"), 0)
+    except WireError:
+        raise
+    except (ValueError, TypeError, ZeroDivisionError, OverflowError, RecursionError, AttributeError,
+            ImportError) as e:  # e.g. Fraction(1, 0), a record whose fields do not fit
+        raise WireError(f"bad value: {type(e).__name__}: {e}") from None
 
 
 def _np_dtype(s):
