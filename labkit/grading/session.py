@@ -6,8 +6,11 @@ submission could abuse:
 * **user**: when the grader runs as root, the kernel runs as an unprivileged user
   (``labkit-kernel``, created with ``useradd`` if missing; ``nobody`` if that fails), with its
   own private HOME/TMPDIR, so it can neither signal the grader nor write the results file nor
-  read files the instructor keeps to root (hidden cases). As any other user, isolation is
-  partial: :func:`isolation_note` says so.
+  read files the instructor keeps to root (hidden cases). Its working directory is then that
+  private folder (the submission's folder may not be open to that user). When Python sits in a
+  folder that user cannot enter (e.g. ``/root/.pyenv``), the kernel starts through
+  :mod:`labkit.grading._jail`, a private mount namespace that makes just Python and the kit
+  reachable. As any other user, isolation is partial: :func:`isolation_note` says so.
 * **process tree**: the kernel starts a new session (its own process group); at the end the
   grader kills that group, every process of that session and, for the dedicated user, every
   process of that user, so nothing the submission started outlives grading.
