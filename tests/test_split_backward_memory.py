@@ -66,3 +66,42 @@ def test_measuring_leaves_parameter_gradients_alone():
     lin.weight.grad = torch.ones_like(lin.weight)
     w_only_saved_bytes(lin, [torch.randn(B, H)], [torch.randn(B, 4)])
     assert torch.equal(lin.weight.grad, torch.ones_like(lin.weight)) and lin.bias.grad is None
+
+
+def _w_only_rank(ctx, measure):
+    from labkit.model import GPT, GPTConfig, lm_loss
+    from labkit.pipeline import PipelineStage, ScheduleZBH1
+    from labkit.pipeline.stages import split_gpt
+    cfg = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
+    mod = split_gpt(GPT(cfg, seed=0), ctx.world_size, [ctx.rank])[0]
+    sched = ScheduleZBH1(PipelineStage(mod, ctx.rank, ctx.world_size, group=ctx.group), 4, lm_loss,
+                         measure_w_memory=measure)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 256, (4, 8), generator=g), torch.randint(0, 256, (4, 8), generator=g)
+    sched.step(x, target=y)
+    return {"grads": {n: p.grad.clone() for n, p in mod.named_parameters()}, "w_only": dict(sched.w_only_bytes),
+            "w_peak": dict(sched.w_only_peak_bytes), "waiting": dict(sched.peak_waiting_for_w),
+            "stash": {s: b[0] for s, b in sched.stash_bytes.items()}}
+
+
+def test_runtime_counts_w_only_activations_separately():
+    """ZB-H1 on 2 ranks with measure_w_memory: per stage, the bytes equal the function's on
+    the same stage and microbatch (single process), the peak is (most microbatches between I
+    and W) x those bytes, they are part of the stash, and the gradients are unchanged."""
+    from labkit.dist import launch
+    from labkit.model import GPT, GPTConfig, lm_loss
+    from labkit.pipeline.stages import split_gpt
+    on, off = launch(_w_only_rank, 2, True, timeout=30), launch(_w_only_rank, 2, False, timeout=30)
+    cfg = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
+    s0, s1 = split_gpt(GPT(cfg, seed=0), 2, [0, 1])
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 256, (4, 8), generator=g), torch.randint(0, 256, (4, 8), generator=g)
+    x0, y0 = x[:1], y[:1]
+    h = s0(x0).detach()
+    want = {0: w_only_saved_bytes(s0, [x0], [torch.randn_like(h)])["w_only"],
+            1: w_only_saved_bytes(lambda t: lm_loss(s1(t), y0) / 4, [h], None, s1.parameters())["w_only"]}
+    for r, res in enumerate(on):
+        assert res["w_only"] == {r: want[r]} and 0 < want[r] <= res["stash"][r]
+        assert res["w_peak"] == {r: res["waiting"][r] * want[r]}
+        assert all(torch.equal(res["grads"][n], off[r]["grads"][n]) for n in res["grads"])
+        assert off[r]["w_only"] == {} and off[r]["w_peak"] == {}
