@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time

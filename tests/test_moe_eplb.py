@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import labkit.moe.eplb as eplb
-import labkit.moe.replicas as replicas
 from labkit.dist import launch
 from labkit.moe import MoEConfig, MoELayer
 from labkit.moe.eplb import contiguous_gpu_loads, gpu_loads, imbalance, rebalance_experts

@@ -28,7 +28,7 @@ def test_tiny_run_ok(tmp_path, capsys):
     out = capsys.readouterr().out
     for text in ("max/mean tokens per GPU", "no balancing + EPLB, R=6 copies", "device-level loss",
                  "aux-loss-free bias", "EPLB measured on 2 ranks", "hier. inter-node", "at most 1 node(s)",
-                 "hierarchical output equals flat: yes", "OK: the replicated experts"):
+                 "hierarchical output equals flat: yes", "OK   EP=2 with EPLB replicas", "OK: the replicated experts"):
         assert text in out, text
     assert os.path.exists(tmp_path / "gpu_load.png")
 
@@ -36,4 +36,4 @@ def test_tiny_run_ok(tmp_path, capsys):
 def test_missing_replica_grad_sum_fails(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(moe_eplb, "sync_replica_grads", lambda model, group: None)
     assert cli(TINY + ["--no-plots", "--out", str(tmp_path)]) == 1
-    assert "FAIL: replicas vs single device" in capsys.readouterr().err
+    assert "FAIL: the replicas differ from single-device training" in capsys.readouterr().err

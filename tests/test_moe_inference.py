@@ -2,8 +2,6 @@
 gradients); the expert-sliced MoE layer and the whole inference GPT (non-expert layers
 tensor-parallel) equal the single-device model on 4 ranks with fewer experts than GPUs; the
 decode cost model on hand-checked numbers; injected bugs are caught."""
-from dataclasses import replace
-
 import pytest
 import torch
 

@@ -1,28 +1,42 @@
 """``python -m labkit grade PATH... [--results results.json]``: the autograder.
 
-For each notebook the grader starts a fresh kernel (nbclient, this environment's ``python3``),
-runs every cell with a per-cell time limit and collects what each ``check(...)`` recorded: the
-kernel gets env ``LABKIT_RESULTS_FILE`` (a temporary file) and ``check`` appends one JSON line per
-case, running every case (not stopping at the first failure). ``LABKIT_STRICT`` is removed.
+The grader's contract (what an instructor can rely on; see also :mod:`labkit.grading`):
+
+* **Verdicts are computed here, never in the submission.** The grader starts the learner's
+  kernel (:class:`~labkit.grading.session.KernelSession`) and sends it the notebook's code cells
+  one by one. ``check("N.k", answer)`` in the kernel only registers ``answer``. After each cell,
+  every newly registered exercise *of the graded notebook* is graded: each case runs in a fork of
+  this process, and each call it makes on its ``answer`` proxy is sent to the kernel, which runs
+  the learner's code on the inputs the case chose and sends back the result as data
+  (:mod:`labkit.grading.wire`, never pickle). Expected values, the code that computes them and
+  hidden cases (``LABKIT_HIDDEN_CASES``, loaded only here) never enter the kernel.
+* **The results file is written only here**, atomically (temporary file + rename, after the
+  kernel and all its processes are dead), and the kernel is not told where it is. Only the
+  exercises of the graded notebook count, each at most its points: a check of another notebook's
+  exercise is ignored; a repeated check re-grades the exercise and the last one counts.
+* **Isolation**: as root the kernel runs as the unprivileged user ``labkit-kernel`` in its own
+  session; as any other user the output says that isolation is partial
+  (:func:`~labkit.grading.session.isolation_note`).
+* **Robustness**: a cell that raises costs only the exercises that depend on it (execution
+  goes on with the next cell). A cell that kills or exits the kernel, or runs past
+  ``--cell-timeout`` (SIGINT, then SIGKILL), is recorded; a fresh kernel replays the cells that
+  had run (at most :data:`MAX_RESTARTS` times) and grading goes on after the bad cell. Output
+  floods are dropped; answers are time- and size-limited per case.
 
 Which exercises a notebook has: every exercise registered for its notebook, whatever ran. The
 notebook is ``metadata.labkit.notebook`` (written by ``build``), else the file's stem when
 exercises are registered for it, else the notebook(s) of the exercise ids in the
-``check("N.k", ...)`` calls of its code cells (read from the sources, not from what ran, so a
-renamed copy whose metadata was lost keeps its full total). Exercises of other notebooks that
-the notebook did check are graded too. An exercise whose check never ran scores zero:
-"not reached: cell N raised <Error>: <message>" when execution stopped at a cell that raised
-(cells tagged ``raises-exception`` do not stop it) or ran past the time limit, else "not
-attempted: no check(...) call ran". When ``check`` ran more than once for an exercise, the last
-call counts.
+``check("N.k", ...)`` calls of its code cells (read from the sources, not from what ran). An
+exercise whose check never ran scores zero, with the reason ("not attempted: no check(...)
+ran", "... cell N raised NameError: ...", or "not reached: ..." when grading stopped).
 
 Points: an exercise's points are split across its cases (public and hidden) by
 :func:`~labkit.grading.registry.case_points` (equal shares rounded to 4 decimals, the remainder
 to the last case, so they add up to the exercise's points); each passed case earns its share.
-The kernel's own stderr is discarded (its warnings are not the learner's errors). The results file follows the Gradescope autograder
-format: top-level ``score`` and ``tests``, one test per case with ``name``, ``score``,
-``max_score``, ``status`` ("passed" / "failed"), ``output`` and ``visibility`` (``visible`` for
-public cases, ``after_published`` for hidden ones, whose output never gives details).
+The results file follows the Gradescope autograder format: top-level ``score``, ``output`` and
+``tests``, one test per case with ``name``, ``score``, ``max_score``, ``status`` ("passed" /
+"failed"), ``output`` and ``visibility`` (``visible`` for public cases, ``after_published`` for
+hidden ones, whose output never gives details).
 """
 from __future__ import annotations
 
@@ -30,21 +44,22 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 
 from .registry import HIDDEN_ENV, Exercise, case_points, exercises_for_notebook, get_exercise
-from .runner import RESULTS_ENV, STRICT_ENV
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
-           "ExerciseGrade", "CaseGrade", "NotebookGrade"]
+           "ExerciseGrade", "CaseGrade", "NotebookGrade", "write_results"]
 
 DEFAULT_CELL_TIMEOUT = 300  # seconds one cell may run under the grader
+MAX_RESTARTS = 3  # fresh kernels after a cell killed one or ran past the limit
 HIDDEN_OUTPUT = "A hidden case failed (its details are not shown)."
 
 
@@ -82,8 +97,9 @@ def _points(x: float) -> str:
 class NotebookGrade:
     path: str
     notebook: str
-    stopped: str  # "" when every cell ran, else why execution stopped
+    stopped: str  # "" when every cell ran cleanly, else what went wrong (cells that raised, killed, ...)
     exercises: list[ExerciseGrade] = field(default_factory=list)
+    isolation: str = ""
 
 
 _CHECK_CALL = re.compile(r"""\bcheck\(\s*(?P<q>["'])(?P<id>[^"'\n]+)(?P=q)""")
@@ -116,130 +132,198 @@ def _notebook_names(nb, path: Path) -> list[str]:
     return names
 
 
-def _execute(nb, path: Path, results_file: str, cell_timeout: int) -> str:
-    """Run ``nb`` (in place); return "" or the reason execution stopped."""
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-
-    env = dict(os.environ)
-    env[RESULTS_ENV] = results_file
-    env.pop(STRICT_ENV, None)
-    if env.get(HIDDEN_ENV):  # the kernel runs in the notebook's folder: make the paths absolute
-        env[HIDDEN_ENV] = os.pathsep.join(str(Path(p).resolve()) for p in env[HIDDEN_ENV].split(os.pathsep) if p)
-    current = {"index": None}
-
-    def on_cell_execute(cell, cell_index, **_):
-        current["index"] = cell_index
-
-    client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", record_timing=False,
-                            allow_errors=False, on_cell_execute=on_cell_execute,
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
-    try:
-        # The kernel's own stderr (ipykernel's "running over TCP without encryption" warning,
-        # the ZMQError traceback of a kernel interrupted at the time limit) is noise here: the
-        # errors that matter reach the grade through the cells' outputs and the stop reason.
-        client.execute(env=env, stderr=subprocess.DEVNULL)
-    except CellTimeoutError:
-        return f"cell {_cell_no(current['index'])} ran past the time limit of {cell_timeout} s"
-    except DeadKernelError as e:
-        return f"cell {_cell_no(current['index'])} killed the kernel ({_first(str(e))})"
-    except CellExecutionError as e:
-        return f"cell {_cell_no(current['index'])} raised {e.ename}: {_first(e.evalue)}".rstrip(": ")
-    except Exception as e:  # noqa: BLE001 - a broken notebook still gets a grade
-        return f"the notebook could not run: {type(e).__name__}: {_first(str(e))}"
-    return ""
-
-
-def _cell_no(index) -> str:
-    return "?" if index is None else str(index + 1)
-
-
 def _first(text: str, limit: int = 200) -> str:
     lines = [l for l in str(text).strip().splitlines() if l.strip()]
     line = lines[0].strip() if lines else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _read_records(results_file: str) -> dict[str, list[dict]]:
-    """Per exercise, the case records of the LAST check call."""
-    calls: dict[str, dict[str, list[dict]]] = {}
-    order: dict[str, list[str]] = {}
-    try:
-        lines = Path(results_file).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        lines = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        ex = rec.get("exercise")
-        calls.setdefault(ex, {}).setdefault(rec.get("call"), []).append(rec)
-        order.setdefault(ex, [])
-        if rec.get("call") not in order[ex]:
-            order[ex].append(rec.get("call"))
-    return {ex: calls[ex][order[ex][-1]] for ex in calls}
-
-
-def _grade_exercise(ex: Exercise, records: list[dict] | None, stopped: str) -> ExerciseGrade:
+def _exercise_grade(ex: Exercise, res, reason: str = "") -> ExerciseGrade:
+    """An :class:`ExerciseGrade` from a :class:`~labkit.grading.runner.CheckResult` (None: the
+    exercise was never checked, ``reason`` says why)."""
     shares = case_points(ex.points, len(ex.cases))  # add up to ex.points
-    by_name = {r["case"]: r for r in records or []}
+    if res is None:
+        status = "not_reached" if reason.startswith("not reached") else "not_attempted"
+        msg = reason or f"not attempted: no check(\"{ex.id}\", ...) ran"
+        return ExerciseGrade(ex, status, msg, [CaseGrade(c.name, c.hidden, status, msg, 0.0, share)
+                                               for c, share in zip(ex.cases, shares)])
+    by_name = {r.name: r for r in res.cases}
     cases = []
-    if records is None:
-        if stopped:
-            status, msg = "not_reached", f"not reached: {stopped}"
-        else:
-            status, msg = "not_attempted", f"not attempted: no check(\"{ex.id}\", ...) call ran"
-        for c, share in zip(ex.cases, shares):
-            cases.append(CaseGrade(c.name, c.hidden, status, msg, 0.0, share))
-        return ExerciseGrade(ex, status, msg, cases)
     for c, share in zip(ex.cases, shares):
         r = by_name.get(c.name)
         if r is None:
             cases.append(CaseGrade(c.name, c.hidden, "failed", "this case was not run", 0.0, share))
         else:
-            ok = r["status"] == "passed"
-            cases.append(CaseGrade(c.name, c.hidden, r["status"], r.get("message", ""), share if ok else 0.0, share))
-    line = records[-1].get("line", "") if records else ""
-    if all(c.status == "passed" for c in cases):
+            ok = r.status == "passed"
+            cases.append(CaseGrade(c.name, c.hidden, r.status, r.message, share if ok else 0.0, share))
+    if cases and all(c.status == "passed" for c in cases):
         status = "passed"
     elif any(c.status == "not_attempted" for c in cases):
         status = "not_attempted"
     else:
         status = "failed"
-    return ExerciseGrade(ex, status, line, cases)
+    return ExerciseGrade(ex, status, res.message, cases)
+
+
+def _grade_in_kernel(ex: Exercise, session) -> ExerciseGrade:
+    """Run every case of ``ex`` here, its calls going to the answer registered in ``session``."""
+    from .proxy import KernelBackend
+    from .runner import evaluate
+
+    info, pid = dict(session.info), session.pid
+
+    def factory(case):
+        token = uuid.uuid4().hex
+        return lambda: KernelBackend(info, pid, token)
+
+    def go_on(result) -> bool:  # after a failed case: is the kernel still answering?
+        return session.request({"op": "ping"}, wait=5) is not None
+
+    res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on)
+    session.request({"op": "end"}, wait=10)
+    return _exercise_grade(ex, res)
+
+
+def _registered(session) -> dict:
+    reply = session.request({"op": "answers"}, wait=30)
+    ok = reply.get("ok") if reply else None
+    if not isinstance(ok, dict):
+        return {}
+    return {str(k): v for k, v in ok.items() if isinstance(v, int)}
+
+
+def _check_cells(cells, ex_id: str) -> list[int]:
+    pat = re.compile(r"""\bcheck\(\s*["']""" + re.escape(ex_id) + r"""["']""")
+    return [i for i, src in cells if pat.search(src)]
 
 
 def grade_notebook(path: str | Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -> NotebookGrade:
-    """Execute notebook ``path`` and grade every exercise registered for it."""
+    """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook."""
+    from .session import KernelSession, isolation_note, kernel_user
+
     path = Path(path)
     nb = nbformat.read(str(path), as_version=4)
     names = _notebook_names(nb, path)
-    fd, results_file = tempfile.mkstemp(prefix="labkit-checks-", suffix=".jsonl")
-    os.close(fd)
-    try:
-        stopped = _execute(nb, path, results_file, cell_timeout)
-        records = _read_records(results_file)
-    finally:
-        os.unlink(results_file)
     exercises = [ex for name in names for ex in exercises_for_notebook(name)]
-    for ex_id in records:  # a check of another notebook's exercise counts too
-        try:
-            ex = get_exercise(ex_id)
-        except KeyError:
-            continue
-        if all(e.id != ex.id for e in exercises):
-            exercises.append(ex)
-            if ex.notebook not in names:
-                names.append(ex.notebook)
-    grade = NotebookGrade(str(path), ", ".join(names) or path.stem, stopped)
+    wanted = {ex.id: ex for ex in exercises}
+    cells = [(i, c.get("source", "")) for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"]
+    expected_errors = {i for i, c in enumerate(nb.cells)
+                       if "raises-exception" in c.get("metadata", {}).get("tags", [])}
+    user = kernel_user()
+    grades: dict[str, ExerciseGrade] = {}
+    cell_problems: dict[int, str] = {}
+    stop = ""
+
+    spare: list = []
+
+    def launch():
+        s = KernelSession(str(path.parent.resolve()), user)
+        s.launch()
+        return s
+
+    def start():
+        # after a first dead or stuck cell a spare kernel warms up while the next one is used
+        s = spare.pop() if spare else launch()
+        s.wait_ready()
+        if restarts and not spare:
+            spare.append(launch())
+        return s
+
+    restarts = 0
+    session = start()
+    readable = session.hidden_files_readable(_hidden_files())
+    for f in readable:
+        print(f"warning: the kernel's user {user.name} can read the hidden case file {f}; make it readable by "
+              f"root only (chmod o-r, and its folder o-x)", file=sys.stderr)
+    seen: dict[str, int] = {}
+    ran: list[int] = []  # positions in ``cells`` that ran without an error (replayed in a fresh kernel)
+    try:
+        k = 0
+        while k < len(cells):
+            idx, src = cells[k]
+            status, ename, evalue = session.execute(src, cell_timeout)
+            if status in ("ok", "error"):
+                if status == "error":
+                    cell_problems[idx] = f"cell {idx + 1} raised {ename}: {_first(evalue)}".rstrip(": ")
+                else:
+                    ran.append(k)
+                now = _registered(session)
+                for ex_id, serial in now.items():
+                    if ex_id in wanted and seen.get(ex_id) != serial:
+                        seen[ex_id] = serial
+                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session)
+                if session.alive():
+                    k += 1
+                    continue
+                cell_problems.setdefault(idx, f"the kernel died while cell {idx + 1}'s checks were graded")
+            elif status == "timeout":
+                cell_problems[idx] = f"cell {idx + 1} ran past the time limit of {cell_timeout} s"
+            else:
+                cell_problems[idx] = f"cell {idx + 1} killed the kernel (it exited or was killed)"
+            # a fresh kernel: replay what ran, skip the bad cell, go on
+            session.kill()
+            restarts += 1
+            if restarts > MAX_RESTARTS:
+                stop = f"{cell_problems[idx]}; gave up after {MAX_RESTARTS} fresh kernels"
+                break
+            session = start()
+            for j in ran:
+                st, _, _ = session.execute(cells[j][1], cell_timeout)
+                if st not in ("ok", "error"):
+                    stop = f"{cell_problems[idx]}; replaying cell {cells[j][0] + 1} in a fresh kernel failed"
+                    break
+            if stop:
+                break
+            seen.update(_registered(session))  # replayed checks were graded already
+            k += 1
+    finally:
+        session.kill()
+        for s in spare:
+            s.kill()
+    # a cell tagged raises-exception (it uses an answer, e.g. a plot) may raise: not a problem
+    problems = "; ".join(cell_problems[i] for i in sorted(cell_problems)
+                         if not (i in expected_errors and " raised " in cell_problems[i]))
+    grade = NotebookGrade(str(path), ", ".join(names) or path.stem, stop or problems, isolation=isolation_note(user))
     for ex in exercises:
-        grade.exercises.append(_grade_exercise(ex, records.get(ex.id), stopped))
+        if ex.id in grades:
+            grade.exercises.append(grades[ex.id])
+            continue
+        reason = ""
+        for i in _check_cells(cells, ex.id):
+            if i in cell_problems:
+                reason = f"not attempted: check(\"{ex.id}\", ...) did not run: {cell_problems[i]}"
+                break
+        if not reason and stop:
+            reason = f"not reached: {stop}"
+        grade.exercises.append(_exercise_grade(ex, None, reason))
     return grade
 
 
+def _hidden_files() -> list[Path]:
+    out = []
+    for p in os.environ.get(HIDDEN_ENV, "").split(os.pathsep):
+        if p and Path(p).is_dir():
+            out += sorted(Path(p).glob("*.py"))
+    return out
+
+
 def grade_paths(paths, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -> list[NotebookGrade]:
-    return [grade_notebook(p, cell_timeout) for p in paths]
+    out = []
+    for p in paths:
+        try:
+            out.append(grade_notebook(p, cell_timeout))
+        except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
+            g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
+                                                    f"{_first(str(e))}")
+            try:
+                nb = nbformat.read(str(p), as_version=4)
+                for name in _notebook_names(nb, Path(p)):
+                    for ex in exercises_for_notebook(name):
+                        g.exercises.append(_exercise_grade(ex, None, f"not reached: {g.stopped}"))
+            except Exception:  # noqa: BLE001
+                pass
+            out.append(g)
+    return out
 
 
 def results_json(grades: list[NotebookGrade]) -> dict:
@@ -253,6 +337,8 @@ def results_json(grades: list[NotebookGrade]) -> dict:
                     output = "passed"
                 elif c.hidden and c.status == "failed":
                     output = HIDDEN_OUTPUT
+                elif c.status == "not_attempted" and not c.message.startswith("not attempted"):
+                    output = "not attempted (the stub still raises NotImplementedError)"
                 elif c.status in ("not_attempted", "not_reached"):
                     output = c.message
                 else:
@@ -268,9 +354,26 @@ def results_json(grades: list[NotebookGrade]) -> dict:
     score = round(sum(t["score"] for t in tests), 4)
     total = round(sum(t["max_score"] for t in tests), 4)
     lines = [f"{g.path}: {_points(sum(e.score for e in g.exercises))} / {_points(sum(e.max_score for e in g.exercises))}"
-             + (f" (stopped: {g.stopped})" if g.stopped else "") for g in grades]
-    return {"score": score, "output": f"Total {_points(score)} / {_points(total)}\n" + "\n".join(lines),
+             + (f" ({g.stopped})" if g.stopped else "") for g in grades]
+    notes = sorted({g.isolation for g in grades if g.isolation})
+    return {"score": score, "output": "\n".join([f"Total {_points(score)} / {_points(total)}"] + lines + notes),
             "tests": tests}
+
+
+def write_results(path: Path, obj: dict) -> None:
+    """Write ``obj`` to ``path`` atomically: a new file in the same folder, then a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=".labkit-results-", suffix=".json", dir=str(path.parent.resolve()))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def validate_results(obj: dict) -> None:
@@ -313,7 +416,7 @@ def format_table(grades: list[NotebookGrade]) -> str:
         score = sum(eg.score for eg in g.exercises)
         total = sum(eg.max_score for eg in g.exercises)
         out.append(f"== {g.path} ({g.notebook}): {_points(score)}/{_points(total)} points"
-                   + (f"; stopped: {g.stopped}" if g.stopped else ""))
+                   + (f"; {g.stopped}" if g.stopped else ""))
         rows = [("exercise", "points", "status", "message")]
         for eg in g.exercises:
             rows.append((eg.exercise.id, f"{_points(eg.score)}/{_points(eg.max_score)}",
@@ -327,6 +430,7 @@ def format_table(grades: list[NotebookGrade]) -> str:
     score = sum(eg.score for g in grades for eg in g.exercises)
     total = sum(eg.max_score for g in grades for eg in g.exercises)
     out.append(f"total {_points(score)}/{_points(total)} points")
+    out += sorted({g.isolation for g in grades if g.isolation})
     return "\n".join(out)
 
 
@@ -351,6 +455,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.results:
         obj = results_json(grades)
         validate_results(obj)
-        a.results.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        write_results(a.results, obj)
         print(f"wrote {a.results}")
     return 0

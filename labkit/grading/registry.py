@@ -9,17 +9,55 @@ module in that package is imported by :func:`load_all`). A module declares its e
                   hint="The bubble is K-1 slots out of M+K-1.")
 
     @ex.case("K=4, M=8")                      # public case: its details are shown on failure
-    def _(answer):                            # answer = the object passed to check("1.1", answer)
+    def _(answer):                            # answer: a proxy for what check("1.1", ...) got
         expect_close(answer(4, 8), 3 / 11, "bubble_fraction(4, 8)")
 
     @ex.case("K=8, M=3", hidden=True, timeout=20)   # hidden: a failure says only "a hidden case"
     def _(answer): ...
 
+Authoring format (the case runs in the GRADER, the answer in the LEARNER's kernel)
+---------------------------------------------------------------------------------
+A case has three parts: inputs (chosen in the case), a call made where the learner's code is,
+and a judgement made in the case. ``answer`` is a :class:`~labkit.grading.proxy.Answer`:
+
+* ``answer(*args, **kwargs)`` calls the learner's function with (copies of) ``args`` and
+  returns its result as DATA (:mod:`labkit.grading.wire`: numbers, strings, lists, tuples,
+  dicts, tensors, numpy arrays, ``Action``...). An exception raised by the learner's code comes
+  back with its name (``expect_raises(ValueError, answer, 4, 0)`` works), and
+  ``NotImplementedError`` still means "not attempted". Objects that are not data (a class, a
+  module, a function) come back as placeholders that only say their type's name.
+* ``answer.run(fn, *args, **kwargs)`` runs ``fn(learner_answer, *args, **kwargs)`` next to the
+  learner's code and returns its result as data. ``fn`` must be a TOP-LEVEL function of a
+  labkit module (it is imported by name there). Use it when the answer is a class
+  (``answer.apply``), a function to run on ranks (``launch(body, N, answer)``), or when the
+  check needs autograd through the learner's result. ``fn`` must return only what the learner's
+  code produced (outputs, gradients, counts); it must never compute or receive an expected
+  value: compute those in the case, after the call.
+
+So a case that today calls ``answer`` and compares numbers stays as it is; one that touches
+the answer's attributes or runs it on ranks moves that part into a top-level kernel-side
+function::
+
+    def _ring_outputs(ring_all_reduce, inputs):          # runs in the kernel
+        return launch(_ring_rank, len(inputs), ring_all_reduce, inputs)
+
+    @ex.case("N=4 ranks")
+    def _(answer):                                        # runs in the grader
+        inputs = _inputs(4, 16)
+        for r, out in enumerate(answer.run(_ring_outputs, inputs)):
+            expect_close(out, sum(inputs), f"rank {r}")
+
+Interactive ``check`` (a notebook, pytest) runs the same cases with the answer in the same
+process (every call still makes the data round trip), so its verdicts are the grader's.
+An exercise may list the labkit functions it asks the learner to write:
+``exercise(..., references=[gpipe_schedule])`` (or ``"module:qualname"`` strings; the central
+table is :mod:`labkit.grading.references`); an answer that calls one fails with a reason.
+
 A case passes when it returns; it fails when it raises :class:`CheckFailure` (the ``expect_*``
 helpers raise it with "what: expected X, got Y") or any other exception (reported with its type
 and first line). A case whose answer raises ``NotImplementedError`` (the learner stub) makes the
 exercise "not attempted". Each case runs in a forked child and is stopped after ``timeout``
-seconds (default :data:`DEFAULT_TIMEOUT`).
+seconds (default :data:`DEFAULT_TIMEOUT`), including the time of the learner's calls.
 
 Answers are best functions (or objects a function builds): ``check("1.2", smallest_microbatches)``.
 In the learner notebook the stub only raises when the function is called, so a ``check`` in a
@@ -27,13 +65,14 @@ later cell still runs and prints "not attempted". A value computed at the top le
 cell is never assigned in the learner notebook (the stub raises while the cell runs), so a later
 ``check("N.k", value)`` would stop with NameError; ask for a function returning the value instead.
 Cells that use an exercise's answer (plots, tables) should be tagged ``raises-exception`` in the
-solution notebook, so the untouched learner notebook runs to the end under nbval and the grader.
+solution notebook, so the untouched learner notebook runs to the end under nbval.
 
 Hidden case files
 -----------------
 Instructors keep extra cases out of the learners' copy: set ``LABKIT_HIDDEN_CASES`` to a folder
-(several folders separated by ``os.pathsep``). Every ``*.py`` file there (sorted by name) is
-executed after the exercise modules, as is every ``labkit/grading/hidden/*.py`` shipped in the
+(several folders separated by ``os.pathsep``) when running the grader (the grader's process
+alone reads them; the kernel never gets the variable). Every ``*.py`` file there (sorted by
+name) is executed after the exercise modules, as is every ``labkit/grading/hidden/*.py`` shipped in the
 package. Such a file looks up an existing exercise by its id and adds cases::
 
     from labkit.grading.registry import exercise, expect_close
@@ -124,6 +163,14 @@ class Exercise:
     points: float = 1.0
     hint: str = ""
     cases: list[Case] = field(default_factory=list)
+    references: list[str] = field(default_factory=list)  # "module:qualname" the learner must not call
+
+    def reference_names(self) -> list[str]:
+        """Labkit functions this exercise asks the learner to write (its own list and the table's)."""
+        from .references import references_for
+
+        names = list(self.references)
+        return names + [n for n in references_for(self.id) if n not in names]
 
     def case(self, name: str, hidden: bool | None = None, timeout: float | None = None,
              hint: str | None = None):
@@ -156,8 +203,16 @@ class Exercise:
         return f"Exercise {self.id} ({self.title})" if self.title else f"Exercise {self.id}"
 
 
+def _ref_name(r) -> str:
+    if isinstance(r, str):
+        if ":" not in r:
+            raise ValueError(f"reference {r!r}: write it as 'module:qualname'")
+        return r
+    return f"{r.__module__}:{r.__qualname__}"
+
+
 def exercise(id: str, title: str | None = None, notebook: str | None = None,
-             points: float | None = None, hint: str | None = None) -> Exercise:
+             points: float | None = None, hint: str | None = None, references=None) -> Exercise:
     """Declare exercise ``id`` (e.g. "1.1") or, with the id alone, return the existing one.
 
     Declaring an id again with the same notebook updates its title/points/hint and keeps its
@@ -167,7 +222,8 @@ def exercise(id: str, title: str | None = None, notebook: str | None = None,
     """
     id = str(id)
     ex = _REGISTRY.get(id)
-    if title is None and notebook is None and points is None and hint is None:
+    refs = [_ref_name(r) for r in references or ()]
+    if title is None and notebook is None and points is None and hint is None and not refs:
         if ex is None:
             _ensure_loaded_for_lookup()
             ex = _REGISTRY.get(id)
@@ -184,12 +240,13 @@ def exercise(id: str, title: str | None = None, notebook: str | None = None,
             ex.points = float(points)
         if hint is not None:
             ex.hint = hint
+        ex.references += [r for r in refs if r not in ex.references]
         return ex
     if not notebook:
         raise ValueError(f"exercise {id!r}: a new exercise needs notebook='NN_topic'")
     if points is not None and not points >= 0:
         raise ValueError(f"exercise {id!r}: points must be >= 0, got {points!r}")
-    ex = Exercise(id, title or "", notebook, 1.0 if points is None else float(points), hint or "")
+    ex = Exercise(id, title or "", notebook, 1.0 if points is None else float(points), hint or "", references=refs)
     _REGISTRY[id] = ex
     return ex
 

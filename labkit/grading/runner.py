@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import select
 import signal
@@ -29,11 +28,13 @@ from typing import Any
 import torch  # imported here, before any fork, so case children never pay for it
 
 from ..dist import RankError
+from .kernel import GRADING_ENV, register
+from .proxy import Answer, CaseTimeout, KernelFailure, LocalBackend, ReferenceImplementationUsed, set_deadline
+from .references import reference_message
 from .registry import Case, CheckFailure, Exercise, get_exercise
 
-__all__ = ["CaseResult", "CheckResult", "run_case", "evaluate", "format_line", "RESULTS_ENV", "STRICT_ENV"]
+__all__ = ["CaseResult", "CheckResult", "run_case", "evaluate", "format_line", "STRICT_ENV"]
 
-RESULTS_ENV = "LABKIT_RESULTS_FILE"  # set by the grader: check() appends one JSON line per case
 STRICT_ENV = "LABKIT_STRICT"  # "1": check() raises when an exercise is not passed
 MAX_MESSAGE = 400  # characters of a case message shown on the one line
 
@@ -90,8 +91,14 @@ def _clean_backend_text(text: str) -> str:
     return text[:cut + 1] if cut >= 0 else text
 
 
-def _verdict(exc: BaseException) -> tuple[str, str]:
+def _verdict(exc: BaseException, timeout: float = 0.0) -> tuple[str, str]:
     """Map an exception raised by a case to (status, message)."""
+    if isinstance(exc, CaseTimeout):
+        return "failed", _time_limit_message(timeout)
+    if isinstance(exc, ReferenceImplementationUsed):
+        return "failed", _one_line(reference_message(exc.name))
+    if isinstance(exc, KernelFailure):
+        return "failed", _one_line(str(exc))
     if isinstance(exc, NotImplementedError):
         return "not_attempted", _one_line(str(exc) or "NotImplementedError")
     if isinstance(exc, CheckFailure):
@@ -113,7 +120,7 @@ def _fmt_seconds(t: float) -> str:
     return f"{int(t)} s" if float(t).is_integer() else f"{t:g} s"
 
 
-def _child(case: Case, answer: Any, wfd: int) -> None:
+def _child(case: Case, backend_factory, exercise_id: str, references, wfd: int, timeout: float) -> None:
     """Body of the forked child: run the case, write (status, message) to ``wfd``, exit."""
     status, message = "failed", "the case process ended without a verdict"
     try:
@@ -123,21 +130,30 @@ def _child(case: Case, answer: Any, wfd: int) -> None:
         sys.stdout = open(os.devnull, "w")
         sys.stderr = open(os.devnull, "w")
         torch.set_num_threads(1)  # a forked child can hang in threaded kernels otherwise
+        set_deadline(time.monotonic() + timeout)
         try:
-            case.fn(answer)
+            case.fn(Answer(backend_factory(), exercise_id, references))
             status, message = "passed", ""
         except BaseException as e:  # noqa: BLE001 - every exception is a verdict
-            status, message = _verdict(e)
+            status, message = _verdict(e, timeout)
     except BaseException as e:  # noqa: BLE001
         status, message = "failed", _one_line(f"grader error: {type(e).__name__}: {e}")
     try:
-        os.write(wfd, pickle.dumps((status, message)))
+        os.write(wfd, json.dumps([status, message]).encode())
     finally:
         os._exit(0)
 
 
-def run_case(case: Case, answer: Any) -> CaseResult:
-    """Run ``case`` against ``answer`` in a forked child, stopped after ``case.timeout`` s."""
+def run_case(case: Case, answer: Any, exercise: Exercise | None = None, backend_factory=None) -> CaseResult:
+    """Run ``case`` in a forked child, stopped after ``case.timeout`` s.
+
+    The case function gets an :class:`~labkit.grading.proxy.Answer`: by default its calls run
+    ``answer`` in the child itself (:class:`~labkit.grading.proxy.LocalBackend`); the grader
+    passes ``backend_factory`` (called in the child) to send them to the learner's kernel."""
+    if backend_factory is None:
+        backend_factory = lambda: LocalBackend(answer)  # noqa: E731
+    ex_id = exercise.id if exercise is not None else ""
+    refs = exercise.reference_names() if exercise is not None else ()
     rfd, wfd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -148,13 +164,13 @@ def run_case(case: Case, answer: Any) -> CaseResult:
             os.setpgid(0, 0)
         except OSError:
             pass
-        _child(case, answer, wfd)
+        _child(case, backend_factory, ex_id, refs, wfd, case.timeout)
     os.close(wfd)
     try:
         os.setpgid(pid, pid)  # both sides set it: no race with an early kill
     except OSError:
         pass
-    deadline = time.monotonic() + case.timeout
+    deadline = time.monotonic() + case.timeout + 1.0  # the child stops its own calls at case.timeout
     chunks, timed_out = [], False
     poller = select.poll()  # not select.select: it fails for descriptors >= 1024
     poller.register(rfd, select.POLLIN | select.POLLHUP)
@@ -177,13 +193,16 @@ def run_case(case: Case, answer: Any) -> CaseResult:
         else:
             _reap(pid)
     if timed_out:
-        return CaseResult(case.name, case.hidden, "failed",
-                          f"did not finish within the time limit of {_fmt_seconds(case.timeout)} (stopped)")
+        return CaseResult(case.name, case.hidden, "failed", _time_limit_message(case.timeout))
     try:
-        status, message = pickle.loads(b"".join(chunks))
+        status, message = json.loads(b"".join(chunks).decode())
     except Exception:
         status, message = "failed", "the case process died before reporting (crashed or was killed)"
     return CaseResult(case.name, case.hidden, status, message)
+
+
+def _time_limit_message(timeout: float) -> str:
+    return f"did not finish within the time limit of {_fmt_seconds(timeout)} (stopped)"
 
 
 def _kill_group(pid: int) -> None:
@@ -207,7 +226,8 @@ def _reap(pid: int) -> None:
         pass
 
 
-def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False) -> CheckResult:
+def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False, backend_factory=None,
+             go_on=None) -> CheckResult:
     """Run every case of ``exercise_id`` against ``answer``; return a :class:`CheckResult`.
 
     Prints nothing and never raises for a wrong answer (KeyError for an unknown id).
@@ -215,14 +235,24 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False)
     (they count as failed); after a failing hidden case the rest still run, so the line can say
     how many cases passed. Once a case finds the stub (NotImplementedError) the remaining cases
     are not run and the exercise is "not attempted".
+
+    ``backend_factory(case)`` (the grader's) returns a function that, called in the case's
+    process, makes the backend that reaches the learner's code; by default the answer is
+    ``answer`` itself, in this process. ``go_on(result)`` (the grader's), called after a case
+    that failed, may return False to skip the remaining cases (e.g. the kernel stopped
+    answering); they then fail with that reason.
     """
     ex = get_exercise(exercise_id)
     results: list[CaseResult] = []
     for i, case in enumerate(ex.cases):
-        r = run_case(case, answer)
+        r = run_case(case, answer, ex, None if backend_factory is None else backend_factory(case))
         results.append(r)
         if r.status == "not_attempted":
             results += [CaseResult(c.name, c.hidden, "not_attempted", "not run: the stub raises NotImplementedError")
+                        for c in ex.cases[i + 1:]]
+            break
+        if r.status == "failed" and go_on is not None and not go_on(r):
+            results += [CaseResult(c.name, c.hidden, "failed", "not run: the learner's kernel stopped answering")
                         for c in ex.cases[i + 1:]]
             break
         # a failing hidden case does not stop the run: its line says how many cases passed
@@ -264,18 +294,6 @@ def format_line(ex: Exercise, res: CheckResult) -> str:
     return f"{ex.label}: failed case \"{first.name}\": {msg}.{hint}"
 
 
-def _record(ex: Exercise, res: CheckResult) -> None:
-    path = os.environ.get(RESULTS_ENV)
-    if not path:
-        return
-    call = f"{os.getpid()}-{time.monotonic_ns()}"
-    with open(path, "a", encoding="utf-8") as f:
-        for r in res.cases:
-            f.write(json.dumps({"call": call, "exercise": ex.id, "notebook": ex.notebook, "case": r.name,
-                                "hidden": r.hidden, "status": r.status, "message": r.message,
-                                "line": res.message}) + "\n")
-
-
 class CheckNotPassed(AssertionError):
     """Raised by ``check`` under ``LABKIT_STRICT=1`` when an exercise is not passed."""
 
@@ -290,14 +308,22 @@ def check(exercise_id: str, answer: Any) -> CheckResult:
     Never raises for a wrong answer, so later cells still run, unless env
     ``LABKIT_STRICT=1``: then anything but "passed" raises :class:`CheckNotPassed` (CI runs
     solutions/ this way). Returns a :class:`CheckResult` that displays nothing in a notebook.
-    Under the grader (env ``LABKIT_RESULTS_FILE``) every case runs and is recorded;
-    otherwise the cases stop at the first failure. An unknown id raises KeyError.
+    The cases stop at the first failing public case. An unknown id raises KeyError.
+
+    In a kernel started by ``python -m labkit grade`` (env ``LABKIT_GRADING=1``) nothing is
+    judged here: the answer is only registered, and the grader runs the cases from its own
+    process, calling the answer for data (see :mod:`labkit.grading`). The line then says
+    "recorded for grading".
     """
+    if os.environ.get(GRADING_ENV) == "1":
+        # the kernel may not know the exercise (hidden-case files declare some): register by id
+        register(str(exercise_id), answer)
+        res = CheckResult(str(exercise_id), "recorded", 0, 0, f"Exercise {exercise_id}: recorded for grading.")
+        print(res.message, flush=True)
+        return res
     ex = get_exercise(exercise_id)
-    grading = bool(os.environ.get(RESULTS_ENV))
-    res = evaluate(ex.id, answer, stop_at_first_failure=not grading)
+    res = evaluate(ex.id, answer, stop_at_first_failure=True)
     print(res.message, flush=True)
-    _record(ex, res)
     if os.environ.get(STRICT_ENV, "") not in ("", "0") and res.status != "passed":
         raise CheckNotPassed(res.message)
     return res

@@ -370,15 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     bad = _bad_args(a)  # every size error before any process starts
     if bad:
         return error(bad)
-    try:  # a bad --data path: a clear message before any process starts
-        Corpus.load(a.data, block_size=a.seq)
-    except (OSError, ValueError) as e:
-        return error(str(e))
     if a.eplb:
         bad = "--eplb starts its own ranks: run it with python -m labkit lab moe --eplb" if in_torchrun() \
             else moe_eplb.bad_args(a)
         if bad:
             return error(bad)
+    try:  # a bad --data path: a clear message before any process starts
+        Corpus.load(a.data, block_size=a.seq)
+    except (OSError, ValueError) as e:
+        return error(str(e))
     torch.manual_seed(a.seed)
     if not in_torchrun():
         torch.set_num_threads(1)     # tiny kernels: one thread is faster and keeps the forked ranks fair

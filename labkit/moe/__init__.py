@@ -6,7 +6,9 @@ communication, DeepSeek-V3 sequence-wise), ``dispatch`` (sort-based and GShard o
 ``experts`` (FFN experts, shared and fine-grained, the single-device ``MoELayer``),
 ``expert_parallel`` (experts sharded over ranks, all-to-all dispatch), ``model`` (MoE GPT),
 ``params`` (total vs active parameter counts), ``eplb`` (redundant experts and their
-placement), ``replicas`` (expert parallelism over the copies).
+placement), ``replicas`` (expert parallelism over the copies), ``hierarchical`` (two-level
+all-to-all, bytes per level), ``inference`` (expert slicing, decode cost), ``pipeline`` (the MoE
+GPT under pipeline parallelism).
 """
 from .router import RouterOutput, TopKRouter, Gate, route, compute_capacity, capacity_mask, update_expert_bias
 from .losses import (switch_aux_loss, z_loss, expert_balance_loss, device_balance_loss, comm_balance_loss,

@@ -165,25 +165,37 @@ class ExpertParallelMoE(MoELayer):
         self.cfg, self.ep_group, self.ep_rank, self.ep_size = cfg, ep_group, ep_rank, ep_size
         self.n_local_experts = E // ep_size
         self.expert_offset = ep_rank * self.n_local_experts
-        self.router = TopKRouter(cfg.n_embd, E, cfg.n_activated_experts, cfg.score_func, cfg.renormalize,
-                                 cfg.n_expert_groups, cfg.n_limited_groups, cfg.route_scale, cfg.expert_bias,
-                                 cfg.capacity_factor, cfg.drop_policy, cfg.min_capacity)
+        self._build_modules(cfg)
+
+    def _build_modules(self, cfg: MoEConfig):
+        """The router and shared experts (replicated on every rank) and ``n_local_experts``
+        local experts (subclasses set ``n_local_experts`` first)."""
+        self.router = TopKRouter(cfg.n_embd, cfg.n_routed_experts, cfg.n_activated_experts, cfg.score_func,
+                                 cfg.renormalize, cfg.n_expert_groups, cfg.n_limited_groups, cfg.route_scale,
+                                 cfg.expert_bias, cfg.capacity_factor, cfg.drop_policy, cfg.min_capacity)
         self.experts = nn.ModuleList([Expert(cfg.n_embd, cfg.moe_ffn_dim, cfg.activation, cfg.bias)
                                       for _ in range(self.n_local_experts)])
         self.shared_experts = (Expert(cfg.n_embd, cfg.n_shared_experts * cfg.moe_ffn_dim, cfg.activation, cfg.bias)
                                if cfg.n_shared_experts else None)
 
+    def _copy_from(self, layer: MoELayer, logical=None):
+        """Load a single-device layer's weights: router and shared experts, and for local expert
+        i the weights of logical expert ``logical[i]`` (default: this rank's shard
+        ``expert_offset + i``). Returns self."""
+        if logical is None:
+            logical = range(self.expert_offset, self.expert_offset + self.n_local_experts)
+        self.router.load_state_dict(layer.router.state_dict())
+        for expert, e in zip(self.experts, logical):
+            expert.load_state_dict(layer.experts[e].state_dict())
+        if layer.shared_experts is not None:
+            self.shared_experts.load_state_dict(layer.shared_experts.state_dict())
+        return self
+
     @classmethod
     def from_dense(cls, layer: MoELayer, ep_group, ep_rank: int, ep_size: int) -> "ExpertParallelMoE":
         """This rank's shard of a single-device layer (same weights; config with token_groups=1)."""
         from dataclasses import replace
-        ep = cls(replace(layer.cfg, token_groups=1), ep_group, ep_rank, ep_size)
-        ep.router.load_state_dict(layer.router.state_dict())
-        for i, expert in enumerate(ep.experts):
-            expert.load_state_dict(layer.experts[ep.expert_offset + i].state_dict())
-        if layer.shared_experts is not None:
-            ep.shared_experts.load_state_dict(layer.shared_experts.state_dict())
-        return ep
+        return cls(replace(layer.cfg, token_groups=1), ep_group, ep_rank, ep_size)._copy_from(layer)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         shape, P, El = x.shape, self.ep_size, self.n_local_experts

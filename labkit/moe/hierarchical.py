@@ -34,8 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
 from .. import comm
 from .dispatch import run_experts
@@ -121,9 +119,8 @@ def inter_node_rows(indices: torch.Tensor, keep: torch.Tensor, experts_per_node:
     return int(hit.sum())
 
 
-def _a2a_plain(x: torch.Tensor, input_splits, group) -> torch.Tensor:
-    """Non-differentiable uneven all-to-all (metadata), splits exchanged first."""
-    output_splits = exchange_splits(input_splits, group, x.device)
+def _a2a_plain(x: torch.Tensor, input_splits, output_splits, group) -> torch.Tensor:
+    """Non-differentiable uneven all-to-all (metadata: expert ids)."""
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     comm.all_to_all_single(out, x, output_splits, input_splits, group)
     return out
@@ -145,18 +142,12 @@ class HierarchicalExpertParallelMoE(ExpertParallelMoE):
     @classmethod
     def from_dense(cls, layer: MoELayer, nodes: NodeGroups, hierarchical: bool = True):
         """This rank's shard of a single-device layer (same weights)."""
-        ep = cls(replace(layer.cfg, token_groups=1), nodes, hierarchical)
-        ep.router.load_state_dict(layer.router.state_dict())
-        for i, expert in enumerate(ep.experts):
-            expert.load_state_dict(layer.experts[ep.expert_offset + i].state_dict())
-        if layer.shared_experts is not None:
-            ep.shared_experts.load_state_dict(layer.shared_experts.state_dict())
-        return ep
+        return cls(replace(layer.cfg, token_groups=1), nodes, hierarchical)._copy_from(layer)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None)
+        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None, mask)
         self.last_bytes = LevelBytes()
         if self.hierarchical:
             y = self._two_level(x2, r.indices, r.keep, r.weights)
@@ -184,10 +175,10 @@ class HierarchicalExpertParallelMoE(ExpertParallelMoE):
         slot, expert = slot[order], expert[order]
         splits = torch.bincount(expert // El, minlength=P).tolist()
         tokens = slot // indices.shape[1]
-        recv_expert = _a2a_plain(expert, splits, nd.world)
+        incoming = exchange_splits(splits, nd.world, x2.device)
+        recv_expert = _a2a_plain(expert, splits, incoming, nd.world)
         self.last_bytes.bytes["dispatch"]["meta"] += expert.numel() * 8 + P * 8
         self.last_bytes.add("dispatch", splits, range(P), nd.rank, nd.node_of, row_bytes)
-        incoming = exchange_splits(splits, nd.world, x2.device)
         received = all_to_all(x2[tokens], incoming, splits, nd.world)
         out = self._run_local(received, recv_expert)
         self.last_bytes.add("combine", incoming, range(P), nd.rank, nd.node_of, row_bytes)
@@ -211,10 +202,10 @@ class HierarchicalExpertParallelMoE(ExpertParallelMoE):
         splits = torch.bincount(dest_node, minlength=N).tolist()
         meta_e = torch.where((node[token] == dest_node[:, None]) & keep[token], indices[token],
                              torch.full_like(indices[token], -1))           # [n_pairs, k] ids on that node
-        recv_e = _a2a_plain(meta_e, splits, nd.rail)                         # [n_arrived, k]
         incoming = exchange_splits(splits, nd.rail, x2.device)
+        recv_e = _a2a_plain(meta_e, splits, incoming, nd.rail)               # [n_arrived, k]
         self.last_bytes.add("dispatch", splits, rail_ranks, nd.rank, nd.node_of, row_bytes)
-        self.last_bytes.bytes["dispatch"]["meta"] += meta_e.numel() * (8 + weights.element_size()) + 2 * N * 8
+        self.last_bytes.bytes["dispatch"]["meta"] += meta_e.numel() * (8 + weights.element_size()) + N * 8
         arrived = all_to_all(x2[token], incoming, splits, nd.rail)           # [n_arrived, H]
         arrived_w = all_to_all(weights[token] * (meta_e >= 0), incoming, splits, nd.rail)   # [n_arrived, k]
         # 2. intra-node: one row per valid slot to the GPU of this node holding its expert
@@ -225,10 +216,10 @@ class HierarchicalExpertParallelMoE(ExpertParallelMoE):
         a_slot, a_expert = a_slot[order], a_expert[order]
         isplits = torch.bincount(dest_local[order], minlength=g).tolist()
         node_ranks = [nd.node * g + i for i in range(g)]
-        recv_expert = _a2a_plain(a_expert, isplits, nd.intra)
         iincoming = exchange_splits(isplits, nd.intra, x2.device)
+        recv_expert = _a2a_plain(a_expert, isplits, iincoming, nd.intra)
         self.last_bytes.add("dispatch", isplits, node_ranks, nd.rank, nd.node_of, row_bytes)
-        self.last_bytes.bytes["dispatch"]["meta"] += a_expert.numel() * 8 + 2 * g * 8
+        self.last_bytes.bytes["dispatch"]["meta"] += a_expert.numel() * 8 + g * 8
         rows = all_to_all(arrived[a_slot // k], iincoming, isplits, nd.intra)
         out = self._run_local(rows, recv_expert)
         # 3. combine: back inside the node, weight and sum per arrived token, back over the rail

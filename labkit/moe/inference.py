@@ -33,7 +33,7 @@ E routed experts per layer). With a batch of B tokens an MoE layer touches on av
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from .. import comm
 from ..tensor_parallel.attention import ParallelAttention
 from ..tensor_parallel.layers import ColumnParallelLinear, ParallelMLP, VocabParallelEmbedding
 from ..tensor_parallel.mappings import all_gather_along_dim
-from .experts import Expert, MoEConfig, MoELayer
+from .experts import Expert, MoELayer
 from .expert_parallel import all_to_all, exchange_splits
 from .model import MoEBlock, MoEGPT
 from .params import ModelSpec, count_parameters
@@ -185,14 +185,16 @@ class ExpertSlicedMoE(nn.Module):
     def from_dense(cls, layer: MoELayer, groups: SlicingGroups) -> "ExpertSlicedMoE":
         return cls(layer, groups)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         g, shape = self.g, x.shape
         x_all = x.reshape(-1, shape[-1])
         if x_all.shape[0] % g.t:
             raise ValueError(f"{x_all.shape[0]} tokens cannot be split over the TP degree t={g.t}")
         n = x_all.shape[0] // g.t
         x2 = x_all[g.tp_rank * n:(g.tp_rank + 1) * n]                    # 1. my 1/t of the tokens
-        r, stats = self.route_tokens(x2, None)
+        if mask is not None:
+            mask = mask.reshape(-1)[g.tp_rank * n:(g.tp_rank + 1) * n]
+        r, stats = self.route_tokens(x2, None, mask)
         # 2. dispatch: slot of expert e -> rank (e // n_local) * s + my slice index
         slot = r.keep.reshape(-1).nonzero().squeeze(1)
         expert = r.indices.reshape(-1)[slot]

@@ -11,15 +11,15 @@ travel there. Megatron-Core's answer (``MoEAuxLossAutoScaler``) is used here:
                                               # backward: dL/dx passes through, and d(aux) = scale
 
 so when the schedule runs the backward of that microbatch on that stage, the aux loss's
-gradient ``scale * d aux / d theta`` joins in; no schedule needs to know. It is attached only
-when autograd records the forward, so the forward without grad of activation recomputation
-(``recompute=True``) and the shape probe add nothing, and the recomputed forward in the backward
-attaches it once.
+gradient ``scale * d aux / d theta`` joins in; no schedule needs to know. Only a forward whose
+graph is backpropagated contributes: the forward without grad of activation recomputation
+(``recompute=True``) and the runtime's shape probe (run with autograd on, its graph dropped)
+add nothing, and the recomputed forward in the backward contributes once.
 
 The aux-loss-free bias (DeepSeek-V3 sec. 2.1.2) must move once per GLOBAL batch from the loads
 summed over all microbatches and all data-parallel ranks: each stage adds up the loads of the
-forwards that autograd recorded (exactly one per microbatch and step, with or without
-recomputation), and :func:`finish_step` all-reduces them over the DP group, updates the bias
+forwards whose backward ran (the attached function's backward counts them: exactly one per
+microbatch and step, with or without recomputation), and :func:`finish_step` all-reduces them over the DP group, updates the bias
 and clears the sums. Reported failure modes in production trainers, prevented here: the aux
 loss scaled by 1 instead of 1/M, counted twice under recomputation, lost on middle stages, or
 the bias updated once per microbatch.
@@ -41,26 +41,30 @@ __all__ = ["attach_aux_loss", "MoEGPTStage", "split_moe_gpt", "moe_stages_for_ra
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on x whose backward also starts the backward of ``aux`` with gradient ``scale``."""
+    """Identity on x whose backward also starts the backward of ``aux`` with gradient ``scale``
+    and calls ``on_backward()`` (once: a graph is backpropagated once)."""
 
     @staticmethod
-    def forward(ctx, x, aux, scale):
+    def forward(ctx, x, aux, scale, on_backward):
         ctx.save_for_backward(aux)
-        ctx.scale = scale
+        ctx.scale, ctx.on_backward = scale, on_backward
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        aux_grad = torch.full_like(aux, ctx.scale) if ctx.needs_input_grad[1] else None
+        return grad, aux_grad, None, None
 
 
-def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: float, on_backward=None) -> torch.Tensor:
     """Return x (same values) so that backpropagating through it also adds ``scale * d aux``
-    (aux a 0-d tensor). No-op when aux does not require grad."""
-    if not aux.requires_grad:
+    (aux a 0-d tensor) and calls ``on_backward()``. Unchanged x when nothing needs a gradient."""
+    if not (x.requires_grad or aux.requires_grad):
         return x
-    return _AttachAuxLoss.apply(x, aux, float(scale))
+    return _AttachAuxLoss.apply(x, aux, float(scale), on_backward)
 
 
 class MoEGPTStage(nn.Module):
@@ -69,8 +73,8 @@ class MoEGPTStage(nn.Module):
     -> x [b, S, H] or logits [b, S, V]``, with the balance loss of every MoE block attached to
     its output (scale ``aux_loss_scale``, set to 1/M by :func:`split_moe_gpt`).
 
-    ``loads`` {global block index: [E] long}: loads summed over the recorded forwards since
-    the last :func:`finish_step`; ``aux_values`` the (unscaled) aux losses of those forwards."""
+    ``loads`` {global block index: [E] long}: loads summed over the forwards whose backward ran
+    since the last :func:`finish_step`; ``aux_values`` the (unscaled) aux losses of those forwards."""
 
     def __init__(self, embedding, blocks, head, layer_ids, aux_loss_scale: float):
         super().__init__()
@@ -87,16 +91,22 @@ class MoEGPTStage(nn.Module):
         for lid, block in zip(self.layer_ids, self.blocks):
             if isinstance(block, MoEBlock):
                 x, stats = block(x)
-                if torch.is_grad_enabled():             # a forward the backward will use: count it once
-                    load = stats.tokens_per_expert
-                    self.loads[lid] = self.loads[lid] + load if lid in self.loads else load.clone()
-                    self.aux_values.append(stats.aux_loss.item())
-                    x = attach_aux_loss(x, stats.aux_loss, self.aux_loss_scale)
+                if torch.is_grad_enabled():
+                    # counted when this forward's backward runs: exactly once per microbatch and step
+                    # (not for the runtime's shape probe, nor for the no-grad forward of recomputation)
+                    count = self._counter(lid, stats.tokens_per_expert.clone(), stats.aux_loss.item())
+                    x = attach_aux_loss(x, stats.aux_loss, self.aux_loss_scale, count)
             else:
                 x = block(x)
         if self.head is not None:
             x = self.head(x)
         return x
+
+    def _counter(self, lid: int, load: torch.Tensor, aux: float):
+        def count():
+            self.loads[lid] = self.loads[lid] + load if lid in self.loads else load
+            self.aux_values.append(aux)
+        return count
 
     def moe_layers(self) -> dict:
         """{global block index: MoE layer} of this stage."""

@@ -30,9 +30,8 @@ import torch.nn as nn
 
 from .. import comm
 from .dispatch import permute, run_experts, unpermute
-from .experts import Expert, MoEConfig, MoELayer
+from .experts import MoEConfig, MoELayer
 from .expert_parallel import ExpertParallelMoE, all_to_all
-from .router import TopKRouter
 
 __all__ = ["ReplicatedExpertParallelMoE", "choose_replicas", "expert_parallel_ffn", "sync_replica_grads",
            "to_replicated_expert_parallel"]
@@ -119,13 +118,7 @@ class ReplicatedExpertParallelMoE(ExpertParallelMoE):
         self.register_buffer("phy2log", phy2log, persistent=False)
         self.register_buffer("log2phy", log2phy, persistent=False)
         self.register_buffer("logcnt", logcnt, persistent=False)
-        self.router = TopKRouter(cfg.n_embd, E, cfg.n_activated_experts, cfg.score_func, cfg.renormalize,
-                                 cfg.n_expert_groups, cfg.n_limited_groups, cfg.route_scale, cfg.expert_bias,
-                                 cfg.capacity_factor, cfg.drop_policy, cfg.min_capacity)
-        self.experts = nn.ModuleList([Expert(cfg.n_embd, cfg.moe_ffn_dim, cfg.activation, cfg.bias)
-                                      for _ in range(self.n_local_experts)])
-        self.shared_experts = (Expert(cfg.n_embd, cfg.n_shared_experts * cfg.moe_ffn_dim, cfg.activation, cfg.bias)
-                               if cfg.n_shared_experts else None)
+        self._build_modules(cfg)
         self.last_recv_counts = None
 
     def local_logical(self) -> list[int]:
@@ -137,17 +130,12 @@ class ReplicatedExpertParallelMoE(ExpertParallelMoE):
         """This rank's part of a single-device layer: router and shared experts copied, and each
         local physical expert a copy of its logical expert's weights."""
         ep = cls(replace(layer.cfg, token_groups=1), phy2log, ep_group, ep_rank, ep_size)
-        ep.router.load_state_dict(layer.router.state_dict())
-        for expert, e in zip(ep.experts, ep.local_logical()):
-            expert.load_state_dict(layer.experts[e].state_dict())
-        if layer.shared_experts is not None:
-            ep.shared_experts.load_state_dict(layer.shared_experts.state_dict())
-        return ep
+        return ep._copy_from(layer, ep.local_logical())
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None)
+        r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None, mask)
         physical = choose_replicas(r.indices, r.keep, self.log2phy, self.logcnt, self.ep_rank)
         y, self.last_recv_counts = expert_parallel_ffn(x2, physical, r.keep, r.weights, self.experts,
                                                        self.n_physical, self.ep_group)

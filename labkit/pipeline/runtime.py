@@ -68,11 +68,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .schedules import (COMPUTE, Action, ScheduleError, _message, _needs, check_pipeline_sizes, gpipe_schedule,
+from .schedules import (Action, ScheduleError, _message, _needs, check_pipeline_sizes, gpipe_schedule,
                         infer_placement, interleaved_schedule, one_f_one_b_schedule, stage_rank)
 from .simulate import TimedAction
 from .split_backward import backward_input, backward_weight, w_only_saved_bytes
-from .validate import validate_schedule
+from .validate import advance_async, validate_schedule
 from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
@@ -487,7 +487,11 @@ class PipelineSchedule:
         st.stash_live[s] += nbytes
         self.stash_peak_bytes[s] = max(self.stash_peak_bytes[s], st.stash_live[s])
 
-    def _do_backward(self, a: Action, st: "_StepState"):
+    def _backward_inputs(self, a: Action, st: "_StepState", keep_inputs: bool):
+        """What B and I share: the output gradient(s) (received, or from the next stage on this
+        rank), the stage's outputs (re-materialised first under recompute) and the inputs.
+        Returns ``(start, inp, tensors, grads)``: the outputs that carry a gradient and their
+        gradients, paired. ``keep_inputs``: I keeps the inputs for W."""
         s, m = a.stage, a.microbatch
         stage = self._by_index[s]
         if stage.is_last:
@@ -497,7 +501,8 @@ class PipelineSchedule:
         else:
             grads = self._take(st, ("RECV_B", s, m), a)
         start = st.now()
-        inp, out = st.inputs.pop((s, m)), st.outputs.pop((s, m))
+        inp = st.inputs[(s, m)] if keep_inputs else st.inputs.pop((s, m))
+        out = st.outputs.pop((s, m))
         if self.recompute:  # GPipe re-materialisation: run the forward again, now with autograd
             with _replay_rng(stage.device, st.rng.pop((s, m))):  # same dropout masks as the forward
                 out = stage.submod(*inp)
@@ -514,6 +519,12 @@ class PipelineSchedule:
         if len(tensors) != len(grads):
             raise ScheduleError(f"rank {self.rank}: {a!r}: {len(tensors)} output(s) require grad but "
                                 f"{len(grads)} gradient(s) arrived")
+        return start, inp, tensors, grads
+
+    def _do_backward(self, a: Action, st: "_StepState"):
+        s, m = a.stage, a.microbatch
+        stage = self._by_index[s]
+        start, inp, tensors, grads = self._backward_inputs(a, st, keep_inputs=False)
         # a stage wrapped in DistributedDataParallel reduces its gradients in its last backward
         # of the step only; the others run under no_sync() (torch.distributed.pipelining's rule)
         st.n_backward[s] += 1
@@ -544,30 +555,10 @@ class PipelineSchedule:
         for); the graph and what W needs stay alive (:mod:`.split_backward`)."""
         s, m = a.stage, a.microbatch
         stage = self._by_index[s]
-        if stage.is_last:
-            grads = None
-        elif self._rank_of(s + 1) == self.rank:
-            grads = st.grads.pop((s + 1, m))
-        else:
-            grads = self._take(st, ("RECV_B", s, m), a)
+        start, inp, tensors, grads = self._backward_inputs(a, st, keep_inputs=True)
         if self.measure_w_memory and not self.recompute and s not in self.w_only_bytes:
-            self.w_only_bytes[s] = self._measure_w_only(stage, st.inputs[(s, m)], grads, st, m)
-        start = st.now()
-        inp, out = st.inputs[(s, m)], st.outputs.pop((s, m))
-        if self.recompute:  # run the forward again with autograd, same dropout masks
-            with _replay_rng(stage.device, st.rng.pop((s, m))):
-                out = stage.submod(*inp)
-            if stage.is_last:
-                loss = self.loss_fn(out, st.t_mbs[m]) / self.n_microbatches if st.t_mbs is not None else None
-                out = (loss,) if loss is not None and loss.requires_grad else ()
-            else:
-                out = _as_tuple(out, f"the output of stage {s}")
-        tensors = [o for o in out if o.requires_grad]
-        if grads is None:
-            grads = (None,) * len(tensors)
-        if len(tensors) != len(grads):
-            raise ScheduleError(f"rank {self.rank}: {a!r}: {len(tensors)} output(s) require grad but "
-                                f"{len(grads)} gradient(s) arrived")
+            self.w_only_bytes[s] = self._measure_w_only(stage, inp, grads, st, m)
+            start = st.now()  # the measurement is not part of this I's time
         wants = [t for t, meta in zip(inp, self._shapes[s][0]) if meta.requires_grad] if s > 0 else []
         gins, pending = backward_input(tensors, wants, list(grads), stage.submod.parameters())
         if s > 0:
@@ -781,21 +772,7 @@ def diagnose_hang(actions: dict, K: int, n_stages: int):
     whose receive no rank posts is reported. Every rank computes the same answer."""
     S = n_stages
     pl = infer_placement(actions, S)
-    idx, sent = [0] * K, set()
-    progress = True
-    while progress:
-        progress = False
-        for r in range(K):
-            acts = actions[r]
-            while idx[r] < len(acts):
-                a = acts[idx[r]]
-                need = _needs(a, K, S, pl) if a.kind in COMPUTE else None
-                if need is not None and _message(need, K, S, pl)[2] not in sent:
-                    break
-                if a.kind.startswith("SEND"):
-                    sent.add(_message(a, K, S, pl)[2])
-                idx[r] += 1
-                progress = True
+    idx = advance_async(actions, K, S, pl)
     stuck = [r for r in range(K) if idx[r] < len(actions[r])]
 
     def waits_for(r):

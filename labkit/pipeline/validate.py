@@ -220,10 +220,12 @@ def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stage
     return sched
 
 
-def _deadlock_async(sched, K, S, pl="loop"):
-    """Runtime semantics: SEND/RECV never block; F/B wait for their input message to be sent."""
-    idx = [0] * K
-    done_local, sent = set(), set()
+def advance_async(sched, K, S, pl="loop") -> list[int]:
+    """Run ``sched`` on paper with the runtime's semantics (SEND/RECV never block; F/B/I wait
+    for their input message to be sent) until no rank can move; returns, per rank, the index of
+    the first action it cannot complete (``len(sched[r])`` when it finished). Used by the
+    validator and by the runtime to explain a hang."""
+    idx, sent = [0] * K, set()
     progress = True
     while progress:
         progress = False
@@ -236,10 +238,14 @@ def _deadlock_async(sched, K, S, pl="loop"):
                     break
                 if a.kind.startswith("SEND"):
                     sent.add(_message(a, K, S, pl)[2])
-                done_local.add(a)
                 idx[r] += 1
                 progress = True
-    _report_stuck(sched, K, S, idx, "async sends", pl)
+    return idx
+
+
+def _deadlock_async(sched, K, S, pl="loop"):
+    """Runtime semantics: SEND/RECV never block; F/B wait for their input message to be sent."""
+    _report_stuck(sched, K, S, advance_async(sched, K, S, pl), "async sends", pl)
 
 
 def _deadlock_blocking(sched, K, S, pl="loop"):

@@ -100,38 +100,49 @@ def _p2p_only(counter: dict):
             setattr(mod, name, fn)
 
 
-def _run_ring(ring_all_reduce, N: int, numel: int, seed: int):
-    def body(ctx, ring_all_reduce):
-        torch.manual_seed(seed + ctx.rank)
-        x = torch.randn(numel)
-        reference = x.clone()
-        dist.all_reduce(reference, group=ctx.group)  # what the learner's ring must reproduce
-        counter = {"elements": 0}
-        with _p2p_only(counter):
-            out = ring_all_reduce(ctx, x)
-        if out is None:
-            out = x  # reduced in place
-        if not isinstance(out, torch.Tensor):
-            raise CheckFailure(f"ring_all_reduce returned {type(out).__name__}, not a tensor")
-        return {"reference": reference, "output": out.detach().clone(), "sent": counter["elements"]}
+def _ring_inputs(N: int, numel: int, seed: int) -> list[torch.Tensor]:
+    """Rank r's tensor (the grader makes them; the kernel only receives them)."""
+    out = []
+    for r in range(N):
+        torch.manual_seed(seed + r)
+        out.append(torch.randn(numel))
+    return out
 
+
+def _ring_rank(ctx, ring_all_reduce, inputs):
+    x = inputs[ctx.rank].clone()
+    counter = {"elements": 0}
+    with _p2p_only(counter):
+        out = ring_all_reduce(ctx, x)
+    if out is None:
+        out = x  # reduced in place
+    if not isinstance(out, torch.Tensor):
+        raise CheckFailure(f"ring_all_reduce returned {type(out).__name__}, not a tensor")
+    return {"output": out.detach().clone(), "sent": counter["elements"]}
+
+
+def _run_ring(ring_all_reduce, inputs):
+    """Kernel side: the learner's ring on len(inputs) gloo ranks; per rank its output and the
+    number of elements it sent. The sum it must reproduce is computed by the grader."""
     # 8 s: a deadlocked answer fails within the case's 20 s limit with the rank's own
     # "timed out" error, while a right answer never waits that long even on a loaded machine
-    return launch(body, N, ring_all_reduce, timeout=RING_TIMEOUT)
+    return launch(_ring_rank, len(inputs), ring_all_reduce, inputs, timeout=RING_TIMEOUT)
+
+
+def _ring_results(answer, N: int, numel: int, seed: int):
+    inputs = _ring_inputs(N, numel, seed)
+    res = answer.run(_run_ring, inputs)
+    reference = torch.stack(inputs).double().sum(0).float()  # what all_reduce gives every rank
+    return res, reference
 
 
 def _ring_case(N: int, numel: int, seed: int):
     def case(ring_all_reduce):
-        res = _run_ring(ring_all_reduce, N, numel, seed)
+        res, reference = _ring_results(ring_all_reduce, N, numel, seed)
         for r in range(N):
-            expect_close(res[r]["output"], res[r]["reference"],
+            expect_close(res[r]["output"], reference,
                          f"rank {r} of N={N}, {numel} elements (compared with all_reduce)", rtol=1e-5, atol=1e-5)
     return case
-
-
-def _ring_results(ring_all_reduce, N: int, numel: int, seed: int):
-    """Per rank: its output (and the reference) and the elements it sent; no expected value."""
-    return _run_ring(ring_all_reduce, N, numel, seed), None
 
 
 def _traffic_case(N: int, numel: int, seed: int):

@@ -150,6 +150,20 @@ def _run(net, x, G, seed, fn):
     return y.detach(), x.grad, grads, after
 
 
+def _ckpt_outputs(answer, p: float, seed: int, segments: int, x, G):
+    """Kernel side: ``segments`` applications of the learner's Function; what _run returns."""
+    if not (isinstance(answer, type) and issubclass(answer, torch.autograd.Function)):
+        raise CheckFailure(f"expected a torch.autograd.Function subclass, got {type(answer).__name__}")
+    net = _net(seed, p)
+
+    def ckpt(net, x):
+        for _ in range(segments):
+            x = answer.apply(net, x)
+        return x
+
+    return _run(net, x, G, seed + 2, ckpt)
+
+
 def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, label: str):
     net = _net(seed, p)
     g = torch.Generator().manual_seed(seed + 1)
@@ -160,13 +174,8 @@ def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, lab
             x = net(x)
         return x
 
-    def ckpt(net, x):
-        for _ in range(segments):
-            x = answer.apply(net, x)
-        return x
-
     ref = _run(net, x, G, seed + 2, plain)
-    got = _run(net, x, G, seed + 2, ckpt)
+    got = answer.run(_ckpt_outputs, p, seed, segments, x, G)
     expect_close(got[0], ref[0], f"{label}: output y")
     if got[1] is None:
         raise CheckFailure(f"{label}: x.grad is None; backward must return (None, dL/dx)")
@@ -183,8 +192,6 @@ def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, lab
 
 def _ckpt_case(p, seed, segments=1, check_stream=False, label=""):
     def case(answer):
-        if not (isinstance(answer, type) and issubclass(answer, torch.autograd.Function)):
-            raise CheckFailure(f"expected a torch.autograd.Function subclass, got {type(answer).__name__}")
         _compare(answer, p, seed, segments, check_stream, label)
     return case
 

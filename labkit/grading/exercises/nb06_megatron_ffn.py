@@ -138,20 +138,26 @@ def _reference(N, H, F_, seed):
     return {"Z": Z.detach(), "dX": X.grad, "dA": A.grad, "dB": B.grad}
 
 
+def _operator_outputs(fn_class, which: str, t: int, N: int, H: int, F_: int, seed: int):
+    """Kernel side: the MLP on t ranks with the learner's f (``which`` = "f") or g; per rank
+    what :func:`_tp_mlp_run` measured."""
+    if not (isinstance(fn_class, type) and issubclass(fn_class, torch.autograd.Function)):
+        raise CheckFailure(f"expected a torch.autograd.Function subclass, got {type(fn_class).__name__}")
+    if which == "f":
+        f_apply, g_apply = fn_class.apply, reduce_from_tensor_model_parallel_region
+    else:
+        f_apply, g_apply = copy_to_tensor_model_parallel_region, fn_class.apply
+
+    def body(ctx):
+        return _tp_mlp_run(ctx, f_apply, g_apply, N, H, F_, seed)
+
+    return launch(body, t, timeout=8)
+
+
 def _operator_case(which: str, t: int, N: int, H: int, F_: int, seed: int):
     """``which`` = "f": the learner's f with labkit's g; "g": labkit's f with the learner's g."""
     def case(fn_class):
-        if not (isinstance(fn_class, type) and issubclass(fn_class, torch.autograd.Function)):
-            raise CheckFailure(f"expected a torch.autograd.Function subclass, got {type(fn_class).__name__}")
-        if which == "f":
-            f_apply, g_apply = fn_class.apply, reduce_from_tensor_model_parallel_region
-        else:
-            f_apply, g_apply = copy_to_tensor_model_parallel_region, fn_class.apply
-
-        def body(ctx):
-            return _tp_mlp_run(ctx, f_apply, g_apply, N, H, F_, seed)
-
-        res = launch(body, t, timeout=8)
+        res = fn_class.run(_operator_outputs, which, t, N, H, F_, seed)
         ref = _reference(N, H, F_, seed)
         w = F_ // t
         where = f"t={t}, X [{N}, {H}]"

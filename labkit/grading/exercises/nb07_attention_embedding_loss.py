@@ -117,6 +117,17 @@ ex72.case("V=16, t=2, ids [3, 5]")(_emb_sum_case(16, 4, 2, (3, 5), 0))
 ex72.case("V=12, t=4, ids [10]")(_emb_sum_case(12, 3, 4, (10,), 1))
 
 
+def _emb_grad(partial_embedding, ids, shard, start, G, what):
+    """Kernel side: the learner's lookup on a shard that requires grad, backpropagated with G;
+    returns the shard's gradient."""
+    shard = shard.clone().requires_grad_(True)
+    got = _call_emb(partial_embedding, ids, shard, start, what)
+    if not got.requires_grad:
+        raise CheckFailure(f"{what}: the result does not depend on weight_shard (no gradient can flow)")
+    (got * G).sum().backward()
+    return shard.grad
+
+
 @ex72.case("gradient reaches only this rank's rows")
 def _(partial_embedding):
     V, D, t = 16, 4, 2
@@ -125,13 +136,9 @@ def _(partial_embedding):
     Wf = W.clone().requires_grad_(True)
     (F.embedding(ids, Wf) * G).sum().backward()
     for r, (shard, start) in enumerate(_shards(W, t)):
-        shard = shard.requires_grad_(True)
         what = f"partial_embedding(ids [4, 6], weight_shard [{V // t}, {D}], vocab_start={start})"
-        got = _call_emb(partial_embedding, ids, shard, start, what)
-        if not got.requires_grad:
-            raise CheckFailure(f"{what}: the result does not depend on weight_shard (no gradient can flow)")
-        (got * G).sum().backward()
-        expect_close(shard.grad, Wf.grad[start:start + V // t],
+        grad = partial_embedding.run(_emb_grad, ids, shard, start, G, what)
+        expect_close(grad, Wf.grad[start:start + V // t],
                      f"gradient of weight_shard on rank {r} (vs the rows {start}..{start + V // t - 1} of one "
                      f"device's gradient; rows of ids the rank does not own must get none)")
 
@@ -215,6 +222,8 @@ def _ce_data(N: int, V: int, seed: int, offset: float, scale: float, target_bloc
 
 
 def _run_ce(vocab_parallel_ce, t, logits, target):
+    """Kernel side: the learner's loss on t ranks (rank r gets its vocabulary block); per rank
+    its loss and the sizes of the all-reduces it issued."""
     V = logits.shape[1]
 
     def body(ctx):
@@ -238,7 +247,7 @@ def _ce_case(t: int, N: int, V: int, seed: int, offset: float = 0.0, scale: floa
              max_all_reduces: int | None = None):
     def case(vocab_parallel_ce):
         logits, target = _ce_data(N, V, seed, offset, scale, target_block, t)
-        res = _run_ce(vocab_parallel_ce, t, logits, target)
+        res = vocab_parallel_ce.run(_run_ce, t, logits, target)
         expected = F.cross_entropy(logits.double(), target, reduction="none").float()
         desc = f"t={t}, N={N} tokens, V={V}" + (f", logits around {offset:g}" if offset else "")
         for r, out in enumerate(res):

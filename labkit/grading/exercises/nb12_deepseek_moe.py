@@ -122,10 +122,26 @@ def _source_lines(fn) -> set[str]:
     return {_norm(l) for l in inspect.getsource(fn).splitlines() if _norm(l)}
 
 
+def _gate_lines(answer):
+    """Kernel side: the learner's dict with each function replaced by ("function", module,
+    qualname), so it can travel as data."""
+    if callable(answer) and not isinstance(answer, dict):
+        answer = answer()          # a function returning the dict (what the notebook asks for)
+    if not isinstance(answer, dict):
+        return answer
+    out = {}
+    for name, entry in answer.items():
+        if isinstance(entry, (tuple, list)) and len(entry) == 2 and callable(entry[0]):
+            where = getattr(entry[0], "__func__", entry[0])
+            entry = (("function", str(getattr(where, "__module__", "")), str(getattr(where, "__qualname__", ""))),
+                     entry[1])
+        out[name] = entry
+    return out
+
+
 def _concept_case(names):
     def case(answer):
-        if callable(answer) and not isinstance(answer, dict):
-            answer = answer()          # a function returning the dict (what the notebook asks for)
+        answer = answer.run(_gate_lines)
         if not isinstance(answer, dict):
             raise CheckFailure(f"gate_lines() must return a dict concept -> (function, line), got "
                                f"{type(answer).__name__}")
@@ -138,10 +154,10 @@ def _concept_case(names):
             if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[1], str):
                 raise CheckFailure(f"{name!r}: expected a pair (function, line of its source), got {entry!r}")
             where, line = entry
-            target = getattr(where, "__func__", where)
-            if target is not fn:
+            is_fn = isinstance(where, tuple) and len(where) == 3 and where[0] == "function"
+            if not is_fn or (where[1], where[2]) != (fn.__module__, fn.__qualname__):
                 raise CheckFailure(f"{name!r}: the line that must {job} is in {fn.__qualname__}, "
-                                   f"not in {getattr(where, '__qualname__', repr(where))}")
+                                   f"not in {where[2] if is_fn else repr(where)}")
             line_n = _norm(line)
             if line_n not in _source_lines(fn):
                 raise CheckFailure(f"{name!r}: {line.strip()!r} is not a line of {fn.__qualname__} "

@@ -14,6 +14,7 @@ import torch
 
 from ...pipeline import peak_in_flight, simulate, zb_h1_schedule, zbv_schedule
 from ..registry import CheckFailure, exercise, expect_close
+from . import kernel_side
 from .nb02_gpipe import expect_same_grads, run_pipeline, validated
 
 # ----------------------------------------------------------------------------- 13.1
@@ -22,6 +23,21 @@ ex131 = exercise(
     hint="out = layer(x); torch.autograd.grad(out, x, grad_out, retain_graph=True) gives dL/dx; a second "
          "torch.autograd.grad(out, [layer.weight, layer.bias], grad_out) gives the rest. Return tensors; "
          "do not call .backward() (it would write .grad).")
+
+
+def _split_run(split_linear_backward, weight, bias, x, grad_out):
+    """Kernel side: the learner's split backward on a Linear with these parameters; its result
+    (detached) and whether it wrote a .grad (x's or the layer's)."""
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0])
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+    x = x.clone().requires_grad_(True)
+    got = split_linear_backward(layer, x, grad_out)
+    wrote = layer.weight.grad is not None or x.grad is not None
+    if isinstance(got, (tuple, list)):
+        got = type(got)(t.detach() if isinstance(t, torch.Tensor) else t for t in got)
+    return got, wrote
 
 
 def _linear_case(n_in: int, n_out: int, batch: int, seed: int):
@@ -33,12 +49,13 @@ def _linear_case(n_in: int, n_out: int, batch: int, seed: int):
             layer.bias.copy_(torch.randn(n_out, generator=g))
         x = torch.randn(batch, n_in, generator=g, requires_grad=True)
         grad_out = torch.randn(batch, n_out, generator=g)
-        got = split_linear_backward(layer, x, grad_out)
+        got, wrote = kernel_side(split_linear_backward, _split_run, layer.weight.detach(), layer.bias.detach(),
+                                 x.detach(), grad_out)
         what = f"split_linear_backward(Linear({n_in}, {n_out}), x [{batch}, {n_in}], grad_out)"
         if not isinstance(got, (tuple, list)) or len(got) != 3:
             raise CheckFailure(f"{what}: expected a tuple (grad_input, grad_weight, grad_bias), got "
                                f"{type(got).__name__}")
-        if layer.weight.grad is not None or x.grad is not None:
+        if wrote:
             raise CheckFailure(f"{what}: .grad was written (x.grad or layer.weight.grad is set); compute the two "
                                f"parts with torch.autograd.grad and return them")
         # the unsplit backward, on copies

@@ -1,0 +1,221 @@
+"""Hostile submissions, each graded end to end by the real ``python -m labkit grade``.
+
+Two notebooks are graded in one grader run (each in its own kernel):
+
+* ``attacks.ipynb``: every answer is still the stub, and its cells try to game the grader:
+  replace the case runner and every registry case from the kernel, append forged "passed"
+  records, check exercises of another notebook and check the same exercise again and again,
+  answer H.3 with labkit's reference function, look for the instructor's hidden cases.
+  Honest score: 0 of 3.
+* ``robust.ipynb``: right answers to H.1 and H.3 around cells that flood 50 MB of output, hold a
+  syntax error (the H.2 cell), call ``os._exit``, loop forever ignoring SIGINT, and SIGKILL
+  the kernel. Honest score: 2 of 3 (H.2 alone is lost).
+
+The exercises H.1-H.3 (notebook ``98_hostile``) come from an instructor hidden-case folder whose
+hidden cases carry a secret input and expected value; the kernel must never see them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.grading.runner import evaluate
+from labkit.pipeline import gpipe_schedule
+
+SECRET = 4242  # a hidden case's input; 3 * SECRET its expected value
+
+CASES = f'''
+from labkit.grading.registry import exercise, expect_equal
+
+ex = exercise("H.1", title="triple", notebook="98_hostile", points=1)
+@ex.case("x=2", hidden=False)
+def _(f): expect_equal(f(2), 6, "f(2)")
+@ex.case("secret")
+def _(f): expect_equal(f({SECRET}), {3 * SECRET}, "f(secret)")
+
+ex = exercise("H.2", title="negate", notebook="98_hostile", points=1)
+@ex.case("x=1", hidden=False)
+def _(f): expect_equal(f(1), -1, "f(1)")
+
+ex = exercise("H.3", title="square", notebook="98_hostile", points=1,
+              references=["labkit.pipeline.simulate:bubble_formula"])
+@ex.case("x=3", hidden=False)
+def _(f): expect_equal(f(3), 9, "f(3)")
+'''
+
+STUBS = [
+    "from labkit.grading import check\nimport os, sys, json",
+    "def triple(x):\n    raise NotImplementedError('Exercise H.1')\ncheck('H.1', triple)",
+    "def negate(x):\n    raise NotImplementedError('Exercise H.2')\ncheck('H.2', negate)",
+    "def square(x):\n    raise NotImplementedError('Exercise H.3')\ncheck('H.3', square)",
+]
+
+ATTACKS = [
+    # replace the case runner (what check() and the old grader used)
+    "import labkit.grading.runner as R\n"
+    "R.run_case = lambda case, answer, *a, **k: R.CaseResult(case.name, case.hidden, 'passed')\n"
+    "R.evaluate = lambda i, a, *x, **k: R.CheckResult(i, 'passed', 1, 1, 'passed')",
+    # replace every case of every exercise the kernel knows
+    "from labkit.grading import registry\n"
+    "for ex in registry.all_exercises():\n    for c in ex.cases:\n        c.fn = lambda answer: None",
+    # forged records, wherever a results file might be
+    "for p in [os.environ.get('LABKIT_RESULTS_FILE'), 'results.json', '../out/results.json']:\n"
+    "    if p:\n        try:\n            open(p, 'a').write(json.dumps({'exercise': 'H.1', 'case': 'x=2', 'status': 'passed',"
+    " 'score': 100}) + '\\n')\n        except OSError:\n            pass",
+    # checks of another notebook's exercises (right answers: they must add nothing) and repeats
+    "check('1.1', lambda K, M: (K - 1) / (M + K - 1))\ncheck('12.1', lambda E, k, m: 1)\n"
+    "for _ in range(5):\n    check('H.1', triple)",
+    # a right value computed with the labkit function the exercise stands for (the last check counts)
+    "from labkit.pipeline.simulate import bubble_formula\n"
+    "check('H.3', lambda x: x * x + 0 * int(bubble_formula(2, 2)))",
+    # look for the instructor's hidden cases
+    "hidden = [m for m in sys.modules if m.startswith('labkit_hidden')]\n"
+    "raise RuntimeError('OBSERVED ' + json.dumps({'env': os.environ.get('LABKIT_HIDDEN_CASES'), 'modules': hidden,\n"
+    "    'cases': [c.name for ex in registry.all_exercises() for c in ex.cases if ex.id.startswith('H.')]}))",
+]
+
+ROBUST = [
+    "from labkit.grading import check\nimport os, signal",
+    "def triple(x):\n    return 3 * x\ncheck('H.1', triple)",
+    "print('x' * 50_000_000)",                                    # 50 MB of output
+    "def negate(x)\n    return -x\ncheck('H.2', negate)",           # a syntax error: H.2 is lost
+    "os._exit(3)",                                                # the kernel exits
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass",   # loops, ignoring SIGINT
+    "os.kill(os.getpid(), signal.SIGKILL)",                       # the kernel is killed
+    "def square(x):\n    return x * x\ncheck('H.3', square)",
+]
+
+
+def _notebook(path: Path, sources: list[str]) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["labkit"] = {"notebook": "98_hostile"}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nbformat.write(nb, str(path))
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    (tmp / "cases").mkdir()
+    (tmp / "cases" / "hostile.py").write_text(CASES)
+    sub = tmp / "submission"
+    sub.mkdir()
+    _notebook(sub / "attacks.ipynb", STUBS + ATTACKS)
+    _notebook(sub / "robust.ipynb", ROBUST)
+    (tmp / "out").mkdir()
+    results = tmp / "out" / "results.json"
+    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"))
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(sub / "attacks.ipynb"),
+                           str(sub / "robust.ipynb"), "--results", str(results), "--cell-timeout", "4"],
+                          capture_output=True, text=True, env=env, cwd=tmp, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return tmp, proc, json.loads(results.read_text())
+
+
+def _tests(obj, notebook_tests):
+    return [t for t in obj["tests"] if t["name"] in notebook_tests]
+
+
+def test_attacks_score_zero_and_only_the_notebooks_exercises_count(graded):
+    tmp, proc, obj = graded
+    names = [t["name"] for t in obj["tests"]]
+    # two notebooks x (H.1: 2 cases, H.2: 1, H.3: 1); no test of notebook 01 or 12
+    assert len(names) == 8 and all(n.startswith("Exercise H.") for n in names), names
+    attacks = obj["tests"][:4]
+    assert [t["score"] for t in attacks] == [0, 0, 0, 0], attacks
+    assert sum(t["max_score"] for t in attacks) == 3  # each exercise at most its points
+    assert "attacks.ipynb: 0 / 3" in obj["output"]
+    assert "not attempted" in attacks[0]["output"]
+    h3 = attacks[3]
+    assert h3["name"] == "Exercise H.3 (square) - case: x=3"
+    assert "labkit's own bubble_formula (labkit.pipeline.simulate)" in h3["output"], h3
+
+
+def test_the_kernel_never_sees_hidden_cases(graded):
+    tmp, proc, obj = graded
+    # the attack cell raised what it found; its error is in the grader's output
+    assert 'raised RuntimeError: OBSERVED {"env": null, "modules": [], "cases": []}' in proc.stdout
+    assert str(SECRET) not in proc.stdout + json.dumps(obj)
+
+
+def test_broken_cells_cost_only_what_depends_on_them(graded):
+    tmp, proc, obj = graded
+    robust = {t["name"]: t for t in obj["tests"][4:]}
+    assert robust["Exercise H.1 (triple) - case: x=2"]["score"] == 0.5
+    assert robust["Exercise H.1 (triple) - hidden case: secret"]["score"] == 0.5
+    assert robust["Exercise H.3 (square) - case: x=3"]["score"] == 1
+    h2 = robust["Exercise H.2 (negate) - case: x=1"]
+    assert h2["score"] == 0 and "cell 4 raised SyntaxError" in h2["output"]
+    assert "robust.ipynb: 2 / 3" in obj["output"]
+    for why in ("cell 5 killed the kernel", "cell 6 ran past the time limit of 4 s", "cell 7 killed the kernel"):
+        assert why in proc.stdout
+    assert obj["score"] == 2
+
+
+def test_grader_says_how_the_kernel_is_isolated(graded):
+    tmp, proc, obj = graded
+    assert "isolation" in proc.stdout and "isolation" in obj["output"]
+    if os.geteuid() != 0:
+        assert "isolation is partial" in proc.stdout
+
+
+def test_labkit_reference_as_the_answer_is_refused():
+    res = evaluate("2.1", gpipe_schedule)
+    assert res.status == "failed" and res.passed == 0
+    assert "labkit's own gpipe_schedule (labkit.pipeline.schedules)" in res.message
+    assert "the reference implementation this exercise asks you to write" in res.message
+
+    def wraps_it(K, M):  # calling it from inside an answer is caught too, even inside a try
+        try:
+            return dict(gpipe_schedule(K, M))
+        except Exception:
+            return {}
+
+    assert "gpipe_schedule" in evaluate("2.1", wraps_it).message
+
+
+FORGE = [
+    "from labkit.grading import check\nimport os, json, signal",
+    "def triple(x):\n    raise NotImplementedError('Exercise H.1')\ncheck('H.1', triple)",
+    # where the grader writes: its command line, read from /proc
+    "argv = open(f'/proc/{os.getppid()}/cmdline').read().split('\\0')\n"
+    "target = argv[argv.index('--results') + 1]",
+    "open(target, 'w').write(json.dumps({'score': 100, 'tests': []}))",   # forge the results file
+    "os.kill(os.getppid(), signal.SIGKILL)",                              # then kill the grader
+    "print(open(f'/proc/{os.getppid()}/environ').read())",               # where are the hidden cases?
+]
+
+
+def _isolated() -> bool:
+    if os.geteuid() != 0:
+        return False
+    from labkit.grading.session import kernel_user
+
+    return kernel_user() is not None
+
+
+@pytest.mark.skipif(not _isolated(), reason="needs root with an unprivileged kernel user; as another user the "
+                                            "kernel CAN signal the grader (documented: isolation is partial)")
+def test_as_root_the_kernel_cannot_forge_results_kill_the_grader_or_read_hidden_cases(tmp_path):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "hostile.py").write_text(CASES)
+    _notebook(tmp_path / "forge.ipynb", FORGE)
+    results = tmp_path / "results.json"
+    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp_path / "cases"))
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "forge.ipynb"), "--results",
+                           str(results), "--cell-timeout", "20"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(results.read_text())
+    assert obj["score"] == 0 and len(obj["tests"]) == 4
+    assert "cell 4 raised PermissionError" in proc.stdout or "cell 4 raised FileNotFoundError" in proc.stdout
+    assert "cell 5 raised PermissionError" in proc.stdout  # the grader cannot be signalled
+    assert "cell 6 raised PermissionError" in proc.stdout  # nor its environment read
+    assert "runs as user labkit-kernel" in proc.stdout or "runs as user nobody" in proc.stdout
