@@ -94,11 +94,11 @@ def test_zbv_bubble_formula_for_any_costs_on_grid():
     for K in range(1, 7):
         for M in sorted({2 * K - 1, 2 * K, 3 * K + 1}):
             s = zbv_schedule(K, M)
-            costs = ZBV_COSTS if K <= 3 else ZBV_COSTS[M % 3::5]
+            costs = ZBV_COSTS[M % 2::2] if K <= 3 else ZBV_COSTS[M % 3::6]
             for f, i, w in costs:
                 assert _bubble(s, f, i, w) == bubble_time_formula("zbv", K, f, i, w), (K, M, f, i, w)
                 n += 1
-    assert n > 1000
+    assert n > 500
     # each term is the only maximum at one of these costs (K >= 3; at K = 2 some terms coincide)
     witnesses = [(0, 1, 2), (0, 3, 2), (0, 1, 0), (1, 0, 3), (2, 0, 3), (6, 5, 2), (2, 0, 1), (2, 1, 0)]
     for K in (3, 5):
