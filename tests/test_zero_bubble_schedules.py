@@ -76,13 +76,61 @@ def test_zbv_bubble_with_equal_chunk_costs_and_no_gap_on_any_rank():
                 sim = simulate(s, forward=t, backward_input=t, backward_weight=t)
                 assert sim.bubble_time == bubble_time_formula("zbv", K, t, t, t) == (K - 1) * t
                 assert _gapless(sim), (K, M)
-    with pytest.raises(ValueError, match="T_F = T_I = T_W"):
-        bubble_time_formula("zbv", 4, 1, 2, 1)
     # the check catches a ZB-V order with every W postponed to the end
     s = zbv_schedule(4, 8)
     lazy = {r: [a for a in acts if a.kind in "FI"] + [a for a in acts if a.kind == "W"] for r, acts in s.items()}
     sim = simulate(add_communication(lazy, 8), forward=1, backward_input=1, backward_weight=1)
     assert sim.bubble_time != 3 and not _gapless(sim)
+
+
+ZBV_COSTS = [c for c in itertools.product([0, Fr(1, 2), 1, 2, 3], repeat=3) if any(c)]
+
+
+def test_zbv_bubble_formula_for_any_costs_on_grid():
+    """The maximum of zbv_bubble_terms equals the simulated bubble of the ZB-V order for any
+    T_F, T_I, T_W (0 included) and M >= 2K-1; every one of the eight terms is needed (each is
+    the only maximum somewhere on the grid); and the special cases of zbv_schedule's docstring."""
+    n = 0
+    for K in range(1, 7):
+        for M in sorted({2 * K - 1, 2 * K, 3 * K + 1}):
+            s = zbv_schedule(K, M)
+            costs = ZBV_COSTS[M % 2::2] if K <= 3 else ZBV_COSTS[M % 3::6]
+            for f, i, w in costs:
+                assert _bubble(s, f, i, w) == bubble_time_formula("zbv", K, f, i, w), (K, M, f, i, w)
+                n += 1
+    assert n > 500
+    # each term is the only maximum at one of these costs (K >= 3; at K = 2 some terms coincide)
+    witnesses = [(0, 1, 2), (0, 3, 2), (0, 1, 0), (1, 0, 3), (2, 0, 3), (6, 5, 2), (2, 0, 1), (2, 1, 0)]
+    for K in (3, 5):
+        s = zbv_schedule(K, 2 * K + 1)
+        for j, (f, i, w) in enumerate(witnesses):
+            terms = zero_bubble.zbv_bubble_terms(K, f, i, w)
+            assert terms.index(max(terms)) == j and terms.count(max(terms)) == 1, (K, j)
+            assert _bubble(s, f, i, w) == max(terms), (K, f, i, w)
+    K = 5
+    for t, w in [(2, 1), (2, 2), (2, Fr(3, 2)), (2, Fr(1, 2)), (2, 0), (2, 3), (1, 4)]:
+        if w < t / 2:
+            want = 2 * (K - 1) * (t - w)
+        else:
+            want = (K - 1) * t + (K - 2) * max(0, w - t)
+        assert bubble_time_formula("zbv", K, t, t, w) == want, (t, w)
+
+
+def test_zbv_formula_check_catches_wrong_formulas_and_orders():
+    """The grid check fails for the equal-cost formula (K-1)T_F used with other costs, for the
+    maximum without any one of its terms, and for a ZB-V order with one W moved to the end."""
+    K, M = 4, 8
+    s = zbv_schedule(K, M)
+    assert any(_bubble(s, f, i, w) != (K - 1) * f for f, i, w in ZBV_COSTS[::7])
+    witnesses = [(0, 1, 2), (0, 3, 2), (0, 1, 0), (1, 0, 3), (2, 0, 3), (6, 5, 2), (2, 0, 1), (2, 1, 0)]
+    for drop in range(8):
+        partial = lambda f, i, w: max(t for j, t in enumerate(zero_bubble.zbv_bubble_terms(K, f, i, w)) if j != drop)
+        assert any(_bubble(s, f, i, w) != partial(f, i, w) for f, i, w in witnesses), drop
+    compute = {r: [a for a in s[r] if a.kind in "FIW"] for r in range(K)}
+    first_w = next(a for a in compute[1] if a.kind == "W")
+    compute[1] = [a for a in compute[1] if a != first_w] + [first_w]  # rank 1 keeps one W for the end
+    moved = add_communication(compute, 2 * K)
+    assert any(_bubble(moved, f, i, w) != bubble_time_formula("zbv", K, f, i, w) for f, i, w in ZBV_COSTS[::5])
 
 
 def test_zbv_layout_and_memory():

@@ -295,12 +295,12 @@ def _analyse_zero_bubble(a, kind, K, results, single):
                    overlapped=dualpipev_overlapped(K, M) if kind == "dualpipev" else None)
     chunks = 2 if kind in V_SHAPED else 1
     work = chunks * M * (f + i + w)
-    exact = {"zb-h1": lambda: w <= min(f, i) * 1.15, "zbv": lambda: max(f, i, w) <= 1.15 * min(f, i, w),
+    exact = {"zb-h1": lambda: w <= min(f, i) * 1.15, "zbv": lambda: M >= 2 * K - 1,  # zbv: exact for any costs
              "dualpipev": lambda: abs(f - i) <= 0.15 * max(f, i) and w <= i * 1.15}[kind]()
     if exact:
         name = kind
         fi = (f + i) / 2 if kind == "dualpipev" else None
-        t = bubble_time_formula(name, K, fi or f, fi or i, w) if kind != "zbv" else (K - 1) * (f + i + w) / 3
+        t = bubble_time_formula(name, K, fi or f, fi or i, w)
         formula = t / (work + t)
     else:
         formula = float("nan")
@@ -421,8 +421,9 @@ def main(argv=None) -> int:
     else:
         print("real compute: the times are what the ranks measured (no cost model).")
     if any(r["schedule"] in ZERO_BUBBLE for r in rows):
-        print("zero-bubble formulas: zb-h1 (K-1)(T_F+T_I-T_W), zbv (K-1)T_F with T_F=T_I=T_W, dualpipev "
-              "(K-1)(F&B+B-3W) with F&B=F+B, from the measured mean T_F, T_I, T_W (nan: not exact for them).")
+        print("zero-bubble formulas: zb-h1 (K-1)(T_F+T_I-T_W), zbv (K-1)T_F for T_F=T_I=T_W and for any costs the "
+              "maximum of labkit.pipeline.zbv_bubble_terms (M >= 2K-1), dualpipev (K-1)(F&B+B-3W) with F&B=F+B, "
+              "from the measured mean T_F, T_I, T_W (nan: not exact for them).")
     drop = 1 - single["losses"][-1] / single["losses"][0]
     print(f"\ntrain loss {single['losses'][0]:.3f} -> {single['losses'][-1]:.3f} ({drop:.0%} lower). "
           f"curve gap: largest |loss difference| between the two separate trainings (shown, not judged). "

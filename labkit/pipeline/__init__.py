@@ -22,7 +22,7 @@ from .simulate import (SimResult, TimedAction, bubble_formula, bubble_fraction, 
                        simulate)
 from .validate import validate_schedule
 from .zero_bubble import (bubble_time_formula, dualpipev_overlapped, dualpipev_schedule, zb_h1_schedule,
-                          zbv_schedule)
+                          zbv_bubble_terms, zbv_schedule)
 
 __all__ = [
     "Action", "ScheduleError", "COMPUTE", "COMM", "KINDS", "stage_rank", "parse_actions",
@@ -30,7 +30,7 @@ __all__ = [
     "one_f_one_b_schedule", "interleaved_schedule", "validate_schedule", "simulate", "SimResult",
     "TimedAction", "bubble_formula", "bubble_fraction", "peak_in_flight",
     "PLACEMENTS", "infer_placement", "peak_waiting_for_w", "zb_h1_schedule", "zbv_schedule", "dualpipev_schedule",
-    "dualpipev_overlapped", "bubble_time_formula",
+    "dualpipev_overlapped", "bubble_time_formula", "zbv_bubble_terms",
 ]
 from .runtime import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                       ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble)

@@ -51,7 +51,10 @@ forward of each stage and reused afterwards (the shapes are fixed; the hooks cos
 With a split backward a microbatch stays in flight (its stash alive) until its W;
 ``peak_waiting_for_w`` (stage -> most microbatches between their I and their W) and
 ``w_grads_peak_bytes`` (stage -> most bytes of the gradients I keeps for W) count what the
-split adds.
+split adds. With ``measure_w_memory=True``, ``w_only_bytes`` (stage -> bytes of one
+microbatch's saved activations that only W needs, measured once per stage at its first I with
+:func:`.split_backward.w_only_saved_bytes`) and ``w_only_peak_bytes`` (stage -> most such
+bytes held at once, between I and W) count, separately, the part of the stash kept only for W.
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ from .. import comm
 from .schedules import (Action, ScheduleError, _message, _needs, check_pipeline_sizes, gpipe_schedule,
                         infer_placement, interleaved_schedule, one_f_one_b_schedule, stage_rank)
 from .simulate import TimedAction
-from .split_backward import backward_input, backward_weight
+from .split_backward import backward_input, backward_weight, w_only_saved_bytes
 from .validate import advance_async, validate_schedule
 from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
@@ -200,6 +203,9 @@ class PipelineSchedule:
             taken its chosen time, so its duration is max(real, chosen) without holding a
             core. With chosen times well above the real ones the measured bubble shows the
             schedule's formula even on fewer cores than ranks (see ``timeline``).
+        measure_w_memory: measure ``w_only_bytes`` / ``w_only_peak_bytes`` (split backward
+            only; costs a few extra I passes of one microbatch per stage at its first I, run
+            before the I's timeline entry starts, with the RNG state restored afterwards).
 
     Raises ScheduleError before any communication when M < 1, the group size does not equal
     the schedule's K, or this rank's stages do not match the placement stage i -> rank i % K.
@@ -207,7 +213,7 @@ class PipelineSchedule:
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, actions: dict | None = None,
                  recompute: bool = False, validate: bool = True, timeout: float | None = None,
-                 cost_model: dict | None = None):
+                 cost_model: dict | None = None, measure_w_memory: bool = False):
         self.stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         if not self.stages:
             raise ScheduleError("no stages given")
@@ -218,6 +224,9 @@ class PipelineSchedule:
         self.recompute = recompute
         self.timeout = timeout
         self.cost_model = _check_cost_model(cost_model)
+        self.measure_w_memory = bool(measure_w_memory)
+        self.w_only_bytes: dict = {}       # stage -> bytes per microbatch of activations only W needs
+        self.w_only_peak_bytes: dict = {}  # stage -> most of those bytes held at once (between I and W)
         self.group = self.stages[0].group
         self.num_stages = S = self.stages[0].num_stages
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -371,6 +380,7 @@ class PipelineSchedule:
             self.peak_in_flight = {s: 0 for s in self._by_index}
             self.peak_waiting_for_w = {s: 0 for s in self._by_index}
             self.w_grads_peak_bytes = {s: 0 for s in self._by_index}
+            self.w_only_peak_bytes = {s: 0 for s in self._by_index} if self.measure_w_memory else {}
             self.stash_peak_bytes = {s: 0 for s in self._by_index}
             self.stash_bytes = {s: [0] * M for s in self._by_index}
         if dist.is_initialized():
@@ -546,6 +556,9 @@ class PipelineSchedule:
         s, m = a.stage, a.microbatch
         stage = self._by_index[s]
         start, inp, tensors, grads = self._backward_inputs(a, st, keep_inputs=True)
+        if self.measure_w_memory and not self.recompute and s not in self.w_only_bytes:
+            self.w_only_bytes[s] = self._measure_w_only(stage, inp, grads, st, m)
+            start = st.now()  # the measurement is not part of this I's time
         wants = [t for t, meta in zip(inp, self._shapes[s][0]) if meta.requires_grad] if s > 0 else []
         gins, pending = backward_input(tensors, wants, list(grads), stage.submod.parameters())
         if s > 0:
@@ -556,6 +569,27 @@ class PipelineSchedule:
         self.peak_waiting_for_w[s] = max(self.peak_waiting_for_w[s], st.waiting_w[s])
         st.w_bytes[s] += pending.nbytes
         self.w_grads_peak_bytes[s] = max(self.w_grads_peak_bytes[s], st.w_bytes[s])
+        if s in self.w_only_bytes:
+            self.w_only_peak_bytes[s] = max(self.w_only_peak_bytes[s], st.waiting_w[s] * self.w_only_bytes[s])
+
+    def _measure_w_only(self, stage: PipelineStage, inp, grads, st: "_StepState", m: int) -> int:
+        """Bytes of one microbatch's saved activations that only W needs on ``stage``
+        (:func:`.split_backward.w_only_saved_bytes` on a fresh forward of microbatch ``m``;
+        the last stage differentiates its scaled loss). RNG states are restored afterwards."""
+        module = getattr(stage.submod, "module", stage.submod)  # DDP: measure the wrapped module, no hooks
+        if stage.is_last:
+            target = st.t_mbs[m] if st.t_mbs is not None else None
+            if target is None or self.loss_fn is None:
+                return 0
+
+            def fn(*x):
+                return self.loss_fn(module(*x), target) / self.n_microbatches
+            gs = None
+        else:
+            fn, gs = module, [g for g in grads if g is not None] if grads is not None else None
+        devices = [] if stage.device.type == "cpu" else [stage.device]
+        with torch.random.fork_rng(devices=devices):
+            return w_only_saved_bytes(fn, [t.detach() for t in inp], gs, module.parameters())["w_only"]
 
     def _do_backward_weight(self, a: Action, st: "_StepState"):
         """W: the parameter gradients of (stage, microbatch) from what its I kept; they

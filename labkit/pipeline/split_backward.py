@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["backward_input", "backward_weight", "PendingWeightGrad"]
+__all__ = ["backward_input", "backward_weight", "PendingWeightGrad", "w_only_saved_bytes"]
 
 
 PONLY = frozenset("p")
@@ -159,3 +159,87 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         if edges and params:
             torch.autograd.backward(edges, grad_tensors=grads, inputs=params)
     pending.edges = pending.grads = pending.params = None
+
+
+def w_only_saved_bytes(fn, inputs, grads=None, params=None, seed: int = 0) -> dict:
+    """Measure, for one stage forward ``fn(*inputs)``, the bytes of *activations* (tensors
+    autograd saves for backward, parameters excluded) that only W needs: the memory a
+    microbatch holds between its I and its W beyond what I itself needs (the issue's
+    "activations needed only for W"; Qi et al. 2024, sec. 2 and Table 1, count them per pass).
+
+    ``inputs``: the stage inputs (tensors; copied, those with a floating dtype get
+    ``requires_grad``); ``grads``: the output gradient(s) (None for a scalar loss);
+    ``params``: default ``fn.parameters()`` when ``fn`` is a module.
+
+    How: one forward under ``saved_tensors_hooks`` records every saved tensor. I
+    (:func:`backward_input`) runs once as the reference; then, for each storage of saved
+    activations, I runs again with that storage's tensors replaced by NaNs and by random
+    values: if neither changes I's results (input gradients and the gradients kept for W),
+    I does not need those values. W (:func:`backward_weight`) then runs with the real
+    values, and the hooks record which storages it reads (an autograd node reads all its
+    saved tensors when it runs, so a Linear's input, which W uses for ``x^T dy`` and I only
+    for its shape, is read by both). Returns bytes (ints): ``saved`` (all saved
+    activations, counted once per storage), ``read_by_w`` (those W reads) and ``w_only``
+    (read by W, values not needed by I). A stage whose input is not differentiable (token
+    ids) has no I work: everything W reads is W-only."""
+    params = list(fn.parameters()) if params is None else list(params)
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    saved: list = []                 # (tensor, storage ptr) of saved activations
+    state = {"poison": None, "mode": None, "read": set()}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in param_ptrs:
+            return ("param", t)
+        saved.append((t, ptr))
+        return ("act", len(saved) - 1)
+
+    def unpack(h):
+        kind, x = h
+        if kind == "param":
+            return x
+        t, ptr = saved[x]
+        state["read"].add(ptr)
+        if state["poison"] is not None and ptr == state["poison"][0]:
+            return state["poison"][1](t)
+        return t
+
+    ins = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = fn(*ins)
+    outs = [o for o in _as_list(out) if o.requires_grad]
+    wants = [t for t in ins if t.requires_grad]
+
+    def run_i():
+        gins, pending = backward_input(outs, wants, grads, params)
+        return [g for g in _as_list(gins) if g is not None] + [g for gs in pending.grads for g in gs], pending
+
+    ref, pending = run_i()
+    gen = torch.Generator().manual_seed(seed)
+    # two replacements per storage (NaN and random values; integer and bool tensors: all zeros
+    # and all ones), so that a value I needs cannot survive both by chance
+    poisons = (lambda t: torch.full_like(t, float("nan")) if t.is_floating_point() else torch.zeros_like(t),
+               lambda t: (torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) if t.is_floating_point()
+                          else torch.ones_like(t)))
+    needed_by_i = set()
+    sizes = {}
+    for t, ptr in saved:
+        sizes[ptr] = t.untyped_storage().nbytes()
+    for ptr in sizes:
+        for poison in poisons:
+            state["poison"] = (ptr, poison)
+            got, _ = run_i()
+            if len(got) != len(ref) or not all(torch.equal(a, b) for a, b in zip(got, ref)):
+                needed_by_i.add(ptr)
+                break
+    state["poison"] = None
+    state["read"] = set()
+    kept = [p.grad for p in params]  # W accumulates into .grad: leave the caller's gradients as they were
+    for p in params:
+        p.grad = None
+    backward_weight(pending)
+    for p, g in zip(params, kept):
+        p.grad = g
+    read_by_w = state["read"]
+    return {"saved": sum(sizes.values()), "read_by_w": sum(sizes[p] for p in read_by_w),
+            "w_only": sum(sizes[p] for p in read_by_w if p not in needed_by_i)}

@@ -25,7 +25,8 @@ sizes they do not allow, before anything runs):
   DualPipe README), torch's ``ScheduleDualPipeV`` order; needs M >= 2K.
 
 Bubble formulas, time per rank with uniform stages (chunks for ZBV and DualPipeV), free
-communication, and the simulator's bubble ``makespan - busy/K``: see :func:`bubble_time_formula`.
+communication, and the simulator's bubble ``makespan - busy/K``: see :func:`bubble_time_formula`
+(ZB-V for any T_F, T_I, T_W: :func:`zbv_bubble_terms`).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from collections import deque
 from .schedules import Action, ScheduleError, add_communication, check_pipeline_sizes
 
 __all__ = ["zb_h1_schedule", "zbv_schedule", "dualpipev_schedule", "dualpipev_overlapped", "bubble_time_formula",
-           "ZB_SCHEDULES"]
+           "zbv_bubble_terms", "ZB_SCHEDULES"]
 
 ZB_SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")
 
@@ -128,10 +129,28 @@ def zbv_schedule(K: int, M: int) -> dict:
     order is laid out for max(M, 2K-1) microbatches and the ones beyond M are dropped).
 
     Memory: each chunk holds half of a rank's layers; the paper (sec. 6) gives ZB-V 1F1B's
-    peak activation memory (see ``peak_in_flight`` per stage). Bubble: with equal chunk costs T_F = T_I = T_W = t (the
-    paper's case) every rank is busy without a gap from its first action to its last and the
-    bubble time is (K-1)t, the fill of the first forward (a chunk is half a stage, so half of
-    ZB-H1's (K-1)(T_F + T_I - T_W) for the same model); tests check both on a grid.
+    peak activation memory (see ``peak_in_flight`` per stage).
+
+    Bubble (chunk costs T_F, T_I, T_W; free communication; bubble = ``makespan - busy/K``):
+
+    * What the sources state: only the case T_F = T_I = T_W = t. The authors' playground
+      (huggingface.co/spaces/sail/zero-bubble-pipeline-parallellism, "Comparison assuming
+      T_F=T_B=T_W") gives ZB-V a bubble rate of 0, and torch's ``ScheduleZBVZeroBubble``
+      docstring (citing the paper, sec. 6) says the "zero bubble" property holds only if time
+      forward == time backward input == time backward weights. "Zero" is per rank: every rank
+      is busy without a gap from its first action to its last. Counted over the step, rank r
+      still waits r*t before its first forward and K-1-r chunk times after its last W, so the
+      bubble time per rank is (K-1)t (a chunk is half a stage: half of ZB-H1's
+      (K-1)(T_F + T_I - T_W) for the same model). No source gives a formula for other costs.
+    * This order, any costs T_F, T_I, T_W >= 0 and M >= 2K-1 (derived here): the maximum of
+      the eight terms of :func:`zbv_bubble_terms` (0 for K = 1), independent of M. Exact in
+      the simulator for K = 1..6, every M from 2K-1 to 3K+1 and all costs from
+      {0, 1/2, 1, 2, 3}^3; the tests check part of that grid, plus one cost per term at
+      which that term alone is the maximum. Special cases with T_F = T_I = t: (K-1)t for
+      t/2 <= T_W <= t (the paper's case included); 2(K-1)(t - T_W) for T_W < t/2;
+      (K-1)t + (K-2)(T_W - t) for T_W > t. For M < 2K-1 (microbatches dropped from the
+      layout) none of this is exact; simulate.
+
     Raises ScheduleError for K < 1 or M < 1."""
     check_pipeline_sizes(K, M)
     return add_communication({r: _zbv_order(K, M, r) for r in range(K)}, 2 * K, placement="v")
@@ -249,12 +268,37 @@ def dualpipev_overlapped(K: int, M: int) -> dict:
     return out
 
 
+def zbv_bubble_terms(K: int, T_F=1, T_I=1, T_W=1) -> list:
+    """The eight linear terms whose maximum is the bubble time per rank of :func:`zbv_schedule`
+    (K >= 2 ranks, M >= 2K-1 microbatches, chunk costs T_F, T_I, T_W >= 0 in seconds, free
+    communication; for K = 1 the bubble is 0 and these terms do not apply).
+
+    Derivation (ours; the paper and torch state only T_F = T_I = T_W): with each rank's order
+    fixed and messages free, the step time is the longest path through the actions, whose
+    edges are each rank's order, F(s, m) -> F(s+1, m), F(s, m) -> I(s, m), I(s+1, m) -> I(s, m)
+    and I(s, m) -> W(s, m). Every path costs a*T_F + b*T_I + c*T_W, so the step time, and the
+    bubble = step - 2M(T_F + T_I + T_W), is a maximum of linear terms. Enumerating the longest
+    paths of this order for K = 2..6 and M = 2K..3K gives these eight (for K >= 3 each one is
+    the only maximum at some costs; at K = 2 some coincide), with coefficients linear in K and no M; the tests check the
+    maximum against the simulator for K = 1..6, M = 2K-1..3K+1 and a grid of costs."""
+    n = K - 1
+    return [T_I + (K - 2) * T_W,
+            n * T_I,
+            2 * n * (T_I - T_W),
+            T_F + (K - 2) * T_W,
+            (2 * K - 3) * T_F - (K - 2) * T_I,
+            (2 * K - 3) * T_F + T_I - 2 * n * T_W,
+            2 * n * T_F - n * T_I - T_W,
+            2 * n * T_F - (2 * K - 1) * T_W]
+
+
 def bubble_time_formula(schedule: str, K: int, T_F=1, T_I=1, T_W=1, T_FB=None):
     """Bubble time per rank (seconds; idle time of a rank in one step) from the formulas.
 
     ``schedule``: "1f1b" -> (K-1)(T_F + T_I + T_W) (Narayanan et al. 2021; T_B = T_I + T_W);
     "zb-h1" -> (K-1)(T_F + T_I - T_W) (Qi et al. 2024, sec. 2.1, their B is our I); "zbv" ->
-    (K-1) T_F, the paper's case T_F = T_I = T_W only (sec. 6; raises ValueError otherwise);
+    (K-1) T_F when T_F = T_I = T_W (the paper's case, sec. 6), for any costs the maximum of
+    :func:`zbv_bubble_terms` (derived here for this order, M >= 2K-1; see :func:`zbv_schedule`);
     "dualpipev" -> (K-1)(T_FB + T_B - 3 T_W) (DualPipe README with PP = 2K stages; its B is
     the full backward T_I + T_W; T_FB, the time of an overlapped F&B pair, defaults to
     T_F + T_B: no overlap). Costs per stage (ZBV, DualPipeV: per chunk). Ints/Fractions give
@@ -265,10 +309,7 @@ def bubble_time_formula(schedule: str, K: int, T_F=1, T_I=1, T_W=1, T_FB=None):
     if schedule == "zb-h1":
         return (K - 1) * (T_F + T_I - T_W)
     if schedule == "zbv":
-        if not T_F == T_I == T_W:
-            raise ValueError(f"the ZB-V bubble formula is for T_F = T_I = T_W (the paper's case), got "
-                             f"T_F={T_F}, T_I={T_I}, T_W={T_W}; simulate other costs")
-        return (K - 1) * T_F
+        return 0 * T_F if K == 1 else max(zbv_bubble_terms(K, T_F, T_I, T_W))
     if schedule == "dualpipev":
         fb = T_F + T_B if T_FB is None else T_FB
         return (K - 1) * (fb + T_B - 3 * T_W)
