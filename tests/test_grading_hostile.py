@@ -20,6 +20,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import nbformat
@@ -89,6 +91,10 @@ ROBUST = [
     "signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass",   # loops, ignoring SIGINT
     "os.kill(os.getpid(), signal.SIGKILL)",                       # the kernel is killed
     "def square(x):\n    return x * x\ncheck('H.3', square)",
+    # a daemon that leaves the kernel's session and its parent (orphaned: to init as non-root)
+    "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import os, signal, sys, time\\n"
+    "if os.fork(): sys.exit()\\nos.setsid()\\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\nwhile True: time.sleep(0.1)'], start_new_session=True).wait()",
 ]
 
 
@@ -111,12 +117,40 @@ def graded(tmp_path_factory):
     _notebook(sub / "robust.ipynb", ROBUST)
     (tmp / "out").mkdir()
     results = tmp / "out" / "results.json"
-    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"))
+    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"), LABKIT_TEST_MARK=MARK)
     proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(sub / "attacks.ipynb"),
                            str(sub / "robust.ipynb"), "--results", str(results), "--cell-timeout", "4"],
                           capture_output=True, text=True, env=env, cwd=tmp, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return tmp, proc, json.loads(results.read_text())
+
+
+MARK = uuid.uuid4().hex  # in the grader's environment, so in every process its kernels start
+
+
+def _marked_processes() -> list[str]:
+    """Live processes (any user) whose environment holds this module's MARK."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"LABKIT_TEST_MARK={MARK}".encode() in f.read().split(b"\0"):
+                    out.append(open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:200])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def test_no_process_of_a_kernel_outlives_grading(graded):
+    # robust.ipynb ran past the limit (ignoring SIGINT), killed its kernel, and
+    # started a daemon that left the kernel's session and parent: nothing may be left running
+    deadline = time.monotonic() + 1  # SIGKILLed processes take a moment to leave /proc
+    while _marked_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _marked_processes() == []
 
 
 def _tests(obj, notebook_tests):
@@ -219,3 +253,26 @@ def test_as_root_the_kernel_cannot_forge_results_kill_the_grader_or_read_hidden_
     assert "cell 5 raised PermissionError" in proc.stdout  # the grader cannot be signalled
     assert "cell 6 raised PermissionError" in proc.stdout  # nor its environment read
     assert "runs as user labkit-kernel" in proc.stdout or "runs as user nobody" in proc.stdout
+
+
+def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation():
+    # no unprivileged user (as a non-root grader): the daemon is orphaned to init, not to the
+    # grader, so only the kernel's environment mark finds it
+    from labkit.grading.session import KernelSession
+
+    s = KernelSession(os.getcwd(), None)
+    os.environ["LABKIT_TEST_MARK"] = MARK
+    try:
+        s.start()
+    finally:
+        del os.environ["LABKIT_TEST_MARK"]
+    try:
+        assert s.execute(ROBUST[-1], 20)[0] == "ok"
+        assert s.execute("while True:\n    pass", 1)[0] == "timeout"
+        assert len(_marked_processes()) >= 2  # the kernel and the daemon
+    finally:
+        s.kill()
+    deadline = time.monotonic() + 1
+    while _marked_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _marked_processes() == []

@@ -224,7 +224,11 @@ def grade_notebook(path: str | Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -
     def start():
         # after a first dead or stuck cell a spare kernel warms up while the next one is used
         s = spare.pop() if spare else launch()
-        s.wait_ready()
+        try:
+            s.wait_ready()
+        except BaseException:
+            s.kill()  # a kernel that did not start must not outlive grading either
+            raise
         if restarts and not spare:
             spare.append(launch())
         return s

@@ -11,9 +11,12 @@ submission could abuse:
   folder that user cannot enter (e.g. ``/root/.pyenv``), the kernel starts through
   :mod:`labkit.grading._jail`, a private mount namespace that makes just Python and the kit
   reachable. As any other user, isolation is partial: :func:`isolation_note` says so.
-* **process tree**: the kernel starts a new session (its own process group); at the end the
-  grader kills that group, every process of that session and, for the dedicated user, every
-  process of that user, so nothing the submission started outlives grading.
+* **process tree**: the kernel starts a new session (its own process group) and carries a fresh
+  ``LABKIT_KERNEL_MARK`` in its environment (inherited by all it starts); at the end the
+  grader kills that group, every process of that session, every process carrying the mark
+  (a daemon that left the session; one that also clears its environment is not found this
+  way) and, for the dedicated user, every process of that user orphaned to the grader, until
+  none is left, so nothing the submission started outlives grading.
 * **output**: nobody subscribes to the kernel's IOPub channel, so a flood of output is dropped
   by ZMQ instead of filling the grader's memory; only execute replies (status, error name and
   value) come back, over a shell socket whose message size is capped.
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 
 from .kernel import GRADING_ENV
@@ -46,6 +50,7 @@ __all__ = ["KernelUser", "kernel_user", "KernelSession", "isolation_note", "INTE
 INTERRUPT_GRACE = 2.0  # seconds a kernel gets to stop after SIGINT before it is killed
 START_TIMEOUT = 60.0  # seconds a kernel may take to start
 KERNEL_USER = "labkit-kernel"
+MARK_ENV = "LABKIT_KERNEL_MARK"  # a fresh value per kernel, inherited by every process it starts
 MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 
 
@@ -155,7 +160,8 @@ _KEEP: set[int] = set()  # kernels of this grader that are alive (a spare must s
 
 
 def _processes() -> dict[int, tuple[int, int, int]]:
-    """pid -> (ppid, session id, uid) of every process in /proc."""
+    """pid -> (ppid, session id, uid) of every live process in /proc (zombies are left out: they
+    are dead, only waiting for their parent)."""
     out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -163,9 +169,26 @@ def _processes() -> dict[int, tuple[int, int, int]]:
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()  # state ppid pgrp session ...
+            if fields[0] in (b"Z", b"X"):
+                continue
             out[int(entry)] = (int(fields[1]), int(fields[3]), os.stat(f"/proc/{entry}").st_uid)
         except (OSError, IndexError, ValueError):
             continue
+    return out
+
+
+def _marked(mark: str) -> list[int]:
+    """Processes whose environment holds ``MARK_ENV=mark`` (those this user may read: all, as root)."""
+    needle = f"{MARK_ENV}={mark}".encode()
+    out = []
+    for entry in _processes():
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            out.append(int(entry))
     return out
 
 
@@ -203,6 +226,7 @@ class KernelSession:
         self.proc = None
         self.kc = None
         self.info = None
+        self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -221,6 +245,7 @@ class KernelSession:
         env = {k: v for k, v in os.environ.items()
                if k not in (HIDDEN_ENV, "LABKIT_STRICT", "LABKIT_RESULTS_FILE") and not k.startswith("JPY_")}
         env[GRADING_ENV] = "1"
+        env[MARK_ENV] = self.mark
         env["MPLBACKEND"] = "Agg"
         kw = {}
         if self.user is not None:
@@ -337,11 +362,17 @@ class KernelSession:
     # ------------------------------------------------------------------ end
     def kill(self) -> None:
         """Kill the kernel and everything it started: its process group, its session, its
-        descendants, and (root) processes of the kernel user orphaned to this process."""
+        descendants, every process whose environment carries this kernel's :data:`MARK_ENV`
+        (a daemon that left the session and was orphaned to init), and (root) processes of the
+        kernel user orphaned to this process. Returns once none of them is left (sweeps until
+        a sweep finds nothing, at most 10 s)."""
         if self.proc is not None:
             pid = self.proc.pid
-            for _ in range(3):  # a fork bomb may need more than one sweep
-                victims = set(_descendants(pid))
+            deadline = time.monotonic() + 10
+            while True:  # a fork bomb may need more than one sweep
+                victims = set(_descendants(pid)) | set(_marked(self.mark))
+                if self.proc.poll() is None:
+                    victims.add(pid)
                 for p, (ppid, sid, uid) in _processes().items():
                     if p == os.getpid():
                         continue
@@ -357,7 +388,8 @@ class KernelSession:
                         os.kill(p, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
-                if not victims:
+                victims.discard(os.getpid())
+                if not victims or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
             try:
