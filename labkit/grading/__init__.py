@@ -40,7 +40,8 @@ written by someone trying to game it:
   with ``useradd`` if missing) in its own session and process group (through a private mount
   namespace when Python sits in a folder that user cannot enter), so it can neither signal the
   grader, nor write the results, nor read root-only files such as hidden cases; the grader kills
-  the kernel's group, session and descendants at the end. As any other user the output says
+  the kernel's group, session, descendants and (in every mode) every process carrying its
+  environment mark at the end, until none is left. As any other user the output says
   that isolation is partial (the kernel could then signal the grader or read its files).
 * **Robustness**: a cell that raises costs only the exercises that depend on it; a cell that
   kills or exits the kernel, or runs past ``--cell-timeout`` (SIGINT, then SIGKILL), is
