@@ -170,3 +170,56 @@ def test_results_max_scores_add_up_exactly_for_notebook_01():
     assert abs(total - 4) < 1e-9 and round(total, 4) == 4 and obj["score"] == 4
     assert math.isclose(sum(t["score"] for t in obj["tests"]), 4, abs_tol=1e-9)
     assert "Total 4 / 4" in obj["output"]
+
+
+def _bad_input(tmp_path, case):
+    """(argv, env) for one bad ``grade`` command line (see the parametrization)."""
+    nb = tmp_path / "ok.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), str(nb))
+    env = {}
+    argv = [str(nb)]
+    if case == "binary":
+        (tmp_path / "bin.ipynb").write_bytes(bytes(range(256)))
+        argv = [str(tmp_path / "bin.ipynb")]
+    elif case == "empty-json":
+        (tmp_path / "empty.ipynb").write_text("{}")
+        argv = [str(tmp_path / "empty.ipynb")]
+    elif case == "missing-notebook":
+        argv = [str(tmp_path / "nope.ipynb")]
+    elif case == "results-is-folder":
+        argv += ["--results", str(tmp_path)]
+    elif case == "results-folder-missing":
+        argv += ["--results", str(tmp_path / "no" / "r.json")]
+    elif case == "hidden-missing":
+        env["LABKIT_HIDDEN_CASES"] = str(tmp_path / "no-such-cases")
+    else:
+        argv += ["--cell-timeout", case.split("=", 1)[1]]
+    return argv, env
+
+
+@pytest.mark.parametrize("case,words", [
+    ("binary", "is not a Jupyter notebook"), ("empty-json", "is not a Jupyter notebook"),
+    ("missing-notebook", "no such notebook"), ("results-is-folder", "is a folder"),
+    ("results-folder-missing", "does not exist"), ("hidden-missing", "LABKIT_HIDDEN_CASES names"),
+    ("timeout=-5", "--cell-timeout must be a positive"), ("timeout=0", "--cell-timeout must be a positive"),
+    ("timeout=nan", "--cell-timeout must be a positive"), ("timeout=inf", "--cell-timeout must be a positive"),
+])
+def test_grade_refuses_bad_input_with_one_error_line_before_running(tmp_path, monkeypatch, capsys, case, words):
+    from labkit.grading import grader
+
+    argv, env = _bad_input(tmp_path, case)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(grader, "grade_paths", lambda *a, **k: pytest.fail("graded despite bad input"))
+    assert grader.main(argv + ["--results", str(tmp_path / "r.json")] if "--results" not in argv else argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err
+    assert out == "" and not (tmp_path / "r.json").exists()
+
+
+def test_grade_cli_bad_input_is_one_line_not_a_traceback(tmp_path):
+    (tmp_path / "bin.ipynb").write_bytes(bytes(range(256)))
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "bin.ipynb")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -197,7 +198,7 @@ def _check_cells(cells, ex_id: str) -> list[int]:
     return [i for i, src in cells if pat.search(src)]
 
 
-def grade_notebook(path: str | Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -> NotebookGrade:
+def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> NotebookGrade:
     """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook."""
     from .session import KernelSession, isolation_note, kernel_user
 
@@ -261,7 +262,7 @@ def grade_notebook(path: str | Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -
                     continue
                 cell_problems.setdefault(idx, f"the kernel died while cell {idx + 1}'s checks were graded")
             elif status == "timeout":
-                cell_problems[idx] = f"cell {idx + 1} ran past the time limit of {cell_timeout} s"
+                cell_problems[idx] = f"cell {idx + 1} ran past the time limit of {cell_timeout:g} s"
             else:
                 cell_problems[idx] = f"cell {idx + 1} killed the kernel (it exited or was killed)"
             # a fresh kernel: replay what ran, skip the bad cell, go on
@@ -311,7 +312,7 @@ def _hidden_files() -> list[Path]:
     return out
 
 
-def grade_paths(paths, cell_timeout: int = DEFAULT_CELL_TIMEOUT) -> list[NotebookGrade]:
+def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> list[NotebookGrade]:
     out = []
     for p in paths:
         try:
@@ -438,15 +439,53 @@ def format_table(grades: list[NotebookGrade]) -> str:
     return "\n".join(out)
 
 
+def _seconds(text: str) -> float | None:
+    """``text`` as a positive, finite number of seconds (None when it is not one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def _input_problem(paths: list[Path], results: Path | None) -> str:
+    """What is wrong with the command's inputs ("" when nothing): checked before anything runs."""
+    for x in paths:
+        if not x.is_file():
+            return f"no such notebook: {x}"
+        try:
+            nb = nbformat.read(str(x), as_version=4)
+            nbformat.validate(nb)
+        except Exception as e:  # noqa: BLE001 - binary, not JSON, not a notebook
+            return f"{x} is not a Jupyter notebook ({type(e).__name__}: {_first(str(e), 160)})"
+    for folder in os.environ.get(HIDDEN_ENV, "").split(os.pathsep):
+        if folder and not Path(folder).is_dir():
+            return f"{HIDDEN_ENV} names {folder!r}, which is not a folder"
+    if results is not None:
+        if results.is_dir():
+            return f"--results {results} is a folder; give the path of the JSON file to write"
+        parent = results.parent if str(results.parent) else Path(".")
+        if not parent.is_dir():
+            return f"--results {results}: its folder {parent} does not exist"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"--results {results}: its folder {parent} is not writable"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit grade``; bad input ends with one ``error:`` line (exit 2) before any
+    kernel starts."""
     p = argparse.ArgumentParser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
     p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
     p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")
-    p.add_argument("--cell-timeout", type=int, default=DEFAULT_CELL_TIMEOUT, help="seconds per cell")
+    p.add_argument("--cell-timeout", default=str(DEFAULT_CELL_TIMEOUT), help="seconds per cell (> 0)")
     a = p.parse_args(argv)
-    missing = [str(x) for x in a.paths if not x.is_file()]
-    if missing:
-        print(f"no such notebook: {', '.join(missing)}", file=sys.stderr)
+    cell_timeout = _seconds(a.cell_timeout)
+    problem = "" if cell_timeout is not None else (
+        f"--cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}")
+    problem = problem or _input_problem(a.paths, a.results)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     from .registry import IMPORT_ERRORS, load_all
 
@@ -454,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    grades = grade_paths(a.paths, a.cell_timeout)
+    grades = grade_paths(a.paths, cell_timeout)
     print(format_table(grades))
     if a.results:
         obj = results_json(grades)
