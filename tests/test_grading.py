@@ -206,20 +206,28 @@ def test_registry_errors():
 
 def _grade_fixture():
     ex = registry.get_exercise("T.1")
-    cases = [CaseGrade("x=2", False, "passed", "", 1.0, 1.0),
-             CaseGrade("x=-1.5", False, "failed", "f(-1.5): expected -3, got 0.5", 0.0, 1.0),
-             CaseGrade("secret", True, "failed", "f(SECRET_INPUT_1000): expected 2000, got 0", 0.0, 1.0)]
-    return [NotebookGrade("x.ipynb", "zz_grading_test", "", [ExerciseGrade(ex, "failed", "line", cases)])]
+    cases = [CaseGrade("x=2", False, "passed", ""),
+             CaseGrade("x=-1.5", False, "failed", "f(-1.5): expected -3, got 0.5"),
+             CaseGrade("secret", True, "failed", "f(SECRET_INPUT_1000): expected 2000, got 0")]
+    passed = ExerciseGrade(ex, "passed", "line", [CaseGrade(c.name, c.hidden, "passed", "") for c in cases])
+    return [NotebookGrade("x.ipynb", "zz_grading_test", "", [ExerciseGrade(ex, "failed", "line", cases), passed])]
 
 
 def test_results_json_is_gradescope_format():
     obj = results_json(_grade_fixture())
     validate_results(obj)
-    assert obj["score"] == 1.0
-    assert [t["visibility"] for t in obj["tests"]] == ["visible", "visible", "after_published"]
-    assert [t["status"] for t in obj["tests"]] == ["passed", "failed", "failed"]
+    # all or nothing: one case of three passing earns nothing; all three earn the 3 points
+    assert obj["score"] == 3.0
+    assert [t["name"] for t in obj["tests"][:4]] == [
+        "Exercise T.1 (double)", "Exercise T.1 (double) - case: x=2", "Exercise T.1 (double) - case: x=-1.5",
+        "Exercise T.1 (double) - hidden case: secret"]
+    assert [t["visibility"] for t in obj["tests"][:4]] == ["visible", "visible", "visible", "after_published"]
+    assert [t["status"] for t in obj["tests"]] == ["failed", "passed", "failed", "failed"] + ["passed"] * 4
+    assert [(t["score"], t["max_score"]) for t in obj["tests"]] == [(0, 3), (0, 0), (0, 0), (0, 0),
+                                                                     (3, 3), (0, 0), (0, 0), (0, 0)]
+    assert obj["tests"][0]["output"] == "line (no points: all 3 cases must pass)"
     assert "SECRET" not in json.dumps(obj)
-    assert obj["tests"][1]["output"] == "f(-1.5): expected -3, got 0.5"
+    assert obj["tests"][2]["output"] == "f(-1.5): expected -3, got 0.5"
 
 
 @pytest.mark.parametrize("breakage, match", [
@@ -227,8 +235,8 @@ def test_results_json_is_gradescope_format():
     (lambda o: o["tests"][0].update(status="ok"), "status"),
     (lambda o: o["tests"][0].update(visibility="public"), "visibility"),
     (lambda o: o["tests"][0].pop("max_score"), "max_score"),
-    (lambda o: o["tests"][1].update(score=5.0), "outside"),
-    (lambda o: o.update(score=3.0), "sum"),
+    (lambda o: o["tests"][0].update(score=5.0), "outside"),
+    (lambda o: o.update(score=2.0), "sum"),
     (lambda o: o["tests"][0].update(name=3), "name"),
 ])
 def test_results_validator_rejects_broken_results(breakage, match):
@@ -291,12 +299,14 @@ def test_grader_end_to_end(tmp_path):
     assert five["status"] == "passed" and five["visibility"] == "after_published"
     slow = by_name["Exercise 99.2 (negate) - case: slow"]
     assert slow["status"] == "failed" and "time limit of 1 s" in slow["output"]
-    assert by_name["Exercise 99.2 (negate) - case: x=1"]["score"] == 1.0
-    after = by_name["Exercise 99.3 (never reached) - case: any"]  # a broken cell costs only itself
+    assert by_name["Exercise 99.2 (negate) - case: x=1"]["status"] == "passed"
+    assert by_name["Exercise 99.2 (negate)"]["score"] == 0  # all or nothing: "slow" failed
+    assert by_name["Exercise 99.1 (triple)"]["score"] == 2
+    after = by_name["Exercise 99.3 (never reached)"]  # a broken cell costs only itself
     assert after["score"] == 1 and after["status"] == "passed"
-    assert math.isclose(obj["score"], 4.0)
-    assert "99_tiny.ipynb (99_tiny): 4/5 points; cell 4 raised RuntimeError: boom" in proc.stdout
-    assert "total 4/5 points" in proc.stdout
+    assert math.isclose(obj["score"], 3.0)
+    assert "99_tiny.ipynb (99_tiny): 3/5 points; cell 4 raised RuntimeError: boom" in proc.stdout
+    assert "total 3/5 points" in proc.stdout
 
 
 # ----------------------------------------------------------------------------- wrong answers, notebook 01

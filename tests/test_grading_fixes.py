@@ -3,7 +3,6 @@ lines that say how many cases passed, per-case hints, per-case points that add u
 run without the kernel's stderr noise."""
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from labkit.grading import check
 from labkit.grading.grader import _exercise_grade, _notebook_names, grade_notebook, results_json, validate_results
 from labkit.grading.runner import CaseResult, CheckResult
 from labkit.grading.grader import NotebookGrade
-from labkit.grading.registry import case_points, exercise, expect_equal, get_exercise
+from labkit.grading.registry import exercise, expect_equal, get_exercise
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION_01 = ROOT / "solutions" / "01_pipeline_bubble.ipynb"
@@ -142,34 +141,40 @@ def test_case_hint_replaces_the_exercise_hint():
 # ----------------------------------------------------------------------------- points add up
 
 
-@pytest.mark.parametrize("points", [0, 0.5, 1, 1.5, 2, 3, 4, 7, 12.5])
-def test_case_points_add_up_to_the_exercise_points(points):
-    for n in range(1, 40):
-        shares = case_points(points, n)
-        assert len(shares) == n and all(s >= 0 for s in shares)
-        assert all(s == round(s, 4) for s in shares)
-        assert abs(sum(shares) - points) < 1e-9 and round(sum(shares), 4) == points
-    assert case_points(2, 3) == [0.6667, 0.6667, 0.6666]
-    assert case_points(3, 0) == []
-
-
-def test_results_max_scores_add_up_exactly_for_notebook_01():
-    exercises = [get_exercise("1.1"), get_exercise("1.2")]
-    assert [len(ex.cases) for ex in exercises] == [6, 7]  # 6 shares of 2 points do not divide evenly
+def _graded_01(passing: dict[str, int | None]) -> dict:
+    """Results for notebook 01 where exercise id -> how many of its cases pass (None: all)."""
     grade = NotebookGrade("sub.ipynb", "01_pipeline_bubble", "")
-    for ex in exercises:
-        res = CheckResult(ex.id, "passed", len(ex.cases), len(ex.cases), "passed",
-                          [CaseResult(c.name, c.hidden, "passed") for c in ex.cases])
+    for ex_id, n in passing.items():
+        ex = get_exercise(ex_id)
+        n = len(ex.cases) if n is None else n
+        res = CheckResult(ex.id, "passed" if n == len(ex.cases) else "failed", n, len(ex.cases), "line",
+                          [CaseResult(c.name, c.hidden, "passed" if k < n else "failed", "" if k < n else "wrong")
+                           for k, c in enumerate(ex.cases)])
         grade.exercises.append(_exercise_grade(ex, res))
     obj = results_json([grade])
     validate_results(obj)
-    for ex in exercises:
-        mine = [t["max_score"] for t in obj["tests"] if t["name"].startswith(f"Exercise {ex.id} ")]
-        assert abs(sum(mine) - ex.points) < 1e-9 and round(sum(mine), 4) == ex.points
-    total = sum(t["max_score"] for t in obj["tests"])
-    assert abs(total - 4) < 1e-9 and round(total, 4) == 4 and obj["score"] == 4
-    assert math.isclose(sum(t["score"] for t in obj["tests"]), 4, abs_tol=1e-9)
+    return obj
+
+
+def test_exercise_points_are_all_or_nothing_and_add_up_for_notebook_01():
+    assert [len(get_exercise(i).cases) for i in ("1.1", "1.2")] == [6, 7]
+    obj = _graded_01({"1.1": None, "1.2": None})
+    by_name = {t["name"]: t for t in obj["tests"]}
+    for ex_id in ("1.1", "1.2"):
+        ex = get_exercise(ex_id)
+        mine = [t for t in obj["tests"] if t["name"].startswith(ex.label)]
+        assert len(mine) == 1 + len(ex.cases)  # the exercise's test, then one per case
+        assert by_name[ex.label]["max_score"] == ex.points == by_name[ex.label]["score"]
+        assert sum(t["max_score"] for t in mine) == ex.points
+    assert obj["score"] == 4 and sum(t["max_score"] for t in obj["tests"]) == 4
     assert "Total 4 / 4" in obj["output"]
+    # every case but one passes: no points for that exercise; each case still listed with its status
+    obj = _graded_01({"1.1": 5, "1.2": None})
+    ex = get_exercise("1.1")
+    assert obj["score"] == 2 and {t["name"]: t for t in obj["tests"]}[ex.label]["score"] == 0
+    statuses = [t["status"] for t in obj["tests"] if t["name"].startswith(ex.label + " - ")]
+    assert statuses == ["passed"] * 5 + ["failed"]
+    assert _graded_01({"1.1": 0, "1.2": 6})["score"] == 0
 
 
 def _bad_input(tmp_path, case):

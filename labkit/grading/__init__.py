@@ -36,6 +36,11 @@ written by someone trying to game it:
   kernel and everything it started are dead; the kernel is not told where it is. Only the
   graded notebook's exercises count, each at most its points; a ``check`` of another
   notebook's exercise is ignored and a repeated ``check`` only re-grades (the last counts).
+* **Points are all-or-nothing per exercise**: an exercise earns its points only when every one
+  of its cases (public and hidden) passes, so a wrong answer cannot collect points from the
+  cases that cannot show its bug. In the results each exercise has one test carrying its points
+  ("Exercise 2.3 (title)", score all or 0), followed by one test per case worth 0 points
+  (passed/failed with its message; hidden cases ``after_published``, without details).
 * **Isolation**: as root, the kernel runs as the unprivileged user ``labkit-kernel`` (created
   with ``useradd`` if missing) in its own session and process group (through a private mount
   namespace when Python sits in a folder that user cannot enter), so it can neither signal the

@@ -30,13 +30,14 @@ exercises are registered for it, else the notebook(s) of the exercise ids in the
 exercise whose check never ran scores zero, with the reason ("not attempted: no check(...)
 ran", "... cell N raised NameError: ...", or "not reached: ..." when grading stopped).
 
-Points: an exercise's points are split across its cases (public and hidden) by
-:func:`~labkit.grading.registry.case_points` (equal shares rounded to 4 decimals, the remainder
-to the last case, so they add up to the exercise's points); each passed case earns its share.
-The results file follows the Gradescope autograder format: top-level ``score``, ``output`` and
-``tests``, one test per case with ``name``, ``score``, ``max_score``, ``status`` ("passed" /
-"failed"), ``output`` and ``visibility`` (``visible`` for public cases, ``after_published`` for
-hidden ones, whose output never gives details).
+Points are all-or-nothing per exercise: an exercise earns its ``points`` only when every one
+of its cases (public and hidden) passes, so a wrong answer that happens to pass the cases that
+cannot show its bug earns nothing. The results file follows the Gradescope autograder format:
+top-level ``score``, ``output`` and ``tests``. Each exercise gives one test named after it
+("Exercise 2.3 (title)", ``max_score`` its points, ``score`` all or 0, ``output`` the line
+``check`` prints), followed by one test per case ("Exercise 2.3 (title) - case: NAME",
+``max_score`` 0, ``status`` "passed" / "failed" and its message); ``visibility`` is ``visible``
+except for hidden cases (``after_published``, output without details).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ from pathlib import Path
 
 import nbformat
 
-from .registry import HIDDEN_ENV, Exercise, case_points, exercises_for_notebook, get_exercise
+from .registry import HIDDEN_ENV, Exercise, exercises_for_notebook, get_exercise
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
            "ExerciseGrade", "CaseGrade", "NotebookGrade", "write_results"]
@@ -70,8 +71,6 @@ class CaseGrade:
     hidden: bool
     status: str  # passed | failed | not_attempted | not_reached
     message: str
-    score: float
-    max_score: float
 
 
 @dataclass
@@ -83,11 +82,12 @@ class ExerciseGrade:
 
     @property
     def score(self) -> float:
-        return round(sum(c.score for c in self.cases), 4)
+        """All or nothing: the exercise's points only when every case passed."""
+        return float(self.exercise.points) if self.status == "passed" else 0.0
 
     @property
     def max_score(self) -> float:
-        return round(sum(c.max_score for c in self.cases), 4)
+        return float(self.exercise.points)
 
 
 def _points(x: float) -> str:
@@ -142,21 +142,18 @@ def _first(text: str, limit: int = 200) -> str:
 def _exercise_grade(ex: Exercise, res, reason: str = "") -> ExerciseGrade:
     """An :class:`ExerciseGrade` from a :class:`~labkit.grading.runner.CheckResult` (None: the
     exercise was never checked, ``reason`` says why)."""
-    shares = case_points(ex.points, len(ex.cases))  # add up to ex.points
     if res is None:
         status = "not_reached" if reason.startswith("not reached") else "not_attempted"
         msg = reason or f"not attempted: no check(\"{ex.id}\", ...) ran"
-        return ExerciseGrade(ex, status, msg, [CaseGrade(c.name, c.hidden, status, msg, 0.0, share)
-                                               for c, share in zip(ex.cases, shares)])
+        return ExerciseGrade(ex, status, msg, [CaseGrade(c.name, c.hidden, status, msg) for c in ex.cases])
     by_name = {r.name: r for r in res.cases}
     cases = []
-    for c, share in zip(ex.cases, shares):
+    for c in ex.cases:
         r = by_name.get(c.name)
         if r is None:
-            cases.append(CaseGrade(c.name, c.hidden, "failed", "this case was not run", 0.0, share))
+            cases.append(CaseGrade(c.name, c.hidden, "failed", "this case was not run"))
         else:
-            ok = r.status == "passed"
-            cases.append(CaseGrade(c.name, c.hidden, r.status, r.message, share if ok else 0.0, share))
+            cases.append(CaseGrade(c.name, c.hidden, r.status, r.message))
     if cases and all(c.status == "passed" for c in cases):
         status = "passed"
     elif any(c.status == "not_attempted" for c in cases):
@@ -336,6 +333,18 @@ def results_json(grades: list[NotebookGrade]) -> dict:
     tests = []
     for g in grades:
         for eg in g.exercises:
+            # the exercise's points, all or nothing, on one test; then each case, worth 0
+            passed = eg.status == "passed"
+            tests.append({
+                "name": eg.exercise.label,
+                "score": round(eg.score, 6),
+                "max_score": round(eg.max_score, 6),
+                "status": "passed" if passed else "failed",
+                "output": (f"passed: all {len(eg.cases)} cases" if passed else
+                           f"{eg.message or 'failed'} (no points: all {len(eg.cases)} cases must pass)"
+                           if eg.status == "failed" else eg.message),
+                "visibility": "visible",
+            })
             for c in eg.cases:
                 passed = c.status == "passed"
                 if passed:
@@ -350,8 +359,8 @@ def results_json(grades: list[NotebookGrade]) -> dict:
                     output = c.message or "failed"
                 tests.append({
                     "name": f"{eg.exercise.label} - {'hidden case' if c.hidden else 'case'}: {c.name}",
-                    "score": round(c.score, 6),
-                    "max_score": round(c.max_score, 6),
+                    "score": 0,
+                    "max_score": 0,
                     "status": "passed" if passed else "failed",
                     "output": output,
                     "visibility": "after_published" if c.hidden else "visible",

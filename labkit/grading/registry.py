@@ -89,9 +89,10 @@ exercises with the full ``exercise(...)`` form. Case names must be unique within
 A case may carry its own hint, shown instead of the exercise's hint when that case is the first
 to fail: ``@ex.case("rejects M=0 with ValueError", hint="Check M >= 1 before computing.")``.
 
-Points: an exercise's ``points`` are split across its cases (public and hidden) by
-:func:`case_points`: equal shares rounded to 4 decimals, the last case taking the remainder, so
-the shares add up to the exercise's points. The grader awards each passed case its share.
+Points: an exercise's ``points`` are all-or-nothing: the grader awards them only when every
+case of the exercise (public and hidden) passes; a case carries no share of its own (a wrong
+answer must not earn points from cases that cannot show its bug). Each case is still listed in
+the results, passed or failed with its message.
 """
 from __future__ import annotations
 
@@ -122,7 +123,6 @@ __all__ = [
     "expect_raises",
     "explain_index_errors",
     "DEFAULT_TIMEOUT",
-    "case_points",
 ]
 
 DEFAULT_TIMEOUT = 10.0  # seconds one case may run before it is stopped and failed
@@ -326,19 +326,6 @@ def all_exercises() -> list[Exercise]:
     """Every registered exercise, ordered by id."""
     load_all()
     return [_REGISTRY[k] for k in sorted(_REGISTRY, key=_sort_key)]
-
-
-def case_points(points: float, n: int) -> list[float]:
-    """``points`` split over ``n`` cases: equal shares rounded to 4 decimals, the last case
-    taking the remainder, so ``sum`` gives back ``points`` (to float precision, 1e-12).
-
-    ``n == 0`` gives ``[]``. Example: ``case_points(2, 3) == [0.6667, 0.6667, 0.6666]``.
-    """
-    if n <= 0:
-        return []
-    share = round(points / n, 4)
-    head = [share] * (n - 1)
-    return head + [round(points - share * (n - 1), 4)]
 
 
 def exercises_for_notebook(notebook: str) -> list[Exercise]:
