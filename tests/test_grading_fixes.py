@@ -228,3 +228,10 @@ def test_grade_cli_bad_input_is_one_line_not_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "bin.ipynb")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_nb02_accumulation_hint_is_a_hint_not_the_solution():
+    hint = get_exercise("2.3").hint
+    assert "mean" in hint.lower() and ".grad" in hint
+    for answer in ("/ M", "/M", "model(x_m", "x.chunk(M)", "loss.backward()"):
+        assert answer not in hint, answer

@@ -225,8 +225,9 @@ ex22.case("GPipe K=1, M=5", hidden=True)(_count_case(lambda: gpipe_schedule(1, 5
 # ----------------------------------------------------------------------------- 2.3
 ex23 = exercise(
     "2.3", title="accumulate M microbatch gradients", notebook="02_gpipe", points=2,
-    hint="For each of the M microbatches (x.chunk(M), y.chunk(M)): loss = model(x_m, y_m) / M, then "
-         "loss.backward(). The .grad buffers add up the M backwards; never zero them inside the loop.")
+    hint="The full batch's loss is the MEAN over its samples, and each microbatch's loss is a mean over "
+         "fewer: how must a microbatch's loss be weighted so that the M backwards, which add up in .grad, "
+         "give the full batch's gradient? Do not zero .grad inside the loop.")
 
 # A smaller GPT than the pipeline's: one device, a few SGD steps per case.
 ACC_CFG = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
