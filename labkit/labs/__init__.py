@@ -148,14 +148,17 @@ def _gib(n: float) -> str:
 
 
 def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: float, sizes: str,
-               limit: int | None = None) -> str | None:
+               limit: int | None = None, ranks: int | None = None) -> str | None:
     """Refuse a run whose estimated memory exceeds what this machine has (all CPU ranks share it).
 
     ``params``: parameters of the model; ``model_bytes_per_param``: bytes per parameter over the
     whole run at its peak (every copy: each rank's fp32 weights, gradients and Adam's 2 moments
     = 16, the reference's weights and gradients = 8, ...); ``act``: :func:`activation_bytes` of
     the whole batch, held ``act_copies`` times at the peak. ``sizes``: the options, for the
-    message. ``limit``: bytes available (None: :func:`available_memory`). The estimate is
+    message. ``limit``: bytes available (None: :func:`available_memory`). ``ranks``: when given,
+    ``model_bytes_per_param`` is ``4 * ranks + 48`` (every rank builds the full fp32 model, plus
+    48 bytes/param for Adam, the reference and the verdict's copies) and the message says so,
+    since that term grows with the world size. The estimate is
     rough (within a factor of ~2), so it refuses only what clearly cannot run."""
     limit = available_memory() if limit is None else limit
     if limit is None:
@@ -164,7 +167,12 @@ def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: 
     if need <= limit:
         return None
     weights = _gib(params * model_bytes_per_param)
-    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters: {weights}; "
+    if ranks is not None:
+        how = f"4 bytes on each of the {ranks:,} ranks, which all build the full model, + 48"
+    else:
+        how = f"{model_bytes_per_param:g}"
+    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters "
+            f"x ({how}) bytes = {weights}; "
             f"activations: {_gib(act * act_copies)}, Korthikanti et al. 2022 eq. 1), more than the {_gib(limit)} "
             f"available; use smaller sizes")
 

@@ -117,7 +117,7 @@ def _bad_args(a) -> str | None:
     return bad_memory(_n_params(a), 4 * a.ep + 48,
                       activation_bytes(a.n_layer, a.batch, a.seq, a.n_embd, a.n_head, cfg.vocab_size, extra), 2,
                       f"--experts {a.experts} --n-embd {a.n_embd} --n-layer {a.n_layer} --seq {a.seq} "
-                      f"--batch {a.batch} (P={a.ep})")
+                      f"--batch {a.batch} (P={a.ep})", ranks=a.ep)
 
 
 def _global_name(name: str, rank: int, n_local: int) -> str:

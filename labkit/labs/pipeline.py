@@ -96,13 +96,19 @@ def _bad_args(a, K) -> str | None:
         cfg = _config(a)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--embd {a.embd}, --heads {a.heads})"
+    return None
+
+
+def _bad_memory(a, K) -> str | None:
+    """The memory estimate's refusal (after the structural rules: they name the real problem)."""
     from ..model import GPT
+    cfg = _config(a)
     # every rank builds the full model (4 bytes/param each), then keeps its stages with Adam (16 in
     # all); rank 0's reference (8) and the verdict's gathered copies (24); the whole batch's
     # activations in flight and once more in the reference
     return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * K + 48,
                       activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
-                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})")
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})", ranks=K)
 
 
 def _cost_model(a):
@@ -376,6 +382,9 @@ def main(argv=None) -> int:
             raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
     except ScheduleError as e:
         return error(str(e))
+    bad = _bad_memory(a, K)
+    if bad:
+        return error(bad)
     try:  # a bad --data path: a clear message before any process starts
         corpus = Corpus.load(a.data, block_size=a.seq)
     except (OSError, ValueError) as e:

@@ -175,7 +175,7 @@ def _bad_args(args, degrees) -> str | None:
                       activation_bytes(cfg.n_layer, args.batch_size, args.seq_len, cfg.n_embd, cfg.n_head,
                                        cfg.vocab_size), t + 1,
                       f"--n-layer {cfg.n_layer} --n-embd {cfg.n_embd} --seq-len {args.seq_len} "
-                      f"--batch-size {args.batch_size} (t={t})")
+                      f"--batch-size {args.batch_size} (t={t})", ranks=t)
 
 
 

@@ -118,7 +118,8 @@ def _bad_args(a, world) -> str | None:
     # batch in flight over the ranks, plus the reference's
     return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * world + 48,
                       activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
-                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} ({world} ranks)")
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} ({world} ranks)",
+                      ranks=world)
 
 
 # ----------------------------------------------------------------------------- the run
