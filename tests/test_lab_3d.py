@@ -34,7 +34,7 @@ def test_lab_3d_fails_on_wrong_dp_average(tmp_path, capsys, monkeypatch):
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
     (["--layers", "3"], "n_layer=3 layers must be divisible by p*v"),
     (["--batch", "6"], "global batch B=6 must be divisible by d*M"),
-    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "0"], "--lr must be a finite number in (0, 10]"),
     (["--schedule", "interleaved", "--chunks", "2", "--layers", "2"],
      "n_layer=2 layers must be divisible by p*v = 2*2"),
 ])

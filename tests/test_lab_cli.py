@@ -29,8 +29,8 @@ BAD = [
     (["lab", "nosuch"], "unknown lab 'nosuch'; choose one of pipeline, tensor, moe"),
     *[(["lab", lab, "--seed", "99999999999999999999"], "--seed must be in [0, 2**40), got 99999999999999999999")
       for lab in ("pipeline", "tensor", "moe")],
-    *[(["lab", lab, "--lr", "inf"], "--lr must be a finite number > 0, got inf")
-      for lab in ("pipeline", "tensor", "moe")],
+    *[(["lab", lab, "--lr", v], "--lr must be a finite number in (0, 10]")
+      for lab in ("pipeline", "tensor", "moe") for v in ("inf", "1e308", "11")],
     *[(["lab", lab, "--tolerance", v], f"--tolerance must be a finite number > 0, got {float(v)}")
       for lab in ("pipeline", "tensor", "moe") for v in ("0", "-1", "nan")],
     *[(["lab", lab, "--data", "/dev/null"], "--data /dev/null: exists but is not a regular text file or folder")

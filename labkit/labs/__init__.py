@@ -74,6 +74,18 @@ def bad_number(flag: str, value: float, low: float = 0.0, strict: bool = True) -
     return None
 
 
+LR_MAX = 10.0  # Adam moves each weight by about lr per step: far beyond 10 it can only diverge
+
+
+def bad_lr(lr: float, flag: str = "--lr") -> str | None:
+    """``lr`` must be finite, > 0 and <= :data:`LR_MAX` (an Adam/AdamW step moves each weight by
+    about ``lr``, Kingma & Ba 2015 sec. 2.1); returns the message or None."""
+    if not (math.isfinite(lr) and 0 < lr <= LR_MAX):
+        return (f"{flag} must be a finite number in (0, {LR_MAX:g}] (an Adam step moves each weight by about "
+                f"lr), got {lr}")
+    return None
+
+
 def bad_seed(seed: int) -> str | None:
     """Seeds feed ``torch.Generator.manual_seed`` after ``seed * 1_000_003 + 2 * step``: keep them
     in [0, 2**40) so that stays a valid 64-bit seed."""
@@ -141,6 +153,14 @@ def available_memory() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def loss_change(first: float, last: float) -> str:
+    """``'5.562 -> 2.104 (62% lower)'``; ``'5.562 -> nan (diverged: NaN/inf)'`` when a loss is not finite."""
+    if not (math.isfinite(first) and math.isfinite(last)):
+        return f"{first:.3f} -> {last:.3f} (diverged: NaN/inf)"
+    drop = 1 - last / first if first else float("nan")
+    return f"{first:.3f} -> {last:.3f} ({drop:.0%} lower)"
 
 
 def _gib(n: float) -> str:

@@ -37,7 +37,7 @@ from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_ex
 from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               error, is_main_rank, moe_eplb, run_folder)
+               bad_lr, error, is_main_rank, moe_eplb, run_folder)
 from .verdict import add_tolerance_option, verdict_exit
 
 BALANCE_MODES = ("none", "aux", "aux_free")
@@ -96,7 +96,7 @@ def _bad_args(a) -> str | None:
         return f"--top-k {a.top_k} must be in [1, --experts {a.experts}]"
     if a.moe_every > a.n_layer:
         return f"--moe-every {a.moe_every} > --n-layer {a.n_layer} leaves no MoE layer"
-    bad = (bad_number("--capacity-factor", a.capacity_factor) or bad_number("--lr", a.lr)
+    bad = (bad_number("--capacity-factor", a.capacity_factor) or bad_lr(a.lr)
            or bad_number("--aux-coeff", a.aux_coeff, strict=False) or bad_number("--gamma", a.gamma, strict=False)
            or bad_number("--tolerance", a.tolerance) or bad_seed(a.seed) or bad_out(a.out))
     if bad:
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nplots: " + ", ".join(os.path.join(out, f) for f in names))
     print(f"run folder: {out}")
     print(f"total time {time.perf_counter() - t0:.1f} s")
-    return verdict_exit({f"EP={a.ep} ({a.compare_mode})": ep_hist[0]["verdict"]})
+    return verdict_exit({f"EP={a.ep} ({a.compare_mode})": ep_hist[0]["verdict"]}, reference_losses=ref["loss"])
 
 
 if __name__ == "__main__":

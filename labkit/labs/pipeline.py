@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               error, is_main_rank, run_folder)
+               bad_lr, error, is_main_rank, loss_change, run_folder)
 from .verdict import add_tolerance_option, verdict_exit
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -83,7 +83,7 @@ def _bad_args(a, K) -> str | None:
                         ("--embd", a.embd), ("--heads", a.heads)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    bad = (bad_number("--lr", a.lr) or bad_number("--tolerance", a.tolerance) or bad_seed(a.seed)
+    bad = (bad_lr(a.lr) or bad_number("--tolerance", a.tolerance) or bad_seed(a.seed)
            or bad_out(a.out))
     if bad:
         return bad
@@ -433,8 +433,7 @@ def main(argv=None) -> int:
         print("zero-bubble formulas: zb-h1 (K-1)(T_F+T_I-T_W), zbv (K-1)T_F for T_F=T_I=T_W and for any costs the "
               "maximum of labkit.pipeline.zbv_bubble_terms (M >= 2K-1), dualpipev (K-1)(F&B+B-3W) with F&B=F+B, "
               "from the measured mean T_F, T_I, T_W (nan: not exact for them).")
-    drop = 1 - single["losses"][-1] / single["losses"][0]
-    print(f"\ntrain loss {single['losses'][0]:.3f} -> {single['losses'][-1]:.3f} ({drop:.0%} lower). "
+    print(f"\ntrain loss {loss_change(single['losses'][0], single['losses'][-1])}. "
           f"curve gap: largest |loss difference| between the two separate trainings (shown, not judged). "
           f"bubble: measured from the runtime's timeline (mean of the last steps); formula (K-1)/(vM+K-1); "
           f"sim = simulator with the measured mean F/B time per stage and free communication.")
@@ -445,7 +444,7 @@ def main(argv=None) -> int:
     print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
     for t in traces:
         print(f"trace (open in https://ui.perfetto.dev): {t}")
-    return verdict_exit({r["schedule"]: r["verdict"] for r in rows})
+    return verdict_exit({r["schedule"]: r["verdict"] for r in rows}, reference_losses=single["losses"])
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from ..dist import in_torchrun, launch, make_grid
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import TensorParallelGPT, expected_collectives
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               error, is_main_rank, run_folder)
+               bad_lr, error, is_main_rank, run_folder)
 from .verdict import Lockstep, add_tolerance_option, sharded_pieces, verdict_exit
 
 
@@ -152,7 +152,7 @@ def _bad_args(args, degrees) -> str | None:
                         ("--n-layer", args.n_layer), ("--n-head", args.n_head), ("--n-embd", args.n_embd)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    bad = (bad_number("--lr", args.lr) or bad_number("--tolerance", args.tolerance) or bad_seed(args.seed)
+    bad = (bad_lr(args.lr) or bad_number("--tolerance", args.tolerance) or bad_seed(args.seed)
            or bad_out(args.runs_dir, "--out"))
     if bad:
         return bad
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.steps):
             f.write(f"{i}," + ",".join(f"{c[i]:.7f}" for c in curves.values()) + "\n")
     print(f"plots: {folder / 'loss_curves.png'}, {folder / 'losses.csv'}")
-    rc = verdict_exit({name: r["verdict"] for name, r in runs.items()})
+    rc = verdict_exit({name: r["verdict"] for name, r in runs.items()}, reference_losses=single["losses"])
     if not comm_ok:
         print("FAIL: the counted all-reduces differ from the formula (table above)", file=sys.stderr)
         return 1

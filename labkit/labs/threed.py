@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               error, is_main_rank, run_folder)
+               bad_lr, error, is_main_rank, run_folder)
 from .verdict import add_tolerance_option
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
@@ -101,7 +101,7 @@ def _bad_args(a, world) -> str | None:
                         ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    bad = (bad_number("--lr", a.lr) or bad_number("--tolerance", a.tolerance)
+    bad = (bad_lr(a.lr) or bad_number("--tolerance", a.tolerance)
            or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
     if bad:
         return bad
@@ -403,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_plots:
         _plots(a, out, folder)
         print(f"plots: {folder / 'loss_curves.png'}, {folder / 'rank_grid.png'}")
-    status = verdict_exit({f"t{a.tp} p{a.pp} d{a.dp} {a.schedule}": ranks[0]["verdict"]})
+    status = verdict_exit({f"t{a.tp} p{a.pp} d{a.dp} {a.schedule}": ranks[0]["verdict"]},
+                          reference_losses=out["single"]["losses"])
     if not counts_ok:
         print("FAIL: the counted collectives differ from the formula (table above)", file=sys.stderr)
         status = 1
