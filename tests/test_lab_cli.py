@@ -116,3 +116,18 @@ def test_run_folders_are_never_shared(tmp_path):
     folders = [run_folder(tmp_path, "pipeline") for _ in range(3)]  # within one second
     assert len(set(folders)) == 3 and all(f.is_dir() for f in folders)
     assert folders[1].name == folders[0].name + "-2"
+
+
+@pytest.mark.parametrize("argv", [["bench", "pipeline", "--schedule", "nope"], ["bench", "dp", "--nope"],
+                                  ["bench", "tensor", "--nope"], ["bench", "moe", "--nope"],
+                                  ["lab", "pipeline", "--schedule", "nope"], ["lab", "tensor", "--steps", "x"],
+                                  ["lab", "moe", "--nope"], ["lab", "3d", "--tp", "x"], ["plan", "--gpus", "x"],
+                                  ["doctor", "--world-size", "x"], ["grade"], ["build", "--nope"]])
+def test_argparse_errors_are_one_line(argv, capsys):
+    """Every labkit parser: one 'error:' line naming the option and the --help hint, exit 2, no usage block."""
+    with pytest.raises(SystemExit) as e:
+        cli(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+    assert "usage:" not in err and err.rstrip().endswith("--help)"), err

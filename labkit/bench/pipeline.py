@@ -20,6 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..cliparse import Parser
+
 __all__ = ["main", "bench"]
 
 KINDS = ("gpipe", "1f1b", "interleaved")
@@ -110,8 +112,8 @@ def bench(a) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m labkit bench pipeline", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m labkit bench pipeline", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world-size", type=int, default=4, help="K pipeline ranks")
     p.add_argument("--microbatches", type=int, default=8, help="M microbatches per step")
     p.add_argument("--chunks", type=int, default=2, help="v for interleaved 1F1B")

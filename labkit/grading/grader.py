@@ -40,7 +40,6 @@ hidden ones, whose output never gives details).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -53,6 +52,7 @@ from pathlib import Path
 
 import nbformat
 
+from ..cliparse import Parser
 from .registry import HIDDEN_ENV, Exercise, case_points, exercises_for_notebook, get_exercise
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
@@ -435,7 +435,7 @@ def format_table(grades: list[NotebookGrade]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
+    p = Parser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
     p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
     p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")
     p.add_argument("--cell-timeout", type=int, default=DEFAULT_CELL_TIMEOUT, help="seconds per cell")

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from ..cliparse import Parser
 from ..comm import CommLog
 from ..data import Corpus
 from ..dist import in_torchrun, launch
@@ -45,8 +46,8 @@ SMOOTH = 10  # steps of the moving average in expert_load.png
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0],
-                                formatter_class=HelpFormatter)
+    p = Parser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0],
+               formatter_class=HelpFormatter)
     p.add_argument("--ep", "--world-size", dest="ep", type=int, default=None,
                    help="expert-parallel ranks P (unset: 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--steps", type=int, default=40, help="steps of the EP vs single-device comparison")

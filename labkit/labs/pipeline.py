@@ -28,7 +28,6 @@ Gantt charts of the measured timelines and the loss curves are saved under
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from ..cliparse import Parser
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
                bad_lr, error, is_main_rank, loss_change, run_folder)
 from .verdict import add_tolerance_option, verdict_exit
@@ -47,8 +47,8 @@ GROUPS = {"all": SCHEDULES, "zero-bubble": ("1f1b",) + ZERO_BUBBLE}
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m labkit lab pipeline", formatter_class=HelpFormatter,
-                                description="Train the GPT with GPipe, 1F1B and interleaved 1F1B on K ranks.")
+    p = Parser(prog="python -m labkit lab pipeline", formatter_class=HelpFormatter,
+               description="Train the GPT with GPipe, 1F1B and interleaved 1F1B on K ranks.")
     p.add_argument("--world-size", type=int, default=None,
                    help="K pipeline ranks (unset: 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--schedule", nargs="+", default=["all"], choices=tuple(GROUPS) + SCHEDULES + ZERO_BUBBLE,

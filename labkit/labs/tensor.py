@@ -15,7 +15,6 @@ second. The loss curves are saved as a PNG under a run folder whose path is prin
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..cliparse import Parser
 from ..comm import CommLog
 from ..data import Corpus
 from ..dist import in_torchrun, launch, make_grid
@@ -127,8 +127,8 @@ def _plot(curves: dict, path: Path) -> None:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m labkit lab tensor", description=__doc__.split("\n")[0],
-                                formatter_class=HelpFormatter)
+    p = Parser(prog="python -m labkit lab tensor", description=__doc__.split("\n")[0],
+               formatter_class=HelpFormatter)
     p.add_argument("--tp", "--world-size", dest="tp", type=int, nargs="+", default=None,
                    help="tensor-parallel degrees t to run (unset: 2 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--steps", type=int, default=100, help="training steps (Adam)")

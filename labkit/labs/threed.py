@@ -27,7 +27,6 @@ sent}`` under the ring algorithms), ``expected`` (the counts from the formulas),
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ..cliparse import Parser
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
                bad_lr, error, is_main_rank, run_folder)
 from .verdict import add_tolerance_option
@@ -43,7 +43,7 @@ TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m labkit lab 3d", formatter_class=HelpFormatter, description=TITLE)
+    p = Parser(prog="python -m labkit lab 3d", formatter_class=HelpFormatter, description=TITLE)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree t (ranks of a node)")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree p")
     p.add_argument("--dp", type=int, default=None,

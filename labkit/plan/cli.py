@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+from ..cliparse import Parser
 from .comm import comm_per_rank
 from .memory import memory_per_rank
 from .planner import GB, PlanError, explain, plan, step_time
@@ -29,7 +30,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labkit plan", description=__doc__, formatter_class=_HelpFormatter)
+    p = Parser(prog="python -m labkit plan", description=__doc__, formatter_class=_HelpFormatter)
     m = p.add_argument_group("model (a preset, a JSON file, or the sizes)")
     m.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a JSON file with ModelSpec fields")
     for flag, kw in [("--layers", {"type": int}), ("--hidden", {"type": int}), ("--heads", {"type": int}),
