@@ -181,7 +181,8 @@ def test_cli(capsys, tmp_path):
                       (["--model", "gpt3-175b", "--gpus", "0"], "--gpus must be >= 1"),
                       (["--model", str(tmp_path / "missing.json"), "--gpus", "8"], "cannot read model JSON"),
                       *[(["--model", "gpt3-175b", "--gpus", "8", "--gpu-memory", v],
-                         f"--gpu-memory must be a finite number > 0, got {float(v)}") for v in ("nan", "inf", "0", "-1")],
+                         f"--gpu-memory must be a finite number > 0, got {float(v)}")
+                        for v in ("nan", "inf", "0", "-1")],
                       (["--model", str(partial), "--gpus", "8"], "missing fields hidden, n_head, vocab_size, seq_len, "
                                                                    "global_batch (required: n_layer, hidden,"),
                       (["--model", str(no_batch), "--gpus", "8"], "missing field global_batch (required:"),

@@ -124,8 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    from ..labs import schedule_name
     p.add_argument("--schedule", dest="kinds", nargs="*", default=list(KINDS), choices=KINDS + ZERO_BUBBLE,
-                   help="schedules to time")
+                   type=schedule_name, help="schedules to time (aliases: zbh1 = zb-h1, zb-v = zbv)")
     p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     a = p.parse_args(argv)
     print(f"pipeline benchmark: K={a.world_size} ranks ({a.backend}), M={a.microbatches}, v={a.chunks}, "

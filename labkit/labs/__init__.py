@@ -121,6 +121,17 @@ def run_cli(main, *args) -> int:
         return 1
 
 
+SCHEDULE_ALIASES = {"zbh1": "zb-h1", "zb_h1": "zb-h1", "zb-v": "zbv", "dualpipe-v": "dualpipev"}
+
+
+def schedule_name(text: str) -> str:
+    """A ``--schedule`` value's canonical name (the labs' and ``labkit.pipeline``'s): ``zb-h1``,
+    ``zbv``, ``dualpipev``, ...; other spellings (``zbh1``, ``ZB-H1``, ``zb-v``) are aliases.
+    Use as argparse's ``type=`` with the canonical names as ``choices``."""
+    name = text.strip().lower()
+    return SCHEDULE_ALIASES.get(name, name)
+
+
 def count_parameters_meta(build) -> int:
     """Parameters of the model ``build()`` returns, built on the meta device (no memory used)."""
     import torch

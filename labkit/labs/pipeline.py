@@ -37,7 +37,7 @@ import torch
 
 from ..cliparse import Parser
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               bad_lr, error, is_main_rank, loss_change, run_folder)
+               bad_lr, error, is_main_rank, loss_change, run_folder, schedule_name)
 from .verdict import add_tolerance_option, verdict_exit
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -52,7 +52,9 @@ def _parser():
     p.add_argument("--world-size", type=int, default=None,
                    help="K pipeline ranks (unset: 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--schedule", nargs="+", default=["all"], choices=tuple(GROUPS) + SCHEDULES + ZERO_BUBBLE,
-                   help="schedules to run; 'all' = gpipe 1f1b interleaved, 'zero-bubble' = 1f1b zb-h1 zbv dualpipev")
+                   type=schedule_name,
+                   help="schedules to run; 'all' = gpipe 1f1b interleaved, 'zero-bubble' = 1f1b zb-h1 zbv dualpipev "
+                        "(aliases: zbh1 = zb-h1, zb-v = zbv)")
     p.add_argument("--cost-model", default=None, metavar="F,I,W",
                    help="milliseconds each forward, input-gradient and weight-gradient pass takes at least "
                         "(B = I + W): ranks sleep the rest without holding a core, so the measured bubble shows "

@@ -36,7 +36,7 @@ import torch
 
 from ..cliparse import Parser
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               bad_lr, error, is_main_rank, run_folder)
+               bad_lr, error, is_main_rank, run_folder, schedule_name)
 from .verdict import add_tolerance_option
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
@@ -48,8 +48,10 @@ def _parser():
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree p")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel degree d (unset: 2; under torchrun WORLD_SIZE / (t*p))")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"),
-                   help="pipeline schedule (zbh1, zbv, dualpipev: zero-bubble, backward split into I and W)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
+                   type=schedule_name,
+                   help="pipeline schedule (zb-h1, zbv, dualpipev: zero-bubble, backward split into I and W; "
+                        "aliases: zbh1 = zb-h1, zb-v = zbv)")
     p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank (interleaved; zbv/dualpipev: 2)")
     p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
@@ -71,6 +73,11 @@ def _parser():
     return p
 
 
+def _library_schedule(a) -> str:
+    """labkit.parallel's name of ``--schedule`` (it spells ZB-H1 ``zbh1``; the labs ``zb-h1``)."""
+    return {"zb-h1": "zbh1"}.get(a.schedule, a.schedule)
+
+
 def _v(a) -> int:
     """Chunks per rank: --chunks for interleaved, 2 for the V-shaped schedules, else 1."""
     return a.chunks if a.schedule == "interleaved" else 2 if a.schedule in ("zbv", "dualpipev") else 1
@@ -84,7 +91,7 @@ def _bubble_formula(a) -> float:
     p, M, v = a.pp, a.microbatches, _v(a)
     if a.schedule in ("gpipe", "1f1b", "interleaved"):
         return float(bubble_formula(p, M, v))
-    bubble = float(bubble_time_formula({"zbh1": "zb-h1"}.get(a.schedule, a.schedule), p))
+    bubble = float(bubble_time_formula(a.schedule, p))
     return bubble / (v * M * 3 + bubble)
 
 
@@ -109,7 +116,7 @@ def _bad_args(a, world) -> str | None:
         cfg = _config(a)
         from ..parallel import check_layout
         v = _v(a)
-        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule)
+        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, _library_schedule(a))
     except ValueError as e:
         return str(e)
     from ..model import GPT
@@ -137,7 +144,7 @@ def _worker(ctx, a, corpus):
     v = _v(a)
     grid = make_grid(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
     cfg = _config(a)
-    pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
+    pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, _library_schedule(a), a.microbatches, v=v, zero=a.zero,
                      bucket_cap_mb=a.bucket_cap_mb)
     opt = pg.make_optimizer("adam", a.lr)
     ref = GPT(cfg, seed=a.seed).to(ctx.device) if ctx.rank == 0 else None
