@@ -111,19 +111,21 @@ def _single(args, corpus):
         torch.set_num_threads(threads)
 
 
-def _plot(curves: dict, path: Path) -> None:
+def _plot(curves: dict, path: Path):
+    """Save the loss curves (x: step 0, 1, ..., as in losses.csv) to ``path``; returns the Figure."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot(1, 1, 1)
     for i, (name, losses) in enumerate(curves.items()):
-        ax.plot(range(1, len(losses) + 1), losses, label=name, linestyle=["-", "--", ":", "-."][i % 4])
+        ax.plot(range(len(losses)), losses, label=name, linestyle=["-", "--", ":", "-."][i % 4])
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title("Tensor parallelism vs one device: same loss curve")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def parse_args(argv):
