@@ -279,17 +279,20 @@ def _start_folder_reaper(folder: str):
     however it dies (SIGKILL included: no clean-up can run in a SIGKILLed process).
 
     Linux only (prctl PR_SET_PDEATHSIG delivers SIGUSR1 to the reaper when its parent dies);
-    elsewhere returns None. The reaper blocks SIGUSR1/SIGTERM and waits for one: SIGUSR1
+    elsewhere returns None. The reaper blocks SIGUSR1, SIGINT and SIGTERM and waits: SIGUSR1
     (parent gone) removes the folder, retrying while the dying ranks still hold files in it;
-    SIGTERM (sent by :func:`_stop_folder_reaper` after a normal clean-up) just exits; SIGINT
-    (a Ctrl-C to the whole group) is ignored.
+    SIGINT / SIGTERM (a Ctrl-C or kill to the whole group) are ignored: the parent cleans up then
+    and :func:`_stop_folder_reaper` SIGKILLs the reaper (which cannot block that, so no wait hangs).
     Returns the reaper's pid, or None.
     """
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
     import shutil
 
+    try:  # resolved here, not in the forked child (no dynamic loading after fork)
+        prctl = _libc_prctl()
+    except (OSError, AttributeError):
+        return None
     parent = os.getpid()
     sigs = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # no signal is lost before sigwait
@@ -302,9 +305,9 @@ def _start_folder_reaper(folder: str):
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
         return pid
     try:  # the reaper: only plain system calls from here on, then os._exit
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR1), 0, 0, 0)  # PR_SET_PDEATHSIG
-        got = signal.SIGUSR1 if os.getppid() != parent else signal.SIGINT
-        while got == signal.SIGINT:  # Ctrl-C reaches the whole group: the parent cleans up itself
+        prctl(1, int(signal.SIGUSR1), 0, 0, 0)  # PR_SET_PDEATHSIG
+        got = signal.SIGUSR1 if os.getppid() != parent else None
+        while got != signal.SIGUSR1:  # Ctrl-C / SIGTERM to the whole group: the parent cleans up itself
             got = signal.sigwait(sigs)
         if got == signal.SIGUSR1:
             deadline = time.monotonic() + 10.0
@@ -316,12 +319,24 @@ def _start_folder_reaper(folder: str):
         os._exit(0)
 
 
+_PRCTL = None
+
+
+def _libc_prctl():
+    """libc's ``prctl`` (Linux), looked up once."""
+    global _PRCTL
+    if _PRCTL is None:
+        import ctypes
+        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    return _PRCTL
+
+
 def _stop_folder_reaper(pid) -> None:
     """Stop a reaper from :func:`_start_folder_reaper` (the folder is already removed)."""
     if pid is None:
         return
     try:
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     except (ProcessLookupError, ChildProcessError):
         pass

@@ -33,7 +33,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m labkit plan", description=__doc__, formatter_class=_HelpFormatter)
     m = p.add_argument_group("model (a preset, a JSON file, or the sizes)")
-    m.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a JSON file with ModelSpec fields")
+    m.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a JSON file with ModelSpec fields "
+                                     "(global_batch required there, or give --global-batch)")
     for flag, kw in [("--layers", {"type": int}), ("--hidden", {"type": int}), ("--heads", {"type": int}),
                      ("--kv-heads", {"type": int}), ("--ffn", {"type": int}), ("--vocab", {"type": int}),
                      ("--seq", {"type": int}), ("--global-batch", {"type": int}), ("--experts", {"type": int}),
