@@ -17,6 +17,8 @@ import argparse
 import importlib
 import sys
 
+from .cliparse import Parser
+
 LABS = ("pipeline", "tensor", "moe", "3d")
 BENCHES = ("pipeline", "tensor", "moe", "dp")
 MODULES = {"3d": "threed"}  # a module name cannot start with a digit
@@ -45,8 +47,8 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "doctor":
-        p = argparse.ArgumentParser(prog="python -m labkit doctor",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = Parser(prog="python -m labkit doctor",
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         p.add_argument("--world-size", type=int, nargs="*", default=[1, 2, 4, 8], help="world sizes to try")
         p.add_argument("--run", action="store_true",
                        help="also run every lab briefly on the backend auto picks: one PASS/FAIL line per lab")

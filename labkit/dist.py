@@ -18,7 +18,8 @@ fail ends the launch with :class:`RankError`, naming the rank and carrying its t
 the last lines of its stderr); every other worker is terminated and joined, so no process
 outlives a failed launch. Forked workers also die with their parent whatever kills it
 (Linux ``PR_SET_PDEATHSIG``), and SIGTERM / Ctrl-C of the parent stop every worker and
-remove the rendezvous folder (SIGTERM raises :class:`Terminated` in the parent).
+remove the rendezvous folder (SIGTERM raises :class:`Terminated` in the parent); a SIGKILLed
+parent's folder is removed by a small reaper process that outlives it by a moment.
 
 Process groups are passed in, never global: :class:`DistContext` travels into every layer,
 and :func:`make_grid` builds the TP / DP / PP groups with Megatron's rank order
@@ -273,6 +274,74 @@ def _rendezvous_file() -> str:
     return os.path.join(tempfile.mkdtemp(prefix="labkit-store-"), "store")
 
 
+def _start_folder_reaper(folder: str):
+    """Fork a tiny process that removes ``folder`` if this process dies before it does,
+    however it dies (SIGKILL included: no clean-up can run in a SIGKILLed process).
+
+    Linux only (prctl PR_SET_PDEATHSIG delivers SIGUSR1 to the reaper when its parent dies);
+    elsewhere returns None. The reaper blocks SIGUSR1, SIGINT and SIGTERM and waits: SIGUSR1
+    (parent gone) removes the folder, retrying while the dying ranks still hold files in it;
+    SIGINT / SIGTERM (a Ctrl-C or kill to the whole group) are ignored: the parent cleans up then
+    and :func:`_stop_folder_reaper` SIGKILLs the reaper (which cannot block that, so no wait hangs).
+    Returns the reaper's pid, or None.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import shutil
+
+    try:  # resolved here, not in the forked child (no dynamic loading after fork)
+        prctl = _libc_prctl()
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    sigs = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # no signal is lost before sigwait
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return None
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return pid
+    try:  # the reaper: only plain system calls from here on, then os._exit
+        prctl(1, int(signal.SIGUSR1), 0, 0, 0)  # PR_SET_PDEATHSIG
+        got = signal.SIGUSR1 if os.getppid() != parent else None
+        while got != signal.SIGUSR1:  # Ctrl-C / SIGTERM to the whole group: the parent cleans up itself
+            got = signal.sigwait(sigs)
+        if got == signal.SIGUSR1:
+            deadline = time.monotonic() + 10.0
+            while os.path.exists(folder) and time.monotonic() < deadline:
+                shutil.rmtree(folder, ignore_errors=True)
+                if os.path.exists(folder):
+                    time.sleep(0.05)
+    finally:
+        os._exit(0)
+
+
+_PRCTL = None
+
+
+def _libc_prctl():
+    """libc's ``prctl`` (Linux), looked up once."""
+    global _PRCTL
+    if _PRCTL is None:
+        import ctypes
+        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    return _PRCTL
+
+
+def _stop_folder_reaper(pid) -> None:
+    """Stop a reaper from :func:`_start_folder_reaper` (the folder is already removed)."""
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """In a worker: get SIGKILL when the parent dies, whatever kills it (Linux prctl
     PR_SET_PDEATHSIG), and exit now if the parent is already gone (it died before prctl)."""
@@ -463,7 +532,8 @@ def launch(
     that died: its exit code or signal name, and the last lines of its stderr, which is also
     forwarded live to this process's stderr for forked workers). No worker is left alive after
     ``launch`` returns or raises; SIGTERM of this process while it waits raises
-    :class:`Terminated` after stopping the workers and removing the rendezvous folder.
+    :class:`Terminated` after stopping the workers and removing the rendezvous folder; after a
+    SIGKILL of this process a reaper process removes that folder (Linux).
 
     Under ``torchrun`` this process is one rank: ``world_size`` must equal ``WORLD_SIZE``.
     """
@@ -490,7 +560,10 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
     store = _rendezvous_file()
     procs, conns, err_fds = [], {}, {}
     tails = None
+    reaper = None
     try:
+        # removes the folder should this process be SIGKILLed (its ranks die too: PDEATHSIG)
+        reaper = _start_folder_reaper(os.path.dirname(store))
         for rank in range(world_size):
             recv_end, send_end = mpctx.Pipe(duplex=False)
             err_r, err_w = os.pipe() if start_method == "fork" else (None, None)
@@ -569,6 +642,7 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
             import shutil
 
             shutil.rmtree(os.path.dirname(store), ignore_errors=True)
+            _stop_folder_reaper(reaper)
 
 
 class _signals_deferred:

@@ -1,5 +1,5 @@
 """Faults end cleanly: SIGTERM, Ctrl-C and SIGKILL of the parent leave no process (checked by
-process group) and, for SIGTERM/Ctrl-C, no rendezvous folder (checked by name), in bounded time;
+process group) and no rendezvous folder (checked by name), in bounded time;
 the command ends with one line and the usual exit code."""
 import os
 import signal
@@ -37,6 +37,10 @@ def _group(pgid):
     return out
 
 
+def _left(tmp):
+    return [f for f in os.listdir(tmp) if f.startswith("labkit-store-")]
+
+
 def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
@@ -55,7 +59,7 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
             while len(os.listdir(ready)) < 2 and p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert len(os.listdir(ready)) == 2, (name, p.poll(), p.stderr.read() if p.poll() is not None else "")
-            assert len(_group(p.pid)) == 3  # the parent and its 2 ranks
+            assert len(_group(p.pid)) == 4  # the parent, its 2 ranks and the folder's reaper
             assert [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
             sig, to_group = cases[name]
             (os.killpg if to_group else os.kill)(p.pid, sig)  # Ctrl-C goes to the whole foreground group
@@ -68,11 +72,12 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
             while _group(p.pid) and time.monotonic() < t0 + 10:  # the ranks die with their parent
                 time.sleep(0.05)
             assert _group(p.pid) == [], name
-            left = [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
+            while _left(tmp_path / name) and time.monotonic() < t0 + 10:  # the reaper may take a moment
+                time.sleep(0.05)
+            assert _left(tmp_path / name) == [], name
             if name == "SIGKILL":
                 assert p.returncode == -signal.SIGKILL  # nothing can run in a SIGKILLed parent; its ranks still die
                 continue
-            assert left == [], name
             assert p.returncode == {"SIGTERM": 143, "SIGINT": 130}[name], (name, err)
             assert err.count("\n") == 1 and "Traceback" not in err, err
             assert err.startswith("terminated (SIGTERM)" if name == "SIGTERM" else "interrupted (Ctrl-C)"), err

@@ -34,7 +34,7 @@ def test_lab_3d_fails_on_wrong_dp_average(tmp_path, capsys, monkeypatch):
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
     (["--layers", "3"], "n_layer=3 layers must be divisible by p*v"),
     (["--batch", "6"], "global batch B=6 must be divisible by d*M"),
-    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "0"], "--lr must be a finite number in (0, 10]"),
     (["--schedule", "interleaved", "--chunks", "2", "--layers", "2"],
      "n_layer=2 layers must be divisible by p*v = 2*2"),
 ])
@@ -64,3 +64,17 @@ def test_bench_dp_runs_and_sides_agree(capsys):
     assert len(rows) == 3
     for row in rows:                      # same model, same data: the two sides train alike
         assert float(row.split()[-1] if not row.startswith("3D") else row.split("(|dloss|")[0].split()[-1]) < 1e-5
+
+
+def test_schedule_spellings_are_aliases(tmp_path, capsys):
+    """zb-h1 is the canonical name in both labs; zbh1 (and ZB-H1, zb-v) are accepted and shown in --help."""
+    from labkit.labs import pipeline, threed
+    for spelling in ("zbh1", "zb-h1", "ZB-H1"):
+        assert threed._parser().parse_args(["--schedule", spelling]).schedule == "zb-h1"
+        assert pipeline._parser().parse_args(["--schedule", spelling, "zb-v"]).schedule == ["zb-h1", "zbv"]
+    assert "zbh1 = zb-h1" in threed._parser().format_help() and "zbh1 = zb-h1" in pipeline._parser().format_help()
+    small = [a if a != "3" else "1" for a in SMALL]  # one step
+    rc = main(["lab", "3d", "--tp", "1", "--pp", "2", "--dp", "1", "--schedule", "zbh1", "--no-plots",
+               "--out", str(tmp_path), *small])
+    out = capsys.readouterr().out
+    assert rc == 0 and "OK   t1 p2 d1 zb-h1" in out, out

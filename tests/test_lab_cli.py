@@ -29,8 +29,8 @@ BAD = [
     (["lab", "nosuch"], "unknown lab 'nosuch'; choose one of pipeline, tensor, moe"),
     *[(["lab", lab, "--seed", "99999999999999999999"], "--seed must be in [0, 2**40), got 99999999999999999999")
       for lab in ("pipeline", "tensor", "moe")],
-    *[(["lab", lab, "--lr", "inf"], "--lr must be a finite number > 0, got inf")
-      for lab in ("pipeline", "tensor", "moe")],
+    *[(["lab", lab, "--lr", v], "--lr must be a finite number in (0, 10]")
+      for lab in ("pipeline", "tensor", "moe") for v in ("inf", "1e308", "11")],
     *[(["lab", lab, "--tolerance", v], f"--tolerance must be a finite number > 0, got {float(v)}")
       for lab in ("pipeline", "tensor", "moe") for v in ("0", "-1", "nan")],
     *[(["lab", lab, "--data", "/dev/null"], "--data /dev/null: exists but is not a regular text file or folder")
@@ -116,3 +116,18 @@ def test_run_folders_are_never_shared(tmp_path):
     folders = [run_folder(tmp_path, "pipeline") for _ in range(3)]  # within one second
     assert len(set(folders)) == 3 and all(f.is_dir() for f in folders)
     assert folders[1].name == folders[0].name + "-2"
+
+
+@pytest.mark.parametrize("argv", [["bench", "pipeline", "--schedule", "nope"], ["bench", "dp", "--nope"],
+                                  ["bench", "tensor", "--nope"], ["bench", "moe", "--nope"],
+                                  ["lab", "pipeline", "--schedule", "nope"], ["lab", "tensor", "--steps", "x"],
+                                  ["lab", "moe", "--nope"], ["lab", "3d", "--tp", "x"], ["plan", "--gpus", "x"],
+                                  ["doctor", "--world-size", "x"], ["grade"], ["build", "--nope"]])
+def test_argparse_errors_are_one_line(argv, capsys):
+    """Every labkit parser: one 'error:' line naming the option and the --help hint, exit 2, no usage block."""
+    with pytest.raises(SystemExit) as e:
+        cli(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+    assert "usage:" not in err and err.rstrip().endswith("--help)"), err

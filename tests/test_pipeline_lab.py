@@ -78,6 +78,19 @@ def test_lab_rejects_bad_sizes_before_starting(capsys):
     assert "n_layer=8 layers cannot be split evenly into K*v=3 stages" in capsys.readouterr().err
     assert main(["--world-size", "4", "--schedule", "interleaved", "--microbatches", "6", "--batch", "12"]) == 2
     assert "needs M a multiple of K" in capsys.readouterr().err
+    # a huge K breaks the layer split first: that rule, not the memory estimate (which grows with K)
+    assert main(["--world-size", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be split evenly into K*v=100000 stages" in err and "memory" not in err, err
+
+
+def test_memory_estimate_says_what_it_counts():
+    from labkit.labs import bad_memory
+    # 1,000 parameters x (4 bytes x 1,000 ranks + 48) = 4,048,000 bytes > a 1 MiB limit
+    msg = bad_memory(1000, 4 * 1000 + 48, 0, 2, "sizes", limit=2**20, ranks=1000)
+    assert "1,000 parameters x (4 bytes on each of the 1,000 ranks, which all build the full model, + 48)" in msg
+    assert "= 0.00377 GiB" in msg, msg
+    assert bad_memory(1000, 4 * 1000 + 48, 0, 2, "sizes", limit=2**30, ranks=1000) is None
 
 
 def test_lab_rejects_bad_options_with_one_error_line(tmp_path, capsys):

@@ -170,15 +170,31 @@ def test_cli(capsys, tmp_path):
                                 "seq_len": 128, "global_batch": 8}))
     assert labkit_main(["plan", "--model", str(path), "--gpus", "8"]) == 0
     assert "tiny" in capsys.readouterr().out
+    partial, no_batch = tmp_path / "partial.json", tmp_path / "no_batch.json"
+    partial.write_text(json.dumps({"name": "p", "n_layer": 4}))
+    no_batch.write_text(json.dumps({"name": "nb", "n_layer": 4, "hidden": 256, "n_head": 4, "vocab_size": 1000,
+                                    "seq_len": 128}))
     for argv, msg in [(["--model", "gpt3-175b", "--gpus", "8"], "smallest need is"),
                       (["--model", "nope", "--gpus", "8"], "unknown model 'nope'"),
                       (["--layers", "2", "--gpus", "8"], "missing --hidden"),
                       (["--model", "gpt3-175b", "--gpus", "64", "--layout", "t=8,p=4,d=4"], "must equal --gpus 64"),
                       (["--model", "gpt3-175b", "--gpus", "0"], "--gpus must be >= 1"),
-                      (["--model", str(tmp_path / "missing.json"), "--gpus", "8"], "cannot read model JSON")]:
+                      (["--model", str(tmp_path / "missing.json"), "--gpus", "8"], "cannot read model JSON"),
+                      *[(["--model", "gpt3-175b", "--gpus", "8", "--gpu-memory", v],
+                         f"--gpu-memory must be a finite number > 0, got {float(v)}")
+                        for v in ("nan", "inf", "0", "-1")],
+                      (["--model", str(partial), "--gpus", "8"], "missing fields hidden, n_head, vocab_size, seq_len, "
+                                                                   "global_batch (required: n_layer, hidden,"),
+                      (["--model", str(no_batch), "--gpus", "8"], "missing field global_batch (required:"),
+                      (["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "100", "--seq", "16",
+                        "--gpus", "8"], "missing --global-batch")]:
         assert labkit_main(["plan", *argv]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and msg in err and "Traceback" not in err and err.count("\n") == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: ") and msg in err and "Traceback" not in err, (out, err)
+        assert err.count("\n") == 1, err
+    # --global-batch completes a JSON model without one
+    assert labkit_main(["plan", "--model", str(no_batch), "--gpus", "8", "--global-batch", "8", "--top", "1"]) == 0
+    assert "global batch 8" in capsys.readouterr().out
 
 
 def test_in_flight_units_equal_labkit_schedules():

@@ -44,3 +44,11 @@ def test_tensor_bench_runs_and_losses_agree(capsys):
 def test_tensor_lab_rejects_missing_data(tmp_path, capsys):
     assert lab.main(["--tp", "2", "--steps", "2", "--data", str(tmp_path / "missing.txt")]) == 2
     assert "missing.txt" in capsys.readouterr().err
+
+
+def test_loss_plot_steps_agree_with_the_csv(tmp_path):
+    """loss_curves.png's x-axis is the step as losses.csv writes it: 0, 1, ..."""
+    from labkit.labs.tensor import _plot
+    fig = _plot({"single device": [5.0, 4.0, 3.0], "TP=2": [5.0, 4.0, 3.0]}, tmp_path / "loss_curves.png")
+    assert [list(line.get_xdata()) for line in fig.axes[0].get_lines()] == [[0, 1, 2], [0, 1, 2]]
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0

@@ -191,3 +191,34 @@ def test_lockstep_rules_on_one_rank():
         Lockstep(None, 0, ref, loss_fn, rtol=float("nan"))
     ok, text = report({"a": LockstepResult(1e-5, 1e-6, [StepRecord(0, 1.0, 1.0, 0.0, 0.1, 1e-8, 1e-6, "w")])})
     assert ok and "AT THE SAME PARAMETERS" in text and "drift" in text and "rtol=1e-05" in text
+
+
+def test_diverged_training_is_one_short_fail_line(capsys):
+    """--lr too large: the verdict is FAIL, and says in one short line that training diverged on the
+    single device too (not a list of every parameter); a NaN in the parallel run alone still says NaN."""
+    from labkit.labs.verdict import DIVERGED, verdict_exit
+    res = _pipeline(extra=["--lr", "inf", "--steps", "2"])
+    assert verdict_exit({"1f1b": res}, reference_losses=[5.5, math.nan]) == 1
+    out, err = capsys.readouterr()
+    fail = [l for l in out.splitlines() if l.startswith("FAIL")]
+    assert fail == [f"FAIL 1f1b  step 1 (first of 1 failing of 2): {DIVERGED}"], fail
+    assert err == f"FAIL: {DIVERGED}\n" and "lower --lr" in err
+    # the single device trained fine: not "diverged"; the parameters are listed, first few only
+    assert verdict_exit({"1f1b": res}, reference_losses=[5.5, 5.4]) == 1
+    out, err = capsys.readouterr()
+    fail = [l for l in out.splitlines() if l.startswith("FAIL")][0]
+    assert "diverged" not in out + err and "NaN" in fail and " more" in fail and len(fail) < 400, fail
+    assert err == "FAIL: 1f1b differ from single-device training (see the lines above)\n"
+    # the reference NaN at finite parameters: diverged, whatever the lab passes
+    ref = torch.nn.Linear(3, 2)
+    check = Lockstep(None, 0, ref, lambda m, step, extras: m(torch.full((1, 3), math.inf)).sum())
+    check.step(0, [Piece(n, p.detach().clone(), torch.zeros_like(p)) for n, p in ref.named_parameters()], 1.0)
+    rec = check.result().records[0]
+    assert not rec.ok and rec.diverged and rec.problem == DIVERGED
+
+
+def test_the_labs_refuse_an_absurd_lr(capsys):
+    from labkit.labs.pipeline import main
+    assert main(["--lr", "1e308", "--steps", "2", "--schedule", "1f1b"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --lr must be a finite number in (0, 10]") and err.count("\n") == 1, err

@@ -24,7 +24,6 @@ largest parameter difference between the two after the timed steps (they train t
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
@@ -33,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..cliparse import Parser
 from ..dist import launch
 from ..model import GPT, GPTConfig
 
@@ -173,8 +173,8 @@ def _worker_3d(ctx, a):
 
 def parse_args(argv):
     from ..labs import HelpFormatter
-    p = argparse.ArgumentParser(prog="python -m labkit bench dp", formatter_class=HelpFormatter,
-                                description="labkit DDP and ZeRO-1 against torch's, side by side.")
+    p = Parser(prog="python -m labkit bench dp", formatter_class=HelpFormatter,
+               description="labkit DDP and ZeRO-1 against torch's, side by side.")
     p.add_argument("--dp", "--world-size", dest="dp", type=int, default=2, help="data-parallel ranks d")
     p.add_argument("--iters", type=int, default=15, help="timed steps of each side")
     p.add_argument("--bucket-cap-mb", type=float, default=0.25, help="bucket size of both DDPs (MiB)")

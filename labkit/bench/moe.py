@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from ..cliparse import Parser
 from ..moe.dispatch import dense_dispatch_tensors, permute, unpermute
 from ..moe.router import capacity_mask, compute_capacity, route
 from . import median_time
@@ -54,8 +55,8 @@ def bench_one(T: int, E: int, H: int, k: int, capacity_factor: float, repeat: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m labkit bench moe", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m labkit bench moe", description=__doc__.split("\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192], help="token counts T to time")
     p.add_argument("--experts", type=int, nargs="+", default=[8, 64], help="expert counts E to time")
     p.add_argument("--hidden", type=int, default=64, help="hidden size H")

@@ -20,6 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..cliparse import Parser
+
 __all__ = ["main", "bench"]
 
 KINDS = ("gpipe", "1f1b", "interleaved")
@@ -110,8 +112,8 @@ def bench(a) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m labkit bench pipeline", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m labkit bench pipeline", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world-size", type=int, default=4, help="K pipeline ranks")
     p.add_argument("--microbatches", type=int, default=8, help="M microbatches per step")
     p.add_argument("--chunks", type=int, default=2, help="v for interleaved 1F1B")
@@ -122,8 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    from ..labs import schedule_name
     p.add_argument("--schedule", dest="kinds", nargs="*", default=list(KINDS), choices=KINDS + ZERO_BUBBLE,
-                   help="schedules to time")
+                   type=schedule_name, help="schedules to time (aliases: zbh1 = zb-h1, zb-v = zbv)")
     p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     a = p.parse_args(argv)
     print(f"pipeline benchmark: K={a.world_size} ranks ({a.backend}), M={a.microbatches}, v={a.chunks}, "

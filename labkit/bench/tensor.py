@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from ..cliparse import Parser
 from ..dist import launch
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import ParallelBlock, TensorParallelGPT
@@ -112,8 +113,8 @@ def _worker(ctx, args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m labkit bench tensor", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m labkit bench tensor", description=__doc__.split("\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tp", "--world-size", dest="tp", type=int, default=2, help="TP degree t (gloo ranks)")
     p.add_argument("--iters", type=int, default=20, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")

@@ -34,7 +34,6 @@ NAME is a notebook stem or its number prefix ("01" or "01_pipeline_bubble").
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import copy
 import hashlib
@@ -44,6 +43,8 @@ import sys
 from pathlib import Path
 
 import nbformat
+
+from ..cliparse import Parser
 
 __all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "execute_notebook", "main",
            "BuildError", "find_root", "PLOTTING_MODULES", "plot_code_fingerprint", "uses_plotting_code",
@@ -274,7 +275,7 @@ def _select(root: Path, names: list[str]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m labkit build", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m labkit build", description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="fail (exit 1) when notebooks/ is stale")
     p.add_argument("--execute", nargs="*", metavar="NAME", default=None,
                    help="execute these solution notebooks (all when none named) in place first")

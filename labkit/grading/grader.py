@@ -41,7 +41,6 @@ except for hidden cases (``after_published``, output without details).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -55,6 +54,7 @@ from pathlib import Path
 
 import nbformat
 
+from ..cliparse import Parser
 from .registry import HIDDEN_ENV, Exercise, exercises_for_notebook, get_exercise
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
@@ -484,7 +484,7 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m labkit grade``; bad input ends with one ``error:`` line (exit 2) before any
     kernel starts."""
-    p = argparse.ArgumentParser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
+    p = Parser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
     p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
     p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")
     p.add_argument("--cell-timeout", default=str(DEFAULT_CELL_TIMEOUT), help="seconds per cell (> 0)")

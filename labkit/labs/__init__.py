@@ -74,6 +74,18 @@ def bad_number(flag: str, value: float, low: float = 0.0, strict: bool = True) -
     return None
 
 
+LR_MAX = 10.0  # Adam moves each weight by about lr per step: far beyond 10 it can only diverge
+
+
+def bad_lr(lr: float, flag: str = "--lr") -> str | None:
+    """``lr`` must be finite, > 0 and <= :data:`LR_MAX` (an Adam/AdamW step moves each weight by
+    about ``lr``, Kingma & Ba 2015 sec. 2.1); returns the message or None."""
+    if not (math.isfinite(lr) and 0 < lr <= LR_MAX):
+        return (f"{flag} must be a finite number in (0, {LR_MAX:g}] (an Adam step moves each weight by about "
+                f"lr), got {lr}")
+    return None
+
+
 def bad_seed(seed: int) -> str | None:
     """Seeds feed ``torch.Generator.manual_seed`` after ``seed * 1_000_003 + 2 * step``: keep them
     in [0, 2**40) so that stays a valid 64-bit seed."""
@@ -107,6 +119,17 @@ def run_cli(main, *args) -> int:
         if is_main_rank():
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
+
+
+SCHEDULE_ALIASES = {"zbh1": "zb-h1", "zb_h1": "zb-h1", "zb-v": "zbv", "dualpipe-v": "dualpipev"}
+
+
+def schedule_name(text: str) -> str:
+    """A ``--schedule`` value's canonical name (the labs' and ``labkit.pipeline``'s): ``zb-h1``,
+    ``zbv``, ``dualpipev``, ...; other spellings (``zbh1``, ``ZB-H1``, ``zb-v``) are aliases.
+    Use as argparse's ``type=`` with the canonical names as ``choices``."""
+    name = text.strip().lower()
+    return SCHEDULE_ALIASES.get(name, name)
 
 
 def count_parameters_meta(build) -> int:
@@ -143,19 +166,30 @@ def available_memory() -> int | None:
         return None
 
 
+def loss_change(first: float, last: float) -> str:
+    """``'5.562 -> 2.104 (62% lower)'``; ``'5.562 -> nan (diverged: NaN/inf)'`` when a loss is not finite."""
+    if not (math.isfinite(first) and math.isfinite(last)):
+        return f"{first:.3f} -> {last:.3f} (diverged: NaN/inf)"
+    drop = 1 - last / first if first else float("nan")
+    return f"{first:.3f} -> {last:.3f} ({drop:.0%} lower)"
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB" if n < 2**40 else f"{n / 2**40:.3g} TiB"
 
 
 def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: float, sizes: str,
-               limit: int | None = None) -> str | None:
+               limit: int | None = None, ranks: int | None = None) -> str | None:
     """Refuse a run whose estimated memory exceeds what this machine has (all CPU ranks share it).
 
     ``params``: parameters of the model; ``model_bytes_per_param``: bytes per parameter over the
     whole run at its peak (every copy: each rank's fp32 weights, gradients and Adam's 2 moments
     = 16, the reference's weights and gradients = 8, ...); ``act``: :func:`activation_bytes` of
     the whole batch, held ``act_copies`` times at the peak. ``sizes``: the options, for the
-    message. ``limit``: bytes available (None: :func:`available_memory`). The estimate is
+    message. ``limit``: bytes available (None: :func:`available_memory`). ``ranks``: when given,
+    ``model_bytes_per_param`` is ``4 * ranks + 48`` (every rank builds the full fp32 model, plus
+    48 bytes/param for Adam, the reference and the verdict's copies) and the message says so,
+    since that term grows with the world size. The estimate is
     rough (within a factor of ~2), so it refuses only what clearly cannot run."""
     limit = available_memory() if limit is None else limit
     if limit is None:
@@ -164,7 +198,12 @@ def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: 
     if need <= limit:
         return None
     weights = _gib(params * model_bytes_per_param)
-    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters: {weights}; "
+    if ranks is not None:
+        how = f"4 bytes on each of the {ranks:,} ranks, which all build the full model, + 48"
+    else:
+        how = f"{model_bytes_per_param:g}"
+    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters "
+            f"x ({how}) bytes = {weights}; "
             f"activations: {_gib(act * act_copies)}, Korthikanti et al. 2022 eq. 1), more than the {_gib(limit)} "
             f"available; use smaller sizes")
 

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from ..cliparse import Parser
 from ..comm import CommLog
 from ..data import Corpus
 from ..dist import in_torchrun, launch
@@ -37,7 +38,7 @@ from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_ex
 from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               error, is_main_rank, moe_eplb, run_folder)
+               bad_lr, error, is_main_rank, moe_eplb, run_folder)
 from .verdict import add_tolerance_option, verdict_exit
 
 BALANCE_MODES = ("none", "aux", "aux_free")
@@ -45,8 +46,8 @@ SMOOTH = 10  # steps of the moving average in expert_load.png
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0],
-                                formatter_class=HelpFormatter)
+    p = Parser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0],
+               formatter_class=HelpFormatter)
     p.add_argument("--ep", "--world-size", dest="ep", type=int, default=None,
                    help="expert-parallel ranks P (unset: 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--steps", type=int, default=40, help="steps of the EP vs single-device comparison")
@@ -96,7 +97,7 @@ def _bad_args(a) -> str | None:
         return f"--top-k {a.top_k} must be in [1, --experts {a.experts}]"
     if a.moe_every > a.n_layer:
         return f"--moe-every {a.moe_every} > --n-layer {a.n_layer} leaves no MoE layer"
-    bad = (bad_number("--capacity-factor", a.capacity_factor) or bad_number("--lr", a.lr)
+    bad = (bad_number("--capacity-factor", a.capacity_factor) or bad_lr(a.lr)
            or bad_number("--aux-coeff", a.aux_coeff, strict=False) or bad_number("--gamma", a.gamma, strict=False)
            or bad_number("--tolerance", a.tolerance) or bad_seed(a.seed) or bad_out(a.out))
     if bad:
@@ -117,7 +118,7 @@ def _bad_args(a) -> str | None:
     return bad_memory(_n_params(a), 4 * a.ep + 48,
                       activation_bytes(a.n_layer, a.batch, a.seq, a.n_embd, a.n_head, cfg.vocab_size, extra), 2,
                       f"--experts {a.experts} --n-embd {a.n_embd} --n-layer {a.n_layer} --seq {a.seq} "
-                      f"--batch {a.batch} (P={a.ep})")
+                      f"--batch {a.batch} (P={a.ep})", ranks=a.ep)
 
 
 def _global_name(name: str, rank: int, n_local: int) -> str:
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nplots: " + ", ".join(os.path.join(out, f) for f in names))
     print(f"run folder: {out}")
     print(f"total time {time.perf_counter() - t0:.1f} s")
-    return verdict_exit({f"EP={a.ep} ({a.compare_mode})": ep_hist[0]["verdict"]})
+    return verdict_exit({f"EP={a.ep} ({a.compare_mode})": ep_hist[0]["verdict"]}, reference_losses=ref["loss"])
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Gantt charts of the measured timelines and the loss curves are saved under
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -36,8 +35,9 @@ from pathlib import Path
 
 import torch
 
+from ..cliparse import Parser
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               error, is_main_rank, run_folder)
+               bad_lr, error, is_main_rank, loss_change, run_folder, schedule_name)
 from .verdict import add_tolerance_option, verdict_exit
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -47,12 +47,14 @@ GROUPS = {"all": SCHEDULES, "zero-bubble": ("1f1b",) + ZERO_BUBBLE}
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m labkit lab pipeline", formatter_class=HelpFormatter,
-                                description="Train the GPT with GPipe, 1F1B and interleaved 1F1B on K ranks.")
+    p = Parser(prog="python -m labkit lab pipeline", formatter_class=HelpFormatter,
+               description="Train the GPT with GPipe, 1F1B and interleaved 1F1B on K ranks.")
     p.add_argument("--world-size", type=int, default=None,
                    help="K pipeline ranks (unset: 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--schedule", nargs="+", default=["all"], choices=tuple(GROUPS) + SCHEDULES + ZERO_BUBBLE,
-                   help="schedules to run; 'all' = gpipe 1f1b interleaved, 'zero-bubble' = 1f1b zb-h1 zbv dualpipev")
+                   type=schedule_name,
+                   help="schedules to run; 'all' = gpipe 1f1b interleaved, 'zero-bubble' = 1f1b zb-h1 zbv dualpipev "
+                        "(aliases: zbh1 = zb-h1, zb-v = zbv)")
     p.add_argument("--cost-model", default=None, metavar="F,I,W",
                    help="milliseconds each forward, input-gradient and weight-gradient pass takes at least "
                         "(B = I + W): ranks sleep the rest without holding a core, so the measured bubble shows "
@@ -83,7 +85,7 @@ def _bad_args(a, K) -> str | None:
                         ("--embd", a.embd), ("--heads", a.heads)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    bad = (bad_number("--lr", a.lr) or bad_number("--tolerance", a.tolerance) or bad_seed(a.seed)
+    bad = (bad_lr(a.lr) or bad_number("--tolerance", a.tolerance) or bad_seed(a.seed)
            or bad_out(a.out))
     if bad:
         return bad
@@ -96,13 +98,19 @@ def _bad_args(a, K) -> str | None:
         cfg = _config(a)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--embd {a.embd}, --heads {a.heads})"
+    return None
+
+
+def _bad_memory(a, K) -> str | None:
+    """The memory estimate's refusal (after the structural rules: they name the real problem)."""
     from ..model import GPT
+    cfg = _config(a)
     # every rank builds the full model (4 bytes/param each), then keeps its stages with Adam (16 in
     # all); rank 0's reference (8) and the verdict's gathered copies (24); the whole batch's
     # activations in flight and once more in the reference
     return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * K + 48,
                       activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
-                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})")
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})", ranks=K)
 
 
 def _cost_model(a):
@@ -376,6 +384,9 @@ def main(argv=None) -> int:
             raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
     except ScheduleError as e:
         return error(str(e))
+    bad = _bad_memory(a, K)
+    if bad:
+        return error(bad)
     try:  # a bad --data path: a clear message before any process starts
         corpus = Corpus.load(a.data, block_size=a.seq)
     except (OSError, ValueError) as e:
@@ -424,8 +435,7 @@ def main(argv=None) -> int:
         print("zero-bubble formulas: zb-h1 (K-1)(T_F+T_I-T_W), zbv (K-1)T_F for T_F=T_I=T_W and for any costs the "
               "maximum of labkit.pipeline.zbv_bubble_terms (M >= 2K-1), dualpipev (K-1)(F&B+B-3W) with F&B=F+B, "
               "from the measured mean T_F, T_I, T_W (nan: not exact for them).")
-    drop = 1 - single["losses"][-1] / single["losses"][0]
-    print(f"\ntrain loss {single['losses'][0]:.3f} -> {single['losses'][-1]:.3f} ({drop:.0%} lower). "
+    print(f"\ntrain loss {loss_change(single['losses'][0], single['losses'][-1])}. "
           f"curve gap: largest |loss difference| between the two separate trainings (shown, not judged). "
           f"bubble: measured from the runtime's timeline (mean of the last steps); formula (K-1)/(vM+K-1); "
           f"sim = simulator with the measured mean F/B time per stage and free communication.")
@@ -436,7 +446,7 @@ def main(argv=None) -> int:
     print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
     for t in traces:
         print(f"trace (open in https://ui.perfetto.dev): {t}")
-    return verdict_exit({r["schedule"]: r["verdict"] for r in rows})
+    return verdict_exit({r["schedule"]: r["verdict"] for r in rows}, reference_losses=single["losses"])
 
 
 if __name__ == "__main__":

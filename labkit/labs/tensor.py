@@ -15,7 +15,6 @@ second. The loss curves are saved as a PNG under a run folder whose path is prin
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -23,13 +22,14 @@ from pathlib import Path
 
 import torch
 
+from ..cliparse import Parser
 from ..comm import CommLog
 from ..data import Corpus
 from ..dist import in_torchrun, launch, make_grid
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import TensorParallelGPT, expected_collectives
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               error, is_main_rank, run_folder)
+               bad_lr, error, is_main_rank, run_folder)
 from .verdict import Lockstep, add_tolerance_option, sharded_pieces, verdict_exit
 
 
@@ -111,24 +111,26 @@ def _single(args, corpus):
         torch.set_num_threads(threads)
 
 
-def _plot(curves: dict, path: Path) -> None:
+def _plot(curves: dict, path: Path):
+    """Save the loss curves (x: step 0, 1, ..., as in losses.csv) to ``path``; returns the Figure."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot(1, 1, 1)
     for i, (name, losses) in enumerate(curves.items()):
-        ax.plot(range(1, len(losses) + 1), losses, label=name, linestyle=["-", "--", ":", "-."][i % 4])
+        ax.plot(range(len(losses)), losses, label=name, linestyle=["-", "--", ":", "-."][i % 4])
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title("Tensor parallelism vs one device: same loss curve")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m labkit lab tensor", description=__doc__.split("\n")[0],
-                                formatter_class=HelpFormatter)
+    p = Parser(prog="python -m labkit lab tensor", description=__doc__.split("\n")[0],
+               formatter_class=HelpFormatter)
     p.add_argument("--tp", "--world-size", dest="tp", type=int, nargs="+", default=None,
                    help="tensor-parallel degrees t to run (unset: 2 4; under torchrun always WORLD_SIZE)")
     p.add_argument("--steps", type=int, default=100, help="training steps (Adam)")
@@ -152,7 +154,7 @@ def _bad_args(args, degrees) -> str | None:
                         ("--n-layer", args.n_layer), ("--n-head", args.n_head), ("--n-embd", args.n_embd)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    bad = (bad_number("--lr", args.lr) or bad_number("--tolerance", args.tolerance) or bad_seed(args.seed)
+    bad = (bad_lr(args.lr) or bad_number("--tolerance", args.tolerance) or bad_seed(args.seed)
            or bad_out(args.runs_dir, "--out"))
     if bad:
         return bad
@@ -175,7 +177,7 @@ def _bad_args(args, degrees) -> str | None:
                       activation_bytes(cfg.n_layer, args.batch_size, args.seq_len, cfg.n_embd, cfg.n_head,
                                        cfg.vocab_size), t + 1,
                       f"--n-layer {cfg.n_layer} --n-embd {cfg.n_embd} --seq-len {args.seq_len} "
-                      f"--batch-size {args.batch_size} (t={t})")
+                      f"--batch-size {args.batch_size} (t={t})", ranks=t)
 
 
 
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.steps):
             f.write(f"{i}," + ",".join(f"{c[i]:.7f}" for c in curves.values()) + "\n")
     print(f"plots: {folder / 'loss_curves.png'}, {folder / 'losses.csv'}")
-    rc = verdict_exit({name: r["verdict"] for name, r in runs.items()})
+    rc = verdict_exit({name: r["verdict"] for name, r in runs.items()}, reference_losses=single["losses"])
     if not comm_ok:
         print("FAIL: the counted all-reduces differ from the formula (table above)", file=sys.stderr)
         return 1

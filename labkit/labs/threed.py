@@ -27,7 +27,6 @@ sent}`` under the ring algorithms), ``expected`` (the counts from the formulas),
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -35,21 +34,24 @@ from pathlib import Path
 
 import torch
 
+from ..cliparse import Parser
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               error, is_main_rank, run_folder)
+               bad_lr, error, is_main_rank, run_folder, schedule_name)
 from .verdict import add_tolerance_option
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m labkit lab 3d", formatter_class=HelpFormatter, description=TITLE)
+    p = Parser(prog="python -m labkit lab 3d", formatter_class=HelpFormatter, description=TITLE)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree t (ranks of a node)")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree p")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel degree d (unset: 2; under torchrun WORLD_SIZE / (t*p))")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"),
-                   help="pipeline schedule (zbh1, zbv, dualpipev: zero-bubble, backward split into I and W)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
+                   type=schedule_name,
+                   help="pipeline schedule (zb-h1, zbv, dualpipev: zero-bubble, backward split into I and W; "
+                        "aliases: zbh1 = zb-h1, zb-v = zbv)")
     p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank (interleaved; zbv/dualpipev: 2)")
     p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
@@ -71,6 +73,11 @@ def _parser():
     return p
 
 
+def _library_schedule(a) -> str:
+    """labkit.parallel's name of ``--schedule`` (it spells ZB-H1 ``zbh1``; the labs ``zb-h1``)."""
+    return {"zb-h1": "zbh1"}.get(a.schedule, a.schedule)
+
+
 def _v(a) -> int:
     """Chunks per rank: --chunks for interleaved, 2 for the V-shaped schedules, else 1."""
     return a.chunks if a.schedule == "interleaved" else 2 if a.schedule in ("zbv", "dualpipev") else 1
@@ -84,7 +91,7 @@ def _bubble_formula(a) -> float:
     p, M, v = a.pp, a.microbatches, _v(a)
     if a.schedule in ("gpipe", "1f1b", "interleaved"):
         return float(bubble_formula(p, M, v))
-    bubble = float(bubble_time_formula({"zbh1": "zb-h1"}.get(a.schedule, a.schedule), p))
+    bubble = float(bubble_time_formula(a.schedule, p))
     return bubble / (v * M * 3 + bubble)
 
 
@@ -101,7 +108,7 @@ def _bad_args(a, world) -> str | None:
                         ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
-    bad = (bad_number("--lr", a.lr) or bad_number("--tolerance", a.tolerance)
+    bad = (bad_lr(a.lr) or bad_number("--tolerance", a.tolerance)
            or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
     if bad:
         return bad
@@ -109,7 +116,7 @@ def _bad_args(a, world) -> str | None:
         cfg = _config(a)
         from ..parallel import check_layout
         v = _v(a)
-        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule)
+        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, _library_schedule(a))
     except ValueError as e:
         return str(e)
     from ..model import GPT
@@ -118,7 +125,8 @@ def _bad_args(a, world) -> str | None:
     # batch in flight over the ranks, plus the reference's
     return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * world + 48,
                       activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
-                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} ({world} ranks)")
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} ({world} ranks)",
+                      ranks=world)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -136,7 +144,7 @@ def _worker(ctx, a, corpus):
     v = _v(a)
     grid = make_grid(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
     cfg = _config(a)
-    pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
+    pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, _library_schedule(a), a.microbatches, v=v, zero=a.zero,
                      bucket_cap_mb=a.bucket_cap_mb)
     opt = pg.make_optimizer("adam", a.lr)
     ref = GPT(cfg, seed=a.seed).to(ctx.device) if ctx.rank == 0 else None
@@ -402,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_plots:
         _plots(a, out, folder)
         print(f"plots: {folder / 'loss_curves.png'}, {folder / 'rank_grid.png'}")
-    status = verdict_exit({f"t{a.tp} p{a.pp} d{a.dp} {a.schedule}": ranks[0]["verdict"]})
+    status = verdict_exit({f"t{a.tp} p{a.pp} d{a.dp} {a.schedule}": ranks[0]["verdict"]},
+                          reference_losses=out["single"]["losses"])
     if not counts_ok:
         print("FAIL: the counted collectives differ from the formula (table above)", file=sys.stderr)
         status = 1

@@ -16,7 +16,8 @@ compares:
 * every gradient element of every copy or shard:
   ``|g - g_ref| <= atol + rtol * max|g_ref|`` (the max over that parameter's full tensor, so an
   element that is ~0 in a large tensor is held to the tensor's scale, not to 0);
-* NaN or inf in any loss or gradient of either side: always FAIL;
+* NaN or inf in any loss or gradient of either side: always FAIL; when the reference itself
+  gives NaN/inf at those parameters, the verdict says training diverged (on one device too);
 * every element of every reference parameter must be covered by some rank's piece.
 
 Defaults ``rtol = 1e-5, atol = 1e-6`` (the kit's fp32 rule). Because both sides are evaluated at
@@ -120,7 +121,10 @@ class StepRecord:
     """One step's comparison. ``loss``/``ref_loss``: nats (None if no rank reported a loss);
     ``loss_err``, ``grad_err``: largest |difference| divided by its allowed bound (<= 1 passes);
     ``grad_diff``/``grad_bound``: the worst gradient's |difference| and bound, ``worst``: its name;
-    ``problem``: why the step fails outside the numbers (NaN, a missing parameter, ...), else None."""
+    ``problem``: why the step fails outside the numbers (NaN, a missing parameter, ...), else None;
+    ``diverged``: the reference itself (the single-device model) gave NaN/inf loss or gradients
+    at these parameters: training diverged, whichever side runs it; ``nonfinite``: NaN/inf was
+    found anywhere (parameters, gradients or losses of either side)."""
 
     step: int
     loss: float | None
@@ -131,6 +135,8 @@ class StepRecord:
     grad_bound: float
     worst: str
     problem: str | None = None
+    diverged: bool = False
+    nonfinite: bool = False
 
     @property
     def ok(self) -> bool:
@@ -152,6 +158,16 @@ class LockstepResult:
 
     def first_failure(self) -> StepRecord | None:
         return next((r for r in self.records if not r.ok), None)
+
+
+DIVERGED = "training diverged (NaN/inf) on the single device too: lower --lr"
+
+
+def _names(names: Sequence[str], first: int = 3) -> str:
+    """``a, b, c and 7 more``: a FAIL line names a few parameters, never hundreds."""
+    names = list(dict.fromkeys(names))
+    more = len(names) - first
+    return ", ".join(names[:first]) + (f" and {more} more" if more > 0 else "")
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -226,14 +242,19 @@ class Lockstep:
                     covered[p.name][idx] = True
         missing = [n for n, c in covered.items() if not bool(c.all())]
         if missing:
-            problems.append(f"no rank holds (all of) {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+            problems.append(f"no rank holds (all of) {_names(missing)}")
+        nan_params, differ = [], []
         for p in pieces:  # copies of one parameter on several ranks must agree
             target = params.get(p.name, buffers.get(p.name))
             part = target.detach()[p.index if p.index is not None else ...].cpu()
             if not _finite(p.value):
-                problems.append(f"parameter {p.name} holds NaN/inf")
+                nan_params.append(p.name)
             elif p.value.is_floating_point() and not torch.allclose(p.value.to(part.dtype), part, rtol, atol):
-                problems.append(f"the ranks' copies of {p.name} differ")
+                differ.append(p.name)
+        if nan_params:
+            problems.append(f"parameters hold NaN/inf: {_names(nan_params)}")
+        if differ:
+            problems.append(f"the ranks' copies differ: {_names(differ)}")
         for q in params.values():
             q.grad = None
         out = self.loss_fn(ref, step, [e for _, _, e in gathered])
@@ -245,6 +266,9 @@ class Lockstep:
         losses = [l for _, l, _ in gathered if l is not None]
         loss = sum(losses) / len(losses) if losses else None
         loss_err = 0.0
+        # diverged: the reference is NaN/inf at finite parameters (NaN parameters: the update did it)
+        diverged = not nan_params and not math.isfinite(ref_loss) or not nan_params and any(
+            q.grad is not None and not _finite(q.grad) for q in params.values())
         if loss is not None:
             if not (math.isfinite(loss) and math.isfinite(ref_loss)):
                 problems.append(f"loss is {loss} (reference {ref_loss})")
@@ -252,6 +276,7 @@ class Lockstep:
                 loss_err = abs(loss - ref_loss) / (atol + rtol * abs(ref_loss))
         worst = (0.0, 0.0, 0.0, "")
         scale = {}
+        nan_grads = {"parallel run": [], "reference": []}
         for p in pieces:
             if p.grad is None or p.name not in params:
                 continue
@@ -262,20 +287,40 @@ class Lockstep:
                 scale[p.name] = float(g_ref.abs().max()) if g_ref.numel() else 0.0
             g_ref = g_ref.detach()[p.index if p.index is not None else ...].cpu().to(p.grad.dtype)
             if not (_finite(p.grad) and _finite(g_ref)):
-                problems.append(f"gradient of {p.name} holds NaN/inf "
-                                f"({'parallel run' if not _finite(p.grad) else 'reference'})")
+                nan_grads["parallel run" if not _finite(p.grad) else "reference"].append(p.name)
                 continue
             bound = atol + rtol * scale[p.name]
             diff = float((p.grad - g_ref).abs().max()) if p.grad.numel() else 0.0
             if diff / bound > worst[0]:
                 worst = (diff / bound, diff, bound, p.name)
+        for side, names in nan_grads.items():
+            if names:
+                problems.append(f"gradients hold NaN/inf ({side}): {_names(names)}")
+        nonfinite = bool(diverged or nan_params or any(nan_grads.values())
+                         or (loss is not None and not math.isfinite(loss)))
+        if diverged:  # the reference is NaN/inf at these parameters: one short line says so
+            problems = [DIVERGED]
         return StepRecord(step, loss, ref_loss, loss_err, worst[0], worst[1], worst[2], worst[3],
-                          "; ".join(dict.fromkeys(problems)) or None)
+                          "; ".join(dict.fromkeys(problems)) or None, diverged, nonfinite)
 
 
-def report(results: dict, rtol: float | None = None, atol: float | None = None) -> tuple[bool, str]:
+def _diverged(res: LockstepResult, reference_losses) -> bool:
+    """True when ``res`` fails because training diverged: its first failing step is NaN/inf and
+    the single-device training diverged too (NaN/inf in ``reference_losses``, the lab's own
+    single-device run), or the reference gave NaN/inf at finite parameters."""
+    bad = res.first_failure()
+    if bad is None:
+        return False
+    ref_bad = reference_losses is not None and not all(math.isfinite(x) for x in reference_losses)
+    return bad.diverged or (ref_bad and bad.nonfinite)
+
+
+def report(results: dict, rtol: float | None = None, atol: float | None = None,
+           reference_losses: Sequence[float] | None = None) -> tuple[bool, str]:
     """The verdict text every lab prints: the rule (what was compared, the tolerance, why the
-    curves may drift), then one line per run. ``results``: run name -> :class:`LockstepResult`.
+    curves may drift), then one line per run. ``results``: run name -> :class:`LockstepResult`;
+    ``reference_losses``: the lab's single-device training losses, if it ran one (NaN/inf there
+    turns a NaN failure's line into the one short "training diverged" line).
     Returns ``(ok, text)``; ok is False when any run has a failing step or no steps."""
     first = next(iter(results.values()), None)
     rtol = first.rtol if rtol is None and first is not None else (RTOL if rtol is None else rtol)
@@ -297,7 +342,9 @@ def report(results: dict, rtol: float | None = None, atol: float | None = None) 
                          f"allowed {w.grad_bound:.1e})")
         else:
             ok = False
-            if bad.problem:
+            if _diverged(res, reference_losses):
+                why = DIVERGED
+            elif bad.problem:
                 why = bad.problem
             elif bad.grad_err > 1:
                 why = (f"gradient of {bad.worst} differs by {bad.grad_diff:.3g} > allowed {bad.grad_bound:.2g}")
@@ -321,15 +368,20 @@ def add_tolerance_option(parser: argparse.ArgumentParser) -> None:
                         help="verdict's relative tolerance rtol (atol = rtol/10): see labkit/labs/verdict.py")
 
 
-def verdict_exit(results: dict) -> int:
+def verdict_exit(results: dict, reference_losses: Sequence[float] | None = None) -> int:
     """Print :func:`report` (stdout) and the one-line conclusion: ``OK: ...`` on stdout (returns 0)
-    or ``FAIL: ...`` on stderr (returns 1). Every lab ends with this."""
+    or ``FAIL: ...`` on stderr (returns 1); when every failing run diverged (see :func:`report`'s
+    ``reference_losses``) that line is ``FAIL: training diverged (NaN/inf) on the single device
+    too: lower --lr``. Every lab ends with this."""
     import sys
-    ok, text = report(results)
+    ok, text = report(results, reference_losses=reference_losses)
     print("\n" + text)
     if ok:
         print(f"OK: every run ({', '.join(results)}) equals single-device training at every step")
         return 0
     bad = [n for n, r in results.items() if not r.ok]
-    print(f"FAIL: {', '.join(bad)} differ from single-device training (see the lines above)", file=sys.stderr)
+    if bad and all(_diverged(results[n], reference_losses) for n in bad):
+        print(f"FAIL: {DIVERGED}", file=sys.stderr)
+    else:
+        print(f"FAIL: {_names(bad)} differ from single-device training (see the lines above)", file=sys.stderr)
     return 1

@@ -10,9 +10,11 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
+from ..cliparse import Parser
 from .comm import comm_per_rank
 from .memory import memory_per_rank
 from .planner import GB, PlanError, explain, plan, step_time
@@ -29,9 +31,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labkit plan", description=__doc__, formatter_class=_HelpFormatter)
+    p = Parser(prog="python -m labkit plan", description=__doc__, formatter_class=_HelpFormatter)
     m = p.add_argument_group("model (a preset, a JSON file, or the sizes)")
-    m.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a JSON file with ModelSpec fields")
+    m.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a JSON file with ModelSpec fields "
+                                     "(global_batch required there, or give --global-batch)")
     for flag, kw in [("--layers", {"type": int}), ("--hidden", {"type": int}), ("--heads", {"type": int}),
                      ("--kv-heads", {"type": int}), ("--ffn", {"type": int}), ("--vocab", {"type": int}),
                      ("--seq", {"type": int}), ("--global-batch", {"type": int}), ("--experts", {"type": int}),
@@ -67,10 +70,13 @@ def _model(a) -> ModelSpec:
     if a.tied:
         given["tied_embeddings"] = True
     if a.model:
-        base = load_model_json(a.model) if (a.model.endswith(".json") or os.path.exists(a.model)) else preset(a.model)
+        if a.model.endswith(".json") or os.path.exists(a.model):
+            return load_model_json(a.model, given)
+        base = preset(a.model)
         return ModelSpec(**{**base.__dict__, **given}) if given else base
     missing = [f for f, k in (("--layers", "n_layer"), ("--hidden", "hidden"), ("--heads", "n_head"),
-                              ("--vocab", "vocab_size"), ("--seq", "seq_len")) if k not in given]
+                              ("--vocab", "vocab_size"), ("--seq", "seq_len"), ("--global-batch", "global_batch"))
+               if k not in given]
     if missing:
         raise ValueError(f"give --model (a preset or JSON file) or the sizes; missing {', '.join(missing)}")
     return ModelSpec(name="custom", **given)
@@ -128,38 +134,43 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(a, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
         for name in ("gpu_memory", "peak_tflops", "intra_bw", "inter_bw", "efficiency"):
-            if getattr(a, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
+            if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(a, name)}")
         spec = _model(a)
         cluster = Cluster(a.gpus_per_node, a.gpu_memory * GB, a.peak_tflops * 1e12, a.intra_bw * GB,
                           a.inter_bw * GB, a.efficiency)
-        print(f"{spec.name}: {spec.total_params() / 1e9:.1f}B parameters ({spec.active_params() / 1e9:.1f}B active), "
-              f"L={spec.n_layer} h={spec.hidden} a={spec.n_head} s={spec.seq_len} global batch {spec.global_batch}; "
-              f"{a.gpus} GPUs, {a.gpus_per_node} per node, {a.gpu_memory:g} GB each")
-        if a.layout:
+        header = (f"{spec.name}: {spec.total_params() / 1e9:.1f}B parameters ({spec.active_params() / 1e9:.1f}B "
+                  f"active), L={spec.n_layer} h={spec.hidden} a={spec.n_head} s={spec.seq_len} global batch "
+                  f"{spec.global_batch}; {a.gpus} GPUs, {a.gpus_per_node} per node, {a.gpu_memory:g} GB each")
+        if a.layout:  # every error before the first line of output
             lay = _parse_layout(a.layout, a, spec)
             ranks = memory_per_rank(spec, lay)
             T = step_time(spec, lay, cluster)
+            comm = _comm_lines(spec, lay, cluster)
+            print(header)
             print(f"layout {lay.describe()}")
             print("memory per GPU by pipeline rank (GB): params grads optimizer activations = total")
             for r in ranks:
                 flag = "" if r.total <= cluster.gpu_memory else "  > GPU memory"
                 print(f"  rank {r.pp_rank:>3}: {r.params / GB:6.1f} {r.grads / GB:6.1f} {r.optimizer / GB:6.1f} "
                       f"{r.activations / GB:7.1f} = {r.total / GB:7.1f}{flag}")
-            for line in _comm_lines(spec, lay, cluster):
+            for line in comm:
                 print(line)
             print(f"predicted step {T.total:.2f} s: compute {T.compute:.2f}, bubble {T.bubble:.2f}, TP {T.tp:.2f}, "
                   f"PP {T.pp:.2f}, DP {T.dp:.2f}, EP {T.ep:.2f}; MFU {T.mfu * 100:.1f} %")
             return 0
         entries = plan(spec, a.gpus, cluster, zero=a.zero, precision=a.precision, b=a.micro_batch,
                        fused_attention=a.flash_attention)
+        why = explain(spec, entries, cluster, a.gpus)
+        comm = _comm_lines(spec, entries[0].layout, cluster)
+        print(header)
         print(f"{len(entries)} feasible layouts (TP inside a node, SP on with TP, ZeRO-{a.zero}, {a.precision}); "
               f"fastest first:")
         print(HEADER)
         for i, e in enumerate(entries[:a.top], 1):
             print(_row(i, e))
-        print(explain(spec, entries, cluster, a.gpus))
-        for line in _comm_lines(spec, entries[0].layout, cluster):
+        print(why)
+        for line in comm:
             print(line)
         return 0
     except (ValueError, PlanError) as e:

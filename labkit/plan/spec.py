@@ -11,7 +11,7 @@ low-rank q and kv projections) and its first dense layers.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 __all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "PUBLISHED", "preset", "load_model_json", "SCHEDULES",
            "PRECISIONS"]
@@ -308,8 +308,10 @@ def preset(name: str) -> ModelSpec:
     return PRESETS[name]
 
 
-def load_model_json(path: str) -> ModelSpec:
-    """A :class:`ModelSpec` from a JSON object with its field names (``name`` optional).
+def load_model_json(path: str, overrides: dict | None = None) -> ModelSpec:
+    """A :class:`ModelSpec` from a JSON object with its field names (``name`` optional;
+    ``overrides``: fields given elsewhere, e.g. on the command line, which win). ``global_batch``
+    is required (here or in ``overrides``): the planner's microbatch count depends on it.
     Raises ValueError naming unknown or missing fields."""
     try:
         with open(path) as fh:
@@ -323,6 +325,13 @@ def load_model_json(path: str) -> ModelSpec:
     if unknown:
         raise ValueError(f"model JSON {path!r}: unknown fields {unknown}; known: {sorted(known)}")
     obj.setdefault("name", path)
+    obj.update(overrides or {})
+    required = [f.name for f in fields(ModelSpec) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [n for n in required + ["global_batch"] if n not in obj]
+    if missing:
+        raise ValueError(f"model JSON {path!r}: missing field{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(missing)} (required: {', '.join(n for n in required if n != 'name')} and "
+                         f"global_batch, sequences per step, which --global-batch also sets)")
     try:
         return ModelSpec(**obj)
     except TypeError as e:
