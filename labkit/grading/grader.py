@@ -47,7 +47,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
