@@ -11,24 +11,12 @@ import torch.distributed as dist
 
 from labkit import comm
 from labkit.dist import RankError, choose_backend, launch, make_grid
+from procs import live_processes
 
 
 def _children_alive():
     """PIDs of this process's live children (zombies excluded)."""
-    me = os.getpid()
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, ppid = fields[0], int(fields[1])
-        if ppid == me and state != "Z":
-            out.append(int(pid))
-    return out
+    return live_processes(ppid=os.getpid())
 
 
 def _rank_info(ctx, scale):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from procs import live_processes
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -23,18 +24,7 @@ SCRIPT = textwrap.dedent("""
 
 def _group(pgid):
     """Live (non-zombie) processes of process group ``pgid``."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(pid))
-    return out
+    return live_processes(pgid=pgid)
 
 
 def _left(tmp):

@@ -165,16 +165,6 @@ def test_bench_runs_and_methods_agree(capsys):
     assert "sort ms" in capsys.readouterr().out
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run on one thread (as each rank does): the first multi-threaded CPU kernels
-    of a process take seconds to warm up."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_moe_gpt_padding_mask_reaches_every_moe_layer(one_thread):
     """MoEGPT(idx, targets, mask): with right padding (causal attention: real tokens never see
     it) the balance losses, loads and LM loss (targets -100 at padding) do not depend on what

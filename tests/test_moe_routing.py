@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from labkit.moe import (comm_balance_loss, device_balance_loss, sequence_balance_loss, switch_aux_loss, z_loss,
                         MoEConfig, MoELayer, TopKRouter, capacity_mask, compute_capacity, dense_dispatch_tensors,
@@ -256,16 +255,6 @@ def test_layer_losses_are_means_over_token_groups():
     # group-limited routing with 1 of 2 groups: both experts of every token on one device (M = 1)
     devices = stats.router.indices // 2
     assert torch.equal(devices[:, 0], devices[:, 1])
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models run on one thread (as each rank does): the first multi-threaded CPU kernels
-    of a process take seconds to warm up."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_layer_padding_mask_keeps_padded_tokens_out_of_balance_losses_and_loads(one_thread):

@@ -59,14 +59,8 @@ class Head(nn.Module):
         return self.out(h + mask[..., None])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The single-device runs here use one thread, as each rank does (the first multi-threaded
-    CPU kernels of a process take seconds to warm up)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# the single-device runs here use one thread, as each rank does (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def loss_fn(logits, target):

@@ -13,6 +13,7 @@ from labkit.pipeline import (PipelineSchedule, PipelineStage, Schedule1F1B, Sche
                              ScheduleInterleaved1F1B, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule,
                              parse_actions, simulate, validate_schedule)
 from labkit.pipeline.stages import gpt_param_name, gpt_stages_for_rank, split_gpt, step_torch_schedule
+from procs import live_processes
 
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
 BATCH, SEQ = 16, 16
@@ -27,17 +28,7 @@ def _batch(i):
 
 
 def _children_alive():
-    me, out = os.getpid(), []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.append(int(pid))
-    return out
+    return live_processes(ppid=os.getpid())
 
 
 def _named_grads(mods):
