@@ -48,11 +48,14 @@ def test_render_with_backward_twice_forward_keeps_the_gpipe_bubble():
 
 
 def test_render_shows_the_rule_instead_of_raising():
-    info = render("Interleaved 1F1B", K=4, M=6, v=2)
+    info = render("Interleaved 1F1B", K=4, M=9, v=2)
     assert info["bubble"] is None
-    assert "needs M a multiple of K" in info["error"] and "got M=6" in info["error"]
+    assert "needs M split into equal rounds" in info["error"] and "got M=9" in info["error"]
     assert any("not a valid configuration" in t.get_text() for t in info["ax"].texts)
-    assert "needs M a multiple of K" in describe(info)
+    assert "needs M split into equal rounds" in describe(info)
+    # M not a multiple of K, as torch's ScheduleInterleaved1F1B runs it (one round of 6)
+    info = render("Interleaved 1F1B", K=4, M=6, v=2)
+    assert info["error"] is None and info["bubble"] == info["bubble_formula"] == Fraction(3, 2 * 6 + 3)
 
 
 def test_helpers_count_from_the_schedule_data():
@@ -77,10 +80,10 @@ def test_widget_controls_rerender_with_the_chosen_values():
     assert w.result["bubble"] == Fraction(1, 2 * 8 + 1)
     v_slider.value = 4
     assert w.result["bubble_formula"] == Fraction(1, 4 * 8 + 1) and w.result["sends"] == 2 * 8 * 7
-    m_slider.value = 3  # not a multiple of K=2: the rule is shown, nothing raises
-    assert w.result["error"] is not None and "got M=3" in w.result["error"]
+    m_slider.value = 5  # K=2: 2 rounds of 2.5 microbatches: the rule is shown, nothing raises
+    assert w.result["error"] is not None and "got M=5" in w.result["error"]
     dropdown.value = "GPipe"
-    assert w.result["error"] is None and w.result["v"] == 1 and w.result["peak_in_flight"] == [3, 3]
+    assert w.result["error"] is None and w.result["v"] == 1 and w.result["peak_in_flight"] == [5, 5]
 
 
 def test_explorer_offers_the_zero_bubble_schedules():

@@ -76,8 +76,8 @@ def test_lab_rejects_bad_sizes_before_starting(capsys):
     from labkit.labs.pipeline import main
     assert main(["--world-size", "3", "--schedule", "gpipe"]) == 2
     assert "n_layer=8 layers cannot be split evenly into K*v=3 stages" in capsys.readouterr().err
-    assert main(["--world-size", "4", "--schedule", "interleaved", "--microbatches", "6", "--batch", "12"]) == 2
-    assert "needs M a multiple of K" in capsys.readouterr().err
+    assert main(["--world-size", "4", "--schedule", "interleaved", "--microbatches", "9", "--batch", "18"]) == 2
+    assert "needs M split into equal rounds" in capsys.readouterr().err
     # a huge K breaks the layer split first: that rule, not the memory estimate (which grows with K)
     assert main(["--world-size", "100000"]) == 2
     err = capsys.readouterr().err

@@ -259,7 +259,7 @@ def _errors(ctx):
                                  actions=gpipe_schedule(4, 2)),
         lambda: ScheduleGPipe(PipelineStage(mods[0], ctx.rank, 4, group=ctx.group), 2, lm_loss),
         lambda: ScheduleInterleaved1F1B([PipelineStage(mods[0], ctx.rank, 4, group=ctx.group),
-                                         PipelineStage(mods[0], ctx.rank + 2, 4, group=ctx.group)], 3, lm_loss),
+                                         PipelineStage(mods[0], ctx.rank + 2, 4, group=ctx.group)], 5, lm_loss),
         lambda: Schedule1F1B(PipelineStage(mods[0], 1 - ctx.rank, 2, group=ctx.group), 2, lm_loss),
     ]:
         try:
@@ -275,7 +275,7 @@ def test_build_time_errors_name_values_and_rule():
     assert "n_microbatches (M) must be an integer >= 1, got 0" in msgs[0]
     assert "the schedule has K=4 ranks but the pipeline group has world size 2" in msgs[1]
     assert "ScheduleGPipe needs one stage per rank: num_stages=4, world size K=2" in msgs[2]
-    assert "K=2 ranks and v=2 chunks needs M a multiple of K" in msgs[3] and "got M=3" in msgs[3]
+    assert "K=2 ranks needs M split into equal rounds" in msgs[3] and "got M=5" in msgs[3]
     assert "rank 0 holds stages [1] but with K=2 ranks and 2 stages it must hold [0]" in msgs[4]
     with pytest.raises(ScheduleError, match=r"n_layer=8 layers cannot be split evenly into K\*v=3 stages"):
         split_gpt(GPT(CFG, seed=0), 3)

@@ -206,14 +206,22 @@ def test_in_flight_units_equal_labkit_schedules():
             live += (a.kind == "F") - (a.kind == "B")
             top = max(top, live)
         return top
-    for K in (2, 3, 4):
-        for M in (1, 2, K, 2 * K, 3 * K):
+    spec = ModelSpec(name="x", n_layer=24, hidden=8, n_head=2, vocab_size=16, seq_len=4, global_batch=64)
+    for K in (2, 3, 4, 5):
+        for M in sorted({1, 2, K - 1, K, K + 1, 2 * K - 1, 2 * K, 2 * K + 1, 3 * K, 8} - {0}):
             for v, name in ((1, "1f1b"), (1, "gpipe"), (2, "interleaved"), (3, "interleaved")):
-                if v > 1 and M % K:
-                    continue
-                s = (sch.gpipe_schedule(K, M) if name == "gpipe" else sch.one_f_one_b_schedule(K, M) if v == 1
-                     else sch.interleaved_schedule(K, M, v))
                 lay = Layout(p=K, v=v, M=M, schedule=name)
+                try:      # the planner refuses exactly the interleaved M that the schedule refuses
+                    s = (sch.gpipe_schedule(K, M) if name == "gpipe" else sch.one_f_one_b_schedule(K, M) if v == 1
+                         else sch.interleaved_schedule(K, M, v))
+                except sch.ScheduleError:
+                    with pytest.raises(ValueError, match="rounds"):
+                        plan_memory.check_layout(spec, lay)
+                    continue
+                if K * v <= spec.n_layer:
+                    plan_memory.check_layout(spec, lay)
+                    if v > 1:
+                        assert plan_memory.interleaved_group(K, M) == sch.interleaved_group(K, M)
                 assert [peak(s[r]) for r in range(K)] == [plan_memory.in_flight_units(lay, M, r) for r in range(K)], \
                     (K, M, v, name)
                 first = peak([a for a in s[0] if a.stage == 0])

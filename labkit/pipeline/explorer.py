@@ -41,7 +41,7 @@ def build_schedule(schedule: str, K: int, M: int, v: int = 1) -> dict:
 
     ``v`` is used by "Interleaved 1F1B" only (v = 1 there is plain 1F1B). Raises
     ValueError for an unknown name and :class:`~.schedules.ScheduleError` for sizes the
-    schedule does not allow (e.g. M not a multiple of K for interleaving with v >= 2)."""
+    schedule does not allow (e.g. interleaving with K = 2, M = 5: unequal rounds)."""
     if schedule == "GPipe":
         return gpipe_schedule(K, M)
     if schedule == "1F1B":

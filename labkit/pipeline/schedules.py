@@ -57,7 +57,8 @@ __all__ = [
     "Action", "ScheduleError", "COMPUTE", "COMM", "KINDS",
     "stage_rank", "parse_actions", "format_schedule", "add_communication",
     "gpipe_schedule", "one_f_one_b_schedule", "interleaved_schedule",
-    "check_pipeline_sizes", "PLACEMENTS", "infer_placement",
+    "check_pipeline_sizes", "PLACEMENTS", "infer_placement", "infer_sizes", "interleaved_group",
+    "interleaved_warmup",
 ]
 
 COMPUTE = ("F", "B", "I", "W")
@@ -113,6 +114,15 @@ def infer_placement(schedule: dict, n_stages: int | None = None) -> str:
     return "v" if all(stage_rank(st, K, "v") == r for r, st in acts) else "loop"
 
 
+def infer_sizes(schedule: dict, n_microbatches: int | None = None, n_stages: int | None = None):
+    """(K, M, n_stages) of a schedule (used by the validator and the simulator alike): K = number of ranks; M and n_stages default to one
+    more than the largest microbatch and stage index used."""
+    acts = [a for r in schedule for a in schedule[r]]
+    M = n_microbatches if n_microbatches is not None else 1 + max((a[2] for a in acts), default=0)
+    S = n_stages if n_stages is not None else 1 + max((a[1] for a in acts), default=0)
+    return len(schedule), M, S
+
+
 def parse_actions(text: str) -> list[Action]:
     """``"F0@s0 SEND_F0@s0 RECV_B0@s0 B0@s0"`` -> list of :class:`Action` (inverse of repr).
 
@@ -138,18 +148,36 @@ def format_schedule(schedule: dict, compute_only: bool = False) -> str:
     return "\n".join(lines)
 
 
-def check_pipeline_sizes(K: int, M: int, v: int = 1) -> None:
-    """Raise ScheduleError unless K >= 1, M >= 1, v >= 1 and, for v >= 2, M % K == 0.
+def interleaved_group(K: int, M: int) -> int:
+    """Microbatches per round of interleaved 1F1B: ``M / max(1, M // K)``.
 
-    The last rule is Megatron-LM's for the interleaved schedule (Narayanan et al. 2021,
-    sec. 2.2): microbatches enter in groups of K, one group per model chunk in turn."""
+    torch.distributed.pipelining's ``ScheduleInterleaved1F1B`` runs ``rounds = max(1, M // K)``
+    rounds of ``M / rounds`` microbatches; each round goes through chunk 0, then chunk 1, ...
+    (Megatron-LM: groups of K, i.e. M a multiple of K). So K = 4, M = 6 runs one round of 6,
+    K = 3, M = 8 two rounds of 4. Raises ScheduleError when ``rounds`` does not divide M (e.g.
+    K = 2, M = 5: 2 rounds of 2.5)."""
+    rounds = max(1, M // K)
+    if M % rounds:
+        raise ScheduleError(
+            f"interleaved 1F1B with K={K} ranks needs M split into equal rounds (torch's "
+            f"ScheduleInterleaved1F1B rule: rounds = max(1, M // K) = {rounds} must divide M); got M={M}: "
+            f"choose M < 2K or a multiple of max(1, M // K), e.g. M={rounds * K} or M={(rounds + 1) * K}")
+    return M // rounds
+
+
+def check_pipeline_sizes(K: int, M: int, v: int = 1) -> None:
+    """Raise ScheduleError unless K >= 1, M >= 1, v >= 1 and, for v >= 2, ``max(1, M // K)``
+    divides M (:func:`interleaved_group`).
+
+    The last rule is torch.distributed.pipelining's for ``ScheduleInterleaved1F1B``: the
+    microbatches go through the chunks in equal rounds. Megatron-LM (Narayanan et al. 2021,
+    sec. 2.2) asked for M a multiple of K, a special case (rounds of K); torch also runs
+    M < K (one round of M) and e.g. K = 4, M = 6 (one round of 6)."""
     for name, val in (("K (pipeline ranks)", K), ("M (microbatches)", M), ("v (chunks per rank)", v)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ScheduleError(f"{name} must be an integer >= 1, got {val!r}")
-    if v > 1 and M % K:
-        raise ScheduleError(
-            f"interleaved 1F1B with K={K} ranks and v={v} chunks needs M a multiple of K "
-            f"(Megatron-LM's rule: microbatches go through the chunks in groups of K); got M={M}")
+    if v > 1:
+        interleaved_group(K, M)
 
 
 # ----------------------------------------------------------------------------- communication
@@ -271,21 +299,37 @@ def add_communication(compute: dict, n_stages: int | None = None, lookahead: int
 # ----------------------------------------------------------------------------- builders
 
 
-def _interleaved_order(K: int, M: int, v: int, r: int) -> list[Action]:
-    """F/B order of rank r in Megatron-LM's interleaved 1F1B (v = 1: plain 1F1B).
+def interleaved_warmup(K: int, M: int, v: int, r: int) -> int:
+    """Warm-up forwards of rank r before its first backward (interleaved 1F1B, v >= 1).
 
-    The k-th forward of a rank runs model chunk ``(k // K) % v`` on microbatch
-    ``(k // (K v)) K + k % K``: microbatches go through the chunks in groups of K. Backward
-    visits the chunks in reverse. Warm-up: ``K - r - 1`` forwards for v = 1 (PipeDream-Flush,
-    Narayanan et al. 2021 sec. 2.2.1), ``2 (K - r - 1) + (v - 1) K`` for v > 1 (all
-    forwards first when M = K, as Megatron does), capped at the ``v M`` forwards there are.
-    Then one forward, one backward in turn; finally the remaining backwards.
+    v = 1: ``min(K - r - 1, M)`` (PipeDream-Flush, Narayanan et al. 2021 sec. 2.2.1).
+    v >= 2: ``min((v - 1) g + 2 (K - r - 1), v M)`` with g microbatches per round
+    (:func:`interleaved_group`; g = K when K divides M): today's rule in Megatron-Core
+    (``forward_backward_pipelining_with_interleaving``: ``(num_model_chunks - 1) *
+    microbatch_group_size_per_vp_stage + 2 (pp_size - rank - 1)``) and torch's
+    ``ScheduleInterleaved1F1B`` (``get_rank_warmup_ops``). Megatron-LM v2 (2021) ran every
+    forward first when M = K (``all_warmup_microbatches``), so its last rank held 2K chunks
+    at v = 2; with today's rule it holds K + 1."""
+    if v == 1:
+        return min(K - r - 1, M)
+    return min((v - 1) * interleaved_group(K, M) + 2 * (K - r - 1), v * M)
+
+
+def _interleaved_order(K: int, M: int, v: int, r: int) -> list[Action]:
+    """F/B order of rank r in interleaved 1F1B (v = 1: plain 1F1B).
+
+    With g microbatches per round (:func:`interleaved_group`), the k-th forward of a rank runs
+    model chunk ``(k // g) % v`` on microbatch ``(k // (g v)) g + k % g``: each round of g
+    microbatches goes through chunk 0, then chunk 1, ... Backward visits the chunks in reverse
+    (the j-th backward: chunk ``v - 1 - (j // g) % v``). Warm-up: :func:`interleaved_warmup`
+    forwards; then one forward, one backward in turn; finally the remaining backwards.
     """
     total = v * M
+    g = interleaved_group(K, M) if v > 1 else K
 
     def chunk_mb(k):
-        group, j = divmod(k, K * v)
-        return j // K, group * K + j % K
+        rnd, j = divmod(k, g * v)
+        return j // g, rnd * g + j % g
 
     def fwd(k):
         c, m = chunk_mb(k)
@@ -295,12 +339,7 @@ def _interleaved_order(K: int, M: int, v: int, r: int) -> list[Action]:
         c, m = chunk_mb(k)
         return Action("B", (v - 1 - c) * K + r, m)
 
-    if v == 1:
-        warmup = min(K - r - 1, total)
-    elif M == K:
-        warmup = total
-    else:
-        warmup = min(2 * (K - r - 1) + (v - 1) * K, total)
+    warmup = interleaved_warmup(K, M, v, r)
     order = [fwd(k) for k in range(warmup)]
     for i in range(total - warmup):
         order += [fwd(warmup + i), bwd(i)]
@@ -336,7 +375,14 @@ def interleaved_schedule(K: int, M: int, v: int) -> dict:
     """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2.2): each rank holds v model chunks
     (stages r, r+K, ..., r+(v-1)K), so a microbatch visits every rank v times. Bubble with
     uniform costs (backward = forward per chunk): (K-1)/(vM+K-1), v times smaller than
-    1F1B's in bubble time. Rule: M must be a multiple of K when v >= 2 (Megatron-LM's);
-    v = 1 is plain 1F1B. Raises ScheduleError on K, M, v < 1 or M % K != 0."""
+    1F1B's in bubble time.
+
+    Follows torch's ``ScheduleInterleaved1F1B`` and today's Megatron-Core: microbatches go
+    through the chunks in rounds of ``g = M / max(1, M // K)`` (:func:`interleaved_group`;
+    g = K when K divides M, as Megatron-LM required), and rank r runs
+    ``(v-1) g + 2 (K-r-1)`` warm-up forwards (:func:`interleaved_warmup`), also at M = K
+    (Megatron-LM v2 then ran all forwards first). Peak in flight on rank r: that warm-up plus
+    one chunk-microbatch, at most v M. v = 1 is plain 1F1B. Raises ScheduleError on K, M,
+    v < 1 or rounds that do not divide M (e.g. K = 2, M = 5)."""
     check_pipeline_sizes(K, M, v)
     return add_communication({r: _interleaved_order(K, M, v, r) for r in range(K)}, K * v)

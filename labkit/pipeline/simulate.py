@@ -37,7 +37,8 @@ from fractions import Fraction
 from numbers import Rational
 from typing import Callable, NamedTuple, Sequence, Union
 
-from .schedules import COMPUTE, Action, ScheduleError, _message, infer_placement, stage_rank
+from .schedules import COMPUTE, Action, ScheduleError, _message, infer_placement, infer_sizes, stage_rank
+from .validate import validate_schedule
 
 __all__ = ["TimedAction", "SimResult", "simulate", "bubble_formula", "peak_in_flight", "peak_waiting_for_w",
            "bubble_fraction", "infer_sizes"]
@@ -82,7 +83,13 @@ class SimResult:
 def bubble_formula(K: int, M: int, v: int = 1) -> Fraction:
     """(K-1)/(vM+K-1): idle fraction of a GPipe/1F1B (v=1) or interleaved (v chunks)
     step with uniform stages and b = f (Narayanan et al. 2021, sec. 2.2.2: bubble time
-    (K-1)(t_f+t_b)/v against ideal time M(t_f+t_b))."""
+    (K-1)(t_f+t_b)/v against ideal time M(t_f+t_b)). With fewer microbatches than ranks
+    (M < K, which torch's ScheduleInterleaved1F1B runs in one round) a microbatch comes back
+    to rank 0 before the last one has left it only when M >= K, so each of the v loops costs
+    K steps: ``(v(K-M) + M - 1)/(vK + M - 1)`` (the same as above when M = K or v = 1).
+    Checked against :func:`simulate` for K <= 8, M <= 32, v <= 4, b = f and b = 2f."""
+    if M < K:
+        return Fraction(v * (K - M) + M - 1, v * K + M - 1)
     return Fraction(K - 1, v * M + K - 1)
 
 
@@ -110,15 +117,6 @@ def _cost_fn(spec: Cost, what: str):
             raise ValueError(f"{what} costs given for {len(seq)} stages, schedule has stage {s}")
         return seq[s]
     return f
-
-
-def infer_sizes(schedule: dict, n_microbatches: int | None = None, n_stages: int | None = None):
-    """(K, M, n_stages) of a schedule: K = number of ranks; M and n_stages default to one
-    more than the largest microbatch and stage index used."""
-    acts = [a for r in schedule for a in schedule[r]]
-    M = n_microbatches if n_microbatches is not None else 1 + max((a[2] for a in acts), default=0)
-    S = n_stages if n_stages is not None else 1 + max((a[1] for a in acts), default=0)
-    return len(schedule), M, S
 
 
 def peak_in_flight(schedule: dict, n_stages: int | None = None) -> list:
@@ -205,7 +203,6 @@ def simulate(schedule: dict, forward: Cost = 1, backward: Cost | None = None, co
     B or I of (s+1, m); W(s, m) after I(s, m). A message arrives ``comm`` after its SEND.
     """
     if validate:  # also turns plain (kind, stage, microbatch) tuples into Actions
-        from .validate import validate_schedule
         schedule = validate_schedule(schedule, n_microbatches=n_microbatches, n_stages=n_stages,
                                      placement=placement)
     else:

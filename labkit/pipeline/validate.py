@@ -29,8 +29,7 @@ the rank, the action index and the rule for the FIRST problem it finds:
 from __future__ import annotations
 
 from .schedules import (BACKWARD, COMM, COMPUTE, KINDS, PLACEMENTS, Action, ScheduleError, _message, _needs,
-                        _produces, infer_placement, stage_rank)
-from .simulate import infer_sizes
+                        _produces, infer_placement, infer_sizes, stage_rank)
 
 __all__ = ["validate_schedule", "ScheduleError"]
 

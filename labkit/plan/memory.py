@@ -27,7 +27,7 @@ from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
 __all__ = ["RankMemory", "memory_per_rank", "most_loaded_rank", "check_layout", "in_flight_units",
-           "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight"]
+           "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
@@ -95,39 +95,74 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
                       f"b*d={lay.b}*{lay.d} must divide the global batch {spec.global_batch}"))
     M = n_microbatches(spec, lay)
     rules.append((M >= 1, f"M={M} microbatches: need >= 1"))
-    if lay.schedule == "interleaved":
-        rules.append((M % lay.p == 0, f"the interleaved schedule needs M={M} to be a multiple of p={lay.p}"))
+    if lay.schedule == "interleaved" and M >= 1:
+        rounds = max(1, M // lay.p)
+        rules.append((M % rounds == 0, f"the interleaved schedule runs rounds = max(1, M // p) = {rounds} rounds "
+                                       f"of equal size (torch's ScheduleInterleaved1F1B), which must divide M={M}"))
     for ok, msg in rules:
         if not ok:
             raise ValueError(f"layout {lay.describe()} is not valid for {spec.name}: {msg}")
 
 
+def interleaved_group(p: int, M: int) -> int:
+    """Microbatches per round of interleaved 1F1B, ``M / max(1, M // p)`` (torch's
+    ``ScheduleInterleaved1F1B``; p when p divides M, Megatron's groups of p). The same rule as
+    :func:`labkit.pipeline.schedules.interleaved_group` (tests/test_plan.py checks)."""
+    return M // max(1, M // p)
+
+
+def _interleaved_warmup(p: int, M: int, v: int, r: int) -> int:
+    """Warm-up forwards of pipeline rank r: ``(v-1) g + 2 (p-1-r)``, at most ``v M``
+    (today's Megatron-Core and torch; also at M = p)."""
+    return min((v - 1) * interleaved_group(p, M) + 2 * (p - 1 - r), v * M)
+
+
 def in_flight_units(lay: Layout, M: int, pp_rank: int) -> int:
     """Microbatch-chunks alive at the peak on pipeline rank ``pp_rank`` (each chunk: L/(p v)
     layers of one microbatch). GPipe ``M`` (all forwards first); 1F1B ``min(p - r, M)``;
-    interleaved ``min(p v + p - 1 - 2 r, M v)``, its warm-up plus one, and ``M v`` when M = p
-    (then every forward runs first, as in Megatron's ``all_warmup_microbatches``). Checked
-    against labkit's schedules, counted from their actions (tests/test_plan.py)."""
+    interleaved ``min((v-1) g + 2 (p-1-r) + 1, M v)`` with g microbatches per round
+    (:func:`interleaved_group`): the warm-up plus one. That is today's Megatron-Core and torch
+    rule, also at M = p (rank p-1 then holds p + 1 chunks at v = 2; Megatron-LM v2 ran every
+    forward first there and held 2p). Checked against labkit's schedules, counted from their
+    actions, and measured on the runtime (tests/test_plan.py, tests/test_pipeline_interleaved.py)."""
     p, v, r = lay.p, lay.v, pp_rank
     if lay.schedule == "gpipe":
         return M * v
     if lay.schedule == "1f1b":
         return min(p - r, M)
-    if M == p:
-        return M * v
-    return min(p * v + p - 1 - 2 * r, M * v)
+    return min(_interleaved_warmup(p, M, v, r) + 1, M * v)
+
+
+def _interleaved_chunk_peak(p: int, M: int, v: int, r: int, chunk: int) -> int:
+    """Most microbatches alive at once in model chunk ``chunk`` of pipeline rank r, counted
+    along the rank's action order (the k-th forward runs chunk ``(k // g) % v``, the j-th
+    backward chunk ``v - 1 - (j // g) % v``)."""
+    g, w, total = interleaved_group(p, M), _interleaved_warmup(p, M, v, r), v * M
+    fwd = [(k // g) % v for k in range(total)]
+    bwd = [v - 1 - (j // g) % v for j in range(total)]
+    order = fwd[:w] + [x for i in range(total - w) for x in (fwd[w + i], -1 - bwd[i])] + \
+        [-1 - b for b in bwd[total - w:]]
+    live = top = 0
+    for c in order:
+        live += (c == chunk) - (c == -1 - chunk)
+        top = max(top, live)
+    return top
 
 
 def stage_in_flight(lay: Layout, M: int, which: str) -> int:
     """Microbatches alive at the peak on the FIRST stage (it holds the input embedding) or the
-    LAST stage (the output layer and loss): GPipe M and M; 1F1B ``min(p, M)`` and 1; interleaved
-    ``min(2p, M)`` and 1, or M and M when M = p (labkit's schedules, tests/test_plan.py)."""
+    LAST stage (the output layer and loss): GPipe M and M; 1F1B ``min(p, M)`` and 1;
+    interleaved: counted along the schedule's order (chunk 0 of rank 0, chunk v-1 of rank p-1;
+    ``min(2p, M)`` and 1 when p divides M and M > p). Checked against labkit's schedules
+    (tests/test_plan.py)."""
     p = lay.p
-    if lay.schedule == "gpipe" or (lay.schedule == "interleaved" and M == p):
+    if lay.schedule == "gpipe":
         return M
+    if lay.schedule == "1f1b":
+        return 1 if which == "last" else min(p, M)
     if which == "last":
-        return 1
-    return min(p, M) if lay.schedule == "1f1b" else min(2 * p, M)
+        return _interleaved_chunk_peak(p, M, lay.v, p - 1, lay.v - 1)
+    return _interleaved_chunk_peak(p, M, lay.v, 0, 0)
 
 
 def rank_chunks(n_layer: int, p: int, v: int, pp_rank: int) -> list[range]:
