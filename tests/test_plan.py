@@ -38,8 +38,8 @@ def _state_bytes(model, opt):
     return params, grads, optim
 
 
-def _tp_rank(ctx):
-    model = TensorParallelGPT(GPT(CFG, seed=0), ctx.group)
+def _tp_rank(ctx, cfg=CFG):
+    model = TensorParallelGPT(GPT(cfg, seed=0), ctx.group)
     idx, tgt = _data()
     with CommLog() as log:
         with SavedTensorMeter(exclude=list(model.parameters())) as meter:
@@ -51,9 +51,9 @@ def _tp_rank(ctx):
     return {"state": _state_bytes(model, opt), "act": act, "comm": log.summary()}
 
 
-def _pp_rank(ctx, M, schedule):
+def _pp_rank(ctx, M, schedule, cfg=CFG):
     K = ctx.world_size
-    (sub,) = split_gpt(GPT(CFG, seed=0), K, [ctx.rank])
+    (sub,) = split_gpt(GPT(cfg, seed=0), K, [ctx.rank])
     stage = PipelineStage(sub, ctx.rank, K, group=ctx.group)
     sched = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stage, M, loss_fn=lm_loss)
     idx, tgt = _data()
@@ -67,8 +67,12 @@ def _pp_rank(ctx, M, schedule):
     return {"state": _state_bytes(sub, opt), "act": sched.stash_peak_bytes[ctx.rank], "comm": log.summary()}
 
 
+CFG_DROP = GPTConfig(vocab_size=VOCAB_SIZE, block_size=32, n_layer=4, n_head=4, n_embd=32, dropout=0.1)
+
+
 def _all_rank(ctx):
-    return {"tp2": _tp_rank(ctx), "pp2 1f1b M=4": _pp_rank(ctx, 4, "1f1b"), "pp2 gpipe M=2": _pp_rank(ctx, 2, "gpipe")}
+    return {"tp2": _tp_rank(ctx), "pp2 1f1b M=4": _pp_rank(ctx, 4, "1f1b"), "pp2 gpipe M=2": _pp_rank(ctx, 2, "gpipe"),
+            "tp2 dropout": _tp_rank(ctx, CFG_DROP), "pp2 1f1b M=4 dropout": _pp_rank(ctx, 4, "1f1b", CFG_DROP)}
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +84,16 @@ def runs():
 LAYOUTS = {"tp2": Layout(t=2, b=B, M=1, precision="fp32"),
            "pp2 1f1b M=4": Layout(p=2, b=B // 4, M=4, precision="fp32"),
            "pp2 gpipe M=2": Layout(p=2, b=B // 2, M=2, schedule="gpipe", precision="fp32")}
+LAYOUTS["tp2 dropout"], LAYOUTS["pp2 1f1b M=4 dropout"] = LAYOUTS["tp2"], LAYOUTS["pp2 1f1b M=4"]
 SPEC = ModelSpec.from_gpt_config(CFG, seq_len=S, global_batch=B)
+SPEC_DROP = ModelSpec.from_gpt_config(CFG_DROP, seq_len=S, global_batch=B)   # dropout 0.1: masks are kept
 
 
-def _check_run(measured, lay):
-    """Mismatches between a measured run and the planner (empty: all good)."""
+def _check_run(measured, lay, spec=SPEC):
+    """Mismatches between a measured run and the planner (empty: all good). Activations within
+    5 % (the embedding-dropout mask alone is s b h mask bytes: 12 % of rank 0's here)."""
     bad = []
-    pred = memory_per_rank(SPEC, lay, device="cpu")
+    pred = memory_per_rank(spec, lay, device="cpu")
     for rank, res in enumerate(measured):
         r = rank // lay.t                                   # pipeline rank (TP innermost)
         got = dict(zip(("params", "grads", "optimizer"), res["state"]))
@@ -97,7 +104,7 @@ def _check_run(measured, lay):
         if not 0.95 <= ratio <= 1.05:
             bad.append(f"rank {rank} activations: measured {res['act']} predicted {pred[r].activations}")
         ops = {}
-        for ax in comm_per_rank(SPEC, lay, pp_rank=r, act_bytes=4).values():
+        for ax in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).values():
             for kind, cb in ax.ops.items():
                 ops[(kind, ax.group if kind not in ("send", "recv") else lay.p)] = cb
         if ops != res["comm"]:
@@ -107,7 +114,20 @@ def _check_run(measured, lay):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_planner_equals_measured_run(runs, name):
-    assert _check_run(runs[name], LAYOUTS[name]) == []
+    assert _check_run(runs[name], LAYOUTS[name], SPEC_DROP if "dropout" in name else SPEC) == []
+
+
+def _act_pred(spec, lay, rank):
+    return memory_per_rank(spec, lay, device="cpu")[rank // lay.t].activations
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2 1f1b M=4"])
+def test_dropout_masks_counted_to_the_byte(runs, name):
+    """dropout 0.1 against 0 (labkit's own GPT): the masks it keeps, embedding-dropout mask
+    (s b h) included, are exactly what the planner adds; the 5 % band above cannot see them."""
+    lay = LAYOUTS[name]
+    for rank, (off, on) in enumerate(zip(runs[name], runs[name + " dropout"])):
+        assert on["act"] - off["act"] == _act_pred(SPEC_DROP, lay, rank) - _act_pred(SPEC, lay, rank), (name, rank)
 
 
 def test_injected_planner_bugs_are_caught(runs, monkeypatch):

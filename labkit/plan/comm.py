@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .memory import BYTES, _zero_shard, check_layout, n_microbatches, rank_chunks, rank_param_counts
+from .memory import _zero_shard, bytes_per_param, check_layout, n_microbatches, rank_chunks, rank_param_counts
 from .spec import Cluster, Layout, ModelSpec
 
 __all__ = ["AxisComm", "comm_per_rank", "axis_links"]
@@ -94,7 +94,7 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     check_layout(spec, lay)
     cluster = cluster or Cluster()
     links = axis_links(lay, cluster)
-    pb, gb, _ = BYTES[lay.precision]
+    pb, gb, _ = bytes_per_param(lay)
     e = act_bytes or pb
     M = n_microbatches(spec, lay)
     t, p, v, r = lay.t, lay.p, lay.v, pp_rank

@@ -27,7 +27,8 @@ from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
 __all__ = ["RankMemory", "memory_per_rank", "most_loaded_rank", "check_layout", "in_flight_units",
-           "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group"]
+           "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
+           "grad_convention"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
@@ -57,6 +58,23 @@ class RankMemory:
                 "activations": self.activations, "total": self.total}
 
 
+def bytes_per_param(lay: Layout) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes per element: :data:`BYTES` of the
+    precision, with 4-byte gradients when ``lay.fp32_grads`` (Megatron-LM's fp32 gradient
+    accumulation: 18 bytes per parameter, ``6 + 12/d`` with the distributed optimizer, ZeRO-1)."""
+    pb, gb, ob = BYTES[lay.precision]
+    return pb, (4 if lay.fp32_grads else gb), ob
+
+
+def grad_convention(lay: Layout) -> str:
+    """Which convention a memory figure uses, in words (printed by the CLI and the notebook)."""
+    pb, gb, ob = bytes_per_param(lay)
+    if lay.precision == "fp32":
+        return f"fp32 training: {pb}+{gb}+{ob} = {pb + gb + ob} bytes per parameter"
+    who = "Megatron-LM's convention, fp32 gradients" if lay.fp32_grads else "labkit's convention, bf16 gradients"
+    return f"{who}: {pb}+{gb}+{ob} = {pb + gb + ob} bytes per parameter ({pb + gb} + {ob}/d with ZeRO-1)"
+
+
 def n_microbatches(spec: ModelSpec, lay: Layout) -> int:
     """M: the layout's, else ``global_batch / (b d)``."""
     return lay.M if lay.M is not None else spec.global_batch // (lay.b * lay.d)
@@ -74,6 +92,7 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (lay.zero in (0, 1, 2, 3), f"ZeRO stage must be 0, 1, 2 or 3, got {lay.zero}"),
         (lay.recompute in ("none", "selective", "full"),
          f"recompute must be none, selective or full, got {lay.recompute!r}"),
+        (not lay.fp32_grads or lay.precision == "bf16", "fp32_grads needs precision 'bf16' (fp32 has 4-byte grads)"),
     ]
     for ok, msg in rules:
         if not ok:
@@ -229,10 +248,16 @@ def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
     return n
 
 
-def _embedding_act(spec: ModelSpec, lay: Layout) -> int:
-    """Input embedding, one microbatch: token ids (int64), positions, the vocab-parallel mask."""
+def _embedding_act(spec: ModelSpec, lay: Layout, device: str = "cuda") -> int:
+    """Input embedding, one microbatch: token ids (int64), positions, the vocab-parallel mask
+    and, with dropout > 0, the embedding-dropout mask ``s b h`` elements of the mask size
+    (split by t under sequence parallelism, where the embedding output is scattered first)."""
     sb = spec.seq_len * lay.b
-    return sb * 8 + (spec.seq_len * 8 if spec.position == "learned" else 0) + (sb if lay.t > 1 else 0)
+    n = sb * 8 + (spec.seq_len * 8 if spec.position == "learned" else 0) + (sb if lay.t > 1 else 0)
+    if spec.dropout > 0:
+        mask = torch_saved_bytes_per_element(BYTES[lay.precision][0], device)["mask"]
+        n += sb * spec.hidden * mask // (lay.t if lay.sequence_parallel else 1)
+    return n
 
 
 def _head_act(spec: ModelSpec, lay: Layout, device: str) -> int:
@@ -256,7 +281,7 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
     Raises ValueError (from :func:`check_layout`) for an impossible layout."""
     check_layout(spec, lay)
     M = n_microbatches(spec, lay)
-    pb, gb, ob = BYTES[lay.precision]
+    pb, gb, ob = bytes_per_param(lay)
     z, d = lay.zero, lay.d
     d_exp = max(1, d // lay.ep)
     out = []
@@ -277,7 +302,7 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
             act += max(_layer_act(spec, Layout(**{**lay.__dict__, "recompute": "none"}),
                                   spec.is_moe and i >= spec.first_dense_layers, device) for i in ids)
         if r == 0:
-            act += stage_in_flight(lay, M, "first") * _embedding_act(spec, lay)
+            act += stage_in_flight(lay, M, "first") * _embedding_act(spec, lay, device)
         if r == lay.p - 1:
             act += stage_in_flight(lay, M, "last") * _head_act(spec, lay, device)
         out.append(RankMemory(r, params, grads, opt, int(act), dense + expert, units, cnt["layers"]))

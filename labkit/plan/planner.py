@@ -1,17 +1,8 @@
 """The time model, the search over layouts, and why the best one wins.
 
-Time model (one training step, per GPU):
-
-* compute: ``6 N T`` FLOPs for N (active) parameters and T tokens per step (2 forward,
-  4 backward per parameter and token; Kaplan et al. 2020), ``8 N T`` with full recompute
-  (one more forward; Korthikanti et al. 2022 sec. 5), selective recompute adds the attention
-  core's ``4 s h`` FLOPs per token and layer; spread over the n GPUs at
-  ``peak * compute_efficiency``;
-* pipeline bubble: the compute is stretched by ``1 + (p-1)/(v M)`` (Narayanan et al. 2021,
-  sec. 2.2);
-* communication is not hidden: each axis adds ``wire bytes / link bandwidth`` (TP on NVLink
-  inside a node, DP and PP on InfiniBand once their groups span nodes);
-* MFU (Chowdhery et al. 2022, PaLM, app. B) = ``6 N T / (step time * n * peak)``.
+Time model: :mod:`.timing` (per-layer GEMM, element-wise and collective time, the bubble of
+1F1B / interleaved 1F1B, pipeline messages with Megatron's scatter/gather, recompute per mode;
+MFU and HFU by Korthikanti et al. 2022 eq. 7 / 8 and Narayanan et al. 2021 eq. 3).
 
 Search (Narayanan et al. 2021, sec. 3.3, "takeaways"): #1 tensor parallelism up to the GPUs
 of one node, pipeline parallelism across nodes; #2 make the model-parallel size t p just large
@@ -29,6 +20,7 @@ from dataclasses import dataclass
 from .comm import axis_links, comm_per_rank
 from .memory import check_layout, memory_per_rank, n_microbatches
 from .spec import Cluster, Layout, ModelSpec
+from .timing import StepTime, step_time
 
 __all__ = ["StepTime", "step_time", "PlanEntry", "plan", "explain", "PlanError", "smallest_memory"]
 
@@ -41,43 +33,6 @@ class PlanError(ValueError):
     def __init__(self, message: str, smallest_memory: float | None = None, layout: Layout | None = None):
         super().__init__(message)
         self.smallest_memory, self.layout = smallest_memory, layout
-
-
-@dataclass
-class StepTime:
-    """Seconds per step: ``compute`` (without bubble), ``bubble``, ``tp``, ``pp``, ``dp``,
-    ``ep`` (communication), ``total``; ``mfu``; ``flops`` (model FLOPs per step, 6 N T)."""
-
-    compute: float
-    bubble: float
-    tp: float
-    pp: float
-    dp: float
-    ep: float
-    total: float
-    mfu: float
-    flops: float
-
-
-def step_time(spec: ModelSpec, lay: Layout, cluster: Cluster) -> StepTime:
-    """Predicted step time and MFU of ``lay`` on ``cluster`` (see the module docstring)."""
-    check_layout(spec, lay)
-    n = lay.n_gpus
-    M = n_microbatches(spec, lay)
-    tokens = M * lay.b * lay.d * spec.seq_len
-    N = spec.active_params()
-    flops = 6 * N * tokens
-    hw = (8 if lay.recompute == "full" else 6) * N * tokens
-    if lay.recompute == "selective":   # QK^T and the weighted sum of V once more: 4 s h FLOPs per token and layer
-        hw += 4 * spec.n_layer * spec.seq_len * spec.hidden * tokens
-    compute = hw / (n * cluster.peak_flops * cluster.compute_efficiency)
-    bubble = compute * (lay.p - 1) / (lay.v * M)
-    comm = comm_per_rank(spec, lay, cluster, 0)
-    bw = {"intra-node": cluster.intra_bw, "inter-node": cluster.inter_bw, "-": float("inf")}
-    secs = {k: c.wire / bw[c.link] for k, c in comm.items()}
-    total = compute + bubble + sum(secs.values())
-    return StepTime(compute, bubble, secs["tp"], secs["pp"], secs["dp"], secs["ep"], total,
-                    flops / (total * n * cluster.peak_flops), flops)
 
 
 @dataclass

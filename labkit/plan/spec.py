@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, fields
 
-__all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "PUBLISHED", "preset", "load_model_json", "SCHEDULES",
-           "PRECISIONS"]
+__all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "PUBLISHED", "CLUSTERS", "preset", "load_model_json",
+           "SCHEDULES", "PRECISIONS"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16")
@@ -27,7 +27,7 @@ class ModelSpec:
 
     ``norm``: "layernorm" (weight + bias) | "rmsnorm" (weight); ``mlp``: "gelu" (2 matrices,
     labkit and GPT) | "swiglu" (3); ``position``: "learned" (a ``max_position x h`` table) |
-    "rope"; ``bias``: biases on every linear layer except the output layer (GPT-2 style);
+    "rope" | "alibi" (no table); ``bias``: biases on every linear layer except the output layer (GPT-2 style);
     ``tied_embeddings``: the output layer reuses the input embedding. MoE: ``n_routed_experts``
     E (0: dense), ``n_activated_experts`` k, ``n_shared_experts``, ``moe_ffn`` (each expert's
     width), ``first_dense_layers`` (DeepSeek: the first layers keep a dense MLP of width f).
@@ -74,8 +74,9 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"model {self.name!r}: mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
-        if self.position not in ("learned", "rope"):
-            raise ValueError(f"model {self.name!r}: position must be 'learned' or 'rope', got {self.position!r}")
+        if self.position not in ("learned", "rope", "alibi"):
+            raise ValueError(f"model {self.name!r}: position must be 'learned', 'rope' or 'alibi', "
+                             f"got {self.position!r}")
         if not self.is_mla and self.hidden % self.n_head:
             raise ValueError(f"model {self.name!r}: hidden={self.hidden} must be divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
@@ -208,7 +209,12 @@ class Layout:
     ("fp32": 4-byte parameters and gradients, Adam moments 8 bytes; "bf16": mixed precision,
     2 + 2 bytes and 12 bytes of fp32 master weights and moments, ZeRO's K = 12), expert
     parallel degree ``ep`` (folded onto the DP group: it must divide d and E),
-    ``fused_attention`` (a flash-attention kernel: no ``s^2`` activations)."""
+    ``fused_attention`` (a flash-attention kernel: no ``s^2`` activations), ``fp32_grads``
+    (bf16 only: gradients accumulated and reduced in fp32, 4 bytes, Megatron-LM's
+    ``accumulate_allreduce_grads_in_fp32`` and its theoretical-memory convention: 18 bytes per
+    parameter, ``6 + 12/d`` with the distributed optimizer; off: labkit's 16 bytes, ``4 + 12/d``),
+    ``pp_scatter_gather`` (time model only: Megatron sends each pipeline message as t shards
+    of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1)."""
 
     t: int = 1
     p: int = 1
@@ -223,6 +229,8 @@ class Layout:
     precision: str = "bf16"
     ep: int = 1
     fused_attention: bool = False
+    fp32_grads: bool = False
+    pp_scatter_gather: bool = True
 
     @property
     def n_gpus(self) -> int:
@@ -233,7 +241,8 @@ class Layout:
         extra += [f"ep={self.ep}"] if self.ep > 1 else []
         return (f"t={self.t} p={self.p} d={self.d}{' ' + ' '.join(extra) if extra else ''} b={self.b} "
                 f"M={self.M} {self.schedule} ZeRO-{self.zero} SP={'on' if self.sequence_parallel else 'off'} "
-                f"recompute={self.recompute} {self.precision}{' flash' if self.fused_attention else ''}")
+                f"recompute={self.recompute} {self.precision}{' fp32-grads' if self.fp32_grads else ''}"
+                f"{' flash' if self.fused_attention else ''}")
 
 
 @dataclass(frozen=True)
@@ -242,14 +251,16 @@ class Cluster:
     precision's dense peak); ``intra_bw`` / ``inter_bw``: bytes/s one GPU can send over the
     node's fabric (NVLink) and across nodes (its share of the InfiniBand NICs);
     ``compute_efficiency``: the share of peak a large GEMM reaches (the time model's only
-    free constant)."""
+    free constant; 0.68 fits Korthikanti et al. 2022 Table 5, see :data:`CLUSTERS`); ``hbm_bw``: bytes/s of the GPU's memory (A100 80GB: 2.0e12), for the
+    memory-bound element-wise work (:mod:`.timing`)."""
 
     gpus_per_node: int = 8
     gpu_memory: float = 80e9
     peak_flops: float = 312e12
     intra_bw: float = 300e9
     inter_bw: float = 25e9
-    compute_efficiency: float = 0.5
+    compute_efficiency: float = 0.68
+    hbm_bw: float = 2.0e12
 
 
 def _p(**kw) -> ModelSpec:
@@ -280,7 +291,29 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, global_batch=15360,
        source="DeepSeek-AI 2024, DeepSeek-V3 Technical Report, sec. 4.2 (61 layers, 256+1 experts, top-8; "
               "671B / 37B active; trained with 16-way PP, 64-way EP, ZeRO-1 DP, no TP)"),
+    _p(name="bloom-176b", n_layer=70, hidden=14336, n_head=112, vocab_size=250880, seq_len=2048, position="alibi",
+       tied_embeddings=True, dropout=0.0, global_batch=2048,
+       source="BigScience 2022, BLOOM, sec. 3.4-3.5 and Table 3 (70 layers, h 14336, 112 heads, V 250,880, ALiBi, "
+              "tied embeddings; TP 4 x PP 12 x DP 8 on 384 A100 80GB, bf16, ZeRO-1, activation checkpointing)"),
+    *[_p(name=f"korthikanti-{n}", n_layer=L, hidden=h, n_head=a, vocab_size=51200, seq_len=2048, global_batch=B,
+         tied_embeddings=True, dropout=0.1,
+         source=f"Korthikanti et al. 2022, Table 3 ({n}: {a} heads, h {h}, {L} layers, batch {B}, s 2048, V 51,200)")
+      for n, a, h, L, B in (("22b", 64, 6144, 48, 4), ("175b", 96, 12288, 96, 64), ("530b", 128, 20480, 105, 280),
+                            ("1t", 160, 25600, 128, 512))],
 ]}
+
+# The clusters of the published runs. compute_efficiency (the share of peak a GEMM reaches) is
+# the time model's one free constant: 0.68 puts the eight iteration times of Korthikanti et al.
+# 2022 Table 5 within 10 % (tests/test_plan_published.py). Selene: DGX A100 80GB, NVLink 3
+# (300 GB/s per GPU and direction), 8 HDR InfiniBand NICs per node (25 GB/s per GPU), HBM2e 2.0 TB/s.
+CLUSTERS: dict[str, Cluster] = {
+    "selene-a100-80gb": Cluster(gpus_per_node=8, gpu_memory=80e9, peak_flops=312e12, intra_bw=300e9, inter_bw=25e9,
+                                compute_efficiency=0.68, hbm_bw=2.0e12),
+    # DeepSeek-V3 report sec. 3.1: H800 nodes, 8 GPUs on NVLink/NVSwitch (160 GB/s), 8 x 400 Gb/s InfiniBand
+    # (50 GB/s per GPU); 989 TFLOP/s dense bf16 (the H100's SXM figure)
+    "h800-80gb": Cluster(gpus_per_node=8, gpu_memory=80e9, peak_flops=989e12, intra_bw=160e9, inter_bw=50e9,
+                         compute_efficiency=0.68, hbm_bw=3.35e12),
+}
 
 
 # Figures the papers publish, which the tests and notebook 08 reproduce.
@@ -298,6 +331,25 @@ PUBLISHED = {
                     "peak_eflops": 1.4, "gpu_memory_gb": 80},
     # Narayanan et al. 2021, Table 1: GPT-3 175B on 1024 A100, t=8, p=16, batch 1536, 140 TFLOP/s per GPU
     "gpt3-175b": {"t": 8, "p": 16, "gpus": 1024, "tflops_per_gpu": 140, "peak_tflops": 312},
+    # Korthikanti et al. 2022, Table 3 (layouts: t = 8, microbatch b, pipeline p, v interleaved chunks as
+    # sec. 6 states for 175B and 530B) and Table 5 (iteration seconds with full recompute and with
+    # SP + selective recompute; MFU and HFU of the latter, %), on Selene (A100 80GB, 312 TFLOP/s bf16)
+    "korthikanti-table5": {
+        "korthikanti-22b": {"t": 8, "p": 1, "gpus": 8, "b": 4, "v": 1, "full": 1.42, "selective_sp": 1.10,
+                            "mfu": 41.5, "hfu": 43.7},
+        "korthikanti-175b": {"t": 8, "p": 8, "gpus": 64, "b": 1, "v": 3, "full": 18.13, "selective_sp": 13.75,
+                             "mfu": 51.4, "hfu": 52.8},
+        "korthikanti-530b": {"t": 8, "p": 35, "gpus": 280, "b": 1, "v": 3, "full": 49.05, "selective_sp": 37.83,
+                             "mfu": 56.0, "hfu": 57.0},
+        "korthikanti-1t": {"t": 8, "p": 64, "gpus": 512, "b": 1, "v": 1, "full": 94.42, "selective_sp": 71.49,
+                           "mfu": 56.3, "hfu": 57.0}},
+    # Korthikanti et al. 2022, Table 4: one 22B layer (t = 8, b = 4), forward / backward ms
+    "korthikanti-table4": {"none": (7.7, 11.9), "sp": (7.2, 11.8), "full": (7.7, 19.5), "selective": (7.7, 13.2),
+                           "selective_sp": (7.2, 13.1)},
+    # BigScience 2022 (BLOOM) sec. 3.5: 384 A100 80GB, TP 4 x PP 12 x DP 8, bf16, ZeRO-1, checkpointing
+    "bloom-176b": {"t": 4, "p": 12, "d": 8, "gpus": 384, "b": 2, "gpu_memory_gb": 80},
+    # DeepSeek-V3 report sec. 3.2: 2048 H800 80GB, PP 16 x EP 64 (8 nodes) x ZeRO-1 DP, no TP, DualPipe
+    "deepseek-v3": {"t": 1, "p": 16, "ep": 64, "gpus": 2048, "gpu_memory_gb": 80},
 }
 
 
