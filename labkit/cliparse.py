@@ -20,3 +20,12 @@ class Parser(argparse.ArgumentParser):
         if not under_torchrun or os.environ.get("RANK") == "0":
             print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         self.exit(2)
+
+
+def too_small(*checks: tuple[str, int, int]) -> str | None:
+    """The first ``(flag, value, low)`` with ``value < low``, as ``'FLAG must be >= LOW, got VALUE'``
+    (a message for :func:`labkit.labs.error`); None when every value is large enough."""
+    for flag, value, low in checks:
+        if value < low:
+            return f"{flag} must be >= {low}, got {value}"
+    return None

@@ -36,6 +36,7 @@ from ..moe.hierarchical import HierarchicalExpertParallelMoE, make_node_groups
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 from ..moe.replicas import sync_replica_grads, to_replicated_expert_parallel
 from . import run_folder
+from .replay import replayed_routing
 from .verdict import report
 
 WINDOW = 10          # steps over which loads are measured
@@ -131,7 +132,6 @@ def _replica_worker(ctx, a, state, phy2log, start):
     step by the labs' verdict (:mod:`labkit.labs.verdict`): rank 0 loads every rank's parameters
     (each copy under its logical expert's name: the copies must agree) into the single-device
     model, which routes the same tokens to the same experts and backpropagates the whole batch."""
-    from .moe import _replayed_routing
     from .verdict import Lockstep, module_pieces
 
     P, r = ctx.world_size, ctx.rank
@@ -146,7 +146,7 @@ def _replica_worker(ctx, a, state, phy2log, start):
     def ref_loss(m, step, extras):
         x, y = corpus.get_batch("train", a.batch, a.seq, step, a.seed)
         problems: list = []
-        undo = _replayed_routing(m, extras, problems)
+        undo = replayed_routing(m, extras, problems)
         try:
             lm, stats = m(x, y)
         finally:
