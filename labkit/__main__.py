@@ -22,7 +22,8 @@ from .commands import BENCHES, LABS, run_module
 def main(argv: list[str] | None = None) -> int:
     """The command line; Ctrl-C, SIGTERM and a failed rank end with one line (labs.run_cli)."""
     from .labs import run_cli
-    return run_cli(_main, argv)
+    args = sys.argv[1:] if argv is None else argv
+    return run_cli(_main, args, check_env=bool(args) and args[0] in ("lab", "bench", "doctor"))
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,7 @@ __all__ = [
     "choose_backend",
     "make_grid",
     "in_torchrun",
+    "torchrun_env_problem",
     "doctor",
 ]
 
@@ -216,6 +217,56 @@ def make_grid(ctx: DistContext, tp: int = 1, pp: int = 1, dp: int | None = None)
 def in_torchrun() -> bool:
     """True when this process was started by ``torchrun`` (its env vars are set)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def torchrun_env_problem() -> str | None:
+    """Why the torchrun variables in the environment cannot start a rank, as one message, or None
+    (none set, or a consistent set). Checked before any rank starts, so that an exported ``RANK``
+    without torchrun is a clear line, not torch's traceback, a wait for peers that never come, or
+    (on a rank other than 0, which prints nothing) an exit without a word. The rules: RANK,
+    WORLD_SIZE and LOCAL_RANK all set or none; integers with 0 <= RANK < WORLD_SIZE and LOCAL_RANK
+    >= 0; MASTER_ADDR and MASTER_PORT set (torchrun sets all of them); rank 0 outside torchrun's
+    agent store can bind MASTER_PORT (it serves the rendezvous there)."""
+    env = os.environ
+    given = [k for k in TORCHRUN_VARS if k in env]
+    if not given:
+        return None
+    hint = "start with torchrun, or unset RANK WORLD_SIZE LOCAL_RANK to run on forked CPU ranks"
+    if len(given) < len(TORCHRUN_VARS):
+        missing = [k for k in TORCHRUN_VARS if k not in env]
+        return f"{', '.join(f'{k}={env[k]}' for k in given)} set but {', '.join(missing)} not; {hint}"
+    values = {}
+    for k in TORCHRUN_VARS:
+        try:
+            values[k] = int(env[k])
+        except ValueError:
+            return f"{k}={env[k]!r} is not an integer; {hint}"
+    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
+        return (f"RANK={values['RANK']}, WORLD_SIZE={values['WORLD_SIZE']}, LOCAL_RANK={values['LOCAL_RANK']}: "
+                f"need 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0; {hint}")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        return f"RANK, WORLD_SIZE and LOCAL_RANK are set but {' and '.join(missing)} not; {hint}"
+    try:
+        port = int(env["MASTER_PORT"])
+        if not 0 < port < 65536:
+            raise ValueError
+    except ValueError:
+        return f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number (1..65535)"
+    if values["RANK"] == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        import errno
+        import socket
+        with socket.socket() as sock:
+            try:
+                sock.bind((env["MASTER_ADDR"], port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return (f"MASTER_PORT={port} on MASTER_ADDR={env['MASTER_ADDR']} is taken by another process "
+                            f"(rank 0 serves the rendezvous there); choose a free port")
+    return None
 
 
 def choose_backend(world_size: int, backend: str = "auto") -> str:

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         a.ep = ws
     elif a.ep is None:
         a.ep = 4
-    bad = _bad_args(a)  # every size error before any process starts
+    bad = _bad_args(a) or moe_eplb.ignored_without_eplb(a)  # every size error before any process starts
     if bad:
         return error(bad)
     if a.eplb:
