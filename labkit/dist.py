@@ -45,6 +45,7 @@ from multiprocessing.connection import wait as mp_wait
 
 __all__ = [
     "Terminated",
+    "stop_on_first_signal",
     "DistContext",
     "ProcessGrid",
     "RankError",
@@ -89,6 +90,51 @@ class terminate_as_exception:
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
         return False
+
+
+class stop_on_first_signal:
+    """Context manager (main thread only; elsewhere it does nothing): the FIRST SIGINT raises
+    KeyboardInterrupt and the first SIGTERM raises :class:`Terminated`; every later one is only
+    recorded (``got``), so a second Ctrl-C 0.05 s after the first can never cut the clean-up
+    short, wherever it lands (even between the raise and the ``finally`` that stops the workers).
+    Installed only over Python's own handlers (default_int_handler, SIG_DFL, or an outer
+    instance, which then stays in charge). On leaving, the previous handlers are back, unless
+    ``ignore_after`` and a signal came: then SIGINT and SIGTERM stay ignored (a command that is
+    ending, :func:`labkit.labs.run_cli`)."""
+
+    def __init__(self, ignore_after: bool = False):
+        self.ignore_after, self.stopping, self.got, self._old = ignore_after, False, [], {}
+
+    def _handler(self, signum, frame):
+        if self.stopping:
+            self.got.append(signum)
+            return
+        self.stopping = True
+        self.got.append(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        ours = (signal.default_int_handler, signal.SIG_DFL, _raise_terminated)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            current = signal.getsignal(sig)
+            if current in ours:
+                self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, signal.SIG_IGN if self.ignore_after and self.got else old)
+        return False
+
+
+def _stopping_handler_installed() -> bool:
+    """True when SIGINT or SIGTERM is handled by a :class:`stop_on_first_signal` (main thread)."""
+    return any(isinstance(getattr(signal.getsignal(s), "__self__", None), stop_on_first_signal)
+               for s in (signal.SIGINT, signal.SIGTERM))
 
 
 class RankError(RuntimeError):
@@ -603,7 +649,7 @@ def launch(
         # import it once here so forked ranks inherit it instead of each paying in turn.
         import torch.fx.experimental.symbolic_shapes  # noqa: F401
     mpctx = mp.get_context(start_method)
-    with terminate_as_exception():
+    with stop_on_first_signal():
         return _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
 
 
@@ -682,6 +728,11 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
             raise RankError(rank, etype, msg, tb)
         return [results[r] for r in range(world_size)]
     finally:
+        # the clean-up's own bound: after CLEANUP_DEADLINE s, whatever the load, a watchdog thread
+        # SIGKILLs every worker and removes the folder (the joins below then return at once)
+        deadline = threading.Timer(CLEANUP_DEADLINE, _hard_stop, (procs, os.path.dirname(store), reaper))
+        deadline.daemon = True
+        deadline.start()
         with _signals_deferred():  # a second Ctrl-C must not cut the clean-up short
             _kill_all(procs)
             for c in conns:
@@ -694,6 +745,29 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
 
             shutil.rmtree(os.path.dirname(store), ignore_errors=True)
             _stop_folder_reaper(reaper)
+            deadline.cancel()
+
+
+CLEANUP_DEADLINE = 5.0  # seconds the clean-up of a launch may take before every worker is SIGKILLed
+
+
+def _hard_stop(procs, folder: str, reaper) -> None:
+    """The clean-up deadline passed: SIGKILL every worker (it cannot block that), remove the
+    rendezvous folder, then SIGKILL the folder's reaper, from the watchdog thread (the main
+    thread may be slowed or stuck; it reaps them when it gets there)."""
+    import shutil
+    for p in procs:
+        try:
+            if p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    shutil.rmtree(folder, ignore_errors=True)
+    if reaper is not None:
+        try:
+            os.kill(reaper, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class _signals_deferred:
@@ -703,7 +777,7 @@ class _signals_deferred:
 
     def __enter__(self):
         self._old, self._got = {}, []
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and not _stopping_handler_installed():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, lambda signum, frame: self._got.append(signum))
         return self

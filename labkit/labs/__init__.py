@@ -104,26 +104,26 @@ def run_cli(main, *args, check_env: bool = True) -> int:
     inconsistent torchrun variables (:func:`labkit.dist.torchrun_env_problem`) with one line, exit 2."""
     import signal
 
-    from ..dist import RankError, Terminated, terminate_as_exception, torchrun_env_problem
+    from ..dist import RankError, Terminated, stop_on_first_signal, torchrun_env_problem
     problem = torchrun_env_problem() if check_env else None
     if problem:
         print(f"error: {problem}", file=sys.stderr)  # every process prints it: the variables are not to be trusted
         return 2
-    try:
-        with terminate_as_exception():
+    with stop_on_first_signal(ignore_after=True):  # the one line is printed while later signals are ignored
+        try:
             return main(*args) or 0
-    except KeyboardInterrupt:
-        _ignore_signals()
-        print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
-        return 130
-    except Terminated as e:
-        _ignore_signals()
-        print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
-        return 128 + e.signum
-    except RankError as e:
-        if is_main_rank():
-            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
+        except KeyboardInterrupt:
+            _ignore_signals()
+            print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
+            return 130
+        except Terminated as e:
+            _ignore_signals()
+            print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
+            return 128 + e.signum
+        except RankError as e:
+            if is_main_rank():
+                print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
 
 
 SCHEDULE_ALIASES = {"zbh1": "zb-h1", "zb_h1": "zb-h1", "zb-v": "zbv", "dualpipe-v": "dualpipev"}
