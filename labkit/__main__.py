@@ -14,30 +14,16 @@ python -m labkit COMMAND --help (or lab NAME --help, bench NAME --help) lists it
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 from .cliparse import Parser
-
-LABS = ("pipeline", "tensor", "moe", "3d")
-BENCHES = ("pipeline", "tensor", "moe", "dp")
-MODULES = {"3d": "threed"}  # a module name cannot start with a digit
-
-
-def _run_module(cmd: str, name: str, argv: list[str]) -> int:
-    """Run ``labkit.labs.NAME`` (cmd "lab") or ``labkit.bench.NAME`` (cmd "bench") with ``argv``."""
-    names = LABS if cmd == "lab" else BENCHES
-    if name not in names:
-        print(f"error: unknown {cmd} {name!r}; choose one of {', '.join(names)}", file=sys.stderr)
-        return 2
-    mod = importlib.import_module(f"labkit.{'labs' if cmd == 'lab' else 'bench'}.{MODULES.get(name, name)}")
-    return mod.main(argv) or 0
-
+from .commands import BENCHES, LABS, run_module
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; Ctrl-C, SIGTERM and a failed rank end with one line (labs.run_cli)."""
     from .labs import run_cli
-    return run_cli(_main, argv)
+    args = sys.argv[1:] if argv is None else argv
+    return run_cli(_main, args, check_env=bool(args) and args[0] in ("lab", "bench", "doctor"))
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -66,10 +52,11 @@ def _main(argv: list[str] | None = None) -> int:
         return run_all(a.verbose)
     if cmd in ("lab", "bench"):
         if not rest:
-            print(f"usage: python -m labkit {cmd} {{{'|'.join(LABS if cmd == 'lab' else BENCHES)}}} [options]",
-                  file=sys.stderr)
+            names = LABS if cmd == "lab" else BENCHES
+            print(f"error: {cmd} needs a NAME, one of {', '.join(names)} "
+                  f"(python -m labkit {cmd} NAME --help)", file=sys.stderr)
             return 2
-        return _run_module(cmd, rest[0], rest[1:])
+        return run_module(cmd, rest[0], rest[1:])
     if cmd == "build":
         from .grading.build import main as build_main
         return build_main(rest) or 0

@@ -36,15 +36,30 @@ def text_files(path: str | os.PathLike) -> list[Path]:
 
     Raises FileNotFoundError (no such path, or a folder without text files) and ValueError
     (``path`` exists but is neither a regular file nor a folder, e.g. ``/dev/null``)."""
+    if not str(path).strip():  # Path("") is the current folder: never read it by accident
+        raise ValueError(f"--data {str(path)!r}: an empty path; give a text file or folder, or leave --data out "
+                         f"for the Python standard library")
     p = Path(path)
     if p.is_file():
+        if not os.access(p, os.R_OK):
+            raise PermissionError(f"--data {path!s}: the file is not readable (permission denied)")
         return [p]
     if p.exists() and not p.is_dir():
         raise ValueError(f"--data {path!s}: exists but is not a regular text file or folder")
     if not p.is_dir():
         raise FileNotFoundError(f"--data {path!s}: no such file or folder")
-    files = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES),
-                   key=lambda f: f.relative_to(p).as_posix())
+    unreadable: list[str] = []
+    files = []
+    for dirpath, dirnames, filenames in os.walk(p, onerror=lambda e: unreadable.append(e.filename)):
+        dirnames.sort()
+        for name in filenames:
+            f = Path(dirpath) / name
+            if f.suffix.lower() in TEXT_SUFFIXES and f.is_file():
+                (files if os.access(f, os.R_OK) else unreadable).append(f)
+    files.sort(key=lambda f: f.relative_to(p).as_posix())
+    if not files and unreadable:
+        raise PermissionError(f"--data {path!s}: no readable text file: {len(unreadable)} file(s) or folder(s) "
+                              f"could not be read (permission denied), e.g. {unreadable[0]}")
     if not files:
         raise FileNotFoundError(f"--data {path!s}: folder holds no text files ({sorted(TEXT_SUFFIXES)})")
     return files
@@ -108,7 +123,7 @@ class Corpus:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         raw = load_bytes(path, max_bytes)
         if len(raw) < 1024:
-            raise ValueError(f"corpus from {path or 'the standard library'} has {len(raw)} bytes; need >= 1024")
+            raise ValueError(f"corpus from {'the standard library' if path is None else path} has {len(raw)} bytes; need >= 1024")
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         n_val = max(int(len(data) * val_fraction), 256)
         source = str(path) if path is not None else f"Python {sysconfig.get_python_version()} standard library"

@@ -45,6 +45,7 @@ from multiprocessing.connection import wait as mp_wait
 
 __all__ = [
     "Terminated",
+    "stop_on_first_signal",
     "DistContext",
     "ProcessGrid",
     "RankError",
@@ -52,6 +53,7 @@ __all__ = [
     "choose_backend",
     "make_grid",
     "in_torchrun",
+    "torchrun_env_problem",
     "doctor",
 ]
 
@@ -88,6 +90,51 @@ class terminate_as_exception:
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
         return False
+
+
+class stop_on_first_signal:
+    """Context manager (main thread only; elsewhere it does nothing): the FIRST SIGINT raises
+    KeyboardInterrupt and the first SIGTERM raises :class:`Terminated`; every later one is only
+    recorded (``got``), so a second Ctrl-C 0.05 s after the first can never cut the clean-up
+    short, wherever it lands (even between the raise and the ``finally`` that stops the workers).
+    Installed only over Python's own handlers (default_int_handler, SIG_DFL, or an outer
+    instance, which then stays in charge). On leaving, the previous handlers are back, unless
+    ``ignore_after`` and a signal came: then SIGINT and SIGTERM stay ignored (a command that is
+    ending, :func:`labkit.labs.run_cli`)."""
+
+    def __init__(self, ignore_after: bool = False):
+        self.ignore_after, self.stopping, self.got, self._old = ignore_after, False, [], {}
+
+    def _handler(self, signum, frame):
+        if self.stopping:
+            self.got.append(signum)
+            return
+        self.stopping = True
+        self.got.append(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        ours = (signal.default_int_handler, signal.SIG_DFL, _raise_terminated)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            current = signal.getsignal(sig)
+            if current in ours:
+                self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, signal.SIG_IGN if self.ignore_after and self.got else old)
+        return False
+
+
+def _stopping_handler_installed() -> bool:
+    """True when SIGINT or SIGTERM is handled by a :class:`stop_on_first_signal` (main thread)."""
+    return any(isinstance(getattr(signal.getsignal(s), "__self__", None), stop_on_first_signal)
+               for s in (signal.SIGINT, signal.SIGTERM))
 
 
 class RankError(RuntimeError):
@@ -216,6 +263,56 @@ def make_grid(ctx: DistContext, tp: int = 1, pp: int = 1, dp: int | None = None)
 def in_torchrun() -> bool:
     """True when this process was started by ``torchrun`` (its env vars are set)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def torchrun_env_problem() -> str | None:
+    """Why the torchrun variables in the environment cannot start a rank, as one message, or None
+    (none set, or a consistent set). Checked before any rank starts, so that an exported ``RANK``
+    without torchrun is a clear line, not torch's traceback, a wait for peers that never come, or
+    (on a rank other than 0, which prints nothing) an exit without a word. The rules: RANK,
+    WORLD_SIZE and LOCAL_RANK all set or none; integers with 0 <= RANK < WORLD_SIZE and LOCAL_RANK
+    >= 0; MASTER_ADDR and MASTER_PORT set (torchrun sets all of them); rank 0 outside torchrun's
+    agent store can bind MASTER_PORT (it serves the rendezvous there)."""
+    env = os.environ
+    given = [k for k in TORCHRUN_VARS if k in env]
+    if not given:
+        return None
+    hint = "start with torchrun, or unset RANK WORLD_SIZE LOCAL_RANK to run on forked CPU ranks"
+    if len(given) < len(TORCHRUN_VARS):
+        missing = [k for k in TORCHRUN_VARS if k not in env]
+        return f"{', '.join(f'{k}={env[k]}' for k in given)} set but {', '.join(missing)} not; {hint}"
+    values = {}
+    for k in TORCHRUN_VARS:
+        try:
+            values[k] = int(env[k])
+        except ValueError:
+            return f"{k}={env[k]!r} is not an integer; {hint}"
+    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
+        return (f"RANK={values['RANK']}, WORLD_SIZE={values['WORLD_SIZE']}, LOCAL_RANK={values['LOCAL_RANK']}: "
+                f"need 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0; {hint}")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        return f"RANK, WORLD_SIZE and LOCAL_RANK are set but {' and '.join(missing)} not; {hint}"
+    try:
+        port = int(env["MASTER_PORT"])
+        if not 0 < port < 65536:
+            raise ValueError
+    except ValueError:
+        return f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number (1..65535)"
+    if values["RANK"] == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        import errno
+        import socket
+        with socket.socket() as sock:
+            try:
+                sock.bind((env["MASTER_ADDR"], port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return (f"MASTER_PORT={port} on MASTER_ADDR={env['MASTER_ADDR']} is taken by another process "
+                            f"(rank 0 serves the rendezvous there); choose a free port")
+    return None
 
 
 def choose_backend(world_size: int, backend: str = "auto") -> str:
@@ -552,7 +649,7 @@ def launch(
         # import it once here so forked ranks inherit it instead of each paying in turn.
         import torch.fx.experimental.symbolic_shapes  # noqa: F401
     mpctx = mp.get_context(start_method)
-    with terminate_as_exception():
+    with stop_on_first_signal():
         return _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
 
 
@@ -631,6 +728,11 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
             raise RankError(rank, etype, msg, tb)
         return [results[r] for r in range(world_size)]
     finally:
+        # the clean-up's own bound: after CLEANUP_DEADLINE s, whatever the load, a watchdog thread
+        # SIGKILLs every worker and removes the folder (the joins below then return at once)
+        deadline = threading.Timer(CLEANUP_DEADLINE, _hard_stop, (procs, os.path.dirname(store), reaper))
+        deadline.daemon = True
+        deadline.start()
         with _signals_deferred():  # a second Ctrl-C must not cut the clean-up short
             _kill_all(procs)
             for c in conns:
@@ -643,6 +745,29 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
 
             shutil.rmtree(os.path.dirname(store), ignore_errors=True)
             _stop_folder_reaper(reaper)
+            deadline.cancel()
+
+
+CLEANUP_DEADLINE = 5.0  # seconds the clean-up of a launch may take before every worker is SIGKILLed
+
+
+def _hard_stop(procs, folder: str, reaper) -> None:
+    """The clean-up deadline passed: SIGKILL every worker (it cannot block that), remove the
+    rendezvous folder, then SIGKILL the folder's reaper, from the watchdog thread (the main
+    thread may be slowed or stuck; it reaps them when it gets there)."""
+    import shutil
+    for p in procs:
+        try:
+            if p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    shutil.rmtree(folder, ignore_errors=True)
+    if reaper is not None:
+        try:
+            os.kill(reaper, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class _signals_deferred:
@@ -652,7 +777,7 @@ class _signals_deferred:
 
     def __enter__(self):
         self._old, self._got = {}, []
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and not _stopping_handler_installed():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, lambda signum, frame: self._got.append(signum))
         return self

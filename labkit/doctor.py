@@ -47,9 +47,9 @@ def _plans(world: int | None, out: str) -> list[tuple[str, int, list[str]]]:
 
 def run_all(verbose: bool = False) -> int:
     """Run every lab briefly here; print one PASS/FAIL line per lab; return 0 if all passed."""
-    from .__main__ import main as cli
+    from .commands import run_module
     from .dist import choose_backend, doctor, in_torchrun
-    from .labs import is_main_rank
+    from .labs import is_main_rank, run_cli
     from .labs import verdict as verdict_mod
 
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
@@ -71,7 +71,7 @@ def run_all(verbose: bool = False) -> int:
             t0 = time.perf_counter()
             try:
                 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-                    rc = cli(["lab", name, *argv])
+                    rc = run_cli(run_module, "lab", name, argv)
             except BaseException as e:  # noqa: BLE001 - a lab that crashes is a FAIL line, not a traceback
                 rc = 1
                 buf.write(f"\n{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

@@ -79,3 +79,79 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
             except ProcessLookupError:
                 pass
             p.wait(10)
+
+
+STUCK = textwrap.dedent("""
+    import os, sys, time
+    import labkit.dist as d
+    from labkit.dist import launch
+    from labkit.labs import run_cli
+
+    if sys.argv[2] == "stuck":  # injected: a clean-up that never ends by itself
+        d._kill_all = lambda procs, grace=1.0: time.sleep(120)
+
+    def rank_fn(ctx, ready):
+        open(os.path.join(ready, f"ready{ctx.rank}"), "w").close()
+        time.sleep(120)
+
+    sys.exit(run_cli(lambda: launch(rank_fn, 2, sys.argv[1], timeout=150)))
+""")
+
+
+def _workers_of(pgid, parent):
+    return [p for p in _group(pgid) if p != parent]
+
+
+def test_cleanup_deadline_holds_while_the_cores_are_loaded(tmp_path):
+    """Ctrl-C, then a second one 0, 1 ms or 50 ms later, while 4 busy processes load the cores: the
+    ranks are gone and the folder removed within the program's own clean-up deadline (plus a
+    margin for a loaded scheduler), the command ends with one line and 130. A clean-up that is
+    stuck (injected) is cut short by the same deadline: its workers are SIGKILLed, its folder removed."""
+    from labkit.dist import CLEANUP_DEADLINE
+    script = tmp_path / "run.py"
+    script.write_text(STUCK)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    cases = {"second after 0 s": 0.0, "second after 1 ms": 0.001, "second after 50 ms": 0.05, "stuck": 0.05}
+    procs = {}
+    try:
+        for name in cases:
+            tmp = tmp_path / name.replace(" ", "_")
+            (tmp / "ready").mkdir(parents=True)
+            env = dict(os.environ, TMPDIR=str(tmp), OMP_NUM_THREADS="1")
+            procs[name] = subprocess.Popen([sys.executable, str(script), str(tmp / "ready"),
+                                            "stuck" if name == "stuck" else "ok"], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        for name, p in procs.items():
+            tmp = tmp_path / name.replace(" ", "_")
+            deadline = time.monotonic() + 120
+            while len(os.listdir(tmp / "ready")) < 2 and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(os.listdir(tmp / "ready")) == 2, (name, p.poll())
+        sent = {}
+        for name, p in procs.items():
+            os.killpg(p.pid, signal.SIGINT)
+            sent[name] = time.monotonic()
+            time.sleep(cases[name])
+            os.killpg(p.pid, signal.SIGINT)
+        bound = CLEANUP_DEADLINE + 3.0  # the deadline, plus what a loaded scheduler may add
+        for name, p in procs.items():
+            tmp = tmp_path / name.replace(" ", "_")
+            while (_workers_of(p.pid, p.pid) or _left(tmp)) and time.monotonic() < sent[name] + bound:
+                time.sleep(0.05)
+            assert _workers_of(p.pid, p.pid) == [] and _left(tmp) == [], (name, time.monotonic() - sent[name])
+        for name, p in procs.items():
+            if name == "stuck":
+                continue
+            out, err = p.communicate(timeout=20)
+            assert p.returncode == 130 and err == "interrupted (Ctrl-C): stopped; no rank is left running\n", \
+                (name, p.returncode, err)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+        for p in procs.values():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)

@@ -15,6 +15,7 @@ from labkit.labs import moe as moe_lab
 from labkit.labs import pipeline as pipe_lab
 from labkit.labs import tensor as tensor_lab
 from labkit.labs.verdict import Lockstep, LockstepResult, Piece, StepRecord, report
+from labkit.labs.replay import replayed_routing
 
 CORPUS = Corpus.load()
 PIPE = ["--steps", "3", "--microbatches", "2", "--batch", "4", "--seq", "8", "--layers", "2", "--embd", "16",
@@ -131,12 +132,13 @@ def _replay(model, x, y, recorded):
     """Run the reference with the EP run's recorded routing (2 ranks x 8 tokens); the problems."""
     problems = []
     keep = [torch.ones_like(r, dtype=torch.bool) for r in recorded]
-    undo = moe_lab._replayed_routing(model, [[(recorded[0], keep[0])], [(recorded[1], keep[1])]], problems)
+    undo = replayed_routing(model, [[(recorded[0], keep[0])], [(recorded[1], keep[1])]], problems)
     try:
         model(x, y)
     finally:
         undo()
-    assert "forward" not in vars(model.moe_layers()[0].router)  # the patch is undone
+    router = model.moe_layers()[0].router
+    assert router.replay is None and not router._forward_hooks  # the replay is undone
     return problems
 
 

@@ -25,6 +25,7 @@ largest parameter difference between the two after the timed steps (they train t
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import sys
 import time
@@ -194,14 +195,21 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     from ..labs import error
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    for flag, v in (("--dp", a.dp), ("--iters", a.iters), ("--layers", a.layers), ("--embd", a.embd),
-                    ("--heads", a.heads), ("--seq", a.seq), ("--batch", a.batch)):
-        if v < 1:
-            return error(f"{flag} must be >= 1, got {v}")
+    from ..cliparse import too_small
+    bad = too_small(("--dp", a.dp, 1), ("--iters", a.iters, 1), ("--layers", a.layers, 1), ("--embd", a.embd, 1),
+                    ("--heads", a.heads, 1), ("--seq", a.seq, 1), ("--batch", a.batch, 1),
+                    ("--iters3d", a.iters3d, 0))
+    if bad:
+        return error(bad)
+    if a.iters3d:
+        bad = too_small(("--tp", a.tp, 1), ("--pp", a.pp, 1), ("--dp3", a.dp3, 1),
+                        ("--microbatches", a.microbatches, 1))
+        if bad:
+            return error(bad)
     if a.dp < 2:
         return error(f"--dp must be >= 2 (data parallelism needs two ranks), got {a.dp}")
-    if not a.bucket_cap_mb > 0:
-        return error(f"--bucket-cap-mb must be > 0, got {a.bucket_cap_mb}")
+    if not (a.bucket_cap_mb > 0 and math.isfinite(a.bucket_cap_mb)):
+        return error(f"--bucket-cap-mb must be a finite number > 0, got {a.bucket_cap_mb}")
     if a.embd % a.heads:
         return error(f"--embd {a.embd} must be divisible by --heads {a.heads}")
     if a.iters3d:

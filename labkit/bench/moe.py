@@ -54,6 +54,23 @@ def bench_one(T: int, E: int, H: int, k: int, capacity_factor: float, repeat: in
             "bytes_sort": b_sort, "bytes_dense": b_dense}
 
 
+def _bad_args(a) -> str | None:
+    """The first rule the options break, as a message naming the values; None if all are fine."""
+    import math
+
+    from ..cliparse import too_small
+    bad = too_small(*[("--tokens", T, 1) for T in a.tokens], *[("--experts", E, 1) for E in a.experts],
+                    ("--hidden", a.hidden, 1), ("--top-k", a.top_k, 1), ("--repeat", a.repeat, 1),
+                    ("--threads", a.threads, 1))
+    if bad:
+        return bad
+    if a.top_k > min(a.experts):
+        return f"--top-k {a.top_k} must be in [1, --experts {min(a.experts)}] (each token picks k distinct experts)"
+    if not (math.isfinite(a.capacity_factor) and a.capacity_factor > 0):
+        return f"--capacity-factor must be a finite number > 0, got {a.capacity_factor}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m labkit bench moe", description=__doc__.split("\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -65,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="timed runs (median)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     a = p.parse_args(argv)
+    bad = _bad_args(a)
+    if bad:
+        from ..labs import error
+        return error(bad)
     torch.set_num_threads(a.threads)
     print(f"dispatch + combine, H={a.hidden}, k={a.top_k}, capacity factor {a.capacity_factor}, fp32, "
           f"{torch.get_num_threads()} threads; identity experts")

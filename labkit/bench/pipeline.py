@@ -111,6 +111,42 @@ def bench(a) -> dict:
     return out
 
 
+def _bad_args(a) -> str | None:
+    """The first rule the options break (before any rank starts), as a message; None if all are fine."""
+    from ..cliparse import too_small
+    from ..model import GPTConfig
+    from ..pipeline import ScheduleError, check_pipeline_sizes
+    from ..pipeline.stages import stage_layers
+    from ..pipeline.zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
+
+    bad = too_small(("--world-size", a.world_size, 1), ("--microbatches", a.microbatches, 1),
+                    ("--chunks", a.chunks, 1), ("--steps", a.steps, 1), ("--warmup", a.warmup, 0),
+                    ("--layers", a.layers, 1), ("--embd", a.embd, 1), ("--heads", a.heads, 1),
+                    ("--seq", a.seq, 1), ("--batch", a.batch, 1))
+    if bad:
+        return bad
+    if not a.kinds:
+        return "--schedule needs at least one schedule"
+    try:
+        GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
+    except ValueError as e:
+        return f"{e} (--embd {a.embd}, --heads {a.heads})"
+    K, M = a.world_size, a.microbatches
+    try:
+        for kind in a.kinds:
+            check_pipeline_sizes(K, M, a.chunks if kind == "interleaved" else 1)
+            v = a.chunks if kind == "interleaved" else 2 if kind in ("zbv", "dualpipev") else 1  # V: 2 stages/rank
+            stage_layers(a.layers, K * v, 0)
+            builder = {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}.get(kind)
+            if builder is not None:  # their own rules, e.g. DualPipeV's M >= 2K
+                builder(K, M)
+        if a.batch % M:
+            raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {M}")
+    except (ScheduleError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m labkit bench pipeline", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -129,6 +165,10 @@ def main(argv=None) -> int:
                    type=schedule_name, help="schedules to time (aliases: zbh1 = zb-h1, zb-v = zbv)")
     p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     a = p.parse_args(argv)
+    bad = _bad_args(a)
+    if bad:
+        from ..labs import error
+        return error(bad)
     print(f"pipeline benchmark: K={a.world_size} ranks ({a.backend}), M={a.microbatches}, v={a.chunks}, "
           f"GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq}, median of {a.steps} steps")
     out = bench(a)

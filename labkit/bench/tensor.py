@@ -127,10 +127,18 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..cliparse import too_small
+    from ..labs import error
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    bad = too_small(("--tp", args.tp, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                    ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 1),
+                    ("--n-layer", args.n_layer, 1), ("--n-head", args.n_head, 1), ("--n-embd", args.n_embd, 1))
+    if bad:
+        return error(bad)
+    if args.n_embd % args.n_head:
+        return error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     if args.n_head % args.tp or 256 % args.tp:
-        print(f"error: --tp {args.tp} must divide n_head={args.n_head} and the vocabulary (256)", file=sys.stderr)
-        return 2
+        return error(f"--tp {args.tp} must divide n_head={args.n_head} and the vocabulary (256)")
     res = launch(_worker, args.tp, args, backend="gloo", timeout=120)[0]
     print(f"Tensor parallelism on {args.tp} gloo CPU ranks: labkit vs torch.distributed.tensor.parallel "
           f"(L={args.n_layer}, H={args.n_embd}, heads={args.n_head}, batch {args.batch_size}x{args.seq_len}); "

@@ -459,6 +459,11 @@ def _seconds(text: str) -> float | None:
 def _input_problem(paths: list[Path], results: Path | None) -> str:
     """What is wrong with the command's inputs ("" when nothing): checked before anything runs."""
     for x in paths:
+        if x.exists() and not x.is_file():
+            import stat
+            kind = "a folder" if x.is_dir() else "a FIFO (named pipe)" if stat.S_ISFIFO(x.stat().st_mode) \
+                else "not a regular file"
+            return f"{x} is {kind}; give the path of a notebook file (.ipynb)"
         if not x.is_file():
             return f"no such notebook: {x}"
         try:
@@ -466,6 +471,11 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
             nbformat.validate(nb)
         except Exception as e:  # noqa: BLE001 - binary, not JSON, not a notebook
             return f"{x} is not a Jupyter notebook ({type(e).__name__}: {_first(str(e), 160)})"
+        spec = nb.metadata.get("kernelspec") or {}
+        language = spec.get("language") or (nb.metadata.get("language_info") or {}).get("name") or "python"
+        if str(language).lower() != "python":
+            return (f"{x} declares the kernel {spec.get('name', '?')!r} (language {language}); the grader runs "
+                    f"every notebook in its own Python kernel, so it cannot grade this one")
     for folder in os.environ.get(HIDDEN_ENV, "").split(os.pathsep):
         if folder and not Path(folder).is_dir():
             return f"{HIDDEN_ENV} names {folder!r}, which is not a folder"

@@ -94,31 +94,36 @@ def bad_seed(seed: int) -> str | None:
     return None
 
 
-def run_cli(main, *args) -> int:
+def run_cli(main, *args, check_env: bool = True) -> int:
     """Run ``main(*args)`` the way a command line should end: its return code; Ctrl-C -> one line,
     exit 130; SIGTERM -> one line, exit 143 (128 + signal); a failed rank (RankError) -> one
     ``error:`` line naming the rank, exit 1. Workers are stopped and temporary files removed
     by :func:`labkit.dist.launch` before the line is printed. After an interrupt the command is
     ending: further SIGINT/SIGTERM are ignored from then on (an impatient second Ctrl-C would
-    otherwise print a traceback from Python's exit handlers)."""
+    otherwise print a traceback from Python's exit handlers). ``check_env``: first refuse
+    inconsistent torchrun variables (:func:`labkit.dist.torchrun_env_problem`) with one line, exit 2."""
     import signal
 
-    from ..dist import RankError, Terminated, terminate_as_exception
-    try:
-        with terminate_as_exception():
+    from ..dist import RankError, Terminated, stop_on_first_signal, torchrun_env_problem
+    problem = torchrun_env_problem() if check_env else None
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)  # every process prints it: the variables are not to be trusted
+        return 2
+    with stop_on_first_signal(ignore_after=True):  # the one line is printed while later signals are ignored
+        try:
             return main(*args) or 0
-    except KeyboardInterrupt:
-        _ignore_signals()
-        print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
-        return 130
-    except Terminated as e:
-        _ignore_signals()
-        print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
-        return 128 + e.signum
-    except RankError as e:
-        if is_main_rank():
-            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
+        except KeyboardInterrupt:
+            _ignore_signals()
+            print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
+            return 130
+        except Terminated as e:
+            _ignore_signals()
+            print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
+            return 128 + e.signum
+        except RankError as e:
+            if is_main_rank():
+                print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
 
 
 SCHEDULE_ALIASES = {"zbh1": "zb-h1", "zb_h1": "zb-h1", "zb-v": "zbv", "dualpipe-v": "dualpipev"}

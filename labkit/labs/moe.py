@@ -39,6 +39,7 @@ from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
                bad_lr, error, is_main_rank, moe_eplb, run_folder)
+from .replay import replayed_routing
 from .verdict import add_tolerance_option, verdict_exit
 
 BALANCE_MODES = ("none", "aux", "aux_free")
@@ -130,66 +131,6 @@ def _global_name(name: str, rank: int, n_local: int) -> str:
     return f"{head}.experts.{rank * n_local + int(i)}.{rest}"
 
 
-TIE = 1e-5  # routing scores closer than this are a near-tie: either choice is correct
-
-
-def _replayed_routing(model: MoEGPT, extras: list, problems: list):
-    """Make ``model`` (the single-device reference, ``token_groups = P``) route every token as
-    the EP run did (``extras[rank][layer] = (indices [T_p, k], keep [T_p, k])``), so that both
-    sides are compared with identical routing. Routing the reference's own way could pick
-    another expert where two scores are within roundoff (a flipped top-k choice), and the
-    gradients would then differ although nothing is wrong. Every choice of the EP run that
-    differs from the reference's own must be such a near-tie (scores within TIE): else a
-    message is appended to ``problems``. Returns a function that undoes the patch."""
-    from ..moe.router import RouterOutput, capacity_mask, compute_capacity, route
-
-    routers = [layer.router for layer in model.moe_layers()]
-    for layer, router in enumerate(routers):
-        queue = [ex[layer] for ex in extras]
-
-        def forward(x, router=router, queue=queue, layer=layer):
-            idx_rec, keep_rec = (t.to(x.device) for t in queue.pop(0))
-            r = router
-            logits = x @ r.weight.t()
-            force = torch.zeros_like(logits).scatter_(1, idx_rec, 1e4)  # the EP run's experts win top-k
-            bias = force if r.expert_bias is None else r.expert_bias + force
-            weights, indices, scores = route(logits, r.top_k, r.score_func, r.renormalize, r.n_expert_groups,
-                                             r.n_limited_groups, r.route_scale, bias)
-            T = x.shape[0]
-            C = compute_capacity(T, r.n_routed_experts, r.top_k, r.capacity_factor, r.min_capacity)
-            keep = ((indices[:, :, None] == idx_rec[:, None, :]) & keep_rec[:, None, :]).any(-1)
-            with torch.no_grad():  # the near-tie checks
-                _, own, _ = route(logits, r.top_k, r.score_func, r.renormalize, r.n_expert_groups,
-                                  r.n_limited_groups, r.route_scale, r.expert_bias)
-                sel = scores + (0 if r.expert_bias is None else r.expert_bias)
-                differs = (own.sort(1).values != indices.sort(1).values).any(1)
-                if bool(differs.any()):
-                    gaps = sel.gather(1, own).min(1).values - sel.gather(1, indices).min(1).values
-                    gap = float(gaps[differs].max())
-                    if gap > TIE:
-                        problems.append(f"MoE layer {layer}: the EP run routed {int(differs.sum())} token(s) to "
-                                        f"experts that score {gap:.2g} below the reference's choice")
-                own_keep = capacity_mask(indices, weights, r.n_routed_experts, C, r.drop_policy)
-                for t, j in (own_keep != keep).nonzero().tolist():
-                    e = indices[t, j]
-                    w = weights[indices == e].sort(descending=True).values
-                    if r.drop_policy != "probs" or len(w) <= C or float(w[C - 1] - w[C]) > TIE:
-                        problems.append(f"MoE layer {layer}: the EP run's capacity drops differ from the "
-                                        f"reference's (expert {int(e)}, C={C})")
-                        break
-            weights = weights * keep
-            counts = torch.bincount(indices.reshape(-1), minlength=r.n_routed_experts)
-            dropped = float((~keep).sum()) / max(1, keep.numel())
-            return RouterOutput(weights, indices, keep, logits, scores, counts, C, dropped)
-
-        router.forward = forward
-
-    def undo():
-        for router in routers:
-            del router.forward
-    return undo
-
-
 def _lockstep(ctx, a, balance: str, corpus):
     """The verdict's Lockstep of an EP run (rank 0 holds the single-device reference)."""
     from .verdict import Lockstep
@@ -201,7 +142,7 @@ def _lockstep(ctx, a, balance: str, corpus):
     def ref_loss(model, step, extras):
         x, y = (t.to(ctx.device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
         problems: list = []
-        undo = _replayed_routing(model, extras, problems)
+        undo = replayed_routing(model, extras, problems)
         try:
             lm, stats = model(x, y)
         finally:
@@ -368,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         a.ep = ws
     elif a.ep is None:
         a.ep = 4
-    bad = _bad_args(a)  # every size error before any process starts
+    bad = _bad_args(a) or moe_eplb.ignored_without_eplb(a)  # every size error before any process starts
     if bad:
         return error(bad)
     if a.eplb:

@@ -20,6 +20,7 @@ Plots: ``gpu_load.png`` (tokens per GPU, every mode and MoE layer).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -36,6 +37,7 @@ from ..moe.hierarchical import HierarchicalExpertParallelMoE, make_node_groups
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 from ..moe.replicas import sync_replica_grads, to_replicated_expert_parallel
 from . import run_folder
+from .replay import replayed_routing
 from .verdict import report
 
 WINDOW = 10          # steps over which loads are measured
@@ -52,7 +54,21 @@ def add_arguments(p) -> None:
                    help="--eplb: GPUs per node g, CPU ranks grouped into P/g nodes (unset: P, one node)")
     p.add_argument("--expert-groups", type=int, default=None,
                    help="--eplb: expert groups for EPLB's hierarchical policy (unset: the number of nodes)")
-    p.add_argument("--device-coeff", type=float, default=0.05, help="--eplb: device-level balance loss alpha2")
+    p.add_argument("--device-coeff", type=float, default=None,
+                   help=f"--eplb: device-level balance loss alpha2 (unset: {DEVICE_COEFF})")
+
+
+DEVICE_COEFF = 0.05  # alpha2 of the device-level balance loss (DeepSeek-V2 sec. 2.2.3 trains with 0.05)
+EPLB_OPTIONS = ("redundant_experts", "gpus_per_node", "expert_groups", "device_coeff")
+
+
+def ignored_without_eplb(a) -> str | None:
+    """The message for an --eplb option given without --eplb (it would be silently ignored), or None."""
+    for name in EPLB_OPTIONS:
+        if not a.eplb and getattr(a, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} {getattr(a, name)} is an --eplb option: add --eplb, or leave {flag} out"
+    return None
 
 
 def bad_args(a) -> str | None:
@@ -68,8 +84,10 @@ def bad_args(a) -> str | None:
     groups = nodes if a.expert_groups is None else a.expert_groups
     if groups < 1 or E % groups:
         return f"--expert-groups {groups} must divide --experts {E}"
-    if not a.device_coeff > 0:
-        return f"--device-coeff must be > 0, got {a.device_coeff}"
+    if a.device_coeff is None:
+        a.device_coeff = DEVICE_COEFF
+    if not (math.isfinite(a.device_coeff) and a.device_coeff > 0):
+        return f"--device-coeff must be a finite number > 0, got {a.device_coeff}"
     return None
 
 
@@ -131,7 +149,6 @@ def _replica_worker(ctx, a, state, phy2log, start):
     step by the labs' verdict (:mod:`labkit.labs.verdict`): rank 0 loads every rank's parameters
     (each copy under its logical expert's name: the copies must agree) into the single-device
     model, which routes the same tokens to the same experts and backpropagates the whole batch."""
-    from .moe import _replayed_routing
     from .verdict import Lockstep, module_pieces
 
     P, r = ctx.world_size, ctx.rank
@@ -146,7 +163,7 @@ def _replica_worker(ctx, a, state, phy2log, start):
     def ref_loss(m, step, extras):
         x, y = corpus.get_batch("train", a.batch, a.seq, step, a.seed)
         problems: list = []
-        undo = _replayed_routing(m, extras, problems)
+        undo = replayed_routing(m, extras, problems)
         try:
             lm, stats = m(x, y)
         finally:

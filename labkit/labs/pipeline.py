@@ -28,6 +28,7 @@ Gantt charts of the measured timelines and the loss curves are saved under
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -44,6 +45,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # backward split into I and W (labkit.pipeline.zero_bubble)
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank in V placement: rank r holds stages r and 2K-1-r
 GROUPS = {"all": SCHEDULES, "zero-bubble": ("1f1b",) + ZERO_BUBBLE}
+
+
+LAUNCH_TIMEOUT = 60.0  # seconds a rank waits for a peer before the run fails (labkit.dist.launch)
 
 
 def _parser():
@@ -91,9 +95,18 @@ def _bad_args(a, K) -> str | None:
         return bad
     if a.cost_model is not None:
         try:
-            _cost_model(a)
+            cost = _cost_model(a)
         except ValueError:
-            return f"--cost-model takes three numbers >= 0 in milliseconds, F,I,W (e.g. 20,20,20), got {a.cost_model!r}"
+            return (f"--cost-model takes three finite numbers >= 0 in milliseconds, F,I,W (e.g. 20,20,20), "
+                    f"got {a.cost_model!r}")
+        # a rank waits for its peer at most about one step: (v M + K - 1) passes of F + I + W each
+        v = max([a.chunks if s == "interleaved" else 2 if s in V_SHAPED else 1
+                 for name in a.schedule for s in GROUPS.get(name, (name,))], default=1)
+        step = (v * a.microbatches + K - 1) * (cost["F"] + cost["B"])
+        if step > LAUNCH_TIMEOUT / 2:
+            return (f"--cost-model {a.cost_model}: one step would last at least (v M + K - 1)(F + I + W) = "
+                    f"({v}*{a.microbatches} + {K} - 1) x {(cost['F'] + cost['B']) * 1e3:g} ms = {step:.3g} s, "
+                    f"more than half the {LAUNCH_TIMEOUT:g} s a rank waits for a peer; use smaller costs")
     try:
         cfg = _config(a)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
@@ -118,7 +131,7 @@ def _cost_model(a):
     if a.cost_model is None:
         return None
     parts = [float(x) for x in a.cost_model.split(",")]
-    if len(parts) != 3 or any(not x >= 0 for x in parts):
+    if len(parts) != 3 or any(not (math.isfinite(x) and x >= 0) for x in parts):
         raise ValueError(a.cost_model)
     f, i, w = (x / 1000 for x in parts)
     return {"F": f, "I": i, "W": w, "B": i + w}
@@ -403,7 +416,7 @@ def main(argv=None) -> int:
     single = _single_device(a, corpus, device) if is_main else None
     rows = []
     for kind in kinds:
-        results = launch(_rank_train, K, a, kind, corpus, backend=a.backend, timeout=60)
+        results = launch(_rank_train, K, a, kind, corpus, backend=a.backend, timeout=LAUNCH_TIMEOUT)
         if is_main:
             rows.append(_analyse(a, kind, K, results, single))
     if not is_main:

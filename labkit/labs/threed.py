@@ -52,7 +52,8 @@ def _parser():
                    type=schedule_name,
                    help="pipeline schedule (zb-h1, zbv, dualpipev: zero-bubble, backward split into I and W; "
                         "aliases: zbh1 = zb-h1, zb-v = zbv)")
-    p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank (interleaved; zbv/dualpipev: 2)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="v model chunks per rank, with --schedule interleaved (unset: 2; zbv/dualpipev: always 2)")
     p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
@@ -80,7 +81,9 @@ def _library_schedule(a) -> str:
 
 def _v(a) -> int:
     """Chunks per rank: --chunks for interleaved, 2 for the V-shaped schedules, else 1."""
-    return a.chunks if a.schedule == "interleaved" else 2 if a.schedule in ("zbv", "dualpipev") else 1
+    if a.schedule == "interleaved":
+        return 2 if a.chunks is None else a.chunks
+    return 2 if a.schedule in ("zbv", "dualpipev") else 1
 
 
 def _bubble_formula(a) -> float:
@@ -103,7 +106,10 @@ def _config(a):
 
 def _bad_args(a, world) -> str | None:
     """The first rule the options break, as one message naming the values; None if all are fine."""
-    for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--chunks", a.chunks),
+    if a.chunks is not None and a.schedule != "interleaved":
+        return (f"--chunks {a.chunks} applies to --schedule interleaved only (gpipe, 1f1b, zb-h1 run 1 chunk per rank, "
+                f"zbv and dualpipev 2); got --schedule {a.schedule}")
+    for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--chunks", _v(a)),
                         ("--microbatches", a.microbatches), ("--steps", a.steps), ("--batch", a.batch),
                         ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
         if value < 1:

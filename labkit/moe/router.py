@@ -185,6 +185,13 @@ class TopKRouter(nn.Module):
 
     ``forward(x [T, H]) -> RouterOutput``. Capacity uses the T of the call: under expert
     parallelism each rank routes its own tokens, so C is per rank (per GShard "group").
+
+    ``replay``: None, or a list of recorded routings, one ``(indices [T, k] long, keep [T, k]
+    bool)`` per coming call. A call then takes the first one: the recorded experts win top-k
+    (their selection scores are raised by 1e4, like a large ``expert_bias``, so the gating
+    weights stay this router's own scores, DeepSeek-V3 eq. 13) and ``keep`` is the recorded
+    one. A single-device reference routes so exactly as a distributed run did
+    (:mod:`labkit.labs.replay`).
     """
 
     def __init__(self, n_embd: int, n_routed_experts: int, n_activated_experts: int = 2,
@@ -208,6 +215,7 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(n_routed_experts))
         else:
             self.expert_bias = None
+        self.replay: list | None = None
 
     @property
     def n_activated_experts(self) -> int:
@@ -216,12 +224,19 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         logits = x @ self.weight.t()
+        bias, recorded = self.expert_bias, None
+        if self.replay:
+            recorded = [t.to(x.device) for t in self.replay.pop(0)]
+            force = torch.zeros_like(logits).scatter_(1, recorded[0], 1e4)  # the recorded experts win top-k
+            bias = force if bias is None else bias + force
         weights, indices, scores = route(logits, self.top_k, self.score_func, self.renormalize,
-                                         self.n_expert_groups, self.n_limited_groups, self.route_scale,
-                                         self.expert_bias)
+                                         self.n_expert_groups, self.n_limited_groups, self.route_scale, bias)
         T = x.shape[0]
         C = compute_capacity(T, self.n_routed_experts, self.top_k, self.capacity_factor, self.min_capacity)
-        keep = capacity_mask(indices, weights, self.n_routed_experts, C, self.drop_policy)
+        if recorded is None:
+            keep = capacity_mask(indices, weights, self.n_routed_experts, C, self.drop_policy)
+        else:  # the recorded slot of each chosen expert decides (top-k may order the experts differently)
+            keep = ((indices[:, :, None] == recorded[0][:, None, :]) & recorded[1][:, None, :]).any(-1)
         weights = weights * keep
         counts = torch.bincount(indices.reshape(-1), minlength=self.n_routed_experts)
         dropped = float((~keep).sum()) / max(1, keep.numel())

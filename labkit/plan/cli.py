@@ -10,9 +10,11 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
+from dataclasses import fields
 
 from ..cliparse import Parser
 from .comm import comm_per_rank
@@ -62,15 +64,80 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+FLAGS = {"n_layer": "--layers", "hidden": "--hidden", "n_head": "--heads", "n_kv_head": "--kv-heads", "ffn": "--ffn",
+         "vocab_size": "--vocab", "seq_len": "--seq", "global_batch": "--global-batch",
+         "n_routed_experts": "--experts", "n_activated_experts": "--top-k", "n_shared_experts": "--shared-experts",
+         "moe_ffn": "--moe-ffn"}
+AT_LEAST_ONE = ("n_layer", "hidden", "n_head", "vocab_size", "seq_len", "global_batch",
+                "n_kv_head", "ffn", "max_position", "moe_ffn")  # (the optional ones: None or >= 1)
+MAX_LAYERS = 10_000  # the search tries every pipeline degree p <= L; published models have < 200 layers
+MAX_SIZE = 10**9     # any other size: far beyond a real model
+
+
+def _bad_field(name: str, value, where: str) -> str | None:
+    """Why ``value`` cannot be the ModelSpec field ``name`` (``where`` names its source: a flag
+    or ``'model JSON FILE: field NAME'``), or None. Checked before ModelSpec is built, whose
+    arithmetic assumes the declared types (``n_layer: true`` would be 1 layer, ``24.5`` a
+    TypeError deep in the formulas)."""
+    kind = {f.name: str(f.type) for f in fields(ModelSpec)}[name]
+    if kind.startswith("int"):
+        low = 1 if name in AT_LEAST_ONE else 0
+        high = MAX_LAYERS if name == "n_layer" else MAX_SIZE
+        if value is None and "None" in kind:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            return f"{where} must be an integer >= {low}, got {json.dumps(value, default=str)}"
+        if value > high:
+            return f"{where} must be at most {high:,}, got {value:,}"
+    elif kind == "float":  # dropout, a probability
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            return f"{where} must be a probability in [0, 1), got {json.dumps(value, default=str)}"
+    elif kind == "bool" and not isinstance(value, bool):
+        return f"{where} must be true or false, got {json.dumps(value, default=str)}"
+    elif kind == "str" and not isinstance(value, str):
+        return f"{where} must be a string, got {json.dumps(value, default=str)}"
+    return None
+
+
+def _read_model_json(path: str) -> dict:
+    """The JSON object of ``--model FILE``, every field checked (:func:`_bad_field`); raises
+    ValueError naming the file (and the field, or the byte that is not text)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as e:
+        raise ValueError(f"cannot read model JSON {path!r}: {e.strerror or e}") from None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--model {path}: not a JSON text file (byte {raw[e.start]:#04x} at offset {e.start} "
+                         f"is not UTF-8)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model {path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--model {path}: must hold a JSON object of ModelSpec fields, got {type(obj).__name__}")
+    known = {f.name for f in fields(ModelSpec)}
+    for name, value in obj.items():
+        bad = name in known and _bad_field(name, value, f"--model {path}: field {name}")
+        if bad:
+            raise ValueError(bad)
+    return obj
+
+
 def _model(a) -> ModelSpec:
     sizes = {"n_layer": a.layers, "hidden": a.hidden, "n_head": a.heads, "n_kv_head": a.kv_heads, "ffn": a.ffn,
              "vocab_size": a.vocab, "seq_len": a.seq, "global_batch": a.global_batch, "n_routed_experts": a.experts,
              "n_activated_experts": a.top_k, "n_shared_experts": a.shared_experts, "moe_ffn": a.moe_ffn}
     given = {k: v for k, v in sizes.items() if v is not None}
+    for k, v in given.items():
+        bad = _bad_field(k, v, FLAGS[k])
+        if bad:
+            raise ValueError(bad)
     if a.tied:
         given["tied_embeddings"] = True
     if a.model:
         if a.model.endswith(".json") or os.path.exists(a.model):
+            _read_model_json(a.model)  # every field's type and range, naming the file and the field
             return load_model_json(a.model, given)
         base = preset(a.model)
         return ModelSpec(**{**base.__dict__, **given}) if given else base
@@ -92,10 +159,16 @@ def _parse_layout(text: str, a, spec: ModelSpec) -> Layout:
             kv[k.strip()] = int(v)
         except ValueError:
             raise ValueError(f"--layout: {k}={v!r} is not an integer") from None
+    for k, val in kv.items():
+        if val < 1:
+            raise ValueError(f"--layout {k}={val} must be >= 1")
     t, p, d = kv.get("t", 1), kv.get("p", 1), kv.get("d", 1)
     if t * p * d != a.gpus:
         raise ValueError(f"--layout t*p*d = {t}*{p}*{d} = {t * p * d} must equal --gpus {a.gpus}")
     v = kv.get("v", 1)
+    if v > 1 and spec.n_layer % (p * v):
+        raise ValueError(f"--layout p={p}, v={v}: interleaving needs L={spec.n_layer} layers split into p*v = "
+                         f"{p * v} equal chunks (Megatron-LM), and {p * v} does not divide {spec.n_layer}")
     M = kv.get("M")
     if M is None and spec.global_batch % (a.micro_batch * d) == 0:
         M = spec.global_batch // (a.micro_batch * d)
@@ -136,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("gpu_memory", "peak_tflops", "intra_bw", "inter_bw", "efficiency"):
             if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(a, name)}")
+        if a.efficiency > 1:
+            raise ValueError(f"--efficiency is the share of peak a GEMM reaches, in (0, 1], got {a.efficiency}")
         spec = _model(a)
         cluster = Cluster(a.gpus_per_node, a.gpu_memory * GB, a.peak_tflops * 1e12, a.intra_bw * GB,
                           a.inter_bw * GB, a.efficiency)
