@@ -1,8 +1,23 @@
-"""Run a command as an unprivileged user in a private mount namespace (root only; stdlib only).
+"""Start a command as an unprivileged uid in private mount and IPC namespaces (root only; stdlib only).
 
-Usage (as root, already inside ``unshare --mount --propagation private``)::
+Usage (as root, already inside ``unshare --mount --ipc --propagation private``)::
 
-    python -S -I _jail.py UID GID PATH... -- COMMAND...
+    python -S -I _jail.py UID GID [OPTION...] PATH... -- COMMAND...
+
+Options, each one token ``--name=value``:
+
+* ``--cgroup=DIR``: first of all, move this process into the cgroup v2 group DIR (so COMMAND
+  and all it starts are in it).
+* ``--copy=SRC:DST``: read SRC now (as root) and write it at DST (owned by UID, mode 0600)
+  once the private folders are in place (the kernel's connection file).
+* ``--tmp=BYTES``: give the namespace fresh tmpfs mounts of that size on /tmp, /var/tmp and
+  /dev/shm (mode 1777); a PATH under one of them is bound back into it. Staging folders are
+  made in ``--stage=DIR`` (outside the new mounts; the grader removes it).
+* ``--home=DIR``: make DIR (in the new /tmp) owned by UID, mode 0700, with ``ipython`` and
+  ``mpl`` inside; COMMAND starts there.
+* ``--hide=PATH``: cover PATH with an empty read-only tmpfs (a folder) or /dev/null (a file),
+  in this namespace only: the grader's exercise modules and reference list, hidden cases.
+* ``--rlimit=NAME:N``: ``resource.RLIMIT_NAME`` soft and hard limit N (NPROC, FSIZE, AS).
 
 Some installs keep Python under a folder other users cannot enter (``/root/.pyenv``, mode
 0700). For each such folder on the way to a PATH the kernel needs (Python's prefix, the
@@ -10,12 +25,16 @@ environment, the kit's source), this covers the folder with an empty tmpfs *in t
 only* and binds the needed PATHs back into it: the kernel user can then run Python, while the
 rest of that folder (root's files, hidden cases kept there) stays invisible to it. Then it
 drops to UID/GID with no supplementary groups, asks to be killed with its parent, and execs
-COMMAND. Nothing outside the namespace changes.
+COMMAND. Nothing outside the namespace changes, and the private folders vanish with the
+namespace's last process.
 """
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+
+PRIVATE = ("/dev/shm", "/var/tmp", "/tmp")  # /tmp last: the staging folder may sit in it
 
 
 def _blocked(path: str) -> bool:
@@ -42,12 +61,11 @@ def _mount(*args):
     subprocess.run(["mount", *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def main(argv):
-    sep = argv.index("--")
-    uid, gid = int(argv[1]), int(argv[2])
-    needed = sorted({os.path.realpath(p) for p in argv[3:sep] if os.path.isdir(p)})
-    needed = [p for p in needed if not any(p != q and p.startswith(q + "/") for q in needed)]
-    cmd = argv[sep + 1:]
+def _under(p: str, top: str) -> bool:
+    return p == top or p.startswith(top.rstrip("/") + "/")
+
+
+def _cover_blocked(needed) -> None:
     for top, paths in _tops(needed).items():
         stage = tempfile.mkdtemp(prefix="labkit-jail-")
         held = []
@@ -63,6 +81,70 @@ def main(argv):
         for dst, _ in held:
             os.rmdir(dst)
         os.rmdir(stage)
+
+
+def _private_tmp(size: int, stage_dir: str, needed) -> None:
+    """Fresh tmpfs on each of :data:`PRIVATE`: mounted at a staging folder, the needed paths
+    under it bound inside, then moved onto the folder it replaces."""
+    for top in PRIVATE:
+        if not os.path.isdir(top) or os.path.islink(top):
+            continue
+        stage = tempfile.mkdtemp(prefix="tmp-", dir=stage_dir)
+        _mount("-t", "tmpfs", "-o", f"size={size},mode=1777,nosuid,nodev", "tmpfs", stage)
+        for p in needed:
+            if _under(p, top) and p != top:
+                dst = os.path.join(stage, os.path.relpath(p, top))
+                os.makedirs(dst, exist_ok=True)
+                _mount("--rbind", p, dst)
+        _mount("--move", stage, top)
+
+
+def _hide(path: str) -> None:
+    if os.path.isdir(path):
+        _mount("-t", "tmpfs", "-o", "ro,size=4k,mode=0555", "tmpfs", path)
+    elif os.path.exists(path):
+        _mount("--bind", "/dev/null", path)
+
+
+def main(argv):
+    sep = argv.index("--")
+    uid, gid = int(argv[1]), int(argv[2])
+    opts, paths = {}, []
+    for a in argv[3:sep]:
+        if a.startswith("--") and "=" in a:
+            k, v = a[2:].split("=", 1)
+            opts.setdefault(k, []).append(v)
+        else:
+            paths.append(a)
+    cmd = argv[sep + 1:]
+    for cg in opts.get("cgroup", []):
+        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    copies = []
+    for spec in opts.get("copy", []):
+        src, dst = spec.split(":", 1)
+        with open(src, "rb") as f:
+            copies.append((dst, f.read()))
+    needed = sorted({os.path.realpath(p) for p in paths if os.path.isdir(p)})
+    needed = [p for p in needed if not any(p != q and p.startswith(q + "/") for q in needed)]
+    _cover_blocked(needed)
+    for size in opts.get("tmp", []):
+        _private_tmp(int(size), opts.get("stage", [tempfile.gettempdir()])[0], needed)
+    for path in opts.get("hide", []):
+        _hide(os.path.realpath(path))
+    home = opts.get("home", [None])[0]
+    if home:
+        for d in (home, os.path.join(home, "ipython"), os.path.join(home, "mpl")):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            os.chown(d, uid, gid)
+    for dst, data in copies:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, data)
+        os.fchown(fd, uid, gid)
+        os.close(fd)
+    for spec in opts.get("rlimit", []):
+        name, value = spec.split(":", 1)
+        resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (int(value), int(value)))
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
@@ -72,6 +154,8 @@ def main(argv):
         ctypes.CDLL("libc.so.6").prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the grader
     except Exception:  # noqa: BLE001
         pass
+    if home:
+        os.chdir(home)
     os.execv(cmd[0], cmd)
 
 

@@ -162,8 +162,9 @@ def _exercise_grade(ex: Exercise, res, reason: str = "") -> ExerciseGrade:
     return ExerciseGrade(ex, status, res.message, cases)
 
 
-def _grade_in_kernel(ex: Exercise, session) -> ExerciseGrade:
-    """Run every case of ``ex`` here, its calls going to the answer registered in ``session``."""
+def _grade_in_kernel(ex: Exercise, session, deadline: float | None = None) -> ExerciseGrade:
+    """Run every case of ``ex`` here, its calls going to the answer registered in ``session``
+    (none past ``deadline``, a ``time.monotonic()`` value)."""
     from .proxy import KernelBackend
     from .runner import evaluate
 
@@ -176,7 +177,8 @@ def _grade_in_kernel(ex: Exercise, session) -> ExerciseGrade:
     def go_on(result) -> bool:  # after a failed case: is the kernel still answering?
         return session.request({"op": "ping"}, wait=5) is not None
 
-    res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on)
+    res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on,
+                   deadline=deadline)
     session.request({"op": "end"}, wait=10)
     return _exercise_grade(ex, res)
 
@@ -194,8 +196,31 @@ def _check_cells(cells, ex_id: str) -> list[int]:
     return [i for i, src in cells if pat.search(src)]
 
 
-def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> NotebookGrade:
-    """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook."""
+def default_time_budget(cell_timeout: float, exercises, n_cells: int) -> float:
+    """Seconds one submission may take in all, by default (``--time-budget``): cells that run
+    up to their limit (at most ``MAX_RESTARTS + 2`` of them: each one costs a fresh kernel),
+    5 s per cell for the replays, every case of its exercises up to its own limit, and a
+    minute of kernel starts."""
+    cases = sum(c.timeout for ex in exercises for c in ex.cases)
+    return min(n_cells, MAX_RESTARTS + 2) * cell_timeout + (MAX_RESTARTS + 1) * 5 * n_cells + cases + 60
+
+
+def _checked_ids(src: str) -> set[str]:
+    """Exercise ids named by ``check("N.k", ...)`` calls in a cell's source."""
+    return {m.group("id") for m in _CHECK_CALL.finditer(src)}
+
+
+def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+                   time_budget: float | None = None) -> NotebookGrade:
+    """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
+
+    Each code cell runs once, in order; after it, the exercises whose ``check("N.k", ...)``
+    the cell's source holds are graded (once per such cell, whatever serials the kernel
+    reports). ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
+    submission: no cell or case runs past it, and what it leaves no time for is "not reached".
+    """
+    import time
+
     from .session import KernelSession, isolation_note, kernel_user
 
     path = Path(path)
@@ -204,6 +229,10 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT)
     exercises = [ex for name in names for ex in exercises_for_notebook(name)]
     wanted = {ex.id: ex for ex in exercises}
     cells = [(i, c.get("source", "")) for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"]
+    if time_budget is None:
+        time_budget = default_time_budget(cell_timeout, exercises, len(cells))
+    deadline = time.monotonic() + time_budget
+    out_of_time = f"the submission's time budget of {time_budget:g} s ran out"
     expected_errors = {i for i, c in enumerate(nb.cells)
                        if "raises-exception" in c.get("metadata", {}).get("tags", [])}
     user = kernel_user()
@@ -232,31 +261,47 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT)
 
     restarts = 0
     session = start()
-    readable = session.hidden_files_readable(_hidden_files())
-    for f in readable:
-        print(f"warning: the kernel's user {user.name} can read the hidden case file {f}; make it readable by "
-              f"root only (chmod o-r, and its folder o-x)", file=sys.stderr)
+    from .session import secret_files
+
+    hidden = [str(f) for f in _hidden_files()]
+    for f in session.hidden_files_readable(hidden + [f for f in secret_files() if f not in hidden]):
+        what = "the hidden case file" if f in hidden else "the grader's file"
+        print(f"warning: the submission's kernel can read {what} {f}; make it readable by root only "
+              f"(chmod o-r, and its folder o-x)", file=sys.stderr)
     seen: dict[str, int] = {}
     ran: list[int] = []  # positions in ``cells`` that ran without an error (replayed in a fresh kernel)
     try:
         k = 0
         while k < len(cells):
             idx, src = cells[k]
-            status, ename, evalue = session.execute(src, cell_timeout)
+            left = deadline - time.monotonic()
+            if left < 1:
+                stop = f"{out_of_time} before cell {idx + 1}"
+                break
+            status, ename, evalue = session.execute(src, min(cell_timeout, left))
             if status in ("ok", "error"):
                 if status == "error":
                     cell_problems[idx] = f"cell {idx + 1} raised {ename}: {_first(evalue)}".rstrip(": ")
                 else:
                     ran.append(k)
                 now = _registered(session)
-                for ex_id, serial in now.items():
-                    if ex_id in wanted and seen.get(ex_id) != serial:
+                for ex_id in sorted(_checked_ids(src)):  # this cell's own checks, each graded once
+                    serial = now.get(ex_id)
+                    if ex_id in wanted and serial is not None and seen.get(ex_id) != serial:
                         seen[ex_id] = serial
-                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session)
+                        if deadline - time.monotonic() < 1:
+                            stop = f"{out_of_time} while cell {idx + 1}'s checks were graded"
+                            break
+                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
+                if stop:
+                    break
                 if session.alive():
                     k += 1
                     continue
                 cell_problems.setdefault(idx, f"the kernel died while cell {idx + 1}'s checks were graded")
+            elif status == "timeout" and deadline - time.monotonic() < 1:
+                stop = cell_problems[idx] = f"cell {idx + 1} ran until {out_of_time}"
+                break
             elif status == "timeout":
                 cell_problems[idx] = f"cell {idx + 1} ran past the time limit of {cell_timeout:g} s"
             else:
@@ -269,7 +314,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT)
                 break
             session = start()
             for j in ran:
-                st, _, _ = session.execute(cells[j][1], cell_timeout)
+                st, _, _ = session.execute(cells[j][1], max(1.0, min(cell_timeout, deadline - time.monotonic())))
                 if st not in ("ok", "error"):
                     stop = f"{cell_problems[idx]}; replaying cell {cells[j][0] + 1} in a fresh kernel failed"
                     break
@@ -308,11 +353,12 @@ def _hidden_files() -> list[Path]:
     return out
 
 
-def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> list[NotebookGrade]:
+def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, time_budget: float | None = None
+                ) -> list[NotebookGrade]:
     out = []
     for p in paths:
         try:
-            out.append(grade_notebook(p, cell_timeout))
+            out.append(grade_notebook(p, cell_timeout, time_budget))
         except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
                                                     f"{_first(str(e))}")
@@ -497,10 +543,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
     p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")
     p.add_argument("--cell-timeout", default=str(DEFAULT_CELL_TIMEOUT), help="seconds per cell (> 0)")
+    p.add_argument("--time-budget", default=None,
+                   help="seconds one submission may take in all (> 0; default: from --cell-timeout and its cases)")
     a = p.parse_args(argv)
     cell_timeout = _seconds(a.cell_timeout)
+    time_budget = None if a.time_budget is None else _seconds(a.time_budget)
     problem = "" if cell_timeout is not None else (
         f"--cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}")
+    if not problem and a.time_budget is not None and time_budget is None:
+        problem = f"--time-budget must be a positive number of seconds, got {a.time_budget!r}"
     problem = problem or _input_problem(a.paths, a.results)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -511,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    grades = grade_paths(a.paths, cell_timeout)
+    grades = grade_paths(a.paths, cell_timeout, time_budget)
     print(format_table(grades))
     if a.results:
         obj = results_json(grades)

@@ -14,6 +14,7 @@ i.e. it is still the stub; directly or inside a rank of ``launch``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,7 +31,6 @@ import torch  # imported here, before any fork, so case children never pay for i
 from ..dist import RankError
 from .kernel import GRADING_ENV, register
 from .proxy import Answer, CaseTimeout, KernelFailure, LocalBackend, ReferenceImplementationUsed, set_deadline
-from .references import reference_message
 from .registry import Case, CheckFailure, Exercise, get_exercise
 
 __all__ = ["CaseResult", "CheckResult", "run_case", "evaluate", "format_line", "STRICT_ENV"]
@@ -96,6 +96,8 @@ def _verdict(exc: BaseException, timeout: float = 0.0) -> tuple[str, str]:
     if isinstance(exc, CaseTimeout):
         return "failed", _time_limit_message(timeout)
     if isinstance(exc, ReferenceImplementationUsed):
+        from .references import reference_message  # not at import: the graded kernel cannot read it
+
         return "failed", _one_line(reference_message(exc.name))
     if isinstance(exc, KernelFailure):
         return "failed", _one_line(str(exc))
@@ -227,7 +229,7 @@ def _reap(pid: int) -> None:
 
 
 def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False, backend_factory=None,
-             go_on=None) -> CheckResult:
+             go_on=None, deadline: float | None = None) -> CheckResult:
     """Run every case of ``exercise_id`` against ``answer``; return a :class:`CheckResult`.
 
     Prints nothing and never raises for a wrong answer (KeyError for an unknown id).
@@ -240,11 +242,21 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
     process, makes the backend that reaches the learner's code; by default the answer is
     ``answer`` itself, in this process. ``go_on(result)`` (the grader's), called after a case
     that failed, may return False to skip the remaining cases (e.g. the kernel stopped
-    answering); they then fail with that reason.
+    answering); they then fail with that reason. ``deadline`` (the grader's time budget, a
+    ``time.monotonic()`` value): no case runs past it (each case's limit is cut to the time
+    left) and the cases it leaves no time for fail as "not run".
     """
     ex = get_exercise(exercise_id)
     results: list[CaseResult] = []
     for i, case in enumerate(ex.cases):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left < 0.5:
+                results += [CaseResult(c.name, c.hidden, "failed", "not run: the submission's time budget ran out")
+                            for c in ex.cases[i:]]
+                break
+            if left < case.timeout:
+                case = dataclasses.replace(case, timeout=left)
         r = run_case(case, answer, ex, None if backend_factory is None else backend_factory(case))
         results.append(r)
         if r.status == "not_attempted":

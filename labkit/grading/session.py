@@ -41,6 +41,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from .contain import Cgroup, Limits, UidLease, cgroup_v2_root, kill_uid, remove_files_of
 from .kernel import GRADING_ENV
 from .proxy import CaseTimeout, KernelFailure, request_kernel
 from .registry import HIDDEN_ENV
@@ -54,18 +55,32 @@ MARK_ENV = "LABKIT_KERNEL_MARK"  # a fresh value per kernel, inherited by every 
 MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 
 
+PRIVATE_HOME = "/tmp/labkit-home"  # the kernel's HOME, inside its private /tmp (jail mode)
+
+
 @dataclass
 class KernelUser:
     name: str
     uid: int
     gid: int
     dedicated: bool  # only then may every process of this uid be killed at the end
-    jail: bool = False  # run through _jail.py (a private mount namespace makes Python reachable)
+    jail: bool = False  # run through _jail.py (private mount and IPC namespaces)
+    limits: Limits = Limits()
 
-    def command(self, cmd: list[str], cwd: str | None = None) -> tuple[list[str], dict]:
-        """``cmd`` as this user: (argv, extra Popen keywords)."""
+    def command(self, cmd: list[str], cwd: str | None = None, options=()) -> tuple[list[str], dict]:
+        """``cmd`` as this user: (argv, extra Popen keywords). ``options``: more
+        :mod:`labkit.grading._jail` options (jail mode only)."""
         if not self.jail:
-            return cmd, dict(user=self.uid, group=self.gid, extra_groups=[])
+            limits = self.limits
+
+            def preexec():
+                import resource
+
+                for name, value in limits.rlimits().items():
+                    resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (value, value))
+                _pdeathsig()
+
+            return cmd, dict(user=self.uid, group=self.gid, extra_groups=[], preexec_fn=preexec)
         import labkit
 
         needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
@@ -75,42 +90,48 @@ class KernelUser:
         if cwd:
             needed.add(cwd)
         jail = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail.py")
-        return (["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-S", "-I", jail,
-                 str(self.uid), str(self.gid), *sorted(needed), "--", *cmd], {})
+        rl = [f"--rlimit={k}:{v}" for k, v in self.limits.rlimits().items()]
+        return (["unshare", "--mount", "--ipc", "--propagation", "private", "--", sys.executable, "-S", "-I", jail,
+                 str(self.uid), str(self.gid), *rl, *options, *sorted(needed), "--", *cmd], {})
 
 
 _USER_CACHE: list = []
 
 
-def kernel_user() -> KernelUser | None:
-    """The unprivileged user kernels run as when this process is root (else None); probed once."""
+def kernel_user(limits: Limits | None = None) -> KernelUser | None:
+    """How kernels run when this process is root (else None), probed once: a template whose
+    uid is replaced by a fresh one per kernel (:class:`~labkit.grading.contain.UidLease`),
+    in private namespaces (``jail``) when ``unshare`` works."""
     if not _USER_CACHE:
         _USER_CACHE.append(_find_kernel_user())
-    return _USER_CACHE[0]
+    user = _USER_CACHE[0]
+    if user is not None and limits is not None:
+        user = KernelUser(user.name, user.uid, user.gid, user.dedicated, user.jail, limits)
+    return user
 
 
 def _find_kernel_user() -> KernelUser | None:
     if os.geteuid() != 0:
         return None
+    lease = UidLease()
     try:
-        pw = pwd.getpwnam(KERNEL_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
-                        "--shell", "/usr/sbin/nologin", "--user-group", KERNEL_USER],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        try:
-            pw = pwd.getpwnam(KERNEL_USER)
-        except KeyError:
-            pw = pwd.getpwnam("nobody")
-    user = KernelUser(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_name == KERNEL_USER)
-    ok, why = _probe(user)
-    if not ok and shutil.which("unshare") and shutil.which("mount"):
-        user.jail = True  # Python sits in a folder that user cannot enter: make it reachable
-        ok, _ = _probe(user)
-    if not ok:
-        _UNUSABLE[:] = [f"user {user.name} cannot run {sys.executable} with labkit ({why})"]
+        user = KernelUser("a uid of its own", lease.uid, lease.gid, True)
+        why = "unshare or mount is missing"
+        if shutil.which("unshare") and shutil.which("mount"):
+            user.jail = True  # private /tmp, /dev/shm and IPC; the grader's files hidden
+            ok, why = _probe(user)
+            if ok:
+                return user
+        user.jail = False
+        ok, why2 = _probe(user)
+        if ok:
+            _UNUSABLE[:] = [f"no private namespaces ({why})"]
+            return user
+        _UNUSABLE[:] = [f"a fresh uid cannot run {sys.executable} with labkit ({why2})"]
         return None
-    return user
+    finally:
+        kill_uid(lease.uid, 5)
+        lease.release()
 
 
 def _probe(user: KernelUser) -> tuple[bool, str]:
@@ -132,18 +153,46 @@ def _first_line(text: str) -> str:
     return lines[-1][:200] if lines else "no output"
 
 
+def secret_paths() -> list[str]:
+    """What the kernel must not read: the grader's exercise modules (cases, expected-value
+    code), its reference list, and the instructor's hidden-case folders. In jail mode each is
+    covered by an empty mount in the kernel's namespace (:mod:`labkit.grading._jail`)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = [os.path.join(here, "exercises"), os.path.join(here, "references.py")]
+    out += [p for p in os.environ.get(HIDDEN_ENV, "").split(os.pathsep) if p and os.path.isdir(p)]
+    return out
+
+
+def secret_files() -> list[str]:
+    """One file per :func:`secret_paths` entry, for the readability probe."""
+    out = []
+    for p in secret_paths():
+        if os.path.isdir(p):
+            out += sorted(os.path.join(p, n) for n in os.listdir(p) if n.endswith(".py"))[:1]
+        elif os.path.isfile(p):
+            out.append(p)
+    return out
+
+
 def isolation_note(user: KernelUser | None) -> str:
     """One line for the grader's output about how the kernel is isolated."""
     if user is None and os.geteuid() == 0:
         return ("isolation is partial: the grader runs as root, but " + "; ".join(_UNUSABLE or ["no unprivileged user"])
                 + ", so the submission's kernel runs as root; make Python and labkit readable by other users "
                   "(e.g. chmod o+rx on their folders) for full isolation.")
+    if user is not None and user.jail:
+        return ("isolation: each kernel runs as a uid of its own in its own session, mount and IPC namespaces "
+                "(private /tmp and /dev/shm; the grader's exercise code, reference list and hidden cases hidden), "
+                "with limits on processes, file size and memory; it cannot signal the grader or another "
+                "submission, read the grader's cases or write the results")
     if user is not None:
-        return (f"isolation: the submission's kernel runs as user {user.name} (uid {user.uid}) in its own session"
-                + (" and mount namespace" if user.jail else "") + "; it cannot signal the grader or write the results")
+        return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits, but "
+                + "; ".join(_UNUSABLE) + ": no private /tmp, and the grader's exercise code is readable by it "
+                "unless its folder is readable by root only")
     return ("isolation is partial: the grader is not root, so the submission's kernel runs as the same user; "
-            "code in it could signal the grader, read files this user can read (hidden cases) and write where "
-            "this user can. Run the grader as root (as autograder containers do) for full isolation.")
+            "code in it could signal the grader, read files this user can read (hidden cases, the grader's "
+            "exercise code and expected values) and write where this user can; no process or file limits. "
+            "Run the grader as root (as autograder containers do) for full isolation.")
 
 
 def _pdeathsig():
@@ -220,6 +269,10 @@ class KernelSession:
     """One learner kernel (see the module docstring). ``cwd``: its working directory."""
 
     def __init__(self, cwd: str, user: KernelUser | None = None):
+        self.lease = self.cgroup = None
+        if user is not None:  # a uid of its own: no other kernel, of this grader or another, has it
+            self.lease = UidLease()
+            user = KernelUser(f"uid {self.lease.uid}", self.lease.uid, self.lease.gid, True, user.jail, user.limits)
         self.user = user
         self.dir = tempfile.mkdtemp(prefix="labkit-kernel-")
         self.cwd = self.dir if user is not None else cwd
@@ -248,7 +301,25 @@ class KernelSession:
         env[MARK_ENV] = self.mark
         env["MPLBACKEND"] = "Agg"
         kw = {}
-        if self.user is not None:
+        private = self.user is not None and self.user.jail
+        if private:
+            conn_inside = os.path.join(PRIVATE_HOME, "kernel.json")
+            env.update(HOME=PRIVATE_HOME, TMPDIR="/tmp", USER=self.user.name.replace(" ", "-"),
+                       LOGNAME=self.user.name.replace(" ", "-"), IPYTHONDIR=os.path.join(PRIVATE_HOME, "ipython"),
+                       MPLCONFIGDIR=os.path.join(PRIVATE_HOME, "mpl"))
+            options = [f"--copy={conn}:{conn_inside}", f"--tmp={self.user.limits.tmp_size}", f"--stage={self.dir}",
+                       f"--home={PRIVATE_HOME}", *(f"--hide={p}" for p in secret_paths())]
+            root = cgroup_v2_root()
+            if root is not None:
+                try:
+                    self.cgroup = Cgroup(root, f"kernel-{self.user.uid}", self.user.limits)
+                    options.insert(0, f"--cgroup={self.cgroup.path}")
+                except OSError:
+                    self.cgroup = None  # no delegation here: the uid alone contains the kernel
+            argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn_inside, "--HistoryManager.enabled=False"]
+            argv, kw = self.user.command(argv, None, options)
+            self.cwd = "/"
+        elif self.user is not None:
             for sub in ("tmp", "ipython", "mpl"):
                 os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
             for root, dirs, files in os.walk(self.dir):
@@ -257,15 +328,17 @@ class KernelSession:
             env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
                        LOGNAME=self.user.name, IPYTHONDIR=os.path.join(self.dir, "ipython"),
                        MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"]
-        if self.user is not None:
-            argv, kw = self.user.command(argv, self.cwd)
+        if not private:
+            argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"]
+            if self.user is not None:
+                argv, kw = self.user.command(argv, self.cwd)
         if self.user is not None:
             _become_subreaper()
+        kw.setdefault("preexec_fn", _pdeathsig)
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
-            start_new_session=True, preexec_fn=_pdeathsig, close_fds=True, **kw)
+            start_new_session=True, close_fds=True, **kw)
         _KEEP.add(self.proc.pid)
         ctx = zmq.Context()
         ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
@@ -397,6 +470,7 @@ class KernelSession:
             except subprocess.TimeoutExpired:
                 pass
             _KEEP.discard(pid)
+        self._end_containment()
         if self.kc is not None:
             try:
                 self.kc.stop_channels()
@@ -406,13 +480,30 @@ class KernelSession:
             self.kc = None
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def _end_containment(self) -> None:
+        """Every process of the kernel's uid (and cgroup) killed and reaped, zombies included;
+        the files it owns in the shared temporary folders removed; the uid given back. Raises
+        RuntimeError when a process of the uid survives (the uid then stays locked)."""
+        if self.user is None or self.lease is None:
+            return
+        left = self.cgroup.kill() if self.cgroup is not None else []
+        left = kill_uid(self.user.uid) or left
+        remove_files_of(self.user.uid)
+        if left:
+            raise RuntimeError(f"processes {left} of the kernel's uid {self.user.uid} could not be killed")
+        self.lease.release()
+        self.lease = None
+
     def hidden_files_readable(self, paths) -> list[str]:
-        """Which of ``paths`` the kernel user could open (root mode only)."""
+        """Which of ``paths`` the kernel user could open (root mode only), probed with this
+        kernel's uid in the same namespaces as the kernel."""
         if self.user is None or not paths:
             return []
-        code = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'rb').close()\n        print(p)\n"
+        code = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'rb').read(1) and print(p)\n"
                 "    except OSError:\n        pass\n")
-        argv, kw = self.user.command([sys.executable, "-S", "-c", code, *map(str, paths)])
+        options = [f"--tmp={2 ** 20}", f"--stage={self.dir}", *(f"--hide={p}" for p in secret_paths())]
+        argv, kw = self.user.command([sys.executable, "-S", "-c", code, *map(str, paths)], None,
+                                     options if self.user.jail else ())
         try:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/", **kw)
         except Exception:  # noqa: BLE001

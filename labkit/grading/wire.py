@@ -17,12 +17,19 @@ Anything else (a learner's class, a function, an ``nn.Module``, a generator) bec
 "expected a list, got Foo" but cannot call it. Decoding refuses more than ``limit`` bytes,
 nesting deeper than :data:`MAX_DEPTH`, more than :data:`MAX_NODES` values, or a blob whose size
 does not match its dtype and shape (:class:`WireError`).
+
+Decoding counts before it builds (the reply comes from a hostile kernel, and a 30-byte
+``range(30_000_000)`` or a few MiB of ``[[],[],...]`` would otherwise become gigabytes in the
+grader): the JSON header's structural tokens are counted on the raw bytes before it is parsed
+(at most :data:`MAX_TOKENS`), a ``range`` counts as ``len(range)`` values, and string and bytes
+lengths add up to at most :data:`MAX_TEXT` characters.
 """
 from __future__ import annotations
 
 import importlib
 import json
 import math
+import re
 import struct
 from fractions import Fraction
 from typing import Any
@@ -32,7 +39,10 @@ __all__ = ["dumps", "loads", "Opaque", "WireError", "RECORDS", "MAX_BYTES"]
 MAGIC = b"LKW1"
 MAX_BYTES = 64 * 2 ** 20  # default limit of one message (64 MiB)
 MAX_DEPTH = 64
-MAX_NODES = 2_000_000
+MAX_NODES = 1_000_000  # values in one message (a range counts as len(range) values)
+MAX_TOKENS = 4 * MAX_NODES + 64  # "[" and "," outside strings in the JSON header (an encoded value uses <= 4)
+MAX_TEXT = 16 * 2 ** 20  # characters of all strings (and bytes of all bytes values) in one message
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal
 
 # labkit record types (NamedTuples and dataclasses) that travel as themselves: their fields in
 # order, rebuilt with cls(*fields). Only these names are ever imported while decoding; add a
@@ -202,8 +212,13 @@ def loads(data: bytes, limit: int = MAX_BYTES) -> Any:
     (hlen,) = struct.unpack("<Q", data[4:12])
     if hlen > len(data) - 12:
         raise WireError("truncated message")
+    raw_head = bytes(data[12:12 + hlen])
+    bare = _JSON_STRING.sub(b'""', raw_head)  # what is left outside strings is structure
+    tokens = bare.count(b"[") + bare.count(b",") + bare.count(b"{")
+    if tokens > MAX_TOKENS:
+        raise WireError(f"more than {MAX_NODES} values (the header holds {tokens} items)")
     try:
-        head = json.loads(bytes(data[12:12 + hlen]).decode("utf-8"))
+        head = json.loads(raw_head.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise WireError(f"bad header: {e}") from None
     if not isinstance(head, dict) or not isinstance(head.get("blobs"), list):
@@ -217,6 +232,17 @@ def loads(data: bytes, limit: int = MAX_BYTES) -> Any:
     if pos != len(data):
         raise WireError("trailing bytes")
     nodes = [0]
+    text = [0]
+
+    def count(n: int, what: str = "values") -> None:
+        if what == "values":
+            nodes[0] += n
+            if nodes[0] > MAX_NODES:
+                raise WireError(f"more than {MAX_NODES} values")
+        else:
+            text[0] += n
+            if text[0] > MAX_TEXT:
+                raise WireError(f"more than {MAX_TEXT} characters of strings and bytes")
 
     def get_blob(i) -> bytes:
         if type(i) is not int or not 0 <= i < len(offsets):
@@ -230,12 +256,13 @@ def loads(data: bytes, limit: int = MAX_BYTES) -> Any:
         return tuple(s)
 
     def dec(x, depth):
-        nodes[0] += 1
-        if nodes[0] > MAX_NODES:
-            raise WireError(f"more than {MAX_NODES} values")
+        count(1)
         if depth > MAX_DEPTH + 2:
             raise WireError("nested too deep")
-        if x is None or isinstance(x, (bool, int, float, str)):
+        if isinstance(x, str):
+            count(len(x), "text")
+            return x
+        if x is None or isinstance(x, (bool, int, float)):
             return x
         if not isinstance(x, list) or not x or not isinstance(x[0], str):
             raise WireError("bad value")
@@ -264,7 +291,9 @@ def loads(data: bytes, limit: int = MAX_BYTES) -> Any:
                 raise WireError("bad complex")
             return complex(float(rest[0]), float(rest[1]))
         if tag == "B":
-            return get_blob(rest[0] if len(rest) == 1 else None)
+            b = get_blob(rest[0] if len(rest) == 1 else None)
+            count(len(b), "text")
+            return b
         if tag == "Q":
             if len(rest) != 2:
                 raise WireError("bad fraction")
@@ -272,7 +301,9 @@ def loads(data: bytes, limit: int = MAX_BYTES) -> Any:
         if tag == "R":
             if len(rest) != 3 or any(type(v) is not int for v in rest):
                 raise WireError("bad range")
-            return range(*rest)
+            r = range(*rest)
+            count(max(0, (r.stop - r.start + r.step - (1 if r.step > 0 else -1)) // r.step))  # len(r), counted
+            return r
         if tag == "Z":
             import torch
 
