@@ -4,7 +4,7 @@
 notebook ``02_gpipe``, whatever the submission's metadata, file name or ``check`` calls say.
 Each exercise is graded from the function (or class) the learner notebook asks for, by the
 name in :data:`ANSWERS` (the name the stub defines and the solution's ``check`` passes), at its
-grading point (:func:`grading_points`): right after the first cell that calls
+grading point (:func:`grading_points`): right after the last cell that calls
 ``check("N.k", ...)``; when the submission has no such cell, right after the last top-level cell
 that defines the name. The grader then registers that name itself, so an exercise whose
 ``check`` cell was deleted is still graded, and what a ``check`` call registered never stands
@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import re
 
-__all__ = ["ANSWERS", "grading_points", "defines", "register_code"]
+__all__ = ["ANSWERS", "answer_name", "grading_points", "defines", "register_code"]
 
 # exercise id -> the name the learner notebook defines for it (the solutions' check(...) argument)
 ANSWERS: dict[str, str] = {
@@ -60,26 +60,37 @@ def defines(src: str, name: str) -> bool:
     return False
 
 
+def answer_name(ex_id: str, cells) -> str:
+    """The name exercise ``ex_id`` is graded from: :data:`ANSWERS`, else (an instructor's own
+    exercise) the plain name its last ``check`` call passes; "" when there is none."""
+    if ex_id in ANSWERS:
+        return ANSWERS[ex_id]
+    pat = re.compile(r"""\bcheck\(\s*["']""" + re.escape(ex_id) + r"""["']\s*,\s*([A-Za-z_]\w*)\s*\)""")
+    found = [m.group(1) for _, src in cells for m in pat.finditer(src)]
+    return found[-1] if found else ""
+
+
 def grading_points(cells, exercise_ids) -> dict[str, int | None]:
     """{exercise id: position in ``cells`` after which it is graded, or None (never defined)}.
 
     ``cells`` is ``[(index, source), ...]`` (the notebook's code cells in order). The point is the
-    first cell with ``check("N.k", ...)``, else the last cell whose top level defines the
-    exercise's name (:data:`ANSWERS`)."""
+    last cell with ``check("N.k", ...)`` (a repeated check: the last counts), else the last cell
+    whose top level defines the exercise's name (:func:`answer_name`)."""
     out: dict[str, int | None] = {}
     for ex_id in exercise_ids:
-        pat, name = _check_pattern(ex_id), ANSWERS.get(ex_id, "")
-        point = next((k for k, (_, src) in enumerate(cells) if pat.search(src)), None)
-        if point is None and name:
+        pat, name = _check_pattern(ex_id), answer_name(ex_id, cells)
+        found = [k for k, (_, src) in enumerate(cells) if pat.search(src)]
+        if not found and name:
             found = [k for k, (_, src) in enumerate(cells) if defines(src, name)]
-            point = found[-1] if found else None
-        out[ex_id] = point
+        out[ex_id] = found[-1] if found else None
     return out
 
 
-def register_code(ex_id: str) -> str:
-    """The code the grader runs in the kernel to register the pinned name for ``ex_id``."""
-    name = ANSWERS[ex_id]
+def register_code(ex_id: str, name: str) -> str:
+    """The code the grader runs in the kernel to register ``name`` as the answer to ``ex_id``
+    ("" when there is no name: what the notebook's own check registered is graded)."""
+    if not name:
+        return ""
     return (f"import labkit.grading.kernel as __labkit_kernel\n"
             f"__labkit_kernel.register({ex_id!r}, {name})\n"
             f"del __labkit_kernel\n")

@@ -194,20 +194,33 @@ def _check_cells(cells, ex_id: str) -> list[int]:
     return [i for i, src in cells if pat.search(src)]
 
 
-def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> NotebookGrade:
-    """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook."""
+def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+                   assignment: str | None = None) -> NotebookGrade:
+    """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
+
+    ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
+    submission holds (:mod:`labkit.grading.assignments`); None reads it from the submission
+    (metadata, file name, check calls). Each exercise is graded from its pinned name at its
+    grading point, and zeroed when its code breaks the source policy
+    (:mod:`labkit.grading.policy`)."""
+    from .assignments import answer_name, grading_points, register_code
     from .session import KernelSession, isolation_note, kernel_user
 
     path = Path(path)
     nb = nbformat.read(str(path), as_version=4)
-    names = _notebook_names(nb, path)
+    names = [assignment] if assignment else _notebook_names(nb, path)
     exercises = [ex for name in names for ex in exercises_for_notebook(name)]
     wanted = {ex.id: ex for ex in exercises}
     cells = [(i, c.get("source", "")) for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"]
+    points = grading_points(cells, list(wanted))
+    grades: dict[str, ExerciseGrade] = _policy_grades(exercises, cells, points)
+    due: dict[int, list[str]] = {}
+    for ex_id, k in points.items():
+        if k is not None and ex_id not in grades:
+            due.setdefault(k, []).append(ex_id)
     expected_errors = {i for i, c in enumerate(nb.cells)
                        if "raises-exception" in c.get("metadata", {}).get("tags", [])}
     user = kernel_user()
-    grades: dict[str, ExerciseGrade] = {}
     cell_problems: dict[int, str] = {}
     stop = ""
 
@@ -236,7 +249,6 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT)
     for f in readable:
         print(f"warning: the kernel's user {user.name} can read the hidden case file {f}; make it readable by "
               f"root only (chmod o-r, and its folder o-x)", file=sys.stderr)
-    seen: dict[str, int] = {}
     ran: list[int] = []  # positions in ``cells`` that ran without an error (replayed in a fresh kernel)
     try:
         k = 0
@@ -248,11 +260,17 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT)
                     cell_problems[idx] = f"cell {idx + 1} raised {ename}: {_first(evalue)}".rstrip(": ")
                 else:
                     ran.append(k)
-                now = _registered(session)
-                for ex_id, serial in now.items():
-                    if ex_id in wanted and seen.get(ex_id) != serial:
-                        seen[ex_id] = serial
+                for ex_id in due.get(k, ()):  # graded here, from the pinned name, once
+                    code = register_code(ex_id, answer_name(ex_id, cells))
+                    st, en, ev = session.execute(code, cell_timeout) if code else ("ok", "", "")
+                    if st == "ok" and (code or ex_id in _registered(session)):
                         grades[ex_id] = _grade_in_kernel(wanted[ex_id], session)
+                    elif st == "error" and status == "error" and en == "NameError":  # the cell broke
+                        grades[ex_id] = _exercise_grade(wanted[ex_id], None, f"not attempted: check(\"{ex_id}\", "
+                                                                             f"...) did not run: {cell_problems[idx]}")
+                    elif st == "error":
+                        grades[ex_id] = _exercise_grade(wanted[ex_id], None, _undefined(answer_name(ex_id, cells),
+                                                                                        ex_id, en, ev))
                 if session.alive():
                     k += 1
                     continue
@@ -275,7 +293,6 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT)
                     break
             if stop:
                 break
-            seen.update(_registered(session))  # replayed checks were graded already
             k += 1
     finally:
         session.kill()
@@ -290,14 +307,49 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT)
             grade.exercises.append(grades[ex.id])
             continue
         reason = ""
-        for i in _check_cells(cells, ex.id):
-            if i in cell_problems:
-                reason = f"not attempted: check(\"{ex.id}\", ...) did not run: {cell_problems[i]}"
-                break
+        k = points.get(ex.id)
+        if k is None:
+            reason = (f"not attempted: the notebook defines no {answer_name(ex.id, cells) or 'answer'!r} and has "
+                      f"no check(\"{ex.id}\", ...)")
+        elif cells[k][0] in cell_problems:
+            reason = f"not attempted: check(\"{ex.id}\", ...) did not run: {cell_problems[cells[k][0]]}"
         if not reason and stop:
             reason = f"not reached: {stop}"
         grade.exercises.append(_exercise_grade(ex, None, reason))
+    if assignment and exercises and all(points.get(ex.id) is None for ex in exercises):
+        held = _notebook_names(nb, path)
+        grade.stopped = "; ".join(x for x in (grade.stopped, (
+            f"the submission does not hold assignment {assignment}: no cell defines "
+            f"{', '.join(answer_name(ex.id, cells) or ex.id for ex in exercises)}"
+            + (f" (it looks like {', '.join(held)})" if held and held != [assignment] else ""))) if x)
     return grade
+
+
+def _undefined(name: str, ex_id: str, ename: str, evalue: str) -> str:
+    if ename == "NameError":
+        return f"not attempted: {name!r} is not defined where exercise {ex_id} is graded"
+    return f"not attempted: registering {name!r} for exercise {ex_id} raised {ename}: {_first(evalue)}"
+
+
+def _policy_grades(exercises, cells, points) -> dict[str, ExerciseGrade]:
+    """Exercises whose code (the cells up to their grading point) breaks the source policy:
+    failed, with every violation's cell and line; they are not run."""
+    from .assignments import answer_name
+    from .policy import check_cells, describe
+
+    out = {}
+    for ex in exercises:
+        k = points.get(ex.id)
+        upto = cells if k is None else cells[:k + 1]
+        found = check_cells(ex.id, answer_name(ex.id, cells), [(f"cell {i + 1}", src) for i, src in upto])
+        if found:
+            msg = (f"0 points: the code breaks the source policy of exercise {ex.id}: "
+                   + "; ".join(map(str, found[:5])) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+                   + f". Rule: {describe(ex.id)}")
+            out[ex.id] = ExerciseGrade(ex, "failed", msg, [CaseGrade(c.name, c.hidden, "failed",
+                                                                     "not run: the code breaks the source policy")
+                                                           for c in ex.cases])
+    return out
 
 
 def _hidden_files() -> list[Path]:
@@ -308,17 +360,17 @@ def _hidden_files() -> list[Path]:
     return out
 
 
-def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> list[NotebookGrade]:
+def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None) -> list[NotebookGrade]:
     out = []
     for p in paths:
         try:
-            out.append(grade_notebook(p, cell_timeout))
+            out.append(grade_notebook(p, cell_timeout, assignment))
         except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
                                                     f"{_first(str(e))}")
             try:
                 nb = nbformat.read(str(p), as_version=4)
-                for name in _notebook_names(nb, Path(p)):
+                for name in [assignment] if assignment else _notebook_names(nb, Path(p)):
                     for ex in exercises_for_notebook(name):
                         g.exercises.append(_exercise_grade(ex, None, f"not reached: {g.stopped}"))
             except Exception:  # noqa: BLE001
@@ -487,10 +539,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
     p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")
     p.add_argument("--cell-timeout", default=str(DEFAULT_CELL_TIMEOUT), help="seconds per cell (> 0)")
+    p.add_argument("--assignment", default=None,
+                   help="the notebook whose exercises count, e.g. 02_gpipe (default: read from the submission)")
     a = p.parse_args(argv)
     cell_timeout = _seconds(a.cell_timeout)
     problem = "" if cell_timeout is not None else (
         f"--cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}")
+    if not problem and a.assignment is not None and not exercises_for_notebook(a.assignment):
+        from .registry import all_exercises
+
+        known = ", ".join(sorted({ex.notebook for ex in all_exercises()}))
+        problem = f"--assignment {a.assignment} is not a notebook with exercises; known: {known}"
     problem = problem or _input_problem(a.paths, a.results)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -501,7 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    grades = grade_paths(a.paths, cell_timeout)
+    if a.assignment is None:
+        print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
+              "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
+    grades = grade_paths(a.paths, cell_timeout, a.assignment)
     print(format_table(grades))
     if a.results:
         obj = results_json(grades)

@@ -68,16 +68,16 @@ FORBIDDEN_ATTRS = {
     "attrgetter": "looks attributes up by name", "methodcaller": "looks attributes up by name",
 }
 # attributes refused on one module (``sys.modules``, ``os.system``; also ``from os import system``)
-_PROCESS = "starts or signals processes"
+# (signals and sessions are not here: they produce no answer, and containing processes is the
+# operating system's job, see labkit.grading.session)
+_PROCESS = "starts another program or process, where labkit's reference could run unchecked"
 MODULE_ATTRS = {
     "sys": {"modules": "reaches every imported module", "settrace": "traces every call",
             "setprofile": "traces every call", "_getframe": "reaches callers' frames"},
-    "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "kill", "killpg", "setsid", "setuid",
-                                 "setgid", "posix_spawn", "posix_spawnp", "execv", "execve", "execvp", "execvpe",
-                                 "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp",
-                                 "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "register_at_fork",
-                                 "pidfd_open")},
-    "signal": {n: _PROCESS for n in ("signal", "pthread_kill", "setitimer", "alarm")},
+    "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",
+                                 "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv",
+                                 "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
+                                 "register_at_fork")},
 }
 # modules whose import alone is refused
 FORBIDDEN_MODULES = {
@@ -370,6 +370,13 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
         for n in _defines(stmt, fixed):
             by_name.setdefault(n, []).append((cell, stmt))
     seen_names, seen_stmts, todo, out = set(), set(), [answer], []
+    for cell, stmt in stmts:  # check("N.k", <expression>): the expression is the exercise's code too
+        for sub in ast.walk(stmt):
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id == "check" \
+                    and sub.args and isinstance(sub.args[0], ast.Constant) and sub.args[0].value == exercise_id:
+                by_name.setdefault("\0check", []).append((cell, ast.Expr(ast.Tuple(sub.args[1:], ast.Load()),
+                                                                       lineno=sub.lineno, col_offset=0)))
+    todo.append("\0check")
     while todo:
         name = todo.pop()
         if name in seen_names:
