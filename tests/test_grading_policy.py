@@ -75,6 +75,12 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "def fill(c):\n    c[1] = comm_per_rank(1)",
         "fill(cache)",
         "def axis_bytes(*a):\n    return cache[a]"], "`comm_per_rank`"),
+    "a table built while a helper still meant the reference": ("8.6", "axis_bytes", [
+        "from labkit.plan.comm import comm_per_rank as h",
+        "def helper(k):\n    return h(k)",
+        "T = {k: helper(k) for k in range(3)}",
+        "def h(k):\n    return 0",
+        "def axis_bytes(k):\n    return T[k]"], "`h`"),
     "getattr with a computed name": ("1.1", "bubble_fraction", [
         "import labkit.pipeline.simulate as S\nname = 'bubble_' + 'fraction'",
         "def bubble_fraction(K, M):\n    return getattr(S, name)(K, M)"], "`getattr` with a computed name"),
@@ -124,6 +130,10 @@ HONEST = [
     ("8.6", "axis_bytes", ["from labkit.plan.comm import comm_per_rank\nWIDTH = 4",
                            "def axis_bytes(t, p, d):\n    return t * WIDTH",
                            "print(comm_per_rank(1), axis_bytes(1, 2, 3), WIDTH)"]),
+    # labkit's function of the same name imported earlier, then replaced by the learner's own
+    ("1.1", "bubble_fraction", ["from labkit.pipeline import bubble_fraction\nprint(bubble_fraction(4, 8))",
+                                "def bubble_fraction(K, M):\n    return (K - 1) / (M + K - 1)",
+                                "check('1.1', bubble_fraction)"]),
     # send/recv in the point-to-point exercise
     ("0.2", "ring_all_reduce", ["import torch.distributed as dist",
                                 "def ring_all_reduce(ctx, x):\n    dist.send(x, 1)\n    dist.recv(x, 0)\n    return x"]),
@@ -213,3 +223,30 @@ def test_grade_refuses_an_unknown_assignment(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --assignment 99_nothing") and "01_pipeline_bubble" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_interactive_check_shows_the_same_rule(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    shell = InteractiveShell.instance(config=config)
+    try:
+        for src in ["from labkit.grading import check\nfrom labkit.pipeline.simulate import bubble_formula",
+                    "def bubble_fraction(K, M):\n    if K < 1 or M < 1:\n        raise ValueError(K)\n"
+                    "    return bubble_formula(K, M)",
+                    "r = check('1.1', bubble_fraction)"]:
+            shell.run_cell(src, store_history=True)
+        out = capsys.readouterr().out
+        assert "failed: the grader gives 0 points for this code: In [2], line 4: `bubble_formula`" in out, out
+        assert shell.user_ns["r"].status == "failed"
+        for src in ["def bubble_fraction(K, M):\n    if K < 1 or M < 1:\n        raise ValueError(K)\n"
+                    "    return (K - 1) / (M + K - 1)",
+                    "r = check('1.1', bubble_fraction)"]:
+            shell.run_cell(src, store_history=True)
+        # the import of the reference alone is no violation; the cells that used it were replaced
+        out = capsys.readouterr().out
+        assert "passed" in out and shell.user_ns["r"].status == "passed", out
+    finally:
+        InteractiveShell.clear_instance()

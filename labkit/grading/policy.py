@@ -359,58 +359,104 @@ def _ref_why(label: str) -> str:
 _P2P_WHY = "a collective; this exercise builds it from send/recv"
 
 
+def _rebinds(stmt: ast.stmt, name: str) -> bool:
+    """Whether ``stmt`` gives ``name`` a new value outright (def, class, import, ``name = ...``)."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return stmt.name == name
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        return True
+    return isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets)
+
+
+def _import_origin(stmt: ast.stmt, name: str) -> str:
+    """"module.name" that an import statement binds to ``name`` ("" for other statements)."""
+    if isinstance(stmt, ast.ImportFrom):
+        return next((f"{stmt.module or ''}.{a.name}" for a in stmt.names if (a.asname or a.name) == name), "")
+    if isinstance(stmt, ast.Import):
+        return next((a.name if a.asname else name for a in stmt.names if (a.asname or a.name.split(".")[0]) == name),
+                    "")
+    return ""
+
+
 def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tuple[str, int, str, str]]:
-    """Rule 2: (cell, line, what, why) for each forbidden use in the answer's closure."""
+    """Rule 2: (cell, line, what, why) for each forbidden use in the answer's closure.
+
+    Flow-aware: a name read at top-level position p has the value of its last outright binding
+    before p plus every change made to it after that binding; a function body may run at any
+    later time, so its names are read both where it was reached and at the end."""
     refs = _reference_names(exercise_id)
     collectives = set(P2P_ONLY.get(exercise_id, ()))
     allow = ALLOW.get(exercise_id, set())
-    by_name: dict[str, list] = {}
     fixed = _fixed(stmts, names)
-    for cell, stmt in stmts:
+    by_name: dict[str, list] = {}
+    for pos, (cell, stmt) in enumerate(stmts):
         for n in _defines(stmt, fixed):
-            by_name.setdefault(n, []).append((cell, stmt))
-    seen_names, seen_stmts, todo, out = set(), set(), [answer], []
-    for cell, stmt in stmts:  # check("N.k", <expression>): the expression is the exercise's code too
+            by_name.setdefault(n, []).append(pos)
+    end = len(stmts)
+
+    def value_at(name: str, p: int) -> list[int]:
+        out = []
+        for pos in reversed([q for q in by_name.get(name, ()) if q < p]):
+            out.append(pos)
+            if _rebinds(stmts[pos][1], name):
+                break
+        return out
+
+    out: list[tuple[str, int, str, str]] = []
+    todo: list[tuple[str, int]] = [(answer, end)]
+    roots = []
+    for pos, (cell, stmt) in enumerate(stmts):  # check("N.k", <expression>): its expression counts too
         for sub in ast.walk(stmt):
             if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id == "check" \
                     and sub.args and isinstance(sub.args[0], ast.Constant) and sub.args[0].value == exercise_id:
-                by_name.setdefault("\0check", []).append((cell, ast.Expr(ast.Tuple(sub.args[1:], ast.Load()),
-                                                                       lineno=sub.lineno, col_offset=0)))
-    todo.append("\0check")
-    while todo:
-        name = todo.pop()
-        if name in seen_names:
-            continue
-        seen_names.add(name)
-        for cell, stmt in by_name.get(name, ()):
-            if id(stmt) in seen_stmts:
+                roots.append((pos, cell, ast.Expr(ast.Tuple(sub.args[1:], ast.Load()), lineno=sub.lineno,
+                                                  col_offset=0)))
+    seen: set = set()
+    visits = [(pos, cell, node, pos) for pos, cell, node in roots[-1:]]  # the last check counts  # (pos, cell, statement, context position)
+    while todo or visits:
+        while todo:
+            name, p = todo.pop()
+            if (name, p) in seen:
                 continue
-            seen_stmts.add(id(stmt))
-            free = _free(stmt)
-            todo += sorted({n.id for n in free} - seen_names)
-            for line, attr in _attrs(stmt):
-                if attr in refs:
-                    out.append((cell, line, f"`.{attr}`", _ref_why(refs[attr])))
-                elif attr in collectives:
-                    out.append((cell, line, f"`.{attr}`", _P2P_WHY))
-                elif attr in _SOURCE and attr not in allow:
-                    out.append((cell, line, f"`.{attr}`", "reads source text; write the computation yourself"))
-            for n in free:
-                real = [o.rsplit(".", 1)[-1] for o in names.origins.get(n.id, ())]
-                labkit = [o.rsplit(".", 1)[-1] for o in names.origins.get(n.id, ()) if o.startswith("labkit.")]
-                hit = next((r for r in labkit if r in refs), None)
-                if hit:
-                    out.append((cell, n.lineno, f"`{n.id}`", _ref_why(refs[hit])))
-                elif any(r in collectives for r in real):
-                    out.append((cell, n.lineno, f"`{n.id}`", _P2P_WHY))
-                elif any(r in _SOURCE for r in real) and not any(r in allow for r in real):
-                    out.append((cell, n.lineno, f"`{n.id}`", "reads source text; write the computation yourself"))
-            for sub in ast.walk(stmt):
-                if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) \
-                        and sub.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(sub.args) >= 2 \
-                        and not (isinstance(sub.args[1], ast.Constant) and isinstance(sub.args[1].value, str)):
-                    out.append((cell, sub.lineno, f"`{sub.func.id}` with a computed name",
-                                "the grader cannot see which attribute it reaches; name the attribute"))
+            seen.add((name, p))
+            for pos in value_at(name, p):
+                visits.append((pos, stmts[pos][0], stmts[pos][1], p))
+        if not visits:
+            break
+        pos, cell, stmt, ctx = visits.pop()
+        if ("stmt", id(stmt), ctx) in seen:
+            continue
+        seen.add(("stmt", id(stmt), ctx))
+        is_def = isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            continue  # judged where the name it binds is read
+        free = _free(stmt)
+        for n in free:
+            at = [ctx, end] if is_def else [pos]
+            for q in at:
+                todo.append((n.id, q))
+                for b in value_at(n.id, q):
+                    origin = _import_origin(stmts[b][1], n.id)
+                    last = origin.rsplit(".", 1)[-1]
+                    if origin.startswith("labkit.") and last in refs:
+                        out.append((cell, n.lineno, f"`{n.id}`", _ref_why(refs[last])))
+                    elif origin and last in collectives:
+                        out.append((cell, n.lineno, f"`{n.id}`", _P2P_WHY))
+                    elif origin and last in _SOURCE and last not in allow:
+                        out.append((cell, n.lineno, f"`{n.id}`", "reads source text; write the computation yourself"))
+        for line, attr in _attrs(stmt):
+            if attr in refs:
+                out.append((cell, line, f"`.{attr}`", _ref_why(refs[attr])))
+            elif attr in collectives:
+                out.append((cell, line, f"`.{attr}`", _P2P_WHY))
+            elif attr in _SOURCE and attr not in allow:
+                out.append((cell, line, f"`.{attr}`", "reads source text; write the computation yourself"))
+        for sub in ast.walk(stmt):
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) \
+                    and sub.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(sub.args) >= 2 \
+                    and not (isinstance(sub.args[1], ast.Constant) and isinstance(sub.args[1].value, str)):
+                out.append((cell, sub.lineno, f"`{sub.func.id}` with a computed name",
+                            "the grader cannot see which attribute it reaches; name the attribute"))
     return out
 
 
@@ -444,7 +490,7 @@ def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
 
 def describe(exercise_id: str) -> str:
     """The rule of exercise ``exercise_id`` in one sentence (shown with a violation)."""
-    refs = sorted(_reference_names(str(exercise_id)))
+    refs = sorted(n for n in _reference_names(str(exercise_id)) if not n.startswith("_"))
     extra = []
     if refs:
         extra.append("labkit's own " + ", ".join(refs))

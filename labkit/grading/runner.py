@@ -337,7 +337,7 @@ def check(exercise_id: str, answer: Any) -> CheckResult:
         return res
     ex = get_exercise(exercise_id)
     broken = _policy(ex, answer)
-    res = broken or evaluate(ex.id, answer, stop_at_first_failure=True)
+    res = broken if broken is not None else evaluate(ex.id, answer, stop_at_first_failure=True)
     print(res.message, flush=True)
     if os.environ.get(STRICT_ENV, "") not in ("", "0") and res.status != "passed":
         raise CheckNotPassed(res.message)
