@@ -81,6 +81,11 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "T = {k: helper(k) for k in range(3)}",
         "def h(k):\n    return 0",
         "def axis_bytes(k):\n    return T[k]"], "`h`"),
+    "a table filled in several steps": ("8.6", "axis_bytes", [
+        "from labkit.plan.comm import comm_per_rank\ncache = {}",
+        "cache.update({k: comm_per_rank(k) for k in range(3)})",
+        "cache[99] = 0",
+        "def axis_bytes(k):\n    return cache[k]"], "`comm_per_rank`"),
     "getattr with a computed name": ("1.1", "bubble_fraction", [
         "import labkit.pipeline.simulate as S\nname = 'bubble_' + 'fraction'",
         "def bubble_fraction(K, M):\n    return getattr(S, name)(K, M)"], "`getattr` with a computed name"),
