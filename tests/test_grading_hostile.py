@@ -166,9 +166,9 @@ def test_attacks_score_zero_and_only_the_notebooks_exercises_count(graded):
     assert [t["score"] for t in attacks] == [0] * 7, attacks
     assert sum(t["max_score"] for t in attacks) == 3  # each exercise at most its points
     assert "attacks.ipynb: 0 / 3" in obj["output"]
-    assert "not attempted" in attacks[0]["output"] and "not attempted" in attacks[1]["output"]
-    h3 = attacks[6]
-    assert h3["name"] == "Exercise H.3 (square) - case: x=3"
+    # the grader reads the source: the cells before H.1's last check patch labkit.grading
+    assert "source policy" in attacks[0]["output"] and "import from `labkit.grading.runner`" in attacks[0]["output"]
+    h3 = [t for t in attacks if t["name"] == "Exercise H.3 (square)"][0]
     assert "labkit's own bubble_formula (labkit.pipeline.simulate)" in h3["output"], h3
 
 

@@ -205,27 +205,26 @@ def default_time_budget(cell_timeout: float, exercises, n_cells: int) -> float:
     return min(n_cells, MAX_RESTARTS + 2) * cell_timeout + (MAX_RESTARTS + 1) * 5 * n_cells + cases + 60
 
 
-def _checked_ids(src: str) -> set[str]:
-    """Exercise ids named by ``check("N.k", ...)`` calls in a cell's source."""
-    return {m.group("id") for m in _CHECK_CALL.finditer(src)}
-
-
 def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
-                   time_budget: float | None = None) -> NotebookGrade:
+                   assignment: str | None = None, time_budget: float | None = None) -> NotebookGrade:
     """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
 
-    Each code cell runs once, in order; after it, the exercises whose ``check("N.k", ...)``
-    the cell's source holds are graded (once per such cell, whatever serials the kernel
-    reports). ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
+    ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
+    submission holds (:mod:`labkit.grading.assignments`); None reads it from the submission
+    (metadata, file name, check calls). Each code cell runs once, in order; each exercise is
+    graded once, from its pinned name at its grading point (whatever serials the kernel
+    reports), and zeroed when its code breaks the source policy (:mod:`labkit.grading.policy`).
+    ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
     submission: no cell or case runs past it, and what it leaves no time for is "not reached".
     """
     import time
 
+    from .assignments import answer_name, grading_points, register_code
     from .session import KernelSession, isolation_note, kernel_user
 
     path = Path(path)
     nb = nbformat.read(str(path), as_version=4)
-    names = _notebook_names(nb, path)
+    names = [assignment] if assignment else _notebook_names(nb, path)
     exercises = [ex for name in names for ex in exercises_for_notebook(name)]
     wanted = {ex.id: ex for ex in exercises}
     cells = [(i, c.get("source", "")) for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"]
@@ -233,10 +232,15 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         time_budget = default_time_budget(cell_timeout, exercises, len(cells))
     deadline = time.monotonic() + time_budget
     out_of_time = f"the submission's time budget of {time_budget:g} s ran out"
+    points = grading_points(cells, list(wanted))
+    grades: dict[str, ExerciseGrade] = _policy_grades(exercises, cells, points)
+    due: dict[int, list[str]] = {}
+    for ex_id, k in points.items():
+        if k is not None and ex_id not in grades:
+            due.setdefault(k, []).append(ex_id)
     expected_errors = {i for i, c in enumerate(nb.cells)
                        if "raises-exception" in c.get("metadata", {}).get("tags", [])}
     user = kernel_user()
-    grades: dict[str, ExerciseGrade] = {}
     cell_problems: dict[int, str] = {}
     stop = ""
 
@@ -268,7 +272,6 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         what = "the hidden case file" if f in hidden else "the grader's file"
         print(f"warning: the submission's kernel can read {what} {f}; make it readable by root only "
               f"(chmod o-r, and its folder o-x)", file=sys.stderr)
-    seen: dict[str, int] = {}
     ran: list[int] = []  # positions in ``cells`` that ran without an error (replayed in a fresh kernel)
     try:
         k = 0
@@ -284,15 +287,20 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                     cell_problems[idx] = f"cell {idx + 1} raised {ename}: {_first(evalue)}".rstrip(": ")
                 else:
                     ran.append(k)
-                now = _registered(session)
-                for ex_id in sorted(_checked_ids(src)):  # this cell's own checks, each graded once
-                    serial = now.get(ex_id)
-                    if ex_id in wanted and serial is not None and seen.get(ex_id) != serial:
-                        seen[ex_id] = serial
-                        if deadline - time.monotonic() < 1:
-                            stop = f"{out_of_time} while cell {idx + 1}'s checks were graded"
-                            break
+                for ex_id in due.get(k, ()):  # graded here, from the pinned name, once
+                    if deadline - time.monotonic() < 1:
+                        stop = f"{out_of_time} while cell {idx + 1}'s checks were graded"
+                        break
+                    code = register_code(ex_id, answer_name(ex_id, cells))
+                    st, en, ev = session.execute(code, max(1.0, min(cell_timeout, deadline - time.monotonic()))) if code else ("ok", "", "")
+                    if st == "ok" and (code or ex_id in _registered(session)):
                         grades[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
+                    elif st == "error" and status == "error" and en == "NameError":  # the cell broke
+                        grades[ex_id] = _exercise_grade(wanted[ex_id], None, f"not attempted: check(\"{ex_id}\", "
+                                                                             f"...) did not run: {cell_problems[idx]}")
+                    elif st == "error":
+                        grades[ex_id] = _exercise_grade(wanted[ex_id], None, _undefined(answer_name(ex_id, cells),
+                                                                                        ex_id, en, ev))
                 if stop:
                     break
                 if session.alive():
@@ -320,7 +328,6 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                     break
             if stop:
                 break
-            seen.update(_registered(session))  # replayed checks were graded already
             k += 1
     finally:
         session.kill()
@@ -335,14 +342,49 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
             grade.exercises.append(grades[ex.id])
             continue
         reason = ""
-        for i in _check_cells(cells, ex.id):
-            if i in cell_problems:
-                reason = f"not attempted: check(\"{ex.id}\", ...) did not run: {cell_problems[i]}"
-                break
+        k = points.get(ex.id)
+        if k is None:
+            reason = (f"not attempted: the notebook defines no {answer_name(ex.id, cells) or 'answer'!r} and has "
+                      f"no check(\"{ex.id}\", ...)")
+        elif cells[k][0] in cell_problems:
+            reason = f"not attempted: check(\"{ex.id}\", ...) did not run: {cell_problems[cells[k][0]]}"
         if not reason and stop:
             reason = f"not reached: {stop}"
         grade.exercises.append(_exercise_grade(ex, None, reason))
+    if assignment and exercises and all(points.get(ex.id) is None for ex in exercises):
+        held = _notebook_names(nb, path)
+        grade.stopped = "; ".join(x for x in (grade.stopped, (
+            f"the submission does not hold assignment {assignment}: no cell defines "
+            f"{', '.join(answer_name(ex.id, cells) or ex.id for ex in exercises)}"
+            + (f" (it looks like {', '.join(held)})" if held and held != [assignment] else ""))) if x)
     return grade
+
+
+def _undefined(name: str, ex_id: str, ename: str, evalue: str) -> str:
+    if ename == "NameError":
+        return f"not attempted: {name!r} is not defined where exercise {ex_id} is graded"
+    return f"not attempted: registering {name!r} for exercise {ex_id} raised {ename}: {_first(evalue)}"
+
+
+def _policy_grades(exercises, cells, points) -> dict[str, ExerciseGrade]:
+    """Exercises whose code (the cells up to their grading point) breaks the source policy:
+    failed, with every violation's cell and line; they are not run."""
+    from .assignments import answer_name
+    from .policy import check_cells, describe
+
+    out = {}
+    for ex in exercises:
+        k = points.get(ex.id)
+        upto = cells if k is None else cells[:k + 1]
+        found = check_cells(ex.id, answer_name(ex.id, cells), [(f"cell {i + 1}", src) for i, src in upto])
+        if found:
+            msg = (f"0 points: the code breaks the source policy of exercise {ex.id}: "
+                   + "; ".join(map(str, found[:5])) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+                   + f". Rule: {describe(ex.id)}")
+            out[ex.id] = ExerciseGrade(ex, "failed", msg, [CaseGrade(c.name, c.hidden, "failed",
+                                                                     "not run: the code breaks the source policy")
+                                                           for c in ex.cases])
+    return out
 
 
 def _hidden_files() -> list[Path]:
@@ -353,18 +395,18 @@ def _hidden_files() -> list[Path]:
     return out
 
 
-def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, time_budget: float | None = None
-                ) -> list[NotebookGrade]:
+def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None,
+                time_budget: float | None = None) -> list[NotebookGrade]:
     out = []
     for p in paths:
         try:
-            out.append(grade_notebook(p, cell_timeout, time_budget))
+            out.append(grade_notebook(p, cell_timeout, assignment, time_budget))
         except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
                                                     f"{_first(str(e))}")
             try:
                 nb = nbformat.read(str(p), as_version=4)
-                for name in _notebook_names(nb, Path(p)):
+                for name in [assignment] if assignment else _notebook_names(nb, Path(p)):
                     for ex in exercises_for_notebook(name):
                         g.exercises.append(_exercise_grade(ex, None, f"not reached: {g.stopped}"))
             except Exception:  # noqa: BLE001
@@ -545,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cell-timeout", default=str(DEFAULT_CELL_TIMEOUT), help="seconds per cell (> 0)")
     p.add_argument("--time-budget", default=None,
                    help="seconds one submission may take in all (> 0; default: from --cell-timeout and its cases)")
+    p.add_argument("--assignment", default=None,
+                   help="the notebook whose exercises count, e.g. 02_gpipe (default: read from the submission)")
     a = p.parse_args(argv)
     cell_timeout = _seconds(a.cell_timeout)
     time_budget = None if a.time_budget is None else _seconds(a.time_budget)
@@ -552,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
         f"--cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}")
     if not problem and a.time_budget is not None and time_budget is None:
         problem = f"--time-budget must be a positive number of seconds, got {a.time_budget!r}"
+    if not problem and a.assignment is not None and not exercises_for_notebook(a.assignment):
+        from .registry import all_exercises
+
+        known = ", ".join(sorted({ex.notebook for ex in all_exercises()}))
+        problem = f"--assignment {a.assignment} is not a notebook with exercises; known: {known}"
     problem = problem or _input_problem(a.paths, a.results)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -562,7 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    grades = grade_paths(a.paths, cell_timeout, time_budget)
+    if a.assignment is None:
+        print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
+              "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
+    grades = grade_paths(a.paths, cell_timeout, a.assignment, time_budget)
     print(format_table(grades))
     if a.results:
         obj = results_json(grades)

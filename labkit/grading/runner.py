@@ -306,6 +306,20 @@ def format_line(ex: Exercise, res: CheckResult) -> str:
     return f"{ex.label}: failed case \"{first.name}\": {msg}.{hint}"
 
 
+def _policy(ex: Exercise, answer: Any) -> CheckResult | None:
+    """The grader's source policy (:mod:`labkit.grading.policy`) on the cells this kernel ran:
+    a failed result naming the first violation, or None when the code keeps the rules."""
+    from .policy import check_history, describe
+
+    found = check_history(ex.id, answer)
+    if not found:
+        return None
+    msg = (f"{ex.label}: failed: the grader gives 0 points for this code: {found[0]}"
+           + (f" (and {len(found) - 1} more)" if len(found) > 1 else "") + f". Rule: {describe(ex.id)}.")
+    cases = [CaseResult(c.name, c.hidden, "failed", "not run: the code breaks the source policy") for c in ex.cases]
+    return CheckResult(ex.id, "failed", 0, len(ex.cases), msg, cases)
+
+
 class CheckNotPassed(AssertionError):
     """Raised by ``check`` under ``LABKIT_STRICT=1`` when an exercise is not passed."""
 
@@ -334,7 +348,8 @@ def check(exercise_id: str, answer: Any) -> CheckResult:
         print(res.message, flush=True)
         return res
     ex = get_exercise(exercise_id)
-    res = evaluate(ex.id, answer, stop_at_first_failure=True)
+    broken = _policy(ex, answer)
+    res = broken if broken is not None else evaluate(ex.id, answer, stop_at_first_failure=True)
     print(res.message, flush=True)
     if os.environ.get(STRICT_ENV, "") not in ("", "0") and res.status != "passed":
         raise CheckNotPassed(res.message)

@@ -1,0 +1,522 @@
+"""The source policy: what an exercise's code may not use, checked on the notebook's text.
+
+The learner's kernel is the learner's: anything measured there (a tripwire, a patched module)
+is a claim the learner controls. So the grader also reads the SOURCE of the submission
+(``python -m labkit grade`` parses the notebook file; the interactive ``check`` reads the
+cells its kernel ran, so an honest learner meets the same rule before submitting) and judges it
+against two kinds of rules. A violation gives the exercise 0 points, reported with its cell and
+line (:class:`Violation`).
+
+1. **Everywhere** (every code cell up to the exercise's grading point, see
+   :func:`labkit.grading.assignments.grading_points`): nothing that makes or rewrites code at
+   run time, reaches into the interpreter, or starts processes (:data:`FORBIDDEN_NAMES`,
+   :data:`FORBIDDEN_ATTRS`, :data:`FORBIDDEN_MODULES`: ``exec``, ``eval``, ``compile``,
+   ``__code__``, ``types.FunctionType``, ``importlib.reload``, ``subprocess``, ``ctypes``,
+   ``sys.modules``, ``gc``, ``os.system``/``os.fork``/..., IPython magics and shell escapes);
+   no import from ``labkit.grading`` but ``from labkit.grading import check``; and no
+   assignment to (or ``setattr``/``del`` of) an attribute of a module, or of a class the
+   learner did not define (``torch.distributed.all_reduce = ...``, ``nn.Linear.forward = ...``).
+2. **In the exercise's code**: the answer's definition and everything it reaches through the
+   notebook's top-level names (helpers, aliases, tables built at the top level; the
+   "closure" of the answer) must not use labkit's reference for that exercise
+   (:mod:`labkit.grading.references`), nor, in a point-to-point exercise, a collective
+   (:data:`P2P_ONLY`); nor look attributes up by computed names (``getattr(m, name)``), nor
+   read source text (``inspect.getsource``, except where the exercise is about labkit's
+   source, :data:`ALLOW`).
+
+The check is static and conservative: a name counts as labkit's reference when any import
+in those cells binds it to that labkit function; a top-level statement that assigns, mutates
+or passes a name belongs to that name's definition. Source policy is one layer: the grader's
+files are also unreadable by the kernel's user when grading as root, and every verdict is
+judged on data in the grader (see :mod:`labkit.grading`).
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+from dataclasses import dataclass
+
+__all__ = ["Violation", "check_cells", "check_history", "describe", "FORBIDDEN_NAMES", "FORBIDDEN_ATTRS",
+           "FORBIDDEN_MODULES", "P2P_ONLY", "ALLOW"]
+
+# names refused wherever they appear as a name (builtins and what ``from ... import`` binds)
+FORBIDDEN_NAMES = {
+    "exec": "runs code from a string", "eval": "runs code from a string", "compile": "builds code objects",
+    "__import__": "imports by computed name", "reload": "re-executes a module",
+    "FunctionType": "builds a function from a code object", "CodeType": "builds code objects",
+    "LambdaType": "builds a function from a code object",
+    "globals": "reaches names by computed strings", "vars": "reaches names by computed strings",
+    "get_ipython": "runs magics and shell commands", "__builtins__": "reaches the interpreter's builtins",
+    "breakpoint": "stops in a debugger",
+}
+# attribute names refused on any object
+FORBIDDEN_ATTRS = {
+    "__code__": "copies or swaps a function's code", "__globals__": "reaches a function's module",
+    "__closure__": "reaches a function's cells", "__dict__": "reaches attributes by computed names",
+    "__subclasses__": "reaches classes not imported", "__setattr__": "assigns attributes behind the rules",
+    "__delattr__": "deletes attributes behind the rules", "__getattribute__": "looks attributes up by name",
+    "__reduce__": "rebuilds objects by name", "__reduce_ex__": "rebuilds objects by name",
+    "__loader__": "reaches module loaders", "__spec__": "reaches module loaders",
+    "__builtins__": "reaches the interpreter's builtins", "__import__": "imports by computed name",
+    "FunctionType": "builds a function from a code object", "CodeType": "builds code objects",
+    "LambdaType": "builds a function from a code object", "reload": "re-executes a module",
+    "get_ipython": "runs magics and shell commands",
+    "_getframe": "reaches callers' frames", "f_globals": "reaches a frame's module",
+    "f_locals": "reaches a frame's names", "f_back": "reaches callers' frames",
+    "gi_frame": "reaches a generator's frame", "tb_frame": "reaches a traceback's frame",
+    "settrace": "traces every call", "setprofile": "traces every call", "getmembers": "reaches attributes by name",
+    "attrgetter": "looks attributes up by name", "methodcaller": "looks attributes up by name",
+}
+# attributes refused on one module (``sys.modules``, ``os.system``; also ``from os import system``)
+# (signals and sessions are not here: they produce no answer, and containing processes is the
+# operating system's job, see labkit.grading.session)
+_PROCESS = "starts another program or process, where labkit's reference could run unchecked"
+MODULE_ATTRS = {
+    "sys": {"modules": "reaches every imported module", "settrace": "traces every call",
+            "setprofile": "traces every call", "_getframe": "reaches callers' frames"},
+    "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",
+                                 "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv",
+                                 "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
+                                 "register_at_fork")},
+}
+# modules whose import alone is refused
+FORBIDDEN_MODULES = {
+    "subprocess": "starts processes", "ctypes": "calls C and rewrites memory", "cffi": "calls C",
+    "gc": "reaches every live object", "importlib": "imports and reloads by name", "imp": "imports by name",
+    "runpy": "runs modules by name", "code": "runs code from strings", "codeop": "compiles strings",
+    "marshal": "builds code objects", "pickle": "rebuilds objects by name", "dill": "rebuilds objects by name",
+    "cloudpickle": "rebuilds objects by name", "shelve": "rebuilds objects by name", "copyreg": "rebuilds objects",
+    "multiprocessing": "starts processes", "pty": "starts processes", "builtins": "rewrites the interpreter",
+    "pdb": "a debugger runs code from strings", "threading": "runs code after the cell ends",
+    "_thread": "runs code after the cell ends", "concurrent": "runs code after the cell ends",
+    "asyncio": "runs code after the cell ends",
+}
+# collectives (torch.distributed, labkit.comm, ProcessGroup methods) refused in point-to-point exercises
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
+               "reduce", "gather", "scatter", "all_reduce_coalesced", "allreduce", "allgather", "alltoall",
+               "alltoall_base", "allgather_into_tensor_coalesced", "_allgather_base", "_reduce_scatter_base",
+               "allreduce_coalesced", "reduce_scatter_tensor_coalesced")
+P2P_ONLY = {"0.2": COLLECTIVES}
+_SOURCE = ("getsource", "getsourcelines", "getsourcefile", "getfile")
+# exercises whose point is reading labkit's source: reading it is allowed in their code
+ALLOW = {"12.3": set(_SOURCE)}
+_ALLOWED_GRADING_IMPORTS = {"check"}  # ``from labkit.grading import check``
+_BUILTIN_NAMES = set(dir(builtins))
+
+
+@dataclass
+class Violation:
+    """One broken rule: ``cell`` (a label such as "cell 7" or "In [3]"), ``line`` (1-based,
+    within the cell), ``what`` (the construct) and ``why`` (the rule)."""
+
+    cell: str
+    line: int
+    what: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.cell}, line {self.line}: {self.what} ({self.why})"
+
+
+def _python(src: str) -> ast.Module | None:
+    """The cell as Python: IPython's own transforms (magics, ``!shell``) first, as the kernel does;
+    None when it does not parse (then it raised SyntaxError in the kernel and ran nothing)."""
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        src = TransformerManager().transform_cell(src)
+    except Exception:  # noqa: BLE001 - no IPython here: plain Python
+        pass
+    try:
+        return ast.parse(src)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _root(node: ast.AST) -> ast.AST:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred)):
+        node = node.value
+    return node
+
+
+class _Names:
+    """What the cells' imports bind: ``origins`` {name: ["module.name", ...]} and ``foreign``
+    (names bound to something the learner did not define: imports and their aliases)."""
+
+    def __init__(self, trees):
+        self.origins: dict[str, list[str]] = {}
+        for tree in trees:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    for a in node.names:
+                        bound = a.asname or a.name.split(".")[0]
+                        self.origins.setdefault(bound, []).append(a.name if a.asname else bound)
+                elif isinstance(node, ast.ImportFrom):
+                    for a in node.names:
+                        self.origins.setdefault(a.asname or a.name, []).append(f"{node.module or ''}.{a.name}")
+        self.foreign = set(self.origins)
+        for tree in trees:  # d = torch.distributed; c = type(x): aliases of what is not the learner's
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                    v = node.value
+                    r = _root(v)
+                    alias = (isinstance(v, (ast.Name, ast.Attribute)) and isinstance(r, ast.Name)
+                             and r.id in self.foreign) or (isinstance(v, ast.Call) and isinstance(v.func, ast.Name)
+                                                           and v.func.id == "type")
+                    if alias:
+                        for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                            if isinstance(t, ast.Name):
+                                self.foreign.add(t.id)
+
+    def module_of(self, name: str) -> set[str]:
+        """Top-level modules ``name`` is bound to (``os`` for ``import os`` or ``import os as o``)."""
+        return {o for o in self.origins.get(name, ()) if "." not in o}
+
+
+def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[str]) -> list[tuple[int, str, str]]:
+    """Rule 1 on one cell: (line, what, why) for each construct refused everywhere."""
+    out = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 1)
+        if isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES and node.id not in allow:
+            out.append((line, f"`{node.id}`", FORBIDDEN_NAMES[node.id]))
+        elif isinstance(node, ast.Attribute):
+            if node.attr in FORBIDDEN_ATTRS and node.attr not in allow:
+                out.append((line, f"`.{node.attr}`", FORBIDDEN_ATTRS[node.attr]))
+            elif isinstance(node.value, ast.Name):
+                for mod in names.module_of(node.value.id):
+                    if node.attr in MODULE_ATTRS.get(mod, {}):
+                        out.append((line, f"`{mod}.{node.attr}`", MODULE_ATTRS[mod][node.attr]))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out += _import_problems(node, allow)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                        r = _root(sub)
+                        theirs = isinstance(r, ast.Call) or isinstance(r, ast.Name) and r.id not in classes and (
+                            r.id in names.foreign or r.id in _BUILTIN_NAMES)
+                        if theirs:
+                            out.append((line, f"assigning `{ast.unparse(sub)}`", "changes a module or a class you "
+                                        "did not define; define your own function or class instead"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            r = _root(node.args[0]) if node.args else None
+            if not isinstance(r, ast.Name) or r.id not in classes and (r.id in names.foreign or r.id in _BUILTIN_NAMES):
+                what = ast.unparse(node.args[0]) if node.args else "?"
+                out.append((line, f"`{node.func.id}({what}, ...)`", "changes a module or a class you did not define"))
+    return out
+
+
+def _import_problems(node, allow: set[str]) -> list[tuple[int, str, str]]:
+    out, line = [], node.lineno
+    if isinstance(node, ast.Import):
+        mods = [a.name for a in node.names]
+    else:
+        mods = [node.module or ""]
+    for full in mods:
+        top = full.split(".")[0]
+        if top in FORBIDDEN_MODULES:
+            out.append((line, f"import of `{full}`", FORBIDDEN_MODULES[top]))
+        if full == "labkit.grading" or full.startswith("labkit.grading."):
+            ok = isinstance(node, ast.ImportFrom) and full == "labkit.grading" and all(
+                a.name in _ALLOWED_GRADING_IMPORTS for a in node.names)
+            if not ok:
+                out.append((line, f"import from `{full}`", "the grader's code is not the course's labkit; only "
+                            "`from labkit.grading import check` is allowed"))
+    if isinstance(node, ast.ImportFrom):
+        top = (node.module or "").split(".")[0]
+        for a in node.names:
+            if a.name == "*":
+                out.append((line, f"`from {node.module} import *`", "binds names the grader cannot see; import "
+                            "the names you use"))
+            elif a.name in FORBIDDEN_NAMES and a.name not in allow:
+                out.append((line, f"import of `{a.name}`", FORBIDDEN_NAMES[a.name]))
+            elif a.name in FORBIDDEN_ATTRS and a.name not in allow:
+                out.append((line, f"import of `{a.name}`", FORBIDDEN_ATTRS[a.name]))
+            elif a.name in MODULE_ATTRS.get(top, {}):
+                out.append((line, f"import of `{top}.{a.name}`", MODULE_ATTRS[top][a.name]))
+    return out
+
+
+def _bound_inside(fn) -> set[str]:
+    """Names local to a function (or lambda) and the functions, classes and comprehensions in it."""
+    out = set()
+    for sub in ast.walk(fn):
+        if isinstance(sub, ast.arg):
+            out.add(sub.arg)
+        elif isinstance(sub, ast.Name) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+            out.add(sub.id)
+        elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and sub is not fn:
+            out.add(sub.name)
+        elif isinstance(sub, (ast.Import, ast.ImportFrom)) and sub is not fn:
+            pass  # a local import still binds labkit's name: judged as global
+        elif isinstance(sub, ast.Global):
+            out -= set(sub.names)
+    for sub in ast.walk(fn):
+        if isinstance(sub, ast.Global):
+            out -= set(sub.names)
+    return out
+
+
+def _free(stmt: ast.stmt) -> list[ast.Name]:
+    """The Name nodes of ``stmt`` that read a top-level (or imported) name."""
+    local = _bound_inside(stmt) if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else set()
+    return [n for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in local]
+
+
+def _attrs(stmt: ast.stmt) -> list[tuple[int, str]]:
+    """(line, attribute name) for each attribute the statement names; ``getattr(x, "name")`` counts."""
+    out = []
+    for sub in ast.walk(stmt):
+        if isinstance(sub, ast.Attribute):
+            out.append((sub.lineno, sub.attr))
+        elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id in ("getattr", "hasattr") \
+                and len(sub.args) >= 2 and isinstance(sub.args[1], ast.Constant) and isinstance(sub.args[1].value, str):
+            out.append((sub.lineno, sub.args[1].value))
+    return out
+
+
+def _constant(node) -> bool:
+    """A literal that no call can mutate (number, string, tuple of such)."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.UnaryOp):
+        return _constant(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _constant(node.left) and _constant(node.right)
+    return isinstance(node, ast.Tuple) and all(_constant(e) for e in node.elts)
+
+
+def _fixed(stmts, names: "_Names") -> set[str]:
+    """Names no call can change: imported ones and those only ever bound to literals."""
+    literal: dict[str, bool] = {}
+    for _, stmt in stmts:
+        for sub in ast.walk(stmt):
+            if isinstance(sub, ast.Assign):
+                for t in sub.targets:
+                    if isinstance(t, ast.Name):
+                        literal[t.id] = literal.get(t.id, True) and _constant(sub.value)
+            elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                literal.setdefault(sub.id, False)
+    for _, stmt in stmts:  # a name also bound another way (for, with, augmented) is not fixed
+        for sub in ast.walk(stmt):
+            if isinstance(sub, (ast.AugAssign, ast.For, ast.With, ast.AnnAssign, ast.NamedExpr)):
+                for t in ast.walk(sub.target if not isinstance(sub, ast.With) else sub):
+                    if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store):
+                        literal[t.id] = False
+    return {n for n, ok in literal.items() if ok} | (set(names.origins) - set(literal))
+
+
+def _defines(stmt: ast.stmt, fixed: set[str]) -> set[str]:
+    """Top-level names this statement binds, mutates or hands to a call (a conservative reading:
+    ``x.update(...)`` and ``fill(x)`` may change ``x``, unless ``x`` is in ``fixed``)."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {stmt.name}
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        return {a.asname or a.name.split(".")[0] for a in stmt.names}
+    out = set()
+    for sub in ast.walk(stmt):
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+            out.add(sub.id)
+        elif isinstance(sub, (ast.Attribute, ast.Subscript)) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+            r = _root(sub)
+            if isinstance(r, ast.Name):
+                out.add(r.id)
+        elif isinstance(sub, ast.Call):
+            changed = []
+            if isinstance(sub.func, ast.Attribute):
+                changed.append(_root(sub.func.value))  # x.update(...), x[k].append(...)
+            if not (isinstance(sub.func, ast.Name) and sub.func.id == "check"):
+                changed += [_root(a) for a in list(sub.args) + [k.value for k in sub.keywords]]  # fill(table)
+            out |= {r.id for r in changed if isinstance(r, ast.Name) and r.id not in fixed}
+    return out
+
+
+def _reference_names(exercise_id: str) -> dict[str, str]:
+    """{name: "module:qualname"} of labkit's references for the exercise (first part of each qualname)."""
+    try:
+        from .registry import get_exercise
+
+        labels = get_exercise(exercise_id).reference_names()
+    except Exception:  # noqa: BLE001 - an exercise this process does not know: the table alone
+        from .references import references_for
+
+        labels = references_for(exercise_id)
+    out = {}
+    for label in labels:
+        qual = str(label).partition(":")[2] or str(label)
+        out[qual.split(".")[0]] = str(label)
+    return out
+
+
+def _ref_why(label: str) -> str:
+    mod, _, qual = str(label).partition(":")
+    return f"labkit's own {qual or mod} ({mod}) is the reference this exercise asks you to write"
+
+
+_P2P_WHY = "a collective; this exercise builds it from send/recv"
+
+
+def _rebinds(stmt: ast.stmt, name: str) -> bool:
+    """Whether ``stmt`` gives ``name`` a new value outright (def, class, import, ``name = ...``)."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return stmt.name == name
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        return True
+    return isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets)
+
+
+def _import_origin(stmt: ast.stmt, name: str) -> str:
+    """"module.name" that an import statement binds to ``name`` ("" for other statements)."""
+    if isinstance(stmt, ast.ImportFrom):
+        return next((f"{stmt.module or ''}.{a.name}" for a in stmt.names if (a.asname or a.name) == name), "")
+    if isinstance(stmt, ast.Import):
+        return next((a.name if a.asname else name for a in stmt.names if (a.asname or a.name.split(".")[0]) == name),
+                    "")
+    return ""
+
+
+def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tuple[str, int, str, str]]:
+    """Rule 2: (cell, line, what, why) for each forbidden use in the answer's closure.
+
+    Flow-aware: a name read at top-level position p has the value of its last outright binding
+    before p plus every change made to it after that binding; a function body may run at any
+    later time, so its names are read both where it was reached and at the end."""
+    refs = _reference_names(exercise_id)
+    collectives = set(P2P_ONLY.get(exercise_id, ()))
+    allow = ALLOW.get(exercise_id, set())
+    fixed = _fixed(stmts, names)
+    by_name: dict[str, list] = {}
+    for pos, (cell, stmt) in enumerate(stmts):
+        for n in _defines(stmt, fixed):
+            by_name.setdefault(n, []).append(pos)
+    end = len(stmts)
+
+    def value_at(name: str, p: int) -> list[int]:
+        out = []
+        for pos in reversed([q for q in by_name.get(name, ()) if q < p]):
+            out.append(pos)
+            if _rebinds(stmts[pos][1], name):
+                break
+        return out
+
+    out: list[tuple[str, int, str, str]] = []
+    todo: list[tuple[str, int]] = [(answer, end)]
+    roots = []
+    for pos, (cell, stmt) in enumerate(stmts):  # check("N.k", <expression>): its expression counts too
+        for sub in ast.walk(stmt):
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id == "check" \
+                    and sub.args and isinstance(sub.args[0], ast.Constant) and sub.args[0].value == exercise_id:
+                roots.append((pos, cell, ast.Expr(ast.Tuple(sub.args[1:], ast.Load()), lineno=sub.lineno,
+                                                  col_offset=0)))
+    seen: set = set()
+    visits = [(pos, cell, node, pos) for pos, cell, node in roots[-1:]]  # the last check counts  # (pos, cell, statement, context position)
+    while todo or visits:
+        while todo:
+            name, p = todo.pop()
+            if (name, p) in seen:
+                continue
+            seen.add((name, p))
+            for pos in value_at(name, p):
+                visits.append((pos, stmts[pos][0], stmts[pos][1], p))
+        if not visits:
+            break
+        pos, cell, stmt, ctx = visits.pop()
+        if ("stmt", id(stmt), ctx) in seen:
+            continue
+        seen.add(("stmt", id(stmt), ctx))
+        is_def = isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            continue  # judged where the name it binds is read
+        free = _free(stmt)
+        for n in free:
+            at = [ctx, end] if is_def else [pos]
+            for q in at:
+                todo.append((n.id, q))
+                for b in value_at(n.id, q):
+                    origin = _import_origin(stmts[b][1], n.id)
+                    last = origin.rsplit(".", 1)[-1]
+                    if origin.startswith("labkit.") and last in refs:
+                        out.append((cell, n.lineno, f"`{n.id}`", _ref_why(refs[last])))
+                    elif origin and last in collectives:
+                        out.append((cell, n.lineno, f"`{n.id}`", _P2P_WHY))
+                    elif origin and last in _SOURCE and last not in allow:
+                        out.append((cell, n.lineno, f"`{n.id}`", "reads source text; write the computation yourself"))
+        for line, attr in _attrs(stmt):
+            if attr in refs:
+                out.append((cell, line, f"`.{attr}`", _ref_why(refs[attr])))
+            elif attr in collectives:
+                out.append((cell, line, f"`.{attr}`", _P2P_WHY))
+            elif attr in _SOURCE and attr not in allow:
+                out.append((cell, line, f"`.{attr}`", "reads source text; write the computation yourself"))
+        for sub in ast.walk(stmt):
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) \
+                    and sub.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(sub.args) >= 2 \
+                    and not (isinstance(sub.args[1], ast.Constant) and isinstance(sub.args[1].value, str)):
+                out.append((cell, sub.lineno, f"`{sub.func.id}` with a computed name",
+                            "the grader cannot see which attribute it reaches; name the attribute"))
+    return out
+
+
+def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
+    """Violations of exercise ``exercise_id``'s rules in ``cells``: ``[(label, source), ...]``,
+    the code cells up to (and including) the one where the exercise is graded, in order.
+
+    ``answer`` is the name of the learner's function or class (e.g. "bubble_fraction"). Returns
+    [] when the code keeps the rules (see the module docstring); each :class:`Violation` names the
+    cell, line, construct and rule, in cell order. A cell that does not parse is skipped (it
+    raised SyntaxError in the kernel and ran nothing).
+    """
+    ex = str(exercise_id)
+    allow = ALLOW.get(ex, set())
+    parsed = [(label, t) for label, src in cells if (t := _python(str(src))) is not None]
+    names = _Names([t for _, t in parsed])
+    classes = {n.name for _, t in parsed for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    found: list[Violation] = []
+    for label, tree in parsed:
+        found += [Violation(label, line, what, why) for line, what, why in _everywhere(tree, names, classes, allow)]
+    stmts = [(label, s) for label, t in parsed for s in t.body]
+    found += [Violation(c, line, what, why) for c, line, what, why in _in_answer(ex, answer, stmts, names)]
+    order = {label: i for i, (label, _) in enumerate(parsed)}
+    unique, keys = [], set()
+    for v in sorted(found, key=lambda v: (order.get(v.cell, 0), v.line)):
+        if (v.cell, v.line, v.what) not in keys:
+            keys.add((v.cell, v.line, v.what))
+            unique.append(v)
+    return unique
+
+
+def describe(exercise_id: str) -> str:
+    """The rule of exercise ``exercise_id`` in one sentence (shown with a violation)."""
+    refs = sorted(n for n in _reference_names(str(exercise_id)) if not n.startswith("_"))
+    extra = []
+    if refs:
+        extra.append("labkit's own " + ", ".join(refs))
+    if str(exercise_id) in P2P_ONLY:
+        extra.append("collectives (send/recv only)")
+    own = f" must not use {' or '.join(extra)};" if extra else ""
+    return (f"the code of exercise {exercise_id}{own} no cell may run code from strings or copies of code "
+            f"(exec, eval, compile, __code__, FunctionType, reload), reach the interpreter (sys.modules, gc, "
+            f"ctypes), start processes (subprocess, os.system, os.fork), import labkit.grading (except check) "
+            f"or assign attributes of modules or classes it did not define")
+
+
+def check_history(exercise_id: str, answer) -> list[Violation]:
+    """:func:`check_cells` on the cells this IPython kernel has run so far (labelled "In [n]");
+    [] outside IPython. The answer's name is the exercise's pinned name
+    (:data:`labkit.grading.assignments.ANSWERS`), else ``answer.__name__``."""
+    try:
+        from IPython import get_ipython as _ip
+    except ImportError:
+        return []
+    shell = _ip()
+    if shell is None:
+        return []
+    from .assignments import ANSWERS
+
+    name = ANSWERS.get(str(exercise_id)) or getattr(answer, "__name__", "")
+    raw = list(getattr(shell.history_manager, "input_hist_raw", []))
+    cells = [(f"In [{i}]", src) for i, src in enumerate(raw) if i and src]
+    return check_cells(str(exercise_id), name, cells)

@@ -1,0 +1,258 @@
+"""The source policy (labkit.grading.policy) and the pinned assignment (labkit.grading.assignments).
+
+Static tests first (each attack of issue 16 is refused with its cell and line; honest code
+and every solution notebook keep the rules), then the grader end to end on notebook 01:
+the assignment pinned by ``--assignment``, check cells deleted, another notebook uploaded,
+two notebooks in one file.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.grading.assignments import ANSWERS, grading_points
+from labkit.grading.policy import check_cells
+from labkit.grading.registry import all_exercises, exercises_for_notebook
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _v(ex, answer, *cells):
+    return check_cells(ex, answer, [(f"cell {i + 1}", src) for i, src in enumerate(cells)])
+
+
+ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
+    "grader's expected-value code": ("8.6", "axis_bytes", [
+        "from labkit.grading.exercises.nb08_3d_parallelism import _axis\naxis_bytes = _axis"],
+        "import from `labkit.grading.exercises.nb08_3d_parallelism`"),
+    "FunctionType copy of the reference": ("2.1", "gpipe_actions", [
+        "import types\nfrom labkit.pipeline import schedules",
+        "gpipe_actions = types.FunctionType(schedules.gpipe_schedule.__code__, {})"], "`.FunctionType`"),
+    "__code__ restored inside the call": ("2.1", "gpipe_actions", [
+        "def gpipe_actions(K, M):\n    f.__code__ = saved\n    return f(K, M)"], "`.__code__`"),
+    "importlib.reload": ("2.1", "gpipe_actions", [
+        "import importlib, labkit.pipeline.schedules as s\nimportlib.reload(s)"], "import of `importlib`"),
+    "exec(inspect.getsource(...))": ("1.1", "bubble_fraction", [
+        "import inspect\nfrom labkit.pipeline import simulate\nexec(inspect.getsource(simulate.bubble_fraction))"],
+        "`exec`"),
+    "the reference in a subprocess": ("1.1", "bubble_fraction", [
+        "import subprocess\ndef bubble_fraction(K, M):\n    return float(subprocess.check_output(['python', '-c', "
+        "'...']))"], "import of `subprocess`"),
+    "os.system": ("1.1", "bubble_fraction", ["import os as o\no.system('true')"], "`os.system`"),
+    "from os import fork": ("1.1", "bubble_fraction", ["from os import fork"], "import of `os.fork`"),
+    "sys.modules": ("1.1", "bubble_fraction", ["import sys\nm = sys.modules['labkit.pipeline.simulate']"],
+                    "`sys.modules`"),
+    "gc": ("1.1", "bubble_fraction", ["import gc"], "import of `gc`"),
+    "ctypes": ("1.1", "bubble_fraction", ["import ctypes"], "import of `ctypes`"),
+    "eval of a string": ("1.1", "bubble_fraction", ["def bubble_fraction(K, M):\n    return eval('(K-1)/(M+K-1)')"],
+                         "`eval`"),
+    "shell escape": ("1.1", "bubble_fraction", ["!python -c 'print(1)'"], "`get_ipython`"),
+    "cell magic": ("1.1", "bubble_fraction", ["%%bash\necho hi"], "`get_ipython`"),
+    "collective through the process-group object": ("0.2", "ring_all_reduce", [
+        "def ring_all_reduce(ctx, x):\n    ctx.group.allreduce([x]).wait()\n    return x"], "`.allreduce`"),
+    "collective through an alias bound before the case": ("0.2", "ring_all_reduce", [
+        "import torch.distributed as dist\nar = dist.all_reduce",
+        "def ring_all_reduce(ctx, x):\n    ar(x, group=ctx.group)\n    return x"], "`.all_reduce`"),
+    "collective imported by name": ("0.2", "ring_all_reduce", [
+        "from torch.distributed import all_reduce as go",
+        "def ring_all_reduce(ctx, x):\n    go(x)\n    return x"], "`go`"),
+    "the reference under another name": ("8.6", "axis_bytes", [
+        "from labkit.plan.comm import comm_per_rank as c\ndef axis_bytes(*a):\n    return c(*a)"], "`c`"),
+    "the reference through a module attribute": ("1.1", "bubble_fraction", [
+        "import labkit.pipeline.simulate as S",
+        "def bubble_fraction(K, M):\n    return S.bubble_fraction(K, M)"], "`.bubble_fraction`"),
+    "a table of the reference's values built at the top level": ("8.6", "axis_bytes", [
+        "from labkit.plan.comm import comm_per_rank",
+        "T = {k: comm_per_rank(*k) for k in [(1, 2), (3, 4)]}",
+        "def axis_bytes(*a):\n    return T[a]"], "`comm_per_rank`"),
+    "a table filled by a helper": ("8.6", "axis_bytes", [
+        "from labkit.plan.comm import comm_per_rank\ncache = {}",
+        "def fill(c):\n    c[1] = comm_per_rank(1)",
+        "fill(cache)",
+        "def axis_bytes(*a):\n    return cache[a]"], "`comm_per_rank`"),
+    "a table built while a helper still meant the reference": ("8.6", "axis_bytes", [
+        "from labkit.plan.comm import comm_per_rank as h",
+        "def helper(k):\n    return h(k)",
+        "T = {k: helper(k) for k in range(3)}",
+        "def h(k):\n    return 0",
+        "def axis_bytes(k):\n    return T[k]"], "`h`"),
+    "a table filled in several steps": ("8.6", "axis_bytes", [
+        "from labkit.plan.comm import comm_per_rank\ncache = {}",
+        "cache.update({k: comm_per_rank(k) for k in range(3)})",
+        "cache[99] = 0",
+        "def axis_bytes(k):\n    return cache[k]"], "`comm_per_rank`"),
+    "getattr with a computed name": ("1.1", "bubble_fraction", [
+        "import labkit.pipeline.simulate as S\nname = 'bubble_' + 'fraction'",
+        "def bubble_fraction(K, M):\n    return getattr(S, name)(K, M)"], "`getattr` with a computed name"),
+    "the reference in check's expression": ("1.1", "bubble_fraction", [
+        "from labkit.pipeline.simulate import bubble_formula",
+        "check('1.1', lambda K, M: bubble_formula(K, M))"], "`bubble_formula`"),
+    "patching torch.distributed": ("0.2", "ring_all_reduce", [
+        "import torch.distributed as dist\ndist.all_reduce = lambda *a, **k: None"], "assigning `dist.all_reduce`"),
+    "patching through an alias": ("0.2", "ring_all_reduce", [
+        "import torch\nd = torch.distributed\nd.send = print"], "assigning `d.send`"),
+    "patching a labkit class": ("6.4", "row_parallel_linear", [
+        "from labkit.tensor_parallel.layers import ColumnParallelLinear\nColumnParallelLinear.forward = None"],
+        "assigning `ColumnParallelLinear.forward`"),
+    "setattr on a module": ("1.1", "bubble_fraction", [
+        "import labkit.pipeline.simulate as S\nsetattr(S, 'bubble_fraction', None)"], "`setattr(S, ...)`"),
+    "patching the class of an object": ("1.1", "bubble_fraction", ["x = 1\ntype(x).real = 2"], "assigning"),
+    "patching builtins": ("1.1", "bubble_fraction", ["print.x = 1"], "assigning `print.x`"),
+    "star import from labkit": ("1.1", "bubble_fraction", ["from labkit.pipeline.simulate import *"],
+                                "`from labkit.pipeline.simulate import *`"),
+    "labkit.grading.runner": ("1.1", "bubble_fraction", ["import labkit.grading.runner as R\nR.evaluate = None"],
+                              "import from `labkit.grading.runner`"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_each_attack_is_refused_with_its_cell_and_line(name):
+    ex, answer, cells, what = ATTACKS[name]
+    found = _v(ex, answer, *cells)
+    assert found, f"{name}: no violation found"
+    assert any(what in str(v) for v in found), [str(v) for v in found]
+    v = next(v for v in found if what in str(v))
+    assert v.cell.startswith("cell ") and v.line >= 1 and v.why
+
+
+HONEST = [
+    ("1.1", "bubble_fraction", ["from labkit.grading import check\nimport math, os, sys, inspect",
+                                "def bubble_fraction(K, M):\n    if K < 1 or M < 1:\n        raise ValueError(K)\n"
+                                "    return (K - 1) / (M + K - 1)",
+                                "check('1.1', bubble_fraction)"]),
+    # attributes of the learner's own objects, of instances, and of autograd's ctx are theirs
+    ("5.3", "MyCheckpoint", ["import torch\nfrom torch import nn",
+                             "class MyCheckpoint(torch.autograd.Function):\n    @staticmethod\n"
+                             "    def forward(ctx, run, x):\n        ctx.run = run\n        return run(x)",
+                             "MyCheckpoint.note = 'mine'\nm = nn.Linear(2, 2)\nm.weight.grad = None\n"
+                             "for sub in m.modules():\n    pass\nsetattr(m, 'tag', 1)"]),
+    # labkit's reference imported for a comparison AFTER the answer is written, and used outside it
+    ("8.6", "axis_bytes", ["from labkit.plan.comm import comm_per_rank\nWIDTH = 4",
+                           "def axis_bytes(t, p, d):\n    return t * WIDTH",
+                           "print(comm_per_rank(1), axis_bytes(1, 2, 3), WIDTH)"]),
+    # labkit's function of the same name imported earlier, then replaced by the learner's own
+    ("1.1", "bubble_fraction", ["from labkit.pipeline import bubble_fraction\nprint(bubble_fraction(4, 8))",
+                                "def bubble_fraction(K, M):\n    return (K - 1) / (M + K - 1)",
+                                "check('1.1', bubble_fraction)"]),
+    # send/recv in the point-to-point exercise
+    ("0.2", "ring_all_reduce", ["import torch.distributed as dist",
+                                "def ring_all_reduce(ctx, x):\n    dist.send(x, 1)\n    dist.recv(x, 0)\n    return x"]),
+    # reading labkit's source is the point of 12.3
+    ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
+                            "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
+]
+
+
+@pytest.mark.parametrize("i", range(len(HONEST)))
+def test_honest_code_keeps_the_rules(i):
+    ex, answer, cells = HONEST[i]
+    assert _v(ex, answer, *cells) == []
+
+
+def test_reading_source_is_refused_in_other_exercises():
+    found = _v("12.4", "deepseek_v3_gate", "import inspect\nfrom labkit.moe.router import route",
+               "def deepseek_v3_gate():\n    return inspect.getsource(route)")
+    assert any("getsource" in str(v) for v in found)
+
+
+def test_every_solution_keeps_the_rules_and_names_its_answer():
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        nb = nbformat.read(str(path), as_version=4)
+        cells = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+        ids = [ex.id for ex in exercises_for_notebook(path.stem)]
+        points = grading_points(cells, ids)
+        for ex_id in ids:
+            k = points[ex_id]
+            assert k is not None, (path.name, ex_id)
+            assert f"check(\"{ex_id}\", {ANSWERS[ex_id]})" in cells[k][1], (path.name, ex_id, ANSWERS[ex_id])
+            found = check_cells(ex_id, ANSWERS[ex_id], [(f"cell {i + 1}", s) for i, s in cells[:k + 1]])
+            assert found == [], (path.name, ex_id, [str(v) for v in found])
+    shipped = {ex.id for ex in all_exercises() if ex.notebook in {p.stem for p in (ROOT / "solutions").glob("*.ipynb")}}
+    assert set(ANSWERS) == shipped  # other tests register their own exercises (T.1, H.1) in this process
+
+
+# ----------------------------------------------------------------------------- the grader end to end
+
+
+def _grade(tmp_path, cells, assignment, name="submission.ipynb", metadata=None):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    if metadata:
+        nb.metadata["labkit"] = {"notebook": metadata}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in cells]
+    path = tmp_path / name
+    nbformat.write(nb, str(path))
+    results = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "labkit", "grade", str(path), "--results", str(results), "--cell-timeout", "60"]
+    if assignment:
+        cmd += ["--assignment", assignment]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(results.read_text())
+
+
+def _solution_cells(stem: str) -> list[str]:
+    nb = nbformat.read(str(ROOT / "solutions" / f"{stem}.ipynb"), as_version=4)
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def test_assignment_is_pinned_whatever_the_submission_holds(tmp_path):
+    sol01 = _solution_cells("01_pipeline_bubble")
+    # solved 01 with its check() cells deleted: still graded from the functions it defines, 4 of 4
+    no_checks = [s for s in sol01 if "check(" not in s or "def " in s]
+    no_checks = [s.replace('check("1.1", bubble_fraction)', "").replace('check("1.2", smallest_microbatches)', "")
+                 for s in no_checks]
+    assert not any('check("1.' in s for s in no_checks)
+    proc, obj = _grade(tmp_path, no_checks, "01_pipeline_bubble")
+    assert obj["score"] == 4, obj["output"]
+    # solved 01 uploaded as 02 (metadata and file name say 02): 02's exercises, none defined
+    proc, obj = _grade(tmp_path, sol01, "02_gpipe", name="02_gpipe.ipynb", metadata="02_gpipe")
+    assert obj["score"] == 0
+    assert {t["name"].split(" (")[0] for t in obj["tests"] if t["max_score"]} == {"Exercise 2.1", "Exercise 2.2",
+                                                                                   "Exercise 2.3"}
+    assert "does not hold assignment 02_gpipe" in obj["output"], obj["output"]
+    # 01 graded without the pin but with forged metadata: the submission chose; with the pin it cannot
+    proc, obj = _grade(tmp_path, sol01, "01_pipeline_bubble", metadata="02_gpipe")
+    assert obj["score"] == 4
+
+
+def test_grade_refuses_an_unknown_assignment(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nbformat.write(nb, str(tmp_path / "s.ipynb"))
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "s.ipynb"), "--assignment",
+                           "99_nothing"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --assignment 99_nothing") and "01_pipeline_bubble" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_interactive_check_shows_the_same_rule(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    shell = InteractiveShell.instance(config=config)
+    try:
+        for src in ["from labkit.grading import check\nfrom labkit.pipeline.simulate import bubble_formula",
+                    "def bubble_fraction(K, M):\n    if K < 1 or M < 1:\n        raise ValueError(K)\n"
+                    "    return bubble_formula(K, M)",
+                    "r = check('1.1', bubble_fraction)"]:
+            shell.run_cell(src, store_history=True)
+        out = capsys.readouterr().out
+        assert "failed: the grader gives 0 points for this code: In [2], line 4: `bubble_formula`" in out, out
+        assert shell.user_ns["r"].status == "failed"
+        for src in ["def bubble_fraction(K, M):\n    if K < 1 or M < 1:\n        raise ValueError(K)\n"
+                    "    return (K - 1) / (M + K - 1)",
+                    "r = check('1.1', bubble_fraction)"]:
+            shell.run_cell(src, store_history=True)
+        # the import of the reference alone is no violation; the cells that used it were replaced
+        out = capsys.readouterr().out
+        assert "passed" in out and shell.user_ns["r"].status == "passed", out
+    finally:
+        InteractiveShell.clear_instance()
