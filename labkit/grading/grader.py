@@ -211,13 +211,14 @@ def _checked_ids(src: str) -> set[str]:
 
 
 def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
-                   time_budget: float | None = None) -> NotebookGrade:
+                   time_budget: float | None = None, limits=None) -> NotebookGrade:
     """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
 
     Each code cell runs once, in order; after it, the exercises whose ``check("N.k", ...)``
     the cell's source holds are graded (once per such cell, whatever serials the kernel
     reports). ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
     submission: no cell or case runs past it, and what it leaves no time for is "not reached".
+    ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel (root only).
     """
     import time
 
@@ -235,7 +236,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     out_of_time = f"the submission's time budget of {time_budget:g} s ran out"
     expected_errors = {i for i, c in enumerate(nb.cells)
                        if "raises-exception" in c.get("metadata", {}).get("tags", [])}
-    user = kernel_user()
+    user = kernel_user(limits)
     grades: dict[str, ExerciseGrade] = {}
     cell_problems: dict[int, str] = {}
     stop = ""
@@ -353,12 +354,12 @@ def _hidden_files() -> list[Path]:
     return out
 
 
-def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, time_budget: float | None = None
-                ) -> list[NotebookGrade]:
+def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, time_budget: float | None = None,
+                limits=None) -> list[NotebookGrade]:
     out = []
     for p in paths:
         try:
-            out.append(grade_notebook(p, cell_timeout, time_budget))
+            out.append(grade_notebook(p, cell_timeout, time_budget, limits))
         except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
                                                     f"{_first(str(e))}")
@@ -535,13 +536,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cell-timeout", default=str(DEFAULT_CELL_TIMEOUT), help="seconds per cell (> 0)")
     p.add_argument("--time-budget", default=None,
                    help="seconds one submission may take in all (> 0; default: from --cell-timeout and its cases)")
+    from .contain import Limits
+
+    d = Limits()
+    p.add_argument("--max-processes", type=int, default=d.processes,
+                   help=f"processes and threads of one submission (root only; default {d.processes})")
+    p.add_argument("--max-file-size", type=int, default=d.file_size // 2 ** 20,
+                   help=f"MiB of one file the submission writes (root only; default {d.file_size // 2 ** 20})")
+    p.add_argument("--max-memory", type=int, default=d.address_space // 2 ** 20,
+                   help=f"MiB of address space per process, and of memory in all under cgroup v2 (root only; "
+                        f"default {d.address_space // 2 ** 20})")
+    p.add_argument("--tmp-size", type=int, default=d.tmp_size // 2 ** 20,
+                   help=f"MiB of each private /tmp, /var/tmp, /dev/shm (root only; default {d.tmp_size // 2 ** 20})")
     a = p.parse_args(argv)
+    limits = Limits(processes=a.max_processes, file_size=a.max_file_size * 2 ** 20,
+                    address_space=a.max_memory * 2 ** 20, memory=a.max_memory * 2 ** 20, tmp_size=a.tmp_size * 2 ** 20)
     cell_timeout = _seconds(a.cell_timeout)
     time_budget = None if a.time_budget is None else _seconds(a.time_budget)
     problem = "" if cell_timeout is not None else (
         f"--cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}")
     if not problem and a.time_budget is not None and time_budget is None:
         problem = f"--time-budget must be a positive number of seconds, got {a.time_budget!r}"
+    for opt, value, low, unit in (("--max-processes", a.max_processes, 16, ""), ("--max-file-size", a.max_file_size, 1,
+                                   " MiB"), ("--max-memory", a.max_memory, 1024, " MiB"), ("--tmp-size", a.tmp_size, 1,
+                                                                                          " MiB")):
+        if not problem and value < low:
+            problem = f"{opt} must be at least {low}{unit}, got {value}"
     problem = problem or _input_problem(a.paths, a.results)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -552,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    grades = grade_paths(a.paths, cell_timeout, time_budget)
+    grades = grade_paths(a.paths, cell_timeout, time_budget, limits)
     print(format_table(grades))
     if a.results:
         obj = results_json(grades)
