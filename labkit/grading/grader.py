@@ -206,7 +206,8 @@ def default_time_budget(cell_timeout: float, exercises, n_cells: int) -> float:
 
 
 def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
-                   assignment: str | None = None, time_budget: float | None = None) -> NotebookGrade:
+                   assignment: str | None = None, time_budget: float | None = None,
+                   limits=None) -> NotebookGrade:
     """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
 
     ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
@@ -216,6 +217,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     reports), and zeroed when its code breaks the source policy (:mod:`labkit.grading.policy`).
     ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
     submission: no cell or case runs past it, and what it leaves no time for is "not reached".
+    ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel (root only).
     """
     import time
 
@@ -240,7 +242,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
             due.setdefault(k, []).append(ex_id)
     expected_errors = {i for i, c in enumerate(nb.cells)
                        if "raises-exception" in c.get("metadata", {}).get("tags", [])}
-    user = kernel_user()
+    user = kernel_user(limits)
     cell_problems: dict[int, str] = {}
     stop = ""
 
@@ -396,11 +398,12 @@ def _hidden_files() -> list[Path]:
 
 
 def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None,
-                time_budget: float | None = None) -> list[NotebookGrade]:
+                time_budget: float | None = None, limits=None) -> list[NotebookGrade]:
     out = []
     for p in paths:
         try:
-            out.append(grade_notebook(p, cell_timeout, assignment, time_budget))
+            out.append(grade_notebook(p, cell_timeout, assignment=assignment, time_budget=time_budget,
+                                      limits=limits))
         except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
                                                     f"{_first(str(e))}")
@@ -589,7 +592,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds one submission may take in all (> 0; default: from --cell-timeout and its cases)")
     p.add_argument("--assignment", default=None,
                    help="the notebook whose exercises count, e.g. 02_gpipe (default: read from the submission)")
+    from .contain import Limits
+
+    d = Limits()
+    p.add_argument("--max-processes", type=int, default=d.processes,
+                   help=f"processes and threads of one submission (root only; default {d.processes})")
+    p.add_argument("--max-file-size", type=int, default=d.file_size // 2 ** 20,
+                   help=f"MiB of one file the submission writes (root only; default {d.file_size // 2 ** 20})")
+    p.add_argument("--max-memory", type=int, default=d.address_space // 2 ** 20,
+                   help=f"MiB of address space per process, and of memory in all under cgroup v2 (root only; "
+                        f"default {d.address_space // 2 ** 20})")
+    p.add_argument("--tmp-size", type=int, default=d.tmp_size // 2 ** 20,
+                   help=f"MiB of each private /tmp, /var/tmp, /dev/shm (root only; default {d.tmp_size // 2 ** 20})")
     a = p.parse_args(argv)
+    limits = Limits(processes=a.max_processes, file_size=a.max_file_size * 2 ** 20,
+                    address_space=a.max_memory * 2 ** 20, memory=a.max_memory * 2 ** 20, tmp_size=a.tmp_size * 2 ** 20)
     cell_timeout = _seconds(a.cell_timeout)
     time_budget = None if a.time_budget is None else _seconds(a.time_budget)
     problem = "" if cell_timeout is not None else (
@@ -601,6 +618,11 @@ def main(argv: list[str] | None = None) -> int:
 
         known = ", ".join(sorted({ex.notebook for ex in all_exercises()}))
         problem = f"--assignment {a.assignment} is not a notebook with exercises; known: {known}"
+    for opt, value, low, unit in (("--max-processes", a.max_processes, 16, ""), ("--max-file-size", a.max_file_size, 1,
+                                   " MiB"), ("--max-memory", a.max_memory, 1024, " MiB"), ("--tmp-size", a.tmp_size, 1,
+                                                                                          " MiB")):
+        if not problem and value < low:
+            problem = f"{opt} must be at least {low}{unit}, got {value}"
     problem = problem or _input_problem(a.paths, a.results)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -614,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.assignment is None:
         print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
-    grades = grade_paths(a.paths, cell_timeout, a.assignment, time_budget)
+    grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits)
     print(format_table(grades))
     if a.results:
         obj = results_json(grades)

@@ -208,19 +208,22 @@ def _pdeathsig():
 _KEEP: set[int] = set()  # kernels of this grader that are alive (a spare must survive another's kill)
 
 
-def _processes() -> dict[int, tuple[int, int, int]]:
-    """pid -> (ppid, session id, uid) of every live process in /proc (zombies are left out: they
-    are dead, only waiting for their parent)."""
+def _processes(zombies: list | None = None) -> dict[int, tuple[int, int, int, int]]:
+    """pid -> (ppid, session id, uid, start time) of every live process in /proc. A leader in
+    state Z whose other threads still run is live; a dead zombie (only waiting for its parent)
+    is left out, and appended to ``zombies`` as (pid, ppid) when a list is given."""
     out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # state ppid pgrp session ...
-            if fields[0] in (b"Z", b"X"):
+                fields = f.read().rsplit(b")", 1)[1].split()  # state ppid pgrp session ... threads . start
+            if fields[0] in (b"Z", b"X") and int(fields[17]) <= 1:
+                if zombies is not None:
+                    zombies.append((int(entry), int(fields[1])))
                 continue
-            out[int(entry)] = (int(fields[1]), int(fields[3]), os.stat(f"/proc/{entry}").st_uid)
+            out[int(entry)] = (int(fields[1]), int(fields[3]), os.stat(f"/proc/{entry}").st_uid, int(fields[19]))
         except (OSError, IndexError, ValueError):
             continue
     return out
@@ -244,7 +247,7 @@ def _marked(mark: str) -> list[int]:
 def _descendants(pid: int) -> list[int]:
     procs = _processes()
     children: dict[int, list[int]] = {}
-    for p, (ppid, _, _) in procs.items():
+    for p, (ppid, *_) in procs.items():
         children.setdefault(ppid, []).append(p)
     out, todo = [], [pid]
     while todo:
@@ -332,14 +335,14 @@ class KernelSession:
             argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"]
             if self.user is not None:
                 argv, kw = self.user.command(argv, self.cwd)
-        if self.user is not None:
-            _become_subreaper()
+        _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
         kw.setdefault("preexec_fn", _pdeathsig)
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
             start_new_session=True, close_fds=True, **kw)
         _KEEP.add(self.proc.pid)
+        self._started = _processes().get(self.proc.pid, (0, 0, 0, 2 ** 62))[3]  # clock ticks since boot
         ctx = zmq.Context()
         ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         self.kc = BlockingKernelClient(context=ctx)
@@ -436,22 +439,32 @@ class KernelSession:
     def kill(self) -> None:
         """Kill the kernel and everything it started: its process group, its session, its
         descendants, every process whose environment carries this kernel's :data:`MARK_ENV`
-        (a daemon that left the session and was orphaned to init), and (root) processes of the
-        kernel user orphaned to this process. Returns once none of them is left (sweeps until
+        (a daemon that left the session and was orphaned to init), every process orphaned to
+        this process (a subreaper) since the kernel started, in any state (a leader in state Z
+        whose threads run), reaping the dead ones; as root then every process of the kernel's
+        own uid (:mod:`labkit.grading.contain`). Returns once none of them is left (sweeps until
         a sweep finds nothing, at most 10 s)."""
         if self.proc is not None:
             pid = self.proc.pid
+            me = os.getpid()
             deadline = time.monotonic() + 10
+            started = self._started
             while True:  # a fork bomb may need more than one sweep
                 victims = set(_descendants(pid)) | set(_marked(self.mark))
                 if self.proc.poll() is None:
                     victims.add(pid)
-                for p, (ppid, sid, uid) in _processes().items():
-                    if p == os.getpid():
+                zombies: list = []
+                for p, (ppid, sid, uid, start) in _processes(zombies).items():
+                    if p == me:
                         continue
-                    if sid == pid or (self.user is not None and ppid == os.getpid() and uid == self.user.uid
-                                      and p != pid and p not in _KEEP):
+                    if sid == pid or (ppid == me and start >= started and p != pid and p not in _KEEP):
                         victims.add(p)
+                for z, ppid in zombies:  # dead children of ours (orphans reparented here): reaped
+                    if ppid == me and z != pid and z not in _KEEP:
+                        try:
+                            os.waitpid(z, os.WNOHANG)
+                        except ChildProcessError:
+                            pass
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):

@@ -14,6 +14,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ...dist import launch
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
+from ..kernelside.nb00_distributed_primer import RING_TIMEOUT, _COLLECTIVES, _p2p_only, _ring_rank, _run_ring  # noqa: F401 - run in the kernel
 
 # ----------------------------------------------------------------------------- 0.1
 ex01 = exercise(
@@ -61,43 +62,7 @@ ex02 = exercise(
     hint="Split the tensor into N chunks. N-1 reduce-scatter steps (send chunk (r-s)%N to r+1, add the "
          "one received from r-1), then N-1 all-gather steps (pass the finished chunks on, overwriting).")
 
-RING_TIMEOUT = 8.0  # seconds a send/recv of the learner's ring may wait
 CASE_TIMEOUT = 20.0  # seconds per case (a launch of up to 5 ranks plus a possible RING_TIMEOUT)
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-                "all_to_all", "all_to_all_single", "broadcast", "reduce", "all_reduce_coalesced")
-
-
-@contextlib.contextmanager
-def _p2p_only(counter: dict):
-    """Inside a rank: collectives raise; send/isend count the elements they send."""
-    saved = []
-
-    def forbid(name):
-        def f(*a, **k):
-            raise CheckFailure(f"ring_all_reduce must use send/recv only, but it called {name}")
-        return f
-
-    def counting(fn):
-        def f(tensor, *a, **k):
-            counter["elements"] += tensor.numel()
-            return fn(tensor, *a, **k)
-        return f
-
-    for mod in (dist, c10d):
-        for name in _COLLECTIVES:
-            if hasattr(mod, name):
-                saved.append((mod, name, getattr(mod, name)))
-                setattr(mod, name, forbid(name))
-    # one wrapper object for both modules: dist.P2POp accepts only c10d's current isend
-    send, isend = counting(c10d.send), counting(c10d.isend)
-    for mod in (dist, c10d):
-        saved += [(mod, "send", getattr(mod, "send")), (mod, "isend", getattr(mod, "isend"))]
-        mod.send, mod.isend = send, isend
-    try:
-        yield counter
-    finally:
-        for mod, name, fn in reversed(saved):
-            setattr(mod, name, fn)
 
 
 def _ring_inputs(N: int, numel: int, seed: int) -> list[torch.Tensor]:
@@ -107,26 +72,6 @@ def _ring_inputs(N: int, numel: int, seed: int) -> list[torch.Tensor]:
         torch.manual_seed(seed + r)
         out.append(torch.randn(numel))
     return out
-
-
-def _ring_rank(ctx, ring_all_reduce, inputs):
-    x = inputs[ctx.rank].clone()
-    counter = {"elements": 0}
-    with _p2p_only(counter):
-        out = ring_all_reduce(ctx, x)
-    if out is None:
-        out = x  # reduced in place
-    if not isinstance(out, torch.Tensor):
-        raise CheckFailure(f"ring_all_reduce returned {type(out).__name__}, not a tensor")
-    return {"output": out.detach().clone(), "sent": counter["elements"]}
-
-
-def _run_ring(ring_all_reduce, inputs):
-    """Kernel side: the learner's ring on len(inputs) gloo ranks; per rank its output and the
-    number of elements it sent. The sum it must reproduce is computed by the grader."""
-    # 8 s: a deadlocked answer fails within the case's 20 s limit with the rank's own
-    # "timed out" error, while a right answer never waits that long even on a loaded machine
-    return launch(_ring_rank, len(inputs), ring_all_reduce, inputs, timeout=RING_TIMEOUT)
 
 
 def _ring_results(answer, N: int, numel: int, seed: int):

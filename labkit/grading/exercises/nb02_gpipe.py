@@ -23,6 +23,7 @@ from ...pipeline import (COMPUTE, Action, PipelineSchedule, PipelineStage, Sched
 from ...pipeline.stages import gpt_param_name, gpt_stages_for_rank
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
 from . import kernel_side
+from ..kernelside.nb02_gpipe import ACC_CFG, _acc_batch, _sgd_run, _accumulate_run  # noqa: F401 - run in the kernel
 
 # A tiny GPT: 8 layers split over K*v stages (K=4, v=2 at most), 8 sequences of 16 tokens.
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
@@ -229,33 +230,7 @@ ex23 = exercise(
          "fewer: how must a microbatch's loss be weighted so that the M backwards, which add up in .grad, "
          "give the full batch's gradient? Do not zero .grad inside the loop.")
 
-# A smaller GPT than the pipeline's: one device, a few SGD steps per case.
-ACC_CFG = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
 ACC_BATCH, ACC_SEQ, ACC_LR = 8, 8, 0.5
-
-
-def _acc_batch(seed: int):
-    g = torch.Generator().manual_seed(2300 + seed)
-    return (torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g),
-            torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g))
-
-
-def _sgd_run(step_grads, steps: int, seed: int) -> tuple[dict, dict]:
-    """``steps`` steps of plain SGD (lr ACC_LR) on a fresh tiny GPT; ``step_grads(model, x, y)`` fills
-    .grad each step. Returns (gradients of the first step, parameters after the last)."""
-    model = GPT(ACC_CFG, seed=seed)
-    first = {}
-    for step in range(steps):
-        model.zero_grad(set_to_none=True)
-        x, y = _acc_batch(seed * 10 + step)
-        step_grads(model, x, y)
-        if step == 0:
-            first = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
-        with torch.no_grad():  # plain SGD, w <- w - lr * g (torch.optim would import torch._dynamo: 1 s)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p -= ACC_LR * p.grad
-    return first, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
@@ -272,11 +247,6 @@ def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
     if M > 1 and abs(ratio - 1 / M) < 1e-3 / M:
         return f"; it is 1/M = 1/{M} of the full-batch gradient: the loss was divided by M twice"
     return f"; it is {ratio:.4g} times the full-batch gradient"
-
-
-def _accumulate_run(accumulate_microbatches, M: int, steps: int, seed: int):
-    """Kernel side: the learner's accumulation in :func:`_sgd_run`; its gradients and parameters."""
-    return _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed)
 
 
 def _accumulate_case(M: int, steps: int, seed: int):

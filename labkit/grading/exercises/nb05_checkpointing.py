@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..kernelside.nb05_checkpointing import _net, _run, _ckpt_outputs  # noqa: F401 - run in the kernel
 
 NOTEBOOK = "05_checkpointing"
 
@@ -59,7 +60,6 @@ ex51.case("n=10, k=4 (uneven)")(_bounds_case(10, 4))
 def _(segment_boundaries):
     _bounds_case(7, 1)(segment_boundaries)
     _bounds_case(7, 7)(segment_boundaries)
-
 
 
 @ex51.case("k outside 1..n: ValueError")
@@ -123,45 +123,6 @@ ex53 = exercise(
          "inside torch.random.fork_rng() so the training RNG stream is left as it was; recompute under "
          "torch.enable_grad() from x.detach().requires_grad_(True), backpropagate grad_y through it and "
          "return (None, dL/dx).")
-
-
-def _net(seed: int, p: float, width: int = 8) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(p), nn.Linear(2 * width, width),
-                         nn.Dropout(p))
-
-
-def _run(net, x, G, seed, fn):
-    torch.manual_seed(seed)
-    x = x.clone().requires_grad_(True)
-    y = fn(net, x)
-    if not isinstance(y, torch.Tensor):
-        raise CheckFailure(f"MyCheckpoint.apply returned {type(y).__name__}, not a tensor")
-    try:
-        y.backward(G)
-    except RuntimeError as e:
-        if "does not require grad" in str(e):
-            raise CheckFailure("backward: the recomputed output has no autograd graph; recompute under "
-                               "torch.enable_grad() from a copy of x that requires grad") from None
-        raise
-    after = torch.rand(3)  # the RNG stream right after forward + backward
-    grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in net.named_parameters()}
-    net.zero_grad()
-    return y.detach(), x.grad, grads, after
-
-
-def _ckpt_outputs(answer, p: float, seed: int, segments: int, x, G):
-    """Kernel side: ``segments`` applications of the learner's Function; what _run returns."""
-    if not (isinstance(answer, type) and issubclass(answer, torch.autograd.Function)):
-        raise CheckFailure(f"expected a torch.autograd.Function subclass, got {type(answer).__name__}")
-    net = _net(seed, p)
-
-    def ckpt(net, x):
-        for _ in range(segments):
-            x = answer.apply(net, x)
-        return x
-
-    return _run(net, x, G, seed + 2, ckpt)
 
 
 def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, label: str):

@@ -19,6 +19,7 @@ import torch
 from ...moe.params import MIXTRAL_8X7B, ModelSpec, count_parameters
 from ...moe.router import capacity_mask, compute_capacity, route
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
+from ..kernelside.nb09_moe_routing import _gate_with_grad  # noqa: F401 - run in the kernel
 
 
 def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
@@ -38,21 +39,6 @@ ex91 = exercise(
     "9.1", title="top-k gate", notebook="09_moe_routing", points=3,
     hint="probs = logits.softmax(-1) over all E experts; take probs.topk(k); only with renormalize "
          "divide the k weights by their sum. Keep the weights differentiable (no detach, no argmax).")
-
-
-def _gate_with_grad(top_k_gate, logits, k: int, renormalize: bool, g):
-    """Kernel side: the learner's gate on logits that require grad, and d(sum(w * g))/d logits
-    with w sorted by expert id (None when that cannot be computed)."""
-    x = logits.clone().requires_grad_(True)
-    got = top_k_gate(x, k, renormalize=renormalize)
-    grad = None
-    try:
-        w, i = got
-        (w.gather(1, i.long().argsort(-1)) * g).sum().backward()
-        grad = x.grad
-    except Exception:  # noqa: BLE001 - the checks in the case say what is wrong with the result
-        pass
-    return got, grad
 
 
 def _gate_case(logits: torch.Tensor, k: int, renormalize: bool, what: str, check_grad: bool = False):

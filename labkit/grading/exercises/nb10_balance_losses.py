@@ -15,6 +15,7 @@ import torch
 from ...moe.losses import device_balance_loss, switch_aux_loss
 from ...moe.router import update_expert_bias
 from ..registry import CheckFailure, exercise, expect_close
+from ..kernelside.nb10_balance_losses import _loss_with_grad, _bias_update  # noqa: F401 - run in the kernel
 
 
 def _routing(T: int, E: int, k: int, seed: int, scale: float = 2.0):
@@ -30,21 +31,6 @@ def _scalar(x, what: str) -> torch.Tensor:
     if x.numel() != 1:
         raise CheckFailure(f"{what}: expected a scalar (0-d tensor), got shape {tuple(x.shape)}")
     return x.reshape(())
-
-
-def _loss_with_grad(answer, logits, indices, extra: tuple):
-    """Kernel side: the learner's loss on logits that require grad, and d loss / d logits
-    (None when the loss cannot be backpropagated)."""
-    x = logits.clone().requires_grad_(True)
-    got = answer(x, indices.clone(), *extra)
-    grad = None
-    try:
-        if isinstance(got, torch.Tensor) and got.numel() == 1 and got.requires_grad:
-            got.reshape(()).backward()
-            grad = x.grad
-    except Exception:  # noqa: BLE001 - the case reports the missing gradient
-        pass
-    return got, grad
 
 
 def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True):
@@ -107,13 +93,6 @@ ex103 = exercise(
     "10.3", title="aux-loss-free bias update", notebook="10_balance_losses", points=2,
     hint="An overloaded expert (load above the mean) must become LESS attractive: b_i += gamma * "
          "sign(mean(load) - load_i). An expert exactly at the mean keeps its bias.")
-
-
-def _bias_update(update_bias, bias, loads, gamma):
-    """Kernel side: the learner's update; its result, or the bias it updated in place."""
-    b = bias.clone()
-    got = update_bias(b, loads.clone(), gamma)
-    return b if got is None else got
 
 
 def _bias_case(bias, loads, gamma, what):

@@ -24,6 +24,7 @@ from ...moe.experts import MoELayer
 from ...moe.router import route
 from ..registry import CheckFailure, exercise, expect_equal
 from . import kernel_side
+from ..kernelside.nb12_deepseek_moe import _gate_lines, _v3_fields  # noqa: F401 - run in the kernel
 
 # ----------------------------------------------------------------------------- 12.1
 ex121 = exercise(
@@ -122,23 +123,6 @@ def _source_lines(fn) -> set[str]:
     return {_norm(l) for l in inspect.getsource(fn).splitlines() if _norm(l)}
 
 
-def _gate_lines(answer):
-    """Kernel side: the learner's dict with each function replaced by ("function", module,
-    qualname), so it can travel as data."""
-    if callable(answer) and not isinstance(answer, dict):
-        answer = answer()          # a function returning the dict (what the notebook asks for)
-    if not isinstance(answer, dict):
-        return answer
-    out = {}
-    for name, entry in answer.items():
-        if isinstance(entry, (tuple, list)) and len(entry) == 2 and callable(entry[0]):
-            where = getattr(entry[0], "__func__", entry[0])
-            entry = (("function", str(getattr(where, "__module__", "")), str(getattr(where, "__qualname__", ""))),
-                     entry[1])
-        out[name] = entry
-    return out
-
-
 def _concept_case(names):
     def case(answer):
         answer = answer.run(_gate_lines)
@@ -192,18 +176,6 @@ V3_GATE = {
     "n_limited_groups": (4, "each token is sent to at most 4 nodes, i.e. 4 groups (sec. 4.2)"),
     "route_scale": (2.5, "the gating weights are scaled by 2.5 (routed_scaling_factor of the released config)"),
 }
-
-
-def _v3_fields(answer) -> dict:
-    """Kernel side: the fields of the MoEConfig the learner's function returns, as a dict."""
-    import dataclasses
-
-    from ...moe import MoEConfig
-
-    cfg = answer() if callable(answer) and not isinstance(answer, MoEConfig) else answer
-    if not isinstance(cfg, MoEConfig):
-        raise CheckFailure(f"deepseek_v3_gate() must return a labkit.moe.MoEConfig, got {type(cfg).__name__}")
-    return dataclasses.asdict(cfg)
 
 
 def _v3_config(answer):

@@ -16,6 +16,7 @@ from ...pipeline import peak_in_flight, simulate, zb_h1_schedule, zbv_schedule
 from ..registry import CheckFailure, exercise, expect_close
 from . import kernel_side
 from .nb02_gpipe import expect_same_grads, run_pipeline, validated
+from ..kernelside.nb13_zero_bubble import _split_run  # noqa: F401 - run in the kernel
 
 # ----------------------------------------------------------------------------- 13.1
 ex131 = exercise(
@@ -23,21 +24,6 @@ ex131 = exercise(
     hint="out = layer(x); torch.autograd.grad(out, x, grad_out, retain_graph=True) gives dL/dx; a second "
          "torch.autograd.grad(out, [layer.weight, layer.bias], grad_out) gives the rest. Return tensors; "
          "do not call .backward() (it would write .grad).")
-
-
-def _split_run(split_linear_backward, weight, bias, x, grad_out):
-    """Kernel side: the learner's split backward on a Linear with these parameters; its result
-    (detached) and whether it wrote a .grad (x's or the layer's)."""
-    layer = torch.nn.Linear(weight.shape[1], weight.shape[0])
-    with torch.no_grad():
-        layer.weight.copy_(weight)
-        layer.bias.copy_(bias)
-    x = x.clone().requires_grad_(True)
-    got = split_linear_backward(layer, x, grad_out)
-    wrote = layer.weight.grad is not None or x.grad is not None
-    if isinstance(got, (tuple, list)):
-        got = type(got)(t.detach() if isinstance(t, torch.Tensor) else t for t in got)
-    return got, wrote
 
 
 def _linear_case(n_in: int, n_out: int, batch: int, seed: int):

@@ -1,0 +1,43 @@
+"""Kernel side of notebook 02_gpipe's exercises: the code that runs next to the learner's
+code (``answer.run(fn, ...)`` in the cases of :mod:`labkit.grading.exercises.nb02_gpipe`).
+
+It lives outside ``labkit.grading.exercises`` because the graded kernel cannot read that
+package (:mod:`labkit.grading.session`); nothing here computes an expected value.
+"""
+from __future__ import annotations
+
+import torch
+from ...model import GPT, GPTConfig
+
+
+# A smaller GPT than the pipeline's: one device, a few SGD steps per case.
+ACC_CFG = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
+
+
+def _acc_batch(seed: int):
+    g = torch.Generator().manual_seed(2300 + seed)
+    return (torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g),
+            torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g))
+
+
+def _sgd_run(step_grads, steps: int, seed: int) -> tuple[dict, dict]:
+    """``steps`` steps of plain SGD (lr ACC_LR) on a fresh tiny GPT; ``step_grads(model, x, y)`` fills
+    .grad each step. Returns (gradients of the first step, parameters after the last)."""
+    model = GPT(ACC_CFG, seed=seed)
+    first = {}
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        x, y = _acc_batch(seed * 10 + step)
+        step_grads(model, x, y)
+        if step == 0:
+            first = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+        with torch.no_grad():  # plain SGD, w <- w - lr * g (torch.optim would import torch._dynamo: 1 s)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= ACC_LR * p.grad
+    return first, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _accumulate_run(accumulate_microbatches, M: int, steps: int, seed: int):
+    """Kernel side: the learner's accumulation in :func:`_sgd_run`; its gradients and parameters."""
+    return _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed)

@@ -1,0 +1,365 @@
+"""The grader bounds itself and contains each submission (principles 6 and 7 of issue 16).
+
+Unit tests: wire decoding refuses what would blow up before it builds it; the cgroup v2
+protocol on a fake cgroup tree; the uid lease; the sweep of files by owner. End to end (real
+``python -m labkit grade``, as root with a fresh uid per kernel, and as a non-root user where
+the path differs): hostile submissions still get their honest score, nothing of theirs is left
+(no process of their uid in any state, no file in /tmp, /var/tmp, /dev/shm, no System V
+segment), the grader's memory and time stay bounded, and each cell's checks are graded once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import tracemalloc
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.grading import wire
+from labkit.grading.contain import Cgroup, Limits, UidLease, kill_uid, remove_files_of, uid_processes
+
+ROOT = os.geteuid() == 0
+
+
+def _raw(tree, blobs=()) -> bytes:
+    header = json.dumps({"v": tree, "blobs": [len(b) for b in blobs]}, separators=(",", ":")).encode()
+    return wire.MAGIC + struct.pack("<Q", len(header)) + header + b"".join(blobs)
+
+
+@pytest.mark.parametrize("what, message", [
+    ("range", "values"), ("nested", "values"), ("raw lists", "values"), ("string", "characters"),
+    ("bytes", "characters")])
+def test_wire_refuses_hostile_sizes_before_building_them(what, message):
+    if what == "range":
+        data = wire.dumps(range(30_000_000))  # 30 bytes that a case would turn into a 1 GB list
+    elif what == "nested":
+        data = _raw(["L", [["L", []]] * (wire.MAX_NODES + 10)])
+    elif what == "raw lists":  # not even the format's own tags: 60 MB of "[]," that JSON alone would build
+        data = _raw([[]] * 20_000_000)
+    elif what == "string":
+        data = _raw(["L", ["x" * (wire.MAX_TEXT // 4)] * 5])
+    else:
+        data = _raw(["L", [["B", i] for i in range(3)]], [b"\0" * (wire.MAX_TEXT // 2)] * 3)
+    tracemalloc.start()
+    try:
+        with pytest.raises(wire.WireError, match=message):
+            wire.loads(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # bounded by the limits, not by what the message would build (the raw lists: gigabytes)
+    assert peak < 2 * len(data) + 96 * 2 ** 20, f"decoding held {peak} bytes for a {len(data)}-byte message"
+
+
+def test_wire_still_carries_ordinary_values():
+    value = {"r": range(5), "s": "a, [b]" * 1000, "l": [[1, 2]] * 1000, "b": b"xyz"}
+    assert wire.loads(wire.dumps(value)) == value
+    assert list(wire.loads(wire.dumps(range(10, 0, -3)))) == [10, 7, 4, 1]
+    assert wire.loads(wire.dumps(range(wire.MAX_NODES - 5))) == range(wire.MAX_NODES - 5)
+
+
+def test_cgroup_v2_limits_kill_and_removal_on_a_fake_tree(tmp_path, monkeypatch):
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    (tmp_path / "labkit").mkdir()
+    (tmp_path / "labkit" / "cgroup.subtree_control").write_text("")
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *a, **k):  # the kernel creates a group's files; here the test does
+        real_mkdir(self, *a, **k)
+        if self.name.startswith("kernel-"):
+            for f in ("memory.max", "pids.max", "cpu.max", "cgroup.procs", "cgroup.kill"):
+                (self / f).write_text("")
+            (self / "cgroup.events").write_text("populated 0\nfrozen 0\n")
+
+    Path.mkdir = mkdir
+    try:
+        g = Cgroup(tmp_path, "kernel-7", Limits(memory=2 ** 30, processes=99, cpus=1.5))
+    finally:
+        Path.mkdir = real_mkdir
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    assert (g.path / "memory.max").read_text() == str(2 ** 30)
+    assert (g.path / "pids.max").read_text() == "99"
+    assert (g.path / "cpu.max").read_text() == "150000 100000"
+    killed = []
+
+    def rmdir(self):  # a real group's files vanish with it
+        killed.append((self / "cgroup.kill").read_text())
+        shutil.rmtree(self)
+
+    monkeypatch.setattr(Path, "rmdir", rmdir)
+    assert g.kill() == [] and not g.path.exists()
+    assert killed == ["1"]
+
+
+@pytest.mark.skipif(not ROOT, reason="uids of their own need root")
+def test_uid_leases_are_exclusive_and_files_are_swept_by_owner(tmp_path):
+    a, b = UidLease(), UidLease()
+    try:
+        assert a.uid != b.uid
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        (mine / "deep").write_text("x")
+        (tmp_path / "file").write_text("x")
+        (tmp_path / "other").write_text("keep")
+        for p in (mine, mine / "deep", tmp_path / "file"):
+            os.chown(p, a.uid, a.gid, follow_symlinks=False)
+        os.chown(tmp_path / "other", b.uid, b.gid)
+        assert remove_files_of(a.uid, [str(tmp_path)]) == []
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+    finally:
+        a.release()
+        b.release()
+
+
+# ----------------------------------------------------------------------------- end to end
+
+CASES = '''
+from labkit.grading.registry import exercise, expect_equal
+
+ex = exercise("H.1", title="triple", notebook="98_hostile", points=1)
+@ex.case("x=2", hidden=False)
+def _(f): expect_equal(f(2), 6, "f(2)")
+@ex.case("x=5")
+def _(f): expect_equal(f(5), 15, "f(5)")
+
+ex = exercise("H.2", title="negate", notebook="98_hostile", points=1)
+@ex.case("x=1", hidden=False)
+def _(f): expect_equal(f(1), -1, "f(1)")
+
+ex = exercise("H.3", title="square", notebook="98_hostile", points=1)
+@ex.case("x=3", hidden=False)
+def _(f): expect_equal(f(3), 9, "f(3)")
+'''
+
+TAG = uuid.uuid4().hex[:12]  # in every file name the submissions write
+
+# a process whose main thread exits while another runs (state Z), that clears its environment,
+# leaves the session and its parent, and 2 s later starts killing every process it may signal
+# (the next submission's kernel, when it shares the uid and outlives grading)
+ESCAPE = (
+    "import subprocess, sys\n"
+    "code = ('import ctypes, os, signal, threading, time\\n'\n"
+    "        'if os.fork(): os._exit(0)\\n'\n"
+    "        'os.setsid()\\n'\n"
+    "        'def loop():\\n'\n"
+    "        '    time.sleep(2)\\n'\n"
+    "        '    while True:\\n'\n"
+    "        '        try: os.kill(-1, signal.SIGKILL)\\n'\n"
+    "        '        except OSError: pass\\n'\n"
+    "        '        time.sleep(0.05)\\n'\n"
+    "        'threading.Thread(target=loop).start()\\n'\n"
+    "        'ctypes.CDLL(None).pthread_exit(None)\\n')\n"
+    "subprocess.Popen([sys.executable, '-c', code], env={}, start_new_session=True).wait()\n"
+)
+
+FILES = (
+    "import ctypes, os\n"
+    f"for d in ('/tmp', '/var/tmp', '/dev/shm'):\n"
+    f"    with open(os.path.join(d, 'labkit-test-{TAG}'), 'wb') as f:\n"
+    "        f.write(b'x' * 2 ** 20)\n"
+    "libc = ctypes.CDLL(None)\n"
+    f"seg = libc.shmget({int(TAG[:6], 16)}, 2 ** 20, 0o1600)  # IPC_CREAT | 0600: a System V segment\n"
+)
+
+HOSTILE = [
+    "from labkit.grading import check\nimport os, signal",
+    FILES,
+    "def triple(x):\n    return 3 * x\ncheck('H.1', triple)",          # right: 1 point
+    "def negate(x):\n    return range(30_000_000)\ncheck('H.2', negate)",  # wrong, and a 30-byte bomb
+    "def square(x):\n    return x * x\ncheck('H.3', square)",          # right: 1 point
+    ESCAPE,
+]
+
+HONEST = [
+    "from labkit.grading import check",
+    "import time\ntime.sleep(1.5)",  # the escaper above would have killed this kernel by now
+    "def triple(x):\n    return 3 * x\ncheck('H.1', triple)",
+    "def negate(x):\n    return -x\ncheck('H.2', negate)",
+    "def square(x):\n    return x * x\ncheck('H.3', square)",
+]
+
+# an IPython hook re-registers every answer after every cell: new serials each time
+RESERIAL = [
+    "from labkit.grading import check\nimport labkit.grading.kernel as K\n"
+    "def again(*a):\n    for k, (s, v) in list(K._ANSWERS.items()):\n        K.register(k, v)\n"
+    "get_ipython().events.register('post_execute', again)",
+    f"def triple(x):\n    open('/tmp/calls-{TAG}', 'a').write('x')\n    return 3 * x\ncheck('H.1', triple)",
+] + ["pass"] * 12 + [
+    f"import os\nn = len(open('/tmp/calls-{TAG}').read())\nos.unlink('/tmp/calls-{TAG}')\n"
+    "raise RuntimeError(f'CALLS {n}')",
+]
+
+
+def _notebook(path: Path, sources: list[str]) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["labkit"] = {"notebook": "98_hostile"}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nbformat.write(nb, str(path))
+
+
+def _grade(tmp: Path, notebooks: dict, *extra: str, wrap=None):
+    (tmp / "cases").mkdir(exist_ok=True)
+    (tmp / "cases" / "hostile.py").write_text(CASES)
+    for name, cells in notebooks.items():
+        _notebook(tmp / f"{name}.ipynb", cells)
+    results = tmp / "results.json"
+    cmd = [sys.executable, "-m", "labkit", "grade", *[str(tmp / f"{n}.ipynb") for n in notebooks],
+           "--results", str(results), *extra]
+    # the grader's peak memory (and its children's) is read from a wrapper of its own
+    code = ("import resource, subprocess, sys\np = subprocess.run(sys.argv[1:])\n"
+            "print('MAXRSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+            "sys.exit(p.returncode)")
+    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"))
+    argv = [sys.executable, "-c", code, *cmd]
+    kw = {}
+    if wrap is not None:
+        argv, kw = wrap(argv)
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp, timeout=400, **kw)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    maxrss_kib = int(proc.stderr.split("MAXRSS")[1].split()[0])
+    return proc, json.loads(results.read_text()), took, maxrss_kib
+
+
+def _left_files() -> list[str]:
+    out = []
+    for d in ("/tmp", "/var/tmp", "/dev/shm"):
+        for root, dirs, files in os.walk(d):
+            out += [os.path.join(root, f) for f in files + dirs if TAG in f]
+            if root.count("/") > 4:
+                dirs[:] = []
+    return out
+
+
+def _segments() -> list[str]:
+    key = str(int(TAG[:6], 16))
+    with open("/proc/sysvipc/shm") as f:
+        return [l for l in f.read().splitlines()[1:] if l.split()[0] == key]
+
+
+def _scores(obj, path_part: str) -> str:
+    return next(l for l in obj["output"].splitlines() if path_part in l)
+
+
+def _kernel_processes(start_uid: int = 1_900_000_000) -> list[tuple]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                text = f.read()
+        except OSError:
+            continue
+        uids = [int(x) for x in text.split("Uid:")[1].split("\n")[0].split()]
+        if any(start_uid <= u < start_uid + 1_000_000 for u in uids):
+            out.append((entry, text.split("State:")[1].split("\n")[0].strip()))
+    return out
+
+
+@pytest.mark.skipif(not ROOT, reason="a uid per submission, private /tmp and limits need root")
+def test_as_root_hostile_submission_gets_its_honest_score_and_leaves_nothing(tmp_path):
+    before = _kernel_processes()
+    proc, obj, took, maxrss = _grade(tmp_path, {"hostile": HOSTILE, "honest": HONEST}, "--cell-timeout", "20")
+    assert _scores(obj, "hostile.ipynb") == f"{tmp_path / 'hostile.ipynb'}: 2 / 3", proc.stdout
+    assert _scores(obj, "honest.ipynb") == f"{tmp_path / 'honest.ipynb'}: 3 / 3", proc.stdout  # not killed
+    h2 = next(t for t in obj["tests"] if t["name"] == "Exercise H.2 (negate) - case: x=1")
+    assert h2["status"] == "failed" and "more than" in h2["output"], h2
+    assert "a uid of its own" in proc.stdout and "private /tmp" in proc.stdout
+    deadline = time.monotonic() + 2
+    while _kernel_processes() != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _kernel_processes() == before, "a process of a submission's uid outlived grading (any state)"
+    assert _left_files() == [] and _segments() == []
+    assert maxrss < 1_000_000, f"the grader or a process it waited for peaked at {maxrss} KiB"
+    assert took < 120
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root")
+def test_as_root_the_kernel_cannot_read_the_grader(tmp_path):
+    cells = ["import labkit.grading, os\nhere = os.path.dirname(labkit.grading.__file__)\n"
+             "found = {}\nfor rel in ('exercises/nb08_3d_parallelism.py', 'references.py', 'grader.py'):\n"
+             "    try:\n        found[rel] = len(open(os.path.join(here, rel)).read())\n"
+             "    except OSError as e:\n        found[rel] = type(e).__name__\n"
+             f"found['hidden'] = os.path.exists({str(tmp_path / 'cases')!r})\n"
+             "try:\n    from labkit.grading.exercises.nb08_3d_parallelism import _axis\n    found['import'] = 'ok'\n"
+             "except ImportError as e:\n    found['import'] = 'ImportError'\n"
+             "raise RuntimeError('SEEN ' + repr(sorted(found.items())))"]
+    proc, obj, took, _ = _grade(tmp_path, {"peek": cells}, "--cell-timeout", "20")
+    seen = proc.stdout.split("SEEN ")[1].split("\n")[0]
+    assert "('exercises/nb08_3d_parallelism.py', 'FileNotFoundError')" in seen, seen
+    assert "('references.py', 0)" in seen, seen  # covered by an empty file
+    assert "('hidden', False)" in seen and "('import', 'ImportError')" in seen, seen
+    assert "('grader.py', 0)" not in seen  # the rest of the kit is there
+    assert "warning: the submission's kernel can read" not in proc.stderr
+
+
+def test_each_cell_is_graded_once_whatever_serials_the_kernel_reports(tmp_path):
+    proc, obj, took, _ = _grade(tmp_path, {"reserial": RESERIAL}, "--cell-timeout", "20")
+    assert ": 1 / 3" in _scores(obj, "reserial.ipynb"), proc.stdout
+    # H.1 has 2 cases: graded once, its answer ran twice (not once per later cell)
+    assert "raised RuntimeError: CALLS 2" in proc.stdout, proc.stdout
+
+
+def test_the_time_budget_bounds_a_submission(tmp_path):
+    cells = ["from labkit.grading import check",
+             "def triple(x):\n    return 3 * x\ncheck('H.1', triple)"] + ["import time\ntime.sleep(5)"] * 6 + [
+             "def square(x):\n    return x * x\ncheck('H.3', square)"]
+    proc, obj, took, _ = _grade(tmp_path, {"slow": cells}, "--cell-timeout", "20", "--time-budget", "20")
+    assert took < 20 + 20, took  # the budget, plus starting Python and importing torch in the grader
+    assert "time budget of 20 s ran out" in proc.stdout, proc.stdout
+    assert ": 1 / 3" in _scores(obj, "slow.ipynb"), proc.stdout  # H.1 graded before the budget ran out
+    h3 = next(t for t in obj["tests"] if t["name"] == "Exercise H.3 (square)")
+    assert h3["score"] == 0 and "time budget" in h3["output"], h3
+
+
+def _as_non_root(argv):
+    """Run ``argv`` as a fresh non-root uid, with Python reachable (the grader's own jail)."""
+    lease = UidLease()
+    _as_non_root.leases.append(lease)
+    jail = str(Path(__file__).parents[1] / "labkit" / "grading" / "_jail.py")
+    import labkit
+
+    needed = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+              os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))}
+    needed |= {p for p in sys.path if p and os.path.isdir(p)}
+    return ["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-S", "-I", jail,
+            str(lease.uid), str(lease.gid), *sorted(needed), _as_non_root.tmp, "--", *argv], {}
+
+
+_as_non_root.leases = []
+
+
+@pytest.mark.skipif(not ROOT, reason="runs the grader as another uid (as root, for the test only)")
+def test_as_non_root_the_hostile_processes_are_still_killed(tmp_path):
+    # the grader runs as a plain user: no uid of its own for the kernel, no private /tmp; its
+    # processes are still all killed (subreaper, any state) and the next submission is unharmed
+    os.chmod(tmp_path, 0o777)
+    _as_non_root.tmp = str(tmp_path)
+    cells = [c for c in HOSTILE if c is not FILES]
+    try:
+        proc, obj, took, _ = _grade(tmp_path, {"hostile": cells, "honest": HONEST}, "--cell-timeout", "20",
+                                    wrap=_as_non_root)
+        uid = _as_non_root.leases[-1].uid
+        assert "isolation is partial" in proc.stdout
+        assert _scores(obj, "hostile.ipynb").endswith(": 2 / 3"), proc.stdout
+        assert _scores(obj, "honest.ipynb").endswith(": 3 / 3"), proc.stdout
+        deadline = time.monotonic() + 2
+        while uid_processes(uid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert uid_processes(uid) == []
+    finally:
+        for lease in _as_non_root.leases:
+            kill_uid(lease.uid, 5)
+            remove_files_of(lease.uid, [str(tmp_path), "/tmp", "/dev/shm"])
+            lease.release()
+        _as_non_root.leases.clear()
