@@ -240,12 +240,21 @@ def _acc_batch(seed: int):
             torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g))
 
 
-def _sgd_run(step_grads, steps: int, seed: int) -> tuple[dict, dict]:
+def _sgd_run(step_grads, steps: int, seed: int, calls: list | None = None) -> tuple[dict, dict]:
     """``steps`` steps of plain SGD (lr ACC_LR) on a fresh tiny GPT; ``step_grads(model, x, y)`` fills
-    .grad each step. Returns (gradients of the first step, parameters after the last)."""
+    .grad each step. Returns (gradients of the first step, parameters after the last). With ``calls``
+    (a list), the batch size of every call of the model in the first step is appended to it."""
     model = GPT(ACC_CFG, seed=seed)
+    state = {"step": 0}
+    if calls is not None:
+        def record(module, args, kwargs):
+            idx = args[0] if args else kwargs.get("idx")
+            if state["step"] == 0 and len(calls) < 64 and isinstance(idx, torch.Tensor) and idx.dim() > 0:
+                calls.append(int(idx.shape[0]))
+        model.register_forward_pre_hook(record, with_kwargs=True)
     first = {}
     for step in range(steps):
+        state["step"] = step
         model.zero_grad(set_to_none=True)
         x, y = _acc_batch(seed * 10 + step)
         step_grads(model, x, y)
@@ -275,15 +284,35 @@ def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
 
 
 def _accumulate_run(accumulate_microbatches, M: int, steps: int, seed: int):
-    """Kernel side: the learner's accumulation in :func:`_sgd_run`; its gradients and parameters."""
-    return _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed)
+    """Kernel side: the learner's accumulation in :func:`_sgd_run`: its gradients, its parameters and
+    the batch sizes of the model's calls in the first step (for the message only, never the verdict)."""
+    calls: list = []
+    grads, params = _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed, calls)
+    return grads, params, calls
+
+
+def _calls_message(calls, M: int) -> str:
+    """'; the model was called ...' when the microbatches were not M pieces of BATCH/M sequences."""
+    want = [ACC_BATCH // M] * M
+    if not isinstance(calls, list) or calls == want or not calls:
+        return ""
+    return (f"; in one step the model was called {len(calls)} time(s) with batch sizes {calls}, but M={M} "
+            f"microbatches of {ACC_BATCH}/{M} = {ACC_BATCH // M} sequences each make {want}: check how x and y are "
+            "cut into microbatches")
 
 
 def _accumulate_case(M: int, steps: int, seed: int):
     def case(accumulate_microbatches):
         what = f"accumulate_microbatches(model, x [{ACC_BATCH}, {ACC_SEQ}], y, M={M})"
-        got_g, got_p = kernel_side(accumulate_microbatches, _accumulate_run, M, steps, seed)
+        got = kernel_side(accumulate_microbatches, _accumulate_run, M, steps, seed)
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            raise CheckFailure(f"{what}: the run did not return gradients and parameters")
+        got_g, got_p, calls = got
         want_g, want_p = _sgd_run(lambda model, x, y: model(x, y).backward(), steps, seed)
+        if any(not torch.allclose(got_g[n], w, rtol=1e-5, atol=1e-6) for n, w in want_g.items()
+               if got_g.get(n) is not None) and _calls_message(calls, M):
+            raise CheckFailure(f"{what}: the accumulated gradients differ from the full batch's"
+                               + _calls_message(calls, M))
         for name, w in want_g.items():
             g = got_g.get(name)
             if g is None:

@@ -240,6 +240,7 @@ def _row_case(t: int, N: int, F_: int, H: int, seed: int):
         y = F.linear(X, W, b)
         (y * G).sum().backward()
         w, where = F_ // t, f"t={t}, x [{N}, {F_}], weight [{H}, {F_}]"
+        _row_mistakes(res, X.detach(), W.detach(), b.detach(), G, t, where)
         for r, out in enumerate(res):
             extra = out["y"] - y.detach()
             for k in range(2, t + 1):  # the bias added on k ranks before the sum
@@ -258,6 +259,32 @@ def _row_case(t: int, N: int, F_: int, H: int, seed: int):
                 expect_close(out[key], ref, f"{where}: {name} on rank {r} (vs the slice of one device's)",
                              rtol=1e-5, atol=1e-5)
     return case
+
+
+def _row_mistakes(res, X, W, b, G, t, where):
+    """Name the plausible mistakes of 6.4 that the plain comparison would report alike."""
+    if t < 2:
+        return
+    w = X.shape[1] // t
+    close = lambda a, e: a is not None and torch.allclose(a, e, rtol=1e-4, atol=1e-5)  # noqa: E731
+    for r, out in enumerate(res):
+        x_r, W_r = X[:, r * w:(r + 1) * w], W[:, r * w:(r + 1) * w]
+        if close(out["y"], x_r @ W_r.t() + b):   # nothing summed over the ranks in forward
+            if close(out["dx"], t * (G @ W_r)):
+                raise CheckFailure(
+                    f"{where}: the output on rank {r} is only its own partial product plus the bias, and dL/dx_r "
+                    f"is {t} x too large: this is f (identity forward, all-reduce backward) where the layer needs "
+                    "g: which of the two sums in forward?")
+            raise CheckFailure(
+                f"{where}: the output on rank {r} is only its own partial product x_r W_r^T plus the bias: the "
+                f"{t} partial products were never summed over the group")
+    have = [r for r, out in enumerate(res) if out["db"] is not None]
+    if have and len(have) < t:
+        r = next(r for r in range(t) if r not in have)
+        raise CheckFailure(
+            f"{where}: dL/dbias is None on rank {r} but set on rank(s) {have}: the bias entered the output only "
+            "through some ranks' computation; every rank holds the whole bias and must end with its gradient, "
+            "so on which ranks should the bias be part of the output?")
 
 
 ex64.case("t=2 ranks: output and gradients equal one device", timeout=20)(_row_case(2, 4, 8, 6, 40))

@@ -191,6 +191,9 @@ V3_GATE = {
     "n_expert_groups": (8, "the experts form 8 groups, one per node of 8 GPUs (sec. 2.1.2, 4.2)"),
     "n_limited_groups": (4, "each token is sent to at most 4 nodes, i.e. 4 groups (sec. 4.2)"),
     "route_scale": (2.5, "the gating weights are scaled by 2.5 (routed_scaling_factor of the released config)"),
+    "n_embd": (7168, "the hidden size is 7168 (sec. 4.2)"),
+    "moe_ffn_dim": (2048, "each expert's intermediate hidden size is 2048 (sec. 4.2)"),
+    "activation": ("swiglu", "the experts are SwiGLU FFNs, like the dense layers (sec. 2.1, 4.2)"),
 }
 
 
@@ -234,6 +237,8 @@ ex124.case("scores and weights: sigmoid, aux-loss-free bias, route scale")(
     _v3_fields_case(["score_func", "expert_bias", "route_scale"]))
 ex124.case("group-limited routing: 8 groups, at most 4 per token")(
     _v3_fields_case(["n_expert_groups", "n_limited_groups"]))
+ex124.case("expert sizes: hidden size, width of one expert, activation")(
+    _v3_fields_case(["n_embd", "moe_ffn_dim", "activation"]))
 
 
 @ex124.case("routing 32 tokens with this gate: 8 experts from at most 4 groups, weights summing to 2.5",

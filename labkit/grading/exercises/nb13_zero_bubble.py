@@ -97,6 +97,15 @@ def _zb_case(K: int, M: int):
         kinds = {a.kind for r in sched for a in sched[r]}
         if K > 1 and "B" in kinds:
             raise CheckFailure(f"{what}: uses full backward B actions; ZB-H1 splits every backward into I then W")
+        for r in range(K):  # the warm-up first, as for 1F1B (3.1): a wrong one shows up in everything after it
+            comp = [a for a in sched[r] if a.kind in ("F", "I", "W", "B")]
+            first_i = next((i for i, a in enumerate(comp) if a.kind in ("I", "B")), len(comp))
+            n_f, want_f = sum(a.kind == "F" for a in comp[:first_i]), min(K - r, M)
+            if n_f != want_f:
+                why = "too long: it holds more microbatches than 1F1B" if n_f > want_f else \
+                    "too short: the pipeline never fills"
+                raise CheckFailure(f"{what}: rank {r} runs {n_f} forward(s) before its first I, 1F1B's warm-up "
+                                   f"plus one forward (notebook 03) is {want_f}; the warm-up is {why}")
         peaks = peak_in_flight(sched, K)
         for s in range(K):
             if peaks[s] > min(M, K):
