@@ -161,3 +161,16 @@ def test_unscaled_loss_is_also_caught_by_the_plain_sgd_case():
 def test_zeroing_inside_the_loop_fails_with_the_difference():
     assert_public_case_fails("2.3", accumulate_zeroing, "M=4: every parameter gradient",
                              contains="embedding.wte.weight vs the full batch's: tensors of shape (256, 16) differ in")
+
+
+def accumulate_split_by_M(model, x, y, M):
+    """Wrong: x.split(M) cuts pieces of M rows (B/M pieces), not M pieces."""
+    for xm, ym in zip(x.split(M), y.split(M)):
+        (model(xm, ym) / M).backward()
+
+
+def test_split_instead_of_M_pieces_is_told_by_the_model_calls():
+    res = assert_public_case_fails("2.3", accumulate_split_by_M, "M=4: every parameter gradient",
+                                   contains="in one step the model was called 2 time(s) with batch sizes [4, 4], "
+                                            "but M=4 microbatches of 8/4 = 2 sequences each make [2, 2, 2, 2]")
+    assert "0.5 times" not in res.message
