@@ -39,8 +39,11 @@ def _groups(rank, t, p, d):
 
 ex81 = exercise(
     "8.1", title="rank -> (tp, pp, dp) coordinates", notebook=NOTEBOOK, points=2,
-    hint="TP is innermost: tp = rank % t. DP comes next: dp = (rank // t) % d. PP is outermost: "
-         "pp = rank // (t * d). Raise ValueError for a rank outside 0..t*p*d-1.")
+    hint="Section 1 (the grid): ranks are numbered TP innermost, then DP, then PP outermost, so neighbouring "
+         "ranks differ in tp. How many ranks does one step in dp skip, and one step in pp?")
+ex81.hint2 = ("Write the 8 ranks of t=2, p=2, d=2 as a table of (tp, pp, dp), counting tp fastest, then dp, "
+              "then pp. Return the tuple in the order (tp, pp, dp) and raise ValueError for a rank outside the "
+              "grid.")
 
 
 _AXES = ("tp", "pp", "dp")
@@ -113,9 +116,10 @@ ex81.case("t=1, p=3, d=2", hidden=True)(_coords_case(1, 3, 2))
 
 ex82 = exercise(
     "8.2", title="the groups a rank belongs to", notebook=NOTEBOOK, points=2,
-    hint="Keep two coordinates of the rank fixed and run the third over its range: the TP group varies tp "
-         "(neighbouring ranks), the DP group varies dp (stride t), the PP group varies pp (stride t*d). "
-         "Return the global ranks in increasing order.")
+    hint="Section 1: a rank's TP group is the ranks that share its pp and dp and differ only in tp; likewise "
+         "for DP and PP. Which global ranks are those, in increasing order?")
+ex82.hint2 = ("Use your rank_coords (8.1): fix two coordinates, run the third over its range and turn each "
+              "coordinate triple back into a global rank.")
 
 
 def _groups_case(t, p, d):
@@ -147,9 +151,12 @@ def _states(P, t, p, d, zero, precision):
 
 ex83 = exercise(
     "8.3", title="model states of one GPU", notebook=NOTEBOOK, points=2,
-    hint="One GPU holds P/(t p) parameters. Bytes per parameter: bf16 2 + 2 + 12 (weights, gradients, fp32 "
-         "master weights and Adam's two moments), fp32 4 + 4 + 8. ZeRO-1 divides the optimizer state by d, "
-         "ZeRO-2 also the gradients, ZeRO-3 also the parameters.")
+    hint="Section 3: one GPU holds the share of the P parameters that TP and PP leave it, and per parameter it "
+         "stores weights, gradients and optimizer state (mixed precision keeps fp32 master weights and Adam's "
+         "two moments). Which of the three does each ZeRO stage divide over d?")
+ex83.hint2 = ("Count the bytes per parameter of each of the three states in bf16 and in fp32 (ZeRO paper sec. "
+              "3.1: mixed-precision Adam needs 16 bytes per parameter in all). Each ZeRO stage shards one more "
+              "of the three, optimizer state first.")
 
 
 def _states_case(P, t, p, d, zero, precision):
@@ -173,9 +180,12 @@ ex83.case("one GPU, fp32", hidden=True)(_states_case(1.2e8, 1, 1, 1, 0, "fp32"))
 # ----------------------------------------------------------------------------- 8.4
 ex84 = exercise(
     "8.4", title="activations of the first pipeline stage", notebook=NOTEBOOK, points=2,
-    hint="Per layer and microbatch (16-bit, Korthikanti et al. 2022): TP sbh(10 + 24/t + 5as/(ht)); with SP "
-         "everything / t: sbh(34 + 5as/h)/t; selective recompute drops the 5as/h term; full recompute keeps 2sbh "
-         "(/t with SP). Under 1F1B the first stage holds min(p, M) microbatches of L/p layers.")
+    hint="Section 3 (Korthikanti et al. 2022, Table 2): take the bytes per layer and microbatch for the case "
+         "at hand (TP only, TP with SP, selective or full recompute), then ask how many layers the first stage "
+         "holds and how many microbatches it keeps alive under 1F1B.")
+ex84.hint2 = ("Selective recompute drops the attention-score term with and without SP; SP also divides the "
+              "terms that TP alone leaves whole; full recompute keeps only each layer's input. Check the case "
+              "with fewer microbatches than stages.")
 
 
 def _act(s, b, h, a, L, t, p, M, sp, rec):
@@ -203,9 +213,11 @@ ex84.case("SP + full", hidden=True)(_act_case(2048, 1, 8192, 64, 80, 8, 8, 32, T
 # ----------------------------------------------------------------------------- 8.5
 ex85 = exercise(
     "8.5", title="choose t, p, d with Megatron's rules", notebook=NOTEBOOK, points=3,
-    hint="Among the (t, p) in `memory` that fit (bytes <= gpu_memory) and divide n_gpus, with t <= gpus_per_node "
-         "(rule 1), take the smallest model-parallel size t*p (rule 2); for that size prefer the largest t "
-         "(TP inside the node before PP across nodes). d = n_gpus // (t*p). Raise ValueError when none fits.")
+    hint="Section 4 (Megatron's rules): keep only the layouts that are allowed at all: TP inside a node, the "
+         "memory fits, and the t p GPUs of one model copy tile all the GPUs. Among those, which does rule 2 "
+         "prefer, and for a tie which does TP-before-PP prefer?")
+ex85.hint2 = ("Print the table and cross out, one rule at a time, each (t, p) that breaks a rule; which is "
+              "first among the rest, sorted by model-parallel size? Nothing left: ValueError.")
 
 
 def _choose(n, g, mem, table):
@@ -301,10 +313,12 @@ ex85.case("Llama-3 70B on 512 GPUs of 40 GB, 4 per node, full recompute",
 # ----------------------------------------------------------------------------- 8.6
 ex86 = exercise(
     "8.6", title="bytes each axis sends per step", notebook=NOTEBOOK, points=3,
-    hint="Ring bytes sent by one GPU of a middle pipeline stage (p >= 3; no embedding or output layer), e bytes per "
-         "value: TP 4 all-reduces (2 forward, 2 backward) of s*b*h per layer, L/p layers, M microbatches, each "
-         "2(t-1)/t of the payload; PP one send of s*b*h forward and one backward per microbatch; DP one "
-         "all-reduce of the GPU's gradients (n_params values): 2(d-1)/d of it.")
+    hint="Section 2: per axis, count the collectives or sends one GPU takes part in per step and the payload "
+         "of each; a ring all-reduce sends only a fraction of the payload from each GPU (notebook 00, section "
+         "5). Which axis communicates per layer, which per microbatch, which once per step?")
+ex86.hint2 = ("TP: the f and g of attention and MLP, forward and backward, in each of this stage's layers, for "
+              "each microbatch. PP: one activation forward and one gradient backward per microbatch (a middle "
+              "stage). DP: one all-reduce of this GPU's gradients. Bytes are values times e.")
 
 
 def _axis(s, b, h, L, t, p, d, M, n_params, e):

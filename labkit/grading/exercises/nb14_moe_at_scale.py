@@ -27,8 +27,11 @@ from ..registry import CheckFailure, exercise, expect_close
 # ----------------------------------------------------------------------------- 14.1
 ex141 = exercise(
     "14.1", title="balanced packing of expert groups onto nodes", notebook="14_moe_at_scale", points=3,
-    hint="Go through the groups heaviest first; put each on the node with the smallest load so far among "
-         "the nodes that still hold fewer than n_groups / n_nodes groups.")
+    hint="Section 1 (EPLB step 1): a greedy balances well when it places the big groups while the nodes can "
+         "still even them out, and always puts the next group where it hurts least. Which order, which node, "
+         "and which nodes are still allowed?")
+ex141.hint2 = ("Every node must end with the same number of groups, so a full node is no longer a candidate; "
+               "ties go to the lower node.")
 
 
 def _as_ints(x, n, what):
@@ -105,8 +108,10 @@ ex141.case("12 random groups onto 3 nodes", hidden=True)(
 # ----------------------------------------------------------------------------- 14.2
 ex142 = exercise(
     "14.2", title="replicas per expert", notebook="14_moe_at_scale", points=3,
-    hint="Start with one copy each; give each of the num_replicas - E extra copies, one at a time, to "
-         "the expert whose load / copies is the largest right now.")
+    hint="Section 2 (EPLB step 2): each extra copy should go where it lowers the busiest copy's load the most. "
+         "Which expert's copies are the busiest right now?")
+ex142.hint2 = ("Add the copies one at a time; before each, compare the experts by the load that each of their "
+               "current copies carries (not by total load, and not by the load after the new copy).")
 
 
 def _replica_case(load, R, what):
@@ -153,9 +158,11 @@ ex142.case("no extra copies", hidden=True)(_replica_case([3, 1, 2, 5], 4, "repli
 # ----------------------------------------------------------------------------- 14.3
 ex143 = exercise(
     "14.3", title="inter-node bytes, flat vs hierarchical", notebook="14_moe_at_scale", points=3,
-    hint="Node of a slot = expert // experts_per_node. Flat: count the slots whose node is not my_node. "
-         "Hierarchical: count, per token, the DISTINCT nodes other than my_node. Multiply by hidden * "
-         "bytes_per_element.")
+    hint="Section 3: flat, every slot whose expert is on another node sends one row across; hierarchical, a "
+         "token sends one row to each other node it needs, however many of its experts live there. Which node "
+         "holds expert e, and how many bytes is one row?")
+ex143.hint2 = ("Per token, turn its k experts into their nodes; the flat count takes every slot that is not on "
+               "my node, the hierarchical count the distinct nodes other than mine.")
 
 
 def _routing(T, k, E, seed):
@@ -191,9 +198,11 @@ ex143.case("32 tokens, k=8, 8 nodes, my node 5", hidden=True)(
 # ----------------------------------------------------------------------------- 14.4
 ex144 = exercise(
     "14.4", title="bytes read per token and the latency bound", notebook="14_moe_at_scale", points=3,
-    hint="At batch 1 a decoding step reads every parameter the token uses once: "
-         "count_parameters(spec).active (for a dense model that is all of them) * bytes_per_param; "
-         "the latency bound is that number of bytes / bandwidth (bytes per second).")
+    hint="Section 4 (DeepSpeed-MoE sec. 5.1): at batch size 1 decoding is memory-bound: each generated token "
+         "reads every weight it uses once. Which parameters does one token use in an MoE model, and how long "
+         "does reading those bytes take at the given bandwidth?")
+ex144.hint2 = ("labkit's count_parameters gives both the total and the active count (for a dense model they "
+               "are equal); the latency bound is in seconds.")
 
 
 def _decode_case(spec, bpp, bw, what):
