@@ -22,5 +22,5 @@ def test_ceil_passes():
 def test_floor_fails_a_public_case_with_the_bubble_it_leaves():
     assert_public_case_fails("1.2", smallest_floor, "K=3, target 0.3",
                              contains="expected 5, got 4; with M=4 the bubble is 0.3333 > 0.3",
-                             hint="round it UP (math.ceil)")
+                             hint="rounding it one way leaves the bubble above the target")
     assert len([c for c in get_exercise("1.2").cases if c.hidden]) >= 2

@@ -146,8 +146,8 @@ def test_accumulation_solution_passes():
 
 def test_unscaled_microbatch_loss_fails_naming_the_factor_M():
     assert_public_case_fails("2.3", accumulate_unscaled, "M=4: every parameter gradient",
-                             contains="it is exactly M=4 times the full-batch gradient: each microbatch's loss "
-                                      "must be scaled by 1/M")
+                             contains="it is exactly M=4 times the full-batch gradient: the M microbatch losses "
+                                      "were added up as they are, but the batch loss is their MEAN")
 
 
 def test_unscaled_loss_is_also_caught_by_the_plain_sgd_case():
@@ -161,3 +161,31 @@ def test_unscaled_loss_is_also_caught_by_the_plain_sgd_case():
 def test_zeroing_inside_the_loop_fails_with_the_difference():
     assert_public_case_fails("2.3", accumulate_zeroing, "M=4: every parameter gradient",
                              contains="embedding.wte.weight vs the full batch's: tensors of shape (256, 16) differ in")
+
+
+def accumulate_split_by_M(model, x, y, M):
+    """Wrong: x.split(M) cuts pieces of M rows (B/M pieces), not M pieces."""
+    for xm, ym in zip(x.split(M), y.split(M)):
+        (model(xm, ym) / M).backward()
+
+
+def test_split_instead_of_M_pieces_is_told_by_the_model_calls():
+    res = assert_public_case_fails("2.3", accumulate_split_by_M, "M=4: every parameter gradient",
+                                   contains="in one step the model was called 2 time(s) with batch sizes [4, 4], "
+                                            "but M=4 microbatches of 8/4 = 2 sequences each make [2, 2, 2, 2]")
+    assert "0.5 times" not in res.message
+
+
+def gpipe_backwards_reversed(K, M):
+    """Also GPipe (the paper's Fig. 2c): the backwards from microbatch M-1 down to 0, on every rank."""
+    out = {}
+    for r, acts in gpipe_actions(K, M).items():
+        n_f = next(i for i, a in enumerate(acts) if a.kind in ("RECV_B", "B"))
+        back = [Action(a.kind, a.stage, M - 1 - a.microbatch) for a in acts[n_f:]]
+        out[r] = acts[:n_f] + back
+    return out
+
+
+def test_gpipe_backwards_in_reverse_order_are_accepted_as_the_notebook_says():
+    """Decision (notebook 02, exercise 2.1): backwards in microbatch order or in reverse both pass."""
+    assert_check_passes("2.1", gpipe_backwards_reversed)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from labkit import comm
-from labkit.tensor_parallel import reduce_from_tensor_model_parallel_region
+from labkit.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from labkit.grading import evaluate
 from labkit.grading.registry import get_exercise
 from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
@@ -91,9 +91,9 @@ def test_solution_passes(ex, answer):
 @pytest.mark.parametrize("ex, answer, words", [
     ("6.1", partials_rows_of_A, ["partial 0 expected", "do not sum"]),
     ("6.1", partials_interleaved, ["partial 0 expected", "i-th block of columns"]),
-    ("6.2", CopyNoReduce, ["dL/dX on rank 0", "all-reduce"]),
+    ("6.2", CopyNoReduce, ["dL/dX on rank 0 is only the share of its own branch", "never summed"]),
     ("6.2", ReduceFromRegion, ["forward output Z on rank 0"]),
-    ("6.3", ReduceBothWays, ["dL/dX on rank 0"]),
+    ("6.3", ReduceBothWays, ["dL/dX on rank 0", "got is 2 x expected everywhere"]),
     ("6.3", CopyToRegion, ["forward output Z on rank 0", "Hint"]),
 ])
 def test_wrong_answer_fails_with_a_useful_message(ex, answer, words):
@@ -118,7 +118,7 @@ def partials_divisible_H(X, A, B, t):
 
 def test_raising_on_H_instead_of_F_fails_a_public_case():
     assert_public_case_fails("6.1", partials_divisible_H, "t=4, X [3, 6], A [6, 24]: t divides F, not H",
-                             contains="ValueError: t=4 must divide H=6", hint="test F % t, not H % t")
+                             contains="ValueError: t=4 must divide H=6", hint="So which of the two must t divide")
     hidden = [c.name for c in get_exercise("6.1").cases if c.hidden]
     assert "t=8, X [7, 5], A [5, 40]" in hidden
 
@@ -140,12 +140,33 @@ def row_parallel_no_reduce(x_shard, weight_shard, bias, group):
 def test_row_parallel_bias_before_the_all_reduce_fails_naming_t_biases():
     assert_public_case_fails("6.4", row_parallel_bias_before_reduce, "t=2 ranks",
                              contains="the output on rank 0 is the single device's plus 1 x bias, i.e. it holds "
-                                      "the bias 2 times", hint="add it once, AFTER the all-reduce")
+                                      "the bias 2 times", hint="the output holds it exactly once")
 
 
-def test_row_parallel_without_the_all_reduce_fails_with_the_difference():
-    assert_public_case_fails("6.4", row_parallel_no_reduce, "t=2 ranks",
-                             contains="output on rank 0 (vs F.linear on one device): tensors of shape (4, 6) differ")
+def row_parallel_bias_on_rank0(x_shard, weight_shard, bias, group):
+    """Wrong: only rank 0 adds the bias (before the sum): the output is right, rank 1's bias gets no gradient."""
+    partial = x_shard @ weight_shard.t()
+    if torch.distributed.get_rank(group) == 0:
+        partial = partial + bias
+    return reduce_from_tensor_model_parallel_region(partial, group)
+
+
+def row_parallel_f_instead_of_g(x_shard, weight_shard, bias, group):
+    """Wrong: f (identity forward, all-reduce backward) where g belongs."""
+    return copy_to_tensor_model_parallel_region(x_shard @ weight_shard.t(), group) + bias
+
+
+@pytest.mark.parametrize("wrong, contains", [
+    (row_parallel_no_reduce, "the output on rank 0 is only its own partial product x_r W_r^T plus the bias: the 2 "
+                             "partial products were never summed over the group"),
+    (row_parallel_f_instead_of_g, "the output on rank 0 is only its own partial product plus the bias, and dL/dx_r "
+                                  "is 2 x too large: this is f (identity forward, all-reduce backward) where the "
+                                  "layer needs g"),
+    (row_parallel_bias_on_rank0, "dL/dbias is None on rank 1 but set on rank(s) [0]: the bias entered the output "
+                                 "only through some ranks' computation"),
+])
+def test_row_parallel_mistakes_are_named(wrong, contains):
+    assert_public_case_fails("6.4", wrong, "t=2 ranks", contains=contains)
 
 
 def test_row_parallel_right_answer_passes_the_public_cases():

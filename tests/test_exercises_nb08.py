@@ -3,7 +3,7 @@ message that says what was expected and what came back; the expected values agre
 import pytest
 
 from labkit.grading.exercises import nb08_3d_parallelism as nb08
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 from labkit.plan.comm import comm_per_rank
 from labkit.plan.memory import memory_per_rank
 from labkit.plan.spec import Layout, ModelSpec
@@ -82,6 +82,12 @@ def act_sp_ignored(s, b, h, a, L, t, p, M, sequence_parallel, recompute):
     return first_stage_activation_bytes(s, b, h, a, L, t, p, M, False, recompute)
 
 
+def act_selective_needs_sp(s, b, h, a, L, t, p, M, sequence_parallel, recompute):
+    """Wrong: selective recompute only counted with sequence parallelism."""
+    rec = recompute if sequence_parallel or recompute == "full" else "none"
+    return first_stage_activation_bytes(s, b, h, a, L, t, p, M, sequence_parallel, rec)
+
+
 def choose_layout(n_gpus, gpus_per_node, gpu_memory, memory):
     ok = [(t, p) for (t, p), need in memory.items() if t <= gpus_per_node and n_gpus % (t * p) == 0
           and need <= gpu_memory]
@@ -106,6 +112,27 @@ def choose_ignores_memory(n_gpus, gpus_per_node, gpu_memory, memory):
     return t, p, n_gpus // (t * p)
 
 
+def choose_without_divisibility(n_gpus, gpus_per_node, gpu_memory, memory):
+    """Wrong: forgets that t*p must divide the number of GPUs."""
+    ok = [(t, p) for (t, p), need in memory.items() if t <= gpus_per_node and need <= gpu_memory]
+    if not ok:
+        raise ValueError("no layout fits")
+    t, p = min(ok, key=lambda tp: (tp[0] * tp[1], -tp[0]))
+    return t, p, n_gpus // (t * p)
+
+
+def coords_reordered(rank, t, p, d):
+    """Wrong: the right coordinates returned as (tp, dp, pp)."""
+    tp, pp, dp = rank_coords(rank, t, p, d)
+    return tp, dp, pp
+
+
+def coords_pp_wrong(rank, t, p, d):
+    """Wrong: pp from the wrong stride, the rest right."""
+    tp, pp, dp = rank_coords(rank, t, p, d)
+    return tp, rank // t % p, dp
+
+
 def axis_bytes(s, b, h, L, t, p, d, M, n_params, e):
     act = s * b * h * e
     return {"tp": 4 * (L // p) * M * 2 * (t - 1) / t * act, "pp": 2 * M * act, "dp": 2 * (d - 1) / d * n_params * e}
@@ -126,7 +153,7 @@ def test_solutions_pass(ex, answer):
 
 
 @pytest.mark.parametrize("ex,wrong,contains", [
-    ("8.1", coords_pp_inner, "expected"),
+    ("8.1", coords_pp_inner, "a grid ordered TP innermost, then PP, DP outermost"),
     ("8.2", groups_dp_stride_wrong, "['dp']"),
     ("8.3", states_adam_fp16_moments, "['optimizer']"),
     ("8.3", states_zero_all, "['params']"),
@@ -138,6 +165,31 @@ def test_solutions_pass(ex, answer):
 ])
 def test_wrong_answers_fail(ex, wrong, contains):
     assert_check_fails(ex, wrong, contains=contains)
+
+
+@pytest.mark.parametrize("ex, wrong, case, contains", [
+    ("8.4", act_selective_needs_sp, "t=8, TP only (no SP), selective recompute", "sequence_parallel=False, "
+     "recompute='selective')"),
+    ("8.5", choose_without_divisibility, "a table that also lists",
+     "expected (4, 3, 1), got (4, 2, 1) (t*p=8 does not divide 12 GPUs"),
+    ("8.1", coords_reordered, "t=2, p=2, d=2", "these are the right coordinates in the wrong order (your tuple reads "
+     "(tp, dp, pp); return (tp, pp, dp)) or the coordinates of a grid ordered TP innermost, then PP, DP outermost"),
+    ("8.1", coords_pp_wrong, "t=2, p=2, d=2", "rank_coords(2, t=2, p=2, d=2): coordinate pp (item 1 of (tp, pp, dp)): "
+     "expected 0, got 1"),
+])
+def test_wrong_answers_fail_a_public_case_naming_the_mistake(ex, wrong, case, contains):
+    assert_public_case_fails(ex, wrong, case, contains=contains)
+
+
+def test_reordered_tuple_and_dp_outermost_are_told_apart_where_the_grid_shows_it():
+    from labkit.grading.exercises.nb08_3d_parallelism import _explain_coords
+    t, p, d = 2, 3, 2
+    reordered = [coords_reordered(r, t, p, d) for r in range(t * p * d)]
+    dp_outer = [coords_pp_inner(r, t, p, d) for r in range(t * p * d)]
+    assert _explain_coords(reordered, t, p, d) == ("these are the right coordinates in the wrong order (your tuple "
+                                                   "reads (tp, dp, pp); return (tp, pp, dp))")
+    assert _explain_coords(dp_outer, t, p, d).startswith("these are the coordinates of a grid ordered TP innermost, "
+                                                         "then PP, DP outermost")
 
 
 def test_stub_is_not_attempted():

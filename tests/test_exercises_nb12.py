@@ -128,6 +128,9 @@ def test_v3_gate_solution_passes():
     ({"route_scale": 1.0}, "scores and weights", "MoEConfig.route_scale: expected 2.5, got 1.0"),
     ({"n_shared_experts": 0}, "experts:", "MoEConfig.n_shared_experts: expected 1, got 0"),
     ({"n_activated_experts": 2}, "experts:", "MoEConfig.n_activated_experts: expected 8, got 2"),
+    ({"moe_ffn_dim": 18432}, "expert sizes", "MoEConfig.moe_ffn_dim: expected 2048, got 18432"),
+    ({"activation": "gelu"}, "expert sizes", "MoEConfig.activation: expected 'swiglu', got 'gelu'"),
+    ({"n_embd": 4096}, "expert sizes", "MoEConfig.n_embd: expected 7168, got 4096"),
 ])
 def test_v3_gate_misread_fails_naming_the_field(change, case, contains):
     assert_public_case_fails("12.4", lambda: replace(deepseek_v3_gate(), **change), case, contains=contains)

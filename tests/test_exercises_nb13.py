@@ -19,10 +19,10 @@ def with_backward(layer, x, grad_out):
     return x.grad, layer.weight.grad, layer.bias.grad
 
 
-def zb_h1_order(K, M, delay=True, split=True):
+def zb_h1_order(K, M, delay=True, split=True, extra_warmup=0, newest_w=False):
     order = {}
     for r in range(K):
-        warm = min(K - 1 - r, M)
+        warm = min(K - 1 - r + extra_warmup, M)
         acts = [Action("F", r, m) for m in range(warm)]
         pending, nf = [], warm
         for m in range(M):
@@ -35,7 +35,7 @@ def zb_h1_order(K, M, delay=True, split=True):
             acts.append(Action("I", r, m))
             pending.append(m)
             if len(pending) > (r if delay else 0):
-                acts.append(Action("W", r, pending.pop(0)))
+                acts.append(Action("W", r, pending.pop(-1 if newest_w else 0)))
         acts += [Action("W", r, m) for m in pending]
         order[r] = acts
     return order
@@ -96,3 +96,16 @@ def test_full_backward_confusion_is_named():
     def no_w_in_1f1b(name, K, f, i, w):
         return (K - 1) * (f + i) if name == "1f1b" else bubble_time(name, K, f, i, w)
     assert_check_fails("13.3", no_w_in_1f1b, contains="W pass is on the critical path")
+
+
+def test_one_warm_up_forward_too_many_is_told_as_the_warm_up():
+    res = assert_check_fails("13.2", lambda K, M: zb_h1_order(K, M, extra_warmup=1),
+                             contains="rank 0 runs 3 forward(s) before its first I, 1F1B's warm-up plus one forward "
+                                      "(notebook 03) is 2; the warm-up is too long")
+    assert "delays too many W" not in res.message
+
+
+def test_any_waiting_w_is_accepted_as_the_notebook_says():
+    """Decision (notebook 13, exercise 13.2): the W that runs may be any waiting one; the memory and the
+    bubble are the same, so the check does not require the oldest (labkit's schedule takes the oldest)."""
+    assert_check_passes("13.2", lambda K, M: zb_h1_order(K, M, newest_w=True))

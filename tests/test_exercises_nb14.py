@@ -1,6 +1,8 @@
 """Exercises of notebook 14_moe_at_scale: the solutions pass, plausible wrong answers fail with a
 message that says what was expected and what came back."""
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+import pytest
+
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 from labkit.moe.params import count_parameters
 
 
@@ -98,6 +100,68 @@ def test_packing_wrong_answers_fail():
 def test_replica_wrong_answers_fail():
     assert_check_fails("14.2", all_extras_to_the_heaviest, contains="the busiest copy serves")
     assert_check_fails("14.2", proportional_rounding, contains="every expert needs at least one copy")
+
+
+def packing_in_given_order(loads, n_nodes):
+    """Wrong: the groups in the order given, each to the lightest node with room."""
+    per = len(loads) // n_nodes
+    node_load, count, node = [0.0] * n_nodes, [0] * n_nodes, [0] * len(loads)
+    for g in range(len(loads)):
+        n = min((m for m in range(n_nodes) if count[m] < per), key=lambda m: node_load[m])
+        node[g], node_load[n], count[n] = n, node_load[n] + loads[g], count[n] + 1
+    return node
+
+
+def packing_lightest_first(loads, n_nodes):
+    """Wrong: lightest group first."""
+    order = sorted(range(len(loads)), key=lambda i: loads[i])
+    node = packing_in_given_order([loads[i] for i in order], n_nodes)
+    out = [0] * len(loads)
+    for j, g in enumerate(order):
+        out[g] = node[j]
+    return out
+
+
+def packing_fill_nodes_in_turn(loads, n_nodes):
+    """Wrong: heaviest first, but node 0 is filled, then node 1, ..."""
+    per = len(loads) // n_nodes
+    out = [0] * len(loads)
+    for j, g in enumerate(sorted(range(len(loads)), key=lambda i: -loads[i])):
+        out[g] = j // per
+    return out
+
+
+def packing_next_node_in_turn(loads, n_nodes):
+    """Wrong: heaviest first, each to the next node in turn."""
+    out = [0] * len(loads)
+    for j, g in enumerate(sorted(range(len(loads)), key=lambda i: -loads[i])):
+        out[g] = j % n_nodes
+    return out
+
+
+def replicas_after_the_copy(load, num_replicas):
+    """Wrong: the next copy to the largest load / (copies + 1)."""
+    cnt = [1] * len(load)
+    for _ in range(num_replicas - len(load)):
+        cnt[max(range(len(load)), key=lambda i: load[i] / (cnt[i] + 1))] += 1
+    return cnt
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (packing_in_given_order, "6 groups", "placed in the order they are given"),
+    (packing_lightest_first, "6 groups", "placed lightest first"),
+    (packing_fill_nodes_in_turn, "6 groups", "filled one after the other"),
+    (packing_next_node_in_turn, "6 groups", "went to the next node in turn"),
+])
+def test_packing_mistakes_are_named(wrong, case, contains):
+    assert_public_case_fails("14.1", wrong, case, contains=contains)
+
+
+def test_replicas_by_load_after_the_copy_fail_a_public_case():
+    assert_public_case_fails("14.2", replicas_after_the_copy, "loads [30, 14, 3]",
+                             contains="with copies [4, 1, 1] the busiest copy serves 14 tokens; copies [3, 2, 1] "
+                                      "get it down to 10 (these are the counts of a greedy that judges each expert "
+                                      "by the load its copies would carry AFTER one more copy")
 
 
 def test_bytes_wrong_answers_fail():

@@ -73,8 +73,8 @@ def test_check_failure_names_case_expected_got_and_hint(capsys):
     res = check("T.1", lambda x: x + 2)
     line = capsys.readouterr().out
     assert line.count("\n") == 1
-    assert line == ('Exercise T.1 (double): failed case "x=-1.5": f(-1.5): expected -3, got 0.5. '
-                    'Hint: Multiply by two.\n')
+    assert line == ('Exercise T.1 (double): failed case "x=-1.5": f(-1.5): expected -3, got 0.5; got is -0.1667 x '
+                    'expected. Hint: Multiply by two.\n')
     assert res.status == "failed"
 
 
@@ -329,7 +329,7 @@ def test_nb01_bubble_with_m_plus_k_fails():
         return (K - 1) / (M + K)
 
     assert_check_fails("1.1", wrong, contains='failed case "K=4, M=8": bubble_fraction(K=4, M=8): '
-                                              'expected 0.272727, got 0.25. Hint:')
+                                              'expected 0.272727, got 0.25; got is 0.9167 x expected. Hint:')
 
 
 def test_nb01_bubble_without_input_check_fails():

@@ -41,17 +41,42 @@ def test_nan_counts_as_a_difference():
 
 
 def test_scalars_are_numbers():
-    assert _message(expect_close, torch.tensor(1.105), 1.0, "loss") == "loss: expected 1, got 1.105"
-    assert _message(expect_close, torch.tensor(1.105), torch.tensor(1.0), "loss") == "loss: expected 1, got 1.105"
+    assert _message(expect_close, torch.tensor(1.105), 1.0, "loss") == \
+        "loss: expected 1, got 1.105; got is 1.105 x expected"
+    assert _message(expect_close, torch.tensor(1.105), torch.tensor(1.0), "loss") == \
+        "loss: expected 1, got 1.105; got is 1.105 x expected"
     assert _message(expect_equal, torch.tensor(3), torch.tensor(4), "n") == "n: expected 4, got 3"
-    assert _message(expect_equal, np.float64(0.25), 0.5, "p") == "p: expected 0.5, got 0.25"
+    assert _message(expect_equal, np.float64(0.25), 0.5, "p") == "p: expected 0.5, got 0.25; got is 0.5 x expected"
     assert "shape=()" not in _message(expect_close, torch.tensor([1.105]).reshape(()), 2.0, "x")
+
+
+@pytest.mark.parametrize("got, expected, factor", [
+    (0.04, 0.01, "; got is 4 x expected"),            # a loss not divided by M = 4
+    (torch.tensor(0.5), 1.0, "; got is 0.5 x expected"),
+    (-2.0, 2.0, "; got is -1 x expected"),            # a sign
+    (24, 48, "; got is 0.5 x expected"),              # ints: a whole factor is named
+    (96, 48, "; got is 2 x expected"),
+    (3, 4, ""),                                       # ints: 0.75 says nothing
+    (0.0, 1.0, ""), (1.0, 0.0, ""),                   # no factor to a zero
+])
+def test_scalars_name_a_constant_factor(got, expected, factor):
+    msg = _message(expect_close if isinstance(expected, float) else expect_equal, got, expected, "x")
+    if factor:
+        assert msg.endswith(factor), msg
+    else:
+        assert "x expected" not in msg, msg
 
 
 def test_small_tensors_show_their_values():
     msg = _message(expect_close, torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]), "v")
     assert msg == ("v: expected tensor([1, 3]), got tensor([1, 2]) (largest difference at index [1]: expected 3, "
                    "got 2)"), msg
+
+
+def test_small_tensors_name_a_constant_factor():
+    msg = _message(expect_close, torch.tensor([2.0, -4.0, 6.0]), torch.tensor([1.0, -2.0, 3.0]), "grad")
+    assert msg.endswith("; got is 2 x expected everywhere"), msg
+    assert "x expected" not in _message(expect_close, torch.tensor([2.0, 2.0]), torch.tensor([1.0, 3.0]), "v")
 
 
 def test_shape_and_dtype_mismatches_are_unchanged():

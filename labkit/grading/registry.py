@@ -6,7 +6,8 @@ module in that package is imported by :func:`load_all`). A module declares its e
     from labkit.grading.registry import exercise, CheckFailure, expect_equal, expect_close
 
     ex = exercise("1.1", title="bubble fraction", notebook="01_pipeline_bubble", points=2,
-                  hint="The bubble is K-1 slots out of M+K-1.")
+                  hint="Count the time slots of one stage: in how many does it wait?")
+    ex.hint2 = "Does the count depend on which stage you pick?"   # after repeated failed checks
 
     @ex.case("K=4, M=8")                      # public case: its details are shown on failure
     def _(answer):                            # answer: a proxy for what check("1.1", ...) got
@@ -88,6 +89,10 @@ exercises with the full ``exercise(...)`` form. Case names must be unique within
 
 A case may carry its own hint, shown instead of the exercise's hint when that case is the first
 to fail: ``@ex.case("rejects M=0 with ValueError", hint="Check M >= 1 before computing.")``.
+``ex.hint2``, a second and more specific hint, follows the first from the second failed ``check``
+of the same exercise in a session (:func:`labkit.grading.runner.check`). Hints lead (the concept,
+the notebook section, the invariant that fails, a question); they never contain the answer's
+formula or code (``tests/test_grading_hints.py`` checks every hint against the solution notebooks).
 
 Points: an exercise's ``points`` are all-or-nothing: the grader awards them only when every
 case of the exercise (public and hidden) passes; a case carries no share of its own (a wrong
@@ -162,6 +167,7 @@ class Exercise:
     notebook: str
     points: float = 1.0
     hint: str = ""
+    hint2: str = ""  # a more specific second hint, shown after repeated failed checks (runner.check)
     cases: list[Case] = field(default_factory=list)
     references: list[str] = field(default_factory=list)  # "module:qualname" the learner must not call
 
@@ -417,10 +423,11 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
                                 rtol=rtol, atol=atol)
         if not ok:
             if got.numel() <= 1:
-                raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}")
+                raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}"
+                                   + (_scalar_factor(got.item(), expected.item()) if got.numel() else ""))
             if got.numel() <= 6:
                 raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}"
-                                   + _first_difference(got, expected))
+                                   + _first_difference(got, expected) + _tensor_factor(got, expected))
             raise CheckFailure(f"{what}: {_how_tensors_differ(got, expected, exact, rtol, atol)}")
         return
     if isinstance(expected, (list, tuple)):
@@ -447,12 +454,47 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
         if not isinstance(got, numbers.Real) or isinstance(got, bool):  # numpy scalars count
             raise CheckFailure(f"{what}: expected a number close to {_short(expected)}, got {type(got).__name__} {_short(got)}")
         if not math.isclose(float(got), expected, rel_tol=rtol, abs_tol=atol):
-            raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}")
+            raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}{_scalar_factor(got, expected)}")
         return
     if type(got) is bool and type(expected) is not bool or type(expected) is bool and type(got) is not bool:
         raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}")
     if got != expected:
-        raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}")
+        raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}{_scalar_factor(got, expected)}")
+
+
+def _scalar_factor(got, expected) -> str:
+    """'; got is c x expected' for two numbers, as for tensors (a loss not divided by M, a bias counted t
+    times): always for floats; for two ints only when c or 1/c is a whole number (else it says nothing)."""
+    real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731
+    if not (real(got) and real(expected)) or expected == 0 or got == 0:
+        return ""
+    g, e = float(got), float(expected)
+    if not (math.isfinite(g) and math.isfinite(e)):
+        return ""
+    c = g / e
+    if abs(c - 1) <= 1e-3:
+        return ""
+    if isinstance(got, numbers.Integral) and isinstance(expected, numbers.Integral):
+        whole = lambda v: abs(v - round(v)) < 1e-9 and abs(round(v)) >= 2  # noqa: E731
+        if not (whole(c) or whole(1 / c)):
+            return ""
+    return f"; got is {_num(round(c, 4))} x expected"
+
+
+def _tensor_factor(got, expected) -> str:
+    """'; got is c x expected everywhere' when the (small) tensor ``got`` is a constant multiple of ``expected``."""
+    import torch
+
+    try:
+        gd, ed = got.detach().double().cpu(), expected.detach().double().cpu()
+        denom = float((ed * ed).sum())
+        if denom > 0 and torch.isfinite(gd).all():
+            ratio = float((gd * ed).sum()) / denom
+            if abs(ratio - 1) > 1e-3 and torch.allclose(gd, ratio * ed, rtol=1e-4, atol=1e-7):
+                return f"; got is {_num(round(ratio, 4))} x expected everywhere"
+    except (RuntimeError, TypeError):
+        pass
+    return ""
 
 
 def _how_tensors_differ(got, expected, exact: bool, rtol: float, atol: float) -> str:

@@ -22,7 +22,6 @@ import select
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,8 @@ from .registry import Case, CheckFailure, Exercise, get_exercise
 __all__ = ["CaseResult", "CheckResult", "run_case", "evaluate", "format_line", "STRICT_ENV"]
 
 STRICT_ENV = "LABKIT_STRICT"  # "1": check() raises when an exercise is not passed
+SECOND_HINT_AFTER = 2  # failed check() calls of one exercise before its second hint (Exercise.hint2) shows
+_FAILED_CHECKS: dict[str, int] = {}  # exercise id -> failed check() calls in this process
 MAX_MESSAGE = 400  # characters of a case message shown on the one line
 
 
@@ -284,8 +285,9 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
     return res
 
 
-def format_line(ex: Exercise, res: CheckResult) -> str:
-    """The one deterministic line ``check`` prints for ``res``."""
+def format_line(ex: Exercise, res: CheckResult, failures: int = 1) -> str:
+    """The one deterministic line ``check`` prints for ``res``; from the ``SECOND_HINT_AFTER``-th
+    failure of the exercise (``failures``) the exercise's second hint follows the first."""
     if not ex.cases:
         return f"{ex.label}: no cases are registered for this exercise."
     if res.status == "passed":
@@ -296,6 +298,9 @@ def format_line(ex: Exercise, res: CheckResult) -> str:
     case = next((c for c in ex.cases if c.name == first.name), None)
     text = case.hint if case is not None and case.hint is not None else ex.hint
     hint = f" Hint: {text}" if text else ""
+    second = getattr(ex, "hint2", "")
+    if second and failures >= SECOND_HINT_AFTER:
+        hint += f" Second hint: {second}"
     if first.hidden:
         counts = f"{res.passed} of {res.total} cases passed"
         what = f"a hidden case failed ({counts}; its details are not shown)."
@@ -334,7 +339,9 @@ def check(exercise_id: str, answer: Any) -> CheckResult:
     Never raises for a wrong answer, so later cells still run, unless env
     ``LABKIT_STRICT=1``: then anything but "passed" raises :class:`CheckNotPassed` (CI runs
     solutions/ this way). Returns a :class:`CheckResult` that displays nothing in a notebook.
-    The cases stop at the first failing public case. An unknown id raises KeyError.
+    The cases stop at the first failing public case. From the second failed ``check`` of the same
+    exercise in this process on, the line adds the exercise's second, more specific hint
+    (``Exercise.hint2``; still no answer). An unknown id raises KeyError.
 
     In a kernel started by ``python -m labkit grade`` (env ``LABKIT_GRADING=1``) nothing is
     judged here: the answer is only registered, and the grader runs the cases from its own
@@ -350,6 +357,9 @@ def check(exercise_id: str, answer: Any) -> CheckResult:
     ex = get_exercise(exercise_id)
     broken = _policy(ex, answer)
     res = broken if broken is not None else evaluate(ex.id, answer, stop_at_first_failure=True)
+    if broken is None and res.status == "failed":  # a learner who failed this exercise before also gets its second hint
+        _FAILED_CHECKS[ex.id] = _FAILED_CHECKS.get(ex.id, 0) + 1
+        res.message = format_line(ex, res, _FAILED_CHECKS[ex.id])
     print(res.message, flush=True)
     if os.environ.get(STRICT_ENV, "") not in ("", "0") and res.status != "passed":
         raise CheckNotPassed(res.message)

@@ -19,7 +19,10 @@ from ..kernelside.nb00_distributed_primer import RING_TIMEOUT, _COLLECTIVES, _p2
 # ----------------------------------------------------------------------------- 0.1
 ex01 = exercise(
     "0.1", title="what each rank holds after reduce-scatter", notebook="00_distributed_primer", points=2,
-    hint="Cut every rank's input into N equal chunks; rank i ends with the SUM over ranks of chunk i.")
+    hint="Section 4 (Collectives): after a reduce-scatter each rank holds one piece of the result, not all of "
+         "it. Which piece does rank i hold, and over which ranks is it summed?")
+ex01.hint2 = ("Picture the N inputs added up into one tensor of the same size, then cut into N equal pieces in "
+              "rank order: which piece ends on which rank?")
 
 
 def _rs_inputs(N: int, c: int, seed: int) -> list[torch.Tensor]:
@@ -59,8 +62,12 @@ ex01.case("N=1 rank", hidden=True, timeout=20)(_rs_case(1, 5, 3))
 # ----------------------------------------------------------------------------- 0.2
 ex02 = exercise(
     "0.2", title="ring all-reduce from send/recv", notebook="00_distributed_primer", points=4,
-    hint="Split the tensor into N chunks. N-1 reduce-scatter steps (send chunk (r-s)%N to r+1, add the "
-         "one received from r-1), then N-1 all-gather steps (pass the finished chunks on, overwriting).")
+    hint="Section 5: the ring runs two phases of N-1 steps. In every step a rank sends ONE chunk to its right "
+         "neighbour and receives one from its left. Which chunk has rank r finished after the first phase, and "
+         "what does the second phase do with it?")
+ex02.hint2 = ("Write out N=3 on paper: in each step of the first phase, which chunk does rank r send and which "
+              "does it add the received one to? In the second phase the received chunk replaces the local one "
+              "instead of being added.")
 
 CASE_TIMEOUT = 20.0  # seconds per case (a launch of up to 5 ranks plus a possible RING_TIMEOUT)
 
@@ -106,8 +113,8 @@ def _traffic_case(N: int, numel: int, seed: int):
 
 ex02.case("N=2 ranks, 6 elements", timeout=CASE_TIMEOUT)(_ring_case(2, 6, 10))
 ex02.case("each rank sends 2(N-1)/N of the tensor (N=4, 16 elements)", timeout=CASE_TIMEOUT,
-          hint="Send one chunk per step, never the whole tensor: cut it with torch.tensor_split(tensor, N) and "
-               "in step s send only chunk (r-s)%N (reduce-scatter) or (r+1-s)%N (all-gather).")(
+          hint="The ring's point is that each step moves one N-th of the tensor: does any step of yours send "
+               "more than one chunk, or the whole tensor?")(
     _traffic_case(4, 16, 70))
 ex02.case("each rank sends 2(N-1)/N of the tensor (N=3, 12 elements)", hidden=True,
           timeout=CASE_TIMEOUT)(_traffic_case(3, 12, 80))

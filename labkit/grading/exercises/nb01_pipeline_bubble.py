@@ -17,7 +17,10 @@ def _bubble(K: int, M: int) -> float:
 # ----------------------------------------------------------------------------- 1.1
 ex11 = exercise(
     "1.1", title="bubble fraction", notebook="01_pipeline_bubble", points=2,
-    hint="Count time slots: each stage works M slots and idles K-1 of the M+K-1 slots.")
+    hint="Section 2: draw the GPipe timeline for K=2, M=2 and count time slots: how many slots does the whole "
+         "step take, and in how many of them does one stage do nothing?")
+ex11.hint2 = ("Count for stage 0 alone the slots it works and the slots it waits; does the count change if you "
+              "pick another stage? The fraction is waiting slots over all slots.")
 
 
 @ex11.case("K=4, M=8")
@@ -36,7 +39,8 @@ def _(bubble_fraction):
 
 
 @ex11.case("rejects M=0 with ValueError",
-           hint="Check the inputs first: raise ValueError naming K and M unless K >= 1 and M >= 1.")
+           hint="What is a bubble fraction for zero microbatches or zero stages? The docstring says which "
+                "error to raise and when: check the inputs before computing.")
 def _(bubble_fraction):
     expect_raises(ValueError, bubble_fraction, 4, 0, what="bubble_fraction(K=4, M=0)")
     expect_raises(ValueError, bubble_fraction, 0, 4, what="bubble_fraction(K=0, M=4)")
@@ -57,7 +61,12 @@ def _(bubble_fraction):
 # ----------------------------------------------------------------------------- 1.2
 ex12 = exercise(
     "1.2", title="smallest M for a target bubble", notebook="01_pipeline_bubble", points=2,
-    hint="Solve (K-1)/(M+K-1) <= target for the integer M; M is at least 1.")
+    hint="The bubble shrinks as M grows (section 3): you need the FIRST M at which it is at most the target. "
+         "Is your M a whole number, at least 1, and is the bubble one microbatch earlier still above the "
+         "target?")
+ex12.hint2 = ("Either try M = 1, 2, 3, ... with your bubble_fraction, or solve the inequality for M. A solved "
+              "bound is rarely a whole number: which way must you round so that the bubble does not exceed the "
+              "target?")
 
 
 def _smallest(K: int, target: float) -> int:
@@ -83,9 +92,8 @@ def _(smallest_microbatches):
 
 
 @ex12.case("K=3, target 0.3 (the bound M >= 14/3 is not a whole number)",
-           hint="Solving (K-1)/(M+K-1) <= target gives M >= (K-1)(1-target)/target, usually not a whole "
-                "number: round it UP (math.ceil); rounding down (int, //, math.floor) leaves the bubble "
-                "above the target.")
+           hint="The bound you solved for is not a whole number here; rounding it one way leaves the bubble "
+                "above the target. Which way is safe?")
 def _(smallest_microbatches):
     K, target = 3, 0.3
     got = smallest_microbatches(K, target)
@@ -97,7 +105,7 @@ def _(smallest_microbatches):
 
 
 @ex12.case("returns an int",
-           hint="Return an int (a number of microbatches), e.g. with math.ceil or int(...), not a float.")
+           hint="A number of microbatches is a whole number: return an int, not a float.")
 def _(smallest_microbatches):
     got = smallest_microbatches(4, 0.05)
     if not isinstance(got, int) or isinstance(got, bool):

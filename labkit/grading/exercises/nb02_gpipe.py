@@ -23,7 +23,8 @@ from ...pipeline import (COMPUTE, Action, PipelineSchedule, PipelineStage, Sched
 from ...pipeline.stages import gpt_param_name, gpt_stages_for_rank
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
 from . import kernel_side
-from ..kernelside.nb02_gpipe import ACC_CFG, _acc_batch, _sgd_run, _accumulate_run  # noqa: F401 - run in the kernel
+from ..kernelside.nb02_gpipe import (  # noqa: F401 - run in the kernel
+    ACC_BATCH, ACC_CFG, ACC_LR, ACC_SEQ, _acc_batch, _accumulate_run, _sgd_run)
 
 # A tiny GPT: 8 layers split over K*v stages (K=4, v=2 at most), 8 sequences of 16 tokens.
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
@@ -124,8 +125,11 @@ def expect_same_grads(got: dict, what: str) -> None:
 # ----------------------------------------------------------------------------- 2.1
 ex21 = exercise(
     "2.1", title="the GPipe action list", notebook="02_gpipe", points=3,
-    hint="Rank r holds stage r. For m in 0..M-1: RECV_F (not on rank 0), F, SEND_F (not on the last rank); "
-         "then for m in 0..M-1: RECV_B (not on the last rank), B, SEND_B (not on rank 0).")
+    hint="Section 2: GPipe runs all forwards, then all backwards. On each rank, what must arrive before a "
+         "forward can run and what must leave after it, and the same for a backward? Which ranks have no "
+         "neighbour on one side?")
+ex21.hint2 = ("Write K=2, M=1 by hand, rank 0 and rank 1; the validator's message names the first action that "
+              "cannot run. The backwards may run in microbatch order or in reverse order: both are GPipe.")
 
 
 def _gpipe_shape(sched: dict, K: int, M: int, what: str) -> None:
@@ -176,8 +180,10 @@ def _(gpipe_actions):
 # ----------------------------------------------------------------------------- 2.2
 ex22 = exercise(
     "2.2", title="peak microbatches in flight per stage", notebook="02_gpipe", points=2,
-    hint="Walk each rank's list: F on stage s adds one microbatch to stage s, B removes one; keep the "
-         "maximum per stage. Sends and receives do not count.")
+    hint="Section 5: a microbatch is in flight on a stage from its forward until its backward. Walk the lists "
+         "and keep a running count per stage: what is the largest value each count reaches?")
+ex22.hint2 = ("Only compute actions change the count; sends and receives move data but hold nothing new. The "
+              "answer has one number per stage (Action.stage), which is not always one per rank.")
 
 _HAND_1F1B = {0: "F0@s0 SEND_F0@s0 F1@s0 SEND_F1@s0 RECV_B0@s0 B0@s0 F2@s0 SEND_F2@s0 RECV_B1@s0 B1@s0 "
                  "RECV_B2@s0 B2@s0",
@@ -203,8 +209,8 @@ def _count_case(make, n_stages: int, label: str):
 ex22.case("a hand-written K=2, M=3 schedule")(
     _count_case(lambda: {r: parse_actions(t) for r, t in _HAND_1F1B.items()}, 2, "hand-written 1F1B, K=2, M=3"))
 ex22.case("interleaved K=2, M=4, v=2 (two stages per rank, 4 stages)",
-          hint="Count per STAGE, not per rank: with interleaving a rank holds several stages (stage s on rank "
-               "s % K), so the list has one entry per stage (K*v of them), indexed by Action.stage.")(
+          hint="Count per STAGE, not per rank: with interleaving a rank holds several stages, so the list has "
+               "one entry per stage (Action.stage). How many stages does this schedule have?")(
     _count_case(lambda: interleaved_schedule(2, 4, 2), 4, "interleaved K=2, M=4, v=2"))
 
 
@@ -226,12 +232,12 @@ ex22.case("GPipe K=1, M=5", hidden=True)(_count_case(lambda: gpipe_schedule(1, 5
 # ----------------------------------------------------------------------------- 2.3
 ex23 = exercise(
     "2.3", title="accumulate M microbatch gradients", notebook="02_gpipe", points=2,
-    hint="The full batch's loss is the MEAN over its samples, and each microbatch's loss is a mean over "
-         "fewer: how must a microbatch's loss be weighted so that the M backwards, which add up in .grad, "
-         "give the full batch's gradient? Do not zero .grad inside the loop.")
-
-ACC_BATCH, ACC_SEQ, ACC_LR = 8, 8, 0.5
-
+    hint="The full batch's loss is the MEAN over its samples, and each microbatch's loss is a mean over fewer: "
+         "how must a microbatch's loss be weighted so that the M backwards, which add up in .grad, give the "
+         "full batch's gradient? Do not zero .grad inside the loop.")
+ex23.hint2 = ("Check two things: that the loop makes M microbatches of equal size (print their shapes), and "
+              "that the gradients you add up are weighted so that their sum is the batch's mean, not M times "
+              "it.")
 
 def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
     """' (... M times ...)' when ``got`` is ``want`` times a constant that is M or 1/M."""
@@ -242,18 +248,35 @@ def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
     if not torch.allclose(got, ratio * want, rtol=1e-4, atol=1e-7):
         return ""
     if abs(ratio - M) < 1e-3 * M:
-        return (f"; it is exactly M={M} times the full-batch gradient: each microbatch's loss must be "
-                f"scaled by 1/M (the batch loss is the MEAN of the M microbatch losses)")
+        return (f"; it is exactly M={M} times the full-batch gradient: the M microbatch losses were added up "
+                f"as they are, but the batch loss is their MEAN")
     if M > 1 and abs(ratio - 1 / M) < 1e-3 / M:
         return f"; it is 1/M = 1/{M} of the full-batch gradient: the loss was divided by M twice"
     return f"; it is {ratio:.4g} times the full-batch gradient"
 
 
+def _calls_message(calls, M: int) -> str:
+    """'; the model was called ...' when the microbatches were not M pieces of BATCH/M sequences."""
+    want = [ACC_BATCH // M] * M
+    if not isinstance(calls, list) or calls == want or not calls:
+        return ""
+    return (f"; in one step the model was called {len(calls)} time(s) with batch sizes {calls}, but M={M} "
+            f"microbatches of {ACC_BATCH}/{M} = {ACC_BATCH // M} sequences each make {want}: check how x and y are "
+            "cut into microbatches")
+
+
 def _accumulate_case(M: int, steps: int, seed: int):
     def case(accumulate_microbatches):
         what = f"accumulate_microbatches(model, x [{ACC_BATCH}, {ACC_SEQ}], y, M={M})"
-        got_g, got_p = kernel_side(accumulate_microbatches, _accumulate_run, M, steps, seed)
+        got = kernel_side(accumulate_microbatches, _accumulate_run, M, steps, seed)
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            raise CheckFailure(f"{what}: the run did not return gradients and parameters")
+        got_g, got_p, calls = got
         want_g, want_p = _sgd_run(lambda model, x, y: model(x, y).backward(), steps, seed)
+        if any(not torch.allclose(got_g[n], w, rtol=1e-5, atol=1e-6) for n, w in want_g.items()
+               if got_g.get(n) is not None) and _calls_message(calls, M):
+            raise CheckFailure(f"{what}: the accumulated gradients differ from the full batch's"
+                               + _calls_message(calls, M))
         for name, w in want_g.items():
             g = got_g.get(name)
             if g is None:
@@ -272,8 +295,9 @@ def _accumulate_case(M: int, steps: int, seed: int):
 
 ex23.case("M=4: every parameter gradient equals the full batch's")(_accumulate_case(4, 1, 0))
 ex23.case("M=4, 3 plain SGD steps: parameters equal full-batch training",
-          hint="Plain SGD (not Adam, which divides by the gradient's size) shows a gradient that is M times "
-               "too large: scale each microbatch's loss by 1/M before backward().")(_accumulate_case(4, 3, 1))
+          hint="Plain SGD (not Adam, which divides by the gradient's size) shows a gradient that is a constant "
+               "factor off: by what factor does your microbatch loss differ from its share of the batch's "
+               "loss?")(_accumulate_case(4, 3, 1))
 ex23.case("M=1 is the full batch")(_accumulate_case(1, 1, 2))
 ex23.case("M=8 (one sequence per microbatch), 2 SGD steps", hidden=True)(_accumulate_case(8, 2, 3))
 ex23.case("M=2, 3 SGD steps", hidden=True)(_accumulate_case(2, 3, 4))

@@ -13,8 +13,12 @@ from .nb02_gpipe import expect_same_grads, run_pipeline, validated
 # ----------------------------------------------------------------------------- 3.1
 ex31 = exercise(
     "3.1", title="the 1F1B action list", notebook="03_1f1b", points=3,
-    hint="Rank r: warm-up min(K-r-1, M) forwards; then while forwards remain: one F, one B; then the "
-         "remaining Bs. Microbatches in order 0..M-1 for F and for B.")
+    hint="Section 1: rank r can start its first backward once its first microbatch has gone through all later "
+         "stages and come back. How many forwards fit before that on rank r (the warm-up), and what if there "
+         "are fewer microbatches than that?")
+ex31.hint2 = ("After the warm-up each step is one forward then one backward, until no forwards are left; then "
+              "only backwards. Check with K=4, M=2 that no rank plans more warm-up forwards than there are "
+              "microbatches.")
 
 
 def _order(one_f_one_b_order, K: int, M: int):
@@ -46,9 +50,9 @@ def _memory_and_bubble(K: int, M: int):
                     why = "the pipeline never fills: the warm-up is too short"
                 raise CheckFailure(
                     f"{what}: stage {s} holds {peaks[s]} microbatch(es) in flight at its peak, 1F1B holds "
-                    f"min(M, K-s) = {want}; {why} (rank {r} runs {w} forward(s) before its first backward, "
-                    f"1F1B runs min(K-r, M) = {min(K - r, M)}: min(K-r-1, M) warm-up forwards and the first "
-                    f"forward of the one-forward-one-backward phase)")
+                    f"{want}; {why} (rank {r} runs {w} forward(s) before its first backward, 1F1B runs "
+                    f"{min(K - r, M)}: its warm-up forwards and the first forward of the one-forward-one-backward "
+                    f"phase)")
         sim = simulate(sched, forward=1, backward=1)
         want = bubble_formula(K, M)
         if sim.bubble_fraction != want:
@@ -61,9 +65,8 @@ def _memory_and_bubble(K: int, M: int):
 ex31.case("K=2, M=4: valid, in flight min(M, K-s), bubble (K-1)/(M+K-1)")(_memory_and_bubble(2, 4))
 ex31.case("K=4, M=8: valid, in flight min(M, K-s), bubble (K-1)/(M+K-1)")(_memory_and_bubble(4, 8))
 ex31.case("fewer microbatches than stages (K=4, M=2)",
-          hint="Clamp the warm-up to the microbatches there are: rank r runs min(K-r-1, M) warm-up forwards "
-               "(with M < K, K-r-1 can exceed M), then M - warm-up steady-state pairs, then the rest of the "
-               "backwards.")(_memory_and_bubble(4, 2))
+          hint="With fewer microbatches than stages the warm-up cannot be longer than the microbatches there "
+               "are. How many forward-backward pairs are left after it?")(_memory_and_bubble(4, 2))
 
 
 @ex31.case("K=4, M=8 on 4 real ranks: gradients equal single device", timeout=40)
@@ -87,8 +90,10 @@ def _(one_f_one_b_order):
 # ----------------------------------------------------------------------------- 3.2
 ex32 = exercise(
     "3.2", title="1F1B microbatches in flight per stage", notebook="03_1f1b", points=2,
-    hint="Stage s starts its first backward after the K-s forwards that fill the pipeline from s to the "
-         "end, and never holds more than the M microbatches there are.")
+    hint="Section 2: a stage holds a microbatch from its forward until its backward. How many forwards has "
+         "stage s run when its first backward arrives, and can that exceed the number of microbatches?")
+ex32.hint2 = ("Count on the 1F1B timeline of section 1 for K=4: stage 0 holds the most, the last stage the "
+              "least. By how much does the count change from one stage to the next?")
 
 
 def _formula_case(K: int, M: int):

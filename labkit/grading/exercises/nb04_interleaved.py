@@ -15,8 +15,10 @@ from .nb02_gpipe import run_pipeline
 # ----------------------------------------------------------------------------- 4.1
 ex41 = exercise(
     "4.1", title="which layers a rank holds", notebook="04_interleaved", points=2,
-    hint="There are K*v stages of n_layers/(K*v) layers each; stage s is on rank s % K, so rank r holds "
-         "stages r, r+K, ..., r+(v-1)K. Count layers from 0.")
+    hint="Section 1 (the looped placement): the model is cut into K v equal stages of consecutive layers, and "
+         "stage s goes to rank s mod K. Which stages does rank r get, and which layers does each of them hold?")
+ex41.hint2 = ("Rank r's stages are stage r, the stage one full round of K later, and so on, v of them; list "
+              "the layers of each in order, counting layers from 0.")
 
 
 def _code_layers(rank: int, n_layers: int, K: int, v: int) -> list:
@@ -54,8 +56,12 @@ ex41.case("6 layers, K=1, v=3", hidden=True)(_layers_case(6, 1, 3))
 # ----------------------------------------------------------------------------- 4.2
 ex42 = exercise(
     "4.2", title="the interleaved bubble", notebook="04_interleaved", points=2,
-    hint="The bubble time shrinks v times while the useful work stays M(f+b): (K-1)/(vM+K-1). Raise "
-         "ValueError when v >= 2 and M is not a multiple of K.")
+    hint="Section 2: interleaving makes every stage v times smaller, so the ramp-up and ramp-down get v times "
+         "shorter while the useful work stays the same. Start from 1F1B's bubble fraction: which of its terms "
+         "shrinks?")
+ex42.hint2 = ("Write the bubble time and the useful time in units of one full stage's forward and backward; "
+              "the fraction is bubble over (bubble plus useful). The schedule needs M to be a multiple of K "
+              "when v >= 2: raise ValueError otherwise.")
 
 
 def _bubble_case(K: int, M: int, v: int):
@@ -88,8 +94,10 @@ def _(interleaved_bubble):
 # ----------------------------------------------------------------------------- 4.3
 ex43 = exercise(
     "4.3", title="point-to-point sends per step", notebook="04_interleaved", points=2,
-    hint="A microbatch crosses every boundary between consecutive stages: K*v-1 of them, all between "
-         "different ranks when K > 1 (none when K = 1). Each crossing is one send forward and one backward.")
+    hint="Section 3: a microbatch crosses every boundary between two consecutive stages, once forward and once "
+         "backward. How many boundaries do K v stages have, and does any of them lie inside one rank?")
+ex43.hint2 = ("With K = 1 every stage is on the same rank, so nothing leaves it. With K > 1 consecutive stages "
+              "are always on different ranks (looped placement): count the crossings of all M microbatches.")
 
 
 def _sends_case(K: int, M: int, v: int):
@@ -102,8 +110,7 @@ def _sends_case(K: int, M: int, v: int):
 ex43.case("K=4, M=8, v=1 and v=2 (from the schedule data)")(
     lambda f: (_sends_case(4, 8, 1)(f), _sends_case(4, 8, 2)(f)))
 ex43.case("K=1, M=4, v=3: all stages on one rank",
-          hint="With K = 1 every stage sits on the same rank: a microbatch never crosses to another rank, "
-               "so there are no point-to-point sends at all (0), whatever M and v are.")(_sends_case(1, 4, 3))
+          hint="With one rank, does any message ever leave it?")(_sends_case(1, 4, 3))
 
 
 @ex43.case("K=4, M=4, v=2: counted with CommLog on 4 real ranks", timeout=40)

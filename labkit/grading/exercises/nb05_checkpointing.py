@@ -23,8 +23,12 @@ NOTEBOOK = "05_checkpointing"
 # ----------------------------------------------------------------------------- 5.1
 ex51 = exercise(
     "5.1", title="segment boundaries", notebook=NOTEBOOK, points=2,
-    hint="Return [b_0, ..., b_k] with b_0 = 0 and b_k = n; segment j holds layers b_j .. b_{j+1}-1. Balanced: "
-         "every segment has floor(n/k) or ceil(n/k) layers, e.g. b_j = round(j * n / k) or b_j = (j * n) // k.")
+    hint="Section 2: k segments of n layers, as even as possible: each has the floor or the ceiling of n/k "
+         "layers. The boundaries start at 0, end at n and grow. Can you write boundary j from j, n and k "
+         "alone, as an integer?")
+ex51.hint2 = ("Try n=10, k=4: segments of 3, 3, 2, 2 layers (in some order) are balanced; 4, 2, 2, 2 are not. "
+              "Which rounding of the exact fractional boundary spreads the remainder over the segments? Raise "
+              "ValueError for a k outside 1..n.")
 
 
 def _check_bounds(got, n: int, k: int) -> None:
@@ -78,8 +82,11 @@ def _(segment_boundaries):
 # ----------------------------------------------------------------------------- 5.2
 ex52 = exercise(
     "5.2", title="the segment count with the smallest peak", notebook=NOTEBOOK, points=2,
-    hint="Try every k from 1 to n and keep one with the smallest k*input_bytes + ceil(n/k)*layer_bytes; "
-         "the optimum is near sqrt(n * layer_bytes / input_bytes), not always sqrt(n).")
+    hint="Section 2: with k segments the peak holds the k segment inputs plus the activations of the one "
+         "segment being recomputed. Compute that peak for every allowed k and keep the smallest: is the best k "
+         "always near the square root of n?")
+ex52.hint2 = ("The segments are as even as in 5.1, so the largest holds n/k layers rounded UP, not n/k. Any k "
+              "with the smallest peak is accepted.")
 
 
 def _cost(n, k, a, s):
@@ -119,10 +126,12 @@ def _(best_segment_count):
 # ----------------------------------------------------------------------------- 5.3
 ex53 = exercise(
     "5.3", title="a checkpoint that restores the RNG", notebook=NOTEBOOK, points=4,
-    hint="Keep x and torch.get_rng_state() in forward. In backward, restore that state before recomputing, "
-         "inside torch.random.fork_rng() so the training RNG stream is left as it was; recompute under "
-         "torch.enable_grad() from x.detach().requires_grad_(True), backpropagate grad_y through it and "
-         "return (None, dL/dx).")
+    hint="Section 3 (the dropout pitfall): the recomputation in backward must draw the same dropout masks as "
+         "the forward did. What must forward save besides x, and how can backward recompute with it without "
+         "disturbing the random numbers the rest of training draws?")
+ex53.hint2 = ("torch.random has a context manager that restores the RNG state when it ends: inside it, set the "
+              "saved state and recompute, with gradients enabled, from a detached copy of x that requires "
+              "grad; then backpropagate grad_y. backward returns one gradient per input of forward.")
 
 
 def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, label: str):
@@ -162,9 +171,9 @@ ex53.case("no dropout: output and every gradient equal plain backprop")(
 ex53.case("dropout p=0.5: the recomputation draws the same masks")(
     _ckpt_case(0.5, 1, label="dropout p=0.5"))
 ex53.case("the RNG stream after backward is the one without checkpointing",
-          hint="Restoring the saved state rewinds the global RNG: every later torch.rand (the next dropout "
-               "masks) would repeat old numbers. Restore it inside `with torch.random.fork_rng():`, which "
-               "puts the training stream back when the block ends.")(
+          hint="Setting the saved state rewinds the global RNG: every later random draw (the next dropout "
+               "masks) would repeat old numbers. How can backward use the old state and still leave the "
+               "training stream where it was?")(
     _ckpt_case(0.5, 3, segments=2, check_stream=True, label="RNG stream"))
 ex53.case("three checkpointed segments in a row, dropout", hidden=True)(
     _ckpt_case(0.3, 2, segments=3, label="3 segments, dropout p=0.3"))

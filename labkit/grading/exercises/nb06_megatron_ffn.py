@@ -30,12 +30,15 @@ def gelu(x):
 # ----------------------------------------------------------------------------- 6.1
 ex61 = exercise(
     "6.1", title="partial outputs of the column/row split MLP", notebook=NOTEBOOK, points=2,
-    hint="Rank i holds the columns i*F/t .. (i+1)*F/t - 1 of A and the SAME rows of B; its partial "
-         "output is gelu(X @ A_i) @ B_i. Use the notebook's gelu.")
+    hint="Section 1 (the column split): rank i holds a block of columns of A and the block of rows of B with "
+         "the same indices, so GeLU applies to its own block with no communication. What is one rank's partial "
+         "output, and what must the t partials add up to?")
+ex61.hint2 = ("Cut the FFN width F into t equal consecutive blocks (check that t divides F: only F is split, "
+              "not H) and compute each rank's product with the notebook's gelu.")
 
 
-_ONLY_F = ("Only the FFN width F = A.shape[1] is split (A by columns, B by rows); the hidden size H "
-           "= A.shape[0] is not, so t must divide F and need not divide H: test F % t, not H % t.")
+_ONLY_F = (("Only the FFN width F (the columns of A, the rows of B) is split; the hidden size H is not. So "
+            "which of the two must t divide, and which need not?"))
 
 
 def _mlp_data(N: int, H: int, F_: int, seed: int):
@@ -109,6 +112,18 @@ def _reference(N, H, F_, seed):
     return {"Z": Z.detach(), "dX": X.grad, "dA": A.grad, "dB": B.grad}
 
 
+def _branch_share(N, H, F_, seed, r, t):
+    """dL/dX through rank r's branch alone (its columns of A, rows of B): one of the t terms of dL/dX."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(N, H, generator=g).requires_grad_(True)
+    A = torch.randn(H, F_, generator=g) / H ** 0.5
+    B = torch.randn(F_, H, generator=g) / F_ ** 0.5
+    W = torch.randn(N, H, generator=g)
+    w = F_ // t
+    ((_torch_gelu(X @ A[:, r * w:(r + 1) * w]) @ B[r * w:(r + 1) * w]) * W).sum().backward()
+    return X.grad
+
+
 def _operator_case(which: str, t: int, N: int, H: int, F_: int, seed: int):
     """``which`` = "f": the learner's f with labkit's g; "g": labkit's f with the learner's g."""
     def case(fn_class):
@@ -122,6 +137,11 @@ def _operator_case(which: str, t: int, N: int, H: int, F_: int, seed: int):
             if out["dX"] is None:
                 raise CheckFailure(f"{where}: dL/dX on rank {r} is None; backward of "
                                    f"{'f' if which == 'f' else 'g'} must return a gradient for x")
+            if t > 1 and torch.allclose(out["dX"], _branch_share(N, H, F_, seed, r, t), rtol=1e-4, atol=1e-5) \
+                    and not torch.allclose(out["dX"], ref["dX"], rtol=1e-5, atol=1e-5):
+                raise CheckFailure(f"{where}: dL/dX on rank {r} is only the share of its own branch (the gradient "
+                                   f"through rank {r}'s columns of A); the {t} shares were never summed over the "
+                                   "group in backward")
             expect_close(out["dX"], ref["dX"], f"{where}: dL/dX on rank {r} (vs one device)", rtol=1e-5, atol=1e-5)
             expect_close(out["dA"], ref["dA"][:, r * w:(r + 1) * w],
                          f"{where}: dL/dA_{r} on rank {r} (vs the slice of one device's dL/dA)", rtol=1e-5, atol=1e-5)
@@ -132,8 +152,11 @@ def _operator_case(which: str, t: int, N: int, H: int, F_: int, seed: int):
 
 ex62 = exercise(
     "6.2", title="the operator f", notebook=NOTEBOOK, points=3,
-    hint="f is the identity in forward (every rank already holds X); in backward each rank holds only its "
-         "branch's part of dL/dX, so all-reduce (sum) the gradient over the group and return (grad, None).")
+    hint="Section 3: f sits where every rank needs the same input X. Does f need to communicate in forward? In "
+         "backward each rank holds only its own branch's share of dL/dX: what must happen so that every rank "
+         "ends with the whole gradient?")
+ex62.hint2 = ("backward returns one gradient per input of forward: one for x, and None for the group. labkit's "
+              "collectives work in place: which tensor should they work on?")
 ex62.case("t=2 ranks: output and gradients equal one device", timeout=20)(_operator_case("f", 2, 4, 6, 8, 10))
 ex62.case("t=4 ranks: output and gradients equal one device", timeout=25)(_operator_case("f", 4, 3, 4, 16, 11))
 ex62.case("t=1 rank", hidden=True, timeout=20)(_operator_case("f", 1, 2, 4, 8, 12))
@@ -141,9 +164,11 @@ ex62.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_operator_case("f",
 
 ex63 = exercise(
     "6.3", title="the operator g", notebook=NOTEBOOK, points=3,
-    hint="g all-reduces (sums) the partial outputs in forward (clone first: all_reduce works in place); in "
-         "backward dL/dZ is already the same on every rank and each partial entered the sum once, so "
-         "return it unchanged: (grad, None).")
+    hint="Section 3: g is f's conjugate. In forward every rank holds a partial output that must be summed over "
+         "the group; in backward the gradient of the sum is already the same on every rank. Which direction "
+         "communicates?")
+ex63.hint2 = ("The all-reduce works in place: reduce a copy, not the tensor autograd gave you. backward "
+              "returns one gradient per input of forward (x and the group).")
 ex63.case("t=2 ranks: output and gradients equal one device", timeout=20)(_operator_case("g", 2, 4, 6, 8, 20))
 ex63.case("t=4 ranks: output and gradients equal one device", timeout=25)(_operator_case("g", 4, 3, 4, 16, 21))
 ex63.case("t=1 rank", hidden=True, timeout=20)(_operator_case("g", 1, 2, 4, 8, 22))
@@ -153,9 +178,11 @@ ex63.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_operator_case("g",
 # ----------------------------------------------------------------------------- 6.4
 ex64 = exercise(
     "6.4", title="the row-parallel layer's bias", notebook=NOTEBOOK, points=2,
-    hint="Each rank computes only a partial product x_r W_r^T; the all-reduce (g) sums the t partials. The bias "
-         "belongs to the sum, not to the partials: add it once, AFTER the all-reduce (adding it on every rank "
-         "before would add it t times).")
+    hint="Section 4 (RowParallelLinear): each rank computes a partial product, and g sums the t partials. The "
+         "bias belongs to the whole layer, once: where must it enter so that the output holds it exactly once "
+         "and every rank's bias gets its gradient?")
+ex64.hint2 = ("Compare your output on t=2 with the single device's: a difference of one bias means the bias "
+              "was summed more than once. Then check that dL/dbias is set on every rank, not only on one.")
 
 
 def _row_case(t: int, N: int, F_: int, H: int, seed: int):
@@ -169,6 +196,7 @@ def _row_case(t: int, N: int, F_: int, H: int, seed: int):
         y = F.linear(X, W, b)
         (y * G).sum().backward()
         w, where = F_ // t, f"t={t}, x [{N}, {F_}], weight [{H}, {F_}]"
+        _row_mistakes(res, X.detach(), W.detach(), b.detach(), G, t, where)
         for r, out in enumerate(res):
             extra = out["y"] - y.detach()
             for k in range(2, t + 1):  # the bias added on k ranks before the sum
@@ -187,6 +215,32 @@ def _row_case(t: int, N: int, F_: int, H: int, seed: int):
                 expect_close(out[key], ref, f"{where}: {name} on rank {r} (vs the slice of one device's)",
                              rtol=1e-5, atol=1e-5)
     return case
+
+
+def _row_mistakes(res, X, W, b, G, t, where):
+    """Name the plausible mistakes of 6.4 that the plain comparison would report alike."""
+    if t < 2:
+        return
+    w = X.shape[1] // t
+    close = lambda a, e: a is not None and torch.allclose(a, e, rtol=1e-4, atol=1e-5)  # noqa: E731
+    for r, out in enumerate(res):
+        x_r, W_r = X[:, r * w:(r + 1) * w], W[:, r * w:(r + 1) * w]
+        if close(out["y"], x_r @ W_r.t() + b):   # nothing summed over the ranks in forward
+            if close(out["dx"], t * (G @ W_r)):
+                raise CheckFailure(
+                    f"{where}: the output on rank {r} is only its own partial product plus the bias, and dL/dx_r "
+                    f"is {t} x too large: this is f (identity forward, all-reduce backward) where the layer needs "
+                    "g: which of the two sums in forward?")
+            raise CheckFailure(
+                f"{where}: the output on rank {r} is only its own partial product x_r W_r^T plus the bias: the "
+                f"{t} partial products were never summed over the group")
+    have = [r for r, out in enumerate(res) if out["db"] is not None]
+    if have and len(have) < t:
+        r = next(r for r in range(t) if r not in have)
+        raise CheckFailure(
+            f"{where}: dL/dbias is None on rank {r} but set on rank(s) {have}: the bias entered the output only "
+            "through some ranks' computation; every rank holds the whole bias and must end with its gradient, "
+            "so on which ranks should the bias be part of the output?")
 
 
 ex64.case("t=2 ranks: output and gradients equal one device", timeout=20)(_row_case(2, 4, 8, 6, 40))

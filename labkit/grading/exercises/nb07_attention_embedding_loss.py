@@ -25,8 +25,11 @@ NOTEBOOK = "07_attention_embedding_loss"
 # ----------------------------------------------------------------------------- 7.1
 ex71 = exercise(
     "7.1", title="which heads each rank owns", notebook=NOTEBOOK, points=2,
-    hint="Each rank gets h/t consecutive heads: rank r owns r*h/t, ..., (r+1)*h/t - 1. Check that t divides h "
-         "and that 0 <= rank < t before computing anything.")
+    hint="Section 1: the heads are cut into t contiguous blocks of equal size, block r on rank r. What is the "
+         "first head of block r, and how many heads does a block have? Reject a t that does not divide n_head "
+         "and a rank outside the group.")
+ex71.hint2 = ("Try n_head=8, t=4: rank 1 owns two heads; which ones? Then write it for any rank from the block "
+              "size.")
 
 
 def _heads(n_head, t, rank):
@@ -68,9 +71,11 @@ def _(heads_of_rank):
 # ----------------------------------------------------------------------------- 7.2
 ex72 = exercise(
     "7.2", title="the vocab-parallel embedding mask", notebook=NOTEBOOK, points=3,
-    hint="Mark ids outside [vocab_start, vocab_start + V/t); look up (ids - vocab_start) with the marked ids "
-         "replaced by any valid row (e.g. 0); then set the marked rows of the result to zero (masked_fill), so "
-         "they carry neither a value nor a gradient.")
+    hint="Section 2: this rank holds one block of V/t rows of the table, starting at vocab_start. An id inside "
+         "the block is looked up at its row within the block; an id outside must give a zero row, with no "
+         "value and no gradient. Which ids are outside, and how do you look them up without an index error?")
+ex72.hint2 = ("Look up with the outside ids replaced by any valid local row, then zero the result's rows for "
+              "those ids with an operation that keeps the rest differentiable (masked_fill).")
 
 
 def _emb_data(V: int, D: int, shape: tuple, seed: int):
@@ -148,9 +153,12 @@ ex72.case("V=32, t=8, ids [2, 3, 4]", hidden=True)(_emb_sum_case(32, 5, 8, (2, 3
 # ----------------------------------------------------------------------------- 7.3
 ex73 = exercise(
     "7.3", title="vocab-parallel cross-entropy", notebook=NOTEBOOK, points=4,
-    hint="1) m = all-reduce(MAX) of the local row max; 2) the target's logit z_y - m from the rank that owns y "
-         "(0 elsewhere), all-reduce(SUM); 3) sum of exp(z - m), all-reduce(SUM). loss = log(sum) - (z_y - m). "
-         "all_reduce works in place: reduce a fresh tensor.")
+    hint="Section 3: the loss needs three numbers per token that no rank has alone: the global maximum of the "
+         "logits (for stability), the target's logit (only its owner has it) and the sum of exponentials. "
+         "Which reduction (MAX or SUM) gives each, and what does each rank contribute?")
+ex73.hint2 = ("Subtract the global maximum on every rank before exponentiating; the ranks that do not own the "
+              "target contribute 0 to its logit. all_reduce works in place: reduce fresh tensors. Then write "
+              "the cross-entropy from these three numbers.")
 
 
 def _ce_data(N: int, V: int, seed: int, offset: float, scale: float, target_block=None, t=1):

@@ -39,17 +39,65 @@ def _groups(rank, t, p, d):
 
 ex81 = exercise(
     "8.1", title="rank -> (tp, pp, dp) coordinates", notebook=NOTEBOOK, points=2,
-    hint="TP is innermost: tp = rank % t. DP comes next: dp = (rank // t) % d. PP is outermost: "
-         "pp = rank // (t * d). Raise ValueError for a rank outside 0..t*p*d-1.")
+    hint="Section 1 (the grid): ranks are numbered TP innermost, then DP, then PP outermost, so neighbouring "
+         "ranks differ in tp. How many ranks does one step in dp skip, and one step in pp?")
+ex81.hint2 = ("Write the 8 ranks of t=2, p=2, d=2 as a table of (tp, pp, dp), counting tp fastest, then dp, "
+              "then pp. Return the tuple in the order (tp, pp, dp) and raise ValueError for a rank outside the "
+              "grid.")
+
+
+_AXES = ("tp", "pp", "dp")
+
+
+def _coords_in_order(rank, t, p, d, order):
+    """(tp, pp, dp) when the grid's axes are laid out in ``order``, innermost first (e.g. "tp", "dp", "pp")."""
+    size = {"tp": t, "pp": p, "dp": d}
+    out, stride = {}, 1
+    for axis in order:
+        out[axis] = (rank // stride) % size[axis]
+        stride *= size[axis]
+    return tuple(out[a] for a in _AXES)
+
+
+def _explain_coords(got_all, t, p, d):
+    """Why the learner's coordinates (one tuple per rank) are wrong: a reordered tuple, another axis order,
+    or the first wrong coordinate by name."""
+    import itertools
+
+    n = t * p * d
+    want_all = [_coords(r, t, p, d) for r in range(n)]
+    found = []
+    for perm in itertools.permutations(range(3)):
+        if perm != (0, 1, 2) and all(tuple(g[i] for i in perm) == w for g, w in zip(got_all, want_all)):
+            names = ", ".join(_AXES[perm.index(j)] for j in range(3))
+            found.append(f"the right coordinates in the wrong order (your tuple reads ({names}); return "
+                         "(tp, pp, dp))")
+            break
+    for order in itertools.permutations(_AXES):
+        if order != ("tp", "dp", "pp") and all(g == _coords_in_order(r, t, p, d, order)
+                                               for r, g in enumerate(got_all)):
+            found.append(f"the coordinates of a grid ordered {order[0].upper()} innermost, then "
+                         f"{order[1].upper()}, {order[2].upper()} outermost, not the grid of this notebook (which "
+                         "axis talks in every layer, and which only once per microbatch?)")
+            break
+    if found:
+        return "these are " + " or ".join(found) + (" (on this grid both look the same)" if len(found) > 1 else "")
+    r = next(r for r in range(n) if got_all[r] != want_all[r])
+    axis = next(i for i in range(3) if got_all[r][i] != want_all[r][i])
+    return (f"rank_coords({r}, t={t}, p={p}, d={d}): coordinate {_AXES[axis]} (item {axis} of (tp, pp, dp)): "
+            f"expected {want_all[r][axis]}, got {got_all[r][axis]}")
 
 
 def _coords_case(t, p, d):
     def case(rank_coords):
+        got_all = []
         for r in range(t * p * d):
             got = rank_coords(r, t, p, d)
             if not isinstance(got, (tuple, list)) or len(got) != 3:
                 raise CheckFailure(f"rank_coords({r}, t={t}, p={p}, d={d}): expected a tuple (tp, pp, dp), got {got!r}")
-            expect_equal(tuple(int(x) for x in got), _coords(r, t, p, d), f"rank_coords({r}, t={t}, p={p}, d={d})")
+            got_all.append(tuple(int(x) for x in got))
+        if any(g != _coords(r, t, p, d) for r, g in enumerate(got_all)):
+            raise CheckFailure(f"t={t}, p={p}, d={d}: {_explain_coords(got_all, t, p, d)}")
     return case
 
 
@@ -68,9 +116,10 @@ ex81.case("t=1, p=3, d=2", hidden=True)(_coords_case(1, 3, 2))
 
 ex82 = exercise(
     "8.2", title="the groups a rank belongs to", notebook=NOTEBOOK, points=2,
-    hint="Keep two coordinates of the rank fixed and run the third over its range: the TP group varies tp "
-         "(neighbouring ranks), the DP group varies dp (stride t), the PP group varies pp (stride t*d). "
-         "Return the global ranks in increasing order.")
+    hint="Section 1: a rank's TP group is the ranks that share its pp and dp and differ only in tp; likewise "
+         "for DP and PP. Which global ranks are those, in increasing order?")
+ex82.hint2 = ("Use your rank_coords (8.1): fix two coordinates, run the third over its range and turn each "
+              "coordinate triple back into a global rank.")
 
 
 def _groups_case(t, p, d):
@@ -102,9 +151,12 @@ def _states(P, t, p, d, zero, precision):
 
 ex83 = exercise(
     "8.3", title="model states of one GPU", notebook=NOTEBOOK, points=2,
-    hint="One GPU holds P/(t p) parameters. Bytes per parameter: bf16 2 + 2 + 12 (weights, gradients, fp32 "
-         "master weights and Adam's two moments), fp32 4 + 4 + 8. ZeRO-1 divides the optimizer state by d, "
-         "ZeRO-2 also the gradients, ZeRO-3 also the parameters.")
+    hint="Section 3: one GPU holds the share of the P parameters that TP and PP leave it, and per parameter it "
+         "stores weights, gradients and optimizer state (mixed precision keeps fp32 master weights and Adam's "
+         "two moments). Which of the three does each ZeRO stage divide over d?")
+ex83.hint2 = ("Count the bytes per parameter of each of the three states in bf16 and in fp32 (ZeRO paper sec. "
+              "3.1: mixed-precision Adam needs 16 bytes per parameter in all). Each ZeRO stage shards one more "
+              "of the three, optimizer state first.")
 
 
 def _states_case(P, t, p, d, zero, precision):
@@ -128,9 +180,12 @@ ex83.case("one GPU, fp32", hidden=True)(_states_case(1.2e8, 1, 1, 1, 0, "fp32"))
 # ----------------------------------------------------------------------------- 8.4
 ex84 = exercise(
     "8.4", title="activations of the first pipeline stage", notebook=NOTEBOOK, points=2,
-    hint="Per layer and microbatch (16-bit, Korthikanti et al. 2022): TP sbh(10 + 24/t + 5as/(ht)); with SP "
-         "everything / t: sbh(34 + 5as/h)/t; selective recompute drops the 5as/h term; full recompute keeps 2sbh "
-         "(/t with SP). Under 1F1B the first stage holds min(p, M) microbatches of L/p layers.")
+    hint="Section 3 (Korthikanti et al. 2022, Table 2): take the bytes per layer and microbatch for the case "
+         "at hand (TP only, TP with SP, selective or full recompute), then ask how many layers the first stage "
+         "holds and how many microbatches it keeps alive under 1F1B.")
+ex84.hint2 = ("Selective recompute drops the attention-score term with and without SP; SP also divides the "
+              "terms that TP alone leaves whole; full recompute keeps only each layer's input. Check the case "
+              "with fewer microbatches than stages.")
 
 
 def _act(s, b, h, a, L, t, p, M, sp, rec):
@@ -148,6 +203,8 @@ def _act_case(s, b, h, a, L, t, p, M, sp, rec):
 
 ex84.case("GPT-3: t=8, p=16, M=64, TP only")(_act_case(2048, 1, 12288, 96, 96, 8, 16, 64, False, "none"))
 ex84.case("t=8, SP + selective recompute")(_act_case(2048, 1, 12288, 96, 96, 8, 16, 64, True, "selective"))
+ex84.case("t=8, TP only (no SP), selective recompute")(
+    _act_case(2048, 1, 12288, 96, 96, 8, 16, 64, False, "selective"))
 ex84.case("full recompute")(_act_case(2048, 1, 20480, 128, 105, 8, 35, 120, False, "full"))
 ex84.case("fewer microbatches than stages: M=2 < p=4")(_act_case(1024, 2, 1024, 16, 8, 2, 4, 2, True, "none"))
 ex84.case("no parallelism", hidden=True)(_act_case(512, 4, 768, 12, 12, 1, 1, 8, False, "none"))
@@ -156,9 +213,11 @@ ex84.case("SP + full", hidden=True)(_act_case(2048, 1, 8192, 64, 80, 8, 8, 32, T
 # ----------------------------------------------------------------------------- 8.5
 ex85 = exercise(
     "8.5", title="choose t, p, d with Megatron's rules", notebook=NOTEBOOK, points=3,
-    hint="Among the (t, p) in `memory` that fit (bytes <= gpu_memory) and divide n_gpus, with t <= gpus_per_node "
-         "(rule 1), take the smallest model-parallel size t*p (rule 2); for that size prefer the largest t "
-         "(TP inside the node before PP across nodes). d = n_gpus // (t*p). Raise ValueError when none fits.")
+    hint="Section 4 (Megatron's rules): keep only the layouts that are allowed at all: TP inside a node, the "
+         "memory fits, and the t p GPUs of one model copy tile all the GPUs. Among those, which does rule 2 "
+         "prefer, and for a tie which does TP-before-PP prefer?")
+ex85.hint2 = ("Print the table and cross out, one rule at a time, each (t, p) that breaks a rule; which is "
+              "first among the rest, sorted by model-parallel size? Nothing left: ValueError.")
 
 
 def _choose(n, g, mem, table):
@@ -190,34 +249,62 @@ def _table(model: str, n: int, g: int, recompute: str = "selective"):
     return out
 
 
+# A hand-made memory table (GB) for 12 GPUs, 4 per node: (4, 2) fits in 20 GB with t*p = 8 < 12, but 8
+# GPUs per model copy cannot tile 12 GPUs; only (4, 3) both fits and divides.
+_NON_DIVIDING = {(1, 1): 160e9, (2, 1): 85e9, (4, 1): 45e9, (2, 2): 45e9, (1, 4): 46e9, (2, 3): 30e9,
+                 (4, 2): 18e9, (2, 4): 19e9, (4, 3): 14e9, (2, 6): 15e9}
+
+
+def _literal_choose_case(n, g, gb, table):
+    def case(choose_layout):
+        _judge_choice(choose_layout, n, g, gb, dict(table),
+                      f"choose_layout(n_gpus={n}, gpus_per_node={g}, gpu_memory={gb:g} GB, memory={{...}})")
+    return case
+
+
 def _choose_case(model, n, g, gb, recompute="selective"):
     def case(choose_layout):
-        table = _table(model, n, g, recompute)
-        mem = gb * 1e9
-        what = f"choose_layout(n_gpus={n}, gpus_per_node={g}, gpu_memory={gb:g} GB, memory of {model})"
-        want = _choose(n, g, mem, table)
-        if want is None:
-            expect_raises(ValueError, choose_layout, n, g, mem, dict(table), what=what + " (nothing fits)")
-            return
-        got = choose_layout(n, g, mem, dict(table))
-        if not isinstance(got, (tuple, list)) or len(got) != 3:
-            raise CheckFailure(f"{what}: expected a tuple (t, p, d), got {got!r}")
-        got = tuple(int(x) for x in got)
-        if got != want:
-            why = ""
-            if got in [(t, p, n // (t * p)) for (t, p) in table] and table.get(got[:2], 0) > mem:
-                why = f" ({got} needs {table[got[:2]] / 1e9:.1f} GB > {gb:g} GB)"
-            elif got[0] > g:
-                why = f" (t={got[0]} > {g} GPUs per node breaks rule 1)"
-            elif got[0] * got[1] > want[0] * want[1]:
-                why = f" (t*p={got[0] * got[1]} is larger than needed: rule 2)"
-            raise CheckFailure(f"{what}: expected {want}, got {got}{why}")
+        _judge_choice(choose_layout, n, g, gb, _table(model, n, g, recompute),
+                      f"choose_layout(n_gpus={n}, gpus_per_node={g}, gpu_memory={gb:g} GB, memory of {model})")
     return case
+
+
+def _judge_choice(choose_layout, n, g, gb, table, what):
+    """Run the learner's choice on ``table`` ((t, p) -> bytes) and name the rule a wrong choice breaks."""
+    mem = gb * 1e9
+    want = _choose(n, g, mem, table)
+    if want is None:
+        expect_raises(ValueError, choose_layout, n, g, mem, dict(table), what=what + " (nothing fits)")
+        return
+    got = choose_layout(n, g, mem, dict(table))
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        raise CheckFailure(f"{what}: expected a tuple (t, p, d), got {got!r}")
+    got = tuple(int(x) for x in got)
+    if got == want:
+        return
+    t, p, d = got
+    why = ""
+    if (t, p) in table and table[(t, p)] > mem:
+        why = f" ({got} needs {table[(t, p)] / 1e9:.1f} GB > {gb:g} GB: it does not fit)"
+    elif t > g:
+        why = f" (t={t} > {g} GPUs per node breaks rule 1: TP stays inside a node)"
+    elif t * p > 0 and n % (t * p):
+        why = (f" (t*p={t * p} does not divide {n} GPUs: the GPUs must split into d whole copies of the model, "
+               f"and {n}/{t * p} is not a whole number)")
+    elif t * p * d != n:
+        why = f" (t*p*d = {t * p * d}, not the {n} GPUs there are)"
+    elif t * p > want[0] * want[1]:
+        why = f" (t*p={t * p} is larger than needed: rule 2)"
+    elif t * p == want[0] * want[1] and t < want[0]:
+        why = f" (same model-parallel size t*p={t * p}, but a smaller t: for that size TP goes before PP)"
+    raise CheckFailure(f"{what}: expected {want}, got {got}{why}")
 
 
 ex85.case("GPT-3 175B on 1024 GPUs of 80 GB")(_choose_case("gpt3-175b", 1024, 8, 80))
 ex85.case("GPT-3 175B on 1024 GPUs of 40 GB")(_choose_case("gpt3-175b", 1024, 8, 40))
 ex85.case("Llama-3 70B on 256 GPUs of 80 GB")(_choose_case("llama3-70b", 256, 8, 80))
+ex85.case("a table that also lists (t, p) whose t*p does not divide 12 GPUs")(
+    _literal_choose_case(12, 4, 20, _NON_DIVIDING))
 ex85.case("nothing fits: GPT-3 on 8 GPUs: ValueError")(_choose_case("gpt3-175b", 8, 8, 80))
 ex85.case("Megatron 8.3B on 512 GPUs of 16 GB", hidden=True)(_choose_case("megatron-8.3b", 512, 8, 16))
 ex85.case("Llama-3 70B on 512 GPUs of 40 GB, 4 per node, full recompute",
@@ -226,10 +313,12 @@ ex85.case("Llama-3 70B on 512 GPUs of 40 GB, 4 per node, full recompute",
 # ----------------------------------------------------------------------------- 8.6
 ex86 = exercise(
     "8.6", title="bytes each axis sends per step", notebook=NOTEBOOK, points=3,
-    hint="Ring bytes sent by one GPU of a middle pipeline stage (p >= 3; no embedding or output layer), e bytes per "
-         "value: TP 4 all-reduces (2 forward, 2 backward) of s*b*h per layer, L/p layers, M microbatches, each "
-         "2(t-1)/t of the payload; PP one send of s*b*h forward and one backward per microbatch; DP one "
-         "all-reduce of the GPU's gradients (n_params values): 2(d-1)/d of it.")
+    hint="Section 2: per axis, count the collectives or sends one GPU takes part in per step and the payload "
+         "of each; a ring all-reduce sends only a fraction of the payload from each GPU (notebook 00, section "
+         "5). Which axis communicates per layer, which per microbatch, which once per step?")
+ex86.hint2 = ("TP: the f and g of attention and MLP, forward and backward, in each of this stage's layers, for "
+              "each microbatch. PP: one activation forward and one gradient backward per microbatch (a middle "
+              "stage). DP: one all-reduce of this GPU's gradients. Bytes are values times e.")
 
 
 def _axis(s, b, h, L, t, p, d, M, n_params, e):

@@ -37,8 +37,12 @@ def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- 9.1
 ex91 = exercise(
     "9.1", title="top-k gate", notebook="09_moe_routing", points=3,
-    hint="probs = logits.softmax(-1) over all E experts; take probs.topk(k); only with renormalize "
-         "divide the k weights by their sum. Keep the weights differentiable (no detach, no argmax).")
+    hint="Section 2: GShard and Switch take the softmax over ALL experts, then keep the k largest "
+         "probabilities; renormalising is an option, not the default. Are your weights the full softmax's "
+         "probabilities, and do they keep their gradient?")
+ex91.hint2 = ("torch has one call that returns the k largest values and their indices along a dimension: apply "
+              "it to the probabilities, not the logits, and divide by the sum over the k only when renormalize "
+              "is true.")
 
 
 def _gate_case(logits: torch.Tensor, k: int, renormalize: bool, what: str, check_grad: bool = False):
@@ -91,8 +95,11 @@ ex91.case("k = E (every expert)", hidden=True)(
 # ----------------------------------------------------------------------------- 9.2
 ex92 = exercise(
     "9.2", title="capacity and dropped tokens", notebook="09_moe_routing", points=3,
-    hint="C = math.ceil(k * T / E * capacity_factor). Walk the slots token by token (token 0's k "
-         "choices, then token 1's, ...) and keep a slot while its expert has had fewer than C slots.")
+    hint="Section 3: capacity is counted in slots (a token routed to k experts fills k slots). How many slots "
+         "would each expert get if the routing were perfectly even, and what does the capacity factor do to "
+         "that? Then the slots are kept first come, first served.")
+ex92.hint2 = ("Slots come token by token, and within a token in the order of its k choices; count per expert "
+              "and keep a slot while its expert is below capacity. C is an int: round up, never down.")
 
 
 def _cap_case(indices: torch.Tensor, E: int, cf: float, what: str):
@@ -137,9 +144,11 @@ ex92.case("C rounds up (T=7, E=3, k=1, cf=1.0 -> C=3)", hidden=True)(
 # ----------------------------------------------------------------------------- 9.3
 ex93 = exercise(
     "9.3", title="Mixtral's parameters: total and active", notebook="09_moe_routing", points=3,
-    hint="Per layer: attention q/o are H x (n_heads*head_dim), k/v are H x (n_kv_heads*head_dim); one SwiGLU "
-         "expert is 3*H*moe_ffn. Total has n_routed_experts experts per layer, active n_activated_experts. "
-         "Add the embedding and the output head (vocab x H each).")
+    hint="Section 4: count one layer part by part: attention (with grouped-query attention K and V are smaller "
+         "than Q and O), the router, the norms and the experts; then the embedding, the output head and the "
+         "final norm. Which part does a token use only k of?")
+ex93.hint2 = ("A SwiGLU expert has three weight matrices between H and the expert width. Total counts all E "
+              "experts of every layer, active only the k a token is routed to; everything else counts in both.")
 
 # Mixtral 8x22B (Mistral AI, 2024 HF config): published as 141B total, 39B active.
 MIXTRAL_8X22B = ModelSpec(

@@ -52,8 +52,11 @@ def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool =
 # ----------------------------------------------------------------------------- 10.1
 ex101 = exercise(
     "10.1", title="Switch auxiliary loss", notebook="10_balance_losses", points=3,
-    hint="f_i = (slots routed to expert i) / (T*k), counted from indices (no gradient); "
-         "P_i = logits.softmax(-1).mean(0); loss = alpha * E * (f * P).sum().")
+    hint="Section 2 (Switch, eq. 4-6): per expert, the loss multiplies the fraction of slots routed to it "
+         "(counted, no gradient) by its mean router probability (differentiable), sums over the experts and "
+         "scales. Which of the two carries the gradient, and what scale makes a uniform routing give alpha?")
+ex101.hint2 = ("Count the slots per expert from indices, as a fraction of all slots; average the softmax of "
+               "the logits over the tokens; the scale is alpha times the number of experts.")
 
 _L0 = torch.zeros(4, 4)
 _I0 = torch.tensor([[0], [1], [2], [3]])
@@ -72,8 +75,11 @@ ex101.case("T=64, E=16, k=4", hidden=True)(
 # ----------------------------------------------------------------------------- 10.2
 ex102 = exercise(
     "10.2", title="device-level balance loss", notebook="10_balance_losses", points=3,
-    hint="Expert-level f_j = E/(k T) * count_j and P_j = mean softmax; device i holds experts "
-         "i*E/D .. (i+1)*E/D - 1: f'_i = MEAN of its f_j, P'_i = SUM of its P_j; loss = alpha2 * sum_i f'_i P'_i.")
+    hint="Section 3 (DeepSeek-V2 eq. 15-17): the same f times P as Switch, but per device: group the experts "
+         "by the device that holds them. Which of f and P is averaged over a device's experts, and which is "
+         "summed?")
+ex102.hint2 = ("Here f_j is normalised so that a uniform routing gives 1 per expert (it is not a fraction); "
+               "devices hold consecutive blocks of experts, the same number each.")
 
 ex102.case("uniform routing gives alpha2")(
     _loss_case(device_balance_loss, torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), (2, 0.05),
@@ -91,8 +97,11 @@ ex102.case("T=48, E=16, k=3, D=4", hidden=True)(
 # ----------------------------------------------------------------------------- 10.3
 ex103 = exercise(
     "10.3", title="aux-loss-free bias update", notebook="10_balance_losses", points=2,
-    hint="An overloaded expert (load above the mean) must become LESS attractive: b_i += gamma * "
-         "sign(mean(load) - load_i). An expert exactly at the mean keeps its bias.")
+    hint="Section 4: the bias is a feedback controller. An expert that got more than the average load must "
+         "become less attractive next step, one below the average more attractive, by a fixed step gamma. What "
+         "does an expert exactly at the mean get?")
+ex103.hint2 = ("The step uses only the direction of each expert's deviation from the mean load (torch.sign), "
+               "not its size: which direction must move an overloaded expert's bias down?")
 
 
 def _bias_case(bias, loads, gamma, what):

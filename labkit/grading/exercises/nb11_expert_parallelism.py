@@ -87,9 +87,11 @@ def _a2a_worker(ctx, indices_per_rank, experts_per_rank, splits, H):
 
 ex111 = exercise(
     "11.1", title="all-to-all split sizes", notebook="11_expert_parallelism", points=3,
-    hint="A slot routed to expert e goes to rank e // experts_per_rank. input_split_sizes[q] counts "
-         "this rank's slots for rank q; output_split_sizes[s] is what rank s sends here, i.e. rank s's "
-         "input_split_sizes[this rank] (the transpose).")
+    hint="Section 1: a slot goes to the rank that holds its expert, and each rank holds a block of "
+         "experts_per_rank consecutive experts. A rank's input splits say what it sends to each rank; its "
+         "output splits what it receives from each: whose input splits hold those numbers?")
+ex111.hint2 = ("Build the P x P table of slots sent from rank p to rank q first: a rank's input splits are its "
+               "row, its output splits are its column.")
 
 ex111.case("P=2 ranks, 2 experts each, 3 tokens, k=1")(
     _splits_case([torch.tensor([[0], [3], [1]]), torch.tensor([[2], [2], [0]])], 2, "P=2, E=4, k=1"))
@@ -117,9 +119,12 @@ def _(dispatch_splits):
 # ----------------------------------------------------------------------------- 11.2
 ex112 = exercise(
     "11.2", title="bytes of the three all-to-alls", notebook="11_expert_parallelism", points=3,
-    hint="counts: the E per-expert counts as int64 (8 bytes each); dispatch: every row this rank SENDS "
-         "(sum of input_split_sizes) x hidden x elem_bytes; combine: the rows it received go back "
-         "(sum of output_split_sizes) x hidden x elem_bytes. Rows sent to itself count too.")
+    hint="Section 3: three all-to-alls leave this rank in forward: the per-expert counts, the dispatched rows "
+         "and the combined rows going back. How many values does each send, and how many bytes per value (the "
+         "counts are int64)?")
+ex112.hint2 = ("The dispatch sends the rows given by this rank's input splits; the combine sends back the rows "
+               "it received, given by its output splits; a row is hidden values. Rows a rank sends to itself "
+               "count too.")
 
 _EP_CFG = dict(n_embd=8, n_routed_experts=8, n_activated_experts=2, moe_ffn_dim=8, capacity_factor=1.0)
 

@@ -29,7 +29,11 @@ from ..kernelside.nb12_deepseek_moe import _gate_lines, _v3_fields  # noqa: F401
 # ----------------------------------------------------------------------------- 12.1
 ex121 = exercise(
     "12.1", title="fine-grained expert combinations", notebook="12_deepseek_moe", points=2,
-    hint="Splitting each expert into m gives m*E experts of which m*k are chosen: math.comb(m*E, m*k).")
+    hint="Section 1: fine-grained segmentation cuts each expert into m smaller ones and activates m times as "
+         "many, so the compute stays the same. How many experts are there then, how many are chosen, and how "
+         "many different sets of that size exist?")
+ex121.hint2 = ("It is a count of subsets (order does not matter); Python's math module counts them exactly, as "
+               "an int.")
 
 
 def _comb_case(E, k, m):
@@ -50,9 +54,11 @@ ex121.case("E=4, k=1, m=2", hidden=True)(_comb_case(4, 1, 2))
 # ----------------------------------------------------------------------------- 12.2
 ex122 = exercise(
     "12.2", title="group-limited top-k", notebook="12_deepseek_moe", points=3,
-    hint="scores.view(T, G, E//G); group score = sum of the 2 largest scores of each group "
-         "(.topk(2, -1).values.sum(-1)); keep the topk_groups best groups (mask the others with -inf); "
-         "then .topk(k) over all E.")
+    hint="Section 3 (the DeepSeek-V3 gate): first score the groups (a group's score is the sum of its two best "
+         "expert scores), keep the topk_groups best groups, then choose the k best experts among the kept "
+         "groups only. How do you stop the other groups' experts from being chosen?")
+ex122.hint2 = ("View the scores as [T, groups, experts per group]; give the experts of the groups not kept a "
+               "score that can never win (minus infinity), then choose k over all E.")
 
 
 def _group_case(logits, k, G, topk_groups, what):
@@ -93,8 +99,12 @@ ex122.case("V3's shape scaled down: E=32, G=8, keep 4, k=8", hidden=True)(
 # ----------------------------------------------------------------------------- 12.3
 ex123 = exercise(
     "12.3", title="find each concept in labkit's gate", notebook="12_deepseek_moe", points=3,
-    hint="Print inspect.getsource(route) and inspect.getsource(MoELayer.forward), then copy the ONE line "
-         "that does each job. The bias changes which experts are chosen, not the weights.")
+    hint="Section 4: read the source of route and of MoELayer.forward (the helper line_of finds a line by a "
+         "fragment) and find, for each concept, the ONE line that does that job. The bias changes which "
+         "experts are chosen, not the weights.")
+ex123.hint2 = ("For each concept ask what a line computes: scores from logits, a biased copy used only to "
+               "select, group scores, the group mask, the top-k, the weights taken from the UNBIASED scores, "
+               "and where the shared expert's output joins.")
 
 # concept -> (function that holds it, test of the line, what the line must do)
 CONCEPTS = {
@@ -161,9 +171,12 @@ ex123.case("every concept", hidden=True)(_concept_case(list(CONCEPTS)))
 # ----------------------------------------------------------------------------- 12.4
 ex124 = exercise(
     "12.4", title="DeepSeek-V3's gate in labkit's names", notebook="12_deepseek_moe", points=2,
-    hint="Take each number from the description of DeepSeek-V3's gate (report sec. 2.1.2 and 4.2) and put it in "
-         "the MoEConfig field of the same meaning: n_routed_experts, n_shared_experts, n_activated_experts, "
-         "score_func, expert_bias, n_expert_groups, n_limited_groups, route_scale.")
+    hint="Section 5: take each number from the description of DeepSeek-V3's MoE layer (report sec. 2.1.2 and "
+         "4.2) and put it in the MoEConfig field of the same meaning; the sizes (hidden size, width of one "
+         "expert, activation) count too.")
+ex124.hint2 = ("Read the MoEConfig docstring for what each field means; the route scale is "
+               "routed_scaling_factor in the released config, and the groups are the nodes a token may be sent "
+               "to.")
 
 # field -> (DeepSeek-V3's value, where the description says it)
 V3_GATE = {
@@ -175,6 +188,9 @@ V3_GATE = {
     "n_expert_groups": (8, "the experts form 8 groups, one per node of 8 GPUs (sec. 2.1.2, 4.2)"),
     "n_limited_groups": (4, "each token is sent to at most 4 nodes, i.e. 4 groups (sec. 4.2)"),
     "route_scale": (2.5, "the gating weights are scaled by 2.5 (routed_scaling_factor of the released config)"),
+    "n_embd": (7168, "the hidden size is 7168 (sec. 4.2)"),
+    "moe_ffn_dim": (2048, "each expert's intermediate hidden size is 2048 (sec. 4.2)"),
+    "activation": ("swiglu", "the experts are SwiGLU FFNs, like the dense layers (sec. 2.1, 4.2)"),
 }
 
 
@@ -206,6 +222,8 @@ ex124.case("scores and weights: sigmoid, aux-loss-free bias, route scale")(
     _v3_fields_case(["score_func", "expert_bias", "route_scale"]))
 ex124.case("group-limited routing: 8 groups, at most 4 per token")(
     _v3_fields_case(["n_expert_groups", "n_limited_groups"]))
+ex124.case("expert sizes: hidden size, width of one expert, activation")(
+    _v3_fields_case(["n_embd", "moe_ffn_dim", "activation"]))
 
 
 @ex124.case("routing 32 tokens with this gate: 8 experts from at most 4 groups, weights summing to 2.5",

@@ -21,9 +21,11 @@ from ..kernelside.nb13_zero_bubble import _split_run  # noqa: F401 - run in the 
 # ----------------------------------------------------------------------------- 13.1
 ex131 = exercise(
     "13.1", title="input and weight gradients of a linear layer, separately", notebook="13_zero_bubble", points=2,
-    hint="out = layer(x); torch.autograd.grad(out, x, grad_out, retain_graph=True) gives dL/dx; a second "
-         "torch.autograd.grad(out, [layer.weight, layer.bias], grad_out) gives the rest. Return tensors; "
-         "do not call .backward() (it would write .grad).")
+    hint="Section 1: the input gradient and the weight gradients are two separate backward passes through the "
+         "same graph. torch.autograd.grad returns gradients without writing .grad: what must the first call "
+         "keep so that the second can still run?")
+ex131.hint2 = ("Ask the first call for the gradient with respect to x only and the second for the weight and "
+               "the bias, both with grad_out as the output's gradient; return the three tensors.")
 
 
 def _linear_case(n_in: int, n_out: int, batch: int, seed: int):
@@ -65,9 +67,12 @@ ex131.case("Linear(32, 64), batch 7", hidden=True)(_linear_case(32, 64, 7, 3))
 # ----------------------------------------------------------------------------- 13.2
 ex132 = exercise(
     "13.2", title="the ZB-H1 action list", notebook="13_zero_bubble", points=3,
-    hint="Rank r: min(K-1-r, M) warm-up forwards; then for m = 0..M-1: one F (while forwards are left), I(m), "
-         "and a W of the oldest microbatch whose I ran, but only while more than r W passes wait; the "
-         "remaining W passes at the end.")
+    hint="Section 2: ZB-H1 keeps 1F1B's warm-up and its one-forward-one-backward rhythm, with each backward "
+         "split into I then W. No other rank waits for a W, so rank r may hold some W passes back to fill its "
+         "drain: how many can it hold without exceeding 1F1B's memory?")
+ex132.hint2 = ("Start from your 1F1B order (3.1): replace each B by its I, and after an I run a waiting W only "
+               "when more W passes wait than rank r holds back; the held-back ones run at the end. Any waiting "
+               "W may run (labkit takes the oldest).")
 
 COSTS = ((1, 1, 1), (2, 2, 1), (3, 2, 2))  # (T_F, T_I, T_W) with T_W <= min(T_F, T_I)
 
@@ -83,6 +88,15 @@ def _zb_case(K: int, M: int):
         kinds = {a.kind for r in sched for a in sched[r]}
         if K > 1 and "B" in kinds:
             raise CheckFailure(f"{what}: uses full backward B actions; ZB-H1 splits every backward into I then W")
+        for r in range(K):  # the warm-up first, as for 1F1B (3.1): a wrong one shows up in everything after it
+            comp = [a for a in sched[r] if a.kind in ("F", "I", "W", "B")]
+            first_i = next((i for i, a in enumerate(comp) if a.kind in ("I", "B")), len(comp))
+            n_f, want_f = sum(a.kind == "F" for a in comp[:first_i]), min(K - r, M)
+            if n_f != want_f:
+                why = "too long: it holds more microbatches than 1F1B" if n_f > want_f else \
+                    "too short: the pipeline never fills"
+                raise CheckFailure(f"{what}: rank {r} runs {n_f} forward(s) before its first I, 1F1B's warm-up "
+                                   f"plus one forward (notebook 03) is {want_f}; the warm-up is {why}")
         peaks = peak_in_flight(sched, K)
         for s in range(K):
             if peaks[s] > min(M, K):
@@ -93,7 +107,7 @@ def _zb_case(K: int, M: int):
             got = simulate(sched, forward=f, backward_input=i, backward_weight=w).bubble_time
             want = (K - 1) * (f + i - w)
             if got != want:
-                hint = (" (more than 1F1B's bubble minus the W: are the W passes delayed, r of them on rank r?)"
+                hint = (" (more than ZB-H1's: are some W passes held back to fill the drain, and the others run early?)"
                         if got > want else "")
                 raise CheckFailure(f"{what}: simulated bubble time {got} per rank with T_F={f}, T_I={i}, T_W={w}; "
                                    f"ZB-H1's is (K-1)(T_F+T_I-T_W) = {want}{hint}")
@@ -118,9 +132,12 @@ ex132.case("K=5, M=5", hidden=True)(_zb_case(5, 5))
 # ----------------------------------------------------------------------------- 13.3
 ex133 = exercise(
     "13.3", title="bubble times of 1F1B, ZB-H1 and ZB-V", notebook="13_zero_bubble", points=2,
-    hint="Per rank: 1F1B (K-1)(T_F + T_I + T_W); ZB-H1 (K-1)(T_F + T_I - T_W); ZB-V with chunk costs "
-         "T_F = T_I = T_W: (K-1) T_F. T_I is the input-gradient pass only (the paper's B); the full backward "
-         "is T_I + T_W.")
+    hint="Section 3: what is a rank's idle time made of on each schedule: which passes of the later stages "
+         "does the first stage wait for, and which of them does a zero-bubble schedule move out of the way? "
+         "Mind which 'B' a formula means: the zero-bubble paper's B is the input-gradient pass only.")
+ex133.hint2 = ("Read the bubble off the timelines of section 2 for K=2 with the cost model: in 1F1B the wait "
+               "holds the full backward; in ZB-H1 the held-back W passes fill part of it; in ZB-V (equal chunk "
+               "costs) only forwards are left in it.")
 
 _WANT = {"1f1b": lambda K, f, i, w: (K - 1) * (f + i + w),
          "zb-h1": lambda K, f, i, w: (K - 1) * (f + i - w),

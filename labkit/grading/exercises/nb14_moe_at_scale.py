@@ -27,8 +27,11 @@ from ..registry import CheckFailure, exercise, expect_close
 # ----------------------------------------------------------------------------- 14.1
 ex141 = exercise(
     "14.1", title="balanced packing of expert groups onto nodes", notebook="14_moe_at_scale", points=3,
-    hint="Go through the groups heaviest first; put each on the node with the smallest load so far among "
-         "the nodes that still hold fewer than n_groups / n_nodes groups.")
+    hint="Section 1 (EPLB step 1): a greedy balances well when it places the big groups while the nodes can "
+         "still even them out, and always puts the next group where it hurts least. Which order, which node, "
+         "and which nodes are still allowed?")
+ex141.hint2 = ("Every node must end with the same number of groups, so a full node is no longer a candidate; "
+               "ties go to the lower node.")
 
 
 def _as_ints(x, n, what):
@@ -54,9 +57,42 @@ def _packing_case(loads, n_nodes, what):
         pack, _ = balanced_packing(torch.tensor([loads], dtype=torch.float64), n_nodes)
         best = max(sum(l for l, n in zip(loads, pack[0].tolist()) if n == node) for node in range(n_nodes))
         if max(node_load) > best + 1e-9:
+            why = next((text for order, rule, text in _PACKING_MISTAKES
+                        if got == _greedy_packing(loads, n_nodes, order, rule)), "")
             raise CheckFailure(f"{what}: the heaviest node carries {max(node_load):g} (node loads {node_load}); "
-                               f"the greedy packing gets it down to {best:g}")
+                               f"the greedy packing gets it down to {best:g}{why}")
     return case
+
+
+# Plausible wrong packings, to name the mistake: (order of the groups, how the node is picked, message)
+_PACKING_MISTAKES = [
+    ("given", "lightest", " (the groups were placed in the order they are given: the order matters, which group "
+                          "should be placed while every node is still empty?)"),
+    ("lightest", "lightest", " (the groups were placed lightest first: the big groups came last, when nothing "
+                             "was left to even them out)"),
+    ("heaviest", "in_turn", " (each group went to the next node in turn: the loads already on the nodes were "
+                            "not looked at)"),
+    ("heaviest", "fill", " (the nodes were filled one after the other: a node's load was not looked at)"),
+]
+
+
+def _greedy_packing(loads, n_nodes, order, rule):
+    """The packing a plausible wrong greedy makes (see :data:`_PACKING_MISTAKES`)."""
+    per = len(loads) // n_nodes
+    groups = list(range(len(loads)))
+    if order != "given":
+        groups.sort(key=lambda i: loads[i] if order == "lightest" else -loads[i])
+    node_load, count, node = [0.0] * n_nodes, [0] * n_nodes, [0] * len(loads)
+    for j, g in enumerate(groups):
+        room = [m for m in range(n_nodes) if count[m] < per]
+        if rule == "in_turn":
+            n = room[0] if j % n_nodes not in room else j % n_nodes
+        elif rule == "fill":
+            n = room[0]
+        else:
+            n = min(room, key=lambda m: node_load[m])
+        node[g], node_load[n], count[n] = n, node_load[n] + loads[g], count[n] + 1
+    return node
 
 
 ex141.case("6 groups onto 2 nodes")(_packing_case([5, 1, 4, 2, 3, 3], 2, "pack_groups([5, 1, 4, 2, 3, 3], 2)"))
@@ -72,8 +108,10 @@ ex141.case("12 random groups onto 3 nodes", hidden=True)(
 # ----------------------------------------------------------------------------- 14.2
 ex142 = exercise(
     "14.2", title="replicas per expert", notebook="14_moe_at_scale", points=3,
-    hint="Start with one copy each; give each of the num_replicas - E extra copies, one at a time, to "
-         "the expert whose load / copies is the largest right now.")
+    hint="Section 2 (EPLB step 2): each extra copy should go where it lowers the busiest copy's load the most. "
+         "Which expert's copies are the busiest right now?")
+ex142.hint2 = ("Add the copies one at a time; before each, compare the experts by the load that each of their "
+               "current copies carries (not by total load, and not by the load after the new copy).")
 
 
 def _replica_case(load, R, what):
@@ -87,14 +125,31 @@ def _replica_case(load, R, what):
         best = max(l / c for l, c in zip(load, cnt[0].tolist()))
         mine = max(l / c for l, c in zip(load, got))
         if mine > best + 1e-9:
+            why = ""
+            if got == _greedy_counts(load, R, after_copy=True):
+                why = (" (these are the counts of a greedy that judges each expert by the load its copies would "
+                       "carry AFTER one more copy: the copy must go where the busiest copy is now)")
+            elif got == _greedy_counts(load, R, by_total=True):
+                why = " (each copy went by the expert's total load, which ignores the copies it already has)"
             raise CheckFailure(f"{what}: with copies {got} the busiest copy serves {mine:g} tokens; "
-                               f"copies {cnt[0].tolist()} get it down to {best:g}")
+                               f"copies {cnt[0].tolist()} get it down to {best:g}{why}")
     return case
+
+
+def _greedy_counts(load, R, after_copy=False, by_total=False):
+    """Two plausible wrong greedies, to name the mistake: extra copies by load/(copies+1), or by load."""
+    cnt = [1] * len(load)
+    for _ in range(R - len(load)):
+        e = max(range(len(load)), key=lambda i: load[i] if by_total else load[i] / (cnt[i] + after_copy))
+        cnt[e] += 1
+    return cnt
 
 
 ex142.case("loads [6, 3, 1] into 5 copies")(_replica_case([6, 3, 1], 5, "replica_counts([6, 3, 1], 5)"))
 ex142.case("8 experts, 12 copies, a hot expert")(
     _replica_case([400, 20, 30, 50, 60, 10, 200, 30], 12, "replica_counts(8 loads, 12)"))
+ex142.case("loads [30, 14, 3] into 6 copies: the busiest copy now, not after the next copy")(
+    _replica_case([30, 14, 3], 6, "replica_counts([30, 14, 3], 6)"))
 ex142.case("EPLB README layer 0 into 16 copies", hidden=True)(
     _replica_case([90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], 16, "replica_counts(README layer 0, 16)"))
 ex142.case("no extra copies", hidden=True)(_replica_case([3, 1, 2, 5], 4, "replica_counts([3, 1, 2, 5], 4)"))
@@ -103,9 +158,11 @@ ex142.case("no extra copies", hidden=True)(_replica_case([3, 1, 2, 5], 4, "repli
 # ----------------------------------------------------------------------------- 14.3
 ex143 = exercise(
     "14.3", title="inter-node bytes, flat vs hierarchical", notebook="14_moe_at_scale", points=3,
-    hint="Node of a slot = expert // experts_per_node. Flat: count the slots whose node is not my_node. "
-         "Hierarchical: count, per token, the DISTINCT nodes other than my_node. Multiply by hidden * "
-         "bytes_per_element.")
+    hint="Section 3: flat, every slot whose expert is on another node sends one row across; hierarchical, a "
+         "token sends one row to each other node it needs, however many of its experts live there. Which node "
+         "holds expert e, and how many bytes is one row?")
+ex143.hint2 = ("Per token, turn its k experts into their nodes; the flat count takes every slot that is not on "
+               "my node, the hierarchical count the distinct nodes other than mine.")
 
 
 def _routing(T, k, E, seed):
@@ -141,9 +198,11 @@ ex143.case("32 tokens, k=8, 8 nodes, my node 5", hidden=True)(
 # ----------------------------------------------------------------------------- 14.4
 ex144 = exercise(
     "14.4", title="bytes read per token and the latency bound", notebook="14_moe_at_scale", points=3,
-    hint="At batch 1 a decoding step reads every parameter the token uses once: "
-         "count_parameters(spec).active (for a dense model that is all of them) * bytes_per_param; "
-         "the latency bound is that number of bytes / bandwidth (bytes per second).")
+    hint="Section 4 (DeepSpeed-MoE sec. 5.1): at batch size 1 decoding is memory-bound: each generated token "
+         "reads every weight it uses once. Which parameters does one token use in an MoE model, and how long "
+         "does reading those bytes take at the given bandwidth?")
+ex144.hint2 = ("labkit's count_parameters gives both the total and the active count (for a dense model they "
+               "are equal); the latency bound is in seconds.")
 
 
 def _decode_case(spec, bpp, bw, what):

@@ -7,10 +7,12 @@ package (:mod:`labkit.grading.session`); nothing here computes an expected value
 from __future__ import annotations
 
 import torch
+
 from ...model import GPT, GPTConfig
 
 
 # A smaller GPT than the pipeline's: one device, a few SGD steps per case.
+ACC_BATCH, ACC_SEQ, ACC_LR = 8, 8, 0.5
 ACC_CFG = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
 
 
@@ -20,12 +22,21 @@ def _acc_batch(seed: int):
             torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g))
 
 
-def _sgd_run(step_grads, steps: int, seed: int) -> tuple[dict, dict]:
+def _sgd_run(step_grads, steps: int, seed: int, calls: list | None = None) -> tuple[dict, dict]:
     """``steps`` steps of plain SGD (lr ACC_LR) on a fresh tiny GPT; ``step_grads(model, x, y)`` fills
-    .grad each step. Returns (gradients of the first step, parameters after the last)."""
+    .grad each step. Returns (gradients of the first step, parameters after the last). With ``calls``
+    (a list), the batch size of every call of the model in the first step is appended to it."""
     model = GPT(ACC_CFG, seed=seed)
+    state = {"step": 0}
+    if calls is not None:
+        def record(module, args, kwargs):
+            idx = args[0] if args else kwargs.get("idx")
+            if state["step"] == 0 and len(calls) < 64 and isinstance(idx, torch.Tensor) and idx.dim() > 0:
+                calls.append(int(idx.shape[0]))
+        model.register_forward_pre_hook(record, with_kwargs=True)
     first = {}
     for step in range(steps):
+        state["step"] = step
         model.zero_grad(set_to_none=True)
         x, y = _acc_batch(seed * 10 + step)
         step_grads(model, x, y)
@@ -39,5 +50,8 @@ def _sgd_run(step_grads, steps: int, seed: int) -> tuple[dict, dict]:
 
 
 def _accumulate_run(accumulate_microbatches, M: int, steps: int, seed: int):
-    """Kernel side: the learner's accumulation in :func:`_sgd_run`; its gradients and parameters."""
-    return _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed)
+    """Kernel side: the learner's accumulation in :func:`_sgd_run`: its gradients, its parameters and
+    the batch sizes of the model's calls in the first step (for the message only, never the verdict)."""
+    calls: list = []
+    grads, params = _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed, calls)
+    return grads, params, calls
