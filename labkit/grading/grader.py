@@ -100,6 +100,7 @@ class NotebookGrade:
     stopped: str  # "" when every cell ran cleanly, else what went wrong (cells that raised, killed, ...)
     exercises: list[ExerciseGrade] = field(default_factory=list)
     isolation: str = ""
+    graded: bool = True  # False: the grader could not run the notebook (its exercises score zero)
 
 
 _CHECK_CALL = re.compile(r"""\bcheck\(\s*(?P<q>["'])(?P<id>[^"'\n]+)(?P=q)""")
@@ -162,7 +163,7 @@ def _exercise_grade(ex: Exercise, res, reason: str = "") -> ExerciseGrade:
     return ExerciseGrade(ex, status, res.message, cases)
 
 
-def _grade_in_kernel(ex: Exercise, session) -> ExerciseGrade:
+def _grade_in_kernel(ex: Exercise, session, hints: bool = True) -> ExerciseGrade:
     """Run every case of ``ex`` here, its calls going to the answer registered in ``session``."""
     from .proxy import KernelBackend
     from .runner import evaluate
@@ -177,6 +178,9 @@ def _grade_in_kernel(ex: Exercise, session) -> ExerciseGrade:
         return session.request({"op": "ping"}, wait=5) is not None
 
     res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on)
+    if not hints:
+        from .runner import format_line
+        res.message = format_line(ex, res, hints=False)
     session.request({"op": "end"}, wait=10)
     return _exercise_grade(ex, res)
 
@@ -194,13 +198,29 @@ def _check_cells(cells, ex_id: str) -> list[int]:
     return [i for i, src in cells if pat.search(src)]
 
 
-def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> NotebookGrade:
-    """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook."""
+def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None,
+                   hints: bool = True) -> NotebookGrade:
+    """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
+
+    ``assignment`` (a notebook name such as ``"08_3d_parallelism"``) pins what is graded: the
+    assignment's exercises, whatever the submission says it is; a notebook that is another one
+    (by its metadata, file name or checks) is not run and scores zero on each of them, with a
+    message naming both. ``hints=False`` leaves the hints out of the messages (graded runs; the
+    interactive ``check`` keeps them).
+    """
     from .session import KernelSession, isolation_note, kernel_user
 
     path = Path(path)
     nb = nbformat.read(str(path), as_version=4)
     names = _notebook_names(nb, path)
+    if assignment is not None:
+        if assignment not in names:
+            why = (f"not attempted: this submission is notebook {', '.join(names) or path.stem}, not the "
+                   f"assignment {assignment}; upload {assignment}.ipynb")
+            grade = NotebookGrade(str(path), assignment, why.removeprefix("not attempted: "))
+            grade.exercises = [_exercise_grade(ex, None, why) for ex in exercises_for_notebook(assignment)]
+            return grade
+        names = [assignment]
     exercises = [ex for name in names for ex in exercises_for_notebook(name)]
     wanted = {ex.id: ex for ex in exercises}
     cells = [(i, c.get("source", "")) for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"]
@@ -252,7 +272,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT)
                 for ex_id, serial in now.items():
                     if ex_id in wanted and seen.get(ex_id) != serial:
                         seen[ex_id] = serial
-                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session)
+                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session, hints)
                 if session.alive():
                     k += 1
                     continue
@@ -308,17 +328,19 @@ def _hidden_files() -> list[Path]:
     return out
 
 
-def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> list[NotebookGrade]:
+def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None,
+                hints: bool = True) -> list[NotebookGrade]:
+    """:func:`grade_notebook` for each path; one that cannot be graded gets ``graded=False`` and zeros."""
     out = []
     for p in paths:
         try:
-            out.append(grade_notebook(p, cell_timeout))
+            out.append(grade_notebook(p, cell_timeout, assignment, hints))
         except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
-                                                    f"{_first(str(e))}")
+                                                    f"{_first(str(e))}", graded=False)
             try:
                 nb = nbformat.read(str(p), as_version=4)
-                for name in _notebook_names(nb, Path(p)):
+                for name in [assignment] if assignment else _notebook_names(nb, Path(p)):
                     for ex in exercises_for_notebook(name):
                         g.exercises.append(_exercise_grade(ex, None, f"not reached: {g.stopped}"))
             except Exception:  # noqa: BLE001
@@ -327,8 +349,14 @@ def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> list[Noteb
     return out
 
 
-def results_json(grades: list[NotebookGrade]) -> dict:
-    """The Gradescope results object for ``grades``."""
+def results_json(grades: list[NotebookGrade], execution_time: float | None = None) -> dict:
+    """The Gradescope results object for ``grades``.
+
+    What a student sees carries no instructor detail: the top-level ``output`` names notebooks
+    by file name (no grader paths) and leaves out the isolation note, which goes to the
+    grader's stdout; ``stdout_visibility`` is ``hidden`` so that stdout stays with the
+    instructor. Each exercise's test carries its id as Gradescope's ``number``.
+    ``execution_time``: seconds the grading took (Gradescope's field), when given."""
     tests = []
     for g in grades:
         for eg in g.exercises:
@@ -336,6 +364,7 @@ def results_json(grades: list[NotebookGrade]) -> dict:
             passed = eg.status == "passed"
             tests.append({
                 "name": eg.exercise.label,
+                "number": eg.exercise.id,
                 "score": round(eg.score, 6),
                 "max_score": round(eg.max_score, 6),
                 "status": "passed" if passed else "failed",
@@ -366,11 +395,14 @@ def results_json(grades: list[NotebookGrade]) -> dict:
                 })
     score = round(sum(t["score"] for t in tests), 4)
     total = round(sum(t["max_score"] for t in tests), 4)
-    lines = [f"{g.path}: {_points(sum(e.score for e in g.exercises))} / {_points(sum(e.max_score for e in g.exercises))}"
-             + (f" ({g.stopped})" if g.stopped else "") for g in grades]
-    notes = sorted({g.isolation for g in grades if g.isolation})
-    return {"score": score, "output": "\n".join([f"Total {_points(score)} / {_points(total)}"] + lines + notes),
-            "tests": tests}
+    lines = [f"{Path(g.path).name}: {_points(sum(e.score for e in g.exercises))} / "
+             f"{_points(sum(e.max_score for e in g.exercises))}"
+             + (f" ({g.stopped.replace(str(Path(g.path).parent) + os.sep, '')})" if g.stopped else "") for g in grades]
+    obj = {"score": score, "output": "\n".join([f"Total {_points(score)} / {_points(total)}"] + lines),
+           "stdout_visibility": "hidden", "tests": tests}
+    if execution_time is not None:
+        obj["execution_time"] = max(0, int(math.ceil(execution_time)))
+    return obj
 
 
 def write_results(path: Path, obj: dict) -> None:
@@ -482,30 +514,63 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m labkit grade``; bad input ends with one ``error:`` line (exit 2) before any
-    kernel starts."""
+    kernel starts. Exit status 0 when every notebook was graded (whatever its score), 1 when one
+    could not be graded. ``--results-dir``/``--gradebook``/``-j``: batch grading
+    (:mod:`labkit.grading.batch`), one kernel per submission, N at a time."""
+    import time
+
     p = Parser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
     p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
     p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")
     p.add_argument("--cell-timeout", default=str(DEFAULT_CELL_TIMEOUT), help="seconds per cell (> 0)")
+    p.add_argument("--assignment", default=None, metavar="NN_name",
+                   help="grade exactly this notebook's exercises (e.g. 08_3d_parallelism); another notebook scores 0")
+    p.add_argument("--no-hints", action="store_true", help="leave hints out of the graded messages")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="batch: one results file per submission in this folder")
+    p.add_argument("--gradebook", type=Path, default=None,
+                   help="batch: a CSV with one row per submission, one column per exercise and the total")
+    p.add_argument("-j", "--jobs", type=int, default=None, help="batch: submissions graded at a time (default: the cores)")
     a = p.parse_args(argv)
     cell_timeout = _seconds(a.cell_timeout)
     problem = "" if cell_timeout is not None else (
         f"--cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}")
-    problem = problem or _input_problem(a.paths, a.results)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    batch = a.results_dir is not None or a.gradebook is not None or a.jobs is not None
+    missing = next((x for x in a.paths if not x.is_file()), None)
+    # a batch grades every readable file: one that is not a notebook is reported in its row
+    problem = problem or (f"no such notebook: {missing}" if batch and missing else
+                          _input_problem([] if batch else a.paths, a.results))
+    if not problem and batch and a.results is not None:
+        problem = "--results writes one file for all notebooks; with --results-dir/--gradebook/-j leave it out"
     from .registry import IMPORT_ERRORS, load_all
 
     load_all()
+    if not problem and a.assignment is not None and not exercises_for_notebook(a.assignment):
+        from .registry import all_exercises
+        known = sorted({ex.notebook for ex in all_exercises()})
+        problem = f"--assignment {a.assignment!r} has no exercises; choose one of {', '.join(known)}"
+    if not problem and batch:
+        from .batch import input_problem
+        problem = input_problem(a.results_dir, a.gradebook, a.jobs)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    grades = grade_paths(a.paths, cell_timeout)
+    if batch:
+        from .batch import grade_batch
+        return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, cell_timeout, a.assignment, not a.no_hints)
+    t0 = time.monotonic()
+    grades = grade_paths(a.paths, cell_timeout, a.assignment, not a.no_hints)
     print(format_table(grades))
     if a.results:
-        obj = results_json(grades)
+        obj = results_json(grades, execution_time=time.monotonic() - t0)
         validate_results(obj)
         write_results(a.results, obj)
         print(f"wrote {a.results}")
+    bad = [g.path for g in grades if not g.graded]
+    if bad:
+        print(f"error: {len(bad)} notebook(s) could not be graded: {', '.join(bad)}", file=sys.stderr)
+        return 1
     return 0

@@ -272,8 +272,9 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
     return res
 
 
-def format_line(ex: Exercise, res: CheckResult) -> str:
-    """The one deterministic line ``check`` prints for ``res``."""
+def format_line(ex: Exercise, res: CheckResult, hints: bool = True) -> str:
+    """The one deterministic line ``check`` prints for ``res``; ``hints=False`` leaves out the
+    hint (a graded run that holds hints back: ``grade --no-hints``)."""
     if not ex.cases:
         return f"{ex.label}: no cases are registered for this exercise."
     if res.status == "passed":
@@ -283,7 +284,7 @@ def format_line(ex: Exercise, res: CheckResult) -> str:
     first = next(r for r in res.cases if r.status == "failed")
     case = next((c for c in ex.cases if c.name == first.name), None)
     text = case.hint if case is not None and case.hint is not None else ex.hint
-    hint = f" Hint: {text}" if text else ""
+    hint = f" Hint: {text}" if text and hints else ""
     if first.hidden:
         counts = f"{res.passed} of {res.total} cases passed"
         what = f"a hidden case failed ({counts}; its details are not shown)."
