@@ -1,0 +1,98 @@
+"""Command line: python -m labkit COMMAND [options]
+
+Commands:
+  doctor [--run]         torch/CUDA/NCCL/gloo report and the backend "auto" picks;
+                         --run: every lab briefly here, one PASS/FAIL line each
+  lab NAME [options]     train the GPT with one strategy (pipeline | tensor | moe | 3d)
+  bench NAME [options]   side-by-side speed comparison (pipeline | tensor | moe | dp)
+  build [--check]        write notebooks/ (learner versions) from solutions/
+  grade PATH... [--results FILE]   run notebooks and grade their exercises
+                         (--assignment NN_name; batch: --results-dir DIR --gradebook CSV -j N)
+  autograder NN_name --out autograder.zip   a Gradescope autograder bundle for one notebook
+  notebooks [DEST] [--solutions]   copy the learner notebooks (Colab, JupyterHub, a laptop)
+  plan --model NAME --gpus N [options]   memory, communication and step time per GPU; best layouts
+
+python -m labkit COMMAND --help (or lab NAME --help, bench NAME --help) lists its options.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .cliparse import Parser
+
+LABS = ("pipeline", "tensor", "moe", "3d")
+BENCHES = ("pipeline", "tensor", "moe", "dp")
+MODULES = {"3d": "threed"}  # a module name cannot start with a digit
+
+
+def _run_module(cmd: str, name: str, argv: list[str]) -> int:
+    """Run ``labkit.labs.NAME`` (cmd "lab") or ``labkit.bench.NAME`` (cmd "bench") with ``argv``."""
+    names = LABS if cmd == "lab" else BENCHES
+    if name not in names:
+        print(f"error: unknown {cmd} {name!r}; choose one of {', '.join(names)}", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(f"labkit.{'labs' if cmd == 'lab' else 'bench'}.{MODULES.get(name, name)}")
+    return mod.main(argv) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; Ctrl-C, SIGTERM and a failed rank end with one line (labs.run_cli)."""
+    from .labs import run_cli
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "doctor":
+        p = Parser(prog="python -m labkit doctor",
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument("--world-size", type=int, nargs="*", default=[1, 2, 4, 8], help="world sizes to try")
+        p.add_argument("--run", action="store_true",
+                       help="also run every lab briefly on the backend auto picks: one PASS/FAIL line per lab")
+        p.add_argument("--verbose", action="store_true", help="with --run: show the labs' own output")
+        a = p.parse_args(rest)
+        bad = [w for w in a.world_size if w < 1]
+        if bad:
+            print(f"error: --world-size must be >= 1, got {bad[0]}", file=sys.stderr)
+            return 2
+        from .dist import doctor
+        if not a.run:
+            print(doctor(a.world_size))
+            return 0
+        from .doctor import run_all
+        return run_all(a.verbose)
+    if cmd in ("lab", "bench"):
+        if not rest:
+            print(f"usage: python -m labkit {cmd} {{{'|'.join(LABS if cmd == 'lab' else BENCHES)}}} [options]",
+                  file=sys.stderr)
+            return 2
+        return _run_module(cmd, rest[0], rest[1:])
+    if cmd == "build":
+        from .grading.build import main as build_main
+        return build_main(rest) or 0
+    if cmd == "plan":
+        from .plan.cli import main as plan_main
+        return plan_main(rest) or 0
+    if cmd == "grade":
+        from .grading.grader import main as grade_main
+        return grade_main(rest) or 0
+    if cmd == "autograder":
+        from .grading.autograder import main as autograder_main
+        return autograder_main(rest) or 0
+    if cmd == "notebooks":
+        from .grading.build import notebooks_main
+        return notebooks_main(rest) or 0
+    print(f"error: unknown command {cmd!r}; choose one of doctor, lab, bench, build, grade, autograder, "
+          f"notebooks, plan "
+          f"(python -m labkit --help)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,720 @@
+"""Launching N ranks and the objects that carry process groups into layers.
+
+``launch(fn, world_size, *args)`` runs ``fn(ctx, *args)`` on ``world_size`` ranks and
+returns the per-rank results in rank order. Three ways to get ranks:
+
+* CPU (gloo): forked processes. Forking costs ~0.1 s per rank instead of ~10 s for
+  ``spawn`` (each spawned child imports torch again), and lets a notebook launch a
+  function it defined in a cell.
+* GPU (NCCL): one spawned process per CUDA device (CUDA cannot be used after fork).
+* Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set): this process *is*
+  one rank; ``launch`` initialises from the environment, runs ``fn`` here and gathers
+  every rank's result with ``all_gather_object``.
+
+Failure handling: each process group gets a ``timeout`` so a collective that can never
+complete (a wrong schedule, a missing send) raises instead of hanging. The first rank to
+fail ends the launch with :class:`RankError`, naming the rank and carrying its traceback
+(or, for a worker killed by a signal or a native abort, its exit code or signal name and
+the last lines of its stderr); every other worker is terminated and joined, so no process
+outlives a failed launch. Forked workers also die with their parent whatever kills it
+(Linux ``PR_SET_PDEATHSIG``), and SIGTERM / Ctrl-C of the parent stop every worker and
+remove the rendezvous folder (SIGTERM raises :class:`Terminated` in the parent); a SIGKILLed
+parent's folder is removed by a small reaper process that outlives it by a moment.
+
+Process groups are passed in, never global: :class:`DistContext` travels into every layer,
+and :func:`make_grid` builds the TP / DP / PP groups with Megatron's rank order
+(TP innermost, then DP, PP outermost).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import multiprocessing as mp
+from multiprocessing.connection import wait as mp_wait
+
+__all__ = [
+    "Terminated",
+    "DistContext",
+    "ProcessGrid",
+    "RankError",
+    "launch",
+    "choose_backend",
+    "make_grid",
+    "in_torchrun",
+    "doctor",
+]
+
+DEFAULT_TIMEOUT = 30.0  # seconds a collective may wait before it raises
+
+
+class Terminated(BaseException):
+    """Raised in the parent by SIGTERM while :func:`launch` (or a labkit command) runs, so that
+    ``finally`` blocks stop the workers and remove temporary files. ``signum``: the signal.
+    A BaseException, like KeyboardInterrupt: ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        self.signum = int(signum)
+        super().__init__(f"terminated by {signal.Signals(self.signum).name}")
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+class terminate_as_exception:
+    """Context manager: while inside, SIGTERM raises :class:`Terminated` (main thread only, and
+    only where SIGTERM still has its default action; otherwise it does nothing)."""
+
+    def __enter__(self):
+        import threading
+        self._old = None
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._old = signal.signal(signal.SIGTERM, _raise_terminated)
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+        return False
+
+
+class RankError(RuntimeError):
+    """A rank failed during :func:`launch`.
+
+    Attributes: ``rank`` (int), ``exc_type`` (name of the original exception class),
+    ``remote_traceback`` (the worker's formatted traceback, str).
+    """
+
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str):
+        self.rank = rank
+        self.exc_type = exc_type
+        self.original_message = message
+        self.remote_traceback = remote_traceback
+        what = "report" if exc_type == "ProcessDied" else "traceback"
+        super().__init__(
+            f"rank {rank} failed with {exc_type}: {message}\n"
+            f"--- {what} from rank {rank} ---\n{remote_traceback}"
+        )
+
+
+@dataclass
+class DistContext:
+    """What one rank knows about the launch: passed as the first argument to ``fn``.
+
+    Fields: ``rank``, ``world_size``, ``local_rank`` (index of this rank's GPU on its
+    node), ``backend`` ("gloo" or "nccl"), ``device`` (``torch.device`` tensors of this
+    rank live on), ``group`` (the world process group), ``timeout`` (seconds).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    group: Any = None
+    timeout: float = DEFAULT_TIMEOUT
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def new_group(self, ranks: Sequence[int]):
+        """``dist.new_group`` with this launch's backend and timeout.
+
+        Every rank must call it for every group, in the same order (a torch rule).
+        """
+        return dist.new_group(
+            ranks=list(ranks), timeout=timedelta(seconds=self.timeout), backend=self.backend
+        )
+
+
+@dataclass
+class ProcessGrid:
+    """Rank layout for combined parallelism: ``world = pp * dp * tp``.
+
+    Rank order follows Megatron-LM: TP innermost (neighbouring ranks, the fastest links),
+    then DP (also used as the EP group), PP outermost:
+    ``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``.
+
+    Fields: ``tp``, ``dp``, ``pp`` (degrees t, d, p), this rank's ``tp_rank``,
+    ``dp_rank``, ``pp_rank``, and the groups ``tp_group``, ``dp_group``, ``pp_group``
+    that contain this rank; ``pp_ranks`` lists the global ranks of this rank's pipeline.
+    """
+
+    ctx: DistContext
+    tp: int
+    dp: int
+    pp: int
+    tp_rank: int = 0
+    dp_rank: int = 0
+    pp_rank: int = 0
+    tp_group: Any = None
+    dp_group: Any = None
+    pp_group: Any = None
+    pp_ranks: list = field(default_factory=list)
+
+
+def make_grid(ctx: DistContext, tp: int = 1, pp: int = 1, dp: int | None = None) -> ProcessGrid:
+    """Build a :class:`ProcessGrid` with ``tp * dp * pp == ctx.world_size``.
+
+    Raises ValueError (before any communication) when the degrees do not multiply to the
+    world size. Every rank must call this collectively.
+    """
+    if dp is None:
+        if tp < 1 or pp < 1 or ctx.world_size % (tp * pp) != 0:
+            raise ValueError(
+                f"tp={tp} * pp={pp} must divide world_size={ctx.world_size}"
+            )
+        dp = ctx.world_size // (tp * pp)
+    if tp < 1 or dp < 1 or pp < 1 or tp * dp * pp != ctx.world_size:
+        raise ValueError(
+            f"tp={tp} * dp={dp} * pp={pp} = {tp * dp * pp} must equal world_size={ctx.world_size}"
+        )
+    r = ctx.rank
+    grid = ProcessGrid(ctx, tp, dp, pp, tp_rank=r % tp, dp_rank=(r // tp) % dp, pp_rank=r // (tp * dp))
+
+    def rank_of(p, d, t):
+        return p * dp * tp + d * tp + t
+
+    whole = list(range(ctx.world_size))
+    # new_group must be called by every rank for every group, in the same order.
+    for p in range(pp):
+        for d in range(dp):
+            ranks = [rank_of(p, d, t) for t in range(tp)]
+            g = ctx.group if ranks == whole else ctx.new_group(ranks)
+            if r in ranks:
+                grid.tp_group = g
+    for p in range(pp):
+        for t in range(tp):
+            ranks = [rank_of(p, d, t) for d in range(dp)]
+            g = ctx.group if ranks == whole else ctx.new_group(ranks)
+            if r in ranks:
+                grid.dp_group = g
+    for d in range(dp):
+        for t in range(tp):
+            ranks = [rank_of(p, d, t) for p in range(pp)]
+            g = ctx.group if ranks == whole else ctx.new_group(ranks)
+            if r in ranks:
+                grid.pp_group, grid.pp_ranks = g, ranks
+    return grid
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+def in_torchrun() -> bool:
+    """True when this process was started by ``torchrun`` (its env vars are set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def choose_backend(world_size: int, backend: str = "auto") -> str:
+    """Resolve ``backend``: "auto" picks NCCL when every rank can have its own CUDA
+    device (and NCCL is built in), otherwise gloo on CPU.
+
+    Raises ValueError for an unknown name or "nccl" without enough GPUs.
+    """
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        if n_gpu >= world_size and dist.is_nccl_available():
+            return "nccl"
+        if in_torchrun() and n_gpu >= 1 and dist.is_nccl_available():
+            return "nccl"  # several nodes: each process has its LOCAL_RANK GPU
+        return "gloo"
+    if backend == "nccl" and (n_gpu < 1 or not dist.is_nccl_available()):
+        raise ValueError(
+            f"backend='nccl' needs CUDA devices and NCCL; found {n_gpu} GPUs, "
+            f"NCCL available={dist.is_nccl_available()}"
+        )
+    return backend
+
+
+def doctor(world_sizes: Sequence[int] = (1, 2, 4, 8)) -> str:
+    """Text report: torch version, CUDA devices, NCCL/gloo availability, auto backend."""
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    lines = [
+        f"torch            {torch.__version__}",
+        f"CUDA available   {torch.cuda.is_available()}",
+        f"CUDA devices     {n_gpu}",
+        f"NCCL available   {dist.is_nccl_available()}",
+        f"gloo available   {dist.is_gloo_available()}",
+        f"CPU cores        {os.cpu_count()}",
+        f"under torchrun   {in_torchrun()}",
+    ]
+    for w in world_sizes:
+        lines.append(f"auto backend for world size {w}: {choose_backend(w)}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _rendezvous_file() -> str:
+    """Path of a fresh rendezvous file for a FileStore.
+
+    Not a TCPStore held by the parent: its server thread may hold a lock (the allocator's)
+    at the moment a worker is forked, and that worker then hangs in init_process_group
+    (measured: ~20% of 5-rank launches failed on a loaded 2-core machine).
+    """
+    import tempfile
+
+    # a private folder, removed whole after the launch (FileStore may leave helper files)
+    return os.path.join(tempfile.mkdtemp(prefix="labkit-store-"), "store")
+
+
+def _start_folder_reaper(folder: str):
+    """Fork a tiny process that removes ``folder`` if this process dies before it does,
+    however it dies (SIGKILL included: no clean-up can run in a SIGKILLed process).
+
+    Linux only (prctl PR_SET_PDEATHSIG delivers SIGUSR1 to the reaper when its parent dies);
+    elsewhere returns None. The reaper blocks SIGUSR1, SIGINT and SIGTERM and waits: SIGUSR1
+    (parent gone) removes the folder, retrying while the dying ranks still hold files in it;
+    SIGINT / SIGTERM (a Ctrl-C or kill to the whole group) are ignored: the parent cleans up then
+    and :func:`_stop_folder_reaper` SIGKILLs the reaper (which cannot block that, so no wait hangs).
+    Returns the reaper's pid, or None.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import shutil
+
+    try:  # resolved here, not in the forked child (no dynamic loading after fork)
+        prctl = _libc_prctl()
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    sigs = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # no signal is lost before sigwait
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return None
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return pid
+    try:  # the reaper: only plain system calls from here on, then os._exit
+        prctl(1, int(signal.SIGUSR1), 0, 0, 0)  # PR_SET_PDEATHSIG
+        got = signal.SIGUSR1 if os.getppid() != parent else None
+        while got != signal.SIGUSR1:  # Ctrl-C / SIGTERM to the whole group: the parent cleans up itself
+            got = signal.sigwait(sigs)
+        if got == signal.SIGUSR1:
+            deadline = time.monotonic() + 10.0
+            while os.path.exists(folder) and time.monotonic() < deadline:
+                shutil.rmtree(folder, ignore_errors=True)
+                if os.path.exists(folder):
+                    time.sleep(0.05)
+    finally:
+        os._exit(0)
+
+
+_PRCTL = None
+
+
+def _libc_prctl():
+    """libc's ``prctl`` (Linux), looked up once."""
+    global _PRCTL
+    if _PRCTL is None:
+        import ctypes
+        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    return _PRCTL
+
+
+def _stop_folder_reaper(pid) -> None:
+    """Stop a reaper from :func:`_start_folder_reaper` (the folder is already removed)."""
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a worker: get SIGKILL when the parent dies, whatever kills it (Linux prctl
+    PR_SET_PDEATHSIG), and exit now if the parent is already gone (it died before prctl)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            PR_SET_PDEATHSIG = 1
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class _IsattyAs:
+    """A stream that reports ``isatty()`` as given: a worker's stderr is a pipe to the parent,
+    yet tqdm on rank 0 should still draw its bar when the parent's stderr is a terminal."""
+
+    def __init__(self, stream, tty: bool):
+        self._stream, self._tty = stream, tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, start_method, parent_pid, err_fd):
+    status = "ok"
+    try:
+        _die_with_parent(parent_pid)
+        # the parent handles Ctrl-C (it stops every worker); SIGTERM kills a worker at once
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if err_fd is not None:  # stderr goes through the parent, which keeps its last lines
+            try:
+                tty = sys.stderr is not None and bool(sys.stderr.isatty())
+            except Exception:
+                tty = False
+            # (no flush of the inherited sys.stderr: its buffer is the parent's, already printed
+            # or still to be printed by the parent; and a notebook's stream cannot flush here)
+            os.dup2(err_fd, 2)
+            os.close(err_fd)
+            import io
+            sys.stderr = _IsattyAs(io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
+                                                    line_buffering=True, write_through=True), tty)
+        if start_method == "fork":
+            # A forked child can hang in threaded kernels after the parent ran threaded
+            # work; one thread per rank also keeps N ranks fair on a few cores.
+            torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(timedelta(seconds=timeout))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        ctx = DistContext(rank, world_size, rank, backend, device, dist.group.WORLD, timeout)
+        result = fn(ctx, *args)
+        payload = pickle.dumps(("ok", rank, result))
+        # No rank leaves before every rank is done: a rank that exits while a peer is still
+        # connecting (or receiving) makes that peer fail with "connection closed by peer".
+        dist.barrier(group=ctx.group)
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        status = "error"
+        payload = pickle.dumps(("error", rank, (type(e).__name__, str(e), traceback.format_exc())))
+    try:
+        conn.send_bytes(payload)
+    except Exception as e:  # result not picklable / pipe closed
+        try:
+            conn.send_bytes(pickle.dumps(("error", rank, (type(e).__name__, str(e), traceback.format_exc()))))
+        except Exception:
+            pass
+    conn.close()
+    if status == "ok":
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    try:
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os._exit(0)
+
+
+class _StderrTails(threading.Thread):
+    """Parent side: forwards every worker's stderr (one pipe per rank) to this process's fd 2
+    as it comes, and keeps the last bytes of each, for the report of a worker that died."""
+
+    KEEP = 8192
+
+    def __init__(self, fds: dict):
+        super().__init__(daemon=True, name="labkit-stderr")
+        self.fds = dict(fds)                                # fd -> rank
+        self.tails = {r: b"" for r in self.fds.values()}
+        self.closed = {r: threading.Event() for r in self.fds.values()}
+
+    def run(self) -> None:
+        import selectors
+        sel = selectors.DefaultSelector()
+        for fd in self.fds:
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map():
+            for key, _ in sel.select(timeout=0.5):
+                fd, rank = key.fd, self.fds[key.fd]
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    sel.unregister(fd)
+                    os.close(fd)
+                    self.closed[rank].set()
+                    continue
+                self.tails[rank] = (self.tails[rank] + data)[-self.KEEP:]
+                try:
+                    while data:
+                        data = data[os.write(2, data):]
+                except OSError:
+                    pass
+
+    def tail(self, rank: int, lines: int = 15, wait: float = 1.0) -> str:
+        """The last ``lines`` lines rank ``rank`` wrote to stderr (waits up to ``wait`` s for its end)."""
+        if rank not in self.closed:
+            return ""
+        self.closed[rank].wait(wait)
+        text = self.tails[rank].decode(errors="replace").replace("\r", "\n")
+        return "\n".join([l for l in text.splitlines() if l.strip()][-lines:])
+
+
+def _describe_exit(code) -> str:
+    """'exit code 3', 'signal SIGABRT (a native abort)' ... for a multiprocessing exitcode."""
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        note = {"SIGABRT": " (a native abort)", "SIGSEGV": " (a native crash)",
+                "SIGKILL": " (killed, e.g. out of memory)"}
+        return f"signal {name}{note.get(name, '')}"
+    return f"exit code {code}"
+
+
+def _kill_all(procs, grace: float = 1.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list:
+    """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return the results in rank order.
+
+    Args:
+        fn: called as ``fn(ctx: DistContext, *args)`` on every rank. For CPU ranks it may
+            be defined anywhere (forked); for CUDA ranks it must be importable (spawned).
+        world_size: number of ranks, >= 1.
+        backend: "auto" | "gloo" | "nccl" (see :func:`choose_backend`).
+        timeout: seconds any collective or point-to-point operation may wait before it
+            raises; a wrong schedule therefore fails within ``timeout`` plus a few seconds.
+
+    Returns: ``[result_of_rank_0, ..., result_of_rank_{N-1}]`` (each result is pickled in
+    the worker and unpickled here).
+
+    Raises: ValueError (before any process starts) for ``world_size`` not an integer >= 1,
+    ``fn`` not callable, ``timeout`` not a finite number > 0, or a bad backend;
+    :class:`RankError` naming the first rank that failed and its original exception (a worker
+    that died: its exit code or signal name, and the last lines of its stderr, which is also
+    forwarded live to this process's stderr for forked workers). No worker is left alive after
+    ``launch`` returns or raises; SIGTERM of this process while it waits raises
+    :class:`Terminated` after stopping the workers and removing the rendezvous folder; after a
+    SIGKILL of this process a reaper process removes that folder (Linux).
+
+    Under ``torchrun`` this process is one rank: ``world_size`` must equal ``WORLD_SIZE``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {fn!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    if in_torchrun():
+        return _launch_torchrun(fn, world_size, args, backend, timeout)
+    backend = choose_backend(world_size, backend)
+    start_method = "spawn" if backend == "nccl" else "fork"
+    if start_method == "fork":
+        # torch imports sympy lazily on the first ``tensor.backward(grad)`` (~0.3-0.6 s);
+        # import it once here so forked ranks inherit it instead of each paying in turn.
+        import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    mpctx = mp.get_context(start_method)
+    with terminate_as_exception():
+        return _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method)
+
+
+def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method):
+    store = _rendezvous_file()
+    procs, conns, err_fds = [], {}, {}
+    tails = None
+    reaper = None
+    try:
+        # removes the folder should this process be SIGKILLed (its ranks die too: PDEATHSIG)
+        reaper = _start_folder_reaper(os.path.dirname(store))
+        for rank in range(world_size):
+            recv_end, send_end = mpctx.Pipe(duplex=False)
+            err_r, err_w = os.pipe() if start_method == "fork" else (None, None)
+            p = mpctx.Process(
+                target=_worker,
+                args=(fn, args, rank, world_size, backend, store, timeout, send_end, start_method,
+                      os.getpid(), err_w),
+                daemon=True,
+            )
+            try:
+                p.start()
+            finally:
+                if err_w is not None:
+                    os.close(err_w)
+                    err_fds[err_r] = rank
+            send_end.close()
+            procs.append(p)
+            conns[recv_end] = rank
+        if err_fds:
+            tails = _StderrTails(err_fds)
+            tails.start()
+            err_fds = {}
+
+        def died(rank, proc):
+            proc.join(0.5)
+            tail = tails.tail(rank) if tails is not None else ""
+            return ("ProcessDied", f"worker died with {_describe_exit(proc.exitcode)} before returning a result",
+                    f"last lines of rank {rank}'s stderr:\n{tail}" if tail else "(no stderr output)")
+
+        results: dict[int, Any] = {}
+        errors: list[tuple[float, int, tuple]] = []
+        sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+        pending = dict(conns)
+        first_error_at = None
+        while pending:
+            wait_for = 0.2 if first_error_at is None else max(0.0, first_error_at + 1.0 - time.monotonic())
+            ready = mp_wait(list(pending) + list(sentinels), timeout=wait_for)
+            for obj in ready:
+                if obj in pending:
+                    rank = pending.pop(obj)
+                    try:
+                        kind, r, value = pickle.loads(obj.recv_bytes())
+                    except EOFError:
+                        kind, r, value = ("error", rank, died(rank, procs[rank]))
+                    obj.close()
+                    if kind == "ok":
+                        results[r] = value
+                    else:
+                        errors.append((time.monotonic(), r, value))
+                        first_error_at = first_error_at or time.monotonic()
+                elif obj in sentinels:
+                    rank = sentinels.pop(obj)
+                    proc = procs[rank]
+                    proc.join(0.5)
+                    conn = next((c for c, r in pending.items() if r == rank), None)
+                    if conn is not None and not conn.poll(0):
+                        pending.pop(conn)
+                        errors.append((time.monotonic(), rank, died(rank, proc)))
+                        first_error_at = first_error_at or time.monotonic()
+            if first_error_at is not None and time.monotonic() >= first_error_at + 1.0:
+                break  # give the other ranks a moment to report, then stop everything
+        if errors:
+            errors.sort(key=lambda e: (_error_priority(e[2]), e[0]))
+            _, rank, (etype, msg, tb) = errors[0]
+            raise RankError(rank, etype, msg, tb)
+        return [results[r] for r in range(world_size)]
+    finally:
+        with _signals_deferred():  # a second Ctrl-C must not cut the clean-up short
+            _kill_all(procs)
+            for c in conns:
+                c.close()
+            for fd in err_fds:  # not handed to the forwarder (a start failed)
+                os.close(fd)
+            if tails is not None:
+                tails.join(2.0)
+            import shutil
+
+            shutil.rmtree(os.path.dirname(store), ignore_errors=True)
+            _stop_folder_reaper(reaper)
+
+
+class _signals_deferred:
+    """While inside (main thread only): SIGINT and SIGTERM are recorded, not acted on; on leaving,
+    the previous handlers are back and the first recorded signal is raised (KeyboardInterrupt,
+    or :class:`Terminated`), unless an exception is already on its way out."""
+
+    def __enter__(self):
+        self._old, self._got = {}, []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, lambda signum, frame: self._got.append(signum))
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        if self._got and exc_type is None:
+            old = self._old[self._got[0]]
+            if callable(old):
+                old(self._got[0], None)  # e.g. Python's default SIGINT handler: KeyboardInterrupt
+            elif self._got[0] == signal.SIGINT:
+                raise KeyboardInterrupt
+            else:
+                raise Terminated(self._got[0])
+        return False
+
+
+def _error_priority(err: tuple) -> int:
+    """Which error explains a failed launch best (lower is better).
+
+    0: a real exception (or a worker that died); 1: a timeout, the symptom of a wrong
+    schedule or a missing peer; 2: a broken connection, which follows when another rank
+    failed and exited first."""
+    etype, msg, _ = err
+    text = f"{etype} {msg}".lower()
+    if any(s in text for s in ("connection closed", "connection reset", "broken pipe")):
+        return 2
+    if "timed out" in text or "timeout" in text:
+        return 1
+    return 0
+
+
+def _launch_torchrun(fn, world_size, args, backend, timeout):
+    env_ws = int(os.environ["WORLD_SIZE"])
+    if env_ws != world_size:
+        raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_ws} ranks")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    backend = choose_backend(world_size, backend)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        import atexit
+
+        atexit.register(_shutdown_torchrun)
+    ctx = DistContext(rank, world_size, local_rank, backend, device, dist.group.WORLD, timeout)
+    result = fn(ctx, *args)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    return gathered
+
+
+def _shutdown_torchrun() -> None:
+    """At exit under torchrun: wait for every rank, then tear the group down, so that no rank
+    closes its connections while a peer still uses them (gloo aborts the peer then)."""
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except Exception:
+        pass

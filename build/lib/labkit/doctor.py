@@ -1,0 +1,98 @@
+"""``python -m labkit doctor --run``: does the kit work on this machine? One line per lab.
+
+Started anywhere (a laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints the report of
+:func:`labkit.dist.doctor` and then runs every lab briefly (a tiny model, 2-3 steps) with backend
+"auto", exactly as a user would start it, and prints for each::
+
+    PASS  3d        gloo  8 ranks   largest difference from one device 1.9e-07   4.2 s
+
+PASS when the lab exits with status 0 (its verdict: every step's loss and gradients equal the
+single-device model's at the same parameters, :mod:`labkit.labs.verdict`), FAIL with the lab's
+last error line otherwise. The largest difference is the largest |gradient - reference| (or
+|loss - reference|) over the steps the verdict compared. The labs' own output is not shown
+(``--verbose`` shows it). Under torchrun every rank runs the labs (they are collective) and rank 0
+prints. Exit status: 0 if every lab passed, 1 otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+import time
+
+
+def _sizes(world: int) -> tuple[int, int, int]:
+    """(t, p, d) for the 3D lab on ``world`` ranks: t = 2 and p = 2 where they divide, d the rest."""
+    t = 2 if world % 2 == 0 else 1
+    p = 2 if world % (2 * t) == 0 else 1
+    return t, p, world // (t * p)
+
+
+def _plans(world: int | None, out: str) -> list[tuple[str, int, list[str]]]:
+    """(lab, ranks, argv) of each brief run; ``world``: WORLD_SIZE under torchrun, else None."""
+    small = ["--steps", "2", "--seq", "16", "--batch", "8", "--embd", "16", "--heads", "2"]
+    n = world or 2
+    t, p, d = _sizes(world or 8)
+    return [
+        ("pipeline", n, ["--world-size", str(n), "--schedule", "1f1b", "--microbatches", "2", "--layers", str(2 * n),
+                         "--out", out, *small]),
+        ("tensor", n, ["--tp", str(n), "--layers", "1", "--out", out, *small, "--heads", str(n), "--embd", str(8 * n)]),
+        ("moe", n, ["--ep", str(n), "--experts", str(2 * n), "--balance-steps", "2", "--layers", "2",
+                    "--no-plots", "--out", os.path.join(out, "moe"), *small]),
+        ("3d", t * p * d, ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--microbatches", "2", "--layers", "2",
+                           "--no-plots", "--out", out, *small]),
+    ]
+
+
+def run_all(verbose: bool = False) -> int:
+    """Run every lab briefly here; print one PASS/FAIL line per lab; return 0 if all passed."""
+    from .__main__ import main as cli
+    from .dist import choose_backend, doctor, in_torchrun
+    from .labs import is_main_rank
+    from .labs import verdict as verdict_mod
+
+    world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
+    show = is_main_rank()
+    if show:
+        print(doctor([world] if world else [2, 8]))
+        print()
+    ok_all = True
+    with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as out:
+        for name, ranks, argv in _plans(world, out):
+            captured: list = []
+            orig = verdict_mod.report
+
+            def spy(results, *a, **k):
+                captured.append(results)
+                return orig(results, *a, **k)
+            verdict_mod.report = spy
+            buf = io.StringIO()
+            t0 = time.perf_counter()
+            try:
+                with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                    rc = cli(["lab", name, *argv])
+            except BaseException as e:  # noqa: BLE001 - a lab that crashes is a FAIL line, not a traceback
+                rc = 1
+                buf.write(f"\n{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            finally:
+                verdict_mod.report = orig
+            seconds = time.perf_counter() - t0
+            diffs = [max(r.grad_diff, abs(r.loss - r.ref_loss) if r.loss is not None else 0.0)
+                     for results in captured for res in results.values() if res is not None for r in res.records]
+            largest = f"{max(diffs):.1e}" if diffs else "n/a"
+            ok = rc == 0
+            ok_all = ok_all and ok
+            if verbose and show:
+                print(buf.getvalue())
+            if show:
+                backend = choose_backend(ranks)
+                line = (f"{'PASS' if ok else 'FAIL'}  {name:<9} {backend:<5} {ranks} ranks   "
+                        f"largest difference from one device {largest:<8} {seconds:5.1f} s")
+                if not ok:
+                    last = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+                    line += f"\n      {last[-1] if last else f'exit status {rc}'}"
+                print(line, flush=True)
+    if show:
+        print("\nall labs passed" if ok_all else "\nsome labs FAILED (run the lab itself to see its output)")
+    return 0 if ok_all else 1

@@ -1,0 +1,89 @@
+"""Course machinery: exercise checks, the notebook builder and the autograder.
+
+Learners use one function::
+
+    from labkit.grading import check
+    check("1.1", bubble_fraction)     # prints one line: passed / failed (why, hint) / not attempted
+
+``check`` returns a :class:`~labkit.grading.runner.CheckResult` (status, passed, total, message)
+that displays nothing in a notebook, so the printed line is the cell's only output.
+
+Instructor workflow::
+
+    python -m labkit build                       # notebooks/ (learner versions) from solutions/
+    python -m labkit build --check               # CI: exit 1 naming each stale notebook
+    LABKIT_HIDDEN_CASES=/secret/cases \
+        python -m labkit grade submission.ipynb --results results.json   # Gradescope format
+
+Author workflow: write ``solutions/NN_topic.ipynb`` (exercise regions between
+``### BEGIN SOLUTION`` / ``### END SOLUTION``) and ``labkit/grading/exercises/nbNN_topic.py``,
+then ``python -m labkit build --execute NN`` and commit both folders.
+
+The grader's contract
+---------------------
+``python -m labkit grade`` is built so that an instructor can trust the score of a submission
+written by someone trying to game it:
+
+* **Verdicts come from the grader's process, which never executes learner code.** Learner code
+  runs in the notebook kernel (and the processes it starts). ``check`` there only registers the
+  answer. Each case runs in (a fork of) the grader and has three parts: inputs chosen by the
+  case, a call made in the kernel (``answer(...)``, or ``answer.run(fn, ...)`` for a labkit
+  function that runs the learner's code there, e.g. on ranks), and a judgement made in the
+  grader on the DATA that comes back (:mod:`labkit.grading.wire`: JSON plus raw tensor bytes,
+  size-limited, never pickle). Expected values, the code computing them, and hidden cases
+  (loaded only by the grader; their inputs are sent only when used) never enter the kernel.
+* **The results file is written only by the grader**, atomically (new file, rename) after the
+  kernel and everything it started are dead; the kernel is not told where it is. Only the
+  graded notebook's exercises count, each at most its points; a ``check`` of another
+  notebook's exercise is ignored and a repeated ``check`` only re-grades (the last counts).
+* **Points are all-or-nothing per exercise**: an exercise earns its points only when every one
+  of its cases (public and hidden) passes, so a wrong answer cannot collect points from the
+  cases that cannot show its bug. In the results each exercise has one test carrying its points
+  ("Exercise 2.3 (title)", score all or 0), followed by one test per case worth 0 points
+  (passed/failed with its message; hidden cases ``after_published``, without details).
+* **Isolation**: as root, the kernel runs as the unprivileged user ``labkit-kernel`` (created
+  with ``useradd`` if missing) in its own session and process group (through a private mount
+  namespace when Python sits in a folder that user cannot enter), so it can neither signal the
+  grader, nor write the results, nor read root-only files such as hidden cases; the grader kills
+  the kernel's group, session, descendants and (in every mode) every process carrying its
+  environment mark at the end, until none is left. As any other user the output says
+  that isolation is partial (the kernel could then signal the grader or read its files).
+* **Robustness**: a cell that raises costs only the exercises that depend on it; a cell that
+  kills or exits the kernel, or runs past ``--cell-timeout`` (SIGINT, then SIGKILL), is
+  skipped: a fresh kernel replays the cells that ran and grading goes on. Output is never
+  collected (a flood is dropped), and each case has a time limit covering its kernel calls.
+* **Reference implementations**: an answer that is labkit's own implementation of the
+  exercise, or calls it, fails with a message naming the function and why
+  (:mod:`labkit.grading.references` lists them per exercise; a tripwire in the kernel catches
+  the call, also inside ranks). This guards against the honest shortcut; code copied from
+  labkit's source, or a kernel that patches labkit itself, is not detected.
+
+Interactive ``check`` in a notebook is feedback, not a grade: it runs the same cases in the
+notebook's own process (each call still makes the data round trip, so verdicts match).
+
+Instructors and authors: :mod:`labkit.grading.registry` (declaring exercises and cases, hidden
+case files), :mod:`labkit.grading.build` (``python -m labkit build``),
+:mod:`labkit.grading.grader` (``python -m labkit grade``), :mod:`labkit.grading.testing`
+(one-line wrong-answer tests), :mod:`labkit.grading.session` (the kernel the grader runs),
+:mod:`labkit.grading.kernel` and :mod:`labkit.grading.proxy` (the two ends of a call). Names are
+imported lazily, so ``python -m labkit build`` does not
+import torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "check": "runner", "evaluate": "runner", "CheckResult": "runner", "CheckNotPassed": "runner",
+    "CheckFailure": "registry", "exercise": "registry", "expect_close": "registry",
+    "expect_equal": "registry",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,173 @@
+"""Exercises of notebook 00_distributed_primer: collectives and a ring all-reduce.
+
+The ring all-reduce (Patarasuk & Yuan 2009; used by Horovod and NCCL) runs a reduce-scatter
+(N-1 steps) then an all-gather (N-1 steps) around a ring of N ranks, so each rank sends
+2(N-1)/N of the tensor, independent of N.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ...dist import launch
+from ..registry import CheckFailure, exercise, expect_close, expect_equal
+
+# ----------------------------------------------------------------------------- 0.1
+ex01 = exercise(
+    "0.1", title="what each rank holds after reduce-scatter", notebook="00_distributed_primer", points=2,
+    hint="Cut every rank's input into N equal chunks; rank i ends with the SUM over ranks of chunk i.")
+
+
+def _rs_inputs(N: int, c: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(-9, 10, (N * c,), generator=g).float() for _ in range(N)]
+
+
+def _gloo_reduce_scatter(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Ground truth: the real collective on len(inputs) gloo ranks."""
+    N = len(inputs)
+
+    def body(ctx, inputs):
+        out = torch.empty(inputs[ctx.rank].numel() // N)
+        dist.reduce_scatter_tensor(out, inputs[ctx.rank].clone(), group=ctx.group)
+        return out
+
+    return launch(body, N, inputs, timeout=10)
+
+
+def _rs_case(N: int, c: int, seed: int):
+    def case(reduce_scatter_by_hand):
+        inputs = _rs_inputs(N, c, seed)
+        given = [x.clone() for x in inputs]
+        got = reduce_scatter_by_hand(given)
+        expected = _gloo_reduce_scatter(inputs)
+        expect_equal(type(got) in (list, tuple), True, f"reduce_scatter_by_hand(N={N}) returns a list")
+        expect_close(list(got), expected, f"reduce_scatter_by_hand(inputs of {N} ranks x {N * c} elements)")
+    return case
+
+
+ex01.case("N=2 ranks, 3 elements per chunk", timeout=20)(_rs_case(2, 3, 0))
+ex01.case("N=4 ranks, 2 elements per chunk", timeout=20)(_rs_case(4, 2, 1))
+ex01.case("N=3 ranks, 1 element per chunk", hidden=True, timeout=20)(_rs_case(3, 1, 2))
+ex01.case("N=1 rank", hidden=True, timeout=20)(_rs_case(1, 5, 3))
+
+
+# ----------------------------------------------------------------------------- 0.2
+ex02 = exercise(
+    "0.2", title="ring all-reduce from send/recv", notebook="00_distributed_primer", points=4,
+    hint="Split the tensor into N chunks. N-1 reduce-scatter steps (send chunk (r-s)%N to r+1, add the "
+         "one received from r-1), then N-1 all-gather steps (pass the finished chunks on, overwriting).")
+
+RING_TIMEOUT = 8.0  # seconds a send/recv of the learner's ring may wait
+CASE_TIMEOUT = 20.0  # seconds per case (a launch of up to 5 ranks plus a possible RING_TIMEOUT)
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                "all_to_all", "all_to_all_single", "broadcast", "reduce", "all_reduce_coalesced")
+
+
+@contextlib.contextmanager
+def _p2p_only(counter: dict):
+    """Inside a rank: collectives raise; send/isend count the elements they send."""
+    saved = []
+
+    def forbid(name):
+        def f(*a, **k):
+            raise CheckFailure(f"ring_all_reduce must use send/recv only, but it called {name}")
+        return f
+
+    def counting(fn):
+        def f(tensor, *a, **k):
+            counter["elements"] += tensor.numel()
+            return fn(tensor, *a, **k)
+        return f
+
+    for mod in (dist, c10d):
+        for name in _COLLECTIVES:
+            if hasattr(mod, name):
+                saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, forbid(name))
+    # one wrapper object for both modules: dist.P2POp accepts only c10d's current isend
+    send, isend = counting(c10d.send), counting(c10d.isend)
+    for mod in (dist, c10d):
+        saved += [(mod, "send", getattr(mod, "send")), (mod, "isend", getattr(mod, "isend"))]
+        mod.send, mod.isend = send, isend
+    try:
+        yield counter
+    finally:
+        for mod, name, fn in reversed(saved):
+            setattr(mod, name, fn)
+
+
+def _ring_inputs(N: int, numel: int, seed: int) -> list[torch.Tensor]:
+    """Rank r's tensor (the grader makes them; the kernel only receives them)."""
+    out = []
+    for r in range(N):
+        torch.manual_seed(seed + r)
+        out.append(torch.randn(numel))
+    return out
+
+
+def _ring_rank(ctx, ring_all_reduce, inputs):
+    x = inputs[ctx.rank].clone()
+    counter = {"elements": 0}
+    with _p2p_only(counter):
+        out = ring_all_reduce(ctx, x)
+    if out is None:
+        out = x  # reduced in place
+    if not isinstance(out, torch.Tensor):
+        raise CheckFailure(f"ring_all_reduce returned {type(out).__name__}, not a tensor")
+    return {"output": out.detach().clone(), "sent": counter["elements"]}
+
+
+def _run_ring(ring_all_reduce, inputs):
+    """Kernel side: the learner's ring on len(inputs) gloo ranks; per rank its output and the
+    number of elements it sent. The sum it must reproduce is computed by the grader."""
+    # 8 s: a deadlocked answer fails within the case's 20 s limit with the rank's own
+    # "timed out" error, while a right answer never waits that long even on a loaded machine
+    return launch(_ring_rank, len(inputs), ring_all_reduce, inputs, timeout=RING_TIMEOUT)
+
+
+def _ring_results(answer, N: int, numel: int, seed: int):
+    inputs = _ring_inputs(N, numel, seed)
+    res = answer.run(_run_ring, inputs)
+    reference = torch.stack(inputs).double().sum(0).float()  # what all_reduce gives every rank
+    return res, reference
+
+
+def _ring_case(N: int, numel: int, seed: int):
+    def case(ring_all_reduce):
+        res, reference = _ring_results(ring_all_reduce, N, numel, seed)
+        for r in range(N):
+            expect_close(res[r]["output"], reference,
+                         f"rank {r} of N={N}, {numel} elements (compared with all_reduce)", rtol=1e-5, atol=1e-5)
+    return case
+
+
+def _traffic_case(N: int, numel: int, seed: int):
+    def case(ring_all_reduce):
+        res, _ = _ring_results(ring_all_reduce, N, numel, seed)
+        limit = 2 * (N - 1) * numel // N
+        for r in range(N):
+            sent = res[r]["sent"]
+            if sent > limit:
+                whole = f"; that is {sent / numel:g} whole tensors" if sent % numel == 0 else ""
+                raise CheckFailure(f"rank {r} sent {sent} elements{whole}, but a ring all-reduce of {numel} "
+                                   f"elements on N={N} ranks sends 2(N-1) chunks of {numel}/N: "
+                                   f"2(N-1)/N x {numel} = {limit}")
+    return case
+
+
+ex02.case("N=2 ranks, 6 elements", timeout=CASE_TIMEOUT)(_ring_case(2, 6, 10))
+ex02.case("each rank sends 2(N-1)/N of the tensor (N=4, 16 elements)", timeout=CASE_TIMEOUT,
+          hint="Send one chunk per step, never the whole tensor: cut it with torch.tensor_split(tensor, N) and "
+               "in step s send only chunk (r-s)%N (reduce-scatter) or (r+1-s)%N (all-gather).")(
+    _traffic_case(4, 16, 70))
+ex02.case("each rank sends 2(N-1)/N of the tensor (N=3, 12 elements)", hidden=True,
+          timeout=CASE_TIMEOUT)(_traffic_case(3, 12, 80))
+ex02.case("N=3 ranks, 7 elements (uneven chunks)", timeout=CASE_TIMEOUT)(_ring_case(3, 7, 20))
+ex02.case("N=4 ranks, 16 elements", timeout=CASE_TIMEOUT)(_ring_case(4, 16, 30))
+ex02.case("N=4 ranks, 3 elements (an empty chunk)", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(4, 3, 40))
+ex02.case("N=5 ranks, 11 elements", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(5, 11, 50))
+ex02.case("N=1 rank", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(1, 4, 60))

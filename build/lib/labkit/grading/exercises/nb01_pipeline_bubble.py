@@ -1,0 +1,118 @@
+"""Exercises of notebook 01_pipeline_bubble: the GPipe bubble (Huang et al. 2019, sec. 2.2).
+
+With K pipeline stages and M microbatches, each stage is idle for K-1 of the M+K-1 time slots
+of a forward (and of a backward) pass: bubble fraction (K-1)/(M+K-1).
+"""
+from __future__ import annotations
+
+import numbers
+
+from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+
+
+def _bubble(K: int, M: int) -> float:
+    return (K - 1) / (M + K - 1)
+
+
+# ----------------------------------------------------------------------------- 1.1
+ex11 = exercise(
+    "1.1", title="bubble fraction", notebook="01_pipeline_bubble", points=2,
+    hint="Count time slots: each stage works M slots and idles K-1 of the M+K-1 slots.")
+
+
+@ex11.case("K=4, M=8")
+def _(bubble_fraction):
+    expect_close(bubble_fraction(4, 8), 3 / 11, "bubble_fraction(K=4, M=8)")
+
+
+@ex11.case("K=1 (one stage has no bubble)")
+def _(bubble_fraction):
+    expect_close(bubble_fraction(1, 5), 0.0, "bubble_fraction(K=1, M=5)")
+
+
+@ex11.case("M=1 (naive model parallelism)")
+def _(bubble_fraction):
+    expect_close(bubble_fraction(4, 1), 3 / 4, "bubble_fraction(K=4, M=1)")
+
+
+@ex11.case("rejects M=0 with ValueError",
+           hint="Check the inputs first: raise ValueError naming K and M unless K >= 1 and M >= 1.")
+def _(bubble_fraction):
+    expect_raises(ValueError, bubble_fraction, 4, 0, what="bubble_fraction(K=4, M=0)")
+    expect_raises(ValueError, bubble_fraction, 0, 4, what="bubble_fraction(K=0, M=4)")
+
+
+@ex11.case("K=8, M=3", hidden=True)
+def _(bubble_fraction):
+    expect_close(bubble_fraction(8, 3), 7 / 10, "bubble_fraction(K=8, M=3)")
+
+
+@ex11.case("grid of K and M", hidden=True)
+def _(bubble_fraction):
+    for K in (2, 3, 5, 16):
+        for M in (2, 7, 64):
+            expect_close(bubble_fraction(K, M), _bubble(K, M), f"bubble_fraction(K={K}, M={M})")
+
+
+# ----------------------------------------------------------------------------- 1.2
+ex12 = exercise(
+    "1.2", title="smallest M for a target bubble", notebook="01_pipeline_bubble", points=2,
+    hint="Solve (K-1)/(M+K-1) <= target for the integer M; M is at least 1.")
+
+
+def _smallest(K: int, target: float) -> int:
+    M = 1
+    while _bubble(K, M) > target:
+        M += 1
+    return M
+
+
+@ex12.case("K=4, target 0.10")
+def _(smallest_microbatches):
+    expect_equal(smallest_microbatches(4, 0.10), _smallest(4, 0.10), "smallest_microbatches(K=4, target=0.10)")
+
+
+@ex12.case("K=8, target 0.25")
+def _(smallest_microbatches):
+    expect_equal(smallest_microbatches(8, 0.25), _smallest(8, 0.25), "smallest_microbatches(K=8, target=0.25)")
+
+
+@ex12.case("K=1 needs one microbatch")
+def _(smallest_microbatches):
+    expect_equal(smallest_microbatches(1, 0.01), 1, "smallest_microbatches(K=1, target=0.01)")
+
+
+@ex12.case("K=3, target 0.3 (the bound M >= 14/3 is not a whole number)",
+           hint="Solving (K-1)/(M+K-1) <= target gives M >= (K-1)(1-target)/target, usually not a whole "
+                "number: round it UP (math.ceil); rounding down (int, //, math.floor) leaves the bubble "
+                "above the target.")
+def _(smallest_microbatches):
+    K, target = 3, 0.3
+    got = smallest_microbatches(K, target)
+    want = _smallest(K, target)
+    if isinstance(got, numbers.Real) and not isinstance(got, bool) and got == want - 1:
+        raise CheckFailure(f"smallest_microbatches(K={K}, target={target}): expected {want}, got {got}; with "
+                           f"M={got} the bubble is {_bubble(K, int(got)):.4g} > {target} (rounded down?)")
+    expect_equal(got, want, f"smallest_microbatches(K={K}, target={target})")
+
+
+@ex12.case("returns an int",
+           hint="Return an int (a number of microbatches), e.g. with math.ceil or int(...), not a float.")
+def _(smallest_microbatches):
+    got = smallest_microbatches(4, 0.05)
+    if not isinstance(got, int) or isinstance(got, bool):
+        raise CheckFailure(f"smallest_microbatches(K=4, target=0.05): expected an int, got {type(got).__name__}")
+    expect_equal(got, _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)")
+
+
+@ex12.case("K=5, target 0.15", hidden=True)
+def _(smallest_microbatches):
+    expect_equal(smallest_microbatches(5, 0.15), _smallest(5, 0.15), "smallest_microbatches(K=5, target=0.15)")
+
+
+@ex12.case("grid of K and targets", hidden=True)
+def _(smallest_microbatches):
+    for K in (2, 3, 6, 16):
+        for target in (0.5, 0.3, 0.07, 0.013):
+            expect_equal(smallest_microbatches(K, target), _smallest(K, target),
+                         f"smallest_microbatches(K={K}, target={target})")

@@ -1,0 +1,309 @@
+"""Exercises of notebook 02_gpipe: the GPipe schedule as data (Huang et al. 2019, sec. 2.2).
+
+GPipe runs the forwards of all M microbatches through the K stages, then all the backwards,
+so every stage keeps the activations of all M microbatches at its peak. The checks judge a
+learner's action list with the validator, then run it on real gloo ranks and compare every
+parameter gradient with the single-device model. Exercise 2.3 (gradient accumulation) checks
+the 1/M scaling of each microbatch's loss with plain SGD, which shows a gradient M times too
+large where Adam, scale-invariant, would hide it.
+
+The helpers here (a tiny GPT on K ranks, the single-device reference) are shared with the
+exercises of notebooks 03 and 04.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...comm import CommLog
+from ...dist import launch
+from ...model import GPT, GPTConfig, lm_loss
+from ...pipeline import (COMPUTE, Action, PipelineSchedule, PipelineStage, ScheduleError, add_communication,
+                         gpipe_schedule, interleaved_schedule, one_f_one_b_schedule, parse_actions,
+                         peak_in_flight, validate_schedule)
+from ...pipeline.stages import gpt_param_name, gpt_stages_for_rank
+from ..registry import CheckFailure, exercise, expect_close, expect_equal
+from . import kernel_side
+
+# A tiny GPT: 8 layers split over K*v stages (K=4, v=2 at most), 8 sequences of 16 tokens.
+CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
+BATCH, SEQ = 8, 16
+
+
+def batch(seed: int = 0):
+    """Token ids ``(x, y)``, each [BATCH, SEQ] int64, the same for every rank."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.randint(0, 256, (BATCH, SEQ), generator=g), torch.randint(0, 256, (BATCH, SEQ), generator=g)
+
+
+def _as_actions(schedule, what: str) -> dict:
+    """A learner's ``{rank: [Action]}`` as Actions; CheckFailure when it is not that shape."""
+    if not isinstance(schedule, dict):
+        raise CheckFailure(f"{what}: expected a dict {{rank: [Action, ...]}}, got {type(schedule).__name__}")
+    out = {}
+    for r, acts in schedule.items():
+        try:
+            out[r] = [Action(*a) for a in acts]
+        except TypeError:
+            raise CheckFailure(f"{what}: rank {r}'s list must hold Action(kind, stage, microbatch) items") from None
+    return out
+
+
+def validated(schedule, what: str, M: int, n_stages: int, fill_communication: bool = False) -> dict:
+    """Run the validator; turn its ScheduleError into a CheckFailure that quotes it.
+
+    With ``fill_communication`` a compute-only schedule (F and B actions only) gets its
+    sends/receives from :func:`add_communication` first."""
+    acts = _as_actions(schedule, what)
+    if fill_communication and all(a.kind in COMPUTE for r in acts for a in acts[r]):
+        try:
+            acts = add_communication(acts, n_stages)
+        except ScheduleError as e:
+            raise CheckFailure(f"{what}: {e}") from None
+    try:
+        return validate_schedule(acts, n_microbatches=M, n_stages=n_stages)
+    except ScheduleError as e:
+        raise CheckFailure(f"{what}: the validator says: {e}") from None
+
+
+def _pipeline_rank(ctx, actions, M, v, count_sends):
+    """One rank: build its stages of the tiny GPT, run one step of ``actions`` (and a
+    second, counted with CommLog, when ``count_sends``); return what it measured."""
+    K = ctx.world_size
+    mods = gpt_stages_for_rank(GPT(CFG, seed=0), K, v, ctx.rank)
+    ids = [s for s in range(K * v) if s % K == ctx.rank]
+    stages = [PipelineStage(m, s, K * v, group=ctx.group) for m, s in zip(mods, ids)]
+    sched = PipelineSchedule(stages, M, lm_loss, actions=actions)
+    x, y = batch()
+    sched.step(x, target=y)
+    out = {"grads": {gpt_param_name(m, n): p.grad.clone() for m in mods for n, p in m.named_parameters()},
+           "peak": dict(sched.peak_in_flight), "stash": dict(sched.stash_peak_bytes),
+           "timeline": {ctx.rank: list(sched.timeline)}}
+    if count_sends:  # the first step also sends shape metadata; count a second one
+        with CommLog() as log:
+            sched.step(x, target=y)
+        out["sends"] = log.count("send")
+        out["send_bytes"] = log.bytes("send")
+    return out
+
+
+def run_pipeline(actions: dict, M: int, v: int = 1, count_sends: bool = False, timeout: float = 15) -> dict:
+    """Run ``actions`` (``{rank: [Action]}``, K = its number of ranks) for one step of the
+    tiny GPT on K forked gloo ranks. Returns ``grads`` (by single-device parameter name),
+    ``peak`` and ``stash`` (stage -> measured peak microbatches in flight / bytes stashed),
+    ``timeline`` (rank -> [TimedAction]) and, with ``count_sends``, ``sends`` (point-to-point
+    sends of one step, all ranks)."""
+    res = launch(_pipeline_rank, len(actions), actions, M, v, count_sends, timeout=timeout)
+    out = {"grads": {}, "peak": {}, "stash": {}, "timeline": {}, "sends": 0, "send_bytes": 0}
+    for r in res:
+        for key in ("grads", "peak", "stash", "timeline"):
+            out[key].update(r[key])
+        out["sends"] += r.get("sends", 0)
+        out["send_bytes"] += r.get("send_bytes", 0)
+    return out
+
+
+def reference_grads() -> dict:
+    """Parameter gradients of the single-device GPT on :func:`batch` (mean loss)."""
+    model = GPT(CFG, seed=0)
+    x, y = batch()
+    model(x, y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def expect_same_grads(got: dict, what: str) -> None:
+    """Every parameter gradient equals the single-device one (fp32 rtol=1e-5, atol=1e-6)."""
+    want = reference_grads()
+    missing = sorted(set(want) - set(got))
+    if missing:
+        raise CheckFailure(f"{what}: no gradient for {missing[0]} (and {len(missing) - 1} more)")
+    for name in want:
+        expect_close(got[name], want[name], f"{what}: gradient of {name} vs single device")
+
+
+# ----------------------------------------------------------------------------- 2.1
+ex21 = exercise(
+    "2.1", title="the GPipe action list", notebook="02_gpipe", points=3,
+    hint="Rank r holds stage r. For m in 0..M-1: RECV_F (not on rank 0), F, SEND_F (not on the last rank); "
+         "then for m in 0..M-1: RECV_B (not on the last rank), B, SEND_B (not on rank 0).")
+
+
+def _gpipe_shape(sched: dict, K: int, M: int, what: str) -> None:
+    """GPipe: on every rank all M forwards come before the first backward."""
+    for r in range(K):
+        comp = [a for a in sched[r] if a.kind in COMPUTE]
+        first_b = next((i for i, a in enumerate(comp) if a.kind == "B"), len(comp))
+        late_f = next((a for a in comp[first_b:] if a.kind == "F"), None)
+        if late_f is not None:
+            raise CheckFailure(f"{what}: rank {r} runs {comp[first_b]!r} before {late_f!r}; GPipe runs all M "
+                               f"forwards before the first backward")
+    peaks = peak_in_flight(sched, K)
+    expect_equal(peaks, [M] * K, f"{what}: peak microbatches in flight per stage")
+
+
+def _gpipe_case(K: int, M: int):
+    def case(gpipe_actions):
+        what = f"gpipe_actions(K={K}, M={M})"
+        sched = validated(gpipe_actions(K, M), what, M, K)
+        expect_equal(sorted(sched), list(range(K)), f"{what}: ranks")
+        _gpipe_shape(sched, K, M, what)
+    return case
+
+
+ex21.case("K=2, M=3: valid and GPipe-shaped")(_gpipe_case(2, 3))
+ex21.case("K=4, M=8: valid and GPipe-shaped")(_gpipe_case(4, 8))
+
+
+@ex21.case("K=4, M=4 on 4 real ranks: gradients equal single device", timeout=40)
+def _(gpipe_actions):
+    what = "gpipe_actions(K=4, M=4) run on 4 ranks"
+    sched = validated(gpipe_actions(4, 4), what, 4, 4)
+    expect_same_grads(run_pipeline(sched, 4, timeout=15)["grads"], what)
+
+
+ex21.case("K=1 (no communication)", hidden=True)(_gpipe_case(1, 3))
+ex21.case("K=3, M=5", hidden=True)(_gpipe_case(3, 5))
+ex21.case("M=1", hidden=True)(_gpipe_case(4, 1))
+
+
+@ex21.case("K=2, M=2 on 2 real ranks", hidden=True, timeout=30)
+def _(gpipe_actions):
+    what = "gpipe_actions(K=2, M=2) run on 2 ranks"
+    sched = validated(gpipe_actions(2, 2), what, 2, 2)
+    expect_same_grads(run_pipeline(sched, 2, timeout=15)["grads"], what)
+
+
+# ----------------------------------------------------------------------------- 2.2
+ex22 = exercise(
+    "2.2", title="peak microbatches in flight per stage", notebook="02_gpipe", points=2,
+    hint="Walk each rank's list: F on stage s adds one microbatch to stage s, B removes one; keep the "
+         "maximum per stage. Sends and receives do not count.")
+
+_HAND_1F1B = {0: "F0@s0 SEND_F0@s0 F1@s0 SEND_F1@s0 RECV_B0@s0 B0@s0 F2@s0 SEND_F2@s0 RECV_B1@s0 B1@s0 "
+                 "RECV_B2@s0 B2@s0",
+              1: "RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1 RECV_F1@s1 F1@s1 B1@s1 SEND_B1@s1 RECV_F2@s1 F2@s1 B2@s1 "
+                 "SEND_B2@s1"}
+
+
+def _count_case(make, n_stages: int, label: str):
+    def case(count_in_flight):
+        sched = make()
+        got = count_in_flight(sched)
+        if isinstance(got, tuple):
+            got = list(got)
+        want = peak_in_flight(sched, n_stages)
+        n_ranks = len(sched)
+        if isinstance(got, list) and len(got) == n_ranks != n_stages:
+            raise CheckFailure(f"count_in_flight({label}): expected {n_stages} numbers, one per stage ({want}), "
+                               f"got {n_ranks}, one per rank ({got}): rank r holds stages r, r+{n_ranks} and so on")
+        expect_equal(got, want, f"count_in_flight({label})")
+    return case
+
+
+ex22.case("a hand-written K=2, M=3 schedule")(
+    _count_case(lambda: {r: parse_actions(t) for r, t in _HAND_1F1B.items()}, 2, "hand-written 1F1B, K=2, M=3"))
+ex22.case("interleaved K=2, M=4, v=2 (two stages per rank, 4 stages)",
+          hint="Count per STAGE, not per rank: with interleaving a rank holds several stages (stage s on rank "
+               "s % K), so the list has one entry per stage (K*v of them), indexed by Action.stage.")(
+    _count_case(lambda: interleaved_schedule(2, 4, 2), 4, "interleaved K=2, M=4, v=2"))
+
+
+@ex22.case("GPipe K=4, M=8: measured on 4 real ranks", timeout=40)
+def _(count_in_flight):
+    sched = gpipe_schedule(4, 8)
+    measured = run_pipeline(sched, 8, timeout=15)["peak"]
+    got = count_in_flight(sched)
+    expect_equal(list(got) if isinstance(got, tuple) else got, [measured[s] for s in range(4)],
+                 "count_in_flight(GPipe K=4, M=8) vs the peak measured by the runtime")
+
+
+ex22.case("1F1B K=4, M=6", hidden=True)(_count_case(lambda: one_f_one_b_schedule(4, 6), 4, "1F1B K=4, M=6"))
+ex22.case("interleaved K=3, M=6, v=2", hidden=True)(
+    _count_case(lambda: interleaved_schedule(3, 6, 2), 6, "interleaved K=3, M=6, v=2"))
+ex22.case("GPipe K=1, M=5", hidden=True)(_count_case(lambda: gpipe_schedule(1, 5), 1, "GPipe K=1, M=5"))
+
+
+# ----------------------------------------------------------------------------- 2.3
+ex23 = exercise(
+    "2.3", title="accumulate M microbatch gradients", notebook="02_gpipe", points=2,
+    hint="The full batch's loss is the MEAN over its samples, and each microbatch's loss is a mean over "
+         "fewer: how must a microbatch's loss be weighted so that the M backwards, which add up in .grad, "
+         "give the full batch's gradient? Do not zero .grad inside the loop.")
+
+# A smaller GPT than the pipeline's: one device, a few SGD steps per case.
+ACC_CFG = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
+ACC_BATCH, ACC_SEQ, ACC_LR = 8, 8, 0.5
+
+
+def _acc_batch(seed: int):
+    g = torch.Generator().manual_seed(2300 + seed)
+    return (torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g),
+            torch.randint(0, 256, (ACC_BATCH, ACC_SEQ), generator=g))
+
+
+def _sgd_run(step_grads, steps: int, seed: int) -> tuple[dict, dict]:
+    """``steps`` steps of plain SGD (lr ACC_LR) on a fresh tiny GPT; ``step_grads(model, x, y)`` fills
+    .grad each step. Returns (gradients of the first step, parameters after the last)."""
+    model = GPT(ACC_CFG, seed=seed)
+    first = {}
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        x, y = _acc_batch(seed * 10 + step)
+        step_grads(model, x, y)
+        if step == 0:
+            first = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+        with torch.no_grad():  # plain SGD, w <- w - lr * g (torch.optim would import torch._dynamo: 1 s)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= ACC_LR * p.grad
+    return first, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
+    """' (... M times ...)' when ``got`` is ``want`` times a constant that is M or 1/M."""
+    denom = float((want * want).sum())
+    if denom == 0:
+        return ""
+    ratio = float((got * want).sum()) / denom
+    if not torch.allclose(got, ratio * want, rtol=1e-4, atol=1e-7):
+        return ""
+    if abs(ratio - M) < 1e-3 * M:
+        return (f"; it is exactly M={M} times the full-batch gradient: each microbatch's loss must be "
+                f"scaled by 1/M (the batch loss is the MEAN of the M microbatch losses)")
+    if M > 1 and abs(ratio - 1 / M) < 1e-3 / M:
+        return f"; it is 1/M = 1/{M} of the full-batch gradient: the loss was divided by M twice"
+    return f"; it is {ratio:.4g} times the full-batch gradient"
+
+
+def _accumulate_run(accumulate_microbatches, M: int, steps: int, seed: int):
+    """Kernel side: the learner's accumulation in :func:`_sgd_run`; its gradients and parameters."""
+    return _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed)
+
+
+def _accumulate_case(M: int, steps: int, seed: int):
+    def case(accumulate_microbatches):
+        what = f"accumulate_microbatches(model, x [{ACC_BATCH}, {ACC_SEQ}], y, M={M})"
+        got_g, got_p = kernel_side(accumulate_microbatches, _accumulate_run, M, steps, seed)
+        want_g, want_p = _sgd_run(lambda model, x, y: model(x, y).backward(), steps, seed)
+        for name, w in want_g.items():
+            g = got_g.get(name)
+            if g is None:
+                raise CheckFailure(f"{what}: parameter {name} has no gradient afterwards; call loss.backward() "
+                                   f"for every microbatch")
+            if not torch.allclose(g, w, rtol=1e-5, atol=1e-6) and _scale_hint(g, w, M):
+                raise CheckFailure(f"{what}: the accumulated gradient of {name} differs from the full batch's"
+                                   + _scale_hint(g, w, M))
+            expect_close(g, w, f"{what}: the accumulated gradient of {name} vs the full batch's")
+        if steps > 1:
+            for name, w in want_p.items():
+                expect_close(got_p[name], w, f"{what}: parameter {name} after {steps} plain SGD steps "
+                                             f"(lr={ACC_LR}) vs full-batch training")
+    return case
+
+
+ex23.case("M=4: every parameter gradient equals the full batch's")(_accumulate_case(4, 1, 0))
+ex23.case("M=4, 3 plain SGD steps: parameters equal full-batch training",
+          hint="Plain SGD (not Adam, which divides by the gradient's size) shows a gradient that is M times "
+               "too large: scale each microbatch's loss by 1/M before backward().")(_accumulate_case(4, 3, 1))
+ex23.case("M=1 is the full batch")(_accumulate_case(1, 1, 2))
+ex23.case("M=8 (one sequence per microbatch), 2 SGD steps", hidden=True)(_accumulate_case(8, 2, 3))
+ex23.case("M=2, 3 SGD steps", hidden=True)(_accumulate_case(2, 3, 4))

@@ -1,0 +1,117 @@
+"""Exercises of notebook 04_interleaved: interleaved 1F1B (Narayanan et al. 2021, sec. 2.2.2).
+
+Each of the K ranks holds v model chunks (looped placement: stage s on rank s % K, layers
+counted from 0), the bubble shrinks to (K-1)/(vM+K-1), M must be a multiple of K (Megatron-LM),
+and every microbatch crosses Kv-1 rank boundaries instead of K-1: v times the sends.
+"""
+from __future__ import annotations
+
+from ...pipeline import interleaved_schedule, simulate, stage_rank
+from ...pipeline.explorer import count_sends
+from ...pipeline.stages import stage_layers
+from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from .nb02_gpipe import run_pipeline
+
+# ----------------------------------------------------------------------------- 4.1
+ex41 = exercise(
+    "4.1", title="which layers a rank holds", notebook="04_interleaved", points=2,
+    hint="There are K*v stages of n_layers/(K*v) layers each; stage s is on rank s % K, so rank r holds "
+         "stages r, r+K, ..., r+(v-1)K. Count layers from 0.")
+
+
+def _code_layers(rank: int, n_layers: int, K: int, v: int) -> list:
+    """What labkit's own split gives (``gpt_stages_for_rank`` uses the same two functions)."""
+    return [i for s in range(K * v) if stage_rank(s, K) == rank for i in stage_layers(n_layers, K * v, s)]
+
+
+def _layers_case(n_layers: int, K: int, v: int, ranks=None):
+    def case(layers_of_rank):
+        for r in (range(K) if ranks is None else ranks):
+            what = f"layers_of_rank(rank={r}, n_layers={n_layers}, K={K}, v={v})"
+            got = layers_of_rank(r, n_layers, K, v)
+            want = _code_layers(r, n_layers, K, v)
+            got = list(got) if isinstance(got, (tuple, range)) else got
+            if isinstance(got, list) and sorted(got) == want:
+                continue
+            if isinstance(got, list) and sorted(got) == [x + 1 for x in want]:
+                raise CheckFailure(f"{what}: expected {want}, got {got}: this notebook counts layers from 0 "
+                                   f"(as the code does), not from 1 (as the lecture does)")
+            if isinstance(got, list) and sorted(got) == list(range(r * len(want), (r + 1) * len(want))):
+                raise CheckFailure(f"{what}: expected {want}, got {got}: that is the contiguous split of "
+                                   f"plain 1F1B; with v chunks rank r holds stages r, r+K, ... (stage s on "
+                                   f"rank s % K)")
+            expect_equal(sorted(got) if isinstance(got, list) else got, want, what)
+    return case
+
+
+ex41.case("16 layers, K=4, v=2, rank 0")(_layers_case(16, 4, 2, ranks=[0]))
+ex41.case("16 layers, K=4, v=2, every rank")(_layers_case(16, 4, 2))
+ex41.case("24 layers, K=3, v=4", hidden=True)(_layers_case(24, 3, 4))
+ex41.case("8 layers, K=4, v=1 (plain 1F1B)", hidden=True)(_layers_case(8, 4, 1))
+ex41.case("6 layers, K=1, v=3", hidden=True)(_layers_case(6, 1, 3))
+
+
+# ----------------------------------------------------------------------------- 4.2
+ex42 = exercise(
+    "4.2", title="the interleaved bubble", notebook="04_interleaved", points=2,
+    hint="The bubble time shrinks v times while the useful work stays M(f+b): (K-1)/(vM+K-1). Raise "
+         "ValueError when v >= 2 and M is not a multiple of K.")
+
+
+def _bubble_case(K: int, M: int, v: int):
+    def case(interleaved_bubble):
+        sim = simulate(interleaved_schedule(K, M, v)).bubble_fraction
+        expect_close(float(interleaved_bubble(K, M, v)), float(sim),
+                     f"interleaved_bubble(K={K}, M={M}, v={v}) vs the simulated bubble")
+    return case
+
+
+ex42.case("K=4, M=8, v=2 (simulated)")(_bubble_case(4, 8, 2))
+ex42.case("v=1 is plain 1F1B: K=4, M=8")(_bubble_case(4, 8, 1))
+
+
+@ex42.case("M=6 with K=4, v=2 raises ValueError")
+def _(interleaved_bubble):
+    expect_raises(ValueError, interleaved_bubble, 4, 6, 2, what="interleaved_bubble(K=4, M=6, v=2)")
+
+
+ex42.case("K=4, M=4, v=4", hidden=True)(_bubble_case(4, 4, 4))
+ex42.case("K=2, M=6, v=3", hidden=True)(_bubble_case(2, 6, 3))
+ex42.case("K=1, M=3, v=2", hidden=True)(_bubble_case(1, 3, 2))
+
+
+@ex42.case("v=1 allows any M", hidden=True)
+def _(interleaved_bubble):
+    expect_close(float(interleaved_bubble(4, 6, 1)), 3 / 9, "interleaved_bubble(K=4, M=6, v=1)")
+
+
+# ----------------------------------------------------------------------------- 4.3
+ex43 = exercise(
+    "4.3", title="point-to-point sends per step", notebook="04_interleaved", points=2,
+    hint="A microbatch crosses every boundary between consecutive stages: K*v-1 of them, all between "
+         "different ranks when K > 1 (none when K = 1). Each crossing is one send forward and one backward.")
+
+
+def _sends_case(K: int, M: int, v: int):
+    def case(p2p_sends):
+        expect_equal(p2p_sends(K, M, v), count_sends(interleaved_schedule(K, M, v)),
+                     f"p2p_sends(K={K}, M={M}, v={v}) vs the SEND actions in the schedule")
+    return case
+
+
+ex43.case("K=4, M=8, v=1 and v=2 (from the schedule data)")(
+    lambda f: (_sends_case(4, 8, 1)(f), _sends_case(4, 8, 2)(f)))
+ex43.case("K=1, M=4, v=3: all stages on one rank",
+          hint="With K = 1 every stage sits on the same rank: a microbatch never crosses to another rank, "
+               "so there are no point-to-point sends at all (0), whatever M and v are.")(_sends_case(1, 4, 3))
+
+
+@ex43.case("K=4, M=4, v=2: counted with CommLog on 4 real ranks", timeout=40)
+def _(p2p_sends):
+    measured = run_pipeline(interleaved_schedule(4, 4, 2), 4, v=2, count_sends=True, timeout=15)["sends"]
+    expect_equal(p2p_sends(4, 4, 2), measured, "p2p_sends(K=4, M=4, v=2) vs sends counted with CommLog in one step")
+
+
+ex43.case("K=1, M=2, v=2: all stages on one rank", hidden=True)(_sends_case(1, 2, 2))
+ex43.case("K=2, M=6, v=3", hidden=True)(_sends_case(2, 6, 3))
+ex43.case("K=8, M=16, v=4", hidden=True)(_sends_case(8, 16, 4))

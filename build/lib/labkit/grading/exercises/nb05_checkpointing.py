@@ -1,0 +1,211 @@
+"""Exercises of notebook 05_checkpointing: activation checkpointing (Chen et al. 2016,
+"Training Deep Nets with Sublinear Memory Cost").
+
+A chain of n layers cut into k segments keeps only the k segment inputs during forward and
+recomputes one segment at a time in backward: at the peak about ``k * a + ceil(n / k) * s`` bytes
+are saved (a = bytes of one segment input, s = bytes one layer saves for backward), minimised
+near ``k = sqrt(n s / a)`` (sec. 3 and 4.1). The recomputation must draw the same dropout masks
+as the first forward: the RNG state is saved before the forward and restored for the
+recomputation, without disturbing the RNG stream of the rest of training.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+
+NOTEBOOK = "05_checkpointing"
+
+# ----------------------------------------------------------------------------- 5.1
+ex51 = exercise(
+    "5.1", title="segment boundaries", notebook=NOTEBOOK, points=2,
+    hint="Return [b_0, ..., b_k] with b_0 = 0 and b_k = n; segment j holds layers b_j .. b_{j+1}-1. Balanced: "
+         "every segment has floor(n/k) or ceil(n/k) layers, e.g. b_j = round(j * n / k) or b_j = (j * n) // k.")
+
+
+def _check_bounds(got, n: int, k: int) -> None:
+    what = f"segment_boundaries(n={n}, k={k})"
+    if not isinstance(got, (list, tuple, range)):
+        raise CheckFailure(f"{what}: expected a list of k+1 = {k + 1} ints, got {type(got).__name__}")
+    got = list(got)
+    if len(got) != k + 1:
+        raise CheckFailure(f"{what}: expected k+1 = {k + 1} boundaries (k segments), got {len(got)}: {got}")
+    if any(isinstance(b, bool) or not isinstance(b, int) for b in got):
+        raise CheckFailure(f"{what}: boundaries must be ints, got {got}")
+    if got[0] != 0 or got[-1] != n:
+        raise CheckFailure(f"{what}: the boundaries must start at 0 and end at n={n}, got {got}")
+    sizes = [b - a for a, b in zip(got[:-1], got[1:])]
+    if min(sizes) < 1:
+        raise CheckFailure(f"{what}: every segment needs at least one layer, got segment sizes {sizes}")
+    if max(sizes) - min(sizes) > 1:
+        raise CheckFailure(f"{what}: segments must be balanced (sizes {n // k} or {-(-n // k)}), got sizes {sizes} "
+                           f"from boundaries {got}")
+
+
+def _bounds_case(n: int, k: int):
+    def case(segment_boundaries):
+        _check_bounds(segment_boundaries(n, k), n, k)
+    return case
+
+
+ex51.case("n=12, k=3")(_bounds_case(12, 3))
+ex51.case("n=10, k=4 (uneven)")(_bounds_case(10, 4))
+
+
+@ex51.case("k=1 and k=n")
+def _(segment_boundaries):
+    _bounds_case(7, 1)(segment_boundaries)
+    _bounds_case(7, 7)(segment_boundaries)
+
+
+
+@ex51.case("k outside 1..n: ValueError")
+def _(segment_boundaries):
+    expect_raises(ValueError, segment_boundaries, 5, 0, what="segment_boundaries(n=5, k=0)")
+    expect_raises(ValueError, segment_boundaries, 5, 6, what="segment_boundaries(n=5, k=6)")
+
+
+@ex51.case("every n <= 24 and k <= n", hidden=True)
+def _(segment_boundaries):
+    for n in range(1, 25):
+        for k in range(1, n + 1):
+            _check_bounds(segment_boundaries(n, k), n, k)
+
+
+# ----------------------------------------------------------------------------- 5.2
+ex52 = exercise(
+    "5.2", title="the segment count with the smallest peak", notebook=NOTEBOOK, points=2,
+    hint="Try every k from 1 to n and keep one with the smallest k*input_bytes + ceil(n/k)*layer_bytes; "
+         "the optimum is near sqrt(n * layer_bytes / input_bytes), not always sqrt(n).")
+
+
+def _cost(n, k, a, s):
+    return k * a + math.ceil(n / k) * s
+
+
+def _best_case(n: int, a: int, s: int):
+    def case(best_segment_count):
+        what = f"best_segment_count(n={n}, input_bytes={a}, layer_bytes={s})"
+        got = best_segment_count(n, a, s)
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise CheckFailure(f"{what}: expected an int k, got {type(got).__name__} {got!r}")
+        if not 1 <= got <= n:
+            raise CheckFailure(f"{what}: k must be between 1 and n={n}, got {got}")
+        best = min(range(1, n + 1), key=lambda k: (_cost(n, k, a, s), k))
+        if _cost(n, got, a, s) != _cost(n, best, a, s):
+            raise CheckFailure(f"{what}: k={got} has a peak of {_cost(n, got, a, s)} bytes, but k={best} has "
+                               f"{_cost(n, best, a, s)}")
+    return case
+
+
+ex52.case("n=16 layers, equal sizes")(_best_case(16, 1, 1))
+ex52.case("n=16, a layer saves twice its input")(_best_case(16, 4096, 8192))
+ex52.case("n=100, a layer saves 8x its input")(_best_case(100, 1, 8))
+ex52.case("n=1")(_best_case(1, 10, 10))
+ex52.case("n=48, a layer saves 17x its input (a transformer layer)", hidden=True)(_best_case(48, 2, 34))
+ex52.case("n=30, inputs larger than a layer's saved tensors", hidden=True)(_best_case(30, 9, 2))
+
+
+@ex52.case("grid of n and sizes", hidden=True)
+def _(best_segment_count):
+    for n in (2, 3, 5, 9, 17, 64, 81):
+        for a, s in ((1, 1), (1, 3), (5, 2), (2, 17)):
+            _best_case(n, a, s)(best_segment_count)
+
+
+# ----------------------------------------------------------------------------- 5.3
+ex53 = exercise(
+    "5.3", title="a checkpoint that restores the RNG", notebook=NOTEBOOK, points=4,
+    hint="Keep x and torch.get_rng_state() in forward. In backward, restore that state before recomputing, "
+         "inside torch.random.fork_rng() so the training RNG stream is left as it was; recompute under "
+         "torch.enable_grad() from x.detach().requires_grad_(True), backpropagate grad_y through it and "
+         "return (None, dL/dx).")
+
+
+def _net(seed: int, p: float, width: int = 8) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(p), nn.Linear(2 * width, width),
+                         nn.Dropout(p))
+
+
+def _run(net, x, G, seed, fn):
+    torch.manual_seed(seed)
+    x = x.clone().requires_grad_(True)
+    y = fn(net, x)
+    if not isinstance(y, torch.Tensor):
+        raise CheckFailure(f"MyCheckpoint.apply returned {type(y).__name__}, not a tensor")
+    try:
+        y.backward(G)
+    except RuntimeError as e:
+        if "does not require grad" in str(e):
+            raise CheckFailure("backward: the recomputed output has no autograd graph; recompute under "
+                               "torch.enable_grad() from a copy of x that requires grad") from None
+        raise
+    after = torch.rand(3)  # the RNG stream right after forward + backward
+    grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in net.named_parameters()}
+    net.zero_grad()
+    return y.detach(), x.grad, grads, after
+
+
+def _ckpt_outputs(answer, p: float, seed: int, segments: int, x, G):
+    """Kernel side: ``segments`` applications of the learner's Function; what _run returns."""
+    if not (isinstance(answer, type) and issubclass(answer, torch.autograd.Function)):
+        raise CheckFailure(f"expected a torch.autograd.Function subclass, got {type(answer).__name__}")
+    net = _net(seed, p)
+
+    def ckpt(net, x):
+        for _ in range(segments):
+            x = answer.apply(net, x)
+        return x
+
+    return _run(net, x, G, seed + 2, ckpt)
+
+
+def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, label: str):
+    net = _net(seed, p)
+    g = torch.Generator().manual_seed(seed + 1)
+    x, G = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+    def plain(net, x):
+        for _ in range(segments):
+            x = net(x)
+        return x
+
+    ref = _run(net, x, G, seed + 2, plain)
+    got = answer.run(_ckpt_outputs, p, seed, segments, x, G)
+    expect_close(got[0], ref[0], f"{label}: output y")
+    if got[1] is None:
+        raise CheckFailure(f"{label}: x.grad is None; backward must return (None, dL/dx)")
+    expect_close(got[1], ref[1], f"{label}: dL/dx (vs backprop without checkpointing)")
+    for name, gref in ref[2].items():
+        if got[2][name] is None:
+            raise CheckFailure(f"{label}: parameter {name} got no gradient; run the recomputation under "
+                               f"torch.enable_grad() and backpropagate through it")
+        expect_close(got[2][name], gref, f"{label}: gradient of parameter {name}")
+    if check_stream:
+        expect_equal(got[3], ref[3], f"{label}: torch.rand(3) right after backward (the RNG stream of the rest "
+                                     f"of training must not be rewound by the recomputation)")
+
+
+def _ckpt_case(p, seed, segments=1, check_stream=False, label=""):
+    def case(answer):
+        _compare(answer, p, seed, segments, check_stream, label)
+    return case
+
+
+ex53.case("no dropout: output and every gradient equal plain backprop")(
+    _ckpt_case(0.0, 0, label="no dropout"))
+ex53.case("dropout p=0.5: the recomputation draws the same masks")(
+    _ckpt_case(0.5, 1, label="dropout p=0.5"))
+ex53.case("the RNG stream after backward is the one without checkpointing",
+          hint="Restoring the saved state rewinds the global RNG: every later torch.rand (the next dropout "
+               "masks) would repeat old numbers. Restore it inside `with torch.random.fork_rng():`, which "
+               "puts the training stream back when the block ends.")(
+    _ckpt_case(0.5, 3, segments=2, check_stream=True, label="RNG stream"))
+ex53.case("three checkpointed segments in a row, dropout", hidden=True)(
+    _ckpt_case(0.3, 2, segments=3, label="3 segments, dropout p=0.3"))
+ex53.case("the RNG stream after three segments", hidden=True)(
+    _ckpt_case(0.2, 4, segments=3, check_stream=True, label="RNG stream, 3 segments"))

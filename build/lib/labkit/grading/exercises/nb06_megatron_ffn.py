@@ -1,0 +1,266 @@
+"""Exercises of notebook 06_megatron_ffn: the Megatron-LM MLP split and its operators f and g.
+
+Shoeybi et al. 2019, "Megatron-LM", sec. 3, eq. 3 and Fig. 3a: with A split by columns and B
+by rows, ``GeLU(X A) B = sum_i GeLU(X A_i) B_i``, so each of the t ranks computes one partial
+output with no communication and ONE all-reduce (the operator g) sums them. The conjugate
+operator f in front of the block is the identity forward and an all-reduce of dL/dX backward.
+Exercise 6.4: a row-parallel layer adds its bias once, after the all-reduce (before it, the sum
+holds the bias t times).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...dist import launch
+from ...tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from ..registry import CheckFailure, exercise, expect_close, expect_raises
+from . import kernel_side
+
+NOTEBOOK = "06_megatron_ffn"
+
+
+def gelu(x):
+    """GeLU, tanh approximation (Hendrycks & Gimpel 2016), the same formula as the notebook's."""
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+# ----------------------------------------------------------------------------- 6.1
+ex61 = exercise(
+    "6.1", title="partial outputs of the column/row split MLP", notebook=NOTEBOOK, points=2,
+    hint="Rank i holds the columns i*F/t .. (i+1)*F/t - 1 of A and the SAME rows of B; its partial "
+         "output is gelu(X @ A_i) @ B_i. Use the notebook's gelu.")
+
+
+_ONLY_F = ("Only the FFN width F = A.shape[1] is split (A by columns, B by rows); the hidden size H "
+           "= A.shape[0] is not, so t must divide F and need not divide H: test F % t, not H % t.")
+
+
+def _mlp_data(N: int, H: int, F_: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((N, H)), rng.standard_normal((H, F_)), rng.standard_normal((F_, H))
+
+
+def _expected_partials(X, A, B, t):
+    w = A.shape[1] // t
+    return [gelu(X @ A[:, i * w:(i + 1) * w]) @ B[i * w:(i + 1) * w, :] for i in range(t)]
+
+
+def _partials_case(N: int, H: int, F_: int, t: int, seed: int):
+    def case(mlp_partials):
+        X, A, B = _mlp_data(N, H, F_, seed)
+        what = f"mlp_partials(X [{N}, {H}], A [{H}, {F_}], B [{F_}, {H}], t={t})"
+        got = mlp_partials(X.copy(), A.copy(), B.copy(), t)
+        if isinstance(got, np.ndarray) and got.ndim == 3:
+            got = list(got)  # a stacked [t, N, H] array is fine too
+        if not isinstance(got, (list, tuple)):
+            raise CheckFailure(f"{what}: expected a list of {t} arrays, got {type(got).__name__}")
+        if len(got) != t:
+            raise CheckFailure(f"{what}: expected a list of t={t} partial outputs, got {len(got)}")
+        full = gelu(X @ A) @ B
+        expected = _expected_partials(X, A, B, t)
+        for i, (g, e) in enumerate(zip(got, expected)):
+            g = np.asarray(g)
+            if g.shape != e.shape:
+                raise CheckFailure(f"{what}: partial {i} should have shape {e.shape} (like Z), got {g.shape}")
+            if not np.allclose(g, e, rtol=1e-7, atol=1e-9):
+                summed = np.allclose(sum(np.asarray(p) for p in got), full, rtol=1e-7, atol=1e-9)
+                extra = (" (the partials do sum to Z, but rank i must use the i-th block of columns of A "
+                         "and the i-th block of rows of B)" if summed else
+                         " and the partials do not sum to GeLU(X A) B")
+                raise CheckFailure(f"{what}: partial {i} expected first row {np.round(e[0], 4).tolist()}, "
+                                   f"got {np.round(g[0], 4).tolist()}{extra}")
+    return case
+
+
+ex61.case("t=2, X [6, 4], A [4, 16]")(_partials_case(6, 4, 16, 2, 0))
+ex61.case("t=4, X [3, 8], A [8, 32]")(_partials_case(3, 8, 32, 4, 1))
+ex61.case("t=1 is the unsplit MLP")(_partials_case(5, 4, 16, 1, 2))
+ex61.case("t=4, X [3, 6], A [6, 24]: t divides F, not H", hint=_ONLY_F)(_partials_case(3, 6, 24, 4, 6))
+
+
+@ex61.case("t=3 does not divide F=16 (H=6): ValueError", hint=_ONLY_F)
+def _(mlp_partials):
+    X, A, B = _mlp_data(2, 6, 16, 3)
+    expect_raises(ValueError, mlp_partials, X, A, B, 3, what="mlp_partials(X [2, 6], A [6, 16], B, t=3)")
+
+
+ex61.case("t=8, X [7, 5], A [5, 40]", hidden=True)(_partials_case(7, 5, 40, 8, 4))
+ex61.case("t=2, one token", hidden=True)(_partials_case(1, 6, 12, 2, 5))
+ex61.case("t=3, X [4, 5], A [5, 12]", hidden=True)(_partials_case(4, 5, 12, 3, 7))
+
+
+@ex61.case("t=5 does not divide F=12 (H=10): ValueError", hidden=True)
+def _(mlp_partials):
+    X, A, B = _mlp_data(2, 10, 12, 8)
+    expect_raises(ValueError, mlp_partials, X, A, B, 5, what="mlp_partials(X [2, 10], A [10, 12], B, t=5)")
+
+
+# ----------------------------------------------------------------------------- 6.2 / 6.3
+def _torch_gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def _tp_mlp_run(ctx, f_apply, g_apply, N, H, F_, seed):
+    """One forward/backward of the MLP split over ctx's ranks with the given f and g; returns
+    this rank's output, dL/dX and the gradients of its shards."""
+    t, r = ctx.world_size, ctx.rank
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(N, H, generator=g)
+    A = torch.randn(H, F_, generator=g) / H ** 0.5
+    B = torch.randn(F_, H, generator=g) / F_ ** 0.5
+    W = torch.randn(N, H, generator=g)  # dL/dZ: L = sum(Z * W)
+    w = F_ // t
+    x = X.clone().requires_grad_(True)
+    A_r = A[:, r * w:(r + 1) * w].clone().requires_grad_(True)
+    B_r = B[r * w:(r + 1) * w].clone().requires_grad_(True)
+    xin = f_apply(x, ctx.group)
+    if not isinstance(xin, torch.Tensor):
+        raise CheckFailure(f"forward of f returned {type(xin).__name__}, not a tensor")
+    partial = _torch_gelu(xin @ A_r) @ B_r
+    z = g_apply(partial, ctx.group)
+    if not isinstance(z, torch.Tensor):
+        raise CheckFailure(f"forward of g returned {type(z).__name__}, not a tensor")
+    (z * W).sum().backward()
+    return {"Z": z.detach().clone(), "dX": None if x.grad is None else x.grad.clone(),
+            "dA": A_r.grad.clone(), "dB": B_r.grad.clone()}
+
+
+def _reference(N, H, F_, seed):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(N, H, generator=g).requires_grad_(True)
+    A = (torch.randn(H, F_, generator=g) / H ** 0.5).requires_grad_(True)
+    B = (torch.randn(F_, H, generator=g) / F_ ** 0.5).requires_grad_(True)
+    W = torch.randn(N, H, generator=g)
+    Z = _torch_gelu(X @ A) @ B
+    (Z * W).sum().backward()
+    return {"Z": Z.detach(), "dX": X.grad, "dA": A.grad, "dB": B.grad}
+
+
+def _operator_outputs(fn_class, which: str, t: int, N: int, H: int, F_: int, seed: int):
+    """Kernel side: the MLP on t ranks with the learner's f (``which`` = "f") or g; per rank
+    what :func:`_tp_mlp_run` measured."""
+    if not (isinstance(fn_class, type) and issubclass(fn_class, torch.autograd.Function)):
+        raise CheckFailure(f"expected a torch.autograd.Function subclass, got {type(fn_class).__name__}")
+    if which == "f":
+        f_apply, g_apply = fn_class.apply, reduce_from_tensor_model_parallel_region
+    else:
+        f_apply, g_apply = copy_to_tensor_model_parallel_region, fn_class.apply
+
+    def body(ctx):
+        return _tp_mlp_run(ctx, f_apply, g_apply, N, H, F_, seed)
+
+    return launch(body, t, timeout=8)
+
+
+def _operator_case(which: str, t: int, N: int, H: int, F_: int, seed: int):
+    """``which`` = "f": the learner's f with labkit's g; "g": labkit's f with the learner's g."""
+    def case(fn_class):
+        res = fn_class.run(_operator_outputs, which, t, N, H, F_, seed)
+        ref = _reference(N, H, F_, seed)
+        w = F_ // t
+        where = f"t={t}, X [{N}, {H}]"
+        for r, out in enumerate(res):
+            expect_close(out["Z"], ref["Z"], f"{where}: forward output Z on rank {r} (vs one device)",
+                         rtol=1e-5, atol=1e-5)
+            if out["dX"] is None:
+                raise CheckFailure(f"{where}: dL/dX on rank {r} is None; backward of "
+                                   f"{'f' if which == 'f' else 'g'} must return a gradient for x")
+            expect_close(out["dX"], ref["dX"], f"{where}: dL/dX on rank {r} (vs one device)", rtol=1e-5, atol=1e-5)
+            expect_close(out["dA"], ref["dA"][:, r * w:(r + 1) * w],
+                         f"{where}: dL/dA_{r} on rank {r} (vs the slice of one device's dL/dA)", rtol=1e-5, atol=1e-5)
+            expect_close(out["dB"], ref["dB"][r * w:(r + 1) * w],
+                         f"{where}: dL/dB_{r} on rank {r} (vs the slice of one device's dL/dB)", rtol=1e-5, atol=1e-5)
+    return case
+
+
+ex62 = exercise(
+    "6.2", title="the operator f", notebook=NOTEBOOK, points=3,
+    hint="f is the identity in forward (every rank already holds X); in backward each rank holds only its "
+         "branch's part of dL/dX, so all-reduce (sum) the gradient over the group and return (grad, None).")
+ex62.case("t=2 ranks: output and gradients equal one device", timeout=20)(_operator_case("f", 2, 4, 6, 8, 10))
+ex62.case("t=4 ranks: output and gradients equal one device", timeout=25)(_operator_case("f", 4, 3, 4, 16, 11))
+ex62.case("t=1 rank", hidden=True, timeout=20)(_operator_case("f", 1, 2, 4, 8, 12))
+ex62.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_operator_case("f", 3, 5, 7, 12, 13))
+
+ex63 = exercise(
+    "6.3", title="the operator g", notebook=NOTEBOOK, points=3,
+    hint="g all-reduces (sums) the partial outputs in forward (clone first: all_reduce works in place); in "
+         "backward dL/dZ is already the same on every rank and each partial entered the sum once, so "
+         "return it unchanged: (grad, None).")
+ex63.case("t=2 ranks: output and gradients equal one device", timeout=20)(_operator_case("g", 2, 4, 6, 8, 20))
+ex63.case("t=4 ranks: output and gradients equal one device", timeout=25)(_operator_case("g", 4, 3, 4, 16, 21))
+ex63.case("t=1 rank", hidden=True, timeout=20)(_operator_case("g", 1, 2, 4, 8, 22))
+ex63.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_operator_case("g", 3, 5, 7, 12, 23))
+
+
+# ----------------------------------------------------------------------------- 6.4
+ex64 = exercise(
+    "6.4", title="the row-parallel layer's bias", notebook=NOTEBOOK, points=2,
+    hint="Each rank computes only a partial product x_r W_r^T; the all-reduce (g) sums the t partials. The bias "
+         "belongs to the sum, not to the partials: add it once, AFTER the all-reduce (adding it on every rank "
+         "before would add it t times).")
+
+
+def _row_run(ctx, row_parallel_linear, N, F_, H, seed):
+    """One forward/backward of the learner's row-parallel linear on this rank; returns its output and the
+    gradients of its input shard, weight shard and bias."""
+    t, r = ctx.world_size, ctx.rank
+    g = torch.Generator().manual_seed(seed)
+    X, W, b = torch.randn(N, F_, generator=g), torch.randn(H, F_, generator=g), torch.randn(H, generator=g)
+    G = torch.randn(N, H, generator=g)  # dL/dy: L = sum(y * G)
+    w = F_ // t
+    x_r = X[:, r * w:(r + 1) * w].clone().requires_grad_(True)
+    W_r = W[:, r * w:(r + 1) * w].clone().requires_grad_(True)
+    bias = b.clone().requires_grad_(True)
+    y = row_parallel_linear(x_r, W_r, bias, ctx.group)
+    if not isinstance(y, torch.Tensor):
+        raise CheckFailure(f"row_parallel_linear returned {type(y).__name__}, not a tensor")
+    if tuple(y.shape) != (N, H):
+        raise CheckFailure(f"row_parallel_linear returned shape {tuple(y.shape)}, expected [N, H] = {(N, H)}")
+    (y * G).sum().backward()
+    grad = lambda p: None if p.grad is None else p.grad.clone()  # noqa: E731
+    return {"y": y.detach().clone(), "dx": grad(x_r), "dW": grad(W_r), "db": grad(bias)}
+
+
+def _row_outputs(row_parallel_linear, t: int, N: int, F_: int, H: int, seed: int):
+    """Kernel side: the learner's row-parallel linear on t ranks; per rank what :func:`_row_run` returns."""
+    return launch(_row_run, t, row_parallel_linear, N, F_, H, seed, timeout=8)
+
+
+def _row_case(t: int, N: int, F_: int, H: int, seed: int):
+    def case(row_parallel_linear):
+        res = kernel_side(row_parallel_linear, _row_outputs, t, N, F_, H, seed)
+        g = torch.Generator().manual_seed(seed)
+        X = torch.randn(N, F_, generator=g).requires_grad_(True)
+        W = torch.randn(H, F_, generator=g).requires_grad_(True)
+        b = torch.randn(H, generator=g).requires_grad_(True)
+        G = torch.randn(N, H, generator=g)
+        y = F.linear(X, W, b)
+        (y * G).sum().backward()
+        w, where = F_ // t, f"t={t}, x [{N}, {F_}], weight [{H}, {F_}]"
+        for r, out in enumerate(res):
+            extra = out["y"] - y.detach()
+            for k in range(2, t + 1):  # the bias added on k ranks before the sum
+                if t > 1 and torch.allclose(extra, (k - 1) * b.detach().expand_as(extra), rtol=1e-4, atol=1e-5):
+                    raise CheckFailure(
+                        f"{where}: the output on rank {r} is the single device's plus {k - 1} x bias, i.e. it holds "
+                        f"the bias {k} times: it was added to the partial products on {k} ranks before the "
+                        f"all-reduce summed them; add it once, after the all-reduce")
+            expect_close(out["y"], y.detach(), f"{where}: output on rank {r} (vs F.linear on one device)",
+                         rtol=1e-5, atol=1e-5)
+            for key, ref, name in (("dx", X.grad[:, r * w:(r + 1) * w], "dL/dx_r"),
+                                   ("dW", W.grad[:, r * w:(r + 1) * w], "dL/dW_r"), ("db", b.grad, "dL/dbias")):
+                if out[key] is None:
+                    raise CheckFailure(f"{where}: {name} on rank {r} is None: build the output from x_shard, "
+                                       f"weight_shard and bias with differentiable operations")
+                expect_close(out[key], ref, f"{where}: {name} on rank {r} (vs the slice of one device's)",
+                             rtol=1e-5, atol=1e-5)
+    return case
+
+
+ex64.case("t=2 ranks: output and gradients equal one device", timeout=20)(_row_case(2, 4, 8, 6, 40))
+ex64.case("t=4 ranks: output and gradients equal one device", timeout=25)(_row_case(4, 3, 16, 5, 41))
+ex64.case("t=1 rank", hidden=True, timeout=20)(_row_case(1, 2, 4, 3, 42))
+ex64.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_row_case(3, 5, 12, 7, 43))

@@ -1,0 +1,281 @@
+"""Exercises of notebook 07_attention_embedding_loss: heads split across ranks, the vocab-parallel
+embedding's mask and the vocab-parallel cross-entropy (Shoeybi et al. 2019, "Megatron-LM", sec. 3).
+
+* Attention (Fig. 3b): rank r owns the contiguous block of heads ``[r*h/t, (r+1)*h/t)``.
+* Input embedding: rank r owns vocabulary rows ``[r*V/t, (r+1)*V/t)``; ids outside give zero rows,
+  and one all-reduce sums the t partial lookups.
+* Cross-entropy on logits split by vocabulary: three all-reduces of N values (max, target
+  logit, sum of exponentials) instead of gathering N*V logits.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ... import comm
+from ...dist import launch
+from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises, explain_index_errors
+
+NOTEBOOK = "07_attention_embedding_loss"
+
+# ----------------------------------------------------------------------------- 7.1
+ex71 = exercise(
+    "7.1", title="which heads each rank owns", notebook=NOTEBOOK, points=2,
+    hint="Each rank gets h/t consecutive heads: rank r owns r*h/t, ..., (r+1)*h/t - 1. Check that t divides h "
+         "and that 0 <= rank < t before computing anything.")
+
+
+def _heads(n_head, t, rank):
+    w = n_head // t
+    return list(range(rank * w, (rank + 1) * w))
+
+
+def _heads_case(n_head: int, t: int):
+    def case(heads_of_rank):
+        for r in range(t):
+            got = heads_of_rank(n_head, t, r)
+            if not isinstance(got, (list, tuple, range)):
+                raise CheckFailure(f"heads_of_rank(n_head={n_head}, t={t}, rank={r}): expected a list of ints, "
+                                   f"got {type(got).__name__}")
+            expect_equal([int(h) for h in got], _heads(n_head, t, r), f"heads_of_rank(n_head={n_head}, t={t}, rank={r})")
+    return case
+
+
+ex71.case("h=4 heads, t=2")(_heads_case(4, 2))
+ex71.case("h=8 heads, t=4")(_heads_case(8, 4))
+ex71.case("t=1 owns every head")(_heads_case(6, 1))
+
+
+@ex71.case("t=4 does not divide h=6: ValueError")
+def _(heads_of_rank):
+    expect_raises(ValueError, heads_of_rank, 6, 4, 0, what="heads_of_rank(n_head=6, t=4, rank=0)")
+
+
+ex71.case("h=12 heads, t=3", hidden=True)(_heads_case(12, 3))
+ex71.case("h=32 heads, t=8", hidden=True)(_heads_case(32, 8))
+
+
+@ex71.case("rank outside 0..t-1: ValueError", hidden=True)
+def _(heads_of_rank):
+    expect_raises(ValueError, heads_of_rank, 8, 2, 2, what="heads_of_rank(n_head=8, t=2, rank=2)")
+    expect_raises(ValueError, heads_of_rank, 8, 2, -1, what="heads_of_rank(n_head=8, t=2, rank=-1)")
+
+
+# ----------------------------------------------------------------------------- 7.2
+ex72 = exercise(
+    "7.2", title="the vocab-parallel embedding mask", notebook=NOTEBOOK, points=3,
+    hint="Mark ids outside [vocab_start, vocab_start + V/t); look up (ids - vocab_start) with the marked ids "
+         "replaced by any valid row (e.g. 0); then set the marked rows of the result to zero (masked_fill), so "
+         "they carry neither a value nor a gradient.")
+
+
+def _emb_data(V: int, D: int, shape: tuple, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(V, D, generator=g)
+    ids = torch.randint(0, V, shape, generator=g)
+    return W, ids
+
+
+def _shards(W, t):
+    n = W.shape[0] // t
+    return [(W[r * n:(r + 1) * n].clone(), r * n) for r in range(t)]
+
+
+_OFFSET_HINT = ("the shard holds rows vocab_start .. vocab_start + V/t - 1 of the full table as ITS rows "
+                "0 .. V/t - 1, so subtract vocab_start from the ids before indexing it (and mask the ids "
+                "outside the block)")
+
+
+def _call_emb(partial_embedding, ids, shard, start, what):
+    with explain_index_errors(what, _OFFSET_HINT):
+        got = partial_embedding(ids.clone(), shard, start)
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailure(f"{what}: expected a tensor, got {type(got).__name__}")
+    return got
+
+
+def _emb_sum_case(V: int, D: int, t: int, shape: tuple, seed: int):
+    def case(partial_embedding):
+        W, ids = _emb_data(V, D, shape, seed)
+        full = F.embedding(ids, W)
+        total = torch.zeros_like(full)
+        for r, (shard, start) in enumerate(_shards(W, t)):
+            what = f"partial_embedding(ids {list(ids.shape)}, weight_shard [{V // t}, {D}], vocab_start={start})"
+            got = _call_emb(partial_embedding, ids, shard, start, what)
+            mine = (ids >= start) & (ids < start + V // t)
+            expected = torch.where(mine.unsqueeze(-1), full, torch.zeros_like(full))
+            expect_close(got, expected, f"{what} (rank {r} of t={t}; rows of ids it does not own must be 0)")
+            total = total + got
+        expect_close(total, full, f"sum over the t={t} ranks of partial_embedding (the all-reduce) vs F.embedding")
+    return case
+
+
+ex72.case("V=16, t=2, ids [3, 5]")(_emb_sum_case(16, 4, 2, (3, 5), 0))
+ex72.case("V=12, t=4, ids [10]")(_emb_sum_case(12, 3, 4, (10,), 1))
+
+
+def _emb_grad(partial_embedding, ids, shard, start, G, what):
+    """Kernel side: the learner's lookup on a shard that requires grad, backpropagated with G;
+    returns the shard's gradient."""
+    shard = shard.clone().requires_grad_(True)
+    got = _call_emb(partial_embedding, ids, shard, start, what)
+    if not got.requires_grad:
+        raise CheckFailure(f"{what}: the result does not depend on weight_shard (no gradient can flow)")
+    (got * G).sum().backward()
+    return shard.grad
+
+
+@ex72.case("gradient reaches only this rank's rows")
+def _(partial_embedding):
+    V, D, t = 16, 4, 2
+    W, ids = _emb_data(V, D, (4, 6), 2)
+    G = torch.randn(4, 6, D, generator=torch.Generator().manual_seed(3))
+    Wf = W.clone().requires_grad_(True)
+    (F.embedding(ids, Wf) * G).sum().backward()
+    for r, (shard, start) in enumerate(_shards(W, t)):
+        what = f"partial_embedding(ids [4, 6], weight_shard [{V // t}, {D}], vocab_start={start})"
+        grad = partial_embedding.run(_emb_grad, ids, shard, start, G, what)
+        expect_close(grad, Wf.grad[start:start + V // t],
+                     f"gradient of weight_shard on rank {r} (vs the rows {start}..{start + V // t - 1} of one "
+                     f"device's gradient; rows of ids the rank does not own must get none)")
+
+
+@ex72.case("block edges: ids vocab_start-1, vocab_start, vocab_end-1, vocab_end", hidden=True)
+def _(partial_embedding):
+    V, D, t = 16, 2, 4
+    W, _ = _emb_data(V, D, (1,), 4)
+    for r, (shard, start) in enumerate(_shards(W, t)):
+        end = start + V // t
+        ids = torch.tensor([i for i in (start - 1, start, end - 1, end) if 0 <= i < V])
+        got = _call_emb(partial_embedding, ids, shard, start, f"partial_embedding(ids {ids.tolist()}, vocab_start={start})")
+        mine = (ids >= start) & (ids < end)
+        expected = torch.where(mine.unsqueeze(-1), F.embedding(ids, W), torch.zeros(len(ids), D))
+        expect_close(got, expected, f"partial_embedding(ids {ids.tolist()}, vocab_start={start})")
+
+
+@ex72.case("no id in this rank's block: all zeros", hidden=True)
+def _(partial_embedding):
+    W, _ = _emb_data(8, 3, (1,), 5)
+    shard, start = _shards(W, 2)[1]
+    ids = torch.tensor([[0, 1, 2, 3]])
+    got = _call_emb(partial_embedding, ids, shard, start, "partial_embedding(ids [[0, 1, 2, 3]], vocab_start=4)")
+    expect_close(got, torch.zeros(1, 4, 3), "partial_embedding(ids [[0, 1, 2, 3]], vocab_start=4)")
+
+
+ex72.case("V=32, t=8, ids [2, 3, 4]", hidden=True)(_emb_sum_case(32, 5, 8, (2, 3, 4), 6))
+
+
+# ----------------------------------------------------------------------------- 7.3
+ex73 = exercise(
+    "7.3", title="vocab-parallel cross-entropy", notebook=NOTEBOOK, points=4,
+    hint="1) m = all-reduce(MAX) of the local row max; 2) the target's logit z_y - m from the rank that owns y "
+         "(0 elsewhere), all-reduce(SUM); 3) sum of exp(z - m), all-reduce(SUM). loss = log(sum) - (z_y - m). "
+         "all_reduce works in place: reduce a fresh tensor.")
+
+_FORBIDDEN = ("all_gather", "all_gather_into_tensor", "all_gather_object", "gather", "broadcast", "all_to_all",
+              "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "isend", "irecv")
+
+
+@contextlib.contextmanager
+def _only_all_reduce(counter: list):
+    """Inside a rank: count all-reduces (dist's, which labkit.comm calls too); other collectives fail."""
+    saved = []
+
+    def forbid(name):
+        def f(*a, **k):
+            raise CheckFailure(f"vocab_parallel_ce must use only all-reduces of N values, but it called {name} "
+                               f"(gathering the logits costs N*V values)")
+        return f
+
+    real = dist.all_reduce
+
+    def counting(tensor, *a, **k):
+        counter.append(tensor.numel())
+        return real(tensor, *a, **k)
+
+    for mod in (dist, comm):
+        for name in _FORBIDDEN:
+            if hasattr(mod, name):
+                saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, forbid(name))
+    saved.append((dist, "all_reduce", real))
+    dist.all_reduce = counting
+    try:
+        yield counter
+    finally:
+        for mod, name, fn in reversed(saved):
+            setattr(mod, name, fn)
+
+
+def _ce_data(N: int, V: int, seed: int, offset: float, scale: float, target_block=None, t=1):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, V, generator=g) * scale + offset
+    if target_block is None:
+        target = torch.randint(0, V, (N,), generator=g)
+    else:
+        n = V // t
+        target = torch.randint(target_block * n, (target_block + 1) * n, (N,), generator=g)
+    return logits, target
+
+
+def _run_ce(vocab_parallel_ce, t, logits, target):
+    """Kernel side: the learner's loss on t ranks (rank r gets its vocabulary block); per rank
+    its loss and the sizes of the all-reduces it issued."""
+    V = logits.shape[1]
+
+    def body(ctx):
+        n = V // t
+        local = logits[:, ctx.rank * n:(ctx.rank + 1) * n].clone()
+        counter: list = []
+        with _only_all_reduce(counter), explain_index_errors(
+                f"vocab_parallel_ce on rank {ctx.rank} (logits of ids {ctx.rank * n}..{(ctx.rank + 1) * n - 1})",
+                f"local_logits holds the columns of ids r*V/t .. (r+1)*V/t - 1 as its columns 0 .. V/t - 1: "
+                f"subtract the block's start r*V/t from the target before indexing (and give the ranks that "
+                f"do not own the target a 0)"):
+            loss = vocab_parallel_ce(local, target.clone(), ctx.group)
+        if not isinstance(loss, torch.Tensor):
+            raise CheckFailure(f"vocab_parallel_ce returned {type(loss).__name__}, not a tensor")
+        return {"loss": loss.detach().clone(), "all_reduces": counter}
+
+    return launch(body, t, timeout=8)
+
+
+def _ce_case(t: int, N: int, V: int, seed: int, offset: float = 0.0, scale: float = 2.0, target_block=None,
+             max_all_reduces: int | None = None):
+    def case(vocab_parallel_ce):
+        logits, target = _ce_data(N, V, seed, offset, scale, target_block, t)
+        res = vocab_parallel_ce.run(_run_ce, t, logits, target)
+        expected = F.cross_entropy(logits.double(), target, reduction="none").float()
+        desc = f"t={t}, N={N} tokens, V={V}" + (f", logits around {offset:g}" if offset else "")
+        for r, out in enumerate(res):
+            got = out["loss"]
+            if got.shape != expected.shape:
+                raise CheckFailure(f"{desc}: rank {r} returned a loss of shape {tuple(got.shape)}; expected one "
+                                   f"loss per token, shape {tuple(expected.shape)} (no mean)")
+            if not torch.isfinite(got).all():
+                raise CheckFailure(f"{desc}: rank {r} returned {got[~torch.isfinite(got)][:3].tolist()}; subtract the "
+                                   f"global max before exp, or exp overflows")
+            expect_close(got, expected, f"{desc}: per-token loss on rank {r} (vs F.cross_entropy on the full logits)",
+                         rtol=1e-5, atol=1e-5)
+            if max_all_reduces is not None:
+                n = out["all_reduces"]
+                if len(n) > max_all_reduces:
+                    raise CheckFailure(f"{desc}: rank {r} issued {len(n)} all-reduces; three (max, target logit, "
+                                       f"sum of exp) are enough")
+                if any(k > N for k in n):
+                    raise CheckFailure(f"{desc}: rank {r} all-reduced a tensor of {max(n)} values; each of the "
+                                       f"three needs only N={N} values (one per token)")
+    return case
+
+
+ex73.case("t=2 ranks, N=6, V=16", timeout=20)(_ce_case(2, 6, 16, 0))
+ex73.case("t=4 ranks, N=5, V=32", timeout=25)(_ce_case(4, 5, 32, 1))
+ex73.case("t=2, large logits (around 1000)", timeout=20)(_ce_case(2, 4, 8, 2, offset=1000.0))
+ex73.case("t=4: at most 3 all-reduces of N values, no gather", hidden=True, timeout=25)(
+    _ce_case(4, 6, 16, 3, max_all_reduces=3))
+ex73.case("t=1 rank", hidden=True, timeout=20)(_ce_case(1, 3, 8, 4))
+ex73.case("t=2, every target on rank 1", hidden=True, timeout=20)(_ce_case(2, 5, 10, 5, target_block=1))
+ex73.case("t=2, very negative logits", hidden=True, timeout=20)(_ce_case(2, 4, 8, 6, offset=-500.0, scale=30.0))

@@ -1,0 +1,188 @@
+"""Exercises of notebook 09_moe_routing: the top-k gate, capacity, and counting Mixtral.
+
+* 9.1 the gate: softmax over ALL E experts, then the top k (GShard, Lepikhin et al. 2020,
+  sec. 2.2; Switch, Fedus et al. 2021, sec. 2.1, k = 1), optionally renormalised over the k.
+* 9.2 capacity C = ceil(k T / E * capacity_factor) (GShard sec. 2.2, Switch eq. 3) and which
+  slots fit (first C of each expert, token-major order).
+* 9.3 total vs active parameters of a GQA MoE transformer (Mixtral, Jiang et al. 2024).
+
+The ground truth is labkit's own code: :func:`labkit.moe.router.route`,
+:func:`~labkit.moe.router.compute_capacity`, :func:`~labkit.moe.router.capacity_mask` and
+:func:`labkit.moe.params.count_parameters`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ...moe.params import MIXTRAL_8X7B, ModelSpec, count_parameters
+from ...moe.router import capacity_mask, compute_capacity, route
+from ..registry import CheckFailure, exercise, expect_close, expect_equal
+
+
+def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise CheckFailure(f"{what}: expected a tensor of shape {shape}, got {type(x).__name__}")
+    if tuple(x.shape) != shape:
+        raise CheckFailure(f"{what}: expected shape {shape}, got shape {tuple(x.shape)}")
+    if dtype_kind == "int" and (x.dtype.is_floating_point or x.dtype == torch.bool):
+        raise CheckFailure(f"{what}: expected integer expert ids (torch.long), got dtype {x.dtype}")
+    if dtype_kind == "bool" and x.dtype != torch.bool:
+        raise CheckFailure(f"{what}: expected a bool tensor, got dtype {x.dtype}")
+    return x
+
+
+# ----------------------------------------------------------------------------- 9.1
+ex91 = exercise(
+    "9.1", title="top-k gate", notebook="09_moe_routing", points=3,
+    hint="probs = logits.softmax(-1) over all E experts; take probs.topk(k); only with renormalize "
+         "divide the k weights by their sum. Keep the weights differentiable (no detach, no argmax).")
+
+
+def _gate_with_grad(top_k_gate, logits, k: int, renormalize: bool, g):
+    """Kernel side: the learner's gate on logits that require grad, and d(sum(w * g))/d logits
+    with w sorted by expert id (None when that cannot be computed)."""
+    x = logits.clone().requires_grad_(True)
+    got = top_k_gate(x, k, renormalize=renormalize)
+    grad = None
+    try:
+        w, i = got
+        (w.gather(1, i.long().argsort(-1)) * g).sum().backward()
+        grad = x.grad
+    except Exception:  # noqa: BLE001 - the checks in the case say what is wrong with the result
+        pass
+    return got, grad
+
+
+def _gate_case(logits: torch.Tensor, k: int, renormalize: bool, what: str, check_grad: bool = False):
+    def case(top_k_gate):
+        T, E = logits.shape
+        g = torch.linspace(1.0, 2.0, T * k).view(T, k)
+        if check_grad:
+            got, grad = top_k_gate.run(_gate_with_grad, logits, k, renormalize, g)
+        else:
+            got, grad = top_k_gate(logits.clone(), k, renormalize=renormalize), None
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise CheckFailure(f"{what}: expected a pair (weights, indices), got {type(got).__name__}")
+        w, i = got
+        _tensor(w, f"{what}: weights", (T, k), "float")
+        _tensor(i, f"{what}: indices", (T, k), "int")
+        ref_x = logits.clone().requires_grad_(check_grad)
+        rw, ri, _ = route(ref_x, k, "softmax", renormalize=renormalize)
+        # compare as sets of (expert, weight) per token: order inside a row does not matter
+        order, rorder = i.long().argsort(-1), ri.argsort(-1)
+        expect_equal(i.long().gather(1, order), ri.gather(1, rorder), f"{what}: chosen experts (sorted per token)")
+        expect_close(w.gather(1, order), rw.gather(1, rorder), f"{what}: weights (matched to their experts)")
+        if check_grad:
+            if not w.requires_grad or grad is None:
+                raise CheckFailure(f"{what}: the weights carry no gradient back to the logits (detached?); "
+                                   "the router learns only through them")
+            (rw.gather(1, rorder) * g).sum().backward()
+            expect_close(grad, ref_x.grad, f"{what}: gradient of the weights w.r.t. the logits")
+    return case
+
+
+_EXAMPLE = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, -2.0, 1.0]])
+ex91.case("k=2 of E=4, not renormalised (weights 0.6095, 0.2242 for row 0)")(
+    _gate_case(_EXAMPLE, 2, False, "top_k_gate(logits [2, 4], k=2)"))
+ex91.case("k=2 of E=4, renormalize=True (weights 0.7311, 0.2689 for row 0)")(
+    _gate_case(_EXAMPLE, 2, True, "top_k_gate(logits [2, 4], k=2, renormalize=True)"))
+ex91.case("Switch top-1 (k=1)")(
+    _gate_case(_EXAMPLE, 1, False, "top_k_gate(logits [2, 4], k=1)"))
+ex91.case("gradient reaches the logits through the weights")(
+    _gate_case(torch.randn(6, 5, generator=torch.Generator().manual_seed(3)), 2, False,
+               "top_k_gate(random logits [6, 5], k=2)", check_grad=True))
+ex91.case("random logits [32, 8], k=3", hidden=True)(
+    _gate_case(torch.randn(32, 8, generator=torch.Generator().manual_seed(91)), 3, False, "top_k_gate [32, 8] k=3"))
+ex91.case("random logits [32, 8], k=3, renormalised, gradient", hidden=True)(
+    _gate_case(torch.randn(32, 8, generator=torch.Generator().manual_seed(92)), 3, True, "top_k_gate [32, 8] k=3",
+               check_grad=True))
+ex91.case("k = E (every expert)", hidden=True)(
+    _gate_case(torch.randn(5, 4, generator=torch.Generator().manual_seed(93)), 4, False, "top_k_gate [5, 4] k=4"))
+
+
+# ----------------------------------------------------------------------------- 9.2
+ex92 = exercise(
+    "9.2", title="capacity and dropped tokens", notebook="09_moe_routing", points=3,
+    hint="C = math.ceil(k * T / E * capacity_factor). Walk the slots token by token (token 0's k "
+         "choices, then token 1's, ...) and keep a slot while its expert has had fewer than C slots.")
+
+
+def _cap_case(indices: torch.Tensor, E: int, cf: float, what: str):
+    def case(capacity_keep):
+        T, k = indices.shape
+        got = capacity_keep(indices.clone(), E, cf)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise CheckFailure(f"{what}: expected a pair (C, keep), got {type(got).__name__}")
+        C, keep = got
+        want_C = compute_capacity(T, E, k, cf)
+        if isinstance(C, torch.Tensor) and C.numel() == 1:
+            C = C.item()
+        if not isinstance(C, int) or isinstance(C, bool):
+            raise CheckFailure(f"{what}: C must be an int (a number of slots), got {type(C).__name__} {C!r}")
+        expect_equal(C, want_C, f"{what}: capacity C = ceil({k}*{T}/{E}*{cf})")
+        _tensor(keep, f"{what}: keep", (T, k), "bool")
+        want = capacity_mask(indices, torch.zeros(T, k), E, want_C, policy="position")
+        if not torch.equal(keep, want):
+            bad = (keep != want).nonzero()[0].tolist()
+            t, j = bad
+            raise CheckFailure(f"{what}: slot (token {t}, choice {j}) -> expert {int(indices[t, j])}: expected "
+                               f"keep={bool(want[t, j])}, got {bool(keep[t, j])} (C={want_C}; expected keep "
+                               f"{want.int().tolist()}, got {keep.int().tolist()})")
+    return case
+
+
+ex92.case("T=6, E=4, k=1, capacity_factor=1.0")(
+    _cap_case(torch.tensor([[0], [0], [0], [1], [2], [0]]), 4, 1.0, "capacity_keep(T=6, E=4, k=1, cf=1.0)"))
+ex92.case("T=4, E=4, k=2, capacity_factor=1.25")(
+    _cap_case(torch.tensor([[0, 1], [1, 0], [1, 2], [1, 3]]), 4, 1.25, "capacity_keep(T=4, E=4, k=2, cf=1.25)"))
+ex92.case("a large capacity factor drops nothing")(
+    _cap_case(torch.tensor([[2], [2], [2], [2], [1]]), 4, 4.0, "capacity_keep(T=5, E=4, k=1, cf=4.0)"))
+ex92.case("random routing T=40, E=8, k=2, several factors", hidden=True)(
+    lambda f: [
+        _cap_case(torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(s * 100 + t))[:2]
+                               for t in range(40)]), 8, cf, f"capacity_keep(T=40, E=8, k=2, cf={cf})")(f)
+        for s, cf in enumerate((0.5, 1.0, 1.3, 2.0))])
+ex92.case("C rounds up (T=7, E=3, k=1, cf=1.0 -> C=3)", hidden=True)(
+    _cap_case(torch.tensor([[0], [0], [0], [0], [1], [2], [0]]), 3, 1.0, "capacity_keep(T=7, E=3, k=1, cf=1.0)"))
+
+
+# ----------------------------------------------------------------------------- 9.3
+ex93 = exercise(
+    "9.3", title="Mixtral's parameters: total and active", notebook="09_moe_routing", points=3,
+    hint="Per layer: attention q/o are H x (n_heads*head_dim), k/v are H x (n_kv_heads*head_dim); one SwiGLU "
+         "expert is 3*H*moe_ffn. Total has n_routed_experts experts per layer, active n_activated_experts. "
+         "Add the embedding and the output head (vocab x H each).")
+
+# Mixtral 8x22B (Mistral AI, 2024 HF config): published as 141B total, 39B active.
+MIXTRAL_8X22B = ModelSpec(
+    name="Mixtral 8x22B", vocab_size=32768, hidden=6144, n_layers=56, n_heads=48, attention="gqa",
+    n_kv_heads=8, head_dim=128, moe_ffn=16384, n_routed_experts=8, n_activated_experts=2)
+_TOY = ModelSpec(name="a toy MoE", vocab_size=32000, hidden=1024, n_layers=8, n_heads=16, attention="gqa",
+                 n_kv_heads=4, head_dim=64, moe_ffn=4096, n_routed_experts=4, n_activated_experts=1)
+
+
+def _params_case(spec: ModelSpec):
+    def case(moe_param_count):
+        got = moe_param_count(spec)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise CheckFailure(f"moe_param_count({spec.name}): expected a pair (total, active), "
+                               f"got {type(got).__name__}")
+        want = count_parameters(spec)
+        for name, g, w in (("total", got[0], want.total), ("active", got[1], want.active)):
+            if isinstance(g, torch.Tensor):
+                g = g.item()
+            if not isinstance(g, (int, float)) or isinstance(g, bool):
+                raise CheckFailure(f"moe_param_count({spec.name}): {name} must be a number, got {type(g).__name__}")
+            if abs(g - w) > 1e-3 * w:
+                raise CheckFailure(f"{spec.name}: {name} parameters: expected {w / 1e9:.3f}B (within 0.1%), "
+                                   f"got {g / 1e9:.3f}B")
+    return case
+
+
+ex93.case("Mixtral 8x7B (about 46.7B total, 12.9B active)")(_params_case(MIXTRAL_8X7B))
+ex93.case("a toy MoE, E=4, k=1")(_params_case(_TOY))
+ex93.case("Mixtral 8x22B (about 141B total, 39B active)", hidden=True)(_params_case(MIXTRAL_8X22B))
+ex93.case("E=1, k=1 is a dense model (total == active)", hidden=True)(
+    _params_case(replace(_TOY, name="a dense model", n_routed_experts=1, n_activated_experts=1)))

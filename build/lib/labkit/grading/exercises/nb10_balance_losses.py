@@ -1,0 +1,137 @@
+"""Exercises of notebook 10_balance_losses: keeping the experts evenly loaded.
+
+* 10.1 the Switch auxiliary loss ``alpha * E * sum_i f_i P_i`` (Fedus et al. 2021, sec. 2.2,
+  eq. 4-6): f from the hard top-k choices (no gradient), P the mean full-softmax probability.
+* 10.2 DeepSeek-V2's device-level balance loss (DeepSeek-V2 report sec. 2.2.3, eq. 15-17).
+* 10.3 DeepSeek-V3's aux-loss-free bias update ``b_i += gamma * sign(mean load - load_i)``
+  (V3 report sec. 2.1.2).
+
+Ground truth: :mod:`labkit.moe.losses` and :func:`labkit.moe.router.update_expert_bias`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...moe.losses import device_balance_loss, switch_aux_loss
+from ...moe.router import update_expert_bias
+from ..registry import CheckFailure, exercise, expect_close
+
+
+def _routing(T: int, E: int, k: int, seed: int, scale: float = 2.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g) * scale
+    indices = logits.topk(k, dim=-1).indices
+    return logits, indices
+
+
+def _scalar(x, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise CheckFailure(f"{what}: expected a 0-d tensor (so it can be backpropagated), got {type(x).__name__}")
+    if x.numel() != 1:
+        raise CheckFailure(f"{what}: expected a scalar (0-d tensor), got shape {tuple(x.shape)}")
+    return x.reshape(())
+
+
+def _loss_with_grad(answer, logits, indices, extra: tuple):
+    """Kernel side: the learner's loss on logits that require grad, and d loss / d logits
+    (None when the loss cannot be backpropagated)."""
+    x = logits.clone().requires_grad_(True)
+    got = answer(x, indices.clone(), *extra)
+    grad = None
+    try:
+        if isinstance(got, torch.Tensor) and got.numel() == 1 and got.requires_grad:
+            got.reshape(()).backward()
+            grad = x.grad
+    except Exception:  # noqa: BLE001 - the case reports the missing gradient
+        pass
+    return got, grad
+
+
+def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True):
+    """Compare value and d loss / d logits with labkit's ``reference(logits, indices, *extra)``."""
+    def case(answer):
+        got, got_grad = answer.run(_loss_with_grad, logits, indices, tuple(extra))
+        got = _scalar(got, what)
+        ref_x = logits.clone().requires_grad_(True)
+        want = reference(ref_x, indices, *extra, from_logits=True)
+        expect_close(got.detach(), want.detach(), f"{what}: value")
+        if grad:
+            if not got.requires_grad or got_grad is None:
+                raise CheckFailure(f"{what}: the loss has no gradient w.r.t. the logits (it must flow through P)")
+            want.backward()
+            expect_close(got_grad, ref_x.grad, f"{what}: gradient w.r.t. the logits (only P carries it; f has none)")
+    return case
+
+
+# ----------------------------------------------------------------------------- 10.1
+ex101 = exercise(
+    "10.1", title="Switch auxiliary loss", notebook="10_balance_losses", points=3,
+    hint="f_i = (slots routed to expert i) / (T*k), counted from indices (no gradient); "
+         "P_i = logits.softmax(-1).mean(0); loss = alpha * E * (f * P).sum().")
+
+_L0 = torch.zeros(4, 4)
+_I0 = torch.tensor([[0], [1], [2], [3]])
+ex101.case("uniform routing gives alpha")(_loss_case(switch_aux_loss, _L0, _I0, (0.01,), "switch_aux_loss(uniform, alpha=0.01)"))
+ex101.case("T=16, E=4, k=1 (Switch), value and gradient")(
+    _loss_case(switch_aux_loss, *_routing(16, 4, 1, 101), (0.1,), "switch_aux_loss(T=16, E=4, k=1, alpha=0.1)"))
+ex101.case("T=16, E=8, k=2 (f normalised by T*k)")(
+    _loss_case(switch_aux_loss, *_routing(16, 8, 2, 102), (1.0,), "switch_aux_loss(T=16, E=8, k=2, alpha=1.0)"))
+ex101.case("all tokens on one expert", hidden=True)(
+    _loss_case(switch_aux_loss, torch.tensor([[5.0, 0, 0, 0]] * 6), torch.zeros(6, 1, dtype=torch.long), (0.01,),
+               "switch_aux_loss(collapsed)"))
+ex101.case("T=64, E=16, k=4", hidden=True)(
+    _loss_case(switch_aux_loss, *_routing(64, 16, 4, 103), (0.02,), "switch_aux_loss(T=64, E=16, k=4)"))
+
+
+# ----------------------------------------------------------------------------- 10.2
+ex102 = exercise(
+    "10.2", title="device-level balance loss", notebook="10_balance_losses", points=3,
+    hint="Expert-level f_j = E/(k T) * count_j and P_j = mean softmax; device i holds experts "
+         "i*E/D .. (i+1)*E/D - 1: f'_i = MEAN of its f_j, P'_i = SUM of its P_j; loss = alpha2 * sum_i f'_i P'_i.")
+
+ex102.case("uniform routing gives alpha2")(
+    _loss_case(device_balance_loss, torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), (2, 0.05),
+               "device_balance_loss(uniform, D=2, alpha2=0.05)"))
+ex102.case("T=16, E=8, k=2, D=4")(
+    _loss_case(device_balance_loss, *_routing(16, 8, 2, 111), (4, 1.0), "device_balance_loss(T=16, E=8, k=2, D=4)"))
+ex102.case("D=1: one device is always balanced")(
+    _loss_case(device_balance_loss, *_routing(8, 4, 2, 112), (1, 1.0), "device_balance_loss(T=8, E=4, k=2, D=1)"))
+ex102.case("D=E equals the expert-level loss", hidden=True)(
+    _loss_case(device_balance_loss, *_routing(24, 6, 2, 113), (6, 0.5), "device_balance_loss(T=24, E=6, k=2, D=6)"))
+ex102.case("T=48, E=16, k=3, D=4", hidden=True)(
+    _loss_case(device_balance_loss, *_routing(48, 16, 3, 114), (4, 0.05), "device_balance_loss(T=48, E=16, k=3, D=4)"))
+
+
+# ----------------------------------------------------------------------------- 10.3
+ex103 = exercise(
+    "10.3", title="aux-loss-free bias update", notebook="10_balance_losses", points=2,
+    hint="An overloaded expert (load above the mean) must become LESS attractive: b_i += gamma * "
+         "sign(mean(load) - load_i). An expert exactly at the mean keeps its bias.")
+
+
+def _bias_update(update_bias, bias, loads, gamma):
+    """Kernel side: the learner's update; its result, or the bias it updated in place."""
+    b = bias.clone()
+    got = update_bias(b, loads.clone(), gamma)
+    return b if got is None else got
+
+
+def _bias_case(bias, loads, gamma, what):
+    def case(update_bias):
+        got = update_bias.run(_bias_update, bias, loads, gamma)
+        if not isinstance(got, torch.Tensor):
+            raise CheckFailure(f"{what}: expected the new bias tensor, got {type(got).__name__}")
+        want = update_expert_bias(bias.clone(), loads, gamma)
+        expect_close(got, want, what, rtol=1e-6, atol=1e-9)
+    return case
+
+
+ex103.case("loads [10, 2, 4, 8], gamma 1e-3, from 0")(
+    _bias_case(torch.zeros(4), torch.tensor([10, 2, 4, 8]), 1e-3, "update_bias(0, loads [10, 2, 4, 8], 1e-3)"))
+ex103.case("an expert at the mean load keeps its bias")(
+    _bias_case(torch.tensor([0.1, -0.2, 0.0]), torch.tensor([3, 6, 9]), 0.01,
+               "update_bias([0.1, -0.2, 0], loads [3, 6, 9], 0.01)"))
+ex103.case("random loads over 16 experts", hidden=True)(
+    _bias_case(torch.randn(16, generator=torch.Generator().manual_seed(7)) * 0.01,
+               torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(8)), 0.002,
+               "update_bias(16 experts)"))

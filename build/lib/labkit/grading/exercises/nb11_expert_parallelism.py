@@ -1,0 +1,162 @@
+"""Exercises of notebook 11_expert_parallelism: the all-to-all splits and their bytes.
+
+P ranks, rank p holds experts p*E/P .. (p+1)*E/P - 1 (GShard, Lepikhin et al. 2020, sec. 3;
+Switch, Fedus et al. 2021, sec. 2.2). Each rank routes its own tokens.
+
+* 11.1 the split sizes of the dispatch all-to-all: ``input_split_sizes[q]`` = slots this rank
+  sends to rank q, ``output_split_sizes[s]`` = slots rank s sends to this rank.
+* 11.2 the bytes one rank sends in the three all-to-alls of an MoE layer's forward pass
+  (counts, dispatch, combine), checked against :class:`labkit.comm.CommLog` on 4 real ranks
+  running :class:`labkit.moe.expert_parallel.ExpertParallelMoE`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...comm import CommLog
+from ...dist import launch
+from ...moe.experts import MoEConfig, MoELayer
+from ...moe.expert_parallel import ExpertParallelMoE, all_to_all_uneven
+from ..registry import CheckFailure, exercise, expect_equal
+
+
+def _true_splits(indices_per_rank, experts_per_rank):
+    P = len(indices_per_rank)
+    send = [[int(((idx // experts_per_rank) == q).sum()) for q in range(P)] for idx in indices_per_rank]
+    return [(send[p], [send[s][p] for s in range(P)]) for p in range(P)]
+
+
+def _random_routing(P, T, E, k, seed, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(P):
+        if skew:   # most tokens want the first experts: some (rank, rank) pairs exchange nothing
+            logits = torch.randn(T, E, generator=g) - torch.arange(E).float() * 3
+        else:
+            logits = torch.randn(T, E, generator=g)
+        out.append(logits.topk(k, dim=-1).indices)
+    return out
+
+
+def _as_int_list(x, what: str, P: int) -> list:
+    if isinstance(x, torch.Tensor):
+        x = x.tolist()
+    if not isinstance(x, (list, tuple)) or len(x) != P:
+        raise CheckFailure(f"{what}: expected a list of {P} ints (one per rank), got {x!r}")
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in x):
+        raise CheckFailure(f"{what}: expected Python ints, got {x!r}")
+    return list(x)
+
+
+def _get_splits(dispatch_splits, indices_per_rank, experts_per_rank):
+    P = len(indices_per_rank)
+    got = dispatch_splits([i.clone() for i in indices_per_rank], experts_per_rank)
+    if not isinstance(got, (list, tuple)) or len(got) != P:
+        raise CheckFailure(f"dispatch_splits: expected a list of {P} pairs (one per rank), got {type(got).__name__}"
+                           f" of length {len(got) if hasattr(got, '__len__') else '?'}")
+    out = []
+    for p, pair in enumerate(got):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise CheckFailure(f"dispatch_splits: entry {p} must be a pair (input_split_sizes, output_split_sizes)")
+        out.append((_as_int_list(pair[0], f"rank {p} input_split_sizes", P),
+                    _as_int_list(pair[1], f"rank {p} output_split_sizes", P)))
+    return out
+
+
+def _splits_case(indices_per_rank, experts_per_rank, label):
+    def case(dispatch_splits):
+        got = _get_splits(dispatch_splits, indices_per_rank, experts_per_rank)
+        want = _true_splits(indices_per_rank, experts_per_rank)
+        for p, ((gi, go), (wi, wo)) in enumerate(zip(got, want)):
+            expect_equal(gi, wi, f"{label}, rank {p}: input_split_sizes (slots it SENDS to ranks 0..P-1)")
+            expect_equal(go, wo, f"{label}, rank {p}: output_split_sizes (slots it RECEIVES from ranks 0..P-1)")
+    return case
+
+
+def _a2a_worker(ctx, indices_per_rank, experts_per_rank, splits, H):
+    """Each rank sends one row per slot (the row holds its source rank and expert) with the
+    learner's splits through the validated uneven all-to-all; returns what arrived."""
+    idx = indices_per_rank[ctx.rank].reshape(-1)
+    order = torch.argsort(idx, stable=True)
+    rows = torch.zeros(len(idx), H)
+    rows[:, 0], rows[:, 1] = float(ctx.rank), idx[order].float()
+    send, recv = splits[ctx.rank]
+    got = all_to_all_uneven(rows, send, recv, ctx.group)
+    return got[:, 1].long()
+
+
+ex111 = exercise(
+    "11.1", title="all-to-all split sizes", notebook="11_expert_parallelism", points=3,
+    hint="A slot routed to expert e goes to rank e // experts_per_rank. input_split_sizes[q] counts "
+         "this rank's slots for rank q; output_split_sizes[s] is what rank s sends here, i.e. rank s's "
+         "input_split_sizes[this rank] (the transpose).")
+
+ex111.case("P=2 ranks, 2 experts each, 3 tokens, k=1")(
+    _splits_case([torch.tensor([[0], [3], [1]]), torch.tensor([[2], [2], [0]])], 2, "P=2, E=4, k=1"))
+ex111.case("P=4 ranks, 1 expert each, k=2 (some splits are 0)")(
+    _splits_case([torch.tensor([[0, 1], [0, 2]]), torch.tensor([[1, 0], [1, 0]]),
+                  torch.tensor([[0, 1], [2, 1]]), torch.tensor([[0, 2], [1, 0]])], 1, "P=4, E=4, k=2"))
+ex111.case("random routing P=4, E=8, k=2, 6 tokens per rank", hidden=True)(
+    _splits_case(_random_routing(4, 6, 8, 2, 111), 2, "P=4, E=8, k=2"))
+ex111.case("skewed routing P=3, E=6, k=2", hidden=True)(
+    _splits_case(_random_routing(3, 5, 6, 2, 112, skew=True), 2, "P=3, E=6, k=2, skewed"))
+
+
+@ex111.case("the splits drive a real all-to-all on 4 gloo ranks", timeout=20)
+def _(dispatch_splits):
+    indices, epr = _random_routing(4, 5, 8, 2, 113, skew=True), 2
+    splits = _get_splits(dispatch_splits, indices, epr)
+    arrived = launch(_a2a_worker, 4, indices, epr, splits, 4, timeout=10)
+    for p, experts in enumerate(arrived):
+        wrong = [int(e) for e in experts if int(e) // epr != p]
+        if wrong:
+            raise CheckFailure(f"rank {p} holds experts {p * epr}..{p * epr + epr - 1} but received slots for "
+                               f"experts {sorted(set(wrong))}")
+
+
+# ----------------------------------------------------------------------------- 11.2
+ex112 = exercise(
+    "11.2", title="bytes of the three all-to-alls", notebook="11_expert_parallelism", points=3,
+    hint="counts: the E per-expert counts as int64 (8 bytes each); dispatch: every row this rank SENDS "
+         "(sum of input_split_sizes) x hidden x elem_bytes; combine: the rows it received go back "
+         "(sum of output_split_sizes) x hidden x elem_bytes. Rows sent to itself count too.")
+
+_EP_CFG = dict(n_embd=8, n_routed_experts=8, n_activated_experts=2, moe_ffn_dim=8, capacity_factor=1.0)
+
+
+def _ep_bytes_worker(ctx, cfg, T):
+    torch.manual_seed(0)
+    dense = MoELayer(cfg)
+    layer = ExpertParallelMoE.from_dense(dense, ctx.group, ctx.rank, ctx.world_size)
+    x = torch.randn(ctx.world_size * T, cfg.n_embd, generator=torch.Generator().manual_seed(5))
+    with CommLog() as log:
+        _, stats = layer(x[ctx.rank * T:(ctx.rank + 1) * T])
+    r = stats.router
+    kept = r.indices[r.keep]
+    El = cfg.n_routed_experts // ctx.world_size
+    send = [int(((kept // El) == q).sum()) for q in range(ctx.world_size)]
+    return {"send": send, "bytes": [rec.nbytes for rec in log.of("all_to_all")]}
+
+
+def _bytes_case(T, cfg_kw, P=4):
+    def case(a2a_bytes):
+        cfg = MoEConfig(**cfg_kw)
+        res = launch(_ep_bytes_worker, P, cfg, T, timeout=10)
+        for p in range(P):
+            send = res[p]["send"]
+            recv = [res[s]["send"][p] for s in range(P)]
+            got = a2a_bytes(send, recv, cfg.n_routed_experts, cfg.n_embd)
+            if not isinstance(got, dict) or set(got) != {"counts", "dispatch", "combine"}:
+                raise CheckFailure("a2a_bytes must return a dict with keys 'counts', 'dispatch', 'combine', got "
+                                   f"{got!r}")
+            measured = dict(zip(("counts", "dispatch", "combine"), res[p]["bytes"]))
+            for key in ("counts", "dispatch", "combine"):
+                expect_equal(int(got[key]), measured[key],
+                             f"rank {p} of {P} (sends {send}, receives {recv}; E={cfg.n_routed_experts}, "
+                             f"H={cfg.n_embd}): {key} bytes (measured by CommLog)")
+    return case
+
+
+ex112.case("4 ranks, E=8, k=2, H=8, 6 tokens per rank, capacity factor 1.0", timeout=20)(_bytes_case(6, _EP_CFG))
+ex112.case("4 ranks, E=4, k=1, H=16, 5 tokens per rank", hidden=True, timeout=20)(
+    _bytes_case(5, dict(n_embd=16, n_routed_experts=4, n_activated_experts=1, moe_ffn_dim=8)))

@@ -1,0 +1,254 @@
+"""Exercises of notebook 12_deepseek_moe: DeepSeekMoE and DeepSeek-V3's gate.
+
+* 12.1 fine-grained experts: how many expert combinations a token can use (DeepSeekMoE,
+  Dai et al. 2024, sec. 3.1: 16 experts top-2 -> 120; split each in 4 -> C(64, 8) = 4,426,165,368).
+* 12.2 group-limited top-k (DeepSeek-V3 report sec. 2.1.2 / 3.2 node-limited routing; the
+  reference ``Gate.forward``): group score = sum of the top-2 scores in a group, keep the best
+  ``topk_groups`` groups, then top-k inside them.
+* 12.3 reading labkit's own gate: point at the line that implements each concept. Checked
+  against the code itself with :mod:`inspect`, so it stays true when the code moves.
+* 12.4 DeepSeek-V3's gate as described (256 routed, 1 shared, top 8, sigmoid, aux-loss-free bias,
+  8 groups keeping 4, route scale 2.5; report sec. 2.1.2 and 4.2) written as a labkit MoEConfig.
+
+Ground truth: :func:`labkit.moe.router.route` and :class:`labkit.moe.experts.MoELayer`.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import re
+
+import torch
+
+from ...moe.experts import MoELayer
+from ...moe.router import route
+from ..registry import CheckFailure, exercise, expect_equal
+from . import kernel_side
+
+# ----------------------------------------------------------------------------- 12.1
+ex121 = exercise(
+    "12.1", title="fine-grained expert combinations", notebook="12_deepseek_moe", points=2,
+    hint="Splitting each expert into m gives m*E experts of which m*k are chosen: math.comb(m*E, m*k).")
+
+
+def _comb_case(E, k, m):
+    def case(n_combinations):
+        got = n_combinations(E, k, m)
+        if isinstance(got, float) and got.is_integer():
+            got = int(got)
+        expect_equal(got, math.comb(m * E, m * k), f"n_combinations(E={E}, k={k}, m={m})")
+    return case
+
+
+ex121.case("E=16, k=2, m=1 (a plain top-2 MoE)")(_comb_case(16, 2, 1))
+ex121.case("E=16, k=2, m=4 (DeepSeekMoE sec. 3.1)")(_comb_case(16, 2, 4))
+ex121.case("E=8, k=2, m=8 (Mixtral's experts cut in 8)", hidden=True)(_comb_case(8, 2, 8))
+ex121.case("E=4, k=1, m=2", hidden=True)(_comb_case(4, 1, 2))
+
+
+# ----------------------------------------------------------------------------- 12.2
+ex122 = exercise(
+    "12.2", title="group-limited top-k", notebook="12_deepseek_moe", points=3,
+    hint="scores.view(T, G, E//G); group score = sum of the 2 largest scores of each group "
+         "(.topk(2, -1).values.sum(-1)); keep the topk_groups best groups (mask the others with -inf); "
+         "then .topk(k) over all E.")
+
+
+def _group_case(logits, k, G, topk_groups, what):
+    def case(group_limited_topk):
+        T, E = logits.shape
+        scores = logits.sigmoid()
+        got = group_limited_topk(scores.clone(), k, G, topk_groups)
+        if not isinstance(got, torch.Tensor):
+            raise CheckFailure(f"{what}: expected a tensor of expert ids [T, k], got {type(got).__name__}")
+        if tuple(got.shape) != (T, k):
+            raise CheckFailure(f"{what}: expected shape {(T, k)}, got {tuple(got.shape)}")
+        _, want, _ = route(logits, k, "sigmoid", n_expert_groups=G, n_limited_groups=topk_groups,
+                           expert_bias=torch.zeros(E))
+        got_s, want_s = got.long().sort(-1).values, want.sort(-1).values
+        for t in range(T):
+            if not torch.equal(got_s[t], want_s[t]):
+                raise CheckFailure(f"{what}: token {t} should use experts {want_s[t].tolist()}, got "
+                                   f"{got_s[t].tolist()} (groups of {E // G}; scores "
+                                   f"{[round(v, 2) for v in scores[t].tolist()]})")
+    return case
+
+
+# group 0 has the single best expert, group 1 the best pair: max and top-2 sum disagree
+_PAIR = torch.logit(torch.tensor([[0.90, 0.10, 0.60, 0.60, 0.50, 0.50, 0.20, 0.30]]))
+ex122.case("one token, 4 groups of 2, keep 1 group: the best PAIR wins")(
+    _group_case(_PAIR, 2, 4, 1, "group_limited_topk(1 token, E=8, k=2, G=4, topk_groups=1)"))
+ex122.case("8 tokens, E=16, G=4 groups, keep 2, k=4")(
+    _group_case(torch.randn(8, 16, generator=torch.Generator().manual_seed(121)) * 2, 4, 4, 2,
+                "group_limited_topk(T=8, E=16, k=4, G=4, topk_groups=2)"))
+ex122.case("keeping every group is plain top-k", hidden=True)(
+    _group_case(torch.randn(6, 12, generator=torch.Generator().manual_seed(122)), 3, 3, 3,
+                "group_limited_topk(T=6, E=12, k=3, G=3, topk_groups=3)"))
+ex122.case("V3's shape scaled down: E=32, G=8, keep 4, k=8", hidden=True)(
+    _group_case(torch.randn(16, 32, generator=torch.Generator().manual_seed(123)) * 2, 8, 8, 4,
+                "group_limited_topk(T=16, E=32, k=8, G=8, topk_groups=4)"))
+
+
+# ----------------------------------------------------------------------------- 12.3
+ex123 = exercise(
+    "12.3", title="find each concept in labkit's gate", notebook="12_deepseek_moe", points=3,
+    hint="Print inspect.getsource(route) and inspect.getsource(MoELayer.forward), then copy the ONE line "
+         "that does each job. The bias changes which experts are chosen, not the weights.")
+
+# concept -> (function that holds it, test of the line, what the line must do)
+CONCEPTS = {
+    "score_function": (route, lambda s: s.startswith("scores =") and ("softmax" in s or "sigmoid" in s),
+                       "turn the logits into affinities s (softmax or sigmoid), once"),
+    "bias_for_selection": (route, lambda s: s.startswith("select =") and "expert_bias" in s and "+" in s,
+                           "add the aux-loss-free bias b to the scores used for CHOOSING experts"),
+    "group_score": (route, lambda s: s.startswith("group_scores =") and "topk" in s and "sum" in s,
+                    "score each group by the sum of its 2 best (biased) scores, as V3 does"),
+    "group_mask": (route, lambda s: "masked_fill" in s and "-inf" in s,
+                   "forbid the experts of the groups that were not kept"),
+    "top_k": (route, lambda s: s.startswith("indices =") and "topk" in s,
+              "choose the k experts"),
+    "gating_weights": (route, lambda s: s.startswith("weights =") and "gather" in s and "scores" in s,
+                       "take the UNBIASED scores of the chosen experts as gating weights"),
+    "shared_expert": (MoELayer.forward, lambda s: "shared_experts(" in s and "+" in s,
+                      "add the shared expert's output, which every token gets"),
+}
+
+
+def _norm(line: str) -> str:
+    return re.sub(r"\s+", " ", line.split("#")[0]).strip()
+
+
+def _source_lines(fn) -> set[str]:
+    return {_norm(l) for l in inspect.getsource(fn).splitlines() if _norm(l)}
+
+
+def _gate_lines(answer):
+    """Kernel side: the learner's dict with each function replaced by ("function", module,
+    qualname), so it can travel as data."""
+    if callable(answer) and not isinstance(answer, dict):
+        answer = answer()          # a function returning the dict (what the notebook asks for)
+    if not isinstance(answer, dict):
+        return answer
+    out = {}
+    for name, entry in answer.items():
+        if isinstance(entry, (tuple, list)) and len(entry) == 2 and callable(entry[0]):
+            where = getattr(entry[0], "__func__", entry[0])
+            entry = (("function", str(getattr(where, "__module__", "")), str(getattr(where, "__qualname__", ""))),
+                     entry[1])
+        out[name] = entry
+    return out
+
+
+def _concept_case(names):
+    def case(answer):
+        answer = answer.run(_gate_lines)
+        if not isinstance(answer, dict):
+            raise CheckFailure(f"gate_lines() must return a dict concept -> (function, line), got "
+                               f"{type(answer).__name__}")
+        missing = [n for n in CONCEPTS if n not in answer]
+        if missing:
+            raise CheckFailure(f"the dict lacks the concept(s) {missing}; expected keys {list(CONCEPTS)}")
+        for name in names:
+            fn, test, job = CONCEPTS[name]
+            entry = answer[name]
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[1], str):
+                raise CheckFailure(f"{name!r}: expected a pair (function, line of its source), got {entry!r}")
+            where, line = entry
+            is_fn = isinstance(where, tuple) and len(where) == 3 and where[0] == "function"
+            if not is_fn or (where[1], where[2]) != (fn.__module__, fn.__qualname__):
+                raise CheckFailure(f"{name!r}: the line that must {job} is in {fn.__qualname__}, "
+                                   f"not in {where[2] if is_fn else repr(where)}")
+            line_n = _norm(line)
+            if line_n not in _source_lines(fn):
+                raise CheckFailure(f"{name!r}: {line.strip()!r} is not a line of {fn.__qualname__} "
+                                   "(copy one whole line of inspect.getsource)")
+            if not test(line_n):
+                raise CheckFailure(f"{name!r}: {line.strip()!r} does not {job}")
+    return case
+
+
+ex123.case("score function, bias, top-k, gating weights")(
+    _concept_case(["score_function", "bias_for_selection", "top_k", "gating_weights"]))
+ex123.case("group score and group mask")(_concept_case(["group_score", "group_mask"]))
+ex123.case("shared expert")(_concept_case(["shared_expert"]))
+ex123.case("every concept", hidden=True)(_concept_case(list(CONCEPTS)))
+
+
+# ----------------------------------------------------------------------------- 12.4
+ex124 = exercise(
+    "12.4", title="DeepSeek-V3's gate in labkit's names", notebook="12_deepseek_moe", points=2,
+    hint="Take each number from the description of DeepSeek-V3's gate (report sec. 2.1.2 and 4.2) and put it in "
+         "the MoEConfig field of the same meaning: n_routed_experts, n_shared_experts, n_activated_experts, "
+         "score_func, expert_bias, n_expert_groups, n_limited_groups, route_scale.")
+
+# field -> (DeepSeek-V3's value, where the description says it)
+V3_GATE = {
+    "n_routed_experts": (256, "256 routed experts per MoE layer (sec. 4.2)"),
+    "n_shared_experts": (1, "1 shared expert per MoE layer (sec. 4.2)"),
+    "n_activated_experts": (8, "8 routed experts activated per token (sec. 4.2)"),
+    "score_func": ("sigmoid", "sigmoid affinity scores s = sigma(u^T e) (eq. 15)"),
+    "expert_bias": (True, "the aux-loss-free bias b_i added for selection only (eq. 16, notebook 10)"),
+    "n_expert_groups": (8, "the experts form 8 groups, one per node of 8 GPUs (sec. 2.1.2, 4.2)"),
+    "n_limited_groups": (4, "each token is sent to at most 4 nodes, i.e. 4 groups (sec. 4.2)"),
+    "route_scale": (2.5, "the gating weights are scaled by 2.5 (routed_scaling_factor of the released config)"),
+}
+
+
+def _v3_fields(answer) -> dict:
+    """Kernel side: the fields of the MoEConfig the learner's function returns, as a dict."""
+    import dataclasses
+
+    from ...moe import MoEConfig
+
+    cfg = answer() if callable(answer) and not isinstance(answer, MoEConfig) else answer
+    if not isinstance(cfg, MoEConfig):
+        raise CheckFailure(f"deepseek_v3_gate() must return a labkit.moe.MoEConfig, got {type(cfg).__name__}")
+    return dataclasses.asdict(cfg)
+
+
+def _v3_config(answer):
+    """The learner's configuration, rebuilt in this process from its fields."""
+    from ...moe import MoEConfig
+
+    return MoEConfig(**kernel_side(answer, _v3_fields))
+
+
+def _v3_fields_case(names):
+    def case(answer):
+        cfg = _v3_config(answer)
+        for name in names:
+            want, why = V3_GATE[name]
+            got = getattr(cfg, name)
+            same = (type(got) is bool) == (type(want) is bool) and got == want
+            if not same:
+                raise CheckFailure(f"MoEConfig.{name}: expected {want!r}, got {got!r}: {why}")
+        if cfg.renormalize is False:
+            raise CheckFailure("MoEConfig.renormalize: expected None or True, got False: V3 renormalises the "
+                               "sigmoid scores of the chosen 8 experts (eq. 13)")
+    return case
+
+
+ex124.case("experts: routed, shared, activated per token")(
+    _v3_fields_case(["n_routed_experts", "n_shared_experts", "n_activated_experts"]))
+ex124.case("scores and weights: sigmoid, aux-loss-free bias, route scale")(
+    _v3_fields_case(["score_func", "expert_bias", "route_scale"]))
+ex124.case("group-limited routing: 8 groups, at most 4 per token")(
+    _v3_fields_case(["n_expert_groups", "n_limited_groups"]))
+
+
+@ex124.case("routing 32 tokens with this gate: 8 experts from at most 4 groups, weights summing to 2.5",
+            hidden=True)
+def _(answer):
+    cfg = _v3_config(answer)
+    E, G = cfg.n_routed_experts, cfg.n_expert_groups
+    logits = torch.randn(32, E, generator=torch.Generator().manual_seed(124))
+    weights, idx, _ = route(logits, cfg.n_activated_experts, cfg.score_func, renormalize=cfg.renormalize,
+                            n_expert_groups=G, n_limited_groups=cfg.n_limited_groups,
+                            route_scale=cfg.route_scale, expert_bias=torch.zeros(E) if cfg.expert_bias else None)
+    groups = max(len(set((row // (E // G)).tolist())) for row in idx)
+    expect_equal(tuple(idx.shape), (32, 8), "experts chosen per token [T, k]")
+    if groups > 4:
+        raise CheckFailure(f"a token's experts lie in {groups} groups; DeepSeek-V3 allows at most 4")
+    if not torch.allclose(weights.sum(-1), torch.full((32,), 2.5), rtol=1e-5, atol=1e-5):
+        raise CheckFailure(f"the gating weights of a token sum to {float(weights.sum(-1)[0]):.4g}, expected 2.5 "
+                           f"(renormalised over the 8, times route_scale)")

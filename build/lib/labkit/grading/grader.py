@@ -1,0 +1,576 @@
+"""``python -m labkit grade PATH... [--results results.json]``: the autograder.
+
+The grader's contract (what an instructor can rely on; see also :mod:`labkit.grading`):
+
+* **Verdicts are computed here, never in the submission.** The grader starts the learner's
+  kernel (:class:`~labkit.grading.session.KernelSession`) and sends it the notebook's code cells
+  one by one. ``check("N.k", answer)`` in the kernel only registers ``answer``. After each cell,
+  every newly registered exercise *of the graded notebook* is graded: each case runs in a fork of
+  this process, and each call it makes on its ``answer`` proxy is sent to the kernel, which runs
+  the learner's code on the inputs the case chose and sends back the result as data
+  (:mod:`labkit.grading.wire`, never pickle). Expected values, the code that computes them and
+  hidden cases (``LABKIT_HIDDEN_CASES``, loaded only here) never enter the kernel.
+* **The results file is written only here**, atomically (temporary file + rename, after the
+  kernel and all its processes are dead), and the kernel is not told where it is. Only the
+  exercises of the graded notebook count, each at most its points: a check of another notebook's
+  exercise is ignored; a repeated check re-grades the exercise and the last one counts.
+* **Isolation**: as root the kernel runs as the unprivileged user ``labkit-kernel`` in its own
+  session; as any other user the output says that isolation is partial
+  (:func:`~labkit.grading.session.isolation_note`).
+* **Robustness**: a cell that raises costs only the exercises that depend on it (execution
+  goes on with the next cell). A cell that kills or exits the kernel, or runs past
+  ``--cell-timeout`` (SIGINT, then SIGKILL), is recorded; a fresh kernel replays the cells that
+  had run (at most :data:`MAX_RESTARTS` times) and grading goes on after the bad cell. Output
+  floods are dropped; answers are time- and size-limited per case.
+
+Which exercises a notebook has: every exercise registered for its notebook, whatever ran. The
+notebook is ``metadata.labkit.notebook`` (written by ``build``), else the file's stem when
+exercises are registered for it, else the notebook(s) of the exercise ids in the
+``check("N.k", ...)`` calls of its code cells (read from the sources, not from what ran). An
+exercise whose check never ran scores zero, with the reason ("not attempted: no check(...)
+ran", "... cell N raised NameError: ...", or "not reached: ..." when grading stopped).
+
+Points are all-or-nothing per exercise: an exercise earns its ``points`` only when every one
+of its cases (public and hidden) passes, so a wrong answer that happens to pass the cases that
+cannot show its bug earns nothing. The results file follows the Gradescope autograder format:
+top-level ``score``, ``output`` and ``tests``. Each exercise gives one test named after it
+("Exercise 2.3 (title)", ``max_score`` its points, ``score`` all or 0, ``output`` the line
+``check`` prints), followed by one test per case ("Exercise 2.3 (title) - case: NAME",
+``max_score`` 0, ``status`` "passed" / "failed" and its message); ``visibility`` is ``visible``
+except for hidden cases (``after_published``, output without details).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from ..cliparse import Parser
+from .registry import HIDDEN_ENV, Exercise, exercises_for_notebook, get_exercise
+
+__all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
+           "ExerciseGrade", "CaseGrade", "NotebookGrade", "write_results"]
+
+DEFAULT_CELL_TIMEOUT = 300  # seconds one cell may run under the grader
+MAX_RESTARTS = 3  # fresh kernels after a cell killed one or ran past the limit
+HIDDEN_OUTPUT = "A hidden case failed (its details are not shown)."
+
+
+@dataclass
+class CaseGrade:
+    name: str
+    hidden: bool
+    status: str  # passed | failed | not_attempted | not_reached
+    message: str
+
+
+@dataclass
+class ExerciseGrade:
+    exercise: Exercise
+    status: str  # passed | failed | not_attempted | not_reached
+    message: str
+    cases: list[CaseGrade] = field(default_factory=list)
+
+    @property
+    def score(self) -> float:
+        """All or nothing: the exercise's points only when every case passed."""
+        return float(self.exercise.points) if self.status == "passed" else 0.0
+
+    @property
+    def max_score(self) -> float:
+        return float(self.exercise.points)
+
+
+def _points(x: float) -> str:
+    return f"{round(x, 2):g}"
+
+
+@dataclass
+class NotebookGrade:
+    path: str
+    notebook: str
+    stopped: str  # "" when every cell ran cleanly, else what went wrong (cells that raised, killed, ...)
+    exercises: list[ExerciseGrade] = field(default_factory=list)
+    isolation: str = ""
+    graded: bool = True  # False: the grader could not run the notebook (its exercises score zero)
+
+
+_CHECK_CALL = re.compile(r"""\bcheck\(\s*(?P<q>["'])(?P<id>[^"'\n]+)(?P=q)""")
+
+
+def _notebook_names(nb, path: Path) -> list[str]:
+    """The notebook(s) whose exercises ``nb`` is graded on.
+
+    ``metadata.labkit.notebook`` (written by ``build``); else the file's stem when exercises are
+    registered for it; else the notebooks of the exercise ids in ``check("N.k", ...)`` calls
+    found in the code cells' sources (a static scan: a renamed copy whose metadata was lost is
+    still graded on every exercise of its notebook, whatever ran). Empty when nothing matches.
+    """
+    name = nb.metadata.get("labkit", {}).get("notebook")
+    if name:
+        return [name]
+    if exercises_for_notebook(path.stem):
+        return [path.stem]
+    names: list[str] = []
+    for cell in nb.cells:
+        if cell.get("cell_type") != "code":
+            continue
+        for m in _CHECK_CALL.finditer(cell.get("source", "")):
+            try:
+                ex = get_exercise(m.group("id"))
+            except KeyError:
+                continue
+            if ex.notebook not in names:
+                names.append(ex.notebook)
+    return names
+
+
+def _first(text: str, limit: int = 200) -> str:
+    lines = [l for l in str(text).strip().splitlines() if l.strip()]
+    line = lines[0].strip() if lines else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _exercise_grade(ex: Exercise, res, reason: str = "") -> ExerciseGrade:
+    """An :class:`ExerciseGrade` from a :class:`~labkit.grading.runner.CheckResult` (None: the
+    exercise was never checked, ``reason`` says why)."""
+    if res is None:
+        status = "not_reached" if reason.startswith("not reached") else "not_attempted"
+        msg = reason or f"not attempted: no check(\"{ex.id}\", ...) ran"
+        return ExerciseGrade(ex, status, msg, [CaseGrade(c.name, c.hidden, status, msg) for c in ex.cases])
+    by_name = {r.name: r for r in res.cases}
+    cases = []
+    for c in ex.cases:
+        r = by_name.get(c.name)
+        if r is None:
+            cases.append(CaseGrade(c.name, c.hidden, "failed", "this case was not run"))
+        else:
+            cases.append(CaseGrade(c.name, c.hidden, r.status, r.message))
+    if cases and all(c.status == "passed" for c in cases):
+        status = "passed"
+    elif any(c.status == "not_attempted" for c in cases):
+        status = "not_attempted"
+    else:
+        status = "failed"
+    return ExerciseGrade(ex, status, res.message, cases)
+
+
+def _grade_in_kernel(ex: Exercise, session, hints: bool = True) -> ExerciseGrade:
+    """Run every case of ``ex`` here, its calls going to the answer registered in ``session``."""
+    from .proxy import KernelBackend
+    from .runner import evaluate
+
+    info, pid = dict(session.info), session.pid
+
+    def factory(case):
+        token = uuid.uuid4().hex
+        return lambda: KernelBackend(info, pid, token)
+
+    def go_on(result) -> bool:  # after a failed case: is the kernel still answering?
+        return session.request({"op": "ping"}, wait=5) is not None
+
+    res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on)
+    if not hints:
+        from .runner import format_line
+        res.message = format_line(ex, res, hints=False)
+    session.request({"op": "end"}, wait=10)
+    return _exercise_grade(ex, res)
+
+
+def _registered(session) -> dict:
+    reply = session.request({"op": "answers"}, wait=30)
+    ok = reply.get("ok") if reply else None
+    if not isinstance(ok, dict):
+        return {}
+    return {str(k): v for k, v in ok.items() if isinstance(v, int)}
+
+
+def _check_cells(cells, ex_id: str) -> list[int]:
+    pat = re.compile(r"""\bcheck\(\s*["']""" + re.escape(ex_id) + r"""["']""")
+    return [i for i, src in cells if pat.search(src)]
+
+
+def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None,
+                   hints: bool = True) -> NotebookGrade:
+    """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
+
+    ``assignment`` (a notebook name such as ``"08_3d_parallelism"``) pins what is graded: the
+    assignment's exercises, whatever the submission says it is; a notebook that is another one
+    (by its metadata, file name or checks) is not run and scores zero on each of them, with a
+    message naming both. ``hints=False`` leaves the hints out of the messages (graded runs; the
+    interactive ``check`` keeps them).
+    """
+    from .session import KernelSession, isolation_note, kernel_user
+
+    path = Path(path)
+    nb = nbformat.read(str(path), as_version=4)
+    names = _notebook_names(nb, path)
+    if assignment is not None:
+        if assignment not in names:
+            why = (f"not attempted: this submission is notebook {', '.join(names) or path.stem}, not the "
+                   f"assignment {assignment}; upload {assignment}.ipynb")
+            grade = NotebookGrade(str(path), assignment, why.removeprefix("not attempted: "))
+            grade.exercises = [_exercise_grade(ex, None, why) for ex in exercises_for_notebook(assignment)]
+            return grade
+        names = [assignment]
+    exercises = [ex for name in names for ex in exercises_for_notebook(name)]
+    wanted = {ex.id: ex for ex in exercises}
+    cells = [(i, c.get("source", "")) for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"]
+    expected_errors = {i for i, c in enumerate(nb.cells)
+                       if "raises-exception" in c.get("metadata", {}).get("tags", [])}
+    user = kernel_user()
+    grades: dict[str, ExerciseGrade] = {}
+    cell_problems: dict[int, str] = {}
+    stop = ""
+
+    spare: list = []
+
+    def launch():
+        s = KernelSession(str(path.parent.resolve()), user)
+        s.launch()
+        return s
+
+    def start():
+        # after a first dead or stuck cell a spare kernel warms up while the next one is used
+        s = spare.pop() if spare else launch()
+        try:
+            s.wait_ready()
+        except BaseException:
+            s.kill()  # a kernel that did not start must not outlive grading either
+            raise
+        if restarts and not spare:
+            spare.append(launch())
+        return s
+
+    restarts = 0
+    session = start()
+    readable = session.hidden_files_readable(_hidden_files())
+    for f in readable:
+        print(f"warning: the kernel's user {user.name} can read the hidden case file {f}; make it readable by "
+              f"root only (chmod o-r, and its folder o-x)", file=sys.stderr)
+    seen: dict[str, int] = {}
+    ran: list[int] = []  # positions in ``cells`` that ran without an error (replayed in a fresh kernel)
+    try:
+        k = 0
+        while k < len(cells):
+            idx, src = cells[k]
+            status, ename, evalue = session.execute(src, cell_timeout)
+            if status in ("ok", "error"):
+                if status == "error":
+                    cell_problems[idx] = f"cell {idx + 1} raised {ename}: {_first(evalue)}".rstrip(": ")
+                else:
+                    ran.append(k)
+                now = _registered(session)
+                for ex_id, serial in now.items():
+                    if ex_id in wanted and seen.get(ex_id) != serial:
+                        seen[ex_id] = serial
+                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session, hints)
+                if session.alive():
+                    k += 1
+                    continue
+                cell_problems.setdefault(idx, f"the kernel died while cell {idx + 1}'s checks were graded")
+            elif status == "timeout":
+                cell_problems[idx] = f"cell {idx + 1} ran past the time limit of {cell_timeout:g} s"
+            else:
+                cell_problems[idx] = f"cell {idx + 1} killed the kernel (it exited or was killed)"
+            # a fresh kernel: replay what ran, skip the bad cell, go on
+            session.kill()
+            restarts += 1
+            if restarts > MAX_RESTARTS:
+                stop = f"{cell_problems[idx]}; gave up after {MAX_RESTARTS} fresh kernels"
+                break
+            session = start()
+            for j in ran:
+                st, _, _ = session.execute(cells[j][1], cell_timeout)
+                if st not in ("ok", "error"):
+                    stop = f"{cell_problems[idx]}; replaying cell {cells[j][0] + 1} in a fresh kernel failed"
+                    break
+            if stop:
+                break
+            seen.update(_registered(session))  # replayed checks were graded already
+            k += 1
+    finally:
+        session.kill()
+        for s in spare:
+            s.kill()
+    # a cell tagged raises-exception (it uses an answer, e.g. a plot) may raise: not a problem
+    problems = "; ".join(cell_problems[i] for i in sorted(cell_problems)
+                         if not (i in expected_errors and " raised " in cell_problems[i]))
+    grade = NotebookGrade(str(path), ", ".join(names) or path.stem, stop or problems, isolation=isolation_note(user))
+    for ex in exercises:
+        if ex.id in grades:
+            grade.exercises.append(grades[ex.id])
+            continue
+        reason = ""
+        for i in _check_cells(cells, ex.id):
+            if i in cell_problems:
+                reason = f"not attempted: check(\"{ex.id}\", ...) did not run: {cell_problems[i]}"
+                break
+        if not reason and stop:
+            reason = f"not reached: {stop}"
+        grade.exercises.append(_exercise_grade(ex, None, reason))
+    return grade
+
+
+def _hidden_files() -> list[Path]:
+    out = []
+    for p in os.environ.get(HIDDEN_ENV, "").split(os.pathsep):
+        if p and Path(p).is_dir():
+            out += sorted(Path(p).glob("*.py"))
+    return out
+
+
+def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None,
+                hints: bool = True) -> list[NotebookGrade]:
+    """:func:`grade_notebook` for each path; one that cannot be graded gets ``graded=False`` and zeros."""
+    out = []
+    for p in paths:
+        try:
+            out.append(grade_notebook(p, cell_timeout, assignment, hints))
+        except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
+            g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
+                                                    f"{_first(str(e))}", graded=False)
+            try:
+                nb = nbformat.read(str(p), as_version=4)
+                for name in [assignment] if assignment else _notebook_names(nb, Path(p)):
+                    for ex in exercises_for_notebook(name):
+                        g.exercises.append(_exercise_grade(ex, None, f"not reached: {g.stopped}"))
+            except Exception:  # noqa: BLE001
+                pass
+            out.append(g)
+    return out
+
+
+def results_json(grades: list[NotebookGrade], execution_time: float | None = None) -> dict:
+    """The Gradescope results object for ``grades``.
+
+    What a student sees carries no instructor detail: the top-level ``output`` names notebooks
+    by file name (no grader paths) and leaves out the isolation note, which goes to the
+    grader's stdout; ``stdout_visibility`` is ``hidden`` so that stdout stays with the
+    instructor. Each exercise's test carries its id as Gradescope's ``number``.
+    ``execution_time``: seconds the grading took (Gradescope's field), when given."""
+    tests = []
+    for g in grades:
+        for eg in g.exercises:
+            # the exercise's points, all or nothing, on one test; then each case, worth 0
+            passed = eg.status == "passed"
+            tests.append({
+                "name": eg.exercise.label,
+                "number": eg.exercise.id,
+                "score": round(eg.score, 6),
+                "max_score": round(eg.max_score, 6),
+                "status": "passed" if passed else "failed",
+                "output": (f"passed: all {len(eg.cases)} cases" if passed else
+                           f"{eg.message or 'failed'} (no points: all {len(eg.cases)} cases must pass)"
+                           if eg.status == "failed" else eg.message),
+                "visibility": "visible",
+            })
+            for c in eg.cases:
+                passed = c.status == "passed"
+                if passed:
+                    output = "passed"
+                elif c.hidden and c.status == "failed":
+                    output = HIDDEN_OUTPUT
+                elif c.status == "not_attempted" and not c.message.startswith("not attempted"):
+                    output = "not attempted (the stub still raises NotImplementedError)"
+                elif c.status in ("not_attempted", "not_reached"):
+                    output = c.message
+                else:
+                    output = c.message or "failed"
+                tests.append({
+                    "name": f"{eg.exercise.label} - {'hidden case' if c.hidden else 'case'}: {c.name}",
+                    "score": 0,
+                    "max_score": 0,
+                    "status": "passed" if passed else "failed",
+                    "output": output,
+                    "visibility": "after_published" if c.hidden else "visible",
+                })
+    score = round(sum(t["score"] for t in tests), 4)
+    total = round(sum(t["max_score"] for t in tests), 4)
+    lines = [f"{Path(g.path).name}: {_points(sum(e.score for e in g.exercises))} / "
+             f"{_points(sum(e.max_score for e in g.exercises))}"
+             + (f" ({g.stopped.replace(str(Path(g.path).parent) + os.sep, '')})" if g.stopped else "") for g in grades]
+    obj = {"score": score, "output": "\n".join([f"Total {_points(score)} / {_points(total)}"] + lines),
+           "stdout_visibility": "hidden", "tests": tests}
+    if execution_time is not None:
+        obj["execution_time"] = max(0, int(math.ceil(execution_time)))
+    return obj
+
+
+def write_results(path: Path, obj: dict) -> None:
+    """Write ``obj`` to ``path`` atomically: a new file in the same folder, then a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=".labkit-results-", suffix=".json", dir=str(path.parent.resolve()))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def validate_results(obj: dict) -> None:
+    """Raise ValueError naming the first field that breaks the Gradescope results format."""
+    if not isinstance(obj, dict):
+        raise ValueError("results must be a JSON object")
+    if not isinstance(obj.get("score"), (int, float)) or isinstance(obj.get("score"), bool):
+        raise ValueError("top-level 'score' must be a number")
+    if not isinstance(obj.get("tests"), list):
+        raise ValueError("top-level 'tests' must be a list")
+    allowed_top = {"score", "tests", "output", "visibility", "stdout_visibility", "execution_time",
+                   "extra_data", "leaderboard", "output_format"}
+    extra = set(obj) - allowed_top
+    if extra:
+        raise ValueError(f"unknown top-level keys {sorted(extra)}")
+    for i, t in enumerate(obj["tests"]):
+        where = f"tests[{i}]"
+        if not isinstance(t, dict):
+            raise ValueError(f"{where} must be an object")
+        for key, typ in (("name", str), ("output", str), ("score", (int, float)), ("max_score", (int, float))):
+            if not isinstance(t.get(key), typ) or isinstance(t.get(key), bool):
+                raise ValueError(f"{where}.{key} must be {'a string' if typ is str else 'a number'}, got {t.get(key)!r}")
+        if t.get("status") not in ("passed", "failed"):
+            raise ValueError(f"{where}.status must be 'passed' or 'failed', got {t.get('status')!r}")
+        if t.get("visibility") not in ("visible", "hidden", "after_due_date", "after_published"):
+            raise ValueError(f"{where}.visibility is not a Gradescope visibility: {t.get('visibility')!r}")
+        if not 0 <= t["score"] <= t["max_score"] + 1e-9:
+            raise ValueError(f"{where}: score {t['score']} outside [0, max_score={t['max_score']}]")
+        if (t["status"] == "passed") != (t["score"] >= t["max_score"] - 1e-9) and t["max_score"] > 0:
+            raise ValueError(f"{where}: status {t['status']!r} disagrees with score {t['score']}/{t['max_score']}")
+    total = sum(t["score"] for t in obj["tests"])
+    if abs(total - obj["score"]) > 1e-3:
+        raise ValueError(f"score {obj['score']} is not the sum of the tests' scores {total}")
+
+
+def format_table(grades: list[NotebookGrade]) -> str:
+    """Plain-text table per notebook: exercise, points, status, message (one row per exercise)."""
+    out = []
+    for g in grades:
+        score = sum(eg.score for eg in g.exercises)
+        total = sum(eg.max_score for eg in g.exercises)
+        out.append(f"== {g.path} ({g.notebook}): {_points(score)}/{_points(total)} points"
+                   + (f"; {g.stopped}" if g.stopped else ""))
+        rows = [("exercise", "points", "status", "message")]
+        for eg in g.exercises:
+            rows.append((eg.exercise.id, f"{_points(eg.score)}/{_points(eg.max_score)}",
+                         eg.status.replace("_", " "), eg.message))
+        if len(rows) == 1:
+            out.append("(no exercises registered for this notebook)")
+            continue
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        for r in rows:
+            out.append("  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
+    score = sum(eg.score for g in grades for eg in g.exercises)
+    total = sum(eg.max_score for g in grades for eg in g.exercises)
+    out.append(f"total {_points(score)}/{_points(total)} points")
+    out += sorted({g.isolation for g in grades if g.isolation})
+    return "\n".join(out)
+
+
+def _seconds(text: str) -> float | None:
+    """``text`` as a positive, finite number of seconds (None when it is not one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def _input_problem(paths: list[Path], results: Path | None) -> str:
+    """What is wrong with the command's inputs ("" when nothing): checked before anything runs."""
+    for x in paths:
+        if not x.is_file():
+            return f"no such notebook: {x}"
+        try:
+            nb = nbformat.read(str(x), as_version=4)
+            nbformat.validate(nb)
+        except Exception as e:  # noqa: BLE001 - binary, not JSON, not a notebook
+            return f"{x} is not a Jupyter notebook ({type(e).__name__}: {_first(str(e), 160)})"
+    for folder in os.environ.get(HIDDEN_ENV, "").split(os.pathsep):
+        if folder and not Path(folder).is_dir():
+            return f"{HIDDEN_ENV} names {folder!r}, which is not a folder"
+    if results is not None:
+        if results.is_dir():
+            return f"--results {results} is a folder; give the path of the JSON file to write"
+        parent = results.parent if str(results.parent) else Path(".")
+        if not parent.is_dir():
+            return f"--results {results}: its folder {parent} does not exist"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"--results {results}: its folder {parent} is not writable"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit grade``; bad input ends with one ``error:`` line (exit 2) before any
+    kernel starts. Exit status 0 when every notebook was graded (whatever its score), 1 when one
+    could not be graded. ``--results-dir``/``--gradebook``/``-j``: batch grading
+    (:mod:`labkit.grading.batch`), one kernel per submission, N at a time."""
+    import time
+
+    p = Parser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
+    p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
+    p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")
+    p.add_argument("--cell-timeout", default=str(DEFAULT_CELL_TIMEOUT), help="seconds per cell (> 0)")
+    p.add_argument("--assignment", default=None, metavar="NN_name",
+                   help="grade exactly this notebook's exercises (e.g. 08_3d_parallelism); another notebook scores 0")
+    p.add_argument("--no-hints", action="store_true", help="leave hints out of the graded messages")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="batch: one results file per submission in this folder")
+    p.add_argument("--gradebook", type=Path, default=None,
+                   help="batch: a CSV with one row per submission, one column per exercise and the total")
+    p.add_argument("-j", "--jobs", type=int, default=None, help="batch: submissions graded at a time (default: the cores)")
+    a = p.parse_args(argv)
+    cell_timeout = _seconds(a.cell_timeout)
+    problem = "" if cell_timeout is not None else (
+        f"--cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}")
+    batch = a.results_dir is not None or a.gradebook is not None or a.jobs is not None
+    missing = next((x for x in a.paths if not x.is_file()), None)
+    # a batch grades every readable file: one that is not a notebook is reported in its row
+    problem = problem or (f"no such notebook: {missing}" if batch and missing else
+                          _input_problem([] if batch else a.paths, a.results))
+    if not problem and batch and a.results is not None:
+        problem = "--results writes one file for all notebooks; with --results-dir/--gradebook/-j leave it out"
+    from .registry import IMPORT_ERRORS, load_all
+
+    load_all()
+    if not problem and a.assignment is not None and not exercises_for_notebook(a.assignment):
+        from .registry import all_exercises
+        known = sorted({ex.notebook for ex in all_exercises()})
+        problem = f"--assignment {a.assignment!r} has no exercises; choose one of {', '.join(known)}"
+    if not problem and batch:
+        from .batch import input_problem
+        problem = input_problem(a.results_dir, a.gradebook, a.jobs)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    for module, err in sorted(IMPORT_ERRORS.items()):
+        print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
+              file=sys.stderr)
+    if batch:
+        from .batch import grade_batch
+        return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, cell_timeout, a.assignment, not a.no_hints)
+    t0 = time.monotonic()
+    grades = grade_paths(a.paths, cell_timeout, a.assignment, not a.no_hints)
+    print(format_table(grades))
+    if a.results:
+        obj = results_json(grades, execution_time=time.monotonic() - t0)
+        validate_results(obj)
+        write_results(a.results, obj)
+        print(f"wrote {a.results}")
+    bad = [g.path for g in grades if not g.graded]
+    if bad:
+        print(f"error: {len(bad)} notebook(s) could not be graded: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,104 @@
+"""Which of labkit's own functions each exercise asks the learner to write.
+
+An answer that is one of these, or calls one while a case runs it, is not accepted for that
+exercise: labkit's implementation is what the checks compare against, so using it proves
+nothing about the learner's understanding. The call is caught by a tripwire in the learner's
+process (:mod:`labkit.grading.kernel`) and the case fails with :func:`reference_message`.
+
+The table lists, per exercise id, ``"module:qualname"`` of functions or classes (a class
+stands for every function defined in its body, e.g. an autograd Function's ``forward`` and
+``backward``). Exercise modules may add more with ``exercise(..., references=[fn, ...])``.
+Functions that merely *use* an exercise's concept are not listed: a learner may call
+``add_communication`` in 3.1 only because 3.1 asks for the compute order and the check adds
+the sends itself.
+
+What the tripwire cannot see: an answer that copies labkit's source text, or a notebook that
+patches labkit itself (the kernel is the learner's). It is a guard against the honest
+shortcut, reported with a reason, not a plagiarism detector.
+"""
+from __future__ import annotations
+
+__all__ = ["REFERENCES", "reference_message", "references_for"]
+
+_SCHED = "labkit.pipeline.schedules"
+_SIM = "labkit.pipeline.simulate"
+_EXPLORER = "labkit.pipeline.explorer"
+_TPM = "labkit.tensor_parallel.mappings"
+_EX = "labkit.grading.exercises"
+
+REFERENCES: dict[str, list[str]] = {
+    "0.1": [f"{_EX}.nb00_distributed_primer:_gloo_reduce_scatter", "labkit.comm:reduce_scatter_tensor"],
+    "0.2": [],  # collectives are refused by the case itself (send/recv only)
+    "1.1": [f"{_SIM}:bubble_formula", f"{_SIM}:bubble_fraction", f"{_SIM}:simulate",
+            f"{_EX}.nb01_pipeline_bubble:_bubble"],
+    "1.2": [f"{_EX}.nb01_pipeline_bubble:_smallest"],
+    "2.1": [f"{_SCHED}:gpipe_schedule", f"{_SCHED}:add_communication"],
+    "2.3": [],  # the runtime scales the loss too, but inside PipelineSchedule; nothing to call directly
+    "2.2": [f"{_SIM}:peak_in_flight", f"{_EXPLORER}:peak_in_flight_per_rank", f"{_SIM}:simulate"],
+    "3.1": [f"{_SCHED}:one_f_one_b_schedule", f"{_SCHED}:interleaved_schedule", f"{_SCHED}:_interleaved_order"],
+    "3.2": [f"{_SIM}:peak_in_flight", f"{_EXPLORER}:peak_in_flight_per_rank", f"{_SIM}:simulate",
+            f"{_SCHED}:one_f_one_b_schedule"],
+    "4.1": ["labkit.pipeline.stages:stage_layers", "labkit.pipeline.stages:gpt_stages_for_rank",
+            f"{_EX}.nb04_interleaved:_code_layers"],
+    "4.2": [f"{_SIM}:bubble_formula", f"{_SIM}:bubble_fraction", f"{_SIM}:simulate"],
+    "4.3": [f"{_EXPLORER}:count_sends", f"{_SCHED}:interleaved_schedule", f"{_SCHED}:add_communication"],
+    "5.1": ["labkit.checkpoint:checkpoint_sequential"],
+    "5.2": [f"{_EX}.nb05_checkpointing:_cost", "labkit.checkpoint:memory_table"],
+    "5.3": ["labkit.checkpoint:CheckpointFunction", "labkit.checkpoint:checkpoint",
+            "labkit.checkpoint:checkpoint_sequential"],
+    "6.1": [f"{_EX}.nb06_megatron_ffn:_expected_partials"],
+    "6.2": [f"{_TPM}:_CopyToModelParallelRegion", f"{_TPM}:copy_to_tensor_model_parallel_region"],
+    "6.3": [f"{_TPM}:_ReduceFromModelParallelRegion", f"{_TPM}:reduce_from_tensor_model_parallel_region"],
+    "6.4": ["labkit.tensor_parallel.layers:RowParallelLinear"],
+    "7.1": [f"{_EX}.nb07_attention_embedding_loss:_heads"],
+    "7.2": ["labkit.tensor_parallel.layers:VocabParallelEmbedding"],
+    "7.3": ["labkit.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
+            "labkit.tensor_parallel.cross_entropy:_VocabParallelCrossEntropy"],
+    "8.1": ["labkit.dist:make_grid"],
+    "8.2": ["labkit.dist:make_grid"],
+    "8.3": ["labkit.plan.memory:rank_param_counts"],
+    "8.4": ["labkit.plan.activations:korthikanti_layer_activation_bytes",
+            "labkit.plan.activations:layer_activation_bytes"],
+    "8.5": ["labkit.plan.planner:plan", "labkit.plan.planner:candidates", "labkit.plan.planner:smallest_memory"],
+    "8.6": ["labkit.plan.comm:comm_per_rank"],
+    "9.1": ["labkit.moe.router:route", "labkit.moe.router:TopKRouter"],
+    "9.2": ["labkit.moe.router:compute_capacity", "labkit.moe.router:capacity_mask", "labkit.moe.router:route"],
+    "9.3": ["labkit.moe.params:count_parameters"],
+    "10.1": ["labkit.moe.losses:switch_aux_loss", "labkit.moe.losses:expert_fraction"],
+    "10.2": ["labkit.moe.losses:device_balance_loss", "labkit.moe.losses:expert_balance_loss",
+             "labkit.moe.losses:_device_groups"],
+    "10.3": ["labkit.moe.router:update_expert_bias"],
+    "11.1": [f"{_EX}.nb11_expert_parallelism:_true_splits", "labkit.moe.expert_parallel:exchange_splits"],
+    "11.2": [],
+    "12.1": [],
+    "12.2": ["labkit.moe.router:route", "labkit.moe.router:TopKRouter"],
+    "12.3": [],
+    "12.4": [],
+    "13.1": ["labkit.pipeline.split_backward:backward_input", "labkit.pipeline.split_backward:backward_weight"],
+    "13.2": ["labkit.pipeline.zero_bubble:zb_h1_schedule"],
+    "13.3": [f"{_SIM}:simulate", "labkit.pipeline.zero_bubble:zb_h1_schedule", "labkit.pipeline.zero_bubble:zbv_schedule"],
+    "14.1": ["labkit.moe.eplb:balanced_packing"],
+    "14.2": ["labkit.moe.eplb:replicate_experts"],
+    "14.3": ["labkit.moe.hierarchical:inter_node_rows"],
+    "14.4": ["labkit.moe.inference:decode_cost", "labkit.moe.inference:expected_experts_touched"],
+}
+
+
+def references_for(exercise_id: str) -> list[str]:
+    """The ``"module:qualname"`` names listed for ``exercise_id`` (empty when none)."""
+    return list(REFERENCES.get(str(exercise_id), ()))
+
+
+def _name_of(label: str) -> tuple[str, str]:
+    """("gpipe_schedule", "labkit.pipeline.schedules") from "labkit.pipeline.schedules:gpipe_schedule"."""
+    mod, _, qual = str(label).partition(":")
+    return (qual, mod) if qual else (mod, "")
+
+
+def reference_message(label: str) -> str:
+    """What a learner reads when the answer called labkit's reference ``label``."""
+    qual, mod = _name_of(label)
+    where = f" ({mod})" if mod else ""
+    return (f"the answer calls labkit's own {qual}{where}, the reference implementation this exercise asks you "
+            f"to write; the checks compare with it, so an answer that uses it proves nothing: write the "
+            f"computation yourself")

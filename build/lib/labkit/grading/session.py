@@ -1,0 +1,420 @@
+"""The learner's kernel as the grader sees it: started, fed cells, asked for data, killed.
+
+The grader starts an IPython kernel itself (no nbclient) so it controls everything the
+submission could abuse:
+
+* **user**: when the grader runs as root, the kernel runs as an unprivileged user
+  (``labkit-kernel``, created with ``useradd`` if missing; ``nobody`` if that fails), with its
+  own private HOME/TMPDIR, so it can neither signal the grader nor write the results file nor
+  read files the instructor keeps to root (hidden cases). Its working directory is then that
+  private folder (the submission's folder may not be open to that user). When Python sits in a
+  folder that user cannot enter (e.g. ``/root/.pyenv``), the kernel starts through
+  :mod:`labkit.grading._jail`, a private mount namespace that makes just Python and the kit
+  reachable. As any other user, isolation is partial: :func:`isolation_note` says so.
+* **process tree**: the kernel starts a new session (its own process group) and carries a fresh
+  ``LABKIT_KERNEL_MARK`` in its environment (inherited by all it starts); at the end the
+  grader kills that group, every process of that session, every process carrying the mark
+  (a daemon that left the session; one that also clears its environment is not found this
+  way) and, for the dedicated user, every process of that user orphaned to the grader, until
+  none is left, so nothing the submission started outlives grading.
+* **output**: nobody subscribes to the kernel's IOPub channel, so a flood of output is dropped
+  by ZMQ instead of filling the grader's memory; only execute replies (status, error name and
+  value) come back, over a shell socket whose message size is capped.
+* **time**: each cell has a limit; past it the kernel gets SIGINT, and if it still does not
+  answer within :data:`INTERRUPT_GRACE` seconds, it is killed (the grader then starts a fresh
+  kernel and replays the cells that ran, see :mod:`labkit.grading.grader`).
+* **environment**: ``LABKIT_HIDDEN_CASES`` and ``LABKIT_STRICT`` are removed; ``LABKIT_GRADING=1``
+  tells ``check`` to register answers instead of judging them. The kernel is not told where
+  the results go.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+from .kernel import GRADING_ENV
+from .proxy import CaseTimeout, KernelFailure, request_kernel
+from .registry import HIDDEN_ENV
+
+__all__ = ["KernelUser", "kernel_user", "KernelSession", "isolation_note", "INTERRUPT_GRACE"]
+
+INTERRUPT_GRACE = 2.0  # seconds a kernel gets to stop after SIGINT before it is killed
+START_TIMEOUT = 60.0  # seconds a kernel may take to start
+KERNEL_USER = "labkit-kernel"
+MARK_ENV = "LABKIT_KERNEL_MARK"  # a fresh value per kernel, inherited by every process it starts
+MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
+
+
+@dataclass
+class KernelUser:
+    name: str
+    uid: int
+    gid: int
+    dedicated: bool  # only then may every process of this uid be killed at the end
+    jail: bool = False  # run through _jail.py (a private mount namespace makes Python reachable)
+
+    def command(self, cmd: list[str], cwd: str | None = None) -> tuple[list[str], dict]:
+        """``cmd`` as this user: (argv, extra Popen keywords)."""
+        if not self.jail:
+            return cmd, dict(user=self.uid, group=self.gid, extra_groups=[])
+        import labkit
+
+        needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                  os.path.dirname(os.path.realpath(sys.executable)),
+                  os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))}
+        needed |= {p for p in sys.path if p and os.path.isdir(p)}
+        if cwd:
+            needed.add(cwd)
+        jail = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail.py")
+        return (["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-S", "-I", jail,
+                 str(self.uid), str(self.gid), *sorted(needed), "--", *cmd], {})
+
+
+_USER_CACHE: list = []
+
+
+def kernel_user() -> KernelUser | None:
+    """The unprivileged user kernels run as when this process is root (else None); probed once."""
+    if not _USER_CACHE:
+        _USER_CACHE.append(_find_kernel_user())
+    return _USER_CACHE[0]
+
+
+def _find_kernel_user() -> KernelUser | None:
+    if os.geteuid() != 0:
+        return None
+    try:
+        pw = pwd.getpwnam(KERNEL_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+                        "--shell", "/usr/sbin/nologin", "--user-group", KERNEL_USER],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        try:
+            pw = pwd.getpwnam(KERNEL_USER)
+        except KeyError:
+            pw = pwd.getpwnam("nobody")
+    user = KernelUser(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_name == KERNEL_USER)
+    ok, why = _probe(user)
+    if not ok and shutil.which("unshare") and shutil.which("mount"):
+        user.jail = True  # Python sits in a folder that user cannot enter: make it reachable
+        ok, _ = _probe(user)
+    if not ok:
+        _UNUSABLE[:] = [f"user {user.name} cannot run {sys.executable} with labkit ({why})"]
+        return None
+    return user
+
+
+def _probe(user: KernelUser) -> tuple[bool, str]:
+    """Can ``user`` run this environment's Python and import the kit?"""
+    argv, kw = user.command([sys.executable, "-c", "import ipykernel, labkit.grading.kernel"])
+    try:
+        probe = subprocess.run(argv, cwd="/", stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=120, **kw)
+        return probe.returncode == 0, _first_line(probe.stderr)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"{type(e).__name__}: {e}"
+
+
+_UNUSABLE: list[str] = []  # why running as root did not give an unprivileged kernel
+
+
+def _first_line(text: str) -> str:
+    lines = [l.strip() for l in str(text).strip().splitlines() if l.strip()]
+    return lines[-1][:200] if lines else "no output"
+
+
+def isolation_note(user: KernelUser | None) -> str:
+    """One line for the grader's output about how the kernel is isolated."""
+    if user is None and os.geteuid() == 0:
+        return ("isolation is partial: the grader runs as root, but " + "; ".join(_UNUSABLE or ["no unprivileged user"])
+                + ", so the submission's kernel runs as root; make Python and labkit readable by other users "
+                  "(e.g. chmod o+rx on their folders) for full isolation.")
+    if user is not None:
+        return (f"isolation: the submission's kernel runs as user {user.name} (uid {user.uid}) in its own session"
+                + (" and mount namespace" if user.jail else "") + "; it cannot signal the grader or write the results")
+    return ("isolation is partial: the grader is not root, so the submission's kernel runs as the same user; "
+            "code in it could signal the grader, read files this user can read (hidden cases) and write where "
+            "this user can. Run the grader as root (as autograder containers do) for full isolation.")
+
+
+def _pdeathsig():
+    """In the kernel (after it changed user): die with the grader."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001
+        pass
+
+
+_KEEP: set[int] = set()  # kernels of this grader that are alive (a spare must survive another's kill)
+
+
+def _processes() -> dict[int, tuple[int, int, int]]:
+    """pid -> (ppid, session id, uid) of every live process in /proc (zombies are left out: they
+    are dead, only waiting for their parent)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # state ppid pgrp session ...
+            if fields[0] in (b"Z", b"X"):
+                continue
+            out[int(entry)] = (int(fields[1]), int(fields[3]), os.stat(f"/proc/{entry}").st_uid)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _marked(mark: str) -> list[int]:
+    """Processes whose environment holds ``MARK_ENV=mark`` (those this user may read: all, as root)."""
+    needle = f"{MARK_ENV}={mark}".encode()
+    out = []
+    for entry in _processes():
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            out.append(int(entry))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _become_subreaper() -> None:
+    """Orphans of the kernel's processes (double forks, setsid) become this process's children,
+    so :meth:`KernelSession.kill` still finds them (Linux PR_SET_CHILD_SUBREAPER)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(36, 1)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class KernelSession:
+    """One learner kernel (see the module docstring). ``cwd``: its working directory."""
+
+    def __init__(self, cwd: str, user: KernelUser | None = None):
+        self.user = user
+        self.dir = tempfile.mkdtemp(prefix="labkit-kernel-")
+        self.cwd = self.dir if user is not None else cwd
+        self.proc = None
+        self.kc = None
+        self.info = None
+        self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        """Launch the kernel and wait until it answers (see :meth:`launch`, :meth:`wait_ready`)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the kernel process and connect; returns at once (a spare warms up meanwhile)."""
+        import zmq
+        from jupyter_client.blocking import BlockingKernelClient
+        from jupyter_client.connect import write_connection_file
+
+        conn = os.path.join(self.dir, "kernel.json")
+        _, self.info = write_connection_file(conn, ip="127.0.0.1")
+        env = {k: v for k, v in os.environ.items()
+               if k not in (HIDDEN_ENV, "LABKIT_STRICT", "LABKIT_RESULTS_FILE") and not k.startswith("JPY_")}
+        env[GRADING_ENV] = "1"
+        env[MARK_ENV] = self.mark
+        env["MPLBACKEND"] = "Agg"
+        kw = {}
+        if self.user is not None:
+            for sub in ("tmp", "ipython", "mpl"):
+                os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
+            for root, dirs, files in os.walk(self.dir):
+                for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+                    os.chown(name, self.user.uid, self.user.gid)
+            env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
+                       LOGNAME=self.user.name, IPYTHONDIR=os.path.join(self.dir, "ipython"),
+                       MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
+        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"]
+        if self.user is not None:
+            argv, kw = self.user.command(argv, self.cwd)
+        if self.user is not None:
+            _become_subreaper()
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
+            start_new_session=True, preexec_fn=_pdeathsig, close_fds=True, **kw)
+        _KEEP.add(self.proc.pid)
+        ctx = zmq.Context()
+        ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self.kc = BlockingKernelClient(context=ctx)
+        self.kc.load_connection_info(self.info)
+        self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            msg_id = self.kc.kernel_info()
+            try:
+                while True:
+                    msg = self.kc.get_shell_msg(timeout=0.5)
+                    if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                        self._warm_up()
+                        return
+            except queue.Empty:
+                pass
+            if not self.alive():
+                raise RuntimeError(f"the kernel exited while starting (exit code {self.proc.poll()})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the kernel did not start within {START_TIMEOUT:g} s")
+
+    def _warm_up(self) -> None:
+        """Import torch and the kit before the first cell, so no cell's time limit pays for it."""
+        mid = self.kc.execute("import torch, labkit.grading.kernel", silent=True, store_history=False,
+                              allow_stdin=False)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline and self.alive():
+            try:
+                msg = self.kc.get_shell_msg(timeout=0.5)
+            except queue.Empty:
+                continue
+            if msg.get("parent_header", {}).get("msg_id") == mid:
+                return
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # ------------------------------------------------------------------ run
+    def execute(self, code: str, timeout: float) -> tuple[str, str, str]:
+        """Run one cell: ("ok" | "error" | "timeout" | "dead", error name, error value)."""
+        if not self.alive():
+            return "dead", "", ""
+        msg_id = self.kc.execute(code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False)
+        deadline = time.monotonic() + timeout
+        interrupted = False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if interrupted:
+                    return "timeout", "", ""
+                self.interrupt()
+                interrupted = True
+                deadline = time.monotonic() + INTERRUPT_GRACE
+                continue
+            try:
+                msg = self.kc.get_shell_msg(timeout=min(0.5, left))
+            except queue.Empty:
+                if not self.alive():
+                    return "dead", "", ""
+                continue
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if interrupted:
+                return "timeout", "", ""
+            c = msg.get("content", {})
+            if c.get("status") == "ok":
+                return "ok", "", ""
+            return "error", str(c.get("ename", "Error"))[:200], str(c.get("evalue", ""))[:2000]
+
+    def request(self, req: dict, wait: float = 10.0):
+        """One :func:`labkit.grading.kernel.serve` request; its decoded reply dict (or None)."""
+        from . import wire
+
+        try:
+            data = request_kernel(self.kc, req, wait, self.alive)
+            reply = wire.loads(data)
+        except (CaseTimeout, KernelFailure, wire.WireError):
+            return None
+        return reply if isinstance(reply, dict) else None
+
+    def interrupt(self) -> None:
+        try:
+            os.kill(self.proc.pid, signal.SIGINT)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ------------------------------------------------------------------ end
+    def kill(self) -> None:
+        """Kill the kernel and everything it started: its process group, its session, its
+        descendants, every process whose environment carries this kernel's :data:`MARK_ENV`
+        (a daemon that left the session and was orphaned to init), and (root) processes of the
+        kernel user orphaned to this process. Returns once none of them is left (sweeps until
+        a sweep finds nothing, at most 10 s)."""
+        if self.proc is not None:
+            pid = self.proc.pid
+            deadline = time.monotonic() + 10
+            while True:  # a fork bomb may need more than one sweep
+                victims = set(_descendants(pid)) | set(_marked(self.mark))
+                if self.proc.poll() is None:
+                    victims.add(pid)
+                for p, (ppid, sid, uid) in _processes().items():
+                    if p == os.getpid():
+                        continue
+                    if sid == pid or (self.user is not None and ppid == os.getpid() and uid == self.user.uid
+                                      and p != pid and p not in _KEEP):
+                        victims.add(p)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                for p in victims:
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                victims.discard(os.getpid())
+                if not victims or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            _KEEP.discard(pid)
+        if self.kc is not None:
+            try:
+                self.kc.stop_channels()
+                self.kc.context.destroy(linger=0)
+            except Exception:  # noqa: BLE001
+                pass
+            self.kc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def hidden_files_readable(self, paths) -> list[str]:
+        """Which of ``paths`` the kernel user could open (root mode only)."""
+        if self.user is None or not paths:
+            return []
+        code = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'rb').close()\n        print(p)\n"
+                "    except OSError:\n        pass\n")
+        argv, kw = self.user.command([sys.executable, "-S", "-c", code, *map(str, paths)])
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/", **kw)
+        except Exception:  # noqa: BLE001
+            return []
+        return [l for l in out.stdout.splitlines() if l]

@@ -1,0 +1,216 @@
+"""The labs: ``python -m labkit lab NAME`` (or ``torchrun ... -m labkit.labs.NAME``).
+
+What every lab shares: ``--help`` that shows defaults, one ``error:`` line for bad input,
+the rule that under torchrun only rank 0 prints, one line (no traceback) when the run is
+interrupted or a rank fails (:func:`run_cli`), a fresh run folder per run (:func:`run_folder`)
+and the verdict (:mod:`labkit.labs.verdict`).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from ..dist import in_torchrun
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default, except None (the help text says what unset means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def is_main_rank() -> bool:
+    """True outside torchrun, and on global rank 0 under it (the rank that prints and saves)."""
+    return not in_torchrun() or int(os.environ["RANK"]) == 0
+
+
+def error(message: str) -> int:
+    """Print ``error: message`` on stderr (once: rank 0 only under torchrun); returns exit code 2."""
+    if is_main_rank():
+        print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_folder(parent: str | os.PathLike, prefix: str) -> Path:
+    """Create and return a NEW folder ``parent/prefix-YYYYmmdd-HHMMSS`` (``-2``, ``-3``, ... when
+    a run that finished in the same second took the name): two runs never share a folder."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    stem = f"{prefix}-{datetime.now():%Y%m%d-%H%M%S}"
+    for i in range(1, 10_000):
+        folder = parent / (stem if i == 1 else f"{stem}-{i}")
+        try:
+            folder.mkdir()  # atomic: exactly one run gets each name
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: no free run folder name {stem}-N")
+
+
+def bad_out(path: str | os.PathLike | None, flag: str = "--out") -> str | None:
+    """Why ``path`` cannot hold run folders (an existing non-folder, or under one), else None."""
+    if path is None:
+        return None
+    p = Path(path)
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                return f"{flag} {path}: {q} exists and is not a folder"
+            if not os.access(q, os.W_OK):
+                return f"{flag} {path}: folder {q} is not writable"
+            return None
+    return None
+
+
+def bad_number(flag: str, value: float, low: float = 0.0, strict: bool = True) -> str | None:
+    """``flag`` must be finite and > low (``strict``) or >= low; returns the message or None."""
+    if not math.isfinite(value) or (value <= low if strict else value < low):
+        return f"{flag} must be a finite number {'>' if strict else '>='} {low:g}, got {value}"
+    return None
+
+
+LR_MAX = 10.0  # Adam moves each weight by about lr per step: far beyond 10 it can only diverge
+
+
+def bad_lr(lr: float, flag: str = "--lr") -> str | None:
+    """``lr`` must be finite, > 0 and <= :data:`LR_MAX` (an Adam/AdamW step moves each weight by
+    about ``lr``, Kingma & Ba 2015 sec. 2.1); returns the message or None."""
+    if not (math.isfinite(lr) and 0 < lr <= LR_MAX):
+        return (f"{flag} must be a finite number in (0, {LR_MAX:g}] (an Adam step moves each weight by about "
+                f"lr), got {lr}")
+    return None
+
+
+def bad_seed(seed: int) -> str | None:
+    """Seeds feed ``torch.Generator.manual_seed`` after ``seed * 1_000_003 + 2 * step``: keep them
+    in [0, 2**40) so that stays a valid 64-bit seed."""
+    if not 0 <= seed < 2**40:
+        return f"--seed must be in [0, 2**40), got {seed}"
+    return None
+
+
+def run_cli(main, *args) -> int:
+    """Run ``main(*args)`` the way a command line should end: its return code; Ctrl-C -> one line,
+    exit 130; SIGTERM -> one line, exit 143 (128 + signal); a failed rank (RankError) -> one
+    ``error:`` line naming the rank, exit 1. Workers are stopped and temporary files removed
+    by :func:`labkit.dist.launch` before the line is printed. After an interrupt the command is
+    ending: further SIGINT/SIGTERM are ignored from then on (an impatient second Ctrl-C would
+    otherwise print a traceback from Python's exit handlers)."""
+    import signal
+
+    from ..dist import RankError, Terminated, terminate_as_exception
+    try:
+        with terminate_as_exception():
+            return main(*args) or 0
+    except KeyboardInterrupt:
+        _ignore_signals()
+        print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
+        return 130
+    except Terminated as e:
+        _ignore_signals()
+        print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
+        return 128 + e.signum
+    except RankError as e:
+        if is_main_rank():
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+SCHEDULE_ALIASES = {"zbh1": "zb-h1", "zb_h1": "zb-h1", "zb-v": "zbv", "dualpipe-v": "dualpipev"}
+
+
+def schedule_name(text: str) -> str:
+    """A ``--schedule`` value's canonical name (the labs' and ``labkit.pipeline``'s): ``zb-h1``,
+    ``zbv``, ``dualpipev``, ...; other spellings (``zbh1``, ``ZB-H1``, ``zb-v``) are aliases.
+    Use as argparse's ``type=`` with the canonical names as ``choices``."""
+    name = text.strip().lower()
+    return SCHEDULE_ALIASES.get(name, name)
+
+
+def count_parameters_meta(build) -> int:
+    """Parameters of the model ``build()`` returns, built on the meta device (no memory used)."""
+    import torch
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
+
+
+def activation_bytes(n_layer: int, batch: int, seq: int, hidden: int, heads: int, vocab: int,
+                     extra_per_token: int = 0) -> int:
+    """Bytes autograd keeps for one fp32 forward of the GPT over a ``batch x seq`` batch.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+    sec. 4.1 eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations; fp32 doubles
+    it. Plus the logits, their softmax and gradient (3 * b*s*V * 4 bytes) and ``extra_per_token``
+    bytes per token and layer (e.g. MoE expert inputs)."""
+    per_layer = seq * batch * hidden * 34 + 5 * heads * seq * seq * batch
+    return 2 * n_layer * per_layer + 12 * batch * seq * vocab + n_layer * batch * seq * extra_per_token
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available now (Linux ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def loss_change(first: float, last: float) -> str:
+    """``'5.562 -> 2.104 (62% lower)'``; ``'5.562 -> nan (diverged: NaN/inf)'`` when a loss is not finite."""
+    if not (math.isfinite(first) and math.isfinite(last)):
+        return f"{first:.3f} -> {last:.3f} (diverged: NaN/inf)"
+    drop = 1 - last / first if first else float("nan")
+    return f"{first:.3f} -> {last:.3f} ({drop:.0%} lower)"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n < 2**40 else f"{n / 2**40:.3g} TiB"
+
+
+def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: float, sizes: str,
+               limit: int | None = None, ranks: int | None = None) -> str | None:
+    """Refuse a run whose estimated memory exceeds what this machine has (all CPU ranks share it).
+
+    ``params``: parameters of the model; ``model_bytes_per_param``: bytes per parameter over the
+    whole run at its peak (every copy: each rank's fp32 weights, gradients and Adam's 2 moments
+    = 16, the reference's weights and gradients = 8, ...); ``act``: :func:`activation_bytes` of
+    the whole batch, held ``act_copies`` times at the peak. ``sizes``: the options, for the
+    message. ``limit``: bytes available (None: :func:`available_memory`). ``ranks``: when given,
+    ``model_bytes_per_param`` is ``4 * ranks + 48`` (every rank builds the full fp32 model, plus
+    48 bytes/param for Adam, the reference and the verdict's copies) and the message says so,
+    since that term grows with the world size. The estimate is
+    rough (within a factor of ~2), so it refuses only what clearly cannot run."""
+    limit = available_memory() if limit is None else limit
+    if limit is None:
+        return None
+    need = params * model_bytes_per_param + act * act_copies
+    if need <= limit:
+        return None
+    weights = _gib(params * model_bytes_per_param)
+    if ranks is not None:
+        how = f"4 bytes on each of the {ranks:,} ranks, which all build the full model, + 48"
+    else:
+        how = f"{model_bytes_per_param:g}"
+    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters "
+            f"x ({how}) bytes = {weights}; "
+            f"activations: {_gib(act * act_copies)}, Korthikanti et al. 2022 eq. 1), more than the {_gib(limit)} "
+            f"available; use smaller sizes")
+
+
+def _ignore_signals() -> None:
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)

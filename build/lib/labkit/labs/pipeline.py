@@ -1,0 +1,459 @@
+"""Lab: train the GPT with pipeline parallelism and compare with one device.
+
+``python -m labkit lab pipeline`` (what ``make lab`` runs) trains the reference GPT on the
+default corpus once on a single device and then on K ranks (4 gloo CPU processes by
+default) with each schedule: GPipe, 1F1B and interleaved 1F1B (v chunks per rank), with
+the same seed, data and optimizer. It prints one table:
+
+* final train and validation loss, and the gap between the parallel and the single-device
+  loss curves (two separate trainings: shown, not judged);
+* the verdict (:mod:`labkit.labs.verdict`): at every step, the loss and every parameter
+  gradient against the single-device model's at the same parameters (exit status 1 if any
+  schedule fails);
+* the bubble fraction measured from the runtime's timeline, the formula's
+  (K-1)/(vM+K-1), and the simulator's from the measured per-stage F/B times;
+* the measured peak number of microbatches in flight per stage; tokens per second.
+
+``--schedule zero-bubble`` runs 1F1B, ZB-H1, ZB-V and DualPipeV (the backward split into I
+and W, :mod:`labkit.pipeline.zero_bubble`; ZB-V and DualPipeV hold stages r and 2K-1-r on
+rank r); their formula column is the zero-bubble formula from the measured mean T_F, T_I,
+T_W (nan where it is not exact for them). ``--cost-model F,I,W`` (milliseconds) makes every
+action last at least that long by sleeping without holding a core, so that on fewer cores
+than ranks the measured bubble shows the schedule (the output says which measurement it is);
+``--trace`` also writes each measured timeline as Chrome trace-event JSON for Perfetto
+(``trace-NAME.json``) and, for several schedules, all of them side by side (``trace-all.json``).
+
+Gantt charts of the measured timelines and the loss curves are saved under
+``runs/pipeline-YYYYmmdd-HHMMSS/``. The same module runs under
+``torchrun --nproc-per-node K -m labkit.labs.pipeline`` (only rank 0 prints and saves).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..cliparse import Parser
+from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
+               bad_lr, error, is_main_rank, loss_change, run_folder, schedule_name)
+from .verdict import add_tolerance_option, verdict_exit
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # backward split into I and W (labkit.pipeline.zero_bubble)
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank in V placement: rank r holds stages r and 2K-1-r
+GROUPS = {"all": SCHEDULES, "zero-bubble": ("1f1b",) + ZERO_BUBBLE}
+
+
+def _parser():
+    p = Parser(prog="python -m labkit lab pipeline", formatter_class=HelpFormatter,
+               description="Train the GPT with GPipe, 1F1B and interleaved 1F1B on K ranks.")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="K pipeline ranks (unset: 4; under torchrun always WORLD_SIZE)")
+    p.add_argument("--schedule", nargs="+", default=["all"], choices=tuple(GROUPS) + SCHEDULES + ZERO_BUBBLE,
+                   type=schedule_name,
+                   help="schedules to run; 'all' = gpipe 1f1b interleaved, 'zero-bubble' = 1f1b zb-h1 zbv dualpipev "
+                        "(aliases: zbh1 = zb-h1, zb-v = zbv)")
+    p.add_argument("--cost-model", default=None, metavar="F,I,W",
+                   help="milliseconds each forward, input-gradient and weight-gradient pass takes at least "
+                        "(B = I + W): ranks sleep the rest without holding a core, so the measured bubble shows "
+                        "the schedule's, not core sharing (unset: real compute only)")
+    p.add_argument("--trace", action="store_true",
+                   help="also write each schedule's measured timeline as Chrome trace JSON (open in ui.perfetto.dev)")
+    p.add_argument("--microbatches", type=int, default=8, help="M microbatches per step")
+    p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank for interleaved 1F1B")
+    p.add_argument("--steps", type=int, default=30, help="Adam steps")
+    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks L")
+    p.add_argument("--embd", type=int, default=64, help="hidden size H")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    p.add_argument("--out", default="runs", help="folder for the run folder")
+    add_tolerance_option(p)
+    return p
+
+
+def _bad_args(a, K) -> str | None:
+    """The first rule the options break, as a message naming the values; None if all are fine."""
+    for flag, value in (("--world-size", K), ("--steps", a.steps), ("--microbatches", a.microbatches),
+                        ("--chunks", a.chunks), ("--batch", a.batch), ("--seq", a.seq), ("--layers", a.layers),
+                        ("--embd", a.embd), ("--heads", a.heads)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    bad = (bad_lr(a.lr) or bad_number("--tolerance", a.tolerance) or bad_seed(a.seed)
+           or bad_out(a.out))
+    if bad:
+        return bad
+    if a.cost_model is not None:
+        try:
+            _cost_model(a)
+        except ValueError:
+            return f"--cost-model takes three numbers >= 0 in milliseconds, F,I,W (e.g. 20,20,20), got {a.cost_model!r}"
+    try:
+        cfg = _config(a)
+    except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
+        return f"{e} (--embd {a.embd}, --heads {a.heads})"
+    return None
+
+
+def _bad_memory(a, K) -> str | None:
+    """The memory estimate's refusal (after the structural rules: they name the real problem)."""
+    from ..model import GPT
+    cfg = _config(a)
+    # every rank builds the full model (4 bytes/param each), then keeps its stages with Adam (16 in
+    # all); rank 0's reference (8) and the verdict's gathered copies (24); the whole batch's
+    # activations in flight and once more in the reference
+    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * K + 48,
+                      activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})", ranks=K)
+
+
+def _cost_model(a):
+    """--cost-model "F,I,W" (ms) -> runtime cost_model in seconds (B = I + W), or None."""
+    if a.cost_model is None:
+        return None
+    parts = [float(x) for x in a.cost_model.split(",")]
+    if len(parts) != 3 or any(not x >= 0 for x in parts):
+        raise ValueError(a.cost_model)
+    f, i, w = (x / 1000 for x in parts)
+    return {"F": f, "I": i, "W": w, "B": i + w}
+
+
+def _stage_ids(kind, K, rank, v):
+    """Stages of ``rank``: r and 2K-1-r for the V-shaped schedules, else looped r, r+K, ..."""
+    if kind in V_SHAPED:
+        return [rank, 2 * K - 1 - rank]
+    return [s for s in range(K * v) if s % K == rank]
+
+
+def _n_stages(kind, K, a):
+    return 2 * K if kind in V_SHAPED else K * (a.chunks if kind == "interleaved" else 1)
+
+
+def _config(a):
+    from ..model import GPTConfig
+    return GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
+
+
+def _single_device(a, corpus, device):
+    """Adam on one device: per-step train loss and final validation loss."""
+    from tqdm import tqdm
+
+    from ..model import GPT
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # like each rank; avoids slow multi-thread warm-up on small CPUs
+    try:
+        model = GPT(_config(a), seed=a.seed).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+        losses, t0 = [], time.perf_counter()
+        for step in tqdm(range(a.steps), desc="single device", leave=False, disable=None):
+            x, y = (t.to(device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        train_time = time.perf_counter() - t0
+        with torch.no_grad():
+            val = model(*(t.to(device) for t in corpus.get_batch("val", a.batch, a.seq, 0, a.seed))).item()
+    finally:
+        torch.set_num_threads(n)
+    return {"losses": losses, "val": val, "tokens_per_s": a.steps * a.batch * a.seq / train_time}
+
+
+def _rank_train(ctx, a, kind, corpus):
+    """One rank of a pipeline run. Returns losses (last stage), timelines, peaks, timing."""
+    from tqdm import tqdm
+
+    from ..model import GPT, lm_loss
+    from ..pipeline import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                            ScheduleZBH1, ScheduleZBVZeroBubble)
+    from ..pipeline.stages import gpt_param_name, split_gpt
+    from .verdict import Lockstep, module_pieces
+
+    K = ctx.world_size
+    v = a.chunks if kind == "interleaved" else 1
+    ids = _stage_ids(kind, K, ctx.rank, v)
+    S = _n_stages(kind, K, a)
+    mods = [m.to(ctx.device) for m in split_gpt(GPT(_config(a), seed=a.seed), S, ids)]
+    stages = [PipelineStage(m, s, S, ctx.device, group=ctx.group) for m, s in zip(mods, ids)]
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+           "zb-h1": ScheduleZBH1, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[kind]
+    multi = kind == "interleaved" or kind in V_SHAPED
+    sched = cls(stages if multi else stages[0], a.microbatches, lm_loss, cost_model=_cost_model(a))
+    opt = torch.optim.Adam([p for m in mods for p in m.parameters()], lr=a.lr)
+    ref = GPT(_config(a), seed=a.seed).to(ctx.device) if ctx.rank == 0 else None
+
+    def ref_loss(model, step, extras):  # the reference's loss on step's whole batch (rank 0)
+        return model(*(t.to(ctx.device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed)))
+    check = Lockstep(ctx.group, ctx.rank, ref, ref_loss, rtol=a.tolerance, atol=a.tolerance / 10)
+    losses, timelines, step_time = [], [], 0.0
+    # rank 0 only, and only on a terminal (disable=None: tqdm turns itself off when stderr is not a TTY)
+    bar = tqdm(range(a.steps), desc=f"{kind} K={K}", leave=False, disable=None if ctx.rank == 0 else True)
+    for step in bar:
+        x, y = (t.to(ctx.device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
+        mb_losses: list = []
+        t0 = time.perf_counter()
+        sched.step(x, target=y, losses=mb_losses)
+        elapsed = time.perf_counter() - t0
+        loss = torch.stack(mb_losses).mean().item() if mb_losses else None
+        # the verdict: loss and gradients against the reference at these parameters (not timed)
+        check.step(step, [p for m in mods for p in module_pieces(m, lambda n, m=m: gpt_param_name(m, n))], loss)
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step > 0:  # the first step also infers the activation shapes
+            step_time += elapsed + time.perf_counter() - t0
+        if loss is not None:
+            losses.append(loss)
+        if step >= min(max(1, a.steps - 5), a.steps - 1):  # step 0 only when it is the only one
+            timelines.append([tuple(t) for t in sched.timeline])
+    val_losses: list = []
+    x, y = (t.to(ctx.device) for t in corpus.get_batch("val", a.batch, a.seq, 0, a.seed))
+    sched.step(x, target=y, losses=val_losses, forward_only=True)
+    return {"losses": losses, "val": torch.stack(val_losses).mean().item() if val_losses else None,
+            "timelines": timelines, "peak": dict(sched.peak_in_flight), "step_time": step_time,
+            "timed_steps": a.steps - 1, "verdict": check.result()}
+
+
+def _analyse(a, kind, K, results, single):
+    """Numbers for one schedule's table row, from the per-rank results."""
+    from ..pipeline import TimedAction, bubble_formula, bubble_fraction, simulate
+    from ..pipeline.schedules import Action, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
+    if kind in ZERO_BUBBLE:
+        return _analyse_zero_bubble(a, kind, K, results, single)
+    v = a.chunks if kind == "interleaved" else 1
+    M = a.microbatches
+    last = results[K - 1]
+    n_tl = len(results[0]["timelines"])
+    measured, tls = [], []
+    for i in range(n_tl):
+        tl = {r: [TimedAction(Action(*act), s, e) for act, s, e in results[r]["timelines"][i]] for r in range(K)}
+        tls.append(tl)
+        measured.append(float(bubble_fraction(tl, K)))
+    # mean measured F and B time per stage, then simulate the schedule with them
+    sums: dict = {}
+    for tl in tls:
+        for r in tl:
+            for t in tl[r]:
+                if t.action.kind in ("F", "B"):
+                    acc = sums.setdefault((t.action.kind, t.action.stage), [0.0, 0])
+                    acc[0] += t.end - t.start
+                    acc[1] += 1
+    fwd = [sums[("F", s)][0] / sums[("F", s)][1] for s in range(K * v)]
+    bwd = [sums[("B", s)][0] / sums[("B", s)][1] for s in range(K * v)]
+    build = {"gpipe": lambda: gpipe_schedule(K, M), "1f1b": lambda: one_f_one_b_schedule(K, M),
+             "interleaved": lambda: interleaved_schedule(K, M, v)}[kind]
+    sim = simulate(build(), forward=fwd, backward=bwd)
+    peak = {}
+    for r in results:
+        peak.update(r["peak"])
+    curve = max(abs(p - q) for p, q in zip(last["losses"], single["losses"]))  # drifts: shown, not judged
+    tokens = results[0]["timed_steps"] * a.batch * a.seq
+    return {
+        "schedule": kind if v == 1 else f"{kind} v={v}", "train": last["losses"][-1], "val": last["val"],
+        "curve": curve, "verdict": results[0]["verdict"], "bubble": sum(measured) / len(measured),
+        "formula": float(bubble_formula(K, M, v)),
+        "sim": float(sim.bubble_fraction), "peak": [peak[s] for s in sorted(peak)],
+        "tokens_per_s": tokens / results[0]["step_time"] if tokens else float("nan"),  # nan: no timed step
+        "timeline": tls[-1], "losses": last["losses"],
+    }
+
+
+def _mean_times(tls, S):
+    """Mean measured duration per (kind, stage) over the timelines, as {kind: [per stage]}."""
+    sums: dict = {}
+    for tl in tls:
+        for r in tl:
+            for t in tl[r]:
+                if t.action.kind in ("F", "B", "I", "W"):
+                    acc = sums.setdefault((t.action.kind, t.action.stage), [0.0, 0])
+                    acc[0] += t.end - t.start
+                    acc[1] += 1
+    out = {}
+    for kind in ("F", "B", "I", "W"):
+        if all((kind, s) in sums for s in range(S)):
+            out[kind] = [sums[(kind, s)][0] / sums[(kind, s)][1] for s in range(S)]
+    return out
+
+
+def _analyse_zero_bubble(a, kind, K, results, single):
+    """The table row of a zero-bubble schedule: measured bubble; the formula's, from the
+    measured mean T_F, T_I, T_W (where the formula is exact for them, else nan); the
+    simulator's with the measured per-stage times."""
+    from ..pipeline import TimedAction, bubble_fraction, dualpipev_overlapped, simulate
+    from ..pipeline.schedules import Action
+    from ..pipeline.zero_bubble import bubble_time_formula, dualpipev_schedule, zb_h1_schedule, zbv_schedule
+    M, S = a.microbatches, _n_stages(kind, K, a)
+    last = results[0] if kind in V_SHAPED else results[K - 1]  # V: the last stage is on rank 0
+    tls = [{r: [TimedAction(Action(*act), s, e) for act, s, e in results[r]["timelines"][i]] for r in range(K)}
+           for i in range(len(results[0]["timelines"]))]
+    measured = [float(bubble_fraction(tl, K)) for tl in tls]
+    times = _mean_times(tls, S)
+    mean = {k: sum(v) / len(v) for k, v in times.items()}
+    f, i, w = mean["F"], mean.get("I", 0.0), mean.get("W", 0.0)
+    build = {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}[kind]
+    sim = simulate(build(K, M), forward=times["F"], backward=times.get("B", [i + w] * S),
+                   backward_input=times.get("I"), backward_weight=times.get("W"),
+                   overlapped=dualpipev_overlapped(K, M) if kind == "dualpipev" else None)
+    chunks = 2 if kind in V_SHAPED else 1
+    work = chunks * M * (f + i + w)
+    exact = {"zb-h1": lambda: w <= min(f, i) * 1.15, "zbv": lambda: M >= 2 * K - 1,  # zbv: exact for any costs
+             "dualpipev": lambda: abs(f - i) <= 0.15 * max(f, i) and w <= i * 1.15}[kind]()
+    if exact:
+        name = kind
+        fi = (f + i) / 2 if kind == "dualpipev" else None
+        t = bubble_time_formula(name, K, fi or f, fi or i, w)
+        formula = t / (work + t)
+    else:
+        formula = float("nan")
+    peak = {}
+    for r in results:
+        peak.update(r["peak"])
+    curve = max(abs(p - q) for p, q in zip(last["losses"], single["losses"]))  # drifts: shown, not judged
+    tokens = results[0]["timed_steps"] * a.batch * a.seq
+    return {
+        "schedule": kind, "train": last["losses"][-1], "val": last["val"], "curve": curve,
+        "verdict": results[0]["verdict"],
+        "bubble": sum(measured) / len(measured), "formula": formula, "sim": float(sim.bubble_fraction),
+        "peak": [peak[s] for s in sorted(peak)],
+        "tokens_per_s": tokens / results[0]["step_time"] if tokens else float("nan"),
+        "timeline": tls[-1], "losses": last["losses"],
+    }
+
+
+def _save_plots(folder: Path, rows, single, K):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..pipeline.plot import plot_timeline
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 2.2 * len(rows) + 0.5), squeeze=False)
+    for ax, row in zip(axes[:, 0], rows):
+        plot_timeline(row["timeline"], ax=ax, title=f"{row['schedule']} (measured, K={K}), last step",
+                      note=f"table: mean of the last steps {row['bubble']:.1%}", unit="s")
+    fig.tight_layout()
+    fig.savefig(folder / "timelines.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(single["losses"], label="single device", linewidth=3, alpha=0.4, color="black")
+    for row in rows:
+        ax.plot(row["losses"], label=row["schedule"], linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "loss_curves.png", dpi=110)
+    plt.close(fig)
+
+
+
+def main(argv=None) -> int:
+    from ..data import Corpus
+    from ..dist import choose_backend, in_torchrun, launch
+    from ..pipeline import ScheduleError, check_pipeline_sizes
+    from ..pipeline.stages import stage_layers
+
+    a = _parser().parse_args(argv)
+    torchrun = in_torchrun()
+    is_main = is_main_rank()
+    if torchrun:
+        K = int(os.environ["WORLD_SIZE"])
+        if a.world_size not in (None, K) and is_main:
+            print(f"note: --world-size {a.world_size} ignored under torchrun: K = WORLD_SIZE = {K}", file=sys.stderr)
+    else:
+        K = 4 if a.world_size is None else a.world_size
+    kinds = list(dict.fromkeys(k for name in a.schedule for k in GROUPS.get(name, (name,))))
+    bad = _bad_args(a, K)
+    if bad:
+        return error(bad)
+    try:  # every size error before any process starts
+        for kind in kinds:
+            v = a.chunks if kind == "interleaved" else 1
+            check_pipeline_sizes(K, a.microbatches, v)
+            stage_layers(a.layers, _n_stages(kind, K, a), 0)
+            if kind in ZERO_BUBBLE:  # their own rules, e.g. DualPipeV's M >= 2K
+                from ..pipeline.zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
+                {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}[kind](K, a.microbatches)
+        if a.batch % a.microbatches:
+            raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
+    except ScheduleError as e:
+        return error(str(e))
+    bad = _bad_memory(a, K)
+    if bad:
+        return error(bad)
+    try:  # a bad --data path: a clear message before any process starts
+        corpus = Corpus.load(a.data, block_size=a.seq)
+    except (OSError, ValueError) as e:
+        return error(str(e))
+    if is_main:
+        print(f"pipeline lab: GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq} tokens, {a.steps} Adam steps "
+              f"(lr {a.lr}), K={K} ranks, M={a.microbatches}, data: {corpus.source}")
+    try:
+        backend = choose_backend(K, a.backend)
+    except ValueError as e:
+        return error(str(e))
+    # the reference runs where the ranks run: CPU for gloo, the first GPU for NCCL
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    single = _single_device(a, corpus, device) if is_main else None
+    rows = []
+    for kind in kinds:
+        results = launch(_rank_train, K, a, kind, corpus, backend=a.backend, timeout=60)
+        if is_main:
+            rows.append(_analyse(a, kind, K, results, single))
+    if not is_main:
+        return 0
+    folder = run_folder(a.out, "pipeline")
+    _save_plots(folder, rows, single, K)
+    traces = []
+    if a.trace:
+        from ..pipeline.trace import write_chrome_trace
+        for row in rows:
+            traces.append(write_chrome_trace(folder / f"trace-{row['schedule'].replace(' ', '')}.json",
+                                             {f"{row['schedule']} (measured, last step)": row["timeline"]}))
+        if len(rows) > 1:  # every schedule side by side, one Perfetto process each
+            traces.append(write_chrome_trace(folder / "trace-all.json",
+                                             {f"{row['schedule']} (measured, last step)": row["timeline"]
+                                              for row in rows}))
+    head = (f"{'schedule':<16} {'train':>7} {'val':>7} {'curve gap':>10} {'bubble':>7} {'formula':>8} "
+            f"{'sim':>6} {'peak in flight/stage':<24} {'tokens/s':>9}")
+    print(head)
+    print("-" * len(head))
+    print(f"{'single device':<16} {single['losses'][-1]:>7.4f} {single['val']:>7.4f} {'-':>10} {'':>7} {'':>8} "
+          f"{'':>6} {'':<24} {single['tokens_per_s']:>9.0f}")
+    for r in rows:
+        print(f"{r['schedule']:<16} {r['train']:>7.4f} {r['val']:>7.4f} {r['curve']:>10.1e} {r['bubble']:>7.1%} "
+              f"{r['formula']:>8.1%} {r['sim']:>6.1%} {str(r['peak']):<24} {r['tokens_per_s']:>9.0f}")
+    if a.cost_model is not None:
+        print(f"cost model: every F, I, W lasts at least {a.cost_model} ms (B = I + W), sleeping the rest; the bubble "
+              f"then shows the schedule rather than ranks waiting for a core. Run without --cost-model for the "
+              f"real-compute measurement.")
+    else:
+        print("real compute: the times are what the ranks measured (no cost model).")
+    if any(r["schedule"] in ZERO_BUBBLE for r in rows):
+        print("zero-bubble formulas: zb-h1 (K-1)(T_F+T_I-T_W), zbv (K-1)T_F for T_F=T_I=T_W and for any costs the "
+              "maximum of labkit.pipeline.zbv_bubble_terms (M >= 2K-1), dualpipev (K-1)(F&B+B-3W) with F&B=F+B, "
+              "from the measured mean T_F, T_I, T_W (nan: not exact for them).")
+    print(f"\ntrain loss {loss_change(single['losses'][0], single['losses'][-1])}. "
+          f"curve gap: largest |loss difference| between the two separate trainings (shown, not judged). "
+          f"bubble: measured from the runtime's timeline (mean of the last steps); formula (K-1)/(vM+K-1); "
+          f"sim = simulator with the measured mean F/B time per stage and free communication.")
+    cores = os.cpu_count() or 1
+    if backend == "gloo" and K > cores:
+        print(f"note: {K} ranks share {cores} CPU cores, so a rank often waits for a core; the measured bubble "
+              f"and F/B times include that wait.")
+    print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
+    for t in traces:
+        print(f"trace (open in https://ui.perfetto.dev): {t}")
+    return verdict_exit({r["schedule"]: r["verdict"] for r in rows}, reference_losses=single["losses"])
+
+
+if __name__ == "__main__":
+    from . import run_cli
+    sys.exit(run_cli(main))

@@ -1,0 +1,423 @@
+"""Lab: 3D parallelism, TP x PP x DP on one process grid, proved equal to one device.
+
+    python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved]
+                            [--chunks v] [--microbatches M] [--zero] [--tied] [--steps N] [--data PATH]
+    torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
+
+Megatron-LM's recipe (Narayanan et al. 2021, sec. 3.3): N = t * p * d devices; TP inside a node
+(the all-reduces of every layer need the fastest links), PP across nodes (one activation per
+microbatch and stage boundary), t * p just large enough for the model to fit, then DP to scale.
+The GPT is built from the reference GPT's weights on the grid (:class:`labkit.parallel.ParallelGPT`)
+and trained on the default corpus with Adam; the same training runs once on a single device.
+
+Printed: one table per axis (collectives and bytes per step counted on each rank next to the
+formula: TP all-reduces, PP sends, DP all-reduce or reduce-scatter/all-gather, the tied
+embedding's all-reduce), the measured pipeline bubble next to (p-1)/(vM+p-1), the share of the
+DP all-reduce time hidden behind backward, peak parameter/gradient/optimizer bytes per rank and
+tokens per second; then the verdict of :mod:`labkit.labs.verdict` (every step, loss and every
+gradient against the single-device model at the same parameters). Exit status 1 when the verdict
+or a count fails. Saved under ``runs/3d-<time>/``: ``loss_curves.png``, ``rank_grid.png``
+(which rank holds which layers and which shard), ``losses.csv``.
+
+For the planner: :func:`run_3d` returns the measured data without printing: per rank
+``memory`` (``{"params", "grads", "optimizer"}`` bytes), ``comm`` (per step, ``{axis: {kind:
+(count, bytes)}}`` counted by :class:`labkit.comm.CommLog`), ``wire`` (per step, ``{axis: bytes
+sent}`` under the ring algorithms), ``expected`` (the counts from the formulas), ``overlap``,
+``bubble`` and the loss curves.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..cliparse import Parser
+from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
+               bad_lr, error, is_main_rank, run_folder, schedule_name)
+from .verdict import add_tolerance_option
+
+TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
+
+
+def _parser():
+    p = Parser(prog="python -m labkit lab 3d", formatter_class=HelpFormatter, description=TITLE)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree t (ranks of a node)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree p")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel degree d (unset: 2; under torchrun WORLD_SIZE / (t*p))")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
+                   type=schedule_name,
+                   help="pipeline schedule (zb-h1, zbv, dualpipev: zero-bubble, backward split into I and W; "
+                        "aliases: zbh1 = zb-h1, zb-v = zbv)")
+    p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank (interleaved; zbv/dualpipev: 2)")
+    p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
+    p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
+    p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--bucket-cap-mb", type=float, default=0.02, help="DDP bucket size (MiB)")
+    p.add_argument("--steps", type=int, default=12, help="Adam steps")
+    p.add_argument("--batch", type=int, default=16, help="global batch B (sequences), divisible by d*M")
+    p.add_argument("--seq", type=int, default=32, help="tokens per sequence S")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks L, divisible by p*v")
+    p.add_argument("--embd", type=int, default=32, help="hidden size H")
+    p.add_argument("--heads", type=int, default=4, help="attention heads, divisible by t")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
+    add_tolerance_option(p)
+    p.add_argument("--out", default="runs", help="folder for the run folder")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    return p
+
+
+def _library_schedule(a) -> str:
+    """labkit.parallel's name of ``--schedule`` (it spells ZB-H1 ``zbh1``; the labs ``zb-h1``)."""
+    return {"zb-h1": "zbh1"}.get(a.schedule, a.schedule)
+
+
+def _v(a) -> int:
+    """Chunks per rank: --chunks for interleaved, 2 for the V-shaped schedules, else 1."""
+    return a.chunks if a.schedule == "interleaved" else 2 if a.schedule in ("zbv", "dualpipev") else 1
+
+
+def _bubble_formula(a) -> float:
+    """Idle fraction from the formulas with equal costs per stage (T_F = T_I = T_W = 1, T_B = 2):
+    bubble time / (ideal time v*M*(T_F + T_B) + bubble time). GPipe/1F1B/interleaved:
+    (p-1)/(vM+p-1) (Narayanan et al. 2021); zero-bubble: :func:`labkit.pipeline.bubble_time_formula`."""
+    from ..pipeline import bubble_formula, bubble_time_formula
+    p, M, v = a.pp, a.microbatches, _v(a)
+    if a.schedule in ("gpipe", "1f1b", "interleaved"):
+        return float(bubble_formula(p, M, v))
+    bubble = float(bubble_time_formula(a.schedule, p))
+    return bubble / (v * M * 3 + bubble)
+
+
+def _config(a):
+    from ..model import GPTConfig
+    return GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq,
+                     share_embeddings_and_output_weights=a.tied)
+
+
+def _bad_args(a, world) -> str | None:
+    """The first rule the options break, as one message naming the values; None if all are fine."""
+    for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--chunks", a.chunks),
+                        ("--microbatches", a.microbatches), ("--steps", a.steps), ("--batch", a.batch),
+                        ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    bad = (bad_lr(a.lr) or bad_number("--tolerance", a.tolerance)
+           or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
+    if bad:
+        return bad
+    try:
+        cfg = _config(a)
+        from ..parallel import check_layout
+        v = _v(a)
+        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, _library_schedule(a))
+    except ValueError as e:
+        return str(e)
+    from ..model import GPT
+    # every rank builds the full reference (4 bytes/param each) and keeps its shard with Adam (16 in
+    # all); rank 0's reference (8) and the verdict's gathered copies (24); activations: the whole
+    # batch in flight over the ranks, plus the reference's
+    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * world + 48,
+                      activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
+                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} ({world} ranks)",
+                      ranks=world)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _worker(ctx, a, corpus):
+    from ..comm import CommLog
+    from ..dist import make_grid
+    from ..model import GPT
+    from ..parallel import ParallelGPT
+    from ..pipeline.stages import gpt_param_name
+    from .verdict import Lockstep, sharded_pieces
+
+    torch.manual_seed(a.seed)
+    v = _v(a)
+    grid = make_grid(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
+    cfg = _config(a)
+    pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, _library_schedule(a), a.microbatches, v=v, zero=a.zero,
+                     bucket_cap_mb=a.bucket_cap_mb)
+    opt = pg.make_optimizer("adam", a.lr)
+    ref = GPT(cfg, seed=a.seed).to(ctx.device) if ctx.rank == 0 else None
+
+    def batch(step):
+        return corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
+
+    def ref_loss(model, step, extras):
+        x, y = batch(step)
+        return model(x.to(ctx.device), y.to(ctx.device))
+
+    check = Lockstep(ctx.group, ctx.rank, reference=ref, loss_fn=ref_loss, rtol=a.tolerance, atol=a.tolerance / 10)
+
+    def pieces():
+        out = []
+        for m in pg.modules:
+            def rename(n, m=m):
+                name = gpt_param_name(m, n)
+                # tied, p > 1: the last stage's copy is the reference's one matrix
+                return "embedding.wte.weight" if pg.tied and name == "head.lm_head.weight" else name
+            out += sharded_pieces(m, grid.tp_rank, grid.tp, rename)
+        return out
+
+    wire = []
+    losses, comm, seconds, overlaps, timelines, peak_mem = [], [], 0.0, [], [], {"params": 0, "grads": 0,
+                                                                                     "optimizer": 0}
+    for step in range(a.steps):
+        x, y = batch(step)
+        pg.zero_grad()
+        t0 = time.perf_counter()
+        with CommLog() as log:
+            loss = pg.train_step(x, y)
+            if a.zero and grid.dp > 1:
+                opt.reduce_gradients()
+        t_bwd = time.perf_counter() - t0
+        if a.zero and grid.dp > 1:
+            opt.gather_gradients()          # inspection only, outside the counted window
+        check.step(step, pieces(), loss=loss)
+        t1 = time.perf_counter()
+        with CommLog() as log2:
+            opt.step()
+        t_opt = time.perf_counter() - t1
+        if step >= 1:
+            seconds += t_bwd + t_opt        # step 0 is warm-up (shape messages), not timed
+        comm.append(pg.comm_by_axis(log.records + log2.records))
+        wire.append(pg.wire_by_axis(log.records + log2.records))
+        losses.append(loss)
+        overlaps.append(pg.dp_overlap())
+        timelines.append([(tuple(e.action), e.start, e.end) for e in pg.schedule.timeline])
+        mem = pg.memory()
+        peak_mem = {k: max(peak_mem[k], mem[k]) for k in mem}
+    res = {"rank": ctx.rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank, "pp_rank": grid.pp_rank,
+           "last": pg.has_last_stage, "losses": losses, "comm": comm, "wire": wire,
+           "expected": pg.expected_comm(a.batch, a.seq),
+           "seconds": seconds, "overlap": overlaps, "memory": peak_mem,
+           "timelines": timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
+           "verdict": check.result(), "device": str(ctx.device), "backend": ctx.backend}
+    return res
+
+
+def _single(a, corpus):
+    """The same training on one device (one CPU thread, like each rank): loss curve and time."""
+    from ..model import GPT
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = GPT(_config(a), seed=a.seed)
+        opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+        losses, seconds = [], 0.0
+        for step in range(a.steps):
+            x, y = corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            if step >= 1:
+                seconds += time.perf_counter() - t0
+            losses.append(loss.item())
+        return {"losses": losses, "seconds": seconds}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_3d(a, corpus=None) -> dict:
+    """Run the lab's training (no printing, no files). ``a``: the parsed options (see
+    ``python -m labkit lab 3d --help``; ``parse_args([...])`` builds them). Returns ``{"ranks":
+    [per-rank dict], "single": {...}, "losses": [global-batch loss per step], "bubble":
+    (measured, formula), "overlap": mean DP share hidden}``; each rank's dict holds ``memory``
+    (peak bytes of params / grads / optimizer state), ``comm`` (list per step of ``{axis: {kind:
+    (count, bytes)}}``), ``expected`` (formula, one step), ``seconds`` (timed steps), ``verdict``
+    (rank 0: :class:`labkit.labs.verdict.LockstepResult`)."""
+    from ..data import Corpus
+    from ..dist import in_torchrun, launch
+    from ..pipeline import TimedAction, bubble_fraction
+    from ..pipeline.schedules import Action
+    corpus = corpus if corpus is not None else Corpus.load(a.data)
+    world = a.tp * a.pp * a.dp
+    ranks = launch(_worker, world, a, corpus, backend=a.backend, timeout=120)
+    single = _single(a, corpus) if not in_torchrun() or int(os.environ["RANK"]) == 0 else None
+    pipe = sorted((r for r in ranks if r["timelines"] is not None), key=lambda r: r["pp_rank"])
+    measured = []
+    for i in range(1, a.steps) if a.steps > 1 else [0]:
+        tl = {r["pp_rank"]: [TimedAction(Action(*act), s, e) for act, s, e in r["timelines"][i]] for r in pipe}
+        measured.append(float(bubble_fraction(tl, a.pp)))
+    losses = []
+    for step in range(a.steps):
+        ls = [r["losses"][step] for r in ranks if r["last"] and r["tp_rank"] == 0]
+        losses.append(sum(ls) / len(ls))
+    ov = [o for r in ranks for o in r["overlap"][1:] if o == o] if a.dp > 1 and not a.zero else []
+    return {"ranks": ranks, "single": single, "losses": losses,
+            "bubble": (sum(measured) / len(measured), _bubble_formula(a)),
+            "overlap": sum(ov) / len(ov) if ov else float("nan")}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _mib(b):
+    return b / 2**20
+
+
+def _axis_table(a, out) -> tuple[list[str], bool]:
+    """Lines of the per-axis table (max over ranks of the per-step counts, steps after the first)
+    and whether every rank's counts equal the formula at every timed step."""
+    ranks = out["ranks"]
+    ok = all(c == r["expected"] for r in ranks for c in r["comm"][1:])
+    rows = []
+    labels = {"tp": f"TP (t={a.tp})", "pp": f"PP (p={a.pp})", "dp": f"DP (d={a.dp})", "embedding": "embedding"}
+    kinds = sorted({(ax, k) for r in ranks for ax in r["expected"] for k in r["expected"][ax]},
+                   key=lambda x: (list(labels).index(x[0]), x[1]))
+    head = f"{'axis':<12}{'collective':<16}{'count/step':>11}{'(formula)':>10}{'MiB/step':>10}{'(formula)':>10}  ranks"
+    rows += [head, "-" * len(head)]
+    for ax, k in kinds:
+        meas = [r["comm"][-1].get(ax, {}).get(k, (0, 0)) for r in ranks]
+        exp = [r["expected"].get(ax, {}).get(k, (0, 0)) for r in ranks]
+        i = max(range(len(ranks)), key=lambda j: exp[j][1])
+        n_ranks = sum(1 for e in exp if e[0])
+        rows.append(f"{labels[ax]:<12}{k:<16}{meas[i][0]:>11d}{exp[i][0]:>10d}{_mib(meas[i][1]):>10.3f}"
+                    f"{_mib(exp[i][1]):>10.3f}  {n_ranks} of {len(ranks)}")
+    axes = [ax for ax in labels if any(ax in r["wire"][-1] for r in ranks)]
+    sent = ", ".join(f"{labels[ax]} {_mib(max(r['wire'][-1].get(ax, 0) for r in ranks)):.3f}" for ax in axes)
+    rows.append(f"MiB sent per step on the wire (ring algorithms, busiest rank): {sent}")
+    return rows, ok
+
+
+def _plots(a, out, folder: Path):
+    from matplotlib.figure import Figure
+    from ..parallel import layout
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(range(1, a.steps + 1), out["single"]["losses"], label="single device")
+    ax.plot(range(1, a.steps + 1), out["losses"], "--", label=f"t={a.tp} x p={a.pp} x d={a.dp}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title("3D parallelism vs one device (two separate Adam trainings)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "loss_curves.png", dpi=110)
+
+    from ..parallel.gpt import placement_of
+    v = _v(a)
+    cells = layout(_config(a), a.tp, a.pp, a.dp, v, placement_of(a.schedule))
+    cols = a.dp * a.tp
+    fig = Figure(figsize=(max(5.0, 1.9 * cols), max(2.4, 1.3 * a.pp + 0.8)))
+    ax = fig.add_subplot(1, 1, 1)
+    colors = ["#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd"]
+    for c in cells:
+        x, y = c["dp_rank"] * a.tp + c["tp_rank"], a.pp - 1 - c["pp_rank"]
+        ax.add_patch(__import__("matplotlib.patches", fromlist=["Rectangle"]).Rectangle(
+            (x + 0.04, y + 0.06), 0.92, 0.88, facecolor=colors[c["pp_rank"] % len(colors)], edgecolor="black"))
+        extra = ("+emb " if c["embedding"] else "") + ("+head" if c["head"] else "")
+        text = (f"rank {c['rank']}\nlayers {','.join(map(str, c['layers']))} {extra}\n"
+                f"{c['shard'] if a.tp > 1 else 'all heads, vocab'}"
+                + (f"\nAdam shard {c['dp_rank'] + 1}/{a.dp}" if a.zero and a.dp > 1 else ""))
+        ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7)
+    for d in range(1, a.dp):
+        ax.axvline(d * a.tp, color="black", lw=2.5)
+    ax.set_xlim(0, cols)
+    ax.set_ylim(0, a.pp)
+    ax.set_xticks([i + 0.5 for i in range(cols)], [f"d{i // a.tp} t{i % a.tp}" for i in range(cols)], fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(a.pp)], [f"pipeline rank {a.pp - 1 - i}" for i in range(a.pp)], fontsize=8)
+    ax.set_title(f"rank grid: TP inside (neighbouring ranks), DP across (thick lines), PP rows "
+                 f"({a.schedule}, v={v})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(folder / "rank_grid.png", dpi=110)
+
+
+def parse_args(argv):
+    return _parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..dist import in_torchrun
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    if in_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if a.tp < 1 or a.pp < 1 or world % (a.tp * a.pp):
+            return error(f"--tp {a.tp} * --pp {a.pp} must divide WORLD_SIZE={world}")
+        if a.dp is not None and a.dp * a.tp * a.pp != world and is_main_rank():
+            print(f"note: --dp {a.dp} ignored under torchrun: d = WORLD_SIZE / (t*p) = {world // (a.tp * a.pp)}",
+                  file=sys.stderr)
+        a.dp = world // (a.tp * a.pp)
+    else:
+        a.dp = 2 if a.dp is None else a.dp
+        world = a.tp * a.pp * a.dp
+    bad = _bad_args(a, world)
+    if bad:
+        return error(bad)
+    from ..data import Corpus
+    try:
+        corpus = Corpus.load(a.data)
+        corpus.get_batch("train", 1, a.seq)
+    except (OSError, ValueError) as e:
+        return error(str(e))
+    t_start = time.perf_counter()
+    out = run_3d(a, corpus)
+    if not is_main_rank():
+        return 0
+    from .verdict import verdict_exit
+    v = _v(a)
+    ranks = out["ranks"]
+    print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
+          f"on t={a.tp} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0]['backend']}), {a.schedule}"
+          f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}, "
+          f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
+    rows, counts_ok = _axis_table(a, out)
+    print("\nCommunication per step and rank (the busiest rank; payload bytes as counted by labkit.comm):")
+    print("\n".join(rows))
+    print("formulas: TP 4 all-reduces of b*S*H per block per microbatch (+1 embedding, +1 output layer, +3 of b*S "
+          "cross-entropy); PP 1 send of b*S*H per microbatch and boundary each way; DP one all-reduce per bucket of "
+          "the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an all-gather "
+          "of n/d; b = B/(d*M).")
+    meas, formula = out["bubble"]
+    name = "(p-1)/(vM+p-1)" if a.schedule in ("gpipe", "1f1b", "interleaved") else "(T_F = T_I = T_W)"
+    print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "
+          f"formula {name} = {formula:.1%}")
+    if len(ranks) > (os.cpu_count() or 1):
+        print(f"note: {len(ranks)} ranks share {os.cpu_count()} CPU cores, so a rank often waits for a core; the "
+              f"measured bubble includes that wait")
+    if a.dp > 1 and not a.zero:
+        print(f"DP all-reduce time hidden behind backward: {out['overlap']:.0%} (buckets of {a.bucket_cap_mb:g} MiB, "
+              f"started from gradient hooks)")
+    mem = [r["memory"] for r in ranks]
+    print(f"\n{'per rank (peak)':<18}{'params MiB':>11}{'grads MiB':>11}{'optimizer MiB':>15}")
+    for key in ("max", "min"):
+        f = max if key == "max" else min
+        print(f"{key:<18}{_mib(f(m['params'] for m in mem)):>11.3f}{_mib(f(m['grads'] for m in mem)):>11.3f}"
+              f"{_mib(f(m['optimizer'] for m in mem)):>15.3f}")
+    tokens = a.batch * a.seq * (a.steps - 1)
+    par_s = max(r["seconds"] for r in ranks)
+    one_s = out["single"]["seconds"]
+    if a.steps > 1:
+        print(f"\ntokens/s: {tokens / par_s:,.0f} on {len(ranks)} ranks vs {tokens / one_s:,.0f} on one device "
+              f"(one CPU thread each; {os.cpu_count()} cores here)")
+    print(f"lab time: {time.perf_counter() - t_start:.1f} s")
+    folder = run_folder(a.out, "3d")
+    with open(folder / "losses.csv", "w") as f:
+        f.write("step,single,3d\n")
+        for i in range(a.steps):
+            f.write(f"{i},{out['single']['losses'][i]:.7f},{out['losses'][i]:.7f}\n")
+    if not a.no_plots:
+        _plots(a, out, folder)
+        print(f"plots: {folder / 'loss_curves.png'}, {folder / 'rank_grid.png'}")
+    status = verdict_exit({f"t{a.tp} p{a.pp} d{a.dp} {a.schedule}": ranks[0]["verdict"]},
+                          reference_losses=out["single"]["losses"])
+    if not counts_ok:
+        print("FAIL: the counted collectives differ from the formula (table above)", file=sys.stderr)
+        status = 1
+    return status
+
+
+if __name__ == "__main__":
+    from . import run_cli
+    sys.exit(run_cli(main))

@@ -1,0 +1,385 @@
+"""3D parallelism: one GPT on a ProcessGrid with TP inside pipeline stages and DP across.
+
+Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters", sec. 2-3): the N = t * p * d GPUs are a grid. Rank order (``labkit.dist.make_grid``):
+TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP outermost,
+``rank = pp_rank * (d * t) + dp_rank * t + tp_rank``. On each rank:
+
+* the model is cut by layers into ``p * v`` pipeline stages (stage i on pipeline rank i % p,
+  :mod:`labkit.pipeline.stages`); stage 0 also holds the embedding, the last stage the head;
+* inside each stage every layer is Megatron's tensor-parallel version over the TP group
+  (:mod:`labkit.tensor_parallel`): vocab-parallel embedding, head-split attention, column/row
+  MLP, column-parallel output layer and vocab-parallel cross-entropy;
+* the stages exchange activations and gradients with any labkit schedule (GPipe, 1F1B,
+  interleaved 1F1B, and the zero-bubble ZB-H1, ZB-V and DualPipeV whose backward is split into
+  I and W: :mod:`labkit.pipeline.runtime`) over the pipeline group, which holds the
+  ranks with the same (dp_rank, tp_rank): TP rank j of stage s sends to TP rank j of stage s+1;
+* each stage is wrapped in :class:`labkit.data_parallel.DistributedDataParallel` over the DP
+  group (same pp_rank and tp_rank): gradients are averaged in the stage's last backward of the
+  step, overlapped with it; or, with ``zero=True``, the optimizer is
+  :class:`labkit.data_parallel.ZeroRedundancyOptimizer` over the DP group.
+
+Global batch B: DP rank r takes rows ``r*B/d .. (r+1)*B/d - 1`` and the pipeline splits them into
+M microbatches of ``b = B/(d*M)`` sequences; the loss is scaled by 1/M once (in the pipeline
+runtime) and averaged over d once (in DDP or ZeRO), so the gradient is that of the global-batch
+mean, as on one device.
+
+Tied embeddings (``GPTConfig.share_embeddings_and_output_weights``): with p = 1 the stage holds
+one matrix; with p > 1 the first and the last stage each hold a copy and, after backward,
+all-reduce its gradient over their *embedding group* (the two ranks with the same dp and tp
+rank; Megatron-LM's rule, Shoeybi et al. 2019 and ``megatron/core/distributed/finalize_model_grads``).
+
+What the planner reads (helper functions returning data, no printing):
+
+* :meth:`ParallelGPT.memory` -> ``{"params", "grads", "optimizer"}``: bytes held on this rank
+  (parameters, their ``.grad``, per-element optimizer state);
+* :meth:`ParallelGPT.comm_by_axis` (records of a :class:`labkit.comm.CommLog`) ->
+  ``{axis: {kind: (count, bytes)}}`` for axes ``"tp"``, ``"pp"``, ``"dp"``, ``"embedding"``;
+* :meth:`ParallelGPT.wire_by_axis` -> ``{axis: bytes sent under the ring algorithms}``;
+* :meth:`ParallelGPT.expected_comm` -> the same dict from the formulas, for one training step
+  after the first (the first also sends the pipeline's shape messages);
+* :func:`layout` -> which rank holds which layers and which shard (for the rank-grid picture).
+"""
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer, expected_dp_comm
+from ..data_parallel.zero import optimizer_state_bytes
+from ..model import lm_loss
+from ..pipeline.runtime import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                ScheduleZBH1, ScheduleZBVZeroBubble)
+from ..pipeline.schedules import stage_rank
+from ..pipeline.stages import GPTStage, gpt_param_name, stage_layers
+from ..tensor_parallel import ParallelBlock, vocab_parallel_cross_entropy
+from ..tensor_parallel.mappings import all_gather_along_dim
+from ..tensor_parallel.model import _Embedding as TPEmbedding, _Head as TPHead
+
+__all__ = ["SCHEDULES", "check_layout", "ParallelGPT", "layout"]
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "zbh1": ScheduleZBH1, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+V_SHAPED = ("zbv", "dualpipev")   # two stages per rank in V placement: rank r holds stages r and 2p-1-r
+
+
+def placement_of(schedule: str) -> str:
+    """"v" for the V-shaped zero-bubble schedules, else "loop" (stage i on rank i % p)."""
+    return "v" if schedule in V_SHAPED else "loop"
+
+
+def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_microbatches: int = 1,
+                 global_batch: int | None = None, schedule: str = "1f1b", n_experts: int | None = None,
+                 zero: bool = False) -> None:
+    """Raise ValueError naming the values and the rule when a layout cannot be built; no
+    communication (call it before any rank starts).
+
+    Rules: t * p * d = world size; L divisible by p * v; t divides n_head, n_kv_head, the
+    vocabulary V and the FFN width; the global batch divisible by d * M; GPipe, 1F1B and ZB-H1
+    have v = 1, ZB-V and DualPipeV v = 2 (DualPipeV also M >= 2p), interleaved 1F1B with v >= 2
+    needs M a multiple of p; E experts divisible by the EP size (= d); tied embeddings with
+    p = 1 need v = 1, and are not combined with the V-shaped schedules.
+    """
+    for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
+                      ("M (microbatches)", n_microbatches)):
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
+    if tp * pp * dp != world_size:
+        raise ValueError(f"t={tp} * p={pp} * d={dp} = {tp * pp * dp} must equal the world size {world_size}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule in V_SHAPED and v != 2:
+        raise ValueError(f"schedule {schedule!r} runs two stages per rank (v=2, V placement); got v={v}")
+    if schedule not in V_SHAPED and schedule != "interleaved" and v != 1:
+        raise ValueError(f"schedule {schedule!r} runs one stage per rank (v=1); got v={v} (use interleaved)")
+    if schedule == "dualpipev" and n_microbatches < 2 * pp:
+        raise ValueError(f"DualPipeV needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
+    if cfg.n_layer % (pp * v):
+        raise ValueError(f"n_layer={cfg.n_layer} layers must be divisible by p*v = {pp}*{v} = {pp * v} "
+                         f"(each pipeline stage gets the same number of layers)")
+    if schedule == "interleaved" and v > 1 and n_microbatches % pp:
+        raise ValueError(f"interleaved 1F1B with v={v} needs M={n_microbatches} divisible by p={pp} "
+                         f"(Megatron-LM: microbatches go through the chunks in groups of p)")
+    for what, n in (("n_head (attention heads)", cfg.n_head), ("n_kv_head (KV heads)", cfg.n_kv_head),
+                    ("vocab_size", cfg.vocab_size), ("FFN hidden width ffn_mult*n_embd", cfg.ffn_mult * cfg.n_embd)):
+        if n % tp:
+            raise ValueError(f"{what}={n} must be divisible by t={tp} (each TP rank gets an equal share)")
+    if global_batch is not None and global_batch % (dp * n_microbatches):
+        raise ValueError(f"global batch B={global_batch} must be divisible by d*M = {dp}*{n_microbatches} = "
+                         f"{dp * n_microbatches} (each DP rank splits its B/d sequences into M microbatches)")
+    if n_experts is not None and n_experts % dp:
+        raise ValueError(f"n_routed_experts E={n_experts} must be divisible by the EP size {dp} (EP folded onto DP)")
+    tied = getattr(cfg, "share_embeddings_and_output_weights", False)
+    if tied and ((pp == 1 and v > 1) or schedule in V_SHAPED):
+        raise ValueError(f"tied embeddings with p={pp}, v={v}, schedule {schedule!r}: the first and last stage "
+                         f"would be two modules on one rank; use p > 1 with loop placement, or v = 1")
+
+
+def _rank_of(grid, p, d, t):
+    return p * grid.dp * grid.tp + d * grid.tp + t
+
+
+def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") -> list[dict]:
+    """For every global rank: ``{"rank", "tp_rank", "dp_rank", "pp_rank", "stages", "layers",
+    "embedding", "head", "shard"}`` (``shard``: "heads a..b, vocab c..d" of this TP rank)."""
+    out = []
+    n_stages = pp * v
+    for r in range(tp * pp * dp):
+        t, d, p = r % tp, (r // tp) % dp, r // (tp * dp)
+        stages = [s for s in range(n_stages) if stage_rank(s, pp, placement) == p]
+        layers = [j for s in stages for j in stage_layers(cfg.n_layer, n_stages, s)]
+        h, V = cfg.n_head // tp, cfg.vocab_size // tp
+        out.append({"rank": r, "tp_rank": t, "dp_rank": d, "pp_rank": p, "stages": stages, "layers": layers,
+                    "embedding": 0 in stages, "head": n_stages - 1 in stages,
+                    "shard": f"heads {t * h}-{(t + 1) * h - 1}, vocab {t * V}-{(t + 1) * V - 1}"})
+    return out
+
+
+class ParallelGPT:
+    """This rank's part of the GPT on a :class:`labkit.dist.ProcessGrid` (t, p, d).
+
+    Args:
+        reference: the single-device :class:`labkit.model.GPT` (same seed on every rank).
+        grid: from ``make_grid(ctx, tp=t, pp=p, dp=d)``.
+        schedule: "gpipe" | "1f1b" | "interleaved" | "zbh1" | "zbv" | "dualpipev"; ``v``: chunks
+            per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).
+        n_microbatches: M per step (per DP rank).
+        zero: ZeRO-1 over the DP group instead of DDP (see :meth:`make_optimizer`).
+        bucket_cap_mb: DDP bucket size.
+
+    :meth:`train_step` ``(x [B, S], y [B, S])`` runs forward and backward of the global batch
+    (every rank passes the same batch; each takes its DP slice) and returns this DP rank's mean
+    loss on the last pipeline stage, else None. Raises ValueError (before communication) as
+    :func:`check_layout`.
+    """
+
+    def __init__(self, reference: nn.Module, grid, schedule: str = "1f1b", n_microbatches: int = 1, v: int = 1,
+                 zero: bool = False, bucket_cap_mb: float = 25.0):
+        cfg = reference.cfg
+        check_layout(cfg, grid.ctx.world_size, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule)
+        self.cfg, self.grid, self.v, self.M = cfg, grid, v, n_microbatches
+        self.zero, self.bucket_cap_mb = zero, bucket_cap_mb
+        self.tied = bool(getattr(cfg, "share_embeddings_and_output_weights", False))
+        t, p, d = grid.tp, grid.pp, grid.dp
+        self.n_stages = n = p * v
+        device = grid.ctx.device
+        tpg = grid.tp_group if t > 1 else None
+        self.placement = placement = placement_of(schedule)
+        self.stage_ids = [s for s in range(n) if stage_rank(s, p, placement) == grid.pp_rank]
+        self.modules: list[GPTStage] = []
+        for s in self.stage_ids:
+            ids = stage_layers(cfg.n_layer, n, s)
+            emb = (TPEmbedding(reference.embedding, tpg) if tpg else copy.deepcopy(reference.embedding)) \
+                if s == 0 else None
+            blocks = [ParallelBlock(reference.blocks[j], tpg) if tpg else copy.deepcopy(reference.blocks[j])
+                      for j in ids]
+            head = (TPHead(reference.head, tpg) if tpg else copy.deepcopy(reference.head)) if s == n - 1 else None
+            if self.tied and emb is not None and head is not None:
+                head.lm_head.weight = emb.wte.weight        # one stage holds both ends: one matrix
+            self.modules.append(GPTStage(emb, blocks, head, ids).to(device))
+        # embedding group: first and last pipeline rank with this (dp_rank, tp_rank); every rank
+        # creates every group, in the same order (a torch rule)
+        self.emb_group, self.emb_ranks = None, ()
+        if self.tied and p > 1:
+            for dd in range(d):
+                for tt in range(t):
+                    ranks = [_rank_of(grid, 0, dd, tt), _rank_of(grid, p - 1, dd, tt)]
+                    g = grid.ctx.new_group(ranks)
+                    if grid.ctx.rank in ranks:
+                        self.emb_group, self.emb_ranks = g, tuple(ranks)
+        self.ddp = [DistributedDataParallel(m, grid.dp_group, bucket_cap_mb) if d > 1 and not zero else None
+                    for m in self.modules]
+        submods = [w if w is not None else m for w, m in zip(self.ddp, self.modules)]
+        stages = [PipelineStage(sm, s, n, device, group=grid.pp_group) for sm, s in zip(submods, self.stage_ids)]
+        if tpg:
+            def loss_fn(out, target):
+                return vocab_parallel_cross_entropy(out, target, group=tpg)
+        else:
+            loss_fn = lm_loss
+        cls = SCHEDULES[schedule]
+        one_per_rank = schedule not in V_SHAPED and schedule != "interleaved"
+        self.schedule = cls(stages[0] if one_per_rank else stages, n_microbatches, loss_fn)
+        self.optimizer = None
+
+    # ---------------------------------------------------------------- training
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once."""
+        seen, out = set(), []
+        for m in self.modules:
+            for prm in m.parameters():
+                if id(prm) not in seen:
+                    seen.add(id(prm))
+                    out.append(prm)
+        return out
+
+    def make_optimizer(self, name: str = "sgd", lr: float = 0.1, **kw):
+        """``torch.optim.SGD`` or ``Adam`` over this rank's parameters, or ZeRO-1 of it over
+        the DP group when ``zero`` and d > 1. Stored as ``self.optimizer``."""
+        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[name]
+        if self.zero and self.grid.dp > 1:
+            self.optimizer = ZeroRedundancyOptimizer(self.parameters(), cls, self.grid.dp_group, lr=lr, **kw)
+        else:
+            self.optimizer = cls(self.parameters(), lr=lr, **kw)
+        return self.optimizer
+
+    def zero_grad(self) -> None:
+        for prm in self.parameters():
+            prm.grad = None
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor):
+        """Forward and backward of the global batch; gradients averaged over DP (DDP) or left
+        local for ZeRO's reduce-scatter; tied embedding gradients summed over the embedding group."""
+        B, d = x.shape[0], self.grid.dp
+        if B % (d * self.M):
+            raise ValueError(f"global batch B={B} must be divisible by d*M = {d}*{self.M}")
+        b = B // d
+        sl = slice(self.grid.dp_rank * b, (self.grid.dp_rank + 1) * b)
+        dev = self.grid.ctx.device
+        losses: list = []
+        self.schedule.step(x[sl].to(dev), target=y[sl].to(dev), losses=losses)
+        for w in self.ddp:
+            if w is not None:
+                w.finish_grad_sync()          # no-op when the last backward completed it
+        if self.emb_group is not None:
+            w = self._tied_weight()
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            comm.all_reduce(w.grad, self.emb_group)
+        if losses:
+            return float(sum(float(v) for v in losses) / len(losses))
+        return None
+
+    def _tied_weight(self) -> nn.Parameter:
+        for m in self.modules:
+            if m.embedding is not None:
+                return m.embedding.wte.weight
+            if m.head is not None:
+                return m.head.lm_head.weight
+        raise RuntimeError("no tied weight on this rank")
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    # ---------------------------------------------------------------- inspection
+
+    @torch.no_grad()
+    def gather_full(self, what: str = "grad") -> dict:
+        """``{reference name: full-shape tensor}`` of this rank's stages (TP shards all-gathered
+        over the TP group: collective over it). Tied: both ``embedding.wte.weight`` and
+        ``head.lm_head.weight`` appear where held (as in ``named_parameters(remove_duplicate=False)``)."""
+        out = {}
+        for m in self.modules:
+            for name, prm in m.named_parameters(remove_duplicate=False):
+                tensor = prm.grad if what == "grad" else prm.detach()
+                if tensor is not None and getattr(prm, "tensor_model_parallel", False) and self.grid.tp > 1:
+                    tensor = all_gather_along_dim(tensor, prm.partition_dim, self.grid.tp_group)
+                out[gpt_param_name(m, name)] = None if tensor is None else tensor.detach().cpu().clone()
+        return out
+
+    def memory(self) -> dict:
+        """Bytes held on this rank: ``params``, ``grads`` (``.grad`` tensors), ``optimizer``
+        (per-element state: Adam's two moments, SGD momentum; 1/d of it under ZeRO-1)."""
+        ps = self.parameters()
+        opt = self.optimizer
+        if opt is None:
+            ob = 0
+        elif isinstance(opt, ZeroRedundancyOptimizer):
+            ob = opt.state_bytes()
+        else:
+            ob = optimizer_state_bytes(opt)
+        return {"params": sum(q.numel() * q.element_size() for q in ps),
+                "grads": sum(q.grad.numel() * q.grad.element_size() for q in ps if q.grad is not None),
+                "optimizer": ob}
+
+    def dp_overlap(self) -> float:
+        """Share of DP all-reduce time hidden behind backward in the last step (mean over stages)."""
+        vals = [w.last_overlap for w in self.ddp if w is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    def axis_of(self, rec) -> str:
+        """Which axis a :class:`labkit.comm.CommRecord` belongs to: tp, pp, dp, embedding or other."""
+        ranks = set(rec.ranks or ())
+        g = self.grid
+        tp_r = {_rank_of(g, g.pp_rank, g.dp_rank, t) for t in range(g.tp)}
+        dp_r = {_rank_of(g, g.pp_rank, d, g.tp_rank) for d in range(g.dp)}
+        if rec.kind in ("send", "recv"):
+            return "pp"
+        if ranks == tp_r and g.tp > 1:
+            return "tp"
+        if ranks == dp_r and g.dp > 1:
+            return "dp"
+        if self.emb_ranks and ranks == set(self.emb_ranks):
+            return "embedding"
+        return "other"
+
+    def comm_by_axis(self, records) -> dict:
+        """``{axis: {kind: (count, bytes)}}`` of CommLog records (this rank's)."""
+        out: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        for r in records:
+            c = out[self.axis_of(r)][r.kind]
+            c[0] += 1
+            c[1] += r.nbytes
+        return {a: {k: tuple(v) for k, v in kinds.items()} for a, kinds in out.items()}
+
+    def wire_by_axis(self, records) -> dict:
+        """``{axis: bytes}`` this rank sends under the ring algorithms
+        (:func:`labkit.comm.ring_wire_bytes`: an all-reduce of P bytes over d ranks sends
+        2(d-1)/d * P, a receive nothing)."""
+        out: dict = defaultdict(int)
+        for r in records:
+            out[self.axis_of(r)] += comm.ring_wire_bytes(r)
+        return dict(out)
+
+    def expected_comm(self, batch: int, seq: int, bytes_per_element: int = 4) -> dict:
+        """The formulas for one training step of this rank (after the first), same shape as
+        :meth:`comm_by_axis`.
+
+        With b = B/(d*M) sequences per microbatch, N = b*S tokens, A = N*H elements:
+        TP (Megatron-LM sec. 3), per microbatch and stage: 4 all-reduces of A per block (2
+        forward, 2 backward), +1 of A for the embedding (first stage), +1 of A for the output
+        layer's backward and 3 of N for the cross-entropy (last stage). PP: per microbatch and
+        stage boundary one send of A forward and one back (and the matching receives). DP: one
+        all-reduce per DDP bucket, payload = the stage's parameter bytes (a ring moves 2(d-1)/d
+        of it); ZeRO-1: one reduce-scatter of n (padded to d) and one all-gather of n/d.
+        Embedding: one all-reduce of the V/t x H matrix on the first and the last stage (tied, p > 1).
+        """
+        g, cfg, M, e = self.grid, self.cfg, self.M, bytes_per_element
+        b = batch // (g.dp * M)
+        N = b * seq
+        A = N * cfg.n_embd * e
+        out: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        for m, s in zip(self.modules, self.stage_ids):
+            first, last, nb = s == 0, s == self.n_stages - 1, len(m.blocks)
+            if g.tp > 1:
+                c = out["tp"]["all_reduce"]
+                c[0] += M * (4 * nb + first + 4 * last)
+                c[1] += M * ((4 * nb + first + last) * A + 3 * last * N * e)
+            # a boundary to a stage on another rank costs one send (and one receive) per microbatch
+            me = g.pp_rank
+            n_send = M * ((not last and stage_rank(s + 1, g.pp, self.placement) != me)
+                          + (not first and stage_rank(s - 1, g.pp, self.placement) != me))
+            if n_send:
+                for kind in ("send", "recv"):
+                    out["pp"][kind][0] += n_send
+                    out["pp"][kind][1] += n_send * A
+        if g.dp > 1 and not self.zero:
+            for m in self.modules:
+                numels = [q.numel() for q in reversed([q for q in m.parameters() if q.requires_grad])]
+                ex = expected_dp_comm(numels, self.bucket_cap_mb, g.dp, e)
+                c = out["dp"]["all_reduce"]
+                c[0] += ex["buckets"]
+                c[1] += ex["all_reduce_bytes"]
+        elif g.dp > 1:
+            n = sum(q.numel() for q in self.parameters())
+            padded = -(-n // g.dp) * g.dp
+            out["dp"]["reduce_scatter"] = [1, padded * e]
+            out["dp"]["all_gather"] = [1, padded // g.dp * e]
+        if self.emb_group is not None:
+            out["embedding"]["all_reduce"] = [1, cfg.vocab_size // g.tp * cfg.n_embd * e]
+        return {a: {k: tuple(v) for k, v in kinds.items()} for a, kinds in out.items()}

@@ -1,0 +1,149 @@
+"""MoE GPT with attention split over t and experts spread over the DP axis (EP = DP).
+
+DeepSpeed-MoE (Rajbhandari et al. 2022, sec. 5.2: "expert slicing + tensor slicing, data
+parallelism on top") and Megatron-Core's "parallel folding" (Liu et al. 2025): the E experts
+of every MoE layer are sharded over the d ranks of the DP group (rank r holds experts
+r*E/d .. (r+1)*E/d - 1), which also trains on d different slices of the batch; tokens reach
+their expert by all-to-all over that group (:class:`labkit.moe.expert_parallel.ExpertParallelMoE`).
+Attention, embedding and head are Megatron's TP layers over the TP group; the MoE layer's input
+is replicated over TP, so the t ranks of a TP group hold the same experts and compute the same
+thing (as for a LayerNorm).
+
+Gradients: the replicated parameters (attention shards, LayerNorms, router, embedding, head) are
+averaged over the DP group by :class:`labkit.data_parallel.DistributedDataParallel`; the experts
+are NOT all-reduced (each DP rank holds different ones): their gradient already sums every
+rank's tokens through the backward all-to-all, and DDP only scales it by 1/d (``expert_params``).
+
+The single-device reference is :class:`labkit.moe.MoEGPT` whose MoE layers route the global batch
+in ``token_groups = d * M`` groups: one GShard group per microbatch of each DP rank, the tokens
+that one rank routes together here. No pipeline (p = 1).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from ..data_parallel import DistributedDataParallel
+from ..model import lm_loss
+from ..moe.expert_parallel import ExpertParallelMoE, expert_param_names
+from ..moe.model import MoEBlock, total_aux_loss
+from ..tensor_parallel import ParallelAttention, ParallelBlock, vocab_parallel_cross_entropy
+from ..tensor_parallel.mappings import all_gather_along_dim
+from ..tensor_parallel.model import _Embedding as TPEmbedding, _Head as TPHead
+from .gpt import check_layout
+
+__all__ = ["ParallelMoEGPT"]
+
+
+class _MoEBlock(nn.Module):
+    """x + Attn_TP(LN1 x), then x + MoE_EP(LN2 x). ``[B, S, H] -> ([B, S, H], MoEStats)``."""
+
+    def __init__(self, ref: MoEBlock, tp_group, ep_group, ep_rank: int, ep_size: int):
+        super().__init__()
+        self.ln1, self.ln2 = copy.deepcopy(ref.ln1), copy.deepcopy(ref.ln2)
+        self.attn = ParallelAttention.from_reference(ref.attn, tp_group) if tp_group else copy.deepcopy(ref.attn)
+        self.moe = ExpertParallelMoE.from_dense(ref.moe, ep_group, ep_rank, ep_size)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        y, stats = self.moe(self.ln2(x))
+        return x + y, stats
+
+
+class _Model(nn.Module):
+    def __init__(self, ref, grid):
+        super().__init__()
+        tpg = grid.tp_group if grid.tp > 1 else None
+        self.embedding = TPEmbedding(ref.embedding, tpg) if tpg else copy.deepcopy(ref.embedding)
+        self.blocks = nn.ModuleList([
+            _MoEBlock(b, tpg, grid.dp_group, grid.dp_rank, grid.dp) if isinstance(b, MoEBlock)
+            else (ParallelBlock(b, tpg) if tpg else copy.deepcopy(b)) for b in ref.blocks])
+        self.head = TPHead(ref.head, tpg) if tpg else copy.deepcopy(ref.head)
+
+    def forward(self, idx):
+        x, stats = self.embedding(idx), []
+        for b in self.blocks:
+            if isinstance(b, _MoEBlock):
+                x, s = b(x)
+                stats.append(s)
+            else:
+                x = b(x)
+        return self.head(x), stats
+
+
+class ParallelMoEGPT:
+    """This rank's part of an :class:`labkit.moe.MoEGPT` on a grid (t, p=1, d), EP = DP.
+
+    ``train_step(x [B, S], y [B, S])``: this DP rank's slice in M microbatches (gradient
+    accumulation under ``no_sync`` but the last); the loss of a microbatch is its LM loss plus the
+    MoE balance losses, scaled by 1/M. Returns this DP rank's mean loss. Raises ValueError
+    (no communication) for p != 1, E not divisible by d, or the rules of
+    :func:`labkit.parallel.check_layout`.
+    """
+
+    def __init__(self, reference: nn.Module, grid, n_microbatches: int = 1, bucket_cap_mb: float = 25.0):
+        E = reference.moe_cfg.n_routed_experts
+        if grid.pp != 1:
+            raise ValueError(f"the MoE composition runs without a pipeline: p must be 1, got p={grid.pp}")
+        check_layout(reference.cfg, grid.ctx.world_size, grid.tp, 1, grid.dp, 1, n_microbatches, n_experts=E)
+        if reference.moe_cfg.token_groups != grid.dp * n_microbatches:
+            raise ValueError(f"the reference must route in token_groups = d*M = {grid.dp * n_microbatches} groups "
+                             f"(one per microbatch and DP rank), got {reference.moe_cfg.token_groups}")
+        self.grid, self.M, self.E = grid, n_microbatches, E
+        self.model = _Model(reference, grid).to(grid.ctx.device)
+        self.experts = expert_param_names(self.model)
+        self.ddp = DistributedDataParallel(self.model, grid.dp_group, bucket_cap_mb, expert_params=self.experts) \
+            if grid.dp > 1 else None
+        tpg = grid.tp_group if grid.tp > 1 else None
+        self.loss_fn = (lambda out, t: vocab_parallel_cross_entropy(out, t, group=tpg)) if tpg else lm_loss
+        self.optimizer = None
+
+    def make_optimizer(self, name: str = "sgd", lr: float = 0.1, **kw):
+        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[name]
+        self.optimizer = cls(self.model.parameters(), lr=lr, **kw)
+        return self.optimizer
+
+    def zero_grad(self) -> None:
+        for q in self.model.parameters():
+            q.grad = None
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        B, d, M = x.shape[0], self.grid.dp, self.M
+        if B % (d * M):
+            raise ValueError(f"global batch B={B} must be divisible by d*M = {d}*{M}")
+        b = B // d
+        dev = self.grid.ctx.device
+        xs = x[self.grid.dp_rank * b:(self.grid.dp_rank + 1) * b].to(dev).chunk(M)
+        ys = y[self.grid.dp_rank * b:(self.grid.dp_rank + 1) * b].to(dev).chunk(M)
+        run = self.ddp if self.ddp is not None else self.model
+        total = 0.0
+        for m in range(M):
+            sync = m == M - 1 or self.ddp is None
+            with (torch.enable_grad() if sync else self.ddp.no_sync()):
+                logits, stats = run(xs[m])
+                loss = self.loss_fn(logits, ys[m]) + total_aux_loss(stats).to(logits.device)
+                (loss / M).backward()
+            total += float(loss)
+        return total / M
+
+    @torch.no_grad()
+    def gather_full(self, what: str = "grad") -> dict:
+        """``{reference name: tensor}``: TP shards all-gathered over TP (collective); this DP
+        rank's experts under their global ids (``blocks.i.moe.experts.<global>.…``)."""
+        out = {}
+        for name, q in self.model.named_parameters():
+            t = q.grad if what == "grad" else q.detach()
+            if t is None:
+                out[name] = None
+                continue
+            if getattr(q, "tensor_model_parallel", False) and self.grid.tp > 1:
+                t = all_gather_along_dim(t, q.partition_dim, self.grid.tp_group)
+            if name in self.experts:
+                pre, rest = name.split(".experts.", 1)
+                j, tail = rest.split(".", 1)
+                layer = self.model.get_submodule(pre)
+                name = f"{pre}.experts.{layer.expert_offset + int(j)}.{tail}"
+            out[name] = t.detach().cpu().clone()
+        return out

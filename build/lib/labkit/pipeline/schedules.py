@@ -1,0 +1,342 @@
+"""Pipeline schedules as data: for each rank, an ordered list of :class:`Action`.
+
+A model is cut into ``n_stages`` consecutive stages. With ``K`` ranks and ``v`` chunks per
+rank there are ``n_stages = K * v`` stages and stage ``s`` lives on rank ``s % K`` ("looped"
+placement, Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", sec. 2.2; the same rule as ``torch.distributed.pipelining``).
+With 16 layers on K=4 ranks and v=2, rank 0 holds stage 0 (layers 0-1) and stage 4
+(layers 8-9).
+
+An action is ``Action(kind, stage, microbatch)``; ``stage`` is always a stage that lives on
+the rank that runs the action:
+
+=========  ==============================================================================
+kind       meaning (stage s, microbatch m)
+=========  ==============================================================================
+``F``      forward of stage s on microbatch m
+``B``      full backward of stage s on microbatch m (input gradient and weight gradients)
+``I``      input-gradient part of the backward (what stage s-1 waits for); torch's
+           ``BACKWARD_INPUT``, the zero-bubble paper's "B" (Qi et al. 2024, sec. 2)
+``W``      weight-gradient part of the backward, any time after the matching ``I`` on the
+           same rank (nobody waits for it); torch's ``BACKWARD_WEIGHT``
+``SEND_F`` send the output of F(s, m) to the rank of stage s+1
+``RECV_F`` receive the input of F(s, m) from the rank of stage s-1
+``SEND_B`` send the input gradient of B(s, m) (or I(s, m)) to the rank of stage s-1
+``RECV_B`` receive the output gradient of B(s, m) (or I(s, m)) from the rank of stage s+1
+=========  ==============================================================================
+
+A (stage, microbatch) runs either ``B`` or the pair ``I`` then ``W``, never both.
+
+So ``SEND_F m@s`` on one rank pairs with ``RECV_F m@s+1`` on the next, and ``SEND_B m@s``
+pairs with ``RECV_B m@s-1``. Neighbouring stages on the same rank (K = 1) pass tensors
+locally and need no send/receive. ``repr(Action("F", 1, 0))`` is ``F0@s1`` ("forward of
+microbatch 0 on stage 1"); :func:`parse_actions` reads that notation back.
+
+Communication semantics (what the runtime does and what :func:`~labkit.pipeline.validate.
+validate_schedule` simulates): a SEND never blocks (an ``isend``; completed at the end of
+the step); a RECV posts a receive at its place in the list and the rank blocks on it just
+before the first F/B that needs the tensor. Between one pair of ranks messages are matched
+in order (NCCL ignores tags), so the i-th send from rank a to rank b must be the i-th
+receive on b from a.
+
+Placement: "loop" (the default above) or "v" (zero-bubble V schedules, Qi et al. 2024,
+sec. 6, and DualPipeV): with ``n_stages = 2K`` rank r holds stages r and 2K-1-r, so stage
+K-1 and stage K are both on rank K-1 and the microbatch turns back there ("V" shape).
+:func:`stage_rank` takes the placement; the validator, simulator and runtime infer it
+from the schedule (:func:`infer_placement`).
+
+A schedule is a plain ``dict[int, list[Action]]`` (rank -> actions). A learner can write the
+compute order only (F and B actions) and let :func:`add_communication` insert the sends and
+receives.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = [
+    "Action", "ScheduleError", "COMPUTE", "COMM", "KINDS",
+    "stage_rank", "parse_actions", "format_schedule", "add_communication",
+    "gpipe_schedule", "one_f_one_b_schedule", "interleaved_schedule",
+    "check_pipeline_sizes", "PLACEMENTS", "infer_placement",
+]
+
+COMPUTE = ("F", "B", "I", "W")
+BACKWARD = ("B", "I")  # the kinds that produce the input gradient (consume the output gradient)
+PLACEMENTS = ("loop", "v")
+COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+KINDS = COMPUTE + COMM
+
+
+class ScheduleError(ValueError):
+    """A schedule (or the sizes it is built from) is invalid; the message names the rank,
+    the action index and the rule that is broken."""
+
+
+class Action(NamedTuple):
+    """One step of one rank: ``kind`` (one of :data:`KINDS`), ``stage`` (index of the stage
+    on this rank that the action belongs to), ``microbatch`` (0-based). Printed as
+    ``F0@s1`` = kind, microbatch, ``@s``, stage."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.microbatch}@s{self.stage}"
+
+    __str__ = __repr__
+
+
+def stage_rank(stage: int, K: int, placement: str = "loop") -> int:
+    """Rank that holds ``stage`` with K ranks: ``stage % K`` for looped placement ("loop"),
+    ``stage`` for stage < K and ``2K - 1 - stage`` above for V placement ("v", 2K stages)."""
+    if placement == "v":
+        return stage if stage < K else 2 * K - 1 - stage
+    if placement != "loop":
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    return stage % K
+
+
+def infer_placement(schedule: dict, n_stages: int | None = None) -> str:
+    """"v" when the schedule has 2K stages (K = number of ranks >= 2) and every action's
+    stage sits on its rank by V placement but not all do by looped placement; else "loop".
+
+    So a looped schedule (and any schedule with a stage on the wrong rank) is judged by the
+    looped rule, and the validator names that rule in its message."""
+    K = len(schedule)
+    acts = [(r, a[1]) for r in schedule for a in schedule[r]]
+    S = n_stages if n_stages is not None else 1 + max((st for _, st in acts), default=0)
+    if K < 2 or S != 2 * K or not all(isinstance(st, int) and 0 <= st < S for _, st in acts):
+        return "loop"
+    if all(stage_rank(st, K, "loop") == r for r, st in acts):
+        return "loop"
+    return "v" if all(stage_rank(st, K, "v") == r for r, st in acts) else "loop"
+
+
+def parse_actions(text: str) -> list[Action]:
+    """``"F0@s0 SEND_F0@s0 RECV_B0@s0 B0@s0"`` -> list of :class:`Action` (inverse of repr).
+
+    Separators: spaces, commas or newlines. Raises ScheduleError on a malformed token."""
+    out = []
+    for tok in text.replace(",", " ").split():
+        head, sep, st = tok.partition("@s")
+        kind = head.rstrip("0123456789")
+        mb = head[len(kind):]
+        if not sep or kind not in KINDS or not mb or not st.isdigit():
+            raise ScheduleError(f"cannot parse action {tok!r}: expected KIND<microbatch>@s<stage>, e.g. F0@s1, "
+                                f"with KIND one of {', '.join(KINDS)}")
+        out.append(Action(kind, int(st), int(mb)))
+    return out
+
+
+def format_schedule(schedule: dict, compute_only: bool = False) -> str:
+    """One line per rank: ``rank 0: F0@s0 F1@s0 ...`` (only F/B when ``compute_only``)."""
+    lines = []
+    for r in sorted(schedule):
+        acts = [a for a in schedule[r] if not compute_only or a.kind in COMPUTE]
+        lines.append(f"rank {r}: " + " ".join(map(repr, acts)))
+    return "\n".join(lines)
+
+
+def check_pipeline_sizes(K: int, M: int, v: int = 1) -> None:
+    """Raise ScheduleError unless K >= 1, M >= 1, v >= 1 and, for v >= 2, M % K == 0.
+
+    The last rule is Megatron-LM's for the interleaved schedule (Narayanan et al. 2021,
+    sec. 2.2): microbatches enter in groups of K, one group per model chunk in turn."""
+    for name, val in (("K (pipeline ranks)", K), ("M (microbatches)", M), ("v (chunks per rank)", v)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ScheduleError(f"{name} must be an integer >= 1, got {val!r}")
+    if v > 1 and M % K:
+        raise ScheduleError(
+            f"interleaved 1F1B with K={K} ranks and v={v} chunks needs M a multiple of K "
+            f"(Megatron-LM's rule: microbatches go through the chunks in groups of K); got M={M}")
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+def _message(a: Action, K: int, n_stages: int, placement: str = "loop"):
+    """For a SEND/RECV action: (src_rank, dst_rank, (direction, stage_from, microbatch)), or
+    None for the compute kinds. The message key names the tensor independent of the side."""
+    def rk(s):
+        return stage_rank(s, K, placement)
+    if a.kind == "SEND_F":
+        return rk(a.stage), rk(a.stage + 1), ("F", a.stage, a.microbatch)
+    if a.kind == "RECV_F":
+        return rk(a.stage - 1), rk(a.stage), ("F", a.stage - 1, a.microbatch)
+    if a.kind == "SEND_B":
+        return rk(a.stage), rk(a.stage - 1), ("B", a.stage, a.microbatch)
+    if a.kind == "RECV_B":
+        return rk(a.stage + 1), rk(a.stage), ("B", a.stage + 1, a.microbatch)
+    return None
+
+
+def _needs(a: Action, K: int, n_stages: int, placement: str = "loop"):
+    """The remote message an F/B/I action consumes, as the RECV action that brings it, or None
+    (W consumes nothing remote: it needs only its own I)."""
+    def rk(s):
+        return stage_rank(s, K, placement)
+    if a.kind == "F" and a.stage > 0 and rk(a.stage - 1) != rk(a.stage):
+        return Action("RECV_F", a.stage, a.microbatch)
+    if a.kind in BACKWARD and a.stage < n_stages - 1 and rk(a.stage + 1) != rk(a.stage):
+        return Action("RECV_B", a.stage, a.microbatch)
+    return None
+
+
+def _produces(a: Action, K: int, n_stages: int, placement: str = "loop"):
+    """The SEND action that ships the result of an F/B/I action to another rank, or None."""
+    def rk(s):
+        return stage_rank(s, K, placement)
+    if a.kind == "F" and a.stage < n_stages - 1 and rk(a.stage + 1) != rk(a.stage):
+        return Action("SEND_F", a.stage, a.microbatch)
+    if a.kind in BACKWARD and a.stage > 0 and rk(a.stage - 1) != rk(a.stage):
+        return Action("SEND_B", a.stage, a.microbatch)
+    return None
+
+
+def add_communication(compute: dict, n_stages: int | None = None, lookahead: int = 1,
+                      placement: str | None = None) -> dict:
+    """Insert SEND/RECV actions into a compute-only schedule (F, B, I, W per rank).
+
+    Each SEND goes right after the F/B that produces the tensor. Receives are posted
+    early, ``lookahead`` compute actions before the one that needs the tensor (0: right
+    before it), and in the order in which the peer sends, so that messages between a pair
+    of ranks match in order. Posting early lets the transfer overlap compute; the rank
+    still blocks only before the consuming F/B (see the module docstring).
+
+    Args: ``compute``: ``{rank: [Action("F"|"B"|"I"|"W", stage, microbatch), ...]}`` for
+    ranks 0..K-1; ``n_stages`` defaults to 1 + the largest stage index; ``placement``
+    "loop" or "v" (None: :func:`infer_placement`). Returns a new dict. Raises ScheduleError
+    if an action is not a compute kind.
+    """
+    K = len(compute)
+    acts = [a for r in compute for a in compute[r]]
+    for r in compute:
+        for i, a in enumerate(compute[r]):
+            if a.kind not in COMPUTE:
+                raise ScheduleError(f"rank {r}, action {i} ({a!r}): add_communication takes compute actions "
+                                    f"({', '.join(COMPUTE)}) only")
+    if n_stages is None:
+        n_stages = 1 + max((a.stage for a in acts), default=0)
+    pl = placement or infer_placement(compute, n_stages)
+    # the order in which each sender emits messages on each channel (src, dst)
+    sent_order: dict = {}
+    for r in sorted(compute):
+        for a in compute[r]:
+            snd = _produces(a, K, n_stages, pl)
+            if snd is not None:
+                src, dst, key = _message(snd, K, n_stages, pl)
+                sent_order.setdefault((src, dst), []).append(key)
+    out = {}
+    for r in sorted(compute):
+        ops = compute[r]
+        cursor = {}  # src -> how many of that channel's messages are posted
+        posted = set()
+        seq: list[Action] = []
+
+        def post_up_to(recv: Action):
+            src, dst, key = _message(recv, K, n_stages, pl)
+            order = sent_order.get((src, dst), [])
+            if key in posted:
+                return
+            if key not in order:  # nobody sends it: post it anyway, the validator will say so
+                posted.add(key)
+                seq.append(recv)
+                return
+            i = cursor.get(src, 0)
+            while i < len(order):
+                k = order[i]
+                kind = "RECV_F" if k[0] == "F" else "RECV_B"
+                stage = k[1] + 1 if k[0] == "F" else k[1] - 1
+                seq.append(Action(kind, stage, k[2]))
+                posted.add(k)
+                i += 1
+                if k == key:
+                    break
+            cursor[src] = i
+
+        for j, a in enumerate(ops):
+            for ahead in ops[j:j + lookahead + 1]:
+                need = _needs(ahead, K, n_stages, pl)
+                if need is not None:
+                    post_up_to(need)
+            seq.append(a)
+            snd = _produces(a, K, n_stages, pl)
+            if snd is not None:
+                seq.append(snd)
+        out[r] = seq
+    return out
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def _interleaved_order(K: int, M: int, v: int, r: int) -> list[Action]:
+    """F/B order of rank r in Megatron-LM's interleaved 1F1B (v = 1: plain 1F1B).
+
+    The k-th forward of a rank runs model chunk ``(k // K) % v`` on microbatch
+    ``(k // (K v)) K + k % K``: microbatches go through the chunks in groups of K. Backward
+    visits the chunks in reverse. Warm-up: ``K - r - 1`` forwards for v = 1 (PipeDream-Flush,
+    Narayanan et al. 2021 sec. 2.2.1), ``2 (K - r - 1) + (v - 1) K`` for v > 1 (all
+    forwards first when M = K, as Megatron does), capped at the ``v M`` forwards there are.
+    Then one forward, one backward in turn; finally the remaining backwards.
+    """
+    total = v * M
+
+    def chunk_mb(k):
+        group, j = divmod(k, K * v)
+        return j // K, group * K + j % K
+
+    def fwd(k):
+        c, m = chunk_mb(k)
+        return Action("F", c * K + r, m)
+
+    def bwd(k):
+        c, m = chunk_mb(k)
+        return Action("B", (v - 1 - c) * K + r, m)
+
+    if v == 1:
+        warmup = min(K - r - 1, total)
+    elif M == K:
+        warmup = total
+    else:
+        warmup = min(2 * (K - r - 1) + (v - 1) * K, total)
+    order = [fwd(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [fwd(warmup + i), bwd(i)]
+    order += [bwd(i) for i in range(total - warmup, total)]
+    return order
+
+
+def gpipe_schedule(K: int, M: int) -> dict:
+    """GPipe (Huang et al. 2019, sec. 2.2): every rank runs the forwards of all M
+    microbatches, then their backwards (in the same order, as torch's ScheduleGPipe).
+
+    K ranks, one stage each (stage r on rank r). Returns ``{rank: [Action, ...]}`` with
+    sends/receives. Bubble with uniform stage costs: (K-1)/(M+K-1) of the step; every stage
+    holds all M microbatches' activations at its peak. Raises ScheduleError for K < 1 or
+    M < 1."""
+    check_pipeline_sizes(K, M)
+    compute = {r: [Action("F", r, m) for m in range(M)] + [Action("B", r, m) for m in range(M)]
+               for r in range(K)}
+    return add_communication(compute, K)
+
+
+def one_f_one_b_schedule(K: int, M: int) -> dict:
+    """1F1B / PipeDream-Flush (Narayanan et al. 2021, sec. 2.2.1; Harlap et al. 2018):
+    rank r runs ``min(K - r - 1, M)`` warm-up forwards, then alternates one forward and one
+    backward, then drains the remaining backwards. Same bubble as GPipe, (K-1)/(M+K-1), but
+    stage s holds at most ``min(M, K - s)`` microbatches in flight. M < K is allowed (the
+    warm-up is capped at M). Raises ScheduleError for K < 1 or M < 1."""
+    check_pipeline_sizes(K, M)
+    return add_communication({r: _interleaved_order(K, M, 1, r) for r in range(K)}, K)
+
+
+def interleaved_schedule(K: int, M: int, v: int) -> dict:
+    """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2.2): each rank holds v model chunks
+    (stages r, r+K, ..., r+(v-1)K), so a microbatch visits every rank v times. Bubble with
+    uniform costs (backward = forward per chunk): (K-1)/(vM+K-1), v times smaller than
+    1F1B's in bubble time. Rule: M must be a multiple of K when v >= 2 (Megatron-LM's);
+    v = 1 is plain 1F1B. Raises ScheduleError on K, M, v < 1 or M % K != 0."""
+    check_pipeline_sizes(K, M, v)
+    return add_communication({r: _interleaved_order(K, M, v, r) for r in range(K)}, K * v)

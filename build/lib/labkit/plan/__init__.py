@@ -1,0 +1,24 @@
+"""Memory, communication and time per GPU for a layout (t, p, d, ...): formulas, presets, planner.
+
+* :mod:`.activations`: activation bytes of one layer: Korthikanti et al. 2022's formulas and
+  labkit's exact count (tested to the byte with ``saved_tensors_hooks``);
+* :mod:`.spec`: :class:`ModelSpec` (GPT / MoE / MLA sizes, parameter counts), :class:`Layout`
+  (t, p, d, v, M, schedule, ZeRO, SP, recompute, precision, ep), :class:`Cluster`, the presets;
+* :mod:`.memory`: parameters, gradients, optimizer state and activations of every pipeline rank;
+* :mod:`.comm`: communication per step, per axis, and the link each axis uses;
+* :mod:`.planner`: the time model and MFU, the search over layouts with Megatron's rules, the
+  explanation of the winner, the error naming the smallest memory that would work;
+* :mod:`.cli`: ``python -m labkit plan``.
+
+Every byte count is checked against labkit's measured runs (tests/test_plan.py, test_plan_3d.py).
+"""
+from .activations import korthikanti_layer_activation_bytes, layer_activation_bytes, torch_saved_bytes_per_element
+from .comm import AxisComm, axis_links, comm_per_rank
+from .memory import RankMemory, check_layout, memory_per_rank, most_loaded_rank
+from .planner import PlanEntry, PlanError, StepTime, explain, plan, step_time
+from .spec import PRESETS, PUBLISHED, Cluster, Layout, ModelSpec, load_model_json, preset
+
+__all__ = ["korthikanti_layer_activation_bytes", "layer_activation_bytes", "torch_saved_bytes_per_element",
+           "AxisComm", "axis_links", "comm_per_rank", "RankMemory", "check_layout", "memory_per_rank",
+           "most_loaded_rank", "PlanEntry", "PlanError", "StepTime", "explain", "plan", "step_time",
+           "PRESETS", "PUBLISHED", "Cluster", "Layout", "ModelSpec", "load_model_json", "preset"]

@@ -1,0 +1,171 @@
+"""Communication per training step, per rank and per axis, and the link each axis uses.
+
+Counted the way :class:`labkit.comm.CommLog` counts (``payload``: the bytes of this rank's
+tensor argument; all-gather: the local shard, reduce-scatter: the full input) and as bytes
+sent on the wire by the ring algorithms (``wire``: :func:`labkit.comm.ring_wire_bytes`).
+
+Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
+
+* TP (Megatron-LM sec. 3): each layer all-reduces ``N h`` twice forward (g after attention
+  and MLP) and twice backward (f); the input embedding once forward, the output layer once
+  backward, the vocab-parallel cross-entropy 3 times ``N`` fp32 values. With sequence
+  parallelism (Korthikanti et al. 2022 sec. 4.2.2) each all-reduce becomes a reduce-scatter +
+  an all-gather (same wire bytes) and backward re-gathers the two column-parallel inputs;
+  once per step the LayerNorm (and row-parallel bias) gradients are all-reduced. Full
+  recompute repeats the forward's collectives in backward.
+* PP: each stage boundary sends ``N h`` forward and the gradient back (labkit sends the
+  full activation; Megatron with SP sends the shard); a tied embedding adds one all-reduce of
+  its gradient between the first and the last stage per step (axis "embedding").
+* DP (Rajbhandari et al. 2020 sec. 7): ZeRO-0 all-reduces the gradients once per step
+  (``2 (d-1)/d`` Psi on the wire), ZeRO-1/2 reduce-scatter the gradients and all-gather the
+  updated parameters (the same wire bytes), ZeRO-3 also all-gathers the parameters for every
+  forward and backward (1.5x). Expert gradients go over the d/ep ranks that share an expert.
+* EP: each MoE layer sends its k routed copies of the tokens to the experts' ranks and back
+  (2 all-to-alls forward, 2 backward).
+
+Links: ranks are ordered TP innermost, then DP, then PP (Megatron): a group of size n and
+stride k stays inside a node of g GPUs when ``n k <= g``. Put the chatty axis (TP) on the
+fast wire.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .memory import BYTES, _zero_shard, check_layout, n_microbatches, rank_chunks, rank_param_counts
+from .spec import Cluster, Layout, ModelSpec
+
+__all__ = ["AxisComm", "comm_per_rank", "axis_links"]
+
+
+@dataclass
+class AxisComm:
+    """One axis on one rank: ``ops`` {kind: (count, payload bytes)}, ``wire`` bytes sent,
+    ``group`` size, ``link`` ("intra-node" | "inter-node" | "-")."""
+
+    axis: str
+    group: int
+    link: str
+    ops: dict = field(default_factory=dict)
+    wire: int = 0
+
+    def add(self, kind: str, count: int, payload_each: int) -> None:
+        """``count`` operations of ``kind`` whose payload is ``payload_each`` bytes each."""
+        if count <= 0 or (self.group <= 1 and kind not in ("send", "recv")):
+            return
+        c, b = self.ops.get(kind, (0, 0))
+        self.ops[kind] = (c + count, b + count * payload_each)
+        n = self.group
+        if kind == "all_reduce":
+            self.wire += count * (2 * (n - 1) * payload_each // n)
+        elif kind in ("reduce_scatter", "all_to_all"):
+            self.wire += count * ((n - 1) * payload_each // n)
+        elif kind == "all_gather":
+            self.wire += count * (n - 1) * payload_each
+        elif kind == "send":
+            self.wire += count * payload_each
+
+    @property
+    def payload(self) -> int:
+        return sum(b for _, b in self.ops.values())
+
+
+def axis_links(lay: Layout, cluster: Cluster) -> dict:
+    """``{"tp": link, "dp": link, "pp": link, "ep": link}`` for Megatron's rank order."""
+    g = cluster.gpus_per_node
+
+    def link(n, stride):
+        if n <= 1:
+            return "-"
+        return "intra-node" if n * stride <= g else "inter-node"
+    return {"tp": link(lay.t, 1), "dp": link(lay.d, lay.t), "pp": link(lay.p, lay.t * lay.d),
+            "ep": link(lay.ep, lay.t)}
+
+
+def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
+                  act_bytes: int | None = None, regather_in_backward: bool = True) -> dict:
+    """Communication of one training step on a rank of pipeline rank ``pp_rank``:
+    ``{"tp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
+    of a tied embedding's gradient between the first and the last pipeline rank).
+
+    ``act_bytes``: bytes per activation element (default: the layout's precision, 2 for bf16,
+    4 for fp32). Raises ValueError for an impossible layout.
+    """
+    check_layout(spec, lay)
+    cluster = cluster or Cluster()
+    links = axis_links(lay, cluster)
+    pb, gb, _ = BYTES[lay.precision]
+    e = act_bytes or pb
+    M = n_microbatches(spec, lay)
+    t, p, v, r = lay.t, lay.p, lay.v, pp_rank
+    N, h = spec.seq_len * lay.b, spec.hidden
+    act = N * h * e
+    out = {k: AxisComm(k, n, links[k]) for k, n in (("tp", t), ("pp", p), ("dp", lay.d), ("ep", lay.ep))}
+    out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
+    cnt = rank_param_counts(spec, lay, r)
+    L_r = cnt["layers"]
+    ids = [i for ch in rank_chunks(spec.n_layer, p, v, r) for i in ch]
+    n_moe = sum(1 for i in ids if spec.is_moe and i >= spec.first_dense_layers)
+
+    # ---- TP: per microbatch, then x M
+    tp = out["tp"]
+    fwd_layers = L_r * (2 if lay.recompute == "full" else 1)   # full recompute reruns the forward
+    if lay.sequence_parallel:
+        tp.add("all_gather", M * (2 * fwd_layers + 2 * L_r * (1 if regather_in_backward else 0)), act // t)
+        tp.add("reduce_scatter", M * 2 * fwd_layers, act)      # forward g-bar
+        tp.add("reduce_scatter", M * 2 * L_r, act)             # backward of g
+        tp.add("all_gather", M * 2 * L_r, act // t)            # backward of g-bar
+        n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
+        tp.add("all_reduce", 1 if n_ln else 0, n_ln * gb)     # sequence-parallel gradients
+    else:
+        tp.add("all_reduce", M * 2 * (fwd_layers + L_r), act)
+    if r == 0:                                                  # vocab-parallel embedding: g
+        tp.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", M, act)
+    if r == p - 1:                                              # output layer f, cross-entropy
+        if lay.sequence_parallel:
+            tp.add("all_gather", M, act // t)
+            tp.add("reduce_scatter", M, act)
+        else:
+            tp.add("all_reduce", M, act)
+        tp.add("all_reduce", 3 * M, N * 4)
+
+    # ---- PP: sends and receives of this rank's chunks
+    pp = out["pp"]
+    stages = [c * p + r for c in range(v)]
+    last = p * v - 1
+    n_send_f = sum(1 for s in stages if s != last)
+    n_send_b = sum(1 for s in stages if s != 0)
+    if p > 1:
+        pp.add("send", M * (n_send_f + n_send_b), act)
+        pp.add("recv", M * (n_send_f + n_send_b), act)
+        if spec.tied_embeddings and r in (0, p - 1):          # the 2 copies of a tied embedding
+            out["embedding"].add("all_reduce", 1, math.ceil(spec.vocab_size / t) * h * gb)
+
+    # ---- DP: once per step
+    dp = out["dp"]
+    d, d_exp = lay.d, max(1, lay.d // lay.ep)
+    for n, dd in ((cnt["dense"], d), (cnt["expert"], d_exp)):
+        if n == 0 or dd == 1:
+            continue
+        sub = AxisComm("dp", dd, links["dp"])
+        if lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
+            sub.add("all_reduce", 1, n * gb)
+            if v > 1:
+                sub.ops["all_reduce"] = (v, n * gb)
+        else:
+            padded = _zero_shard(n, dd) * dd
+            sub.add("reduce_scatter", 1, padded * gb)
+            sub.add("all_gather", 1, padded // dd * pb)
+            if lay.zero == 3:
+                sub.add("all_gather", 2 * M, padded // dd * pb)
+        for k, (c, b) in sub.ops.items():
+            c0, b0 = dp.ops.get(k, (0, 0))
+            dp.ops[k] = (c0 + c, b0 + b)
+        dp.wire += sub.wire
+
+    # ---- EP: dispatch and combine, forward and backward, per MoE layer
+    if spec.is_moe and lay.ep > 1:
+        tokens = N // (t if lay.sequence_parallel else 1)
+        n_a2a = 4 + (2 if lay.recompute == "full" else 0)      # full recompute redoes the forward pair
+        out["ep"].add("all_to_all", M * n_moe * n_a2a, tokens * spec.n_activated_experts * h * e)
+    return out

@@ -1,0 +1,221 @@
+"""The time model, the search over layouts, and why the best one wins.
+
+Time model (one training step, per GPU):
+
+* compute: ``6 N T`` FLOPs for N (active) parameters and T tokens per step (2 forward,
+  4 backward per parameter and token; Kaplan et al. 2020), ``8 N T`` with full recompute
+  (one more forward; Korthikanti et al. 2022 sec. 5), selective recompute adds the attention
+  core's ``4 s h`` FLOPs per token and layer; spread over the n GPUs at
+  ``peak * compute_efficiency``;
+* pipeline bubble: the compute is stretched by ``1 + (p-1)/(v M)`` (Narayanan et al. 2021,
+  sec. 2.2);
+* communication is not hidden: each axis adds ``wire bytes / link bandwidth`` (TP on NVLink
+  inside a node, DP and PP on InfiniBand once their groups span nodes);
+* MFU (Chowdhery et al. 2022, PaLM, app. B) = ``6 N T / (step time * n * peak)``.
+
+Search (Narayanan et al. 2021, sec. 3.3, "takeaways"): #1 tensor parallelism up to the GPUs
+of one node, pipeline parallelism across nodes; #2 make the model-parallel size t p just large
+enough for the model to fit, and scale with data parallelism. :func:`plan` enumerates every
+valid (t, p, d) with t a power of two up to the node size, p <= L (uneven stages when p does
+not divide L, as DeepSeek-V3's 61 layers on 16 stages), SP on whenever
+t > 1, recompute none / selective / full and, for p > 1, v in 1, 2, 4 (interleaved), keeps
+those that fit the GPU memory, and ranks them by predicted step time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .comm import axis_links, comm_per_rank
+from .memory import check_layout, memory_per_rank, n_microbatches
+from .spec import Cluster, Layout, ModelSpec
+
+__all__ = ["StepTime", "step_time", "PlanEntry", "plan", "explain", "PlanError", "smallest_memory"]
+
+GB = 1e9
+
+
+class PlanError(ValueError):
+    """No layout fits; ``smallest_memory`` (bytes) is what the best layout would need."""
+
+    def __init__(self, message: str, smallest_memory: float | None = None, layout: Layout | None = None):
+        super().__init__(message)
+        self.smallest_memory, self.layout = smallest_memory, layout
+
+
+@dataclass
+class StepTime:
+    """Seconds per step: ``compute`` (without bubble), ``bubble``, ``tp``, ``pp``, ``dp``,
+    ``ep`` (communication), ``total``; ``mfu``; ``flops`` (model FLOPs per step, 6 N T)."""
+
+    compute: float
+    bubble: float
+    tp: float
+    pp: float
+    dp: float
+    ep: float
+    total: float
+    mfu: float
+    flops: float
+
+
+def step_time(spec: ModelSpec, lay: Layout, cluster: Cluster) -> StepTime:
+    """Predicted step time and MFU of ``lay`` on ``cluster`` (see the module docstring)."""
+    check_layout(spec, lay)
+    n = lay.n_gpus
+    M = n_microbatches(spec, lay)
+    tokens = M * lay.b * lay.d * spec.seq_len
+    N = spec.active_params()
+    flops = 6 * N * tokens
+    hw = (8 if lay.recompute == "full" else 6) * N * tokens
+    if lay.recompute == "selective":   # QK^T and the weighted sum of V once more: 4 s h FLOPs per token and layer
+        hw += 4 * spec.n_layer * spec.seq_len * spec.hidden * tokens
+    compute = hw / (n * cluster.peak_flops * cluster.compute_efficiency)
+    bubble = compute * (lay.p - 1) / (lay.v * M)
+    comm = comm_per_rank(spec, lay, cluster, 0)
+    bw = {"intra-node": cluster.intra_bw, "inter-node": cluster.inter_bw, "-": float("inf")}
+    secs = {k: c.wire / bw[c.link] for k, c in comm.items()}
+    total = compute + bubble + sum(secs.values())
+    return StepTime(compute, bubble, secs["tp"], secs["pp"], secs["dp"], secs["ep"], total,
+                    flops / (total * n * cluster.peak_flops), flops)
+
+
+@dataclass
+class PlanEntry:
+    """One candidate: ``layout``, ``memory`` (bytes of the most loaded rank), its breakdown
+    ``rank`` (:class:`~.memory.RankMemory`), ``time`` (:class:`StepTime`), ``fits``."""
+
+    layout: Layout
+    memory: int
+    rank: object
+    time: StepTime
+    fits: bool
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def candidates(spec: ModelSpec, n_gpus: int, cluster: Cluster, zero: int = 1, precision: str = "bf16",
+               b: int = 1, ep: int | None = None, fused_attention: bool = False) -> list[Layout]:
+    """Every valid layout for ``n_gpus`` under Megatron's rule #1 (t within a node)."""
+    out = []
+    for t in _pow2_upto(min(cluster.gpus_per_node, n_gpus)):
+        for p in range(1, spec.n_layer + 1):
+            if n_gpus % (t * p):
+                continue
+            d = n_gpus // (t * p)
+            e = 1
+            if spec.is_moe:
+                e = math.gcd(d, spec.n_routed_experts) if ep is None else ep
+            for v in ((1, 2, 4) if p > 1 else (1,)):
+                if v > 1 and spec.n_layer % (p * v):
+                    continue                       # interleaving: equal chunks (Megatron)
+                for rec in ("none", "selective", "full"):
+                    if spec.global_batch % (b * d):
+                        continue
+                    lay = Layout(t=t, p=p, d=d, v=v, b=b, M=spec.global_batch // (b * d),
+                                 schedule="interleaved" if v > 1 else "1f1b",
+                                 zero=zero, sequence_parallel=t > 1, recompute=rec, precision=precision, ep=e,
+                                 fused_attention=fused_attention)
+                    try:
+                        check_layout(spec, lay)
+                    except ValueError:
+                        continue
+                    out.append(lay)
+    return out
+
+
+def evaluate(spec: ModelSpec, lay: Layout, cluster: Cluster) -> PlanEntry:
+    ranks = memory_per_rank(spec, lay)
+    worst = max(ranks, key=lambda m: m.total)
+    return PlanEntry(lay, worst.total, worst, step_time(spec, lay, cluster), worst.total <= cluster.gpu_memory)
+
+
+def plan(spec: ModelSpec, n_gpus: int, cluster: Cluster, zero: int = 1, precision: str = "bf16", b: int = 1,
+         ep: int | None = None, fused_attention: bool = False) -> list[PlanEntry]:
+    """Feasible layouts of ``spec`` on ``n_gpus`` GPUs, fastest first (ties: smaller t p first).
+
+    Raises :class:`PlanError` when none fits, naming the smallest GPU memory that would work
+    (and for which layout), or when ``n_gpus`` admits no valid layout at all.
+    """
+    if n_gpus < 1:
+        raise PlanError(f"--gpus must be >= 1, got {n_gpus}")
+    lays = candidates(spec, n_gpus, cluster, zero, precision, b, ep, fused_attention)
+    if not lays:
+        raise PlanError(f"no valid layout of {spec.name} on {n_gpus} GPUs: t (a power of 2 <= "
+                        f"{cluster.gpus_per_node} GPUs per node, dividing the {spec.n_head} heads), p (dividing "
+                        f"L={spec.n_layer}) and d = n/(t p) (dividing the global batch {spec.global_batch}) "
+                        f"must multiply to {n_gpus}")
+    entries = [evaluate(spec, lay, cluster) for lay in lays]
+    fit = [e for e in entries if e.fits]
+    if not fit:
+        best = min(entries, key=lambda e: e.memory)
+        raise PlanError(f"{spec.name} fits no layout on {n_gpus} GPUs with {cluster.gpu_memory / GB:g} GB each: "
+                        f"the smallest need is {math.ceil(best.memory / GB * 10) / 10:g} GB per GPU "
+                        f"({best.layout.describe()}); use GPUs with at least that much memory, more GPUs, "
+                        f"or a higher ZeRO stage", best.memory, best.layout)
+    fit.sort(key=lambda e: (e.time.total, e.layout.t * e.layout.p, e.memory))
+    return fit
+
+
+def smallest_memory(spec: ModelSpec, n_gpus: int, cluster: Cluster, **kw) -> tuple[int, Layout]:
+    """(bytes, layout) of the layout with the smallest most-loaded-rank memory."""
+    entries = [evaluate(spec, lay, cluster) for lay in candidates(spec, n_gpus, cluster, **kw)]
+    best = min(entries, key=lambda e: e.memory)
+    return best.memory, best.layout
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+def explain(spec: ModelSpec, entries: list[PlanEntry], cluster: Cluster, n_gpus: int) -> str:
+    """Why the first entry wins, in Megatron's terms (rules #1 and #2), the bubble and the
+    communication of each axis, and what the runner-up loses."""
+    top = entries[0]
+    L, T = top.layout, top.time
+    links = axis_links(L, cluster)
+    comm = comm_per_rank(spec, L, cluster, 0)
+    lines = [f"Why {L.describe()} wins:"]
+    lines.append(f"  rule 1 (TP inside a node): t={L.t} <= {cluster.gpus_per_node} GPUs per node, so its "
+                 f"{comm['tp'].wire / GB:.1f} GB per step per GPU go over {links['tp']} links "
+                 f"({T.tp:.2f} s)." if L.t > 1 else
+                 "  rule 1: t=1, no tensor parallelism needed.")
+    smaller = [e for e in entries if e.layout.t * e.layout.p < L.t * L.p]
+    cands = candidates(spec, n_gpus, cluster, L.zero, L.precision, L.b, None, L.fused_attention)
+    all_mp = sorted({lay.t * lay.p for lay in cands})
+    below = [mp for mp in all_mp if mp < L.t * L.p]
+    if below and not smaller:
+        mp = below[-1]
+        need = min(evaluate(spec, lay, cluster).memory for lay in cands if lay.t * lay.p == mp)
+        lines.append(f"  rule 2 (model parallelism just large enough): t*p={L.t * L.p} is the smallest that fits; "
+                     f"t*p={mp} needs {_gb(need)} > {_gb(cluster.gpu_memory)} per GPU.")
+    elif smaller:
+        s0 = smaller[0]
+        lines.append(f"  rule 2: smaller t*p also fit but are slower (best with t*p={s0.layout.t * s0.layout.p}: "
+                     f"{s0.time.total:.2f} s per step).")
+    else:
+        lines.append(f"  rule 2: t*p={L.t * L.p} is the smallest model-parallel size for {n_gpus} GPUs.")
+    lines.append(f"  the rest is data parallelism: d={L.d}, one gradient reduction per step "
+                 f"({comm['dp'].wire / GB:.1f} GB over {links['dp']} links, {T.dp:.2f} s).")
+    if L.p > 1:
+        M = n_microbatches(spec, L)
+        lines.append(f"  pipeline: p={L.p}, v={L.v}, M={M}: bubble (p-1)/(v M) = {(L.p - 1) / (L.v * M):.3f} of the "
+                     f"compute ({T.bubble:.2f} s); stage boundaries {comm['pp'].wire / GB:.2f} GB ({T.pp:.2f} s).")
+    r = top.rank
+    lines.append(f"  memory of the most loaded GPU (pipeline rank {r.pp_rank}): params {_gb(r.params)}, grads "
+                 f"{_gb(r.grads)}, optimizer {_gb(r.optimizer)}, activations {_gb(r.activations)} "
+                 f"(recompute={L.recompute}); total {_gb(r.total)} of {_gb(cluster.gpu_memory)}.")
+    lines.append(f"  predicted step {T.total:.2f} s (compute {T.compute:.2f} s), MFU {T.mfu * 100:.1f} %.")
+    if len(entries) > 1:
+        ru = entries[1]
+        diffs = {k: getattr(ru.time, k) - getattr(T, k) for k in ("compute", "bubble", "tp", "pp", "dp", "ep")}
+        k = max(diffs, key=diffs.get)
+        lines.append(f"  runner-up {ru.layout.describe()}: {ru.time.total:.2f} s, mostly "
+                     f"{'more ' + k if diffs[k] > 0 else 'no single term'} (+{max(diffs[k], 0):.2f} s).")
+    return "\n".join(lines)
