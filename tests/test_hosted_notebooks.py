@@ -6,6 +6,7 @@ outside a checkout says it found no solutions/. A fresh venv sees this environme
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -48,8 +49,14 @@ def bare_venv(tmp_path_factory):
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "reuse.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    src = tmp / "src"  # a copy: building in the checkout would leave build/ there
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("labkit", "notebooks", "solutions"):
+        shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp / "wheel"), str(ROOT)], check=True, timeout=300, capture_output=True)
+                    str(tmp / "wheel"), str(src)], check=True, timeout=300, capture_output=True)
     wheel = next((tmp / "wheel").glob("labkit-*.whl"))
     return tmp, py, wheel
 
