@@ -8,7 +8,7 @@ NBVAL_SOLUTIONS := LABKIT_STRICT=1 $(PYTEST) -q -p no:cacheprovider --nbval --nb
 	--nbval-sanitize-with .ci/nbval_sanitize.cfg -n 2 --dist loadscope solutions/
 NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-env -n 2 --dist loadscope notebooks/
 
-.PHONY: lab test install build notebooks unit clean
+.PHONY: lab test install build notebooks unit clean autograder
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -36,6 +36,12 @@ notebooks: $(STAMP)
 	$(NBVAL_NOTEBOOKS)
 build: $(STAMP)
 	$(VPY) -m labkit build
+
+# a Gradescope autograder zip: make autograder ASSIGNMENT=01_pipeline_bubble [HIDDEN=cases/] [CELL_TIMEOUT=120]
+autograder: $(STAMP)
+	@test -n "$(ASSIGNMENT)" || { echo "error: say which notebook, e.g. make autograder ASSIGNMENT=01_pipeline_bubble" >&2; exit 2; }
+	$(VPY) -m labkit autograder $(ASSIGNMENT) --out autograder.zip $(if $(HIDDEN),--hidden-cases $(HIDDEN)) \
+		$(if $(CELL_TIMEOUT),--cell-timeout $(CELL_TIMEOUT))
 
 clean:
 	rm -rf $(VENV) runs

@@ -7,6 +7,9 @@ Commands:
   bench NAME [options]   side-by-side speed comparison (pipeline | tensor | moe | dp)
   build [--check]        write notebooks/ (learner versions) from solutions/
   grade PATH... [--results FILE]   run notebooks and grade their exercises
+                         (--assignment NN_name; batch: --results-dir DIR --gradebook CSV -j N)
+  autograder NN_name --out autograder.zip   a Gradescope autograder bundle for one notebook
+  notebooks [DEST] [--solutions]   copy the learner notebooks (Colab, JupyterHub, a laptop)
   plan --model NAME --gpus N [options]   memory, communication and step time per GPU; best layouts
 
 python -m labkit COMMAND --help (or lab NAME --help, bench NAME --help) lists its options.
@@ -66,7 +69,14 @@ def _main(argv: list[str] | None = None) -> int:
     if cmd == "grade":
         from .grading.grader import main as grade_main
         return grade_main(rest) or 0
-    print(f"error: unknown command {cmd!r}; choose one of doctor, lab, bench, build, grade, plan "
+    if cmd == "autograder":
+        from .grading.autograder import main as autograder_main
+        return autograder_main(rest) or 0
+    if cmd == "notebooks":
+        from .grading.build import notebooks_main
+        return notebooks_main(rest) or 0
+    print(f"error: unknown command {cmd!r}; choose one of doctor, lab, bench, build, grade, autograder, "
+          f"notebooks, plan "
           f"(python -m labkit --help)", file=sys.stderr)
     return 2
 

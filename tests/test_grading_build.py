@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.grading.build import (BEGIN, END, WIDGET_NOTE, BuildError, _code_only, build_all, build_text,
+from labkit.grading.build import (BEGIN, END, INSTALL_CELL, WIDGET_NOTE, BuildError, _code_only, build_all, build_text,
                                   learner_version, plot_code_fingerprint, stale_notebooks, uses_plotting_code)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,8 @@ def _synthetic(root: Path) -> Path:
 def test_learner_version_stubs_regions_and_clears_outputs(tmp_path):
     sol = _synthetic(tmp_path)
     learner = nbformat.reads(build_text(sol), as_version=4)
-    code = learner.cells[1]
+    assert learner.cells[0].source == INSTALL_CELL  # first: install labkit where it is missing
+    code = learner.cells[2]
     assert code.source == '''# Exercise 3.1: return the "answer", indented
 import math
 
@@ -75,8 +76,8 @@ print("after")'''
     compile(code.source, "cell", "exec")  # still valid Python
     assert code.outputs == [] and code.execution_count is None and "execution" not in code.metadata
     assert code.metadata["tags"] == ["raises-exception"]
-    assert learner.cells[2].metadata["tags"] == ["nbval-ignore-output"]  # other tags kept
-    assert [c.id for c in learner.cells] == ["cell-0", "cell-1", "cell-2"]
+    assert learner.cells[3].metadata["tags"] == ["nbval-ignore-output"]  # other tags kept
+    assert [c.id for c in learner.cells] == ["install-labkit", "cell-0", "cell-1", "cell-2"]
     assert learner.metadata["labkit"] == {"notebook": "03_synthetic"}
     text = build_text(sol)
     for secret in ("secret_line_one", "top_level_secret", "42", BEGIN, END):
@@ -185,7 +186,7 @@ def test_build_execute_saves_outputs_then_builds(tmp_path):
     stored = nbformat.read(str(sol), as_version=4)
     assert [o["data"] for o in stored.cells[1].outputs] == [{"text/plain": WIDGET_NOTE}]
     assert "widgets" not in stored.metadata and "labkit" not in stored.metadata  # no plotting code used
-    learner = nbformat.read(str(tmp_path / "notebooks" / "08_exec.ipynb"), as_version=4).cells[0]
+    learner = nbformat.read(str(tmp_path / "notebooks" / "08_exec.ipynb"), as_version=4).cells[1]
     assert learner.source.endswith('raise NotImplementedError("Exercise 8.1: print the answer")')
     assert learner.outputs == []
     bad = subprocess.run([sys.executable, "-m", "labkit", "build", "--root", str(tmp_path), "--execute", "99"],

@@ -196,7 +196,9 @@ def test_broken_cells_cost_only_what_depends_on_them(graded):
 
 def test_grader_says_how_the_kernel_is_isolated(graded):
     tmp, proc, obj = graded
-    assert "isolation" in proc.stdout and "isolation" in obj["output"]
+    # the note is instructor detail: in the grader's stdout, kept from students (stdout_visibility)
+    assert "isolation" in proc.stdout and "isolation" not in obj["output"]
+    assert obj["stdout_visibility"] == "hidden" and str(tmp) not in obj["output"]
     if os.geteuid() != 0:
         assert "isolation is partial" in proc.stdout
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from labkit.labs.pipeline import main
+from labkit.pipeline.trace import trace_problems
 
 SMALL = ["--world-size", "2", "--steps", "2", "--batch", "4", "--seq", "8", "--layers", "4", "--embd", "16",
          "--heads", "2"]
@@ -20,6 +21,11 @@ def test_lab_zero_bubble_schedules_with_cost_model_and_trace(tmp_path, capsys):
         trace = json.loads(next(tmp_path.iterdir()).joinpath(f"trace-{name}.json").read_text())
         kinds = {e["args"]["kind"] for e in trace["traceEvents"] if e["ph"] == "X" and e.get("cat") == "compute"}
         assert {"F", "I", "W"} <= kinds
+        assert trace_problems(trace) == []  # Perfetto's rules: measured receives overlap, on their own tracks
+    both = json.loads(next(tmp_path.iterdir()).joinpath("trace-all.json").read_text())
+    assert trace_problems(both) == []
+    assert {e["args"]["name"] for e in both["traceEvents"] if e["name"] == "process_name"} == {
+        f"{name} (measured, last step)" for name in ("zb-h1", "zbv", "dualpipev")}
     assert "cost model: every F, I, W lasts at least 2,2,2 ms" in out
     assert "zero-bubble formulas: zb-h1 (K-1)(T_F+T_I-T_W)" in out
     # ZB-V's formula holds for any measured T_F, T_I, T_W (M >= 2K-1): never "nan"

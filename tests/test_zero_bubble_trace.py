@@ -9,7 +9,7 @@ from labkit.dist import launch
 from labkit.model import GPT, GPTConfig, lm_loss
 from labkit.pipeline import PipelineStage, Schedule1F1B, ScheduleZBH1, TimedAction, bubble_fraction, simulate
 from labkit.pipeline.stages import split_gpt
-from labkit.pipeline.trace import chrome_trace, write_chrome_trace
+from labkit.pipeline.trace import chrome_trace, trace_problems, write_chrome_trace
 from labkit.pipeline.zero_bubble import bubble_time_formula
 
 CFG = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
@@ -53,13 +53,15 @@ def test_cost_model_pads_every_action_and_trace_export(tmp_path):
         data = json.loads(path.read_text())
         slices = [e for e in data["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
         assert len(slices) == sum(t.action.kind in "FBIW" for r in tl for t in tl[r])
-        assert {e["tid"] for e in slices} == {0, 1}
+        threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
+        assert {threads[(e["pid"], e["tid"])] for e in slices} == {"rank 0", "rank 1"}
+        assert trace_problems(data) == []
         e = next(e for e in slices if e["name"] == "F2@s1")
         assert e["args"] == {"kind": "F", "stage": 1, "microbatch": 2}
         t = next(t for t in tl[1] if repr(t.action) == "F2@s1")
         assert e["dur"] == pytest.approx((t.end - t.start) * 1e6)
-        names = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
-        assert names == {"rank 0", "rank 1"}
+        names = set(threads.values())
+        assert {"rank 0", "rank 1", "rank 0 comm", "rank 1 comm"} <= names
 
 
 def test_chrome_trace_of_a_simulation_and_bad_cost_model():

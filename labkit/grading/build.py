@@ -11,7 +11,11 @@ learner version of each notebook:
 * tags exercise cells ``raises-exception`` so nbval and the grader accept the stub's exception
   (tag other cells that *use* an exercise's answer ``raises-exception`` in the solution);
 * records ``metadata.labkit.notebook`` (the solution's stem) so the grader still knows the
-  notebook when a learner renames the file.
+  notebook when a learner renames the file;
+* starts with :data:`INSTALL_CELL`, which installs labkit with one ``%pip`` line when the
+  kernel's Python lacks it (Colab, a JupyterHub image with torch) and does nothing where labkit
+  is installed (the repository's venv, the grader's kernel). ``LABKIT_PIP_SOURCE`` replaces
+  the source it installs from.
 
 Output is deterministic (nbformat's stable JSON, the solution's cell ids).
 
@@ -47,6 +51,7 @@ import nbformat
 from ..cliparse import Parser
 
 __all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "execute_notebook", "main",
+           "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "REPOSITORY_URL",
            "BuildError", "find_root", "PLOTTING_MODULES", "plot_code_fingerprint", "uses_plotting_code",
            "WIDGET_NOTE"]
 
@@ -60,6 +65,14 @@ _DROP_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
 PLOTTING_MODULES = ("labkit.pipeline.plot", "labkit.pipeline.explorer")
 WIDGET_NOTE = "[interactive widget: it appears when this cell runs in a live kernel]"
 _WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+REPOSITORY_URL = "https://github.com/labkit-course/labkit"  # also in pyproject.toml's [project.urls]
+INSTALL_CELL_ID = "install-labkit"
+INSTALL_CELL = f"""# Colab / JupyterHub: install labkit when this Python lacks it (does nothing where it is installed)
+import importlib.util, os
+if importlib.util.find_spec("labkit") is None:
+    %pip install -q {{os.environ.get("LABKIT_PIP_SOURCE", "git+{REPOSITORY_URL}")}}"""
 
 
 class BuildError(ValueError):
@@ -132,6 +145,9 @@ def learner_version(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookNo
             raise BuildError(f"{where}: solution regions are only allowed in code cells")
     nb.metadata["labkit"] = {"notebook": name}
     nb.metadata.pop("widgets", None)
+    install = nbformat.v4.new_code_cell(INSTALL_CELL)
+    install.id = INSTALL_CELL_ID
+    nb.cells.insert(0, install)
     return nb
 
 
@@ -282,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
     a = p.parse_args(argv)
     root = a.root.resolve() if a.root else find_root()
+    if not (root / "solutions").is_dir():
+        print(f"error: found no solutions/ folder in {root} or above {Path.cwd()}: `build` runs in a checkout of the "
+              f"repository (the learner notebooks of an installed labkit: python -m labkit notebooks)", file=sys.stderr)
+        return 2
     try:
         if a.execute is not None:
             for path in _select(root, a.execute):
@@ -301,4 +321,50 @@ def main(argv: list[str] | None = None) -> int:
     except BuildError as e:
         print(f"build error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def packaged_notebooks(kind: str = "notebooks") -> list[Path]:
+    """The notebooks shipped with labkit: ``kind`` "notebooks" (learner versions) or "solutions".
+
+    They are package data (``labkit/_notebooks`` and ``labkit/_solutions``, which link to the
+    repository's ``notebooks/`` and ``solutions/``), so an installed wheel has them too."""
+    folder = Path(__file__).resolve().parents[1] / ("_notebooks" if kind == "notebooks" else "_solutions")
+    return sorted(folder.glob("*.ipynb"))
+
+
+def notebooks_main(argv: list[str] | None = None) -> int:
+    """``python -m labkit notebooks [DEST] [--solutions] [--force]``: copy the learner notebooks
+    (and, when asked, the solutions into DEST/solutions) out of the installed labkit. A file
+    already in DEST is kept (it may hold a learner's work) unless ``--force``."""
+    import shutil
+
+    p = Parser(prog="python -m labkit notebooks",
+               description="Copy the learner notebooks shipped with labkit into a folder (Colab, JupyterHub, a laptop).")
+    p.add_argument("dest", nargs="?", type=Path, default=Path("labkit-notebooks"), help="folder to copy into")
+    p.add_argument("--solutions", action="store_true", help="also copy the complete notebooks into DEST/solutions")
+    p.add_argument("--force", action="store_true", help="replace notebooks already in DEST")
+    a = p.parse_args(argv)
+    if a.dest.exists() and not a.dest.is_dir():
+        print(f"error: {a.dest} exists and is not a folder", file=sys.stderr)
+        return 2
+    jobs = [(f, a.dest / f.name) for f in packaged_notebooks("notebooks")]
+    if a.solutions:
+        jobs += [(f, a.dest / "solutions" / f.name) for f in packaged_notebooks("solutions")]
+    if not jobs:
+        print("error: this labkit was installed without its notebooks (labkit/_notebooks is empty); "
+              f"install it from a wheel or a checkout of {REPOSITORY_URL}", file=sys.stderr)
+        return 1
+    copied, kept = 0, []
+    for src, dst in jobs:
+        if dst.exists() and not a.force:
+            kept.append(dst.name)
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+        copied += 1
+    print(f"copied {copied} notebooks into {a.dest}" + (" (learner versions and solutions/)" if a.solutions else ""))
+    if kept:
+        print(f"kept {len(kept)} already there (your work; --force replaces them): {', '.join(kept)}")
+    print(f"open them with: jupyter lab {a.dest}")
     return 0

@@ -100,6 +100,7 @@ class NotebookGrade:
     stopped: str  # "" when every cell ran cleanly, else what went wrong (cells that raised, killed, ...)
     exercises: list[ExerciseGrade] = field(default_factory=list)
     isolation: str = ""
+    graded: bool = True  # False: the grader could not run the notebook (its exercises score zero)
 
 
 _CHECK_CALL = re.compile(r"""\bcheck\(\s*(?P<q>["'])(?P<id>[^"'\n]+)(?P=q)""")
@@ -162,9 +163,10 @@ def _exercise_grade(ex: Exercise, res, reason: str = "") -> ExerciseGrade:
     return ExerciseGrade(ex, status, res.message, cases)
 
 
-def _grade_in_kernel(ex: Exercise, session, deadline: float | None = None) -> ExerciseGrade:
+def _grade_in_kernel(ex: Exercise, session, deadline: float | None = None, hints: bool = True) -> ExerciseGrade:
     """Run every case of ``ex`` here, its calls going to the answer registered in ``session``
-    (none past ``deadline``, a ``time.monotonic()`` value)."""
+    (none past ``deadline``, a ``time.monotonic()`` value); ``hints=False`` leaves the hint out of
+    its message."""
     from .proxy import KernelBackend
     from .runner import evaluate
 
@@ -179,6 +181,9 @@ def _grade_in_kernel(ex: Exercise, session, deadline: float | None = None) -> Ex
 
     res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on,
                    deadline=deadline)
+    if not hints:
+        from .runner import format_line
+        res.message = format_line(ex, res, hints=False)
     session.request({"op": "end"}, wait=10)
     return _exercise_grade(ex, res)
 
@@ -207,7 +212,7 @@ def default_time_budget(cell_timeout: float, exercises, n_cells: int) -> float:
 
 def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                    assignment: str | None = None, time_budget: float | None = None,
-                   limits=None) -> NotebookGrade:
+                   limits=None, hints: bool = True) -> NotebookGrade:
     """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
 
     ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
@@ -218,6 +223,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
     submission: no cell or case runs past it, and what it leaves no time for is "not reached".
     ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel (root only).
+    ``hints=False`` leaves the hints out of the messages (graded runs; the interactive ``check``
+    keeps them).
     """
     import time
 
@@ -296,7 +303,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                     code = register_code(ex_id, answer_name(ex_id, cells))
                     st, en, ev = session.execute(code, max(1.0, min(cell_timeout, deadline - time.monotonic()))) if code else ("ok", "", "")
                     if st == "ok" and (code or ex_id in _registered(session)):
-                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
+                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline, hints)
                     elif st == "error" and status == "error" and en == "NameError":  # the cell broke
                         grades[ex_id] = _exercise_grade(wanted[ex_id], None, f"not attempted: check(\"{ex_id}\", "
                                                                              f"...) did not run: {cell_problems[idx]}")
@@ -398,15 +405,16 @@ def _hidden_files() -> list[Path]:
 
 
 def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None,
-                time_budget: float | None = None, limits=None) -> list[NotebookGrade]:
+                time_budget: float | None = None, limits=None, hints: bool = True) -> list[NotebookGrade]:
+    """:func:`grade_notebook` for each path; one that cannot be graded gets ``graded=False`` and zeros."""
     out = []
     for p in paths:
         try:
             out.append(grade_notebook(p, cell_timeout, assignment=assignment, time_budget=time_budget,
-                                      limits=limits))
+                                      limits=limits, hints=hints))
         except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
-                                                    f"{_first(str(e))}")
+                                                    f"{_first(str(e))}", graded=False)
             try:
                 nb = nbformat.read(str(p), as_version=4)
                 for name in [assignment] if assignment else _notebook_names(nb, Path(p)):
@@ -418,8 +426,14 @@ def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: s
     return out
 
 
-def results_json(grades: list[NotebookGrade]) -> dict:
-    """The Gradescope results object for ``grades``."""
+def results_json(grades: list[NotebookGrade], execution_time: float | None = None) -> dict:
+    """The Gradescope results object for ``grades``.
+
+    What a student sees carries no instructor detail: the top-level ``output`` names notebooks
+    by file name (no grader paths) and leaves out the isolation note, which goes to the
+    grader's stdout; ``stdout_visibility`` is ``hidden`` so that stdout stays with the
+    instructor. Each exercise's test carries its id as Gradescope's ``number``.
+    ``execution_time``: seconds the grading took (Gradescope's field), when given."""
     tests = []
     for g in grades:
         for eg in g.exercises:
@@ -427,6 +441,7 @@ def results_json(grades: list[NotebookGrade]) -> dict:
             passed = eg.status == "passed"
             tests.append({
                 "name": eg.exercise.label,
+                "number": eg.exercise.id,
                 "score": round(eg.score, 6),
                 "max_score": round(eg.max_score, 6),
                 "status": "passed" if passed else "failed",
@@ -457,11 +472,14 @@ def results_json(grades: list[NotebookGrade]) -> dict:
                 })
     score = round(sum(t["score"] for t in tests), 4)
     total = round(sum(t["max_score"] for t in tests), 4)
-    lines = [f"{g.path}: {_points(sum(e.score for e in g.exercises))} / {_points(sum(e.max_score for e in g.exercises))}"
-             + (f" ({g.stopped})" if g.stopped else "") for g in grades]
-    notes = sorted({g.isolation for g in grades if g.isolation})
-    return {"score": score, "output": "\n".join([f"Total {_points(score)} / {_points(total)}"] + lines + notes),
-            "tests": tests}
+    lines = [f"{Path(g.path).name}: {_points(sum(e.score for e in g.exercises))} / "
+             f"{_points(sum(e.max_score for e in g.exercises))}"
+             + (f" ({g.stopped.replace(str(Path(g.path).parent) + os.sep, '')})" if g.stopped else "") for g in grades]
+    obj = {"score": score, "output": "\n".join([f"Total {_points(score)} / {_points(total)}"] + lines),
+           "stdout_visibility": "hidden", "tests": tests}
+    if execution_time is not None:
+        obj["execution_time"] = max(0, int(math.ceil(execution_time)))
+    return obj
 
 
 def write_results(path: Path, obj: dict) -> None:
@@ -583,15 +601,20 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m labkit grade``; bad input ends with one ``error:`` line (exit 2) before any
-    kernel starts."""
+    kernel starts. Exit status 0 when every notebook was graded (whatever its score), 1 when one
+    could not be graded. ``--results-dir``/``--gradebook``/``-j``: batch grading
+    (:mod:`labkit.grading.batch`), one kernel per submission, N at a time."""
+    import time
+
     p = Parser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
     p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
     p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")
     p.add_argument("--cell-timeout", default=str(DEFAULT_CELL_TIMEOUT), help="seconds per cell (> 0)")
     p.add_argument("--time-budget", default=None,
                    help="seconds one submission may take in all (> 0; default: from --cell-timeout and its cases)")
-    p.add_argument("--assignment", default=None,
-                   help="the notebook whose exercises count, e.g. 02_gpipe (default: read from the submission)")
+    p.add_argument("--assignment", default=None, metavar="NN_name",
+                   help="the notebook whose exercises count, e.g. 02_gpipe, whatever the submission holds "
+                        "(default: read from the submission)")
     from .contain import Limits
 
     d = Limits()
@@ -604,6 +627,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"default {d.address_space // 2 ** 20})")
     p.add_argument("--tmp-size", type=int, default=d.tmp_size // 2 ** 20,
                    help=f"MiB of each private /tmp, /var/tmp, /dev/shm (root only; default {d.tmp_size // 2 ** 20})")
+    p.add_argument("--no-hints", action="store_true", help="leave hints out of the graded messages")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="batch: one results file per submission in this folder")
+    p.add_argument("--gradebook", type=Path, default=None,
+                   help="batch: a CSV with one row per submission, one column per exercise and the total")
+    p.add_argument("-j", "--jobs", type=int, default=None, help="batch: submissions graded at a time (default: the cores)")
     a = p.parse_args(argv)
     limits = Limits(processes=a.max_processes, file_size=a.max_file_size * 2 ** 20,
                     address_space=a.max_memory * 2 ** 20, memory=a.max_memory * 2 ** 20, tmp_size=a.tmp_size * 2 ** 20)
@@ -623,24 +652,49 @@ def main(argv: list[str] | None = None) -> int:
                                                                                           " MiB")):
         if not problem and value < low:
             problem = f"{opt} must be at least {low}{unit}, got {value}"
-    problem = problem or _input_problem(a.paths, a.results)
+    batch = a.results_dir is not None or a.gradebook is not None or a.jobs is not None
+    missing = next((x for x in a.paths if not x.is_file()), None)
+    # a batch grades every readable file: one that is not a notebook is reported in its row
+    problem = problem or (f"no such notebook: {missing}" if batch and missing else
+                          _input_problem([] if batch else a.paths, a.results))
+    if not problem and batch and a.results is not None:
+        problem = "--results writes one file for all notebooks; with --results-dir/--gradebook/-j leave it out"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     from .registry import IMPORT_ERRORS, load_all
 
     load_all()
+    if not problem and a.assignment is not None and not exercises_for_notebook(a.assignment):
+        from .registry import all_exercises
+        known = sorted({ex.notebook for ex in all_exercises()})
+        problem = f"--assignment {a.assignment!r} has no exercises; choose one of {', '.join(known)}"
+    if not problem and batch:
+        from .batch import input_problem
+        problem = input_problem(a.results_dir, a.gradebook, a.jobs)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
     if a.assignment is None:
         print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
-    grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits)
+    if batch:
+        from .batch import grade_batch
+        return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, cell_timeout, a.assignment, not a.no_hints)
+    t0 = time.monotonic()
+    grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits,
+                         hints=not a.no_hints)
     print(format_table(grades))
     if a.results:
-        obj = results_json(grades)
+        obj = results_json(grades, execution_time=time.monotonic() - t0)
         validate_results(obj)
         write_results(a.results, obj)
         print(f"wrote {a.results}")
+    bad = [g.path for g in grades if not g.graded]
+    if bad:
+        print(f"error: {len(bad)} notebook(s) could not be graded: {', '.join(bad)}", file=sys.stderr)
+        return 1
     return 0

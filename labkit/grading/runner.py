@@ -285,9 +285,10 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
     return res
 
 
-def format_line(ex: Exercise, res: CheckResult, failures: int = 1) -> str:
+def format_line(ex: Exercise, res: CheckResult, failures: int = 1, hints: bool = True) -> str:
     """The one deterministic line ``check`` prints for ``res``; from the ``SECOND_HINT_AFTER``-th
-    failure of the exercise (``failures``) the exercise's second hint follows the first."""
+    failure of the exercise (``failures``) the exercise's second hint follows the first;
+    ``hints=False`` leaves out the hints (a graded run that holds hints back: ``grade --no-hints``)."""
     if not ex.cases:
         return f"{ex.label}: no cases are registered for this exercise."
     if res.status == "passed":
@@ -297,9 +298,9 @@ def format_line(ex: Exercise, res: CheckResult, failures: int = 1) -> str:
     first = next(r for r in res.cases if r.status == "failed")
     case = next((c for c in ex.cases if c.name == first.name), None)
     text = case.hint if case is not None and case.hint is not None else ex.hint
-    hint = f" Hint: {text}" if text else ""
+    hint = f" Hint: {text}" if text and hints else ""
     second = getattr(ex, "hint2", "")
-    if second and failures >= SECOND_HINT_AFTER:
+    if second and hints and failures >= SECOND_HINT_AFTER:
         hint += f" Second hint: {second}"
     if first.hidden:
         counts = f"{res.passed} of {res.total} cases passed"

@@ -20,7 +20,8 @@ rank r); their formula column is the zero-bubble formula from the measured mean 
 T_W (nan where it is not exact for them). ``--cost-model F,I,W`` (milliseconds) makes every
 action last at least that long by sleeping without holding a core, so that on fewer cores
 than ranks the measured bubble shows the schedule (the output says which measurement it is);
-``--trace`` also writes each measured timeline as Chrome trace-event JSON for Perfetto.
+``--trace`` also writes each measured timeline as Chrome trace-event JSON for Perfetto
+(``trace-NAME.json``) and, for several schedules, all of them side by side (``trace-all.json``).
 
 Gantt charts of the measured timelines and the loss curves are saved under
 ``runs/pipeline-YYYYmmdd-HHMMSS/``. The same module runs under
@@ -429,6 +430,10 @@ def main(argv=None) -> int:
         for row in rows:
             traces.append(write_chrome_trace(folder / f"trace-{row['schedule'].replace(' ', '')}.json",
                                              {f"{row['schedule']} (measured, last step)": row["timeline"]}))
+        if len(rows) > 1:  # every schedule side by side, one Perfetto process each
+            traces.append(write_chrome_trace(folder / "trace-all.json",
+                                             {f"{row['schedule']} (measured, last step)": row["timeline"]
+                                              for row in rows}))
     head = (f"{'schedule':<16} {'train':>7} {'val':>7} {'curve gap':>10} {'bubble':>7} {'formula':>8} "
             f"{'sim':>6} {'peak in flight/stage':<24} {'tokens/s':>9}")
     print(head)

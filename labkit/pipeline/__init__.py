@@ -35,9 +35,9 @@ __all__ = [
 from .runtime import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                       ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble)
 from .stages import GPTStage, gpt_stages_for_rank, split_gpt
-from .trace import chrome_trace, write_chrome_trace
+from .trace import chrome_trace, trace_problems, write_chrome_trace
 
 __all__ += ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
             "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
             "GPTStage", "split_gpt", "gpt_stages_for_rank"]
-__all__ += ["chrome_trace", "write_chrome_trace"]
+__all__ += ["chrome_trace", "write_chrome_trace", "trace_problems"]

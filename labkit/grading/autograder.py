@@ -1,0 +1,250 @@
+"""A Gradescope autograder bundle: ``python -m labkit autograder ASSIGNMENT --out autograder.zip``.
+
+Gradescope (https://gradescope-autograders.readthedocs.io, "Autograder Specifications") unzips
+the bundle into ``/autograder/source``, runs ``setup.sh`` there once, as root, on its Ubuntu
+image, and for each submission copies the upload to ``/autograder/submission``, runs
+``/autograder/run_autograder`` (as root) and reads ``/autograder/results/results.json``.
+
+The bundle holds, at its root:
+
+* ``setup.sh``: installs ``python3-venv`` when Python has no ``ensurepip``; makes a venv in
+  ``$ROOT/venv`` with the CPU torch wheel pinned as in ``requirements.txt`` (the default wheel
+  on PyPI brings CUDA: ``LABKIT_PIP_ARGS`` defaults to PyTorch's CPU index plus PyPI); copies
+  labkit's source from the bundle into the venv; creates the unprivileged kernel user
+  ``labkit-kernel``; makes ``hidden/`` readable by root only.
+* ``run_autograder``: runs :func:`run` with the venv's Python.
+* ``labkit/`` (the kit's source), ``requirements.txt``, ``hidden/*.py`` (``--hidden-cases``)
+  and ``labkit_assignment.json`` (the assignment, cell timeout and whether hints are shown).
+
+``$ROOT`` is ``/autograder`` unless ``LABKIT_AUTOGRADER_ROOT`` says otherwise (tests run the
+bundle in a temporary tree). ``LABKIT_PIP_ARGS`` replaces the pip source/index options (e.g.
+``--no-index`` offline); ``LABKIT_REUSE_SITE`` (tests only) makes the venv see the packages of
+an existing environment's site-packages, so that nothing is downloaded.
+
+:func:`run` grades exactly the assignment's notebook: the one ``.ipynb`` uploaded, whatever its
+file name, pinned to the assignment (``grade_notebook(..., assignment=...)``: another notebook
+scores zero, with a message naming both). No notebook, or several, gives a results file with
+every exercise at zero and a message saying what to upload. Instructor detail (the isolation
+note, paths) goes to stdout, which ``stdout_visibility: hidden`` keeps from students.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+__all__ = ["build_bundle", "run", "main", "TORCH_PIN", "RUNTIME_REQUIREMENTS", "DEFAULT_BUNDLE_CELL_TIMEOUT"]
+
+TORCH_PIN = "torch==2.13.0"  # as in requirements.txt (tests/test_autograder.py checks they agree)
+# labkit's runtime dependencies (pyproject.toml), torch pinned
+RUNTIME_REQUIREMENTS = [TORCH_PIN, "numpy>=1.22", "matplotlib>=3.6", "tqdm>=4.62", "nbformat>=5.1",
+                        "nbclient>=0.6", "ipykernel>=6.0", "ipywidgets>=8.0", "jupyter_client>=7.0", "pyzmq>=23"]
+# Gradescope's default limit for a whole run is 10 minutes; one cell gets at most this by default
+DEFAULT_BUNDLE_CELL_TIMEOUT = 120
+CONFIG = "labkit_assignment.json"
+ROOT_ENV = "LABKIT_AUTOGRADER_ROOT"
+
+SETUP_SH = r"""#!/usr/bin/env bash
+# labkit autograder setup: Gradescope runs this once, as root, on its Ubuntu image.
+set -euo pipefail
+ROOT="${LABKIT_AUTOGRADER_ROOT:-/autograder}"
+SRC="$ROOT/source"
+PY="${LABKIT_PYTHON:-python3}"
+# the CPU wheel of torch (PyPI's default wheel brings CUDA); LABKIT_PIP_ARGS replaces these sources
+# (set and empty: pip's own configuration, e.g. a local index)
+PIP_ARGS="${LABKIT_PIP_ARGS-"--index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple"}"
+if ! "$PY" -c "import ensurepip, venv" >/dev/null 2>&1; then
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv
+fi
+"$PY" -m venv "$ROOT/venv"
+VPY="$ROOT/venv/bin/python"
+SITE="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if [ -n "${LABKIT_REUSE_SITE:-}" ]; then  # tests: see an existing environment's packages
+    echo "$LABKIT_REUSE_SITE" > "$SITE/labkit-reuse-site.pth"
+fi
+# shellcheck disable=SC2086
+"$VPY" -m pip install -q $PIP_ARGS -r "$SRC/requirements.txt"
+rm -rf "$SITE/labkit"
+cp -r "$SRC/labkit" "$SITE/labkit"
+chmod -R a+rX "$ROOT/venv"
+(cd / && "$VPY" -c "import torch, labkit.grading.grader as g; print('labkit autograder: torch', torch.__version__, 'labkit', g.__file__)")
+# the unprivileged user the submission's kernel runs as
+id labkit-kernel >/dev/null 2>&1 || useradd --system --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin --user-group labkit-kernel
+# hidden cases: root only
+mkdir -p "$SRC/hidden"
+chown -R root:root "$SRC/hidden"
+chmod 700 "$SRC/hidden"
+find "$SRC/hidden" -type f -exec chmod 600 {} +
+"""
+
+RUN_AUTOGRADER = r"""#!/usr/bin/env bash
+# labkit autograder: Gradescope runs this, as root, for each submission.
+ROOT="${LABKIT_AUTOGRADER_ROOT:-/autograder}"
+if [ ! -x "$ROOT/venv/bin/python" ]; then
+    mkdir -p "$ROOT/results"
+    echo '{"score": 0, "output": "The autograder is not set up (setup.sh did not finish); tell your instructor.", "tests": []}' \
+        > "$ROOT/results/results.json"
+    echo "error: $ROOT/venv/bin/python is missing: setup.sh did not finish" >&2
+    exit 1
+fi
+cd "$ROOT"  # not a folder with another labkit in it: the venv's copy is graded with
+exec "$ROOT/venv/bin/python" -m labkit.grading.autograder --root "$ROOT"
+"""
+
+
+def _problem(assignment: str, out: Path, hidden: Path | None, cell_timeout: float) -> str:
+    from .registry import HIDDEN_ENV, IMPORT_ERRORS, all_exercises, exercises_for_notebook, load_all
+
+    if hidden is not None:
+        if not hidden.is_dir():
+            return f"--hidden-cases {hidden} is not a folder"
+        if not list(hidden.glob("*.py")):
+            return f"--hidden-cases {hidden} holds no .py case files"
+        os.environ[HIDDEN_ENV] = str(hidden.resolve())
+    try:
+        load_all(reload_hidden=hidden is not None)
+    except Exception as e:  # noqa: BLE001 - a hidden-case file that raises
+        return f"the hidden cases in {hidden} do not load: {type(e).__name__}: {e}"
+    if IMPORT_ERRORS:
+        m, e = sorted(IMPORT_ERRORS.items())[0]
+        return f"exercise module {m} does not import ({e}): fix the kit before bundling it"
+    if not exercises_for_notebook(assignment):
+        known = sorted({ex.notebook for ex in all_exercises()})
+        return f"assignment {assignment!r} has no exercises; choose one of {', '.join(known)}"
+    if not cell_timeout > 0:
+        return f"--cell-timeout must be a positive number of seconds, got {cell_timeout!r}"
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir() or not parent.is_dir():
+        return f"--out {out}: give a .zip path in an existing folder"
+    return ""
+
+
+def _add(z: zipfile.ZipFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    info = zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0))
+    info.external_attr = (0o100000 | mode) << 16
+    info.compress_type = zipfile.ZIP_DEFLATED
+    z.writestr(info, data)
+
+
+def build_bundle(assignment: str, out: Path, hidden: Path | None = None,
+                 cell_timeout: float = DEFAULT_BUNDLE_CELL_TIMEOUT, hints: bool = True) -> Path:
+    """Write the Gradescope bundle for ``assignment`` (a notebook name) to ``out``; returns ``out``.
+
+    Raises ValueError naming the problem (unknown assignment, missing hidden-case folder, ...)."""
+    import labkit
+
+    out = Path(out)
+    problem = _problem(assignment, out, hidden, cell_timeout)
+    if problem:
+        raise ValueError(problem)
+    pkg = Path(labkit.__file__).resolve().parent
+    config = {"assignment": assignment, "cell_timeout": cell_timeout, "hints": bool(hints)}
+    tmp = out.with_name(f".{out.name}.tmp")
+    with zipfile.ZipFile(tmp, "w") as z:
+        _add(z, "setup.sh", SETUP_SH.encode(), 0o755)
+        _add(z, "run_autograder", RUN_AUTOGRADER.encode(), 0o755)
+        _add(z, "requirements.txt", ("\n".join(RUNTIME_REQUIREMENTS) + "\n").encode())
+        _add(z, CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+        for f in sorted(pkg.rglob("*")):
+            # not the notebooks: the submission's kernel could read the solutions
+            rel = f.relative_to(pkg)
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc" \
+                    and rel.parts[0] not in ("_notebooks", "_solutions"):
+                _add(z, "labkit/" + f.relative_to(pkg).as_posix(), f.read_bytes())
+        for f in sorted(hidden.glob("*.py")) if hidden is not None else []:
+            _add(z, "hidden/" + f.name, f.read_bytes(), 0o600)
+    os.replace(tmp, out)
+    return out
+
+
+def _notebooks(folder: Path) -> list[Path]:
+    """The .ipynb files uploaded (any depth; checkpoints and dot-folders left out)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.rglob("*.ipynb") if p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def run(root: Path) -> int:
+    """Grade ``root/submission`` for the bundle in ``root/source``; write ``root/results/results.json``.
+
+    Returns 0 when the results are the submission's grade (whatever its score), 1 when the
+    notebook could not be graded."""
+    from .grader import NotebookGrade, _exercise_grade, format_table, grade_paths, results_json, validate_results
+    from .grader import write_results
+    from .registry import HIDDEN_ENV, exercises_for_notebook, load_all
+
+    t0 = time.monotonic()
+    source = root / "source"
+    config = json.loads((source / CONFIG).read_text())
+    assignment = config["assignment"]
+    hidden = source / "hidden"
+    if hidden.is_dir() and list(hidden.glob("*.py")):
+        os.environ[HIDDEN_ENV] = str(hidden)
+    load_all()
+    found = _notebooks(root / "submission")
+    want = f"{assignment}.ipynb"
+    if len(found) == 1:
+        grade = grade_paths([found[0]], float(config.get("cell_timeout", DEFAULT_BUNDLE_CELL_TIMEOUT)),
+                            assignment=assignment, hints=bool(config.get("hints", True)))[0]
+    else:
+        if not found:
+            why = f"no notebook (.ipynb) was uploaded: upload your {want}"
+        else:
+            names = ", ".join(p.relative_to(root / "submission").as_posix() for p in found)
+            why = f"{len(found)} notebooks were uploaded ({names}): upload exactly one, your {want}; nothing was graded"
+        grade = NotebookGrade(want, assignment, why)
+        grade.exercises = [_exercise_grade(ex, None, f"not attempted: {why}") for ex in exercises_for_notebook(assignment)]
+    print(format_table([grade]))  # instructor only (stdout_visibility: hidden)
+    obj = results_json([grade], execution_time=time.monotonic() - t0)
+    validate_results(obj)
+    (root / "results").mkdir(parents=True, exist_ok=True)
+    write_results(root / "results" / "results.json", obj)
+    return 0 if grade.graded else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit autograder ASSIGNMENT --out autograder.zip [--hidden-cases DIR] [--cell-timeout S]
+    [--no-hints]``; bad input ends with one ``error:`` line (exit 2)."""
+    from ..cliparse import Parser
+    from .grader import _seconds
+
+    p = Parser(prog="python -m labkit autograder",
+               description="Write a Gradescope autograder bundle (setup.sh, run_autograder, labkit) for one notebook.")
+    p.add_argument("assignment", help="the notebook graded, e.g. 01_pipeline_bubble")
+    p.add_argument("--out", type=Path, default=Path("autograder.zip"), help="the zip to write")
+    p.add_argument("--hidden-cases", type=Path, default=None, help="a folder of hidden-case .py files to bundle")
+    p.add_argument("--cell-timeout", default=str(DEFAULT_BUNDLE_CELL_TIMEOUT),
+                   help="seconds one cell may run (keep the notebook under Gradescope's time limit)")
+    p.add_argument("--no-hints", action="store_true", help="hold hints back in the graded results")
+    a = p.parse_args(argv)
+    t = _seconds(a.cell_timeout)
+    if t is None:
+        print(f"error: --cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}", file=sys.stderr)
+        return 2
+    try:
+        out = build_bundle(a.assignment, a.out, a.hidden_cases, t, hints=not a.no_hints)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: Gradescope autograder for {a.assignment} (cell timeout {t:g} s, hints "
+          f"{'hidden' if a.no_hints else 'shown'}{', hidden cases bundled' if a.hidden_cases else ''}); upload it "
+          f"as a zip autograder on Gradescope's default Ubuntu image")
+    return 0
+
+
+def _run_main(argv: list[str]) -> int:
+    from ..cliparse import Parser
+
+    p = Parser(prog="python -m labkit.grading.autograder")
+    p.add_argument("--root", type=Path, default=Path(os.environ.get(ROOT_ENV, "/autograder")))
+    return run(p.parse_args(argv).root)
+
+
+if __name__ == "__main__":
+    sys.exit(_run_main(sys.argv[1:]))

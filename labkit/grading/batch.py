@@ -1,0 +1,154 @@
+"""Batch grading: ``python -m labkit grade submissions/*.ipynb --results-dir DIR --gradebook grades.csv -j N``.
+
+Each submission is graded by its own ``python -m labkit grade SUBMISSION --results DIR/NAME.json``
+process (its own kernel, its own isolation and clean-up, exactly as for one notebook), N at a
+time (default: the cores). As each one finishes, one summary line is printed
+(``[3/6] alice.ipynb: 12/14 points (21 s)``). The gradebook is a CSV with one row per
+submission: its file, one column per exercise (the exercise ids of the graded notebook(s), in
+order; empty where a submission has no such exercise) and the total. A submission that could
+not be graded (the grader failed, or wrote no results) gets a row with ``error`` set, and the
+command then exits 1.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["grade_batch", "input_problem", "gradebook_rows"]
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def input_problem(results_dir: Path | None, gradebook: Path | None, jobs: int | None) -> str:
+    """What is wrong with the batch options ("" when nothing)."""
+    if jobs is not None and jobs < 1:
+        return f"-j must be >= 1 submission at a time, got {jobs}"
+    if results_dir is not None and results_dir.exists() and not results_dir.is_dir():
+        return f"--results-dir {results_dir} exists and is not a folder"
+    if gradebook is not None:
+        if gradebook.is_dir():
+            return f"--gradebook {gradebook} is a folder; give the path of the CSV file to write"
+        parent = gradebook.parent if str(gradebook.parent) else Path(".")
+        if not parent.is_dir():
+            return f"--gradebook {gradebook}: its folder {parent} does not exist"
+    return ""
+
+
+def _result_names(paths: list[Path]) -> list[str]:
+    """One results-file name per submission: its stem, made unique with -2, -3, ..."""
+    names, seen = [], {}
+    for p in paths:
+        stem = p.stem
+        seen[stem] = seen.get(stem, 0) + 1
+        names.append(stem if seen[stem] == 1 else f"{stem}-{seen[stem]}")
+    return names
+
+
+def gradebook_rows(entries: list[tuple[str, dict | None, str]]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the gradebook from ``(submission, results object or None, error)``.
+
+    Columns: ``submission``, one per exercise id (the tests carrying a Gradescope ``number``),
+    ``total``, ``max``, ``error``."""
+    ids: list[str] = []
+    for _, obj, _ in entries:
+        for t in (obj or {}).get("tests", []):
+            if "number" in t and t["number"] not in ids:
+                ids.append(t["number"])
+    rows = []
+    for name, obj, err in entries:
+        scores = {t["number"]: t["score"] for t in (obj or {}).get("tests", []) if "number" in t}
+        total = sum(t["max_score"] for t in (obj or {}).get("tests", []))
+        rows.append([name] + [f"{scores[i]:g}" if i in scores else "" for i in ids]
+                    + ([f"{obj['score']:g}", f"{total:g}"] if obj else ["0", ""]) + [err])
+    return ["submission"] + [f"exercise {i}" for i in ids] + ["total", "max", "error"], rows
+
+
+def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: int | None,
+                cell_timeout: float, assignment: str | None = None, hints: bool = True) -> int:
+    """Grade each of ``paths`` in its own grader process, ``jobs`` at a time; returns the exit status
+    (0: every submission graded, 1: one could not be). Results go to ``results_dir`` (a temporary
+    folder when None), the CSV to ``gradebook`` when given."""
+    import tempfile
+
+    paths = [Path(p) for p in paths]
+    jobs = jobs or _cores()
+    tmp = None
+    if results_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="labkit-batch-")
+        results_dir = Path(tmp.name)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    outs = [results_dir / f"{n}.json" for n in _result_names(paths)]
+    base = [sys.executable, "-m", "labkit", "grade", "--cell-timeout", f"{cell_timeout:g}"]
+    base += ["--assignment", assignment] if assignment else []
+    base += [] if hints else ["--no-hints"]
+    todo = list(range(len(paths)))
+    running: dict[int, tuple[subprocess.Popen, float, object]] = {}
+    done: dict[int, tuple[dict | None, str]] = {}
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                i = todo.pop(0)
+                log = tempfile.TemporaryFile(mode="w+")
+                proc = subprocess.Popen(base + [str(paths[i]), "--results", str(outs[i])], stdin=subprocess.DEVNULL,
+                                        stdout=log, stderr=subprocess.STDOUT, text=True)
+                running[i] = (proc, time.monotonic(), log)
+            time.sleep(0.2)
+            for i, (proc, t0, log) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[i]
+                log.seek(0)
+                text = log.read()
+                log.close()
+                obj, err = None, ""
+                try:
+                    obj = json.loads(outs[i].read_text())
+                except (OSError, ValueError):
+                    err = "no results were written"
+                if proc.returncode != 0:
+                    last = [l for l in text.splitlines() if l.startswith("error:")] or text.strip().splitlines()[-1:]
+                    err = (last[-1].removeprefix("error: ") if last else f"the grader exited {proc.returncode}")
+                done[i] = (obj, err)
+                head = f"[{len(done)}/{len(paths)}] {paths[i].name}: "
+                if obj is not None:
+                    total = sum(t["max_score"] for t in obj["tests"])
+                    head += f"{obj['score']:g}/{total:g} points"
+                print(head + (f"{'; ' if obj else ''}NOT GRADED: {err}" if err else "")
+                      + f" ({time.monotonic() - t0:.0f} s)", flush=True)
+    finally:
+        for proc, _, log in running.values():  # Ctrl-C or SIGTERM: each grader cleans up its kernel
+            proc.terminate()
+        for proc, _, log in running.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+        if tmp is not None:
+            tmp.cleanup()
+    failed = [paths[i].name for i in sorted(done) if done[i][1]]
+    if gradebook is not None:
+        header, rows = gradebook_rows([(str(paths[i]), *done[i]) for i in range(len(paths))])
+        with open(gradebook, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            w.writerows(rows)
+        print(f"wrote {gradebook} ({len(rows)} submissions)")
+    if tmp is None:
+        print(f"results: one file per submission in {results_dir}")
+    if failed:
+        print(f"error: {len(failed)} of {len(paths)} submissions could not be graded: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0

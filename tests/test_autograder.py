@@ -1,0 +1,156 @@
+"""The Gradescope bundle, run as Gradescope runs it: unzipped into a temporary tree laid out like
+/autograder, setup.sh then run_autograder as root, results.json checked for a solved, a wrong, an
+empty, a wrong-assignment and a two-notebook submission.
+
+SLOW-ish (about a minute on 2 busy cores): setup.sh makes a real venv, but offline and without
+copying torch (LABKIT_PIP_ARGS="": pip.conf's local index; LABKIT_REUSE_SITE=this environment's
+site-packages); only two submissions start a kernel. Needs root (as Gradescope's container)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.grading.autograder import RUNTIME_REQUIREMENTS, TORCH_PIN
+from labkit.grading.grader import validate_results
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = '''
+from labkit.grading.registry import exercise, expect_equal
+
+ex = exercise("98.1", title="triple", notebook="98_alpha", points=2, hint="HINT-TRIPLE")
+@ex.case("x=1", hidden=False)
+def _(f): expect_equal(f(1), 3, "f(1)")
+@ex.case("x=5")
+def _(f): expect_equal(f(5), 15, "f(5)")
+
+ex = exercise("98.2", title="negate", notebook="98_alpha", points=1)
+@ex.case("x=1", hidden=False)
+def _(f): expect_equal(f(1), -1, "f(1)")
+
+ex = exercise("97.1", title="other", notebook="97_beta", points=5)
+@ex.case("x=1", hidden=False)
+def _(f): expect_equal(f(1), 1, "f(1)")
+'''
+
+
+def _nb(path, notebook, sources):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["labkit"] = {"notebook": notebook}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in ["from labkit.grading import check"] + sources]
+    nbformat.write(nb, str(path))
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "labkit", "autograder", *map(str, args)], capture_output=True,
+                          text=True, timeout=120, **kw)
+
+
+def test_torch_pin_and_requirements_agree_with_the_project():
+    assert TORCH_PIN in (ROOT / "requirements.txt").read_text().splitlines()
+    import tomllib
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(RUNTIME_REQUIREMENTS[1:]) == sorted(d for d in deps if not d.startswith("torch"))
+
+
+def test_bundle_layout_and_bad_input(tmp_path):
+    p = _cli("01_pipeline_bubble", "--out", tmp_path / "ag.zip", "--no-hints")
+    assert p.returncode == 0, p.stderr
+    with zipfile.ZipFile(tmp_path / "ag.zip") as z:
+        names = z.namelist()
+        modes = {i.filename: i.external_attr >> 16 for i in z.infolist()}
+        config = json.loads(z.read("labkit_assignment.json"))
+    assert {"setup.sh", "run_autograder", "requirements.txt", "labkit/__init__.py",
+            "labkit/grading/autograder.py"} <= set(names)
+    assert not any("__pycache__" in n for n in names) and not any(n.startswith("hidden/") for n in names)
+    assert modes["setup.sh"] & 0o111 and modes["run_autograder"] & 0o111
+    assert config == {"assignment": "01_pipeline_bubble", "cell_timeout": 120, "hints": False}
+    for args, msg in ((["99_nope"], "error: assignment '99_nope' has no exercises; choose one of"),
+                      (["01_pipeline_bubble", "--hidden-cases", tmp_path / "none"], "is not a folder"),
+                      (["01_pipeline_bubble", "--cell-timeout", "0"], "--cell-timeout must be a positive"),
+                      (["01_pipeline_bubble", "--out", tmp_path / "no" / "ag.zip"], "in an existing folder")):
+        p = _cli(*args, cwd=tmp_path)
+        assert p.returncode == 2 and p.stderr.startswith("error:") and msg in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="Gradescope runs setup.sh and run_autograder as root")
+def test_bundle_on_a_tree_laid_out_like_gradescope(tmp_path):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "tiny.py").write_text(CASES)
+    bundle = tmp_path / "autograder.zip"
+    p = _cli("98_alpha", "--out", bundle, "--hidden-cases", tmp_path / "cases", "--cell-timeout", "60",
+             env=dict(os.environ, LABKIT_HIDDEN_CASES=""))
+    assert p.returncode == 0, p.stderr
+    root = Path(tempfile.mkdtemp(prefix="labkit-autograder-"))  # like /autograder: others may enter
+    try:
+        os.chmod(root, 0o755)
+        with zipfile.ZipFile(bundle) as z:
+            z.extractall(root / "source")
+        shutil.copy(root / "source" / "run_autograder", root / "run_autograder")
+        env = dict(os.environ, LABKIT_AUTOGRADER_ROOT=str(root), LABKIT_PIP_ARGS="",  # pip.conf here: local wheels only
+                   LABKIT_REUSE_SITE=sysconfig.get_paths()["purelib"], LABKIT_PYTHON=sys._base_executable)
+        env.pop("LABKIT_HIDDEN_CASES", None)
+        setup = subprocess.run(["bash", "setup.sh"], cwd=root / "source", env=env, capture_output=True, text=True,
+                               timeout=600)
+        assert setup.returncode == 0, setup.stdout + setup.stderr
+        assert f"labkit {root}/venv/lib/" in setup.stdout  # the bundled copy, not this checkout
+        hidden = root / "source" / "hidden"
+        assert stat.S_IMODE(hidden.stat().st_mode) == 0o700 and stat.S_IMODE((hidden / "tiny.py").stat().st_mode) == 0o600
+
+        def grade(files):
+            for d in ("submission", "results"):
+                shutil.rmtree(root / d, ignore_errors=True)
+                (root / d).mkdir()
+            for name, (notebook, sources) in files.items():
+                if notebook is None:
+                    (root / "submission" / name).write_text(sources)
+                else:
+                    _nb(root / "submission" / name, notebook, sources)
+            run = subprocess.run(["bash", str(root / "run_autograder")], cwd="/", env=env, capture_output=True,
+                                 text=True, timeout=300)
+            obj = json.loads((root / "results" / "results.json").read_text())
+            validate_results(obj)
+            assert isinstance(obj["execution_time"], int) and obj["stdout_visibility"] == "hidden"
+            assert sum(t["max_score"] for t in obj["tests"]) == 3  # always the assignment's exercises
+            assert str(root) not in obj["output"] and "isolation" not in obj["output"]
+            return run, obj
+
+        solved = ["check('98.1', lambda x: 3 * x)", "check('98.2', lambda x: -x)"]
+        run, obj = grade({"Homework (final) v2.ipynb": ("98_alpha", solved)})
+        assert run.returncode == 0, run.stderr
+        assert obj["score"] == 3 and all(t["status"] == "passed" for t in obj["tests"]), obj
+        assert "labkit-kernel" in run.stdout  # instructor detail: isolation, in stdout only
+        hidden_case = next(t for t in obj["tests"] if t["name"] == "Exercise 98.1 (triple) - hidden case: x=5")
+        assert hidden_case["visibility"] == "after_published"
+
+        run, obj = grade({"sub.ipynb": ("98_alpha", ["check('98.1', lambda x: 2 * x)", "check('98.2', lambda x: -x)"])})
+        assert obj["score"] == 1
+        first = next(t for t in obj["tests"] if t.get("number") == "98.1")
+        assert first["status"] == "failed" and "expected 3, got 2" in first["output"]
+        assert "HINT-TRIPLE" in first["output"]  # the bundle shows hints unless --no-hints
+
+        run, obj = grade({"notes.txt": (None, "nothing")})
+        assert obj["score"] == 0
+        assert "no notebook (.ipynb) was uploaded: upload your 98_alpha.ipynb" in obj["output"]
+
+        run, obj = grade({"98_alpha.ipynb": ("97_beta", ["check('97.1', lambda x: x)"])})
+        assert obj["score"] == 0
+        assert "this submission is notebook 97_beta, not the assignment 98_alpha" in obj["output"]
+
+        run, obj = grade({"a.ipynb": ("98_alpha", solved), "b.ipynb": ("98_alpha", solved)})
+        assert obj["score"] == 0
+        assert "2 notebooks were uploaded (a.ipynb, b.ipynb): upload exactly one" in obj["output"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""One assignment per grade (``--assignment``), hints held back, exit status, ``execution_time``,
+student-visible output without instructor detail, and batch grading with a gradebook."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from labkit.grading.grader import validate_results
+
+CASES = '''
+from labkit.grading.registry import exercise, expect_equal
+
+ex = exercise("98.1", title="triple", notebook="98_alpha", points=2, hint="HINT-TRIPLE")
+@ex.case("x=1", hidden=False)
+def _(f): expect_equal(f(1), 3, "f(1)")
+@ex.case("x=5")
+def _(f): expect_equal(f(5), 15, "f(5)")
+
+ex = exercise("98.2", title="negate", notebook="98_alpha", points=1)
+@ex.case("x=1", hidden=False)
+def _(f): expect_equal(f(1), -1, "f(1)")
+
+ex = exercise("97.1", title="other", notebook="97_beta", points=5)
+@ex.case("x=1", hidden=False)
+def _(f): expect_equal(f(1), 1, "f(1)")
+'''
+
+
+def _nb(path, notebook, sources):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["labkit"] = {"notebook": notebook}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in ["from labkit.grading import check"] + sources]
+    nbformat.write(nb, str(path))
+    return path
+
+
+SOLVED = ["check('98.1', lambda x: 3 * x)", "check('98.2', lambda x: -x)", "check('97.1', lambda x: x)"]
+WRONG = ["check('98.1', lambda x: 2 * x)", "check('98.2', lambda x: -x)"]
+
+
+@pytest.fixture
+def env(tmp_path):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "tiny.py").write_text(CASES)
+    return dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp_path / "cases"))
+
+
+def _grade(args, env, cwd):
+    return subprocess.run([sys.executable, "-m", "labkit", "grade", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)
+
+
+def test_assignment_pin_hints_exit_status_and_what_students_see(tmp_path, env):
+    sub = _nb(tmp_path / "my upload.ipynb", "98_alpha", WRONG + ["check('97.1', lambda x: x)"])
+    res = tmp_path / "r.json"
+    p = _grade([sub, "--assignment", "98_alpha", "--no-hints", "--results", res], env, tmp_path)
+    assert p.returncode == 0, p.stderr
+    obj = json.loads(res.read_text())
+    validate_results(obj)
+    # only the pinned notebook's exercises count: 97.1's check in the same notebook adds nothing
+    assert {t.get("number") for t in obj["tests"] if "number" in t} == {"98.1", "98.2"}
+    assert obj["score"] == 1 and sum(t["max_score"] for t in obj["tests"]) == 3
+    names = [t["name"] for t in obj["tests"]]
+    assert len(names) == len(set(names))  # each exercise and case once
+    assert "HINT-TRIPLE" not in json.dumps(obj) and "Hint:" not in json.dumps(obj)
+    assert isinstance(obj["execution_time"], int) and obj["execution_time"] >= 0
+    assert obj["stdout_visibility"] == "hidden"
+    assert str(tmp_path) not in obj["output"] and "isolation" not in obj["output"]
+    assert obj["output"].splitlines()[1].startswith("my upload.ipynb: 1 / 3")
+    assert "isolation" in p.stdout  # instructor detail stays in stdout
+
+    # the same notebook uploaded to another assignment: zero on that assignment's exercises, no kernel
+    p = _grade([sub, "--assignment", "97_beta", "--results", res], env, tmp_path)
+    assert p.returncode == 0, p.stderr
+    obj = json.loads(res.read_text())
+    validate_results(obj)
+    assert obj["score"] == 0 and [t["number"] for t in obj["tests"] if "number" in t] == ["97.1"]
+    assert "this submission is notebook 98_alpha, not the assignment 97_beta" in obj["tests"][0]["output"]
+
+    p = _grade([sub, "--assignment", "96_nothing"], env, tmp_path)
+    assert p.returncode == 2 and p.stderr.startswith("error: --assignment '96_nothing' has no exercises; "
+                                                      "choose one of"), p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_batch_grading_writes_one_file_per_submission_and_a_gradebook(tmp_path, env):
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    good = _nb(subs / "alice.ipynb", "98_alpha", SOLVED)
+    wrong = _nb(subs / "bob.ipynb", "98_alpha", WRONG)
+    broken = subs / "carol.ipynb"
+    broken.write_text("{ this is not a notebook")
+    other = _nb(subs / "dave.ipynb", "97_beta", ["check('97.1', lambda x: x)"])
+    out, book = tmp_path / "results", tmp_path / "grades.csv"
+    p = _grade([good, wrong, broken, other, "--assignment", "98_alpha", "--results-dir", out, "--gradebook", book,
+                "-j", "2"], env, tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr  # carol's could not be graded
+    assert "error: 1 of 4 submissions could not be graded: carol.ipynb" in p.stderr
+    lines = [l for l in p.stdout.splitlines() if l.startswith("[")]
+    assert sorted(l.split("] ")[0] for l in lines) == ["[1/4", "[2/4", "[3/4", "[4/4"]
+    by = {l.split("] ")[1].split(":")[0]: l for l in lines}
+    assert "alice.ipynb: 3/3 points" in by["alice.ipynb"] and "bob.ipynb: 1/3 points" in by["bob.ipynb"]
+    assert "NOT GRADED" in by["carol.ipynb"] and "is not a Jupyter notebook" in by["carol.ipynb"]
+    assert "dave.ipynb: 0/3 points" in by["dave.ipynb"]
+    assert sorted(f.name for f in out.iterdir()) == ["alice.json", "bob.json", "dave.json"]
+    for f in out.iterdir():
+        validate_results(json.loads(f.read_text()))
+    rows = list(csv.reader(book.open()))
+    assert rows[0] == ["submission", "exercise 98.1", "exercise 98.2", "total", "max", "error"]
+    table = {os.path.basename(r[0]): r[1:] for r in rows[1:]}
+    assert table["alice.ipynb"] == ["2", "1", "3", "3", ""]
+    assert table["bob.ipynb"] == ["0", "1", "1", "3", ""]
+    assert table["dave.ipynb"] == ["0", "0", "0", "3", ""]
+    assert table["carol.ipynb"][:4] == ["", "", "0", ""] and "not a Jupyter notebook" in table["carol.ipynb"][4]
+
+
+def test_batch_bad_options_are_one_error_line(tmp_path, env):
+    sub = _nb(tmp_path / "a.ipynb", "98_alpha", SOLVED)
+    for args, msg in ((["-j", "0"], "error: -j must be >= 1 submission at a time, got 0"),
+                      (["--gradebook", tmp_path / "nowhere" / "g.csv"], "its folder"),
+                      (["--results-dir", tmp_path / "d", "--results", tmp_path / "r.json"], "--results writes one file")):
+        p = _grade([sub, *args], env, tmp_path)
+        assert p.returncode == 2 and p.stderr.startswith("error:") and msg in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
