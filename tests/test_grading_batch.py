@@ -76,17 +76,25 @@ def test_assignment_pin_hints_exit_status_and_what_students_see(tmp_path, env):
     assert obj["output"].splitlines()[1].startswith("my upload.ipynb: 1 / 3")
     assert "isolation" in p.stdout  # instructor detail stays in stdout
 
-    # the same notebook uploaded to another assignment: zero on that assignment's exercises, no kernel
+    # the same notebook graded for another assignment: only that assignment's exercises count, each
+    # from the answer the notebook holds (issue 16, principle 5): here 97.1's answer, so 97.1's points
     p = _grade([sub, "--assignment", "97_beta", "--results", res], env, tmp_path)
     assert p.returncode == 0, p.stderr
     obj = json.loads(res.read_text())
     validate_results(obj)
+    assert [t["number"] for t in obj["tests"] if "number" in t] == ["97.1"]
+    assert obj["score"] == sum(t["max_score"] for t in obj["tests"]) > 0
+    # a notebook that holds nothing of the assignment scores zero, and the output says why
+    only98 = _nb(tmp_path / "only98.ipynb", "98_alpha", WRONG)
+    p = _grade([only98, "--assignment", "97_beta", "--results", res], env, tmp_path)
+    assert p.returncode == 0, p.stderr
+    obj = json.loads(res.read_text())
     assert obj["score"] == 0 and [t["number"] for t in obj["tests"] if "number" in t] == ["97.1"]
-    assert "this submission is notebook 98_alpha, not the assignment 97_beta" in obj["tests"][0]["output"]
+    assert "does not hold assignment 97_beta" in p.stdout, p.stdout
 
     p = _grade([sub, "--assignment", "96_nothing"], env, tmp_path)
-    assert p.returncode == 2 and p.stderr.startswith("error: --assignment '96_nothing' has no exercises; "
-                                                      "choose one of"), p.stderr
+    assert p.returncode == 2 and p.stderr.startswith("error: --assignment 96_nothing is not a notebook with "
+                                                      "exercises; known:"), p.stderr
     assert "Traceback" not in p.stderr
 
 
