@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .memory import _zero_shard, bytes_per_param, check_layout, n_microbatches, rank_chunks, rank_param_counts
+from .memory import (_zero_shard, bytes_per_param, check_layout, holds_first, holds_last, n_microbatches,
+                     rank_layer_chunks, rank_param_counts)
 from .spec import Cluster, Layout, ModelSpec
 
 __all__ = ["AxisComm", "comm_per_rank", "axis_links"]
@@ -104,7 +105,7 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
-    ids = [i for ch in rank_chunks(spec.n_layer, p, v, r) for i in ch]
+    ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
     n_moe = sum(1 for i in ids if spec.is_moe and i >= spec.first_dense_layers)
 
     # ---- TP: per microbatch, then x M
@@ -119,9 +120,9 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
         tp.add("all_reduce", 1 if n_ln else 0, n_ln * gb)     # sequence-parallel gradients
     else:
         tp.add("all_reduce", M * 2 * (fwd_layers + L_r), act)
-    if r == 0:                                                  # vocab-parallel embedding: g
+    if holds_first(lay, r):                                     # vocab-parallel embedding: g
         tp.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", M, act)
-    if r == p - 1:                                              # output layer f, cross-entropy
+    if holds_last(lay, r):                                      # output layer f, cross-entropy
         if lay.sequence_parallel:
             tp.add("all_gather", M, act // t)
             tp.add("reduce_scatter", M, act)

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 from .comm import comm_per_rank
 from .flops import iteration_flops, layer_forward_flops
-from .memory import BYTES, bytes_per_param, check_layout, memory_per_rank, n_microbatches, rank_chunks
+from .memory import (BYTES, bytes_per_param, check_layout, holds_last, memory_per_rank, n_microbatches,
+                     rank_layer_chunks)
 from .spec import Cluster, Layout, ModelSpec
 
 BWD_ELEM = 1.5   # backward element-wise traffic over forward's: reads the output gradient and the saved input
@@ -137,25 +138,29 @@ def step_time(spec: ModelSpec, lay: Layout, cluster: Cluster) -> StepTime:
     bw = {"intra-node": cluster.intra_bw, "inter-node": cluster.inter_bw, "-": float("inf")}
     per_mb, tp_mb, rc_mb, sends = [], [], [], []
     for r in range(p):
-        ids = [i for ch in rank_chunks(spec.n_layer, p, v, r) for i in ch]
+        ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
         work = rc = 0.0
         for i in ids:
             lt = layer_times(spec, lay, cluster, spec.is_moe and i >= spec.first_dense_layers)
             work += lt["forward"] + lt["backward"] + lt["recompute"]
             rc += lt["recompute"]
-        if r == p - 1:
+        if holds_last(lay, r):
             work += _logit_time(spec, lay, cluster)
         comm = comm_per_rank(spec, lay, cluster, r)
-        tp = comm["tp"].wire / bw[comm["tp"].link] / M
+        tp = comm["tp"].wire / bw[comm["tp"].link] / (M / 2 if lay.schedule == "dualpipe" else M)
         per_mb.append(work + tp)
         tp_mb.append(tp)
         rc_mb.append(rc)
         sends.append(comm["pp"].ops.get("send", (0, 0))[0])   # 2 v M per rank, fewer at the ends
     slow = max(range(p), key=lambda r: per_mb[r])
     T = per_mb[slow]
-    compute = M * T
-    slots = v * max(M, p) + min(M, p) - 1          # chunk slots of T / v each (bubble formula)
-    bubble = slots * T / v - compute
+    if lay.schedule == "dualpipe":       # M/2 microbatches through each of the rank's 2 stages
+        compute = M * T / 2
+        bubble = (p / 2 - 1) * T / 2     # (p/2 - 1)(F&B + B - 3W), DeepSeek-V3 Table 2, without overlap gains
+    else:
+        compute = M * T
+        slots = v * max(M, p) + min(M, p) - 1      # chunk slots of T / v each (bubble formula)
+        bubble = slots * T / v - compute
     comm0 = comm_per_rank(spec, lay, cluster, 0)
     pp = max(sends) * _pp_message_time(spec, lay, cluster, bw[comm0["pp"].link]) if p > 1 else 0.0
     dp = comm0["dp"].wire / bw[comm0["dp"].link] if comm0["dp"].ops else 0.0
