@@ -146,3 +146,15 @@ def test_interleaving_bubble_and_messages_in_the_time_model():
     sg = step_time(spec, Layout(**no_sp), SELENE).pp
     full = step_time(spec, Layout(**no_sp, pp_scatter_gather=False), SELENE).pp
     assert full > 4 * sg
+
+
+def test_cli_names_the_convention_and_reports_hfu(capsys):
+    from labkit.__main__ import main as labkit_main
+    assert labkit_main(["plan", "--model", "bloom-176b", "--gpus", "384", "--layout", "t=4,p=12,d=8",
+                        "--recompute", "full", "--micro-batch", "2", "--fp32-grads"]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-LM's convention, fp32 gradients: 2+4+12 = 18 bytes per parameter" in out
+    assert "HFU" in out and "GEMM efficiency 0.68" in out and "fp32-grads" in out
+    assert labkit_main(["plan", "--model", "gpt3-175b", "--gpus", "1024", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "labkit's convention, bf16 gradients: 2+2+12 = 16 bytes per parameter" in out and "HFU%" in out

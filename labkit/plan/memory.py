@@ -16,7 +16,11 @@ DP) gives each rank E/ep experts.
 Activations (Korthikanti et al. 2022, sec. 4): per layer and microbatch as in
 :mod:`.activations`; the first pipeline rank holds the most microbatches: 1F1B min(p, M),
 GPipe M, interleaved 1F1B ``p v + p - 1`` chunks of L/(p v) layers, i.e. the 1F1B's p
-microbatches times ``1 + (p-1)/(p v)`` (sec. 4.2.3). Pipeline rank r of 1F1B holds p - r.
+microbatches times ``1 + (p-1)/(p v)`` (sec. 4.2.3; ``(v-1) g + 2p - 1`` with rounds of g
+microbatches when p does not divide M, torch's rule). Pipeline rank r of 1F1B holds p - r.
+DualPipe (DeepSeek-V3): two stages per rank and p + 1 stage-microbatches in flight.
+The embedding-dropout mask (``s b h``, with dropout > 0) is counted on the first stage.
+Gradients: 2 bytes (bf16, labkit's convention) or 4 (``fp32_grads``, Megatron-LM's).
 """
 from __future__ import annotations
 
@@ -83,7 +87,8 @@ def n_microbatches(spec: ModelSpec, lay: Layout) -> int:
 def check_layout(spec: ModelSpec, lay: Layout) -> None:
     """Raise ValueError naming the values and the rule when ``lay`` cannot run ``spec``
     (Megatron-LM's constraints: t divides the heads, key/value heads and FFN width; p v divides
-    L; b d divides the global batch; interleaving needs M % p == 0; SP needs t | s ...)."""
+    L; b d divides the global batch; interleaving needs max(1, M // p) equal rounds (torch's
+    ScheduleInterleaved1F1B); DualPipe an even p and M >= 2p; SP needs t | s ...)."""
     a, akv = spec.n_head, spec.kv_heads
     rules = [
         (min(lay.t, lay.p, lay.d, lay.v, lay.b, lay.ep) >= 1, f"t, p, d, v, b, ep must be >= 1 (got {lay})"),
