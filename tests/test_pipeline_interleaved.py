@@ -136,8 +136,8 @@ def _torch_orders(K, v, Ms):
         out = {}
         for M in Ms:
             order = tpp.ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=lm_loss).pipeline_order
-            out[M] = {r: [(a.computation_type.name, a.stage_index, a.microbatch_index) for a in order[r] if a is not None]
-                      for r in range(K)}
+            out[M] = {r: [(a.computation_type.name, a.stage_index, a.microbatch_index)
+                          for a in order[r] if a is not None] for r in range(K)}
         return out
     finally:
         dist.destroy_process_group()

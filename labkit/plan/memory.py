@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
-__all__ = ["rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank", "check_layout", "in_flight_units",
+__all__ = ["rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank",
+           "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
            "grad_convention"]
 

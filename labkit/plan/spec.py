@@ -252,8 +252,9 @@ class Cluster:
     precision's dense peak); ``intra_bw`` / ``inter_bw``: bytes/s one GPU can send over the
     node's fabric (NVLink) and across nodes (its share of the InfiniBand NICs);
     ``compute_efficiency``: the share of peak a large GEMM reaches (the time model's only
-    free constant; 0.68 fits Korthikanti et al. 2022 Table 5, see :data:`CLUSTERS`); ``hbm_bw``: bytes/s of the GPU's memory (A100 80GB: 2.0e12), for the
-    memory-bound element-wise work (:mod:`.timing`)."""
+    free constant; 0.68 fits Korthikanti et al. 2022 Table 5, see :data:`CLUSTERS`);
+    ``hbm_bw``: bytes/s of the GPU's memory (A100 80GB: 2.0e12), for the memory-bound
+    element-wise work (:mod:`.timing`)."""
 
     gpus_per_node: int = 8
     gpu_memory: float = 80e9
