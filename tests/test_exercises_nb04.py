@@ -10,8 +10,8 @@ def layers_of_rank(rank, n_layers, K, v):
 
 
 def interleaved_bubble(K, M, v):
-    if v > 1 and M % K:
-        raise ValueError("M must be a multiple of K")
+    if v > 1 and M % max(1, M // K):
+        raise ValueError("the rounds max(1, M // K) must divide M")
     return (K - 1) / (v * M + K - 1)
 
 
@@ -41,7 +41,7 @@ def test_bubble_without_v_fails():
 
 def test_bubble_without_the_microbatch_rule_fails():
     assert_check_fails("4.2", lambda K, M, v: (K - 1) / (v * M + K - 1),
-                       contains="interleaved_bubble(K=4, M=6, v=2): expected ValueError to be raised")
+                       contains="interleaved_bubble(K=4, M=9, v=2): expected ValueError to be raised")
 
 
 def test_sends_solution_passes():
@@ -63,3 +63,11 @@ def test_sends_forgetting_k1_fails_a_public_case():
                              contains="p2p_sends(K=1, M=4, v=3) vs the SEND actions in the schedule: expected 0, got 16",
                              hint="With one rank, does any message ever leave it?")
     assert any(c.hidden and c.name.startswith("K=1") for c in get_exercise("4.3").cases)
+
+
+def test_megatron_multiple_of_k_rule_fails_on_what_torch_runs():
+    def old_rule(K, M, v):
+        if v > 1 and M % K:
+            raise ValueError("M must be a multiple of K")
+        return (K - 1) / (v * M + K - 1)
+    assert_check_fails("4.2", old_rule, contains="torch's ScheduleInterleaved1F1B runs K=4, M=6")

@@ -56,6 +56,9 @@ def test_render_shows_the_rule_instead_of_raising():
     # M not a multiple of K, as torch's ScheduleInterleaved1F1B runs it (one round of 6)
     info = render("Interleaved 1F1B", K=4, M=6, v=2)
     assert info["error"] is None and info["bubble"] == info["bubble_formula"] == Fraction(3, 2 * 6 + 3)
+    info = render("Interleaved 1F1B", K=4, M=2, v=2)     # M < K: one round of 2; each loop costs K steps
+    assert info["bubble"] == info["bubble_formula"] == Fraction(2 * 2 + 1, 2 * 4 + 1)
+    assert "formula (v(K-M)+M-1)/(vK+M-1) = 0.556" in describe(info)
 
 
 def test_helpers_count_from_the_schedule_data():

@@ -123,3 +123,35 @@ def test_torch_rule_for_rounds_and_warmup():
     assert interleaved_group(4, 6) == 6 and interleaved_group(3, 8) == 4 and interleaved_group(4, 8) == 4
     assert [interleaved_warmup(4, 4, 2, r) for r in range(4)] == [8, 8, 6, 4]
     assert [interleaved_warmup(3, 8, 2, r) for r in range(3)] == [8, 6, 4]
+
+
+def _torch_orders(K, v, Ms):
+    """torch's ScheduleInterleaved1F1B compute order of every rank, built in this process on a
+    fake process group of K ranks (torch computes all ranks' orders on each rank)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=K)
+    try:
+        stages = [tpp.PipelineStage(torch.nn.Linear(2, 2), s, K * v, torch.device("cpu")) for s in range(0, K * v, K)]
+        out = {}
+        for M in Ms:
+            order = tpp.ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=lm_loss).pipeline_order
+            out[M] = {r: [(a.computation_type.name, a.stage_index, a.microbatch_index)
+                          for a in order[r] if a is not None] for r in range(K)}
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compute_order_equals_torch_scheduleinterleaved1f1b():
+    """labkit's F/B order on every rank is torch's, action by action, wherever torch accepts
+    the sizes (M % K != 0, M < K and M = K included)."""
+    kind = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    for K in (2, 3, 4, 5):
+        for v in (2, 3):
+            Ms = [M for M in range(1, 3 * K + 1) if not M % max(1, M // K)]
+            for M, order in _torch_orders(K, v, Ms).items():
+                ours = interleaved_schedule(K, M, v)
+                for r in range(K):
+                    mine = [(a.kind, a.stage, a.microbatch) for a in ours[r] if a.kind in ("F", "B")]
+                    assert mine == [(kind[k], s, m) for k, s, m in order[r]], (K, M, v, r)

@@ -182,8 +182,9 @@ def describe(info: dict) -> str:
                 f"peak (microbatch, stage) pairs in flight per rank (until W): {info['peak_in_flight']}")
     if info["error"]:
         return f"{info['schedule']} K={info['K']} M={info['M']} v={info['v']}: {info['error']}"
+    rule = "(v(K-M)+M-1)/(vK+M-1)" if info["M"] < info["K"] else "(K-1)/(vM+K-1)"   # M < K: one round
     return (f"{info['schedule']} K={info['K']} M={info['M']} v={info['v']}: bubble {float(info['bubble']):.3f} "
-            f"(formula (K-1)/(vM+K-1) = {float(info['bubble_formula']):.3f}), "
+            f"(formula {rule} = {float(info['bubble_formula']):.3f}), "
             f"{info['sends']} point-to-point sends per step\n"
             f"peak (microbatch, stage) pairs in flight per rank: {info['peak_in_flight']}")
 

@@ -695,7 +695,7 @@ class Schedule1F1B(_OneStagePerRank):
 
 class ScheduleInterleaved1F1B(PipelineSchedule):
     """Interleaved 1F1B with v = len(stages) chunks per rank
-    (:func:`~.schedules.interleaved_schedule`; M must be a multiple of K when v >= 2)."""
+    (:func:`~.schedules.interleaved_schedule`; M in equal rounds, torch's rule, when v >= 2)."""
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches, loss_fn=None, **kw):
         super().__init__(list(stages) if isinstance(stages, (list, tuple)) else [stages],

@@ -115,8 +115,8 @@ def infer_placement(schedule: dict, n_stages: int | None = None) -> str:
 
 
 def infer_sizes(schedule: dict, n_microbatches: int | None = None, n_stages: int | None = None):
-    """(K, M, n_stages) of a schedule (used by the validator and the simulator alike): K = number of ranks; M and n_stages default to one
-    more than the largest microbatch and stage index used."""
+    """(K, M, n_stages) of a schedule (used by the validator and the simulator alike): K = number
+    of ranks; M and n_stages default to one more than the largest microbatch and stage index used."""
     acts = [a for r in schedule for a in schedule[r]]
     M = n_microbatches if n_microbatches is not None else 1 + max((a[2] for a in acts), default=0)
     S = n_stages if n_stages is not None else 1 + max((a[1] for a in acts), default=0)

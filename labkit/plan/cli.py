@@ -18,7 +18,7 @@ from dataclasses import fields
 
 from ..cliparse import Parser
 from .comm import comm_per_rank
-from .memory import memory_per_rank
+from .memory import grad_convention, memory_per_rank
 from .planner import GB, PlanError, explain, plan, step_time
 from .spec import PRESETS, Cluster, Layout, ModelSpec, load_model_json, preset
 
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--peak-tflops", type=float, default=312, help="dense peak TFLOP/s per GPU (A100 bf16: 312)")
     c.add_argument("--intra-bw", type=float, default=300, help="GB/s per GPU inside a node (NVLink)")
     c.add_argument("--inter-bw", type=float, default=25, help="GB/s per GPU across nodes (InfiniBand)")
-    c.add_argument("--efficiency", type=float, default=0.5, help="share of peak a GEMM reaches")
+    c.add_argument("--efficiency", type=float, default=0.68,
+                   help="share of peak a GEMM reaches (0.68 fits Korthikanti et al. 2022 Table 5)")
     lay = p.add_argument_group("layout")
     lay.add_argument("--layout", help="evaluate this layout, e.g. t=8,p=35,d=16[,v=2,ep=8] (default: search)")
     lay.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage over the DP group")
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --layout (default none); the search tries all three")
     lay.add_argument("--no-sp", action="store_true", help="with --layout: sequence parallelism off")
     lay.add_argument("--flash-attention", action="store_true", help="fused attention: no s^2 activations")
+    lay.add_argument("--fp32-grads", action="store_true",
+                     help="Megatron-LM's convention: fp32 gradients, 18 bytes/param (6 + 12/d with ZeRO-1); "
+                          "default labkit's bf16 gradients, 16 bytes/param")
     p.add_argument("--top", type=int, default=8, help="how many layouts to list")
     return p
 
@@ -174,18 +178,19 @@ def _parse_layout(text: str, a, spec: ModelSpec) -> Layout:
         M = spec.global_batch // (a.micro_batch * d)
     return Layout(t=t, p=p, d=d, v=v, b=a.micro_batch, M=M, schedule="interleaved" if v > 1 else "1f1b",
                   zero=a.zero, sequence_parallel=t > 1 and not a.no_sp, recompute=a.recompute or "none",
-                  precision=a.precision, ep=kv.get("ep", 1), fused_attention=a.flash_attention)
+                  precision=a.precision, ep=kv.get("ep", 1), fused_attention=a.flash_attention,
+                  fp32_grads=a.fp32_grads)
 
 
 def _row(i, e) -> str:
     L, r, T = e.layout, e.rank, e.time
     return (f"{i:>3} {L.t:>3} {L.p:>3} {L.d:>5} {L.v:>2} {L.ep:>3} {L.M:>5} {L.recompute:>9} "
             f"{r.params / GB:>7.1f} {r.grads / GB:>6.1f} {r.optimizer / GB:>6.1f} {r.activations / GB:>6.1f} "
-            f"{e.memory / GB:>7.1f} {T.total:>8.2f} {T.mfu * 100:>5.1f}")
+            f"{e.memory / GB:>7.1f} {T.total:>8.2f} {T.mfu * 100:>5.1f} {T.hfu * 100:>5.1f}")
 
 
 HEADER = (f"{'#':>3} {'t':>3} {'p':>3} {'d':>5} {'v':>2} {'ep':>3} {'M':>5} {'recompute':>9} "
-          f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'GB/GPU':>7} {'step s':>8} {'MFU%':>5}")
+          f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'GB/GPU':>7} {'step s':>8} {'MFU%':>5} {'HFU%':>5}")
 
 
 def _comm_lines(spec, lay, cluster) -> list[str]:
@@ -224,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             comm = _comm_lines(spec, lay, cluster)
             print(header)
             print(f"layout {lay.describe()}")
-            print("memory per GPU by pipeline rank (GB): params grads optimizer activations = total")
+            print(f"memory per GPU by pipeline rank (GB): params grads optimizer activations = total "
+                  f"({grad_convention(lay)})")
             for r in ranks:
                 flag = "" if r.total <= cluster.gpu_memory else "  > GPU memory"
                 print(f"  rank {r.pp_rank:>3}: {r.params / GB:6.1f} {r.grads / GB:6.1f} {r.optimizer / GB:6.1f} "
@@ -232,15 +238,17 @@ def main(argv: list[str] | None = None) -> int:
             for line in comm:
                 print(line)
             print(f"predicted step {T.total:.2f} s: compute {T.compute:.2f}, bubble {T.bubble:.2f}, TP {T.tp:.2f}, "
-                  f"PP {T.pp:.2f}, DP {T.dp:.2f}, EP {T.ep:.2f}; MFU {T.mfu * 100:.1f} %")
+                  f"PP {T.pp:.2f}, DP {T.dp:.2f}, EP {T.ep:.2f} (recompute {T.recompute:.2f} inside compute); "
+                  f"MFU {T.mfu * 100:.1f} %, HFU {T.hfu * 100:.1f} % (Korthikanti et al. 2022 eq. 7 / 8, "
+                  f"GEMM efficiency {cluster.compute_efficiency:g})")
             return 0
         entries = plan(spec, a.gpus, cluster, zero=a.zero, precision=a.precision, b=a.micro_batch,
-                       fused_attention=a.flash_attention)
+                       fused_attention=a.flash_attention, fp32_grads=a.fp32_grads)
         why = explain(spec, entries, cluster, a.gpus)
         comm = _comm_lines(spec, entries[0].layout, cluster)
         print(header)
-        print(f"{len(entries)} feasible layouts (TP inside a node, SP on with TP, ZeRO-{a.zero}, {a.precision}); "
-              f"fastest first:")
+        print(f"{len(entries)} feasible layouts (TP inside a node, SP on with TP, ZeRO-{a.zero}, {a.precision}; "
+              f"{grad_convention(entries[0].layout)}; GEMM efficiency {a.efficiency:g}); fastest first:")
         print(HEADER)
         for i, e in enumerate(entries[:a.top], 1):
             print(_row(i, e))

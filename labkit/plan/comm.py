@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .memory import _zero_shard, bytes_per_param, check_layout, n_microbatches, rank_chunks, rank_param_counts
+from .memory import (_zero_shard, bytes_per_param, check_layout, holds_first, holds_last, n_microbatches,
+                     rank_layer_chunks, rank_param_counts)
 from .spec import Cluster, Layout, ModelSpec
 
 __all__ = ["AxisComm", "comm_per_rank", "axis_links"]
@@ -97,6 +98,7 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     pb, gb, _ = bytes_per_param(lay)
     e = act_bytes or pb
     M = n_microbatches(spec, lay)
+    Ml = M // 2 if lay.schedule == "dualpipe" else M   # passes through each layer (DualPipe: half each way)
     t, p, v, r = lay.t, lay.p, lay.v, pp_rank
     N, h = spec.seq_len * lay.b, spec.hidden
     act = N * h * e
@@ -104,30 +106,30 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
-    ids = [i for ch in rank_chunks(spec.n_layer, p, v, r) for i in ch]
+    ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
     n_moe = sum(1 for i in ids if spec.is_moe and i >= spec.first_dense_layers)
 
     # ---- TP: per microbatch, then x M
     tp = out["tp"]
     fwd_layers = L_r * (2 if lay.recompute == "full" else 1)   # full recompute reruns the forward
     if lay.sequence_parallel:
-        tp.add("all_gather", M * (2 * fwd_layers + 2 * L_r * (1 if regather_in_backward else 0)), act // t)
-        tp.add("reduce_scatter", M * 2 * fwd_layers, act)      # forward g-bar
-        tp.add("reduce_scatter", M * 2 * L_r, act)             # backward of g
-        tp.add("all_gather", M * 2 * L_r, act // t)            # backward of g-bar
+        tp.add("all_gather", Ml * (2 * fwd_layers + 2 * L_r * (1 if regather_in_backward else 0)), act // t)
+        tp.add("reduce_scatter", Ml * 2 * fwd_layers, act)      # forward g-bar
+        tp.add("reduce_scatter", Ml * 2 * L_r, act)             # backward of g
+        tp.add("all_gather", Ml * 2 * L_r, act // t)            # backward of g-bar
         n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
         tp.add("all_reduce", 1 if n_ln else 0, n_ln * gb)     # sequence-parallel gradients
     else:
-        tp.add("all_reduce", M * 2 * (fwd_layers + L_r), act)
-    if r == 0:                                                  # vocab-parallel embedding: g
-        tp.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", M, act)
-    if r == p - 1:                                              # output layer f, cross-entropy
+        tp.add("all_reduce", Ml * 2 * (fwd_layers + L_r), act)
+    if holds_first(lay, r):                                     # vocab-parallel embedding: g
+        tp.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", Ml, act)
+    if holds_last(lay, r):                                      # output layer f, cross-entropy
         if lay.sequence_parallel:
-            tp.add("all_gather", M, act // t)
-            tp.add("reduce_scatter", M, act)
+            tp.add("all_gather", Ml, act // t)
+            tp.add("reduce_scatter", Ml, act)
         else:
-            tp.add("all_reduce", M, act)
-        tp.add("all_reduce", 3 * M, N * 4)
+            tp.add("all_reduce", Ml, act)
+        tp.add("all_reduce", 3 * Ml, N * 4)
 
     # ---- PP: sends and receives of this rank's chunks
     pp = out["pp"]
@@ -167,5 +169,5 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     if spec.is_moe and lay.ep > 1:
         tokens = N // (t if lay.sequence_parallel else 1)
         n_a2a = 4 + (2 if lay.recompute == "full" else 0)      # full recompute redoes the forward pair
-        out["ep"].add("all_to_all", M * n_moe * n_a2a, tokens * spec.n_activated_experts * h * e)
+        out["ep"].add("all_to_all", Ml * n_moe * n_a2a, tokens * spec.n_activated_experts * h * e)
     return out

@@ -16,7 +16,11 @@ DP) gives each rank E/ep experts.
 Activations (Korthikanti et al. 2022, sec. 4): per layer and microbatch as in
 :mod:`.activations`; the first pipeline rank holds the most microbatches: 1F1B min(p, M),
 GPipe M, interleaved 1F1B ``p v + p - 1`` chunks of L/(p v) layers, i.e. the 1F1B's p
-microbatches times ``1 + (p-1)/(p v)`` (sec. 4.2.3). Pipeline rank r of 1F1B holds p - r.
+microbatches times ``1 + (p-1)/(p v)`` (sec. 4.2.3; ``(v-1) g + 2p - 1`` with rounds of g
+microbatches when p does not divide M, torch's rule). Pipeline rank r of 1F1B holds p - r.
+DualPipe (DeepSeek-V3): two stages per rank and p + 1 stage-microbatches in flight.
+The embedding-dropout mask (``s b h``, with dropout > 0) is counted on the first stage.
+Gradients: 2 bytes (bf16, labkit's convention) or 4 (``fp32_grads``, Megatron-LM's).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from dataclasses import dataclass
 from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
-__all__ = ["RankMemory", "memory_per_rank", "most_loaded_rank", "check_layout", "in_flight_units",
+__all__ = ["rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank",
+           "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
            "grad_convention"]
 
@@ -83,7 +88,8 @@ def n_microbatches(spec: ModelSpec, lay: Layout) -> int:
 def check_layout(spec: ModelSpec, lay: Layout) -> None:
     """Raise ValueError naming the values and the rule when ``lay`` cannot run ``spec``
     (Megatron-LM's constraints: t divides the heads, key/value heads and FFN width; p v divides
-    L; b d divides the global batch; interleaving needs M % p == 0; SP needs t | s ...)."""
+    L; b d divides the global batch; interleaving needs max(1, M // p) equal rounds (torch's
+    ScheduleInterleaved1F1B); DualPipe an even p and M >= 2p; SP needs t | s ...)."""
     a, akv = spec.n_head, spec.kv_heads
     rules = [
         (min(lay.t, lay.p, lay.d, lay.v, lay.b, lay.ep) >= 1, f"t, p, d, v, b, ep must be >= 1 (got {lay})"),
@@ -103,6 +109,8 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (spec.n_layer >= lay.p * lay.v, f"p*v={lay.p}*{lay.v} stages need at least as many layers (L={spec.n_layer})"),
         (lay.v == 1 or lay.schedule == "interleaved", f"v={lay.v} > 1 needs schedule 'interleaved'"),
         (lay.schedule != "interleaved" or lay.p > 1, "the interleaved schedule needs p > 1"),
+        (lay.schedule != "dualpipe" or (lay.p >= 2 and lay.p % 2 == 0 and lay.v == 1),
+         f"DualPipe needs an even p >= 2 and v = 1 (got p={lay.p}, v={lay.v})"),
         (not lay.sequence_parallel or spec.seq_len % lay.t == 0,
          f"sequence parallelism needs t={lay.t} to divide the sequence length s={spec.seq_len}"),
         (not spec.is_moe or (spec.n_routed_experts % lay.ep == 0 and lay.d % lay.ep == 0),
@@ -114,6 +122,9 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
                       f"b*d={lay.b}*{lay.d} must divide the global batch {spec.global_batch}"))
     M = n_microbatches(spec, lay)
     rules.append((M >= 1, f"M={M} microbatches: need >= 1"))
+    if lay.schedule == "dualpipe":
+        rules.append((M >= 2 * lay.p and M % 2 == 0, f"DualPipe needs M={M} even and >= 2p = {2 * lay.p} "
+                                                     f"(half the microbatches enter from each end)"))
     if lay.schedule == "interleaved" and M >= 1:
         rounds = max(1, M // lay.p)
         rules.append((M % rounds == 0, f"the interleaved schedule runs rounds = max(1, M // p) = {rounds} rounds "
@@ -149,6 +160,8 @@ def in_flight_units(lay: Layout, M: int, pp_rank: int) -> int:
         return M * v
     if lay.schedule == "1f1b":
         return min(p - r, M)
+    if lay.schedule == "dualpipe":     # DeepSeek-V3 report, Table 2: PP + 1 stage-microbatches per device
+        return p + 1
     return min(_interleaved_warmup(p, M, v, r) + 1, M * v)
 
 
@@ -177,6 +190,8 @@ def stage_in_flight(lay: Layout, M: int, which: str) -> int:
     p = lay.p
     if lay.schedule == "gpipe":
         return M
+    if lay.schedule == "dualpipe":    # an upper bound at the first stage; 1 at the last, as 1F1B
+        return 1 if which == "last" else min(p + 1, M)
     if lay.schedule == "1f1b":
         return 1 if which == "last" else min(p, M)
     if which == "last":
@@ -198,21 +213,40 @@ def rank_chunks(n_layer: int, p: int, v: int, pp_rank: int) -> list[range]:
     return out
 
 
+def rank_layer_chunks(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[range]:
+    """Layer ids of each model chunk a pipeline rank holds: :func:`rank_chunks` (v chunks,
+    looped placement), or for DualPipe (DeepSeek-AI 2024, sec. 3.2.1) the two stages r and
+    p-1-r of the two directions (L/p layers each: twice the parameters of 1F1B)."""
+    if lay.schedule == "dualpipe":
+        return rank_chunks(spec.n_layer, lay.p, 1, pp_rank) + rank_chunks(spec.n_layer, lay.p, 1, lay.p - 1 - pp_rank)
+    return rank_chunks(spec.n_layer, lay.p, lay.v, pp_rank)
+
+
+def holds_first(lay: Layout, pp_rank: int) -> bool:
+    """Whether the rank holds the first stage (input embedding): rank 0, and rank p-1 in DualPipe."""
+    return pp_rank == 0 or (lay.schedule == "dualpipe" and pp_rank == lay.p - 1)
+
+
+def holds_last(lay: Layout, pp_rank: int) -> bool:
+    """Whether the rank holds the last stage (output layer, loss): rank p-1, and rank 0 in DualPipe."""
+    return pp_rank == lay.p - 1 or (lay.schedule == "dualpipe" and pp_rank == 0)
+
+
 def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     """Elements of parameters on one rank of pipeline rank ``pp_rank`` (any TP/DP rank):
     ``{"dense": n, "expert": n, "layers": n}`` (experts separately: their DP group is d/ep)."""
     t, p, v = lay.t, lay.p, lay.v
-    layer_ids = [i for ch in rank_chunks(spec.n_layer, p, v, pp_rank) for i in ch]
+    layer_ids = [i for ch in rank_layer_chunks(spec, lay, pp_rank) for i in ch]
     dense = expert = 0
     for i in layer_ids:
         lp = spec.layer_params(spec.is_moe and i >= spec.first_dense_layers)
         dense += lp["split"] // t + lp["replicated"]
         expert += lp["expert"] * lp["experts"] // lay.ep // t
     vocab = math.ceil(spec.vocab_size / t)
-    if pp_rank == 0:
+    if holds_first(lay, pp_rank):
         emb_split, emb_rep = spec.embedding_params()
         dense += vocab * spec.hidden + emb_rep
-    if pp_rank == p - 1:
+    if holds_last(lay, pp_rank):
         head_split, head_rep = spec.head_params()
         out = vocab * spec.hidden if (head_split or (spec.tied_embeddings and p > 1)) else 0
         dense += out + head_rep
@@ -294,16 +328,17 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         opt = ob * (shard(dense, d, 1) + shard(expert, d_exp, 1))
         units = in_flight_units(lay, M, r)
         # the rank's layers may differ (dense / MoE, uneven chunks): average over its chunks
-        ids = [i for ch in rank_chunks(spec.n_layer, lay.p, lay.v, r) for i in ch]
+        chunks = rank_layer_chunks(spec, lay, r)
+        ids = [i for ch in chunks for i in ch]
         moe = [spec.is_moe and i >= spec.first_dense_layers for i in ids]
-        chunk_act = sum(_layer_act(spec, lay, m, device) for m in moe) / lay.v
+        chunk_act = sum(_layer_act(spec, lay, m, device) for m in moe) / len(chunks)
         act = units * chunk_act
         if lay.recompute == "full":   # the layer being recomputed in backward is alive too
             act += max(_layer_act(spec, Layout(**{**lay.__dict__, "recompute": "none"}),
                                   spec.is_moe and i >= spec.first_dense_layers, device) for i in ids)
-        if r == 0:
+        if holds_first(lay, r):
             act += stage_in_flight(lay, M, "first") * _embedding_act(spec, lay, device)
-        if r == lay.p - 1:
+        if holds_last(lay, r):
             act += stage_in_flight(lay, M, "last") * _head_act(spec, lay, device)
         out.append(RankMemory(r, params, grads, opt, int(act), dense + expert, units, cnt["layers"]))
     return out

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from .comm import axis_links, comm_per_rank
-from .memory import check_layout, memory_per_rank, n_microbatches
+from .memory import check_layout, grad_convention, memory_per_rank, n_microbatches
 from .spec import Cluster, Layout, ModelSpec
 from .timing import StepTime, step_time
 
@@ -56,7 +56,8 @@ def _pow2_upto(n: int) -> list[int]:
 
 
 def candidates(spec: ModelSpec, n_gpus: int, cluster: Cluster, zero: int = 1, precision: str = "bf16",
-               b: int = 1, ep: int | None = None, fused_attention: bool = False) -> list[Layout]:
+               b: int = 1, ep: int | None = None, fused_attention: bool = False,
+               fp32_grads: bool = False) -> list[Layout]:
     """Every valid layout for ``n_gpus`` under Megatron's rule #1 (t within a node)."""
     out = []
     for t in _pow2_upto(min(cluster.gpus_per_node, n_gpus)):
@@ -76,7 +77,7 @@ def candidates(spec: ModelSpec, n_gpus: int, cluster: Cluster, zero: int = 1, pr
                     lay = Layout(t=t, p=p, d=d, v=v, b=b, M=spec.global_batch // (b * d),
                                  schedule="interleaved" if v > 1 else "1f1b",
                                  zero=zero, sequence_parallel=t > 1, recompute=rec, precision=precision, ep=e,
-                                 fused_attention=fused_attention)
+                                 fused_attention=fused_attention, fp32_grads=fp32_grads)
                     try:
                         check_layout(spec, lay)
                     except ValueError:
@@ -92,7 +93,7 @@ def evaluate(spec: ModelSpec, lay: Layout, cluster: Cluster) -> PlanEntry:
 
 
 def plan(spec: ModelSpec, n_gpus: int, cluster: Cluster, zero: int = 1, precision: str = "bf16", b: int = 1,
-         ep: int | None = None, fused_attention: bool = False) -> list[PlanEntry]:
+         ep: int | None = None, fused_attention: bool = False, fp32_grads: bool = False) -> list[PlanEntry]:
     """Feasible layouts of ``spec`` on ``n_gpus`` GPUs, fastest first (ties: smaller t p first).
 
     Raises :class:`PlanError` when none fits, naming the smallest GPU memory that would work
@@ -100,7 +101,7 @@ def plan(spec: ModelSpec, n_gpus: int, cluster: Cluster, zero: int = 1, precisio
     """
     if n_gpus < 1:
         raise PlanError(f"--gpus must be >= 1, got {n_gpus}")
-    lays = candidates(spec, n_gpus, cluster, zero, precision, b, ep, fused_attention)
+    lays = candidates(spec, n_gpus, cluster, zero, precision, b, ep, fused_attention, fp32_grads)
     if not lays:
         raise PlanError(f"no valid layout of {spec.name} on {n_gpus} GPUs: t (a power of 2 <= "
                         f"{cluster.gpus_per_node} GPUs per node, dividing the {spec.n_head} heads), p (dividing "
@@ -142,7 +143,7 @@ def explain(spec: ModelSpec, entries: list[PlanEntry], cluster: Cluster, n_gpus:
                  f"({T.tp:.2f} s)." if L.t > 1 else
                  "  rule 1: t=1, no tensor parallelism needed.")
     smaller = [e for e in entries if e.layout.t * e.layout.p < L.t * L.p]
-    cands = candidates(spec, n_gpus, cluster, L.zero, L.precision, L.b, None, L.fused_attention)
+    cands = candidates(spec, n_gpus, cluster, L.zero, L.precision, L.b, None, L.fused_attention, L.fp32_grads)
     all_mp = sorted({lay.t * lay.p for lay in cands})
     below = [mp for mp in all_mp if mp < L.t * L.p]
     if below and not smaller:
@@ -161,12 +162,17 @@ def explain(spec: ModelSpec, entries: list[PlanEntry], cluster: Cluster, n_gpus:
     if L.p > 1:
         M = n_microbatches(spec, L)
         lines.append(f"  pipeline: p={L.p}, v={L.v}, M={M}: bubble (p-1)/(v M) = {(L.p - 1) / (L.v * M):.3f} of the "
-                     f"compute ({T.bubble:.2f} s); stage boundaries {comm['pp'].wire / GB:.2f} GB ({T.pp:.2f} s).")
+                     f"compute ({T.bubble:.2f} s); {comm['pp'].ops.get('send', (0, 0))[0]} stage-boundary messages "
+                     f"per rank, {'b s h / t each (Megatron scatter/gather)' if L.t > 1 else 'b s h each'} "
+                     f"({T.pp:.2f} s).")
     r = top.rank
     lines.append(f"  memory of the most loaded GPU (pipeline rank {r.pp_rank}): params {_gb(r.params)}, grads "
                  f"{_gb(r.grads)}, optimizer {_gb(r.optimizer)}, activations {_gb(r.activations)} "
-                 f"(recompute={L.recompute}); total {_gb(r.total)} of {_gb(cluster.gpu_memory)}.")
-    lines.append(f"  predicted step {T.total:.2f} s (compute {T.compute:.2f} s), MFU {T.mfu * 100:.1f} %.")
+                 f"(recompute={L.recompute}); total {_gb(r.total)} of {_gb(cluster.gpu_memory)} "
+                 f"({grad_convention(L)}).")
+    lines.append(f"  predicted step {T.total:.2f} s (compute {T.compute:.2f} s, of it recompute {T.recompute:.2f} s), "
+                 f"MFU {T.mfu * 100:.1f} %, HFU {T.hfu * 100:.1f} % (Korthikanti et al. 2022 eq. 7 / 8; GEMM "
+                 f"efficiency {cluster.compute_efficiency:g}).")
     if len(entries) > 1:
         ru = entries[1]
         diffs = {k: getattr(ru.time, k) - getattr(T, k) for k in ("compute", "bubble", "tp", "pp", "dp", "ep")}

@@ -16,7 +16,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 __all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "PUBLISHED", "CLUSTERS", "preset", "load_model_json",
            "SCHEDULES", "PRECISIONS"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "dualpipe")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -204,7 +204,8 @@ class Layout:
     """How the model is split: TP degree ``t``, PP degree ``p``, DP degree ``d``, virtual
     chunks per pipeline rank ``v`` (interleaved 1F1B), microbatch size ``b`` (sequences),
     microbatches per step ``M`` (None: global_batch / (b d)), ``schedule`` ("gpipe" |
-    "1f1b" | "interleaved"), ``zero`` stage 0-3 over the DP group (Rajbhandari et al. 2020),
+    "1f1b" | "interleaved" | "dualpipe": DeepSeek-V3's, two stages per rank, 2x parameters,
+    p + 1 activations), ``zero`` stage 0-3 over the DP group (Rajbhandari et al. 2020),
     ``sequence_parallel``, ``recompute`` ("none" | "selective" | "full"), ``precision``
     ("fp32": 4-byte parameters and gradients, Adam moments 8 bytes; "bf16": mixed precision,
     2 + 2 bytes and 12 bytes of fp32 master weights and moments, ZeRO's K = 12), expert
@@ -251,8 +252,9 @@ class Cluster:
     precision's dense peak); ``intra_bw`` / ``inter_bw``: bytes/s one GPU can send over the
     node's fabric (NVLink) and across nodes (its share of the InfiniBand NICs);
     ``compute_efficiency``: the share of peak a large GEMM reaches (the time model's only
-    free constant; 0.68 fits Korthikanti et al. 2022 Table 5, see :data:`CLUSTERS`); ``hbm_bw``: bytes/s of the GPU's memory (A100 80GB: 2.0e12), for the
-    memory-bound element-wise work (:mod:`.timing`)."""
+    free constant; 0.68 fits Korthikanti et al. 2022 Table 5, see :data:`CLUSTERS`);
+    ``hbm_bw``: bytes/s of the GPU's memory (A100 80GB: 2.0e12), for the memory-bound
+    element-wise work (:mod:`.timing`)."""
 
     gpus_per_node: int = 8
     gpu_memory: float = 80e9

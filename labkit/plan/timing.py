@@ -6,11 +6,13 @@ sequence parallelism, else 1; e bytes per activation element; N = b s tokens):
 * GEMMs: forward ``2 x (weight elements) x N / t`` FLOPs at ``peak x compute_efficiency``
   (the model's one free constant), backward twice that (Korthikanti et al. 2022 sec. 6.3);
   the attention core (Q K^T, weights x V: ``2 s a (d_qk + d_v) N / t``) the same way;
-* memory-bound element-wise work at the GPU's memory bandwidth ``hbm_bw``: two LayerNorms and
-  two bias-dropout-adds read and write ``30 N h`` bytes (for e = 2) that tensor parallelism
-  does not split (sequence parallelism does: that is SP's speed-up, Korthikanti Table 4), the
-  GeLU ``4 N f e / t``, and the attention scores' scale-mask-softmax and dropout
-  ``(4 e + 1) a s N / t`` (none with a fused attention kernel); backward twice the forward;
+* memory-bound element-wise work at the GPU's memory bandwidth ``hbm_bw``: two LayerNorms
+  (read and write ``e`` bytes per element) and two fused bias-dropout-adds (read 2, write 1,
+  a 1-byte mask): ``(10 e + 2) N h`` bytes that tensor parallelism does not split (sequence
+  parallelism does: that is SP's speed-up, Korthikanti Table 4); the GeLU ``2 N f e / t``; the
+  attention scores' scale-mask-softmax and dropout ``(4 e + 1) a s N / t`` (none with a fused
+  attention kernel); backward moves 1.5 times the forward's bytes (it reads the output
+  gradient and the saved input, and writes the input gradient);
 * TP collectives: what :func:`~.comm.comm_per_rank` counts (2 all-reduces per layer forward,
   2 backward, or their reduce-scatter / all-gather pairs with SP; full recompute repeats the
   forward's) on the intra-node link;
@@ -40,7 +42,8 @@ from dataclasses import dataclass
 
 from .comm import comm_per_rank
 from .flops import iteration_flops, layer_forward_flops
-from .memory import BYTES, bytes_per_param, check_layout, memory_per_rank, n_microbatches, rank_chunks
+from .memory import (BYTES, bytes_per_param, check_layout, holds_last, memory_per_rank, n_microbatches,
+                     rank_layer_chunks)
 from .spec import Cluster, Layout, ModelSpec
 
 BWD_ELEM = 1.5   # backward element-wise traffic over forward's: reads the output gradient and the saved input
@@ -134,28 +137,32 @@ def step_time(spec: ModelSpec, lay: Layout, cluster: Cluster) -> StepTime:
     Raises ValueError (from :func:`~.memory.check_layout`) for an impossible layout."""
     check_layout(spec, lay)
     p, v, M = lay.p, lay.v, n_microbatches(spec, lay)
+    passes = M // 2 if lay.schedule == "dualpipe" else M     # microbatch passes through each of the rank's layers
     bw = {"intra-node": cluster.intra_bw, "inter-node": cluster.inter_bw, "-": float("inf")}
     per_mb, tp_mb, rc_mb, sends = [], [], [], []
     for r in range(p):
-        ids = [i for ch in rank_chunks(spec.n_layer, p, v, r) for i in ch]
+        ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
         work = rc = 0.0
         for i in ids:
             lt = layer_times(spec, lay, cluster, spec.is_moe and i >= spec.first_dense_layers)
             work += lt["forward"] + lt["backward"] + lt["recompute"]
             rc += lt["recompute"]
-        if r == p - 1:
+        if holds_last(lay, r):
             work += _logit_time(spec, lay, cluster)
         comm = comm_per_rank(spec, lay, cluster, r)
-        tp = comm["tp"].wire / bw[comm["tp"].link] / M
+        tp = comm["tp"].wire / bw[comm["tp"].link] / passes
         per_mb.append(work + tp)
         tp_mb.append(tp)
         rc_mb.append(rc)
         sends.append(comm["pp"].ops.get("send", (0, 0))[0])   # 2 v M per rank, fewer at the ends
     slow = max(range(p), key=lambda r: per_mb[r])
     T = per_mb[slow]
-    compute = M * T
-    slots = v * max(M, p) + min(M, p) - 1          # chunk slots of T / v each (bubble formula)
-    bubble = slots * T / v - compute
+    compute = passes * T
+    if lay.schedule == "dualpipe":       # M/2 microbatches through each of the rank's 2 stages
+        bubble = (p / 2 - 1) * T / 2     # (p/2 - 1)(F&B + B - 3W), DeepSeek-V3 Table 2, without overlap gains
+    else:
+        slots = v * max(M, p) + min(M, p) - 1      # chunk slots of T / v each (bubble formula)
+        bubble = slots * T / v - compute
     comm0 = comm_per_rank(spec, lay, cluster, 0)
     pp = max(sends) * _pp_message_time(spec, lay, cluster, bw[comm0["pp"].link]) if p > 1 else 0.0
     dp = comm0["dp"].wire / bw[comm0["dp"].link] if comm0["dp"].ops else 0.0
@@ -165,5 +172,6 @@ def step_time(spec: ModelSpec, lay: Layout, cluster: Cluster) -> StepTime:
     total = compute + bubble + pp + dp + ep + emb + opt
     fl = iteration_flops(spec, M * lay.b * lay.d, lay.recompute)
     n, peak = lay.n_gpus, cluster.peak_flops
-    return StepTime(compute, bubble, M * tp_mb[slow], pp, dp + emb, ep, total, fl["model"] / (total * n * peak),
-                    fl["model"], fl["hardware"] / (total * n * peak), fl["hardware"], M * rc_mb[slow])
+    return StepTime(compute, bubble, passes * tp_mb[slow], pp, dp + emb, ep, total,
+                    fl["model"] / (total * n * peak), fl["model"], fl["hardware"] / (total * n * peak),
+                    fl["hardware"], passes * rc_mb[slow])

@@ -1,7 +1,8 @@
 """Exercises of notebook 04_interleaved: interleaved 1F1B (Narayanan et al. 2021, sec. 2.2.2).
 
 Each of the K ranks holds v model chunks (looped placement: stage s on rank s % K, layers
-counted from 0), the bubble shrinks to (K-1)/(vM+K-1), M must be a multiple of K (Megatron-LM),
+counted from 0), the bubble shrinks to (K-1)/(vM+K-1), the microbatches go through the chunks in
+equal rounds (torch's ScheduleInterleaved1F1B: max(1, M // K) rounds; Megatron-LM: M a multiple of K),
 and every microbatch crosses Kv-1 rank boundaries instead of K-1: v times the sends.
 """
 from __future__ import annotations
@@ -60,8 +61,9 @@ ex42 = exercise(
          "shorter while the useful work stays the same. Start from 1F1B's bubble fraction: which of its terms "
          "shrinks?")
 ex42.hint2 = ("Write the bubble time and the useful time in units of one full stage's forward and backward; "
-              "the fraction is bubble over (bubble plus useful). The schedule needs M to be a multiple of K "
-              "when v >= 2: raise ValueError otherwise.")
+              "the fraction is bubble over (bubble plus useful). When v >= 2, the M microbatches must be cut "
+              "into the equal rounds the notebook describes (how many rounds does torch make of M microbatches "
+              "on K ranks?): raise ValueError when they cannot be.")
 
 
 def _bubble_case(K: int, M: int, v: int):
@@ -76,9 +78,15 @@ ex42.case("K=4, M=8, v=2 (simulated)")(_bubble_case(4, 8, 2))
 ex42.case("v=1 is plain 1F1B: K=4, M=8")(_bubble_case(4, 8, 1))
 
 
-@ex42.case("M=6 with K=4, v=2 raises ValueError")
+@ex42.case("M=9 with K=4, v=2 raises ValueError (2 rounds of 4.5)")
 def _(interleaved_bubble):
-    expect_raises(ValueError, interleaved_bubble, 4, 6, 2, what="interleaved_bubble(K=4, M=6, v=2)")
+    expect_raises(ValueError, interleaved_bubble, 4, 9, 2, what="interleaved_bubble(K=4, M=9, v=2)")
+
+
+ex42.case("K=4, M=6, v=2: one round of 6, as torch runs it",
+          hint="torch's ScheduleInterleaved1F1B runs K=4, M=6 (one round of 6 microbatches) and so does labkit: "
+               "a multiple of K is Megatron-LM's special case, not the rule. Which M can be cut into equal "
+               "rounds?")(_bubble_case(4, 6, 2))
 
 
 ex42.case("K=4, M=4, v=4", hidden=True)(_bubble_case(4, 4, 4))
