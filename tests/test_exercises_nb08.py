@@ -172,24 +172,28 @@ def test_wrong_answers_fail(ex, wrong, contains):
      "recompute='selective')"),
     ("8.5", choose_without_divisibility, "a table that also lists",
      "expected (4, 3, 1), got (4, 2, 1) (t*p=8 does not divide 12 GPUs"),
-    ("8.1", coords_reordered, "t=2, p=2, d=2", "these are the right coordinates in the wrong order (your tuple reads "
-     "(tp, dp, pp); return (tp, pp, dp)) or the coordinates of a grid ordered TP innermost, then PP, DP outermost"),
-    ("8.1", coords_pp_wrong, "t=2, p=2, d=2", "rank_coords(2, t=2, p=2, d=2): coordinate pp (item 1 of (tp, pp, dp)): "
+    ("8.1", coords_reordered, "t=2, p=3, d=2", "t=2, p=3, d=2: these are the right coordinates in the wrong order "
+     "(your tuple reads (tp, dp, pp); return (tp, pp, dp))."),
+    ("8.1", coords_pp_inner, "t=2, p=3, d=2", "t=2, p=3, d=2: these are the coordinates of a grid ordered TP "
+     "innermost, then PP, DP outermost, not the grid of this notebook"),
+    ("8.1", coords_pp_wrong, "t=2, p=3, d=2", "rank_coords(2, t=2, p=3, d=2): coordinate pp (item 1 of (tp, pp, dp)): "
      "expected 0, got 1"),
 ])
 def test_wrong_answers_fail_a_public_case_naming_the_mistake(ex, wrong, case, contains):
     assert_public_case_fails(ex, wrong, case, contains=contains)
 
 
-def test_reordered_tuple_and_dp_outermost_are_told_apart_where_the_grid_shows_it():
+def test_on_a_grid_with_p_equal_to_d_both_readings_are_named():
+    """t=2, p=2, d=2 cannot tell (tp, dp, pp) from DP outermost: the message says both (the public case
+    t=2, p=3, d=2, which runs first, tells them apart)."""
     from labkit.grading.exercises.nb08_3d_parallelism import _explain_coords
-    t, p, d = 2, 3, 2
-    reordered = [coords_reordered(r, t, p, d) for r in range(t * p * d)]
-    dp_outer = [coords_pp_inner(r, t, p, d) for r in range(t * p * d)]
-    assert _explain_coords(reordered, t, p, d) == ("these are the right coordinates in the wrong order (your tuple "
-                                                   "reads (tp, dp, pp); return (tp, pp, dp))")
-    assert _explain_coords(dp_outer, t, p, d).startswith("these are the coordinates of a grid ordered TP innermost, "
-                                                         "then PP, DP outermost")
+    t, p, d = 2, 2, 2
+    got = [coords_reordered(r, t, p, d) for r in range(t * p * d)]
+    assert got == [coords_pp_inner(r, t, p, d) for r in range(t * p * d)]
+    assert _explain_coords(got, t, p, d) == (
+        "these are the right coordinates in the wrong order (your tuple reads (tp, dp, pp); return (tp, pp, dp)) "
+        "or the coordinates of a grid ordered TP innermost, then PP, DP outermost, not the grid of this notebook "
+        "(which axis talks in every layer, and which only once per microbatch?) (on this grid both look the same)")
 
 
 def test_stub_is_not_attempted():

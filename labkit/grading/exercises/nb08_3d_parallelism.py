@@ -101,6 +101,7 @@ def _coords_case(t, p, d):
     return case
 
 
+ex81.case("t=2, p=3, d=2 (12 ranks: p and d differ)")(_coords_case(2, 3, 2))
 ex81.case("t=2, p=2, d=2 (8 ranks)")(_coords_case(2, 2, 2))
 ex81.case("t=4, p=2, d=1")(_coords_case(4, 2, 1))
 ex81.case("t=2, p=1, d=3")(_coords_case(2, 1, 3))

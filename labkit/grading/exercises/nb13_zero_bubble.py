@@ -149,11 +149,11 @@ def _confusion(name, K, f, i, w, got):
     b = i + w
     if name == "zb-h1" and got == (K - 1) * (f + b - w):
         return ("you put the full backward T_B = T_I + T_W where the zero-bubble paper's B means the input-gradient "
-                "pass T_I only; (K-1)(T_F+B-T_W) with B = T_I is right, and in the DeepSeek-V3 report's notation "
-                "(B = full backward) the same bubble reads (K-1)(F+B-2W) (DeepSeek-V3 issue #724)")
+                "pass T_I only; the DeepSeek-V3 report writes its formula with B = the full backward, the "
+                "zero-bubble paper with B = T_I (DeepSeek-V3 issue #724)")
     if name == "zb-h1" and got == (K - 1) * (f + i - 2 * w):
-        return ("you subtracted 2 T_W from T_F + T_I: the DeepSeek-V3 report's (PP-1)(F+B-2W) has B = the full "
-                "backward T_I + T_W, so with T_I it is (K-1)(T_F+T_I-T_W) (DeepSeek-V3 issue #724)")
+        return ("you subtracted 2 T_W, as the DeepSeek-V3 report's formula does; but its B = the full backward "
+                "T_I + T_W, while this function gets T_I, the input-gradient pass alone (DeepSeek-V3 issue #724)")
     if name == "1f1b" and got == (K - 1) * (f + i):
         return "1F1B's backward is the full backward T_B = T_I + T_W; the W pass is on the critical path there"
     return None
