@@ -60,10 +60,14 @@ if ! "$PY" -c "import ensurepip, venv" >/dev/null 2>&1; then
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv
 fi
-"$PY" -m venv "$ROOT/venv"
+if [ -n "${LABKIT_REUSE_SITE:-}" ]; then  # tests: see an existing environment's packages (pip too)
+    "$PY" -m venv --without-pip "$ROOT/venv"
+else
+    "$PY" -m venv "$ROOT/venv"
+fi
 VPY="$ROOT/venv/bin/python"
 SITE="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-if [ -n "${LABKIT_REUSE_SITE:-}" ]; then  # tests: see an existing environment's packages
+if [ -n "${LABKIT_REUSE_SITE:-}" ]; then
     echo "$LABKIT_REUSE_SITE" > "$SITE/labkit-reuse-site.pth"
 fi
 # shellcheck disable=SC2086
