@@ -213,8 +213,10 @@ def _grade(tmp: Path, notebooks: dict, *extra: str, wrap=None):
     for name, cells in notebooks.items():
         _notebook(tmp / f"{name}.ipynb", cells)
     results = tmp / "results.json"
+    # --no-source-policy: these attacks would be zeroed by the source policy first; here they run, to
+    # prove that containment and the grader's judgement hold on their own (an attack the policy misses)
     cmd = [sys.executable, "-m", "labkit", "grade", *[str(tmp / f"{n}.ipynb") for n in notebooks],
-           "--results", str(results), *extra]
+           "--results", str(results), "--no-source-policy", *extra]
     # the grader's peak memory (and its children's) is read from a wrapper of its own
     code = ("import resource, subprocess, sys\np = subprocess.run(sys.argv[1:])\n"
             "print('MAXRSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"

@@ -212,7 +212,7 @@ def default_time_budget(cell_timeout: float, exercises, n_cells: int) -> float:
 
 def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                    assignment: str | None = None, time_budget: float | None = None,
-                   limits=None, hints: bool = True) -> NotebookGrade:
+                   limits=None, hints: bool = True, source_policy: bool = True) -> NotebookGrade:
     """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
 
     ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
@@ -224,7 +224,9 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     submission: no cell or case runs past it, and what it leaves no time for is "not reached".
     ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel (root only).
     ``hints=False`` leaves the hints out of the messages (graded runs; the interactive ``check``
-    keeps them).
+    keeps them). ``source_policy=False`` skips the source policy (``grade --no-source-policy``:
+    for a course that allows what it forbids, and for testing the grader's other defences, which
+    hold without it).
     """
     import time
 
@@ -242,7 +244,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     deadline = time.monotonic() + time_budget
     out_of_time = f"the submission's time budget of {time_budget:g} s ran out"
     points = grading_points(cells, list(wanted))
-    grades: dict[str, ExerciseGrade] = _policy_grades(exercises, cells, points)
+    grades: dict[str, ExerciseGrade] = _policy_grades(exercises, cells, points) if source_policy else {}
     due: dict[int, list[str]] = {}
     for ex_id, k in points.items():
         if k is not None and ex_id not in grades:
@@ -405,13 +407,14 @@ def _hidden_files() -> list[Path]:
 
 
 def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None,
-                time_budget: float | None = None, limits=None, hints: bool = True) -> list[NotebookGrade]:
+                time_budget: float | None = None, limits=None, hints: bool = True,
+                source_policy: bool = True) -> list[NotebookGrade]:
     """:func:`grade_notebook` for each path; one that cannot be graded gets ``graded=False`` and zeros."""
     out = []
     for p in paths:
         try:
             out.append(grade_notebook(p, cell_timeout, assignment=assignment, time_budget=time_budget,
-                                      limits=limits, hints=hints))
+                                      limits=limits, hints=hints, source_policy=source_policy))
         except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
                                                     f"{_first(str(e))}", graded=False)
@@ -628,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tmp-size", type=int, default=d.tmp_size // 2 ** 20,
                    help=f"MiB of each private /tmp, /var/tmp, /dev/shm (root only; default {d.tmp_size // 2 ** 20})")
     p.add_argument("--no-hints", action="store_true", help="leave hints out of the graded messages")
+    p.add_argument("--no-source-policy", action="store_true",
+                   help="do not zero exercises whose code breaks the source policy (labkit/grading/policy.py); "
+                        "containment and the grader's judgement still hold")
     p.add_argument("--results-dir", type=Path, default=None,
                    help="batch: one results file per submission in this folder")
     p.add_argument("--gradebook", type=Path, default=None,
@@ -686,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, cell_timeout, a.assignment, not a.no_hints)
     t0 = time.monotonic()
     grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits,
-                         hints=not a.no_hints)
+                         hints=not a.no_hints, source_policy=not a.no_source_policy)
     print(format_table(grades))
     if a.results:
         obj = results_json(grades, execution_time=time.monotonic() - t0)
