@@ -272,8 +272,8 @@ def _kernel_processes(start_uid: int = 1_900_000_000) -> list[tuple]:
 def test_as_root_hostile_submission_gets_its_honest_score_and_leaves_nothing(tmp_path):
     before = _kernel_processes()
     proc, obj, took, maxrss = _grade(tmp_path, {"hostile": HOSTILE, "honest": HONEST}, "--cell-timeout", "20")
-    assert _scores(obj, "hostile.ipynb") == f"{tmp_path / 'hostile.ipynb'}: 2 / 3", proc.stdout
-    assert _scores(obj, "honest.ipynb") == f"{tmp_path / 'honest.ipynb'}: 3 / 3", proc.stdout  # not killed
+    assert _scores(obj, "hostile.ipynb") == "hostile.ipynb: 2 / 3", proc.stdout
+    assert _scores(obj, "honest.ipynb") == "honest.ipynb: 3 / 3", proc.stdout  # not killed
     h2 = next(t for t in obj["tests"] if t["name"] == "Exercise H.2 (negate) - case: x=1")
     assert h2["status"] == "failed" and "more than" in h2["output"], h2
     assert "a uid of its own" in proc.stdout and "private /tmp" in proc.stdout
