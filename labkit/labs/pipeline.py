@@ -97,7 +97,7 @@ def _bad_args(a, K) -> str | None:
         try:
             cost = _cost_model(a)
         except ValueError:
-            return (f"--cost-model takes three finite numbers >= 0 in milliseconds, F,I,W (e.g. 20,20,20), "
+            return (f"--cost-model takes three numbers >= 0 in milliseconds, finite, F,I,W (e.g. 20,20,20), "
                     f"got {a.cost_model!r}")
         # a rank waits for its peer at most about one step: (v M + K - 1) passes of F + I + W each
         v = max([a.chunks if s == "interleaved" else 2 if s in V_SHAPED else 1
