@@ -9,7 +9,10 @@ returns the per-rank results in rank order. Three ways to get ranks:
 * GPU (NCCL): one spawned process per CUDA device (CUDA cannot be used after fork).
 * Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set): this process *is*
   one rank; ``launch`` initialises from the environment, runs ``fn`` here and gathers
-  every rank's result with ``all_gather_object``.
+  every rank's result with ``all_gather_object``. The rank dies with its torchrun agent
+  (a lost node takes its workers with it), stops within moments on SIGTERM even while blocked
+  in C++ (one line, exit 143), and a rank whose work raised prints one line naming itself by
+  global rank and node and exits 1 (:func:`_guard_torchrun_rank`, :func:`_torchrun_rank_failed`).
 
 Failure handling: each process group gets a ``timeout`` so a collective that can never
 complete (a wrong schedule, a missing send) raises instead of hanging. The first rank to
@@ -811,10 +814,58 @@ def _error_priority(err: tuple) -> int:
     return 0
 
 
+def torchrun_where(rank: int | None = None) -> str:
+    """``'rank 2 (node 1, local rank 0)'`` for this process under torchrun (``rank`` None), from
+    RANK, GROUP_RANK (the node's index) and LOCAL_RANK; ``'rank 2'`` for another rank."""
+    if rank is not None and rank != int(os.environ.get("RANK", -1)):
+        return f"rank {rank}"
+    node = os.environ.get("GROUP_RANK")
+    return (f"rank {os.environ['RANK']} ({f'node {node}, ' if node is not None else ''}"
+            f"local rank {os.environ['LOCAL_RANK']})")
+
+
+_TORCHRUN_GUARD = None
+
+
+def _guard_torchrun_rank() -> None:
+    """Under torchrun, once per process: die with the agent (PR_SET_PDEATHSIG: a node whose torchrun
+    is SIGKILLed takes its workers with it, instead of leaving them training), and stop within
+    moments on SIGTERM wherever the main thread is blocked (a C++ wait in init_process_group or a
+    gloo receive runs no Python signal handler). SIGTERM is blocked in every thread and taken by
+    a watcher thread (``sigwait``), which prints one line that is true for this rank and ends the
+    process with ``os._exit(143)``: no exit-time barrier waits for peers that are gone."""
+    global _TORCHRUN_GUARD
+    if _TORCHRUN_GUARD is not None or threading.current_thread() is not threading.main_thread():
+        return
+    agent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            _libc_prctl()(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != agent:  # the agent died before prctl
+            os._exit(1)
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, _raise_terminated) \
+            and not _stopping_handler_installed():
+        _TORCHRUN_GUARD = False  # someone else handles SIGTERM
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit it
+
+    def watch():
+        signal.sigwait({signal.SIGTERM})
+        try:
+            os.write(2, f"terminated (SIGTERM): {torchrun_where()} stopped\n".encode())
+        finally:
+            os._exit(128 + signal.SIGTERM)
+    _TORCHRUN_GUARD = threading.Thread(target=watch, daemon=True, name="labkit-sigterm")
+    _TORCHRUN_GUARD.start()
+
+
 def _launch_torchrun(fn, world_size, args, backend, timeout):
     env_ws = int(os.environ["WORLD_SIZE"])
     if env_ws != world_size:
         raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_ws} ranks")
+    _guard_torchrun_rank()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     backend = choose_backend(world_size, backend)
     if backend == "nccl":
@@ -822,16 +873,38 @@ def _launch_torchrun(fn, world_size, args, backend, timeout):
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-        import atexit
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            import atexit
 
-        atexit.register(_shutdown_torchrun)
-    ctx = DistContext(rank, world_size, local_rank, backend, device, dist.group.WORLD, timeout)
-    result = fn(ctx, *args)
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, result)
-    return gathered
+            atexit.register(_shutdown_torchrun)
+        ctx = DistContext(rank, world_size, local_rank, backend, device, dist.group.WORLD, timeout)
+        result = fn(ctx, *args)
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, result)
+        return gathered
+    except Exception as e:  # noqa: BLE001 - one line per rank, then out: peers that are gone answer no barrier
+        _torchrun_rank_failed(e)
+
+
+def _torchrun_rank_failed(e: BaseException) -> None:
+    """Under torchrun, a rank whose work raised: ONE line on its stderr naming it by global rank and
+    node (torchrun prints no RankError header, and a lost peer makes every survivor raise), then
+    ``os._exit(1)``: the exit-time barrier would wait for ranks that are gone. The full traceback
+    is printed only with LABKIT_TRACEBACK=1."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    kind = _error_priority((type(e).__name__, str(e), ""))
+    why = {2: "lost its connection to a peer that stopped or died", 1: "timed out waiting for a peer"}.get(kind, "failed")
+    text = f"error: {torchrun_where()} {why}: {type(e).__name__}: {first[:300]}\n"
+    if os.environ.get("LABKIT_TRACEBACK") == "1":
+        text = traceback.format_exc() + text
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    os.write(2, text.encode(errors="replace"))
+    os._exit(1)
 
 
 def _shutdown_torchrun() -> None:

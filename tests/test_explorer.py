@@ -74,7 +74,7 @@ def test_helpers_count_from_the_schedule_data():
 def test_widget_controls_rerender_with_the_chosen_values():
     w = explorer(schedule="1F1B", K=4, M=8, v=2)
     dropdown, k_slider, m_slider, v_slider, output = w.children
-    assert (dropdown.value, k_slider.value, m_slider.value, v_slider.value) == ("1F1B", 4, 8, 2)
+    assert (dropdown.value, k_slider.value, m_slider.value, v_slider.value) == ("1F1B", 4, 8, 1)  # v in effect
     assert w.result["bubble"] == Fraction(3, 11)
     k_slider.value = 2
     assert w.result["K"] == 2 and w.result["peak_in_flight"] == [2, 1]
@@ -122,14 +122,79 @@ def test_v_slider_is_disabled_where_v_is_ignored():
     assert not explorer(schedule="Interleaved 1F1B").children[3].disabled
 
 
-def test_render_widens_crowded_charts_and_can_label_stages():
-    from labkit.pipeline.explorer import figure_width
+def test_render_fits_the_notebook_width_and_can_label_stages():
+    from labkit.pipeline.explorer import NOTEBOOK_WIDTH, figure_width
 
-    assert figure_width("1F1B", 8, 4) == 10 and figure_width("Interleaved 1F1B", 8, 2) == 10
-    assert figure_width("Interleaved 1F1B", 8, 4) == 14.8 and figure_width("Interleaved 1F1B", 16, 4) == 16
+    assert figure_width("1F1B", 8, 4) == figure_width("Interleaved 1F1B", 16, 4) == NOTEBOOK_WIDTH == 8.0
     info = render("Interleaved 1F1B", K=4, M=8, v=4)
-    assert info["ax"].figure.get_figwidth() == 14.8
+    assert info["ax"].figure.get_figwidth() == 8.0
+    plt.close(info["ax"].figure)
     info = render("Interleaved 1F1B", K=2, M=4, v=2, show_stage=True)
     labels = {t.get_text() for t in info["ax"].texts}
     assert {"0/0", "0/1", "0/2", "0/3", "3/3"} <= labels  # microbatch/stage
     assert all("/" not in t.get_text() for t in render("1F1B", K=2, M=4)["ax"].texts)
+    plt.close("all")
+
+
+def _drawn_labels(fig):
+    """(font size pt, label width px, its bar's width px) of every label, as the PNG is drawn."""
+    from labkit.pipeline.explorer import figure_png
+    png = figure_png(fig)                                    # tight layout, 100 dpi, as the widget shows it
+    renderer = fig.canvas.get_renderer()
+    out = []
+    for ax in fig.axes:
+        bars = [p for p in ax.patches if p.get_zorder() == 1]
+        for t in ax.texts:
+            box = t.get_window_extent(renderer)
+            x = ax.transData.inverted().transform(((box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2))
+            bar = next(b for b in bars if b.get_x() <= x[0] <= b.get_x() + b.get_width()
+                       and b.get_y() <= x[1] <= b.get_y() + b.get_height())
+            px = ax.transData.transform([(bar.get_x(), 0), (bar.get_x() + bar.get_width(), 0)])
+            out.append((t.get_fontsize(), box.width, px[1][0] - px[0][0]))
+    return png, out
+
+
+@pytest.mark.parametrize("schedule,K,M,v,labelled", [
+    ("Interleaved 1F1B", 4, 8, 4, False), ("Interleaved 1F1B", 4, 16, 4, False), ("Interleaved 1F1B", 4, 8, 2, True),
+    ("ZB-V", 4, 8, 2, True), ("DualPipeV", 4, 10, 2, True), ("1F1B", 4, 8, 1, True)])
+def test_every_digit_drawn_is_readable_at_the_notebook_width(schedule, K, M, v, labelled):
+    """The PNG is no wider than the notebook shows unshrunk (800 px + a margin), every label is at
+    least 7 pt (9.7 px at 100 dpi) and lies inside its bar; bars too narrow carry no label (v=4:
+    a chunk's box is 1/4 of a forward, under 8 px at this width: colours and legend only)."""
+    import struct
+    info = render(schedule, K, M, v)
+    fig = info["ax"].figure
+    png, labels = _drawn_labels(fig)
+    width = struct.unpack(">I", png[16:20])[0]
+    assert width <= 820, width
+    assert bool(labels) == labelled, len(labels)
+    assert all(size >= 7 and text_px <= bar_px for size, text_px, bar_px in labels), \
+        [x for x in labels if x[0] < 7 or x[1] > x[2]][:5]
+    plt.close(fig)
+
+
+def test_widget_redraws_in_place_and_shows_the_v_in_effect():
+    """A redraw replaces the text and the PNG (never empties the area first); the greyed v slider
+    shows the v the schedule runs with and gives the learner's v back; an invalid M is one text
+    line and no figure."""
+    import ipywidgets as widgets
+    w = explorer(schedule="Interleaved 1F1B", K=4, M=8, v=3)
+    dropdown, k_slider, m_slider, v_slider, area = w.children
+    text, image = area.children
+    assert isinstance(text, widgets.HTML) and isinstance(image, widgets.Image)
+    seen = []
+    image.observe(lambda change: seen.append(len(change["new"])), names="value")
+    text.observe(lambda change: seen.append(change["new"]), names="value")
+    k_slider.value = 2
+    assert all(seen) and len(seen) == 2                      # each replaced once, never emptied
+    assert w.result["v"] == 3 and "v=3" in text.value
+    for name, v_in_effect in (("GPipe", 1), ("1F1B", 1), ("ZB-H1", 1), ("ZB-V", 2), ("DualPipeV", 2)):
+        dropdown.value = name
+        assert v_slider.disabled and v_slider.value == v_in_effect == w.result["v"], name
+        assert f"v={v_in_effect}" in text.value
+    dropdown.value = "Interleaved 1F1B"
+    assert not v_slider.disabled and v_slider.value == 3 == w.result["v"]   # the learner's v is back
+    m_slider.value = 3                                        # not a multiple of K=2
+    assert w.result["error"] and text.value.count("got M=3") == 1 and image.layout.display == "none"
+    m_slider.value = 4
+    assert w.result["error"] is None and image.layout.display is None and image.value[:4] == b"\x89PNG"

@@ -36,11 +36,70 @@ def error(message: str) -> int:
     return 2
 
 
+class OutputError(Exception):
+    """A lab's output file (a plot, a CSV, a trace, its run folder) could not be written; the
+    message names the file and the errno. :func:`run_cli` prints it as one ``error:`` line (exit 1)."""
+
+
+def _output_error(path, e: OSError) -> OutputError:
+    import errno
+    name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__
+    return OutputError(f"cannot write {path}: {e.strerror or e} ({name}); the table and the verdict above are complete")
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` all or nothing: into a hidden temporary file in the same folder,
+    then renamed over ``path`` (``os.replace`` is atomic). A failed write (a full disk: ENOSPC)
+    removes the temporary file and raises :class:`OutputError` naming ``path`` and the errno, so
+    no truncated file is left."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise _output_error(path, e) from None
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 100) -> None:
+    """Render the matplotlib ``fig`` as PNG in memory, then :func:`write_bytes_atomic` it to
+    ``path`` (a full disk is one :class:`OutputError`, not matplotlib's and PIL's tracebacks)."""
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    write_bytes_atomic(path, buf.getvalue())
+
+
+def out_folder(out: str | None, prefix: str) -> str:
+    """``out`` (``--out``; created if needed) or, when None, a fresh :func:`run_folder` under
+    ``runs/``; :class:`OutputError` when it cannot be made (a full disk)."""
+    if not out:
+        return str(run_folder("runs", prefix))
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise _output_error(out, e) from None
+    return out
+
+
 def run_folder(parent: str | os.PathLike, prefix: str) -> Path:
     """Create and return a NEW folder ``parent/prefix-YYYYmmdd-HHMMSS`` (``-2``, ``-3``, ... when
     a run that finished in the same second took the name): two runs never share a folder."""
     parent = Path(parent)
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _output_error(parent, e) from None
     stem = f"{prefix}-{datetime.now():%Y%m%d-%H%M%S}"
     for i in range(1, 10_000):
         folder = parent / (stem if i == 1 else f"{stem}-{i}")
@@ -49,6 +108,8 @@ def run_folder(parent: str | os.PathLike, prefix: str) -> Path:
             return folder
         except FileExistsError:
             continue
+        except OSError as e:
+            raise _output_error(folder, e) from None
     raise FileExistsError(f"{parent}: no free run folder name {stem}-N")
 
 
@@ -123,6 +184,9 @@ def run_cli(main, *args, check_env: bool = True) -> int:
         except RankError as e:
             if is_main_rank():
                 print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
+        except OutputError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 1
 
 

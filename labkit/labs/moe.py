@@ -38,7 +38,7 @@ from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_ex
 from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               bad_lr, error, is_main_rank, moe_eplb, run_folder)
+               bad_lr, error, is_main_rank, moe_eplb, out_folder)
 from .replay import replayed_routing
 from .verdict import add_tolerance_option, verdict_exit
 
@@ -231,6 +231,7 @@ def max_vio(loads: torch.Tensor) -> float:
 
 
 def _plots(out, runs, ep_hist, a):
+    from . import save_figure
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -271,7 +272,7 @@ def _plots(out, runs, ep_hist, a):
     fig.suptitle(f"Expert load per MoE layer ({window}-step moving average; dotted lines: uniform 1/E, E={E})",
                  fontsize=11)
     fig.legend(handles, labels, loc="outside lower center", ncol=min(E, 8), fontsize=9, frameon=False)
-    fig.savefig(os.path.join(out, "expert_load.png"), dpi=100)
+    save_figure(fig, os.path.join(out, "expert_load.png"), dpi=100)
     plt.close(fig)
 
     fig, ax = plt.subplots(1, 3, figsize=(14, 3.5))
@@ -286,7 +287,7 @@ def _plots(out, runs, ep_hist, a):
         x.set_xlabel("step")
         x.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "balance.png"), dpi=100)
+    save_figure(fig, os.path.join(out, "balance.png"), dpi=100)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -295,7 +296,7 @@ def _plots(out, runs, ep_hist, a):
     ax.set_ylabel("KiB sent, step 0 (fwd + bwd)")
     ax.set_title("all-to-all bytes per rank")
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "all_to_all_bytes.png"), dpi=100)
+    save_figure(fig, os.path.join(out, "all_to_all_bytes.png"), dpi=100)
     plt.close(fig)
 
 
@@ -332,11 +333,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0                                              # rank 0 runs the references and reports
     H, E, k = a.n_embd, a.experts, a.top_k
     t_ep = time.perf_counter() - t0
-    if a.out:
-        out = a.out
-        os.makedirs(out, exist_ok=True)
-    else:
-        out = str(run_folder("runs", "moe"))
     ref = train(None, a, a.compare_mode, a.steps, ep=False)
 
     # 1. EP == single device: the verdict (every step, at the same parameters); the curve gap is shown only
@@ -386,13 +382,16 @@ def main(argv: list[str] | None = None) -> int:
         last = torch.stack(h["loads"][-n:]).sum(0).float()
         for layer, l in enumerate(last):
             print(f"{mode:>9} layer {layer}: " + " ".join(f"{float(v):.3f}" for v in l / l.sum()))
-    if not a.no_plots:
+    print(f"total time {time.perf_counter() - t0:.1f} s")
+    rc = verdict_exit({f"EP={a.ep} ({a.compare_mode})": ep_hist[0]["verdict"]}, reference_losses=ref["loss"])
+    if not a.no_plots:  # the files last: a full disk cannot hide the table and the verdict
+        out = out_folder(a.out, "moe")
         _plots(out, runs, ep_hist, a)
         names = ("expert_load.png", "balance.png", "all_to_all_bytes.png")
         print("\nplots: " + ", ".join(os.path.join(out, f) for f in names))
-    print(f"run folder: {out}")
-    print(f"total time {time.perf_counter() - t0:.1f} s")
-    return verdict_exit({f"EP={a.ep} ({a.compare_mode})": ep_hist[0]["verdict"]}, reference_losses=ref["loss"])
+        print(f"run folder: {out}")
+    return rc
+
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads
 from ..moe.hierarchical import HierarchicalExpertParallelMoE, make_node_groups
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
 from ..moe.replicas import sync_replica_grads, to_replicated_expert_parallel
-from . import run_folder
+from . import out_folder
 from .replay import replayed_routing
 from .verdict import report
 
@@ -222,11 +222,6 @@ def main(a) -> int:
     R = E + (P if a.redundant_experts is None else a.redundant_experts)
     groups = N if a.expert_groups is None else a.expert_groups
     policy = "hierarchical" if groups % N == 0 else "global"
-    if a.out:
-        out = a.out
-        os.makedirs(out, exist_ok=True)
-    else:
-        out = str(run_folder("runs", "moe-eplb"))
     n = min(WINDOW, a.balance_steps)
 
     # 1. train without balancing, then measure the loads of the trained model on the last n batches
@@ -302,10 +297,6 @@ def main(a) -> int:
           "routing bounds it by M.\n hierarchical: once per node over the slow link; flat: once per slot.)")
     print(f"hierarchical output equals flat: {'yes' if a2a_ok else 'NO'}")
 
-    if not a.no_plots:
-        _plot(out, results, measured, a)
-        print(f"\nplot: {os.path.join(out, 'gpu_load.png')}")
-    print(f"run folder: {out}")
     print(f"total time {time.perf_counter() - t0:.1f} s")
     ok, text = report({f"EP={P} with EPLB replicas": ranks[0]["verdict"]})
     print("\n" + text)
@@ -313,13 +304,19 @@ def main(a) -> int:
         why = [] if ok else ["the replicas differ from single-device training (see above)"]
         why += [] if a2a_ok else ["the hierarchical all-to-all's output differs from the flat one's"]
         print(f"FAIL: {'; '.join(why)}", file=sys.stderr)
-        return 1
-    print("OK: the replicated experts train like the single-device model at every step; the hierarchical "
-          "all-to-all computes what the flat one does")
-    return 0
+    else:
+        print("OK: the replicated experts train like the single-device model at every step; the hierarchical "
+              "all-to-all computes what the flat one does")
+    if not a.no_plots:  # the files last: a full disk cannot hide the table and the verdict
+        out = out_folder(a.out, "moe-eplb")
+        _plot(out, results, measured, a)
+        print(f"\nplot: {os.path.join(out, 'gpu_load.png')}")
+        print(f"run folder: {out}")
+    return 0 if ok and a2a_ok else 1
 
 
 def _plot(out, results, measured, a):
+    from . import save_figure
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -343,5 +340,5 @@ def _plot(out, results, measured, a):
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle("Tokens per GPU (a step waits for the busiest GPU; dotted: perfect balance)", fontsize=11)
-    fig.savefig(os.path.join(out, "gpu_load.png"), dpi=100)
+    save_figure(fig, os.path.join(out, "gpu_load.png"), dpi=100)
     plt.close(fig)

@@ -98,7 +98,7 @@ def _bad_args(a, K) -> str | None:
         try:
             cost = _cost_model(a)
         except ValueError:
-            return (f"--cost-model takes three finite numbers >= 0 in milliseconds, F,I,W (e.g. 20,20,20), "
+            return (f"--cost-model takes three numbers >= 0 in milliseconds, finite, F,I,W (e.g. 20,20,20), "
                     f"got {a.cost_model!r}")
         # a rank waits for its peer at most about one step: (v M + K - 1) passes of F + I + W each
         v = max([a.chunks if s == "interleaved" else 2 if s in V_SHAPED else 1
@@ -347,12 +347,13 @@ def _save_plots(folder: Path, rows, single, K):
     import matplotlib.pyplot as plt
 
     from ..pipeline.plot import plot_timeline
+    from . import save_figure
     fig, axes = plt.subplots(len(rows), 1, figsize=(11, 2.2 * len(rows) + 0.5), squeeze=False)
     for ax, row in zip(axes[:, 0], rows):
         plot_timeline(row["timeline"], ax=ax, title=f"{row['schedule']} (measured, K={K}), last step",
                       note=f"table: mean of the last steps {row['bubble']:.1%}", unit="s")
     fig.tight_layout()
-    fig.savefig(folder / "timelines.png", dpi=110)
+    save_figure(fig, folder / "timelines.png", dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(single["losses"], label="single device", linewidth=3, alpha=0.4, color="black")
@@ -362,9 +363,8 @@ def _save_plots(folder: Path, rows, single, K):
     ax.set_ylabel("train loss (nats/token)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(folder / "loss_curves.png", dpi=110)
+    save_figure(fig, folder / "loss_curves.png", dpi=110)
     plt.close(fig)
-
 
 
 def main(argv=None) -> int:
@@ -422,18 +422,6 @@ def main(argv=None) -> int:
             rows.append(_analyse(a, kind, K, results, single))
     if not is_main:
         return 0
-    folder = run_folder(a.out, "pipeline")
-    _save_plots(folder, rows, single, K)
-    traces = []
-    if a.trace:
-        from ..pipeline.trace import write_chrome_trace
-        for row in rows:
-            traces.append(write_chrome_trace(folder / f"trace-{row['schedule'].replace(' ', '')}.json",
-                                             {f"{row['schedule']} (measured, last step)": row["timeline"]}))
-        if len(rows) > 1:  # every schedule side by side, one Perfetto process each
-            traces.append(write_chrome_trace(folder / "trace-all.json",
-                                             {f"{row['schedule']} (measured, last step)": row["timeline"]
-                                              for row in rows}))
     head = (f"{'schedule':<16} {'train':>7} {'val':>7} {'curve gap':>10} {'bubble':>7} {'formula':>8} "
             f"{'sim':>6} {'peak in flight/stage':<24} {'tokens/s':>9}")
     print(head)
@@ -461,10 +449,36 @@ def main(argv=None) -> int:
     if backend == "gloo" and K > cores:
         print(f"note: {K} ranks share {cores} CPU cores, so a rank often waits for a core; the measured bubble "
               f"and F/B times include that wait.")
+    rc = verdict_exit({r["schedule"]: r["verdict"] for r in rows}, reference_losses=single["losses"])
+    # the files last: a full disk cannot hide the table and the verdict (labs.OutputError: one line)
+    folder = run_folder(a.out, "pipeline")
+    _save_plots(folder, rows, single, K)
     print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
-    for t in traces:
-        print(f"trace (open in https://ui.perfetto.dev): {t}")
-    return verdict_exit({r["schedule"]: r["verdict"] for r in rows}, reference_losses=single["losses"])
+    if a.trace:
+        _write_traces(folder, rows)
+    return rc
+
+
+def _write_traces(folder: Path, rows) -> None:
+    """Each schedule's measured timeline as Chrome trace JSON, written all or nothing."""
+    import tempfile
+
+    from ..pipeline.trace import write_chrome_trace
+    from . import _output_error, write_bytes_atomic
+    files = [(folder / f"trace-{row['schedule'].replace(' ', '')}.json",
+              {f"{row['schedule']} (measured, last step)": row["timeline"]}) for row in rows]
+    if len(rows) > 1:  # every schedule side by side, one Perfetto process each
+        files.append((folder / "trace-all.json",
+                      {f"{row['schedule']} (measured, last step)": row["timeline"] for row in rows}))
+    for path, timelines in files:
+        try:  # rendered aside, then written atomically
+            with tempfile.TemporaryDirectory() as tmp:
+                made = write_chrome_trace(Path(tmp) / path.name, timelines)
+                data = Path(made).read_bytes()
+        except OSError as e:
+            raise _output_error(path, e) from None
+        write_bytes_atomic(path, data)
+        print(f"trace (open in https://ui.perfetto.dev): {path}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from ..dist import in_torchrun, launch, make_grid
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import TensorParallelGPT, expected_collectives
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               bad_lr, error, is_main_rank, run_folder)
+               bad_lr, error, is_main_rank, run_folder, save_figure, write_bytes_atomic)
 from .verdict import Lockstep, add_tolerance_option, sharded_pieces, verdict_exit
 
 
@@ -124,7 +124,7 @@ def _plot(curves: dict, path: Path):
     ax.set_title("Tensor parallelism vs one device: same loss curve")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return fig
 
 
@@ -235,18 +235,18 @@ def main(argv: list[str] | None = None) -> int:
           f"2(t-1)/t of it; t=1 communicates nothing). max |dloss|: largest gap between the two separate trainings' loss curves (shown, "
           f"not judged). Every rank ran on one CPU thread.")
 
-    folder = run_folder(args.runs_dir, "tensor")
-    curves = {"single device": single["losses"], **{n: r["losses"] for n, r in runs.items()}}
-    _plot(curves, folder / "loss_curves.png")
-    with open(folder / "losses.csv", "w") as f:
-        f.write("step," + ",".join(curves) + "\n")
-        for i in range(args.steps):
-            f.write(f"{i}," + ",".join(f"{c[i]:.7f}" for c in curves.values()) + "\n")
-    print(f"plots: {folder / 'loss_curves.png'}, {folder / 'losses.csv'}")
     rc = verdict_exit({name: r["verdict"] for name, r in runs.items()}, reference_losses=single["losses"])
     if not comm_ok:
         print("FAIL: the counted all-reduces differ from the formula (table above)", file=sys.stderr)
-        return 1
+        rc = 1
+    # the files last: a full disk cannot hide the table and the verdict (labs.OutputError: one line)
+    folder = run_folder(args.runs_dir, "tensor")
+    curves = {"single device": single["losses"], **{n: r["losses"] for n, r in runs.items()}}
+    _plot(curves, folder / "loss_curves.png")
+    rows = ["step," + ",".join(curves)] + [f"{i}," + ",".join(f"{c[i]:.7f}" for c in curves.values())
+                                          for i in range(args.steps)]
+    write_bytes_atomic(folder / "losses.csv", ("\n".join(rows) + "\n").encode())
+    print(f"plots: {folder / 'loss_curves.png'}, {folder / 'losses.csv'}")
     return rc
 
 

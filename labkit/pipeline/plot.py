@@ -27,8 +27,10 @@ _W = ("#a1d99b", "#41ab5d", "#238b45", "#005a32")
 _PALETTES = {"F": _F, "B": _B, "I": _I, "W": _W}
 _NAMES = {"F": "forward", "B": "backward", "I": "input grad (I)", "W": "weight grad (W)"}
 _IDLE = "#e0e0e0"
-_FONT_SIZES = (7, 6)        # points; a label that fits neither is left out (the colour stays)
+_FONT_SIZES = (8, 7)        # points; a label that fits neither is left out (the colour stays): 7 pt is
+                            # 9.7 px at the notebook's 100 dpi, readable when the figure is not shrunk
 _CHAR_EM = 0.62             # width of a digit or "/" in ems (DejaVu Sans), slightly generous
+_RESERVE_IN = 2.3           # inches the layout may give to the tick labels and the legend column
 
 
 def _shade(chunk: int, v: int) -> int:
@@ -72,9 +74,11 @@ def plot_timeline(timeline, ax=None, title: str | None = None, K: int | None = N
     computed = [t for r in ranks for t in timeline[r] if t.action.kind in _PALETTES]
     kinds = [k for k in _PALETTES if any(t.action.kind == k for t in computed)] or ["F", "B"]
     v = max((t.action.stage // K for t in computed), default=0) + 1
-    # data units per pixel of the axes as laid out now (tight_layout later only widens it a bit)
+    # data units per pixel of the axes: as laid out now, or as narrow as tight_layout may make it to
+    # fit the tick labels and the legend inside the figure, whichever is less (a label never overflows)
     fig = ax.figure
-    data_per_px = makespan / max(ax.get_position().width * fig.get_figwidth() * fig.dpi, 1.0)
+    width_in = min(ax.get_position().width * fig.get_figwidth(), fig.get_figwidth() - _RESERVE_IN)
+    data_per_px = makespan / max(width_in * fig.dpi, 1.0)
     for row, r in enumerate(ranks):
         y = len(ranks) - 1 - row
         ax.barh(y, makespan, left=0, height=0.8, color=_IDLE, edgecolor="none", zorder=0)

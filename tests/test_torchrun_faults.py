@@ -1,0 +1,108 @@
+"""Faults under torchrun (issue 21), all three at once on one machine: SIGTERM to torchrun, a
+SIGKILLed rank, and two torchrun "nodes" of which one is SIGKILLed. Each ends within a few
+seconds (not torchrun's 30 s SIGKILL grace, not elastic's 300 s exit barrier), every worker is
+gone (they die with their agent), and each rank that reports prints ONE true line naming itself
+by global rank and node (no traceback from labkit)."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+from procs import live_processes
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    import torch.distributed as dist
+    from labkit.dist import launch
+    from labkit.labs import run_cli
+
+    def fn(ctx, ready):
+        open(os.path.join(ready, f"{ctx.rank}-{os.getpid()}"), "w").close()
+        x = torch.zeros(1)
+        if ctx.rank == 0:
+            dist.recv(x, src=ctx.world_size - 1)   # blocked in a gloo receive (C++): no Python handler runs
+        else:
+            time.sleep(120)
+
+    sys.exit(run_cli(lambda: launch(fn, int(os.environ["WORLD_SIZE"]), sys.argv[1], timeout=90)))
+""")
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _torchrun(script, ready, *opts):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *opts, "--master-addr", "127.0.0.1",
+                             str(script), str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+
+
+def _labkit_lines(err):
+    """stderr lines labkit wrote (torchrun's agent writes its own log lines and its own traceback,
+    which name torch's files only; a worker's traceback would name labkit's)."""
+    assert "/labkit/" not in err, err[-3000:]
+    return [ln for ln in err.splitlines() if ln.startswith(("error: rank", "terminated ("))]
+
+
+def test_sigterm_killed_rank_and_lost_node_under_torchrun(tmp_path):
+    script = tmp_path / "tr.py"
+    script.write_text(SCRIPT)
+    ready = {name: tmp_path / name for name in ("sigterm", "rank", "node")}
+    for folder in ready.values():
+        folder.mkdir()
+    one = ["--nproc-per-node", "2"]
+    port = _port()
+    procs = {"sigterm": [_torchrun(script, ready["sigterm"], *one, "--master-port", _port())],
+             "rank": [_torchrun(script, ready["rank"], *one, "--master-port", _port())],
+             "node": [_torchrun(script, ready["node"], "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node",
+                                "1", "--master-port", port) for i in (0, 1)]}
+    try:
+        deadline = time.monotonic() + 150
+        for name, folder in ready.items():
+            while len(os.listdir(folder)) < 2 and time.monotonic() < deadline \
+                    and all(p.poll() is None for p in procs[name]):
+                time.sleep(0.1)
+            assert len(os.listdir(folder)) == 2, (name, [p.poll() for p in procs[name]])
+        workers = {name: {int(f.split("-")[0]): int(f.split("-")[1]) for f in os.listdir(folder)}
+                   for name, folder in ready.items()}
+        t0 = time.monotonic()
+        os.kill(procs["sigterm"][0].pid, signal.SIGTERM)       # to torchrun, which SIGTERMs its workers
+        os.kill(workers["rank"][1], signal.SIGKILL)            # one rank dies
+        os.kill(procs["node"][1].pid, signal.SIGKILL)          # node 1's torchrun dies, and only it
+        results = {name: [p.communicate(timeout=60) for p in ps] for name, ps in procs.items()}
+        took = time.monotonic() - t0
+        assert took < 15, took                                 # seconds, not torchrun's 30 s or elastic's 300 s
+        for name, ps in procs.items():
+            assert all(live_processes(pgid=p.pid) == [] for p in ps), name
+            assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+                       for pid in workers[name].values()), name
+        sig_err = results["sigterm"][0][1]
+        assert sorted(_labkit_lines(sig_err)) == ["terminated (SIGTERM): rank 0 (node 0, local rank 0) stopped",
+                                                  "terminated (SIGTERM): rank 1 (node 0, local rank 1) stopped"], \
+            sig_err[-3000:]
+        assert "no rank is left running" not in sig_err
+        rank_lines = _labkit_lines(results["rank"][0][1])
+        assert len(rank_lines) <= 1 and all(ln.startswith(("error: rank 0 (node 0, local rank 0) ",
+                                                            "terminated (SIGTERM): rank 0 (node 0"))
+                                            for ln in rank_lines), results["rank"][0][1][-3000:]
+        node_lines = _labkit_lines(results["node"][0][1])           # the surviving node
+        assert node_lines == [next(ln for ln in node_lines if ln.startswith(
+            "error: rank 0 (node 0, local rank 0) lost its connection to a peer that stopped or died"))], \
+            results["node"][0][1][-3000:]
+        assert procs["node"][1].returncode == -signal.SIGKILL
+    finally:
+        for ps in procs.values():
+            for p in ps:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(10)
