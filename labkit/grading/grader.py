@@ -557,9 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         f"--cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}")
     if not problem and a.time_budget is not None and time_budget is None:
         problem = f"--time-budget must be a positive number of seconds, got {a.time_budget!r}"
-    for opt, value, low, unit in (("--max-processes", a.max_processes, 16, ""), ("--max-file-size", a.max_file_size, 1,
-                                   " MiB"), ("--max-memory", a.max_memory, 1024, " MiB"), ("--tmp-size", a.tmp_size, 1,
-                                                                                          " MiB")):
+    floors = (("--max-processes", a.max_processes, 16, ""), ("--max-file-size", a.max_file_size, 1, " MiB"),
+              ("--max-memory", a.max_memory, 1024, " MiB"), ("--tmp-size", a.tmp_size, 1, " MiB"))
+    for opt, value, low, unit in floors:
         if not problem and value < low:
             problem = f"{opt} must be at least {low}{unit}, got {value}"
     problem = problem or _input_problem(a.paths, a.results)

@@ -23,7 +23,8 @@ from ...pipeline import (COMPUTE, Action, PipelineSchedule, PipelineStage, Sched
 from ...pipeline.stages import gpt_param_name, gpt_stages_for_rank
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
 from . import kernel_side
-from ..kernelside.nb02_gpipe import ACC_CFG, _acc_batch, _sgd_run, _accumulate_run  # noqa: F401 - run in the kernel
+from ..kernelside.nb02_gpipe import (  # noqa: F401 - run in the kernel
+    ACC_BATCH, ACC_CFG, ACC_LR, ACC_SEQ, _acc_batch, _accumulate_run, _sgd_run)
 
 # A tiny GPT: 8 layers split over K*v stages (K=4, v=2 at most), 8 sequences of 16 tokens.
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
@@ -229,8 +230,6 @@ ex23 = exercise(
     hint="The full batch's loss is the MEAN over its samples, and each microbatch's loss is a mean over "
          "fewer: how must a microbatch's loss be weighted so that the M backwards, which add up in .grad, "
          "give the full batch's gradient? Do not zero .grad inside the loop.")
-
-ACC_BATCH, ACC_SEQ, ACC_LR = 8, 8, 0.5
 
 
 def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
