@@ -6,11 +6,8 @@ The ring all-reduce (Patarasuk & Yuan 2009; used by Horovod and NCCL) runs a red
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from ...dist import launch
 from ..registry import CheckFailure, exercise, expect_close, expect_equal

@@ -13,8 +13,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...dist import launch
-from ...tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from ..registry import CheckFailure, exercise, expect_close, expect_raises
 from . import kernel_side
 from ..kernelside.nb06_megatron_ffn import (  # noqa: F401 - run in the kernel
