@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 import uuid
@@ -221,17 +223,39 @@ def _grade(tmp: Path, notebooks: dict, *extra: str, wrap=None):
     code = ("import resource, subprocess, sys\np = subprocess.run(sys.argv[1:])\n"
             "print('MAXRSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
             "sys.exit(p.returncode)")
-    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"))
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"), LABKIT_TEST_MARK=mark)
     argv = [sys.executable, "-c", code, *cmd]
     kw = {}
     if wrap is not None:
         argv, kw = wrap(argv)
+    seen, done = set(), threading.Event()
+    watcher = threading.Thread(target=_watch_uids, args=(mark, seen, done), daemon=True)
+    watcher.start()
     t0 = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp, timeout=400, **kw)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp, timeout=400, **kw)
+    finally:
+        done.set()
+        watcher.join()
     took = time.monotonic() - t0
+    _grade.uids = seen
     assert proc.returncode == 0, proc.stdout + proc.stderr
     maxrss_kib = int(proc.stderr.split("MAXRSS")[1].split()[0])
     return proc, json.loads(results.read_text()), took, maxrss_kib
+
+
+def _watch_uids(mark: str, seen: set, done) -> None:
+    """While a grading runs: the uids of the processes carrying its environment mark (its kernels)."""
+    needle = f"LABKIT_TEST_MARK={mark}".encode()
+    while not done.wait(0.2):
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        seen.add(os.stat(f"/proc/{entry}").st_uid)
+            except OSError:
+                continue
 
 
 def _left_files() -> list[str]:
@@ -254,33 +278,25 @@ def _scores(obj, path_part: str) -> str:
     return next(l for l in obj["output"].splitlines() if path_part in l)
 
 
-def _kernel_processes(start_uid: int = 1_900_000_000) -> list[tuple]:
-    out = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                text = f.read()
-        except OSError:
-            continue
-        uids = [int(x) for x in text.split("Uid:")[1].split("\n")[0].split()]
-        if any(start_uid <= u < start_uid + 1_000_000 for u in uids):
-            out.append((entry, text.split("State:")[1].split("\n")[0].strip()))
-    return out
+def _processes_of(uids) -> list[tuple]:
+    """(pid, uid, state) of every process, in any state, any of whose uids is in ``uids``."""
+    return [(pid, u, state) for u in sorted(uids) for pid, state, _ in uid_processes(u)]
 
 
 @pytest.mark.skipif(not ROOT, reason="a uid per submission, private /tmp and limits need root")
 def test_as_root_hostile_submission_gets_its_honest_score_and_leaves_nothing(tmp_path):
-    before = _kernel_processes()
     proc, obj, took, maxrss = _grade(tmp_path, {"hostile": HOSTILE, "honest": HONEST}, "--cell-timeout", "20")
+    uids = _grade.uids - {0}
     assert _scores(obj, "hostile.ipynb") == "hostile.ipynb: 2 / 3", proc.stdout
     assert _scores(obj, "honest.ipynb") == "honest.ipynb: 3 / 3", proc.stdout  # not killed
     h2 = next(t for t in obj["tests"] if t["name"] == "Exercise H.2 (negate) - case: x=1")
     assert h2["status"] == "failed" and "more than" in h2["output"], h2
     assert "a uid of its own" in proc.stdout and "private /tmp" in proc.stdout
+    assert len(uids) >= 2, uids  # a uid per kernel: at least one per submission
     deadline = time.monotonic() + 2
-    while _kernel_processes() != before and time.monotonic() < deadline:
+    while _processes_of(uids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _kernel_processes() == before, "a process of a submission's uid outlived grading (any state)"
+    assert _processes_of(uids) == [], "a process of a submission's uid outlived grading (any state)"
     assert _left_files() == [] and _segments() == []
     assert maxrss < 1_000_000, f"the grader or a process it waited for peaked at {maxrss} KiB"
     assert took < 120
@@ -309,7 +325,7 @@ def test_each_cell_is_graded_once_whatever_serials_the_kernel_reports(tmp_path):
     proc, obj, took, _ = _grade(tmp_path, {"reserial": RESERIAL}, "--cell-timeout", "20")
     assert ": 1 / 3" in _scores(obj, "reserial.ipynb"), proc.stdout
     # H.1 has 2 cases: graded once, its answer ran twice (not once per later cell)
-    assert "raised RuntimeError: CALLS 2" in proc.stdout, proc.stdout
+    assert re.search(r"raised RuntimeError: CALLS 2\b", proc.stdout), proc.stdout
 
 
 def test_the_time_budget_bounds_a_submission(tmp_path):

@@ -203,6 +203,8 @@ def _bad_input(tmp_path, case):
         argv += ["--results", str(tmp_path / "no" / "r.json")]
     elif case == "hidden-missing":
         env["LABKIT_HIDDEN_CASES"] = str(tmp_path / "no-such-cases")
+    elif case.startswith("--"):
+        argv += case.split("=", 1)
     else:
         argv += ["--cell-timeout", case.split("=", 1)[1]]
     return argv, env
@@ -214,6 +216,8 @@ def _bad_input(tmp_path, case):
     ("results-folder-missing", "does not exist"), ("hidden-missing", "LABKIT_HIDDEN_CASES names"),
     ("timeout=-5", "--cell-timeout must be a positive"), ("timeout=0", "--cell-timeout must be a positive"),
     ("timeout=nan", "--cell-timeout must be a positive"), ("timeout=inf", "--cell-timeout must be a positive"),
+    ("--time-budget=0", "--time-budget must be a positive"), ("--max-memory=5", "--max-memory must be at least 1024"),
+    ("--max-processes=2", "--max-processes must be at least 16"), ("--tmp-size=0", "--tmp-size must be at least 1 MiB"),
 ])
 def test_grade_refuses_bad_input_with_one_error_line_before_running(tmp_path, monkeypatch, capsys, case, words):
     from labkit.grading import grader

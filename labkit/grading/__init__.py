@@ -30,8 +30,12 @@ written by someone trying to game it:
   case, a call made in the kernel (``answer(...)``, or ``answer.run(fn, ...)`` for a labkit
   function that runs the learner's code there, e.g. on ranks), and a judgement made in the
   grader on the DATA that comes back (:mod:`labkit.grading.wire`: JSON plus raw tensor bytes,
-  size-limited, never pickle). Expected values, the code computing them, and hidden cases
-  (loaded only by the grader; their inputs are sent only when used) never enter the kernel.
+  size-limited and counted before anything is built, never pickle). Expected values, the code
+  computing them, and hidden cases (loaded only by the grader; their inputs are sent only when
+  used) never enter the kernel; what runs next to the learner's code lives in
+  :mod:`labkit.grading.kernelside`. Not yet by construction: a few cases take a count measured
+  there (the ring's traffic in 0.2, the all-reduces in 7.3, whether 13.1 wrote a ``.grad``),
+  and the reference tripwire runs there: a kernel that patches labkit can forge those.
 * **The results file is written only by the grader**, atomically (new file, rename) after the
   kernel and everything it started are dead; the kernel is not told where it is. Only the
   graded notebook's exercises count, each at most its points; a ``check`` of another
@@ -41,22 +45,36 @@ written by someone trying to game it:
   cases that cannot show its bug. In the results each exercise has one test carrying its points
   ("Exercise 2.3 (title)", score all or 0), followed by one test per case worth 0 points
   (passed/failed with its message; hidden cases ``after_published``, without details).
-* **Isolation**: as root, the kernel runs as the unprivileged user ``labkit-kernel`` (created
-  with ``useradd`` if missing) in its own session and process group (through a private mount
-  namespace when Python sits in a folder that user cannot enter), so it can neither signal the
-  grader, nor write the results, nor read root-only files such as hidden cases; the grader kills
-  the kernel's group, session, descendants and (in every mode) every process carrying its
-  environment mark at the end, until none is left. As any other user the output says
-  that isolation is partial (the kernel could then signal the grader or read its files).
-* **Robustness**: a cell that raises costs only the exercises that depend on it; a cell that
-  kills or exits the kernel, or runs past ``--cell-timeout`` (SIGINT, then SIGKILL), is
-  skipped: a fresh kernel replays the cells that ran and grading goes on. Output is never
+* **Isolation and containment** (:mod:`labkit.grading.contain`, :mod:`labkit.grading._jail`):
+  as root, each kernel runs under a uid of its own (locked, so no other kernel of any grader
+  has it), in its own session and in private mount and IPC namespaces: fresh size-limited
+  tmpfs on /tmp, /var/tmp and /dev/shm, and empty mounts over ``labkit/grading/exercises``,
+  ``references.py`` and the hidden-case folders (file-system level: the kernel imports labkit,
+  but cannot open the grader's cases, expected-value code or reference list; the grader
+  probes this as that uid and warns otherwise). rlimits: processes per uid, file size,
+  address space; under cgroup v2 also its own cgroup (memory, pids, CPU; ``cgroup.kill``). At
+  the end every process of the uid is SIGKILLed in any state (a zombie leader whose threads
+  run) and reaped, its files in the shared temporary folders removed, the uid released. So
+  it can neither signal the grader nor another submission, write the results, read the
+  grader's secrets, nor leave a process or file. Without ``unshare``: uid, limits and sweeps,
+  but a shared /tmp, and the grader's files hidden only by their own permissions. As any
+  other user the output says that isolation is partial: the kernel runs as that user, so it
+  can signal the grader, read what that user reads (the grader's code, expected values,
+  hidden cases) and write where it may, with no limits; its processes are still killed in any
+  state and reaped (the grader is their subreaper; group, session, descendants, environment
+  mark).
+* **Robustness and bounds**: a cell that raises costs only the exercises that depend on it; a
+  cell that kills or exits the kernel, or runs past ``--cell-timeout`` (SIGINT, then SIGKILL),
+  is skipped: a fresh kernel replays the cells that ran and grading goes on. Output is never
   collected (a flood is dropped), and each case has a time limit covering its kernel calls.
+  ``--time-budget`` bounds the whole submission (default from the cell limit, the number of
+  cells and every case's limit); each cell runs once, in order, and its own ``check`` calls
+  (read from its source) are graded once after it, whatever serials the kernel reports.
 * **Reference implementations**: an answer that is labkit's own implementation of the
   exercise, or calls it, fails with a message naming the function and why
   (:mod:`labkit.grading.references` lists them per exercise; a tripwire in the kernel catches
   the call, also inside ranks). This guards against the honest shortcut; code copied from
-  labkit's source, or a kernel that patches labkit itself, is not detected.
+  labkit's source, or a kernel that patches labkit itself, is not detected by it.
 
 Interactive ``check`` in a notebook is feedback, not a grade: it runs the same cases in the
 notebook's own process (each call still makes the data round trip, so verdicts match).
@@ -65,9 +83,9 @@ Instructors and authors: :mod:`labkit.grading.registry` (declaring exercises and
 case files), :mod:`labkit.grading.build` (``python -m labkit build``),
 :mod:`labkit.grading.grader` (``python -m labkit grade``), :mod:`labkit.grading.testing`
 (one-line wrong-answer tests), :mod:`labkit.grading.session` (the kernel the grader runs),
-:mod:`labkit.grading.kernel` and :mod:`labkit.grading.proxy` (the two ends of a call). Names are
-imported lazily, so ``python -m labkit build`` does not
-import torch.
+:mod:`labkit.grading.kernel` and :mod:`labkit.grading.proxy` (the two ends of a call),
+:mod:`labkit.grading.contain` (uids, cgroups, limits, sweeps). Names are imported lazily, so
+``python -m labkit build`` does not import torch.
 """
 from __future__ import annotations
 

@@ -66,17 +66,6 @@ class Limits:
     cpus: float = 0.0
     tmp_size: int = 512 * MiB
 
-    def problem(self) -> str:
-        """What is wrong with these limits ("" when nothing)."""
-        for name, low in (("processes", 16), ("file_size", MiB), ("address_space", 1024 * MiB),
-                          ("memory", 256 * MiB), ("tmp_size", MiB)):
-            value = getattr(self, name)
-            if type(value) is not int or value < low:
-                return f"{name} must be an integer >= {low}, got {value!r}"
-        if not (self.cpus == 0 or self.cpus >= 0.1):
-            return f"cpus must be 0 (all) or >= 0.1, got {self.cpus!r}"
-        return ""
-
     def rlimits(self) -> dict[str, int]:
         """``resource.RLIMIT_*`` name -> value, for :mod:`labkit.grading._jail`."""
         return {"NPROC": self.processes, "FSIZE": self.file_size, "AS": self.address_space}

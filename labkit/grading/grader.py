@@ -653,9 +653,9 @@ def main(argv: list[str] | None = None) -> int:
 
         known = ", ".join(sorted({ex.notebook for ex in all_exercises()}))
         problem = f"--assignment {a.assignment} is not a notebook with exercises; known: {known}"
-    for opt, value, low, unit in (("--max-processes", a.max_processes, 16, ""), ("--max-file-size", a.max_file_size, 1,
-                                   " MiB"), ("--max-memory", a.max_memory, 1024, " MiB"), ("--tmp-size", a.tmp_size, 1,
-                                                                                          " MiB")):
+    floors = (("--max-processes", a.max_processes, 16, ""), ("--max-file-size", a.max_file_size, 1, " MiB"),
+              ("--max-memory", a.max_memory, 1024, " MiB"), ("--tmp-size", a.tmp_size, 1, " MiB"))
+    for opt, value, low, unit in floors:
         if not problem and value < low:
             problem = f"{opt} must be at least {low}{unit}, got {value}"
     batch = a.results_dir is not None or a.gradebook is not None or a.jobs is not None

@@ -3,20 +3,24 @@
 The grader starts an IPython kernel itself (no nbclient) so it controls everything the
 submission could abuse:
 
-* **user**: when the grader runs as root, the kernel runs as an unprivileged user
-  (``labkit-kernel``, created with ``useradd`` if missing; ``nobody`` if that fails), with its
-  own private HOME/TMPDIR, so it can neither signal the grader nor write the results file nor
-  read files the instructor keeps to root (hidden cases). Its working directory is then that
-  private folder (the submission's folder may not be open to that user). When Python sits in a
-  folder that user cannot enter (e.g. ``/root/.pyenv``), the kernel starts through
-  :mod:`labkit.grading._jail`, a private mount namespace that makes just Python and the kit
-  reachable. As any other user, isolation is partial: :func:`isolation_note` says so.
+* **user**: when the grader runs as root, each kernel runs under a uid of its own
+  (:class:`~labkit.grading.contain.UidLease`; no passwd entry needed) with the limits of
+  :class:`~labkit.grading.contain.Limits`, so it can neither signal the grader or another
+  submission nor write the results file. It starts through :mod:`labkit.grading._jail` in
+  private mount and IPC namespaces: fresh tmpfs on /tmp, /var/tmp and /dev/shm (its HOME is
+  :data:`PRIVATE_HOME` in there), Python and the kit reachable even when they sit in a folder
+  others cannot enter (e.g. ``/root/.pyenv``), and :func:`secret_paths` covered by empty
+  mounts; under cgroup v2 also in a cgroup of its own. Without ``unshare`` it starts directly
+  as that uid (a private HOME/TMPDIR folder, no private /tmp). As any other user, isolation is
+  partial: :func:`isolation_note` says so.
 * **process tree**: the kernel starts a new session (its own process group) and carries a fresh
   ``LABKIT_KERNEL_MARK`` in its environment (inherited by all it starts); at the end the
   grader kills that group, every process of that session, every process carrying the mark
-  (a daemon that left the session; one that also clears its environment is not found this
-  way) and, for the dedicated user, every process of that user orphaned to the grader, until
-  none is left, so nothing the submission started outlives grading.
+  (a daemon that left the session) and every process orphaned to the grader (its subreaper)
+  since the kernel started, in any state (a leader in state Z whose threads run), reaping the
+  dead; as root then every process of the kernel's uid (and cgroup), and the files it owns in
+  the shared temporary folders (:mod:`labkit.grading.contain`), so nothing the submission
+  started outlives grading.
 * **output**: nobody subscribes to the kernel's IOPub channel, so a flood of output is dropped
   by ZMQ instead of filling the grader's memory; only execute replies (status, error name and
   value) come back, over a shell socket whose message size is capped.
@@ -30,7 +34,6 @@ submission could abuse:
 from __future__ import annotations
 
 import os
-import pwd
 import queue
 import shutil
 import signal
@@ -50,7 +53,6 @@ __all__ = ["KernelUser", "kernel_user", "KernelSession", "isolation_note", "INTE
 
 INTERRUPT_GRACE = 2.0  # seconds a kernel gets to stop after SIGINT before it is killed
 START_TIMEOUT = 60.0  # seconds a kernel may take to start
-KERNEL_USER = "labkit-kernel"
 MARK_ENV = "LABKIT_KERNEL_MARK"  # a fresh value per kernel, inherited by every process it starts
 MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 
@@ -155,10 +157,11 @@ def _first_line(text: str) -> str:
 
 def secret_paths() -> list[str]:
     """What the kernel must not read: the grader's exercise modules (cases, expected-value
-    code), its reference list, and the instructor's hidden-case folders. In jail mode each is
+    code), its reference list, the hidden cases shipped in ``labkit/grading/hidden`` and the
+    instructor's hidden-case folders (those that exist). In jail mode each is
     covered by an empty mount in the kernel's namespace (:mod:`labkit.grading._jail`)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    out = [os.path.join(here, "exercises"), os.path.join(here, "references.py")]
+    out = [os.path.join(here, "exercises"), os.path.join(here, "references.py"), os.path.join(here, "hidden")]
     out += [p for p in os.environ.get(HIDDEN_ENV, "").split(os.pathsep) if p and os.path.isdir(p)]
     return out
 

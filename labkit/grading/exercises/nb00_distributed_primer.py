@@ -6,15 +6,13 @@ The ring all-reduce (Patarasuk & Yuan 2009; used by Horovod and NCCL) runs a red
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from ...dist import launch
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
-from ..kernelside.nb00_distributed_primer import RING_TIMEOUT, _COLLECTIVES, _p2p_only, _ring_rank, _run_ring  # noqa: F401 - run in the kernel
+from ..kernelside.nb00_distributed_primer import (  # noqa: F401 - run in the kernel
+    RING_TIMEOUT, _COLLECTIVES, _p2p_only, _ring_rank, _run_ring)
 
 # ----------------------------------------------------------------------------- 0.1
 ex01 = exercise(

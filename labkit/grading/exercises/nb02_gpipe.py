@@ -239,6 +239,7 @@ ex23.hint2 = ("Check two things: that the loop makes M microbatches of equal siz
               "that the gradients you add up are weighted so that their sum is the batch's mean, not M times "
               "it.")
 
+
 def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
     """' (... M times ...)' when ``got`` is ``want`` times a constant that is M or 1/M."""
     denom = float((want * want).sum())

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 
 from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
 from ..kernelside.nb05_checkpointing import _net, _run, _ckpt_outputs  # noqa: F401 - run in the kernel

@@ -13,11 +13,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...dist import launch
-from ...tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from ..registry import CheckFailure, exercise, expect_close, expect_raises
 from . import kernel_side
-from ..kernelside.nb06_megatron_ffn import _torch_gelu, _tp_mlp_run, _operator_outputs, _row_run, _row_outputs  # noqa: F401 - run in the kernel
+from ..kernelside.nb06_megatron_ffn import (  # noqa: F401 - run in the kernel
+    _torch_gelu, _tp_mlp_run, _operator_outputs, _row_run, _row_outputs)
 
 NOTEBOOK = "06_megatron_ffn"
 

@@ -9,16 +9,12 @@ embedding's mask and the vocab-parallel cross-entropy (Shoeybi et al. 2019, "Meg
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ... import comm
-from ...dist import launch
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises, explain_index_errors
-from ..kernelside.nb07_attention_embedding_loss import _FORBIDDEN, _OFFSET_HINT, _call_emb, _emb_grad, _only_all_reduce, _run_ce  # noqa: F401 - run in the kernel
+from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..kernelside.nb07_attention_embedding_loss import (  # noqa: F401 - run in the kernel
+    _FORBIDDEN, _OFFSET_HINT, _call_emb, _emb_grad, _only_all_reduce, _run_ce)
 
 NOTEBOOK = "07_attention_embedding_loss"
 

@@ -7,9 +7,11 @@ package (:mod:`labkit.grading.session`); nothing here computes an expected value
 from __future__ import annotations
 
 import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
 from ...dist import launch
 from ..registry import CheckFailure
 

@@ -7,8 +7,10 @@ package (:mod:`labkit.grading.session`); nothing here computes an expected value
 from __future__ import annotations
 
 import contextlib
+
 import torch
 import torch.distributed as dist
+
 from ... import comm
 from ...dist import launch
 from ..registry import CheckFailure, explain_index_errors
