@@ -255,3 +255,67 @@ def test_interactive_check_shows_the_same_rule(capsys):
         assert "passed" in out and shell.user_ns["r"].status == "passed", out
     finally:
         InteractiveShell.clear_instance()
+
+
+# ----------------------------------------------------------------------------- fresh inputs
+
+
+def _smallest(K, target):
+    M = 1
+    while (K - 1) / (M + K - 1) > target:
+        M += 1
+    return M
+
+
+FIXED_12 = [(4, 0.10), (8, 0.25), (1, 0.01), (3, 0.3), (4, 0.05), (5, 0.15)] + [
+    (K, t) for K in (2, 3, 6, 16) for t in (0.5, 0.3, 0.07, 0.013)]
+
+
+def test_a_lookup_table_of_the_shipped_inputs_fails_the_fresh_case():
+    from labkit.grading.runner import evaluate
+
+    table = {k: _smallest(*k) for k in FIXED_12}
+
+    def smallest_microbatches(K, target):
+        return table.get((K, target), 1)
+
+    res = evaluate("1.2", smallest_microbatches)
+    by_name = {c.name: c.status for c in res.cases}
+    fixed = {n: s for n, s in by_name.items() if "fresh" not in n}
+    assert set(fixed.values()) == {"passed"}, fixed  # every shipped case is fooled ...
+    assert by_name["random K and targets (fresh inputs)"] == "failed"  # ... the fresh one is not
+    assert res.status == "failed"
+
+    table3 = {(K, M): [min(M, K - s) for s in range(K)] for K, M in [(4, 8), (4, 2), (1, 5), (6, 4), (8, 64)]}
+    res = evaluate("3.2", lambda K, M: table3.get((K, M), [0] * K))
+    assert {c.name: c.status for c in res.cases}["random K, M (fresh inputs)"] == "failed"
+
+
+def test_fresh_inputs_differ_between_runs(tmp_path):
+    from labkit.grading.registry import get_exercise
+    from labkit.grading.runner import run_case
+
+    log = tmp_path / "inputs.txt"
+
+    def bubble_fraction(K, M):  # runs in the case's forked process: record what it was asked
+        with open(log, "a") as f:
+            f.write(f"{K},{M}\n")
+        return (K - 1) / (M + K - 1)
+
+    ex = get_exercise("1.1")
+    case = next(c for c in ex.cases if "fresh" in c.name)
+    assert case.hidden
+    runs = []
+    for _ in range(2):
+        log.write_text("")
+        assert run_case(case, bubble_fraction, ex).status == "passed"
+        runs.append(log.read_text())
+    assert runs[0] and runs[1] and runs[0] != runs[1]
+
+
+def test_every_named_exercise_has_a_fresh_hidden_case():
+    from labkit.grading.registry import get_exercise
+
+    for ex_id in ("0.1", "1.1", "1.2", "2.1", "3.1", "3.2", "4.1", "4.2", "4.3", "7.1", "8.1", "8.2", "8.3", "8.4",
+                  "8.6", "11.1", "12.1", "13.2"):
+        assert any("fresh" in c.name and c.hidden for c in get_exercise(ex_id).cases), ex_id
