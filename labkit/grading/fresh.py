@@ -34,13 +34,32 @@ def seed(r: random.Random) -> int:
 
 
 def fresh_case(ex, name: str, draw: Callable[[random.Random], tuple], factory: Callable[..., Callable[[Any], None]],
-               n: int = DRAWS, **case_kw) -> None:
-    """Register on exercise ``ex`` a hidden case "``name`` (fresh inputs)": each run draws ``n``
+               n: int = DRAWS) -> None:
+    """Make exercise ``ex``'s last hidden case also run ``n`` fresh draws: each run draws
     argument tuples ``draw(rng())`` and runs ``factory(*args)(answer)`` for each (the factory is
-    the exercise's own fixed-case builder, so messages and checks are the same)."""
+    the exercise's own fixed-case builder, so the checks and messages are the same).
 
-    @ex.case(f"{name} (fresh inputs)", hidden=True, **case_kw)
-    def _(answer):
+    The fixed inputs of that case still run first, and the case is renamed
+    "<its name>; <name> (fresh inputs)". Extending a case rather than adding one keeps each
+    exercise's number of cases (the line ``check`` prints) and its time limit. An exercise
+    without a hidden case gets a new one named "<name> (fresh inputs)".
+    """
+    from .registry import Case, DEFAULT_TIMEOUT
+
+    def draws(answer):
         r = rng()
         for _ in range(n):
             factory(*draw(r))(answer)
+
+    hidden = [i for i, c in enumerate(ex.cases) if c.hidden]
+    if not hidden:
+        ex.cases.append(Case(f"{name} (fresh inputs)", draws, True, DEFAULT_TIMEOUT))
+        return
+    i = hidden[-1]
+    old = ex.cases[i]
+
+    def both(answer, _fixed=old.fn):
+        _fixed(answer)
+        draws(answer)
+
+    ex.cases[i] = Case(f"{old.name}; {name} (fresh inputs)", both, True, old.timeout, old.hint)

@@ -177,4 +177,4 @@ ex02.case("N=1 rank", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(1, 4, 60))
 from ..fresh import fresh_case, seed  # noqa: E402
 
 fresh_case(ex01, "random N, chunk size and values", lambda r: (r.randint(1, 4), r.randint(1, 4), seed(r)),
-           _rs_case, n=2, timeout=30)
+           _rs_case, n=2)
