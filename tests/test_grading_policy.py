@@ -319,3 +319,63 @@ def test_every_named_exercise_has_a_fresh_hidden_case():
     for ex_id in ("0.1", "1.1", "1.2", "2.1", "3.1", "3.2", "4.1", "4.2", "4.3", "7.1", "8.1", "8.2", "8.3", "8.4",
                   "8.6", "11.1", "12.1", "13.2"):
         assert any("fresh" in c.name and c.hidden for c in get_exercise(ex_id).cases), ex_id
+
+
+# ----------------------------------------------------------------------------- instructor's secret cases
+
+SECRET = 7919
+SECRET_CASES = f'''
+from labkit.grading.registry import exercise, expect_equal
+
+ex = exercise("S.1", title="echo", notebook="97_secret", points=1)
+@ex.case("x=2", hidden=False)
+def _(f): expect_equal(f(2), 2, "f(2)")
+@ex.case("secret input")
+def _(f): expect_equal(f({SECRET}), {SECRET}, "f(secret)")
+
+ex = exercise("S.2", title="recall", notebook="97_secret", points=1)
+@ex.case("x=3", hidden=False)
+def _(f): expect_equal(f(3), 3, "f(3)")
+'''
+
+
+def test_secret_inputs_never_reach_a_visible_result(tmp_path):
+    # the answer remembers every input it was given (in the kernel and on disk) and returns the
+    # oldest one it remembers: if the secret case ran first, or in the same kernel, the public
+    # case would fail with "got <secret>"
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "secret.py").write_text(SECRET_CASES)
+    import os
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="labkit-secret-test-")  # writable by the kernel's user too
+    os.chmod(shared, 0o777)
+    memory = Path(shared) / "seen.txt"
+    cells = ["from labkit.grading import check",
+             f"def echo(x):\n    try:\n        with open({str(memory)!r}, 'a') as f:\n            f.write(f'{{x}}\\n')\n"
+             f"        return int(open({str(memory)!r}).read().split()[0])\n    except OSError:\n        return x",
+             "check('S.1', echo)",
+             f"def recall(x):  # the largest input ever seen: the secret, if it reached this kernel first\n"
+             f"    try:\n        with open({str(memory)!r}, 'a') as f:\n            f.write(f'{{x}}\\n')\n"
+             f"        return max(int(v) for v in open({str(memory)!r}).read().split())\n"
+             f"    except OSError:\n        return x",
+             "check('S.2', recall)"]
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in cells]
+    nbformat.write(nb, str(tmp_path / "s.ipynb"))
+    results = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "s.ipynb"), "--assignment",
+                           "97_secret", "--results", str(results)], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300, env=dict(__import__("os").environ, LABKIT_HIDDEN_CASES=str(tmp_path / "cases")))
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(results.read_text())
+    by_name = {t["name"]: t for t in obj["tests"]}
+    assert by_name["Exercise S.1 (echo) - case: x=2"]["status"] == "passed"  # graded before any secret input
+    assert by_name["Exercise S.1 (echo) - hidden case: secret input"]["status"] == "failed"  # it got 2 back
+    assert by_name["Exercise S.2 (recall) - case: x=3"]["status"] == "passed", by_name  # no secret seen yet
+    assert str(SECRET) not in json.dumps({k: v for k, v in obj.items()}) + proc.stdout
+    if memory.exists():  # (a kernel with a private /tmp cannot leave it here)
+        assert memory.read_text().split()[:3] == ["2", "3", str(SECRET)]  # every public input came first
+        memory.unlink()
+    os.rmdir(shared)

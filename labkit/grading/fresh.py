@@ -62,4 +62,4 @@ def fresh_case(ex, name: str, draw: Callable[[random.Random], tuple], factory: C
         _fixed(answer)
         draws(answer)
 
-    ex.cases[i] = Case(f"{old.name}; {name} (fresh inputs)", both, True, old.timeout, old.hint)
+    ex.cases[i] = Case(f"{old.name}; {name} (fresh inputs)", both, True, old.timeout, old.hint, old.secret)

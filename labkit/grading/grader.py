@@ -162,8 +162,9 @@ def _exercise_grade(ex: Exercise, res, reason: str = "") -> ExerciseGrade:
     return ExerciseGrade(ex, status, res.message, cases)
 
 
-def _grade_in_kernel(ex: Exercise, session) -> ExerciseGrade:
-    """Run every case of ``ex`` here, its calls going to the answer registered in ``session``."""
+def _grade_in_kernel(ex: Exercise, session, secret: bool = False):
+    """Run the cases of ``ex`` here (the instructor's secret ones when ``secret``, else the
+    others), their calls going to the answer registered in ``session``; the CheckResult."""
     from .proxy import KernelBackend
     from .runner import evaluate
 
@@ -176,9 +177,60 @@ def _grade_in_kernel(ex: Exercise, session) -> ExerciseGrade:
     def go_on(result) -> bool:  # after a failed case: is the kernel still answering?
         return session.request({"op": "ping"}, wait=5) is not None
 
-    res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on)
+    res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on,
+                   only=lambda c: c.secret == secret)
     session.request({"op": "end"}, wait=10)
-    return _exercise_grade(ex, res)
+    return res
+
+
+def _merge(ex: Exercise, first, second):
+    """One CheckResult of ``ex`` from the visible pass and the secret pass (None: it did not run)."""
+    from .runner import CaseResult, CheckResult, format_line
+
+    if second is None:
+        second_cases = [CaseResult(c.name, c.hidden, "failed", "not run: the fresh kernel for the instructor's "
+                                                             "cases stopped before this exercise")
+                        for c in ex.cases if c.secret]
+    else:
+        second_cases = list(second.cases)
+    cases = list(first.cases) + second_cases
+    passed = sum(c.status == "passed" for c in cases)
+    status = ("not_attempted" if any(c.status == "not_attempted" for c in cases) else
+              "passed" if passed == len(ex.cases) else "failed")
+    res = CheckResult(ex.id, status, passed, len(ex.cases), "", cases)
+    res.message = format_line(ex, res)
+    return res
+
+
+def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout) -> None:
+    """The instructor's secret cases (hidden-case files), after every visible result is fixed:
+    a fresh kernel replays the cells that ran (``replay``: positions, in order) and, at each
+    exercise's grading point, the secret cases run against the pinned answer. Merged into
+    ``results``; a secret case that could not run counts as failed."""
+    from .assignments import answer_name, register_code
+
+    todo = {i for i, r in results.items() if any(c.secret for c in wanted[i].cases)}
+    if not todo:
+        return
+    second: dict = {}
+    session = launch()
+    try:
+        session.wait_ready()
+        for k in replay:
+            st, _, _ = session.execute(cells[k][1], cell_timeout)
+            if st not in ("ok", "error") or not session.alive():
+                break
+            for ex_id in due.get(k, ()):
+                if ex_id not in todo:
+                    continue
+                code = register_code(ex_id, answer_name(ex_id, cells))
+                if code and session.execute(code, cell_timeout)[0] != "ok":
+                    continue
+                second[ex_id] = _grade_in_kernel(wanted[ex_id], session, secret=True)
+    finally:
+        session.kill()
+    for ex_id in todo:
+        results[ex_id] = _merge(wanted[ex_id], results[ex_id], second.get(ex_id))
 
 
 def _registered(session) -> dict:
@@ -250,6 +302,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         print(f"warning: the kernel's user {user.name} can read the hidden case file {f}; make it readable by "
               f"root only (chmod o-r, and its folder o-x)", file=sys.stderr)
     ran: list[int] = []  # positions in ``cells`` that ran without an error (replayed in a fresh kernel)
+    raised: list[int] = []  # positions of cells that raised (replayed for the secret cases only)
+    results: dict = {}  # exercise id -> CheckResult of its visible (not secret) cases
     try:
         k = 0
         while k < len(cells):
@@ -258,13 +312,14 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
             if status in ("ok", "error"):
                 if status == "error":
                     cell_problems[idx] = f"cell {idx + 1} raised {ename}: {_first(evalue)}".rstrip(": ")
+                    raised.append(k)
                 else:
                     ran.append(k)
                 for ex_id in due.get(k, ()):  # graded here, from the pinned name, once
                     code = register_code(ex_id, answer_name(ex_id, cells))
                     st, en, ev = session.execute(code, cell_timeout) if code else ("ok", "", "")
                     if st == "ok" and (code or ex_id in _registered(session)):
-                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session)
+                        results[ex_id] = _grade_in_kernel(wanted[ex_id], session)
                     elif st == "error" and status == "error" and en == "NameError":  # the cell broke
                         grades[ex_id] = _exercise_grade(wanted[ex_id], None, f"not attempted: check(\"{ex_id}\", "
                                                                              f"...) did not run: {cell_problems[idx]}")
@@ -298,6 +353,9 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         session.kill()
         for s in spare:
             s.kill()
+    # every visible result is fixed: only now do the instructor's secret inputs reach a (fresh) kernel
+    _secret_pass(wanted, results, due, cells, sorted(set(ran) | set(raised)), launch, cell_timeout)
+    grades.update({ex_id: _exercise_grade(wanted[ex_id], res) for ex_id, res in results.items()})
     # a cell tagged raises-exception (it uses an answer, e.g. a plot) may raise: not a problem
     problems = "; ".join(cell_problems[i] for i in sorted(cell_problems)
                          if not (i in expected_errors and " raised " in cell_problems[i]))

@@ -151,6 +151,7 @@ class Case:
     hidden: bool = False
     timeout: float = DEFAULT_TIMEOUT
     hint: str | None = None  # replaces the exercise's hint when this case is the one that failed
+    secret: bool = False  # from an instructor's hidden-case file: graded in a fresh kernel after the visible results
 
 
 @dataclass
@@ -187,7 +188,8 @@ class Exercise:
             raise ValueError(f"case {name!r} of exercise {self.id}: timeout must be > 0 s, got {timeout!r}")
 
         def register(fn):
-            new = Case(str(name), fn, bool(hidden), t, None if hint is None else str(hint))
+            new = Case(str(name), fn, bool(hidden), t, None if hint is None else str(hint),
+                       secret=_ADDING_HIDDEN and bool(hidden))
             for i, c in enumerate(self.cases):
                 if c.name == new.name:
                     self.cases[i] = new
