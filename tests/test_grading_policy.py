@@ -379,3 +379,28 @@ def test_secret_inputs_never_reach_a_visible_result(tmp_path):
         assert memory.read_text().split()[:3] == ["2", "3", str(SECRET)]  # every public input came first
         memory.unlink()
     os.rmdir(shared)
+
+
+def test_visible_messages_show_type_and_size_of_learner_text_not_the_text():
+    import torch
+
+    from labkit.grading.registry import CheckFailure, expect_close, expect_equal
+
+    secret = "the instructor's input 7919"
+    for got, expected, shown in [(secret, "abc", "a str of length 27"), ([secret], [1], "got a str of length 27"),
+                                 ({secret: 1}, {"a": 1}, "got 1 keys; missing ['a']; 1 other(s)"),
+                                 (secret, torch.ones(2), "a str of length 27"), (secret, 1.0, "a str of length 27"),
+                                 (secret, [1], "a str of length 27"), ([secret] * 9, (1,), "expected 1 items, got 9"),
+                                 ({"a": secret}, {"a": 1}, "got a str of length 27")]:
+        for expect in (expect_equal, expect_close):
+            try:
+                expect(got, expected, "f(x)")
+            except CheckFailure as e:
+                assert "7919" not in str(e) and shown in str(e), (expect.__name__, str(e))
+            else:
+                raise AssertionError("no failure")
+    # numbers and small numeric values are still shown: they are what a learner needs to see
+    try:
+        expect_equal([1, 2, 4], [1, 2, 3], "f(x)")
+    except CheckFailure as e:
+        assert "expected 3, got 4" in str(e)

@@ -23,12 +23,17 @@ The grader's contract (what an instructor can rely on; see also :mod:`labkit.gra
   had run (at most :data:`MAX_RESTARTS` times) and grading goes on after the bad cell. Output
   floods are dropped; answers are time- and size-limited per case.
 
-Which exercises a notebook has: every exercise registered for its notebook, whatever ran. The
-notebook is ``metadata.labkit.notebook`` (written by ``build``), else the file's stem when
-exercises are registered for it, else the notebook(s) of the exercise ids in the
-``check("N.k", ...)`` calls of its code cells (read from the sources, not from what ran). An
-exercise whose check never ran scores zero, with the reason ("not attempted: no check(...)
-ran", "... cell N raised NameError: ...", or "not reached: ..." when grading stopped).
+Which exercises count: those of ``--assignment NN_name`` (pinned by the grader; see
+:mod:`labkit.grading.assignments`). Without it, the notebook is ``metadata.labkit.notebook``
+(written by ``build``), else the file's stem when exercises are registered for it, else the
+notebook(s) of the exercise ids in the ``check("N.k", ...)`` calls of its code cells. Each
+exercise is graded once, at its grading point, from the name the notebook defines for it (the
+grader registers it itself, so a deleted ``check`` cell costs nothing), unless its code breaks
+the source policy (:mod:`labkit.grading.policy`: 0 points, with cell and line). An instructor's
+hidden cases run after all of that, in a fresh kernel (:func:`_secret_pass`). An exercise never
+graded scores zero, with the reason ("not attempted: the notebook defines no ...", "...
+check(...) did not run: cell N raised NameError: ...", or "not reached: ..." when grading
+stopped).
 
 Points are all-or-nothing per exercise: an exercise earns its ``points`` only when every one
 of its cases (public and hidden) passes, so a wrong answer that happens to pass the cases that
