@@ -256,3 +256,152 @@ def test_interactive_check_shows_the_same_rule(capsys):
         assert "passed" in out and shell.user_ns["r"].status == "passed", out
     finally:
         InteractiveShell.clear_instance()
+
+
+# ----------------------------------------------------------------------------- fresh inputs
+
+
+def _smallest(K, target):
+    M = 1
+    while (K - 1) / (M + K - 1) > target:
+        M += 1
+    return M
+
+
+FIXED_12 = [(4, 0.10), (8, 0.25), (1, 0.01), (3, 0.3), (4, 0.05), (5, 0.15)] + [
+    (K, t) for K in (2, 3, 6, 16) for t in (0.5, 0.3, 0.07, 0.013)]
+
+
+def test_a_lookup_table_of_the_shipped_inputs_fails_the_fresh_case():
+    from labkit.grading.runner import evaluate
+
+    table = {k: _smallest(*k) for k in FIXED_12}
+
+    def smallest_microbatches(K, target):
+        return table.get((K, target), 1)
+
+    res = evaluate("1.2", smallest_microbatches)
+    by_name = {c.name: c.status for c in res.cases}
+    fixed = {n: s for n, s in by_name.items() if "fresh" not in n}
+    assert set(fixed.values()) == {"passed"}, fixed  # every shipped case is fooled ...
+    assert by_name["grid of K and targets; random K and targets (fresh inputs)"] == "failed"  # ... fresh is not
+    assert res.status == "failed"
+
+    table3 = {(K, M): [min(M, K - s) for s in range(K)] for K, M in [(4, 8), (4, 2), (1, 5), (6, 4), (8, 64)]}
+    res = evaluate("3.2", lambda K, M: table3.get((K, M), [0] * K))
+    assert [c.status for c in res.cases if "fresh" in c.name] == ["failed"]
+
+
+def test_fresh_inputs_differ_between_runs(tmp_path):
+    from labkit.grading.registry import get_exercise
+    from labkit.grading.runner import run_case
+
+    log = tmp_path / "inputs.txt"
+
+    def bubble_fraction(K, M):  # runs in the case's forked process: record what it was asked
+        with open(log, "a") as f:
+            f.write(f"{K},{M}\n")
+        return (K - 1) / (M + K - 1)
+
+    ex = get_exercise("1.1")
+    case = next(c for c in ex.cases if "fresh" in c.name)
+    assert case.hidden
+    runs = []
+    for _ in range(2):
+        log.write_text("")
+        assert run_case(case, bubble_fraction, ex).status == "passed"
+        runs.append(log.read_text())
+    assert runs[0] and runs[1] and runs[0] != runs[1]
+
+
+def test_every_named_exercise_has_a_fresh_hidden_case():
+    from labkit.grading.registry import get_exercise
+
+    for ex_id in ("0.1", "1.1", "1.2", "2.1", "3.1", "3.2", "4.1", "4.2", "4.3", "7.1", "8.1", "8.2", "8.3", "8.4",
+                  "8.6", "11.1", "12.1", "13.2"):
+        assert any("fresh" in c.name and c.hidden for c in get_exercise(ex_id).cases), ex_id
+
+
+# ----------------------------------------------------------------------------- instructor's secret cases
+
+SECRET = 7919
+SECRET_CASES = f'''
+from labkit.grading.registry import exercise, expect_equal
+
+ex = exercise("S.1", title="echo", notebook="97_secret", points=1)
+@ex.case("x=2", hidden=False)
+def _(f): expect_equal(f(2), 2, "f(2)")
+@ex.case("secret input")
+def _(f): expect_equal(f({SECRET}), {SECRET}, "f(secret)")
+
+ex = exercise("S.2", title="recall", notebook="97_secret", points=1)
+@ex.case("x=3", hidden=False)
+def _(f): expect_equal(f(3), 3, "f(3)")
+'''
+
+
+def test_secret_inputs_never_reach_a_visible_result(tmp_path):
+    # the answer remembers every input it was given (in the kernel and on disk) and returns the
+    # oldest one it remembers: if the secret case ran first, or in the same kernel, the public
+    # case would fail with "got <secret>"
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "secret.py").write_text(SECRET_CASES)
+    import os
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="labkit-secret-test-")  # writable by the kernel's user too
+    os.chmod(shared, 0o777)
+    memory = Path(shared) / "seen.txt"
+    cells = ["from labkit.grading import check",
+             f"def echo(x):\n    try:\n        with open({str(memory)!r}, 'a') as f:\n            f.write(f'{{x}}\\n')\n"
+             f"        return int(open({str(memory)!r}).read().split()[0])\n    except OSError:\n        return x",
+             "check('S.1', echo)",
+             f"def recall(x):  # the largest input ever seen: the secret, if it reached this kernel first\n"
+             f"    try:\n        with open({str(memory)!r}, 'a') as f:\n            f.write(f'{{x}}\\n')\n"
+             f"        return max(int(v) for v in open({str(memory)!r}).read().split())\n"
+             f"    except OSError:\n        return x",
+             "check('S.2', recall)"]
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in cells]
+    nbformat.write(nb, str(tmp_path / "s.ipynb"))
+    results = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "s.ipynb"), "--assignment",
+                           "97_secret", "--results", str(results)], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300, env=dict(__import__("os").environ, LABKIT_HIDDEN_CASES=str(tmp_path / "cases")))
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(results.read_text())
+    by_name = {t["name"]: t for t in obj["tests"]}
+    assert by_name["Exercise S.1 (echo) - case: x=2"]["status"] == "passed"  # graded before any secret input
+    assert by_name["Exercise S.1 (echo) - hidden case: secret input"]["status"] == "failed"  # it got 2 back
+    assert by_name["Exercise S.2 (recall) - case: x=3"]["status"] == "passed", by_name  # no secret seen yet
+    assert str(SECRET) not in json.dumps({k: v for k, v in obj.items()}) + proc.stdout
+    if memory.exists():  # (a kernel with a private /tmp cannot leave it here)
+        assert memory.read_text().split()[:3] == ["2", "3", str(SECRET)]  # every public input came first
+        memory.unlink()
+    os.rmdir(shared)
+
+
+def test_visible_messages_show_type_and_size_of_learner_text_not_the_text():
+    import torch
+
+    from labkit.grading.registry import CheckFailure, expect_close, expect_equal
+
+    secret = "the instructor's input 7919"
+    for got, expected, shown in [(secret, "abc", "a str of length 27"), ([secret], [1], "got a str of length 27"),
+                                 ({secret: 1}, {"a": 1}, "got 1 keys; missing ['a']; 1 other(s)"),
+                                 (secret, torch.ones(2), "a str of length 27"), (secret, 1.0, "a str of length 27"),
+                                 (secret, [1], "a str of length 27"), ([secret] * 9, (1,), "expected 1 items, got 9"),
+                                 ({"a": secret}, {"a": 1}, "got a str of length 27")]:
+        for expect in (expect_equal, expect_close):
+            try:
+                expect(got, expected, "f(x)")
+            except CheckFailure as e:
+                assert "7919" not in str(e) and shown in str(e), (expect.__name__, str(e))
+            else:
+                raise AssertionError("no failure")
+    # numbers and small numeric values are still shown: they are what a learner needs to see
+    try:
+        expect_equal([1, 2, 4], [1, 2, 3], "f(x)")
+    except CheckFailure as e:
+        assert "expected 3, got 4" in str(e)

@@ -37,9 +37,23 @@ written by someone trying to game it:
   there (the ring's traffic in 0.2, the all-reduces in 7.3, whether 13.1 wrote a ``.grad``),
   and the reference tripwire runs there: a kernel that patches labkit can forge those.
 * **The results file is written only by the grader**, atomically (new file, rename) after the
-  kernel and everything it started are dead; the kernel is not told where it is. Only the
-  graded notebook's exercises count, each at most its points; a ``check`` of another
-  notebook's exercise is ignored and a repeated ``check`` only re-grades (the last counts).
+  kernel and everything it started are dead; the kernel is not told where it is.
+* **The assignment is pinned by the grader** (``--assignment NN_name``;
+  :mod:`labkit.grading.assignments`): only that notebook's exercises count, each graded once
+  from the name the notebook defines for it, at its grading point (after its last ``check``
+  cell, or after the cell defining it when the check was deleted), whatever the submission's
+  metadata, file name or ``check`` calls say.
+* **The source is judged too** (:mod:`labkit.grading.policy`): an exercise whose code, or a
+  cell before its grading point, breaks its rules (labkit's reference for it, collectives in
+  a send/recv exercise, code from strings or code objects, reload, subprocess, ctypes, gc,
+  sys.modules, os.system/fork, imports of labkit.grading other than ``check``, assigning
+  attributes of modules or classes the learner did not define) scores 0, with cell and line.
+  The interactive ``check`` applies the same rule to the cells its kernel ran.
+* **Fresh inputs** (:mod:`labkit.grading.fresh`): hidden cases also draw inputs seeded from
+  ``os.urandom`` in the grader's case process each run; expected values are computed there.
+  An instructor's hidden cases (``LABKIT_HIDDEN_CASES``) run after every visible result is
+  fixed, in a fresh kernel that replays the cells that ran; visible messages show a
+  learner-returned value that is not a number by its type and size only.
 * **Points are all-or-nothing per exercise**: an exercise earns its points only when every one
   of its cases (public and hidden) passes, so a wrong answer cannot collect points from the
   cases that cannot show its bug. In the results each exercise has one test carrying its points
@@ -73,8 +87,9 @@ written by someone trying to game it:
 * **Reference implementations**: an answer that is labkit's own implementation of the
   exercise, or calls it, fails with a message naming the function and why
   (:mod:`labkit.grading.references` lists them per exercise; a tripwire in the kernel catches
-  the call, also inside ranks). This guards against the honest shortcut; code copied from
-  labkit's source, or a kernel that patches labkit itself, is not detected by it.
+  the call, also inside ranks, and the source policy refuses the code that names it). Code
+  retyped from labkit's source is not detected, nor, by the tripwire, a kernel that patches
+  labkit itself (the source policy refuses the patching constructs it knows).
 
 Interactive ``check`` in a notebook is feedback, not a grade: it runs the same cases in the
 notebook's own process (each call still makes the data round trip, so verdicts match).

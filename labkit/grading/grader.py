@@ -23,12 +23,17 @@ The grader's contract (what an instructor can rely on; see also :mod:`labkit.gra
   had run (at most :data:`MAX_RESTARTS` times) and grading goes on after the bad cell. Output
   floods are dropped; answers are time- and size-limited per case.
 
-Which exercises a notebook has: every exercise registered for its notebook, whatever ran. The
-notebook is ``metadata.labkit.notebook`` (written by ``build``), else the file's stem when
-exercises are registered for it, else the notebook(s) of the exercise ids in the
-``check("N.k", ...)`` calls of its code cells (read from the sources, not from what ran). An
-exercise whose check never ran scores zero, with the reason ("not attempted: no check(...)
-ran", "... cell N raised NameError: ...", or "not reached: ..." when grading stopped).
+Which exercises count: those of ``--assignment NN_name`` (pinned by the grader; see
+:mod:`labkit.grading.assignments`). Without it, the notebook is ``metadata.labkit.notebook``
+(written by ``build``), else the file's stem when exercises are registered for it, else the
+notebook(s) of the exercise ids in the ``check("N.k", ...)`` calls of its code cells. Each
+exercise is graded once, at its grading point, from the name the notebook defines for it (the
+grader registers it itself, so a deleted ``check`` cell costs nothing), unless its code breaks
+the source policy (:mod:`labkit.grading.policy`: 0 points, with cell and line). An instructor's
+hidden cases run after all of that, in a fresh kernel (:func:`_secret_pass`). An exercise never
+graded scores zero, with the reason ("not attempted: the notebook defines no ...", "...
+check(...) did not run: cell N raised NameError: ...", or "not reached: ..." when grading
+stopped).
 
 Points are all-or-nothing per exercise: an exercise earns its ``points`` only when every one
 of its cases (public and hidden) passes, so a wrong answer that happens to pass the cases that
@@ -47,6 +52,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,10 +169,10 @@ def _exercise_grade(ex: Exercise, res, reason: str = "") -> ExerciseGrade:
     return ExerciseGrade(ex, status, res.message, cases)
 
 
-def _grade_in_kernel(ex: Exercise, session, deadline: float | None = None, hints: bool = True) -> ExerciseGrade:
-    """Run every case of ``ex`` here, its calls going to the answer registered in ``session``
-    (none past ``deadline``, a ``time.monotonic()`` value); ``hints=False`` leaves the hint out of
-    its message."""
+def _grade_in_kernel(ex: Exercise, session, deadline: float | None = None, secret: bool = False):
+    """Run the cases of ``ex`` here (the instructor's secret ones when ``secret``, else the
+    others), their calls going to the answer registered in ``session``, none past ``deadline``
+    (a ``time.monotonic()`` value); the CheckResult."""
     from .proxy import KernelBackend
     from .runner import evaluate
 
@@ -180,12 +186,65 @@ def _grade_in_kernel(ex: Exercise, session, deadline: float | None = None, hints
         return session.request({"op": "ping"}, wait=5) is not None
 
     res = evaluate(ex.id, None, stop_at_first_failure=False, backend_factory=factory, go_on=go_on,
-                   deadline=deadline)
-    if not hints:
-        from .runner import format_line
-        res.message = format_line(ex, res, hints=False)
+                   deadline=deadline, only=lambda c: c.secret == secret)
     session.request({"op": "end"}, wait=10)
-    return _exercise_grade(ex, res)
+    return res
+
+
+def _merge(ex: Exercise, first, second):
+    """One CheckResult of ``ex`` from the visible pass and the secret pass (None: it did not run)."""
+    from .runner import CaseResult, CheckResult, format_line
+
+    if second is None:
+        second_cases = [CaseResult(c.name, c.hidden, "failed", "not run: the fresh kernel for the instructor's "
+                                                             "cases stopped before this exercise")
+                        for c in ex.cases if c.secret]
+    else:
+        second_cases = list(second.cases)
+    cases = list(first.cases) + second_cases
+    passed = sum(c.status == "passed" for c in cases)
+    status = ("not_attempted" if any(c.status == "not_attempted" for c in cases) else
+              "passed" if passed == len(ex.cases) else "failed")
+    res = CheckResult(ex.id, status, passed, len(ex.cases), "", cases)
+    res.message = format_line(ex, res)
+    return res
+
+
+def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, deadline: float) -> None:
+    """The instructor's secret cases (hidden-case files), after every visible result is fixed:
+    a fresh kernel replays the cells that ran (``replay``: positions, in order) and, at each
+    exercise's grading point, the secret cases run against the pinned answer. Merged into
+    ``results``; a secret case that could not run counts as failed."""
+    from .assignments import answer_name, register_code
+
+    todo = {i for i, r in results.items() if any(c.secret for c in wanted[i].cases)}
+    if not todo:
+        return
+    second: dict = {}
+    session = None
+    try:
+        session = launch()
+        session.wait_ready()
+        for k in replay:
+            if deadline - time.monotonic() < 1:
+                break
+            st, _, _ = session.execute(cells[k][1], max(1.0, min(cell_timeout, deadline - time.monotonic())))
+            if st not in ("ok", "error") or not session.alive():
+                break
+            for ex_id in due.get(k, ()):
+                if ex_id not in todo:
+                    continue
+                code = register_code(ex_id, answer_name(ex_id, cells))
+                if code and session.execute(code, cell_timeout)[0] != "ok":
+                    continue
+                second[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline, secret=True)
+    except Exception:  # noqa: BLE001 - a kernel that would not start: its cases count as failed
+        pass
+    finally:
+        if session is not None:
+            session.kill()
+    for ex_id in todo:
+        results[ex_id] = _merge(wanted[ex_id], results[ex_id], second.get(ex_id))
 
 
 def _registered(session) -> dict:
@@ -194,11 +253,6 @@ def _registered(session) -> dict:
     if not isinstance(ok, dict):
         return {}
     return {str(k): v for k, v in ok.items() if isinstance(v, int)}
-
-
-def _check_cells(cells, ex_id: str) -> list[int]:
-    pat = re.compile(r"""\bcheck\(\s*["']""" + re.escape(ex_id) + r"""["']""")
-    return [i for i, src in cells if pat.search(src)]
 
 
 def default_time_budget(cell_timeout: float, exercises, n_cells: int) -> float:
@@ -284,6 +338,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         print(f"warning: the submission's kernel can read {what} {f}; make it readable by root only "
               f"(chmod o-r, and its folder o-x)", file=sys.stderr)
     ran: list[int] = []  # positions in ``cells`` that ran without an error (replayed in a fresh kernel)
+    raised: list[int] = []  # positions of cells that raised (replayed for the secret cases only)
+    results: dict = {}  # exercise id -> CheckResult of its visible (not secret) cases
     try:
         k = 0
         while k < len(cells):
@@ -296,6 +352,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
             if status in ("ok", "error"):
                 if status == "error":
                     cell_problems[idx] = f"cell {idx + 1} raised {ename}: {_first(evalue)}".rstrip(": ")
+                    raised.append(k)
                 else:
                     ran.append(k)
                 for ex_id in due.get(k, ()):  # graded here, from the pinned name, once
@@ -305,7 +362,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                     code = register_code(ex_id, answer_name(ex_id, cells))
                     st, en, ev = session.execute(code, max(1.0, min(cell_timeout, deadline - time.monotonic()))) if code else ("ok", "", "")
                     if st == "ok" and (code or ex_id in _registered(session)):
-                        grades[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline, hints)
+                        results[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
                     elif st == "error" and status == "error" and en == "NameError":  # the cell broke
                         grades[ex_id] = _exercise_grade(wanted[ex_id], None, f"not attempted: check(\"{ex_id}\", "
                                                                              f"...) did not run: {cell_problems[idx]}")
@@ -344,6 +401,14 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         session.kill()
         for s in spare:
             s.kill()
+    # every visible result is fixed: only now do the instructor's secret inputs reach a (fresh) kernel
+    _secret_pass(wanted, results, due, cells, sorted(set(ran) | set(raised)), launch, cell_timeout, deadline)
+    if not hints:
+        from .runner import format_line
+
+        for ex_id, res in results.items():
+            res.message = format_line(wanted[ex_id], res, hints=False)
+    grades.update({ex_id: _exercise_grade(wanted[ex_id], res) for ex_id, res in results.items()})
     # a cell tagged raises-exception (it uses an answer, e.g. a plot) may raise: not a problem
     problems = "; ".join(cell_problems[i] for i in sorted(cell_problems)
                          if not (i in expected_errors and " raised " in cell_problems[i]))

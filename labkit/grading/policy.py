@@ -24,11 +24,15 @@ line (:class:`Violation`).
    read source text (``inspect.getsource``, except where the exercise is about labkit's
    source, :data:`ALLOW`).
 
-The check is static and conservative: a name counts as labkit's reference when any import
-in those cells binds it to that labkit function; a top-level statement that assigns, mutates
-or passes a name belongs to that name's definition. Source policy is one layer: the grader's
-files are also unreadable by the kernel's user when grading as root, and every verdict is
-judged on data in the grader (see :mod:`labkit.grading`).
+The check is static, conservative and flow-aware: a name read at the top level has the value
+of its last outright binding before that point (def, class, import, ``x = ...``) plus every
+later statement that mutates it or hands it to a call (``x.update(...)``, ``fill(x)``); a
+function body may run at any later time, so its names are read both where it was reached and
+at the grading point. A name bound by an import of labkit's reference (under any alias) is the
+reference. What it does not see: code retyped from labkit's source, and a learner's function
+that happens to compute the reference's value another way (that is an honest answer). Source
+policy is one layer: the grader's files are also unreadable by the kernel's user when grading
+as root, and every verdict is judged on data in the grader (see :mod:`labkit.grading`).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import builtins
 from dataclasses import dataclass
 
 __all__ = ["Violation", "check_cells", "check_history", "describe", "FORBIDDEN_NAMES", "FORBIDDEN_ATTRS",
-           "FORBIDDEN_MODULES", "P2P_ONLY", "ALLOW"]
+           "MODULE_ATTRS", "FORBIDDEN_MODULES", "P2P_ONLY", "ALLOW"]
 
 # names refused wherever they appear as a name (builtins and what ``from ... import`` binds)
 FORBIDDEN_NAMES = {
@@ -241,8 +245,10 @@ def _import_problems(node, allow: set[str]) -> list[tuple[int, str, str]]:
 
 
 def _bound_inside(fn) -> set[str]:
-    """Names local to a function (or lambda) and the functions, classes and comprehensions in it."""
-    out = set()
+    """Names local to a function or class body: its arguments, what it assigns, and the functions
+    and classes defined in it (less those declared ``global``). Names a local import binds are
+    not local here: they are judged as imports (conservative)."""
+    out, declared_global = set(), set()
     for sub in ast.walk(fn):
         if isinstance(sub, ast.arg):
             out.add(sub.arg)
@@ -250,14 +256,9 @@ def _bound_inside(fn) -> set[str]:
             out.add(sub.id)
         elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and sub is not fn:
             out.add(sub.name)
-        elif isinstance(sub, (ast.Import, ast.ImportFrom)) and sub is not fn:
-            pass  # a local import still binds labkit's name: judged as global
-        elif isinstance(sub, ast.Global):
-            out -= set(sub.names)
-    for sub in ast.walk(fn):
-        if isinstance(sub, ast.Global):
-            out -= set(sub.names)
-    return out
+        elif isinstance(sub, (ast.Global, ast.Nonlocal)):
+            declared_global |= set(sub.names)
+    return out - declared_global
 
 
 def _free(stmt: ast.stmt) -> list[ast.Name]:

@@ -156,6 +156,7 @@ class Case:
     hidden: bool = False
     timeout: float = DEFAULT_TIMEOUT
     hint: str | None = None  # replaces the exercise's hint when this case is the one that failed
+    secret: bool = False  # from an instructor's hidden-case file: graded in a fresh kernel after the visible results
 
 
 @dataclass
@@ -193,7 +194,8 @@ class Exercise:
             raise ValueError(f"case {name!r} of exercise {self.id}: timeout must be > 0 s, got {timeout!r}")
 
         def register(fn):
-            new = Case(str(name), fn, bool(hidden), t, None if hint is None else str(hint))
+            new = Case(str(name), fn, bool(hidden), t, None if hint is None else str(hint),
+                       secret=_ADDING_HIDDEN and bool(hidden))
             for i, c in enumerate(self.cases):
                 if c.name == new.name:
                     self.cases[i] = new
@@ -377,6 +379,43 @@ def _short(x: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_SHOWN_TYPES = {"str": "str", "bytes": "bytes", "list": "list", "tuple": "tuple", "dict": "dict", "set": "set",
+                "frozenset": "frozenset", "ndarray": "NumPy array"}
+
+
+def _is_number(x: Any) -> bool:
+    return x is None or isinstance(x, (bool, numbers.Number))
+
+
+def _shown(x: Any) -> str:
+    """How a value the LEARNER's code returned appears in a visible message: numbers, booleans,
+    None, tensors (shown by :func:`_short`: small ones by value, others by shape) and short flat
+    lists of numbers as values; anything else (text, objects, nested or long containers) by type
+    and size only, so a message never echoes arbitrary text the learner's code chose (issue 16:
+    an input the kernel saw must not come back in a visible result)."""
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return _short(x)
+    except ImportError:  # pragma: no cover
+        pass
+    if _is_number(x):
+        return _short(x)
+    if isinstance(x, (list, tuple)) and len(x) <= 8 and all(_is_number(v) for v in x):
+        return _short(x)
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", 1) == 0:
+        return _short(x)
+    kind = _SHOWN_TYPES.get(type(x).__name__) if type(x).__module__ in ("builtins", "numpy") else None
+    if kind is None:
+        return "an object that is not data (not a number, tensor or container)"
+    if kind == "NumPy array":
+        return f"a NumPy array of shape {tuple(x.shape)}"
+    if kind in ("str", "bytes"):
+        return f"a {kind} of length {len(x)}"
+    return f"a {kind} of {len(x)} {'keys' if kind == 'dict' else 'items'}"
+
+
 def expect_true(cond: Any, message: str) -> None:
     """Raise :class:`CheckFailure` with ``message`` unless ``cond`` is true."""
     if not cond:
@@ -411,7 +450,7 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
 
     if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
-            raise CheckFailure(f"{what}: expected a tensor, got {type(got).__name__} {_short(got)}")
+            raise CheckFailure(f"{what}: expected a tensor, got {_shown(got)}")
         if tuple(got.shape) != tuple(expected.shape):
             raise CheckFailure(f"{what}: expected shape {tuple(expected.shape)}, got shape {tuple(got.shape)}")
         if exact:
@@ -423,17 +462,17 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
                                 rtol=rtol, atol=atol)
         if not ok:
             if got.numel() <= 1:
-                raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}"
+                raise CheckFailure(f"{what}: expected {_short(expected)}, got {_shown(got)}"
                                    + (_scalar_factor(got.item(), expected.item()) if got.numel() else ""))
             if got.numel() <= 6:
-                raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}"
+                raise CheckFailure(f"{what}: expected {_short(expected)}, got {_shown(got)}"
                                    + _first_difference(got, expected) + _tensor_factor(got, expected))
             raise CheckFailure(f"{what}: {_how_tensors_differ(got, expected, exact, rtol, atol)}")
         return
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)):
             raise CheckFailure(f"{what}: expected a {type(expected).__name__} of {len(expected)} items, "
-                               f"got {type(got).__name__} {_short(got)}")
+                               f"got {_shown(got)}")
         if len(got) != len(expected):
             raise CheckFailure(f"{what}: expected {len(expected)} items, got {len(got)}")
         for i, (g, e) in enumerate(zip(got, expected)):
@@ -441,9 +480,12 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
         return
     if isinstance(expected, dict):
         if not isinstance(got, dict):
-            raise CheckFailure(f"{what}: expected a dict, got {type(got).__name__} {_short(got)}")
+            raise CheckFailure(f"{what}: expected a dict, got {_shown(got)}")
         if set(got) != set(expected):
-            raise CheckFailure(f"{what}: expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}")
+            missing = sorted(map(str, set(expected) - set(got)))
+            extra = len(set(got) - set(expected))
+            raise CheckFailure(f"{what}: expected keys {sorted(map(str, expected))}, got {len(got)} keys"
+                               + (f"; missing {missing}" if missing else "") + (f"; {extra} other(s)" if extra else ""))
         for k in expected:
             _compare(got[k], expected[k], f"{what}[{k!r}]", exact, rtol, atol)
         return
@@ -452,14 +494,14 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
         got = got.item()
     if isinstance(expected, (int, float)) and not isinstance(expected, bool) and not exact:
         if not isinstance(got, numbers.Real) or isinstance(got, bool):  # numpy scalars count
-            raise CheckFailure(f"{what}: expected a number close to {_short(expected)}, got {type(got).__name__} {_short(got)}")
+            raise CheckFailure(f"{what}: expected a number close to {_short(expected)}, got {_shown(got)}")
         if not math.isclose(float(got), expected, rel_tol=rtol, abs_tol=atol):
-            raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}{_scalar_factor(got, expected)}")
+            raise CheckFailure(f"{what}: expected {_short(expected)}, got {_shown(got)}{_scalar_factor(got, expected)}")
         return
     if type(got) is bool and type(expected) is not bool or type(expected) is bool and type(got) is not bool:
-        raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}")
+        raise CheckFailure(f"{what}: expected {_short(expected)}, got {_shown(got)}")
     if got != expected:
-        raise CheckFailure(f"{what}: expected {_short(expected)}, got {_short(got)}{_scalar_factor(got, expected)}")
+        raise CheckFailure(f"{what}: expected {_short(expected)}, got {_shown(got)}{_scalar_factor(got, expected)}")
 
 
 def _scalar_factor(got, expected) -> str:

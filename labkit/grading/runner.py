@@ -230,7 +230,7 @@ def _reap(pid: int) -> None:
 
 
 def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False, backend_factory=None,
-             go_on=None, deadline: float | None = None) -> CheckResult:
+             go_on=None, deadline: float | None = None, only=None) -> CheckResult:
     """Run every case of ``exercise_id`` against ``answer``; return a :class:`CheckResult`.
 
     Prints nothing and never raises for a wrong answer (KeyError for an unknown id).
@@ -245,16 +245,18 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
     that failed, may return False to skip the remaining cases (e.g. the kernel stopped
     answering); they then fail with that reason. ``deadline`` (the grader's time budget, a
     ``time.monotonic()`` value): no case runs past it (each case's limit is cut to the time
-    left) and the cases it leaves no time for fail as "not run".
+    left) and the cases it leaves no time for fail as "not run". ``only(case)``, when given,
+    selects the cases that run (the grader runs an instructor's secret cases in a separate pass).
     """
     ex = get_exercise(exercise_id)
     results: list[CaseResult] = []
-    for i, case in enumerate(ex.cases):
+    chosen = [c for c in ex.cases if only is None or only(c)]
+    for i, case in enumerate(chosen):
         if deadline is not None:
             left = deadline - time.monotonic()
             if left < 0.5:
                 results += [CaseResult(c.name, c.hidden, "failed", "not run: the submission's time budget ran out")
-                            for c in ex.cases[i:]]
+                            for c in chosen[i:]]
                 break
             if left < case.timeout:
                 case = dataclasses.replace(case, timeout=left)
@@ -262,25 +264,25 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
         results.append(r)
         if r.status == "not_attempted":
             results += [CaseResult(c.name, c.hidden, "not_attempted", "not run: the stub raises NotImplementedError")
-                        for c in ex.cases[i + 1:]]
+                        for c in chosen[i + 1:]]
             break
         if r.status == "failed" and go_on is not None and not go_on(r):
             results += [CaseResult(c.name, c.hidden, "failed", "not run: the learner's kernel stopped answering")
-                        for c in ex.cases[i + 1:]]
+                        for c in chosen[i + 1:]]
             break
         # a failing hidden case does not stop the run: its line says how many cases passed
         if r.status == "failed" and stop_at_first_failure and not case.hidden:
             results += [CaseResult(c.name, c.hidden, "failed", "not run (an earlier case failed)")
-                        for c in ex.cases[i + 1:]]
+                        for c in chosen[i + 1:]]
             break
     passed = sum(r.status == "passed" for r in results)
     if any(r.status == "not_attempted" for r in results):
         status = "not_attempted"
-    elif passed == len(ex.cases):
+    elif passed == len(chosen):
         status = "passed"
     else:
         status = "failed"
-    res = CheckResult(ex.id, status, passed, len(ex.cases), "", results)
+    res = CheckResult(ex.id, status, passed, len(chosen), "", results)
     res.message = format_line(ex, res)
     return res
 

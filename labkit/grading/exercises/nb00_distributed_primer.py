@@ -121,3 +121,10 @@ ex02.case("N=4 ranks, 16 elements", timeout=CASE_TIMEOUT)(_ring_case(4, 16, 30))
 ex02.case("N=4 ranks, 3 elements (an empty chunk)", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(4, 3, 40))
 ex02.case("N=5 ranks, 11 elements", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(5, 11, 50))
 ex02.case("N=1 rank", hidden=True, timeout=CASE_TIMEOUT)(_ring_case(1, 4, 60))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case, seed  # noqa: E402
+
+fresh_case(ex01, "random N, chunk size and values", lambda r: (r.randint(1, 4), r.randint(1, 4), seed(r)),
+           _rs_case, n=2)

@@ -124,3 +124,33 @@ def _(smallest_microbatches):
         for target in (0.5, 0.3, 0.07, 0.013):
             expect_equal(smallest_microbatches(K, target), _smallest(K, target),
                          f"smallest_microbatches(K={K}, target={target})")
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case  # noqa: E402
+
+
+def _bubble_case(K: int, M: int):
+    def case(bubble_fraction):
+        expect_close(bubble_fraction(K, M), _bubble(K, M), f"bubble_fraction(K={K}, M={M})")
+    return case
+
+
+def _target_case(K: int, target: float):
+    def case(smallest_microbatches):
+        expect_equal(smallest_microbatches(K, target), _smallest(K, target),
+                     f"smallest_microbatches(K={K}, target={target})")
+    return case
+
+
+def _draw_target(r):
+    """K and a target that float rounding cannot put on the boundary (the bubble at M and M-1 is not ~target)."""
+    while True:
+        K, target = r.randint(1, 40), round(r.uniform(0.004, 0.95), 4)
+        M = _smallest(K, target)
+        if abs(_bubble(K, M) - target) > 1e-6 and (M == 1 or abs(_bubble(K, M - 1) - target) > 1e-6):
+            return K, target
+
+
+fresh_case(ex11, "random K, M", lambda r: (r.randint(1, 64), r.randint(1, 256)), _bubble_case)
+fresh_case(ex12, "random K and targets", _draw_target, _target_case)

@@ -302,3 +302,9 @@ ex23.case("M=4, 3 plain SGD steps: parameters equal full-batch training",
 ex23.case("M=1 is the full batch")(_accumulate_case(1, 1, 2))
 ex23.case("M=8 (one sequence per microbatch), 2 SGD steps", hidden=True)(_accumulate_case(8, 2, 3))
 ex23.case("M=2, 3 SGD steps", hidden=True)(_accumulate_case(2, 3, 4))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case  # noqa: E402
+
+fresh_case(ex21, "random K, M", lambda r: (r.randint(1, 6), r.randint(1, 10)), _gpipe_case)

@@ -116,3 +116,10 @@ ex32.case("K=4, M=2 (fewer microbatches than stages)")(_formula_case(4, 2))
 ex32.case("K=1, M=5", hidden=True)(_formula_case(1, 5))
 ex32.case("K=6, M=4", hidden=True)(_formula_case(6, 4))
 ex32.case("K=8, M=64", hidden=True)(_formula_case(8, 64))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case  # noqa: E402
+
+fresh_case(ex31, "random K, M", lambda r: (r.randint(1, 8), r.randint(1, 20)), _memory_and_bubble)
+fresh_case(ex32, "random K, M", lambda r: (r.randint(1, 8), r.randint(1, 40)), _formula_case)

@@ -130,3 +130,18 @@ def _(p2p_sends):
 ex43.case("K=1, M=2, v=2: all stages on one rank", hidden=True)(_sends_case(1, 2, 2))
 ex43.case("K=2, M=6, v=3", hidden=True)(_sends_case(2, 6, 3))
 ex43.case("K=8, M=16, v=4", hidden=True)(_sends_case(8, 16, 4))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case  # noqa: E402
+
+
+def _draw_kmv(r):
+    K, v = r.randint(1, 4), r.randint(1, 4)
+    return K, K * r.randint(1, 4), v  # M a multiple of K, as interleaving needs
+
+
+fresh_case(ex41, "random layers, K, v",
+           lambda r: (lambda K, v: (K * v * r.randint(1, 3), K, v))(r.randint(1, 4), r.randint(1, 4)), _layers_case)
+fresh_case(ex42, "random K, M, v", _draw_kmv, _bubble_case)
+fresh_case(ex43, "random K, M, v", _draw_kmv, _sends_case)

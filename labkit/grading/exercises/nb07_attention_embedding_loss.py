@@ -204,3 +204,10 @@ ex73.case("t=4: at most 3 all-reduces of N values, no gather", hidden=True, time
 ex73.case("t=1 rank", hidden=True, timeout=20)(_ce_case(1, 3, 8, 4))
 ex73.case("t=2, every target on rank 1", hidden=True, timeout=20)(_ce_case(2, 5, 10, 5, target_block=1))
 ex73.case("t=2, very negative logits", hidden=True, timeout=20)(_ce_case(2, 4, 8, 6, offset=-500.0, scale=30.0))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case  # noqa: E402
+
+fresh_case(ex71, "random heads and t", lambda r: (lambda t: (t * r.randint(1, 6), t))(r.choice((1, 2, 4, 8))),
+           _heads_case)

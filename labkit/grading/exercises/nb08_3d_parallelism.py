@@ -344,3 +344,36 @@ ex86.case("t=2, p=4, d=4, fp32")(_axis_case(512, 4, 1024, 16, 2, 4, 4, 8, 5.0e7,
 ex86.case("no TP, no DP: only the pipeline talks")(_axis_case(1024, 2, 2048, 24, 1, 8, 1, 16, 3.0e8, 2))
 ex86.case("t=4, p=8, d=2", hidden=True)(_axis_case(4096, 1, 8192, 80, 4, 8, 2, 64, 2.2e9, 2))
 ex86.case("p=4, d=16", hidden=True)(_axis_case(2048, 2, 4096, 32, 1, 4, 16, 32, 1.6e9, 2))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case  # noqa: E402
+
+
+def _draw_grid(r):
+    return r.choice((1, 2, 4, 8)), r.randint(1, 4), r.randint(1, 4)
+
+
+def _draw_states(r):
+    return (r.randint(1, 2000) * 1e8, r.choice((1, 2, 4, 8)), r.randint(1, 16), r.randint(1, 64), r.randint(0, 3),
+            r.choice(("bf16", "fp32")))
+
+
+def _draw_act(r):
+    t, p = r.choice((1, 2, 4, 8)), r.randint(1, 8)
+    a = t * r.randint(1, 12)
+    return (r.choice((512, 1024, 2048, 4096)), r.randint(1, 4), a * r.choice((64, 128)), a, p * r.randint(1, 12),
+            t, p, r.randint(1, 64), r.random() < 0.5, r.choice(("none", "selective", "full")))
+
+
+def _draw_axis(r):
+    p = r.randint(3, 8)
+    return (r.choice((512, 1024, 2048, 4096)), r.randint(1, 4), 128 * r.randint(4, 96), p * r.randint(1, 12),
+            r.choice((1, 2, 4, 8)), p, r.randint(1, 32), r.randint(1, 256), r.randint(1, 100) * 1e8, r.choice((2, 4)))
+
+
+fresh_case(ex81, "random t, p, d", _draw_grid, _coords_case)
+fresh_case(ex82, "random t, p, d", _draw_grid, _groups_case)
+fresh_case(ex83, "random P, layout, ZeRO stage, precision", _draw_states, _states_case)
+fresh_case(ex84, "random model, layout, SP and recompute", _draw_act, _act_case)
+fresh_case(ex86, "random model and layout", _draw_axis, _axis_case)

@@ -165,3 +165,17 @@ def _bytes_case(T, cfg_kw, P=4):
 ex112.case("4 ranks, E=8, k=2, H=8, 6 tokens per rank, capacity factor 1.0", timeout=20)(_bytes_case(6, _EP_CFG))
 ex112.case("4 ranks, E=4, k=1, H=16, 5 tokens per rank", hidden=True, timeout=20)(
     _bytes_case(5, dict(n_embd=16, n_routed_experts=4, n_activated_experts=1, moe_ffn_dim=8)))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case, seed  # noqa: E402
+
+
+def _draw_routing(r):
+    P, per = r.randint(1, 5), r.randint(1, 3)
+    E = P * per
+    k, T = r.randint(1, min(E, 3)), r.randint(1, 8)
+    return _random_routing(P, T, E, k, seed(r), skew=r.random() < 0.3), per, f"P={P}, E={E}, k={k}, T={T}"
+
+
+fresh_case(ex111, "random routing", _draw_routing, _splits_case)

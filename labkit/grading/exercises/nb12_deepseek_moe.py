@@ -242,3 +242,10 @@ def _(answer):
     if not torch.allclose(weights.sum(-1), torch.full((32,), 2.5), rtol=1e-5, atol=1e-5):
         raise CheckFailure(f"the gating weights of a token sum to {float(weights.sum(-1)[0]):.4g}, expected 2.5 "
                            f"(renormalised over the 8, times route_scale)")
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case  # noqa: E402
+
+fresh_case(ex121, "random E, k, m", lambda r: (lambda E: (E, r.randint(1, E), r.randint(1, 8)))(r.randint(1, 64)),
+           _comb_case)

@@ -189,3 +189,9 @@ ex133.case("ZB-H1, K=6, T_F=3, T_I=5, T_W=2", hidden=True)(_bubble_case([("zb-h1
 ex133.case("ZB-V, K=8, chunk costs 1/2", hidden=True)(_bubble_case([("zbv", 8, Fraction(1, 2), Fraction(1, 2),
                                                                      Fraction(1, 2))]))
 ex133.case("K=1: no bubble", hidden=True)(_bubble_case([("1f1b", 1, 1, 1, 1), ("zb-h1", 1, 2, 1, 1)]))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case  # noqa: E402
+
+fresh_case(ex132, "random K, M >= K", lambda r: (lambda K: (K, r.randint(K, 3 * K)))(r.randint(1, 6)), _zb_case)

@@ -1,0 +1,65 @@
+"""Fresh inputs for hidden cases: drawn in the grader's process, new every grading run.
+
+Fixed case inputs ship with the package, so a lookup table of them passes every fixed case.
+A fresh case draws its inputs from a generator seeded with the operating system's randomness
+(``os.urandom``) inside the case's own process (a fork of the grader, so every case of every
+run draws anew) and computes the expected values there; only the inputs reach the learner's
+kernel, as arguments of the call. The shipped fixed cases stay, for feedback a learner can
+reproduce.
+
+Usage in an exercise module::
+
+    fresh_case(ex12, "random K and target", lambda r: (r.randint(1, 32), r.uniform(0.01, 0.9)),
+               _target_case)           # _target_case(K, target) returns a case function
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Callable
+
+__all__ = ["rng", "seed", "fresh_case"]
+
+DRAWS = 4  # inputs drawn per fresh case
+
+
+def rng() -> random.Random:
+    """A ``random.Random`` seeded from 128 bits of ``os.urandom`` (never from the clock or a fork's copy)."""
+    return random.Random(int.from_bytes(os.urandom(16), "big"))
+
+
+def seed(r: random.Random) -> int:
+    """A seed for ``torch.Generator().manual_seed`` drawn from ``r`` (31 bits)."""
+    return r.getrandbits(31)
+
+
+def fresh_case(ex, name: str, draw: Callable[[random.Random], tuple], factory: Callable[..., Callable[[Any], None]],
+               n: int = DRAWS) -> None:
+    """Make exercise ``ex``'s last hidden case also run ``n`` fresh draws: each run draws
+    argument tuples ``draw(rng())`` and runs ``factory(*args)(answer)`` for each (the factory is
+    the exercise's own fixed-case builder, so the checks and messages are the same).
+
+    The fixed inputs of that case still run first, and the case is renamed
+    "<its name>; <name> (fresh inputs)". Extending a case rather than adding one keeps each
+    exercise's number of cases (the line ``check`` prints) and its time limit. An exercise
+    without a hidden case gets a new one named "<name> (fresh inputs)".
+    """
+    from .registry import Case, DEFAULT_TIMEOUT
+
+    def draws(answer):
+        r = rng()
+        for _ in range(n):
+            factory(*draw(r))(answer)
+
+    hidden = [i for i, c in enumerate(ex.cases) if c.hidden]
+    if not hidden:
+        ex.cases.append(Case(f"{name} (fresh inputs)", draws, True, DEFAULT_TIMEOUT))
+        return
+    i = hidden[-1]
+    old = ex.cases[i]
+
+    def both(answer, _fixed=old.fn):
+        _fixed(answer)
+        draws(answer)
+
+    ex.cases[i] = Case(f"{old.name}; {name} (fresh inputs)", both, True, old.timeout, old.hint, old.secret)
