@@ -16,7 +16,7 @@ BENCH = [
     (["bench", "pipeline", "--steps", "0"], "--steps must be >= 1, got 0"),
     (["bench", "pipeline", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
     (["bench", "pipeline", "--microbatches", "0"], "--microbatches must be >= 1, got 0"),
-    (["bench", "pipeline", "--microbatches", "3"], "needs M a multiple of K"),
+    (["bench", "pipeline", "--microbatches", "3"], "--batch 32 is not divisible by --microbatches 3"),
     (["bench", "pipeline", "--layers", "6", "--schedule", "gpipe"], "n_layer=6 layers cannot be split evenly"),
     (["bench", "pipeline", "--batch", "12"], "--batch 12 is not divisible by --microbatches 8"),
     (["bench", "tensor", "--tp", "0"], "--tp must be >= 1, got 0"),

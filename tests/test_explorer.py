@@ -194,7 +194,7 @@ def test_widget_redraws_in_place_and_shows_the_v_in_effect():
         assert f"v={v_in_effect}" in text.value
     dropdown.value = "Interleaved 1F1B"
     assert not v_slider.disabled and v_slider.value == 3 == w.result["v"]   # the learner's v is back
-    m_slider.value = 3                                        # not a multiple of K=2
-    assert w.result["error"] and text.value.count("got M=3") == 1 and image.layout.display == "none"
+    m_slider.value = 5                                        # K=2: 2 rounds cannot share 5 microbatches
+    assert w.result["error"] and text.value.count("got M=5") == 1 and image.layout.display == "none"
     m_slider.value = 4
     assert w.result["error"] is None and image.layout.display is None and image.value[:4] == b"\x89PNG"

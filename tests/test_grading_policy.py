@@ -403,3 +403,13 @@ def test_visible_messages_show_type_and_size_of_learner_text_not_the_text():
         expect_equal([1, 2, 4], [1, 2, 3], "f(x)")
     except CheckFailure as e:
         assert "expected 3, got 4" in str(e)
+
+
+def test_the_install_cell_build_writes_is_allowed_and_an_edited_one_is_not():
+    from labkit.grading.build import INSTALL_CELL
+
+    answer = ("cell 2", "def bubble_fraction(K, M):\n    return (K - 1) / (M + K - 1)")
+    assert check_cells("1.1", "bubble_fraction", [("cell 1", INSTALL_CELL), answer]) == []
+    edited = INSTALL_CELL + "\nimport subprocess"
+    found = check_cells("1.1", "bubble_fraction", [("cell 1", edited), answer])
+    assert {v.what for v in found} >= {"import of `subprocess`", "`get_ipython`"}, found

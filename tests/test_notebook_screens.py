@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cells(folder, name, *numbers):
+    """Cells ``numbers`` of the solution notebook ``name``, counted without the install cell that
+    ``build`` puts first in every learner notebook (so the same numbers serve both folders)."""
+    from labkit.grading.build import INSTALL_CELL_ID
+
     nb = json.loads((ROOT / folder / name).read_text())
-    return ["".join(nb["cells"][i]["source"]) for i in numbers]
+    cells = [c for c in nb["cells"] if c.get("id") != INSTALL_CELL_ID]
+    return ["".join(cells[i]["source"]) for i in numbers]
 
 
 def _run_grid_cell(folder):

@@ -123,6 +123,24 @@ class Violation:
         return f"{self.cell}, line {self.line}: {self.what} ({self.why})"
 
 
+def _is_install_cell(src: str) -> bool:
+    """True for the exact first cell ``build`` writes into every learner notebook (it installs labkit
+    with one ``%pip`` line where labkit is missing): the kit's own text, not the learner's, so its
+    magic and import are allowed; any edit to it makes it an ordinary cell again."""
+    from .build import INSTALL_CELL
+
+    def norm(text: str) -> str:
+        try:
+            from IPython.core.inputtransformer2 import TransformerManager
+
+            text = TransformerManager().transform_cell(text)
+        except Exception:  # noqa: BLE001 - no IPython here: plain Python
+            pass
+        return text.strip()
+
+    return src.strip() == INSTALL_CELL.strip() or norm(src) == norm(INSTALL_CELL)
+
+
 def _python(src: str) -> ast.Module | None:
     """The cell as Python: IPython's own transforms (magics, ``!shell``) first, as the kernel does;
     None when it does not parse (then it raised SyntaxError in the kernel and ran nothing)."""
@@ -472,7 +490,8 @@ def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     """
     ex = str(exercise_id)
     allow = ALLOW.get(ex, set())
-    parsed = [(label, t) for label, src in cells if (t := _python(str(src))) is not None]
+    parsed = [(label, t) for label, src in cells
+              if not _is_install_cell(str(src)) and (t := _python(str(src))) is not None]
     names = _Names([t for _, t in parsed])
     classes = {n.name for _, t in parsed for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
     found: list[Violation] = []
