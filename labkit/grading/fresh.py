@@ -14,18 +14,38 @@ Usage in an exercise module::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from typing import Any, Callable
 
-__all__ = ["rng", "seed", "fresh_case"]
+__all__ = ["rng", "seed", "fresh_case", "reproducible"]
 
 DRAWS = 4  # inputs drawn per fresh case
 
 
+_FIXED_SEED: int | None = None  # set by the interactive check only (see :func:`reproducible`)
+
+
 def rng() -> random.Random:
-    """A ``random.Random`` seeded from 128 bits of ``os.urandom`` (never from the clock or a fork's copy)."""
+    """A ``random.Random`` seeded from 128 bits of ``os.urandom`` (never from the clock or a fork's copy);
+    inside :func:`reproducible` (the learner's interactive ``check``) a fixed seed instead."""
+    if _FIXED_SEED is not None:
+        return random.Random(_FIXED_SEED)
     return random.Random(int.from_bytes(os.urandom(16), "big"))
+
+
+@contextlib.contextmanager
+def reproducible(seed_value: int = 0):
+    """Fixed draws while the block runs: the interactive ``check`` is feedback, and its line must be the
+    same each time a learner runs it (nbval compares it); the grader never enters this block, so a
+    grading run always draws anew."""
+    global _FIXED_SEED
+    old, _FIXED_SEED = _FIXED_SEED, seed_value
+    try:
+        yield
+    finally:
+        _FIXED_SEED = old
 
 
 def seed(r: random.Random) -> int:

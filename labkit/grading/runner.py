@@ -359,7 +359,13 @@ def check(exercise_id: str, answer: Any) -> CheckResult:
         return res
     ex = get_exercise(exercise_id)
     broken = _policy(ex, answer)
-    res = broken if broken is not None else evaluate(ex.id, answer, stop_at_first_failure=True)
+    if broken is None:
+        from .fresh import reproducible
+
+        with reproducible():  # feedback: the same line every run (the grader draws fresh inputs)
+            res = evaluate(ex.id, answer, stop_at_first_failure=True)
+    else:
+        res = broken
     if broken is None and res.status == "failed":  # a learner who failed this exercise before also gets its second hint
         _FAILED_CHECKS[ex.id] = _FAILED_CHECKS.get(ex.id, 0) + 1
         res.message = format_line(ex, res, _FAILED_CHECKS[ex.id])
