@@ -107,7 +107,7 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
     ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
-    n_moe = sum(1 for i in ids if spec.is_moe and i >= spec.first_dense_layers)
+    n_moe = sum(1 for i in ids if spec.is_moe_layer(i))
 
     # ---- TP: per microbatch, then x M
     tp = out["tp"]

@@ -239,7 +239,7 @@ def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     layer_ids = [i for ch in rank_layer_chunks(spec, lay, pp_rank) for i in ch]
     dense = expert = 0
     for i in layer_ids:
-        lp = spec.layer_params(spec.is_moe and i >= spec.first_dense_layers)
+        lp = spec.layer_params(spec.is_moe_layer(i))
         dense += lp["split"] // t + lp["replicated"]
         expert += lp["expert"] * lp["experts"] // lay.ep // t
     vocab = math.ceil(spec.vocab_size / t)
@@ -330,12 +330,12 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         # the rank's layers may differ (dense / MoE, uneven chunks): average over its chunks
         chunks = rank_layer_chunks(spec, lay, r)
         ids = [i for ch in chunks for i in ch]
-        moe = [spec.is_moe and i >= spec.first_dense_layers for i in ids]
+        moe = [spec.is_moe_layer(i) for i in ids]
         chunk_act = sum(_layer_act(spec, lay, m, device) for m in moe) / len(chunks)
         act = units * chunk_act
         if lay.recompute == "full":   # the layer being recomputed in backward is alive too
             act += max(_layer_act(spec, Layout(**{**lay.__dict__, "recompute": "none"}),
-                                  spec.is_moe and i >= spec.first_dense_layers, device) for i in ids)
+                                  spec.is_moe_layer(i), device) for i in ids)
         if holds_first(lay, r):
             act += stage_in_flight(lay, M, "first") * _embedding_act(spec, lay, device)
         if holds_last(lay, r):
