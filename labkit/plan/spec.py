@@ -228,7 +228,10 @@ class Layout:
     ``accumulate_allreduce_grads_in_fp32`` and its theoretical-memory convention: 18 bytes per
     parameter, ``6 + 12/d`` with the distributed optimizer; off: labkit's 16 bytes, ``4 + 12/d``),
     ``pp_scatter_gather`` (time model only: Megatron sends each pipeline message as t shards
-    of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1)."""
+    of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1),
+    ``placement`` of the p v stages: "loop" (stage i on rank i % p) | "v" (v = 2, rank r holds
+    stages r and 2p-1-r: the V-shaped zero-bubble schedules ZB-V and DualPipeV, Qi et al. 2024
+    sec. 6; memory's in-flight count then follows ``schedule``)."""
 
     t: int = 1
     p: int = 1
@@ -245,6 +248,7 @@ class Layout:
     fused_attention: bool = False
     fp32_grads: bool = False
     pp_scatter_gather: bool = True
+    placement: str = "loop"
 
     @property
     def n_gpus(self) -> int:
