@@ -140,7 +140,7 @@ def _bad_args(a, world) -> str | None:
 
 def _worker(ctx, a, corpus):
     from ..comm import CommLog
-    from ..dist import make_grid
+    from ..grid import ProcessGrid
     from ..model import GPT
     from ..parallel import ParallelGPT
     from ..pipeline.stages import gpt_param_name
@@ -148,7 +148,7 @@ def _worker(ctx, a, corpus):
 
     torch.manual_seed(a.seed)
     v = _v(a)
-    grid = make_grid(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
+    grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
     cfg = _config(a)
     pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, _library_schedule(a), a.microbatches, v=v, zero=a.zero,
                      bucket_cap_mb=a.bucket_cap_mb)
