@@ -37,8 +37,18 @@ from ..model import GPTConfig
 from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_expert_parallel
 from ..moe.losses import switch_aux_loss
 from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
-from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               bad_lr, error, is_main_rank, moe_eplb, out_folder)
+from . import (
+    HelpFormatter,
+    bad_lr,
+    bad_memory,
+    bad_number,
+    bad_out,
+    bad_seed,
+    error,
+    is_main_rank,
+    moe_eplb,
+    out_folder,
+)
 from .replay import replayed_routing
 from .verdict import add_tolerance_option, verdict_exit
 
@@ -112,14 +122,15 @@ def _bad_args(a) -> str | None:
             cfg, moe = _configs(a, mode, a.ep)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--n-embd {a.n_embd}, --n-head {a.n_head})"
-    # every EP rank builds the full model (4 bytes/param each), keeps its experts with AdamW (16 in
-    # all); rank 0's reference (8) and the verdict's gathered copies (24). Activations: the dense
-    # part (Korthikanti) plus, per token and MoE layer, k expert inputs and hidden states
-    extra = a.top_k * (2 * a.n_embd + 2 * moe.moe_ffn_dim) * 4
-    return bad_memory(_n_params(a), 4 * a.ep + 48,
-                      activation_bytes(a.n_layer, a.batch, a.seq, a.n_embd, a.n_head, cfg.vocab_size, extra), 2,
+    from dataclasses import replace
+
+    from ..plan.spec import Layout, ModelSpec
+    # the planner's bytes: EP folded onto the P data-parallel ranks
+    spec = replace(ModelSpec.from_gpt_config(cfg, seq_len=a.seq, global_batch=a.batch), n_routed_experts=a.experts,
+                   n_activated_experts=a.top_k, moe_ffn=moe.moe_ffn_dim, moe_layer_freq=a.moe_every)
+    return bad_memory(spec, Layout(d=a.ep, ep=a.ep, b=a.batch // a.ep, M=1, precision="fp32"),
                       f"--experts {a.experts} --n-embd {a.n_embd} --n-layer {a.n_layer} --seq {a.seq} "
-                      f"--batch {a.batch} (P={a.ep})", ranks=a.ep)
+                      f"--batch {a.batch} (P={a.ep})")
 
 
 def _global_name(name: str, rank: int, n_local: int) -> str:
@@ -151,22 +162,13 @@ def _lockstep(ctx, a, balance: str, corpus):
     return Lockstep(ctx.group, ctx.rank, ref, ref_loss, rtol=a.tolerance, atol=a.tolerance / 10)
 
 
-def _n_params(a) -> int:
-    """Parameters of the MoE GPT of ``a``, without building E experts (4096 modules take ~10 s even
-    on the meta device): the count is linear in E, so count the models with E = k and 2k."""
-    counts = []
-    for E in (a.top_k, 2 * a.top_k):
-        cfg, moe = _configs(argparse.Namespace(**{**vars(a), "experts": E}), "aux_free", 1)
-        counts.append(count_parameters_meta(lambda: MoEGPT(cfg, moe, a.moe_every)))
-    return counts[0] + (a.experts - a.top_k) * (counts[1] - counts[0]) // a.top_k
-
-
 def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> dict:
     """One training run. ``ep=True``: this rank of an EP run over ``ctx.group``, judged at every
     step by the verdict (:mod:`labkit.labs.verdict`, rank 0's ``hist["verdict"]``); else single
     device (routing in ``a.ep`` token groups, like the EP run). Returns per-step histories."""
-    from .verdict import module_pieces
     from tqdm.auto import tqdm
+
+    from .verdict import module_pieces
 
     P = ctx.world_size if ep else 1
     rank = ctx.rank if ep else 0
@@ -231,8 +233,9 @@ def max_vio(loads: torch.Tensor) -> float:
 
 
 def _plots(out, runs, ep_hist, a):
-    from . import save_figure
     import matplotlib
+
+    from . import save_figure
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -29,8 +29,19 @@ from ..dist import in_torchrun, launch
 from ..grid import ProcessGrid
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import TensorParallelGPT, expected_collectives
-from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               bad_lr, error, is_main_rank, run_folder, save_figure, write_bytes_atomic)
+from . import (
+    HelpFormatter,
+    bad_lr,
+    bad_memory,
+    bad_number,
+    bad_out,
+    bad_seed,
+    error,
+    is_main_rank,
+    run_folder,
+    save_figure,
+    write_bytes_atomic,
+)
 from .verdict import Lockstep, add_tolerance_option, sharded_pieces, verdict_exit
 
 
@@ -170,15 +181,12 @@ def _bad_args(args, degrees) -> str | None:
                         ("ffn width", cfg.ffn_mult * cfg.n_embd)):
             if n % t:
                 return f"TP degree t={t} must divide {what}={n}"
-    # every rank builds the full model (4 bytes/param each), keeps its shard with Adam (16 in all);
-    # rank 0's reference (8) and the verdict's gathered copies (24); activations: each rank at most
-    # the whole batch's, plus the reference's
-    t = max(degrees)
-    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * t + 48,
-                      activation_bytes(cfg.n_layer, args.batch_size, args.seq_len, cfg.n_embd, cfg.n_head,
-                                       cfg.vocab_size), t + 1,
+    from ..plan.spec import Layout, ModelSpec
+    t = max(degrees)                                  # the largest run, as the planner counts it
+    spec = ModelSpec.from_gpt_config(cfg, seq_len=args.seq_len, global_batch=args.batch_size)
+    return bad_memory(spec, Layout(t=t, b=args.batch_size, M=1, precision="fp32"),
                       f"--n-layer {cfg.n_layer} --n-embd {cfg.n_embd} --seq-len {args.seq_len} "
-                      f"--batch-size {args.batch_size} (t={t})", ranks=t)
+                      f"--batch-size {args.batch_size} (t={t})")
 
 
 
