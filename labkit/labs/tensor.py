@@ -25,7 +25,7 @@ import torch
 from ..cliparse import Parser
 from ..comm import CommLog
 from ..data import Corpus
-from ..dist import make_grid
+from ..grid import ProcessGrid
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import TensorParallelGPT, expected_collectives
 from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
@@ -50,7 +50,7 @@ class RankResult:
 
 
 def _tp_worker(ctx, args, corpus) -> RankResult:
-    grid = make_grid(ctx, tp=ctx.world_size)
+    grid = ProcessGrid.build(ctx, tp=ctx.world_size)
     torch.manual_seed(args.seed)
     cfg = _config(args)
     model = TensorParallelGPT.from_reference(GPT(cfg, seed=args.seed), grid.tp_group).to(ctx.device)

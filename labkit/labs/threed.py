@@ -186,7 +186,7 @@ def _batch(a, corpus, step):
 
 def _worker(ctx, a, corpus) -> RankResult:
     from ..comm import CommLog
-    from ..dist import make_grid
+    from ..grid import ProcessGrid
     from ..model import GPT
     from ..parallel import ParallelGPT
     from ..pipeline.stages import gpt_param_name
@@ -194,7 +194,7 @@ def _worker(ctx, a, corpus) -> RankResult:
 
     torch.manual_seed(a.seed)
     v = _v(a)
-    grid = make_grid(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
+    grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
     cfg = _config(a)
     pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, _library_schedule(a), a.microbatches, v=v, zero=a.zero,
                      bucket_cap_mb=a.bucket_cap_mb)
