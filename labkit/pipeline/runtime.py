@@ -68,11 +68,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .schedules import (Action, ScheduleError, _message, _needs, check_pipeline_sizes, gpipe_schedule,
-                        infer_placement, interleaved_schedule, one_f_one_b_schedule, stage_rank)
-from .simulate import TimedAction
+from .schedules import (Action, Schedule, ScheduleError, check_pipeline_sizes, gpipe_schedule, interleaved_schedule,
+                        one_f_one_b_schedule)
 from .split_backward import backward_input, backward_weight, w_only_saved_bytes
-from .validate import advance_async, validate_schedule
+from .stats import Event, step_stats
+from .stats import timeline as timed_actions
+from .symbolic import diagnose_hang
+from .validate import validate_schedule
 from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
@@ -165,26 +167,26 @@ class PipelineStage:
 
 
 class _StepState:
-    """What one rank keeps during a step, keyed by (stage, microbatch): stage inputs and
-    outputs (until B), input gradients (until sent), posted receives, pending sends, RNG
-    states (recompute), the timeline, and in-flight / stashed-bytes counters per stage."""
+    """The tensors one rank holds during a step, keyed by (stage, microbatch): stage inputs
+    and outputs (until the backward), input gradients (until sent), posted receives, what I
+    keeps for W, RNG states (recompute), results of the last stage; the pending sends and the
+    events emitted so far (:class:`~.stats.Event`)."""
 
     def __init__(self, x_mbs, t_mbs, losses, forward_only, stages):
         self.x_mbs, self.t_mbs, self.losses, self.forward_only = x_mbs, t_mbs, losses, forward_only
         self.inputs, self.outputs, self.grads, self.pending, self.results, self.rng = {}, {}, {}, {}, {}, {}
-        self.sends: list = []
-        self.timeline: list = []
-        self.live = {s: 0 for s in stages}
-        self.stash_live = {s: 0 for s in stages}
-        self.stash_mb: dict = {}
-        self.n_backward = {s: 0 for s in stages}
         self.weight_grads: dict = {}  # (stage, mb) -> what I kept for W (zero-bubble schedules)
-        self.waiting_w = {s: 0 for s in stages}  # microbatches whose I ran and whose W has not
-        self.w_bytes = {s: 0 for s in stages}    # bytes of the gradients I keeps for W
+        self.n_backward = {s: 0 for s in stages}
+        self.sends: list = []
+        self.events: list = []
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def emit(self, a: Action, start: float, nbytes: int = 0, end: float | None = None):
+        """Record that ``a`` ran from ``start`` to ``end`` (default: now)."""
+        self.events.append(Event(a, start, self.now() if end is None else end, nbytes))
 
 
 class PipelineSchedule:
@@ -226,7 +228,6 @@ class PipelineSchedule:
         self.cost_model = _check_cost_model(cost_model)
         self.measure_w_memory = bool(measure_w_memory)
         self.w_only_bytes: dict = {}       # stage -> bytes per microbatch of activations only W needs
-        self.w_only_peak_bytes: dict = {}  # stage -> most of those bytes held at once (between I and W)
         self.group = self.stages[0].group
         self.num_stages = S = self.stages[0].num_stages
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -239,18 +240,17 @@ class PipelineSchedule:
                                 f"they must match")
         if S % K:
             raise ScheduleError(f"num_stages={S} is not a multiple of K={K} ranks")
-        self.placement = infer_placement(actions, S)  # "loop" (stage i on rank i % K) or "v" (ZB-V, DualPipeV)
+        shaped = Schedule.of(actions, M, S)
+        self.placement = shaped.placement  # "loop" (stage i on rank i % K) or "v" (ZB-V, DualPipeV)
         mine = sorted(st.stage_index for st in self.stages)
-        expected = [s for s in range(S) if stage_rank(s, K, self.placement) == self.rank]
+        expected = [s for s in range(S) if shaped.rank_of(s) == self.rank]
         if mine != expected:
             rule = "stage i on rank i % K" if self.placement == "loop" else "V placement: rank r holds r and 2K-1-r"
             raise ScheduleError(f"rank {self.rank} holds stages {mine} but with K={K} ranks and {S} stages it must "
                                 f"hold {expected} ({rule})")
         if any(st.num_stages != S for st in self.stages):
             raise ScheduleError("all stages must agree on num_stages")
-        if validate:
-            actions = validate_schedule(actions, n_microbatches=M, n_stages=S, placement=self.placement)
-        self.actions = {r: [Action(*a) for a in actions[r]] for r in actions}
+        self.actions = validate_schedule(shaped, placement=self.placement) if validate else shaped
         self.K = K
         self._by_index = {st.stage_index: st for st in self.stages}
         self._shapes = None  # stage -> (input shape, input dtype, output shape, output dtype)
@@ -260,20 +260,25 @@ class PipelineSchedule:
         self._global = ranks
         self._param_ptrs = {st.stage_index: {p.untyped_storage().data_ptr() for p in st.submod.parameters()}
                             for st in self.stages}
-        self.timeline: list[TimedAction] = []
-        self.peak_in_flight: dict = {}
-        self.peak_waiting_for_w: dict = {}  # stage -> most microbatches between their I and their W
-        self.w_grads_peak_bytes: dict = {}  # stage -> most bytes of gradients kept by I for W at once
-        self.stash_peak_bytes: dict = {}
-        self.stash_bytes: dict = {}
+        self.events: list[Event] = []       # this rank's last step, as emitted (:mod:`.stats`)
+        self.stats = step_stats([], self._by_index, M, {} if self.measure_w_memory else None)
 
     def _build(self, K, M, v):  # overridden by the named schedules
         raise ScheduleError("PipelineSchedule needs actions={rank: [Action, ...]}")
 
     # ------------------------------------------------------------------ helpers
 
+    # the figures of the last training step (:class:`~.stats.StepStats`), under their old names
+    timeline = property(lambda self: timed_actions(self.events), doc="this rank's last step as [TimedAction]")
+    peak_in_flight = property(lambda self: self.stats.peak_in_flight)
+    stash_bytes = property(lambda self: self.stats.stash_bytes)
+    stash_peak_bytes = property(lambda self: self.stats.stash_peak_bytes)
+    peak_waiting_for_w = property(lambda self: self.stats.peak_waiting_for_w)
+    w_grads_peak_bytes = property(lambda self: self.stats.w_grads_peak_bytes)
+    w_only_peak_bytes = property(lambda self: self.stats.w_only_peak_bytes)
+
     def _rank_of(self, stage: int) -> int:
-        return stage_rank(stage, self.K, self.placement)
+        return self.actions.rank_of(stage)
 
     def _peer(self, stage: int) -> int:
         return self._global[self._rank_of(stage)]
@@ -376,13 +381,6 @@ class PipelineSchedule:
                 raise ValueError(f"microbatch shape(s) {got} differ from the first step's {want}; build a new "
                                  f"schedule for another shape")
         st = _StepState(x_mbs, t_mbs, losses, forward_only, list(self._by_index))
-        if not forward_only:
-            self.peak_in_flight = {s: 0 for s in self._by_index}
-            self.peak_waiting_for_w = {s: 0 for s in self._by_index}
-            self.w_grads_peak_bytes = {s: 0 for s in self._by_index}
-            self.w_only_peak_bytes = {s: 0 for s in self._by_index} if self.measure_w_memory else {}
-            self.stash_peak_bytes = {s: 0 for s in self._by_index}
-            self.stash_bytes = {s: [0] * M for s in self._by_index}
         if dist.is_initialized():
             dist.barrier(group=self.group)  # a common start for every rank's timeline
         st.t0 = time.perf_counter()
@@ -402,7 +400,10 @@ class PipelineSchedule:
                 self._wait_or_explain(work, a, a)
         if st.pending:
             raise ScheduleError(f"rank {self.rank}: receives posted but never used: {sorted(st.pending)}")
-        self.timeline = st.timeline
+        self.events = st.events
+        if not forward_only:
+            self.stats = step_stats(st.events, self._by_index, M,
+                                    self.w_only_bytes if self.measure_w_memory else None)
         if (S - 1) in self._by_index:
             outs = [st.results[m] for m in range(M)]
             if isinstance(outs[0], torch.Tensor):
@@ -423,8 +424,8 @@ class PipelineSchedule:
         src = a.stage - 1 if fwd else a.stage + 1
         t = st.now()
         works = [comm.irecv(buf, self._peer(src), self.group) for buf in bufs]
-        st.pending[(a.kind, a.stage, a.microbatch)] = (works, tuple(bufs), len(st.timeline))
-        st.timeline.append(TimedAction(a, t, t))
+        st.pending[(a.kind, a.stage, a.microbatch)] = (works, tuple(bufs), len(st.events))
+        st.emit(a, t, _nbytes(bufs), end=t)
 
     def _do_send(self, a: Action, st: "_StepState"):
         """isend the output(s) of F (SEND_F) or the input gradient(s) of B (SEND_B: only of the
@@ -442,7 +443,7 @@ class PipelineSchedule:
             tensors, dst = st.grads.pop(key), a.stage - 1
         works = [comm.isend(t_, self._peer(dst), self.group) for t_ in tensors]
         st.sends.append((works, tensors, a))
-        st.timeline.append(TimedAction(a, t, t))
+        st.emit(a, t, _nbytes(tensors), end=t)
 
     def _do_forward(self, a: Action, st: "_StepState"):
         s, m = a.stage, a.microbatch
@@ -475,17 +476,11 @@ class PipelineSchedule:
                     raise ScheduleError(f"rank {self.rank}: {a!r}: which outputs require grad {rg} changed since "
                                         f"the first step {want}; the next stage expects gradients for the latter")
             st.outputs[(s, m)] = out
-        st.timeline.append(TimedAction(a, start, st.now()))
+        st.emit(a, start, nbytes)
         if st.forward_only:
             st.outputs.pop((s - 1, m), None)
             return
         st.inputs[(s, m)] = inp
-        st.live[s] += 1
-        self.peak_in_flight[s] = max(self.peak_in_flight[s], st.live[s])
-        st.stash_mb[(s, m)] = nbytes
-        self.stash_bytes[s][m] = nbytes
-        st.stash_live[s] += nbytes
-        self.stash_peak_bytes[s] = max(self.stash_peak_bytes[s], st.stash_live[s])
 
     def _backward_inputs(self, a: Action, st: "_StepState", keep_inputs: bool):
         """What B and I share: the output gradient(s) (received, or from the next stage on this
@@ -535,20 +530,18 @@ class PipelineSchedule:
         if s > 0:
             st.grads[(s, m)] = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                      for t, meta in zip(inp, self._shapes[s][0]) if meta.requires_grad)
-        st.timeline.append(TimedAction(a, start, st.now()))
-        st.live[s] -= 1
-        st.stash_live[s] -= st.stash_mb.pop((s, m))
+        st.emit(a, start)
 
     # ------------------------------------------------------------------ split backward (zero bubble)
 
     def _pad(self, st: "_StepState", seconds: float):
         """Cost model: sleep until the compute action just recorded has lasted ``seconds``
         (from its start, after its input arrived), and stamp its new end."""
-        e = st.timeline[-1]
+        e = st.events[-1]
         rest = e.start + seconds - st.now()
         if rest > 0:
             time.sleep(rest)
-        st.timeline[-1] = TimedAction(e.action, e.start, st.now())
+        st.events[-1] = e._replace(end=st.now())
 
     def _do_backward_input(self, a: Action, st: "_StepState"):
         """I: the gradient(s) with respect to the stage input(s) only (what stage s-1 waits
@@ -564,13 +557,7 @@ class PipelineSchedule:
         if s > 0:
             st.grads[(s, m)] = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(gins, wants))
         st.weight_grads[(s, m)] = pending
-        st.timeline.append(TimedAction(a, start, st.now()))
-        st.waiting_w[s] += 1
-        self.peak_waiting_for_w[s] = max(self.peak_waiting_for_w[s], st.waiting_w[s])
-        st.w_bytes[s] += pending.nbytes
-        self.w_grads_peak_bytes[s] = max(self.w_grads_peak_bytes[s], st.w_bytes[s])
-        if s in self.w_only_bytes:
-            self.w_only_peak_bytes[s] = max(self.w_only_peak_bytes[s], st.waiting_w[s] * self.w_only_bytes[s])
+        st.emit(a, start, pending.nbytes)
 
     def _measure_w_only(self, stage: PipelineStage, inp, grads, st: "_StepState", m: int) -> int:
         """Bytes of one microbatch's saved activations that only W needs on ``stage``
@@ -601,14 +588,10 @@ class PipelineSchedule:
         st.n_backward[s] += 1
         last = st.n_backward[s] == self.n_microbatches
         pending = st.weight_grads.pop((s, m))
-        st.w_bytes[s] -= pending.nbytes
         with contextlib.nullcontext() if last or not hasattr(stage.submod, "no_sync") else stage.submod.no_sync():
             backward_weight(pending)
         st.inputs.pop((s, m))
-        st.timeline.append(TimedAction(a, start, st.now()))
-        st.waiting_w[s] -= 1
-        st.live[s] -= 1
-        st.stash_live[s] -= st.stash_mb.pop((s, m))
+        st.emit(a, start)
 
     # ------------------------------------------------------------------ waiting, and explaining a hang
 
@@ -619,9 +602,8 @@ class PipelineSchedule:
                                 f"rank did not post before it")
         works, bufs, i = st.pending.pop(key)
         for work in works:
-            self._wait_or_explain(work, needed_by, st.timeline[i].action)
-        e = st.timeline[i]
-        st.timeline[i] = TimedAction(e.action, e.start, st.now())
+            self._wait_or_explain(work, needed_by, st.events[i].action)
+        st.events[i] = st.events[i]._replace(end=st.now())
         return bufs
 
     def _wait_or_explain(self, work, a: Action, comm_action: Action):
@@ -630,8 +612,7 @@ class PipelineSchedule:
         try:
             self._wait(work)
         except Exception as e:
-            raise RuntimeError(explain_hang(self.actions, self.K, self.num_stages, self.rank, a, comm_action,
-                                            e)) from e
+            raise RuntimeError(explain_hang(self.actions, self.rank, a, comm_action, e)) from e
 
     def _forward(self, st: PipelineStage, inp, target, s, m, forward_only, rng):
         """Stage forward (and loss when ``target`` is given); returns (output, loss or None,
@@ -757,68 +738,14 @@ class ScheduleDualPipeV(_TwoStagesV):
 
 # ---------------------------------------------------------------------- explaining a hang
 
-def _peer_of(a: Action, K: int, placement: str = "loop") -> int:
-    return stage_rank(a.stage - 1 if a.kind in ("RECV_F", "SEND_B") else a.stage + 1, K, placement)
-
-
-def diagnose_hang(actions: dict, K: int, n_stages: int):
-    """Why a schedule cannot finish, found without any process: ``(rank, index, action,
-    reason)`` of the first action that cannot complete, or None when it can finish.
-
-    Runs the schedule symbolically with the runtime's semantics (a SEND never blocks; an F/B
-    blocks until its input message was sent). Among the stuck ranks, an action whose message
-    is never sent at all is the cause (the lowest such rank); otherwise the stuck ranks wait
-    for each other in a cycle, described from the lowest rank. When nothing is stuck, a SEND
-    whose receive no rank posts is reported. Every rank computes the same answer."""
-    S = n_stages
-    pl = infer_placement(actions, S)
-    idx = advance_async(actions, K, S, pl)
-    stuck = [r for r in range(K) if idx[r] < len(actions[r])]
-
-    def waits_for(r):
-        """(peer, the SEND it waits for, that SEND's index on the peer or None)."""
-        need = _needs(actions[r][idx[r]], K, S, pl)
-        src, _, (direction, stage, mb) = _message(need, K, S, pl)
-        send = Action("SEND_" + direction, stage, mb)
-        where = next((j for j, b in enumerate(actions[src]) if b == send), None)
-        return src, send, where
-
-    for r in stuck:
-        src, send, where = waits_for(r)
-        if where is None:
-            a = actions[r][idx[r]]
-            return r, idx[r], a, (f"it needs the {'input' if a.kind == 'F' else 'output gradient'} that rank {src} "
-                                  f"never sends ({send!r} is not in rank {src}'s list)")
-    if stuck:
-        chain, r = [], stuck[0]
-        seen = set()
-        while r not in seen:
-            seen.add(r)
-            src, send, where = waits_for(r)
-            chain.append(f"rank {r}'s {actions[r][idx[r]]!r} waits for {send!r}, which rank {src} reaches only "
-                         f"after its own {actions[src][idx[src]]!r}")
-            r = src
-        first = stuck[0]
-        return first, idx[first], actions[first][idx[first]], "deadlock: " + "; ".join(chain)
-    posted = {(r, _message(a, K, S, pl)[2]) for r in range(K) for a in actions[r] if a.kind.startswith("RECV")}
-    for r in range(K):
-        for i, a in enumerate(actions[r]):
-            if a.kind.startswith("SEND"):
-                _, dst, key = _message(a, K, S, pl)
-                if (dst, key) not in posted:
-                    return r, i, a, f"rank {dst} never posts the matching receive"
-    return None
-
-
-def explain_hang(actions: dict, K: int, n_stages: int, rank: int, a: Action, comm_action: Action,
-                 error: BaseException) -> str:
+def explain_hang(actions: Schedule, rank: int, a: Action, comm_action: Action, error: BaseException) -> str:
     """The message of a failed wait on ``rank`` (at action ``a``, waiting for ``comm_action``).
     First line: the first action that cannot complete (:func:`diagnose_hang`) and which rank
     this report is from (the rank a :class:`~labkit.dist.RankError` header names)."""
-    peer = _peer_of(comm_action, K, infer_placement(actions, n_stages))
+    peer = actions.peer(comm_action)
     here = (f"this error is rank {rank}'s (the rank in the RankError header), which was at {a!r} waiting for "
             f"{comm_action!r} ({'from' if comm_action.kind.startswith('RECV') else 'to'} rank {peer})")
-    found = diagnose_hang(actions, K, n_stages)
+    found = diagnose_hang(actions)
     if found is not None:
         r, i, b, reason = found
         first = (f"pipeline schedule hung: the first action that cannot complete is {b!r} on rank {r} (its action "
@@ -830,7 +757,7 @@ def explain_hang(actions: dict, K: int, n_stages: int, rank: int, a: Action, com
     cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
     lines = [first, f"cause: {type(error).__name__}: {cause}"]
     try:
-        validate_schedule(actions, n_stages=n_stages)
+        validate_schedule(actions.actions, n_stages=actions.n_stages)
     except ScheduleError as e:
         lines.append(f"validate_schedule (skipped with validate=False) reports: {e}")
     return "\n".join(lines)
