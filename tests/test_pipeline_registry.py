@@ -81,6 +81,7 @@ def test_schedule_object_answers_the_messages():
     assert tuple(s.message(Action("SEND_B", 1, 1))) == (1, 0, ("B", 1, 1))
     assert s.peer(Action("SEND_B", 1, 1)) == 0 and s.message(Action("F", 0, 0)) is None
     assert Schedule.of(s) is s and dict(s) == s.actions and len(s) == 2 and sorted(s) == [0, 1]
+    assert isinstance(s, dict) and repr(s) == repr(dict(s))   # prints and travels as the dict it was
 
 
 def _two_rank_swap():
@@ -95,7 +96,11 @@ def test_one_executor_two_semantics():
     assert advance_async(s) == [len(s[0]), len(s[1])]
     stuck = advance_blocking(s)
     assert stuck[0] < len(s[0]) and stuck[1] < len(s[1])
+    ok = Schedule.of({0: parse_actions("F0@s0 SEND_F0@s0 RECV_B0@s0 B0@s0"),
+                      1: parse_actions("RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1")})
+    assert advance_blocking(ok) == [4, 4] == advance_async(ok)
     validate_schedule(s)
+    validate_schedule(ok, sends="blocking")
     with pytest.raises(ScheduleError, match="deadlock with blocking"):
         validate_schedule(s, sends="blocking")
 

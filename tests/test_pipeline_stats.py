@@ -2,7 +2,7 @@
 the events here are written by hand or taken from a schedule's action order."""
 from labkit.pipeline import Action, parse_actions, peak_in_flight, peak_waiting_for_w, simulate
 from labkit.pipeline.registry import lookup
-from labkit.pipeline.stats import Event, measured_bubble, step_stats, timeline
+from labkit.pipeline.stats import Event, mean_times, measured_bubble, step_stats, timeline
 
 
 def _events(actions, nbytes):
@@ -49,3 +49,12 @@ def test_bubble_of_events_is_the_timeline_bubble():
     events = {r: [Event(t.action, t.start, t.end, 0) for t in sim.timeline[r]] for r in sim.timeline}
     assert measured_bubble(events) == sim.bubble_fraction
     assert timeline(events[0]) == sim.timeline[0] and isinstance(events[0][0].action, Action)
+
+
+def test_mean_times_are_the_measured_cost_model():
+    """Two timed steps of one rank, stage 0: F takes 1 then 3 s, I 2 s, W 4 s -> means 2, 2, 4;
+    B never ran, so it is absent (a kind appears only where every stage ran it)."""
+    steps = [{0: [Event(Action("F", 0, 0), 0, 1), Event(Action("I", 0, 0), 1, 3), Event(Action("W", 0, 0), 3, 7)]},
+             {0: [Event(Action("F", 0, 0), 0, 3), Event(Action("I", 0, 0), 3, 5), Event(Action("W", 0, 0), 5, 9)]}]
+    assert mean_times(steps, 1) == {"F": [2.0], "I": [2.0], "W": [4.0]}
+    assert mean_times(steps, 2) == {}   # stage 1 never ran

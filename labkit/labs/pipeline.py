@@ -41,6 +41,7 @@ from ..cliparse import Parser
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
                bad_lr, error, is_main_rank, loss_change, run_folder, schedule_name)
 from ..pipeline.registry import lookup, names
+from ..pipeline.stats import mean_times
 from .verdict import add_tolerance_option, verdict_exit
 
 SCHEDULES = names(zero_bubble=False)   # gpipe 1f1b interleaved (labkit.pipeline.registry)
@@ -249,16 +250,8 @@ def _analyse(a, kind, K, results, single):
         tls.append(tl)
         measured.append(float(bubble_fraction(tl, K)))
     # mean measured F and B time per stage, then simulate the schedule with them
-    sums: dict = {}
-    for tl in tls:
-        for r in tl:
-            for t in tl[r]:
-                if t.action.kind in ("F", "B"):
-                    acc = sums.setdefault((t.action.kind, t.action.stage), [0.0, 0])
-                    acc[0] += t.end - t.start
-                    acc[1] += 1
-    fwd = [sums[("F", s)][0] / sums[("F", s)][1] for s in range(K * v)]
-    bwd = [sums[("B", s)][0] / sums[("B", s)][1] for s in range(K * v)]
+    times = mean_times(tls, K * v)
+    fwd, bwd = times["F"], times["B"]
     sim = simulate(lookup(kind).schedule(K, M, v), forward=fwd, backward=bwd)
     peak = {}
     for r in results:
@@ -275,23 +268,6 @@ def _analyse(a, kind, K, results, single):
     }
 
 
-def _mean_times(tls, S):
-    """Mean measured duration per (kind, stage) over the timelines, as {kind: [per stage]}."""
-    sums: dict = {}
-    for tl in tls:
-        for r in tl:
-            for t in tl[r]:
-                if t.action.kind in ("F", "B", "I", "W"):
-                    acc = sums.setdefault((t.action.kind, t.action.stage), [0.0, 0])
-                    acc[0] += t.end - t.start
-                    acc[1] += 1
-    out = {}
-    for kind in ("F", "B", "I", "W"):
-        if all((kind, s) in sums for s in range(S)):
-            out[kind] = [sums[(kind, s)][0] / sums[(kind, s)][1] for s in range(S)]
-    return out
-
-
 def _analyse_zero_bubble(a, kind, K, results, single):
     """The table row of a zero-bubble schedule: measured bubble; the formula's, from the
     measured mean T_F, T_I, T_W (where the formula is exact for them, else nan); the
@@ -304,7 +280,7 @@ def _analyse_zero_bubble(a, kind, K, results, single):
     tls = [{r: [TimedAction(Action(*act), s, e) for act, s, e in results[r]["timelines"][i]] for r in range(K)}
            for i in range(len(results[0]["timelines"]))]
     measured = [float(bubble_fraction(tl, K)) for tl in tls]
-    times = _mean_times(tls, S)
+    times = mean_times(tls, S)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     f, i, w = mean["F"], mean.get("I", 0.0), mean.get("W", 0.0)
     sim = simulate(info.schedule(K, M), forward=times["F"], backward=times.get("B", [i + w] * S),

@@ -43,31 +43,32 @@ times out: the error's first line names the first action that cannot complete (f
 running the schedule symbolically, the same on every rank) and says that the rank in the
 RankError header is the rank that reported it, and where that rank was waiting.
 
-Measurements after each step (this rank): ``timeline`` (``[TimedAction]``, seconds from a
-common start taken right after a barrier), ``peak_in_flight`` and ``stash_peak_bytes``
-(dicts stage -> value), ``stash_bytes`` (stage -> list of bytes per microbatch). The bytes
-one microbatch's forward saves for backward are measured with the hooks on the first
-forward of each stage and reused afterwards (the shapes are fixed; the hooks cost time).
-With a split backward a microbatch stays in flight (its stash alive) until its W;
-``peak_waiting_for_w`` (stage -> most microbatches between their I and their W) and
-``w_grads_peak_bytes`` (stage -> most bytes of the gradients I keeps for W) count what the
-split adds. With ``measure_w_memory=True``, ``w_only_bytes`` (stage -> bytes of one
-microbatch's saved activations that only W needs, measured once per stage at its first I with
-:func:`.split_backward.w_only_saved_bytes`) and ``w_only_peak_bytes`` (stage -> most such
-bytes held at once, between I and W) count, separately, the part of the stash kept only for W.
+Measurements: the interpreter only executes actions and emits one :class:`~.stats.Event`
+per action (action, start, end, bytes; seconds from a common start taken right after a
+barrier), kept as ``events`` after each step. :mod:`.stats` derives the figures from them:
+``timeline`` (``[TimedAction]``), ``peak_in_flight``, ``stash_peak_bytes`` and
+``stash_bytes`` (stage -> list of bytes per microbatch), ``peak_waiting_for_w``,
+``w_grads_peak_bytes`` and ``w_only_peak_bytes`` (see :class:`~.stats.StepStats`); a
+forward-only step leaves the last training step's figures. The bytes one microbatch's
+forward saves for backward are measured with the hooks on the first forward of each stage and
+reused afterwards (the shapes are fixed; the hooks cost time). With ``measure_w_memory=True``,
+``w_only_bytes`` (stage -> bytes of one microbatch's saved activations that only W needs) is
+measured once per stage at its first I with :func:`.split_backward.w_only_saved_bytes`.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from datetime import timedelta
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
+from .boundary import as_tuple, exchange_metadata, replay_rng, rng_state
+from .boundary import nbytes as tensor_bytes
 from .schedules import (Action, Schedule, ScheduleError, check_pipeline_sizes, gpipe_schedule, interleaved_schedule,
                         one_f_one_b_schedule)
 from .split_backward import backward_input, backward_weight, w_only_saved_bytes
@@ -77,60 +78,9 @@ from .symbolic import diagnose_hang
 from .validate import validate_schedule
 from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
+_as_tuple = as_tuple  # the old private name (tests/test_pipeline_boundaries.py)
+
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.long, torch.int32, torch.bool,
-           torch.int8, torch.uint8, torch.int16]
-_MAX_DIMS = 6
-
-
-class _Meta(NamedTuple):
-    """One tensor crossing a stage boundary: shape, dtype, and whether it carries a gradient."""
-
-    shape: tuple
-    dtype: torch.dtype
-    requires_grad: bool
-
-
-def _as_tuple(value, what: str) -> tuple:
-    """A stage's input or output as a tuple of tensors (a single tensor -> a 1-tuple)."""
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value):
-        return tuple(value)
-    raise ScheduleError(f"{what} must be a tensor or a non-empty tuple of tensors, got "
-                        f"{type(value).__name__}" + (f" of {[type(t).__name__ for t in value]}"
-                                                     if isinstance(value, (tuple, list)) else ""))
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _rng_state(device: torch.device):
-    """RNG state(s) that a stage forward on ``device`` draws from (CPU, plus CUDA on GPU)."""
-    cpu = torch.get_rng_state()
-    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu, None)
-
-
-class _replay_rng:
-    """Run a block with the RNG state saved by :func:`_rng_state`, then restore the current
-    one: the recomputed forward draws the same dropout masks as the original."""
-
-    def __init__(self, device, state):
-        self.device, self.state = device, state
-
-    def __enter__(self):
-        self.saved = _rng_state(self.device)
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
-
-    def __exit__(self, *exc):
-        torch.set_rng_state(self.saved[0])
-        if self.saved[1] is not None:
-            torch.cuda.set_rng_state(self.saved[1], self.device)
-
 
 def _check_cost_model(cost_model):
     """None, or a dict kind -> seconds >= 0 for kinds among F, B, I, W (ValueError otherwise)."""
@@ -290,52 +240,9 @@ class PipelineSchedule:
             work.wait()
 
     def _infer_shapes(self, x_mb):
-        """Boundary metadata of every stage on this rank: ``{stage: (inputs, outputs)}``, each a
-        tuple of :class:`_Meta`. Runs each stage once on zeros (autograd on, RNG restored, in
-        stage order) and passes the output metadata down the pipeline: a count message, then
-        9 int64 per tensor (ndim, 6 sizes, dtype, requires_grad). The receiver marks exactly
-        the inputs whose sender output requires grad, so both sides agree which gradients
-        travel back."""
-        metas, prev_out = {}, None
-        for s in sorted(self._by_index):
-            st = self._by_index[s]
-            if s == 0:
-                ins = tuple(_Meta(tuple(t.shape), t.dtype, False) for t in x_mb)
-            elif self._rank_of(s - 1) == self.rank:
-                ins = prev_out
-            else:
-                count = torch.zeros(1, dtype=torch.long, device=st.device)
-                comm.recv(count, self._peer(s - 1), self.group)
-                block = torch.zeros(9 * int(count), dtype=torch.long, device=st.device)
-                comm.recv(block, self._peer(s - 1), self.group)
-                ins = tuple(_Meta(tuple(row[1:1 + row[0]]), _DTYPES[row[7]], bool(row[8]))
-                            for row in block.view(-1, 9).tolist())
-            zeros = tuple(torch.zeros(m.shape, dtype=m.dtype, device=st.device).requires_grad_(m.requires_grad)
-                          for m in ins)
-            # autograd on (to learn which outputs require grad), the RNG left as it was
-            with torch.enable_grad(), _replay_rng(st.device, _rng_state(st.device)):
-                raw = st.submod(*zeros)
-            outs = ()   # the last stage's output goes to loss_fn only: any type
-            if s < self.num_stages - 1:
-                outs = tuple(_Meta(tuple(t.shape), t.dtype, t.requires_grad)
-                             for t in _as_tuple(raw, f"the output of stage {s} (sent to stage {s + 1})"))
-            del raw, zeros
-            metas[s] = (ins, outs)
-            prev_out = outs
-            if s < self.num_stages - 1 and self._rank_of(s + 1) != self.rank:
-                block = torch.zeros(len(outs), 9, dtype=torch.long, device=st.device)
-                for i, m in enumerate(outs):
-                    if len(m.shape) > _MAX_DIMS:
-                        raise ScheduleError(f"stage {s} output {i} has {len(m.shape)} dims; at most {_MAX_DIMS} "
-                                            f"are supported")
-                    if m.dtype not in _DTYPES:
-                        raise ScheduleError(f"stage {s} output {i} has dtype {m.dtype}; supported: {_DTYPES}")
-                    block[i, 0] = len(m.shape)
-                    block[i, 1:1 + len(m.shape)] = torch.tensor(m.shape, dtype=torch.long)
-                    block[i, 7], block[i, 8] = _DTYPES.index(m.dtype), int(m.requires_grad)
-                comm.send(torch.tensor([len(outs)], dtype=torch.long, device=st.device), self._peer(s + 1), self.group)
-                comm.send(block.flatten(), self._peer(s + 1), self.group)
-        return metas
+        """Boundary metadata of this rank's stages (:func:`.boundary.exchange_metadata`)."""
+        return exchange_metadata(self._by_index, self.num_stages, self._rank_of, self.rank, self._peer, self.group,
+                                 x_mb)
 
     def _split(self, t, what):
         M = self.n_microbatches
@@ -425,7 +332,7 @@ class PipelineSchedule:
         t = st.now()
         works = [comm.irecv(buf, self._peer(src), self.group) for buf in bufs]
         st.pending[(a.kind, a.stage, a.microbatch)] = (works, tuple(bufs), len(st.events))
-        st.emit(a, t, _nbytes(bufs), end=t)
+        st.emit(a, t, tensor_bytes(bufs), end=t)
 
     def _do_send(self, a: Action, st: "_StepState"):
         """isend the output(s) of F (SEND_F) or the input gradient(s) of B (SEND_B: only of the
@@ -443,7 +350,7 @@ class PipelineSchedule:
             tensors, dst = st.grads.pop(key), a.stage - 1
         works = [comm.isend(t_, self._peer(dst), self.group) for t_ in tensors]
         st.sends.append((works, tensors, a))
-        st.emit(a, t, _nbytes(tensors), end=t)
+        st.emit(a, t, tensor_bytes(tensors), end=t)
 
     def _do_forward(self, a: Action, st: "_StepState"):
         s, m = a.stage, a.microbatch
@@ -460,7 +367,7 @@ class PipelineSchedule:
                 t.requires_grad_(meta.requires_grad)
         start = st.now()
         target = st.t_mbs[m] if stage.is_last and st.t_mbs is not None else None
-        out, loss, nbytes = self._forward(stage, inp, target, s, m, st.forward_only, st.rng)
+        out, loss, stash = self._forward(stage, inp, target, s, m, st.forward_only, st.rng)
         if stage.is_last:
             st.results[m] = out.detach() if isinstance(out, torch.Tensor) else tuple(o.detach() for o in out)
             if loss is not None and st.losses is not None:
@@ -468,7 +375,7 @@ class PipelineSchedule:
             # what B differentiates: the loss scaled by 1/M (nothing when no loss needs a gradient)
             st.outputs[(s, m)] = (loss / self.n_microbatches,) if loss is not None and loss.requires_grad else ()
         else:
-            out = _as_tuple(out, f"the output of stage {s} (sent to stage {s + 1})")
+            out = as_tuple(out, f"the output of stage {s} (sent to stage {s + 1})")
             if not (st.forward_only or self.recompute):   # (recompute: this forward ran without autograd)
                 rg = [o.requires_grad for o in out]
                 want = [meta.requires_grad for meta in self._shapes[s][1]]
@@ -476,7 +383,7 @@ class PipelineSchedule:
                     raise ScheduleError(f"rank {self.rank}: {a!r}: which outputs require grad {rg} changed since "
                                         f"the first step {want}; the next stage expects gradients for the latter")
             st.outputs[(s, m)] = out
-        st.emit(a, start, nbytes)
+        st.emit(a, start, stash)
         if st.forward_only:
             st.outputs.pop((s - 1, m), None)
             return
@@ -499,13 +406,13 @@ class PipelineSchedule:
         inp = st.inputs[(s, m)] if keep_inputs else st.inputs.pop((s, m))
         out = st.outputs.pop((s, m))
         if self.recompute:  # GPipe re-materialisation: run the forward again, now with autograd
-            with _replay_rng(stage.device, st.rng.pop((s, m))):  # same dropout masks as the forward
+            with replay_rng(stage.device, st.rng.pop((s, m))):  # same dropout masks as the forward
                 out = stage.submod(*inp)
             if stage.is_last:
                 loss = self.loss_fn(out, st.t_mbs[m]) / self.n_microbatches if st.t_mbs is not None else None
                 out = (loss,) if loss is not None and loss.requires_grad else ()
             else:
-                out = _as_tuple(out, f"the output of stage {s}")
+                out = as_tuple(out, f"the output of stage {s}")
         # differentiate the outputs that carry a gradient; none: a frozen or parameter-free
         # stage fed by data, nothing to do (and no input gradient to send)
         tensors = [o for o in out if o.requires_grad]
@@ -625,10 +532,10 @@ class PipelineSchedule:
             with torch.no_grad():
                 return (*run(), 0)
         if self.recompute:
-            rng[(s, m)] = _rng_state(st.device)
+            rng[(s, m)] = rng_state(st.device)
             with torch.no_grad():
                 out, loss = run()
-            return out, loss, _nbytes(inp)
+            return out, loss, tensor_bytes(inp)
         if s in self._stash_cache:  # same shapes every microbatch: measure once per stage
             return (*run(), self._stash_cache[s])
         seen: dict = {}

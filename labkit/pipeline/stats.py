@@ -28,7 +28,7 @@ from typing import NamedTuple
 from .schedules import Action
 from .simulate import TimedAction, bubble_fraction
 
-__all__ = ["Event", "StepStats", "step_stats", "timeline", "measured_bubble"]
+__all__ = ["Event", "StepStats", "step_stats", "timeline", "measured_bubble", "mean_times"]
 
 
 class Event(NamedTuple):
@@ -50,6 +50,24 @@ def measured_bubble(timelines: dict, K: int | None = None):
     """Bubble fraction of measured timelines ``{rank: [Event or TimedAction]}``:
     ``1 - busy / (K * makespan)`` (:func:`~.simulate.bubble_fraction`)."""
     return bubble_fraction({r: timeline(evs) for r, evs in timelines.items()}, K)
+
+
+def mean_times(timelines, n_stages: int) -> dict:
+    """The cost model a run measured: mean duration (seconds) of each compute kind per stage,
+    ``{kind: [T for stage 0..n_stages-1]}``, over ``timelines`` (an iterable of
+    ``{rank: [Event or TimedAction]}``, e.g. the timed steps). A kind appears only when every
+    stage ran it (F and B, or F, I and W). What :func:`~.simulate.simulate` and the bubble
+    formulas take, so measured and predicted bubbles use the same costs."""
+    sums: dict = {}
+    for tl in timelines:
+        for r in tl:
+            for t in tl[r]:
+                if t.action.kind in ("F", "B", "I", "W"):
+                    acc = sums.setdefault((t.action.kind, t.action.stage), [0.0, 0])
+                    acc[0] += t.end - t.start
+                    acc[1] += 1
+    return {kind: [sums[(kind, s)][0] / sums[(kind, s)][1] for s in range(n_stages)]
+            for kind in ("F", "B", "I", "W") if all((kind, s) in sums for s in range(n_stages))}
 
 
 @dataclass
