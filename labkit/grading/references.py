@@ -2,8 +2,11 @@
 
 An answer that is one of these, or calls one while a case runs it, is not accepted for that
 exercise: labkit's implementation is what the checks compare against, so using it proves
-nothing about the learner's understanding. The call is caught by a tripwire in the learner's
-process (:mod:`labkit.grading.kernel`) and the case fails with :func:`reference_message`.
+nothing about the learner's understanding. The grader refuses code that names one (the
+source policy, :mod:`labkit.grading.policy`, on the notebook file); the interactive ``check``
+also catches a call at run time with a tripwire in the learner's process
+(:mod:`labkit.grading.kernel`; feedback only, never part of a grade) and the case fails with
+:func:`reference_message`.
 
 The table lists, per exercise id, ``"module:qualname"`` of functions or classes (a class
 stands for every function defined in its body, e.g. an autograd Function's ``forward`` and
@@ -12,9 +15,8 @@ Functions that merely *use* an exercise's concept are not listed: a learner may 
 ``add_communication`` in 3.1 only because 3.1 asks for the compute order and the check adds
 the sends itself.
 
-What the tripwire cannot see: an answer that copies labkit's source text, or a notebook that
-patches labkit itself (the kernel is the learner's). It is a guard against the honest
-shortcut, reported with a reason, not a plagiarism detector.
+What neither sees: an answer that copies labkit's source text. They guard against the honest
+shortcut, reported with a reason; they are not a plagiarism detector.
 """
 from __future__ import annotations
 
