@@ -16,7 +16,7 @@ import torch
 from ..cliparse import Parser
 from ..model import GPTConfig
 from ..moe.losses import switch_aux_loss
-from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
+from ..moe.model import moe_config_for, total_aux_loss
 from . import HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed
 from .verdict import add_tolerance_option
 
