@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
-__all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank",
+__all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank",
+           "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
            "grad_convention"]
@@ -230,8 +231,8 @@ def rank_layer_chunks(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[range]
     sec. 3.2.1) the two stages r and p-1-r of the two directions (L/p layers each: twice the
     parameters of 1F1B)."""
     if lay.placement == "v":
-        first, second = rank_chunks(spec.n_layer, lay.p, 2, pp_rank), rank_chunks(spec.n_layer, lay.p, 2, lay.p - 1 - pp_rank)
-        return [first[0], second[1]]
+        first = rank_chunks(spec.n_layer, lay.p, 2, pp_rank)[0]
+        return [first, rank_chunks(spec.n_layer, lay.p, 2, lay.p - 1 - pp_rank)[1]]
     if lay.schedule == "dualpipe":
         return rank_chunks(spec.n_layer, lay.p, 1, pp_rank) + rank_chunks(spec.n_layer, lay.p, 1, lay.p - 1 - pp_rank)
     return rank_chunks(spec.n_layer, lay.p, lay.v, pp_rank)
