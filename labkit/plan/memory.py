@@ -140,8 +140,8 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
 
 def interleaved_group(p: int, M: int) -> int:
     """Microbatches per round of interleaved 1F1B, ``M / max(1, M // p)`` (torch's
-    ``ScheduleInterleaved1F1B``; p when p divides M, Megatron's groups of p). The same rule as
-    :func:`labkit.pipeline.schedules.interleaved_group` (tests/test_plan.py checks)."""
+    ``ScheduleInterleaved1F1B``; p when p divides M, Megatron's groups of p), the rule of
+    :func:`labkit.pipeline.schedules.interleaved_group`."""
     return M // max(1, M // p)
 
 
@@ -157,8 +157,7 @@ def in_flight_units(lay: Layout, M: int, pp_rank: int) -> int:
     interleaved ``min((v-1) g + 2 (p-1-r) + 1, M v)`` with g microbatches per round
     (:func:`interleaved_group`): the warm-up plus one. That is today's Megatron-Core and torch
     rule, also at M = p (rank p-1 then holds p + 1 chunks at v = 2; Megatron-LM v2 ran every
-    forward first there and held 2p). Checked against labkit's schedules, counted from their
-    actions, and measured on the runtime (tests/test_plan.py, tests/test_pipeline_interleaved.py)."""
+    forward first there and held 2p)."""
     p, v, r = lay.p, lay.v, pp_rank
     if lay.schedule == "gpipe":
         return M * v
@@ -189,8 +188,7 @@ def stage_in_flight(lay: Layout, M: int, which: str) -> int:
     """Microbatches alive at the peak on the FIRST stage (it holds the input embedding) or the
     LAST stage (the output layer and loss): GPipe M and M; 1F1B ``min(p, M)`` and 1;
     interleaved: counted along the schedule's order (chunk 0 of rank 0, chunk v-1 of rank p-1;
-    ``min(2p, M)`` and 1 when p divides M and M > p). Checked against labkit's schedules
-    (tests/test_plan.py)."""
+    ``min(2p, M)`` and 1 when p divides M and M > p)."""
     p = lay.p
     if lay.schedule == "gpipe":
         return M
