@@ -105,8 +105,12 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         if not ok:
             raise ValueError(msg)
     rules = [
-        (a % lay.t == 0 and akv % lay.t == 0, f"t={lay.t} must divide the heads a={a} and key/value heads {akv}"),
-        (spec.ffn_hidden % lay.t == 0, f"t={lay.t} must divide the FFN width {spec.ffn_hidden}"),
+        (a % lay.t == 0, f"n_head (attention heads)={a} must be divisible by t={lay.t} (each TP rank gets an "
+                         f"equal share)"),
+        (akv % lay.t == 0, f"n_kv_head (KV heads)={akv} must be divisible by t={lay.t} (each TP rank gets an "
+                           f"equal share)"),
+        (spec.ffn_hidden % lay.t == 0, f"the FFN width f={spec.ffn_hidden} must be divisible by t={lay.t} (each TP "
+                                       f"rank gets an equal share)"),
         (spec.n_layer >= lay.p * lay.v, f"p*v={lay.p}*{lay.v} stages need at least as many layers (L={spec.n_layer})"),
         (lay.v == 1 or lay.schedule == "interleaved", f"v={lay.v} > 1 needs schedule 'interleaved'"),
         (lay.placement in ("loop", "v"), f"placement must be 'loop' or 'v', got {lay.placement!r}"),
@@ -117,8 +121,9 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
          f"DualPipe needs an even p >= 2 and v = 1 (got p={lay.p}, v={lay.v})"),
         (not lay.sequence_parallel or spec.seq_len % lay.t == 0,
          f"sequence parallelism needs t={lay.t} to divide the sequence length s={spec.seq_len}"),
-        (not spec.is_moe or (spec.n_routed_experts % lay.ep == 0 and lay.d % lay.ep == 0),
-         f"ep={lay.ep} must divide the experts E={spec.n_routed_experts} and d={lay.d}"),
+        (not spec.is_moe or spec.n_routed_experts % lay.ep == 0,
+         f"n_routed_experts E={spec.n_routed_experts} must be divisible by the EP size {lay.ep} (EP folded onto DP)"),
+        (lay.d % lay.ep == 0, f"the EP size ep={lay.ep} must divide d={lay.d} (EP folded onto DP)"),
         (spec.is_moe or lay.ep == 1, f"ep={lay.ep} > 1 needs a MoE model"),
     ]
     if lay.M is None:
