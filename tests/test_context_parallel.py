@@ -25,6 +25,8 @@ from labkit.context_parallel import ring as ring_mod
 from labkit.context_parallel import layers as layers_mod
 from labkit.dist import launch
 from labkit.model import GPT, CausalSelfAttention, GPTConfig
+from labkit.plan.comm import comm_per_rank
+from labkit.plan.spec import Layout, ModelSpec
 
 RTOL, ATOL = 1e-5, 1e-6
 B, S, H, NH, NKV = 2, 16, 32, 8, 4
@@ -93,9 +95,13 @@ def _gpt_run(group, rank, cp, method):
         tgt = torch.randint(0, 64, (B, S), generator=g)
         loss_r = ref(idx, tgt)
         loss_r.backward()
-        loss_p = par(shard_sequence(idx, 1, rank, cp), shard_sequence(tgt, 1, rank, cp))
-        loss_p.backward()
-        finish_grad_sync(par, group)
+        with CommLog() as log:
+            loss_p = par(shard_sequence(idx, 1, rank, cp), shard_sequence(tgt, 1, rank, cp))
+            loss_p.backward()
+        with CommLog() as sync_log:
+            finish_grad_sync(par, group)
+        if step == 0:
+            comm = {"cp": log.summary(), "sync": sync_log.bytes("all_reduce")}
         if step == 0:
             with torch.no_grad():
                 logits = gather_sequence(par(shard_sequence(idx, 1, rank, cp)), 1, group)
@@ -106,7 +112,7 @@ def _gpt_run(group, rank, cp, method):
         _sgd(ref, par)
     out += [(f"param {n} after {STEPS} SGD steps", p.detach().clone(), q.detach().clone())
             for (n, q), p in zip(ref.named_parameters(), par.gpt.parameters())]
-    return out
+    return out, comm
 
 
 def _comm_of(group, rank, cp, method):
@@ -134,7 +140,7 @@ def _rank(ctx):
     for method in METHODS:
         for causal in (True, False):
             res[("layer", method, causal)] = _layer_run(g, r, cp, method, causal)
-        res[("gpt", method)] = _gpt_run(g, r, cp, method)
+        res[("gpt", method)], res[("gpt comm", method)] = _gpt_run(g, r, cp, method)
         res[("comm", method)] = _comm_of(g, r, cp, method)
     res[("layer", "ring", "contiguous")] = _layer_run(g, r, cp, "ring", True, lb=False)
     res["work"] = {lb: _work_of(g, r, cp, lb) for lb in (True, False)}
@@ -227,6 +233,22 @@ def test_bytes_equal_the_formulas(results, cp):
         ulysses_bytes = B * (2 * NH + 2 * NKV) * s * d * e   # q, k, v and the output, once each
         assert ul["fwd"] == {("all_to_all", cp): (4, ulysses_bytes)}
         assert ul["bwd"] == {("all_to_all", cp): (4, ulysses_bytes)}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_planner_cp_bytes_equal_the_measured_gpt_run(results, cp, method):
+    """labkit.plan.comm's "cp" axis for the tiny GPT (one microbatch of B sequences, fp32) equals
+    what CommLog counted on every rank, kind by kind; its DP-axis gradient all-reduce over the
+    d cp = cp ranks equals the bytes finish_grad_sync all-reduced."""
+    spec = ModelSpec.from_gpt_config(_cfg(), global_batch=B)
+    lay = Layout(cp=cp, b=B, M=1, precision="fp32", cp_attention=method)
+    plan = comm_per_rank(spec, lay)
+    expected = {(k, cp): v for k, v in plan["cp"].ops.items()}
+    for r, res in enumerate(results[cp]):
+        measured = res[("gpt comm", method)]
+        assert measured["cp"] == expected, (r, measured["cp"], expected)
+        assert measured["sync"] == plan["dp"].ops["all_reduce"][1]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
