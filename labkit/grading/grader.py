@@ -675,6 +675,24 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
     return ""
 
 
+_BATCH_ONLY = {"help", "paths", "results", "results_dir", "gradebook", "jobs"}
+
+
+def _submission_options(parser, args) -> list[str]:
+    """The command-line options, as given, that a batch passes on to each submission's grader:
+    every option of ``parser`` but the batch's own (one list, so none is forgotten)."""
+    out: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse's list of declared options
+        if action.dest in _BATCH_ONLY or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if action.nargs == 0:  # a flag (store_true)
+            out += [action.option_strings[0]] if value else []
+        elif value is not None and value != action.default:
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m labkit grade``; bad input ends with one ``error:`` line (exit 2) before any
     kernel starts. Exit status 0 when every notebook was graded (whatever its score), 1 when one
@@ -762,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
     if batch:
         from .batch import grade_batch
-        return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, cell_timeout, a.assignment, not a.no_hints)
+        return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, _submission_options(p, a))
     t0 = time.monotonic()
     grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits,
                          hints=not a.no_hints, source_policy=not a.no_source_policy)
