@@ -56,8 +56,8 @@ REFERENCES: dict[str, list[str]] = {
     "7.2": ["labkit.tensor_parallel.layers:VocabParallelEmbedding"],
     "7.3": ["labkit.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
             "labkit.tensor_parallel.cross_entropy:_VocabParallelCrossEntropy"],
-    "8.1": ["labkit.dist:make_grid"],
-    "8.2": ["labkit.dist:make_grid"],
+    "8.1": ["labkit.grid:ProcessGrid", "labkit.grid:make_grid"],
+    "8.2": ["labkit.grid:ProcessGrid", "labkit.grid:make_grid"],
     "8.3": ["labkit.plan.memory:rank_param_counts"],
     "8.4": ["labkit.plan.activations:korthikanti_layer_activation_bytes",
             "labkit.plan.activations:layer_activation_bytes"],
@@ -65,7 +65,7 @@ REFERENCES: dict[str, list[str]] = {
     "8.6": ["labkit.plan.comm:comm_per_rank"],
     "9.1": ["labkit.moe.router:route", "labkit.moe.router:TopKRouter"],
     "9.2": ["labkit.moe.router:compute_capacity", "labkit.moe.router:capacity_mask", "labkit.moe.router:route"],
-    "9.3": ["labkit.moe.params:count_parameters"],
+    "9.3": ["labkit.plan.params:count_parameters"],
     "10.1": ["labkit.moe.losses:switch_aux_loss", "labkit.moe.losses:expert_fraction"],
     "10.2": ["labkit.moe.losses:device_balance_loss", "labkit.moe.losses:expert_balance_loss",
              "labkit.moe.losses:_device_groups"],
@@ -82,7 +82,7 @@ REFERENCES: dict[str, list[str]] = {
     "14.1": ["labkit.moe.eplb:balanced_packing"],
     "14.2": ["labkit.moe.eplb:replicate_experts"],
     "14.3": ["labkit.moe.hierarchical:inter_node_rows"],
-    "14.4": ["labkit.moe.inference:decode_cost", "labkit.moe.inference:expected_experts_touched"],
+    "14.4": ["labkit.plan.params:decode_cost", "labkit.plan.params:expected_experts_touched"],
 }
 
 
