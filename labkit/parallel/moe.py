@@ -29,9 +29,8 @@ from ..data_parallel import DistributedDataParallel
 from ..model import lm_loss
 from ..moe.expert_parallel import ExpertParallelMoE, expert_param_names
 from ..moe.model import MoEBlock, total_aux_loss
-from ..tensor_parallel import ParallelAttention, ParallelBlock, vocab_parallel_cross_entropy
+from ..tensor_parallel import ParallelAttention, ParallelBlock, ParallelEmbedding, ParallelHead
 from ..tensor_parallel.mappings import all_gather_along_dim
-from ..tensor_parallel.model import _Embedding as TPEmbedding, _Head as TPHead
 from .gpt import check_layout
 
 __all__ = ["ParallelMoEGPT"]
@@ -56,11 +55,11 @@ class _Model(nn.Module):
     def __init__(self, ref, grid):
         super().__init__()
         tpg = grid.tp_group if grid.tp > 1 else None
-        self.embedding = TPEmbedding(ref.embedding, tpg) if tpg else copy.deepcopy(ref.embedding)
+        self.embedding = ParallelEmbedding(ref.embedding, tpg) if tpg else copy.deepcopy(ref.embedding)
         self.blocks = nn.ModuleList([
             _MoEBlock(b, tpg, grid.dp_group, grid.dp_rank, grid.dp) if isinstance(b, MoEBlock)
             else (ParallelBlock(b, tpg) if tpg else copy.deepcopy(b)) for b in ref.blocks])
-        self.head = TPHead(ref.head, tpg) if tpg else copy.deepcopy(ref.head)
+        self.head = ParallelHead(ref.head, tpg) if tpg else copy.deepcopy(ref.head)
 
     def forward(self, idx):
         x, stats = self.embedding(idx), []
@@ -96,8 +95,7 @@ class ParallelMoEGPT:
         self.experts = expert_param_names(self.model)
         self.ddp = DistributedDataParallel(self.model, grid.dp_group, bucket_cap_mb, expert_params=self.experts) \
             if grid.dp > 1 else None
-        tpg = grid.tp_group if grid.tp > 1 else None
-        self.loss_fn = (lambda out, t: vocab_parallel_cross_entropy(out, t, group=tpg)) if tpg else lm_loss
+        self.loss_fn = self.model.head.loss if grid.tp > 1 else lm_loss
         self.optimizer = None
 
     def make_optimizer(self, name: str = "sgd", lr: float = 0.1, **kw):
