@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 
 from ..cliparse import Parser
-from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               count_parameters_meta, is_main_rank, loss_change, schedule_name)
 from ..pipeline.registry import lookup, names
 from ..pipeline.stats import mean_times
+from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
+               count_parameters_meta, is_main_rank, loss_change, schedule_name)
 from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
 from .verdict import add_tolerance_option
 

@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from ..cliparse import Parser
+from ..pipeline.registry import lookup, names
 from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
                count_parameters_meta, is_main_rank, save_figure, schedule_name, write_bytes_atomic)
-from ..pipeline.registry import lookup, names
 from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
 from .verdict import add_tolerance_option
 
