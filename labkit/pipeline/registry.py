@@ -15,7 +15,7 @@ This module imports no torch (the planner reads it); the runtime classes, in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable
 
@@ -49,7 +49,7 @@ class ScheduleInfo:
     zero_bubble: bool = False
     formula: str = ""
     planned: bool = False
-    min_microbatches: Callable[[int], int] = staticmethod(lambda K: 1)
+    min_microbatches: Callable[[int], int] = field(default=lambda K: 1)
 
     @property
     def runtime_class(self):
