@@ -92,6 +92,7 @@ FSDP_CASES = [  # d, optimizer, steps, reshard_after_forward, microbatches
     (2, "sgd", 3, False, 2),
     (2, "adam", 5, True, 1),
     (4, "adam", 5, False, 1),
+    (3, "sgd", 2, True, 1),     # d = 3: the blocks' 3136 elements are padded to 3138
 ]
 
 
@@ -114,6 +115,7 @@ def test_fsdp_equals_single_device(d, opt_name, steps, reshard, accum):
     # when resharded, once when not; one reduce-scatter per unit after the last microbatch
     assert exp["all_gather"] == ((8 if reshard else 4), sum(p // d for p in pads) * 4 * (2 if reshard else 1))
     assert exp["reduce_scatter"] == (4, sum(pads) * 4)
+    assert sum(pads) == (14624 if d in (2, 4) else 14628)     # d = 3: each block padded by 2
     for rank in out:
         for log in rank["logs"]:
             assert log == {("all_gather", d): (exp["all_gather"][0] * accum, exp["all_gather"][1] * accum),
@@ -224,13 +226,17 @@ def _zero2_grad_worker(ctx, cap):
     return {n: full[id(p)] for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("d,opt_name,steps,accum", [(2, "sgd", 3, 2), (4, "adam", 5, 1), (4, "sgd", 3, 1)])
+@pytest.mark.parametrize("d,opt_name,steps,accum", [(2, "sgd", 3, 2), (4, "adam", 5, 1), (4, "sgd", 3, 1),
+                                                         (3, "sgd", 2, 1)])
 def test_zero2_equals_single_device(d, opt_name, steps, accum):
     _, ref_params, full_state = reference(steps, opt_name)
     cap = 0.01   # ~10 KB buckets: several reduce-scatters, started while backward runs
     out = launch(_zero2_worker, d, steps, opt_name, accum, cap, None, backend="gloo")
     exp = expected_zero2(out[0]["numels"], cap, d)
     assert exp["buckets"] == out[0]["buckets"] > 2
+    assert sum(out[0]["numels"]) == 14624
+    if d == 3:   # padding is traffic: 5 buckets padded to multiples of 3 add 7 elements in all
+        assert exp["reduce_scatter"] == (5, (14624 + 7) * 4) and exp["all_gather"] == (5, (14624 + 7) // 3 * 4)
     for rank in out:
         assert_close(rank["params"], ref_params, "parameters after the steps")
         for log in rank["logs"]:
