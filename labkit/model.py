@@ -74,7 +74,8 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: nn.Module | None = None) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     dropout: nn.Module | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v for q: [B, h, S, d], k, v: [B, h_kv, S, d].
 
     With h_kv < h each K/V head is repeated for its h / h_kv query heads (GQA).

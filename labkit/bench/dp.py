@@ -58,7 +58,7 @@ def _worker(ctx, a):
     from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 
     _quiet()
-    d, r = ctx.world_size, ctx.rank
+    r = ctx.rank
     cfg = GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
     ref = GPT(cfg, seed=0)
     g = torch.Generator().manual_seed(r)
@@ -102,7 +102,8 @@ def _worker_3d(ctx, a):
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage as TorchStage, Schedule1F1B as TorchSchedule
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+    from torch.distributed.pipelining import Schedule1F1B as TorchSchedule
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

@@ -37,8 +37,18 @@ import torch
 
 from ..cliparse import Parser
 from ..pipeline.registry import lookup, names
-from . import (HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               is_main_rank, save_figure, schedule_name, write_bytes_atomic)
+from . import (
+    HelpFormatter,
+    bad_lr,
+    bad_memory,
+    bad_number,
+    bad_out,
+    bad_seed,
+    is_main_rank,
+    save_figure,
+    schedule_name,
+    write_bytes_atomic,
+)
 from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
 from .verdict import add_tolerance_option
 

@@ -69,8 +69,15 @@ import torch.nn as nn
 from .. import comm
 from .boundary import as_tuple, exchange_metadata, replay_rng, rng_state
 from .boundary import nbytes as tensor_bytes
-from .schedules import (Action, Schedule, ScheduleError, check_pipeline_sizes, gpipe_schedule, interleaved_schedule,
-                        one_f_one_b_schedule)
+from .schedules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    check_pipeline_sizes,
+    gpipe_schedule,
+    interleaved_schedule,
+    one_f_one_b_schedule,
+)
 from .split_backward import backward_input, backward_weight, w_only_saved_bytes
 from .stats import Event, step_stats
 from .stats import timeline as timed_actions
@@ -669,7 +676,8 @@ def explain_hang(actions: Schedule, rank: int, a: Action, comm_action: Action, e
         first = (f"pipeline schedule hung: the first action that cannot complete is {b!r} on {who(r)} (its action "
                  f"{i}): {reason}{where}; {here}")
     else:
-        first = (f"{'pipeline ' if same else ''}{who(rank)}: a wait failed although the schedule can finish when run symbolically (so "
+        first = (f"{'pipeline ' if same else ''}{who(rank)}: a wait failed although the schedule can finish "
+                 f"when run symbolically (so "
                  f"another rank probably failed first: see its error, or the messages between two ranks come in "
                  f"different orders); {here}")
     cause = str(error).strip().splitlines()[0] if str(error).strip() else ""

@@ -272,7 +272,7 @@ def holds_last(lay: Layout, pp_rank: int) -> bool:
 def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     """Elements of parameters on one rank of pipeline rank ``pp_rank`` (any TP/DP rank):
     ``{"dense": n, "expert": n, "layers": n}`` (experts separately: their DP group is d/ep)."""
-    t, p, v = lay.t, lay.p, lay.v
+    t, p = lay.t, lay.p
     layer_ids = [i for ch in rank_layer_chunks(spec, lay, pp_rank) for i in ch]
     dense = expert = 0
     for i in layer_ids:

@@ -68,8 +68,9 @@ class ParallelAttention(nn.Module):
         d = self.head_dim
         # copy_input=False: one f for all three projections (see module docstring)
         self.q_proj = ColumnParallelLinear(hidden, n_head * d, bias, gather_output=False, group=group, copy_input=False)
-        self.k_proj = ColumnParallelLinear(hidden, n_kv_head * d, bias, gather_output=False, group=group, copy_input=False)
-        self.v_proj = ColumnParallelLinear(hidden, n_kv_head * d, bias, gather_output=False, group=group, copy_input=False)
+        kv = dict(gather_output=False, group=group, copy_input=False)
+        self.k_proj = ColumnParallelLinear(hidden, n_kv_head * d, bias, **kv)
+        self.v_proj = ColumnParallelLinear(hidden, n_kv_head * d, bias, **kv)
         self.out_proj = RowParallelLinear(n_head * d, hidden, bias, input_is_parallel=True, group=group,
                                           sequence_parallel=sequence_parallel)
         self.attn_drop = nn.Dropout(dropout)
