@@ -2,8 +2,8 @@
 
 :func:`report` is the environment (torch, CUDA devices, NCCL/gloo, the backend ``auto`` picks per
 world size): all that ``python -m labkit doctor`` prints. With ``--run``, started anywhere (a
-laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints that report and then runs every lab briefly (a tiny model, 2-3 steps) with backend
-"auto", exactly as a user would start it, and prints for each::
+laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints that report and then runs every
+lab briefly (a tiny model, 2-3 steps) with backend "auto", exactly as a user would start it, and prints for each::
 
     PASS  3d        gloo  8 ranks   largest difference from one device 1.9e-07   4.2 s
 

@@ -271,7 +271,8 @@ def _start_folder_reaper(folder: str):
 
     Linux only (prctl PR_SET_PDEATHSIG delivers SIGUSR1 to the reaper when its parent dies);
     elsewhere returns None. The reaper runs in a session of its own, so that a ``killpg`` of this
-    process's group (the grader's time limit, a shell's job control) stops the launch but not it. The reaper blocks SIGUSR1, SIGINT and SIGTERM and waits: SIGUSR1
+    process's group (the grader's time limit, a shell's job control) stops the launch but not it.
+    The reaper blocks SIGUSR1, SIGINT and SIGTERM and waits: SIGUSR1
     (parent gone) removes the folder, retrying while the dying ranks still hold files in it;
     SIGINT / SIGTERM (a Ctrl-C or kill to the whole group) are ignored: the parent cleans up then
     and :func:`_stop_folder_reaper` SIGKILLs the reaper (which cannot block that, so no wait hangs).
@@ -848,7 +849,8 @@ def _torchrun_rank_failed(e: BaseException) -> None:
     is printed only with LABKIT_TRACEBACK=1."""
     first = (str(e).strip().splitlines() or [""])[0]
     kind = _error_priority((type(e).__name__, str(e), ""))
-    why = {2: "lost its connection to a peer that stopped or died", 1: "timed out waiting for a peer"}.get(kind, "failed")
+    why = {2: "lost its connection to a peer that stopped or died",
+           1: "timed out waiting for a peer"}.get(kind, "failed")
     beat = _Heartbeat.INSTANCE
     if beat is not None:
         beat.mark_done()

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from procs import live_processes
 
 from labkit import comm
 from labkit.dist import RankError, choose_backend, launch, make_grid
-from procs import live_processes
 
 
 def _children_alive():

@@ -40,8 +40,8 @@ from ..grid import Mesh
 from ..tensor_parallel.attention import ParallelAttention
 from ..tensor_parallel.layers import ColumnParallelLinear, ParallelMLP, VocabParallelEmbedding
 from ..tensor_parallel.mappings import all_gather_along_dim
-from .experts import Expert, MoELayer
 from .expert_parallel import all_to_all, exchange_splits
+from .experts import Expert, MoELayer
 from .model import MoEBlock, MoEGPT
 
 __all__ = ["SlicedExpert", "ExpertSlicedMoE", "ExpertSlicedMoEGPT", "make_slicing_groups", "SlicingGroups"]
