@@ -80,7 +80,8 @@ from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
 _as_tuple = as_tuple  # the old private name (tests/test_pipeline_boundaries.py)
 
-__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
+__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+           "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "explain_hang"]
 
 def _check_cost_model(cost_model):
     """None, or a dict kind -> seconds >= 0 for kinds among F, B, I, W (ValueError otherwise)."""
@@ -247,7 +248,8 @@ class PipelineSchedule:
     def _split(self, t, what):
         M = self.n_microbatches
         if t is None:
-            raise ValueError(f"this rank holds the {what} stage and needs the {'input' if what == 'first' else 'target'}")
+            raise ValueError(f"this rank holds the {what} stage and needs the "
+                             f"{'input' if what == 'first' else 'target'}")
         if t.shape[0] % M:
             raise ValueError(f"batch size {t.shape[0]} is not divisible by n_microbatches M={M}")
         return list(t.chunk(M, dim=0))
