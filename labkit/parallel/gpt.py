@@ -144,7 +144,7 @@ class ParallelGPT:
 
     Args:
         reference: the single-device :class:`labkit.model.GPT` (same seed on every rank).
-        grid: from ``make_grid(ctx, tp=t, pp=p, dp=d)``.
+        grid: from ``ProcessGrid.build(ctx, tp=t, pp=p, dp=d)``.
         schedule: "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zbv" | "dualpipev" (or another
             spelling of :mod:`labkit.pipeline.registry`, e.g. "zbh1"); ``v``: chunks
             per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).
