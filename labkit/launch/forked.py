@@ -307,8 +307,9 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method,
     reaper = None
     folder = None
     try:
-        # the folder and its reaper come into being together, with SIGINT/SIGTERM held back: a
-        # Ctrl-C between the two (or between mkdtemp and this try) would leave an empty folder
+        # the folder and its reaper come into being together, SIGINT/SIGTERM held back until both
+        # are known: a Ctrl-C landing after mkdtemp returned but before ``folder`` is set (or after
+        # the reaper's fork but before its pid is kept) would leave a folder, or a reaper, behind
         with _signals_deferred():
             folder = _rendezvous_folder()
             # removes the folder should this process be SIGKILLed (its ranks die too: PDEATHSIG)

@@ -52,6 +52,9 @@ class stop_on_first_signal:
         self.ignore_after, self.stopping, self.got, self._old = ignore_after, False, [], {}
 
     def _handler(self, signum, frame):
+        if _HOLDING:  # inside _signals_deferred: recorded there, acted on when it ends
+            _HOLDING[-1].append(signum)
+            return
         if self.stopping:
             self.got.append(signum)
             return
@@ -83,14 +86,25 @@ def _stopping_handler_installed() -> bool:
                for s in (signal.SIGINT, signal.SIGTERM))
 
 
+_HOLDING: list = []  # one list per open _signals_deferred under a stop_on_first_signal
+
+
 class _signals_deferred:
     """While inside (main thread only): SIGINT and SIGTERM are recorded, not acted on; on leaving,
-    the previous handlers are back and the first recorded signal is raised (KeyboardInterrupt,
-    or :class:`Terminated`), unless an exception is already on its way out."""
+    the previous handlers are back and the first recorded signal is acted on (KeyboardInterrupt,
+    or :class:`Terminated`; under :class:`stop_on_first_signal`, its handler), unless an exception
+    is already on its way out. A signal is delivered to whichever thread does not block it, and
+    Python runs its handler in the main thread at the next bytecode, so blocking it in the main
+    thread alone would not keep a Ctrl-C out of a few lines that must run together."""
 
     def __enter__(self):
-        self._old, self._got = {}, []
-        if threading.current_thread() is threading.main_thread() and not _stopping_handler_installed():
+        self._old, self._got, self._held = {}, [], False
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        if _stopping_handler_installed():
+            _HOLDING.append(self._got)
+            self._held = True
+        else:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, lambda signum, frame: self._got.append(signum))
         return self
@@ -98,6 +112,13 @@ class _signals_deferred:
     def __exit__(self, exc_type, *exc):
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+        if self._held:
+            _HOLDING.remove(self._got)
+            if self._got and exc_type is None:
+                handler = signal.getsignal(self._got[0])
+                if callable(handler):
+                    handler(self._got[0], None)  # the stop_on_first_signal's: raises, or records a later one
+            return False
         if self._got and exc_type is None:
             old = self._old[self._got[0]]
             if callable(old):
