@@ -52,9 +52,6 @@ class RankResult:
     params: dict
     verdict: object = None
 
-    def __getitem__(self, name: str):  # h["bytes"], as the plotting code reads histories
-        return getattr(self.history, name)
-
 
 def _ep_worker(ctx, a, corpus) -> RankResult:
     """One rank of the EP run over ``ctx.group``, judged at every step by the verdict: rank 0's
