@@ -272,8 +272,7 @@ def _analyse(a, kind, K, results, single):
         measured.append(float(bubble_fraction(tl, K)))
     # mean measured F and B time per stage, then simulate the schedule with them
     times = mean_times(tls, K * v)
-    fwd, bwd = times["F"], times["B"]
-    sim = simulate(lookup(kind).schedule(K, M, v), forward=fwd, backward=bwd)
+    sim = simulate(lookup(kind).schedule(K, M, v), forward=times["F"], backward=times["B"])
     peak = {}
     for r in results:
         peak.update(r.peak)
