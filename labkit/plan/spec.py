@@ -215,7 +215,9 @@ class Layout:
     ``accumulate_allreduce_grads_in_fp32`` and its theoretical-memory convention: 18 bytes per
     parameter, ``6 + 12/d`` with the distributed optimizer; off: labkit's 16 bytes, ``4 + 12/d``),
     ``pp_scatter_gather`` (time model only: Megatron sends each pipeline message as t shards
-    of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1)."""
+    of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1),
+    ``reshard_after_forward`` (ZeRO-3 only: free each unit's gathered parameters after its forward
+    and gather them again for backward, FSDP2's default; False keeps them, Llama 3's choice)."""
 
     t: int = 1
     p: int = 1
@@ -232,6 +234,7 @@ class Layout:
     fused_attention: bool = False
     fp32_grads: bool = False
     pp_scatter_gather: bool = True
+    reshard_after_forward: bool = True
 
     @property
     def n_gpus(self) -> int:
