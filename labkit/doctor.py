@@ -1,8 +1,10 @@
-"""``python -m labkit doctor --run``: does the kit work on this machine? One line per lab.
+"""``python -m labkit doctor [--run]``: does the kit work on this machine?
 
-Started anywhere (a laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints the report of
-:func:`labkit.dist.doctor` and then runs every lab briefly (a tiny model, 2-3 steps) with backend
-"auto", exactly as a user would start it, and prints for each::
+:func:`report` is the environment (torch, CUDA devices, NCCL/gloo, the backend ``auto`` picks per
+world size): all that ``python -m labkit doctor`` prints. With ``--run``, started anywhere (a
+laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints that report and then runs every
+lab briefly (a tiny model, 2-3 steps) with backend "auto", as a user would start it (through
+:func:`labkit.labs.harness.run`, which returns the lab's verdicts), and prints for each::
 
     PASS  3d        gloo  8 ranks   largest difference from one device 1.9e-07   4.2 s
 
@@ -20,6 +22,30 @@ import io
 import os
 import tempfile
 import time
+from typing import Sequence
+
+
+def report(world_sizes: Sequence[int] = (1, 2, 4, 8)) -> str:
+    """Text report: torch version, CUDA devices, NCCL/gloo availability, the auto backend per
+    world size in ``world_sizes``."""
+    import torch
+    import torch.distributed as dist
+
+    from .dist import choose_backend, in_torchrun
+
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    lines = [
+        f"torch            {torch.__version__}",
+        f"CUDA available   {torch.cuda.is_available()}",
+        f"CUDA devices     {n_gpu}",
+        f"NCCL available   {dist.is_nccl_available()}",
+        f"gloo available   {dist.is_gloo_available()}",
+        f"CPU cores        {os.cpu_count()}",
+        f"under torchrun   {in_torchrun()}",
+    ]
+    for w in world_sizes:
+        lines.append(f"auto backend for world size {w}: {choose_backend(w)}")
+    return "\n".join(lines)
 
 
 def _sizes(world: int) -> tuple[int, int, int]:
@@ -47,39 +73,35 @@ def _plans(world: int | None, out: str) -> list[tuple[str, int, list[str]]]:
 
 def run_all(verbose: bool = False) -> int:
     """Run every lab briefly here; print one PASS/FAIL line per lab; return 0 if all passed."""
-    from .commands import run_module
-    from .dist import choose_backend, doctor, in_torchrun
-    from .labs import is_main_rank, run_cli
-    from .labs import verdict as verdict_mod
+    from .commands import lab
+    from .dist import RankError, Terminated, choose_backend, in_torchrun
+    from .labs import is_main_rank
+    from .labs.harness import run
 
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
     show = is_main_rank()
     if show:
-        print(doctor([world] if world else [2, 8]))
+        print(report([world] if world else [2, 8]))
         print()
     ok_all = True
     with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as out:
         for name, ranks, argv in _plans(world, out):
-            captured: list = []
-            orig = verdict_mod.report
-
-            def spy(results, *a, **k):
-                captured.append(results)
-                return orig(results, *a, **k)
-            verdict_mod.report = spy
             buf = io.StringIO()
             t0 = time.perf_counter()
+            verdicts = {}
             try:
                 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-                    rc = run_cli(run_module, "lab", name, argv)
-            except BaseException as e:  # noqa: BLE001 - a lab that crashes is a FAIL line, not a traceback
+                    res = run(lab(name, argv), argv)
+                rc, verdicts = res.rc, res.verdicts
+            except (KeyboardInterrupt, Terminated):
+                raise                         # the command ends: labs.run_cli prints its one line
+            except (Exception, SystemExit) as e:  # a lab that crashes is a FAIL line, not a traceback
                 rc = 1
-                buf.write(f"\n{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            finally:
-                verdict_mod.report = orig
+                why = "" if isinstance(e, RankError) else f"{type(e).__name__}: "
+                buf.write(f"\n{why}{str(e).splitlines()[0] if str(e) else ''}")
             seconds = time.perf_counter() - t0
             diffs = [max(r.grad_diff, abs(r.loss - r.ref_loss) if r.loss is not None else 0.0)
-                     for results in captured for res in results.values() if res is not None for r in res.records]
+                     for res in verdicts.values() if res is not None for r in res.records]
             largest = f"{max(diffs):.1e}" if diffs else "n/a"
             ok = rc == 0
             ok_all = ok_all and ok

@@ -12,12 +12,16 @@ key and value projections so that the tensor-parallel version can split each by 
 ``n_kv_head < n_head`` gives grouped-query attention (each K/V head serves
 ``n_head // n_kv_head`` query heads).
 
-The model is three parts, ``embedding``, ``blocks`` and ``head``, so that the pipeline
-version can cut it by layers (blocks) and put the embedding on the first and the head on
-the last stage. Construction is deterministic from ``seed``.
+The model is three parts, ``embedding``, ``blocks`` and ``head``, and either end may be absent
+(as in torchtitan's model): :meth:`GPT.slice` keeps some blocks, and the embedding only on the
+first pipeline stage and the head only on the last, so one forward (embedding -> blocks ->
+head) serves the whole model, a pipeline stage and, with its parts replaced by
+:func:`labkit.tensor_parallel.parallelize`, the tensor-parallel model. Construction is
+deterministic from ``seed``.
 """
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from dataclasses import dataclass
@@ -159,8 +163,18 @@ class Embedding(nn.Module):
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
+def check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> None:
+    """Raise ValueError naming the first bad ids unless every target lies in ``[0, V)`` or equals
+    ``ignore_index`` (checked before any communication, so every rank fails alike)."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"targets must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
+                         f"got {targets[bad][:8].tolist()}")
+
+
 class Head(nn.Module):
-    """Final LayerNorm and output projection. [B, S, H] -> logits [B, S, V]."""
+    """Final LayerNorm and output projection. [B, S, H] -> logits [B, S, V]; :meth:`loss` is the
+    mean next-token cross-entropy of those logits (the tensor-parallel head has its own)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -169,6 +183,9 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        return lm_loss(logits, targets, ignore_index)
 
 
 def init_weights(module: nn.Module) -> None:
@@ -186,9 +203,15 @@ def init_weights(module: nn.Module) -> None:
 class GPT(nn.Module):
     """The reference GPT: ``embedding`` -> ``blocks`` (L of them) -> ``head``.
 
-    ``forward(idx, targets=None)``: idx [B, S] long token ids; returns logits [B, S, V],
-    or the mean cross-entropy (a 0-d tensor, nats per token) when ``targets`` [B, S] is given.
-    ``seed`` makes the initial weights reproducible without touching the global RNG.
+    ``forward(idx, targets=None, ignore_index=-100)``: idx [B, S] long token ids; returns logits
+    [B, S, V], or the mean cross-entropy (a 0-d tensor, nats per token; targets equal to
+    ``ignore_index`` left out) when ``targets`` [B, S] is given. ``seed`` makes the initial
+    weights reproducible without touching the global RNG.
+
+    A slice (:meth:`slice`, :meth:`from_parts`) may lack the embedding (its input is then the
+    hidden states [B, S, H]) or the head (it returns hidden states); ``layer_ids`` are the global
+    indices of its blocks, so its parameter ``blocks.i.x`` is the full model's
+    ``blocks.<layer_ids[i]>.x`` (:meth:`reference_name`).
     """
 
     def __init__(self, cfg: GPTConfig | None = None, seed: int = 0):
@@ -200,22 +223,72 @@ class GPT(nn.Module):
             self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
             self.head = Head(cfg)
             init_weights(self)
-            if cfg.share_embeddings_and_output_weights:  # one matrix: logits = LN_f(x) @ wte^T
-                self.head.lm_head.weight = self.embedding.wte.weight
+            self.tie_weights()
+        self.layer_ids = list(range(cfg.n_layer))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embedding(idx)
+    def tie_weights(self) -> None:
+        """With ``share_embeddings_and_output_weights`` and both ends held: one matrix,
+        logits = LN_f(x) @ wte^T (the output layer uses the embedding's weight)."""
+        if self.cfg.share_embeddings_and_output_weights and self.embedding is not None and self.head is not None:
+            self.head.lm_head.weight = self.embedding.wte.weight
+
+    @classmethod
+    def from_parts(cls, cfg: GPTConfig, embedding: nn.Module | None, blocks, head: nn.Module | None,
+                   layer_ids=None) -> "GPT":
+        """A GPT made of the given modules (no copy, no initialisation): ``embedding`` and
+        ``head`` may be None; ``layer_ids`` (default 0..len(blocks)-1) name the blocks' global
+        indices. Raises ValueError when their number differs from the blocks'."""
+        model = cls.__new__(cls)
+        nn.Module.__init__(model)
+        model.cfg, model.embedding, model.blocks, model.head = cfg, embedding, nn.ModuleList(blocks), head
+        model.layer_ids = list(range(len(model.blocks)) if layer_ids is None else layer_ids)
+        model.tie_weights()
+        if len(model.layer_ids) != len(model.blocks):
+            raise ValueError(f"layer_ids {model.layer_ids} name {len(model.layer_ids)} blocks, "
+                             f"got {len(model.blocks)} blocks")
+        return model
+
+    def slice(self, layer_ids, embedding: bool, head: bool) -> "GPT":
+        """Deep copies of the blocks ``layer_ids`` (global indices of this model), with the
+        embedding and/or the head when asked: a pipeline stage. A matrix the embedding and the
+        head share (tied) stays shared in a slice holding both."""
+        local = {g: i for i, g in enumerate(self.layer_ids)}
+        missing = [j for j in layer_ids if j not in local]
+        if missing or (embedding and self.embedding is None) or (head and self.head is None):
+            raise ValueError(f"cannot slice blocks {list(layer_ids)}, embedding={embedding}, head={head} out of a "
+                             f"GPT holding blocks {self.layer_ids}, embedding={self.embedding is not None}, "
+                             f"head={self.head is not None}")
+        emb, hd = copy.deepcopy((self.embedding if embedding else None, self.head if head else None))
+        return type(self).from_parts(self.cfg, emb, [copy.deepcopy(self.blocks[local[j]]) for j in layer_ids],
+                                     hd, layer_ids)
+
+    def reference_name(self, name: str) -> str:
+        """The full model's name of this slice's parameter ``name`` (``blocks.i.x`` -> ``blocks.<global>.x``)."""
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            return f"blocks.{self.layer_ids[int(i)]}.{rest}"
+        return name
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                ignore_index: int = -100) -> torch.Tensor:
+        if targets is not None:
+            if self.head is None:
+                raise ValueError("targets were given to a GPT slice without the head (only the last "
+                                 "pipeline stage computes the loss)")
+            check_targets(targets, self.cfg.vocab_size, ignore_index)   # before any communication
+        x = idx if self.embedding is None else self.embedding(idx)
         for block in self.blocks:
             x = block(x)
+        if self.head is None:
+            return x
         logits = self.head(x)
-        if targets is None:
-            return logits
-        return lm_loss(logits, targets)
+        return logits if targets is None else self.head.loss(logits, targets, ignore_index)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: logits [B, S, V], targets [B, S] -> 0-d tensor (nats)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits [B, S, V], targets [B, S] -> 0-d tensor (nats);
+    targets equal to ``ignore_index`` are left out (``F.cross_entropy``'s rule)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,7 +1,7 @@
 """Sequence parallelism and selective recompute equal the single-device layer; their bytes are exact.
 
 Each rank builds the reference :class:`labkit.model.Block` from one seed, shards it into a
-:class:`ParallelTransformerLayer` (TP, TP+SP, with and without recompute), runs two plain-SGD
+:class:`ParallelBlock` (TP, TP+SP, with and without recompute), runs two plain-SGD
 steps on both, and returns output, input gradient, every parameter gradient (step 1) and every
 parameter after the two steps, full shapes rebuilt. The parent compares them (fp32 rtol 1e-5,
 atol 1e-6). Injected bugs (no LayerNorm gradient all-reduce, split instead of reduce-scatter in
@@ -16,9 +16,9 @@ from labkit.comm import CommLog
 from labkit.dist import RankError, launch
 from labkit.model import Block, GPTConfig
 from labkit.tensor_parallel import gather_full_tensors
-from labkit.tensor_parallel import sequence_parallel as sp_mod
+from labkit.tensor_parallel import layers as sp_mod
 from labkit.tensor_parallel.mappings import all_gather_along_dim, split_along_dim
-from labkit.tensor_parallel.sequence_parallel import ParallelTransformerLayer, allreduce_layernorm_grads
+from labkit.tensor_parallel import ParallelBlock, allreduce_layernorm_grads
 
 RTOL, ATOL = 1e-5, 1e-6
 B, S, H, NH = 2, 8, 32, 8
@@ -46,7 +46,7 @@ def _data(step):
 def _compare_run(group, sp, rec, regather, steps=2, skip_ln_allreduce=False, n_kv_head=None):
     """Two SGD steps of the parallel layer and the reference; returns [(name, got, expected)]."""
     ref = _ref_block(n_kv_head=n_kv_head)
-    par = ParallelTransformerLayer(copy.deepcopy(ref), group, sequence_parallel=sp,
+    par = ParallelBlock(copy.deepcopy(ref), group, sequence_parallel=sp,
                                    recompute_granularity=rec, regather_in_backward=regather)
     out, lr = [], 0.1
     for step in range(steps):
@@ -77,7 +77,7 @@ def _compare_run(group, sp, rec, regather, steps=2, skip_ln_allreduce=False, n_k
 def _comm_of(group, sp, regather):
     """Collectives of one forward + backward of one layer (LayerNorm all-reduce separately)."""
     ref = _ref_block()
-    par = ParallelTransformerLayer(ref, group, sequence_parallel=sp, regather_in_backward=regather)
+    par = ParallelBlock(ref, group, sequence_parallel=sp, regather_in_backward=regather)
     x, dy = _data(0)
     xp = (split_along_dim(x, 1, group) if sp else x).requires_grad_()
     with CommLog() as log:
@@ -157,4 +157,4 @@ def test_sp_bytes_equal_the_all_reduces_exactly(results):
 
 def test_bad_arguments():
     with pytest.raises(RankError, match="ValueError: recompute_granularity"):
-        launch(lambda ctx: ParallelTransformerLayer(_ref_block(), ctx.group, recompute_granularity="attn"), 1)
+        launch(lambda ctx: ParallelBlock(_ref_block(), ctx.group, recompute_granularity="attn"), 1)

@@ -1,8 +1,10 @@
 """The labs: ``python -m labkit lab NAME`` (or ``torchrun ... -m labkit.labs.NAME``).
 
-What every lab shares: ``--help`` that shows defaults, one ``error:`` line for bad input,
-the rule that under torchrun only rank 0 prints, one line (no traceback) when the run is
-interrupted or a rank fails (:func:`run_cli`), a fresh run folder per run (:func:`run_folder`)
+Each lab module (``pipeline``, ``tensor``, ``moe``, ``moe_eplb``, ``threed``) supplies only its
+strategy, as a :class:`labkit.labs.harness.Lab`; :mod:`labkit.labs.harness` runs every lab the
+same way. What every lab shares, here: ``--help`` that shows defaults, one ``error:`` line for
+bad input, the rule that under torchrun only rank 0 prints, one line (no traceback) when the run
+is interrupted or a rank fails (:func:`run_cli`), a fresh run folder per run (:func:`run_folder`)
 and the verdict (:mod:`labkit.labs.verdict`).
 """
 from __future__ import annotations
@@ -190,15 +192,12 @@ def run_cli(main, *args, check_env: bool = True) -> int:
             return 1
 
 
-SCHEDULE_ALIASES = {"zbh1": "zb-h1", "zb_h1": "zb-h1", "zb-v": "zbv", "dualpipe-v": "dualpipev"}
-
-
 def schedule_name(text: str) -> str:
-    """A ``--schedule`` value's canonical name (the labs' and ``labkit.pipeline``'s): ``zb-h1``,
-    ``zbv``, ``dualpipev``, ...; other spellings (``zbh1``, ``ZB-H1``, ``zb-v``) are aliases.
-    Use as argparse's ``type=`` with the canonical names as ``choices``."""
-    name = text.strip().lower()
-    return SCHEDULE_ALIASES.get(name, name)
+    """A ``--schedule`` value's canonical name (:func:`labkit.pipeline.registry.canonical`):
+    ``zb-h1``, ``zbv``, ``dualpipev``, ...; other spellings (``zbh1``, ``ZB-H1``, ``zb-v``) are
+    aliases. Use as argparse's ``type=`` with the canonical names as ``choices``."""
+    from ..pipeline.registry import canonical
+    return canonical(text)
 
 
 def count_parameters_meta(build) -> int:

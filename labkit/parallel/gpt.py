@@ -1,7 +1,7 @@
 """3D parallelism: one GPT on a ProcessGrid with TP inside pipeline stages and DP across.
 
 Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters", sec. 2-3): the N = t * p * d GPUs are a grid. Rank order (``labkit.dist.make_grid``):
+Clusters", sec. 2-3): the N = t * p * d GPUs are a grid. Rank order (:class:`labkit.grid.ProcessGrid`):
 TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP outermost,
 ``rank = pp_rank * (d * t) + dp_rank * t + tp_rank``. On each rank:
 
@@ -42,39 +42,34 @@ What the planner reads (helper functions returning data, no printing):
 """
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 
 import torch
 import torch.nn as nn
 
 from .. import comm
-from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer, expected_dp_comm
+from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 from ..data_parallel.zero import optimizer_state_bytes
+from ..grid import ProcessGrid
 from ..model import lm_loss
-from ..pipeline.runtime import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                ScheduleZBH1, ScheduleZBVZeroBubble)
+from ..pipeline.registry import canonical, lookup, names
+from ..pipeline.runtime import PipelineStage
 from ..pipeline.schedules import stage_rank
-from ..pipeline.stages import GPTStage, gpt_param_name, stage_layers
-from ..tensor_parallel import ParallelBlock, vocab_parallel_cross_entropy
+from ..pipeline.stages import gpt_param_name, stage_layers
+from ..plan.comm import comm_per_rank
+from ..plan.spec import Layout, ModelSpec
+from ..tensor_parallel import RECOMPUTE, allreduce_layernorm_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
-from ..tensor_parallel.model import _Embedding as TPEmbedding, _Head as TPHead
 
 __all__ = ["SCHEDULES", "check_layout", "ParallelGPT", "layout"]
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "zbh1": ScheduleZBH1, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-V_SHAPED = ("zbv", "dualpipev")   # two stages per rank in V placement: rank r holds stages r and 2p-1-r
-
-
-def placement_of(schedule: str) -> str:
-    """"v" for the V-shaped zero-bubble schedules, else "loop" (stage i on rank i % p)."""
-    return "v" if schedule in V_SHAPED else "loop"
+SCHEDULES = names()   # every schedule with a runtime (labkit.pipeline.registry; other spellings accepted)
 
 
 def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_microbatches: int = 1,
                  global_batch: int | None = None, schedule: str = "1f1b", n_experts: int | None = None,
-                 zero: bool = False) -> None:
+                 zero: bool = False, sequence_parallel: bool = False, recompute: str = "none",
+                 seq_len: int | None = None) -> None:
     """Raise ValueError naming the values and the rule when a layout cannot be built; no
     communication (call it before any rank starts).
 
@@ -82,26 +77,33 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     vocabulary V and the FFN width; the global batch divisible by d * M; GPipe, 1F1B and ZB-H1
     have v = 1, ZB-V and DualPipeV v = 2 (DualPipeV also M >= 2p), interleaved 1F1B with v >= 2
     needs M a multiple of p; E experts divisible by the EP size (= d); tied embeddings with
-    p = 1 need v = 1, and are not combined with the V-shaped schedules.
+    p = 1 need v = 1, and are not combined with the V-shaped schedules; ``recompute`` one of
+    none, selective, full; sequence parallelism needs t to divide the sequence length.
     """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ValueError(f"sequence parallelism splits the S={seq_len} tokens over t={tp} ranks: "
+                         f"S must be divisible by t")
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
                       ("M (microbatches)", n_microbatches)):
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
     if tp * pp * dp != world_size:
         raise ValueError(f"t={tp} * p={pp} * d={dp} = {tp * pp * dp} must equal the world size {world_size}")
-    if schedule not in SCHEDULES:
+    info = lookup(schedule) if isinstance(schedule, str) and canonical(schedule) in SCHEDULES else None
+    if info is None:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if schedule in V_SHAPED and v != 2:
+    if info.v_shaped and v != 2:
         raise ValueError(f"schedule {schedule!r} runs two stages per rank (v=2, V placement); got v={v}")
-    if schedule not in V_SHAPED and schedule != "interleaved" and v != 1:
+    if info.chunks == 1 and v != 1:
         raise ValueError(f"schedule {schedule!r} runs one stage per rank (v=1); got v={v} (use interleaved)")
-    if schedule == "dualpipev" and n_microbatches < 2 * pp:
-        raise ValueError(f"DualPipeV needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
+    if n_microbatches < info.min_microbatches(pp):
+        raise ValueError(f"{info.label} needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
     if cfg.n_layer % (pp * v):
         raise ValueError(f"n_layer={cfg.n_layer} layers must be divisible by p*v = {pp}*{v} = {pp * v} "
                          f"(each pipeline stage gets the same number of layers)")
-    if schedule == "interleaved" and v > 1 and n_microbatches % pp:
+    if info.chunks is None and v > 1 and n_microbatches % pp:
         raise ValueError(f"interleaved 1F1B with v={v} needs M={n_microbatches} divisible by p={pp} "
                          f"(Megatron-LM: microbatches go through the chunks in groups of p)")
     for what, n in (("n_head (attention heads)", cfg.n_head), ("n_kv_head (KV heads)", cfg.n_kv_head),
@@ -114,13 +116,9 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if n_experts is not None and n_experts % dp:
         raise ValueError(f"n_routed_experts E={n_experts} must be divisible by the EP size {dp} (EP folded onto DP)")
     tied = getattr(cfg, "share_embeddings_and_output_weights", False)
-    if tied and ((pp == 1 and v > 1) or schedule in V_SHAPED):
+    if tied and ((pp == 1 and v > 1) or info.v_shaped):
         raise ValueError(f"tied embeddings with p={pp}, v={v}, schedule {schedule!r}: the first and last stage "
                          f"would be two modules on one rank; use p > 1 with loop placement, or v = 1")
-
-
-def _rank_of(grid, p, d, t):
-    return p * grid.dp * grid.tp + d * grid.tp + t
 
 
 def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") -> list[dict]:
@@ -128,8 +126,10 @@ def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") 
     "embedding", "head", "shard"}`` (``shard``: "heads a..b, vocab c..d" of this TP rank)."""
     out = []
     n_stages = pp * v
-    for r in range(tp * pp * dp):
-        t, d, p = r % tp, (r // tp) % dp, r // (tp * dp)
+    grid = ProcessGrid(tp=tp, pp=pp, dp=dp)
+    for r in range(grid.world):
+        c = grid.coords(r)
+        t, d, p = c["tp"], c["dp"], c["pp"]
         stages = [s for s in range(n_stages) if stage_rank(s, pp, placement) == p]
         layers = [j for s in stages for j in stage_layers(cfg.n_layer, n_stages, s)]
         h, V = cfg.n_head // tp, cfg.vocab_size // tp
@@ -140,16 +140,24 @@ def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") 
 
 
 class ParallelGPT:
-    """This rank's part of the GPT on a :class:`labkit.dist.ProcessGrid` (t, p, d).
+    """This rank's part of the GPT on a :class:`labkit.grid.ProcessGrid` (t, p, d).
 
     Args:
         reference: the single-device :class:`labkit.model.GPT` (same seed on every rank).
         grid: from ``make_grid(ctx, tp=t, pp=p, dp=d)``.
-        schedule: "gpipe" | "1f1b" | "interleaved" | "zbh1" | "zbv" | "dualpipev"; ``v``: chunks
+        schedule: "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zbv" | "dualpipev" (or another
+            spelling of :mod:`labkit.pipeline.registry`, e.g. "zbh1"); ``v``: chunks
             per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).
         n_microbatches: M per step (per DP rank).
         zero: ZeRO-1 over the DP group instead of DDP (see :meth:`make_optimizer`).
         bucket_cap_mb: DDP bucket size.
+        sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
+            Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
+            shard and the ``sequence_parallel`` gradients are all-reduced over TP in :meth:`train_step`.
+
+    Each stage reads: slice the reference (:meth:`labkit.model.GPT.slice`) -> parallelize it over
+    the TP group (:func:`labkit.tensor_parallel.parallelize` with ``gpt_plan``) -> wrap it for
+    data parallelism (DDP; or ZeRO-1 in the optimizer) -> a pipeline stage of the schedule.
 
     :meth:`train_step` ``(x [B, S], y [B, S])`` runs forward and backward of the global batch
     (every rank passes the same batch; each takes its DP slice) and returns this DP rank's mean
@@ -158,51 +166,48 @@ class ParallelGPT:
     """
 
     def __init__(self, reference: nn.Module, grid, schedule: str = "1f1b", n_microbatches: int = 1, v: int = 1,
-                 zero: bool = False, bucket_cap_mb: float = 25.0):
+                 zero: bool = False, bucket_cap_mb: float = 25.0, sequence_parallel: bool = False,
+                 recompute: str = "none", plan: dict | None = None):
         cfg = reference.cfg
-        check_layout(cfg, grid.ctx.world_size, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule)
+        check_layout(cfg, grid.ctx.world_size, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule,
+                     sequence_parallel=sequence_parallel, recompute=recompute)
         self.cfg, self.grid, self.v, self.M = cfg, grid, v, n_microbatches
+        self.sequence_parallel, self.recompute = bool(sequence_parallel) and grid.tp > 1, recompute
         self.zero, self.bucket_cap_mb = zero, bucket_cap_mb
         self.tied = bool(getattr(cfg, "share_embeddings_and_output_weights", False))
         t, p, d = grid.tp, grid.pp, grid.dp
         self.n_stages = n = p * v
         device = grid.ctx.device
         tpg = grid.tp_group if t > 1 else None
-        self.placement = placement = placement_of(schedule)
+        info = lookup(schedule)
+        self.placement = placement = info.placement
         self.stage_ids = [s for s in range(n) if stage_rank(s, p, placement) == grid.pp_rank]
-        self.modules: list[GPTStage] = []
+        plan = plan if plan is not None else gpt_plan(self.sequence_parallel, recompute)
+        self.modules: list[nn.Module] = []
         for s in self.stage_ids:
-            ids = stage_layers(cfg.n_layer, n, s)
-            emb = (TPEmbedding(reference.embedding, tpg) if tpg else copy.deepcopy(reference.embedding)) \
-                if s == 0 else None
-            blocks = [ParallelBlock(reference.blocks[j], tpg) if tpg else copy.deepcopy(reference.blocks[j])
-                      for j in ids]
-            head = (TPHead(reference.head, tpg) if tpg else copy.deepcopy(reference.head)) if s == n - 1 else None
-            if self.tied and emb is not None and head is not None:
-                head.lm_head.weight = emb.wte.weight        # one stage holds both ends: one matrix
-            self.modules.append(GPTStage(emb, blocks, head, ids).to(device))
+            stage = reference.slice(stage_layers(cfg.n_layer, n, s), s == 0, s == n - 1)   # slice
+            if tpg is not None or recompute != "none":
+                parallelize(stage, grid.tp_group, plan)                                    # parallelize
+            self.modules.append(stage.to(device))
         # embedding group: first and last pipeline rank with this (dp_rank, tp_rank); every rank
         # creates every group, in the same order (a torch rule)
         self.emb_group, self.emb_ranks = None, ()
         if self.tied and p > 1:
             for dd in range(d):
                 for tt in range(t):
-                    ranks = [_rank_of(grid, 0, dd, tt), _rank_of(grid, p - 1, dd, tt)]
+                    ranks = [grid.rank_of(pp=0, dp=dd, tp=tt), grid.rank_of(pp=p - 1, dp=dd, tp=tt)]
                     g = grid.ctx.new_group(ranks)
                     if grid.ctx.rank in ranks:
                         self.emb_group, self.emb_ranks = g, tuple(ranks)
         self.ddp = [DistributedDataParallel(m, grid.dp_group, bucket_cap_mb) if d > 1 and not zero else None
-                    for m in self.modules]
+                    for m in self.modules]                                                  # data parallel
         submods = [w if w is not None else m for w, m in zip(self.ddp, self.modules)]
-        stages = [PipelineStage(sm, s, n, device, group=grid.pp_group) for sm, s in zip(submods, self.stage_ids)]
-        if tpg:
-            def loss_fn(out, target):
-                return vocab_parallel_cross_entropy(out, target, group=tpg)
-        else:
-            loss_fn = lm_loss
-        cls = SCHEDULES[schedule]
-        one_per_rank = schedule not in V_SHAPED and schedule != "interleaved"
-        self.schedule = cls(stages[0] if one_per_rank else stages, n_microbatches, loss_fn)
+        stages = [PipelineStage(sm, s, n, device, group=grid.pp_group)                     # pipeline stage
+                  for sm, s in zip(submods, self.stage_ids)]
+        heads = [m.head for m in self.modules if m.head is not None]
+        loss_fn = heads[0].loss if heads else lm_loss     # the last stage's head (vocab-parallel under TP)
+        one_per_rank = info.chunks == 1
+        self.schedule = info.runtime_class(stages[0] if one_per_rank else stages, n_microbatches, loss_fn)
         self.optimizer = None
 
     # ---------------------------------------------------------------- training
@@ -245,6 +250,8 @@ class ParallelGPT:
         for w in self.ddp:
             if w is not None:
                 w.finish_grad_sync()          # no-op when the last backward completed it
+        if self.sequence_parallel:            # LayerNorms etc. saw S/t tokens: sum over TP, once per step
+            allreduce_layernorm_grads(nn.ModuleList(self.modules), self.grid.tp_group)
         if self.emb_group is not None:
             w = self._tied_weight()
             if w.grad is None:
@@ -306,8 +313,7 @@ class ParallelGPT:
         """Which axis a :class:`labkit.comm.CommRecord` belongs to: tp, pp, dp, embedding or other."""
         ranks = set(rec.ranks or ())
         g = self.grid
-        tp_r = {_rank_of(g, g.pp_rank, g.dp_rank, t) for t in range(g.tp)}
-        dp_r = {_rank_of(g, g.pp_rank, d, g.tp_rank) for d in range(g.dp)}
+        tp_r, dp_r = set(g.ranks("tp")), set(g.ranks("dp"))
         if rec.kind in ("send", "recv"):
             return "pp"
         if ranks == tp_r and g.tp > 1:
@@ -337,49 +343,18 @@ class ParallelGPT:
         return dict(out)
 
     def expected_comm(self, batch: int, seq: int, bytes_per_element: int = 4) -> dict:
-        """The formulas for one training step of this rank (after the first), same shape as
-        :meth:`comm_by_axis`.
-
-        With b = B/(d*M) sequences per microbatch, N = b*S tokens, A = N*H elements:
-        TP (Megatron-LM sec. 3), per microbatch and stage: 4 all-reduces of A per block (2
-        forward, 2 backward), +1 of A for the embedding (first stage), +1 of A for the output
-        layer's backward and 3 of N for the cross-entropy (last stage). PP: per microbatch and
-        stage boundary one send of A forward and one back (and the matching receives). DP: one
-        all-reduce per DDP bucket, payload = the stage's parameter bytes (a ring moves 2(d-1)/d
-        of it); ZeRO-1: one reduce-scatter of n (padded to d) and one all-gather of n/d.
-        Embedding: one all-reduce of the V/t x H matrix on the first and the last stage (tied, p > 1).
-        """
-        g, cfg, M, e = self.grid, self.cfg, self.M, bytes_per_element
-        b = batch // (g.dp * M)
-        N = b * seq
-        A = N * cfg.n_embd * e
-        out: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-        for m, s in zip(self.modules, self.stage_ids):
-            first, last, nb = s == 0, s == self.n_stages - 1, len(m.blocks)
-            if g.tp > 1:
-                c = out["tp"]["all_reduce"]
-                c[0] += M * (4 * nb + first + 4 * last)
-                c[1] += M * ((4 * nb + first + last) * A + 3 * last * N * e)
-            # a boundary to a stage on another rank costs one send (and one receive) per microbatch
-            me = g.pp_rank
-            n_send = M * ((not last and stage_rank(s + 1, g.pp, self.placement) != me)
-                          + (not first and stage_rank(s - 1, g.pp, self.placement) != me))
-            if n_send:
-                for kind in ("send", "recv"):
-                    out["pp"][kind][0] += n_send
-                    out["pp"][kind][1] += n_send * A
-        if g.dp > 1 and not self.zero:
-            for m in self.modules:
-                numels = [q.numel() for q in reversed([q for q in m.parameters() if q.requires_grad])]
-                ex = expected_dp_comm(numels, self.bucket_cap_mb, g.dp, e)
-                c = out["dp"]["all_reduce"]
-                c[0] += ex["buckets"]
-                c[1] += ex["all_reduce_bytes"]
-        elif g.dp > 1:
-            n = sum(q.numel() for q in self.parameters())
-            padded = -(-n // g.dp) * g.dp
-            out["dp"]["reduce_scatter"] = [1, padded * e]
-            out["dp"]["all_gather"] = [1, padded // g.dp * e]
-        if self.emb_group is not None:
-            out["embedding"]["all_reduce"] = [1, cfg.vocab_size // g.tp * cfg.n_embd * e]
-        return {a: {k: tuple(v) for k, v in kinds.items()} for a, kinds in out.items()}
+        """What the planner (:func:`labkit.plan.comm.comm_per_rank`, the one home of these
+        formulas) predicts for one training step of this rank (after the first), in the shape of
+        :meth:`comm_by_axis`: this layout as a :class:`labkit.plan.spec.Layout` (fp32, ``b =
+        B/(d M)``; the order of the actions does not change the bytes, so every schedule with v = 1
+        counts as 1F1B and every other as interleaved, in this schedule's placement), with this
+        rank's DDP bucket count."""
+        g = self.grid
+        spec = ModelSpec.from_gpt_config(self.cfg, seq_len=seq, global_batch=batch)
+        lay = Layout(t=g.tp, p=g.pp, d=g.dp, v=self.v, b=batch // (g.dp * self.M), M=self.M,
+                     schedule="interleaved" if self.v > 1 else "1f1b",
+                     zero=1 if self.zero else 0, precision="fp32", placement=self.placement,
+                     sequence_parallel=self.sequence_parallel, recompute=self.recompute)
+        buckets = sum(len(w.buckets) for w in self.ddp if w is not None) or None
+        axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets)
+        return {ax: dict(c.ops) for ax, c in axes.items() if c.ops}

@@ -29,9 +29,8 @@ from ..data_parallel import DistributedDataParallel
 from ..model import lm_loss
 from ..moe.expert_parallel import ExpertParallelMoE, expert_param_names
 from ..moe.model import MoEBlock, total_aux_loss
-from ..tensor_parallel import ParallelAttention, ParallelBlock, vocab_parallel_cross_entropy
+from ..tensor_parallel import ParallelAttention, ParallelBlock, ParallelEmbedding, ParallelHead
 from ..tensor_parallel.mappings import all_gather_along_dim
-from ..tensor_parallel.model import _Embedding as TPEmbedding, _Head as TPHead
 from .gpt import check_layout
 
 __all__ = ["ParallelMoEGPT"]
@@ -56,11 +55,11 @@ class _Model(nn.Module):
     def __init__(self, ref, grid):
         super().__init__()
         tpg = grid.tp_group if grid.tp > 1 else None
-        self.embedding = TPEmbedding(ref.embedding, tpg) if tpg else copy.deepcopy(ref.embedding)
+        self.embedding = ParallelEmbedding(ref.embedding, tpg) if tpg else copy.deepcopy(ref.embedding)
         self.blocks = nn.ModuleList([
-            _MoEBlock(b, tpg, grid.dp_group, grid.dp_rank, grid.dp) if isinstance(b, MoEBlock)
+            _MoEBlock(b, tpg, grid.ep_group, grid.ep_rank, grid.ep) if isinstance(b, MoEBlock)
             else (ParallelBlock(b, tpg) if tpg else copy.deepcopy(b)) for b in ref.blocks])
-        self.head = TPHead(ref.head, tpg) if tpg else copy.deepcopy(ref.head)
+        self.head = ParallelHead(ref.head, tpg) if tpg else copy.deepcopy(ref.head)
 
     def forward(self, idx):
         x, stats = self.embedding(idx), []
@@ -87,6 +86,9 @@ class ParallelMoEGPT:
         E = reference.moe_cfg.n_routed_experts
         if grid.pp != 1:
             raise ValueError(f"the MoE composition runs without a pipeline: p must be 1, got p={grid.pp}")
+        if getattr(grid, "ep", grid.dp) != grid.dp:
+            raise ValueError(f"ParallelMoEGPT shards the experts over the whole DP group: build the grid with "
+                             f"ep = dp = {grid.dp}, got ep={grid.ep}")
         check_layout(reference.cfg, grid.ctx.world_size, grid.tp, 1, grid.dp, 1, n_microbatches, n_experts=E)
         if reference.moe_cfg.token_groups != grid.dp * n_microbatches:
             raise ValueError(f"the reference must route in token_groups = d*M = {grid.dp * n_microbatches} groups "
@@ -96,8 +98,7 @@ class ParallelMoEGPT:
         self.experts = expert_param_names(self.model)
         self.ddp = DistributedDataParallel(self.model, grid.dp_group, bucket_cap_mb, expert_params=self.experts) \
             if grid.dp > 1 else None
-        tpg = grid.tp_group if grid.tp > 1 else None
-        self.loss_fn = (lambda out, t: vocab_parallel_cross_entropy(out, t, group=tpg)) if tpg else lm_loss
+        self.loss_fn = self.model.head.loss if grid.tp > 1 else lm_loss
         self.optimizer = None
 
     def make_optimizer(self, name: str = "sgd", lr: float = 0.1, **kw):

@@ -9,11 +9,7 @@ stage 0 = blocks 0-1 (and the embedding) and stage 4 = blocks 8-9.
 """
 from __future__ import annotations
 
-import copy
 import numbers
-
-import torch
-import torch.nn as nn
 
 from ..model import GPT, lm_loss
 from .schedules import ScheduleError, stage_rank
@@ -41,33 +37,11 @@ def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-class GPTStage(nn.Module):
-    """One pipeline stage of the GPT: optional ``embedding``, some ``blocks``, optional
-    ``head``. forward: token ids [b, S] (first stage) or hidden states [b, S, H] ->
-    hidden states [b, S, H] or logits [b, S, V] (last stage).
-
-    ``layer_ids`` lists the global block indices held, for naming parameters like the
-    single-device model (:func:`gpt_param_name`)."""
-
-    def __init__(self, embedding, blocks, head, layer_ids):
-        super().__init__()
-        self.embedding = embedding
-        self.blocks = nn.ModuleList(blocks)
-        self.head = head
-        self.layer_ids = list(layer_ids)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embedding is not None:
-            x = self.embedding(x)
-        for block in self.blocks:
-            x = block(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
+GPTStage = GPT   # a pipeline stage is a slice of the reference GPT (:meth:`labkit.model.GPT.slice`)
 
 
-def split_gpt(model: GPT, n_stages: int, stages=None) -> list[GPTStage]:
-    """Deep copies of ``model``'s parts as ``n_stages`` :class:`GPTStage` modules (only the
+def split_gpt(model: GPT, n_stages: int, stages=None) -> list[GPT]:
+    """Deep copies of ``model``'s parts as ``n_stages`` slices (:meth:`labkit.model.GPT.slice`; only the
     indices in ``stages`` when given, else all). Raises ScheduleError when
     ``model.cfg.n_layer`` is not a multiple of ``n_stages``."""
     L = model.cfg.n_layer
@@ -76,27 +50,19 @@ def split_gpt(model: GPT, n_stages: int, stages=None) -> list[GPTStage]:
         raise ScheduleError("a GPT with tied embeddings cannot be cut into separate stage copies here: the first "
                             "and last stage must all-reduce the shared matrix's gradient (use labkit.parallel."
                             "ParallelGPT, which does)")
-    out = []
-    for i in (range(n_stages) if stages is None else stages):
-        ids = stage_layers(L, n_stages, i)
-        # one deepcopy of (embedding, head): a matrix they share (tied, one stage) stays shared
-        emb, head = copy.deepcopy((model.embedding if i == 0 else None, model.head if i == n_stages - 1 else None))
-        out.append(GPTStage(emb, [copy.deepcopy(model.blocks[j]) for j in ids], head, ids))
-    return out
+    return [model.slice(stage_layers(L, n_stages, i), i == 0, i == n_stages - 1)
+            for i in (range(n_stages) if stages is None else stages)]
 
 
-def gpt_stages_for_rank(model: GPT, K: int, v: int, rank: int) -> list[GPTStage]:
+def gpt_stages_for_rank(model: GPT, K: int, v: int, rank: int) -> list[GPT]:
     """The v stages that rank ``rank`` holds with looped placement (stages rank, rank+K, ...)."""
     n = K * v
     return split_gpt(model, n, [s for s in range(n) if stage_rank(s, K) == rank])
 
 
-def gpt_param_name(stage: GPTStage, name: str) -> str:
+def gpt_param_name(stage: GPT, name: str) -> str:
     """Name in the single-device GPT of a stage parameter: ``blocks.0.x`` -> ``blocks.<global>.x``."""
-    if name.startswith("blocks."):
-        _, i, rest = name.split(".", 2)
-        return f"blocks.{stage.layer_ids[int(i)]}.{rest}"
-    return name
+    return stage.reference_name(name)
 
 
 def step_torch_schedule(schedule, rank: int, K: int, x, target) -> None:

@@ -2,7 +2,7 @@
 
 Counted the way :class:`labkit.comm.CommLog` counts (``payload``: the bytes of this rank's
 tensor argument; all-gather: the local shard, reduce-scatter: the full input) and as bytes
-sent on the wire by the ring algorithms (``wire``: :func:`labkit.comm.ring_wire_bytes`).
+sent on the wire by the ring algorithms (``wire``: :func:`labkit.comm.ring_bytes`).
 
 Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
 
@@ -23,10 +23,17 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   backward (``reshard_after_forward``; 3 (d-1)/d Psi, 1.5x) and reduce-scatters each unit's
   gradient once per step, with no all-gather after the step. Expert gradients go over the
   d/ep ranks that share an expert.
+* CP (:mod:`labkit.context_parallel`; the sequence split over cp ranks, each layer's K/V
+  exchanged, per microbatch and layer, kv = b (s/cp) (a_kv/t) d e bytes of K or of V): "allgather"
+  (Llama 3) 2 all-gathers of kv forward and 2 reduce-scatters of cp kv backward; "ring" cp - 1
+  sends of K and V forward, backward cp - 1 sends of K and V and cp of their gradients; "ulysses"
+  4 all-to-alls (q, k, v, output) forward and 4 backward of b (s/cp) d e (2a + 2a_kv)/t bytes in
+  all. Full recompute repeats the forward's. The parameter gradients are reduced over the d cp
+  ranks (the DP axis's group becomes d cp, Megatron-Core's data-parallel group with CP).
 * EP: each MoE layer sends its k routed copies of the tokens to the experts' ranks and back
   (2 all-to-alls forward, 2 backward).
 
-Links: ranks are ordered TP innermost, then DP, then PP (Megatron): a group of size n and
+Links: ranks are ordered TP innermost, then CP, then DP, then PP (Megatron-Core): a group of size n and
 stride k stays inside a node of g GPUs when ``n k <= g``. Put the chatty axis (TP) on the
 fast wire.
 """
@@ -35,8 +42,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..comm import ring_bytes
 from .memory import (_zero_shard, bytes_per_param, check_layout, holds_first, holds_last, n_microbatches,
-                     rank_layer_chunks, rank_param_counts, zero3_units)
+                     rank_layer_chunks, rank_param_counts, rank_stages, zero3_units)
 from .spec import Cluster, Layout, ModelSpec
 
 __all__ = ["AxisComm", "comm_per_rank", "axis_links"]
@@ -59,15 +67,7 @@ class AxisComm:
             return
         c, b = self.ops.get(kind, (0, 0))
         self.ops[kind] = (c + count, b + count * payload_each)
-        n = self.group
-        if kind == "all_reduce":
-            self.wire += count * (2 * (n - 1) * payload_each // n)
-        elif kind in ("reduce_scatter", "all_to_all"):
-            self.wire += count * ((n - 1) * payload_each // n)
-        elif kind == "all_gather":
-            self.wire += count * (n - 1) * payload_each
-        elif kind == "send":
-            self.wire += count * payload_each
+        self.wire += count * ring_bytes(kind, payload_each, self.group)
 
     @property
     def payload(self) -> int:
@@ -75,25 +75,29 @@ class AxisComm:
 
 
 def axis_links(lay: Layout, cluster: Cluster) -> dict:
-    """``{"tp": link, "dp": link, "pp": link, "ep": link}`` for Megatron's rank order."""
+    """``{"tp", "cp", "dp", "pp", "ep"}`` -> link for Megatron-Core's rank order (TP, CP, DP, PP)."""
     g = cluster.gpus_per_node
 
     def link(n, stride):
         if n <= 1:
             return "-"
         return "intra-node" if n * stride <= g else "inter-node"
-    return {"tp": link(lay.t, 1), "dp": link(lay.d, lay.t), "pp": link(lay.p, lay.t * lay.d),
-            "ep": link(lay.ep, lay.t)}
+    tc = lay.t * lay.cp
+    return {"tp": link(lay.t, 1), "cp": link(lay.cp, lay.t), "dp": link(lay.d * lay.cp, lay.t),
+            "pp": link(lay.p, tc * lay.d), "ep": link(lay.ep, tc)}
 
 
 def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
-                  act_bytes: int | None = None, regather_in_backward: bool = True) -> dict:
+                  act_bytes: int | None = None, regather_in_backward: bool = True,
+                  dp_buckets: int | None = None) -> dict:
     """Communication of one training step on a rank of pipeline rank ``pp_rank``:
-    ``{"tp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
+    ``{"tp", "cp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
     of a tied embedding's gradient between the first and the last pipeline rank).
 
     ``act_bytes``: bytes per activation element (default: the layout's precision, 2 for bf16,
-    4 for fp32). Raises ValueError for an impossible layout.
+    4 for fp32). ``dp_buckets``: how many all-reduces this rank's ZeRO-0 gradient reduction
+    issues per step (DDP's buckets, over all its model chunks; None: one per chunk, a fused
+    reduction); the payload is the same. Raises ValueError for an impossible layout.
     """
     check_layout(spec, lay)
     cluster = cluster or Cluster()
@@ -103,14 +107,15 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     M = n_microbatches(spec, lay)
     Ml = M // 2 if lay.schedule == "dualpipe" else M   # passes through each layer (DualPipe: half each way)
     t, p, v, r = lay.t, lay.p, lay.v, pp_rank
-    N, h = spec.seq_len * lay.b, spec.hidden
+    N, h = spec.seq_len * lay.b // lay.cp, spec.hidden       # tokens of this CP rank
     act = N * h * e
-    out = {k: AxisComm(k, n, links[k]) for k, n in (("tp", t), ("pp", p), ("dp", lay.d), ("ep", lay.ep))}
+    out = {k: AxisComm(k, n, links[k]) for k, n in (("tp", t), ("cp", lay.cp), ("pp", p), ("dp", lay.d * lay.cp),
+                                                      ("ep", lay.ep))}
     out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
     ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
-    n_moe = sum(1 for i in ids if spec.is_moe and i >= spec.first_dense_layers)
+    n_moe = sum(1 for i in ids if spec.is_moe_layer(i))
 
     # ---- TP: per microbatch, then x M
     tp = out["tp"]
@@ -134,34 +139,52 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
             tp.add("all_reduce", Ml, act)
         tp.add("all_reduce", 3 * Ml, N * 4)
 
+    # ---- CP: each layer's K/V, per microbatch
+    cp = out["cp"]
+    if lay.cp > 1:
+        d_h = spec.head_dim
+        kv = N * (spec.kv_heads // t) * d_h * e
+        fwd = Ml * fwd_layers
+        if lay.cp_attention == "allgather":
+            cp.add("all_gather", 2 * fwd, kv)
+            cp.add("reduce_scatter", 2 * Ml * L_r, lay.cp * kv)
+        elif lay.cp_attention == "ring":
+            n = (lay.cp - 1) * fwd + (2 * lay.cp - 1) * Ml * L_r
+            cp.add("send", n, 2 * kv)
+            cp.add("recv", n, 2 * kv)
+        else:
+            q = N * (spec.n_head // t) * d_h * e
+            for each in (q, kv, kv, q):
+                cp.add("all_to_all", fwd + Ml * L_r, each)
+
     # ---- PP: sends and receives of this rank's chunks
     pp = out["pp"]
-    stages = [c * p + r for c in range(v)]
+    stages = rank_stages(lay, r)
     last = p * v - 1
-    n_send_f = sum(1 for s in stages if s != last)
-    n_send_b = sum(1 for s in stages if s != 0)
+    n_send_f = sum(1 for s in stages if s != last and s + 1 not in stages)   # V placement: p-1 -> p stays
+    n_send_b = sum(1 for s in stages if s != 0 and s - 1 not in stages)
     if p > 1:
         pp.add("send", M * (n_send_f + n_send_b), act)
         pp.add("recv", M * (n_send_f + n_send_b), act)
-        if spec.tied_embeddings and r in (0, p - 1):          # the 2 copies of a tied embedding
+        if spec.tied_embeddings and r in (0, p - 1) and lay.placement == "loop":   # 2 copies of a tied embedding
             out["embedding"].add("all_reduce", 1, math.ceil(spec.vocab_size / t) * h * gb)
 
     # ---- DP: once per step
     dp = out["dp"]
-    d, d_exp = lay.d, max(1, lay.d // lay.ep)
-    for n, dd in ((cnt["dense"], d), (cnt["expert"], d_exp)):
+    d, d_exp = lay.d * lay.cp, max(1, lay.d // lay.ep) * lay.cp
+    for k, (n, dd, buckets) in enumerate(((cnt["dense"], d, dp_buckets), (cnt["expert"], d_exp, None))):
         if n == 0 or dd == 1:
             continue
         sub = AxisComm("dp", dd, links["dp"])
-        if lay.zero == 3 and n == cnt["dense"]:   # FSDP units: gathered per microbatch, no gather after the step
+        if lay.zero == 3 and k == 0:   # dense FSDP units: gathered per microbatch, no gather after the step
             for u in zero3_units(spec, lay, r):
                 padded = _zero_shard(u, dd) * dd
                 sub.add("all_gather", M * (2 if lay.reshard_after_forward else 1), padded // dd * pb)
                 sub.add("reduce_scatter", 1, padded * gb)
         elif lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
             sub.add("all_reduce", 1, n * gb)
-            if v > 1:
-                sub.ops["all_reduce"] = (v, n * gb)
+            if buckets or v > 1:
+                sub.ops["all_reduce"] = (buckets or v, n * gb)
         else:
             padded = _zero_shard(n, dd) * dd
             sub.add("reduce_scatter", 1, padded * gb)

@@ -25,22 +25,30 @@ microbatches when p does not divide M, torch's rule). Pipeline rank r of 1F1B ho
 DualPipe (DeepSeek-V3): two stages per rank and p + 1 stage-microbatches in flight.
 The embedding-dropout mask (``s b h``, with dropout > 0) is counted on the first stage.
 Gradients: 2 bytes (bf16, labkit's convention) or 4 (``fp32_grads``, Megatron-LM's).
+
+Context parallelism (cp > 1, :mod:`labkit.context_parallel`): every activation is split along
+the sequence, so each rank keeps the activations of s/cp tokens; an unfused attention's scores
+are its s/cp queries against all s keys (``a s^2 b / (t cp)``). The weights are replicated over
+CP; ZeRO shards over the d cp ranks that reduce the gradients together (Megatron-Core's
+data-parallel group with context parallelism).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
-__all__ = ["rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank",
+__all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
            "grad_convention", "zero3_units", "zero3_gathered_peak"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
+CP_ATTENTIONS = ("allgather", "ring", "ulysses")
 
 
 @dataclass
@@ -98,7 +106,9 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
     ScheduleInterleaved1F1B); DualPipe an even p and M >= 2p; SP needs t | s ...)."""
     a, akv = spec.n_head, spec.kv_heads
     rules = [
-        (min(lay.t, lay.p, lay.d, lay.v, lay.b, lay.ep) >= 1, f"t, p, d, v, b, ep must be >= 1 (got {lay})"),
+        (min(lay.t, lay.p, lay.d, lay.v, lay.b, lay.ep, lay.cp) >= 1,
+         f"t, p, d, v, b, ep, cp must be >= 1 (got {lay})"),
+        (lay.cp_attention in CP_ATTENTIONS, f"cp_attention must be one of {CP_ATTENTIONS}, got {lay.cp_attention!r}"),
         (lay.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {lay.schedule!r}"),
         (lay.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {lay.precision!r}"),
         (lay.zero in (0, 1, 2, 3), f"ZeRO stage must be 0, 1, 2 or 3, got {lay.zero}"),
@@ -114,6 +124,9 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (spec.ffn_hidden % lay.t == 0, f"t={lay.t} must divide the FFN width {spec.ffn_hidden}"),
         (spec.n_layer >= lay.p * lay.v, f"p*v={lay.p}*{lay.v} stages need at least as many layers (L={spec.n_layer})"),
         (lay.v == 1 or lay.schedule == "interleaved", f"v={lay.v} > 1 needs schedule 'interleaved'"),
+        (lay.placement in ("loop", "v"), f"placement must be 'loop' or 'v', got {lay.placement!r}"),
+        (lay.placement == "loop" or (lay.v == 2 and lay.schedule != "dualpipe"),
+         f"placement 'v' holds two stages per rank: needs v = 2 (got v={lay.v}, schedule {lay.schedule!r})"),
         (lay.schedule != "interleaved" or lay.p > 1, "the interleaved schedule needs p > 1"),
         (lay.schedule != "dualpipe" or (lay.p >= 2 and lay.p % 2 == 0 and lay.v == 1),
          f"DualPipe needs an even p >= 2 and v = 1 (got p={lay.p}, v={lay.v})"),
@@ -122,6 +135,11 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (not spec.is_moe or (spec.n_routed_experts % lay.ep == 0 and lay.d % lay.ep == 0),
          f"ep={lay.ep} must divide the experts E={spec.n_routed_experts} and d={lay.d}"),
         (spec.is_moe or lay.ep == 1, f"ep={lay.ep} > 1 needs a MoE model"),
+        (lay.cp == 1 or spec.seq_len % (2 * lay.cp * (lay.t if lay.sequence_parallel else 1)) == 0,
+         f"context parallelism needs 2 cp (x t with SP) = {2 * lay.cp * (lay.t if lay.sequence_parallel else 1)} "
+         f"to divide the sequence length s={spec.seq_len} (two chunks per CP rank)"),
+        (lay.cp_attention != "ulysses" or (a // lay.t) % lay.cp == 0 and (akv // lay.t) % lay.cp == 0,
+         f"Ulysses needs cp={lay.cp} to divide the heads per TP rank a/t={a // lay.t} and a_kv/t={akv // lay.t}"),
     ]
     if lay.M is None:
         rules.append((spec.global_batch % (lay.b * lay.d) == 0,
@@ -219,10 +237,22 @@ def rank_chunks(n_layer: int, p: int, v: int, pp_rank: int) -> list[range]:
     return out
 
 
+def rank_stages(lay: Layout, pp_rank: int) -> list[int]:
+    """Stage ids (of p v) on pipeline rank r: ``r, r + p, ...`` (loop placement) or ``r, 2p-1-r``
+    (V placement). DualPipe's two directions are :func:`rank_layer_chunks`' business."""
+    if lay.placement == "v":
+        return [pp_rank, 2 * lay.p - 1 - pp_rank]
+    return [c * lay.p + pp_rank for c in range(lay.v)]
+
+
 def rank_layer_chunks(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[range]:
     """Layer ids of each model chunk a pipeline rank holds: :func:`rank_chunks` (v chunks,
-    looped placement), or for DualPipe (DeepSeek-AI 2024, sec. 3.2.1) the two stages r and
-    p-1-r of the two directions (L/p layers each: twice the parameters of 1F1B)."""
+    looped placement; V placement: stages r and 2p-1-r), or for DualPipe (DeepSeek-AI 2024,
+    sec. 3.2.1) the two stages r and p-1-r of the two directions (L/p layers each: twice the
+    parameters of 1F1B)."""
+    if lay.placement == "v":
+        first, second = rank_chunks(spec.n_layer, lay.p, 2, pp_rank), rank_chunks(spec.n_layer, lay.p, 2, lay.p - 1 - pp_rank)
+        return [first[0], second[1]]
     if lay.schedule == "dualpipe":
         return rank_chunks(spec.n_layer, lay.p, 1, pp_rank) + rank_chunks(spec.n_layer, lay.p, 1, lay.p - 1 - pp_rank)
     return rank_chunks(spec.n_layer, lay.p, lay.v, pp_rank)
@@ -234,7 +264,10 @@ def holds_first(lay: Layout, pp_rank: int) -> bool:
 
 
 def holds_last(lay: Layout, pp_rank: int) -> bool:
-    """Whether the rank holds the last stage (output layer, loss): rank p-1, and rank 0 in DualPipe."""
+    """Whether the rank holds the last stage (output layer, loss): rank p-1 (rank 0 in V placement),
+    and rank 0 in DualPipe."""
+    if lay.placement == "v":
+        return pp_rank == 0
     return pp_rank == lay.p - 1 or (lay.schedule == "dualpipe" and pp_rank == 0)
 
 
@@ -245,7 +278,7 @@ def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     layer_ids = [i for ch in rank_layer_chunks(spec, lay, pp_rank) for i in ch]
     dense = expert = 0
     for i in layer_ids:
-        lp = spec.layer_params(spec.is_moe and i >= spec.first_dense_layers)
+        lp = spec.layer_params(spec.is_moe_layer(i))
         dense += lp["split"] // t + lp["replicated"]
         expert += lp["expert"] * lp["experts"] // lay.ep // t
     vocab = math.ceil(spec.vocab_size / t)
@@ -295,8 +328,24 @@ def _zero_shard(n: int, d: int) -> int:
     return -(-n // d)
 
 
+def cp_local(spec: ModelSpec, lay: Layout) -> ModelSpec:
+    """The spec with this CP rank's s/cp tokens per sequence (for the token-linear activation terms)."""
+    if lay.cp == 1:
+        return spec
+    return dataclasses.replace(spec, seq_len=spec.seq_len // lay.cp, max_position=spec.max_position or spec.seq_len)
+
+
 def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
-    """Activation bytes of one layer, one microbatch, on one rank."""
+    """Activation bytes of one layer, one microbatch, on one rank (s/cp tokens with CP)."""
+    if lay.cp > 1:
+        n = _layer_act(cp_local(spec, lay), dataclasses.replace(lay, cp=1), moe, device)
+        if lay.fused_attention or lay.recompute != "none":
+            return n
+        # unfused scores: s/cp queries x s keys, not (s/cp)^2: mask (bool), softmax, dropout
+        s, cp, e = spec.seq_len, lay.cp, BYTES[lay.precision][0]
+        m = torch_saved_bytes_per_element(e, device)["mask"]
+        per_entry = 1 + spec.n_head * lay.b * (e + ((m + e) if spec.dropout > 0 else 0)) // lay.t
+        return n + (s * s // cp - (s // cp) ** 2) * per_entry
     e = BYTES[lay.precision][0]
     saved = torch_saved_bytes_per_element(e, device)
     mult = 2 if spec.mlp == "swiglu" else 1           # SwiGLU keeps gate, up and their product
@@ -353,8 +402,9 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
     check_layout(spec, lay)
     M = n_microbatches(spec, lay)
     pb, gb, ob = bytes_per_param(lay)
-    z, d = lay.zero, lay.d
-    d_exp = max(1, d // lay.ep)
+    z, d = lay.zero, lay.d * lay.cp          # ZeRO shards over the d cp ranks that reduce gradients
+    d_exp = max(1, lay.d // lay.ep) * lay.cp
+    aspec = cp_local(spec, lay)
     out = []
     for r in range(lay.p):
         cnt = rank_param_counts(spec, lay, r)
@@ -371,16 +421,16 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         # the rank's layers may differ (dense / MoE, uneven chunks): average over its chunks
         chunks = rank_layer_chunks(spec, lay, r)
         ids = [i for ch in chunks for i in ch]
-        moe = [spec.is_moe and i >= spec.first_dense_layers for i in ids]
+        moe = [spec.is_moe_layer(i) for i in ids]
         chunk_act = sum(_layer_act(spec, lay, m, device) for m in moe) / len(chunks)
         act = units * chunk_act
         if lay.recompute == "full":   # the layer being recomputed in backward is alive too
             act += max(_layer_act(spec, Layout(**{**lay.__dict__, "recompute": "none"}),
-                                  spec.is_moe and i >= spec.first_dense_layers, device) for i in ids)
+                                  spec.is_moe_layer(i), device) for i in ids)
         if holds_first(lay, r):
-            act += stage_in_flight(lay, M, "first") * _embedding_act(spec, lay, device)
+            act += stage_in_flight(lay, M, "first") * _embedding_act(aspec, lay, device)
         if holds_last(lay, r):
-            act += stage_in_flight(lay, M, "last") * _head_act(spec, lay, device)
+            act += stage_in_flight(lay, M, "last") * _head_act(aspec, lay, device)
         out.append(RankMemory(r, params, grads, opt, int(act), dense + expert, units, cnt["layers"], gathered))
     return out
 

@@ -1,12 +1,17 @@
-"""Megatron-LM tensor parallelism (Shoeybi et al. 2019, sec. 3) on explicit process groups.
+"""Megatron-LM tensor parallelism (Shoeybi et al. 2019, sec. 3) and sequence parallelism
+(Korthikanti et al. 2022, sec. 4.2.2) on explicit process groups.
 
-* :mod:`.mappings`: the conjugate operators f / g and scatter / gather;
-* :mod:`.layers`: ColumnParallelLinear, RowParallelLinear, ParallelMLP, VocabParallelEmbedding;
+* :mod:`.mappings`: the conjugate operators f / g, scatter / gather along the last dimension or
+  the sequence, g / g-bar of sequence parallelism;
+* :mod:`.layers`: ColumnParallelLinear, RowParallelLinear (``sequence_parallel=``), ParallelMLP,
+  VocabParallelEmbedding;
 * :mod:`.attention`: ParallelAttention (heads split across ranks, GQA included);
 * :mod:`.cross_entropy`: vocab_parallel_cross_entropy;
-* :mod:`.model`: TensorParallelGPT built from the reference GPT, gather_full_tensors;
-* :mod:`.sequence_parallel`: ParallelTransformerLayer with sequence parallelism and
-  selective / full recomputation (Korthikanti et al. 2022), allreduce_layernorm_grads.
+* :mod:`.parallelize`: parallelize(model, group, plan), a plan table of split rules;
+* :mod:`.model`: the GPT's plan (gpt_plan: ParallelEmbedding, ParallelBlock with
+  ``sequence_parallel`` and ``recompute`` none | selective | full, ParallelHead),
+  TensorParallelGPT, gather_full_tensors;
+* :mod:`.sequence_parallel`: allreduce_layernorm_grads, measure_activation_bytes.
 """
 from .mappings import (
     all_gather_along_dim,
@@ -23,8 +28,10 @@ from .mappings import (
 from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
 from .attention import ParallelAttention
 from .cross_entropy import vocab_parallel_cross_entropy
-from .model import ParallelBlock, TensorParallelGPT, expected_collectives, gather_full_tensors
-from .sequence_parallel import ParallelTransformerLayer, allreduce_layernorm_grads
+from .parallelize import parallelize
+from .model import (RECOMPUTE, ParallelBlock, ParallelEmbedding, ParallelHead, ParallelTransformerLayer,
+                    TensorParallelGPT, expected_collectives, gather_full_tensors, gpt_plan)
+from .sequence_parallel import allreduce_layernorm_grads, measure_activation_bytes
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -39,8 +46,13 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelAttention",
     "vocab_parallel_cross_entropy",
+    "parallelize",
+    "gpt_plan",
+    "RECOMPUTE",
     "TensorParallelGPT",
+    "ParallelEmbedding",
     "ParallelBlock",
+    "ParallelHead",
     "gather_full_tensors",
     "expected_collectives",
     "reduce_scatter_along_dim",
@@ -49,4 +61,5 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "ParallelTransformerLayer",
     "allreduce_layernorm_grads",
+    "measure_activation_bytes",
 ]

@@ -121,30 +121,47 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the last dim; backward: all-gather along it."""
+class _Split(torch.autograd.Function):
+    """Forward: keep this rank's slice of ``dim``; backward: all-gather the gradient along it.
+    The last dimension (TP) or the sequence (SP) alike."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_along_dim(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along_dim(grad, -1, ctx.group), None
-
-
-class _GatherFromModelParallelRegion(torch.autograd.Function):
-    """Forward: all-gather along the last dim; backward: keep this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along_dim(x, -1, group)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split_along_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return split_along_dim(grad, -1, ctx.group), None
+        return all_gather_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: all-gather along ``dim``; backward: this rank's slice of the gradient, or, with
+    ``reduce_grad`` (each rank holds a partial dL/dX), the sum over ranks of it (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, reduce_grad):
+        ctx.dim, ctx.group, ctx.reduce_grad = dim, group, reduce_grad
+        return all_gather_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            return reduce_scatter_along_dim(grad, ctx.dim, ctx.group), None, None, None
+        return split_along_dim(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Forward: sum over ranks and keep this rank's slice of ``dim``; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -171,7 +188,7 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Ten
     Backward all-gathers the gradient slices (1 all-gather). Raises ValueError when t
     does not divide n.
     """
-    return _ScatterToModelParallelRegion.apply(x, group)
+    return _Split.apply(x, -1, group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -188,7 +205,7 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Te
     i.e. a reduce-scatter, and this operator silently returns only this rank's term. Megatron-
     Core's operator makes the same assumption.
     """
-    return _GatherFromModelParallelRegion.apply(x, group)
+    return _Gather.apply(x, -1, group, False)
 
 
 # --------------------------------------------------------------------------- sequence parallel
@@ -222,47 +239,6 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the sequence; backward: all-gather the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_along_dim(x, SEQUENCE_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along_dim(grad, SEQUENCE_DIM, ctx.group), None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Forward: all-gather the sequence shards; backward: reduce-scatter (or split) the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad):
-        ctx.group, ctx.tp_output_grad = group, tensor_parallel_output_grad
-        return all_gather_along_dim(x, SEQUENCE_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.tp_output_grad:   # each rank holds a partial dL/dX (its heads / FFN columns): sum them
-            return reduce_scatter_along_dim(grad, SEQUENCE_DIM, ctx.group), None, None
-        return split_along_dim(grad, SEQUENCE_DIM, ctx.group), None, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward: reduce-scatter the partial sums along the sequence; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_along_dim(x, SEQUENCE_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along_dim(grad, SEQUENCE_DIM, ctx.group), None
-
-
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """``[B, S, H] -> [B, S/t, H]``: this rank's contiguous block of the sequence (no
     communication forward); backward all-gathers the gradient (1 all-gather).
@@ -270,7 +246,7 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     Raises ValueError when t does not divide S. Megatron-Core name; Korthikanti et al. 2022
     sec. 4.2.2.
     """
-    return _ScatterToSequenceParallelRegion.apply(x, group)
+    return _Split.apply(x, SEQUENCE_DIM, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group,
@@ -284,7 +260,7 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group,
     Communication: forward 1 all-gather (payload ``x.numel()`` per rank), backward 1
     reduce-scatter (payload ``t * x.numel()``). Korthikanti et al. 2022, sec. 4.2.2.
     """
-    return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
+    return _Gather.apply(x, SEQUENCE_DIM, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -297,4 +273,4 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.
     all-reduces they replace (a ring all-reduce = reduce-scatter + all-gather).
     Raises ValueError when t does not divide S. Korthikanti et al. 2022, sec. 4.2.2.
     """
-    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+    return _ReduceScatter.apply(x, SEQUENCE_DIM, group)
