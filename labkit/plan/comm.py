@@ -18,8 +18,11 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   its gradient between the first and the last stage per step (axis "embedding").
 * DP (Rajbhandari et al. 2020 sec. 7): ZeRO-0 all-reduces the gradients once per step
   (``2 (d-1)/d`` Psi on the wire), ZeRO-1/2 reduce-scatter the gradients and all-gather the
-  updated parameters (the same wire bytes), ZeRO-3 also all-gathers the parameters for every
-  forward and backward (1.5x). Expert gradients go over the d/ep ranks that share an expert.
+  updated parameters (the same wire bytes); ZeRO-3 (labkit's FSDP: one padded buffer per unit)
+  all-gathers each unit's parameters before every microbatch's forward and again before its
+  backward (``reshard_after_forward``; 3 (d-1)/d Psi, 1.5x) and reduce-scatters each unit's
+  gradient once per step, with no all-gather after the step. Expert gradients go over the
+  d/ep ranks that share an expert.
 * CP (:mod:`labkit.context_parallel`; the sequence split over cp ranks, each layer's K/V
   exchanged, per microbatch and layer, kv = b (s/cp) (a_kv/t) d e bytes of K or of V): "allgather"
   (Llama 3) 2 all-gathers of kv forward and 2 reduce-scatters of cp kv backward; "ring" cp - 1
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 
 from ..comm import ring_bytes
 from .memory import (_zero_shard, bytes_per_param, check_layout, holds_first, holds_last, n_microbatches,
-                     rank_layer_chunks, rank_param_counts, rank_stages)
+                     rank_layer_chunks, rank_param_counts, rank_stages, zero3_units)
 from .spec import Cluster, Layout, ModelSpec
 
 __all__ = ["AxisComm", "comm_per_rank", "axis_links"]
@@ -169,11 +172,16 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     # ---- DP: once per step
     dp = out["dp"]
     d, d_exp = lay.d * lay.cp, max(1, lay.d // lay.ep) * lay.cp
-    for n, dd, buckets in ((cnt["dense"], d, dp_buckets), (cnt["expert"], d_exp, None)):
+    for k, (n, dd, buckets) in enumerate(((cnt["dense"], d, dp_buckets), (cnt["expert"], d_exp, None))):
         if n == 0 or dd == 1:
             continue
         sub = AxisComm("dp", dd, links["dp"])
-        if lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
+        if lay.zero == 3 and k == 0:   # dense FSDP units: gathered per microbatch, no gather after the step
+            for u in zero3_units(spec, lay, r):
+                padded = _zero_shard(u, dd) * dd
+                sub.add("all_gather", M * (2 if lay.reshard_after_forward else 1), padded // dd * pb)
+                sub.add("reduce_scatter", 1, padded * gb)
+        elif lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
             sub.add("all_reduce", 1, n * gb)
             if buckets or v > 1:
                 sub.ops["all_reduce"] = (buckets or v, n * gb)
