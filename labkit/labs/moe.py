@@ -119,8 +119,9 @@ def max_vio(loads: torch.Tensor) -> float:
 
 
 def _plots(out, runs, ep_hist, a):
-    from . import save_figure
     import matplotlib
+
+    from . import save_figure
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
