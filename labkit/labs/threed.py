@@ -1,7 +1,8 @@
 """Lab: 3D parallelism, TP x PP x DP on one process grid, proved equal to one device.
 
-    python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved]
-                            [--chunks v] [--microbatches M] [--zero] [--tied] [--steps N] [--data PATH]
+    python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved|zb-h1|zbv|dualpipev]
+                            [--chunks v] [--microbatches M] [--zero] [--tied] [--sp]
+                            [--recompute none|selective|full] [--steps N] [--data PATH]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
 
 Megatron-LM's recipe (Narayanan et al. 2021, sec. 3.3): N = t * p * d devices; TP inside a node
@@ -13,8 +14,10 @@ and trained on the default corpus with Adam; the same training runs once on a si
 Printed: one table per axis (collectives and bytes per step counted on each rank next to the
 formula: TP all-reduces, PP sends, DP all-reduce or reduce-scatter/all-gather, the tied
 embedding's all-reduce), the measured pipeline bubble next to (p-1)/(vM+p-1), the share of the
-DP all-reduce time hidden behind backward, peak parameter/gradient/optimizer bytes per rank and
-tokens per second; then the verdict of :mod:`labkit.labs.verdict` (every step, loss and every
+DP all-reduce time hidden behind backward, per rank a table of measured bytes next to the
+planner's (:mod:`labkit.plan`): parameters, gradients and optimizer state (exact), activations
+(the peak of the timed step measured with saved_tensors_hooks, within 2 %) and the payload
+bytes per axis (exact); tokens per second; then the verdict of :mod:`labkit.labs.verdict` (every step, loss and every
 gradient against the single-device model at the same parameters). Exit status 1 when the verdict
 or a count fails. Saved under ``runs/3d-<time>/``: ``loss_curves.png``, ``rank_grid.png``
 (which rank holds which layers and which shard), ``losses.csv``.
@@ -57,6 +60,11 @@ def _parser():
     p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism inside each TP group (Korthikanti et al. 2022): LayerNorms and "
+                        "dropouts on S/t tokens per rank")
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                   help="activation recomputation: selective = the attention core, full = every block")
     p.add_argument("--bucket-cap-mb", type=float, default=0.02, help="DDP bucket size (MiB)")
     p.add_argument("--steps", type=int, default=12, help="Adam steps")
     p.add_argument("--batch", type=int, default=16, help="global batch B (sequences), divisible by d*M")
@@ -122,7 +130,8 @@ def _bad_args(a, world) -> str | None:
         cfg = _config(a)
         from ..parallel import check_layout
         v = _v(a)
-        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, _library_schedule(a))
+        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, _library_schedule(a),
+                     sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq)
     except ValueError as e:
         return str(e)
     from ..model import GPT
@@ -139,6 +148,7 @@ def _bad_args(a, world) -> str | None:
 
 
 def _worker(ctx, a, corpus):
+    from ..checkpoint import SavedTensorMeter
     from ..comm import CommLog
     from ..dist import make_grid
     from ..model import GPT
@@ -151,7 +161,7 @@ def _worker(ctx, a, corpus):
     grid = make_grid(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
     cfg = _config(a)
     pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, _library_schedule(a), a.microbatches, v=v, zero=a.zero,
-                     bucket_cap_mb=a.bucket_cap_mb)
+                     bucket_cap_mb=a.bucket_cap_mb, sequence_parallel=a.sp, recompute=a.recompute)
     opt = pg.make_optimizer("adam", a.lr)
     ref = GPT(cfg, seed=a.seed).to(ctx.device) if ctx.rank == 0 else None
 
@@ -181,11 +191,13 @@ def _worker(ctx, a, corpus):
         x, y = batch(step)
         pg.zero_grad()
         t0 = time.perf_counter()
-        with CommLog() as log:
+        with CommLog() as log, SavedTensorMeter(exclude=pg.parameters()) as meter:
             loss = pg.train_step(x, y)
             if a.zero and grid.dp > 1:
                 opt.reduce_gradients()
         t_bwd = time.perf_counter() - t0
+        # the peak of a later step: in the first one the runtime measures each stage's first forward itself
+        act_peak = meter.peak if step >= 1 else None
         if a.zero and grid.dp > 1:
             opt.gather_gradients()          # inspection only, outside the counted window
         check.step(step, pieces(), loss=loss)
@@ -205,7 +217,7 @@ def _worker(ctx, a, corpus):
     res = {"rank": ctx.rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank, "pp_rank": grid.pp_rank,
            "last": pg.has_last_stage, "losses": losses, "comm": comm, "wire": wire,
            "expected": pg.expected_comm(a.batch, a.seq),
-           "seconds": seconds, "overlap": overlaps, "memory": peak_mem,
+           "seconds": seconds, "overlap": overlaps, "memory": peak_mem, "activations": act_peak,
            "timelines": timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
            "verdict": check.result(), "device": str(ctx.device), "backend": ctx.backend}
     return res
@@ -260,6 +272,13 @@ def run_3d(a, corpus=None) -> dict:
     for step in range(a.steps):
         ls = [r["losses"][step] for r in ranks if r["last"] and r["tp_rank"] == 0]
         losses.append(sum(ls) / len(ls))
+    pred = _planner(a)
+    if pred is not None:   # the expected counts are the planner's (DDP: the run's buckets, the same bytes)
+        for r in ranks:
+            exp = {ax: dict(kinds) for ax, kinds in pred[1][r["pp_rank"]].items()}
+            if "all_reduce" in r["expected"].get("dp", {}):
+                exp["dp"]["all_reduce"] = (r["expected"]["dp"]["all_reduce"][0], exp["dp"]["all_reduce"][1])
+            r["expected"] = exp
     ov = [o for r in ranks for o in r["overlap"][1:] if o == o] if a.dp > 1 and not a.zero else []
     return {"ranks": ranks, "single": single, "losses": losses,
             "bubble": (sum(measured) / len(measured), _bubble_formula(a)),
@@ -271,6 +290,66 @@ def run_3d(a, corpus=None) -> dict:
 
 def _mib(b):
     return b / 2**20
+
+
+# the planner's name of each schedule it models (ZB-H1 holds what 1F1B holds: Qi et al. 2024 sec. 3)
+_PLANNER_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zb-h1": "1f1b"}
+
+
+def _planner(a):
+    """The planner's prediction for this run: ``(memory per pipeline rank, {pp_rank: {axis: {kind:
+    (count, bytes)}}})``, or None for the V-shaped schedules (the planner does not model them)."""
+    from ..plan.comm import comm_per_rank
+    from ..plan.memory import memory_per_rank
+    from ..plan.spec import Layout, ModelSpec
+    if a.schedule not in _PLANNER_SCHEDULE:
+        return None
+    spec = ModelSpec.from_gpt_config(_config(a), seq_len=a.seq, global_batch=a.batch)
+    lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
+                 schedule=_PLANNER_SCHEDULE[a.schedule], zero=1 if a.zero else 0, sequence_parallel=a.sp,
+                 recompute=a.recompute, precision="fp32")
+    mem = memory_per_rank(spec, lay, device="cpu")
+    comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
+            for r in range(a.pp)}
+    return mem, comm
+
+
+def _planner_table(a, out) -> tuple[list[str], list[str]]:
+    """Per rank, measured bytes next to the planner's: lines of the table and the mismatches
+    (memory and communication exact, activations within 2 %). DP all-reduces are compared by
+    bytes (the run reduces in buckets, the planner counts one per model chunk)."""
+    pred = _planner(a)
+    if pred is None:
+        return [f"planner: not shown for --schedule {a.schedule} (the planner models gpipe, 1f1b, interleaved "
+                f"and zb-h1)"], []
+    mem, comm = pred
+    bad, rows = [], []
+    head = (f"{'rank':>4}  {'params':>9} {'(planner)':>9}  {'grads':>9} {'(planner)':>9}  {'optimizer':>9} "
+            f"{'(planner)':>9}  {'activations':>11} {'(planner)':>9} {'diff':>6}  communication bytes per axis (planner)")
+    rows += [head, "-" * len(head)]
+    for r in sorted(out["ranks"], key=lambda r: r["rank"]):
+        pm, m = mem[r["pp_rank"]], r["memory"]
+        for k in ("params", "grads", "optimizer"):
+            if m[k] != getattr(pm, k):
+                bad.append(f"rank {r['rank']} {k}: measured {m[k]} B, planner {getattr(pm, k)} B")
+        act = r["activations"]
+        diff = (pm.activations / act - 1) if act else float("nan")
+        if not abs(diff) <= 0.02:
+            bad.append(f"rank {r['rank']} activations: measured {act} B, planner {pm.activations} B "
+                       f"({diff:+.1%}, more than 2 %)")
+        got, want = r["comm"][-1], comm[r["pp_rank"]]
+        cells = []
+        for ax in sorted(set(got) | set(want)):
+            g, w = got.get(ax, {}), want.get(ax, {})
+            for kind in sorted(set(g) | set(w)):
+                (gc, gb), (wc, wb) = g.get(kind, (0, 0)), w.get(kind, (0, 0))
+                if gb != wb or (gc != wc and (ax, kind) != ("dp", "all_reduce")):
+                    bad.append(f"rank {r['rank']} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
+            cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
+        rows.append(f"{r['rank']:>4}  {m['params']:>9} {pm.params:>9}  {m['grads']:>9} {pm.grads:>9}  "
+                    f"{m['optimizer']:>9} {pm.optimizer:>9}  {act if act else '-':>11} {pm.activations:>9} "
+                    f"{diff:>+6.1%}  {', '.join(cells)}")
+    return rows, bad
 
 
 def _axis_table(a, out) -> tuple[list[str], bool]:
@@ -376,9 +455,14 @@ def main(argv: list[str] | None = None) -> int:
     ranks = out["ranks"]
     print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
           f"on t={a.tp} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0]['backend']}), {a.schedule}"
-          f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}, "
+          f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}"
+          f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}, "
           f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
     rows, counts_ok = _axis_table(a, out)
+    if _planner(a) is None and (a.sp or a.recompute != "none"):
+        counts_ok = True       # ParallelGPT.expected_comm models neither; the planner not these schedules
+        rows.append(f"(the formula column does not model --sp or --recompute with --schedule {a.schedule}; "
+                    f"not compared)")
     print("\nCommunication per step and rank (the busiest rank; payload bytes as counted by labkit.comm):")
     print("\n".join(rows))
     print("formulas: TP 4 all-reduces of b*S*H per block per microbatch (+1 embedding, +1 output layer, +3 of b*S "
@@ -401,6 +485,15 @@ def main(argv: list[str] | None = None) -> int:
         f = max if key == "max" else min
         print(f"{key:<18}{_mib(f(m['params'] for m in mem)):>11.3f}{_mib(f(m['grads'] for m in mem)):>11.3f}"
               f"{_mib(f(m['optimizer'] for m in mem)):>15.3f}")
+    planner_ok = True
+    if a.steps > 1:
+        rows, bad = _planner_table(a, out)
+        print("\nPer rank, measured next to the planner (bytes; activations: peak saved for backward in the last "
+              "step, saved_tensors_hooks):")
+        print("\n".join(rows))
+        for line in bad:
+            print(f"FAIL: planner: {line}", file=sys.stderr)
+        planner_ok = not bad
     tokens = a.batch * a.seq * (a.steps - 1)
     par_s = max(r["seconds"] for r in ranks)
     one_s = out["single"]["seconds"]
@@ -412,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                           reference_losses=out["single"]["losses"])
     if not counts_ok:
         print("FAIL: the counted collectives differ from the formula (table above)", file=sys.stderr)
+        status = 1
+    if not planner_ok:
         status = 1
     # the files last: a full disk cannot hide the table and the verdict (labs.OutputError: one line)
     folder = run_folder(a.out, "3d")
