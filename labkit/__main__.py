@@ -47,11 +47,10 @@ def _main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"error: --world-size must be >= 1, got {bad[0]}", file=sys.stderr)
             return 2
-        from .dist import doctor
+        from .doctor import report, run_all
         if not a.run:
-            print(doctor(a.world_size))
+            print(report(a.world_size))
             return 0
-        from .doctor import run_all
         return run_all(a.verbose)
     if cmd in ("lab", "bench"):
         if not rest:

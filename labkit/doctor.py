@@ -1,7 +1,8 @@
-"""``python -m labkit doctor --run``: does the kit work on this machine? One line per lab.
+"""``python -m labkit doctor [--run]``: does the kit work on this machine?
 
-Started anywhere (a laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints the report of
-:func:`labkit.dist.doctor` and then runs every lab briefly (a tiny model, 2-3 steps) with backend
+:func:`report` is the environment (torch, CUDA devices, NCCL/gloo, the backend ``auto`` picks per
+world size): all that ``python -m labkit doctor`` prints. With ``--run``, started anywhere (a
+laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints that report and then runs every lab briefly (a tiny model, 2-3 steps) with backend
 "auto", exactly as a user would start it, and prints for each::
 
     PASS  3d        gloo  8 ranks   largest difference from one device 1.9e-07   4.2 s
@@ -20,6 +21,30 @@ import io
 import os
 import tempfile
 import time
+from typing import Sequence
+
+
+def report(world_sizes: Sequence[int] = (1, 2, 4, 8)) -> str:
+    """Text report: torch version, CUDA devices, NCCL/gloo availability, the auto backend per
+    world size in ``world_sizes``."""
+    import torch
+    import torch.distributed as dist
+
+    from .dist import choose_backend, in_torchrun
+
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    lines = [
+        f"torch            {torch.__version__}",
+        f"CUDA available   {torch.cuda.is_available()}",
+        f"CUDA devices     {n_gpu}",
+        f"NCCL available   {dist.is_nccl_available()}",
+        f"gloo available   {dist.is_gloo_available()}",
+        f"CPU cores        {os.cpu_count()}",
+        f"under torchrun   {in_torchrun()}",
+    ]
+    for w in world_sizes:
+        lines.append(f"auto backend for world size {w}: {choose_backend(w)}")
+    return "\n".join(lines)
 
 
 def _sizes(world: int) -> tuple[int, int, int]:
@@ -48,14 +73,14 @@ def _plans(world: int | None, out: str) -> list[tuple[str, int, list[str]]]:
 def run_all(verbose: bool = False) -> int:
     """Run every lab briefly here; print one PASS/FAIL line per lab; return 0 if all passed."""
     from .commands import run_module
-    from .dist import choose_backend, doctor, in_torchrun
+    from .dist import choose_backend, in_torchrun
     from .labs import is_main_rank, run_cli
     from .labs import verdict as verdict_mod
 
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
     show = is_main_rank()
     if show:
-        print(doctor([world] if world else [2, 8]))
+        print(report([world] if world else [2, 8]))
         print()
     ok_all = True
     with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as out:

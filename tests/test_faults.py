@@ -83,7 +83,7 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
 
 STUCK = textwrap.dedent("""
     import os, sys, time
-    import labkit.dist as d
+    import labkit.launch as d
     from labkit.dist import launch
     from labkit.labs import run_cli
 
@@ -107,7 +107,7 @@ def test_cleanup_deadline_holds_while_the_cores_are_loaded(tmp_path):
     ranks are gone and the folder removed within the program's own clean-up deadline (plus a
     margin for a loaded scheduler), the command ends with one line and 130. A clean-up that is
     stuck (injected) is cut short by the same deadline: its workers are SIGKILLed, its folder removed."""
-    from labkit.dist import CLEANUP_DEADLINE
+    from labkit.launch import CLEANUP_DEADLINE
     script = tmp_path / "run.py"
     script.write_text(STUCK)
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]

@@ -106,7 +106,7 @@ def _worker_3d(ctx, a):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from ..dist import make_grid
+    from ..grid import ProcessGrid
     from ..parallel import ParallelGPT
     from ..pipeline.stages import split_gpt
 
@@ -118,7 +118,7 @@ def _worker_3d(ctx, a):
     x = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
     y = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
     # labkit
-    grid = make_grid(ctx, tp=t, pp=p, dp=d)
+    grid = ProcessGrid.build(ctx, tp=t, pp=p, dp=d)
     lk = ParallelGPT(ref, grid, "1f1b", M, bucket_cap_mb=a.bucket_cap_mb)
     lk_opt = lk.make_optimizer("sgd", 0.01)
     lk_loss = []

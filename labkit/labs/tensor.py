@@ -25,7 +25,8 @@ import torch
 from ..cliparse import Parser
 from ..comm import CommLog
 from ..data import Corpus
-from ..dist import in_torchrun, launch, make_grid
+from ..dist import in_torchrun, launch
+from ..grid import ProcessGrid
 from ..model import GPT, GPTConfig
 from ..tensor_parallel import TensorParallelGPT, expected_collectives
 from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
@@ -79,7 +80,7 @@ def _train(model, corpus, args, loss_fn, desc, show, check=None):
 
 
 def _tp_worker(ctx, args, corpus):
-    grid = make_grid(ctx, tp=ctx.world_size)
+    grid = ProcessGrid.build(ctx, tp=ctx.world_size)
     torch.manual_seed(args.seed)
     cfg = _config(args)
     model = TensorParallelGPT.from_reference(GPT(cfg, seed=args.seed), grid.tp_group).to(ctx.device)

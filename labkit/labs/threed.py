@@ -14,10 +14,10 @@ and trained on the default corpus with Adam; the same training runs once on a si
 Printed: one table per axis (collectives and bytes per step counted on each rank next to the
 formula: TP all-reduces, PP sends, DP all-reduce or reduce-scatter/all-gather, the tied
 embedding's all-reduce), the measured pipeline bubble next to (p-1)/(vM+p-1), the share of the
-DP all-reduce time hidden behind backward, per rank a table of measured bytes next to the
-planner's (:mod:`labkit.plan`): parameters, gradients and optimizer state (exact), activations
-(the peak of the timed step measured with saved_tensors_hooks, within 2 %) and the payload
-bytes per axis (exact); tokens per second; then the verdict of :mod:`labkit.labs.verdict` (every step, loss and every
+DP all-reduce time hidden behind backward, peak parameter/gradient/optimizer bytes per rank and
+tokens per second; per rank a table of measured bytes next to the planner's (:mod:`labkit.plan`):
+parameters, gradients and optimizer state (exact), activations (the peak of the last step measured
+with saved_tensors_hooks, within 2 %) and the payload bytes per axis (exact); then the verdict of :mod:`labkit.labs.verdict` (every step, loss and every
 gradient against the single-device model at the same parameters). Exit status 1 when the verdict
 or a count fails. Saved under ``runs/3d-<time>/``: ``loss_curves.png``, ``rank_grid.png``
 (which rank holds which layers and which shard), ``losses.csv``.
@@ -33,13 +33,15 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..cliparse import Parser
-from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               bad_lr, error, is_main_rank, run_folder, save_figure, schedule_name, write_bytes_atomic)
+from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
+               count_parameters_meta, is_main_rank, save_figure, schedule_name, write_bytes_atomic)
+from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
 from .verdict import add_tolerance_option
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
@@ -147,32 +149,73 @@ def _bad_args(a, world) -> str | None:
 # ----------------------------------------------------------------------------- the run
 
 
-def _worker(ctx, a, corpus):
+@dataclass
+class RankResult:
+    """One rank's measurements. ``memory``: peak bytes ``{"params", "grads", "optimizer"}``;
+    ``comm``: per step ``{axis: {kind: (count, bytes)}}`` counted by :class:`labkit.comm.CommLog`;
+    ``wire``: per step ``{axis: bytes sent}`` under the ring algorithms; ``expected``: the
+    formulas' counts of one step; ``seconds``: wall time of the timed steps (1..); ``overlap``:
+    per step, the share of the DP all-reduce hidden behind backward; ``timelines``: per step the
+    pipeline's measured ``(action, start, end)`` (ranks d0 t0 only, else None); ``verdict``: rank
+    0's :class:`labkit.labs.verdict.LockstepResult` (None elsewhere); ``last``: holds the last stage."""
+    rank: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    last: bool
+    losses: list
+    comm: list
+    wire: list
+    expected: dict
+    seconds: float
+    overlap: list
+    memory: dict
+    timelines: list | None
+    verdict: object
+    device: str
+    backend: str
+    activations: int | None = None     # peak bytes saved for backward in the last step (steps >= 2)
+
+
+@dataclass
+class Result3D:
+    """What :func:`run_3d` measured: ``ranks`` (one :class:`RankResult` each), ``single`` (the
+    single-device training, :class:`labkit.labs.harness.Reference`), ``losses`` (the parallel
+    run's global-batch loss per step), ``bubble`` ``(measured, formula)`` and ``overlap`` (mean
+    DP share hidden; NaN without DDP)."""
+    ranks: list
+    single: Reference
+    losses: list
+    bubble: tuple
+    overlap: float
+
+
+def _batch(a, corpus, step):
+    return corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
+
+
+def _worker(ctx, a, corpus) -> RankResult:
     from ..checkpoint import SavedTensorMeter
     from ..comm import CommLog
-    from ..dist import make_grid
+    from ..grid import ProcessGrid
     from ..model import GPT
     from ..parallel import ParallelGPT
     from ..pipeline.stages import gpt_param_name
-    from .verdict import Lockstep, sharded_pieces
+    from .verdict import sharded_pieces
 
     torch.manual_seed(a.seed)
     v = _v(a)
-    grid = make_grid(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
+    grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
     cfg = _config(a)
     pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, _library_schedule(a), a.microbatches, v=v, zero=a.zero,
                      bucket_cap_mb=a.bucket_cap_mb, sequence_parallel=a.sp, recompute=a.recompute)
     opt = pg.make_optimizer("adam", a.lr)
-    ref = GPT(cfg, seed=a.seed).to(ctx.device) if ctx.rank == 0 else None
-
-    def batch(step):
-        return corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
 
     def ref_loss(model, step, extras):
-        x, y = batch(step)
+        x, y = _batch(a, corpus, step)
         return model(x.to(ctx.device), y.to(ctx.device))
 
-    check = Lockstep(ctx.group, ctx.rank, reference=ref, loss_fn=ref_loss, rtol=a.tolerance, atol=a.tolerance / 10)
+    check = lockstep(ctx, a, lambda: GPT(cfg, seed=a.seed), ref_loss)
 
     def pieces():
         out = []
@@ -184,11 +227,10 @@ def _worker(ctx, a, corpus):
             out += sharded_pieces(m, grid.tp_rank, grid.tp, rename)
         return out
 
-    wire = []
-    losses, comm, seconds, overlaps, timelines, peak_mem = [], [], 0.0, [], [], {"params": 0, "grads": 0,
-                                                                                     "optimizer": 0}
+    wire, losses, comm, seconds, overlaps, timelines = [], [], [], 0.0, [], []
+    peak_mem = {"params": 0, "grads": 0, "optimizer": 0}
     for step in range(a.steps):
-        x, y = batch(step)
+        x, y = _batch(a, corpus, step)
         pg.zero_grad()
         t0 = time.perf_counter()
         with CommLog() as log, SavedTensorMeter(exclude=pg.parameters()) as meter:
@@ -214,75 +256,56 @@ def _worker(ctx, a, corpus):
         timelines.append([(tuple(e.action), e.start, e.end) for e in pg.schedule.timeline])
         mem = pg.memory()
         peak_mem = {k: max(peak_mem[k], mem[k]) for k in mem}
-    res = {"rank": ctx.rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank, "pp_rank": grid.pp_rank,
-           "last": pg.has_last_stage, "losses": losses, "comm": comm, "wire": wire,
-           "expected": pg.expected_comm(a.batch, a.seq),
-           "seconds": seconds, "overlap": overlaps, "memory": peak_mem, "activations": act_peak,
-           "timelines": timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
-           "verdict": check.result(), "device": str(ctx.device), "backend": ctx.backend}
-    return res
+    return RankResult(ctx.rank, grid.tp_rank, grid.dp_rank, grid.pp_rank, pg.has_last_stage, losses, comm, wire,
+                      pg.expected_comm(a.batch, a.seq), seconds, overlaps, peak_mem,
+                      timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
+                      check.result(), str(ctx.device), ctx.backend, activations=act_peak)
 
 
-def _single(a, corpus):
+def _reference(a, corpus) -> Reference:
     """The same training on one device (one CPU thread, like each rank): loss curve and time."""
     from ..model import GPT
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = GPT(_config(a), seed=a.seed)
-        opt = torch.optim.Adam(model.parameters(), lr=a.lr)
-        losses, seconds = [], 0.0
-        for step in range(a.steps):
-            x, y = corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            if step >= 1:
-                seconds += time.perf_counter() - t0
-            losses.append(loss.item())
-        return {"losses": losses, "seconds": seconds}
-    finally:
-        torch.set_num_threads(threads)
+    return train_reference(GPT(_config(a), seed=a.seed), a.steps, lambda m, step: m(*_batch(a, corpus, step)), a.lr)
 
 
-def run_3d(a, corpus=None) -> dict:
-    """Run the lab's training (no printing, no files). ``a``: the parsed options (see
-    ``python -m labkit lab 3d --help``; ``parse_args([...])`` builds them). Returns ``{"ranks":
-    [per-rank dict], "single": {...}, "losses": [global-batch loss per step], "bubble":
-    (measured, formula), "overlap": mean DP share hidden}``; each rank's dict holds ``memory``
-    (peak bytes of params / grads / optimizer state), ``comm`` (list per step of ``{axis: {kind:
-    (count, bytes)}}``), ``expected`` (formula, one step), ``seconds`` (timed steps), ``verdict``
-    (rank 0: :class:`labkit.labs.verdict.LockstepResult`)."""
-    from ..data import Corpus
-    from ..dist import in_torchrun, launch
+def _summarise(a, ranks: list, single: Reference) -> Result3D:
+    """The run's global loss per step, its measured bubble (mean over the timed steps of the
+    pipeline of d0 t0) and its DP overlap, from the ranks' results."""
     from ..pipeline import TimedAction, bubble_fraction
     from ..pipeline.schedules import Action
-    corpus = corpus if corpus is not None else Corpus.load(a.data)
-    world = a.tp * a.pp * a.dp
-    ranks = launch(_worker, world, a, corpus, backend=a.backend, timeout=120)
-    single = _single(a, corpus) if not in_torchrun() or int(os.environ["RANK"]) == 0 else None
-    pipe = sorted((r for r in ranks if r["timelines"] is not None), key=lambda r: r["pp_rank"])
+    pipe = sorted((r for r in ranks if r.timelines is not None), key=lambda r: r.pp_rank)
     measured = []
     for i in range(1, a.steps) if a.steps > 1 else [0]:
-        tl = {r["pp_rank"]: [TimedAction(Action(*act), s, e) for act, s, e in r["timelines"][i]] for r in pipe}
+        tl = {r.pp_rank: [TimedAction(Action(*act), s, e) for act, s, e in r.timelines[i]] for r in pipe}
         measured.append(float(bubble_fraction(tl, a.pp)))
     losses = []
     for step in range(a.steps):
-        ls = [r["losses"][step] for r in ranks if r["last"] and r["tp_rank"] == 0]
+        ls = [r.losses[step] for r in ranks if r.last and r.tp_rank == 0]
         losses.append(sum(ls) / len(ls))
     pred = _planner(a)
     if pred is not None:   # the expected counts are the planner's (DDP: the run's buckets, the same bytes)
         for r in ranks:
-            exp = {ax: dict(kinds) for ax, kinds in pred[1][r["pp_rank"]].items()}
-            if "all_reduce" in r["expected"].get("dp", {}):
-                exp["dp"]["all_reduce"] = (r["expected"]["dp"]["all_reduce"][0], exp["dp"]["all_reduce"][1])
-            r["expected"] = exp
-    ov = [o for r in ranks for o in r["overlap"][1:] if o == o] if a.dp > 1 and not a.zero else []
-    return {"ranks": ranks, "single": single, "losses": losses,
-            "bubble": (sum(measured) / len(measured), _bubble_formula(a)),
-            "overlap": sum(ov) / len(ov) if ov else float("nan")}
+            exp = {ax: dict(kinds) for ax, kinds in pred[1][r.pp_rank].items()}
+            if "all_reduce" in r.expected.get("dp", {}):
+                exp["dp"]["all_reduce"] = (r.expected["dp"]["all_reduce"][0], exp["dp"]["all_reduce"][1])
+            r.expected = exp
+    ov = [o for r in ranks for o in r.overlap[1:] if o == o] if a.dp > 1 and not a.zero else []
+    return Result3D(ranks, single, losses, (sum(measured) / len(measured), _bubble_formula(a)),
+                    sum(ov) / len(ov) if ov else float("nan"))
+
+
+def run_3d(a, corpus=None) -> Result3D:
+    """Run the lab's training (no printing, no files) and return its :class:`Result3D`. ``a``: the
+    parsed options with ``a.dp`` set (see ``python -m labkit lab 3d --help``; :func:`parse_args`
+    builds them). Under torchrun, on ranks other than 0: None."""
+    from ..data import Corpus
+    corpus = corpus if corpus is not None else Corpus.load(a.data)
+    outcome = execute(LAB, a, corpus)
+    return None if outcome is None else _summarise(a, outcome.results[_run_name(a)], outcome.reference)
+
+
+def _run_name(a) -> str:
+    return f"t{a.tp} p{a.pp} d{a.dp} {a.schedule}"
 
 
 # ----------------------------------------------------------------------------- report
@@ -299,7 +322,7 @@ _PLANNER_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleav
 
 def _planner(a):
     """The planner's prediction for this run: ``(memory per pipeline rank, {pp_rank: {axis: {kind:
-    (count, bytes)}}})``, or None for the V-shaped schedules (the planner does not model them)."""
+    (count, bytes)}}})``, or None for the schedules it does not model."""
     from ..plan.comm import comm_per_rank
     from ..plan.memory import memory_per_rank
     from ..plan.spec import Layout, ModelSpec
@@ -328,26 +351,26 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     head = (f"{'rank':>4}  {'params':>9} {'(planner)':>9}  {'grads':>9} {'(planner)':>9}  {'optimizer':>9} "
             f"{'(planner)':>9}  {'activations':>11} {'(planner)':>9} {'diff':>6}  communication bytes per axis (planner)")
     rows += [head, "-" * len(head)]
-    for r in sorted(out["ranks"], key=lambda r: r["rank"]):
-        pm, m = mem[r["pp_rank"]], r["memory"]
+    for r in sorted(out.ranks, key=lambda r: r.rank):
+        pm, m = mem[r.pp_rank], r.memory
         for k in ("params", "grads", "optimizer"):
             if m[k] != getattr(pm, k):
-                bad.append(f"rank {r['rank']} {k}: measured {m[k]} B, planner {getattr(pm, k)} B")
-        act = r["activations"]
+                bad.append(f"rank {r.rank} {k}: measured {m[k]} B, planner {getattr(pm, k)} B")
+        act = r.activations
         diff = (pm.activations / act - 1) if act else float("nan")
         if not abs(diff) <= 0.02:
-            bad.append(f"rank {r['rank']} activations: measured {act} B, planner {pm.activations} B "
+            bad.append(f"rank {r.rank} activations: measured {act} B, planner {pm.activations} B "
                        f"({diff:+.1%}, more than 2 %)")
-        got, want = r["comm"][-1], comm[r["pp_rank"]]
+        got, want = r.comm[-1], comm[r.pp_rank]
         cells = []
         for ax in sorted(set(got) | set(want)):
             g, w = got.get(ax, {}), want.get(ax, {})
             for kind in sorted(set(g) | set(w)):
                 (gc, gb), (wc, wb) = g.get(kind, (0, 0)), w.get(kind, (0, 0))
                 if gb != wb or (gc != wc and (ax, kind) != ("dp", "all_reduce")):
-                    bad.append(f"rank {r['rank']} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
+                    bad.append(f"rank {r.rank} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
             cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
-        rows.append(f"{r['rank']:>4}  {m['params']:>9} {pm.params:>9}  {m['grads']:>9} {pm.grads:>9}  "
+        rows.append(f"{r.rank:>4}  {m['params']:>9} {pm.params:>9}  {m['grads']:>9} {pm.grads:>9}  "
                     f"{m['optimizer']:>9} {pm.optimizer:>9}  {act if act else '-':>11} {pm.activations:>9} "
                     f"{diff:>+6.1%}  {', '.join(cells)}")
     return rows, bad
@@ -356,23 +379,23 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
 def _axis_table(a, out) -> tuple[list[str], bool]:
     """Lines of the per-axis table (max over ranks of the per-step counts, steps after the first)
     and whether every rank's counts equal the formula at every timed step."""
-    ranks = out["ranks"]
-    ok = all(c == r["expected"] for r in ranks for c in r["comm"][1:])
+    ranks = out.ranks
+    ok = all(c == r.expected for r in ranks for c in r.comm[1:])
     rows = []
     labels = {"tp": f"TP (t={a.tp})", "pp": f"PP (p={a.pp})", "dp": f"DP (d={a.dp})", "embedding": "embedding"}
-    kinds = sorted({(ax, k) for r in ranks for ax in r["expected"] for k in r["expected"][ax]},
+    kinds = sorted({(ax, k) for r in ranks for ax in r.expected for k in r.expected[ax]},
                    key=lambda x: (list(labels).index(x[0]), x[1]))
     head = f"{'axis':<12}{'collective':<16}{'count/step':>11}{'(formula)':>10}{'MiB/step':>10}{'(formula)':>10}  ranks"
     rows += [head, "-" * len(head)]
     for ax, k in kinds:
-        meas = [r["comm"][-1].get(ax, {}).get(k, (0, 0)) for r in ranks]
-        exp = [r["expected"].get(ax, {}).get(k, (0, 0)) for r in ranks]
+        meas = [r.comm[-1].get(ax, {}).get(k, (0, 0)) for r in ranks]
+        exp = [r.expected.get(ax, {}).get(k, (0, 0)) for r in ranks]
         i = max(range(len(ranks)), key=lambda j: exp[j][1])
         n_ranks = sum(1 for e in exp if e[0])
         rows.append(f"{labels[ax]:<12}{k:<16}{meas[i][0]:>11d}{exp[i][0]:>10d}{_mib(meas[i][1]):>10.3f}"
                     f"{_mib(exp[i][1]):>10.3f}  {n_ranks} of {len(ranks)}")
-    axes = [ax for ax in labels if any(ax in r["wire"][-1] for r in ranks)]
-    sent = ", ".join(f"{labels[ax]} {_mib(max(r['wire'][-1].get(ax, 0) for r in ranks)):.3f}" for ax in axes)
+    axes = [ax for ax in labels if any(ax in r.wire[-1] for r in ranks)]
+    sent = ", ".join(f"{labels[ax]} {_mib(max(r.wire[-1].get(ax, 0) for r in ranks)):.3f}" for ax in axes)
     rows.append(f"MiB sent per step on the wire (ring algorithms, busiest rank): {sent}")
     return rows, ok
 
@@ -383,8 +406,8 @@ def _plots(a, out, folder: Path):
 
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot(1, 1, 1)
-    ax.plot(range(1, a.steps + 1), out["single"]["losses"], label="single device")
-    ax.plot(range(1, a.steps + 1), out["losses"], "--", label=f"t={a.tp} x p={a.pp} x d={a.dp}")
+    ax.plot(range(1, a.steps + 1), out.single.losses, label="single device")
+    ax.plot(range(1, a.steps + 1), out.losses, "--", label=f"t={a.tp} x p={a.pp} x d={a.dp}")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title("3D parallelism vs one device (two separate Adam trainings)")
@@ -424,100 +447,111 @@ def parse_args(argv):
     return _parser().parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..dist import in_torchrun
-    a = parse_args(sys.argv[1:] if argv is None else argv)
-    if in_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
-        if a.tp < 1 or a.pp < 1 or world % (a.tp * a.pp):
-            return error(f"--tp {a.tp} * --pp {a.pp} must divide WORLD_SIZE={world}")
-        if a.dp is not None and a.dp * a.tp * a.pp != world and is_main_rank():
-            print(f"note: --dp {a.dp} ignored under torchrun: d = WORLD_SIZE / (t*p) = {world // (a.tp * a.pp)}",
-                  file=sys.stderr)
-        a.dp = world // (a.tp * a.pp)
-    else:
-        a.dp = 2 if a.dp is None else a.dp
-        world = a.tp * a.pp * a.dp
-    bad = _bad_args(a, world)
-    if bad:
-        return error(bad)
-    from ..data import Corpus
-    try:
+class ThreeDLab(Lab):
+    """``python -m labkit lab 3d``: one run on the t x p x d grid."""
+    name = "3d"
+
+    def parser(self):
+        return _parser()
+
+    def resolve(self, a, world):
+        if world is not None:
+            if a.tp < 1 or a.pp < 1 or world % (a.tp * a.pp):
+                return f"--tp {a.tp} * --pp {a.pp} must divide WORLD_SIZE={world}"
+            if a.dp is not None and a.dp * a.tp * a.pp != world and is_main_rank():
+                print(f"note: --dp {a.dp} ignored under torchrun: d = WORLD_SIZE / (t*p) = {world // (a.tp * a.pp)}",
+                      file=sys.stderr)
+            a.dp = world // (a.tp * a.pp)
+        else:
+            a.dp = 2 if a.dp is None else a.dp
+        return None
+
+    def check(self, a):
+        return _bad_args(a, a.tp * a.pp * a.dp)
+
+    def load_corpus(self, a):
+        from ..data import Corpus
         corpus = Corpus.load(a.data)
         corpus.get_batch("train", 1, a.seq)
-    except (OSError, ValueError) as e:
-        return error(str(e))
-    t_start = time.perf_counter()
-    out = run_3d(a, corpus)
-    if not is_main_rank():
-        return 0
-    from .verdict import verdict_exit
-    v = _v(a)
-    ranks = out["ranks"]
-    print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
-          f"on t={a.tp} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0]['backend']}), {a.schedule}"
-          f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}"
-          f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}, "
-          f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
-    rows, counts_ok = _axis_table(a, out)
-    if _planner(a) is None and (a.sp or a.recompute != "none"):
-        counts_ok = True       # ParallelGPT.expected_comm models neither; the planner not these schedules
-        rows.append(f"(the formula column does not model --sp or --recompute with --schedule {a.schedule}; "
-                    f"not compared)")
-    print("\nCommunication per step and rank (the busiest rank; payload bytes as counted by labkit.comm):")
-    print("\n".join(rows))
-    print("formulas: TP 4 all-reduces of b*S*H per block per microbatch (+1 embedding, +1 output layer, +3 of b*S "
-          "cross-entropy); PP 1 send of b*S*H per microbatch and boundary each way; DP one all-reduce per bucket of "
-          "the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an all-gather "
-          "of n/d; b = B/(d*M).")
-    meas, formula = out["bubble"]
-    name = "(p-1)/(vM+p-1)" if a.schedule in ("gpipe", "1f1b", "interleaved") else "(T_F = T_I = T_W)"
-    print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "
-          f"formula {name} = {formula:.1%}")
-    if len(ranks) > (os.cpu_count() or 1):
-        print(f"note: {len(ranks)} ranks share {os.cpu_count()} CPU cores, so a rank often waits for a core; the "
-              f"measured bubble includes that wait")
-    if a.dp > 1 and not a.zero:
-        print(f"DP all-reduce time hidden behind backward: {out['overlap']:.0%} (buckets of {a.bucket_cap_mb:g} MiB, "
-              f"started from gradient hooks)")
-    mem = [r["memory"] for r in ranks]
-    print(f"\n{'per rank (peak)':<18}{'params MiB':>11}{'grads MiB':>11}{'optimizer MiB':>15}")
-    for key in ("max", "min"):
-        f = max if key == "max" else min
-        print(f"{key:<18}{_mib(f(m['params'] for m in mem)):>11.3f}{_mib(f(m['grads'] for m in mem)):>11.3f}"
-              f"{_mib(f(m['optimizer'] for m in mem)):>15.3f}")
-    planner_ok = True
-    if a.steps > 1:
-        rows, bad = _planner_table(a, out)
-        print("\nPer rank, measured next to the planner (bytes; activations: peak saved for backward in the last "
-              "step, saved_tensors_hooks):")
+        return corpus
+
+    def banner(self, a, corpus):
+        self.t_start = time.perf_counter()
+
+    def runs(self, a, corpus):
+        return [Launch(_run_name(a), a.tp * a.pp * a.dp, _worker, (a, corpus))]
+
+    def reference(self, a, corpus):
+        return _reference(a, corpus)
+
+    def report(self, a, outcome):
+        out = _summarise(a, outcome.results[_run_name(a)], outcome.reference)
+        self.result = out
+        v = _v(a)
+        ranks = out.ranks
+        print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
+              f"on t={a.tp} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
+              f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}"
+              f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}, "
+              f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
+        rows, counts_ok = _axis_table(a, out)
+        if _planner(a) is None and (a.sp or a.recompute != "none"):
+            counts_ok = True       # ParallelGPT.expected_comm models neither; the planner not these schedules
+            rows.append(f"(the formula column does not model --sp or --recompute with --schedule {a.schedule}; "
+                        f"not compared)")
+        print("\nCommunication per step and rank (the busiest rank; payload bytes as counted by labkit.comm):")
         print("\n".join(rows))
-        for line in bad:
-            print(f"FAIL: planner: {line}", file=sys.stderr)
-        planner_ok = not bad
-    tokens = a.batch * a.seq * (a.steps - 1)
-    par_s = max(r["seconds"] for r in ranks)
-    one_s = out["single"]["seconds"]
-    if a.steps > 1:
-        print(f"\ntokens/s: {tokens / par_s:,.0f} on {len(ranks)} ranks vs {tokens / one_s:,.0f} on one device "
-              f"(one CPU thread each; {os.cpu_count()} cores here)")
-    print(f"lab time: {time.perf_counter() - t_start:.1f} s")
-    status = verdict_exit({f"t{a.tp} p{a.pp} d{a.dp} {a.schedule}": ranks[0]["verdict"]},
-                          reference_losses=out["single"]["losses"])
-    if not counts_ok:
-        print("FAIL: the counted collectives differ from the formula (table above)", file=sys.stderr)
-        status = 1
-    if not planner_ok:
-        status = 1
-    # the files last: a full disk cannot hide the table and the verdict (labs.OutputError: one line)
-    folder = run_folder(a.out, "3d")
-    rows = ["step,single,3d"] + [f"{i},{out['single']['losses'][i]:.7f},{out['losses'][i]:.7f}"
-                                 for i in range(a.steps)]
-    write_bytes_atomic(folder / "losses.csv", ("\n".join(rows) + "\n").encode())
-    if not a.no_plots:
-        _plots(a, out, folder)
-        print(f"plots: {folder / 'loss_curves.png'}, {folder / 'rank_grid.png'}")
-    return status
+        print("formulas: TP 4 all-reduces of b*S*H per block per microbatch (+1 embedding, +1 output layer, +3 of b*S "
+              "cross-entropy); PP 1 send of b*S*H per microbatch and boundary each way; DP one all-reduce per bucket "
+              "of the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an "
+              "all-gather of n/d; b = B/(d*M).")
+        meas, formula = out.bubble
+        name = "(p-1)/(vM+p-1)" if a.schedule in ("gpipe", "1f1b", "interleaved") else "(T_F = T_I = T_W)"
+        print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "
+              f"formula {name} = {formula:.1%}")
+        if len(ranks) > (os.cpu_count() or 1):
+            print(f"note: {len(ranks)} ranks share {os.cpu_count()} CPU cores, so a rank often waits for a core; the "
+                  f"measured bubble includes that wait")
+        if a.dp > 1 and not a.zero:
+            print(f"DP all-reduce time hidden behind backward: {out.overlap:.0%} (buckets of {a.bucket_cap_mb:g} "
+                  f"MiB, started from gradient hooks)")
+        mem = [r.memory for r in ranks]
+        print(f"\n{'per rank (peak)':<18}{'params MiB':>11}{'grads MiB':>11}{'optimizer MiB':>15}")
+        for key in ("max", "min"):
+            f = max if key == "max" else min
+            print(f"{key:<18}{_mib(f(m['params'] for m in mem)):>11.3f}{_mib(f(m['grads'] for m in mem)):>11.3f}"
+                  f"{_mib(f(m['optimizer'] for m in mem)):>15.3f}")
+        planner_bad = []
+        if a.steps > 1:
+            prow, planner_bad = _planner_table(a, out)
+            print("\nPer rank, measured next to the planner (bytes; activations: peak saved for backward in the last "
+                  "step, saved_tensors_hooks):")
+            print("\n".join(prow))
+        tokens = a.batch * a.seq * (a.steps - 1)
+        par_s = max(r.seconds for r in ranks)
+        if a.steps > 1:
+            print(f"\ntokens/s: {tokens / par_s:,.0f} on {len(ranks)} ranks vs {tokens / out.single.seconds:,.0f} on "
+                  f"one device (one CPU thread each; {os.cpu_count()} cores here)")
+        print(f"lab time: {time.perf_counter() - self.t_start:.1f} s")
+        failures = [] if counts_ok else ["FAIL: the counted collectives differ from the formula (table above)"]
+        failures += [f"FAIL: planner: {line}" for line in planner_bad]
+        return Report({_run_name(a): ranks[0].verdict}, failures)
+
+    def files(self, a, outcome, folder):
+        out = self.result
+        rows = ["step,single,3d"] + [f"{i},{out.single.losses[i]:.7f},{out.losses[i]:.7f}" for i in range(a.steps)]
+        write_bytes_atomic(folder / "losses.csv", ("\n".join(rows) + "\n").encode())
+        if not a.no_plots:
+            _plots(a, out, folder)
+            print(f"plots: {folder / 'loss_curves.png'}, {folder / 'rank_grid.png'}")
+
+
+LAB = ThreeDLab()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit lab 3d``: the exit code (see :func:`labkit.labs.harness.run`)."""
+    return run(LAB, argv).rc
 
 
 if __name__ == "__main__":

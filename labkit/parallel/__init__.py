@@ -1,6 +1,6 @@
 """Composition of the axes: TP x PP x DP (3D parallelism), and EP folded onto DP for MoE.
 
-The one place that builds a model on a :class:`labkit.dist.ProcessGrid` from the axes; it imports
+The one place that builds a model on a :class:`labkit.grid.ProcessGrid` from the axes; it imports
 :mod:`labkit.pipeline`, :mod:`labkit.tensor_parallel`, :mod:`labkit.data_parallel` and
 :mod:`labkit.moe`, and none of them imports it.
 

@@ -1,7 +1,7 @@
 """3D parallelism: one GPT on a ProcessGrid with TP inside pipeline stages and DP across.
 
 Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters", sec. 2-3): the N = t * p * d GPUs are a grid. Rank order (``labkit.dist.make_grid``):
+Clusters", sec. 2-3): the N = t * p * d GPUs are a grid. Rank order (:class:`labkit.grid.ProcessGrid`):
 TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP outermost,
 ``rank = pp_rank * (d * t) + dp_rank * t + tp_rank``. On each rank:
 
@@ -50,6 +50,7 @@ import torch.nn as nn
 from .. import comm
 from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer, expected_dp_comm
 from ..data_parallel.zero import optimizer_state_bytes
+from ..grid import ProcessGrid
 from ..model import lm_loss
 from ..pipeline.runtime import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
                                 ScheduleZBH1, ScheduleZBVZeroBubble)
@@ -124,17 +125,15 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
                          f"would be two modules on one rank; use p > 1 with loop placement, or v = 1")
 
 
-def _rank_of(grid, p, d, t):
-    return p * grid.dp * grid.tp + d * grid.tp + t
-
-
 def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") -> list[dict]:
     """For every global rank: ``{"rank", "tp_rank", "dp_rank", "pp_rank", "stages", "layers",
     "embedding", "head", "shard"}`` (``shard``: "heads a..b, vocab c..d" of this TP rank)."""
     out = []
     n_stages = pp * v
-    for r in range(tp * pp * dp):
-        t, d, p = r % tp, (r // tp) % dp, r // (tp * dp)
+    grid = ProcessGrid(tp=tp, pp=pp, dp=dp)
+    for r in range(grid.world):
+        c = grid.coords(r)
+        t, d, p = c["tp"], c["dp"], c["pp"]
         stages = [s for s in range(n_stages) if stage_rank(s, pp, placement) == p]
         layers = [j for s in stages for j in stage_layers(cfg.n_layer, n_stages, s)]
         h, V = cfg.n_head // tp, cfg.vocab_size // tp
@@ -145,7 +144,7 @@ def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") 
 
 
 class ParallelGPT:
-    """This rank's part of the GPT on a :class:`labkit.dist.ProcessGrid` (t, p, d).
+    """This rank's part of the GPT on a :class:`labkit.grid.ProcessGrid` (t, p, d).
 
     Args:
         reference: the single-device :class:`labkit.model.GPT` (same seed on every rank).
@@ -198,7 +197,7 @@ class ParallelGPT:
         if self.tied and p > 1:
             for dd in range(d):
                 for tt in range(t):
-                    ranks = [_rank_of(grid, 0, dd, tt), _rank_of(grid, p - 1, dd, tt)]
+                    ranks = [grid.rank_of(pp=0, dp=dd, tp=tt), grid.rank_of(pp=p - 1, dp=dd, tp=tt)]
                     g = grid.ctx.new_group(ranks)
                     if grid.ctx.rank in ranks:
                         self.emb_group, self.emb_ranks = g, tuple(ranks)
@@ -317,8 +316,7 @@ class ParallelGPT:
         """Which axis a :class:`labkit.comm.CommRecord` belongs to: tp, pp, dp, embedding or other."""
         ranks = set(rec.ranks or ())
         g = self.grid
-        tp_r = {_rank_of(g, g.pp_rank, g.dp_rank, t) for t in range(g.tp)}
-        dp_r = {_rank_of(g, g.pp_rank, d, g.tp_rank) for d in range(g.dp)}
+        tp_r, dp_r = set(g.ranks("tp")), set(g.ranks("dp"))
         if rec.kind in ("send", "recv"):
             return "pp"
         if ranks == tp_r and g.tp > 1:

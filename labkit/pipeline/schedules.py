@@ -51,6 +51,7 @@ receives.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 __all__ = [
@@ -58,7 +59,7 @@ __all__ = [
     "stage_rank", "parse_actions", "format_schedule", "add_communication",
     "gpipe_schedule", "one_f_one_b_schedule", "interleaved_schedule",
     "check_pipeline_sizes", "PLACEMENTS", "infer_placement", "infer_sizes", "interleaved_group",
-    "interleaved_warmup",
+    "interleaved_warmup", "Schedule", "Message",
 ]
 
 COMPUTE = ("F", "B", "I", "W")
@@ -180,46 +181,112 @@ def check_pipeline_sizes(K: int, M: int, v: int = 1) -> None:
         interleaved_group(K, M)
 
 
+# ----------------------------------------------------------------------------- the Schedule object
+
+
+class Message(NamedTuple):
+    """A tensor that crosses a rank boundary: ``src`` and ``dst`` ranks and ``key`` =
+    ``(direction, stage_from, microbatch)``, which names the tensor independent of the side
+    (``("F", s, m)``: the output of F(s, m); ``("B", s, m)``: the input gradient of B/I(s, m))."""
+
+    src: int
+    dst: int
+    key: tuple
+
+
+class Schedule(Mapping):
+    """A pipeline schedule with its shape: ``actions`` (rank -> list of :class:`Action`), ``K``
+    ranks, ``M`` microbatches, ``n_stages`` stages and the ``placement`` ("loop" or "v").
+
+    Reads as the dict it wraps (``schedule[r]``, ``len``, iteration over ranks), so code that
+    takes ``{rank: [Action]}`` takes a Schedule too. :func:`~.validate.validate_schedule`
+    returns one; :meth:`of` builds one from a dict without checking it. The messages between
+    ranks are answered here, once: :meth:`message`, :meth:`needs`, :meth:`produces` (the
+    semantics of the module docstring; torch.distributed.pipelining's action IR has the same
+    F/B/I/W and send/receive kinds)."""
+
+    def __init__(self, actions: dict, K: int, M: int, n_stages: int, placement: str = "loop"):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        self.actions = {r: list(actions[r]) for r in actions}
+        self.K, self.M, self.n_stages, self.placement = K, M, n_stages, placement
+
+    @classmethod
+    def of(cls, schedule, n_microbatches: int | None = None, n_stages: int | None = None,
+           placement: str | None = None) -> "Schedule":
+        """``schedule`` (a Schedule, returned as is when nothing is overridden, or a dict
+        ``{rank: [Action or (kind, stage, microbatch)]}``) as a Schedule; M, n_stages and the
+        placement default to what the actions use (:func:`infer_sizes`, :func:`infer_placement`).
+        Checks nothing: validate with :func:`~.validate.validate_schedule`."""
+        if isinstance(schedule, Schedule) and n_microbatches in (None, schedule.M) \
+                and n_stages in (None, schedule.n_stages) and placement in (None, schedule.placement):
+            return schedule
+        acts = {r: [Action(*a) for a in schedule[r]] for r in schedule}
+        K, M, S = infer_sizes(acts, n_microbatches, n_stages)
+        return cls(acts, K, M, S, placement or infer_placement(acts, S))
+
+    # the mapping rank -> actions
+    def __getitem__(self, rank):
+        return self.actions[rank]
+
+    def __iter__(self):
+        return iter(self.actions)
+
+    def __len__(self):
+        return len(self.actions)
+
+    def __repr__(self):
+        return (f"Schedule(K={self.K}, M={self.M}, n_stages={self.n_stages}, placement={self.placement!r}, "
+                f"actions={self.actions!r})")
+
+    @property
+    def v(self) -> int:
+        """Stages per rank (``n_stages // K``)."""
+        return self.n_stages // self.K
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that holds ``stage`` (:func:`stage_rank` with this placement)."""
+        return stage_rank(stage, self.K, self.placement)
+
+    def message(self, a: Action) -> Message | None:
+        """The :class:`Message` a SEND/RECV action moves, or None for the compute kinds."""
+        rk = self.rank_of
+        if a.kind == "SEND_F":
+            return Message(rk(a.stage), rk(a.stage + 1), ("F", a.stage, a.microbatch))
+        if a.kind == "RECV_F":
+            return Message(rk(a.stage - 1), rk(a.stage), ("F", a.stage - 1, a.microbatch))
+        if a.kind == "SEND_B":
+            return Message(rk(a.stage), rk(a.stage - 1), ("B", a.stage, a.microbatch))
+        if a.kind == "RECV_B":
+            return Message(rk(a.stage + 1), rk(a.stage), ("B", a.stage + 1, a.microbatch))
+        return None
+
+    def peer(self, a: Action) -> int:
+        """The other rank of a SEND/RECV action."""
+        msg = self.message(a)
+        return msg.dst if a.kind.startswith("SEND") else msg.src
+
+    def needs(self, a: Action) -> Action | None:
+        """The RECV action that brings the remote input of an F/B/I action, or None (its input
+        is local, or it is W, which needs only its own I)."""
+        rk = self.rank_of
+        if a.kind == "F" and a.stage > 0 and rk(a.stage - 1) != rk(a.stage):
+            return Action("RECV_F", a.stage, a.microbatch)
+        if a.kind in BACKWARD and a.stage < self.n_stages - 1 and rk(a.stage + 1) != rk(a.stage):
+            return Action("RECV_B", a.stage, a.microbatch)
+        return None
+
+    def produces(self, a: Action) -> Action | None:
+        """The SEND action that ships the result of an F/B/I action to another rank, or None."""
+        rk = self.rank_of
+        if a.kind == "F" and a.stage < self.n_stages - 1 and rk(a.stage + 1) != rk(a.stage):
+            return Action("SEND_F", a.stage, a.microbatch)
+        if a.kind in BACKWARD and a.stage > 0 and rk(a.stage - 1) != rk(a.stage):
+            return Action("SEND_B", a.stage, a.microbatch)
+        return None
+
+
 # ----------------------------------------------------------------------------- communication
-
-
-def _message(a: Action, K: int, n_stages: int, placement: str = "loop"):
-    """For a SEND/RECV action: (src_rank, dst_rank, (direction, stage_from, microbatch)), or
-    None for the compute kinds. The message key names the tensor independent of the side."""
-    def rk(s):
-        return stage_rank(s, K, placement)
-    if a.kind == "SEND_F":
-        return rk(a.stage), rk(a.stage + 1), ("F", a.stage, a.microbatch)
-    if a.kind == "RECV_F":
-        return rk(a.stage - 1), rk(a.stage), ("F", a.stage - 1, a.microbatch)
-    if a.kind == "SEND_B":
-        return rk(a.stage), rk(a.stage - 1), ("B", a.stage, a.microbatch)
-    if a.kind == "RECV_B":
-        return rk(a.stage + 1), rk(a.stage), ("B", a.stage + 1, a.microbatch)
-    return None
-
-
-def _needs(a: Action, K: int, n_stages: int, placement: str = "loop"):
-    """The remote message an F/B/I action consumes, as the RECV action that brings it, or None
-    (W consumes nothing remote: it needs only its own I)."""
-    def rk(s):
-        return stage_rank(s, K, placement)
-    if a.kind == "F" and a.stage > 0 and rk(a.stage - 1) != rk(a.stage):
-        return Action("RECV_F", a.stage, a.microbatch)
-    if a.kind in BACKWARD and a.stage < n_stages - 1 and rk(a.stage + 1) != rk(a.stage):
-        return Action("RECV_B", a.stage, a.microbatch)
-    return None
-
-
-def _produces(a: Action, K: int, n_stages: int, placement: str = "loop"):
-    """The SEND action that ships the result of an F/B/I action to another rank, or None."""
-    def rk(s):
-        return stage_rank(s, K, placement)
-    if a.kind == "F" and a.stage < n_stages - 1 and rk(a.stage + 1) != rk(a.stage):
-        return Action("SEND_F", a.stage, a.microbatch)
-    if a.kind in BACKWARD and a.stage > 0 and rk(a.stage - 1) != rk(a.stage):
-        return Action("SEND_B", a.stage, a.microbatch)
-    return None
 
 
 def add_communication(compute: dict, n_stages: int | None = None, lookahead: int = 1,
@@ -246,14 +313,14 @@ def add_communication(compute: dict, n_stages: int | None = None, lookahead: int
                                     f"({', '.join(COMPUTE)}) only")
     if n_stages is None:
         n_stages = 1 + max((a.stage for a in acts), default=0)
-    pl = placement or infer_placement(compute, n_stages)
+    top = Schedule(compute, K, 1, n_stages, placement or infer_placement(compute, n_stages))
     # the order in which each sender emits messages on each channel (src, dst)
     sent_order: dict = {}
     for r in sorted(compute):
         for a in compute[r]:
-            snd = _produces(a, K, n_stages, pl)
+            snd = top.produces(a)
             if snd is not None:
-                src, dst, key = _message(snd, K, n_stages, pl)
+                src, dst, key = top.message(snd)
                 sent_order.setdefault((src, dst), []).append(key)
     out = {}
     for r in sorted(compute):
@@ -263,7 +330,7 @@ def add_communication(compute: dict, n_stages: int | None = None, lookahead: int
         seq: list[Action] = []
 
         def post_up_to(recv: Action):
-            src, dst, key = _message(recv, K, n_stages, pl)
+            src, dst, key = top.message(recv)
             order = sent_order.get((src, dst), [])
             if key in posted:
                 return
@@ -285,11 +352,11 @@ def add_communication(compute: dict, n_stages: int | None = None, lookahead: int
 
         for j, a in enumerate(ops):
             for ahead in ops[j:j + lookahead + 1]:
-                need = _needs(ahead, K, n_stages, pl)
+                need = top.needs(ahead)
                 if need is not None:
                     post_up_to(need)
             seq.append(a)
-            snd = _produces(a, K, n_stages, pl)
+            snd = top.produces(a)
             if snd is not None:
                 seq.append(snd)
         out[r] = seq

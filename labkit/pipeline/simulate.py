@@ -37,7 +37,8 @@ from fractions import Fraction
 from numbers import Rational
 from typing import Callable, NamedTuple, Sequence, Union
 
-from .schedules import COMPUTE, Action, ScheduleError, _message, infer_placement, infer_sizes, stage_rank
+from .schedules import COMPUTE, Action, Schedule, ScheduleError, infer_sizes
+from .symbolic import execute
 from .validate import validate_schedule
 
 __all__ = ["TimedAction", "SimResult", "simulate", "bubble_formula", "peak_in_flight", "peak_waiting_for_w",
@@ -206,9 +207,8 @@ def simulate(schedule: dict, forward: Cost = 1, backward: Cost | None = None, co
         schedule = validate_schedule(schedule, n_microbatches=n_microbatches, n_stages=n_stages,
                                      placement=placement)
     else:
-        schedule = {r: [Action(*a) for a in schedule[r]] for r in schedule}
-    K, M, S = infer_sizes(schedule, n_microbatches, n_stages)
-    pl = placement or infer_placement(schedule, S)
+        schedule = Schedule.of(schedule, n_microbatches, n_stages, placement)
+    K, M, S = schedule.K, schedule.M, schedule.n_stages
     if backward is None:
         if backward_input is not None and backward_weight is not None:
             bi, bw = _cost_fn(backward_input, "backward_input"), _cost_fn(backward_weight, "backward_weight")
@@ -227,13 +227,10 @@ def simulate(schedule: dict, forward: Cost = 1, backward: Cost | None = None, co
         for fa, ba in pairs:
             pair_of[(r_, Action(*fa))] = Action(*ba)
 
-    def rk(st):
-        return stage_rank(st, K, pl)
-
+    rk = schedule.rank_of
     done: dict = {}      # (kind, stage, mb) -> end time of a compute action; ("G", s, m): input grad ready
     arrival: dict = {}   # message key -> arrival time
     t = {r: 0 for r in schedule}
-    idx = {r: 0 for r in schedule}
     timeline = {r: [] for r in schedule}
 
     def ready(a, r, partner=None):
@@ -262,50 +259,39 @@ def simulate(schedule: dict, forward: Cost = 1, backward: Cost | None = None, co
             done[("G", a.stage, a.microbatch)] = end
         timeline[r].append(TimedAction(a, start, end))
         t[r] = end
-    progress = True
-    while progress:
-        progress = False
-        for r in schedule:
-            acts = schedule[r]
-            while idx[r] < len(acts):
-                a = acts[idx[r]]
-                s, m = a.stage, a.microbatch
-                if (r, a) in ran_with_pair:  # the B of an overlapped pair, timed with its F
-                    idx[r] += 1
-                    progress = True
-                    continue
-                if a.kind in COMPUTE and (r, a) in pair_of:  # an overlapped F&B pair
-                    b = pair_of[(r, a)]
-                    nxt = next((x for x in acts[idx[r] + 1:] if x.kind in COMPUTE), None)
-                    if nxt != b:
-                        raise ScheduleError(f"rank {r}, action {idx[r]} ({a!r}): overlapped with {b!r}, which must "
-                                            f"be the next compute action")
-                    ta, tb = ready(a, r), ready(b, r)
-                    if ta is None or tb is None:
-                        break
-                    start = max(t[r], ta, tb)
-                    end = start + (overlap if overlap is not None else costs[a.kind](s) + costs[b.kind](b.stage))
-                    for x in (a, b):
-                        finish(x, r, start, end)
-                    ran_with_pair.add((r, b))
-                    idx[r] += 1
-                    progress = True
-                    continue
-                if a.kind in COMPUTE:
-                    ta = ready(a, r)
-                    if ta is None:
-                        break  # blocked on a dependency
-                    start = max(t[r], ta)
-                    finish(a, r, start, start + costs[a.kind](s))
-                    idx[r] += 1
-                    progress = True
-                    continue
-                if a.kind.startswith("SEND"):
-                    _, _, key = _message(a, K, S, pl)
-                    arrival[key] = t[r] + com(a.stage)
-                timeline[r].append(TimedAction(a, t[r], t[r]))
-                idx[r] += 1
-                progress = True
+
+    def step(r, i, a, idx):
+        """One action of rank r, timed; False while it waits for an input."""
+        s = a.stage
+        if (r, a) in ran_with_pair:  # the B of an overlapped pair, timed with its F
+            return True
+        if a.kind in COMPUTE and (r, a) in pair_of:  # an overlapped F&B pair
+            b = pair_of[(r, a)]
+            nxt = next((x for x in schedule[r][i + 1:] if x.kind in COMPUTE), None)
+            if nxt != b:
+                raise ScheduleError(f"rank {r}, action {i} ({a!r}): overlapped with {b!r}, which must "
+                                    f"be the next compute action")
+            ta, tb = ready(a, r), ready(b, r)
+            if ta is None or tb is None:
+                return False
+            start = max(t[r], ta, tb)
+            end = start + (overlap if overlap is not None else costs[a.kind](s) + costs[b.kind](b.stage))
+            for x in (a, b):
+                finish(x, r, start, end)
+            ran_with_pair.add((r, b))
+            return True
+        if a.kind in COMPUTE:
+            ta = ready(a, r)
+            if ta is None:
+                return False  # blocked on a dependency
+            start = max(t[r], ta)
+            finish(a, r, start, start + costs[a.kind](s))
+            return True
+        if a.kind.startswith("SEND"):
+            arrival[schedule.message(a).key] = t[r] + com(a.stage)
+        timeline[r].append(TimedAction(a, t[r], t[r]))
+        return True
+    idx = execute(schedule, step)
     stuck = [r for r in schedule if idx[r] < len(schedule[r])]
     if stuck:
         r = stuck[0]

@@ -28,8 +28,8 @@ the rank, the action index and the rule for the FIRST problem it finds:
 """
 from __future__ import annotations
 
-from .schedules import (BACKWARD, COMM, COMPUTE, KINDS, PLACEMENTS, Action, ScheduleError, _message, _needs,
-                        _produces, infer_placement, infer_sizes, stage_rank)
+from .schedules import BACKWARD, COMM, KINDS, PLACEMENTS, Action, Schedule, ScheduleError
+from .symbolic import advance_async, advance_blocking, stuck_actions
 
 __all__ = ["validate_schedule", "ScheduleError"]
 
@@ -39,7 +39,7 @@ def _at(r, i, a) -> str:
 
 
 def _normalise(schedule) -> dict:
-    if not isinstance(schedule, dict) or not schedule:
+    if not isinstance(schedule, (dict, Schedule)) or not schedule:
         raise ScheduleError(f"a schedule is a non-empty dict {{rank: [Action, ...]}}, got {type(schedule).__name__}")
     K = len(schedule)
     if sorted(schedule) != list(range(K)):
@@ -60,9 +60,9 @@ def _normalise(schedule) -> dict:
 
 
 def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stages: int | None = None,
-                      sends: str = "async", max_in_flight=None, placement: str | None = None) -> dict:
-    """Raise :class:`ScheduleError` for the first problem of ``schedule``; return it (as a
-    dict of :class:`Action` lists) when it is valid.
+                      sends: str = "async", max_in_flight=None, placement: str | None = None) -> Schedule:
+    """Raise :class:`ScheduleError` for the first problem of ``schedule``; return it as a
+    :class:`~.schedules.Schedule` (actions per rank, K, M, n_stages, placement) when it is valid.
 
     ``schedule``: ``{rank: [Action(kind, stage, microbatch), ...]}`` for ranks 0..K-1 (plain
     tuples are accepted). ``n_microbatches`` (M) and ``n_stages`` default to one more than
@@ -76,14 +76,11 @@ def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stage
         raise ValueError(f"sends must be 'async' or 'blocking', got {sends!r}")
     if placement is not None and placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS} or None, got {placement!r}")
-    sched = _normalise(schedule)
-    K, M, S = infer_sizes(sched, n_microbatches, n_stages)
-    pl = placement or infer_placement(sched, S)
+    sched = Schedule.of(_normalise(schedule), n_microbatches, n_stages, placement)
+    K, M, S, pl = sched.K, sched.M, sched.n_stages, sched.placement
     if pl == "v" and S != 2 * K:
         raise ScheduleError(f"V placement needs n_stages = 2K = {2 * K} (two stages per rank), got {S}")
-
-    def rk(st):
-        return stage_rank(st, K, pl)
+    rk = sched.rank_of
     rule = "stage s is on rank s % K" if pl == "loop" else "V placement: rank r holds stages r and 2K-1-r"
     where_F, where_B, where_I, where_W = {}, {}, {}, {}  # (stage, mb) -> (rank, index)
     if max_in_flight is not None and not isinstance(max_in_flight, int):
@@ -170,10 +167,10 @@ def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stage
                     raise ScheduleError(f"{here}: sends the result of {src} before it is computed")
             seen[a] = i
         for a, i in seen.items():  # results other ranks need are sent
-            snd = _produces(a, K, S, pl)
+            snd = sched.produces(a)
             if snd is not None and snd not in seen:
                 raise ScheduleError(f"{_at(r, i, a)}: its result is never sent ({snd!r} is missing); rank "
-                                    f"{_message(snd, K, S, pl)[1]} needs it")
+                                    f"{sched.message(snd).dst} needs it")
     for s in range(S):
         for m in range(M):
             r = rk(s)
@@ -192,7 +189,7 @@ def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stage
     sent, recvd = {}, {}
     for r in range(K):
         for i, a in enumerate(sched[r]):
-            msg = _message(a, K, S, pl)
+            msg = sched.message(a)
             if msg is not None:
                 src, dst, key = msg
                 (sent if a.kind.startswith("SEND") else recvd).setdefault((src, dst), []).append((key, r, i, a))
@@ -215,80 +212,9 @@ def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stage
                     f"same order (messages are matched in order)")
 
     # 6: deadlock
-    (_deadlock_async if sends == "async" else _deadlock_blocking)(sched, K, S, pl)
+    idx = (advance_async if sends == "async" else advance_blocking)(sched)
+    stuck = stuck_actions(sched, idx)
+    if stuck:
+        semantics = "async sends" if sends == "async" else "blocking (rendezvous) sends"
+        raise ScheduleError(f"deadlock with {semantics}: " + "; ".join(stuck) + " - no rank can make progress")
     return sched
-
-
-def advance_async(sched, K, S, pl="loop") -> list[int]:
-    """Run ``sched`` on paper with the runtime's semantics (SEND/RECV never block; F/B/I wait
-    for their input message to be sent) until no rank can move; returns, per rank, the index of
-    the first action it cannot complete (``len(sched[r])`` when it finished). Used by the
-    validator and by the runtime to explain a hang."""
-    idx, sent = [0] * K, set()
-    progress = True
-    while progress:
-        progress = False
-        for r in range(K):
-            acts = sched[r]
-            while idx[r] < len(acts):
-                a = acts[idx[r]]
-                need = _needs(a, K, S, pl) if a.kind in COMPUTE else None
-                if need is not None and _message(need, K, S, pl)[2] not in sent:
-                    break
-                if a.kind.startswith("SEND"):
-                    sent.add(_message(a, K, S, pl)[2])
-                idx[r] += 1
-                progress = True
-    return idx
-
-
-def _deadlock_async(sched, K, S, pl="loop"):
-    """Runtime semantics: SEND/RECV never block; F/B wait for their input message to be sent."""
-    _report_stuck(sched, K, S, advance_async(sched, K, S, pl), "async sends", pl)
-
-
-def _deadlock_blocking(sched, K, S, pl="loop"):
-    """Rendezvous semantics: a SEND and its RECV complete together, each blocks until the
-    other side reaches it; F/B never wait (their inputs were received before)."""
-    idx = [0] * K
-    progress = True
-    while progress:
-        progress = False
-        for r in range(K):
-            acts = sched[r]
-            while idx[r] < len(acts):
-                a = acts[idx[r]]
-                if a.kind in COMPUTE:
-                    idx[r] += 1
-                    progress = True
-                    continue
-                src, dst, key = _message(a, K, S, pl)
-                peer = dst if a.kind.startswith("SEND") else src
-                if idx[peer] < len(sched[peer]):
-                    b = sched[peer][idx[peer]]
-                    if b.kind in COMM and b.kind[:4] != a.kind[:4] and _message(b, K, S, pl)[2] == key:
-                        idx[r] += 1
-                        idx[peer] += 1
-                        progress = True
-                        continue
-                break
-    _report_stuck(sched, K, S, idx, "blocking (rendezvous) sends", pl)
-
-
-def _report_stuck(sched, K, S, idx, semantics, pl="loop"):
-    stuck = [r for r in range(K) if idx[r] < len(sched[r])]
-    if not stuck:
-        return
-    parts = []
-    for r in stuck:
-        a = sched[r][idx[r]]
-        if a.kind in COMPUTE:
-            need = _needs(a, K, S, pl)
-            src = _message(need, K, S, pl)[0]
-            parts.append(f"rank {r}, action {idx[r]} ({a!r}) waits for the input from rank {src}")
-        else:
-            src, dst, _ = _message(a, K, S, pl)
-            peer = dst if a.kind.startswith("SEND") else src
-            parts.append(f"rank {r}, action {idx[r]} ({a!r}) waits for rank {peer}")
-    raise ScheduleError(f"deadlock with {semantics}: " + "; ".join(parts)
-                        + " - no rank can make progress")
