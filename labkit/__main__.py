@@ -17,10 +17,12 @@ python -m labkit COMMAND --help (or lab NAME --help, bench NAME --help) lists it
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from .cliparse import Parser
 from .commands import BENCHES, LABS, run_module
+
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; Ctrl-C, SIGTERM and a failed rank end with one line (labs.run_cli)."""
@@ -29,55 +31,62 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(_main, args, check_env=bool(args) and args[0] in ("lab", "bench", "doctor"))
 
 
+def _doctor(rest: list[str]) -> int:
+    p = Parser(prog="python -m labkit doctor", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world-size", type=int, nargs="*", default=[1, 2, 4, 8], help="world sizes to try")
+    p.add_argument("--run", action="store_true",
+                   help="also run every lab briefly on the backend auto picks: one PASS/FAIL line per lab")
+    p.add_argument("--verbose", action="store_true", help="with --run: show the labs' own output")
+    a = p.parse_args(rest)
+    bad = [w for w in a.world_size if w < 1]
+    if bad:
+        print(f"error: --world-size must be >= 1, got {bad[0]}", file=sys.stderr)
+        return 2
+    from .doctor import report, run_all
+    if not a.run:
+        print(report(a.world_size))
+        return 0
+    return run_all(a.verbose)
+
+
+def _named(cmd: str, names) -> "callable":
+    def run(rest: list[str]) -> int:
+        if not rest:
+            print(f"error: {cmd} needs a NAME, one of {', '.join(names)} "
+                  f"(python -m labkit {cmd} NAME --help)", file=sys.stderr)
+            return 2
+        return run_module(cmd, rest[0], rest[1:])
+    return run
+
+
+# command -> a function of the remaining arguments, or "module:function" imported when it runs
+COMMANDS = {
+    "doctor": _doctor,
+    "lab": _named("lab", LABS),
+    "bench": _named("bench", BENCHES),
+    "build": "labkit.grading.build:main",
+    "grade": "labkit.grading.grader:main",
+    "autograder": "labkit.grading.autograder:main",
+    "notebooks": "labkit.grading.build:notebooks_main",
+    "plan": "labkit.plan.cli:main",
+}
+
+
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "doctor":
-        p = Parser(prog="python -m labkit doctor",
-                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        p.add_argument("--world-size", type=int, nargs="*", default=[1, 2, 4, 8], help="world sizes to try")
-        p.add_argument("--run", action="store_true",
-                       help="also run every lab briefly on the backend auto picks: one PASS/FAIL line per lab")
-        p.add_argument("--verbose", action="store_true", help="with --run: show the labs' own output")
-        a = p.parse_args(rest)
-        bad = [w for w in a.world_size if w < 1]
-        if bad:
-            print(f"error: --world-size must be >= 1, got {bad[0]}", file=sys.stderr)
-            return 2
-        from .doctor import report, run_all
-        if not a.run:
-            print(report(a.world_size))
-            return 0
-        return run_all(a.verbose)
-    if cmd in ("lab", "bench"):
-        if not rest:
-            names = LABS if cmd == "lab" else BENCHES
-            print(f"error: {cmd} needs a NAME, one of {', '.join(names)} "
-                  f"(python -m labkit {cmd} NAME --help)", file=sys.stderr)
-            return 2
-        return run_module(cmd, rest[0], rest[1:])
-    if cmd == "build":
-        from .grading.build import main as build_main
-        return build_main(rest) or 0
-    if cmd == "plan":
-        from .plan.cli import main as plan_main
-        return plan_main(rest) or 0
-    if cmd == "grade":
-        from .grading.grader import main as grade_main
-        return grade_main(rest) or 0
-    if cmd == "autograder":
-        from .grading.autograder import main as autograder_main
-        return autograder_main(rest) or 0
-    if cmd == "notebooks":
-        from .grading.build import notebooks_main
-        return notebooks_main(rest) or 0
-    print(f"error: unknown command {cmd!r}; choose one of doctor, lab, bench, build, grade, autograder, "
-          f"notebooks, plan "
-          f"(python -m labkit --help)", file=sys.stderr)
-    return 2
+    target = COMMANDS.get(cmd)
+    if target is None:
+        print(f"error: unknown command {cmd!r}; choose one of {', '.join(COMMANDS)} "
+              f"(python -m labkit --help)", file=sys.stderr)
+        return 2
+    if isinstance(target, str):
+        module, name = target.split(":")
+        target = getattr(importlib.import_module(module), name)
+    return target(rest) or 0
 
 
 if __name__ == "__main__":

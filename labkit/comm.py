@@ -93,22 +93,27 @@ class CommLog:
         self.records.clear()
 
 
-def ring_wire_bytes(rec: CommRecord) -> int:
-    """Bytes one rank sends for ``rec`` under the ring algorithms (Patarasuk & Yuan 2009;
-    Megatron-LM sec. 3): all-reduce of P bytes over t ranks ``2 (t-1)/t P`` (a reduce-scatter
-    then an all-gather), reduce-scatter of a P-byte input ``(t-1)/t P``, all-gather of a
-    P-byte shard ``(t-1) P``, all-to-all ``(t-1)/t P`` (its own block stays), send P, recv 0,
-    broadcast P (a chain). Integer division: exact whenever t divides the payload."""
-    t, p = rec.group_size, rec.nbytes
-    if rec.kind == "all_reduce":
+def ring_bytes(kind: str, p: int, t: int) -> int:
+    """Bytes one rank sends for one collective of ``kind`` with a P-byte argument ``p`` over
+    ``t`` ranks under the ring algorithms (Patarasuk & Yuan 2009; Megatron-LM sec. 3):
+    all-reduce ``2 (t-1)/t P`` (a reduce-scatter then an all-gather), reduce-scatter of a P-byte
+    input ``(t-1)/t P``, all-gather of a P-byte shard ``(t-1) P``, all-to-all ``(t-1)/t P`` (its
+    own block stays), send P, recv 0, broadcast P (a chain). Integer division: exact whenever t
+    divides the payload. The one home of this formula (the planner's wire bytes use it too)."""
+    if kind == "all_reduce":
         return 2 * (t - 1) * p // t
-    if rec.kind in ("reduce_scatter", "all_to_all"):
+    if kind in ("reduce_scatter", "all_to_all"):
         return (t - 1) * p // t
-    if rec.kind == "all_gather":
+    if kind == "all_gather":
         return (t - 1) * p
-    if rec.kind == "recv":
+    if kind == "recv":
         return 0
     return p
+
+
+def ring_wire_bytes(rec: CommRecord) -> int:
+    """Bytes one rank sends for ``rec`` under the ring algorithms (:func:`ring_bytes`)."""
+    return ring_bytes(rec.kind, rec.nbytes, rec.group_size)
 
 
 def _group_size(group) -> int:

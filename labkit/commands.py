@@ -9,17 +9,31 @@ from __future__ import annotations
 import importlib
 import sys
 
-LABS = ("pipeline", "tensor", "moe", "3d")
+# lab name -> module of labkit.labs holding its LAB (a labkit.labs.harness.Lab); a module name
+# cannot start with a digit, and "moe --eplb" is a lab of its own (see lab())
+LAB_MODULES = {"pipeline": "pipeline", "tensor": "tensor", "moe": "moe", "3d": "threed"}
+LABS = tuple(LAB_MODULES)
 BENCHES = ("pipeline", "tensor", "moe", "dp")
-MODULES = {"3d": "threed"}  # a module name cannot start with a digit
+
+
+def lab(name: str, argv: list[str]):
+    """The :class:`labkit.labs.harness.Lab` that ``python -m labkit lab NAME ARGV`` runs
+    (``moe`` with ``--eplb``: :mod:`labkit.labs.moe_eplb`). KeyError for an unknown name."""
+    module = LAB_MODULES[name]
+    if name == "moe":
+        from .labs.moe_common import wants_eplb
+        module = "moe_eplb" if wants_eplb(argv) else "moe"
+    return importlib.import_module(f"labkit.labs.{module}").LAB
 
 
 def run_module(cmd: str, name: str, argv: list[str]) -> int:
-    """Run ``labkit.labs.NAME`` (``cmd`` "lab") or ``labkit.bench.NAME`` (``cmd`` "bench") with
-    ``argv``; returns its exit code (2 with one ``error:`` line for an unknown name)."""
+    """Run lab (``cmd`` "lab") or bench (``cmd`` "bench") ``name`` with ``argv``; returns its exit
+    code (2 with one ``error:`` line for an unknown name)."""
     names = LABS if cmd == "lab" else BENCHES
     if name not in names:
         print(f"error: unknown {cmd} {name!r}; choose one of {', '.join(names)}", file=sys.stderr)
         return 2
-    mod = importlib.import_module(f"labkit.{'labs' if cmd == 'lab' else 'bench'}.{MODULES.get(name, name)}")
-    return mod.main(argv) or 0
+    if cmd == "lab":
+        from .labs.harness import run
+        return run(lab(name, argv), argv).rc
+    return importlib.import_module(f"labkit.bench.{name}").main(argv) or 0

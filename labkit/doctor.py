@@ -7,7 +7,7 @@ laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints that report and t
 
     PASS  3d        gloo  8 ranks   largest difference from one device 1.9e-07   4.2 s
 
-PASS when the lab exits with status 0 (its verdict: every step's loss and gradients equal the
+PASS when the lab (run by :func:`labkit.labs.harness.run`) exits with status 0 (its verdict: every step's loss and gradients equal the
 single-device model's at the same parameters, :mod:`labkit.labs.verdict`), FAIL with the lab's
 last error line otherwise. The largest difference is the largest |gradient - reference| (or
 |loss - reference|) over the steps the verdict compared. The labs' own output is not shown
@@ -72,10 +72,10 @@ def _plans(world: int | None, out: str) -> list[tuple[str, int, list[str]]]:
 
 def run_all(verbose: bool = False) -> int:
     """Run every lab briefly here; print one PASS/FAIL line per lab; return 0 if all passed."""
-    from .commands import run_module
-    from .dist import choose_backend, in_torchrun
-    from .labs import is_main_rank, run_cli
-    from .labs import verdict as verdict_mod
+    from .commands import lab
+    from .dist import RankError, Terminated, choose_backend, in_torchrun
+    from .labs import is_main_rank
+    from .labs.harness import run
 
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
     show = is_main_rank()
@@ -85,26 +85,22 @@ def run_all(verbose: bool = False) -> int:
     ok_all = True
     with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as out:
         for name, ranks, argv in _plans(world, out):
-            captured: list = []
-            orig = verdict_mod.report
-
-            def spy(results, *a, **k):
-                captured.append(results)
-                return orig(results, *a, **k)
-            verdict_mod.report = spy
             buf = io.StringIO()
             t0 = time.perf_counter()
+            verdicts = {}
             try:
                 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-                    rc = run_cli(run_module, "lab", name, argv)
-            except BaseException as e:  # noqa: BLE001 - a lab that crashes is a FAIL line, not a traceback
+                    res = run(lab(name, argv), argv)
+                rc, verdicts = res.rc, res.verdicts
+            except (KeyboardInterrupt, Terminated):
+                raise                         # the command ends: labs.run_cli prints its one line
+            except (Exception, SystemExit) as e:  # a lab that crashes is a FAIL line, not a traceback
                 rc = 1
-                buf.write(f"\n{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            finally:
-                verdict_mod.report = orig
+                why = "" if isinstance(e, RankError) else f"{type(e).__name__}: "
+                buf.write(f"\n{why}{str(e).splitlines()[0] if str(e) else ''}")
             seconds = time.perf_counter() - t0
             diffs = [max(r.grad_diff, abs(r.loss - r.ref_loss) if r.loss is not None else 0.0)
-                     for results in captured for res in results.values() if res is not None for r in res.records]
+                     for res in verdicts.values() if res is not None for r in res.records]
             largest = f"{max(diffs):.1e}" if diffs else "n/a"
             ok = rc == 0
             ok_all = ok_all and ok

@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from labkit.comm import CommLog
-from labkit.data_parallel import (DistributedDataParallel, ZeroRedundancyOptimizer, expected_dp_comm,
+from labkit.data_parallel import (DistributedDataParallel, ZeroRedundancyOptimizer, assign_buckets,
                                   optimizer_state_bytes)
 from labkit.dist import launch
 from labkit.model import GPT, GPTConfig
+from labkit.plan.comm import comm_per_rank
+from labkit.plan.spec import Layout, ModelSpec
 
 # bias=False: the key bias has a gradient that is exactly zero in exact arithmetic (softmax is
 # invariant to it); in fp32 it is ~1e-10 of rounding noise, which Adam's g/sqrt(v) blows up to
@@ -79,11 +81,14 @@ def test_ddp_equals_single_device_sgd(mode):
             assert close(rank["grads"][step], ref_grads[step]), f"gradients differ at step {step}"
         assert close(rank["params"], ref_params)
     # exact communication per step: one all-reduce per bucket, payload = every gradient's bytes
-    exp = expected_dp_comm(out[0]["numels"], cap, 2)
-    assert exp["buckets"] == out[0]["buckets"] > 3
+    buckets = len(assign_buckets([4 * n for n in out[0]["numels"]], cap))
+    assert buckets == out[0]["buckets"] > 3
+    spec = ModelSpec.from_gpt_config(CFG, seq_len=S, global_batch=B)
+    dp = comm_per_rank(spec, Layout(d=2, b=B // 2, M=1, precision="fp32"), act_bytes=4, dp_buckets=buckets)["dp"]
+    assert dp.ops == {"all_reduce": (buckets, 4 * sum(out[0]["numels"]))}   # the planner's bytes
     for c in out[0]["counts"]:
-        assert c == (exp["buckets"], exp["all_reduce_bytes"], exp["buckets"])  # nothing else communicated
-    assert exp["ring_bytes_per_rank"] == exp["all_reduce_bytes"]  # d = 2: 2(d-1)/d = 1
+        assert c == (*dp.ops["all_reduce"], buckets)  # nothing else communicated
+    assert dp.wire == dp.ops["all_reduce"][1]  # d = 2: 2(d-1)/d = 1
     if mode == "plain":
         assert max(out[0]["overlap"]) > 0, "no all-reduce overlapped backward"
 

@@ -1,10 +1,14 @@
 """Exercise 0.2 (ring all-reduce): a ring that passes the whole tensor round the ring gives the
-right sum, and now fails a PUBLIC case that counts what each rank sends, with the numbers."""
+right sum, and now fails a PUBLIC case that counts what each rank sends, with the numbers. The
+ranks talk only through the grader's relay: a real collective finds no process group, and a sum
+moved by other means (files) or messages that are not what a ring sends fail on the relay's log."""
+import time
+
 import torch
 
 from labkit import comm
 from labkit.grading.registry import get_exercise
-from labkit.grading.testing import assert_public_case_fails
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 
 
 def ring_whole_tensor(ctx, tensor):
@@ -33,3 +37,71 @@ def test_ring_sending_the_whole_tensor_fails_a_public_case_with_the_count():
 def test_a_hidden_traffic_case_remains_for_other_sizes():
     cases = get_exercise("0.2").cases
     assert any(c.hidden and c.name.startswith("each rank sends") for c in cases)
+
+
+def ring_solution(ctx, tensor):
+    """The notebook's ring (reduce-scatter, then all-gather, one chunk per step)."""
+    n, r = ctx.world_size, ctx.rank
+    chunks = list(torch.tensor_split(tensor, n))
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        req = comm.isend(chunks[(r - s) % n], (r + 1) % n)
+        comm.recv(incoming, (r - 1) % n)
+        req.wait()
+        chunks[(r - s - 1) % n] += incoming
+    for s in range(n - 1):
+        req = comm.isend(chunks[(r + 1 - s) % n], (r + 1) % n)
+        comm.recv(chunks[(r - s) % n], (r - 1) % n)
+        req.wait()
+    return tensor
+
+
+def test_the_ring_passes_every_case():
+    assert_check_passes("0.2", ring_solution)
+
+
+_real_all_reduce = torch.distributed.all_reduce  # an alias bound before the case runs
+
+
+def ring_through_an_alias(ctx, tensor):
+    """Wrong: a real collective through an alias made before the check (no process group exists)."""
+    _real_all_reduce(tensor)
+    return tensor
+
+
+def test_a_collective_through_an_alias_finds_no_process_group():
+    res = assert_check_fails("0.2", ring_through_an_alias)
+    assert res.passed == 0, res.message
+    assert "rank" in res.message and "process group" in res.message, res.message
+
+
+def test_a_sum_moved_outside_send_recv_fails_on_what_the_relay_saw(tmp_path):
+    def by_files(ctx, tensor):  # every rank writes its tensor to a file and sums the others' files
+        torch.save(tensor, tmp_path / f"{ctx.rank}.pt")
+        while len(list(tmp_path.glob("*.pt"))) < ctx.world_size:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        return sum(torch.load(tmp_path / f"{k}.pt") for k in range(ctx.world_size))
+
+    def by_files_once(ctx, tensor):
+        for p in tmp_path.glob("*.pt"):
+            if int(p.stem) >= ctx.world_size:
+                p.unlink(missing_ok=True)
+        return by_files(ctx, tensor)
+
+    res = assert_public_case_fails("0.2", by_files_once, "N=2 ranks",
+                                   contains="but nothing that rank 0 received by send/recv carried them")
+    assert res.passed == 0
+
+
+def test_a_message_that_is_no_partial_sum_fails():
+    def doubled(ctx, tensor):  # right sum, but what it sends is not what a ring step sends
+        n, r = ctx.world_size, ctx.rank
+        incoming = torch.empty_like(tensor)
+        req = comm.isend(2 * tensor, (r + 1) % n)
+        comm.recv(incoming, (r - 1) % n)
+        req.wait()
+        return tensor + incoming / 2
+
+    assert_public_case_fails("0.2", doubled, "N=2 ranks", contains="message 1 (rank 0 to rank 1): its 6 values are "
+                             "not a piece of the ranks' tensors summed over some ranks")

@@ -143,3 +143,31 @@ def test_index_error_from_a_missing_offset_gets_a_hint():
     assert_public_case_fails("7.3", ce_no_offset, "t=2 ranks, N=6, V=16",
                              contains="raised RuntimeError: index 14 is out of bounds for dimension 1 with size 8; "
                                       "local_logits holds the columns of ids r*V/t")
+
+
+def ce_four_all_reduces(local_logits, target, group):
+    """Wrong (the right loss): an extra all-reduce of the sum of exponentials' pieces."""
+    comm.all_reduce(local_logits.sum(-1).clone(), group=group)
+    return vocab_parallel_ce(local_logits, target, group)
+
+
+_real_all_reduce = dist.all_reduce  # bound before the case: a real collective, no process group there
+
+
+def ce_through_an_alias(local_logits, target, group):
+    m = local_logits.max(dim=-1).values
+    _real_all_reduce(m, op=dist.ReduceOp.MAX)
+    return vocab_parallel_ce(local_logits, target, group)
+
+
+def test_the_grader_counts_the_all_reduces_at_its_relay():
+    # the count comes from the relay in the case's process, not from code next to the answer
+    res = assert_check_fails("7.3", ce_four_all_reduces)
+    failed = [c for c in res.cases if c.status == "failed"]
+    assert [c.name for c in failed] == ["t=4: at most 3 all-reduces of N values, no gather"], res.cases
+    assert "rank 0 issued 4 all-reduces; three (max, target logit, sum of exp) are enough" in failed[0].message
+
+
+def test_a_real_collective_through_an_alias_finds_no_process_group():
+    res = assert_check_fails("7.3", ce_through_an_alias, contains="process group")
+    assert res.passed == 0, res.cases  # t=1 too: these ranks never have a process group

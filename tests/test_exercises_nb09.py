@@ -58,19 +58,19 @@ def capacity_choice_major(indices, num_experts, capacity_factor):
 
 def moe_param_count(spec):
     H = spec.hidden
-    attention = 2 * H * spec.n_heads * spec.head_dim + 2 * H * spec.n_kv_heads * spec.head_dim
+    attention = 2 * H * spec.n_head * spec.head_dim + 2 * H * spec.kv_heads * spec.head_dim
     expert = 3 * H * spec.moe_ffn
     shared = attention + spec.n_routed_experts * H + 2 * H
     outside = 2 * spec.vocab_size * H + H
-    return (spec.n_layers * (shared + spec.n_routed_experts * expert) + outside,
-            spec.n_layers * (shared + spec.n_activated_experts * expert) + outside)
+    return (spec.n_layer * (shared + spec.n_routed_experts * expert) + outside,
+            spec.n_layer * (shared + spec.n_activated_experts * expert) + outside)
 
 
 def params_eight_models(spec):
     """Wrong: "8x7B" read as eight whole models (attention and embeddings counted E times)."""
     H = spec.hidden
-    attention = 2 * H * spec.n_heads * spec.head_dim + 2 * H * spec.n_kv_heads * spec.head_dim
-    one = spec.n_layers * (attention + 3 * H * spec.moe_ffn) + 2 * spec.vocab_size * H
+    attention = 2 * H * spec.n_head * spec.head_dim + 2 * H * spec.kv_heads * spec.head_dim
+    one = spec.n_layer * (attention + 3 * H * spec.moe_ffn) + 2 * spec.vocab_size * H
     return spec.n_routed_experts * one, spec.n_activated_experts * one
 
 

@@ -3,7 +3,7 @@ message that says what was expected and what came back."""
 import pytest
 
 from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
-from labkit.moe.params import count_parameters
+from labkit.plan.params import count_parameters
 
 
 def pack_groups(loads, n_nodes):

@@ -97,6 +97,8 @@ def test_sigterm_killed_rank_and_lost_node_under_torchrun(tmp_path):
         assert node_lines == [next(ln for ln in node_lines if ln.startswith(
             "error: rank 0 (node 0, local rank 0) lost its connection to a peer that stopped or died"))], \
             results["node"][0][1][-3000:]
+        # the dead peer is named by global rank and node (its heartbeat in torchrun's store stopped)
+        assert f"(gone: rank 1 (node 1, local rank 0, host {socket.gethostname()})): " in node_lines[0], node_lines
         assert procs["node"][1].returncode == -signal.SIGKILL
     finally:
         for ps in procs.values():

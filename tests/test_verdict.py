@@ -27,17 +27,17 @@ MOE = ["--steps", "2", "--batch", "2", "--seq", "8", "--layers", "2", "--embd", 
 
 def _pipeline(kind="1f1b", extra=(), K=2):
     a = pipe_lab._parser().parse_args(PIPE + list(extra))
-    return launch(pipe_lab._rank_train, K, a, kind, CORPUS, timeout=20)[0]["verdict"]
+    return launch(pipe_lab._rank_train, K, a, kind, CORPUS, timeout=20)[0].verdict
 
 
 def _tensor(extra=(), t=2):
     a = tensor_lab.parse_args(TP + list(extra))
-    return launch(tensor_lab._tp_worker, t, a, CORPUS, timeout=20)[0]["verdict"]
+    return launch(tensor_lab._tp_worker, t, a, CORPUS, timeout=20)[0].verdict
 
 
 def _moe(extra=()):
     a = moe_lab.build_parser().parse_args(MOE + list(extra))
-    return launch(moe_lab._ep_worker, a.ep, a, timeout=20)[0]["verdict"]
+    return launch(moe_lab._ep_worker, a.ep, a, CORPUS, timeout=20)[0].verdict
 
 
 def _fails(res: LockstepResult, step: int, words: str):
@@ -147,7 +147,7 @@ def test_moe_flipped_top_k_choice():
     is accepted at a near-tie (scores within TIE: a correct run whose sums ran in another order)
     and reported otherwise (a routing bug)."""
     a = moe_lab.build_parser().parse_args(MOE + ["--capacity-factor", "8"])  # no drops
-    cfg, moe = moe_lab._configs(a, "aux_free", 2)
+    cfg, moe = moe_lab.configs(a, "aux_free", 2)
     model = moe_lab.MoEGPT(cfg, moe, a.moe_every, seed=0)
     x, y = CORPUS.get_batch("train", 2, 8, 0, 0)
     router = model.moe_layers()[0].router

@@ -22,8 +22,8 @@ How the average is computed (PyTorch DDP, Li et al. 2020, "PyTorch Distributed",
 
 What a ring all-reduce costs: each rank sends and receives ``2(d-1)/d`` of the buffer's bytes
 (reduce-scatter then all-gather; Patarasuk & Yuan 2009). :class:`labkit.comm.CommLog` counts
-the payload (the bucket's bytes; ``CommLog.wire_bytes`` the ring's); :func:`expected_dp_comm`
-gives both numbers.
+the payload (the bucket's bytes; ``CommLog.wire_bytes`` the ring's); the planner
+(:func:`labkit.plan.comm.comm_per_rank`) predicts both numbers.
 
 ``no_sync()``: inside it the hooks do nothing, gradients accumulate locally (gradient
 accumulation over microbatches); the first backward outside it reduces the accumulated sum.
@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from .. import comm
 
-__all__ = ["DistributedDataParallel", "broadcast_parameters", "expected_dp_comm", "overlap_share"]
+__all__ = ["DistributedDataParallel", "broadcast_parameters", "assign_buckets", "overlap_share"]
 
 
 def _group_ranks(group) -> list[int]:
@@ -61,22 +61,22 @@ def broadcast_parameters(module: nn.Module, process_group=None, buffers: bool = 
         comm.broadcast(t.data, src=src, group=process_group)
 
 
-def expected_dp_comm(param_numels: list[int], bucket_cap_mb: float, d: int, bytes_per_element: int = 4) -> dict:
-    """The formula for one synchronised backward of :class:`DistributedDataParallel`.
-
-    ``param_numels``: sizes of the parameters in bucket order (reverse registration order).
-    Returns ``{"buckets": n, "all_reduce_bytes": payload, "ring_bytes_per_rank": 2(d-1)/d * payload}``.
-    """
+def assign_buckets(nbytes: list[int], bucket_cap_mb: float) -> list[list[int]]:
+    """DDP's bucket rule: indices into ``nbytes`` (gradient sizes in bytes, in bucket order, i.e.
+    reverse registration order) grouped into consecutive buckets of at most ``bucket_cap_mb``
+    MiB (2**20 bytes); a gradient larger than the cap gets a bucket of its own. One all-reduce
+    per bucket; its expected bytes per step are the planner's (:func:`labkit.plan.comm.comm_per_rank`)."""
     cap = bucket_cap_mb * 2**20
-    buckets, cur = 0, 0
-    for n in param_numels:
-        nb = n * bytes_per_element
-        if cur and cur + nb > cap:
-            buckets, cur = buckets + 1, 0
-        cur += nb
-    buckets += 1 if cur else 0
-    payload = sum(param_numels) * bytes_per_element
-    return {"buckets": buckets, "all_reduce_bytes": payload, "ring_bytes_per_rank": 2 * (d - 1) / d * payload}
+    groups, cur, cur_bytes = [], [], 0
+    for i, nb in enumerate(nbytes):
+        if cur and cur_bytes + nb > cap:
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += nb
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def overlap_share(intervals: list[tuple[float, float]], backward_end: float) -> float:
@@ -160,17 +160,9 @@ class DistributedDataParallel(nn.Module):
                 for b in module.buffers():
                     comm.broadcast(b.data, src=src, group=process_group)
         # buckets in reverse registration order, each at most bucket_cap_mb
-        cap = bucket_cap_mb * 2**20
-        groups, cur, cur_bytes = [], [], 0
-        for p in reversed(params):
-            nb = p.numel() * p.element_size()
-            if cur and cur_bytes + nb > cap:
-                groups.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append(p)
-            cur_bytes += nb
-        if cur:
-            groups.append(cur)
+        order = list(reversed(params))
+        groups = [[order[i] for i in g] for g in assign_buckets([p.numel() * p.element_size() for p in order],
+                                                                 bucket_cap_mb)]
         self.buckets = [_Bucket(i, g) for i, g in enumerate(groups)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0

@@ -206,7 +206,9 @@ class KernelBackend:
             return False
 
     def call(self, req: dict):
-        req = dict(req, case=self.token)
+        # no reference list: a tripwire in the kernel would be the learner's to disable, so under
+        # the grader the source policy (labkit.grading.policy) alone refuses labkit's reference
+        req = dict(req, case=self.token, references=[])
         timeout = float(req["timeout"])
         data = request_kernel(self._client(), req, timeout + self.MARGIN, self._alive)
         return _result(data)

@@ -2,8 +2,11 @@
 
 An answer that is one of these, or calls one while a case runs it, is not accepted for that
 exercise: labkit's implementation is what the checks compare against, so using it proves
-nothing about the learner's understanding. The call is caught by a tripwire in the learner's
-process (:mod:`labkit.grading.kernel`) and the case fails with :func:`reference_message`.
+nothing about the learner's understanding. The grader refuses code that names one (the
+source policy, :mod:`labkit.grading.policy`, on the notebook file); the interactive ``check``
+also catches a call at run time with a tripwire in the learner's process
+(:mod:`labkit.grading.kernel`; feedback only, never part of a grade) and the case fails with
+:func:`reference_message`.
 
 The table lists, per exercise id, ``"module:qualname"`` of functions or classes (a class
 stands for every function defined in its body, e.g. an autograd Function's ``forward`` and
@@ -12,9 +15,8 @@ Functions that merely *use* an exercise's concept are not listed: a learner may 
 ``add_communication`` in 3.1 only because 3.1 asks for the compute order and the check adds
 the sends itself.
 
-What the tripwire cannot see: an answer that copies labkit's source text, or a notebook that
-patches labkit itself (the kernel is the learner's). It is a guard against the honest
-shortcut, reported with a reason, not a plagiarism detector.
+What neither sees: an answer that copies labkit's source text. They guard against the honest
+shortcut, reported with a reason; they are not a plagiarism detector.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ REFERENCES: dict[str, list[str]] = {
     "8.6": ["labkit.plan.comm:comm_per_rank"],
     "9.1": ["labkit.moe.router:route", "labkit.moe.router:TopKRouter"],
     "9.2": ["labkit.moe.router:compute_capacity", "labkit.moe.router:capacity_mask", "labkit.moe.router:route"],
-    "9.3": ["labkit.moe.params:count_parameters"],
+    "9.3": ["labkit.plan.params:count_parameters"],
     "10.1": ["labkit.moe.losses:switch_aux_loss", "labkit.moe.losses:expert_fraction"],
     "10.2": ["labkit.moe.losses:device_balance_loss", "labkit.moe.losses:expert_balance_loss",
              "labkit.moe.losses:_device_groups"],
@@ -80,7 +82,7 @@ REFERENCES: dict[str, list[str]] = {
     "14.1": ["labkit.moe.eplb:balanced_packing"],
     "14.2": ["labkit.moe.eplb:replicate_experts"],
     "14.3": ["labkit.moe.hierarchical:inter_node_rows"],
-    "14.4": ["labkit.moe.inference:decode_cost", "labkit.moe.inference:expected_experts_touched"],
+    "14.4": ["labkit.plan.params:decode_cost", "labkit.plan.params:expected_experts_touched"],
 }
 
 

@@ -50,8 +50,8 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal
 RECORDS = {
     "labkit.pipeline.schedules:Action",
     "labkit.pipeline.simulate:TimedAction",
-    "labkit.moe.params:ModelSpec",
-    "labkit.moe.params:ParamCount",
+    "labkit.plan.spec:ModelSpec",
+    "labkit.plan.params:ParamCount",
     "labkit.moe.experts:MoEConfig",
     "labkit.model:GPTConfig",
 }

@@ -117,8 +117,9 @@ class Lab:
         from ..data import Corpus
         return Corpus.load(a.data)
 
-    def banner(self, a, corpus) -> None:
-        """Printed (rank 0) before any rank starts; nothing by default."""
+    def start(self, a, corpus) -> None:
+        """Called in every process before any rank starts (a banner on the main rank, a clock);
+        nothing by default."""
 
     def runs(self, a, corpus) -> list[Launch]:
         raise NotImplementedError
@@ -128,6 +129,15 @@ class Lab:
 
     def report(self, a, outcome: Outcome) -> Report:
         raise NotImplementedError
+
+    def conclude(self, verdicts: dict, reference_losses, failures: list[str]) -> int:
+        """Print the verdict and the one-line conclusion (:func:`labkit.labs.verdict.verdict_exit`),
+        then each of ``failures`` on stderr; returns the exit code (0 when all passed, else 1)."""
+        rc = verdict_exit(verdicts, reference_losses=reference_losses)
+        for line in failures:
+            print(line, file=sys.stderr)
+            rc = 1
+        return rc
 
     def folder(self, a):
         """The run folder to create (after the verdict), or None for none: by default a fresh
@@ -188,7 +198,7 @@ def train_reference(model: torch.nn.Module, steps: int, step_loss: Callable, lr:
 
 
 def execute(lab: Lab, a, corpus) -> Outcome | None:
-    """Start ``lab``'s runs and its single-device reference (no printing beyond the lab's banner).
+    """Start ``lab``'s runs and its single-device reference (no printing beyond the lab's :meth:`Lab.start`).
     Returns the :class:`Outcome` on the printing rank, None on the other ranks under torchrun.
     Raises :class:`labkit.dist.RankError` when a rank fails."""
     from ..dist import launch
@@ -238,8 +248,7 @@ def run(lab: Lab, argv: Sequence[str] | None = None) -> LabRun:
         try:
             a, corpus, rc = prepare(lab, argv)
             if a is not None:
-                if is_main_rank():
-                    lab.banner(a, corpus)
+                lab.start(a, corpus)
                 outcome = execute(lab, a, corpus)
                 if outcome is None:          # torchrun, not rank 0: rank 0 reports
                     rc = 0
@@ -247,10 +256,7 @@ def run(lab: Lab, argv: Sequence[str] | None = None) -> LabRun:
                     reference = outcome.reference
                     rep = lab.report(a, outcome)
                     verdicts = rep.verdicts
-                    rc = verdict_exit(verdicts, reference_losses=reference.losses if reference else None)
-                    for line in rep.failures:
-                        print(line, file=sys.stderr)
-                        rc = 1
+                    rc = lab.conclude(verdicts, reference.losses if reference else None, rep.failures)
                     folder = lab.folder(a)   # the files last (labs.OutputError: one line)
                     if folder is not None:
                         lab.files(a, outcome, folder)

@@ -22,167 +22,68 @@ PNGs go to a run folder (printed).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
-from ..cliparse import Parser
 from ..comm import CommLog
-from ..data import Corpus
-from ..dist import in_torchrun, launch
-from ..model import GPTConfig
 from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_expert_parallel
-from ..moe.losses import switch_aux_loss
-from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
-from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               bad_lr, error, is_main_rank, moe_eplb, out_folder)
+from ..moe.model import MoEGPT, total_aux_loss
+from ..dist import in_torchrun
+from . import out_folder
+from .harness import Lab, Launch, Report, lockstep, run
+from .moe_common import (BALANCE_MODES, History, bad_args, build_parser, configs, global_name,
+                         ignored_without_eplb, resolve, train_single)
 from .replay import replayed_routing
-from .verdict import add_tolerance_option, verdict_exit
 
-BALANCE_MODES = ("none", "aux", "aux_free")
+__all__ = ["BALANCE_MODES", "build_parser", "main", "max_vio", "LAB"]
+
 SMOOTH = 10  # steps of the moving average in expert_load.png
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m labkit lab moe", description=__doc__.split("\n")[0],
-               formatter_class=HelpFormatter)
-    p.add_argument("--ep", "--world-size", dest="ep", type=int, default=None,
-                   help="expert-parallel ranks P (unset: 4; under torchrun always WORLD_SIZE)")
-    p.add_argument("--steps", type=int, default=40, help="steps of the EP vs single-device comparison")
-    p.add_argument("--balance-steps", type=int, default=150, help="steps of each balancing run")
-    p.add_argument("--experts", type=int, default=8, help="routed experts E")
-    p.add_argument("--top-k", type=int, default=2, help="experts k activated per token")
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="expert capacity C = factor * k * T / E")
-    p.add_argument("--n-layer", "--layers", dest="n_layer", type=int, default=4, help="transformer blocks L")
-    p.add_argument("--moe-every", type=int, default=2, help="1: every block is MoE; 2: every other (GShard)")
-    p.add_argument("--n-embd", "--embd", dest="n_embd", type=int, default=64, help="hidden size H")
-    p.add_argument("--n-head", "--heads", dest="n_head", type=int, default=4, help="attention heads")
-    p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences), divisible by P")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--aux-coeff", type=float, default=0.1,
-                   help="Switch aux loss alpha (Switch used 1e-2 over long runs; a 150-step run needs more)")
-    p.add_argument("--gamma", type=float, default=1e-2, help="aux-loss-free bias update speed")
-    p.add_argument("--compare-mode", default="aux_free", choices=BALANCE_MODES,
-                   help="balancing used in the EP vs single-device comparison")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
-    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
-    p.add_argument("--out", default=None, help="run folder (unset: runs/moe-<time>)")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
-    add_tolerance_option(p)
-    moe_eplb.add_arguments(p)
-    return p
+@dataclass
+class RankResult:
+    """One EP rank's training: its :class:`~labkit.labs.moe_common.History` (``bytes``: the
+    all-to-all bytes it sent per step), its final ``params`` and, on rank 0, the ``verdict``."""
+    history: History
+    params: dict
+    verdict: object = None
+
+    def __getitem__(self, name: str):  # h["bytes"], as the plotting code reads histories
+        return getattr(self.history, name)
 
 
-def _configs(a, balance: str, groups: int):
-    cfg = GPTConfig(block_size=a.seq, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd, ffn_mult=2)
-    moe = moe_config_for(cfg, n_routed_experts=a.experts, n_activated_experts=a.top_k,
-                         capacity_factor=a.capacity_factor, token_groups=groups,
-                         aux_loss_coeff=a.aux_coeff if balance == "aux" else 0.0,
-                         expert_bias=balance == "aux_free", bias_update_rate=a.gamma)
-    return cfg, moe
-
-
-def _bad_args(a) -> str | None:
-    """The first rule the options break, as a message naming the values; None if all are fine."""
-    for flag, value in (("--ep", a.ep), ("--steps", a.steps), ("--balance-steps", a.balance_steps),
-                        ("--experts", a.experts), ("--n-layer", a.n_layer), ("--moe-every", a.moe_every),
-                        ("--n-embd", a.n_embd), ("--n-head", a.n_head), ("--seq", a.seq), ("--batch", a.batch)):
-        if value < 1:
-            return f"{flag} must be >= 1, got {value}"
-    if not 1 <= a.top_k <= a.experts:
-        return f"--top-k {a.top_k} must be in [1, --experts {a.experts}]"
-    if a.moe_every > a.n_layer:
-        return f"--moe-every {a.moe_every} > --n-layer {a.n_layer} leaves no MoE layer"
-    bad = (bad_number("--capacity-factor", a.capacity_factor) or bad_lr(a.lr)
-           or bad_number("--aux-coeff", a.aux_coeff, strict=False) or bad_number("--gamma", a.gamma, strict=False)
-           or bad_number("--tolerance", a.tolerance) or bad_seed(a.seed) or bad_out(a.out))
-    if bad:
-        return bad
-    if a.batch % a.ep:
-        return f"--batch {a.batch} must be divisible by --ep {a.ep} (each rank gets batch/P sequences)"
-    if a.experts % a.ep:
-        return f"--experts {a.experts} must be divisible by --ep {a.ep} (each rank holds E/P experts)"
-    try:
-        for mode in BALANCE_MODES:
-            cfg, moe = _configs(a, mode, a.ep)
-    except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
-        return f"{e} (--n-embd {a.n_embd}, --n-head {a.n_head})"
-    # every EP rank builds the full model (4 bytes/param each), keeps its experts with AdamW (16 in
-    # all); rank 0's reference (8) and the verdict's gathered copies (24). Activations: the dense
-    # part (Korthikanti) plus, per token and MoE layer, k expert inputs and hidden states
-    extra = a.top_k * (2 * a.n_embd + 2 * moe.moe_ffn_dim) * 4
-    return bad_memory(_n_params(a), 4 * a.ep + 48,
-                      activation_bytes(a.n_layer, a.batch, a.seq, a.n_embd, a.n_head, cfg.vocab_size, extra), 2,
-                      f"--experts {a.experts} --n-embd {a.n_embd} --n-layer {a.n_layer} --seq {a.seq} "
-                      f"--batch {a.batch} (P={a.ep})", ranks=a.ep)
-
-
-def _global_name(name: str, rank: int, n_local: int) -> str:
-    """An EP rank's parameter name in the single-device model: local expert i -> rank*E/P + i."""
-    if ".experts." not in name:
-        return name
-    head, tail = name.split(".experts.")
-    i, rest = tail.split(".", 1)
-    return f"{head}.experts.{rank * n_local + int(i)}.{rest}"
-
-
-def _lockstep(ctx, a, balance: str, corpus):
-    """The verdict's Lockstep of an EP run (rank 0 holds the single-device reference)."""
-    from .verdict import Lockstep
-    ref = None
-    if ctx.rank == 0:
-        cfg, moe = _configs(a, balance, ctx.world_size)
-        ref = MoEGPT(cfg, moe, a.moe_every, seed=a.seed).to(ctx.device)
-
-    def ref_loss(model, step, extras):
-        x, y = (t.to(ctx.device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
-        problems: list = []
-        undo = replayed_routing(model, extras, problems)
-        try:
-            lm, stats = model(x, y)
-        finally:
-            undo()
-        return lm + total_aux_loss(stats).to(ctx.device), "; ".join(dict.fromkeys(problems)) or None
-    return Lockstep(ctx.group, ctx.rank, ref, ref_loss, rtol=a.tolerance, atol=a.tolerance / 10)
-
-
-def _n_params(a) -> int:
-    """Parameters of the MoE GPT of ``a``, without building E experts (4096 modules take ~10 s even
-    on the meta device): the count is linear in E, so count the models with E = k and 2k."""
-    counts = []
-    for E in (a.top_k, 2 * a.top_k):
-        cfg, moe = _configs(argparse.Namespace(**{**vars(a), "experts": E}), "aux_free", 1)
-        counts.append(count_parameters_meta(lambda: MoEGPT(cfg, moe, a.moe_every)))
-    return counts[0] + (a.experts - a.top_k) * (counts[1] - counts[0]) // a.top_k
-
-
-def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> dict:
-    """One training run. ``ep=True``: this rank of an EP run over ``ctx.group``, judged at every
-    step by the verdict (:mod:`labkit.labs.verdict`, rank 0's ``hist["verdict"]``); else single
-    device (routing in ``a.ep`` token groups, like the EP run). Returns per-step histories."""
+def _ep_worker(ctx, a, corpus) -> RankResult:
+    """One rank of the EP run over ``ctx.group``, judged at every step by the verdict: rank 0's
+    reference replays this run's routing (:mod:`labkit.labs.replay`)."""
     from .verdict import module_pieces
     from tqdm.auto import tqdm
 
-    P = ctx.world_size if ep else 1
-    rank = ctx.rank if ep else 0
-    device = ctx.device if ctx is not None else torch.device("cpu")
-    cfg, moe = _configs(a, balance, 1 if ep else a.ep)
+    P, rank, device = ctx.world_size, ctx.rank, ctx.device
+    cfg, moe = configs(a, a.compare_mode, 1)
     model = MoEGPT(cfg, moe, a.moe_every, seed=a.seed)
-    if ep:
-        to_expert_parallel(model, ctx.group, rank, P)
+    to_expert_parallel(model, ctx.group, rank, P)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0, foreach=True)
-    corpus = Corpus.load(a.data)
-    check = _lockstep(ctx, a, balance, corpus) if ep else None
-    rows = a.batch // P
-    hist = {"loss": [], "lm": [], "loads": [], "dropped": [], "balance": [], "bytes": []}
+
+    def ref_loss(m, step, extras):
+        x, y = (t.to(device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
+        problems: list = []
+        undo = replayed_routing(m, extras, problems)
+        try:
+            lm, stats = m(x, y)
+        finally:
+            undo()
+        return lm + total_aux_loss(stats).to(device), "; ".join(dict.fromkeys(problems)) or None
+    ref_cfg, ref_moe = configs(a, a.compare_mode, P)
+    check = lockstep(ctx, a, lambda: MoEGPT(ref_cfg, ref_moe, a.moe_every, seed=a.seed), ref_loss)
+    rows, n_local = a.batch // P, a.experts // P
+    hist = History()
     # disable=None: no bar when stderr is not a terminal (logs); else one bar (rank 0) cleared when done
-    bar = tqdm(range(steps), desc=f"{'EP=%d' % P if ep else 'single'} {balance}", disable=None if progress else True,
+    bar = tqdm(range(a.steps), desc=f"EP={P} {a.compare_mode}", disable=None if rank == 0 else True,
                leave=False, file=sys.stderr)
     for step in bar:
         x, y = corpus.get_batch("train", a.batch, a.seq, step, a.seed)
@@ -192,36 +93,26 @@ def train(ctx, a, balance: str, steps: int, ep: bool, progress: bool = True) -> 
         aux = total_aux_loss(stats).to(device)
         with CommLog() as bwd_log:
             ((lm + aux) / P).backward()
-        if ep:
-            sync_replicated_grads(model, ctx.group)
-            n_local = a.experts // P
-            check.step(step, module_pieces(model, lambda n: _global_name(n, rank, n_local)), (lm + aux).item(),
-                       extra=[(s.router.indices.cpu(), s.router.keep.cpu()) for s in stats])
-        loads = torch.stack([s.tokens_per_expert for s in stats])              # [L_moe, E]
-        if ep:
-            loads = all_reduce_loads(loads, ctx.group)
+        sync_replicated_grads(model, ctx.group)
+        check.step(step, module_pieces(model, lambda n: global_name(n, rank, n_local)), (lm + aux).item(),
+                   extra=[(s.router.indices.cpu(), s.router.keep.cpu()) for s in stats])
+        loads = all_reduce_loads(torch.stack([s.tokens_per_expert for s in stats]), ctx.group)  # [L_moe, E]
         for layer, load in zip(model.moe_layers(), loads):
             layer.update_bias(load)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            diag = [float(switch_aux_loss(s.router.logits.float(), s.router.indices, 1.0, from_logits=True))
-                    for s in stats]
-        a2a_f = [r.nbytes for r in fwd_log.of("all_to_all")]
-        hist["loss"].append((lm + aux).item())
-        hist["lm"].append(lm.item())
-        hist["loads"].append(loads.cpu())
-        hist["dropped"].append([s.dropped_fraction for s in stats])
-        hist["balance"].append(diag)
-        hist["bytes"].append({"forward": a2a_f, "backward": [r.nbytes for r in bwd_log.of("all_to_all")]})
-        bar.set_postfix(loss=f"{hist['lm'][-1]:.3f}")
-    hist["params"] = {n: p.detach().cpu() for n, p in model.state_dict().items()}
-    hist["verdict"] = check.result() if ep else None
-    return hist
+        hist.record(lm, aux, loads, stats)
+        hist.bytes.append({"forward": [r.nbytes for r in fwd_log.of("all_to_all")],
+                           "backward": [r.nbytes for r in bwd_log.of("all_to_all")]})
+        bar.set_postfix(loss=f"{hist.lm[-1]:.3f}")
+    return RankResult(hist, {n: p.detach().cpu() for n, p in model.state_dict().items()}, check.result())
 
 
-def _ep_worker(ctx, a):
-    return train(ctx, a, a.compare_mode, a.steps, ep=True, progress=ctx.rank == 0)
+def _single(a, balance: str, steps: int, corpus):
+    """The single-device training with ``balance`` (routing in ``a.ep`` token groups, like the EP
+    run): ``(Reference, History)``."""
+    cfg, moe = configs(a, balance, a.ep)
+    return train_single(MoEGPT(cfg, moe, a.moe_every, seed=a.seed), a, steps, corpus)
 
 
 def max_vio(loads: torch.Tensor) -> float:
@@ -301,97 +192,116 @@ def _plots(out, runs, ep_hist, a):
 
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    if in_torchrun():
-        ws = int(os.environ["WORLD_SIZE"])
-        if a.ep not in (None, ws) and is_main_rank():
-            print(f"note: --ep {a.ep} ignored under torchrun: P = WORLD_SIZE = {ws}", file=sys.stderr)
-        a.ep = ws
-    elif a.ep is None:
-        a.ep = 4
-    bad = _bad_args(a) or moe_eplb.ignored_without_eplb(a)  # every size error before any process starts
-    if bad:
-        return error(bad)
-    if a.eplb:
-        bad = "--eplb starts its own ranks: run it with python -m labkit lab moe --eplb" if in_torchrun() \
-            else moe_eplb.bad_args(a)
-        if bad:
-            return error(bad)
-    try:  # a bad --data path: a clear message before any process starts
-        Corpus.load(a.data, block_size=a.seq)
-    except (OSError, ValueError) as e:
-        return error(str(e))
-    torch.manual_seed(a.seed)
-    if not in_torchrun():
-        torch.set_num_threads(1)     # tiny kernels: one thread is faster and keeps the forked ranks fair
-    if a.eplb:
-        return moe_eplb.main(a)
-    t0 = time.perf_counter()
-    ep_hist = launch(_ep_worker, a.ep, a, backend=a.backend, timeout=120)
-    if not is_main_rank():
-        return 0                                              # rank 0 runs the references and reports
-    H, E, k = a.n_embd, a.experts, a.top_k
-    t_ep = time.perf_counter() - t0
-    ref = train(None, a, a.compare_mode, a.steps, ep=False)
+class MoELab(Lab):
+    """``python -m labkit lab moe``: the EP run against one device, then the balancing runs."""
+    name = "moe"
 
-    # 1. EP == single device: the verdict (every step, at the same parameters); the curve gap is shown only
-    ep_loss = [sum(h["loss"][s] for h in ep_hist) / a.ep for s in range(a.steps)]
-    gap = max(abs(x - y) for x, y in zip(ep_loss, ref["loss"]))
-    print(f"MoE GPT: {a.n_layer} layers (MoE every {a.moe_every}), H={H}, E={E}, k={k}, "
-          f"capacity factor {a.capacity_factor}, batch {a.batch}x{a.seq} tokens, balance={a.compare_mode}")
-    print(f"EP={a.ep} vs single device, {a.steps} AdamW steps (EP run {t_ep:.1f} s): largest gap between the two "
-          f"separate trainings' loss curves {gap:.2e} (shown, not judged; the verdict is at the end)")
+    def parser(self):
+        return build_parser()
 
-    # 2. all-to-all bytes, step 0, next to the formula
-    n_moe = len(ep_hist[0]["loads"][0])
-    print(f"\nall-to-all bytes per MoE layer, forward of step 0 (sent by each rank; fp32, H={H}):")
-    head = (f"{'rank':>4}  {'layer':>5}  {'counts':>6} {'(E*8)':>6}  {'dispatch':>8} {'(N_p*H*4)':>9}  "
-            f"{'combine':>7}  {'N_p':>5}")
-    print(head)
-    print("-" * len(head))
-    for r, h in enumerate(ep_hist):
-        fwd, bwd = h["bytes"][0]["forward"], h["bytes"][0]["backward"]
-        kept = [round((1 - d) * (a.batch // a.ep) * a.seq * k) for d in h["dropped"][0]]
-        for layer in range(n_moe):
-            c, d, cb = fwd[3 * layer: 3 * layer + 3]
-            print(f"{r:>4}  {layer:>5}  {c:>6} {E * 8:>6}  {d:>8} {kept[layer] * H * 4:>9}  {cb:>7}  {kept[layer]:>5}")
-        print(f"{'':>4}  backward, all layers: {sum(bwd)} bytes (= dispatch + combine, reversed)")
-    print(f"(...) = formula. counts: all-to-all #0 sends the E={E} per-expert slot counts (int64, E*8 bytes), so\n"
-          f"every rank knows how many rows it will receive. dispatch: the N_p kept token-slots of the rank (of\n"
-          f"k*T_p = {k * (a.batch // a.ep) * a.seq}) go to their experts' ranks, N_p*H*4 bytes. combine: the "
-          f"expert outputs go back, i.e. the rows\nthis rank's experts processed (differs per rank; the totals "
-          f"over ranks equal dispatch's).")
+    def resolve(self, a, world):
+        resolve(a, world)
 
-    # 3. balancing runs
-    runs = {}
-    for mode in BALANCE_MODES:
-        runs[mode] = train(None, a, mode, a.balance_steps, ep=False)
-    n = min(10, a.balance_steps)
-    print(f"\nbalancing, {a.balance_steps} steps on one device (averages over the last {n} steps):")
-    print(f"{'mode':>9}  {'LM loss':>7}  {'MaxVio per layer':>18}  {'dropped':>7}  {'balance loss':>12}  busiest expert share")
-    for mode, h in runs.items():
-        last = torch.stack(h["loads"][-n:]).sum(0)                              # [L, E]
-        vio = " ".join(f"{max_vio(l):.2f}" for l in last)
-        share = " ".join(f"{float(l.max() / l.sum()):.2f}" for l in last)
-        dropped = sum(sum(d) / len(d) for d in h["dropped"][-n:]) / n
-        bal = sum(sum(b) / len(b) for b in h["balance"][-n:]) / n
-        print(f"{mode:>9}  {sum(h['lm'][-n:]) / n:7.3f}  {vio:>18}  {dropped:7.3f}  {bal:12.3f}  {share}")
-    print(f"\nshare of token-slots per expert (last {n} steps; uniform = {1 / E:.3f}):")
-    for mode, h in runs.items():
-        last = torch.stack(h["loads"][-n:]).sum(0).float()
-        for layer, l in enumerate(last):
-            print(f"{mode:>9} layer {layer}: " + " ".join(f"{float(v):.3f}" for v in l / l.sum()))
-    print(f"total time {time.perf_counter() - t0:.1f} s")
-    rc = verdict_exit({f"EP={a.ep} ({a.compare_mode})": ep_hist[0]["verdict"]}, reference_losses=ref["loss"])
-    if not a.no_plots:  # the files last: a full disk cannot hide the table and the verdict
-        out = out_folder(a.out, "moe")
-        _plots(out, runs, ep_hist, a)
+    def check(self, a):  # every size error before any process starts
+        bad = bad_args(a) or ignored_without_eplb(a)
+        if bad is None and a.eplb:
+            bad = ("--eplb starts its own ranks: run it with python -m labkit lab moe --eplb" if in_torchrun()
+                   else "--eplb is the EPLB lab: run it with python -m labkit lab moe --eplb")
+        return bad
+
+    def load_corpus(self, a):
+        from ..data import Corpus
+        return Corpus.load(a.data, block_size=a.seq)
+
+    def start(self, a, corpus):
+        torch.manual_seed(a.seed)
+        if not in_torchrun():
+            torch.set_num_threads(1)     # tiny kernels: one thread is faster and keeps the forked ranks fair
+        self.t0 = time.perf_counter()
+
+    def runs(self, a, corpus):
+        return [Launch(f"EP={a.ep} ({a.compare_mode})", a.ep, _ep_worker, (a, corpus))]
+
+    def reference(self, a, corpus):
+        ref, self.ref_hist = _single(a, a.compare_mode, a.steps, corpus)
+        return ref
+
+    def report(self, a, outcome):
+        H, E, k = a.n_embd, a.experts, a.top_k
+        name = f"EP={a.ep} ({a.compare_mode})"
+        ranks = outcome.results[name]
+        ep_hist = [r.history for r in ranks]
+        t_ep = outcome.seconds
+        ref = self.ref_hist
+
+        # 1. EP == single device: the verdict (every step, at the same parameters); the curve gap is shown only
+        ep_loss = [sum(h.loss[s] for h in ep_hist) / a.ep for s in range(a.steps)]
+        gap = max(abs(x - y) for x, y in zip(ep_loss, ref.loss))
+        print(f"MoE GPT: {a.n_layer} layers (MoE every {a.moe_every}), H={H}, E={E}, k={k}, "
+              f"capacity factor {a.capacity_factor}, batch {a.batch}x{a.seq} tokens, balance={a.compare_mode}")
+        print(f"EP={a.ep} vs single device, {a.steps} AdamW steps (EP run {t_ep:.1f} s): largest gap between the "
+              f"two separate trainings' loss curves {gap:.2e} (shown, not judged; the verdict is at the end)")
+
+        # 2. all-to-all bytes, step 0, next to the formula
+        n_moe = len(ep_hist[0].loads[0])
+        print(f"\nall-to-all bytes per MoE layer, forward of step 0 (sent by each rank; fp32, H={H}):")
+        head = (f"{'rank':>4}  {'layer':>5}  {'counts':>6} {'(E*8)':>6}  {'dispatch':>8} {'(N_p*H*4)':>9}  "
+                f"{'combine':>7}  {'N_p':>5}")
+        print(head)
+        print("-" * len(head))
+        for r, h in enumerate(ep_hist):
+            fwd, bwd = h.bytes[0]["forward"], h.bytes[0]["backward"]
+            kept = [round((1 - d) * (a.batch // a.ep) * a.seq * k) for d in h.dropped[0]]
+            for layer in range(n_moe):
+                c, d, cb = fwd[3 * layer: 3 * layer + 3]
+                print(f"{r:>4}  {layer:>5}  {c:>6} {E * 8:>6}  {d:>8} {kept[layer] * H * 4:>9}  {cb:>7}  "
+                      f"{kept[layer]:>5}")
+            print(f"{'':>4}  backward, all layers: {sum(bwd)} bytes (= dispatch + combine, reversed)")
+        print(f"(...) = formula. counts: all-to-all #0 sends the E={E} per-expert slot counts (int64, E*8 bytes), "
+              f"so\nevery rank knows how many rows it will receive. dispatch: the N_p kept token-slots of the rank "
+              f"(of\nk*T_p = {k * (a.batch // a.ep) * a.seq}) go to their experts' ranks, N_p*H*4 bytes. combine: "
+              f"the expert outputs go back, i.e. the rows\nthis rank's experts processed (differs per rank; the "
+              f"totals over ranks equal dispatch's).")
+
+        # 3. balancing runs
+        runs = self.balance_runs = {mode: _single(a, mode, a.balance_steps, outcome.corpus)[1]
+                                    for mode in BALANCE_MODES}
+        n = min(10, a.balance_steps)
+        print(f"\nbalancing, {a.balance_steps} steps on one device (averages over the last {n} steps):")
+        print(f"{'mode':>9}  {'LM loss':>7}  {'MaxVio per layer':>18}  {'dropped':>7}  {'balance loss':>12}  "
+              f"busiest expert share")
+        for mode, h in runs.items():
+            last = torch.stack(h.loads[-n:]).sum(0)                              # [L, E]
+            vio = " ".join(f"{max_vio(l):.2f}" for l in last)
+            share = " ".join(f"{float(l.max() / l.sum()):.2f}" for l in last)
+            dropped = sum(sum(d) / len(d) for d in h.dropped[-n:]) / n
+            bal = sum(sum(b) / len(b) for b in h.balance[-n:]) / n
+            print(f"{mode:>9}  {sum(h.lm[-n:]) / n:7.3f}  {vio:>18}  {dropped:7.3f}  {bal:12.3f}  {share}")
+        print(f"\nshare of token-slots per expert (last {n} steps; uniform = {1 / E:.3f}):")
+        for mode, h in runs.items():
+            last = torch.stack(h.loads[-n:]).sum(0).float()
+            for layer, l in enumerate(last):
+                print(f"{mode:>9} layer {layer}: " + " ".join(f"{float(v):.3f}" for v in l / l.sum()))
+        print(f"total time {time.perf_counter() - self.t0:.1f} s")
+        return Report({name: ranks[0].verdict})
+
+    def folder(self, a):
+        return None if a.no_plots else out_folder(a.out, "moe")
+
+    def files(self, a, outcome, folder):
+        ep_hist = [r.history for r in outcome.results[f"EP={a.ep} ({a.compare_mode})"]]
+        _plots(folder, self.balance_runs, ep_hist, a)
         names = ("expert_load.png", "balance.png", "all_to_all_bytes.png")
-        print("\nplots: " + ", ".join(os.path.join(out, f) for f in names))
-        print(f"run folder: {out}")
-    return rc
+        print("\nplots: " + ", ".join(os.path.join(folder, f) for f in names))
+        print(f"run folder: {folder}")
 
+
+LAB = MoELab()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit lab moe`` (without ``--eplb``): the exit code (:func:`labkit.labs.harness.run`)."""
+    return run(LAB, argv).rc
 
 
 if __name__ == "__main__":

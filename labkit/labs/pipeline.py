@@ -33,14 +33,16 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..cliparse import Parser
-from . import (HelpFormatter, activation_bytes, bad_memory, bad_number, bad_out, bad_seed, count_parameters_meta,
-               bad_lr, error, is_main_rank, loss_change, run_folder, schedule_name)
-from .verdict import add_tolerance_option, verdict_exit
+from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
+               count_parameters_meta, is_main_rank, loss_change, schedule_name)
+from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
+from .verdict import add_tolerance_option
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # backward split into I and W (labkit.pipeline.zero_bubble)
@@ -154,30 +156,51 @@ def _config(a):
     return GPTConfig(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, block_size=a.seq)
 
 
-def _single_device(a, corpus, device):
-    """Adam on one device: per-step train loss and final validation loss."""
-    from tqdm import tqdm
-
+def _reference(a, corpus, device) -> Reference:
+    """Adam on one device (where the ranks run: CPU for gloo, the first GPU for NCCL): the loss of
+    every step; the trained model gives the validation loss."""
     from ..model import GPT
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # like each rank; avoids slow multi-thread warm-up on small CPUs
-    try:
-        model = GPT(_config(a), seed=a.seed).to(device)
-        opt = torch.optim.Adam(model.parameters(), lr=a.lr)
-        losses, t0 = [], time.perf_counter()
-        for step in tqdm(range(a.steps), desc="single device", leave=False, disable=None):
-            x, y = (t.to(device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed))
-            loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        train_time = time.perf_counter() - t0
-        with torch.no_grad():
-            val = model(*(t.to(device) for t in corpus.get_batch("val", a.batch, a.seq, 0, a.seed))).item()
-    finally:
-        torch.set_num_threads(n)
-    return {"losses": losses, "val": val, "tokens_per_s": a.steps * a.batch * a.seq / train_time}
+
+    def step_loss(model, step):
+        return model(*(t.to(device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed)))
+    return train_reference(GPT(_config(a), seed=a.seed).to(device), a.steps, step_loss, a.lr,
+                           progress="single device")
+
+
+@dataclass
+class RankResult:
+    """One pipeline rank's run: ``losses`` per step (ranks holding the last stage; else empty),
+    ``val`` (validation loss, last stage; else None), ``timelines`` (the measured ``(action, start,
+    end)`` of the last few steps), ``peak`` (measured peak microbatches in flight per stage),
+    ``step_time`` (seconds of the ``timed_steps`` steps 1..), ``verdict`` (rank 0's
+    :class:`labkit.labs.verdict.LockstepResult`)."""
+    losses: list
+    val: float | None
+    timelines: list
+    peak: dict
+    step_time: float
+    timed_steps: int
+    verdict: object = None
+
+
+@dataclass
+class Row:
+    """One schedule's table row: final ``train`` and ``val`` loss, ``curve`` (largest |loss gap| to
+    the single-device training: shown, not judged), ``bubble`` (measured, mean of the last steps),
+    ``formula`` and ``sim`` (simulator) bubble fractions, ``peak`` in flight per stage,
+    ``tokens_per_s``, the last measured ``timeline`` and the ``losses``."""
+    schedule: str
+    train: float
+    val: float
+    curve: float
+    verdict: object
+    bubble: float
+    formula: float
+    sim: float
+    peak: list
+    tokens_per_s: float
+    timeline: dict
+    losses: list
 
 
 def _rank_train(ctx, a, kind, corpus):
@@ -188,7 +211,7 @@ def _rank_train(ctx, a, kind, corpus):
     from ..pipeline import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
                             ScheduleZBH1, ScheduleZBVZeroBubble)
     from ..pipeline.stages import gpt_param_name, split_gpt
-    from .verdict import Lockstep, module_pieces
+    from .verdict import module_pieces
 
     K = ctx.world_size
     v = a.chunks if kind == "interleaved" else 1
@@ -201,11 +224,10 @@ def _rank_train(ctx, a, kind, corpus):
     multi = kind == "interleaved" or kind in V_SHAPED
     sched = cls(stages if multi else stages[0], a.microbatches, lm_loss, cost_model=_cost_model(a))
     opt = torch.optim.Adam([p for m in mods for p in m.parameters()], lr=a.lr)
-    ref = GPT(_config(a), seed=a.seed).to(ctx.device) if ctx.rank == 0 else None
 
     def ref_loss(model, step, extras):  # the reference's loss on step's whole batch (rank 0)
         return model(*(t.to(ctx.device) for t in corpus.get_batch("train", a.batch, a.seq, step, a.seed)))
-    check = Lockstep(ctx.group, ctx.rank, ref, ref_loss, rtol=a.tolerance, atol=a.tolerance / 10)
+    check = lockstep(ctx, a, lambda: GPT(_config(a), seed=a.seed), ref_loss)
     losses, timelines, step_time = [], [], 0.0
     # rank 0 only, and only on a terminal (disable=None: tqdm turns itself off when stderr is not a TTY)
     bar = tqdm(range(a.steps), desc=f"{kind} K={K}", leave=False, disable=None if ctx.rank == 0 else True)
@@ -230,9 +252,8 @@ def _rank_train(ctx, a, kind, corpus):
     val_losses: list = []
     x, y = (t.to(ctx.device) for t in corpus.get_batch("val", a.batch, a.seq, 0, a.seed))
     sched.step(x, target=y, losses=val_losses, forward_only=True)
-    return {"losses": losses, "val": torch.stack(val_losses).mean().item() if val_losses else None,
-            "timelines": timelines, "peak": dict(sched.peak_in_flight), "step_time": step_time,
-            "timed_steps": a.steps - 1, "verdict": check.result()}
+    return RankResult(losses, torch.stack(val_losses).mean().item() if val_losses else None, timelines,
+                      dict(sched.peak_in_flight), step_time, a.steps - 1, check.result())
 
 
 def _analyse(a, kind, K, results, single):
@@ -244,10 +265,10 @@ def _analyse(a, kind, K, results, single):
     v = a.chunks if kind == "interleaved" else 1
     M = a.microbatches
     last = results[K - 1]
-    n_tl = len(results[0]["timelines"])
+    n_tl = len(results[0].timelines)
     measured, tls = [], []
     for i in range(n_tl):
-        tl = {r: [TimedAction(Action(*act), s, e) for act, s, e in results[r]["timelines"][i]] for r in range(K)}
+        tl = {r: [TimedAction(Action(*act), s, e) for act, s, e in results[r].timelines[i]] for r in range(K)}
         tls.append(tl)
         measured.append(float(bubble_fraction(tl, K)))
     # mean measured F and B time per stage, then simulate the schedule with them
@@ -266,17 +287,14 @@ def _analyse(a, kind, K, results, single):
     sim = simulate(build(), forward=fwd, backward=bwd)
     peak = {}
     for r in results:
-        peak.update(r["peak"])
-    curve = max(abs(p - q) for p, q in zip(last["losses"], single["losses"]))  # drifts: shown, not judged
-    tokens = results[0]["timed_steps"] * a.batch * a.seq
-    return {
-        "schedule": kind if v == 1 else f"{kind} v={v}", "train": last["losses"][-1], "val": last["val"],
-        "curve": curve, "verdict": results[0]["verdict"], "bubble": sum(measured) / len(measured),
-        "formula": float(bubble_formula(K, M, v)),
-        "sim": float(sim.bubble_fraction), "peak": [peak[s] for s in sorted(peak)],
-        "tokens_per_s": tokens / results[0]["step_time"] if tokens else float("nan"),  # nan: no timed step
-        "timeline": tls[-1], "losses": last["losses"],
-    }
+        peak.update(r.peak)
+    curve = max(abs(p - q) for p, q in zip(last.losses, single.losses))  # drifts: shown, not judged
+    tokens = results[0].timed_steps * a.batch * a.seq
+    return Row(kind if v == 1 else f"{kind} v={v}", last.losses[-1], last.val, curve, results[0].verdict,
+               sum(measured) / len(measured), float(bubble_formula(K, M, v)), float(sim.bubble_fraction),
+               [peak[s] for s in sorted(peak)],
+               tokens / results[0].step_time if tokens else float("nan"),  # nan: no timed step
+               tls[-1], last.losses)
 
 
 def _mean_times(tls, S):
@@ -305,8 +323,8 @@ def _analyse_zero_bubble(a, kind, K, results, single):
     from ..pipeline.zero_bubble import bubble_time_formula, dualpipev_schedule, zb_h1_schedule, zbv_schedule
     M, S = a.microbatches, _n_stages(kind, K, a)
     last = results[0] if kind in V_SHAPED else results[K - 1]  # V: the last stage is on rank 0
-    tls = [{r: [TimedAction(Action(*act), s, e) for act, s, e in results[r]["timelines"][i]] for r in range(K)}
-           for i in range(len(results[0]["timelines"]))]
+    tls = [{r: [TimedAction(Action(*act), s, e) for act, s, e in results[r].timelines[i]] for r in range(K)}
+           for i in range(len(results[0].timelines))]
     measured = [float(bubble_fraction(tl, K)) for tl in tls]
     times = _mean_times(tls, S)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
@@ -328,17 +346,12 @@ def _analyse_zero_bubble(a, kind, K, results, single):
         formula = float("nan")
     peak = {}
     for r in results:
-        peak.update(r["peak"])
-    curve = max(abs(p - q) for p, q in zip(last["losses"], single["losses"]))  # drifts: shown, not judged
-    tokens = results[0]["timed_steps"] * a.batch * a.seq
-    return {
-        "schedule": kind, "train": last["losses"][-1], "val": last["val"], "curve": curve,
-        "verdict": results[0]["verdict"],
-        "bubble": sum(measured) / len(measured), "formula": formula, "sim": float(sim.bubble_fraction),
-        "peak": [peak[s] for s in sorted(peak)],
-        "tokens_per_s": tokens / results[0]["step_time"] if tokens else float("nan"),
-        "timeline": tls[-1], "losses": last["losses"],
-    }
+        peak.update(r.peak)
+    curve = max(abs(p - q) for p, q in zip(last.losses, single.losses))  # drifts: shown, not judged
+    tokens = results[0].timed_steps * a.batch * a.seq
+    return Row(kind, last.losses[-1], last.val, curve, results[0].verdict, sum(measured) / len(measured), formula,
+               float(sim.bubble_fraction), [peak[s] for s in sorted(peak)],
+               tokens / results[0].step_time if tokens else float("nan"), tls[-1], last.losses)
 
 
 def _save_plots(folder: Path, rows, single, K):
@@ -350,15 +363,15 @@ def _save_plots(folder: Path, rows, single, K):
     from . import save_figure
     fig, axes = plt.subplots(len(rows), 1, figsize=(11, 2.2 * len(rows) + 0.5), squeeze=False)
     for ax, row in zip(axes[:, 0], rows):
-        plot_timeline(row["timeline"], ax=ax, title=f"{row['schedule']} (measured, K={K}), last step",
-                      note=f"table: mean of the last steps {row['bubble']:.1%}", unit="s")
+        plot_timeline(row.timeline, ax=ax, title=f"{row.schedule} (measured, K={K}), last step",
+                      note=f"table: mean of the last steps {row.bubble:.1%}", unit="s")
     fig.tight_layout()
     save_figure(fig, folder / "timelines.png", dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(single["losses"], label="single device", linewidth=3, alpha=0.4, color="black")
+    ax.plot(single.losses, label="single device", linewidth=3, alpha=0.4, color="black")
     for row in rows:
-        ax.plot(row["losses"], label=row["schedule"], linewidth=1)
+        ax.plot(row.losses, label=row.schedule, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (nats/token)")
     ax.legend()
@@ -367,96 +380,124 @@ def _save_plots(folder: Path, rows, single, K):
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    from ..data import Corpus
-    from ..dist import choose_backend, in_torchrun, launch
-    from ..pipeline import ScheduleError, check_pipeline_sizes
-    from ..pipeline.stages import stage_layers
+def _kinds(a) -> list[str]:
+    """The schedules ``--schedule`` names, groups expanded, each once."""
+    return list(dict.fromkeys(k for name in a.schedule for k in GROUPS.get(name, (name,))))
 
-    a = _parser().parse_args(argv)
-    torchrun = in_torchrun()
-    is_main = is_main_rank()
-    if torchrun:
-        K = int(os.environ["WORLD_SIZE"])
-        if a.world_size not in (None, K) and is_main:
-            print(f"note: --world-size {a.world_size} ignored under torchrun: K = WORLD_SIZE = {K}", file=sys.stderr)
-    else:
-        K = 4 if a.world_size is None else a.world_size
-    kinds = list(dict.fromkeys(k for name in a.schedule for k in GROUPS.get(name, (name,))))
-    bad = _bad_args(a, K)
-    if bad:
-        return error(bad)
-    try:  # every size error before any process starts
-        for kind in kinds:
-            v = a.chunks if kind == "interleaved" else 1
-            check_pipeline_sizes(K, a.microbatches, v)
-            stage_layers(a.layers, _n_stages(kind, K, a), 0)
-            if kind in ZERO_BUBBLE:  # their own rules, e.g. DualPipeV's M >= 2K
-                from ..pipeline.zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
-                {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}[kind](K, a.microbatches)
-        if a.batch % a.microbatches:
-            raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
-    except ScheduleError as e:
-        return error(str(e))
-    bad = _bad_memory(a, K)
-    if bad:
-        return error(bad)
-    try:  # a bad --data path: a clear message before any process starts
-        corpus = Corpus.load(a.data, block_size=a.seq)
-    except (OSError, ValueError) as e:
-        return error(str(e))
-    if is_main:
-        print(f"pipeline lab: GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq} tokens, {a.steps} Adam steps "
-              f"(lr {a.lr}), K={K} ranks, M={a.microbatches}, data: {corpus.source}")
-    try:
-        backend = choose_backend(K, a.backend)
-    except ValueError as e:
-        return error(str(e))
-    # the reference runs where the ranks run: CPU for gloo, the first GPU for NCCL
-    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
-    single = _single_device(a, corpus, device) if is_main else None
-    rows = []
-    for kind in kinds:
-        results = launch(_rank_train, K, a, kind, corpus, backend=a.backend, timeout=LAUNCH_TIMEOUT)
-        if is_main:
-            rows.append(_analyse(a, kind, K, results, single))
-    if not is_main:
-        return 0
-    head = (f"{'schedule':<16} {'train':>7} {'val':>7} {'curve gap':>10} {'bubble':>7} {'formula':>8} "
-            f"{'sim':>6} {'peak in flight/stage':<24} {'tokens/s':>9}")
-    print(head)
-    print("-" * len(head))
-    print(f"{'single device':<16} {single['losses'][-1]:>7.4f} {single['val']:>7.4f} {'-':>10} {'':>7} {'':>8} "
-          f"{'':>6} {'':<24} {single['tokens_per_s']:>9.0f}")
-    for r in rows:
-        print(f"{r['schedule']:<16} {r['train']:>7.4f} {r['val']:>7.4f} {r['curve']:>10.1e} {r['bubble']:>7.1%} "
-              f"{r['formula']:>8.1%} {r['sim']:>6.1%} {str(r['peak']):<24} {r['tokens_per_s']:>9.0f}")
-    if a.cost_model is not None:
-        print(f"cost model: every F, I, W lasts at least {a.cost_model} ms (B = I + W), sleeping the rest; the bubble "
-              f"then shows the schedule rather than ranks waiting for a core. Run without --cost-model for the "
-              f"real-compute measurement.")
-    else:
-        print("real compute: the times are what the ranks measured (no cost model).")
-    if any(r["schedule"] in ZERO_BUBBLE for r in rows):
-        print("zero-bubble formulas: zb-h1 (K-1)(T_F+T_I-T_W), zbv (K-1)T_F for T_F=T_I=T_W and for any costs the "
-              "maximum of labkit.pipeline.zbv_bubble_terms (M >= 2K-1), dualpipev (K-1)(F&B+B-3W) with F&B=F+B, "
-              "from the measured mean T_F, T_I, T_W (nan: not exact for them).")
-    print(f"\ntrain loss {loss_change(single['losses'][0], single['losses'][-1])}. "
-          f"curve gap: largest |loss difference| between the two separate trainings (shown, not judged). "
-          f"bubble: measured from the runtime's timeline (mean of the last steps); formula (K-1)/(vM+K-1); "
-          f"sim = simulator with the measured mean F/B time per stage and free communication.")
-    cores = os.cpu_count() or 1
-    if backend == "gloo" and K > cores:
-        print(f"note: {K} ranks share {cores} CPU cores, so a rank often waits for a core; the measured bubble "
-              f"and F/B times include that wait.")
-    rc = verdict_exit({r["schedule"]: r["verdict"] for r in rows}, reference_losses=single["losses"])
-    # the files last: a full disk cannot hide the table and the verdict (labs.OutputError: one line)
-    folder = run_folder(a.out, "pipeline")
-    _save_plots(folder, rows, single, K)
-    print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
-    if a.trace:
-        _write_traces(folder, rows)
-    return rc
+
+class PipelineLab(Lab):
+    """``python -m labkit lab pipeline``: one run per schedule on K ranks."""
+    name = "pipeline"
+
+    def parser(self):
+        return _parser()
+
+    def resolve(self, a, world):
+        if world is not None:
+            if a.world_size not in (None, world) and is_main_rank():
+                print(f"note: --world-size {a.world_size} ignored under torchrun: K = WORLD_SIZE = {world}",
+                      file=sys.stderr)
+            a.world_size = world
+        elif a.world_size is None:
+            a.world_size = 4
+        return None
+
+    def check(self, a):
+        from ..dist import choose_backend
+        from ..pipeline import ScheduleError, check_pipeline_sizes
+        from ..pipeline.stages import stage_layers
+        K = a.world_size
+        bad = _bad_args(a, K)
+        if bad:
+            return bad
+        try:  # every size error before any process starts
+            for kind in _kinds(a):
+                v = a.chunks if kind == "interleaved" else 1
+                check_pipeline_sizes(K, a.microbatches, v)
+                stage_layers(a.layers, _n_stages(kind, K, a), 0)
+                if kind in ZERO_BUBBLE:  # their own rules, e.g. DualPipeV's M >= 2K
+                    from ..pipeline.zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
+                    {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule,
+                     "dualpipev": dualpipev_schedule}[kind](K, a.microbatches)
+            if a.batch % a.microbatches:
+                raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
+        except ScheduleError as e:
+            return str(e)
+        bad = _bad_memory(a, K)
+        if bad:
+            return bad
+        try:
+            self.backend = choose_backend(K, a.backend)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def load_corpus(self, a):
+        from ..data import Corpus
+        return Corpus.load(a.data, block_size=a.seq)
+
+    def start(self, a, corpus):
+        if is_main_rank():
+            print(f"pipeline lab: GPT L={a.layers} H={a.embd}, batch {a.batch}x{a.seq} tokens, {a.steps} Adam steps "
+                  f"(lr {a.lr}), K={a.world_size} ranks, M={a.microbatches}, data: {corpus.source}")
+
+    def runs(self, a, corpus):
+        return [Launch(kind, a.world_size, _rank_train, (a, kind, corpus), timeout=LAUNCH_TIMEOUT)
+                for kind in _kinds(a)]
+
+    def reference(self, a, corpus):
+        # the reference runs where the ranks run: CPU for gloo, the first GPU for NCCL
+        device = torch.device("cuda", 0) if self.backend == "nccl" else torch.device("cpu")
+        ref = _reference(a, corpus, device)
+        with torch.no_grad():
+            self.val = ref.model(*(t.to(device) for t in corpus.get_batch("val", a.batch, a.seq, 0, a.seed))).item()
+        return ref
+
+    def report(self, a, outcome):
+        K, single = a.world_size, outcome.reference
+        rows = self.rows = [_analyse(a, kind, K, results, single) for kind, results in outcome.results.items()]
+        head = (f"{'schedule':<16} {'train':>7} {'val':>7} {'curve gap':>10} {'bubble':>7} {'formula':>8} "
+                f"{'sim':>6} {'peak in flight/stage':<24} {'tokens/s':>9}")
+        print(head)
+        print("-" * len(head))
+        print(f"{'single device':<16} {single.losses[-1]:>7.4f} {self.val:>7.4f} {'-':>10} {'':>7} {'':>8} "
+              f"{'':>6} {'':<24} {single.tokens_per_s(a.batch * a.seq):>9.0f}")
+        for r in rows:
+            print(f"{r.schedule:<16} {r.train:>7.4f} {r.val:>7.4f} {r.curve:>10.1e} {r.bubble:>7.1%} "
+                  f"{r.formula:>8.1%} {r.sim:>6.1%} {str(r.peak):<24} {r.tokens_per_s:>9.0f}")
+        if a.cost_model is not None:
+            print(f"cost model: every F, I, W lasts at least {a.cost_model} ms (B = I + W), sleeping the rest; the "
+                  f"bubble then shows the schedule rather than ranks waiting for a core. Run without --cost-model for "
+                  f"the real-compute measurement.")
+        else:
+            print("real compute: the times are what the ranks measured (no cost model).")
+        if any(r.schedule in ZERO_BUBBLE for r in rows):
+            print("zero-bubble formulas: zb-h1 (K-1)(T_F+T_I-T_W), zbv (K-1)T_F for T_F=T_I=T_W and for any costs "
+                  "the maximum of labkit.pipeline.zbv_bubble_terms (M >= 2K-1), dualpipev (K-1)(F&B+B-3W) with "
+                  "F&B=F+B, from the measured mean T_F, T_I, T_W (nan: not exact for them).")
+        print(f"\ntrain loss {loss_change(single.losses[0], single.losses[-1])}. "
+              f"curve gap: largest |loss difference| between the two separate trainings (shown, not judged). "
+              f"bubble: measured from the runtime's timeline (mean of the last steps); formula (K-1)/(vM+K-1); "
+              f"sim = simulator with the measured mean F/B time per stage and free communication.")
+        cores = os.cpu_count() or 1
+        if self.backend == "gloo" and K > cores:
+            print(f"note: {K} ranks share {cores} CPU cores, so a rank often waits for a core; the measured bubble "
+                  f"and F/B times include that wait.")
+        return Report({r.schedule: r.verdict for r in rows})
+
+    def files(self, a, outcome, folder):
+        _save_plots(folder, self.rows, outcome.reference, a.world_size)
+        print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
+        if a.trace:
+            _write_traces(folder, self.rows)
+
+
+LAB = PipelineLab()
+
+
+def main(argv=None) -> int:
+    """``python -m labkit lab pipeline``: the exit code (see :func:`labkit.labs.harness.run`)."""
+    return run(LAB, argv).rc
 
 
 def _write_traces(folder: Path, rows) -> None:
@@ -465,11 +506,11 @@ def _write_traces(folder: Path, rows) -> None:
 
     from ..pipeline.trace import write_chrome_trace
     from . import _output_error, write_bytes_atomic
-    files = [(folder / f"trace-{row['schedule'].replace(' ', '')}.json",
-              {f"{row['schedule']} (measured, last step)": row["timeline"]}) for row in rows]
+    files = [(folder / f"trace-{row.schedule.replace(' ', '')}.json",
+              {f"{row.schedule} (measured, last step)": row.timeline}) for row in rows]
     if len(rows) > 1:  # every schedule side by side, one Perfetto process each
         files.append((folder / "trace-all.json",
-                      {f"{row['schedule']} (measured, last step)": row["timeline"] for row in rows}))
+                      {f"{row.schedule} (measured, last step)": row.timeline for row in rows}))
     for path, timelines in files:
         try:  # rendered aside, then written atomically
             with tempfile.TemporaryDirectory() as tmp:

@@ -475,7 +475,7 @@ class ThreeDLab(Lab):
         corpus.get_batch("train", 1, a.seq)
         return corpus
 
-    def banner(self, a, corpus):
+    def start(self, a, corpus):
         self.t_start = time.perf_counter()
 
     def runs(self, a, corpus):

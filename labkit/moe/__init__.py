@@ -5,9 +5,9 @@ aux-loss-free bias), ``losses`` (Switch/GShard aux, z-loss, DeepSeek-V2 expert/d
 communication, DeepSeek-V3 sequence-wise), ``dispatch`` (sort-based and GShard one-hot),
 ``experts`` (FFN experts, shared and fine-grained, the single-device ``MoELayer``),
 ``expert_parallel`` (experts sharded over ranks, all-to-all dispatch), ``model`` (MoE GPT),
-``params`` (total vs active parameter counts), ``eplb`` (redundant experts and their
+``eplb`` (redundant experts and their
 placement), ``replicas`` (expert parallelism over the copies), ``hierarchical`` (two-level
-all-to-all, bytes per level), ``inference`` (expert slicing, decode cost), ``pipeline`` (the MoE
+all-to-all, bytes per level), ``inference`` (expert slicing), ``pipeline`` (the MoE
 GPT under pipeline parallelism).
 """
 from .router import RouterOutput, TopKRouter, Gate, route, compute_capacity, capacity_mask, update_expert_bias
@@ -18,6 +18,5 @@ from .experts import Expert, MoEConfig, MoEStats, MoELayer, MoE, fine_grained
 from .expert_parallel import (ExpertParallelMoE, all_to_all, all_to_all_uneven, exchange_splits,
                               sync_replicated_grads, to_expert_parallel, all_reduce_loads)
 from .model import MoEBlock, MoEGPT, total_aux_loss, moe_config_for
-from .params import ModelSpec, ParamCount, count_parameters, MIXTRAL_8X7B, DEEPSEEK_V3
 from .eplb import rebalance_experts
 from .replicas import ReplicatedExpertParallelMoE, sync_replica_grads, to_replicated_expert_parallel

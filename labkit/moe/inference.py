@@ -1,5 +1,5 @@
 """MoE inference at scale (DeepSpeed-MoE, Rajbhandari et al. 2022, sec. 5): expert slicing with
-tensor-parallel non-expert layers, and the per-token cost of decoding.
+tensor-parallel non-expert layers.
 
 Parallelism (DeepSpeed-MoE sec. 5.2, "expert-slicing"): with more GPUs than experts, expert
 parallelism alone leaves GPUs idle, so each expert's FFN is itself split over an
@@ -23,12 +23,7 @@ One MoE layer on one rank (:class:`ExpertSlicedMoE`):
 5. the combine all-to-all returns them to their tokens, which are weighted and summed; an
    all-gather over the TP group restores the replicated activations.
 
-Cost model (:func:`decode_cost`): generating one token at batch size 1 reads every parameter
-the token uses once from GPU memory, and small-batch decoding is memory-bandwidth bound
-(DeepSpeed-MoE sec. 5.1), so ``latency >= bytes read / bandwidth``. A dense model reads all of
-its parameters; an MoE only its activated ones (attention, router, shared experts and k of the
-E routed experts per layer). With a batch of B tokens an MoE layer touches on average
-``E * (1 - (1 - k/E)^B)`` distinct experts, so its advantage shrinks as the batch grows.
+The decode cost of a model (bytes read per token) is a formula: :func:`labkit.plan.params.decode_cost`.
 """
 from __future__ import annotations
 
@@ -47,10 +42,8 @@ from ..tensor_parallel.mappings import all_gather_along_dim
 from .experts import Expert, MoELayer
 from .expert_parallel import all_to_all, exchange_splits
 from .model import MoEBlock, MoEGPT
-from .params import ModelSpec, count_parameters
 
-__all__ = ["SlicedExpert", "ExpertSlicedMoE", "ExpertSlicedMoEGPT", "make_slicing_groups", "SlicingGroups",
-           "DecodeCost", "decode_cost", "LLAMA2_70B", "LLAMA31_405B", "expected_experts_touched"]
+__all__ = ["SlicedExpert", "ExpertSlicedMoE", "ExpertSlicedMoEGPT", "make_slicing_groups", "SlicingGroups"]
 
 
 class SlicedExpert(nn.Module):
@@ -262,62 +255,3 @@ class ExpertSlicedMoEGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
-
-
-# ----------------------------------------------------------------------------- cost model
-
-# Dense models of about the same quality as the MoEs below (Mixtral 8x7B "outperforms Llama 2
-# 70B", Jiang et al. 2024, sec. 3; DeepSeek-V3 is compared with LLaMA-3.1 405B, report Table 3).
-LLAMA2_70B = ModelSpec(name="Llama 2 70B", vocab_size=32000, hidden=8192, n_layers=80, n_heads=64, attention="gqa",
-                       n_kv_heads=8, head_dim=128, n_dense_layers=80, dense_ffn=28672)
-LLAMA31_405B = ModelSpec(name="Llama 3.1 405B", vocab_size=128256, hidden=16384, n_layers=126, n_heads=128,
-                         attention="gqa", n_kv_heads=8, head_dim=128, n_dense_layers=126, dense_ffn=53248)
-
-
-@dataclass
-class DecodeCost:
-    """Per generated token: ``params_read`` (parameters read), ``bytes_read`` (= params *
-    bytes_per_param), ``latency_s`` (lower bound, bytes / bandwidth) and ``tokens_per_s``
-    (its inverse), for ``name``."""
-
-    name: str
-    params_read: float
-    bytes_read: float
-    latency_s: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return 1.0 / self.latency_s
-
-
-def expected_experts_touched(E: int, k: int, batch: int) -> float:
-    """Distinct experts one MoE layer reads for ``batch`` tokens, each choosing k of E
-    uniformly: ``E * (1 - (1 - k/E)^batch)`` (k at batch 1, E as the batch grows)."""
-    return E * (1 - (1 - k / E) ** batch)
-
-
-def decode_cost(spec: ModelSpec, bandwidth: float, bytes_per_param: float = 2.0, batch: int = 1) -> DecodeCost:
-    """Memory-bound lower bound of one decoding step per token (module docstring).
-
-    ``bandwidth`` in bytes/s (e.g. 3.35e12 for an H100 SXM's HBM3), ``bytes_per_param`` 2 for
-    bf16, 1 for fp8. At ``batch`` 1 the bytes are the active parameters (labkit's
-    :func:`~labkit.moe.params.count_parameters`); for larger batches the routed experts count as
-    :func:`expected_experts_touched` per layer, and the step's bytes are shared by the batch.
-    Ignores the KV cache and activations (small for short contexts). Raises ValueError for
-    bandwidth <= 0 or batch < 1.
-    Example: Mixtral 8x7B, bf16, 3.35 TB/s: 12.9e9 params * 2 B / 3.35e12 B/s = 7.7 ms.
-    """
-    if not bandwidth > 0:
-        raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    pc = count_parameters(spec)
-    params = float(pc.active)
-    if batch > 1 and spec.n_routed_experts > 1:
-        n_moe = spec.n_layers - spec.n_dense_layers
-        expert = spec.ffn_matrices * spec.hidden * spec.moe_ffn
-        touched = expected_experts_touched(spec.n_routed_experts, spec.n_activated_experts, batch)
-        params += n_moe * (touched - spec.n_activated_experts) * expert
-    per_token = params / batch
-    nbytes = per_token * bytes_per_param
-    return DecodeCost(spec.name, per_token, nbytes, nbytes / bandwidth)

@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer, expected_dp_comm
+from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 from ..data_parallel.zero import optimizer_state_bytes
 from ..grid import ProcessGrid
 from ..model import lm_loss
@@ -56,6 +56,8 @@ from ..pipeline.runtime import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, 
                                 ScheduleZBH1, ScheduleZBVZeroBubble)
 from ..pipeline.schedules import stage_rank
 from ..pipeline.stages import gpt_param_name, stage_layers
+from ..plan.comm import comm_per_rank
+from ..plan.spec import Layout, ModelSpec
 from ..tensor_parallel import RECOMPUTE, allreduce_layernorm_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
 
@@ -346,49 +348,18 @@ class ParallelGPT:
         return dict(out)
 
     def expected_comm(self, batch: int, seq: int, bytes_per_element: int = 4) -> dict:
-        """The formulas for one training step of this rank (after the first), same shape as
-        :meth:`comm_by_axis`.
-
-        With b = B/(d*M) sequences per microbatch, N = b*S tokens, A = N*H elements:
-        TP (Megatron-LM sec. 3), per microbatch and stage: 4 all-reduces of A per block (2
-        forward, 2 backward), +1 of A for the embedding (first stage), +1 of A for the output
-        layer's backward and 3 of N for the cross-entropy (last stage). PP: per microbatch and
-        stage boundary one send of A forward and one back (and the matching receives). DP: one
-        all-reduce per DDP bucket, payload = the stage's parameter bytes (a ring moves 2(d-1)/d
-        of it); ZeRO-1: one reduce-scatter of n (padded to d) and one all-gather of n/d.
-        Embedding: one all-reduce of the V/t x H matrix on the first and the last stage (tied, p > 1).
-        """
-        g, cfg, M, e = self.grid, self.cfg, self.M, bytes_per_element
-        b = batch // (g.dp * M)
-        N = b * seq
-        A = N * cfg.n_embd * e
-        out: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-        for m, s in zip(self.modules, self.stage_ids):
-            first, last, nb = s == 0, s == self.n_stages - 1, len(m.blocks)
-            if g.tp > 1:
-                c = out["tp"]["all_reduce"]
-                c[0] += M * (4 * nb + first + 4 * last)
-                c[1] += M * ((4 * nb + first + last) * A + 3 * last * N * e)
-            # a boundary to a stage on another rank costs one send (and one receive) per microbatch
-            me = g.pp_rank
-            n_send = M * ((not last and stage_rank(s + 1, g.pp, self.placement) != me)
-                          + (not first and stage_rank(s - 1, g.pp, self.placement) != me))
-            if n_send:
-                for kind in ("send", "recv"):
-                    out["pp"][kind][0] += n_send
-                    out["pp"][kind][1] += n_send * A
-        if g.dp > 1 and not self.zero:
-            for m in self.modules:
-                numels = [q.numel() for q in reversed([q for q in m.parameters() if q.requires_grad])]
-                ex = expected_dp_comm(numels, self.bucket_cap_mb, g.dp, e)
-                c = out["dp"]["all_reduce"]
-                c[0] += ex["buckets"]
-                c[1] += ex["all_reduce_bytes"]
-        elif g.dp > 1:
-            n = sum(q.numel() for q in self.parameters())
-            padded = -(-n // g.dp) * g.dp
-            out["dp"]["reduce_scatter"] = [1, padded * e]
-            out["dp"]["all_gather"] = [1, padded // g.dp * e]
-        if self.emb_group is not None:
-            out["embedding"]["all_reduce"] = [1, cfg.vocab_size // g.tp * cfg.n_embd * e]
-        return {a: {k: tuple(v) for k, v in kinds.items()} for a, kinds in out.items()}
+        """What the planner (:func:`labkit.plan.comm.comm_per_rank`, the one home of these
+        formulas) predicts for one training step of this rank (after the first), in the shape of
+        :meth:`comm_by_axis`: this layout as a :class:`labkit.plan.spec.Layout` (fp32, ``b =
+        B/(d M)``; the order of the actions does not change the bytes, so every schedule with v = 1
+        counts as 1F1B and every other as interleaved, in this schedule's placement), with this
+        rank's DDP bucket count."""
+        g = self.grid
+        spec = ModelSpec.from_gpt_config(self.cfg, seq_len=seq, global_batch=batch)
+        lay = Layout(t=g.tp, p=g.pp, d=g.dp, v=self.v, b=batch // (g.dp * self.M), M=self.M,
+                     schedule="interleaved" if self.v > 1 else "1f1b",
+                     zero=1 if self.zero else 0, precision="fp32", placement=self.placement,
+                     sequence_parallel=self.sequence_parallel, recompute=self.recompute)
+        buckets = sum(len(w.buckets) for w in self.ddp if w is not None) or None
+        axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets)
+        return {ax: dict(c.ops) for ax, c in axes.items() if c.ops}

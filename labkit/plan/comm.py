@@ -2,7 +2,7 @@
 
 Counted the way :class:`labkit.comm.CommLog` counts (``payload``: the bytes of this rank's
 tensor argument; all-gather: the local shard, reduce-scatter: the full input) and as bytes
-sent on the wire by the ring algorithms (``wire``: :func:`labkit.comm.ring_wire_bytes`).
+sent on the wire by the ring algorithms (``wire``: :func:`labkit.comm.ring_bytes`).
 
 Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
 
@@ -33,8 +33,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..comm import ring_bytes
 from .memory import (_zero_shard, bytes_per_param, check_layout, holds_first, holds_last, n_microbatches,
-                     rank_layer_chunks, rank_param_counts)
+                     rank_layer_chunks, rank_param_counts, rank_stages)
 from .spec import Cluster, Layout, ModelSpec
 
 __all__ = ["AxisComm", "comm_per_rank", "axis_links"]
@@ -57,15 +58,7 @@ class AxisComm:
             return
         c, b = self.ops.get(kind, (0, 0))
         self.ops[kind] = (c + count, b + count * payload_each)
-        n = self.group
-        if kind == "all_reduce":
-            self.wire += count * (2 * (n - 1) * payload_each // n)
-        elif kind in ("reduce_scatter", "all_to_all"):
-            self.wire += count * ((n - 1) * payload_each // n)
-        elif kind == "all_gather":
-            self.wire += count * (n - 1) * payload_each
-        elif kind == "send":
-            self.wire += count * payload_each
+        self.wire += count * ring_bytes(kind, payload_each, self.group)
 
     @property
     def payload(self) -> int:
@@ -85,13 +78,16 @@ def axis_links(lay: Layout, cluster: Cluster) -> dict:
 
 
 def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
-                  act_bytes: int | None = None, regather_in_backward: bool = True) -> dict:
+                  act_bytes: int | None = None, regather_in_backward: bool = True,
+                  dp_buckets: int | None = None) -> dict:
     """Communication of one training step on a rank of pipeline rank ``pp_rank``:
     ``{"tp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
     of a tied embedding's gradient between the first and the last pipeline rank).
 
     ``act_bytes``: bytes per activation element (default: the layout's precision, 2 for bf16,
-    4 for fp32). Raises ValueError for an impossible layout.
+    4 for fp32). ``dp_buckets``: how many all-reduces this rank's ZeRO-0 gradient reduction
+    issues per step (DDP's buckets, over all its model chunks; None: one per chunk, a fused
+    reduction); the payload is the same. Raises ValueError for an impossible layout.
     """
     check_layout(spec, lay)
     cluster = cluster or Cluster()
@@ -108,7 +104,7 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
     ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
-    n_moe = sum(1 for i in ids if spec.is_moe and i >= spec.first_dense_layers)
+    n_moe = sum(1 for i in ids if spec.is_moe_layer(i))
 
     # ---- TP: per microbatch, then x M
     tp = out["tp"]
@@ -141,8 +137,9 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
 
     # ---- PP: sends and receives of this rank's chunks
     pp = out["pp"]
-    stages = [c * p + r for c in range(v)]
+    stages = rank_stages(lay, r)
     last = p * v - 1
+<<<<<<< HEAD
     n_send_f = sum(1 for s in stages if s != last)
     n_send_b = sum(1 for s in stages if s != 0)
     if p > 1:                                                   # SP: each TP rank sends its S/t shard
@@ -150,19 +147,27 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
         pp.add("send", M * (n_send_f + n_send_b), msg)
         pp.add("recv", M * (n_send_f + n_send_b), msg)
         if spec.tied_embeddings and r in (0, p - 1):          # the 2 copies of a tied embedding
+=======
+    n_send_f = sum(1 for s in stages if s != last and s + 1 not in stages)   # V placement: p-1 -> p stays
+    n_send_b = sum(1 for s in stages if s != 0 and s - 1 not in stages)
+    if p > 1:
+        pp.add("send", M * (n_send_f + n_send_b), act)
+        pp.add("recv", M * (n_send_f + n_send_b), act)
+        if spec.tied_embeddings and r in (0, p - 1) and lay.placement == "loop":   # 2 copies of a tied embedding
+>>>>>>> main
             out["embedding"].add("all_reduce", 1, math.ceil(spec.vocab_size / t) * h * gb)
 
     # ---- DP: once per step
     dp = out["dp"]
     d, d_exp = lay.d, max(1, lay.d // lay.ep)
-    for n, dd in ((cnt["dense"], d), (cnt["expert"], d_exp)):
+    for n, dd, buckets in ((cnt["dense"], d, dp_buckets), (cnt["expert"], d_exp, None)):
         if n == 0 or dd == 1:
             continue
         sub = AxisComm("dp", dd, links["dp"])
         if lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
             sub.add("all_reduce", 1, n * gb)
-            if v > 1:
-                sub.ops["all_reduce"] = (v, n * gb)
+            if buckets or v > 1:
+                sub.ops["all_reduce"] = (buckets or v, n * gb)
         else:
             padded = _zero_shard(n, dd) * dd
             sub.add("reduce_scatter", 1, padded * gb)

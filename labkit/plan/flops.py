@@ -76,7 +76,7 @@ def iteration_flops(spec: ModelSpec, sequences: int, recompute: str = "none") ->
     tokens = sequences * spec.seq_len
     gemm = core = 0.0
     for i in range(spec.n_layer):
-        g, c = layer_forward_flops(spec, spec.is_moe and i >= spec.first_dense_layers)
+        g, c = layer_forward_flops(spec, spec.is_moe_layer(i))
         gemm, core = gemm + g, core + c
     logits = 2.0 * spec.hidden * spec.vocab_size
     model = 3 * (gemm + core + logits) * tokens

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
-__all__ = ["rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank",
+__all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
            "grad_convention"]
@@ -108,6 +108,9 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (spec.ffn_hidden % lay.t == 0, f"t={lay.t} must divide the FFN width {spec.ffn_hidden}"),
         (spec.n_layer >= lay.p * lay.v, f"p*v={lay.p}*{lay.v} stages need at least as many layers (L={spec.n_layer})"),
         (lay.v == 1 or lay.schedule == "interleaved", f"v={lay.v} > 1 needs schedule 'interleaved'"),
+        (lay.placement in ("loop", "v"), f"placement must be 'loop' or 'v', got {lay.placement!r}"),
+        (lay.placement == "loop" or (lay.v == 2 and lay.schedule != "dualpipe"),
+         f"placement 'v' holds two stages per rank: needs v = 2 (got v={lay.v}, schedule {lay.schedule!r})"),
         (lay.schedule != "interleaved" or lay.p > 1, "the interleaved schedule needs p > 1"),
         (lay.schedule != "dualpipe" or (lay.p >= 2 and lay.p % 2 == 0 and lay.v == 1),
          f"DualPipe needs an even p >= 2 and v = 1 (got p={lay.p}, v={lay.v})"),
@@ -213,10 +216,22 @@ def rank_chunks(n_layer: int, p: int, v: int, pp_rank: int) -> list[range]:
     return out
 
 
+def rank_stages(lay: Layout, pp_rank: int) -> list[int]:
+    """Stage ids (of p v) on pipeline rank r: ``r, r + p, ...`` (loop placement) or ``r, 2p-1-r``
+    (V placement). DualPipe's two directions are :func:`rank_layer_chunks`' business."""
+    if lay.placement == "v":
+        return [pp_rank, 2 * lay.p - 1 - pp_rank]
+    return [c * lay.p + pp_rank for c in range(lay.v)]
+
+
 def rank_layer_chunks(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[range]:
     """Layer ids of each model chunk a pipeline rank holds: :func:`rank_chunks` (v chunks,
-    looped placement), or for DualPipe (DeepSeek-AI 2024, sec. 3.2.1) the two stages r and
-    p-1-r of the two directions (L/p layers each: twice the parameters of 1F1B)."""
+    looped placement; V placement: stages r and 2p-1-r), or for DualPipe (DeepSeek-AI 2024,
+    sec. 3.2.1) the two stages r and p-1-r of the two directions (L/p layers each: twice the
+    parameters of 1F1B)."""
+    if lay.placement == "v":
+        first, second = rank_chunks(spec.n_layer, lay.p, 2, pp_rank), rank_chunks(spec.n_layer, lay.p, 2, lay.p - 1 - pp_rank)
+        return [first[0], second[1]]
     if lay.schedule == "dualpipe":
         return rank_chunks(spec.n_layer, lay.p, 1, pp_rank) + rank_chunks(spec.n_layer, lay.p, 1, lay.p - 1 - pp_rank)
     return rank_chunks(spec.n_layer, lay.p, lay.v, pp_rank)
@@ -228,7 +243,10 @@ def holds_first(lay: Layout, pp_rank: int) -> bool:
 
 
 def holds_last(lay: Layout, pp_rank: int) -> bool:
-    """Whether the rank holds the last stage (output layer, loss): rank p-1, and rank 0 in DualPipe."""
+    """Whether the rank holds the last stage (output layer, loss): rank p-1 (rank 0 in V placement),
+    and rank 0 in DualPipe."""
+    if lay.placement == "v":
+        return pp_rank == 0
     return pp_rank == lay.p - 1 or (lay.schedule == "dualpipe" and pp_rank == 0)
 
 
@@ -239,7 +257,7 @@ def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     layer_ids = [i for ch in rank_layer_chunks(spec, lay, pp_rank) for i in ch]
     dense = expert = 0
     for i in layer_ids:
-        lp = spec.layer_params(spec.is_moe and i >= spec.first_dense_layers)
+        lp = spec.layer_params(spec.is_moe_layer(i))
         dense += lp["split"] // t + lp["replicated"]
         expert += lp["expert"] * lp["experts"] // lay.ep // t
     vocab = math.ceil(spec.vocab_size / t)
@@ -331,7 +349,7 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         # the rank's layers may differ (dense / MoE, uneven chunks): average over its chunks
         chunks = rank_layer_chunks(spec, lay, r)
         ids = [i for ch in chunks for i in ch]
-        moe = [spec.is_moe and i >= spec.first_dense_layers for i in ids]
+        moe = [spec.is_moe_layer(i) for i in ids]
         chunk_act = sum(_layer_act(spec, lay, m, device) for m in moe) / len(chunks)
         act = units * chunk_act
         if lay.recompute == "full":

@@ -30,9 +30,14 @@ class ModelSpec:
     "rope" | "alibi" (no table); ``bias``: biases on every linear layer except the output layer (GPT-2 style);
     ``tied_embeddings``: the output layer reuses the input embedding. MoE: ``n_routed_experts``
     E (0: dense), ``n_activated_experts`` k, ``n_shared_experts``, ``moe_ffn`` (each expert's
-    width), ``first_dense_layers`` (DeepSeek: the first layers keep a dense MLP of width f).
+    width), ``first_dense_layers`` (DeepSeek: the first layers keep a dense MLP of width f),
+    ``moe_layer_freq`` (Megatron-Core's: layer i is MoE when ``i % freq == freq - 1``; 2 is
+    GShard's "every other FFN layer", labkit's ``MoEGPT`` default).
     MLA (DeepSeek-V2/V3): ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
-    ``qk_rope_head_dim``, ``v_head_dim`` (0: ordinary attention).
+    ``qk_rope_head_dim``, ``v_head_dim`` (0: ordinary attention). ``router_bias``: DeepSeek-V3's
+    aux-loss-free routing bias (a buffer of E numbers per MoE layer, counted as a parameter, as
+    the released checkpoint stores it); ``n_mtp_modules``: DeepSeek-V3's multi-token-prediction
+    modules (sec. 2.2; counted only by :func:`~.params.count_parameters` with ``include_mtp``).
     ``dropout`` (probability; > 0: the masks are kept for backward).
     ``global_batch`` (sequences per step) is what the published run used; the planner needs it
     for the number of microbatches.
@@ -57,17 +62,20 @@ class ModelSpec:
     n_shared_experts: int = 0
     moe_ffn: int | None = None
     first_dense_layers: int = 0
+    moe_layer_freq: int = 1
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    router_bias: bool = False
+    n_mtp_modules: int = 0
     dropout: float = 0.1
     global_batch: int = 1
     source: str = ""
 
     def __post_init__(self):
-        for n in ("n_layer", "hidden", "n_head", "vocab_size", "seq_len", "global_batch"):
+        for n in ("n_layer", "hidden", "n_head", "vocab_size", "seq_len", "global_batch", "moe_layer_freq"):
             if getattr(self, n) < 1:
                 raise ValueError(f"model {self.name!r}: {n} must be >= 1, got {getattr(self, n)}")
         if self.norm not in ("layernorm", "rmsnorm"):
@@ -107,9 +115,14 @@ class ModelSpec:
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` (0-based) has an MoE MLP."""
+        f = self.moe_layer_freq
+        return self.is_moe and i >= self.first_dense_layers and i % f == f - 1
+
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layer - self.first_dense_layers if self.is_moe else 0
+        return sum(self.is_moe_layer(i) for i in range(self.n_layer))
 
     def norm_params(self) -> int:
         return (2 if self.norm == "layernorm" else 1) * self.hidden
@@ -149,7 +162,7 @@ class ModelSpec:
         if moe:
             e_split, e_rep = self.mlp_params(self.moe_ffn or self.ffn_hidden)
             shared = self.n_shared_experts
-            router = self.n_routed_experts * self.hidden
+            router = self.n_routed_experts * (self.hidden + (1 if self.router_bias else 0))
             return {"split": a_split + shared * e_split, "replicated": rep + shared * e_rep + router,
                     "expert": e_split + e_rep, "experts": self.n_routed_experts}
         m_split, m_rep = self.mlp_params(self.ffn_hidden)
@@ -170,7 +183,7 @@ class ModelSpec:
         """All parameters (the tied output layer counted once)."""
         total = sum(self.embedding_params()) + sum(self.head_params())
         for i in range(self.n_layer):
-            lp = self.layer_params(self.is_moe and i >= self.first_dense_layers)
+            lp = self.layer_params(self.is_moe_layer(i))
             total += lp["split"] + lp["replicated"] + lp["expert"] * lp["experts"]
         return total
 
@@ -180,7 +193,7 @@ class ModelSpec:
         totals (Kaplan et al. 2020 leave it out; the difference is < 1 % for these models)."""
         total = sum(self.embedding_params()) + sum(self.head_params())
         for i in range(self.n_layer):
-            lp = self.layer_params(self.is_moe and i >= self.first_dense_layers)
+            lp = self.layer_params(self.is_moe_layer(i))
             total += lp["split"] + lp["replicated"] + lp["expert"] * min(lp["experts"], self.n_activated_experts)
         return total
 
@@ -215,7 +228,10 @@ class Layout:
     ``accumulate_allreduce_grads_in_fp32`` and its theoretical-memory convention: 18 bytes per
     parameter, ``6 + 12/d`` with the distributed optimizer; off: labkit's 16 bytes, ``4 + 12/d``),
     ``pp_scatter_gather`` (time model only: Megatron sends each pipeline message as t shards
-    of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1)."""
+    of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1),
+    ``placement`` of the p v stages: "loop" (stage i on rank i % p) | "v" (v = 2, rank r holds
+    stages r and 2p-1-r: the V-shaped zero-bubble schedules ZB-V and DualPipeV, Qi et al. 2024
+    sec. 6; memory's in-flight count then follows ``schedule``)."""
 
     t: int = 1
     p: int = 1
@@ -232,6 +248,7 @@ class Layout:
     fused_attention: bool = False
     fp32_grads: bool = False
     pp_scatter_gather: bool = True
+    placement: str = "loop"
 
     @property
     def n_gpus(self) -> int:
@@ -290,9 +307,20 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     _p(name="deepseek-v3", n_layer=61, hidden=7168, n_head=128, ffn=18432, vocab_size=129280, seq_len=4096,
        norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, n_routed_experts=256,
        n_activated_experts=8, n_shared_experts=1, moe_ffn=2048, first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
-       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, global_batch=15360,
+       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, router_bias=True, n_mtp_modules=1,
+       global_batch=15360,
        source="DeepSeek-AI 2024, DeepSeek-V3 Technical Report, sec. 4.2 (61 layers, 256+1 experts, top-8; "
               "671B / 37B active; trained with 16-way PP, 64-way EP, ZeRO-1 DP, no TP)"),
+    # dense models of about the MoEs' quality (notebook 14's decode cost): Mixtral 8x7B "outperforms Llama 2 70B"
+    # (Jiang et al. 2024, sec. 3); DeepSeek-V3 is compared with Llama 3.1 405B (its report, Table 3)
+    _p(name="llama2-70b", n_layer=80, hidden=8192, n_head=64, n_kv_head=8, ffn=28672, vocab_size=32000, seq_len=4096,
+       norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, global_batch=1024,
+       source="Touvron et al. 2023, Llama 2, Table 1 and the released config (80 layers, h 8192, 64/8 heads, "
+              "FFN 28672; 4M tokens per batch)"),
+    _p(name="llama3.1-405b", n_layer=126, hidden=16384, n_head=128, n_kv_head=8, ffn=53248, vocab_size=128256,
+       seq_len=8192, norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, global_batch=2048,
+       source="Dubey et al. 2024, The Llama 3 Herd of Models, Table 3 (126 layers, h 16384, 128/8 heads, "
+              "FFN 53248; 16M tokens per batch)"),
     _p(name="bloom-176b", n_layer=70, hidden=14336, n_head=112, vocab_size=250880, seq_len=2048, position="alibi",
        tied_embeddings=True, dropout=0.0, global_batch=2048,
        source="BigScience 2022, BLOOM, sec. 3.4-3.5 and Table 3 (70 layers, h 14336, 112 heads, V 250,880, ALiBi, "

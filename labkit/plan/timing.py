@@ -144,7 +144,7 @@ def step_time(spec: ModelSpec, lay: Layout, cluster: Cluster) -> StepTime:
         ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
         work = rc = 0.0
         for i in ids:
-            lt = layer_times(spec, lay, cluster, spec.is_moe and i >= spec.first_dense_layers)
+            lt = layer_times(spec, lay, cluster, spec.is_moe_layer(i))
             work += lt["forward"] + lt["backward"] + lt["recompute"]
             rc += lt["recompute"]
         if holds_last(lay, r):

@@ -3,6 +3,11 @@
 The ring all-reduce (Patarasuk & Yuan 2009; used by Horovod and NCCL) runs a reduce-scatter
 (N-1 steps) then an all-gather (N-1 steps) around a ring of N ranks, so each rank sends
 2(N-1)/N of the tensor, independent of N.
+
+0.2's ranks have no process group: their send/recv go through a relay this (the grader's)
+process runs (:mod:`labkit.grading.relay`), and the cases judge its log: each message a chunk
+of partial sums sent to a ring neighbour, what each rank received enough for its sum, and (the
+traffic cases) 2(N-1)/N of the tensor per rank.
 """
 from __future__ import annotations
 
@@ -11,8 +16,9 @@ import torch.distributed as dist
 
 from ...dist import launch
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
-from ..kernelside.nb00_distributed_primer import (  # noqa: F401 - run in the kernel
-    RING_TIMEOUT, _COLLECTIVES, _p2p_only, _ring_rank, _run_ring)
+from ..relay import Relay
+from . import kernel_side
+from ..kernelside.nb00_distributed_primer import RING_TIMEOUT, _run_ring  # noqa: F401 - run in the kernel
 
 # ----------------------------------------------------------------------------- 0.1
 ex01 = exercise(
@@ -67,7 +73,7 @@ ex02.hint2 = ("Write out N=3 on paper: in each step of the first phase, which ch
               "does it add the received one to? In the second phase the received chunk replaces the local one "
               "instead of being added.")
 
-CASE_TIMEOUT = 20.0  # seconds per case (a launch of up to 5 ranks plus a possible RING_TIMEOUT)
+CASE_TIMEOUT = 20.0  # seconds per case (up to 5 ranks plus a possible RING_TIMEOUT)
 
 
 def _ring_inputs(N: int, numel: int, seed: int) -> list[torch.Tensor]:
@@ -80,32 +86,91 @@ def _ring_inputs(N: int, numel: int, seed: int) -> list[torch.Tensor]:
 
 
 def _ring_results(answer, N: int, numel: int, seed: int):
+    """Run the learner's ring with every send/recv going through this process's relay: each
+    rank's output, the messages the relay delivered, the inputs and the sum."""
     inputs = _ring_inputs(N, numel, seed)
-    res = answer.run(_run_ring, inputs)
+    with Relay(N, timeout=RING_TIMEOUT) as relay:
+        outputs = kernel_side(answer, _run_ring, inputs, relay.address())
+    if relay.problems:
+        raise CheckFailure(relay.problems[0])
     reference = torch.stack(inputs).double().sum(0).float()  # what all_reduce gives every rank
-    return res, reference
+    return outputs, relay.sent, inputs, reference
+
+
+def _sources(message, inputs: list[torch.Tensor]) -> tuple[int, int] | None:
+    """(ranks, start) when the message's values are the sum of the inputs of the ranks in the
+    bit mask ``ranks`` over elements start .. start + len - 1 (what a ring step sends: one
+    chunk, summed over the ranks it has passed), else None."""
+    N, n = len(inputs), inputs[0].numel()
+    v = message.tensor.reshape(-1).double()
+    L = v.numel()
+    if L == 0 or L > n:
+        return None
+    masks = torch.arange(1, 2 ** N)
+    member = ((masks[:, None] >> torch.arange(N)) & 1).double()          # [2^N - 1, N]
+    partial = member @ torch.stack(inputs).double()                       # [2^N - 1, n]
+    windows = partial.unfold(1, L, 1)                                     # [2^N - 1, n - L + 1, L]
+    hit = torch.isclose(windows, v, rtol=1e-5, atol=1e-5).all(-1).nonzero()
+    return None if len(hit) == 0 else (int(masks[hit[0, 0]]), int(hit[0, 1]))
+
+
+def _judge_messages(sent, inputs: list[torch.Tensor], what: str) -> None:
+    """Judge the relay's log: every message goes to a ring neighbour and is a chunk of partial
+    sums, and what rank r received (with its own tensor) covers every rank's input at every
+    element, so its output can only come from send/recv."""
+    N, n = len(inputs), inputs[0].numel()
+    reached = [torch.full((n,), 1 << r, dtype=torch.int64) for r in range(N)]  # bit k: rank k's input arrived
+    for k, m in enumerate(sent):
+        where = f"{what}: message {k + 1} (rank {m.src} to rank {m.dst})"
+        if N > 2 and m.dst not in ((m.src + 1) % N, (m.src - 1) % N):
+            raise CheckFailure(f"{where} skips the ring: rank r sends only to its neighbour r+1 (and receives "
+                               f"from r-1)")
+        if m.tensor.numel() == 0:
+            continue
+        found = _sources(m, inputs)
+        if found is None:
+            raise CheckFailure(f"{where}: its {m.tensor.numel()} values are not a piece of the ranks' tensors "
+                               f"summed over some ranks, which is all a ring step can send")
+        ranks, start = found
+        reached[m.dst][start:start + m.tensor.numel()] |= ranks
+    full = (1 << N) - 1
+    for r in range(N):
+        short = (reached[r] != full).nonzero()
+        if len(short):
+            j = int(short[0])
+            missing = [k for k in range(N) if not int(reached[r][j]) >> k & 1]
+            raise CheckFailure(f"{what}: element {j} of rank {r}'s sum needs the tensors of rank(s) {missing}, "
+                               f"but nothing that rank {r} received by send/recv carried them")
 
 
 def _ring_case(N: int, numel: int, seed: int):
     def case(ring_all_reduce):
-        res, reference = _ring_results(ring_all_reduce, N, numel, seed)
+        outputs, sent, inputs, reference = _ring_results(ring_all_reduce, N, numel, seed)
         for r in range(N):
-            expect_close(res[r]["output"], reference,
+            expect_close(outputs[r], reference,
                          f"rank {r} of N={N}, {numel} elements (compared with all_reduce)", rtol=1e-5, atol=1e-5)
+        _judge_messages(sent, inputs, f"N={N}, {numel} elements")
     return case
 
 
 def _traffic_case(N: int, numel: int, seed: int):
     def case(ring_all_reduce):
-        res, _ = _ring_results(ring_all_reduce, N, numel, seed)
+        outputs, sent, inputs, _ = _ring_results(ring_all_reduce, N, numel, seed)
         limit = 2 * (N - 1) * numel // N
         for r in range(N):
-            sent = res[r]["sent"]
-            if sent > limit:
-                whole = f"; that is {sent / numel:g} whole tensors" if sent % numel == 0 else ""
-                raise CheckFailure(f"rank {r} sent {sent} elements{whole}, but a ring all-reduce of {numel} "
+            sent_r = sum(m.tensor.numel() for m in sent if m.src == r)
+            if sent_r > limit:
+                whole = f"; that is {sent_r / numel:g} whole tensors" if sent_r % numel == 0 else ""
+                raise CheckFailure(f"rank {r} sent {sent_r} elements{whole}, but a ring all-reduce of {numel} "
                                    f"elements on N={N} ranks sends 2(N-1) chunks of {numel}/N: "
                                    f"2(N-1)/N x {numel} = {limit}")
+        what = f"N={N}, {numel} elements"
+        chunk = -(-numel // N)
+        for k, m in enumerate(sent):
+            if m.tensor.numel() > chunk:
+                raise CheckFailure(f"{what}: message {k + 1} (rank {m.src} to rank {m.dst}) holds "
+                                   f"{m.tensor.numel()} elements; a ring step sends one chunk of {numel}/N")
+        _judge_messages(sent, inputs, what)
     return case
 
 

@@ -8,7 +8,7 @@
 
 The ground truth is labkit's own code: :func:`labkit.moe.router.route`,
 :func:`~labkit.moe.router.compute_capacity`, :func:`~labkit.moe.router.capacity_mask` and
-:func:`labkit.moe.params.count_parameters`.
+:func:`labkit.plan.params.count_parameters`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from dataclasses import replace
 
 import torch
 
-from ...moe.params import MIXTRAL_8X7B, ModelSpec, count_parameters
+from ...plan.params import count_parameters
+from ...plan.spec import ModelSpec, preset
 from ...moe.router import capacity_mask, compute_capacity, route
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
 from ..kernelside.nb09_moe_routing import _gate_with_grad  # noqa: F401 - run in the kernel
@@ -151,11 +152,12 @@ ex93.hint2 = ("A SwiGLU expert has three weight matrices between H and the exper
               "experts of every layer, active only the k a token is routed to; everything else counts in both.")
 
 # Mixtral 8x22B (Mistral AI, 2024 HF config): published as 141B total, 39B active.
-MIXTRAL_8X22B = ModelSpec(
-    name="Mixtral 8x22B", vocab_size=32768, hidden=6144, n_layers=56, n_heads=48, attention="gqa",
-    n_kv_heads=8, head_dim=128, moe_ffn=16384, n_routed_experts=8, n_activated_experts=2)
-_TOY = ModelSpec(name="a toy MoE", vocab_size=32000, hidden=1024, n_layers=8, n_heads=16, attention="gqa",
-                 n_kv_heads=4, head_dim=64, moe_ffn=4096, n_routed_experts=4, n_activated_experts=1)
+_MOE = {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "bias": False, "dropout": 0.0}
+MIXTRAL_8X7B = preset("mixtral-8x7b")
+MIXTRAL_8X22B = ModelSpec(name="Mixtral 8x22B", vocab_size=32768, hidden=6144, n_layer=56, n_head=48, n_kv_head=8,
+                          seq_len=65536, moe_ffn=16384, n_routed_experts=8, n_activated_experts=2, **_MOE)
+_TOY = ModelSpec(name="a toy MoE", vocab_size=32000, hidden=1024, n_layer=8, n_head=16, n_kv_head=4, seq_len=1024,
+                 moe_ffn=4096, n_routed_experts=4, n_activated_experts=1, **_MOE)
 
 
 def _params_case(spec: ModelSpec):

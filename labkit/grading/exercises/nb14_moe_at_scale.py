@@ -10,9 +10,9 @@
   hierarchical (one row per token and remote node), checked against
   :func:`labkit.moe.hierarchical.inter_node_rows`, which the tests tie to what real ranks send.
 * 14.4 per-token bytes read and the latency bound of decoding (DeepSpeed-MoE sec. 5.1), for a
-  :class:`labkit.moe.params.ModelSpec`: active parameters * bytes per parameter / bandwidth.
+  :class:`labkit.plan.spec.ModelSpec`: active parameters * bytes per parameter / bandwidth.
 
-Ground truth: :mod:`labkit.moe.eplb`, :mod:`labkit.moe.hierarchical`, :mod:`labkit.moe.inference`.
+Ground truth: :mod:`labkit.moe.eplb`, :mod:`labkit.moe.hierarchical`, :mod:`labkit.plan.params`.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 
 from ...moe.eplb import balanced_packing, replicate_experts
 from ...moe.hierarchical import inter_node_rows
-from ...moe.inference import LLAMA2_70B, LLAMA31_405B
-from ...moe.params import DEEPSEEK_V3, MIXTRAL_8X7B, count_parameters
+from ...plan.params import count_parameters
+from ...plan.spec import preset
 from ..registry import CheckFailure, exercise, expect_close
 
 # ----------------------------------------------------------------------------- 14.1
@@ -216,6 +216,8 @@ def _decode_case(spec, bpp, bw, what):
     return case
 
 
+MIXTRAL_8X7B, DEEPSEEK_V3 = preset("mixtral-8x7b"), preset("deepseek-v3")
+LLAMA2_70B, LLAMA31_405B = preset("llama2-70b"), preset("llama3.1-405b")
 ex144.case("Mixtral 8x7B, bf16, 3.35 TB/s")(_decode_case(MIXTRAL_8X7B, 2, 3.35e12, "decode_bound(Mixtral 8x7B)"))
 ex144.case("Llama 2 70B (dense), bf16, 3.35 TB/s")(_decode_case(LLAMA2_70B, 2, 3.35e12, "decode_bound(Llama 2 70B)"))
 ex144.case("DeepSeek-V3, fp8, 3.35 TB/s", hidden=True)(_decode_case(DEEPSEEK_V3, 1, 3.35e12, "decode_bound(DeepSeek-V3)"))

@@ -2,23 +2,26 @@
 code (``answer.run(fn, ...)`` in the cases of :mod:`labkit.grading.exercises.nb13_zero_bubble`).
 
 It lives outside ``labkit.grading.exercises`` because the graded kernel cannot read that
-package (:mod:`labkit.grading.session`); nothing here computes an expected value.
+package (:mod:`labkit.grading.session`); nothing here computes an expected value, and nothing
+it reports is trusted but the learner's returned gradients.
 """
 from __future__ import annotations
 
 import torch
 
 
-def _split_run(split_linear_backward, weight, bias, x, grad_out):
-    """Kernel side: the learner's split backward on a Linear with these parameters; its result
-    (detached) and whether it wrote a .grad (x's or the layer's)."""
+def _split_run(split_linear_backward, weight, bias, x, grad_out, held):
+    """Kernel side: the learner's split backward on a Linear with these parameters whose
+    ``.grad`` (and x's) already hold ``held`` = (x, weight, bias) gradients, as after earlier
+    microbatches; its result, detached. The grader judges the returned values alone: an
+    answer that accumulated into ``.grad`` returns ``held`` plus the gradient."""
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0])
     with torch.no_grad():
         layer.weight.copy_(weight)
         layer.bias.copy_(bias)
     x = x.clone().requires_grad_(True)
+    x.grad, layer.weight.grad, layer.bias.grad = (h.clone() for h in held)
     got = split_linear_backward(layer, x, grad_out)
-    wrote = layer.weight.grad is not None or x.grad is not None
     if isinstance(got, (tuple, list)):
-        got = type(got)(t.detach() if isinstance(t, torch.Tensor) else t for t in got)
-    return got, wrote
+        got = type(got)(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in got)
+    return got

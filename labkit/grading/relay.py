@@ -1,0 +1,505 @@
+"""The relay: the only way the ranks of a communication exercise talk, run by the GRADER.
+
+Two exercises are about *how* data moves, not only what comes out: 0.2's ring all-reduce must
+use send/recv only and send 2(N-1)/N of the tensor per rank (Patarasuk & Yuan 2009), and 7.3's
+vocab-parallel cross-entropy must use a few all-reduces of N values (Megatron-LM, Shoeybi et
+al. 2019, sec. 3). A count made next to the learner's code is a claim the learner controls,
+so these ranks get **no process group**: each rank is a plain process of the learner's kernel
+whose ``torch.distributed`` send / recv / all-reduce calls are messages to a :class:`Relay`
+that the case runs in its own process. The relay delivers every message, computes every
+all-reduce itself, and keeps the log (:attr:`Relay.sent`, :attr:`Relay.reduced`) that the
+case judges: sizes, counts and values of what each rank sent, checked against what the
+algorithm must send. A real collective called through an alias finds no process group.
+
+Two halves:
+
+* :class:`Relay` (grader side): a TCP server on 127.0.0.1 with one thread per rank; a rank
+  proves it belongs to this case with the relay's random token. Messages are
+  :mod:`labkit.grading.wire` data (never pickle), size-limited before decoding.
+* :func:`run_ranks` (kernel side): forks ``world_size`` ranks that each connect to the relay
+  and replace ``torch.distributed``'s send, isend, recv, irecv, all_reduce, get_rank and
+  get_world_size by relay calls (other collectives raise, naming themselves). This half runs
+  in the learner's kernel and can be replaced there; nothing it says is trusted: what counts
+  is what reached the relay.
+
+What the relay cannot see: ranks that move data between themselves by other means (files,
+pipes, shared memory of the kernel's user). The cases therefore also require that the
+relay's messages alone carry what each rank's output needs.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import signal
+import socket
+import struct
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import wire
+
+__all__ = ["Relay", "Message", "Reduction", "RelayGroup", "run_ranks", "REDUCE_OPS"]
+
+MAX_FRAME = 4 * 2 ** 20  # bytes of one message on the relay's wire
+REDUCE_OPS = ("sum", "max", "min", "product")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One send the relay delivered: ``src`` -> ``dst``, the tensor's values (a CPU copy)."""
+
+    src: int
+    dst: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """Rank ``rank``'s contribution to its ``index``-th all-reduce: ``op`` and its tensor."""
+
+    rank: int
+    index: int
+    op: str
+    tensor: torch.Tensor
+
+
+def _write(sock: socket.socket, obj: Any) -> None:
+    data = wire.dumps(obj, MAX_FRAME)
+    sock.sendall(struct.pack("<Q", len(data)) + data)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _read(sock: socket.socket) -> Any:
+    head = _read_exact(sock, 8)
+    if head is None:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_FRAME:
+        raise wire.WireError(f"a relay message of {n} bytes (limit {MAX_FRAME})")
+    data = _read_exact(sock, n)
+    return None if data is None else wire.loads(data, MAX_FRAME)
+
+
+class Relay:
+    """Grader side: delivers the messages of ``world_size`` ranks and logs them (see the module).
+
+    Use as a context manager; pass :meth:`address` to the kernel side (:func:`run_ranks`).
+    ``timeout``: seconds a receive or an all-reduce waits for its peers before the rank gets an
+    error naming what it waited for. ``max_messages``: sends plus all-reduce calls in all
+    before the relay refuses more (a runaway loop). After the ``with`` block :attr:`sent`
+    (list of :class:`Message`, in delivery order), :attr:`reduced` (list of
+    :class:`Reduction`) and :attr:`problems` (protocol errors the relay answered, e.g.
+    mismatched shapes) are what the case judges.
+    """
+
+    def __init__(self, world_size: int, timeout: float = 8.0, max_messages: int = 512):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        self.world_size, self.timeout, self.max_messages = world_size, float(timeout), max_messages
+        self.token = secrets.token_hex(16)
+        self.sent: list[Message] = []
+        self.reduced: list[Reduction] = []
+        self.problems: list[str] = []
+        self._cond = threading.Condition()
+        self._mail: dict[tuple[int, int], deque] = {}
+        self._calls = [0] * world_size       # all-reduces issued per rank
+        self._rounds: dict[int, dict] = {}   # index -> {rank: Reduction}, "result"
+        self._ranks: set[int] = set()
+        self._gone: set[int] = set()  # ranks whose connection closed
+        self._conns: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+
+    def address(self) -> list:
+        """``[host, port, token]``: what a rank needs to join (it travels to the kernel as data)."""
+        return ["127.0.0.1", self._sock.getsockname()[1], self.token]
+
+    def __enter__(self) -> "Relay":
+        t = threading.Thread(target=self._accept, daemon=True, name="labkit-relay")
+        t.start()
+        self._threads.append(t)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for s in [self._sock, *self._conns]:
+            try:
+                s.close()
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(1.0)
+
+    # --------------------------------------------------------------- per connection
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            self._conns.append(conn)
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="labkit-relay-rank")
+            t.start()
+            self._threads.append(t)
+
+    def _serve(self, conn: socket.socket) -> None:
+        rank_joined = [None]
+        try:
+            hello = _read(conn)
+            rank = hello.get("rank") if isinstance(hello, dict) else None
+            with self._cond:
+                ok = (isinstance(hello, dict) and hello.get("token") == self.token and type(rank) is int
+                      and 0 <= rank < self.world_size and rank not in self._ranks)
+                if ok:
+                    self._ranks.add(rank)
+            if not ok:
+                return
+            rank_joined[0] = rank
+            _write(conn, {"ok": True})
+            while True:
+                req = _read(conn)
+                if req is None:
+                    return
+                _write(conn, self._handle(rank, req))
+        except (OSError, wire.WireError, ValueError):
+            return
+        finally:
+            try:
+                conn.close()
+            except OSError:
+                pass
+            if rank_joined[0] is not None:
+                with self._cond:
+                    self._gone.add(rank_joined[0])
+                    self._cond.notify_all()
+
+    def _handle(self, rank: int, req: Any) -> dict:
+        if not isinstance(req, dict):
+            return {"error": "not a relay request"}
+        op = req.get("op")
+        if op in ("send", "all_reduce"):
+            with self._cond:
+                if len(self.sent) + len(self.reduced) >= self.max_messages:
+                    return self._refuse(f"rank {rank} sent more than {self.max_messages} messages")
+        if op == "send":
+            return self._send(rank, req.get("dst"), req.get("tensor"))
+        if op == "recv":
+            return self._recv(rank, req.get("src"), req.get("shape"), req.get("dtype"))
+        if op == "all_reduce":
+            return self._all_reduce(rank, req.get("reduce"), req.get("tensor"))
+        return self._refuse(f"rank {rank} asked the relay for {str(op)[:40]!r}")
+
+    def _refuse(self, why: str) -> dict:
+        self.problems.append(why)
+        return {"error": why}
+
+    def _send(self, rank: int, dst: Any, tensor: Any) -> dict:
+        if type(dst) is not int or not 0 <= dst < self.world_size or dst == rank:
+            return self._refuse(f"rank {rank} sent to rank {dst!r} (ranks are 0..{self.world_size - 1}, not itself)")
+        if not isinstance(tensor, torch.Tensor):
+            return self._refuse(f"rank {rank} sent a {type(tensor).__name__}, not a tensor")
+        msg = Message(rank, dst, tensor.detach().cpu().clone())
+        with self._cond:
+            self.sent.append(msg)
+            self._mail.setdefault((rank, dst), deque()).append(msg.tensor)
+            self._cond.notify_all()
+        return {"ok": True}
+
+    def _recv(self, rank: int, src: Any, shape: Any, dtype: Any) -> dict:
+        if type(src) is not int or not 0 <= src < self.world_size or src == rank:
+            return self._refuse(f"rank {rank} received from rank {src!r} (ranks are 0..{self.world_size - 1}, "
+                                f"not itself)")
+        box = self._mail.setdefault((src, rank), deque())
+        with self._cond:
+            self._cond.wait_for(lambda: box or self._closed or src in self._gone, self.timeout)
+            if not box:
+                why = (f"rank {src} ended without sending it anything more" if src in self._gone
+                       else f"rank {src} sent it nothing more in {self.timeout:g} s")
+                return {"error": f"rank {rank} waited to receive from rank {src}, but {why} (a deadlock, or a "
+                                 f"send that is missing)"}
+            got = box.popleft()
+        if list(got.shape) != list(shape or ()) or str(got.dtype).replace("torch.", "") != dtype:
+            return self._refuse(f"rank {rank} received into a {dtype} tensor of shape {list(shape or ())} the "
+                                f"message rank {src} sent as {str(got.dtype).replace('torch.', '')} of shape "
+                                f"{list(got.shape)} (a send and its receive must match)")
+        return {"ok": got}
+
+    def _all_reduce(self, rank: int, op: Any, tensor: Any) -> dict:
+        if op not in REDUCE_OPS or not isinstance(tensor, torch.Tensor):
+            return self._refuse(f"rank {rank} asked for an all-reduce the relay does not run ({str(op)[:20]})")
+        with self._cond:
+            index = self._calls[rank]
+            self._calls[rank] += 1
+            item = Reduction(rank, index, op, tensor.detach().cpu().clone())
+            self.reduced.append(item)
+            round_ = self._rounds.setdefault(index, {})
+            round_[rank] = item
+            self._cond.notify_all()
+            done = self._cond.wait_for(lambda: len(round_) >= self.world_size + ("result" in round_)
+                                       or self._closed or bool(self._gone - set(round_)), self.timeout)
+            if not done or self._closed or len(round_) < self.world_size + ("result" in round_):
+                missing = sorted(set(range(self.world_size)) - set(round_))
+                return {"error": f"rank {rank} waited {self.timeout:g} s in its all-reduce number {index + 1} for "
+                                 f"rank(s) {missing}, which never made that many all-reduces"}
+            if "result" not in round_:
+                round_["result"] = self._reduce(index, [round_[r] for r in range(self.world_size)])
+            result = round_["result"]
+        if isinstance(result, str):
+            return {"error": result}
+        return {"ok": result}
+
+    def _reduce(self, index: int, items: list[Reduction]):
+        first = items[0]
+        for it in items[1:]:
+            if it.op != first.op or it.tensor.shape != first.tensor.shape or it.tensor.dtype != first.tensor.dtype:
+                why = (f"all-reduce number {index + 1}: rank {first.rank} gave {first.op} of "
+                       f"{first.tensor.dtype} {list(first.tensor.shape)}, rank {it.rank} {it.op} of "
+                       f"{it.tensor.dtype} {list(it.tensor.shape)} (every rank must make the same call)")
+                self.problems.append(why)
+                return why
+        stack = torch.stack([it.tensor for it in items])
+        fn = {"sum": lambda s: s.sum(0), "max": lambda s: s.amax(0), "min": lambda s: s.amin(0),
+              "product": lambda s: s.prod(0)}[first.op]
+        wide = stack.double() if stack.is_floating_point() else stack
+        return fn(wide).to(first.tensor.dtype)
+
+
+# ===================================================================== kernel side
+
+
+class RelayGroup:
+    """What ``ctx.group`` is on a relay rank: answers ``rank()`` and ``size()`` like a ProcessGroup."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"RelayGroup(rank={self._rank}, size={self._size})"
+
+
+class _Client:
+    def __init__(self, address, rank: int):
+        host, port, token = address
+        self.rank = rank
+        self.sock = socket.create_connection((str(host), int(port)))
+        _write(self.sock, {"token": token, "rank": rank})
+        if _read(self.sock) != {"ok": True}:
+            raise RuntimeError(f"rank {rank} could not join the grader's relay")
+
+    def call(self, req: dict):
+        _write(self.sock, req)
+        reply = _read(self.sock)
+        if not isinstance(reply, dict) or "ok" not in reply:
+            raise RuntimeError(str(reply.get("error") if isinstance(reply, dict) else "the relay closed"))
+        return reply["ok"]
+
+
+class _Done:
+    """A finished request (what isend returns: the relay has the message already)."""
+
+    def __init__(self, then: Callable[[], Any] | None = None):
+        self._then = then
+
+    def wait(self, *a, **k) -> bool:
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._then is None
+
+
+_OP_NAMES = {"SUM": "sum", "MAX": "max", "MIN": "min", "PRODUCT": "product"}
+
+
+def _op_name(op) -> str:
+    for name in ("SUM", "MAX", "MIN", "PRODUCT"):
+        if op == getattr(torch.distributed.ReduceOp, name):
+            return _OP_NAMES[name]
+    return str(op)
+
+
+def _install(client: _Client, world_size: int, allowed: tuple, refuse: Callable[[str], BaseException]) -> None:
+    """In a relay rank: torch.distributed's calls become relay requests (see the module)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+        client.call({"op": "send", "dst": dst if group_dst is None else group_dst, "tensor": tensor.detach()})
+
+    def recv(tensor, src=None, group=None, tag=0, group_src=None):
+        src = src if group_src is None else group_src
+        got = client.call({"op": "recv", "src": src, "shape": list(tensor.shape),
+                           "dtype": str(tensor.dtype).replace("torch.", "")})
+        with torch.no_grad():
+            tensor.copy_(got)
+        return src
+
+    def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+        send(tensor, dst, group, tag, group_dst)
+        return _Done()
+
+    def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+        return _Done(lambda: recv(tensor, src, group, tag, group_src))
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        got = client.call({"op": "all_reduce", "reduce": _op_name(op), "tensor": tensor.detach()})
+        with torch.no_grad():
+            tensor.copy_(got)
+        return _Done() if async_op else None
+
+    table = {"send": send, "recv": recv, "isend": isend, "irecv": irecv, "all_reduce": all_reduce}
+    for mod in (dist, c10d):
+        for name in ("all_gather", "all_gather_into_tensor", "all_gather_object", "gather", "scatter",
+                     "broadcast", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+                     "all_to_all_single", "all_reduce_coalesced", "batch_isend_irecv", "barrier",
+                     *table):
+            if not hasattr(mod, name):
+                continue
+            if name in allowed:
+                setattr(mod, name, table[name])
+            else:
+                setattr(mod, name, _refusing(name, refuse))
+        mod.get_rank = lambda group=None: client.rank
+        mod.get_world_size = lambda group=None: world_size
+
+
+def _refusing(name: str, refuse: Callable[[str], BaseException]) -> Callable:
+    def call(*args, **kwargs):
+        raise refuse(name)
+    return call
+
+
+def _rank_main(body, rank, world_size, address, allowed, refuse, wfd, args) -> None:
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        torch.set_num_threads(1)  # a forked child can hang in threaded kernels otherwise
+        from ..dist import DistContext
+
+        client = _Client(address, rank)
+        _install(client, world_size, allowed, refuse)
+        ctx = DistContext(rank, world_size, rank, "relay", torch.device("cpu"), RelayGroup(rank, world_size))
+        payload = pickle.dumps(("ok", body(ctx, *args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        payload = pickle.dumps(("error", (type(e).__name__, str(e)[:2000], traceback.format_exc()[-4000:])))
+    try:
+        view = memoryview(struct.pack("<Q", len(payload)) + payload)
+        while view:
+            view = view[os.write(wfd, view):]
+    finally:
+        os._exit(0)
+
+
+def _refused(name: str) -> BaseException:
+    return RuntimeError(f"{name} is not available on these ranks: they talk through the grader's relay")
+
+
+def run_ranks(body: Callable, world_size: int, address, *args, allowed=("send", "recv", "isend", "irecv"),
+              refuse: Callable[[str], BaseException] = _refused, timeout: float = 15.0) -> list:
+    """Kernel side: ``body(ctx, *args)`` on ``world_size`` forked ranks whose communication goes
+    through the relay at ``address``; their results in rank order.
+
+    ``allowed``: the torch.distributed calls that reach the relay (the others raise
+    ``refuse(name)``). Raises :class:`labkit.dist.RankError` for the rank that failed first by
+    cause (one that raised by itself before one that gave up waiting for a peer), or when the
+    ranks are not done after ``timeout`` seconds. Every rank is killed and reaped before this
+    returns."""
+    import select
+
+    from ..dist import RankError
+
+    pids, fds = [], {}
+    try:
+        for rank in range(world_size):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                for fd in fds:
+                    os.close(fd)
+                _rank_main(body, rank, world_size, address, allowed, refuse, w, args)
+            os.close(w)
+            pids.append(pid)
+            fds[r] = rank
+        bufs = {fd: b"" for fd in fds}
+        results, errors = {}, {}
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN | select.POLLHUP)
+        deadline, grace = time.monotonic() + timeout, None
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic() if grace is None else grace - time.monotonic()
+            if left <= 0:
+                if errors:
+                    break
+                raise RankError(0, "TimeoutError", f"the ranks were not done after {timeout:g} s", "")
+            for fd, _ in poller.poll(max(1, int(left * 1000))):
+                rank = fds[fd]
+                chunk = os.read(fd, 1 << 20)
+                bufs[fd] += chunk
+                buf = bufs[fd]
+                if len(buf) >= 8 and len(buf) >= 8 + struct.unpack("<Q", buf[:8])[0]:
+                    kind, value = pickle.loads(buf[8:])
+                    (results if kind == "ok" else errors)[rank] = value
+                elif not chunk:
+                    errors[rank] = ("ProcessDied", "the rank ended without a result (killed, or it exited)", "")
+                else:
+                    continue
+                poller.unregister(fd)
+                if rank in errors and grace is None:
+                    grace = time.monotonic() + 0.5  # the others may fail by themselves too: say the cause
+        if errors:
+            rank = min(errors, key=lambda r: ("waited" in errors[r][1] or errors[r][0] == "ProcessDied", r))
+            raise RankError(rank, *errors[rank])
+        return [results[r] for r in range(world_size)]
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
