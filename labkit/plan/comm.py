@@ -139,22 +139,13 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     pp = out["pp"]
     stages = rank_stages(lay, r)
     last = p * v - 1
-<<<<<<< HEAD
-    n_send_f = sum(1 for s in stages if s != last)
-    n_send_b = sum(1 for s in stages if s != 0)
+    n_send_f = sum(1 for s in stages if s != last and s + 1 not in stages)   # V placement: p-1 -> p stays
+    n_send_b = sum(1 for s in stages if s != 0 and s - 1 not in stages)
     if p > 1:                                                   # SP: each TP rank sends its S/t shard
         msg = act // t if lay.sequence_parallel else act
         pp.add("send", M * (n_send_f + n_send_b), msg)
         pp.add("recv", M * (n_send_f + n_send_b), msg)
-        if spec.tied_embeddings and r in (0, p - 1):          # the 2 copies of a tied embedding
-=======
-    n_send_f = sum(1 for s in stages if s != last and s + 1 not in stages)   # V placement: p-1 -> p stays
-    n_send_b = sum(1 for s in stages if s != 0 and s - 1 not in stages)
-    if p > 1:
-        pp.add("send", M * (n_send_f + n_send_b), act)
-        pp.add("recv", M * (n_send_f + n_send_b), act)
         if spec.tied_embeddings and r in (0, p - 1) and lay.placement == "loop":   # 2 copies of a tied embedding
->>>>>>> main
             out["embedding"].add("all_reduce", 1, math.ceil(spec.vocab_size / t) * h * gb)
 
     # ---- DP: once per step
