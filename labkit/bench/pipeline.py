@@ -21,19 +21,19 @@ import torch
 import torch.distributed as dist
 
 from ..cliparse import Parser
+from ..pipeline.registry import lookup, names
 
 __all__ = ["main", "bench"]
 
-KINDS = ("gpipe", "1f1b", "interleaved")
-ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # against ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ...DualPipeV
+KINDS = names(zero_bubble=False)      # gpipe 1f1b interleaved
+ZERO_BUBBLE = names(zero_bubble=True)  # zb-h1 zbv dualpipev, each against torch's class of the registry's torch_name
 
 
 def _worker(ctx, a):
     from torch.distributed import pipelining as tpp
 
     from ..model import GPT, GPTConfig, lm_loss
-    from ..pipeline import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-                            ScheduleZBH1, ScheduleZBVZeroBubble)
+    from ..pipeline import PipelineStage
     from ..pipeline.stages import gpt_stages_for_rank, split_gpt, step_torch_schedule
 
     K = ctx.world_size
@@ -42,15 +42,11 @@ def _worker(ctx, a):
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (a.batch, a.seq), generator=g).to(ctx.device)
     y = torch.randint(0, 256, (a.batch, a.seq), generator=g).to(ctx.device)
-    mine = {"gpipe": (ScheduleGPipe, tpp.ScheduleGPipe, 1), "1f1b": (Schedule1F1B, tpp.Schedule1F1B, 1),
-            "interleaved": (ScheduleInterleaved1F1B, tpp.ScheduleInterleaved1F1B, a.chunks),
-            "zb-h1": (ScheduleZBH1, tpp.ScheduleInterleavedZeroBubble, 1),
-            "zbv": (ScheduleZBVZeroBubble, tpp.ScheduleZBVZeroBubble, 2),
-            "dualpipev": (ScheduleDualPipeV, tpp.ScheduleDualPipeV, 2)}
     runs = {}
     for kind in a.kinds:
-        lk_cls, tc_cls, v = mine[kind]
-        if kind in ("zbv", "dualpipev"):  # V placement: rank r holds stages r and 2K-1-r
+        info = lookup(kind)
+        lk_cls, tc_cls, v = info.runtime_class, getattr(tpp, info.torch_name), info.v(a.chunks)
+        if info.v_shaped:  # V placement: rank r holds stages r and 2K-1-r
             ids, S = [ctx.rank, 2 * K - 1 - ctx.rank], 2 * K
             mods = [m.to(ctx.device) for m in split_gpt(model, S, ids)]
             lk = lk_cls([PipelineStage(m, s, S, ctx.device, group=ctx.group) for m, s in zip(mods, ids)],
@@ -72,7 +68,7 @@ def _worker(ctx, a):
         lk = lk_cls(st if v > 1 else st[0], a.microbatches, lm_loss)
         tmods = [m.to(ctx.device) for m in gpt_stages_for_rank(model, K, v, ctx.rank)]
         tst = [tpp.PipelineStage(m, s, K * v, ctx.device, group=ctx.group) for m, s in zip(tmods, ids)]
-        tc = tc_cls(tst if v > 1 or kind == "zb-h1" else tst[0], n_microbatches=a.microbatches, loss_fn=lm_loss)
+        tc = tc_cls(tst if v > 1 or info.zero_bubble else tst[0], n_microbatches=a.microbatches, loss_fn=lm_loss)
 
         def lk_step(lk=lk):
             lk.step(x, target=y)
@@ -117,7 +113,6 @@ def _bad_args(a) -> str | None:
     from ..model import GPTConfig
     from ..pipeline import ScheduleError, check_pipeline_sizes
     from ..pipeline.stages import stage_layers
-    from ..pipeline.zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
     bad = too_small(("--world-size", a.world_size, 1), ("--microbatches", a.microbatches, 1),
                     ("--chunks", a.chunks, 1), ("--steps", a.steps, 1), ("--warmup", a.warmup, 0),
@@ -134,12 +129,11 @@ def _bad_args(a) -> str | None:
     K, M = a.world_size, a.microbatches
     try:
         for kind in a.kinds:
-            check_pipeline_sizes(K, M, a.chunks if kind == "interleaved" else 1)
-            v = a.chunks if kind == "interleaved" else 2 if kind in ("zbv", "dualpipev") else 1  # V: 2 stages/rank
-            stage_layers(a.layers, K * v, 0)
-            builder = {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}.get(kind)
-            if builder is not None:  # their own rules, e.g. DualPipeV's M >= 2K
-                builder(K, M)
+            info = lookup(kind)
+            check_pipeline_sizes(K, M, a.chunks if info.chunks is None else 1)
+            stage_layers(a.layers, info.n_stages(K, a.chunks), 0)
+            if info.zero_bubble:  # their own rules, e.g. DualPipeV's M >= 2K
+                info.schedule(K, M)
         if a.batch % M:
             raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {M}")
     except (ScheduleError, ValueError) as e:

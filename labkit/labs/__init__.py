@@ -190,15 +190,12 @@ def run_cli(main, *args, check_env: bool = True) -> int:
             return 1
 
 
-SCHEDULE_ALIASES = {"zbh1": "zb-h1", "zb_h1": "zb-h1", "zb-v": "zbv", "dualpipe-v": "dualpipev"}
-
-
 def schedule_name(text: str) -> str:
-    """A ``--schedule`` value's canonical name (the labs' and ``labkit.pipeline``'s): ``zb-h1``,
-    ``zbv``, ``dualpipev``, ...; other spellings (``zbh1``, ``ZB-H1``, ``zb-v``) are aliases.
-    Use as argparse's ``type=`` with the canonical names as ``choices``."""
-    name = text.strip().lower()
-    return SCHEDULE_ALIASES.get(name, name)
+    """A ``--schedule`` value's canonical name (:func:`labkit.pipeline.registry.canonical`):
+    ``zb-h1``, ``zbv``, ``dualpipev``, ...; other spellings (``zbh1``, ``ZB-H1``, ``zb-v``) are
+    aliases. Use as argparse's ``type=`` with the canonical names as ``choices``."""
+    from ..pipeline.registry import canonical
+    return canonical(text)
 
 
 def count_parameters_meta(build) -> int:

@@ -42,11 +42,12 @@ from ..cliparse import Parser
 from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
                count_parameters_meta, is_main_rank, loss_change, schedule_name)
 from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
+from ..pipeline.registry import lookup, names
+from ..pipeline.stats import mean_times
 from .verdict import add_tolerance_option
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # backward split into I and W (labkit.pipeline.zero_bubble)
-V_SHAPED = ("zbv", "dualpipev")  # two stages per rank in V placement: rank r holds stages r and 2K-1-r
+SCHEDULES = names(zero_bubble=False)   # gpipe 1f1b interleaved (labkit.pipeline.registry)
+ZERO_BUBBLE = names(zero_bubble=True)  # zb-h1 zbv dualpipev: backward split into I and W
 GROUPS = {"all": SCHEDULES, "zero-bubble": ("1f1b",) + ZERO_BUBBLE}
 
 
@@ -103,7 +104,7 @@ def _bad_args(a, K) -> str | None:
             return (f"--cost-model takes three numbers >= 0 in milliseconds, finite, F,I,W (e.g. 20,20,20), "
                     f"got {a.cost_model!r}")
         # a rank waits for its peer at most about one step: (v M + K - 1) passes of F + I + W each
-        v = max([a.chunks if s == "interleaved" else 2 if s in V_SHAPED else 1
+        v = max([lookup(s).v(a.chunks)
                  for name in a.schedule for s in GROUPS.get(name, (name,))], default=1)
         step = (v * a.microbatches + K - 1) * (cost["F"] + cost["B"])
         if step > LAUNCH_TIMEOUT / 2:
@@ -142,13 +143,13 @@ def _cost_model(a):
 
 def _stage_ids(kind, K, rank, v):
     """Stages of ``rank``: r and 2K-1-r for the V-shaped schedules, else looped r, r+K, ..."""
-    if kind in V_SHAPED:
+    if lookup(kind).v_shaped:
         return [rank, 2 * K - 1 - rank]
     return [s for s in range(K * v) if s % K == rank]
 
 
 def _n_stages(kind, K, a):
-    return 2 * K if kind in V_SHAPED else K * (a.chunks if kind == "interleaved" else 1)
+    return lookup(kind).n_stages(K, a.chunks)
 
 
 def _config(a):
@@ -208,21 +209,19 @@ def _rank_train(ctx, a, kind, corpus):
     from tqdm import tqdm
 
     from ..model import GPT, lm_loss
-    from ..pipeline import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-                            ScheduleZBH1, ScheduleZBVZeroBubble)
+    from ..pipeline import PipelineStage
     from ..pipeline.stages import gpt_param_name, split_gpt
     from .verdict import module_pieces
 
     K = ctx.world_size
-    v = a.chunks if kind == "interleaved" else 1
+    v = a.chunks if lookup(kind).chunks is None else 1
     ids = _stage_ids(kind, K, ctx.rank, v)
     S = _n_stages(kind, K, a)
     mods = [m.to(ctx.device) for m in split_gpt(GPT(_config(a), seed=a.seed), S, ids)]
     stages = [PipelineStage(m, s, S, ctx.device, group=ctx.group) for m, s in zip(mods, ids)]
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-           "zb-h1": ScheduleZBH1, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[kind]
-    multi = kind == "interleaved" or kind in V_SHAPED
-    sched = cls(stages if multi else stages[0], a.microbatches, lm_loss, cost_model=_cost_model(a))
+    info = lookup(kind)
+    multi = info.chunks != 1
+    sched = info.runtime_class(stages if multi else stages[0], a.microbatches, lm_loss, cost_model=_cost_model(a))
     opt = torch.optim.Adam([p for m in mods for p in m.parameters()], lr=a.lr)
 
     def ref_loss(model, step, extras):  # the reference's loss on step's whole batch (rank 0)
@@ -258,11 +257,11 @@ def _rank_train(ctx, a, kind, corpus):
 
 def _analyse(a, kind, K, results, single):
     """Numbers for one schedule's table row, from the per-rank results."""
-    from ..pipeline import TimedAction, bubble_formula, bubble_fraction, simulate
-    from ..pipeline.schedules import Action, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
+    from ..pipeline import TimedAction, bubble_fraction, simulate
+    from ..pipeline.schedules import Action
     if kind in ZERO_BUBBLE:
         return _analyse_zero_bubble(a, kind, K, results, single)
-    v = a.chunks if kind == "interleaved" else 1
+    v = a.chunks if lookup(kind).chunks is None else 1
     M = a.microbatches
     last = results[K - 1]
     n_tl = len(results[0].timelines)
@@ -272,75 +271,47 @@ def _analyse(a, kind, K, results, single):
         tls.append(tl)
         measured.append(float(bubble_fraction(tl, K)))
     # mean measured F and B time per stage, then simulate the schedule with them
-    sums: dict = {}
-    for tl in tls:
-        for r in tl:
-            for t in tl[r]:
-                if t.action.kind in ("F", "B"):
-                    acc = sums.setdefault((t.action.kind, t.action.stage), [0.0, 0])
-                    acc[0] += t.end - t.start
-                    acc[1] += 1
-    fwd = [sums[("F", s)][0] / sums[("F", s)][1] for s in range(K * v)]
-    bwd = [sums[("B", s)][0] / sums[("B", s)][1] for s in range(K * v)]
-    build = {"gpipe": lambda: gpipe_schedule(K, M), "1f1b": lambda: one_f_one_b_schedule(K, M),
-             "interleaved": lambda: interleaved_schedule(K, M, v)}[kind]
-    sim = simulate(build(), forward=fwd, backward=bwd)
+    times = mean_times(tls, K * v)
+    fwd, bwd = times["F"], times["B"]
+    sim = simulate(lookup(kind).schedule(K, M, v), forward=fwd, backward=bwd)
     peak = {}
     for r in results:
         peak.update(r.peak)
     curve = max(abs(p - q) for p, q in zip(last.losses, single.losses))  # drifts: shown, not judged
     tokens = results[0].timed_steps * a.batch * a.seq
     return Row(kind if v == 1 else f"{kind} v={v}", last.losses[-1], last.val, curve, results[0].verdict,
-               sum(measured) / len(measured), float(bubble_formula(K, M, v)), float(sim.bubble_fraction),
+               sum(measured) / len(measured), float(lookup(kind).bubble_fraction(K, M, v)), float(sim.bubble_fraction),
                [peak[s] for s in sorted(peak)],
                tokens / results[0].step_time if tokens else float("nan"),  # nan: no timed step
                tls[-1], last.losses)
-
-
-def _mean_times(tls, S):
-    """Mean measured duration per (kind, stage) over the timelines, as {kind: [per stage]}."""
-    sums: dict = {}
-    for tl in tls:
-        for r in tl:
-            for t in tl[r]:
-                if t.action.kind in ("F", "B", "I", "W"):
-                    acc = sums.setdefault((t.action.kind, t.action.stage), [0.0, 0])
-                    acc[0] += t.end - t.start
-                    acc[1] += 1
-    out = {}
-    for kind in ("F", "B", "I", "W"):
-        if all((kind, s) in sums for s in range(S)):
-            out[kind] = [sums[(kind, s)][0] / sums[(kind, s)][1] for s in range(S)]
-    return out
 
 
 def _analyse_zero_bubble(a, kind, K, results, single):
     """The table row of a zero-bubble schedule: measured bubble; the formula's, from the
     measured mean T_F, T_I, T_W (where the formula is exact for them, else nan); the
     simulator's with the measured per-stage times."""
-    from ..pipeline import TimedAction, bubble_fraction, dualpipev_overlapped, simulate
+    from ..pipeline import TimedAction, bubble_fraction, simulate
     from ..pipeline.schedules import Action
-    from ..pipeline.zero_bubble import bubble_time_formula, dualpipev_schedule, zb_h1_schedule, zbv_schedule
+    info = lookup(kind)
     M, S = a.microbatches, _n_stages(kind, K, a)
-    last = results[0] if kind in V_SHAPED else results[K - 1]  # V: the last stage is on rank 0
+    last = results[0] if info.v_shaped else results[K - 1]  # V: the last stage is on rank 0
     tls = [{r: [TimedAction(Action(*act), s, e) for act, s, e in results[r].timelines[i]] for r in range(K)}
            for i in range(len(results[0].timelines))]
     measured = [float(bubble_fraction(tl, K)) for tl in tls]
-    times = _mean_times(tls, S)
+    times = mean_times(tls, S)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     f, i, w = mean["F"], mean.get("I", 0.0), mean.get("W", 0.0)
-    build = {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}[kind]
-    sim = simulate(build(K, M), forward=times["F"], backward=times.get("B", [i + w] * S),
+    sim = simulate(info.schedule(K, M), forward=times["F"], backward=times.get("B", [i + w] * S),
                    backward_input=times.get("I"), backward_weight=times.get("W"),
-                   overlapped=dualpipev_overlapped(K, M) if kind == "dualpipev" else None)
-    chunks = 2 if kind in V_SHAPED else 1
+                   overlapped=info.overlapped(K, M))
+    chunks = info.v()
     work = chunks * M * (f + i + w)
     exact = {"zb-h1": lambda: w <= min(f, i) * 1.15, "zbv": lambda: M >= 2 * K - 1,  # zbv: exact for any costs
              "dualpipev": lambda: abs(f - i) <= 0.15 * max(f, i) and w <= i * 1.15}[kind]()
     if exact:
         name = kind
         fi = (f + i) / 2 if kind == "dualpipev" else None
-        t = bubble_time_formula(name, K, fi or f, fi or i, w)
+        t = lookup(name).bubble_time(K, fi or f, fi or i, w)
         formula = t / (work + t)
     else:
         formula = float("nan")
@@ -412,13 +383,11 @@ class PipelineLab(Lab):
             return bad
         try:  # every size error before any process starts
             for kind in _kinds(a):
-                v = a.chunks if kind == "interleaved" else 1
+                v = a.chunks if lookup(kind).chunks is None else 1
                 check_pipeline_sizes(K, a.microbatches, v)
                 stage_layers(a.layers, _n_stages(kind, K, a), 0)
                 if kind in ZERO_BUBBLE:  # their own rules, e.g. DualPipeV's M >= 2K
-                    from ..pipeline.zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
-                    {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule,
-                     "dualpipev": dualpipev_schedule}[kind](K, a.microbatches)
+                    lookup(kind).schedule(K, a.microbatches)
             if a.batch % a.microbatches:
                 raise ScheduleError(f"--batch {a.batch} is not divisible by --microbatches {a.microbatches}")
         except ScheduleError as e:

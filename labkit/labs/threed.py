@@ -42,6 +42,7 @@ from ..cliparse import Parser
 from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
                count_parameters_meta, is_main_rank, save_figure, schedule_name, write_bytes_atomic)
 from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
+from ..pipeline.registry import lookup, names
 from .verdict import add_tolerance_option
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
@@ -53,7 +54,7 @@ def _parser():
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree p")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel degree d (unset: 2; under torchrun WORLD_SIZE / (t*p))")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
+    p.add_argument("--schedule", default="1f1b", choices=names(),
                    type=schedule_name,
                    help="pipeline schedule (zb-h1, zbv, dualpipev: zero-bubble, backward split into I and W; "
                         "aliases: zbh1 = zb-h1, zb-v = zbv)")
@@ -84,27 +85,21 @@ def _parser():
     return p
 
 
-def _library_schedule(a) -> str:
-    """labkit.parallel's name of ``--schedule`` (it spells ZB-H1 ``zbh1``; the labs ``zb-h1``)."""
-    return {"zb-h1": "zbh1"}.get(a.schedule, a.schedule)
-
-
 def _v(a) -> int:
-    """Chunks per rank: --chunks for interleaved, 2 for the V-shaped schedules, else 1."""
-    if a.schedule == "interleaved":
-        return 2 if a.chunks is None else a.chunks
-    return 2 if a.schedule in ("zbv", "dualpipev") else 1
+    """Chunks per rank (the registry's rule): --chunks for interleaved (unset: 2), 2 for the
+    V-shaped schedules, else 1."""
+    return lookup(a.schedule).v(a.chunks)
 
 
 def _bubble_formula(a) -> float:
     """Idle fraction from the formulas with equal costs per stage (T_F = T_I = T_W = 1, T_B = 2):
     bubble time / (ideal time v*M*(T_F + T_B) + bubble time). GPipe/1F1B/interleaved:
     (p-1)/(vM+p-1) (Narayanan et al. 2021); zero-bubble: :func:`labkit.pipeline.bubble_time_formula`."""
-    from ..pipeline import bubble_formula, bubble_time_formula
+    info = lookup(a.schedule)
     p, M, v = a.pp, a.microbatches, _v(a)
-    if a.schedule in ("gpipe", "1f1b", "interleaved"):
-        return float(bubble_formula(p, M, v))
-    bubble = float(bubble_time_formula(a.schedule, p))
+    if not info.zero_bubble:
+        return float(info.bubble_fraction(p, M, v))
+    bubble = float(info.bubble_time(p))
     return bubble / (v * M * 3 + bubble)
 
 
@@ -116,7 +111,7 @@ def _config(a):
 
 def _bad_args(a, world) -> str | None:
     """The first rule the options break, as one message naming the values; None if all are fine."""
-    if a.chunks is not None and a.schedule != "interleaved":
+    if a.chunks is not None and lookup(a.schedule).chunks is not None:
         return (f"--chunks {a.chunks} applies to --schedule interleaved only (gpipe, 1f1b, zb-h1 run 1 chunk per rank, "
                 f"zbv and dualpipev 2); got --schedule {a.schedule}")
     for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--chunks", _v(a)),
@@ -132,7 +127,7 @@ def _bad_args(a, world) -> str | None:
         cfg = _config(a)
         from ..parallel import check_layout
         v = _v(a)
-        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, _library_schedule(a),
+        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule,
                      sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq)
     except ValueError as e:
         return str(e)
@@ -207,7 +202,7 @@ def _worker(ctx, a, corpus) -> RankResult:
     v = _v(a)
     grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
     cfg = _config(a)
-    pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, _library_schedule(a), a.microbatches, v=v, zero=a.zero,
+    pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
                      bucket_cap_mb=a.bucket_cap_mb, sequence_parallel=a.sp, recompute=a.recompute)
     opt = pg.make_optimizer("adam", a.lr)
 
@@ -415,9 +410,8 @@ def _plots(a, out, folder: Path):
     fig.tight_layout()
     save_figure(fig, folder / "loss_curves.png", dpi=110)
 
-    from ..parallel.gpt import placement_of
     v = _v(a)
-    cells = layout(_config(a), a.tp, a.pp, a.dp, v, placement_of(a.schedule))
+    cells = layout(_config(a), a.tp, a.pp, a.dp, v, lookup(a.schedule).placement)
     cols = a.dp * a.tp
     fig = Figure(figsize=(max(5.0, 1.9 * cols), max(2.4, 1.3 * a.pp + 0.8)))
     ax = fig.add_subplot(1, 1, 1)
@@ -506,7 +500,7 @@ class ThreeDLab(Lab):
               "of the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an "
               "all-gather of n/d; b = B/(d*M).")
         meas, formula = out.bubble
-        name = "(p-1)/(vM+p-1)" if a.schedule in ("gpipe", "1f1b", "interleaved") else "(T_F = T_I = T_W)"
+        name = "(p-1)/(vM+p-1)" if not lookup(a.schedule).zero_bubble else "(T_F = T_I = T_W)"
         print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "
               f"formula {name} = {formula:.1%}")
         if len(ranks) > (os.cpu_count() or 1):

@@ -52,8 +52,8 @@ from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 from ..data_parallel.zero import optimizer_state_bytes
 from ..grid import ProcessGrid
 from ..model import lm_loss
-from ..pipeline.runtime import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                ScheduleZBH1, ScheduleZBVZeroBubble)
+from ..pipeline.registry import canonical, lookup, names
+from ..pipeline.runtime import PipelineStage
 from ..pipeline.schedules import stage_rank
 from ..pipeline.stages import gpt_param_name, stage_layers
 from ..plan.comm import comm_per_rank
@@ -63,14 +63,7 @@ from ..tensor_parallel.mappings import all_gather_along_dim
 
 __all__ = ["SCHEDULES", "check_layout", "ParallelGPT", "layout"]
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "zbh1": ScheduleZBH1, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-V_SHAPED = ("zbv", "dualpipev")   # two stages per rank in V placement: rank r holds stages r and 2p-1-r
-
-
-def placement_of(schedule: str) -> str:
-    """"v" for the V-shaped zero-bubble schedules, else "loop" (stage i on rank i % p)."""
-    return "v" if schedule in V_SHAPED else "loop"
+SCHEDULES = names()   # every schedule with a runtime (labkit.pipeline.registry; other spellings accepted)
 
 
 def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_microbatches: int = 1,
@@ -98,18 +91,19 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
             raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
     if tp * pp * dp != world_size:
         raise ValueError(f"t={tp} * p={pp} * d={dp} = {tp * pp * dp} must equal the world size {world_size}")
-    if schedule not in SCHEDULES:
+    info = lookup(schedule) if isinstance(schedule, str) and canonical(schedule) in SCHEDULES else None
+    if info is None:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if schedule in V_SHAPED and v != 2:
+    if info.v_shaped and v != 2:
         raise ValueError(f"schedule {schedule!r} runs two stages per rank (v=2, V placement); got v={v}")
-    if schedule not in V_SHAPED and schedule != "interleaved" and v != 1:
+    if info.chunks == 1 and v != 1:
         raise ValueError(f"schedule {schedule!r} runs one stage per rank (v=1); got v={v} (use interleaved)")
-    if schedule == "dualpipev" and n_microbatches < 2 * pp:
-        raise ValueError(f"DualPipeV needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
+    if n_microbatches < info.min_microbatches(pp):
+        raise ValueError(f"{info.label} needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
     if cfg.n_layer % (pp * v):
         raise ValueError(f"n_layer={cfg.n_layer} layers must be divisible by p*v = {pp}*{v} = {pp * v} "
                          f"(each pipeline stage gets the same number of layers)")
-    if schedule == "interleaved" and v > 1 and n_microbatches % pp:
+    if info.chunks is None and v > 1 and n_microbatches % pp:
         raise ValueError(f"interleaved 1F1B with v={v} needs M={n_microbatches} divisible by p={pp} "
                          f"(Megatron-LM: microbatches go through the chunks in groups of p)")
     for what, n in (("n_head (attention heads)", cfg.n_head), ("n_kv_head (KV heads)", cfg.n_kv_head),
@@ -122,7 +116,7 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if n_experts is not None and n_experts % dp:
         raise ValueError(f"n_routed_experts E={n_experts} must be divisible by the EP size {dp} (EP folded onto DP)")
     tied = getattr(cfg, "share_embeddings_and_output_weights", False)
-    if tied and ((pp == 1 and v > 1) or schedule in V_SHAPED):
+    if tied and ((pp == 1 and v > 1) or info.v_shaped):
         raise ValueError(f"tied embeddings with p={pp}, v={v}, schedule {schedule!r}: the first and last stage "
                          f"would be two modules on one rank; use p > 1 with loop placement, or v = 1")
 
@@ -151,7 +145,8 @@ class ParallelGPT:
     Args:
         reference: the single-device :class:`labkit.model.GPT` (same seed on every rank).
         grid: from ``make_grid(ctx, tp=t, pp=p, dp=d)``.
-        schedule: "gpipe" | "1f1b" | "interleaved" | "zbh1" | "zbv" | "dualpipev"; ``v``: chunks
+        schedule: "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zbv" | "dualpipev" (or another
+            spelling of :mod:`labkit.pipeline.registry`, e.g. "zbh1"); ``v``: chunks
             per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).
         n_microbatches: M per step (per DP rank).
         zero: ZeRO-1 over the DP group instead of DDP (see :meth:`make_optimizer`).
@@ -184,7 +179,8 @@ class ParallelGPT:
         self.n_stages = n = p * v
         device = grid.ctx.device
         tpg = grid.tp_group if t > 1 else None
-        self.placement = placement = placement_of(schedule)
+        info = lookup(schedule)
+        self.placement = placement = info.placement
         self.stage_ids = [s for s in range(n) if stage_rank(s, p, placement) == grid.pp_rank]
         plan = plan if plan is not None else gpt_plan(self.sequence_parallel, recompute)
         self.modules: list[nn.Module] = []
@@ -210,9 +206,8 @@ class ParallelGPT:
                   for sm, s in zip(submods, self.stage_ids)]
         heads = [m.head for m in self.modules if m.head is not None]
         loss_fn = heads[0].loss if heads else lm_loss     # the last stage's head (vocab-parallel under TP)
-        cls = SCHEDULES[schedule]
-        one_per_rank = schedule not in V_SHAPED and schedule != "interleaved"
-        self.schedule = cls(stages[0] if one_per_rank else stages, n_microbatches, loss_fn)
+        one_per_rank = info.chunks == 1
+        self.schedule = info.runtime_class(stages[0] if one_per_rank else stages, n_microbatches, loss_fn)
         self.optimizer = None
 
     # ---------------------------------------------------------------- training

@@ -26,14 +26,15 @@ from fractions import Fraction
 import matplotlib.pyplot as plt
 
 from .plot import plot_timeline
-from .schedules import ScheduleError, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule
-from .simulate import bubble_formula, simulate
+from .registry import REGISTRY, lookup, names
+from .schedules import ScheduleError
+from .simulate import simulate
 
 __all__ = ["SCHEDULES", "ZERO_BUBBLE", "NOTEBOOK_WIDTH", "build_schedule", "peak_in_flight_per_rank", "count_sends",
            "figure_width", "effective_v", "render", "describe", "figure_png", "explorer"]
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved 1F1B", "ZB-H1", "ZB-V", "DualPipeV")
-ZERO_BUBBLE = ("ZB-H1", "ZB-V", "DualPipeV")  # backward split into I and W (:mod:`.zero_bubble`)
+SCHEDULES = tuple(REGISTRY[n].label for n in names())  # the registry's labels: GPipe, 1F1B, ..., DualPipeV
+ZERO_BUBBLE = tuple(REGISTRY[n].label for n in names(zero_bubble=True))  # backward split into I and W
 
 
 def build_schedule(schedule: str, K: int, M: int, v: int = 1) -> dict:
@@ -42,16 +43,10 @@ def build_schedule(schedule: str, K: int, M: int, v: int = 1) -> dict:
     ``v`` is used by "Interleaved 1F1B" only (v = 1 there is plain 1F1B). Raises
     ValueError for an unknown name and :class:`~.schedules.ScheduleError` for sizes the
     schedule does not allow (e.g. interleaving with K = 2, M = 5: unequal rounds)."""
-    if schedule == "GPipe":
-        return gpipe_schedule(K, M)
-    if schedule == "1F1B":
-        return one_f_one_b_schedule(K, M)
-    if schedule == "Interleaved 1F1B":
-        return interleaved_schedule(K, M, v)
-    if schedule in ZERO_BUBBLE:
-        from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
-        return {"ZB-H1": zb_h1_schedule, "ZB-V": zbv_schedule, "DualPipeV": dualpipev_schedule}[schedule](K, M)
-    raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    info = lookup(schedule)
+    return info.schedule(K, M, v if info.chunks is None else None)
 
 
 def peak_in_flight_per_rank(actions: dict, split_until_w: bool = True) -> list:
@@ -107,7 +102,8 @@ def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward:
         return _render_zero_bubble(schedule, K, M, 2.0 if backward is None else backward, weight_share, ax,
                                    show_stage)
     backward = 1.0 if backward is None else backward
-    v_used = v if schedule == "Interleaved 1F1B" else 1
+    entry = lookup(schedule)
+    v_used = v if entry.chunks is None else 1
     info = {"schedule": schedule, "K": K, "M": M, "v": v_used, "bubble": None, "bubble_formula": None,
             "peak_in_flight": None, "sends": None, "makespan": None, "error": None, "ax": ax}
     try:
@@ -121,10 +117,10 @@ def render(schedule: str = "1F1B", K: int = 4, M: int = 8, v: int = 2, backward:
     # a stage holds 1/v of the rank's layers: forward 1/v, backward b/v time units
     b = Fraction(backward).limit_denominator(1000) if isinstance(backward, float) else Fraction(backward)
     sim = simulate(actions, forward=Fraction(1, v_used), backward=b / v_used)
-    info.update(bubble=sim.bubble_fraction, bubble_formula=bubble_formula(K, M, v_used),
+    info.update(bubble=sim.bubble_fraction, bubble_formula=entry.bubble_fraction(K, M, v_used),
                 peak_in_flight=peak_in_flight_per_rank(actions), sends=count_sends(actions),
                 makespan=sim.makespan)
-    name = schedule + (f", v={v_used}" if schedule == "Interleaved 1F1B" else "")
+    name = schedule + (f", v={v_used}" if entry.chunks is None else "")
     plot_timeline(sim, ax=ax, title=f"{name}, K={K}, M={M} (formula {float(info['bubble_formula']):.1%})",
                   unit="forward time of a rank's layers", show_stage=show_stage)  # labels only where they fit
     return info
@@ -135,8 +131,8 @@ def _render_zero_bubble(schedule, K, M, backward, weight_share, ax, show_stage=F
     T_I = (1 - weight_share) b and T_W = weight_share b; ZB-V and DualPipeV hold two chunks
     per rank (each chunk's costs are half the rank's). ``bubble_formula`` is the formula's
     idle fraction where it is exact (:func:`~.zero_bubble.bubble_time_formula`), else None."""
-    from .zero_bubble import bubble_time_formula, dualpipev_overlapped
-    v_used = 1 if schedule == "ZB-H1" else 2
+    entry = lookup(schedule)
+    v_used = entry.v()
     info = {"schedule": schedule, "K": K, "M": M, "v": v_used, "bubble": None, "bubble_formula": None,
             "peak_in_flight": None, "sends": None, "makespan": None, "error": None, "ax": ax,
             "formula_text": None}
@@ -152,16 +148,13 @@ def _render_zero_bubble(schedule, K, M, backward, weight_share, ax, show_stage=F
     ws = Fraction(weight_share).limit_denominator(1000)
     f, i, w = Fraction(1, v_used), b * (1 - ws) / v_used, b * ws / v_used
     # DualPipeV's F&B pairs run as one unit (here without overlap gain: F&B = F + B)
-    pairs = dualpipev_overlapped(K, M) if schedule == "DualPipeV" else None
-    sim = simulate(actions, forward=f, backward_input=i, backward_weight=w, overlapped=pairs)
-    name = {"ZB-H1": "zb-h1", "ZB-V": "zbv", "DualPipeV": "dualpipev"}[schedule]
-    text = {"zb-h1": "(K-1)(T_F+T_I-T_W)", "zbv": "(K-1)T_F when T_F=T_I=T_W",
-            "dualpipev": "(K-1)(F&B+B-3W), F&B=F+B"}[name]
+    sim = simulate(actions, forward=f, backward_input=i, backward_weight=w, overlapped=entry.overlapped(K, M))
+    name, text = entry.name, entry.formula
     exact = {"zb-h1": w <= min(f, i) and M >= K, "zbv": f == i == w, "dualpipev": f == i and w <= i}[name]
     work = v_used * M * (f + i + w)
     formula = None
     if exact:
-        t = bubble_time_formula(name, K, f, i, w)
+        t = entry.bubble_time(K, f, i, w)
         formula = t / (work + t)
     info.update(bubble=sim.bubble_fraction, bubble_formula=formula, formula_text=text,
                 peak_in_flight=peak_in_flight_per_rank(actions), sends=count_sends(actions),
@@ -192,7 +185,8 @@ def describe(info: dict) -> str:
 def effective_v(schedule: str, v: int) -> int:
     """The v a schedule runs with: the slider's for Interleaved 1F1B, 2 for ZB-V and DualPipeV (two
     chunks per rank in V placement), else 1."""
-    return v if schedule == "Interleaved 1F1B" else 2 if schedule in ("ZB-V", "DualPipeV") else 1
+    entry = lookup(schedule)
+    return v if entry.chunks is None else entry.chunks
 
 
 def figure_png(fig, dpi: int = 100) -> bytes:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from .schedules import infer_placement
+from .schedules import Schedule
 from .simulate import SimResult, bubble_fraction
 
 __all__ = ["plot_timeline"]
@@ -109,7 +109,7 @@ def plot_timeline(timeline, ax=None, title: str | None = None, K: int | None = N
     else:  # one entry per shade
         handles = [Patch(color=_PALETTES[k][_shade(c, v)], label=f"{_NAMES[k]}, chunk {c}")
                    for k in kinds for c in range(v)]
-        v_shape = infer_placement({r: [t.action for t in timeline[r]] for r in ranks}) == "v"
+        v_shape = Schedule.of({r: [t.action for t in timeline[r]] for r in ranks}).placement == "v"
         legend_title = "V: chunk 0 = stage r, chunk 1 = stage 2K-1-r" if v_shape else f"stage = chunk*{K} + rank"
     handles.append(Patch(color=_IDLE, label="idle (bubble)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,

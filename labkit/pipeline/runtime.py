@@ -43,92 +43,44 @@ times out: the error's first line names the first action that cannot complete (f
 running the schedule symbolically, the same on every rank) and says that the rank in the
 RankError header is the rank that reported it, and where that rank was waiting.
 
-Measurements after each step (this rank): ``timeline`` (``[TimedAction]``, seconds from a
-common start taken right after a barrier), ``peak_in_flight`` and ``stash_peak_bytes``
-(dicts stage -> value), ``stash_bytes`` (stage -> list of bytes per microbatch). The bytes
-one microbatch's forward saves for backward are measured with the hooks on the first
-forward of each stage and reused afterwards (the shapes are fixed; the hooks cost time).
-With a split backward a microbatch stays in flight (its stash alive) until its W;
-``peak_waiting_for_w`` (stage -> most microbatches between their I and their W) and
-``w_grads_peak_bytes`` (stage -> most bytes of the gradients I keeps for W) count what the
-split adds. With ``measure_w_memory=True``, ``w_only_bytes`` (stage -> bytes of one
-microbatch's saved activations that only W needs, measured once per stage at its first I with
-:func:`.split_backward.w_only_saved_bytes`) and ``w_only_peak_bytes`` (stage -> most such
-bytes held at once, between I and W) count, separately, the part of the stash kept only for W.
+Measurements: the interpreter only executes actions and emits one :class:`~.stats.Event`
+per action (action, start, end, bytes; seconds from a common start taken right after a
+barrier), kept as ``events`` after each step. :mod:`.stats` derives the figures from them:
+``timeline`` (``[TimedAction]``), ``peak_in_flight``, ``stash_peak_bytes`` and
+``stash_bytes`` (stage -> list of bytes per microbatch), ``peak_waiting_for_w``,
+``w_grads_peak_bytes`` and ``w_only_peak_bytes`` (see :class:`~.stats.StepStats`); a
+forward-only step leaves the last training step's figures. The bytes one microbatch's
+forward saves for backward are measured with the hooks on the first forward of each stage and
+reused afterwards (the shapes are fixed; the hooks cost time). With ``measure_w_memory=True``,
+``w_only_bytes`` (stage -> bytes of one microbatch's saved activations that only W needs) is
+measured once per stage at its first I with :func:`.split_backward.w_only_saved_bytes`.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from datetime import timedelta
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .schedules import (Action, ScheduleError, _message, _needs, check_pipeline_sizes, gpipe_schedule,
-                        infer_placement, interleaved_schedule, one_f_one_b_schedule, stage_rank)
-from .simulate import TimedAction
+from .boundary import as_tuple, exchange_metadata, replay_rng, rng_state
+from .boundary import nbytes as tensor_bytes
+from .schedules import (Action, Schedule, ScheduleError, check_pipeline_sizes, gpipe_schedule, interleaved_schedule,
+                        one_f_one_b_schedule)
 from .split_backward import backward_input, backward_weight, w_only_saved_bytes
-from .validate import advance_async, validate_schedule
+from .stats import Event, step_stats
+from .stats import timeline as timed_actions
+from .symbolic import diagnose_hang
+from .validate import validate_schedule
 from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
+_as_tuple = as_tuple  # the old private name (tests/test_pipeline_boundaries.py)
+
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.long, torch.int32, torch.bool,
-           torch.int8, torch.uint8, torch.int16]
-_MAX_DIMS = 6
-
-
-class _Meta(NamedTuple):
-    """One tensor crossing a stage boundary: shape, dtype, and whether it carries a gradient."""
-
-    shape: tuple
-    dtype: torch.dtype
-    requires_grad: bool
-
-
-def _as_tuple(value, what: str) -> tuple:
-    """A stage's input or output as a tuple of tensors (a single tensor -> a 1-tuple)."""
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value):
-        return tuple(value)
-    raise ScheduleError(f"{what} must be a tensor or a non-empty tuple of tensors, got "
-                        f"{type(value).__name__}" + (f" of {[type(t).__name__ for t in value]}"
-                                                     if isinstance(value, (tuple, list)) else ""))
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _rng_state(device: torch.device):
-    """RNG state(s) that a stage forward on ``device`` draws from (CPU, plus CUDA on GPU)."""
-    cpu = torch.get_rng_state()
-    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu, None)
-
-
-class _replay_rng:
-    """Run a block with the RNG state saved by :func:`_rng_state`, then restore the current
-    one: the recomputed forward draws the same dropout masks as the original."""
-
-    def __init__(self, device, state):
-        self.device, self.state = device, state
-
-    def __enter__(self):
-        self.saved = _rng_state(self.device)
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
-
-    def __exit__(self, *exc):
-        torch.set_rng_state(self.saved[0])
-        if self.saved[1] is not None:
-            torch.cuda.set_rng_state(self.saved[1], self.device)
-
 
 def _check_cost_model(cost_model):
     """None, or a dict kind -> seconds >= 0 for kinds among F, B, I, W (ValueError otherwise)."""
@@ -165,26 +117,26 @@ class PipelineStage:
 
 
 class _StepState:
-    """What one rank keeps during a step, keyed by (stage, microbatch): stage inputs and
-    outputs (until B), input gradients (until sent), posted receives, pending sends, RNG
-    states (recompute), the timeline, and in-flight / stashed-bytes counters per stage."""
+    """The tensors one rank holds during a step, keyed by (stage, microbatch): stage inputs
+    and outputs (until the backward), input gradients (until sent), posted receives, what I
+    keeps for W, RNG states (recompute), results of the last stage; the pending sends and the
+    events emitted so far (:class:`~.stats.Event`)."""
 
     def __init__(self, x_mbs, t_mbs, losses, forward_only, stages):
         self.x_mbs, self.t_mbs, self.losses, self.forward_only = x_mbs, t_mbs, losses, forward_only
         self.inputs, self.outputs, self.grads, self.pending, self.results, self.rng = {}, {}, {}, {}, {}, {}
-        self.sends: list = []
-        self.timeline: list = []
-        self.live = {s: 0 for s in stages}
-        self.stash_live = {s: 0 for s in stages}
-        self.stash_mb: dict = {}
-        self.n_backward = {s: 0 for s in stages}
         self.weight_grads: dict = {}  # (stage, mb) -> what I kept for W (zero-bubble schedules)
-        self.waiting_w = {s: 0 for s in stages}  # microbatches whose I ran and whose W has not
-        self.w_bytes = {s: 0 for s in stages}    # bytes of the gradients I keeps for W
+        self.n_backward = {s: 0 for s in stages}
+        self.sends: list = []
+        self.events: list = []
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def emit(self, a: Action, start: float, nbytes: int = 0, end: float | None = None):
+        """Record that ``a`` ran from ``start`` to ``end`` (default: now)."""
+        self.events.append(Event(a, start, self.now() if end is None else end, nbytes))
 
 
 class PipelineSchedule:
@@ -226,7 +178,6 @@ class PipelineSchedule:
         self.cost_model = _check_cost_model(cost_model)
         self.measure_w_memory = bool(measure_w_memory)
         self.w_only_bytes: dict = {}       # stage -> bytes per microbatch of activations only W needs
-        self.w_only_peak_bytes: dict = {}  # stage -> most of those bytes held at once (between I and W)
         self.group = self.stages[0].group
         self.num_stages = S = self.stages[0].num_stages
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -239,18 +190,17 @@ class PipelineSchedule:
                                 f"they must match")
         if S % K:
             raise ScheduleError(f"num_stages={S} is not a multiple of K={K} ranks")
-        self.placement = infer_placement(actions, S)  # "loop" (stage i on rank i % K) or "v" (ZB-V, DualPipeV)
+        shaped = Schedule.of(actions, M, S)
+        self.placement = shaped.placement  # "loop" (stage i on rank i % K) or "v" (ZB-V, DualPipeV)
         mine = sorted(st.stage_index for st in self.stages)
-        expected = [s for s in range(S) if stage_rank(s, K, self.placement) == self.rank]
+        expected = [s for s in range(S) if shaped.rank_of(s) == self.rank]
         if mine != expected:
             rule = "stage i on rank i % K" if self.placement == "loop" else "V placement: rank r holds r and 2K-1-r"
             raise ScheduleError(f"rank {self.rank} holds stages {mine} but with K={K} ranks and {S} stages it must "
                                 f"hold {expected} ({rule})")
         if any(st.num_stages != S for st in self.stages):
             raise ScheduleError("all stages must agree on num_stages")
-        if validate:
-            actions = validate_schedule(actions, n_microbatches=M, n_stages=S, placement=self.placement)
-        self.actions = {r: [Action(*a) for a in actions[r]] for r in actions}
+        self.actions = validate_schedule(shaped, placement=self.placement) if validate else shaped
         self.K = K
         self._by_index = {st.stage_index: st for st in self.stages}
         self._shapes = None  # stage -> (input shape, input dtype, output shape, output dtype)
@@ -260,20 +210,25 @@ class PipelineSchedule:
         self._global = ranks
         self._param_ptrs = {st.stage_index: {p.untyped_storage().data_ptr() for p in st.submod.parameters()}
                             for st in self.stages}
-        self.timeline: list[TimedAction] = []
-        self.peak_in_flight: dict = {}
-        self.peak_waiting_for_w: dict = {}  # stage -> most microbatches between their I and their W
-        self.w_grads_peak_bytes: dict = {}  # stage -> most bytes of gradients kept by I for W at once
-        self.stash_peak_bytes: dict = {}
-        self.stash_bytes: dict = {}
+        self.events: list[Event] = []       # this rank's last step, as emitted (:mod:`.stats`)
+        self.stats = step_stats([], self._by_index, M, {} if self.measure_w_memory else None)
 
     def _build(self, K, M, v):  # overridden by the named schedules
         raise ScheduleError("PipelineSchedule needs actions={rank: [Action, ...]}")
 
     # ------------------------------------------------------------------ helpers
 
+    # the figures of the last training step (:class:`~.stats.StepStats`), under their old names
+    timeline = property(lambda self: timed_actions(self.events), doc="this rank's last step as [TimedAction]")
+    peak_in_flight = property(lambda self: self.stats.peak_in_flight)
+    stash_bytes = property(lambda self: self.stats.stash_bytes)
+    stash_peak_bytes = property(lambda self: self.stats.stash_peak_bytes)
+    peak_waiting_for_w = property(lambda self: self.stats.peak_waiting_for_w)
+    w_grads_peak_bytes = property(lambda self: self.stats.w_grads_peak_bytes)
+    w_only_peak_bytes = property(lambda self: self.stats.w_only_peak_bytes)
+
     def _rank_of(self, stage: int) -> int:
-        return stage_rank(stage, self.K, self.placement)
+        return self.actions.rank_of(stage)
 
     def _peer(self, stage: int) -> int:
         return self._global[self._rank_of(stage)]
@@ -285,52 +240,9 @@ class PipelineSchedule:
             work.wait()
 
     def _infer_shapes(self, x_mb):
-        """Boundary metadata of every stage on this rank: ``{stage: (inputs, outputs)}``, each a
-        tuple of :class:`_Meta`. Runs each stage once on zeros (autograd on, RNG restored, in
-        stage order) and passes the output metadata down the pipeline: a count message, then
-        9 int64 per tensor (ndim, 6 sizes, dtype, requires_grad). The receiver marks exactly
-        the inputs whose sender output requires grad, so both sides agree which gradients
-        travel back."""
-        metas, prev_out = {}, None
-        for s in sorted(self._by_index):
-            st = self._by_index[s]
-            if s == 0:
-                ins = tuple(_Meta(tuple(t.shape), t.dtype, False) for t in x_mb)
-            elif self._rank_of(s - 1) == self.rank:
-                ins = prev_out
-            else:
-                count = torch.zeros(1, dtype=torch.long, device=st.device)
-                comm.recv(count, self._peer(s - 1), self.group)
-                block = torch.zeros(9 * int(count), dtype=torch.long, device=st.device)
-                comm.recv(block, self._peer(s - 1), self.group)
-                ins = tuple(_Meta(tuple(row[1:1 + row[0]]), _DTYPES[row[7]], bool(row[8]))
-                            for row in block.view(-1, 9).tolist())
-            zeros = tuple(torch.zeros(m.shape, dtype=m.dtype, device=st.device).requires_grad_(m.requires_grad)
-                          for m in ins)
-            # autograd on (to learn which outputs require grad), the RNG left as it was
-            with torch.enable_grad(), _replay_rng(st.device, _rng_state(st.device)):
-                raw = st.submod(*zeros)
-            outs = ()   # the last stage's output goes to loss_fn only: any type
-            if s < self.num_stages - 1:
-                outs = tuple(_Meta(tuple(t.shape), t.dtype, t.requires_grad)
-                             for t in _as_tuple(raw, f"the output of stage {s} (sent to stage {s + 1})"))
-            del raw, zeros
-            metas[s] = (ins, outs)
-            prev_out = outs
-            if s < self.num_stages - 1 and self._rank_of(s + 1) != self.rank:
-                block = torch.zeros(len(outs), 9, dtype=torch.long, device=st.device)
-                for i, m in enumerate(outs):
-                    if len(m.shape) > _MAX_DIMS:
-                        raise ScheduleError(f"stage {s} output {i} has {len(m.shape)} dims; at most {_MAX_DIMS} "
-                                            f"are supported")
-                    if m.dtype not in _DTYPES:
-                        raise ScheduleError(f"stage {s} output {i} has dtype {m.dtype}; supported: {_DTYPES}")
-                    block[i, 0] = len(m.shape)
-                    block[i, 1:1 + len(m.shape)] = torch.tensor(m.shape, dtype=torch.long)
-                    block[i, 7], block[i, 8] = _DTYPES.index(m.dtype), int(m.requires_grad)
-                comm.send(torch.tensor([len(outs)], dtype=torch.long, device=st.device), self._peer(s + 1), self.group)
-                comm.send(block.flatten(), self._peer(s + 1), self.group)
-        return metas
+        """Boundary metadata of this rank's stages (:func:`.boundary.exchange_metadata`)."""
+        return exchange_metadata(self._by_index, self.num_stages, self._rank_of, self.rank, self._peer, self.group,
+                                 x_mb)
 
     def _split(self, t, what):
         M = self.n_microbatches
@@ -376,13 +288,6 @@ class PipelineSchedule:
                 raise ValueError(f"microbatch shape(s) {got} differ from the first step's {want}; build a new "
                                  f"schedule for another shape")
         st = _StepState(x_mbs, t_mbs, losses, forward_only, list(self._by_index))
-        if not forward_only:
-            self.peak_in_flight = {s: 0 for s in self._by_index}
-            self.peak_waiting_for_w = {s: 0 for s in self._by_index}
-            self.w_grads_peak_bytes = {s: 0 for s in self._by_index}
-            self.w_only_peak_bytes = {s: 0 for s in self._by_index} if self.measure_w_memory else {}
-            self.stash_peak_bytes = {s: 0 for s in self._by_index}
-            self.stash_bytes = {s: [0] * M for s in self._by_index}
         if dist.is_initialized():
             dist.barrier(group=self.group)  # a common start for every rank's timeline
         st.t0 = time.perf_counter()
@@ -402,7 +307,10 @@ class PipelineSchedule:
                 self._wait_or_explain(work, a, a)
         if st.pending:
             raise ScheduleError(f"rank {self.rank}: receives posted but never used: {sorted(st.pending)}")
-        self.timeline = st.timeline
+        self.events = st.events
+        if not forward_only:
+            self.stats = step_stats(st.events, self._by_index, M,
+                                    self.w_only_bytes if self.measure_w_memory else None)
         if (S - 1) in self._by_index:
             outs = [st.results[m] for m in range(M)]
             if isinstance(outs[0], torch.Tensor):
@@ -423,8 +331,8 @@ class PipelineSchedule:
         src = a.stage - 1 if fwd else a.stage + 1
         t = st.now()
         works = [comm.irecv(buf, self._peer(src), self.group) for buf in bufs]
-        st.pending[(a.kind, a.stage, a.microbatch)] = (works, tuple(bufs), len(st.timeline))
-        st.timeline.append(TimedAction(a, t, t))
+        st.pending[(a.kind, a.stage, a.microbatch)] = (works, tuple(bufs), len(st.events))
+        st.emit(a, t, tensor_bytes(bufs), end=t)
 
     def _do_send(self, a: Action, st: "_StepState"):
         """isend the output(s) of F (SEND_F) or the input gradient(s) of B (SEND_B: only of the
@@ -442,7 +350,7 @@ class PipelineSchedule:
             tensors, dst = st.grads.pop(key), a.stage - 1
         works = [comm.isend(t_, self._peer(dst), self.group) for t_ in tensors]
         st.sends.append((works, tensors, a))
-        st.timeline.append(TimedAction(a, t, t))
+        st.emit(a, t, tensor_bytes(tensors), end=t)
 
     def _do_forward(self, a: Action, st: "_StepState"):
         s, m = a.stage, a.microbatch
@@ -459,7 +367,7 @@ class PipelineSchedule:
                 t.requires_grad_(meta.requires_grad)
         start = st.now()
         target = st.t_mbs[m] if stage.is_last and st.t_mbs is not None else None
-        out, loss, nbytes = self._forward(stage, inp, target, s, m, st.forward_only, st.rng)
+        out, loss, stash = self._forward(stage, inp, target, s, m, st.forward_only, st.rng)
         if stage.is_last:
             st.results[m] = out.detach() if isinstance(out, torch.Tensor) else tuple(o.detach() for o in out)
             if loss is not None and st.losses is not None:
@@ -467,7 +375,7 @@ class PipelineSchedule:
             # what B differentiates: the loss scaled by 1/M (nothing when no loss needs a gradient)
             st.outputs[(s, m)] = (loss / self.n_microbatches,) if loss is not None and loss.requires_grad else ()
         else:
-            out = _as_tuple(out, f"the output of stage {s} (sent to stage {s + 1})")
+            out = as_tuple(out, f"the output of stage {s} (sent to stage {s + 1})")
             if not (st.forward_only or self.recompute):   # (recompute: this forward ran without autograd)
                 rg = [o.requires_grad for o in out]
                 want = [meta.requires_grad for meta in self._shapes[s][1]]
@@ -475,17 +383,11 @@ class PipelineSchedule:
                     raise ScheduleError(f"rank {self.rank}: {a!r}: which outputs require grad {rg} changed since "
                                         f"the first step {want}; the next stage expects gradients for the latter")
             st.outputs[(s, m)] = out
-        st.timeline.append(TimedAction(a, start, st.now()))
+        st.emit(a, start, stash)
         if st.forward_only:
             st.outputs.pop((s - 1, m), None)
             return
         st.inputs[(s, m)] = inp
-        st.live[s] += 1
-        self.peak_in_flight[s] = max(self.peak_in_flight[s], st.live[s])
-        st.stash_mb[(s, m)] = nbytes
-        self.stash_bytes[s][m] = nbytes
-        st.stash_live[s] += nbytes
-        self.stash_peak_bytes[s] = max(self.stash_peak_bytes[s], st.stash_live[s])
 
     def _backward_inputs(self, a: Action, st: "_StepState", keep_inputs: bool):
         """What B and I share: the output gradient(s) (received, or from the next stage on this
@@ -504,13 +406,13 @@ class PipelineSchedule:
         inp = st.inputs[(s, m)] if keep_inputs else st.inputs.pop((s, m))
         out = st.outputs.pop((s, m))
         if self.recompute:  # GPipe re-materialisation: run the forward again, now with autograd
-            with _replay_rng(stage.device, st.rng.pop((s, m))):  # same dropout masks as the forward
+            with replay_rng(stage.device, st.rng.pop((s, m))):  # same dropout masks as the forward
                 out = stage.submod(*inp)
             if stage.is_last:
                 loss = self.loss_fn(out, st.t_mbs[m]) / self.n_microbatches if st.t_mbs is not None else None
                 out = (loss,) if loss is not None and loss.requires_grad else ()
             else:
-                out = _as_tuple(out, f"the output of stage {s}")
+                out = as_tuple(out, f"the output of stage {s}")
         # differentiate the outputs that carry a gradient; none: a frozen or parameter-free
         # stage fed by data, nothing to do (and no input gradient to send)
         tensors = [o for o in out if o.requires_grad]
@@ -535,20 +437,18 @@ class PipelineSchedule:
         if s > 0:
             st.grads[(s, m)] = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                      for t, meta in zip(inp, self._shapes[s][0]) if meta.requires_grad)
-        st.timeline.append(TimedAction(a, start, st.now()))
-        st.live[s] -= 1
-        st.stash_live[s] -= st.stash_mb.pop((s, m))
+        st.emit(a, start)
 
     # ------------------------------------------------------------------ split backward (zero bubble)
 
     def _pad(self, st: "_StepState", seconds: float):
         """Cost model: sleep until the compute action just recorded has lasted ``seconds``
         (from its start, after its input arrived), and stamp its new end."""
-        e = st.timeline[-1]
+        e = st.events[-1]
         rest = e.start + seconds - st.now()
         if rest > 0:
             time.sleep(rest)
-        st.timeline[-1] = TimedAction(e.action, e.start, st.now())
+        st.events[-1] = e._replace(end=st.now())
 
     def _do_backward_input(self, a: Action, st: "_StepState"):
         """I: the gradient(s) with respect to the stage input(s) only (what stage s-1 waits
@@ -564,13 +464,7 @@ class PipelineSchedule:
         if s > 0:
             st.grads[(s, m)] = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(gins, wants))
         st.weight_grads[(s, m)] = pending
-        st.timeline.append(TimedAction(a, start, st.now()))
-        st.waiting_w[s] += 1
-        self.peak_waiting_for_w[s] = max(self.peak_waiting_for_w[s], st.waiting_w[s])
-        st.w_bytes[s] += pending.nbytes
-        self.w_grads_peak_bytes[s] = max(self.w_grads_peak_bytes[s], st.w_bytes[s])
-        if s in self.w_only_bytes:
-            self.w_only_peak_bytes[s] = max(self.w_only_peak_bytes[s], st.waiting_w[s] * self.w_only_bytes[s])
+        st.emit(a, start, pending.nbytes)
 
     def _measure_w_only(self, stage: PipelineStage, inp, grads, st: "_StepState", m: int) -> int:
         """Bytes of one microbatch's saved activations that only W needs on ``stage``
@@ -601,14 +495,10 @@ class PipelineSchedule:
         st.n_backward[s] += 1
         last = st.n_backward[s] == self.n_microbatches
         pending = st.weight_grads.pop((s, m))
-        st.w_bytes[s] -= pending.nbytes
         with contextlib.nullcontext() if last or not hasattr(stage.submod, "no_sync") else stage.submod.no_sync():
             backward_weight(pending)
         st.inputs.pop((s, m))
-        st.timeline.append(TimedAction(a, start, st.now()))
-        st.waiting_w[s] -= 1
-        st.live[s] -= 1
-        st.stash_live[s] -= st.stash_mb.pop((s, m))
+        st.emit(a, start)
 
     # ------------------------------------------------------------------ waiting, and explaining a hang
 
@@ -619,9 +509,8 @@ class PipelineSchedule:
                                 f"rank did not post before it")
         works, bufs, i = st.pending.pop(key)
         for work in works:
-            self._wait_or_explain(work, needed_by, st.timeline[i].action)
-        e = st.timeline[i]
-        st.timeline[i] = TimedAction(e.action, e.start, st.now())
+            self._wait_or_explain(work, needed_by, st.events[i].action)
+        st.events[i] = st.events[i]._replace(end=st.now())
         return bufs
 
     def _wait_or_explain(self, work, a: Action, comm_action: Action):
@@ -630,8 +519,7 @@ class PipelineSchedule:
         try:
             self._wait(work)
         except Exception as e:
-            raise RuntimeError(explain_hang(self.actions, self.K, self.num_stages, self.rank, a, comm_action,
-                                            e)) from e
+            raise RuntimeError(explain_hang(self.actions, self.rank, a, comm_action, e)) from e
 
     def _forward(self, st: PipelineStage, inp, target, s, m, forward_only, rng):
         """Stage forward (and loss when ``target`` is given); returns (output, loss or None,
@@ -644,10 +532,10 @@ class PipelineSchedule:
             with torch.no_grad():
                 return (*run(), 0)
         if self.recompute:
-            rng[(s, m)] = _rng_state(st.device)
+            rng[(s, m)] = rng_state(st.device)
             with torch.no_grad():
                 out, loss = run()
-            return out, loss, _nbytes(inp)
+            return out, loss, tensor_bytes(inp)
         if s in self._stash_cache:  # same shapes every microbatch: measure once per stage
             return (*run(), self._stash_cache[s])
         seen: dict = {}
@@ -757,68 +645,14 @@ class ScheduleDualPipeV(_TwoStagesV):
 
 # ---------------------------------------------------------------------- explaining a hang
 
-def _peer_of(a: Action, K: int, placement: str = "loop") -> int:
-    return stage_rank(a.stage - 1 if a.kind in ("RECV_F", "SEND_B") else a.stage + 1, K, placement)
-
-
-def diagnose_hang(actions: dict, K: int, n_stages: int):
-    """Why a schedule cannot finish, found without any process: ``(rank, index, action,
-    reason)`` of the first action that cannot complete, or None when it can finish.
-
-    Runs the schedule symbolically with the runtime's semantics (a SEND never blocks; an F/B
-    blocks until its input message was sent). Among the stuck ranks, an action whose message
-    is never sent at all is the cause (the lowest such rank); otherwise the stuck ranks wait
-    for each other in a cycle, described from the lowest rank. When nothing is stuck, a SEND
-    whose receive no rank posts is reported. Every rank computes the same answer."""
-    S = n_stages
-    pl = infer_placement(actions, S)
-    idx = advance_async(actions, K, S, pl)
-    stuck = [r for r in range(K) if idx[r] < len(actions[r])]
-
-    def waits_for(r):
-        """(peer, the SEND it waits for, that SEND's index on the peer or None)."""
-        need = _needs(actions[r][idx[r]], K, S, pl)
-        src, _, (direction, stage, mb) = _message(need, K, S, pl)
-        send = Action("SEND_" + direction, stage, mb)
-        where = next((j for j, b in enumerate(actions[src]) if b == send), None)
-        return src, send, where
-
-    for r in stuck:
-        src, send, where = waits_for(r)
-        if where is None:
-            a = actions[r][idx[r]]
-            return r, idx[r], a, (f"it needs the {'input' if a.kind == 'F' else 'output gradient'} that rank {src} "
-                                  f"never sends ({send!r} is not in rank {src}'s list)")
-    if stuck:
-        chain, r = [], stuck[0]
-        seen = set()
-        while r not in seen:
-            seen.add(r)
-            src, send, where = waits_for(r)
-            chain.append(f"rank {r}'s {actions[r][idx[r]]!r} waits for {send!r}, which rank {src} reaches only "
-                         f"after its own {actions[src][idx[src]]!r}")
-            r = src
-        first = stuck[0]
-        return first, idx[first], actions[first][idx[first]], "deadlock: " + "; ".join(chain)
-    posted = {(r, _message(a, K, S, pl)[2]) for r in range(K) for a in actions[r] if a.kind.startswith("RECV")}
-    for r in range(K):
-        for i, a in enumerate(actions[r]):
-            if a.kind.startswith("SEND"):
-                _, dst, key = _message(a, K, S, pl)
-                if (dst, key) not in posted:
-                    return r, i, a, f"rank {dst} never posts the matching receive"
-    return None
-
-
-def explain_hang(actions: dict, K: int, n_stages: int, rank: int, a: Action, comm_action: Action,
-                 error: BaseException) -> str:
+def explain_hang(actions: Schedule, rank: int, a: Action, comm_action: Action, error: BaseException) -> str:
     """The message of a failed wait on ``rank`` (at action ``a``, waiting for ``comm_action``).
     First line: the first action that cannot complete (:func:`diagnose_hang`) and which rank
     this report is from (the rank a :class:`~labkit.dist.RankError` header names)."""
-    peer = _peer_of(comm_action, K, infer_placement(actions, n_stages))
+    peer = actions.peer(comm_action)
     here = (f"this error is rank {rank}'s (the rank in the RankError header), which was at {a!r} waiting for "
             f"{comm_action!r} ({'from' if comm_action.kind.startswith('RECV') else 'to'} rank {peer})")
-    found = diagnose_hang(actions, K, n_stages)
+    found = diagnose_hang(actions)
     if found is not None:
         r, i, b, reason = found
         first = (f"pipeline schedule hung: the first action that cannot complete is {b!r} on rank {r} (its action "
@@ -830,7 +664,7 @@ def explain_hang(actions: dict, K: int, n_stages: int, rank: int, a: Action, com
     cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
     lines = [first, f"cause: {type(error).__name__}: {cause}"]
     try:
-        validate_schedule(actions, n_stages=n_stages)
+        validate_schedule(actions.actions, n_stages=actions.n_stages)
     except ScheduleError as e:
         lines.append(f"validate_schedule (skipped with validate=False) reports: {e}")
     return "\n".join(lines)

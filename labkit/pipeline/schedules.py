@@ -42,16 +42,18 @@ receive on b from a.
 Placement: "loop" (the default above) or "v" (zero-bubble V schedules, Qi et al. 2024,
 sec. 6, and DualPipeV): with ``n_stages = 2K`` rank r holds stages r and 2K-1-r, so stage
 K-1 and stage K are both on rank K-1 and the microbatch turns back there ("V" shape).
-:func:`stage_rank` takes the placement; the validator, simulator and runtime infer it
-from the schedule (:func:`infer_placement`).
+:func:`stage_rank` takes the placement; :meth:`Schedule.of` infers it once from the
+schedule (:func:`infer_placement`), and the validator, simulator and runtime read it there.
 
-A schedule is a plain ``dict[int, list[Action]]`` (rank -> actions). A learner can write the
+A schedule is a ``dict[int, list[Action]]`` (rank -> actions). A learner can write the
 compute order only (F and B actions) and let :func:`add_communication` insert the sends and
-receives.
+receives. :class:`Schedule` is that dict with its sizes (K, M, n_stages, placement) and the
+answers to "which message does this action send, or wait for" (:meth:`Schedule.message`,
+:meth:`Schedule.needs`, :meth:`Schedule.produces`); the validator returns one. Which named
+schedules exist, and how each is built and run, is :mod:`.registry`.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import NamedTuple
 
 __all__ = [
@@ -194,21 +196,21 @@ class Message(NamedTuple):
     key: tuple
 
 
-class Schedule(Mapping):
-    """A pipeline schedule with its shape: ``actions`` (rank -> list of :class:`Action`), ``K``
+class Schedule(dict):
+    """A pipeline schedule with its shape: the dict ``{rank: [Action, ...]}`` itself, plus ``K``
     ranks, ``M`` microbatches, ``n_stages`` stages and the ``placement`` ("loop" or "v").
 
-    Reads as the dict it wraps (``schedule[r]``, ``len``, iteration over ranks), so code that
-    takes ``{rank: [Action]}`` takes a Schedule too. :func:`~.validate.validate_schedule`
-    returns one; :meth:`of` builds one from a dict without checking it. The messages between
-    ranks are answered here, once: :meth:`message`, :meth:`needs`, :meth:`produces` (the
-    semantics of the module docstring; torch.distributed.pipelining's action IR has the same
-    F/B/I/W and send/receive kinds)."""
+    It is a dict, so code that takes ``{rank: [Action]}`` takes a Schedule too (and a learner's
+    dict stays what it was). :func:`~.validate.validate_schedule` returns one; :meth:`of`
+    builds one from a dict without checking it. The messages between ranks are answered here,
+    once: :meth:`message`, :meth:`needs`, :meth:`produces` (the semantics of the module
+    docstring; torch.distributed.pipelining's action IR has the same F/B/I/W and send/receive
+    kinds). The sizes are fixed when it is built: after editing the lists, build it again."""
 
     def __init__(self, actions: dict, K: int, M: int, n_stages: int, placement: str = "loop"):
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        self.actions = {r: list(actions[r]) for r in actions}
+        super().__init__({r: list(actions[r]) for r in actions})
         self.K, self.M, self.n_stages, self.placement = K, M, n_stages, placement
 
     @classmethod
@@ -225,19 +227,10 @@ class Schedule(Mapping):
         K, M, S = infer_sizes(acts, n_microbatches, n_stages)
         return cls(acts, K, M, S, placement or infer_placement(acts, S))
 
-    # the mapping rank -> actions
-    def __getitem__(self, rank):
-        return self.actions[rank]
-
-    def __iter__(self):
-        return iter(self.actions)
-
-    def __len__(self):
-        return len(self.actions)
-
-    def __repr__(self):
-        return (f"Schedule(K={self.K}, M={self.M}, n_stages={self.n_stages}, placement={self.placement!r}, "
-                f"actions={self.actions!r})")
+    @property
+    def actions(self) -> dict:
+        """The plain dict ``{rank: [Action]}`` (a copy of the mapping; the lists are shared)."""
+        return dict(self)
 
     @property
     def v(self) -> int:

@@ -37,7 +37,7 @@ from fractions import Fraction
 from numbers import Rational
 from typing import Callable, NamedTuple, Sequence, Union
 
-from .schedules import COMPUTE, Action, Schedule, ScheduleError, infer_sizes
+from .schedules import COMPUTE, Action, Schedule, ScheduleError, infer_sizes  # noqa: F401 (infer_sizes: re-exported)
 from .symbolic import execute
 from .validate import validate_schedule
 
@@ -124,7 +124,7 @@ def peak_in_flight(schedule: dict, n_stages: int | None = None) -> list:
     """Most microbatches in flight per stage, from the action order: F done and B (or W, for a
     split backward) not yet; a microbatch's activations stay alive until its W, which needs
     them (Qi et al. 2024, sec. 3)."""
-    _, _, S = infer_sizes(schedule, None, n_stages)
+    S = Schedule.of(schedule, n_stages=n_stages).n_stages
     peak, live = [0] * S, [0] * S
     for r in schedule:
         for kind, stage, _ in schedule[r]:
@@ -139,7 +139,7 @@ def peak_in_flight(schedule: dict, n_stages: int | None = None) -> list:
 def peak_waiting_for_w(schedule: dict, n_stages: int | None = None) -> list:
     """Most microbatches per stage whose I ran and whose W has not: they hold only what W
     needs (each layer's input and output gradient), no longer what the input gradient needs."""
-    _, _, S = infer_sizes(schedule, None, n_stages)
+    S = Schedule.of(schedule, n_stages=n_stages).n_stages
     peak, live = [0] * S, [0] * S
     for r in schedule:
         for kind, stage, _ in schedule[r]:

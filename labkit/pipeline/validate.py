@@ -39,7 +39,7 @@ def _at(r, i, a) -> str:
 
 
 def _normalise(schedule) -> dict:
-    if not isinstance(schedule, (dict, Schedule)) or not schedule:
+    if not isinstance(schedule, dict) or not schedule:
         raise ScheduleError(f"a schedule is a non-empty dict {{rank: [Action, ...]}}, got {type(schedule).__name__}")
     K = len(schedule)
     if sorted(schedule) != list(range(K)):

@@ -34,9 +34,7 @@ from collections import deque
 from .schedules import Action, ScheduleError, add_communication, check_pipeline_sizes
 
 __all__ = ["zb_h1_schedule", "zbv_schedule", "dualpipev_schedule", "dualpipev_overlapped", "bubble_time_formula",
-           "zbv_bubble_terms", "ZB_SCHEDULES"]
-
-ZB_SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")
+           "zbv_bubble_terms"]
 
 
 def _zb_h1_order(K: int, M: int, r: int) -> list[Action]:
@@ -313,5 +311,5 @@ def bubble_time_formula(schedule: str, K: int, T_F=1, T_I=1, T_W=1, T_FB=None):
     if schedule == "dualpipev":
         fb = T_F + T_B if T_FB is None else T_FB
         return (K - 1) * (fb + T_B - 3 * T_W)
-    raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(ZB_SCHEDULES)}")
+    raise ValueError(f"unknown schedule {schedule!r}; choose one of 1f1b, zb-h1, zbv, dualpipev")
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, fields
 
+from ..pipeline.registry import names
+
 __all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "PUBLISHED", "CLUSTERS", "preset", "load_model_json",
            "SCHEDULES", "PRECISIONS"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "dualpipe")
+SCHEDULES = names(runs=None, planned=True)   # gpipe 1f1b interleaved dualpipe (labkit.pipeline.registry)
 PRECISIONS = ("fp32", "bf16")
 
 
