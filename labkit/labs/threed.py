@@ -310,27 +310,34 @@ def _mib(b):
     return b / 2**20
 
 
-# the planner's name of each schedule it models (not yet the zero-bubble ones: ZB-H1's last stage keeps
-# microbatches until their W, which the planner's in-flight count does not model)
-_PLANNER_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved"}
+# schedule -> (the planner's schedule with the same stages per rank and messages, placement, whether the
+# planner models its activations). The zero-bubble ones keep microbatches until their W, which the
+# planner's in-flight counts do not model yet: their parameters and bytes per axis are still compared.
+_PLANNER_SCHEDULE = {"gpipe": ("gpipe", "loop", True), "1f1b": ("1f1b", "loop", True),
+                     "interleaved": ("interleaved", "loop", True), "zb-h1": ("1f1b", "loop", False),
+                     "zbv": ("interleaved", "v", False), "dualpipev": ("interleaved", "v", False)}
 
 
 def _planner(a):
     """The planner's prediction for this run: ``(memory per pipeline rank, {pp_rank: {axis: {kind:
-    (count, bytes)}}})``, or None for the schedules it does not model."""
+    (count, bytes)}}}, activations modeled)``, or None when the planner cannot take the layout."""
     from ..plan.comm import comm_per_rank
     from ..plan.memory import memory_per_rank
     from ..plan.spec import Layout, ModelSpec
     if a.schedule not in _PLANNER_SCHEDULE:
         return None
+    schedule, placement, act_modeled = _PLANNER_SCHEDULE[a.schedule]
     spec = ModelSpec.from_gpt_config(_config(a), seq_len=a.seq, global_batch=a.batch)
-    lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
-                 schedule=_PLANNER_SCHEDULE[a.schedule], zero=1 if a.zero else 0, sequence_parallel=a.sp,
-                 recompute=a.recompute, precision="fp32")
-    mem = memory_per_rank(spec, lay, device="cpu")
-    comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
-            for r in range(a.pp)}
-    return mem, comm
+    try:
+        lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
+                     schedule=schedule, placement=placement, zero=1 if a.zero else 0, sequence_parallel=a.sp,
+                     recompute=a.recompute, precision="fp32")
+        mem = memory_per_rank(spec, lay, device="cpu")
+        comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
+                for r in range(a.pp)}
+    except ValueError:
+        return None
+    return mem, comm, act_modeled
 
 
 def _planner_table(a, out) -> tuple[list[str], list[str]]:
@@ -339,9 +346,8 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     bytes (the run reduces in buckets, the planner counts one per model chunk)."""
     pred = _planner(a)
     if pred is None:
-        return [f"planner: not shown for --schedule {a.schedule} (the planner models gpipe, 1f1b and "
-                f"interleaved)"], []
-    mem, comm = pred
+        return [f"planner: not shown for this layout (--schedule {a.schedule}, v={_v(a)})"], []
+    mem, comm, act_modeled = pred
     bad, rows = [], []
     head = (f"{'rank':>4}  {'params':>9} {'(planner)':>9}  {'grads':>9} {'(planner)':>9}  {'optimizer':>9} "
             f"{'(planner)':>9}  {'activations':>11} {'(planner)':>9} {'diff':>6}  communication bytes per axis (planner)")
@@ -353,7 +359,7 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                 bad.append(f"rank {r.rank} {k}: measured {m[k]} B, planner {getattr(pm, k)} B")
         act = r.activations
         diff = (pm.activations / act - 1) if act else float("nan")
-        if not abs(diff) <= 0.02:
+        if act_modeled and not abs(diff) <= 0.02:
             bad.append(f"rank {r.rank} activations: measured {act} B, planner {pm.activations} B "
                        f"({diff:+.1%}, more than 2 %)")
         got, want = r.comm[-1], comm[r.pp_rank]
@@ -366,8 +372,12 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                     bad.append(f"rank {r.rank} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
             cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
         rows.append(f"{r.rank:>4}  {m['params']:>9} {pm.params:>9}  {m['grads']:>9} {pm.grads:>9}  "
-                    f"{m['optimizer']:>9} {pm.optimizer:>9}  {act if act else '-':>11} {pm.activations:>9} "
-                    f"{diff:>+6.1%}  {', '.join(cells)}")
+                    f"{m['optimizer']:>9} {pm.optimizer:>9}  {act if act else '-':>11} "
+                    f"{pm.activations if act_modeled else 'n/a':>9} {f'{diff:+.1%}' if act_modeled else '-':>6}  "
+                    f"{', '.join(cells)}")
+    if not act_modeled:
+        rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches yet; not "
+                    f"compared)")
     return rows, bad
 
 
