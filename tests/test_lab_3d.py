@@ -133,3 +133,29 @@ def test_lab_3d_sp_option_errors(tmp_path, capsys):
     assert rc == 2 and "S=15" in err and "divisible by t" in err and "Traceback" not in err
     with pytest.raises(SystemExit):
         main(["lab", "3d", "--recompute", "some"])
+
+
+def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
+    """--moe at (t, p, d) = (2, 2, 2): experts over EP = d = 2 (folded onto DP), TP attention, two
+    pipeline stages; the verdict is the labs' one. Injected bug: the experts all-reduced over DP as
+    if they were replicated (each rank's experts differ) must fail it."""
+    rc = main(["lab", "3d", *GRID, "--moe", "--experts", "4", "--topk", "2", "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert "OK   t2 p2 d2 1f1b" in cap.out and "MoE E=4 top-2 EP=2" in cap.out and "EP (=2, on DP)" in cap.out
+    from labkit.parallel import gpt as pgpt
+    monkeypatch.setattr(pgpt, "expert_param_names", lambda module: set())
+    rc = main(["lab", "3d", *GRID, "--moe", "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 1 and "FAIL t2 p2 d2 1f1b" in cap.out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--moe", "--sp"], "--moe runs with DDP, without --sp and --recompute"),
+    (["--moe", "--experts", "3"], "n_routed_experts E=3 must be divisible by the EP size 2"),
+    (["--moe", "--topk", "5"], "--topk must be between 1 and --experts=4, got 5"),
+])
+def test_lab_3d_moe_errors(argv, msg, capsys, tmp_path):
+    rc = main(["lab", "3d", "--heads", "2", "--embd", "16", "--microbatches", "2", *argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and "Traceback" not in err

@@ -10,12 +10,49 @@ import copy
 import torch
 import torch.nn as nn
 
+from ..moe.expert_parallel import ExpertParallelMoE
 from ..moe.model import MoEBlock, MoEGPT
 from ..moe.pipeline import attach_aux_loss
 from ..pipeline.schedules import stage_rank
 from ..pipeline.stages import stage_layers
+from ..tensor_parallel import ParallelAttention
 
-__all__ = ["MoEGPTStage", "split_moe_gpt", "moe_stages_for_rank", "moe_param_name"]
+__all__ = ["MoEGPTStage", "split_moe_gpt", "moe_stages_for_rank", "moe_param_name", "ParallelMoEBlock",
+           "moe_block_rule"]
+
+
+class ParallelMoEBlock(nn.Module):
+    """x + Attn_TP(LN1 x), then x + MoE_EP(LN2 x): Megatron's TP attention over ``tp_group`` (None:
+    a copy of the reference's) and the experts spread over ``ep_group``
+    (:class:`labkit.moe.expert_parallel.ExpertParallelMoE`; rank ``ep_rank`` holds experts
+    ``ep_rank*E/ep_size ..``). The MoE input is replicated over TP, so the t ranks of a TP group
+    hold the same experts and compute the same thing (as for a LayerNorm).
+    ``[B, S, H] -> ([B, S, H], MoEStats)``."""
+
+    def __init__(self, ref: MoEBlock, tp_group, ep_group, ep_rank: int, ep_size: int):
+        super().__init__()
+        self.ln1, self.ln2 = copy.deepcopy(ref.ln1), copy.deepcopy(ref.ln2)
+        self.attn = ParallelAttention.from_reference(ref.attn, tp_group) if tp_group else copy.deepcopy(ref.attn)
+        self.moe = ExpertParallelMoE.from_dense(ref.moe, ep_group, ep_rank, ep_size)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        y, stats = self.moe(self.ln2(x))
+        return x + y, stats
+
+
+def moe_block_rule(ep_group, ep_rank: int, ep_size: int, dense_rule=None):
+    """A plan rule for ``"blocks.*"`` of the MoE GPT (:func:`labkit.tensor_parallel.parallelize`): an
+    MoE block becomes a :class:`ParallelMoEBlock`, a dense block goes to ``dense_rule`` (None: kept)."""
+    def rule(block, group):
+        if isinstance(block, MoEBlock):
+            return ParallelMoEBlock(block, group, ep_group, ep_rank, ep_size)
+        return dense_rule(block, group) if dense_rule is not None else block
+    return rule
+
+
+def _is_moe(block) -> bool:
+    return hasattr(block, "moe")       # MoEBlock or ParallelMoEBlock (a dense block has ``mlp``)
 
 
 class MoEGPTStage(nn.Module):
@@ -40,7 +77,7 @@ class MoEGPTStage(nn.Module):
         if self.embedding is not None:
             x = self.embedding(x)
         for lid, block in zip(self.layer_ids, self.blocks):
-            if isinstance(block, MoEBlock):
+            if _is_moe(block):
                 x, stats = block(x)
                 if torch.is_grad_enabled():
                     # counted when this forward's backward runs: exactly once per microbatch and step
@@ -61,7 +98,11 @@ class MoEGPTStage(nn.Module):
 
     def moe_layers(self) -> dict:
         """{global block index: MoE layer} of this stage."""
-        return {lid: b.moe for lid, b in zip(self.layer_ids, self.blocks) if isinstance(b, MoEBlock)}
+        return {lid: b.moe for lid, b in zip(self.layer_ids, self.blocks) if _is_moe(b)}
+
+    def reference_name(self, name: str) -> str:
+        """The single-device MoEGPT's name of this stage's parameter or buffer ``name``."""
+        return moe_param_name(self, name)
 
 
 def split_moe_gpt(model: MoEGPT, n_stages: int, n_microbatches: int, stages=None) -> list[MoEGPTStage]:
