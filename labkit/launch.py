@@ -222,8 +222,47 @@ def _rendezvous_folder() -> str:
     """
     import tempfile
 
-    # a private folder, removed whole after the launch (FileStore may leave helper files)
-    return tempfile.mkdtemp(prefix="labkit-store-")
+    # a private folder, removed whole after the launch (FileStore may leave helper files); its name
+    # says whose it is, so that a later launch can remove it should both its owner and the reaper be
+    # SIGKILLed at once (a kill of every process of a session or a uid)
+    tmp = tempfile.gettempdir()
+    _sweep_stale_folders(tmp)
+    return tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{_owner_tag(os.getpid())}.", dir=tmp)
+
+
+STORE_PREFIX = "labkit-store-"
+
+
+def _owner_tag(pid: int) -> str | None:
+    """``"<pid>.<start time>.<host hash>"``: the process ``pid`` of this host, told apart from a later
+    process with the same pid by its start time (clock ticks since boot, /proc/PID/stat field 22);
+    None when /proc cannot tell (the process is gone, or no /proc)."""
+    import zlib
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            start = f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+    return f"{pid}.{start}.{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def _sweep_stale_folders(tmp: str) -> None:
+    """Remove the rendezvous folders in ``tmp`` of launches on this host whose process is gone (its
+    reaper was killed with it, e.g. by a SIGKILL of a whole session). A folder whose name does not
+    name its owner, or names a live one or another host's, is left alone."""
+    import shutil
+    import zlib
+    host = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        parts = name[len(STORE_PREFIX):].split(".") if name.startswith(STORE_PREFIX) else []
+        if len(parts) != 4 or not parts[0].isdigit() or parts[2] != host:
+            continue
+        if _owner_tag(int(parts[0])) != ".".join(parts[:3]):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
 
 
 def _start_folder_reaper(folder: str):
@@ -231,7 +270,8 @@ def _start_folder_reaper(folder: str):
     however it dies (SIGKILL included: no clean-up can run in a SIGKILLed process).
 
     Linux only (prctl PR_SET_PDEATHSIG delivers SIGUSR1 to the reaper when its parent dies);
-    elsewhere returns None. The reaper blocks SIGUSR1, SIGINT and SIGTERM and waits: SIGUSR1
+    elsewhere returns None. The reaper runs in a session of its own, so that a ``killpg`` of this
+    process's group (the grader's time limit, a shell's job control) stops the launch but not it. The reaper blocks SIGUSR1, SIGINT and SIGTERM and waits: SIGUSR1
     (parent gone) removes the folder, retrying while the dying ranks still hold files in it;
     SIGINT / SIGTERM (a Ctrl-C or kill to the whole group) are ignored: the parent cleans up then
     and :func:`_stop_folder_reaper` SIGKILLs the reaper (which cannot block that, so no wait hangs).
@@ -258,6 +298,10 @@ def _start_folder_reaper(folder: str):
         return pid
     try:  # the reaper: only plain system calls from here on, then os._exit
         prctl(1, int(signal.SIGUSR1), 0, 0, 0)  # PR_SET_PDEATHSIG
+        try:
+            os.setsid()
+        except OSError:
+            pass
         got = signal.SIGUSR1 if os.getppid() != parent else None
         while got != signal.SIGUSR1:  # Ctrl-C / SIGTERM to the whole group: the parent cleans up itself
             got = signal.sigwait(sigs)

@@ -22,9 +22,9 @@ import tracemalloc
 import uuid
 from pathlib import Path
 
-import nbformat
 import pytest
 
+from nbfiles import write_notebook
 from labkit.grading import wire
 from labkit.grading.contain import Cgroup, Limits, UidLease, kill_uid, remove_files_of, uid_processes
 
@@ -212,19 +212,11 @@ RESERIAL = [
 ]
 
 
-def _notebook(path: Path, sources: list[str]) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["labkit"] = {"notebook": "98_hostile"}
-    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
-    nbformat.write(nb, str(path))
-
-
 def _grade(tmp: Path, notebooks: dict, *extra: str, wrap=None):
     (tmp / "cases").mkdir(exist_ok=True)
     (tmp / "cases" / "hostile.py").write_text(CASES)
     for name, cells in notebooks.items():
-        _notebook(tmp / f"{name}.ipynb", cells)
+        write_notebook(tmp / f"{name}.ipynb", cells)
     results = tmp / "results.json"
     # --no-source-policy: these attacks would be zeroed by the source policy first; here they run, to
     # prove that containment and the grader's judgement hold on their own (an attack the policy misses)

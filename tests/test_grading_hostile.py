@@ -24,9 +24,9 @@ import time
 import uuid
 from pathlib import Path
 
-import nbformat
 import pytest
 
+from nbfiles import write_notebook
 from labkit.grading.runner import evaluate
 from labkit.pipeline import gpipe_schedule
 
@@ -98,14 +98,6 @@ ROBUST = [
 ]
 
 
-def _notebook(path: Path, sources: list[str]) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["labkit"] = {"notebook": "98_hostile"}
-    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
-    nbformat.write(nb, str(path))
-
-
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
@@ -113,8 +105,8 @@ def graded(tmp_path_factory):
     (tmp / "cases" / "hostile.py").write_text(CASES)
     sub = tmp / "submission"
     sub.mkdir()
-    _notebook(sub / "attacks.ipynb", STUBS + ATTACKS)
-    _notebook(sub / "robust.ipynb", ROBUST)
+    write_notebook(sub / "attacks.ipynb", STUBS + ATTACKS)
+    write_notebook(sub / "robust.ipynb", ROBUST)
     (tmp / "out").mkdir()
     results = tmp / "out" / "results.json"
     env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"), LABKIT_TEST_MARK=MARK)
@@ -243,7 +235,7 @@ def _isolated() -> bool:
 def test_as_root_the_kernel_cannot_forge_results_kill_the_grader_or_read_hidden_cases(tmp_path):
     (tmp_path / "cases").mkdir()
     (tmp_path / "cases" / "hostile.py").write_text(CASES)
-    _notebook(tmp_path / "forge.ipynb", FORGE)
+    write_notebook(tmp_path / "forge.ipynb", FORGE)
     results = tmp_path / "results.json"
     env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp_path / "cases"))
     proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "forge.ipynb"), "--results",
@@ -279,3 +271,48 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
     while _marked_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _marked_processes() == []
+
+
+# ----------------------------------------------------------------------------- claims the kernel used to make
+# Submissions of notebook 00 whose 0.2 games how the ring is measured, with helper modules the learner
+# writes to disk (the source policy cannot see into them). 0.1 is right: honest score 2 of 6 each.
+RS = ("def reduce_scatter_by_hand(inputs):\n    return list(torch.stack(inputs).sum(dim=0).chunk(len(inputs)))\n"
+      "check('0.1', reduce_scatter_by_hand)")
+HEAD = "import sys\nimport torch\nfrom labkit import comm\nfrom labkit.grading import check\nsys.path.insert(0, '.')"
+CLAIMS = {
+    # a real collective, through an alias bound before any case runs (it used to pass, sending nothing)
+    "alias": [HEAD, RS, "open('ringhelp.py', 'w').write('import torch.distributed as d\\npass_on = d.all_reduce\\n')\n"
+                        "import ringhelp",
+              "def ring_all_reduce(ctx, tensor):\n    ringhelp.pass_on(tensor)\n    return tensor\n"
+              "check('0.2', ring_all_reduce)"],
+    # the kernel-side helper rebound to return the right sums, and an answer that returns None
+    "rebound": [HEAD, RS, "open('ringfix.py', 'w').write('import torch\\n"
+                          "import labkit.grading.kernelside.nb00_distributed_primer as K\\n"
+                          "K._run_ring = lambda ring, inputs, *a: [torch.stack(inputs).sum(0)] * len(inputs)\\n')\n"
+                          "import ringfix",
+                "def ring_all_reduce(ctx, tensor):\n    return None\ncheck('0.2', ring_all_reduce)"],
+}
+
+
+@pytest.fixture(scope="module")
+def claims(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("claims")
+    for name, cells in CLAIMS.items():
+        write_notebook(tmp / f"{name}.ipynb", cells, notebook="00_distributed_primer")
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in CLAIMS),
+                           "--assignment", "00_distributed_primer", "--results-dir", str(tmp / "out"),
+                           "--cell-timeout", "30"], capture_output=True, text=True, cwd=tmp, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in CLAIMS}, proc
+
+
+@pytest.mark.parametrize("name", list(CLAIMS))
+def test_a_ring_that_games_the_measurement_scores_its_honest_score(claims, name):
+    results, proc = claims
+    obj = results[name]
+    assert obj["score"] == 2, (name, obj["output"], proc.stdout[-3000:])
+    ring = [t for t in obj["tests"] if t["name"].startswith("Exercise 0.2")]
+    assert ring[0]["score"] == 0 and "source policy" not in ring[0].get("output", ""), ring[0]
+    # judged on what reached the grader's relay: no process group for the alias, no message for the rebinding
+    why = {"alias": "process group", "rebound": "nothing that rank 0 received by send/recv carried them"}[name]
+    assert any(why in t.get("output", "") for t in ring), ring

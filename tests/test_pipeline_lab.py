@@ -61,16 +61,25 @@ def test_plot_from_simulator_and_from_measured_timeline():
     plt.close(ax.figure)
 
 
-def test_lab_runs_and_matches_single_device(tmp_path, capsys):
+LAB_RUNS = [  # (options beyond the common ones, texts the output must hold)
+    (["--steps", "3", "--layers", "4"],
+     ("single device", "gpipe", "1f1b", "interleaved v=2",
+      "OK: every run (gpipe, 1f1b, interleaved v=2) equals single-device training at every step",
+      "AT THE SAME PARAMETERS", "[2, 1]")),  # [2, 1]: 1F1B peak in flight per stage, K=2, M=2
+    # --steps 1: the timeline comes from step 0 (no timed step, tokens/s nan), no crash
+    (["--steps", "1", "--layers", "2", "--schedule", "1f1b"], ("1f1b", "OK: every run (1f1b)", "timelines.png")),
+]
+
+
+@pytest.mark.parametrize("extra,texts", LAB_RUNS, ids=["all-schedules", "one-step"])
+def test_lab_runs_and_matches_single_device(extra, texts, tmp_path, capsys):
     from labkit.labs.pipeline import main
-    rc = main(["--world-size", "2", "--steps", "3", "--microbatches", "2", "--batch", "4", "--seq", "16",
-               "--layers", "4", "--embd", "32", "--heads", "2", "--out", str(tmp_path)])
+    rc = main(["--world-size", "2", "--microbatches", "2", "--batch", "4", "--seq", "16", "--embd", "32",
+               "--heads", "2", "--out", str(tmp_path), *extra])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for name in ("single device", "gpipe", "1f1b", "interleaved v=2", "OK: every run (gpipe, 1f1b, interleaved v=2) equals single-device training at every step",
-                 "AT THE SAME PARAMETERS"):
-        assert name in out
-    assert "[2, 1]" in out  # 1F1B peak in flight per stage, K=2, M=2
+    for text in texts:
+        assert text in out, text
     folder = next(tmp_path.iterdir())
     assert folder.name.startswith("pipeline-")
     assert (folder / "timelines.png").stat().st_size > 0 and (folder / "loss_curves.png").stat().st_size > 0
@@ -107,16 +116,6 @@ def test_lab_rejects_bad_options_with_one_error_line(tmp_path, capsys):
         assert main(argv) == 2
         out, err = capsys.readouterr()
         assert out == "" and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
-
-
-def test_lab_one_step(tmp_path, capsys):
-    """--steps 1: the timeline comes from step 0 (no timed step, tokens/s nan), no crash."""
-    from labkit.labs.pipeline import main
-    rc = main(["--world-size", "2", "--steps", "1", "--microbatches", "2", "--batch", "4", "--seq", "16",
-               "--layers", "2", "--embd", "32", "--heads", "2", "--schedule", "1f1b", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "1f1b" in out and "OK: every run (1f1b)" in out and "timelines.png" in out
 
 
 @pytest.mark.filterwarnings("ignore")

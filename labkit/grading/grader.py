@@ -57,13 +57,21 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
-
 from ..cliparse import Parser
 from .registry import HIDDEN_ENV, Exercise, exercises_for_notebook, get_exercise
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
            "ExerciseGrade", "CaseGrade", "NotebookGrade", "write_results"]
+
+def _nbformat():
+    """nbformat, imported without jsonschema's optional IRI format checker: ``rfc3987_syntax``
+    compiles about forty lark grammars when imported (some 2 s of CPU, a large share of grading
+    a small notebook), and the notebook schema uses no IRI format."""
+    sys.modules.setdefault("rfc3987_syntax", None)  # jsonschema then skips that checker (ImportError)
+    import nbformat
+
+    return nbformat
+
 
 DEFAULT_CELL_TIMEOUT = 300  # seconds one cell may run under the grader
 MAX_RESTARTS = 3  # fresh kernels after a cell killed one or ran past the limit
@@ -288,7 +296,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     from .session import KernelSession, isolation_note, kernel_user
 
     path = Path(path)
-    nb = nbformat.read(str(path), as_version=4)
+    nb = _nbformat().read(str(path), as_version=4)
     names = [assignment] if assignment else _notebook_names(nb, path)
     exercises = [ex for name in names for ex in exercises_for_notebook(name)]
     wanted = {ex.id: ex for ex in exercises}
@@ -484,7 +492,7 @@ def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: s
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
                                                     f"{_first(str(e))}", graded=False)
             try:
-                nb = nbformat.read(str(p), as_version=4)
+                nb = _nbformat().read(str(p), as_version=4)
                 for name in [assignment] if assignment else _notebook_names(nb, Path(p)):
                     for ex in exercises_for_notebook(name):
                         g.exercises.append(_exercise_grade(ex, None, f"not reached: {g.stopped}"))
@@ -644,8 +652,8 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
         if not x.is_file():
             return f"no such notebook: {x}"
         try:
-            nb = nbformat.read(str(x), as_version=4)
-            nbformat.validate(nb)
+            nb = _nbformat().read(str(x), as_version=4)
+            _nbformat().validate(nb)
         except Exception as e:  # noqa: BLE001 - binary, not JSON, not a notebook
             return f"{x} is not a Jupyter notebook ({type(e).__name__}: {_first(str(e), 160)})"
         spec = nb.metadata.get("kernelspec") or {}
@@ -665,6 +673,24 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
         if not os.access(parent, os.W_OK | os.X_OK):
             return f"--results {results}: its folder {parent} is not writable"
     return ""
+
+
+_BATCH_ONLY = {"help", "paths", "results", "results_dir", "gradebook", "jobs"}
+
+
+def _submission_options(parser, args) -> list[str]:
+    """The command-line options, as given, that a batch passes on to each submission's grader:
+    every option of ``parser`` but the batch's own (one list, so none is forgotten)."""
+    out: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse's list of declared options
+        if action.dest in _BATCH_ONLY or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if action.nargs == 0:  # a flag (store_true)
+            out += [action.option_strings[0]] if value else []
+        elif value is not None and value != action.default:
+            out += [action.option_strings[0], str(value)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -754,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
     if batch:
         from .batch import grade_batch
-        return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, cell_timeout, a.assignment, not a.no_hints)
+        return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, _submission_options(p, a))
     t0 = time.monotonic()
     grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits,
                          hints=not a.no_hints, source_policy=not a.no_source_policy)

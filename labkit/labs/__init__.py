@@ -1,8 +1,10 @@
 """The labs: ``python -m labkit lab NAME`` (or ``torchrun ... -m labkit.labs.NAME``).
 
-What every lab shares: ``--help`` that shows defaults, one ``error:`` line for bad input,
-the rule that under torchrun only rank 0 prints, one line (no traceback) when the run is
-interrupted or a rank fails (:func:`run_cli`), a fresh run folder per run (:func:`run_folder`)
+Each lab module (``pipeline``, ``tensor``, ``moe``, ``moe_eplb``, ``threed``) supplies only its
+strategy, as a :class:`labkit.labs.harness.Lab`; :mod:`labkit.labs.harness` runs every lab the
+same way. What every lab shares, here: ``--help`` that shows defaults, one ``error:`` line for
+bad input, the rule that under torchrun only rank 0 prints, one line (no traceback) when the run
+is interrupted or a rank fails (:func:`run_cli`), a fresh run folder per run (:func:`run_folder`)
 and the verdict (:mod:`labkit.labs.verdict`).
 """
 from __future__ import annotations

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_tolerance_option(p)
     p.add_argument("--eplb", action="store_true",
                    help="instead of the standard lab: measure expert loads, rebalance with EPLB (replicas), run "
-                        "the replicas on P ranks, compare tokens per GPU with the device-level loss and the aux-free bias")
+                        "the replicas on P ranks, compare tokens per GPU with the device-level loss and the aux-free "
+                        "bias")
     p.add_argument("--redundant-experts", type=int, default=None,
                    help="--eplb: extra physical experts R - E (unset: P, one more per GPU)")
     p.add_argument("--gpus-per-node", type=int, default=None,

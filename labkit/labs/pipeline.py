@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 from ..cliparse import Parser
+from ..pipeline.registry import lookup, names
+from ..pipeline.stats import mean_times
 from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
                count_parameters_meta, is_main_rank, loss_change, schedule_name)
 from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
-from ..pipeline.registry import lookup, names
-from ..pipeline.stats import mean_times
 from .verdict import add_tolerance_option
 
 SCHEDULES = names(zero_bubble=False)   # gpipe 1f1b interleaved (labkit.pipeline.registry)
@@ -112,7 +112,7 @@ def _bad_args(a, K) -> str | None:
                     f"({v}*{a.microbatches} + {K} - 1) x {(cost['F'] + cost['B']) * 1e3:g} ms = {step:.3g} s, "
                     f"more than half the {LAUNCH_TIMEOUT:g} s a rank waits for a peer; use smaller costs")
     try:
-        cfg = _config(a)
+        _config(a)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--embd {a.embd}, --heads {a.heads})"
     return None
@@ -272,8 +272,7 @@ def _analyse(a, kind, K, results, single):
         measured.append(float(bubble_fraction(tl, K)))
     # mean measured F and B time per stage, then simulate the schedule with them
     times = mean_times(tls, K * v)
-    fwd, bwd = times["F"], times["B"]
-    sim = simulate(lookup(kind).schedule(K, M, v), forward=fwd, backward=bwd)
+    sim = simulate(lookup(kind).schedule(K, M, v), forward=times["F"], backward=times["B"])
     peak = {}
     for r in results:
         peak.update(r.peak)

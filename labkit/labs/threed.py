@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 
 from ..cliparse import Parser
+from ..pipeline.registry import lookup, names
 from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
                count_parameters_meta, is_main_rank, save_figure, schedule_name, write_bytes_atomic)
 from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
-from ..pipeline.registry import lookup, names
 from .verdict import add_tolerance_option
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."

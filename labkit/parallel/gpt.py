@@ -200,6 +200,9 @@ class ParallelGPT:
                 raise ValueError("the MoE GPT runs here with DDP, without sequence parallelism and without "
                                  f"recompute (got zero={zero}, sequence_parallel={sequence_parallel}, "
                                  f"recompute={recompute!r})")
+            if grid.ep != grid.dp:
+                raise ValueError(f"ParallelGPT folds EP onto the whole DP group: ep must equal d={grid.dp}, "
+                                 f"got ep={grid.ep}")
             if moe_cfg.token_groups != grid.dp * n_microbatches:
                 raise ValueError(f"the reference must route in token_groups = d*M = {grid.dp * n_microbatches} "
                                  f"groups (one per microbatch and DP rank), got {moe_cfg.token_groups}")
@@ -220,7 +223,7 @@ class ParallelGPT:
         if plan is None:
             plan = gpt_plan(self.sequence_parallel, recompute) if group is not None else {}
             if self.moe:
-                plan = {**plan, "blocks.*": moe_block_rule(grid.dp_group, grid.dp_rank, d, plan.get("blocks.*"))}
+                plan = {**plan, "blocks.*": moe_block_rule(grid.ep_group, grid.ep_rank, grid.ep, plan.get("blocks.*"))}
         self.modules: list[nn.Module] = []
         for s in self.stage_ids:
             if self.moe:                                                                    # slice

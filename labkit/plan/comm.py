@@ -21,10 +21,17 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   (``2 (d-1)/d`` Psi on the wire), ZeRO-1/2 reduce-scatter the gradients and all-gather the
   updated parameters (the same wire bytes), ZeRO-3 also all-gathers the parameters for every
   forward and backward (1.5x). Expert gradients go over the d/ep ranks that share an expert.
+* CP (:mod:`labkit.context_parallel`; the sequence split over cp ranks, each layer's K/V
+  exchanged, per microbatch and layer, kv = b (s/cp) (a_kv/t) d e bytes of K or of V): "allgather"
+  (Llama 3) 2 all-gathers of kv forward and 2 reduce-scatters of cp kv backward; "ring" cp - 1
+  sends of K and V forward, backward cp - 1 sends of K and V and cp of their gradients; "ulysses"
+  4 all-to-alls (q, k, v, output) forward and 4 backward of b (s/cp) d e (2a + 2a_kv)/t bytes in
+  all. Full recompute repeats the forward's. The parameter gradients are reduced over the d cp
+  ranks (the DP axis's group becomes d cp, Megatron-Core's data-parallel group with CP).
 * EP: each MoE layer sends its k routed copies of the tokens to the experts' ranks and back
   (2 all-to-alls forward, 2 backward).
 
-Links: ranks are ordered TP innermost, then DP, then PP (Megatron): a group of size n and
+Links: ranks are ordered TP innermost, then CP, then DP, then PP (Megatron-Core): a group of size n and
 stride k stays inside a node of g GPUs when ``n k <= g``. Put the chatty axis (TP) on the
 fast wire.
 """
@@ -66,22 +73,23 @@ class AxisComm:
 
 
 def axis_links(lay: Layout, cluster: Cluster) -> dict:
-    """``{"tp": link, "dp": link, "pp": link, "ep": link}`` for Megatron's rank order."""
+    """``{"tp", "cp", "dp", "pp", "ep"}`` -> link for Megatron-Core's rank order (TP, CP, DP, PP)."""
     g = cluster.gpus_per_node
 
     def link(n, stride):
         if n <= 1:
             return "-"
         return "intra-node" if n * stride <= g else "inter-node"
-    return {"tp": link(lay.t, 1), "dp": link(lay.d, lay.t), "pp": link(lay.p, lay.t * lay.d),
-            "ep": link(lay.ep, lay.t)}
+    tc = lay.t * lay.cp
+    return {"tp": link(lay.t, 1), "cp": link(lay.cp, lay.t), "dp": link(lay.d * lay.cp, lay.t),
+            "pp": link(lay.p, tc * lay.d), "ep": link(lay.ep, tc)}
 
 
 def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
                   act_bytes: int | None = None, regather_in_backward: bool = True,
                   dp_buckets: int | None = None) -> dict:
     """Communication of one training step on a rank of pipeline rank ``pp_rank``:
-    ``{"tp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
+    ``{"tp", "cp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
     of a tied embedding's gradient between the first and the last pipeline rank).
 
     ``act_bytes``: bytes per activation element (default: the layout's precision, 2 for bf16,
@@ -97,9 +105,10 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     M = n_microbatches(spec, lay)
     Ml = M // 2 if lay.schedule == "dualpipe" else M   # passes through each layer (DualPipe: half each way)
     t, p, v, r = lay.t, lay.p, lay.v, pp_rank
-    N, h = spec.seq_len * lay.b, spec.hidden
+    N, h = spec.seq_len * lay.b // lay.cp, spec.hidden       # tokens of this CP rank
     act = N * h * e
-    out = {k: AxisComm(k, n, links[k]) for k, n in (("tp", t), ("pp", p), ("dp", lay.d), ("ep", lay.ep))}
+    out = {k: AxisComm(k, n, links[k]) for k, n in (("tp", t), ("cp", lay.cp), ("pp", p), ("dp", lay.d * lay.cp),
+                                                      ("ep", lay.ep))}
     out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
@@ -135,6 +144,24 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
             tp.add("all_reduce", Ml, act)
         tp.add("all_reduce", 3 * Ml, N * 4)
 
+    # ---- CP: each layer's K/V, per microbatch
+    cp = out["cp"]
+    if lay.cp > 1:
+        d_h = spec.head_dim
+        kv = N * (spec.kv_heads // t) * d_h * e
+        fwd = Ml * fwd_layers
+        if lay.cp_attention == "allgather":
+            cp.add("all_gather", 2 * fwd, kv)
+            cp.add("reduce_scatter", 2 * Ml * L_r, lay.cp * kv)
+        elif lay.cp_attention == "ring":
+            n = (lay.cp - 1) * fwd + (2 * lay.cp - 1) * Ml * L_r
+            cp.add("send", n, 2 * kv)
+            cp.add("recv", n, 2 * kv)
+        else:
+            q = N * (spec.n_head // t) * d_h * e
+            for each in (q, kv, kv, q):
+                cp.add("all_to_all", fwd + Ml * L_r, each)
+
     # ---- PP: sends and receives of this rank's chunks
     pp = out["pp"]
     stages = rank_stages(lay, r)
@@ -150,7 +177,7 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
 
     # ---- DP: once per step
     dp = out["dp"]
-    d, d_exp = lay.d, max(1, lay.d // lay.ep)
+    d, d_exp = lay.d * lay.cp, max(1, lay.d // lay.ep) * lay.cp
     for n, dd, buckets in ((cnt["dense"], d, dp_buckets), (cnt["expert"], d_exp, None)):
         if n == 0 or dd == 1:
             continue

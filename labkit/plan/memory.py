@@ -21,9 +21,16 @@ microbatches when p does not divide M, torch's rule). Pipeline rank r of 1F1B ho
 DualPipe (DeepSeek-V3): two stages per rank and p + 1 stage-microbatches in flight.
 The embedding-dropout mask (``s b h``, with dropout > 0) is counted on the first stage.
 Gradients: 2 bytes (bf16, labkit's convention) or 4 (``fp32_grads``, Megatron-LM's).
+
+Context parallelism (cp > 1, :mod:`labkit.context_parallel`): every activation is split along
+the sequence, so each rank keeps the activations of s/cp tokens; an unfused attention's scores
+are its s/cp queries against all s keys (``a s^2 b / (t cp)``). The weights are replicated over
+CP; ZeRO shards over the d cp ranks that reduce the gradients together (Megatron-Core's
+data-parallel group with context parallelism).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -37,6 +44,7 @@ __all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "Ran
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
+CP_ATTENTIONS = ("allgather", "ring", "ulysses")
 
 
 @dataclass
@@ -92,7 +100,9 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
     ScheduleInterleaved1F1B); DualPipe an even p and M >= 2p; SP needs t | s ...)."""
     a, akv = spec.n_head, spec.kv_heads
     rules = [
-        (min(lay.t, lay.p, lay.d, lay.v, lay.b, lay.ep) >= 1, f"t, p, d, v, b, ep must be >= 1 (got {lay})"),
+        (min(lay.t, lay.p, lay.d, lay.v, lay.b, lay.ep, lay.cp) >= 1,
+         f"t, p, d, v, b, ep, cp must be >= 1 (got {lay})"),
+        (lay.cp_attention in CP_ATTENTIONS, f"cp_attention must be one of {CP_ATTENTIONS}, got {lay.cp_attention!r}"),
         (lay.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {lay.schedule!r}"),
         (lay.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {lay.precision!r}"),
         (lay.zero in (0, 1, 2, 3), f"ZeRO stage must be 0, 1, 2 or 3, got {lay.zero}"),
@@ -119,6 +129,11 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (not spec.is_moe or (spec.n_routed_experts % lay.ep == 0 and lay.d % lay.ep == 0),
          f"ep={lay.ep} must divide the experts E={spec.n_routed_experts} and d={lay.d}"),
         (spec.is_moe or lay.ep == 1, f"ep={lay.ep} > 1 needs a MoE model"),
+        (lay.cp == 1 or spec.seq_len % (2 * lay.cp * (lay.t if lay.sequence_parallel else 1)) == 0,
+         f"context parallelism needs 2 cp (x t with SP) = {2 * lay.cp * (lay.t if lay.sequence_parallel else 1)} "
+         f"to divide the sequence length s={spec.seq_len} (two chunks per CP rank)"),
+        (lay.cp_attention != "ulysses" or (a // lay.t) % lay.cp == 0 and (akv // lay.t) % lay.cp == 0,
+         f"Ulysses needs cp={lay.cp} to divide the heads per TP rank a/t={a // lay.t} and a_kv/t={akv // lay.t}"),
     ]
     if lay.M is None:
         rules.append((spec.global_batch % (lay.b * lay.d) == 0,
@@ -276,8 +291,24 @@ def _zero_shard(n: int, d: int) -> int:
     return -(-n // d)
 
 
+def cp_local(spec: ModelSpec, lay: Layout) -> ModelSpec:
+    """The spec with this CP rank's s/cp tokens per sequence (for the token-linear activation terms)."""
+    if lay.cp == 1:
+        return spec
+    return dataclasses.replace(spec, seq_len=spec.seq_len // lay.cp, max_position=spec.max_position or spec.seq_len)
+
+
 def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
-    """Activation bytes of one layer, one microbatch, on one rank."""
+    """Activation bytes of one layer, one microbatch, on one rank (s/cp tokens with CP)."""
+    if lay.cp > 1:
+        n = _layer_act(cp_local(spec, lay), dataclasses.replace(lay, cp=1), moe, device)
+        if lay.fused_attention or lay.recompute != "none":
+            return n
+        # unfused scores: s/cp queries x s keys, not (s/cp)^2: mask (bool), softmax, dropout
+        s, cp, e = spec.seq_len, lay.cp, BYTES[lay.precision][0]
+        m = torch_saved_bytes_per_element(e, device)["mask"]
+        per_entry = 1 + spec.n_head * lay.b * (e + ((m + e) if spec.dropout > 0 else 0)) // lay.t
+        return n + (s * s // cp - (s // cp) ** 2) * per_entry
     e = BYTES[lay.precision][0]
     saved = torch_saved_bytes_per_element(e, device)
     mult = 2 if spec.mlp == "swiglu" else 1           # SwiGLU keeps gate, up and their product
@@ -335,8 +366,9 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
     check_layout(spec, lay)
     M = n_microbatches(spec, lay)
     pb, gb, ob = bytes_per_param(lay)
-    z, d = lay.zero, lay.d
-    d_exp = max(1, d // lay.ep)
+    z, d = lay.zero, lay.d * lay.cp          # ZeRO shards over the d cp ranks that reduce gradients
+    d_exp = max(1, lay.d // lay.ep) * lay.cp
+    aspec = cp_local(spec, lay)
     out = []
     for r in range(lay.p):
         cnt = rank_param_counts(spec, lay, r)
@@ -359,9 +391,9 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
             rec = max(_layer_act(spec, none, m, device) - _layer_act(spec, lay, m, device) for m in moe)
             act += max(rec - _head_act(spec, lay, device), 0) if holds_last(lay, r) else rec
         if holds_first(lay, r):
-            act += stage_in_flight(lay, M, "first") * _embedding_act(spec, lay, device)
+            act += stage_in_flight(lay, M, "first") * _embedding_act(aspec, lay, device)
         if holds_last(lay, r):
-            act += stage_in_flight(lay, M, "last") * _head_act(spec, lay, device)
+            act += stage_in_flight(lay, M, "last") * _head_act(aspec, lay, device)
         out.append(RankMemory(r, params, grads, opt, int(act), dense + expert, units, cnt["layers"]))
     return out
 
