@@ -111,7 +111,7 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path, mo
 
 STUCK = textwrap.dedent("""
     import os, sys, time
-    import labkit.launch as d
+    import labkit.launch.forked as d
     from labkit.dist import launch
     from labkit.labs import run_cli
 

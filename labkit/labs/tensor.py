@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..cliparse import Parser
 from ..comm import CommLog
@@ -74,7 +75,10 @@ def _tp_worker(ctx, args, corpus) -> RankResult:
     check = lockstep(ctx, args, lambda: GPT(cfg, seed=args.seed), lambda m, step, extras: m(*batch(step)))
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     losses, log, seconds = [], CommLog(), 0.0
-    for step in range(args.steps):
+    # rank 0 only, and only on a terminal (disable=None: tqdm turns itself off when stderr is not a TTY)
+    bar = tqdm(range(args.steps), desc=f"TP={ctx.world_size}", unit="step", file=sys.stderr, leave=False,
+               dynamic_ncols=True, disable=None if ctx.rank == 0 else True)
+    for step in bar:
         t0 = time.perf_counter()
         with log:
             loss = model(*batch(step))
@@ -89,6 +93,7 @@ def _tp_worker(ctx, args, corpus) -> RankResult:
         if step > 0:  # step 0 is warm-up, not timed
             seconds += elapsed + time.perf_counter() - t0
         losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
     counts = {kind: (log.count(kind), log.bytes(kind)) for kind in sorted({r.kind for r in log.records})}
     return RankResult(losses, counts, seconds if args.steps > 1 else float("nan"), check.result())
 

@@ -5,6 +5,10 @@ every parameter costs 2 bytes (bf16 weights) + 2 (bf16 gradients) + K = 12 (fp32
 weights, first and second moments); in fp32 training 4 + 4 + 8. ZeRO stage 1 divides the
 optimizer state by the DP degree d, stage 2 also the gradients, stage 3 also the parameters
 (sec. 5; the flat buffers are padded to a multiple of d, as in labkit's ZeroRedundancyOptimizer).
+ZeRO-3 as labkit's FullyShardedDataParallel does it (torch FSDP2): one flat buffer per unit (the
+embedding, each layer, the head), each padded to a multiple of d; at the peak a rank also holds
+the gathered parameters of two neighbouring units (the current one and the prefetched next), or
+of every unit with ``reshard_after_forward=False`` (:func:`zero3_units`, ``RankMemory.gathered``).
 
 Which parameters a rank holds (Megatron-LM): TP splits attention and MLP matrices and the
 vocabulary by t (biases of row-parallel layers and the norms are replicated); PP gives rank
@@ -41,7 +45,7 @@ __all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "Ran
            "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
-           "grad_convention"]
+           "grad_convention", "zero3_units", "zero3_gathered_peak"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
@@ -52,7 +56,8 @@ CP_ATTENTIONS = ("allgather", "ring", "ulysses")
 class RankMemory:
     """Bytes on one rank (pipeline rank ``pp_rank``): ``params``, ``grads``, ``optimizer``,
     ``activations``; ``total``; ``param_count`` (elements held before ZeRO-3's split);
-    ``in_flight`` (microbatch-chunks whose activations are alive at the peak); ``layers``."""
+    ``in_flight`` (microbatch-chunks whose activations are alive at the peak); ``layers``;
+    ``gathered`` (ZeRO-3: the peak bytes of all-gathered unit parameters, in ``total``)."""
 
     pp_rank: int
     params: int
@@ -62,10 +67,11 @@ class RankMemory:
     param_count: int
     in_flight: int
     layers: int
+    gathered: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.gathered
 
     def as_dict(self) -> dict:
         return {"pp_rank": self.pp_rank, "params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -290,6 +296,37 @@ def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     return {"dense": dense, "expert": expert, "layers": len(layer_ids)}
 
 
+def zero3_units(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[int]:
+    """Dense parameter elements of each FSDP unit on a rank of pipeline rank ``pp_rank``, in
+    forward order: the embedding (first rank), each of its layers, the head (last rank: final
+    norm and output layer). Their sum is ``rank_param_counts(...)["dense"]``."""
+    t = lay.t
+    vocab = math.ceil(spec.vocab_size / t)
+    units = []
+    if holds_first(lay, pp_rank):
+        units.append(vocab * spec.hidden + spec.embedding_params()[1])
+    for i in (i for ch in rank_layer_chunks(spec, lay, pp_rank) for i in ch):
+        lp = spec.layer_params(spec.is_moe and i >= spec.first_dense_layers)
+        units.append(lp["split"] // t + lp["replicated"])
+    if holds_last(lay, pp_rank):
+        head_split, head_rep = spec.head_params()
+        out = vocab * spec.hidden if (head_split or (spec.tied_embeddings and lay.p > 1)) else 0
+        units.append(out + head_rep)
+    return units
+
+
+def zero3_gathered_peak(units: list[int], d: int, reshard_after_forward: bool = True) -> int:
+    """Peak elements of gathered ZeRO-3 parameters: the largest sum of two neighbouring units'
+    padded sizes (unit i computing while unit i+1's all-gather is prefetched), or of all units
+    when they are not resharded after forward (FSDP2, Zhao et al. 2023 sec. 3.3)."""
+    pads = [_zero_shard(n, d) * d for n in units]
+    if not pads:
+        return 0
+    if not reshard_after_forward:
+        return sum(pads)
+    return max([pads[0]] + [a + b for a, b in zip(pads, pads[1:])])
+
+
 def _zero_shard(n: int, d: int) -> int:
     """Elements one rank keeps of a flat buffer of n split over d ranks (padded to a multiple of d)."""
     return -(-n // d)
@@ -340,7 +377,8 @@ def _embedding_act(spec: ModelSpec, lay: Layout, device: str = "cuda") -> int:
     and, with dropout > 0, the embedding-dropout mask ``s b h`` elements of the mask size
     (split by t under sequence parallelism, where the embedding output is scattered first)."""
     sb = spec.seq_len * lay.b
-    n = sb * 8 + (spec.seq_len * 8 if spec.position == "learned" else 0) + (sb if lay.t > 1 else 0)
+    ts = lay.t if lay.sequence_parallel else 1         # SP: this rank's S/t positions
+    n = sb * 8 + (spec.seq_len * 8 // ts if spec.position == "learned" else 0) + (sb if lay.t > 1 else 0)
     if spec.dropout > 0:
         mask = torch_saved_bytes_per_element(BYTES[lay.precision][0], device)["mask"]
         n += sb * spec.hidden * mask // (lay.t if lay.sequence_parallel else 1)
@@ -376,10 +414,14 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
     for r in range(lay.p):
         cnt = rank_param_counts(spec, lay, r)
         dense, expert = cnt["dense"], cnt["expert"]
-        shard = lambda n, dd, stage: _zero_shard(n, dd) if z >= stage else n  # noqa: E731
-        params = pb * (shard(dense, d, 3) + shard(expert, d_exp, 3))
-        grads = gb * (shard(dense, d, 2) + shard(expert, d_exp, 2))
-        opt = ob * (shard(dense, d, 1) + shard(expert, d_exp, 1))
+        # dense parameters: one flat buffer padded to d (ZeRO-1/2), one per unit under ZeRO-3
+        units3 = zero3_units(spec, lay, r) if z == 3 else [dense]
+        dense_shard = sum(_zero_shard(n, d) for n in units3)
+        ds = lambda stage: dense_shard if z >= stage else dense                        # noqa: E731, B023
+        es = lambda stage: _zero_shard(expert, d_exp) if z >= stage else expert        # noqa: E731, B023
+        params, grads, opt = pb * (ds(3) + es(3)), gb * (ds(2) + es(2)), ob * (ds(1) + es(1))
+        # ZeRO-3's gathered units (two neighbours at a time, the next one prefetched)
+        gathered = pb * zero3_gathered_peak(units3, d, lay.reshard_after_forward) if z == 3 and d > 1 else 0
         units = in_flight_units(lay, M, r)
         # the rank's layers may differ (dense / MoE, uneven chunks): average over its chunks
         chunks = rank_layer_chunks(spec, lay, r)
@@ -387,14 +429,17 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         moe = [spec.is_moe_layer(i) for i in ids]
         chunk_act = sum(_layer_act(spec, lay, m, device) for m in moe) / len(chunks)
         act = units * chunk_act
-        if lay.recompute == "full":   # the layer being recomputed in backward is alive too
-            act += max(_layer_act(spec, Layout(**{**lay.__dict__, "recompute": "none"}),
-                                  spec.is_moe_layer(i), device) for i in ids)
+        if lay.recompute == "full":
+            # the layer being recomputed in backward holds its whole stash again (its input is already
+            # counted); on the last stage that microbatch's head stash is freed by then
+            none = Layout(**{**lay.__dict__, "recompute": "none"})
+            rec = max(_layer_act(spec, none, m, device) - _layer_act(spec, lay, m, device) for m in moe)
+            act += max(rec - _head_act(spec, lay, device), 0) if holds_last(lay, r) else rec
         if holds_first(lay, r):
             act += stage_in_flight(lay, M, "first") * _embedding_act(aspec, lay, device)
         if holds_last(lay, r):
             act += stage_in_flight(lay, M, "last") * _head_act(aspec, lay, device)
-        out.append(RankMemory(r, params, grads, opt, int(act), dense + expert, units, cnt["layers"]))
+        out.append(RankMemory(r, params, grads, opt, int(act), dense + expert, units, cnt["layers"], gathered))
     return out
 
 

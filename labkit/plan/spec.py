@@ -232,6 +232,8 @@ class Layout:
     parameter, ``6 + 12/d`` with the distributed optimizer; off: labkit's 16 bytes, ``4 + 12/d``),
     ``pp_scatter_gather`` (time model only: Megatron sends each pipeline message as t shards
     of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1),
+    ``reshard_after_forward`` (ZeRO-3 only: free each unit's gathered parameters after its forward
+    and gather them again for backward, FSDP2's default; False keeps them, Llama 3's choice),
     ``placement`` of the p v stages: "loop" (stage i on rank i % p) | "v" (v = 2, rank r holds
     stages r and 2p-1-r: the V-shaped zero-bubble schedules ZB-V and DualPipeV, Qi et al. 2024
     sec. 6; memory's in-flight count then follows ``schedule``);
@@ -255,6 +257,7 @@ class Layout:
     fused_attention: bool = False
     fp32_grads: bool = False
     pp_scatter_gather: bool = True
+    reshard_after_forward: bool = True
     placement: str = "loop"
     cp: int = 1
     cp_attention: str = "allgather"
