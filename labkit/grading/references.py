@@ -83,6 +83,9 @@ REFERENCES: dict[str, list[str]] = {
     "14.2": ["labkit.moe.eplb:replicate_experts"],
     "14.3": ["labkit.moe.hierarchical:inter_node_rows"],
     "14.4": ["labkit.plan.params:decode_cost", "labkit.plan.params:expected_experts_touched"],
+    "16.1": ["labkit.context_parallel.blockwise:merge_partials"],
+    "16.2": ["labkit.context_parallel.sharding:chunk_placement", "labkit.context_parallel.sharding:sequence_positions",
+             "labkit.context_parallel.sharding:causal_work"],
 }
 
 

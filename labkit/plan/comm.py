@@ -10,20 +10,31 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   and MLP) and twice backward (f); the input embedding once forward, the output layer once
   backward, the vocab-parallel cross-entropy 3 times ``N`` fp32 values. With sequence
   parallelism (Korthikanti et al. 2022 sec. 4.2.2) each all-reduce becomes a reduce-scatter +
-  an all-gather (same wire bytes) and backward re-gathers the two column-parallel inputs;
-  once per step the LayerNorm (and row-parallel bias) gradients are all-reduced. Full
-  recompute repeats the forward's collectives in backward.
-* PP: each stage boundary sends ``N h`` forward and the gradient back (labkit sends the
-  full activation; Megatron with SP sends the shard); a tied embedding adds one all-reduce of
+  an all-gather (same wire bytes) and backward re-gathers the column-parallel inputs (the two
+  of each layer and the output layer's); once per step the gradients of the parameters that saw
+  S/t tokens (LayerNorms, row-parallel biases, the final norm, learned positions) are
+  all-reduced. Full recompute repeats the forward's collectives in backward.
+* PP: each stage boundary sends ``N h`` forward and the gradient back (with SP each TP rank
+  sends its ``N h / t`` shard, as Megatron does); a tied embedding adds one all-reduce of
   its gradient between the first and the last stage per step (axis "embedding").
 * DP (Rajbhandari et al. 2020 sec. 7): ZeRO-0 all-reduces the gradients once per step
   (``2 (d-1)/d`` Psi on the wire), ZeRO-1/2 reduce-scatter the gradients and all-gather the
-  updated parameters (the same wire bytes), ZeRO-3 also all-gathers the parameters for every
-  forward and backward (1.5x). Expert gradients go over the d/ep ranks that share an expert.
+  updated parameters (the same wire bytes); ZeRO-3 (labkit's FSDP: one padded buffer per unit)
+  all-gathers each unit's parameters before every microbatch's forward and again before its
+  backward (``reshard_after_forward``; 3 (d-1)/d Psi, 1.5x) and reduce-scatters each unit's
+  gradient once per step, with no all-gather after the step. Expert gradients go over the
+  d/ep ranks that share an expert.
+* CP (:mod:`labkit.context_parallel`; the sequence split over cp ranks, each layer's K/V
+  exchanged, per microbatch and layer, kv = b (s/cp) (a_kv/t) d e bytes of K or of V): "allgather"
+  (Llama 3) 2 all-gathers of kv forward and 2 reduce-scatters of cp kv backward; "ring" cp - 1
+  sends of K and V forward, backward cp - 1 sends of K and V and cp of their gradients; "ulysses"
+  4 all-to-alls (q, k, v, output) forward and 4 backward of b (s/cp) d e (2a + 2a_kv)/t bytes in
+  all. Full recompute repeats the forward's. The parameter gradients are reduced over the d cp
+  ranks (the DP axis's group becomes d cp, Megatron-Core's data-parallel group with CP).
 * EP: each MoE layer sends its k routed copies of the tokens to the experts' ranks and back
   (2 all-to-alls forward, 2 backward).
 
-Links: ranks are ordered TP innermost, then DP, then PP (Megatron): a group of size n and
+Links: ranks are ordered TP innermost, then CP, then DP, then PP (Megatron-Core): a group of size n and
 stride k stays inside a node of g GPUs when ``n k <= g``. Put the chatty axis (TP) on the
 fast wire.
 """
@@ -34,10 +45,10 @@ from dataclasses import dataclass, field
 
 from ..comm import ring_bytes
 from .memory import (_zero_shard, bytes_per_param, check_layout, holds_first, holds_last, n_microbatches,
-                     rank_layer_chunks, rank_param_counts, rank_stages)
+                     rank_layer_chunks, rank_param_counts, rank_stages, zero3_units)
 from .spec import Cluster, Layout, ModelSpec
 
-__all__ = ["AxisComm", "comm_per_rank", "axis_links"]
+__all__ = ["AxisComm", "comm_per_rank", "tp_comm", "axis_links"]
 
 
 @dataclass
@@ -65,22 +76,72 @@ class AxisComm:
 
 
 def axis_links(lay: Layout, cluster: Cluster) -> dict:
-    """``{"tp": link, "dp": link, "pp": link, "ep": link}`` for Megatron's rank order."""
+    """``{"tp", "cp", "dp", "pp", "ep"}`` -> link for Megatron-Core's rank order (TP, CP, DP, PP)."""
     g = cluster.gpus_per_node
 
     def link(n, stride):
         if n <= 1:
             return "-"
         return "intra-node" if n * stride <= g else "inter-node"
-    return {"tp": link(lay.t, 1), "dp": link(lay.d, lay.t), "pp": link(lay.p, lay.t * lay.d),
-            "ep": link(lay.ep, lay.t)}
+    tc = lay.t * lay.cp
+    return {"tp": link(lay.t, 1), "cp": link(lay.cp, lay.t), "dp": link(lay.d * lay.cp, lay.t),
+            "pp": link(lay.p, tc * lay.d), "ep": link(lay.ep, tc)}
+
+
+def tp_comm(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
+            act_bytes: int | None = None, regather_in_backward: bool = True) -> dict:
+    """The tensor-parallel collectives of one training step on a rank of pipeline rank
+    ``pp_rank``, as ``{"forward": AxisComm, "backward": AxisComm}`` (the module docstring's TP
+    rules; full recompute's second forward runs in backward, the sequence-parallel gradient
+    all-reduce after it). :func:`comm_per_rank`'s ``"tp"`` is their sum."""
+    check_layout(spec, lay)
+    cluster = cluster or Cluster()
+    link = axis_links(lay, cluster)["tp"]
+    pb, gb, _ = bytes_per_param(lay)
+    e = act_bytes or pb
+    M = n_microbatches(spec, lay)
+    Ml = M // 2 if lay.schedule == "dualpipe" else M   # passes through each layer (DualPipe: half each way)
+    t, r, h = lay.t, pp_rank, spec.hidden
+    N = spec.seq_len * lay.b // lay.cp                         # tokens of this CP rank
+    act = N * h * e
+    L_r = rank_param_counts(spec, lay, r)["layers"]
+    fwd, bwd = AxisComm("tp", t, link), AxisComm("tp", t, link)
+    again = 1 if lay.recompute == "full" else 0                 # full recompute reruns the forward in backward
+    if lay.sequence_parallel:
+        fwd.add("all_gather", Ml * 2 * L_r, act // t)            # entering the column-parallel regions
+        fwd.add("reduce_scatter", Ml * 2 * L_r, act)             # leaving the row-parallel regions (g-bar)
+        bwd.add("all_gather", Ml * 2 * L_r * (again + (1 if regather_in_backward else 0)), act // t)
+        bwd.add("reduce_scatter", Ml * 2 * L_r * again, act)
+        bwd.add("reduce_scatter", Ml * 2 * L_r, act)             # backward of g
+        bwd.add("all_gather", Ml * 2 * L_r, act // t)            # backward of g-bar
+        n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
+        n_ln += spec.norm_params() if holds_last(lay, r) else 0            # the final norm
+        if holds_first(lay, r) and spec.position == "learned":             # positions added per S/t block
+            n_ln += spec.seq_len * h
+        bwd.add("all_reduce", 1 if n_ln else 0, n_ln * gb)      # sequence-parallel gradients
+    else:
+        fwd.add("all_reduce", Ml * 2 * L_r, act)                 # g after attention and MLP
+        bwd.add("all_reduce", Ml * 2 * L_r * (1 + again), act)   # f of each
+    if holds_first(lay, r):                                      # vocab-parallel embedding: g
+        fwd.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", Ml, act)
+        if lay.sequence_parallel:                                # its backward: an all-gather
+            bwd.add("all_gather", Ml, act // t)
+    if holds_last(lay, r):                                       # output layer f, cross-entropy
+        if lay.sequence_parallel:                                # gather (+ re-gather in backward), dX
+            fwd.add("all_gather", Ml, act // t)
+            bwd.add("all_gather", Ml if regather_in_backward else 0, act // t)
+            bwd.add("reduce_scatter", Ml, act)
+        else:
+            bwd.add("all_reduce", Ml, act)
+        fwd.add("all_reduce", 3 * Ml, N * 4)
+    return {"forward": fwd, "backward": bwd}
 
 
 def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
                   act_bytes: int | None = None, regather_in_backward: bool = True,
                   dp_buckets: int | None = None) -> dict:
     """Communication of one training step on a rank of pipeline rank ``pp_rank``:
-    ``{"tp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
+    ``{"tp", "cp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
     of a tied embedding's gradient between the first and the last pipeline rank).
 
     ``act_bytes``: bytes per activation element (default: the layout's precision, 2 for bf16,
@@ -96,36 +157,42 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     M = n_microbatches(spec, lay)
     Ml = M // 2 if lay.schedule == "dualpipe" else M   # passes through each layer (DualPipe: half each way)
     t, p, v, r = lay.t, lay.p, lay.v, pp_rank
-    N, h = spec.seq_len * lay.b, spec.hidden
+    N, h = spec.seq_len * lay.b // lay.cp, spec.hidden       # tokens of this CP rank
     act = N * h * e
-    out = {k: AxisComm(k, n, links[k]) for k, n in (("tp", t), ("pp", p), ("dp", lay.d), ("ep", lay.ep))}
+    out = {k: AxisComm(k, n, links[k]) for k, n in (("tp", t), ("cp", lay.cp), ("pp", p), ("dp", lay.d * lay.cp),
+                                                      ("ep", lay.ep))}
     out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
+    fwd_layers = L_r * (2 if lay.recompute == "full" else 1)   # full recompute reruns the forward
     ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
     n_moe = sum(1 for i in ids if spec.is_moe_layer(i))
 
-    # ---- TP: per microbatch, then x M
+    # ---- TP: forward and backward collectives (tp_comm), summed
     tp = out["tp"]
-    fwd_layers = L_r * (2 if lay.recompute == "full" else 1)   # full recompute reruns the forward
-    if lay.sequence_parallel:
-        tp.add("all_gather", Ml * (2 * fwd_layers + 2 * L_r * (1 if regather_in_backward else 0)), act // t)
-        tp.add("reduce_scatter", Ml * 2 * fwd_layers, act)      # forward g-bar
-        tp.add("reduce_scatter", Ml * 2 * L_r, act)             # backward of g
-        tp.add("all_gather", Ml * 2 * L_r, act // t)            # backward of g-bar
-        n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
-        tp.add("all_reduce", 1 if n_ln else 0, n_ln * gb)     # sequence-parallel gradients
-    else:
-        tp.add("all_reduce", Ml * 2 * (fwd_layers + L_r), act)
-    if holds_first(lay, r):                                     # vocab-parallel embedding: g
-        tp.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", Ml, act)
-    if holds_last(lay, r):                                      # output layer f, cross-entropy
-        if lay.sequence_parallel:
-            tp.add("all_gather", Ml, act // t)
-            tp.add("reduce_scatter", Ml, act)
+    for part in tp_comm(spec, lay, cluster, r, act_bytes, regather_in_backward).values():
+        for k, (c, nbytes) in part.ops.items():
+            c0, b0 = tp.ops.get(k, (0, 0))
+            tp.ops[k] = (c0 + c, b0 + nbytes)
+        tp.wire += part.wire
+
+    # ---- CP: each layer's K/V, per microbatch
+    cp = out["cp"]
+    if lay.cp > 1:
+        d_h = spec.head_dim
+        kv = N * (spec.kv_heads // t) * d_h * e
+        fwd = Ml * fwd_layers
+        if lay.cp_attention == "allgather":
+            cp.add("all_gather", 2 * fwd, kv)
+            cp.add("reduce_scatter", 2 * Ml * L_r, lay.cp * kv)
+        elif lay.cp_attention == "ring":
+            n = (lay.cp - 1) * fwd + (2 * lay.cp - 1) * Ml * L_r
+            cp.add("send", n, 2 * kv)
+            cp.add("recv", n, 2 * kv)
         else:
-            tp.add("all_reduce", Ml, act)
-        tp.add("all_reduce", 3 * Ml, N * 4)
+            q = N * (spec.n_head // t) * d_h * e
+            for each in (q, kv, kv, q):
+                cp.add("all_to_all", fwd + Ml * L_r, each)
 
     # ---- PP: sends and receives of this rank's chunks
     pp = out["pp"]
@@ -133,20 +200,26 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     last = p * v - 1
     n_send_f = sum(1 for s in stages if s != last and s + 1 not in stages)   # V placement: p-1 -> p stays
     n_send_b = sum(1 for s in stages if s != 0 and s - 1 not in stages)
-    if p > 1:
-        pp.add("send", M * (n_send_f + n_send_b), act)
-        pp.add("recv", M * (n_send_f + n_send_b), act)
+    if p > 1:                                                   # SP: each TP rank sends its S/t shard
+        msg = act // t if lay.sequence_parallel else act
+        pp.add("send", M * (n_send_f + n_send_b), msg)
+        pp.add("recv", M * (n_send_f + n_send_b), msg)
         if spec.tied_embeddings and r in (0, p - 1) and lay.placement == "loop":   # 2 copies of a tied embedding
             out["embedding"].add("all_reduce", 1, math.ceil(spec.vocab_size / t) * h * gb)
 
     # ---- DP: once per step
     dp = out["dp"]
-    d, d_exp = lay.d, max(1, lay.d // lay.ep)
-    for n, dd, buckets in ((cnt["dense"], d, dp_buckets), (cnt["expert"], d_exp, None)):
+    d, d_exp = lay.d * lay.cp, max(1, lay.d // lay.ep) * lay.cp
+    for k, (n, dd, buckets) in enumerate(((cnt["dense"], d, dp_buckets), (cnt["expert"], d_exp, None))):
         if n == 0 or dd == 1:
             continue
         sub = AxisComm("dp", dd, links["dp"])
-        if lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
+        if lay.zero == 3 and k == 0:   # dense FSDP units: gathered per microbatch, no gather after the step
+            for u in zero3_units(spec, lay, r):
+                padded = _zero_shard(u, dd) * dd
+                sub.add("all_gather", M * (2 if lay.reshard_after_forward else 1), padded // dd * pb)
+                sub.add("reduce_scatter", 1, padded * gb)
+        elif lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
             sub.add("all_reduce", 1, n * gb)
             if buckets or v > 1:
                 sub.ops["all_reduce"] = (buckets or v, n * gb)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import replace as dataclasses_replace
 
 from ..pipeline.registry import names
 
 __all__ = ["ModelSpec", "Layout", "Cluster", "PRESETS", "PUBLISHED", "CLUSTERS", "preset", "load_model_json",
-           "SCHEDULES", "PRECISIONS"]
+           "SCHEDULES", "PRECISIONS", "LLAMA3_405B_ASSUMED", "llama3_405b_layouts"]
 
 SCHEDULES = names(runs=None, planned=True)   # gpipe 1f1b interleaved dualpipe (labkit.pipeline.registry)
 PRECISIONS = ("fp32", "bf16")
@@ -231,9 +232,15 @@ class Layout:
     parameter, ``6 + 12/d`` with the distributed optimizer; off: labkit's 16 bytes, ``4 + 12/d``),
     ``pp_scatter_gather`` (time model only: Megatron sends each pipeline message as t shards
     of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1),
+    ``reshard_after_forward`` (ZeRO-3 only: free each unit's gathered parameters after its forward
+    and gather them again for backward, FSDP2's default; False keeps them, Llama 3's choice),
     ``placement`` of the p v stages: "loop" (stage i on rank i % p) | "v" (v = 2, rank r holds
     stages r and 2p-1-r: the V-shaped zero-bubble schedules ZB-V and DualPipeV, Qi et al. 2024
-    sec. 6; memory's in-flight count then follows ``schedule``)."""
+    sec. 6; memory's in-flight count then follows ``schedule``);
+    context-parallel degree ``cp`` (the sequence split over cp ranks, load-balanced 2 cp
+    chunks; ranks ordered TP, CP, DP, PP as Megatron-Core; N_GPU = t cp p d) and
+    ``cp_attention`` ("allgather": K/V all-gathered, Llama 3; "ring"; "ulysses"), see
+    :mod:`labkit.context_parallel`."""
 
     t: int = 1
     p: int = 1
@@ -250,15 +257,19 @@ class Layout:
     fused_attention: bool = False
     fp32_grads: bool = False
     pp_scatter_gather: bool = True
+    reshard_after_forward: bool = True
     placement: str = "loop"
+    cp: int = 1
+    cp_attention: str = "allgather"
 
     @property
     def n_gpus(self) -> int:
-        return self.t * self.p * self.d
+        return self.t * self.cp * self.p * self.d
 
     def describe(self) -> str:
         extra = [f"v={self.v}"] if self.v > 1 else []
         extra += [f"ep={self.ep}"] if self.ep > 1 else []
+        extra += [f"cp={self.cp} ({self.cp_attention})"] if self.cp > 1 else []
         return (f"t={self.t} p={self.p} d={self.d}{' ' + ' '.join(extra) if extra else ''} b={self.b} "
                 f"M={self.M} {self.schedule} ZeRO-{self.zero} SP={'on' if self.sequence_parallel else 'off'} "
                 f"recompute={self.recompute} {self.precision}{' fp32-grads' if self.fp32_grads else ''}"
@@ -302,6 +313,11 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     _p(name="llama3-70b", n_layer=80, hidden=8192, n_head=64, n_kv_head=8, ffn=28672, vocab_size=128256, seq_len=8192,
        norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, global_batch=2048,
        source="Dubey et al. 2024, The Llama 3 Herd of Models, Table 3 (80 layers, h 8192, 64/8 heads, FFN 28672)"),
+    _p(name="llama3-405b", n_layer=126, hidden=16384, n_head=128, n_kv_head=8, ffn=53248, vocab_size=128000,
+       seq_len=8192, norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, global_batch=2048,
+       source="Dubey et al. 2024, The Llama 3 Herd of Models, Table 3 (126 layers, h 16,384, FFN 53,248, 128/8 heads, "
+              "vocabulary 128,000 as the paper rounds it; the released config, llama3.1-405b below, has 128,256) and "
+              "Table 4 (16M tokens per batch: 2048 sequences of 8192)"),
     _p(name="mixtral-8x7b", n_layer=32, hidden=4096, n_head=32, n_kv_head=8, ffn=14336, vocab_size=32000, seq_len=4096,
        norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, n_routed_experts=8,
        n_activated_experts=2, moe_ffn=14336, global_batch=1024,
@@ -336,13 +352,17 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
 
 # The clusters of the published runs. compute_efficiency (the share of peak a GEMM reaches) is
 # the time model's one free constant: 0.68 puts the eight iteration times of Korthikanti et al.
-# 2022 Table 5 within 10 % (tests/test_plan_published.py). Selene: DGX A100 80GB, NVLink 3
+# 2022 Table 5 within 10 %. Selene: DGX A100 80GB, NVLink 3
 # (300 GB/s per GPU and direction), 8 HDR InfiniBand NICs per node (25 GB/s per GPU), HBM2e 2.0 TB/s.
 CLUSTERS: dict[str, Cluster] = {
     "selene-a100-80gb": Cluster(gpus_per_node=8, gpu_memory=80e9, peak_flops=312e12, intra_bw=300e9, inter_bw=25e9,
                                 compute_efficiency=0.68, hbm_bw=2.0e12),
     # DeepSeek-V3 report sec. 3.1: H800 nodes, 8 GPUs on NVLink/NVSwitch (160 GB/s), 8 x 400 Gb/s InfiniBand
     # (50 GB/s per GPU); 989 TFLOP/s dense bf16 (the H100's SXM figure)
+    # Llama 3 (Dubey et al. 2024 sec. 3.3.1): H100 80GB (700 W, HBM3 3.35 TB/s), 8 per server on NVLink
+    # (450 GB/s per direction), 400 Gb/s RoCE per GPU (50 GB/s); 989 TFLOP/s dense bf16
+    "h100-80gb": Cluster(gpus_per_node=8, gpu_memory=80e9, peak_flops=989e12, intra_bw=450e9, inter_bw=50e9,
+                         compute_efficiency=0.68, hbm_bw=3.35e12),
     "h800-80gb": Cluster(gpus_per_node=8, gpu_memory=80e9, peak_flops=989e12, intra_bw=160e9, inter_bw=50e9,
                          compute_efficiency=0.68, hbm_bw=3.35e12),
 }
@@ -352,7 +372,7 @@ CLUSTERS: dict[str, Cluster] = {
 PUBLISHED = {
     # total and active parameters
     "parameters": {"megatron-8.3b": (8.3e9, 8.3e9), "gpt3-175b": (175e9, 175e9), "mt-nlg-530b": (530e9, 530e9),
-                   "llama3-70b": (70.6e9, 70.6e9), "mixtral-8x7b": (46.7e9, 12.9e9),
+                   "llama3-70b": (70.6e9, 70.6e9), "llama3-405b": (405e9, 405e9), "mixtral-8x7b": (46.7e9, 12.9e9),
                    "deepseek-v3": (671e9, 37e9)},
     # Shoeybi et al. 2019, abstract and sec. 5.1: 15.1 PFLOP/s over 512 GPUs, 76 % scaling
     # efficiency against one GPU's 39 TFLOP/s (30 % of the V100's peak)
@@ -380,9 +400,41 @@ PUBLISHED = {
                            "selective_sp": (7.2, 13.1)},
     # BigScience 2022 (BLOOM) sec. 3.5: 384 A100 80GB, TP 4 x PP 12 x DP 8, bf16, ZeRO-1, checkpointing
     "bloom-176b": {"t": 4, "p": 12, "d": 8, "gpus": 384, "b": 2, "gpu_memory_gb": 80},
+    # Dubey et al. 2024 (Llama 3), Table 4: the three 405B layouts on H100 80GB (989 TFLOP/s dense bf16),
+    # 16M tokens per batch, TFLOP/s per GPU and BF16 MFU (%); ranks ordered [TP, CP, PP, DP] (sec. 3.3.2),
+    # DP = FSDP without resharding after forward, K/V all-gathered for CP
+    "llama3-405b": [
+        {"gpus": 8192, "t": 8, "cp": 1, "p": 16, "d": 64, "seq_len": 8192, "batch_per_dp": 32,
+         "tflops_per_gpu": 430, "mfu": 43},
+        {"gpus": 16384, "t": 8, "cp": 1, "p": 16, "d": 128, "seq_len": 8192, "batch_per_dp": 16,
+         "tflops_per_gpu": 400, "mfu": 41},
+        {"gpus": 16384, "t": 8, "cp": 16, "p": 16, "d": 8, "seq_len": 131072, "batch_per_dp": 16,
+         "tflops_per_gpu": 380, "mfu": 38}],
     # DeepSeek-V3 report sec. 3.2: 2048 H800 80GB, PP 16 x EP 64 (8 nodes) x ZeRO-1 DP, no TP, DualPipe
     "deepseek-v3": {"t": 1, "p": 16, "ep": 64, "gpus": 2048, "gpu_memory_gb": 80},
 }
+
+
+# What the Llama 3 paper leaves open, the planner assumes for its three 405B layouts: one sequence
+# per microbatch, bf16, sequence parallelism with TP, a fused (flash) attention kernel, FSDP without
+# resharding after forward as ZeRO-2 (gradients and optimizer state sharded, parameters kept),
+# interleaved 1F1B with v = 7 chunks per rank (126 layers on 112 stages, uneven) and full activation
+# recompute: without recompute rank 0 needs about 94 GB (tests/test_plan_published.py).
+LLAMA3_405B_ASSUMED = dict(b=1, zero=2, sequence_parallel=True, fused_attention=True, recompute="full",
+                           schedule="interleaved", v=7)
+
+
+def llama3_405b_layouts() -> list[tuple[ModelSpec, Layout, dict]]:
+    """The three published Llama 3 405B layouts (Dubey et al. 2024, Table 4) as
+    ``(spec at that sequence length and batch, Layout, published row)``, with
+    :data:`LLAMA3_405B_ASSUMED` for what the paper does not state."""
+    out = []
+    for row in PUBLISHED["llama3-405b"]:
+        spec = dataclasses_replace(PRESETS["llama3-405b"], seq_len=row["seq_len"],
+                                   global_batch=row["d"] * row["batch_per_dp"])
+        lay = Layout(t=row["t"], cp=row["cp"], p=row["p"], d=row["d"], **LLAMA3_405B_ASSUMED)
+        out.append((spec, lay, row))
+    return out
 
 
 def preset(name: str) -> ModelSpec:

@@ -32,6 +32,11 @@ sends ``N h e / t`` per TP rank over InfiniBand and all-gathers it over NVLink
 ``N h e``, which :mod:`.comm` counts). DP, EP and the tied-embedding all-reduce add their wire
 bytes over their link. No communication is hidden behind compute.
 
+Context parallelism (cp > 1): each rank computes its s/cp tokens (GEMMs and element-wise
+work divided by cp; the attention core of its queries against all s keys, balanced by the 2 cp
+chunk placement), and its K/V exchange (:func:`~.comm.comm_per_rank`'s "cp" axis) is added per
+microbatch on the CP link, not hidden either.
+
 MFU and HFU by the papers' definitions (:mod:`.flops`): model FLOPs (Korthikanti eq. 7) and
 hardware FLOPs (eq. 8 with selective recompute, Narayanan eq. 3 with full) over
 ``time x GPUs x peak``.
@@ -78,7 +83,7 @@ def layer_times(spec: ModelSpec, lay: Layout, cluster: Cluster, moe: bool = Fals
     ``{"forward", "backward", "recompute"}`` (see the module docstring)."""
     t, ts = lay.t, (lay.t if lay.sequence_parallel else 1)
     e = BYTES[lay.precision][0]
-    N = lay.b * spec.seq_len
+    N = lay.b * spec.seq_len // lay.cp          # this CP rank's tokens
     rate = cluster.peak_flops * cluster.compute_efficiency
     gemm, core = layer_forward_flops(spec, moe)
     gemm, core = gemm * N / t / rate, core * N / t / rate
@@ -109,12 +114,12 @@ def layer_forward_backward(spec: ModelSpec, lay: Layout, cluster: Cluster, moe: 
 
 def _logit_time(spec: ModelSpec, lay: Layout, cluster: Cluster) -> float:
     rate = cluster.peak_flops * cluster.compute_efficiency
-    return 3 * 2 * spec.hidden * spec.vocab_size * lay.b * spec.seq_len / lay.t / rate
+    return 3 * 2 * spec.hidden * spec.vocab_size * lay.b * spec.seq_len / lay.cp / lay.t / rate
 
 
 def _pp_message_time(spec: ModelSpec, lay: Layout, cluster: Cluster, link_bw: float) -> float:
     e = BYTES[lay.precision][0]
-    act = lay.b * spec.seq_len * spec.hidden * e
+    act = lay.b * spec.seq_len // lay.cp * spec.hidden * e
     if lay.t > 1 and (lay.pp_scatter_gather or lay.sequence_parallel):
         gather = 0.0 if lay.sequence_parallel else act * (lay.t - 1) / lay.t / cluster.intra_bw
         return act / lay.t / link_bw + gather
@@ -151,6 +156,7 @@ def step_time(spec: ModelSpec, lay: Layout, cluster: Cluster) -> StepTime:
             work += _logit_time(spec, lay, cluster)
         comm = comm_per_rank(spec, lay, cluster, r)
         tp = comm["tp"].wire / bw[comm["tp"].link] / passes
+        tp += comm["cp"].wire / bw[comm["cp"].link] / passes if comm["cp"].ops else 0.0
         per_mb.append(work + tp)
         tp_mb.append(tp)
         rc_mb.append(rc)

@@ -1,0 +1,92 @@
+"""The planner's context-parallel terms and the Llama 3 405B layouts (no process is started).
+
+Activation memory divided by cp, K/V traffic per algorithm and its link, the three published
+405B layouts of Dubey et al. 2024 (Table 4) fitting 80 GB with predicted MFU near the published
+one. The planner's CP bytes against labkit's measured run: tests/test_context_parallel.py."""
+import dataclasses
+
+import pytest
+
+from labkit.plan.comm import axis_links, comm_per_rank
+from labkit.plan.memory import check_layout, memory_per_rank
+from labkit.plan.spec import CLUSTERS, LLAMA3_405B_ASSUMED, PUBLISHED, Layout, llama3_405b_layouts, preset
+from labkit.plan.timing import step_time
+
+H100 = CLUSTERS["h100-80gb"]
+
+
+def test_llama3_405b_preset_matches_the_paper():
+    spec = preset("llama3-405b")
+    assert (spec.n_layer, spec.hidden, spec.ffn_hidden, spec.n_head, spec.kv_heads, spec.vocab_size) == \
+        (126, 16384, 53248, 128, 8, 128000)
+    assert spec.total_params() == pytest.approx(405e9, rel=0.005)
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_llama3_layouts_fit_and_predict_the_published_mfu(i):
+    """Each published layout has its GPU count, fits 80 GB in the planner, and the time model's
+    MFU is within 6 points of the published (43 / 41 / 38 %, i.e. 430 / 400 / 380 TFLOP/s of 989)."""
+    spec, lay, row = llama3_405b_layouts()[i]
+    assert lay.n_gpus == row["gpus"] and lay.t * lay.cp * lay.p * lay.d == row["gpus"]
+    assert abs(100 * row["tflops_per_gpu"] / 989 - row["mfu"]) < 1     # the paper rounds both (400 -> 40.4 vs 41)
+    assert max(r.total for r in memory_per_rank(spec, lay)) < 80e9
+    T = step_time(spec, lay, H100)
+    assert abs(100 * T.mfu - row["mfu"]) < 6, (i, 100 * T.mfu, row["mfu"])
+
+
+def test_llama3_needs_recompute_in_the_planner():
+    """Without activation recompute the first pipeline rank would need more than 80 GB
+    (the assumption LLAMA3_405B_ASSUMED states)."""
+    for spec, lay, _ in llama3_405b_layouts():
+        assert max(r.total for r in memory_per_rank(spec, dataclasses.replace(lay, recompute="none"))) > 80e9
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("cp", [2, 4, 16])
+def test_activation_memory_divided_by_cp(cp, fused):
+    """Every activation term is linear in the rank's tokens s/cp, the unfused scores too
+    (s/cp queries x s keys): cp x the CP rank's activations = the cp = 1 activations."""
+    spec = dataclasses.replace(preset("llama3-70b"), seq_len=16384, global_batch=64)
+    base = Layout(t=8, p=4, d=2, b=1, sequence_parallel=True, fused_attention=fused)
+    one = memory_per_rank(spec, base)
+    many = memory_per_rank(spec, dataclasses.replace(base, cp=cp))
+    for a, b in zip(one, many):
+        assert cp * b.activations == pytest.approx(a.activations, rel=1e-6)
+        assert b.params == a.params and b.optimizer == a.optimizer   # weights replicated over CP
+    z1 = dataclasses.replace(base, zero=1)                  # ZeRO shards over the d cp ranks
+    for a, b in zip(memory_per_rank(spec, z1), memory_per_rank(spec, dataclasses.replace(z1, cp=cp))):
+        assert b.optimizer * cp == pytest.approx(a.optimizer, rel=1e-6)
+
+
+def test_cp_traffic_per_algorithm_and_link():
+    """Per microbatch and layer, kv = b (s/cp) (a_kv/t) d e: all-gather 2 x kv forward and
+    reduce-scatter 2 x cp kv backward; ring (cp-1) + (2cp-1) messages of 2 kv; Ulysses 8 all-to-alls."""
+    spec = dataclasses.replace(preset("llama3-405b"), seq_len=131072, global_batch=128)
+    lay = Layout(t=8, cp=16, p=16, d=8, b=1, sequence_parallel=True, fused_attention=True)
+    M, L_r, cp = 16, 8, 16                                  # 128 / (b d) microbatches; 126 layers on 16 stages
+    kv = 131072 // cp * (8 // 8) * 128 * 2
+    ag = comm_per_rank(spec, lay, H100)["cp"]
+    assert ag.link == "inter-node" and ag.group == 16
+    assert ag.ops == {"all_gather": (2 * M * L_r, 2 * M * L_r * kv),
+                      "reduce_scatter": (2 * M * L_r, 2 * M * L_r * cp * kv)}
+    assert ag.wire == 2 * M * L_r * (cp - 1) * kv * 2      # gather (cp-1) kv, reduce-scatter (cp-1)/cp of cp kv
+    ring = comm_per_rank(spec, dataclasses.replace(lay, cp_attention="ring"), H100)["cp"]
+    n = M * L_r * ((cp - 1) + (2 * cp - 1))
+    assert ring.ops == {"send": (n, n * 2 * kv), "recv": (n, n * 2 * kv)}
+    assert axis_links(dataclasses.replace(lay, cp=1), H100)["cp"] == "-"
+    assert axis_links(Layout(t=2, cp=4), H100)["cp"] == "intra-node"
+    assert axis_links(Layout(t=2, cp=4, d=2), H100)["dp"] == "inter-node"   # d cp = 8 ranks of stride t
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(t=8, cp=16, cp_attention="ulysses"), "Ulysses needs cp=16 to divide the heads per TP rank a/t=16 and a_kv/t=1"),
+    (dict(t=1, cp=3), "2 cp \\(x t with SP\\) = 6 to divide the sequence length s=8192"),
+    (dict(cp=2, cp_attention="flash"), "cp_attention must be one of"),
+])
+def test_bad_cp_layouts(kw, message):
+    with pytest.raises(ValueError, match=message):
+        check_layout(preset("llama3-405b"), Layout(**kw))
+
+
+def test_assumptions_are_stated():
+    assert LLAMA3_405B_ASSUMED["recompute"] == "full" and len(PUBLISHED["llama3-405b"]) == 3
