@@ -130,7 +130,7 @@ def test_lab_3d_sp_bugs_are_caught(tmp_path, capsys, monkeypatch):
 def test_lab_3d_sp_option_errors(tmp_path, capsys):
     rc = main(["lab", "3d", "--sp", "--seq", "15", "--heads", "2", "--embd", "16", "--out", str(tmp_path)])
     err = capsys.readouterr().err
-    assert rc == 2 and "S=15" in err and "divisible by t" in err and "Traceback" not in err
+    assert rc == 2 and "s=15" in err and "t=2 to divide the sequence length" in err and "Traceback" not in err
     with pytest.raises(SystemExit):
         main(["lab", "3d", "--recompute", "some"])
 

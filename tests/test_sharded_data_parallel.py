@@ -10,6 +10,9 @@ from labkit.data_parallel import (FullyShardedDataParallel, ZeroStage2, expected
 from labkit.data_parallel.flat import padded_numel, shard_flat, unshard_flat
 from labkit.dist import launch
 from labkit.model import GPT, GPTConfig
+from labkit.plan.comm import comm_per_rank
+from labkit.plan.memory import memory_per_rank, zero3_units
+from labkit.plan.spec import Layout, ModelSpec
 
 # bias=False: see tests/test_data_parallel.py (the key bias's gradient is pure rounding noise)
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, bias=False)
@@ -133,6 +136,16 @@ def test_fsdp_equals_single_device(d, opt_name, steps, reshard, accum):
         if opt_name == "adam":
             assert rank["state"] == 2 * exp["shard_bytes"] and full_state == 2 * n * 4
         assert max(rank["peaks"]) == exp["peak_gathered_bytes"]
+    # the planner = measured: model states exact, gathered peak exact, DP traffic exact
+    spec = ModelSpec.from_gpt_config(CFG, seq_len=S, global_batch=B)
+    lay = Layout(t=1, p=1, d=d, b=B // d // accum, M=accum, zero=3, precision="fp32", reshard_after_forward=reshard)
+    assert zero3_units(spec, lay, 0) == units
+    mem = memory_per_rank(spec, lay, device="cpu")[0]
+    assert (mem.params, mem.grads, mem.gathered) == (out[0]["shard_bytes"], out[0]["grad_bytes"], max(out[0]["peaks"]))
+    if opt_name == "adam":
+        assert mem.optimizer == out[0]["state"]
+    assert comm_per_rank(spec, lay)["dp"].ops == {"all_gather": out[0]["logs"][0][("all_gather", d)],
+                                                  "reduce_scatter": out[0]["logs"][0][("reduce_scatter", d)]}
     if reshard:
         # two neighbouring units at once (prefetch): here the embedding and the first block
         assert exp["peak_gathered_bytes"] == (pads[0] + pads[1]) * 4
@@ -246,6 +259,12 @@ def test_zero2_equals_single_device(d, opt_name, steps, accum):
         assert rank["grad_bytes"] == [exp["shard_bytes"]] * steps           # no full gradient left
         if opt_name == "adam":
             assert rank["state"] == 2 * exp["shard_bytes"] and full_state == 2 * sum(rank["numels"]) * 4
+    if d != 3:   # the planner = measured (its one flat buffer needs no padding here, nor do the buckets)
+        mem = memory_per_rank(ModelSpec.from_gpt_config(CFG, seq_len=S, global_batch=B),
+                              Layout(d=d, b=B // d, zero=2, precision="fp32"), device="cpu")[0]
+        assert mem.grads == exp["shard_bytes"] and mem.params == sum(out[0]["numels"]) * 4
+        if opt_name == "adam":
+            assert mem.optimizer == out[0]["state"]
 
 
 def test_zero2_gradients_equal_single_device():

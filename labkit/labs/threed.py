@@ -40,8 +40,8 @@ import torch
 
 from ..cliparse import Parser
 from ..pipeline.registry import lookup, names
-from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               count_parameters_meta, is_main_rank, save_figure, schedule_name, write_bytes_atomic)
+from . import (HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
+               is_main_rank, save_figure, schedule_name, write_bytes_atomic)
 from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
 from .verdict import add_tolerance_option
 
@@ -168,14 +168,15 @@ def _bad_args(a, world) -> str | None:
                      n_experts=a.experts if a.moe else None)
     except ValueError as e:
         return str(e)
-    from ..model import GPT
-    # every rank builds the full reference (4 bytes/param each) and keeps its shard with Adam (16 in
-    # all); rank 0's reference (8) and the verdict's gathered copies (24); activations: the whole
-    # batch in flight over the ranks, plus the reference's
-    return bad_memory(count_parameters_meta(lambda: _model(a) if a.moe else GPT(cfg)), 4 * world + 48,
-                      activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
-                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} ({world} ranks)",
-                      ranks=world)
+    from ..parallel.gpt import planner_spec
+    from ..plan.spec import Layout
+    # the planner's bytes; GPipe keeps the most activations of any schedule (all M in flight)
+    spec = planner_spec(cfg, a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
+    lay = Layout(t=a.tp, p=a.pp, d=a.dp, b=a.batch // (a.dp * a.microbatches), M=a.microbatches, schedule="gpipe",
+                 ep=a.dp if a.moe else 1, zero=1 if a.zero else 0, sequence_parallel=a.sp, recompute=a.recompute,
+                 precision="fp32")
+    return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} "
+                                 f"({world} ranks)")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -455,6 +456,7 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
 
 def _plots(a, out, folder: Path):
     from matplotlib.figure import Figure
+
     from ..parallel import layout
 
     fig = Figure(figsize=(7, 4))
