@@ -55,7 +55,7 @@ class Mesh:
         """``{axis: coordinate}`` of ``rank``; ValueError outside ``0 .. N-1``."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
             raise ValueError(f"rank {rank!r} is outside the grid's ranks 0..{self.world - 1}")
-        return dict(zip(self.axes, (self.mesh == rank).nonzero()[0].tolist()))
+        return dict(zip(self.axes, (self.mesh == rank).nonzero()[0].tolist(), strict=True))
 
     def rank_of(self, **coords: int) -> int:
         """The rank at the given coordinates (an axis left out is 0). Raises ValueError for an

@@ -9,8 +9,9 @@ import tempfile
 import textwrap
 import time
 
-from labkit.dist import launch
 from procs import live_processes
+
+from labkit.dist import launch
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -50,7 +51,7 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path, mo
     cases = {"SIGTERM": (signal.SIGTERM, False), "SIGINT": (signal.SIGINT, True), "SIGKILL": (signal.SIGKILL, False),
              "SIGKILL group": (signal.SIGKILL, True), "SIGKILL all": (signal.SIGKILL, True)}
     procs, reapers = {}, {}
-    for name, (sig, to_group) in cases.items():  # all at once: the test takes one run's time
+    for name in cases:  # all at once: the test takes one run's time
         tmp = tmp_path / name
         (tmp / "ready").mkdir(parents=True)
         env = dict(os.environ, TMPDIR=str(tmp), OMP_NUM_THREADS="1")
@@ -110,7 +111,7 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path, mo
 
 STUCK = textwrap.dedent("""
     import os, sys, time
-    import labkit.launch as d
+    import labkit.launch.forked as d
     from labkit.dist import launch
     from labkit.labs import run_cli
 

@@ -58,6 +58,12 @@ STUBS = [
     "def square(x):\n    raise NotImplementedError('Exercise H.3')\ncheck('H.3', square)",
 ]
 
+# a daemon that leaves the kernel's session and its parent (orphaned: to init as non-root)
+DAEMON = ("import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import os, signal, sys, time\\n"
+          "if os.fork(): sys.exit()\\nos.setsid()\\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\\n"
+          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\nwhile True: time.sleep(0.1)'], "
+          "start_new_session=True).wait()")
+
 ATTACKS = [
     # replace the case runner (what check() and the old grader used)
     "import labkit.grading.runner as R\n"
@@ -80,6 +86,9 @@ ATTACKS = [
     "hidden = [m for m in sys.modules if m.startswith('labkit_hidden')]\n"
     "raise RuntimeError('OBSERVED ' + json.dumps({'env': os.environ.get('LABKIT_HIDDEN_CASES'), 'modules': hidden,\n"
     "    'cases': [c.name for ex in registry.all_exercises() for c in ex.cases if ex.id.startswith('H.')]}))",
+    DAEMON,
+    # the last grading point (H.2 is still the stub): every cell above runs, as cells after it would not
+    "check('H.2', negate)",
 ]
 
 ROBUST = [
@@ -91,10 +100,6 @@ ROBUST = [
     "signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass",   # loops, ignoring SIGINT
     "os.kill(os.getpid(), signal.SIGKILL)",                       # the kernel is killed
     "def square(x):\n    return x * x\ncheck('H.3', square)",
-    # a daemon that leaves the kernel's session and its parent (orphaned: to init as non-root)
-    "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import os, signal, sys, time\\n"
-    "if os.fork(): sys.exit()\\nos.setsid()\\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\\n"
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\nwhile True: time.sleep(0.1)'], start_new_session=True).wait()",
 ]
 
 
@@ -137,7 +142,7 @@ def _marked_processes() -> list[str]:
 
 
 def test_no_process_of_a_kernel_outlives_grading(graded):
-    # robust.ipynb ran past the limit (ignoring SIGINT), killed its kernel, and
+    # robust.ipynb ran past the limit (ignoring SIGINT) and killed its kernel; attacks.ipynb
     # started a daemon that left the kernel's session and parent: nothing may be left running
     deadline = time.monotonic() + 1  # SIGKILLed processes take a moment to leave /proc
     while _marked_processes() and time.monotonic() < deadline:
@@ -219,6 +224,7 @@ FORGE = [
     "open(target, 'w').write(json.dumps({'score': 100, 'tests': []}))",   # forge the results file
     "os.kill(os.getppid(), signal.SIGKILL)",                              # then kill the grader
     "print(open(f'/proc/{os.getppid()}/environ').read())",               # where are the hidden cases?
+    "check('H.1', triple)",  # the last grading point: every cell above runs
 ]
 
 
@@ -262,7 +268,7 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
     finally:
         del os.environ["LABKIT_TEST_MARK"]
     try:
-        assert s.execute(ROBUST[-1], 20)[0] == "ok"
+        assert s.execute(DAEMON, 20)[0] == "ok"
         assert s.execute("while True:\n    pass", 1)[0] == "timeout"
         assert len(_marked_processes()) >= 2  # the kernel and the daemon
     finally:

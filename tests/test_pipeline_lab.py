@@ -97,13 +97,23 @@ def test_lab_rejects_bad_sizes_before_starting(capsys):
     assert "cannot be split evenly into K*v=100000 stages" in err and "memory" not in err, err
 
 
-def test_memory_estimate_says_what_it_counts():
-    from labkit.labs import bad_memory
-    # 1,000 parameters x (4 bytes x 1,000 ranks + 48) = 4,048,000 bytes > a 1 MiB limit
-    msg = bad_memory(1000, 4 * 1000 + 48, 0, 2, "sizes", limit=2**20, ranks=1000)
-    assert "1,000 parameters x (4 bytes on each of the 1,000 ranks, which all build the full model, + 48)" in msg
-    assert "= 0.00377 GiB" in msg, msg
-    assert bad_memory(1000, 4 * 1000 + 48, 0, 2, "sizes", limit=2**30, ranks=1000) is None
+def test_memory_estimate_is_the_planners():
+    from labkit.labs import bad_memory, count_parameters_meta
+    from labkit.model import GPT, GPTConfig
+    from labkit.plan.memory import memory_per_rank
+    from labkit.plan.spec import Layout, ModelSpec
+    cfg = GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16)
+    spec = ModelSpec.from_gpt_config(cfg, global_batch=8)
+    lay = Layout(p=4, b=2, M=4, schedule="gpipe", precision="fp32")
+    P = spec.total_params()
+    assert P == count_parameters_meta(lambda: GPT(cfg))
+    # the 4 ranks as the planner counts them, the full model each builds, the reference and the verdict's copies
+    need = (sum(r.total for r in memory_per_rank(spec, lay, device="cpu")) + 4 * P * 4
+            + memory_per_rank(spec, Layout(b=8, M=1, precision="fp32"), device="cpu")[0].total + 8 * P)
+    assert bad_memory(spec, lay, "sizes", limit=need) is None
+    msg = bad_memory(spec, lay, "sizes", limit=need - 1)
+    assert msg.startswith("sizes: the run needs about") and f"the planner's count for {P:,} parameters" in msg, msg
+    assert "the 4 ranks' parameters, gradients, Adam state and activations" in msg, msg
 
 
 def test_lab_rejects_bad_options_with_one_error_line(tmp_path, capsys):

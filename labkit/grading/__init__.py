@@ -92,8 +92,9 @@ written by someone trying to game it:
   is skipped: a fresh kernel replays the cells that ran and grading goes on. Output is never
   collected (a flood is dropped), and each case has a time limit covering its kernel calls.
   ``--time-budget`` bounds the whole submission (default from the cell limit, the number of
-  cells and every case's limit); each cell runs once, in order, and its own ``check`` calls
-  (read from its source) are graded once after it, whatever serials the kernel reports.
+  cells and every case's limit); each cell up to the last grading point runs once, in order
+  (later cells cannot change a grade and do not run), and its own ``check`` calls (read from
+  its source) are graded once after it, whatever serials the kernel reports.
 * **Reference implementations**: an answer that is labkit's own implementation of the
   exercise, or calls it, gets 0 with a message naming the function
   (:mod:`labkit.grading.references` lists them per exercise): in a grade the source policy

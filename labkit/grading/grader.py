@@ -228,13 +228,14 @@ def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, dead
     todo = {i for i, r in results.items() if any(c.secret for c in wanted[i].cases)}
     if not todo:
         return
+    last = max(k for k, ids in due.items() if todo & set(ids))  # no cell after it can matter
     second: dict = {}
     session = None
     try:
         session = launch()
         session.wait_ready()
         for k in replay:
-            if deadline - time.monotonic() < 1:
+            if k > last or deadline - time.monotonic() < 1:
                 break
             st, _, _ = session.execute(cells[k][1], max(1.0, min(cell_timeout, deadline - time.monotonic())))
             if st not in ("ok", "error") or not session.alive():
@@ -279,7 +280,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
 
     ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
     submission holds (:mod:`labkit.grading.assignments`); None reads it from the submission
-    (metadata, file name, check calls). Each code cell runs once, in order; each exercise is
+    (metadata, file name, check calls). Each code cell up to the last grading point runs once,
+    in order (the cells after it cannot change a grade, so they do not run); each exercise is
     graded once, from its pinned name at its grading point (whatever serials the kernel
     reports), and zeroed when its code breaks the source policy (:mod:`labkit.grading.policy`).
     ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
@@ -336,12 +338,15 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
             spare.append(launch())
         return s
 
+    # cells after the last grading point cannot change a grade: they are not run (nor, when the
+    # submission holds none of the exercises, is a kernel started)
+    end = 1 + max((k for k in points.values() if k is not None), default=-1)
     restarts = 0
-    session = start()
+    session = start() if end else None
     from .session import secret_files
 
     hidden = [str(f) for f in _hidden_files()]
-    for f in session.hidden_files_readable(hidden + [f for f in secret_files() if f not in hidden]):
+    for f in session.hidden_files_readable(hidden + [f for f in secret_files() if f not in hidden]) if end else ():
         what = "the hidden case file" if f in hidden else "the grader's file"
         print(f"warning: the submission's kernel can read {what} {f}; make it readable by root only "
               f"(chmod o-r, and its folder o-x)", file=sys.stderr)
@@ -350,7 +355,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     results: dict = {}  # exercise id -> CheckResult of its visible (not secret) cases
     try:
         k = 0
-        while k < len(cells):
+        while k < end:
             idx, src = cells[k]
             left = deadline - time.monotonic()
             if left < 1:
@@ -406,7 +411,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                 break
             k += 1
     finally:
-        session.kill()
+        if session is not None:
+            session.kill()
         for s in spare:
             s.kill()
     # every visible result is fixed: only now do the instructor's secret inputs reach a (fresh) kernel

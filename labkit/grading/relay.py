@@ -48,6 +48,7 @@ from . import wire
 __all__ = ["Relay", "Message", "Reduction", "RelayGroup", "run_ranks", "REDUCE_OPS"]
 
 MAX_FRAME = 4 * 2 ** 20  # bytes of one message on the relay's wire
+MAX_TOTAL = 32 * 2 ** 20  # bytes of tensors the relay keeps for one case (a flood is refused)
 REDUCE_OPS = ("sum", "max", "min", "product")
 
 
@@ -103,7 +104,9 @@ class Relay:
     Use as a context manager; pass :meth:`address` to the kernel side (:func:`run_ranks`).
     ``timeout``: seconds a receive or an all-reduce waits for its peers before the rank gets an
     error naming what it waited for. ``max_messages``: sends plus all-reduce calls in all
-    before the relay refuses more (a runaway loop). After the ``with`` block :attr:`sent`
+    before the relay refuses more (a runaway loop); it also keeps at most :data:`MAX_TOTAL`
+    bytes of tensors and accepts at most ``4 * world_size + 4`` connections (a hostile kernel
+    cannot make this process build unbounded memory or threads). After the ``with`` block :attr:`sent`
     (list of :class:`Message`, in delivery order), :attr:`reduced` (list of
     :class:`Reduction`) and :attr:`problems` (protocol errors the relay answered, e.g.
     mismatched shapes) are what the case judges.
@@ -126,6 +129,7 @@ class Relay:
         self._conns: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._bytes = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
         self._sock.settimeout(0.2)
 
@@ -147,6 +151,11 @@ class Relay:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        for conn in self._conns:  # wakes a thread blocked reading it
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for s in [self._sock, *self._conns]:
             try:
                 s.close()
@@ -165,6 +174,9 @@ class Relay:
                 continue
             except OSError:
                 return
+            if len(self._conns) >= 4 * self.world_size + 4:
+                conn.close()
+                continue
             conn.settimeout(None)
             self._conns.append(conn)
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="labkit-relay-rank")
@@ -207,9 +219,14 @@ class Relay:
             return {"error": "not a relay request"}
         op = req.get("op")
         if op in ("send", "all_reduce"):
+            t = req.get("tensor")
+            size = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
             with self._cond:
                 if len(self.sent) + len(self.reduced) >= self.max_messages:
                     return self._refuse(f"rank {rank} sent more than {self.max_messages} messages")
+                if self._bytes + size > MAX_TOTAL:
+                    return self._refuse(f"rank {rank} sent more than {MAX_TOTAL // 2 ** 20} MiB in all")
+                self._bytes += size
         if op == "send":
             return self._send(rank, req.get("dst"), req.get("tensor"))
         if op == "recv":
@@ -242,10 +259,11 @@ class Relay:
         with self._cond:
             self._cond.wait_for(lambda: box or self._closed or src in self._gone, self.timeout)
             if not box:
-                why = (f"rank {src} ended without sending it anything more" if src in self._gone
-                       else f"rank {src} sent it nothing more in {self.timeout:g} s")
-                return {"error": f"rank {rank} waited to receive from rank {src}, but {why} (a deadlock, or a "
-                                 f"send that is missing)"}
+                if src in self._gone:
+                    return {"error": f"rank {rank} waited to receive from rank {src}, whose connection closed "
+                                     f"without sending it anything more"}
+                return {"error": f"rank {rank} timed out receiving from rank {src}, which sent it nothing more "
+                                 f"within {self.timeout:g} s"}
             got = box.popleft()
         if list(got.shape) != list(shape or ()) or str(got.dtype).replace("torch.", "") != dtype:
             return self._refuse(f"rank {rank} received into a {dtype} tensor of shape {list(shape or ())} the "
@@ -268,8 +286,8 @@ class Relay:
                                        or self._closed or bool(self._gone - set(round_)), self.timeout)
             if not done or self._closed or len(round_) < self.world_size + ("result" in round_):
                 missing = sorted(set(range(self.world_size)) - set(round_))
-                return {"error": f"rank {rank} waited {self.timeout:g} s in its all-reduce number {index + 1} for "
-                                 f"rank(s) {missing}, which never made that many all-reduces"}
+                return {"error": f"rank {rank} timed out ({self.timeout:g} s) in its all-reduce number {index + 1} "
+                                 f"waiting for rank(s) {missing}, which never made that many all-reduces"}
             if "result" not in round_:
                 round_["result"] = self._reduce(index, [round_[r] for r in range(self.world_size)])
             result = round_["result"]
@@ -426,6 +444,12 @@ def _rank_main(body, rank, world_size, address, allowed, refuse, wfd, args) -> N
         os._exit(0)
 
 
+def _waiting(error: tuple) -> bool:
+    """A rank's error that only says it waited for a peer (the peer's own error is the cause)."""
+    kind, message = error[0], error[1]
+    return kind == "ProcessDied" or "timed out" in message or "connection closed" in message
+
+
 def _refused(name: str) -> BaseException:
     return RuntimeError(f"{name} is not available on these ranks: they talk through the grader's relay")
 
@@ -436,8 +460,8 @@ def run_ranks(body: Callable, world_size: int, address, *args, allowed=("send", 
     through the relay at ``address``; their results in rank order.
 
     ``allowed``: the torch.distributed calls that reach the relay (the others raise
-    ``refuse(name)``). Raises :class:`labkit.dist.RankError` for the rank that failed first by
-    cause (one that raised by itself before one that gave up waiting for a peer), or when the
+    ``refuse(name)``). Raises :class:`labkit.dist.RankError` for the rank that failed by cause
+    (one that raised by itself before one that gave up waiting for a peer), or when the
     ranks are not done after ``timeout`` seconds. Every rank is killed and reaped before this
     returns."""
     import select
@@ -485,7 +509,7 @@ def run_ranks(body: Callable, world_size: int, address, *args, allowed=("send", 
                 if rank in errors and grace is None:
                     grace = time.monotonic() + 0.5  # the others may fail by themselves too: say the cause
         if errors:
-            rank = min(errors, key=lambda r: ("waited" in errors[r][1] or errors[r][0] == "ProcessDied", r))
+            rank = min(errors, key=lambda r: (_waiting(errors[r]), r))
             raise RankError(rank, *errors[rank])
         return [results[r] for r in range(world_size)]
     finally:

@@ -38,8 +38,8 @@ import torch
 from .. import comm
 from ..grid import Mesh
 from .dispatch import run_experts
-from .experts import MoEConfig, MoELayer
 from .expert_parallel import ExpertParallelMoE, all_to_all, exchange_splits
+from .experts import MoEConfig, MoELayer
 
 __all__ = ["NodeGroups", "make_node_groups", "HierarchicalExpertParallelMoE", "LevelBytes", "inter_node_rows"]
 

@@ -43,6 +43,7 @@ What the planner reads (helper functions returning data, no printing):
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -52,14 +53,18 @@ from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 from ..data_parallel.zero import optimizer_state_bytes
 from ..grid import ProcessGrid
 from ..model import lm_loss
+from ..moe.expert_parallel import expert_param_names
+from ..moe.pipeline import finish_step
 from ..pipeline.registry import canonical, lookup, names
 from ..pipeline.runtime import PipelineStage
 from ..pipeline.schedules import stage_rank
-from ..pipeline.stages import gpt_param_name, stage_layers
+from ..pipeline.stages import stage_layers
 from ..plan.comm import comm_per_rank
+from ..plan.memory import check_layout as plan_check_layout
 from ..plan.spec import Layout, ModelSpec
-from ..tensor_parallel import RECOMPUTE, allreduce_layernorm_grads, gpt_plan, parallelize
+from ..tensor_parallel import allreduce_layernorm_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
+from .moe_pipeline import moe_block_rule, split_moe_gpt
 
 __all__ = ["SCHEDULES", "check_layout", "ParallelGPT", "layout"]
 
@@ -73,18 +78,15 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     """Raise ValueError naming the values and the rule when a layout cannot be built; no
     communication (call it before any rank starts).
 
-    Rules: t * p * d = world size; L divisible by p * v; t divides n_head, n_kv_head, the
-    vocabulary V and the FFN width; the global batch divisible by d * M; GPipe, 1F1B and ZB-H1
-    have v = 1, ZB-V and DualPipeV v = 2 (DualPipeV also M >= 2p), interleaved 1F1B with v >= 2
-    needs M a multiple of p; E experts divisible by the EP size (= d); tied embeddings with
-    p = 1 need v = 1, and are not combined with the V-shaped schedules; ``recompute`` one of
-    none, selective, full; sequence parallelism needs t to divide the sequence length.
+    The rules of the model and the layout are the planner's (:func:`labkit.plan.memory.check_layout`,
+    the one home of them: t divides n_head, n_kv_head and the FFN width; interleaved 1F1B needs
+    max(1, M // p) equal rounds; sequence parallelism t | S; E experts divisible by the EP size
+    (= d); ``recompute`` one of none, selective, full). What this runtime adds, before them:
+    t * p * d = world size; the registry's schedule (GPipe, 1F1B and ZB-H1 v = 1, ZB-V and
+    DualPipeV v = 2, DualPipeV M >= 2p); L divisible by p * v (equal stages); after them: t
+    divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
+    with p = 1 need v = 1, and are not combined with the V-shaped schedules.
     """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ValueError(f"sequence parallelism splits the S={seq_len} tokens over t={tp} ranks: "
-                         f"S must be divisible by t")
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
                       ("M (microbatches)", n_microbatches)):
         if not isinstance(val, int) or val < 1:
@@ -103,18 +105,22 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if cfg.n_layer % (pp * v):
         raise ValueError(f"n_layer={cfg.n_layer} layers must be divisible by p*v = {pp}*{v} = {pp * v} "
                          f"(each pipeline stage gets the same number of layers)")
-    if info.chunks is None and v > 1 and n_microbatches % pp:
-        raise ValueError(f"interleaved 1F1B with v={v} needs M={n_microbatches} divisible by p={pp} "
-                         f"(Megatron-LM: microbatches go through the chunks in groups of p)")
-    for what, n in (("n_head (attention heads)", cfg.n_head), ("n_kv_head (KV heads)", cfg.n_kv_head),
-                    ("vocab_size", cfg.vocab_size), ("FFN hidden width ffn_mult*n_embd", cfg.ffn_mult * cfg.n_embd)):
-        if n % tp:
-            raise ValueError(f"{what}={n} must be divisible by t={tp} (each TP rank gets an equal share)")
+    # the planner's rules: the rounds rule of loop placement with v > 1; V placement has none of its own
+    B = global_batch or dp * n_microbatches
+    spec = ModelSpec.from_gpt_config(cfg, seq_len=seq_len or cfg.block_size, global_batch=B)
+    if n_experts is not None:
+        spec = replace(spec, n_routed_experts=n_experts, n_activated_experts=1)
+    pv = v if pp > 1 and info.chunks is None else 1
+    lay = Layout(t=tp, p=pp, d=dp, v=pv, b=max(1, B // (dp * n_microbatches)), M=n_microbatches,
+                 schedule="interleaved" if pv > 1 else "1f1b", zero=1 if zero else 0, precision="fp32",
+                 ep=dp if n_experts is not None else 1, recompute=recompute,
+                 sequence_parallel=bool(sequence_parallel) and seq_len is not None)
+    plan_check_layout(spec, lay)
+    if cfg.vocab_size % tp:
+        raise ValueError(f"vocab_size={cfg.vocab_size} must be divisible by t={tp} (each TP rank gets an equal share)")
     if global_batch is not None and global_batch % (dp * n_microbatches):
         raise ValueError(f"global batch B={global_batch} must be divisible by d*M = {dp}*{n_microbatches} = "
                          f"{dp * n_microbatches} (each DP rank splits its B/d sequences into M microbatches)")
-    if n_experts is not None and n_experts % dp:
-        raise ValueError(f"n_routed_experts E={n_experts} must be divisible by the EP size {dp} (EP folded onto DP)")
     tied = getattr(cfg, "share_embeddings_and_output_weights", False)
     if tied and ((pp == 1 and v > 1) or info.v_shaped):
         raise ValueError(f"tied embeddings with p={pp}, v={v}, schedule {schedule!r}: the first and last stage "
@@ -139,18 +145,36 @@ def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") 
     return out
 
 
+def planner_spec(cfg, seq: int, batch: int, moe_cfg=None, moe_layer_freq: int = 1) -> ModelSpec:
+    """The planner's :class:`labkit.plan.spec.ModelSpec` of labkit's GPT (``moe_cfg``: of its MoE
+    variant, :class:`labkit.moe.MoEGPT`: E routed experts of width ``moe_ffn_dim``, top-k, shared
+    experts, every ``moe_layer_freq``-th layer MoE)."""
+    spec = ModelSpec.from_gpt_config(cfg, seq_len=seq, global_batch=batch)
+    if moe_cfg is None:
+        return spec
+    return replace(spec, n_routed_experts=moe_cfg.n_routed_experts, n_activated_experts=moe_cfg.n_activated_experts,
+                   n_shared_experts=moe_cfg.n_shared_experts, moe_ffn=moe_cfg.moe_ffn_dim,
+                   moe_layer_freq=moe_layer_freq)
+
+
 class ParallelGPT:
     """This rank's part of the GPT on a :class:`labkit.grid.ProcessGrid` (t, p, d).
 
     Args:
         reference: the single-device :class:`labkit.model.GPT` (same seed on every rank).
-        grid: from ``make_grid(ctx, tp=t, pp=p, dp=d)``.
+        grid: from ``ProcessGrid.build(ctx, tp=t, pp=p, dp=d)``.
         schedule: "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zbv" | "dualpipev" (or another
             spelling of :mod:`labkit.pipeline.registry`, e.g. "zbh1"); ``v``: chunks
             per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).
         n_microbatches: M per step (per DP rank).
         zero: ZeRO-1 over the DP group instead of DDP (see :meth:`make_optimizer`).
         bucket_cap_mb: DDP bucket size.
+        reference may also be a :class:`labkit.moe.MoEGPT` whose MoE layers route in
+            ``token_groups = d*M`` groups: its experts are spread over the DP group (EP folded onto
+            DP, Megatron-Core's "parallel folding"; E divisible by d), each stage attaches its balance
+            losses (:mod:`labkit.parallel.moe_pipeline`), DDP leaves the experts unreduced (their
+            gradient already sums every rank's tokens through the all-to-all). Not with ZeRO, SP or
+            recompute (ValueError).
         sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
             Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
             shard and the ``sequence_parallel`` gradients are all-reduced over TP in :meth:`train_step`.
@@ -169,8 +193,23 @@ class ParallelGPT:
                  zero: bool = False, bucket_cap_mb: float = 25.0, sequence_parallel: bool = False,
                  recompute: str = "none", plan: dict | None = None):
         cfg = reference.cfg
+        moe_cfg = getattr(reference, "moe_cfg", None)
         check_layout(cfg, grid.ctx.world_size, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule,
-                     sequence_parallel=sequence_parallel, recompute=recompute)
+                     sequence_parallel=sequence_parallel, recompute=recompute,
+                     n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts)
+        if moe_cfg is not None:
+            if zero or (sequence_parallel and grid.tp > 1) or recompute != "none":
+                raise ValueError("the MoE GPT runs here with DDP, without sequence parallelism and without "
+                                 f"recompute (got zero={zero}, sequence_parallel={sequence_parallel}, "
+                                 f"recompute={recompute!r})")
+            if grid.ep != grid.dp:
+                raise ValueError(f"ParallelGPT folds EP onto the whole DP group: ep must equal d={grid.dp}, "
+                                 f"got ep={grid.ep}")
+            if moe_cfg.token_groups != grid.dp * n_microbatches:
+                raise ValueError(f"the reference must route in token_groups = d*M = {grid.dp * n_microbatches} "
+                                 f"groups (one per microbatch and DP rank), got {moe_cfg.token_groups}")
+        self.moe = moe_cfg is not None
+        self.moe_cfg, self.moe_layer_freq = moe_cfg, getattr(reference, "moe_layer_freq", 1)
         self.cfg, self.grid, self.v, self.M = cfg, grid, v, n_microbatches
         self.sequence_parallel, self.recompute = bool(sequence_parallel) and grid.tp > 1, recompute
         self.zero, self.bucket_cap_mb = zero, bucket_cap_mb
@@ -182,12 +221,18 @@ class ParallelGPT:
         info = lookup(schedule)
         self.placement = placement = info.placement
         self.stage_ids = [s for s in range(n) if stage_rank(s, p, placement) == grid.pp_rank]
-        plan = plan if plan is not None else gpt_plan(self.sequence_parallel, recompute)
+        group = grid.tp_group if tpg is not None or recompute != "none" else None
+        if plan is None:
+            plan = gpt_plan(self.sequence_parallel, recompute) if group is not None else {}
+            if self.moe:
+                plan = {**plan, "blocks.*": moe_block_rule(grid.ep_group, grid.ep_rank, grid.ep, plan.get("blocks.*"))}
         self.modules: list[nn.Module] = []
         for s in self.stage_ids:
-            stage = reference.slice(stage_layers(cfg.n_layer, n, s), s == 0, s == n - 1)   # slice
-            if tpg is not None or recompute != "none":
-                parallelize(stage, grid.tp_group, plan)                                    # parallelize
+            if self.moe:                                                                    # slice
+                stage = split_moe_gpt(reference, n, n_microbatches, [s])[0]
+            else:
+                stage = reference.slice(stage_layers(cfg.n_layer, n, s), s == 0, s == n - 1)
+            parallelize(stage, group, plan)                                                 # parallelize
             self.modules.append(stage.to(device))
         # embedding group: first and last pipeline rank with this (dp_rank, tp_rank); every rank
         # creates every group, in the same order (a torch rule)
@@ -199,8 +244,8 @@ class ParallelGPT:
                     g = grid.ctx.new_group(ranks)
                     if grid.ctx.rank in ranks:
                         self.emb_group, self.emb_ranks = g, tuple(ranks)
-        self.ddp = [DistributedDataParallel(m, grid.dp_group, bucket_cap_mb) if d > 1 and not zero else None
-                    for m in self.modules]                                                  # data parallel
+        self.ddp = [DistributedDataParallel(m, grid.dp_group, bucket_cap_mb, expert_params=expert_param_names(m))
+                    if d > 1 and not zero else None for m in self.modules]                  # data parallel
         submods = [w if w is not None else m for w, m in zip(self.ddp, self.modules)]
         stages = [PipelineStage(sm, s, n, device, group=grid.pp_group)                     # pipeline stage
                   for sm, s in zip(submods, self.stage_ids)]
@@ -252,6 +297,8 @@ class ParallelGPT:
                 w.finish_grad_sync()          # no-op when the last backward completed it
         if self.sequence_parallel:            # LayerNorms etc. saw S/t tokens: sum over TP, once per step
             allreduce_layernorm_grads(nn.ModuleList(self.modules), self.grid.tp_group)
+        if self.moe and any(layer.cfg.expert_bias for m in self.modules for layer in m.moe_layers().values()):
+            finish_step(self.modules, self.grid.dp_group if self.grid.dp > 1 else None)   # aux-loss-free bias
         if self.emb_group is not None:
             w = self._tied_weight()
             if w.grad is None:
@@ -260,6 +307,28 @@ class ParallelGPT:
         if losses:
             return float(sum(float(v) for v in losses) / len(losses))
         return None
+
+    def take_aux_loss(self) -> float:
+        """MoE: the sum over this rank's MoE layers of their balance loss averaged over the step's M
+        microbatches (from the forwards whose backward ran; unscaled, as in the reference's loss),
+        then forgotten. Local: the stages of the other pipeline ranks hold the other layers'."""
+        total = 0.0
+        for m in self.modules:
+            values = getattr(m, "aux_values", None)
+            if values:
+                total += sum(values) / self.M
+                values.clear()
+        return total
+
+    def reference_name(self, stage: nn.Module, name: str) -> str:
+        """The single-device model's name of ``stage``'s parameter or buffer ``name``: global block
+        index, and for a local expert its global id (``...moe.experts.<expert_offset + j>...``)."""
+        if ".experts." in name:
+            pre, rest = name.split(".experts.", 1)
+            j, tail = rest.split(".", 1)
+            offset = getattr(stage.get_submodule(pre), "expert_offset", 0)
+            name = f"{pre}.experts.{offset + int(j)}.{tail}"
+        return stage.reference_name(name)
 
     def _tied_weight(self) -> nn.Parameter:
         for m in self.modules:
@@ -286,7 +355,7 @@ class ParallelGPT:
                 tensor = prm.grad if what == "grad" else prm.detach()
                 if tensor is not None and getattr(prm, "tensor_model_parallel", False) and self.grid.tp > 1:
                     tensor = all_gather_along_dim(tensor, prm.partition_dim, self.grid.tp_group)
-                out[gpt_param_name(m, name)] = None if tensor is None else tensor.detach().cpu().clone()
+                out[self.reference_name(m, name)] = None if tensor is None else tensor.detach().cpu().clone()
         return out
 
     def memory(self) -> dict:
@@ -319,7 +388,7 @@ class ParallelGPT:
         if ranks == tp_r and g.tp > 1:
             return "tp"
         if ranks == dp_r and g.dp > 1:
-            return "dp"
+            return "ep" if rec.kind == "all_to_all" else "dp"     # EP folded onto the DP ranks
         if self.emb_ranks and ranks == set(self.emb_ranks):
             return "embedding"
         return "other"
@@ -350,8 +419,9 @@ class ParallelGPT:
         counts as 1F1B and every other as interleaved, in this schedule's placement), with this
         rank's DDP bucket count."""
         g = self.grid
-        spec = ModelSpec.from_gpt_config(self.cfg, seq_len=seq, global_batch=batch)
+        spec = planner_spec(self.cfg, seq, batch, self.moe_cfg, self.moe_layer_freq)
         lay = Layout(t=g.tp, p=g.pp, d=g.dp, v=self.v, b=batch // (g.dp * self.M), M=self.M,
+                     ep=g.dp if self.moe else 1,
                      schedule="interleaved" if self.v > 1 else "1f1b",
                      zero=1 if self.zero else 0, precision="fp32", placement=self.placement,
                      sequence_parallel=self.sequence_parallel, recompute=self.recompute)

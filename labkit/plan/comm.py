@@ -10,11 +10,12 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   and MLP) and twice backward (f); the input embedding once forward, the output layer once
   backward, the vocab-parallel cross-entropy 3 times ``N`` fp32 values. With sequence
   parallelism (Korthikanti et al. 2022 sec. 4.2.2) each all-reduce becomes a reduce-scatter +
-  an all-gather (same wire bytes) and backward re-gathers the two column-parallel inputs;
-  once per step the LayerNorm (and row-parallel bias) gradients are all-reduced. Full
-  recompute repeats the forward's collectives in backward.
-* PP: each stage boundary sends ``N h`` forward and the gradient back (labkit sends the
-  full activation; Megatron with SP sends the shard); a tied embedding adds one all-reduce of
+  an all-gather (same wire bytes) and backward re-gathers the column-parallel inputs (the two
+  of each layer and the output layer's); once per step the gradients of the parameters that saw
+  S/t tokens (LayerNorms, row-parallel biases, the final norm, learned positions) are
+  all-reduced. Full recompute repeats the forward's collectives in backward.
+* PP: each stage boundary sends ``N h`` forward and the gradient back (with SP each TP rank
+  sends its ``N h / t`` shard, as Megatron does); a tied embedding adds one all-reduce of
   its gradient between the first and the last stage per step (axis "embedding").
 * DP (Rajbhandari et al. 2020 sec. 7): ZeRO-0 all-reduces the gradients once per step
   (``2 (d-1)/d`` Psi on the wire), ZeRO-1/2 reduce-scatter the gradients and all-gather the
@@ -47,7 +48,7 @@ from .memory import (_zero_shard, bytes_per_param, check_layout, holds_first, ho
                      rank_layer_chunks, rank_param_counts, rank_stages, zero3_units)
 from .spec import Cluster, Layout, ModelSpec
 
-__all__ = ["AxisComm", "comm_per_rank", "axis_links"]
+__all__ = ["AxisComm", "comm_per_rank", "tp_comm", "axis_links"]
 
 
 @dataclass
@@ -87,6 +88,55 @@ def axis_links(lay: Layout, cluster: Cluster) -> dict:
             "pp": link(lay.p, tc * lay.d), "ep": link(lay.ep, tc)}
 
 
+def tp_comm(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
+            act_bytes: int | None = None, regather_in_backward: bool = True) -> dict:
+    """The tensor-parallel collectives of one training step on a rank of pipeline rank
+    ``pp_rank``, as ``{"forward": AxisComm, "backward": AxisComm}`` (the module docstring's TP
+    rules; full recompute's second forward runs in backward, the sequence-parallel gradient
+    all-reduce after it). :func:`comm_per_rank`'s ``"tp"`` is their sum."""
+    check_layout(spec, lay)
+    cluster = cluster or Cluster()
+    link = axis_links(lay, cluster)["tp"]
+    pb, gb, _ = bytes_per_param(lay)
+    e = act_bytes or pb
+    M = n_microbatches(spec, lay)
+    Ml = M // 2 if lay.schedule == "dualpipe" else M   # passes through each layer (DualPipe: half each way)
+    t, r, h = lay.t, pp_rank, spec.hidden
+    N = spec.seq_len * lay.b // lay.cp                         # tokens of this CP rank
+    act = N * h * e
+    L_r = rank_param_counts(spec, lay, r)["layers"]
+    fwd, bwd = AxisComm("tp", t, link), AxisComm("tp", t, link)
+    again = 1 if lay.recompute == "full" else 0                 # full recompute reruns the forward in backward
+    if lay.sequence_parallel:
+        fwd.add("all_gather", Ml * 2 * L_r, act // t)            # entering the column-parallel regions
+        fwd.add("reduce_scatter", Ml * 2 * L_r, act)             # leaving the row-parallel regions (g-bar)
+        bwd.add("all_gather", Ml * 2 * L_r * (again + (1 if regather_in_backward else 0)), act // t)
+        bwd.add("reduce_scatter", Ml * 2 * L_r * again, act)
+        bwd.add("reduce_scatter", Ml * 2 * L_r, act)             # backward of g
+        bwd.add("all_gather", Ml * 2 * L_r, act // t)            # backward of g-bar
+        n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
+        n_ln += spec.norm_params() if holds_last(lay, r) else 0            # the final norm
+        if holds_first(lay, r) and spec.position == "learned":             # positions added per S/t block
+            n_ln += spec.seq_len * h
+        bwd.add("all_reduce", 1 if n_ln else 0, n_ln * gb)      # sequence-parallel gradients
+    else:
+        fwd.add("all_reduce", Ml * 2 * L_r, act)                 # g after attention and MLP
+        bwd.add("all_reduce", Ml * 2 * L_r * (1 + again), act)   # f of each
+    if holds_first(lay, r):                                      # vocab-parallel embedding: g
+        fwd.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", Ml, act)
+        if lay.sequence_parallel:                                # its backward: an all-gather
+            bwd.add("all_gather", Ml, act // t)
+    if holds_last(lay, r):                                       # output layer f, cross-entropy
+        if lay.sequence_parallel:                                # gather (+ re-gather in backward), dX
+            fwd.add("all_gather", Ml, act // t)
+            bwd.add("all_gather", Ml if regather_in_backward else 0, act // t)
+            bwd.add("reduce_scatter", Ml, act)
+        else:
+            bwd.add("all_reduce", Ml, act)
+        fwd.add("all_reduce", 3 * Ml, N * 4)
+    return {"forward": fwd, "backward": bwd}
+
+
 def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
                   act_bytes: int | None = None, regather_in_backward: bool = True,
                   dp_buckets: int | None = None) -> dict:
@@ -114,30 +164,17 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
+    fwd_layers = L_r * (2 if lay.recompute == "full" else 1)   # full recompute reruns the forward
     ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
     n_moe = sum(1 for i in ids if spec.is_moe_layer(i))
 
-    # ---- TP: per microbatch, then x M
+    # ---- TP: forward and backward collectives (tp_comm), summed
     tp = out["tp"]
-    fwd_layers = L_r * (2 if lay.recompute == "full" else 1)   # full recompute reruns the forward
-    if lay.sequence_parallel:
-        tp.add("all_gather", Ml * (2 * fwd_layers + 2 * L_r * (1 if regather_in_backward else 0)), act // t)
-        tp.add("reduce_scatter", Ml * 2 * fwd_layers, act)      # forward g-bar
-        tp.add("reduce_scatter", Ml * 2 * L_r, act)             # backward of g
-        tp.add("all_gather", Ml * 2 * L_r, act // t)            # backward of g-bar
-        n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
-        tp.add("all_reduce", 1 if n_ln else 0, n_ln * gb)     # sequence-parallel gradients
-    else:
-        tp.add("all_reduce", Ml * 2 * (fwd_layers + L_r), act)
-    if holds_first(lay, r):                                     # vocab-parallel embedding: g
-        tp.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", Ml, act)
-    if holds_last(lay, r):                                      # output layer f, cross-entropy
-        if lay.sequence_parallel:
-            tp.add("all_gather", Ml, act // t)
-            tp.add("reduce_scatter", Ml, act)
-        else:
-            tp.add("all_reduce", Ml, act)
-        tp.add("all_reduce", 3 * Ml, N * 4)
+    for part in tp_comm(spec, lay, cluster, r, act_bytes, regather_in_backward).values():
+        for k, (c, nbytes) in part.ops.items():
+            c0, b0 = tp.ops.get(k, (0, 0))
+            tp.ops[k] = (c0 + c, b0 + nbytes)
+        tp.wire += part.wire
 
     # ---- CP: each layer's K/V, per microbatch
     cp = out["cp"]
@@ -163,9 +200,10 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     last = p * v - 1
     n_send_f = sum(1 for s in stages if s != last and s + 1 not in stages)   # V placement: p-1 -> p stays
     n_send_b = sum(1 for s in stages if s != 0 and s - 1 not in stages)
-    if p > 1:
-        pp.add("send", M * (n_send_f + n_send_b), act)
-        pp.add("recv", M * (n_send_f + n_send_b), act)
+    if p > 1:                                                   # SP: each TP rank sends its S/t shard
+        msg = act // t if lay.sequence_parallel else act
+        pp.add("send", M * (n_send_f + n_send_b), msg)
+        pp.add("recv", M * (n_send_f + n_send_b), msg)
         if spec.tied_embeddings and r in (0, p - 1) and lay.placement == "loop":   # 2 copies of a tied embedding
             out["embedding"].add("all_reduce", 1, math.ceil(spec.vocab_size / t) * h * gb)
 

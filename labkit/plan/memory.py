@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
-__all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank",
+__all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank",
+           "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
            "grad_convention", "zero3_units", "zero3_gathered_peak"]
@@ -120,8 +121,12 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         if not ok:
             raise ValueError(msg)
     rules = [
-        (a % lay.t == 0 and akv % lay.t == 0, f"t={lay.t} must divide the heads a={a} and key/value heads {akv}"),
-        (spec.ffn_hidden % lay.t == 0, f"t={lay.t} must divide the FFN width {spec.ffn_hidden}"),
+        (a % lay.t == 0, f"n_head (attention heads)={a} must be divisible by t={lay.t} (each TP rank gets an "
+                         f"equal share)"),
+        (akv % lay.t == 0, f"n_kv_head (KV heads)={akv} must be divisible by t={lay.t} (each TP rank gets an "
+                           f"equal share)"),
+        (spec.ffn_hidden % lay.t == 0, f"the FFN width f={spec.ffn_hidden} must be divisible by t={lay.t} (each TP "
+                                       f"rank gets an equal share)"),
         (spec.n_layer >= lay.p * lay.v, f"p*v={lay.p}*{lay.v} stages need at least as many layers (L={spec.n_layer})"),
         (lay.v == 1 or lay.schedule == "interleaved", f"v={lay.v} > 1 needs schedule 'interleaved'"),
         (lay.placement in ("loop", "v"), f"placement must be 'loop' or 'v', got {lay.placement!r}"),
@@ -132,8 +137,9 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
          f"DualPipe needs an even p >= 2 and v = 1 (got p={lay.p}, v={lay.v})"),
         (not lay.sequence_parallel or spec.seq_len % lay.t == 0,
          f"sequence parallelism needs t={lay.t} to divide the sequence length s={spec.seq_len}"),
-        (not spec.is_moe or (spec.n_routed_experts % lay.ep == 0 and lay.d % lay.ep == 0),
-         f"ep={lay.ep} must divide the experts E={spec.n_routed_experts} and d={lay.d}"),
+        (not spec.is_moe or spec.n_routed_experts % lay.ep == 0,
+         f"n_routed_experts E={spec.n_routed_experts} must be divisible by the EP size {lay.ep} (EP folded onto DP)"),
+        (lay.d % lay.ep == 0, f"the EP size ep={lay.ep} must divide d={lay.d} (EP folded onto DP)"),
         (spec.is_moe or lay.ep == 1, f"ep={lay.ep} > 1 needs a MoE model"),
         (lay.cp == 1 or spec.seq_len % (2 * lay.cp * (lay.t if lay.sequence_parallel else 1)) == 0,
          f"context parallelism needs 2 cp (x t with SP) = {2 * lay.cp * (lay.t if lay.sequence_parallel else 1)} "
@@ -160,8 +166,8 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
 
 def interleaved_group(p: int, M: int) -> int:
     """Microbatches per round of interleaved 1F1B, ``M / max(1, M // p)`` (torch's
-    ``ScheduleInterleaved1F1B``; p when p divides M, Megatron's groups of p). The same rule as
-    :func:`labkit.pipeline.schedules.interleaved_group` (tests/test_plan.py checks)."""
+    ``ScheduleInterleaved1F1B``; p when p divides M, Megatron's groups of p), the rule of
+    :func:`labkit.pipeline.schedules.interleaved_group`."""
     return M // max(1, M // p)
 
 
@@ -177,8 +183,7 @@ def in_flight_units(lay: Layout, M: int, pp_rank: int) -> int:
     interleaved ``min((v-1) g + 2 (p-1-r) + 1, M v)`` with g microbatches per round
     (:func:`interleaved_group`): the warm-up plus one. That is today's Megatron-Core and torch
     rule, also at M = p (rank p-1 then holds p + 1 chunks at v = 2; Megatron-LM v2 ran every
-    forward first there and held 2p). Checked against labkit's schedules, counted from their
-    actions, and measured on the runtime (tests/test_plan.py, tests/test_pipeline_interleaved.py)."""
+    forward first there and held 2p)."""
     p, v, r = lay.p, lay.v, pp_rank
     if lay.schedule == "gpipe":
         return M * v
@@ -209,8 +214,7 @@ def stage_in_flight(lay: Layout, M: int, which: str) -> int:
     """Microbatches alive at the peak on the FIRST stage (it holds the input embedding) or the
     LAST stage (the output layer and loss): GPipe M and M; 1F1B ``min(p, M)`` and 1;
     interleaved: counted along the schedule's order (chunk 0 of rank 0, chunk v-1 of rank p-1;
-    ``min(2p, M)`` and 1 when p divides M and M > p). Checked against labkit's schedules
-    (tests/test_plan.py)."""
+    ``min(2p, M)`` and 1 when p divides M and M > p)."""
     p = lay.p
     if lay.schedule == "gpipe":
         return M
@@ -251,8 +255,8 @@ def rank_layer_chunks(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[range]
     sec. 3.2.1) the two stages r and p-1-r of the two directions (L/p layers each: twice the
     parameters of 1F1B)."""
     if lay.placement == "v":
-        first, second = rank_chunks(spec.n_layer, lay.p, 2, pp_rank), rank_chunks(spec.n_layer, lay.p, 2, lay.p - 1 - pp_rank)
-        return [first[0], second[1]]
+        first = rank_chunks(spec.n_layer, lay.p, 2, pp_rank)[0]
+        return [first, rank_chunks(spec.n_layer, lay.p, 2, lay.p - 1 - pp_rank)[1]]
     if lay.schedule == "dualpipe":
         return rank_chunks(spec.n_layer, lay.p, 1, pp_rank) + rank_chunks(spec.n_layer, lay.p, 1, lay.p - 1 - pp_rank)
     return rank_chunks(spec.n_layer, lay.p, lay.v, pp_rank)
@@ -373,7 +377,8 @@ def _embedding_act(spec: ModelSpec, lay: Layout, device: str = "cuda") -> int:
     and, with dropout > 0, the embedding-dropout mask ``s b h`` elements of the mask size
     (split by t under sequence parallelism, where the embedding output is scattered first)."""
     sb = spec.seq_len * lay.b
-    n = sb * 8 + (spec.seq_len * 8 if spec.position == "learned" else 0) + (sb if lay.t > 1 else 0)
+    ts = lay.t if lay.sequence_parallel else 1         # SP: this rank's S/t positions
+    n = sb * 8 + (spec.seq_len * 8 // ts if spec.position == "learned" else 0) + (sb if lay.t > 1 else 0)
     if spec.dropout > 0:
         mask = torch_saved_bytes_per_element(BYTES[lay.precision][0], device)["mask"]
         n += sb * spec.hidden * mask // (lay.t if lay.sequence_parallel else 1)
@@ -424,9 +429,12 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         moe = [spec.is_moe_layer(i) for i in ids]
         chunk_act = sum(_layer_act(spec, lay, m, device) for m in moe) / len(chunks)
         act = units * chunk_act
-        if lay.recompute == "full":   # the layer being recomputed in backward is alive too
-            act += max(_layer_act(spec, Layout(**{**lay.__dict__, "recompute": "none"}),
-                                  spec.is_moe_layer(i), device) for i in ids)
+        if lay.recompute == "full":
+            # the layer being recomputed in backward holds its whole stash again (its input is already
+            # counted); on the last stage that microbatch's head stash is freed by then
+            none = Layout(**{**lay.__dict__, "recompute": "none"})
+            rec = max(_layer_act(spec, none, m, device) - _layer_act(spec, lay, m, device) for m in moe)
+            act += max(rec - _head_act(spec, lay, device), 0) if holds_last(lay, r) else rec
         if holds_first(lay, r):
             act += stage_in_flight(lay, M, "first") * _embedding_act(aspec, lay, device)
         if holds_last(lay, r):

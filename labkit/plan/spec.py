@@ -352,7 +352,7 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
 
 # The clusters of the published runs. compute_efficiency (the share of peak a GEMM reaches) is
 # the time model's one free constant: 0.68 puts the eight iteration times of Korthikanti et al.
-# 2022 Table 5 within 10 % (tests/test_plan_published.py). Selene: DGX A100 80GB, NVLink 3
+# 2022 Table 5 within 10 %. Selene: DGX A100 80GB, NVLink 3
 # (300 GB/s per GPU and direction), 8 HDR InfiniBand NICs per node (25 GB/s per GPU), HBM2e 2.0 TB/s.
 CLUSTERS: dict[str, Cluster] = {
     "selene-a100-80gb": Cluster(gpus_per_node=8, gpu_memory=80e9, peak_flops=312e12, intra_bw=300e9, inter_bw=25e9,
