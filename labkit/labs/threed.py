@@ -2,6 +2,7 @@
 
     python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved]
                             [--chunks v] [--microbatches M] [--zero] [--tied] [--steps N] [--data PATH]
+                            [--cp C --cp-attention ring|allgather|ulysses]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
 
 Megatron-LM's recipe (Narayanan et al. 2021, sec. 3.3): N = t * p * d devices; TP inside a node
@@ -24,6 +25,11 @@ For the planner: :func:`run_3d` returns the measured data without printing: per 
 (count, bytes)}}`` counted by :class:`labkit.comm.CommLog`), ``wire`` (per step, ``{axis: bytes
 sent}`` under the ring algorithms), ``expected`` (the counts from the formulas), ``overlap``,
 ``bubble`` and the loss curves.
+
+Context parallelism (``--cp C``, :mod:`labkit.context_parallel`): each sequence is split over C
+ranks (load-balanced 2 C chunks; grid order tp-cp-dp-pp, N = t C p d), every attention core runs
+``--cp-attention`` ring | allgather | ulysses over the CP group, and the gradients are averaged
+over the d C ranks of a stage; the table then has a CP row (K/V traffic = the planner's formula).
 """
 from __future__ import annotations
 
@@ -58,6 +64,10 @@ def _parser():
     p.add_argument("--chunks", type=int, default=None,
                    help="v model chunks per rank, with --schedule interleaved (unset: 2; zbv/dualpipev: always 2)")
     p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree C: each sequence split over C ranks")
+    p.add_argument("--cp-attention", default="ring", choices=("ring", "allgather", "ulysses"),
+                   help="attention under context parallelism: ring (K/V passed around), allgather (Llama 3), "
+                        "ulysses (all-to-all over heads)")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     p.add_argument("--bucket-cap-mb", type=float, default=0.02, help="DDP bucket size (MiB)")
@@ -106,7 +116,7 @@ def _bad_args(a, world) -> str | None:
     if a.chunks is not None and lookup(a.schedule).chunks is not None:
         return (f"--chunks {a.chunks} applies to --schedule interleaved only (gpipe, 1f1b, zb-h1 run 1 chunk per rank, "
                 f"zbv and dualpipev 2); got --schedule {a.schedule}")
-    for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--chunks", _v(a)),
+    for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--cp", a.cp), ("--chunks", _v(a)),
                         ("--microbatches", a.microbatches), ("--steps", a.steps), ("--batch", a.batch),
                         ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
         if value < 1:
@@ -118,8 +128,10 @@ def _bad_args(a, world) -> str | None:
     try:
         cfg = _config(a)
         from ..parallel import check_layout
+        from ..parallel.gpt import check_cp_layout
         v = _v(a)
-        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule)
+        check_layout(cfg, world // a.cp, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule)
+        check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, zero=a.zero, seq_len=a.seq)
     except ValueError as e:
         return str(e)
     from ..model import GPT
@@ -189,10 +201,10 @@ def _worker(ctx, a, corpus) -> RankResult:
 
     torch.manual_seed(a.seed)
     v = _v(a)
-    grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
+    grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp, cp=a.cp)
     cfg = _config(a)
     pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
-                     bucket_cap_mb=a.bucket_cap_mb)
+                     bucket_cap_mb=a.bucket_cap_mb, cp_attention=a.cp_attention)
     opt = pg.make_optimizer("adam", a.lr)
 
     def ref_loss(model, step, extras):
@@ -280,7 +292,8 @@ def run_3d(a, corpus=None) -> Result3D:
 
 
 def _run_name(a) -> str:
-    return f"t{a.tp} p{a.pp} d{a.dp} {a.schedule}"
+    cp = f" cp{a.cp} {a.cp_attention}" if a.cp > 1 else ""
+    return f"t{a.tp}{cp} p{a.pp} d{a.dp} {a.schedule}"
 
 
 # ----------------------------------------------------------------------------- report
@@ -296,7 +309,8 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
     ranks = out.ranks
     ok = all(c == r.expected for r in ranks for c in r.comm[1:])
     rows = []
-    labels = {"tp": f"TP (t={a.tp})", "pp": f"PP (p={a.pp})", "dp": f"DP (d={a.dp})", "embedding": "embedding"}
+    labels = {"tp": f"TP (t={a.tp})", "cp": f"CP (cp={a.cp})", "pp": f"PP (p={a.pp})",
+              "dp": f"DP (d={a.dp})" if a.cp == 1 else f"DP (d*cp={a.dp * a.cp})", "embedding": "embedding"}
     kinds = sorted({(ax, k) for r in ranks for ax in r.expected for k in r.expected[ax]},
                    key=lambda x: (list(labels).index(x[0]), x[1]))
     head = f"{'axis':<12}{'collective':<16}{'count/step':>11}{'(formula)':>10}{'MiB/step':>10}{'(formula)':>10}  ranks"
@@ -369,18 +383,20 @@ class ThreeDLab(Lab):
 
     def resolve(self, a, world):
         if world is not None:
-            if a.tp < 1 or a.pp < 1 or world % (a.tp * a.pp):
-                return f"--tp {a.tp} * --pp {a.pp} must divide WORLD_SIZE={world}"
-            if a.dp is not None and a.dp * a.tp * a.pp != world and is_main_rank():
-                print(f"note: --dp {a.dp} ignored under torchrun: d = WORLD_SIZE / (t*p) = {world // (a.tp * a.pp)}",
+            mp = a.tp * a.pp * a.cp
+            if a.tp < 1 or a.pp < 1 or a.cp < 1 or world % mp:
+                return f"--tp {a.tp} * --pp {a.pp}" + (f" * --cp {a.cp}" if a.cp != 1 else "") + \
+                    f" must divide WORLD_SIZE={world}"
+            if a.dp is not None and a.dp * mp != world and is_main_rank():
+                print(f"note: --dp {a.dp} ignored under torchrun: d = WORLD_SIZE / (t*p*cp) = {world // mp}",
                       file=sys.stderr)
-            a.dp = world // (a.tp * a.pp)
+            a.dp = world // mp
         else:
             a.dp = 2 if a.dp is None else a.dp
         return None
 
     def check(self, a):
-        return _bad_args(a, a.tp * a.pp * a.dp)
+        return _bad_args(a, a.tp * a.pp * a.dp * a.cp)
 
     def load_corpus(self, a):
         from ..data import Corpus
@@ -392,7 +408,7 @@ class ThreeDLab(Lab):
         self.t_start = time.perf_counter()
 
     def runs(self, a, corpus):
-        return [Launch(_run_name(a), a.tp * a.pp * a.dp, _worker, (a, corpus))]
+        return [Launch(_run_name(a), a.tp * a.pp * a.dp * a.cp, _worker, (a, corpus))]
 
     def reference(self, a, corpus):
         return _reference(a, corpus)
@@ -403,7 +419,7 @@ class ThreeDLab(Lab):
         v = _v(a)
         ranks = out.ranks
         print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
-              f"on t={a.tp} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
+              f"on t={a.tp}{f' x cp={a.cp} ({a.cp_attention})' if a.cp > 1 else ''} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
               f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}, "
               f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
         rows, counts_ok = _axis_table(a, out)
@@ -412,7 +428,10 @@ class ThreeDLab(Lab):
         print("formulas: TP 4 all-reduces of b*S*H per block per microbatch (+1 embedding, +1 output layer, +3 of b*S "
               "cross-entropy); PP 1 send of b*S*H per microbatch and boundary each way; DP one all-reduce per bucket "
               "of the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an "
-              "all-gather of n/d; b = B/(d*M).")
+              "all-gather of n/d; b = B/(d*M)." + (" CP per block and microbatch: ring (cp-1) sends of K and V "
+              "forward, (cp-1)+cp backward (K, V, then their gradients); allgather 2 all-gathers of K, V forward, "
+              "2 reduce-scatters backward; ulysses 4 all-to-alls (q, k, v, output) each way; DP over the d*cp "
+              "ranks of a stage." if a.cp > 1 else ""))
         meas, formula = out.bubble
         name = "(p-1)/(vM+p-1)" if not lookup(a.schedule).zero_bubble else "(T_F = T_I = T_W)"
         print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "

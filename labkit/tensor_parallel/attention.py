@@ -95,7 +95,9 @@ class ParallelAttention(nn.Module):
         q = q.view(B, S, self.n_head_local, d).transpose(1, 2)
         k = k.view(B, S, self.n_kv_head_local, d).transpose(1, 2)
         v = v.view(B, S, self.n_kv_head_local, d).transpose(1, 2)
-        if self.recompute_core:   # keep q, k, v; recompute the s^2 part (scores, softmax, dropout, sum)
+        if getattr(self, "core", None) is not None:   # context parallelism's (q, k, v) -> y (labkit.parallel)
+            y = self.core(q, k, v)
+        elif self.recompute_core:   # keep q, k, v; recompute the s^2 part (scores, softmax, dropout, sum)
             y = checkpoint(causal_attention, q, k, v, self.attn_drop)
         else:
             y = causal_attention(q, k, v, self.attn_drop)                 # local heads only

@@ -80,6 +80,8 @@ class ParallelEmbedding(nn.Module):
             pos = torch.arange(start, start + S // t, device=idx.device)
         else:
             pos = torch.arange(S, device=idx.device)
+        if getattr(self, "positions", None) is not None:   # context parallelism: this rank's positions
+            pos = self.positions.to(idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
