@@ -139,6 +139,9 @@ def test_lab_3d_with_cp(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "CP (cp=2)   send" in out and "OK: every run (t2 cp2 ring p1 d1 1f1b)" in out
+    # per CP rank: 68 query-key pairs per sequence and head (balanced), x 4 layers x M = 1, measured by the ring
+    assert "[68, 68]; a contiguous split would give [36, 100]" in out
+    assert "work 272, 272 (formula x 4 layers x M=1: 272, 272)" in out
 
 
 def test_lab_3d_bad_cp_is_one_line(tmp_path, capsys):

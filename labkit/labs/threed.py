@@ -172,6 +172,9 @@ class RankResult:
     verdict: object
     device: str
     backend: str
+    cp_rank: int = 0
+    cp_work: int = 0          # ring attention: query-key pairs this rank computed in the last step
+    cp_seconds: float = 0.0   # ring attention: seconds of its attention compute in the last step
 
 
 @dataclass
@@ -228,6 +231,7 @@ def _worker(ctx, a, corpus) -> RankResult:
     for step in range(a.steps):
         x, y = _batch(a, corpus, step)
         pg.zero_grad()
+        pg.cp_stats.clear()
         t0 = time.perf_counter()
         with CommLog() as log:
             loss = pg.train_step(x, y)
@@ -253,7 +257,8 @@ def _worker(ctx, a, corpus) -> RankResult:
     return RankResult(ctx.rank, grid.tp_rank, grid.dp_rank, grid.pp_rank, pg.has_last_stage, losses, comm, wire,
                       pg.expected_comm(a.batch, a.seq), seconds, overlaps, peak_mem,
                       timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
-                      check.result(), str(ctx.device), ctx.backend)
+                      check.result(), str(ctx.device), ctx.backend, getattr(grid, "cp_rank", 0),
+                      sum(st["work"] for st in pg.cp_stats), sum(st["seconds"] for st in pg.cp_stats))
 
 
 def _reference(a, corpus) -> Reference:
@@ -326,6 +331,23 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
     sent = ", ".join(f"{labels[ax]} {_mib(max(r.wire[-1].get(ax, 0) for r in ranks)):.3f}" for ax in axes)
     rows.append(f"MiB sent per step on the wire (ring algorithms, busiest rank): {sent}")
     return rows, ok
+
+
+def _print_cp_balance(a, ranks) -> None:
+    """Causal work per CP rank (load-balanced 2 cp chunks) next to the contiguous split's, and, for
+    the ring, what each rank measured in the last step (work and attention compute seconds)."""
+    from ..context_parallel import causal_work
+    bal, contiguous = causal_work(a.seq, a.cp), causal_work(a.seq, a.cp, load_balance=False)
+    print(f"\ncausal attention work per CP rank (query-key pairs per sequence and head; 2 cp chunks, rank r "
+          f"holds r and 2cp-1-r): {bal}; a contiguous split would give {contiguous}")
+    if a.cp_attention == "ring":
+        row = [r for r in ranks if r.tp_rank == 0 and r.dp_rank == 0 and r.pp_rank == 0]
+        row.sort(key=lambda r: r.cp_rank)
+        layers = a.layers // (a.pp * _v(a)) * _v(a)
+        print("measured in the last step, ring attention forward on pipeline rank 0 (per CP rank): work "
+              + ", ".join(str(r.cp_work) for r in row) + f" (formula x {layers} layers x M={a.microbatches}: "
+              + ", ".join(str(w * layers * a.microbatches) for w in bal) + "); compute ms "
+              + ", ".join(f"{1e3 * r.cp_seconds:.1f}" for r in row))
 
 
 def _plots(a, out, folder: Path):
@@ -432,6 +454,8 @@ class ThreeDLab(Lab):
               "forward, (cp-1)+cp backward (K, V, then their gradients); allgather 2 all-gathers of K, V forward, "
               "2 reduce-scatters backward; ulysses 4 all-to-alls (q, k, v, output) each way; DP over the d*cp "
               "ranks of a stage." if a.cp > 1 else ""))
+        if a.cp > 1:
+            _print_cp_balance(a, ranks)
         meas, formula = out.bubble
         name = "(p-1)/(vM+p-1)" if not lookup(a.schedule).zero_bubble else "(T_F = T_I = T_W)"
         print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "

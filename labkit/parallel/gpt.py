@@ -150,9 +150,11 @@ def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel:
         check_sequence_split(seq_len, cp)
 
 
-def _cp_core(attention, group, positions, q, k, v):
-    """The attention core of one layer under CP: this rank's local heads, its S/cp queries."""
-    return attention(q, k, v, group, [p.to(q.device) for p in positions], causal=True)
+def _cp_core(attention, group, positions, stats, q, k, v):
+    """The attention core of one layer under CP: this rank's local heads, its S/cp queries
+    (``stats``: a list the ring appends its per-step work and compute time to, or None)."""
+    kw = {"stats": stats} if stats is not None else {}
+    return attention(q, k, v, group, [p.to(q.device) for p in positions], causal=True, **kw)
 
 
 def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") -> list[dict]:
@@ -209,6 +211,7 @@ class ParallelGPT:
         if cp > 1:
             check_cp_layout(cfg, grid.tp, cp, cp_attention, sequence_parallel, zero)
         self.cp, self.cp_attention = cp, cp_attention
+        self.cp_stats: list = []    # ring attention's per-step {"work", "seconds", ...} (cleared by the caller)
         self.cfg, self.grid, self.v, self.M = cfg, grid, v, n_microbatches
         self.sequence_parallel, self.recompute = bool(sequence_parallel) and grid.tp > 1, recompute
         self.zero, self.bucket_cap_mb = zero, bucket_cap_mb
@@ -317,7 +320,8 @@ class ParallelGPT:
         g, S = self.grid, x.shape[1]
         check_sequence_split(S, self.cp)
         positions = [sequence_positions(S, r, self.cp) for r in range(self.cp)]
-        core = partial(_cp_core, ATTENTIONS[self.cp_attention], g.cp_group, positions)
+        core = partial(_cp_core, ATTENTIONS[self.cp_attention], g.cp_group, positions,
+                       self.cp_stats if self.cp_attention == "ring" else None)
         for m in self.modules:
             if m.embedding is not None:
                 m.embedding.positions = positions[g.cp_rank]
