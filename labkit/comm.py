@@ -147,19 +147,21 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op:
     return work if async_op else tensor
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Gather every rank's ``input`` (same shape) along dim 0 into ``output``
-    (shape ``[t * input.shape[0], ...]``)."""
+    (shape ``[t * input.shape[0], ...]``); returns ``output``, or with ``async_op=True`` the
+    ``Work`` handle (``.wait()`` before reading ``output``)."""
     _record("all_gather", input, group)
-    _all_gather(output, input.contiguous(), group=group)
-    return output
+    work = _all_gather(output, input.contiguous(), group=group, async_op=async_op)
+    return work if async_op else output
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``input`` (shape ``[t * n, ...]``) over ranks and keep this rank's ``n`` rows."""
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Sum ``input`` (shape ``[t * n, ...]``) over ranks and keep this rank's ``n`` rows; returns
+    ``output``, or with ``async_op=True`` the ``Work`` handle."""
     _record("reduce_scatter", input, group)
-    _reduce_scatter(output, input.contiguous(), group=group)
-    return output
+    work = _reduce_scatter(output, input.contiguous(), group=group, async_op=async_op)
+    return work if async_op else output
 
 
 def all_to_all_single(

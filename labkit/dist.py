@@ -26,8 +26,18 @@ import torch
 import torch.distributed as dist
 
 from .grid import ProcessGrid, make_grid
-from .launch import (CLEANUP_DEADLINE, RankError, Terminated, in_torchrun, run_forked, run_torchrun_rank,
-                     stop_on_first_signal, terminate_as_exception, torchrun_env_problem, torchrun_where)
+from .launch import (
+    CLEANUP_DEADLINE,
+    RankError,
+    Terminated,
+    in_torchrun,
+    run_forked,
+    run_torchrun_rank,
+    stop_on_first_signal,
+    terminate_as_exception,
+    torchrun_env_problem,
+    torchrun_where,
+)
 
 __all__ = [
     "Terminated",

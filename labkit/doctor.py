@@ -2,12 +2,13 @@
 
 :func:`report` is the environment (torch, CUDA devices, NCCL/gloo, the backend ``auto`` picks per
 world size): all that ``python -m labkit doctor`` prints. With ``--run``, started anywhere (a
-laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints that report and then runs every lab briefly (a tiny model, 2-3 steps) with backend
-"auto", exactly as a user would start it, and prints for each::
+laptop, one GPU, an 8-GPU node, under ``torchrun``), it prints that report and then runs every
+lab briefly (a tiny model, 2-3 steps) with backend "auto", as a user would start it (through
+:func:`labkit.labs.harness.run`, which returns the lab's verdicts), and prints for each::
 
     PASS  3d        gloo  8 ranks   largest difference from one device 1.9e-07   4.2 s
 
-PASS when the lab (run by :func:`labkit.labs.harness.run`) exits with status 0 (its verdict: every step's loss and gradients equal the
+PASS when the lab exits with status 0 (its verdict: every step's loss and gradients equal the
 single-device model's at the same parameters, :mod:`labkit.labs.verdict`), FAIL with the lab's
 last error line otherwise. The largest difference is the largest |gradient - reference| (or
 |loss - reference|) over the steps the verdict compared. The labs' own output is not shown

@@ -24,14 +24,70 @@ collective call.
 """
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-__all__ = ["AXES", "ProcessGrid", "make_grid"]
+__all__ = ["AXES", "Mesh", "ProcessGrid", "make_grid"]
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first; Megatron-Core's order read from the outside
+
+
+class Mesh:
+    """Ranks ``0 .. N-1`` laid out as ``torch.arange(N).view(*sizes)``, one named axis per
+    dimension, outermost first (the last axis holds neighbouring ranks). The arithmetic that every
+    layout in labkit shares: :class:`ProcessGrid` is one, the N nodes x g GPUs of
+    :mod:`labkit.moe.hierarchical` (``Mesh(node=N, local=g)``) another.
+
+    Raises ValueError when a size is not an integer >= 1."""
+
+    def __init__(self, **sizes: int):
+        for axis, n in sizes.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{axis}={n!r}: every degree of the grid must be an integer >= 1")
+        self.axes, self.sizes = tuple(sizes), dict(sizes)
+        self.mesh = torch.arange(math.prod(sizes.values())).view(*sizes.values())
+        self.world = self.mesh.numel()
+
+    def coords(self, rank: int) -> dict:
+        """``{axis: coordinate}`` of ``rank``; ValueError outside ``0 .. N-1``."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank!r} is outside the grid's ranks 0..{self.world - 1}")
+        return dict(zip(self.axes, (self.mesh == rank).nonzero()[0].tolist(), strict=True))
+
+    def rank_of(self, **coords: int) -> int:
+        """The rank at the given coordinates (an axis left out is 0). Raises ValueError for an
+        unknown axis or a coordinate outside ``0 .. size-1``."""
+        for axis, c in coords.items():
+            if axis not in self.sizes:
+                raise ValueError(f"unknown axis {axis!r}; the grid's axes are {', '.join(self.axes)}")
+            if not 0 <= c < self.sizes[axis]:
+                raise ValueError(f"{axis}={c} is outside 0..{self.sizes[axis] - 1}")
+        return int(self.mesh[tuple(coords.get(a, 0) for a in self.axes)])
+
+    def all_ranks(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis`` (the ranks that differ only in that coordinate, in coordinate
+        order), in the order every rank must create them: the other axes' indices in mesh order."""
+        if axis not in self.sizes:
+            raise ValueError(f"unknown axis {axis!r}; the grid's axes are {', '.join(self.axes)}")
+        dim = self.axes.index(axis)
+        return self.mesh.movedim(dim, -1).reshape(-1, self.mesh.shape[dim]).tolist()
+
+    def ranks(self, axis: str, rank: int) -> list[int]:
+        """The ranks of the group along ``axis`` that holds ``rank``."""
+        return next(g for g in self.all_ranks(axis) if rank in g)
+
+    def new_groups(self, ctx, axis: str):
+        """Create every group along ``axis`` on the launch ``ctx`` (collective: every rank, same
+        order; a group spanning the world is the world group) and return this rank's."""
+        mine = None
+        for ranks in self.all_ranks(axis):
+            g = ctx.group if len(ranks) == ctx.world_size else _new_group(ctx, ranks)
+            if ctx.rank in ranks:
+                mine = g
+        return mine
 
 
 class ProcessGrid:
@@ -55,17 +111,14 @@ class ProcessGrid:
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, ep: int | None = None,
                  rank: int | None = None, ctx: Any = None):
-        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
-        for axis, n in sizes.items():
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{axis}={n!r}: every degree of the grid must be an integer >= 1")
+        self._mesh = Mesh(pp=pp, dp=dp, cp=cp, tp=tp)
+        sizes = self._mesh.sizes
         ep = dp if ep is None else ep
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or dp % ep:
             raise ValueError(f"ep={ep!r} must be an integer >= 1 that divides dp={dp} (EP is folded onto DP)")
         self.sizes = sizes
         self.ep = ep
-        self.mesh = torch.arange(pp * dp * cp * tp).view(pp, dp, cp, tp)
-        self.world = self.mesh.numel()
+        self.mesh, self.world = self._mesh.mesh, self._mesh.world
         if rank is not None and not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside the grid's ranks 0..{self.world - 1}")
         self.rank, self.ctx = rank, ctx
@@ -98,20 +151,12 @@ class ProcessGrid:
 
     def coords(self, rank: int) -> dict:
         """``{"pp": .., "dp": .., "cp": .., "tp": ..}`` of global ``rank``; ValueError outside the grid."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
-            raise ValueError(f"rank {rank!r} is outside the grid's ranks 0..{self.world - 1}")
-        idx = (self.mesh == rank).nonzero()[0].tolist()
-        return dict(zip(AXES, idx))
+        return self._mesh.coords(rank)
 
     def rank_of(self, **coords: int) -> int:
         """The global rank at the given coordinates (``pp=, dp=, cp=, tp=``; an axis left out is 0).
         Raises ValueError for an unknown axis or a coordinate outside ``0 .. size-1``."""
-        for axis, c in coords.items():
-            if axis not in self.sizes:
-                raise ValueError(f"unknown axis {axis!r}; the grid's axes are {', '.join(AXES)}")
-            if not 0 <= c < self.sizes[axis]:
-                raise ValueError(f"{axis}={c} is outside 0..{self.sizes[axis] - 1}")
-        return int(self.mesh[tuple(coords.get(a, 0) for a in AXES)])
+        return self._mesh.rank_of(**coords)
 
     def all_ranks(self, axis: str) -> list[list[int]]:
         """Every group along ``axis`` as a list of global ranks (``"pp"``, ``"dp"``, ``"cp"``,
@@ -119,13 +164,10 @@ class ProcessGrid:
         in mesh order. A group's ranks are in coordinate order (a pipeline's in stage order)."""
         if axis in ("ep", "edp"):
             # split the DP coordinate into (edp, ep), ep innermost: EP groups are ep consecutive DP ranks
-            m = self.mesh.view(self.pp, self.edp, self.ep, self.cp, self.tp)
-            dim = 2 if axis == "ep" else 1
-        elif axis in self.sizes:
-            m, dim = self.mesh, AXES.index(axis)
-        else:
+            return Mesh(pp=self.pp, edp=self.edp, ep=self.ep, cp=self.cp, tp=self.tp).all_ranks(axis)
+        if axis not in self.sizes:
             raise ValueError(f"unknown axis {axis!r}; the grid's axes are {', '.join(AXES)}, ep, edp")
-        return m.movedim(dim, -1).reshape(-1, m.shape[dim]).tolist()
+        return self._mesh.all_ranks(axis)
 
     def ranks(self, axis: str, rank: int | None = None) -> list[int]:
         """The global ranks of the group along ``axis`` that holds ``rank`` (default: this rank)."""
@@ -168,7 +210,7 @@ class ProcessGrid:
         axes = ["tp", "dp", "pp"] + (["cp"] if cp > 1 else []) + (["ep", "edp"] if grid.ep != dp else [])
         whole = list(range(world))
         for axis in axes:
-            for ranks in grid.all_ranks(axis):
+            for ranks in grid.all_ranks(axis):   # every rank creates every group, in the same order
                 g = ctx.group if ranks == whole else _new_group(ctx, ranks)
                 if ctx.rank in ranks:
                     grid._groups[axis] = g

@@ -7,12 +7,13 @@ import torch
 from labkit.comm import CommLog
 from labkit.dist import launch
 from labkit.model import GPT, Block, GPTConfig
+from labkit.plan.comm import tp_comm
+from labkit.plan.spec import Layout, ModelSpec
 from labkit.tensor_parallel import (
     ParallelBlock,
     TensorParallelGPT,
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
-    expected_collectives,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
@@ -98,8 +99,11 @@ def test_communication_counts_and_bytes_are_exact(t):
         assert rank_res["ce0.0"] == ([ar(n), ar(n), ar(n)], [])
         # label smoothing: the sum of logits rides in the third all-reduce (2N elements)
         assert rank_res["ce0.1"] == ([ar(n), ar(n), ar(2 * n)], [])
-        exp = expected_collectives(n_layer=2, batch=B, seq=S, hidden=H)
+        spec = ModelSpec.from_gpt_config(GPTConfig(n_layer=2, n_head=4, n_embd=H, block_size=S), global_batch=B)
+        exp = {k: c.ops["all_reduce"]                  # the planner's TP collectives, forward and backward
+               for k, c in tp_comm(spec, Layout(t=t, b=B, M=1, precision="fp32"), act_bytes=4).items()}
         fwd, bwd = rank_res["gpt"]
         assert fwd == {("all_reduce", t): exp["forward"]}
         assert bwd == {("all_reduce", t): exp["backward"]}
         assert exp["forward"] == (2 * 2 + 1 + 3, 5 * act + 3 * n)
+        assert exp["backward"] == (2 * 2 + 1, 5 * act)

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from procs import live_processes
 
 from labkit import comm
 from labkit.dist import RankError, choose_backend, launch, make_grid
-from procs import live_processes
 
 
 def _children_alive():
@@ -191,3 +191,45 @@ def test_doctor_cli():
     p = subprocess.run([sys.executable, "-m", "labkit", "doctor"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0
     assert "torch" in p.stdout and "auto backend for world size 4: gloo" in p.stdout
+
+
+def test_a_launch_that_fails_before_its_ranks_start_leaves_no_folder(tmp_path, monkeypatch):
+    """The second rank cannot be started (fork refused, as under a process limit): the error comes
+    out, the first rank and the folder's reaper are gone, and so is the rendezvous folder."""
+    import multiprocessing.context
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = multiprocessing.context.ForkProcess.start
+    started = []
+
+    def start(self):
+        if started:
+            raise OSError(11, "injected: fork refused")
+        started.append(self)
+        real(self)
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "start", start)
+    with pytest.raises(OSError, match="injected"):
+        launch(_rank_info, 2, 0, timeout=5)
+    assert os.listdir(tmp_path) == []
+    assert _children_alive() == []
+
+
+def test_ctrl_c_just_after_the_folder_is_made_leaves_no_folder(tmp_path, monkeypatch):
+    """A Ctrl-C landing the moment the rendezvous folder exists (before the launch knows its name):
+    KeyboardInterrupt comes out, and neither the folder nor its reaper is left."""
+    import signal
+    import tempfile
+
+    import labkit.launch.forked as forked
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = forked._rendezvous_folder
+
+    def made_then_interrupted():
+        path = real()
+        os.kill(os.getpid(), signal.SIGINT)
+        return path
+    monkeypatch.setattr(forked, "_rendezvous_folder", made_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launch(_rank_info, 2, 0, timeout=5)
+    assert os.listdir(tmp_path) == []
+    assert _children_alive() == []

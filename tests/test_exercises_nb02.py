@@ -1,5 +1,7 @@
 """Exercises of notebook 02_gpipe: the solutions pass, plausible wrong answers fail with a message
 that says what was wrong (the validator's words, or expected/got)."""
+import pytest
+
 from labkit.grading.registry import get_exercise
 from labkit.grading.runner import run_case
 from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
@@ -84,27 +86,8 @@ def test_gpipe_solution_passes():
     assert_check_passes("2.1", gpipe_actions)
 
 
-def test_gpipe_missing_receives_fails_with_validator_message():
-    assert_check_fails("2.1", gpipe_without_receives,
-                       contains="the validator says: rank 0, action 6 (B0@s0): no RECV_B0@s0 before it")
-
-
-def test_gpipe_receive_on_first_stage_fails():
-    assert_check_fails("2.1", gpipe_receive_on_rank0, contains="stage 0 has no stage -1 to receive from")
-
-
-def test_one_microbatch_at_a_time_is_not_gpipe():
-    assert_check_fails("2.1", naive_one_at_a_time,
-                       contains="rank 0 runs B0@s0 before F1@s0; GPipe runs all M forwards before the first backward")
-
-
 def test_count_in_flight_solution_passes():
     assert_check_passes("2.2", count_in_flight)
-
-
-def test_counting_forwards_only_fails_on_1f1b():
-    assert_check_fails("2.2", count_forwards,
-                       contains="count_in_flight(hand-written 1F1B, K=2, M=3)[0]: expected 2, got 3")
 
 
 def test_counting_per_rank_fails_with_several_stages_per_rank():
@@ -144,23 +127,12 @@ def test_accumulation_solution_passes():
     assert_check_passes("2.3", accumulate)
 
 
-def test_unscaled_microbatch_loss_fails_naming_the_factor_M():
-    assert_public_case_fails("2.3", accumulate_unscaled, "M=4: every parameter gradient",
-                             contains="it is exactly M=4 times the full-batch gradient: the M microbatch losses "
-                                      "were added up as they are, but the batch loss is their MEAN")
-
-
 def test_unscaled_loss_is_also_caught_by_the_plain_sgd_case():
     """The SGD case alone (Adam would hide the factor M; plain SGD does not)."""
     case = next(c for c in get_exercise("2.3").cases if "SGD steps" in c.name and not c.hidden)
     assert run_case(case, accumulate).status == "passed"
     res = run_case(case, accumulate_unscaled)
     assert res.status == "failed" and "M=4 times the full-batch gradient" in res.message
-
-
-def test_zeroing_inside_the_loop_fails_with_the_difference():
-    assert_public_case_fails("2.3", accumulate_zeroing, "M=4: every parameter gradient",
-                             contains="embedding.wte.weight vs the full batch's: tensors of shape (256, 16) differ in")
 
 
 def accumulate_split_by_M(model, x, y, M):
@@ -189,3 +161,43 @@ def gpipe_backwards_reversed(K, M):
 def test_gpipe_backwards_in_reverse_order_are_accepted_as_the_notebook_says():
     """Decision (notebook 02, exercise 2.1): backwards in microbatch order or in reverse both pass."""
     assert_check_passes("2.1", gpipe_backwards_reversed)
+
+
+# a plausible wrong answer fails with a message that names the mistake
+# test id: (exercise, answer, assert_check_fails's keywords)
+WRONG = {
+    "gpipe_missing_receives_fails_with_validator_message":
+        ("2.1", gpipe_without_receives,
+         {"contains": "the validator says: rank 0, action 6 (B0@s0): no RECV_B0@s0 before it"}),
+    "gpipe_receive_on_first_stage": ("2.1", gpipe_receive_on_rank0,
+                                     {"contains": "stage 0 has no stage -1 to receive from"}),
+    "one_microbatch_at_a_time_is_not_gpipe":
+        ("2.1", naive_one_at_a_time,
+         {"contains": "rank 0 runs B0@s0 before F1@s0; GPipe runs all M forwards before the first backward"}),
+    "counting_forwards_only_fails_on_1f1b":
+        ("2.2", count_forwards,
+         {"contains": "count_in_flight(hand-written 1F1B, K=2, M=3)[0]: expected 2, got 3"}),
+}
+
+
+@pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
+def test_wrong_answer_fails(exercise, answer, kw):
+    assert_check_fails(exercise, answer, **kw)
+
+
+# a plausible wrong answer fails this public case first, with the message (and hint) shown
+# test id: (exercise, answer, case, assert_public_case_fails's keywords)
+WRONG_PUBLIC = {
+    "unscaled_microbatch_loss_fails_naming_the_factor_M":
+        ("2.3", accumulate_unscaled, "M=4: every parameter gradient",
+         {"contains": "it is exactly M=4 times the full-batch gradient: the M microbatch losses were added up as "
+                      "they are, but the batch loss is their MEAN"}),
+    "zeroing_inside_the_loop_fails_with_the_difference":
+        ("2.3", accumulate_zeroing, "M=4: every parameter gradient",
+         {"contains": "embedding.wte.weight vs the full batch's: tensors of shape (256, 16) differ in"}),
+}
+
+
+@pytest.mark.parametrize("exercise,answer,case,kw", WRONG_PUBLIC.values(), ids=WRONG_PUBLIC)
+def test_wrong_answer_fails_public_case(exercise, answer, case, kw):
+    assert_public_case_fails(exercise, answer, case, **kw)

@@ -1,5 +1,7 @@
 """Exercises of notebook 03_1f1b: the solutions pass; a warm-up one forward too long or too short,
 a backward before its forward and a wrong in-flight formula fail with useful messages."""
+import pytest
+
 from labkit.grading.registry import get_exercise
 from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 from labkit.pipeline import Action
@@ -36,35 +38,8 @@ def test_1f1b_solution_passes():
     assert_check_passes("3.1", order_with_warmup(0))
 
 
-def test_warmup_one_too_long_fails_naming_the_stage():
-    assert_check_fails("3.1", order_with_warmup(+1),
-                       contains="stage 0 holds 3 microbatch(es) in flight at its peak, 1F1B holds 2; "
-                                "it holds more than 1F1B needs: the warm-up is too long")
-
-
-def test_warmup_one_too_short_fails_naming_the_stage():
-    assert_check_fails("3.1", order_with_warmup(-1),
-                       contains="stage 0 holds 1 microbatch(es) in flight at its peak, 1F1B holds 2; "
-                                "the pipeline never fills: the warm-up is too short")
-
-
-def test_backward_before_forward_fails_with_validator_message():
-    assert_check_fails("3.1", backward_first,
-                       contains="backward before forward: F0@s1 has not run on this rank")
-
-
 def test_in_flight_solution_passes():
     assert_check_passes("3.2", lambda K, M: [min(M, K - s) for s in range(K)])
-
-
-def test_in_flight_without_min_fails_for_few_microbatches():
-    assert_check_fails("3.2", lambda K, M: [K - s for s in range(K)],
-                       contains="in_flight_1f1b(K=4, M=2)[0]: expected 2, got 4")
-
-
-def test_in_flight_gpipe_answer_fails_against_measurement():
-    assert_check_fails("3.2", lambda K, M: [M] * K,
-                       contains="vs the peak measured by the runtime[0]: expected 4, got 8")
 
 
 def unclamped_warmup(K, M):
@@ -85,3 +60,31 @@ def test_unclamped_warmup_fails_a_public_case_with_m_below_k():
                              contains="the validator says: rank 0, action 4 (RECV_B-1@s0): microbatch -1 outside 0..1",
                              hint="the warm-up cannot be longer than the microbatches there are")
     assert any(c.hidden and c.name.startswith("M < K") for c in get_exercise("3.1").cases)
+
+
+# a plausible wrong answer fails with a message that names the mistake
+# test id: (exercise, answer, assert_check_fails's keywords)
+WRONG = {
+    "warmup_one_too_long_fails_naming_the_stage":
+        ("3.1", order_with_warmup(+1),
+         {"contains": "stage 0 holds 3 microbatch(es) in flight at its peak, 1F1B holds 2; it holds more than 1F1B "
+                      "needs: the warm-up is too long"}),
+    "warmup_one_too_short_fails_naming_the_stage":
+        ("3.1", order_with_warmup(-1),
+         {"contains": "stage 0 holds 1 microbatch(es) in flight at its peak, 1F1B holds 2; the pipeline never fills: "
+                      "the warm-up is too short"}),
+    "backward_before_forward_fails_with_validator_message":
+        ("3.1", backward_first,
+         {"contains": "backward before forward: F0@s1 has not run on this rank"}),
+    "in_flight_without_min_fails_for_few_microbatches":
+        ("3.2", lambda K, M: [K - s for s in range(K)],
+         {"contains": "in_flight_1f1b(K=4, M=2)[0]: expected 2, got 4"}),
+    "in_flight_gpipe_answer_fails_against_measurement":
+        ("3.2", lambda K, M: [M] * K,
+         {"contains": "vs the peak measured by the runtime[0]: expected 4, got 8"}),
+}
+
+
+@pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
+def test_wrong_answer_fails(exercise, answer, kw):
+    assert_check_fails(exercise, answer, **kw)

@@ -1,5 +1,7 @@
 """Exercises of notebook 04_interleaved: the solutions pass; 1-based layers, the contiguous split,
 a bubble without v, no ValueError for a bad M and forward-only send counts fail with useful messages."""
+import pytest
+
 from labkit.grading.registry import get_exercise
 from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 
@@ -19,43 +21,12 @@ def test_layers_solution_passes():
     assert_check_passes("4.1", layers_of_rank)
 
 
-def test_layers_counted_from_one_fails_naming_the_convention():
-    assert_check_fails("4.1", lambda r, L, K, v: [i + 1 for i in layers_of_rank(r, L, K, v)],
-                       contains="expected [0, 1, 8, 9], got [1, 2, 9, 10]: this notebook counts layers from 0")
-
-
-def test_contiguous_split_fails_naming_looped_placement():
-    assert_check_fails("4.1", lambda r, L, K, v: list(range(r * L // K, (r + 1) * L // K)),
-                       contains="that is the contiguous split of plain 1F1B")
-
-
 def test_bubble_solution_passes():
     assert_check_passes("4.2", interleaved_bubble)
 
 
-def test_bubble_without_v_fails():
-    assert_check_fails("4.2", lambda K, M, v: (K - 1) / (M + K - 1),
-                       contains="interleaved_bubble(K=4, M=8, v=2) vs the simulated bubble: expected 0.157895, "
-                                "got 0.272727")
-
-
-def test_bubble_without_the_microbatch_rule_fails():
-    assert_check_fails("4.2", lambda K, M, v: (K - 1) / (v * M + K - 1),
-                       contains="interleaved_bubble(K=4, M=9, v=2): expected ValueError to be raised")
-
-
 def test_sends_solution_passes():
     assert_check_passes("4.3", lambda K, M, v: 0 if K == 1 else 2 * M * (K * v - 1))
-
-
-def test_sends_forward_only_fails():
-    assert_check_fails("4.3", lambda K, M, v: M * (K * v - 1),
-                       contains="p2p_sends(K=4, M=8, v=1) vs the SEND actions in the schedule: expected 48, got 24")
-
-
-def test_sends_ignoring_chunks_fails():
-    assert_check_fails("4.3", lambda K, M, v: 2 * M * (K - 1),
-                       contains="p2p_sends(K=4, M=8, v=2) vs the SEND actions in the schedule: expected 112, got 48")
 
 
 def test_sends_forgetting_k1_fails_a_public_case():
@@ -71,3 +42,32 @@ def test_megatron_multiple_of_k_rule_fails_on_what_torch_runs():
             raise ValueError("M must be a multiple of K")
         return (K - 1) / (v * M + K - 1)
     assert_check_fails("4.2", old_rule, contains="torch's ScheduleInterleaved1F1B runs K=4, M=6")
+
+
+# a plausible wrong answer fails with a message that names the mistake
+# test id: (exercise, answer, assert_check_fails's keywords)
+WRONG = {
+    "layers_counted_from_one_fails_naming_the_convention":
+        ("4.1", lambda r, L, K, v: [i + 1 for i in layers_of_rank(r, L, K, v)],
+         {"contains": "expected [0, 1, 8, 9], got [1, 2, 9, 10]: this notebook counts layers from 0"}),
+    "contiguous_split_fails_naming_looped_placement":
+        ("4.1", lambda r, L, K, v: list(range(r * L // K, (r + 1) * L // K)),
+         {"contains": "that is the contiguous split of plain 1F1B"}),
+    "bubble_without_v": ("4.2", lambda K, M, v: (K - 1) / (M + K - 1),
+                         {"contains": "interleaved_bubble(K=4, M=8, v=2) vs the simulated bubble: expected 0.157895, "
+                                      "got 0.272727"}),
+    "bubble_without_the_microbatch_rule": ("4.2", lambda K, M, v: (K - 1) / (v * M + K - 1),
+                                           {"contains": "interleaved_bubble(K=4, M=9, v=2): expected ValueError to "
+                                                        "be raised"}),
+    "sends_forward_only": ("4.3", lambda K, M, v: M * (K * v - 1),
+                           {"contains": "p2p_sends(K=4, M=8, v=1) vs the SEND actions in the schedule: expected 48, "
+                                        "got 24"}),
+    "sends_ignoring_chunks": ("4.3", lambda K, M, v: 2 * M * (K - 1),
+                              {"contains": "p2p_sends(K=4, M=8, v=2) vs the SEND actions in the schedule: expected "
+                                           "112, got 48"}),
+}
+
+
+@pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
+def test_wrong_answer_fails(exercise, answer, kw):
+    assert_check_fails(exercise, answer, **kw)

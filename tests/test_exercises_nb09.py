@@ -4,6 +4,8 @@ import math
 
 import torch
 
+import pytest
+
 from labkit.grading.testing import assert_check_fails, assert_check_passes
 
 
@@ -85,25 +87,24 @@ def test_solutions_pass():
         assert_check_passes(ex, answer)
 
 
-def test_gate_softmax_over_top_k_fails():
-    assert_check_fails("9.1", gate_softmax_over_top_k, contains="expected tensor([0.6095, 0.2242")
+# a plausible wrong answer fails with a message that names the mistake
+# test id: (exercise, answer, assert_check_fails's keywords)
+WRONG = {
+    "gate_softmax_over_top_k": ("9.1", gate_softmax_over_top_k,
+                                {"contains": "expected tensor([0.6095, 0.2242"}),
+    "gate_detached": ("9.1", gate_detached,
+                      {"contains": "no gradient back to the logits"}),
+    "capacity_rounded_down": ("9.2", capacity_floor,
+                              {"contains": "capacity C = ceil(1*6/4*1.0): expected 2, got 1"}),
+    "capacity_choice_major_order": ("9.2", capacity_choice_major,
+                                    {"contains": "expected keep="}),
+    "params_eight_whole_models": ("9.3", params_eight_models,
+                                  {"contains": "total parameters: expected 46.703B"}),
+    "params_without_embeddings": ("9.3", params_no_embeddings,
+                                  {"contains": "expected 46.703B (within 0.1%), got 46.441B"}),
+}
 
 
-def test_gate_detached_fails():
-    assert_check_fails("9.1", gate_detached, contains="no gradient back to the logits")
-
-
-def test_capacity_rounded_down_fails():
-    assert_check_fails("9.2", capacity_floor, contains="capacity C = ceil(1*6/4*1.0): expected 2, got 1")
-
-
-def test_capacity_choice_major_order_fails():
-    assert_check_fails("9.2", capacity_choice_major, contains="expected keep=")
-
-
-def test_params_eight_whole_models_fails():
-    assert_check_fails("9.3", params_eight_models, contains="total parameters: expected 46.703B")
-
-
-def test_params_without_embeddings_fails():
-    assert_check_fails("9.3", params_no_embeddings, contains="expected 46.703B (within 0.1%), got 46.441B")
+@pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
+def test_wrong_answer_fails(exercise, answer, kw):
+    assert_check_fails(exercise, answer, **kw)

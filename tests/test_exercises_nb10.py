@@ -2,6 +2,8 @@
 a message that says what was expected and what came back."""
 import torch
 
+import pytest
+
 from labkit.grading.testing import assert_check_fails, assert_check_passes
 
 
@@ -79,29 +81,26 @@ def test_solutions_pass():
         assert_check_passes(ex, answer)
 
 
-def test_aux_with_soft_f_fails():
-    assert_check_fails("10.1", aux_soft_f, contains="switch_aux_loss(T=16, E=4, k=1, alpha=0.1): value: expected")
+# a plausible wrong answer fails with a message that names the mistake
+# test id: (exercise, answer, assert_check_fails's keywords)
+WRONG = {
+    "aux_with_soft_f": ("10.1", aux_soft_f,
+                        {"contains": "switch_aux_loss(T=16, E=4, k=1, alpha=0.1): value: expected"}),
+    "aux_without_E": ("10.1", aux_without_E,
+                      {"contains": "expected 0.01, got 0.0025"}),
+    "aux_f_not_normalised_by_k": ("10.1", aux_f_not_per_slot,
+                                  {"contains": "T=16, E=8, k=2"}),
+    "device_loss_sum_of_f": ("10.2", device_loss_sum_f,
+                             {"contains": "expected 0.05, got 0.1"}),
+    "device_loss_strided_experts": ("10.2", device_loss_strided,
+                                    {"contains": "device_balance_loss(T=16, E=8, k=2, D=4): value"}),
+    "bias_wrong_sign": ("10.3", bias_wrong_sign,
+                        {"contains": "expected tensor([-0.001, 0.001, 0.001, -0.001])"}),
+    "bias_proportional": ("10.3", bias_proportional,
+                          {"contains": "update_bias(0, loads [10, 2, 4, 8], 1e-3)"}),
+}
 
 
-def test_aux_without_E_fails():
-    assert_check_fails("10.1", aux_without_E, contains="expected 0.01, got 0.0025")
-
-
-def test_aux_f_not_normalised_by_k_fails():
-    assert_check_fails("10.1", aux_f_not_per_slot, contains="T=16, E=8, k=2")
-
-
-def test_device_loss_sum_of_f_fails():
-    assert_check_fails("10.2", device_loss_sum_f, contains="expected 0.05, got 0.1")
-
-
-def test_device_loss_strided_experts_fails():
-    assert_check_fails("10.2", device_loss_strided, contains="device_balance_loss(T=16, E=8, k=2, D=4): value")
-
-
-def test_bias_wrong_sign_fails():
-    assert_check_fails("10.3", bias_wrong_sign, contains="expected tensor([-0.001, 0.001, 0.001, -0.001])")
-
-
-def test_bias_proportional_fails():
-    assert_check_fails("10.3", bias_proportional, contains="update_bias(0, loads [10, 2, 4, 8], 1e-3)")
+@pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
+def test_wrong_answer_fails(exercise, answer, kw):
+    assert_check_fails(exercise, answer, **kw)

@@ -1,5 +1,7 @@
 """Exercises of notebook 11_expert_parallelism: the solutions pass, plausible wrong answers fail
 with a message that says what was expected and what came back."""
+import pytest
+
 from labkit.grading.testing import assert_check_fails, assert_check_passes
 
 
@@ -47,19 +49,22 @@ def test_solutions_pass():
     assert_check_passes("11.2", a2a_bytes)
 
 
-def test_output_splits_equal_to_input_splits_fails():
-    assert_check_fails("11.1", splits_receive_what_it_sends,
-                       contains="output_split_sizes (slots it RECEIVES from ranks 0..P-1)[1]: expected 2, got 1")
+# a plausible wrong answer fails with a message that names the mistake
+# test id: (exercise, answer, assert_check_fails's keywords)
+WRONG = {
+    "output_splits_equal_to_input_splits": ("11.1", splits_receive_what_it_sends,
+                                            {"contains": "output_split_sizes (slots it RECEIVES from ranks "
+                                                         "0..P-1)[1]: expected 2, got 1"}),
+    "round_robin_expert_placement": ("11.1", splits_round_robin,
+                                     {"contains": "input_split_sizes (slots it SENDS to ranks 0..P-1)[0]: expected "
+                                                  "2, got 1"}),
+    "combine_bytes_of_the_dispatch": ("11.2", bytes_combine_same_as_dispatch,
+                                      {"contains": "combine bytes (measured by CommLog): expected"}),
+    "counts_as_int32": ("11.2", bytes_counts_int32,
+                        {"contains": "counts bytes (measured by CommLog): expected 64, got 32"}),
+}
 
 
-def test_round_robin_expert_placement_fails():
-    assert_check_fails("11.1", splits_round_robin,
-                       contains="input_split_sizes (slots it SENDS to ranks 0..P-1)[0]: expected 2, got 1")
-
-
-def test_combine_bytes_of_the_dispatch_fails():
-    assert_check_fails("11.2", bytes_combine_same_as_dispatch, contains="combine bytes (measured by CommLog): expected")
-
-
-def test_counts_as_int32_fails():
-    assert_check_fails("11.2", bytes_counts_int32, contains="counts bytes (measured by CommLog): expected 64, got 32")
+@pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
+def test_wrong_answer_fails(exercise, answer, kw):
+    assert_check_fails(exercise, answer, **kw)

@@ -81,31 +81,6 @@ def test_solutions_pass():
         assert_check_passes(ex, answer)
 
 
-def test_combinations_times_m_fails():
-    assert_check_fails("12.1", combinations_times_m, contains="expected 4426165368, got 480")
-
-
-def test_group_score_by_max_fails():
-    assert_check_fails("12.2", group_by_max, contains="token 0 should use experts [2, 3], got [0, 1]")
-
-
-def test_no_group_limit_fails():
-    assert_check_fails("12.2", no_group_limit, contains="token 0 should use experts [2, 3]")
-
-
-def test_renormalisation_is_not_the_gating_weights_line():
-    assert_check_fails("12.3", gate_lines_renormalisation_as_weights,
-                       contains="does not take the UNBIASED scores of the chosen experts")
-
-
-def test_shared_expert_in_the_wrong_function_fails():
-    assert_check_fails("12.3", gate_lines_wrong_function, contains="is in MoELayer.forward, not in route")
-
-
-def test_invented_line_fails():
-    assert_check_fails("12.3", gate_lines_invented_line, contains="is not a line of route")
-
-
 # ----------------------------------------------------------------------------- 12.4
 from dataclasses import replace  # noqa: E402
 
@@ -134,3 +109,27 @@ def test_v3_gate_solution_passes():
 ])
 def test_v3_gate_misread_fails_naming_the_field(change, case, contains):
     assert_public_case_fails("12.4", lambda: replace(deepseek_v3_gate(), **change), case, contains=contains)
+
+
+# a plausible wrong answer fails with a message that names the mistake
+# test id: (exercise, answer, assert_check_fails's keywords)
+WRONG = {
+    "combinations_times_m": ("12.1", combinations_times_m,
+                             {"contains": "expected 4426165368, got 480"}),
+    "group_score_by_max": ("12.2", group_by_max,
+                           {"contains": "token 0 should use experts [2, 3], got [0, 1]"}),
+    "no_group_limit": ("12.2", no_group_limit,
+                       {"contains": "token 0 should use experts [2, 3]"}),
+    "renormalisation_is_not_the_gating_weights_line":
+        ("12.3", gate_lines_renormalisation_as_weights,
+         {"contains": "does not take the UNBIASED scores of the chosen experts"}),
+    "shared_expert_in_the_wrong_function": ("12.3", gate_lines_wrong_function,
+                                            {"contains": "is in MoELayer.forward, not in route"}),
+    "invented_line": ("12.3", gate_lines_invented_line,
+                      {"contains": "is not a line of route"}),
+}
+
+
+@pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
+def test_wrong_answer_fails(exercise, answer, kw):
+    assert_check_fails(exercise, answer, **kw)

@@ -3,6 +3,8 @@ not split, .backward() instead of autograd.grad, and the full-backward "B" confu
 with messages that say so."""
 import torch
 
+import pytest
+
 from labkit.grading.testing import assert_check_fails, assert_check_passes
 from labkit.pipeline import Action
 
@@ -51,24 +53,11 @@ def test_solutions_pass():
     assert_check_passes("13.3", bubble_time)
 
 
-def test_backward_instead_of_autograd_grad_fails():
-    assert_check_fails("13.1", with_backward, contains=".grad was written")
-
-
 def test_wrong_weight_grad_fails():
     def wrong(layer, x, grad_out):
         gx, gw, gb = split_linear_backward(layer, x, grad_out)
         return gx, gw.t().contiguous() if gw.shape[0] == gw.shape[1] else gw * 2, gb
     assert_check_fails("13.1", wrong, contains="grad_weight vs the full backward")
-
-
-def test_zb_h1_without_delayed_w_fails_on_the_bubble():
-    assert_check_fails("13.2", lambda K, M: zb_h1_order(K, M, delay=False),
-                       contains="ZB-H1's is (K-1)(T_F+T_I-T_W) = 1")
-
-
-def test_zb_h1_with_full_backward_fails():
-    assert_check_fails("13.2", lambda K, M: zb_h1_order(K, M, split=False), contains="uses full backward B actions")
 
 
 def test_w_before_i_fails_with_the_validator():
@@ -109,3 +98,21 @@ def test_any_waiting_w_is_accepted_as_the_notebook_says():
     """Decision (notebook 13, exercise 13.2): the W that runs may be any waiting one; the memory and the
     bubble are the same, so the check does not require the oldest (labkit's schedule takes the oldest)."""
     assert_check_passes("13.2", lambda K, M: zb_h1_order(K, M, newest_w=True))
+
+
+# a plausible wrong answer fails with a message that names the mistake
+# test id: (exercise, answer, assert_check_fails's keywords)
+WRONG = {
+    "backward_instead_of_autograd_grad": ("13.1", with_backward,
+                                          {"contains": ".grad was written"}),
+    "zb_h1_without_delayed_w_fails_on_the_bubble":
+        ("13.2", lambda K, M: zb_h1_order(K, M, delay=False),
+         {"contains": "ZB-H1's is (K-1)(T_F+T_I-T_W) = 1"}),
+    "zb_h1_with_full_backward": ("13.2", lambda K, M: zb_h1_order(K, M, split=False),
+                                 {"contains": "uses full backward B actions"}),
+}
+
+
+@pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
+def test_wrong_answer_fails(exercise, answer, kw):
+    assert_check_fails(exercise, answer, **kw)

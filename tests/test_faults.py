@@ -5,9 +5,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+
 from procs import live_processes
+
+from labkit.dist import launch
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -31,12 +35,23 @@ def _left(tmp):
     return [f for f in os.listdir(tmp) if f.startswith("labkit-store-")]
 
 
-def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
+def _reaper_of(parent):
+    """The folder's reaper: the parent's child in a session of its own (a killpg of the parent's
+    group, as the grader's time limit sends, does not reach it)."""
+    return [c for c in live_processes(ppid=parent) if os.getsid(c) != os.getsid(parent)]
+
+
+def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path, monkeypatch):
+    """SIGTERM, Ctrl-C (twice), SIGKILL of the parent, and SIGKILL of the parent's whole process
+    group (the grader's time limit): no process left, the folder removed. When the reaper is
+    SIGKILLed together with its parent (a kill of every process of the user), the next launch
+    removes the folder left behind."""
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    cases = {"SIGTERM": (signal.SIGTERM, False), "SIGINT": (signal.SIGINT, True), "SIGKILL": (signal.SIGKILL, False)}
-    procs = {}
-    for name, (sig, to_group) in cases.items():  # all three at once: the test takes one run's time
+    cases = {"SIGTERM": (signal.SIGTERM, False), "SIGINT": (signal.SIGINT, True), "SIGKILL": (signal.SIGKILL, False),
+             "SIGKILL group": (signal.SIGKILL, True), "SIGKILL all": (signal.SIGKILL, True)}
+    procs, reapers = {}, {}
+    for name in cases:  # all at once: the test takes one run's time
         tmp = tmp_path / name
         (tmp / "ready").mkdir(parents=True)
         env = dict(os.environ, TMPDIR=str(tmp), OMP_NUM_THREADS="1")
@@ -49,9 +64,13 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
             while len(os.listdir(ready)) < 2 and p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert len(os.listdir(ready)) == 2, (name, p.poll(), p.stderr.read() if p.poll() is not None else "")
-            assert len(_group(p.pid)) == 4  # the parent, its 2 ranks and the folder's reaper
+            assert len(_group(p.pid)) == 3  # the parent and its 2 ranks
+            reapers[name] = _reaper_of(p.pid)
+            assert len(reapers[name]) == 1  # and the folder's reaper, in its own session
             assert [f for f in os.listdir(tmp_path / name) if f.startswith("labkit-store-")]
             sig, to_group = cases[name]
+            if name == "SIGKILL all":
+                os.kill(reapers[name][0], signal.SIGKILL)
             (os.killpg if to_group else os.kill)(p.pid, sig)  # Ctrl-C goes to the whole foreground group
             if name == "SIGINT":  # an impatient second Ctrl-C must not cut the clean-up short
                 time.sleep(0.05)
@@ -62,16 +81,25 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
             while _group(p.pid) and time.monotonic() < t0 + 10:  # the ranks die with their parent
                 time.sleep(0.05)
             assert _group(p.pid) == [], name
+            while os.path.exists(f"/proc/{reapers[name][0]}") and time.monotonic() < t0 + 10:
+                time.sleep(0.05)
+            assert not os.path.exists(f"/proc/{reapers[name][0]}"), name  # the reaper too (reaped by init)
+            if name == "SIGKILL all":  # nothing of the launch survived to remove its folder
+                assert len(_left(tmp_path / name)) == 1
+                continue
             while _left(tmp_path / name) and time.monotonic() < t0 + 10:  # the reaper may take a moment
                 time.sleep(0.05)
             assert _left(tmp_path / name) == [], name
-            if name == "SIGKILL":
+            if name.startswith("SIGKILL"):
                 assert p.returncode == -signal.SIGKILL  # nothing can run in a SIGKILLed parent; its ranks still die
                 continue
             assert p.returncode == {"SIGTERM": 143, "SIGINT": 130}[name], (name, err)
             assert err.count("\n") == 1 and "Traceback" not in err, err
             assert err.startswith("terminated (SIGTERM)" if name == "SIGTERM" else "interrupted (Ctrl-C)"), err
         assert time.monotonic() - t0 < 15
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "SIGKILL all"))
+        launch(lambda ctx: 0, 1)
+        assert _left(tmp_path / "SIGKILL all") == []  # the next launch swept it
     finally:  # whatever failed above, leave nothing behind
         for p in procs.values():
             try:
@@ -83,7 +111,7 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path):
 
 STUCK = textwrap.dedent("""
     import os, sys, time
-    import labkit.launch as d
+    import labkit.launch.forked as d
     from labkit.dist import launch
     from labkit.labs import run_cli
 

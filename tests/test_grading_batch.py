@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from labkit.grading.grader import validate_results
+from labkit.grading.grader import main, validate_results
 
 from tinyassign import CASES, _nb  # noqa: E402
 
@@ -66,10 +66,25 @@ def test_assignment_pin_hints_exit_status_and_what_students_see(tmp_path, env):
     assert obj["score"] == 0 and [t["number"] for t in obj["tests"] if "number" in t] == ["97.1"]
     assert "does not hold assignment 97_beta" in p.stdout, p.stdout
 
-    p = _grade([sub, "--assignment", "96_nothing"], env, tmp_path)
-    assert p.returncode == 2 and p.stderr.startswith("error: --assignment 96_nothing is not a notebook with "
-                                                      "exercises; known:"), p.stderr
-    assert "Traceback" not in p.stderr
+
+
+def _grade_here(args, env, monkeypatch, capsys) -> tuple[int, str]:
+    """``python -m labkit grade ARGS`` in this process (bad input ends before any kernel starts)."""
+    monkeypatch.setenv("LABKIT_HIDDEN_CASES", env["LABKIT_HIDDEN_CASES"])
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # the option parser's own errors
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_an_unknown_assignment_is_one_error_line(tmp_path, env, monkeypatch, capsys):
+    sub = _nb(tmp_path / "a.ipynb", "98_alpha", SOLVED)
+    code, err = _grade_here([sub, "--assignment", "96_nothing"], env, monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: --assignment 96_nothing is not a notebook with "
+                                        "exercises; known:"), err
+    assert "Traceback" not in err
 
 
 def test_batch_grading_writes_one_file_per_submission_and_a_gradebook(tmp_path, env):
@@ -103,11 +118,33 @@ def test_batch_grading_writes_one_file_per_submission_and_a_gradebook(tmp_path, 
     assert table["carol.ipynb"][:4] == ["", "", "0", ""] and "not a Jupyter notebook" in table["carol.ipynb"][4]
 
 
-def test_batch_bad_options_are_one_error_line(tmp_path, env):
+def test_batch_bad_options_are_one_error_line(tmp_path, env, monkeypatch, capsys):
     sub = _nb(tmp_path / "a.ipynb", "98_alpha", SOLVED)
     for args, msg in ((["-j", "0"], "error: -j must be >= 1 submission at a time, got 0"),
                       (["--gradebook", tmp_path / "nowhere" / "g.csv"], "its folder"),
                       (["--results-dir", tmp_path / "d", "--results", tmp_path / "r.json"], "--results writes one file")):
-        p = _grade([sub, *args], env, tmp_path)
-        assert p.returncode == 2 and p.stderr.startswith("error:") and msg in p.stderr, p.stderr
-        assert "Traceback" not in p.stderr
+        code, err = _grade_here([sub, *args], env, monkeypatch, capsys)
+        assert code == 2 and err.startswith("error:") and msg in err, err
+        assert "Traceback" not in err
+
+
+def test_a_batch_passes_every_per_submission_option_on():
+    captured = {}
+
+    def fake_batch(paths, results_dir, gradebook, jobs, options):
+        captured.update(options=options, jobs=jobs)
+        return 0
+
+    import labkit.grading.batch as batch
+
+    real, batch.grade_batch = batch.grade_batch, fake_batch
+    try:
+        assert main(["--gradebook", "/dev/null", "-j", "1", "--assignment", "98_alpha", "--no-hints",
+                     "--no-source-policy", "--cell-timeout", "7", "--time-budget", "50", "--max-processes", "64",
+                     "--max-file-size", "8", "--max-memory", "2048", "--tmp-size", "16", __file__]) == 0
+    finally:
+        batch.grade_batch = real
+    assert captured["jobs"] == 1
+    assert captured["options"] == ["--cell-timeout", "7", "--time-budget", "50", "--assignment", "98_alpha",
+                                   "--max-processes", "64", "--max-file-size", "8", "--max-memory", "2048",
+                                   "--tmp-size", "16", "--no-hints", "--no-source-policy"]

@@ -22,9 +22,9 @@ import tracemalloc
 import uuid
 from pathlib import Path
 
-import nbformat
 import pytest
 
+from nbfiles import write_notebook
 from labkit.grading import wire
 from labkit.grading.contain import Cgroup, Limits, UidLease, kill_uid, remove_files_of, uid_processes
 
@@ -145,21 +145,24 @@ def _(f): expect_equal(f(3), 9, "f(3)")
 TAG = uuid.uuid4().hex[:12]  # in every file name the submissions write
 
 # a process whose main thread exits while another runs (state Z), that clears its environment,
-# leaves the session and its parent, and 2 s later starts killing every process it may signal
-# (the next submission's kernel, when it shares the uid and outlives grading)
+# leaves the session and its parent, and once its kernel is gone starts killing every process it
+# may signal (the next submission's kernel, when it shares the uid and outlives grading)
 ESCAPE = (
-    "import subprocess, sys\n"
+    "import os, subprocess, sys\n"
     "code = ('import ctypes, os, signal, threading, time\\n'\n"
     "        'if os.fork(): os._exit(0)\\n'\n"
     "        'os.setsid()\\n'\n"
     "        'def loop():\\n'\n"
-    "        '    time.sleep(2)\\n'\n"
+    "        '    while True:\\n'\n"
+    "        '        try: os.kill(%d, 0)\\n'\n"
+    "        '        except OSError: break\\n'\n"
+    "        '        time.sleep(0.05)\\n'\n"
     "        '    while True:\\n'\n"
     "        '        try: os.kill(-1, signal.SIGKILL)\\n'\n"
     "        '        except OSError: pass\\n'\n"
     "        '        time.sleep(0.05)\\n'\n"
     "        'threading.Thread(target=loop).start()\\n'\n"
-    "        'ctypes.CDLL(None).pthread_exit(None)\\n')\n"
+    "        'ctypes.CDLL(None).pthread_exit(None)\\n') % os.getpid()\n"
     "subprocess.Popen([sys.executable, '-c', code], env={}, start_new_session=True).wait()\n"
 )
 
@@ -188,8 +191,8 @@ HOSTILE = [
     PEEK,
     "def triple(x):\n    return 3 * x\ncheck('H.1', triple)",          # right: 1 point
     "def negate(x):\n    return range(30_000_000)\ncheck('H.2', negate)",  # wrong, and a 30-byte bomb
+    ESCAPE,  # before the last check: cells after the last grading point do not run
     "def square(x):\n    return x * x\ncheck('H.3', square)",          # right: 1 point
-    ESCAPE,
 ]
 
 HONEST = [
@@ -209,22 +212,15 @@ RESERIAL = [
 ] + ["pass"] * 12 + [
     f"import os\nn = len(open('/tmp/calls-{TAG}').read())\nos.unlink('/tmp/calls-{TAG}')\n"
     "raise RuntimeError(f'CALLS {n}')",
+    "check('H.3', lambda x: x)",  # wrong (0 points): the last grading point, so every cell above runs
 ]
-
-
-def _notebook(path: Path, sources: list[str]) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["labkit"] = {"notebook": "98_hostile"}
-    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
-    nbformat.write(nb, str(path))
 
 
 def _grade(tmp: Path, notebooks: dict, *extra: str, wrap=None):
     (tmp / "cases").mkdir(exist_ok=True)
     (tmp / "cases" / "hostile.py").write_text(CASES)
     for name, cells in notebooks.items():
-        _notebook(tmp / f"{name}.ipynb", cells)
+        write_notebook(tmp / f"{name}.ipynb", cells)
     results = tmp / "results.json"
     # --no-source-policy: these attacks would be zeroed by the source policy first; here they run, to
     # prove that containment and the grader's judgement hold on their own (an attack the policy misses)

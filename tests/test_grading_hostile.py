@@ -24,9 +24,9 @@ import time
 import uuid
 from pathlib import Path
 
-import nbformat
 import pytest
 
+from nbfiles import write_notebook
 from labkit.grading.runner import evaluate
 from labkit.pipeline import gpipe_schedule
 
@@ -58,6 +58,12 @@ STUBS = [
     "def square(x):\n    raise NotImplementedError('Exercise H.3')\ncheck('H.3', square)",
 ]
 
+# a daemon that leaves the kernel's session and its parent (orphaned: to init as non-root)
+DAEMON = ("import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import os, signal, sys, time\\n"
+          "if os.fork(): sys.exit()\\nos.setsid()\\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\\n"
+          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\nwhile True: time.sleep(0.1)'], "
+          "start_new_session=True).wait()")
+
 ATTACKS = [
     # replace the case runner (what check() and the old grader used)
     "import labkit.grading.runner as R\n"
@@ -80,6 +86,9 @@ ATTACKS = [
     "hidden = [m for m in sys.modules if m.startswith('labkit_hidden')]\n"
     "raise RuntimeError('OBSERVED ' + json.dumps({'env': os.environ.get('LABKIT_HIDDEN_CASES'), 'modules': hidden,\n"
     "    'cases': [c.name for ex in registry.all_exercises() for c in ex.cases if ex.id.startswith('H.')]}))",
+    DAEMON,
+    # the last grading point (H.2 is still the stub): every cell above runs, as cells after it would not
+    "check('H.2', negate)",
 ]
 
 ROBUST = [
@@ -91,19 +100,7 @@ ROBUST = [
     "signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass",   # loops, ignoring SIGINT
     "os.kill(os.getpid(), signal.SIGKILL)",                       # the kernel is killed
     "def square(x):\n    return x * x\ncheck('H.3', square)",
-    # a daemon that leaves the kernel's session and its parent (orphaned: to init as non-root)
-    "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import os, signal, sys, time\\n"
-    "if os.fork(): sys.exit()\\nos.setsid()\\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\\n"
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\nwhile True: time.sleep(0.1)'], start_new_session=True).wait()",
 ]
-
-
-def _notebook(path: Path, sources: list[str]) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["labkit"] = {"notebook": "98_hostile"}
-    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
-    nbformat.write(nb, str(path))
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +110,8 @@ def graded(tmp_path_factory):
     (tmp / "cases" / "hostile.py").write_text(CASES)
     sub = tmp / "submission"
     sub.mkdir()
-    _notebook(sub / "attacks.ipynb", STUBS + ATTACKS)
-    _notebook(sub / "robust.ipynb", ROBUST)
+    write_notebook(sub / "attacks.ipynb", STUBS + ATTACKS)
+    write_notebook(sub / "robust.ipynb", ROBUST)
     (tmp / "out").mkdir()
     results = tmp / "out" / "results.json"
     env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"), LABKIT_TEST_MARK=MARK)
@@ -145,7 +142,7 @@ def _marked_processes() -> list[str]:
 
 
 def test_no_process_of_a_kernel_outlives_grading(graded):
-    # robust.ipynb ran past the limit (ignoring SIGINT), killed its kernel, and
+    # robust.ipynb ran past the limit (ignoring SIGINT) and killed its kernel; attacks.ipynb
     # started a daemon that left the kernel's session and parent: nothing may be left running
     deadline = time.monotonic() + 1  # SIGKILLed processes take a moment to leave /proc
     while _marked_processes() and time.monotonic() < deadline:
@@ -227,6 +224,7 @@ FORGE = [
     "open(target, 'w').write(json.dumps({'score': 100, 'tests': []}))",   # forge the results file
     "os.kill(os.getppid(), signal.SIGKILL)",                              # then kill the grader
     "print(open(f'/proc/{os.getppid()}/environ').read())",               # where are the hidden cases?
+    "check('H.1', triple)",  # the last grading point: every cell above runs
 ]
 
 
@@ -243,7 +241,7 @@ def _isolated() -> bool:
 def test_as_root_the_kernel_cannot_forge_results_kill_the_grader_or_read_hidden_cases(tmp_path):
     (tmp_path / "cases").mkdir()
     (tmp_path / "cases" / "hostile.py").write_text(CASES)
-    _notebook(tmp_path / "forge.ipynb", FORGE)
+    write_notebook(tmp_path / "forge.ipynb", FORGE)
     results = tmp_path / "results.json"
     env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp_path / "cases"))
     proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "forge.ipynb"), "--results",
@@ -270,7 +268,7 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
     finally:
         del os.environ["LABKIT_TEST_MARK"]
     try:
-        assert s.execute(ROBUST[-1], 20)[0] == "ok"
+        assert s.execute(DAEMON, 20)[0] == "ok"
         assert s.execute("while True:\n    pass", 1)[0] == "timeout"
         assert len(_marked_processes()) >= 2  # the kernel and the daemon
     finally:
@@ -279,3 +277,48 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
     while _marked_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _marked_processes() == []
+
+
+# ----------------------------------------------------------------------------- claims the kernel used to make
+# Submissions of notebook 00 whose 0.2 games how the ring is measured, with helper modules the learner
+# writes to disk (the source policy cannot see into them). 0.1 is right: honest score 2 of 6 each.
+RS = ("def reduce_scatter_by_hand(inputs):\n    return list(torch.stack(inputs).sum(dim=0).chunk(len(inputs)))\n"
+      "check('0.1', reduce_scatter_by_hand)")
+HEAD = "import sys\nimport torch\nfrom labkit import comm\nfrom labkit.grading import check\nsys.path.insert(0, '.')"
+CLAIMS = {
+    # a real collective, through an alias bound before any case runs (it used to pass, sending nothing)
+    "alias": [HEAD, RS, "open('ringhelp.py', 'w').write('import torch.distributed as d\\npass_on = d.all_reduce\\n')\n"
+                        "import ringhelp",
+              "def ring_all_reduce(ctx, tensor):\n    ringhelp.pass_on(tensor)\n    return tensor\n"
+              "check('0.2', ring_all_reduce)"],
+    # the kernel-side helper rebound to return the right sums, and an answer that returns None
+    "rebound": [HEAD, RS, "open('ringfix.py', 'w').write('import torch\\n"
+                          "import labkit.grading.kernelside.nb00_distributed_primer as K\\n"
+                          "K._run_ring = lambda ring, inputs, *a: [torch.stack(inputs).sum(0)] * len(inputs)\\n')\n"
+                          "import ringfix",
+                "def ring_all_reduce(ctx, tensor):\n    return None\ncheck('0.2', ring_all_reduce)"],
+}
+
+
+@pytest.fixture(scope="module")
+def claims(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("claims")
+    for name, cells in CLAIMS.items():
+        write_notebook(tmp / f"{name}.ipynb", cells, notebook="00_distributed_primer")
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in CLAIMS),
+                           "--assignment", "00_distributed_primer", "--results-dir", str(tmp / "out"),
+                           "--cell-timeout", "30"], capture_output=True, text=True, cwd=tmp, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in CLAIMS}, proc
+
+
+@pytest.mark.parametrize("name", list(CLAIMS))
+def test_a_ring_that_games_the_measurement_scores_its_honest_score(claims, name):
+    results, proc = claims
+    obj = results[name]
+    assert obj["score"] == 2, (name, obj["output"], proc.stdout[-3000:])
+    ring = [t for t in obj["tests"] if t["name"].startswith("Exercise 0.2")]
+    assert ring[0]["score"] == 0 and "source policy" not in ring[0].get("output", ""), ring[0]
+    # judged on what reached the grader's relay: no process group for the alias, no message for the rebinding
+    why = {"alias": "process group", "rebound": "nothing that rank 0 received by send/recv carried them"}[name]
+    assert any(why in t.get("output", "") for t in ring), ring

@@ -95,3 +95,22 @@ def test_the_proxy_carries_exceptions_by_name_and_catches_references():
     with pytest.raises(ReferenceImplementationUsed, match="bubble_formula"):
         refs(4, 8)
     assert float(bubble_formula(4, 8)) == 3 / 11  # the tripwire is gone after the call
+
+
+def test_the_grader_asks_the_kernel_for_no_tripwire(monkeypatch):
+    # a tripwire in the learner's kernel is the learner's to disable: the grader's requests name no
+    # reference (the source policy refuses them), only the interactive check's local ones do
+    from labkit.grading import proxy
+
+    sent = []
+
+    def fake_request(kc, req, wait, alive=lambda: True):
+        sent.append(req)
+        return wire.dumps({"ok": 1})
+
+    monkeypatch.setattr(proxy, "request_kernel", fake_request)
+    backend = proxy.KernelBackend({}, None, "case-token")
+    backend._client = lambda: None
+    a = Answer(backend, "1.1", ["labkit.pipeline.simulate:bubble_formula"])
+    assert a(4, 8) == 1
+    assert sent[0]["references"] == [] and sent[0]["case"] == "case-token"

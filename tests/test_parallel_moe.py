@@ -89,3 +89,12 @@ def test_moe_errors_before_communication():
     from labkit.parallel import check_layout
     with pytest.raises(ValueError, match="n_routed_experts E=4 must be divisible by the EP size 3"):
         check_layout(CFG, 3, 1, 1, 3, n_experts=4)
+
+
+def test_ep_smaller_than_dp_is_refused():
+    """ParallelMoEGPT shards the experts over the whole DP group; a grid folding EP onto part of it
+    (ep < d: expert data parallelism, which it does not average over) is refused before any rank
+    communicates."""
+    from labkit.grid import ProcessGrid
+    with pytest.raises(ValueError, match=r"build the grid with ep = dp = 4, got ep=2"):
+        ParallelMoEGPT(MoEGPT(CFG, moe_cfg(4), moe_layer_freq=2, seed=0), ProcessGrid(dp=4, ep=2, rank=0), M)

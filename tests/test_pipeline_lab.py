@@ -61,16 +61,25 @@ def test_plot_from_simulator_and_from_measured_timeline():
     plt.close(ax.figure)
 
 
-def test_lab_runs_and_matches_single_device(tmp_path, capsys):
+LAB_RUNS = [  # (options beyond the common ones, texts the output must hold)
+    (["--steps", "3", "--layers", "4"],
+     ("single device", "gpipe", "1f1b", "interleaved v=2",
+      "OK: every run (gpipe, 1f1b, interleaved v=2) equals single-device training at every step",
+      "AT THE SAME PARAMETERS", "[2, 1]")),  # [2, 1]: 1F1B peak in flight per stage, K=2, M=2
+    # --steps 1: the timeline comes from step 0 (no timed step, tokens/s nan), no crash
+    (["--steps", "1", "--layers", "2", "--schedule", "1f1b"], ("1f1b", "OK: every run (1f1b)", "timelines.png")),
+]
+
+
+@pytest.mark.parametrize("extra,texts", LAB_RUNS, ids=["all-schedules", "one-step"])
+def test_lab_runs_and_matches_single_device(extra, texts, tmp_path, capsys):
     from labkit.labs.pipeline import main
-    rc = main(["--world-size", "2", "--steps", "3", "--microbatches", "2", "--batch", "4", "--seq", "16",
-               "--layers", "4", "--embd", "32", "--heads", "2", "--out", str(tmp_path)])
+    rc = main(["--world-size", "2", "--microbatches", "2", "--batch", "4", "--seq", "16", "--embd", "32",
+               "--heads", "2", "--out", str(tmp_path), *extra])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for name in ("single device", "gpipe", "1f1b", "interleaved v=2", "OK: every run (gpipe, 1f1b, interleaved v=2) equals single-device training at every step",
-                 "AT THE SAME PARAMETERS"):
-        assert name in out
-    assert "[2, 1]" in out  # 1F1B peak in flight per stage, K=2, M=2
+    for text in texts:
+        assert text in out, text
     folder = next(tmp_path.iterdir())
     assert folder.name.startswith("pipeline-")
     assert (folder / "timelines.png").stat().st_size > 0 and (folder / "loss_curves.png").stat().st_size > 0
@@ -88,13 +97,23 @@ def test_lab_rejects_bad_sizes_before_starting(capsys):
     assert "cannot be split evenly into K*v=100000 stages" in err and "memory" not in err, err
 
 
-def test_memory_estimate_says_what_it_counts():
-    from labkit.labs import bad_memory
-    # 1,000 parameters x (4 bytes x 1,000 ranks + 48) = 4,048,000 bytes > a 1 MiB limit
-    msg = bad_memory(1000, 4 * 1000 + 48, 0, 2, "sizes", limit=2**20, ranks=1000)
-    assert "1,000 parameters x (4 bytes on each of the 1,000 ranks, which all build the full model, + 48)" in msg
-    assert "= 0.00377 GiB" in msg, msg
-    assert bad_memory(1000, 4 * 1000 + 48, 0, 2, "sizes", limit=2**30, ranks=1000) is None
+def test_memory_estimate_is_the_planners():
+    from labkit.labs import bad_memory, count_parameters_meta
+    from labkit.model import GPT, GPTConfig
+    from labkit.plan.memory import memory_per_rank
+    from labkit.plan.spec import Layout, ModelSpec
+    cfg = GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16)
+    spec = ModelSpec.from_gpt_config(cfg, global_batch=8)
+    lay = Layout(p=4, b=2, M=4, schedule="gpipe", precision="fp32")
+    P = spec.total_params()
+    assert P == count_parameters_meta(lambda: GPT(cfg))
+    # the 4 ranks as the planner counts them, the full model each builds, the reference and the verdict's copies
+    need = (sum(r.total for r in memory_per_rank(spec, lay, device="cpu")) + 4 * P * 4
+            + memory_per_rank(spec, Layout(b=8, M=1, precision="fp32"), device="cpu")[0].total + 8 * P)
+    assert bad_memory(spec, lay, "sizes", limit=need) is None
+    msg = bad_memory(spec, lay, "sizes", limit=need - 1)
+    assert msg.startswith("sizes: the run needs about") and f"the planner's count for {P:,} parameters" in msg, msg
+    assert "the 4 ranks' parameters, gradients, Adam state and activations" in msg, msg
 
 
 def test_lab_rejects_bad_options_with_one_error_line(tmp_path, capsys):
@@ -107,16 +126,6 @@ def test_lab_rejects_bad_options_with_one_error_line(tmp_path, capsys):
         assert main(argv) == 2
         out, err = capsys.readouterr()
         assert out == "" and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
-
-
-def test_lab_one_step(tmp_path, capsys):
-    """--steps 1: the timeline comes from step 0 (no timed step, tokens/s nan), no crash."""
-    from labkit.labs.pipeline import main
-    rc = main(["--world-size", "2", "--steps", "1", "--microbatches", "2", "--batch", "4", "--seq", "16",
-               "--layers", "2", "--embd", "32", "--heads", "2", "--schedule", "1f1b", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "1f1b" in out and "OK: every run (1f1b)" in out and "timelines.png" in out
 
 
 @pytest.mark.filterwarnings("ignore")

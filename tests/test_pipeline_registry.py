@@ -125,3 +125,11 @@ def test_registry_is_the_only_name_table():
                       (zb, "ZB_SCHEDULES")):
         assert not hasattr(mod, name), (mod.__name__, name)
     assert set(REGISTRY) == set(names(runs=None))
+
+
+def test_a_schedule_keeps_its_sizes_through_the_validator():
+    """The runtime sizes the schedule with its M; the validator judges it with that M."""
+    short = Schedule.of(lookup("gpipe").schedule(2, 2), n_microbatches=3)   # M = 3, but no microbatch 2
+    with pytest.raises(ScheduleError, match="F2@s0 is missing"):
+        validate_schedule(short)
+    assert validate_schedule(short, n_microbatches=2).M == 2

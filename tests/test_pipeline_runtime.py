@@ -225,8 +225,8 @@ def _wrong(ctx, case):
 @pytest.mark.parametrize("case", list(HUNG))
 def test_wrong_schedule_fails_with_rank_error_and_leaves_no_worker(case):
     """validate=False: the first line names the first action that cannot complete (the same on
-    every rank) and says that the rank in the RankError header is the one reporting, and where
-    it waited; no worker is left."""
+    every rank) and says which rank is reporting (the one the RankError names), and where it
+    waited; no worker is left."""
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
         launch(_wrong, 2, case, timeout=3)
@@ -234,7 +234,7 @@ def test_wrong_schedule_fails_with_rank_error_and_leaves_no_worker(case):
     r = info.value.rank
     first = str(info.value).splitlines()[0]
     assert first.startswith(f"rank {r} failed with RuntimeError: pipeline schedule hung: {HUNG[case][1]}; "
-                            f"this error is rank {r}'s (the rank in the RankError header), which was "
+                            f"this error is from rank {r}, which was "
                             f"{WAITING[case][r]}"), first
     assert "validate_schedule (skipped with validate=False) reports:" in str(info.value)
     time.sleep(0.2)
@@ -313,3 +313,38 @@ def test_recompute_replays_dropout_masks():
     """With dropout, the recomputed forward must draw the same masks as the first one."""
     for no_rc, rc in launch(_dropout_recompute, 2, timeout=30):
         assert all(torch.equal(no_rc[n], rc[n]) for n in no_rc)
+
+
+def test_a_hang_inside_a_grid_names_global_ranks():
+    """A pipeline group of global ranks [2, 6] (p = 2 inside a larger grid): the report names the
+    rank by its global rank too (the one a launch or torchrun names), and says how to read the
+    pipeline ranks of the diagnosis."""
+    from labkit.pipeline.runtime import explain_hang
+    from labkit.pipeline.schedules import Action, Schedule
+    sched = Schedule.of(HUNG["missing send"][0])
+    msg = explain_hang(sched, 1, Action("F", 1, 1), Action("RECV_F", 1, 1), RuntimeError("Timed out"), [2, 6])
+    assert msg.splitlines()[0] == (
+        f"pipeline schedule hung: {HUNG['missing send'][1].replace('on rank 1', 'on pipeline rank 1 (global rank 6)')}"
+        " (ranks in this sentence are the pipeline group's: global ranks [2, 6]); this error is from pipeline rank 1 "
+        "(global rank 6), which was at F1@s1 waiting for RECV_F1@s1 (from pipeline rank 0 (global rank 2))")
+    assert "RankError header" not in msg
+
+
+def _wrong_in_grid(ctx):
+    """Two pipelines of p = 2 on 4 ranks (t = 2: pipelines [0, 2] and [1, 3]), the same hung schedule."""
+    from labkit.grid import ProcessGrid
+    grid = ProcessGrid.build(ctx, tp=2, pp=2)
+    mods = gpt_stages_for_rank(GPT(CFG, seed=0), 2, 1, grid.pp_rank)
+    sched = PipelineSchedule(PipelineStage(mods[0], grid.pp_rank, 2, group=grid.pp_group), 2, lm_loss,
+                             actions=HUNG["missing send"][0], validate=False)
+    sched.step(*_batch(0)[:1], target=_batch(0)[1])
+
+
+def test_a_hang_in_a_launched_grid_is_reported_by_global_rank():
+    with pytest.raises(RankError) as info:
+        launch(_wrong_in_grid, 4, timeout=3)
+    r = info.value.rank
+    pr = r // 2
+    peer = 1 - pr
+    assert f"this error is from pipeline rank {pr} (global rank {r}), which was " in str(info.value).splitlines()[0]
+    assert f"(global rank {peer * 2 + r % 2}))" in str(info.value).splitlines()[0]

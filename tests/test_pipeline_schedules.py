@@ -75,7 +75,8 @@ def test_bubble_formula_and_peak_in_flight_over_the_grid_b_equals_f():
 
 def test_bubble_formula_with_b_equals_2f():
     """With b = 2f the formula stays exact for GPipe and 1F1B (critical path (M+K-1)(f+b));
-    it also holds for our interleaved schedule (checked on a part of the grid here)."""
+    it also holds for our interleaved schedule (checked on a part of the grid here; enumerated
+    once for b/f in {1/2, 1, 2, 3} over K = 1..8, M = 1..32, v = 1..4)."""
     for name, K, M, v, s in grid():
         if name == "interleaved" and (M > 16 or v > 3):
             continue

@@ -218,6 +218,9 @@ def test_cli(capsys, tmp_path):
 
 
 def test_in_flight_units_equal_labkit_schedules():
+    """plan.memory's in_flight_units, stage_in_flight and interleaved_group, and check_layout's
+    rounds rule, equal what labkit's GPipe, 1F1B and interleaved schedules do, counted from their
+    actions, for K = 2..5, M from 1 to 3K (and 8), v = 1..3."""
     from labkit.pipeline import schedules as sch
 
     def peak(actions):

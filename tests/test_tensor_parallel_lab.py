@@ -1,4 +1,6 @@
 """The tensor lab runs end to end, equals single-device training, and fails loudly."""
+import pytest
+
 from labkit.labs import tensor as lab
 
 
@@ -17,11 +19,16 @@ def test_tensor_lab_runs_and_matches_single_device(tmp_path, capsys):
     assert len(list(tmp_path.glob("tensor-*"))) == 2  # two runs in the same second: two folders
 
 
-def test_tensor_lab_rejects_bad_degree(capsys):
-    assert lab.main(["--tp", "3", "--steps", "2"]) == 2
-    assert "t=3 must divide" in capsys.readouterr().err
-    assert lab.main(["--tp", "0"]) == 2
-    assert capsys.readouterr().err == "error: TP degree t=0 must be >= 1 (--tp 0)\n"
+@pytest.mark.parametrize("argv,message,exact", [
+    (["--tp", "3", "--steps", "2"], "t=3 must divide", False),
+    (["--tp", "0"], "error: TP degree t=0 must be >= 1 (--tp 0)\n", True),
+    (["--tp", "2", "--steps", "2", "--data", "MISSING"], "missing.txt", False),
+], ids=["degree-3", "degree-0", "missing-data"])
+def test_tensor_lab_rejects_bad_input(argv, message, exact, tmp_path, capsys):
+    argv = [str(tmp_path / "missing.txt") if x == "MISSING" else x for x in argv]
+    assert lab.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == message if exact else message in err, err
 
 
 def test_tensor_lab_one_step_names_its_files(tmp_path, capsys):
@@ -39,11 +46,6 @@ def test_tensor_bench_runs_and_losses_agree(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "one transformer block" in out and "ratio" in out
-
-
-def test_tensor_lab_rejects_missing_data(tmp_path, capsys):
-    assert lab.main(["--tp", "2", "--steps", "2", "--data", str(tmp_path / "missing.txt")]) == 2
-    assert "missing.txt" in capsys.readouterr().err
 
 
 def test_loss_plot_steps_agree_with_the_csv(tmp_path):

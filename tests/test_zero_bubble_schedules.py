@@ -89,7 +89,9 @@ ZBV_COSTS = [c for c in itertools.product([0, Fr(1, 2), 1, 2, 3], repeat=3) if a
 def test_zbv_bubble_formula_for_any_costs_on_grid():
     """The maximum of zbv_bubble_terms equals the simulated bubble of the ZB-V order for any
     T_F, T_I, T_W (0 included) and M >= 2K-1; every one of the eight terms is needed (each is
-    the only maximum somewhere on the grid); and the special cases of zbv_schedule's docstring."""
+    the only maximum somewhere on the grid); and the special cases of zbv_schedule's docstring.
+    Here K = 1..6, M in {2K-1, 2K, 3K+1}, part of the cost grid {0, 1/2, 1, 2, 3}^3 (the whole grid
+    and every M up to 3K+1 were enumerated once when the terms were derived)."""
     n = 0
     for K in range(1, 7):
         for M in sorted({2 * K - 1, 2 * K, 3 * K + 1}):
@@ -144,7 +146,8 @@ def test_zbv_layout_and_memory():
 
 def test_dualpipev_bubble_formula_on_grid():
     """README: (PP/2-1)(F&B + B - 3W) with PP = 2K stages, B the full backward; exact for
-    T_F = T_I >= T_W and F&B = F + B, e.g. the README figure's F=1, B=2, W=1, F&B=3."""
+    T_F = T_I >= T_W and F&B = F + B, e.g. the README figure's F=1, B=2, W=1, F&B=3
+    (K = 2..5, M = 2K..3K+1)."""
     n = 0
     for K in range(2, 6):
         for M in range(2 * K, 3 * K + 2):

@@ -10,6 +10,14 @@ On the same gloo ranks, the same reference weights, the same batches and the sam
   all-gather) against ``torch.distributed.optim.ZeroRedundancyOptimizer`` with Adam on top of
   torch's DDP (all-reduce, 1/d of Adam by whole parameters, broadcast), forward + backward + step.
 
+* ZeRO-2: :class:`labkit.data_parallel.ZeroStage2` (bucketed reduce-scatter during backward,
+  1/d of gradients and Adam, all-gather after the step) against torch FSDP2 ``fully_shard`` with
+  ``reshard_after_forward=False`` on every unit (its ZeRO-2-like mode: parameters gathered once
+  per step and kept through backward), Adam;
+* ZeRO-3: :class:`labkit.data_parallel.FullyShardedDataParallel` (units = embedding, blocks,
+  head; resharded after forward, next unit prefetched) against torch FSDP2 ``fully_shard`` on
+  the same units and the root, ``reshard_after_forward=True``, Adam.
+
 * 3D (t x p x d, 1F1B): :class:`labkit.parallel.ParallelGPT` (labkit TP layers in labkit pipeline
   stages, labkit DDP across) against PyTorch's own composition on the same gloo ranks: a 3-D
   ``DeviceMesh("cpu", (p, d, t))``, ``parallelize_module`` (``ColwiseParallel`` /
@@ -89,6 +97,34 @@ def _worker(ctx, a):
     z2 = TorchZero(m2.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
     ta, tb = _pairs(trainer(m1, z1), trainer(m2, z2), a.iters)
     out["zero"] = (statistics.median(ta), statistics.median(tb), max_diff(m1, m2.module), 0)
+    # ZeRO-2 and ZeRO-3 vs torch FSDP2 (Adam): fully_shard on each unit, then the root
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from ..data_parallel import FullyShardedDataParallel, ZeroStage2, default_units
+    mesh = init_device_mesh("cpu", (d,))
+
+    def torch_fsdp(reshard):
+        m = copy.deepcopy(ref)
+        for name in default_units(m):
+            torch_fully_shard(m.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
+        torch_fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
+        return m
+
+    def full_params_diff(lk_full: dict, th_model):
+        return max(float((lk_full[n] - p.full_tensor()).abs().max()) for n, p in th_model.named_parameters())
+
+    z2 = ZeroStage2(copy.deepcopy(ref), torch.optim.Adam, bucket_cap_mb=a.bucket_cap_mb, lr=1e-3)
+    t2 = torch_fsdp(False)
+    ta, tb = _pairs(trainer(z2, z2), trainer(t2, torch.optim.Adam(t2.parameters(), lr=1e-3)), a.iters)
+    lk_full = dict(z2.module.named_parameters())
+    out["zero2"] = (statistics.median(ta), statistics.median(tb), full_params_diff(lk_full, t2), len(z2.buckets))
+    f3 = FullyShardedDataParallel(copy.deepcopy(ref), reshard_after_forward=True)
+    t3 = torch_fsdp(True)
+    ta, tb = _pairs(trainer(f3, torch.optim.Adam(f3.parameters(), lr=1e-3)),
+                    trainer(t3, torch.optim.Adam(t3.parameters(), lr=1e-3)), a.iters)
+    out["zero3"] = (statistics.median(ta), statistics.median(tb), full_params_diff(f3.full_tensors(), t3),
+                    len(f3.units))
     return out if r == 0 else None
 
 
@@ -175,7 +211,8 @@ def _worker_3d(ctx, a):
 def parse_args(argv):
     from ..labs import HelpFormatter
     p = Parser(prog="python -m labkit bench dp", formatter_class=HelpFormatter,
-               description="labkit DDP and ZeRO-1 against torch's, side by side.")
+               description="labkit DDP and ZeRO-1/2/3 against torch's (DDP, ZeroRedundancyOptimizer, FSDP2), "
+                        "side by side.")
     p.add_argument("--dp", "--world-size", dest="dp", type=int, default=2, help="data-parallel ranks d")
     p.add_argument("--iters", type=int, default=15, help="timed steps of each side")
     p.add_argument("--bucket-cap-mb", type=float, default=0.25, help="bucket size of both DDPs (MiB)")
@@ -229,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'':<34}{'labkit s':>10}{'torch s':>10}{'ratio':>8}{'max |dparam|':>14}"
     print(head)
     print("-" * len(head))
-    for key, name in (("ddp", f"DDP, SGD ({res['ddp'][3]} buckets)"), ("zero", "ZeRO-1, Adam")):
+    for key, name in (("ddp", f"DDP, SGD ({res['ddp'][3]} buckets)"), ("zero", "ZeRO-1, Adam"),
+                      ("zero2", f"ZeRO-2, Adam ({res['zero2'][3]} buckets)"),
+                      ("zero3", f"ZeRO-3 / FSDP, Adam ({res['zero3'][3]} units)")):
         lk, th, diff, _ = res[key]
         print(f"{name:<34}{lk:>10.4f}{th:>10.4f}{lk / th:>8.2f}{diff:>14.1e}")
     if res3 is not None:
@@ -237,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{f'3D t{a.tp} p{a.pp} d{a.dp3} 1F1B M={a.microbatches}':<34}{lk:>10.4f}{th:>10.4f}{lk / th:>8.2f}"
               f"{dloss:>14.1e}  (|dloss| of step 1; median of {a.iters3d})")
     print("ratio = labkit / torch (below 1: labkit faster). torch's ZeRO runs on top of torch's DDP "
-          "(all-reduce + broadcast of whole parameters); labkit's reduce-scatters and all-gathers one flat buffer.")
+          "(all-reduce + broadcast of whole parameters); labkit's reduce-scatters and all-gathers one flat buffer. "
+          "ZeRO-2/3: torch = FSDP2 fully_shard per unit (reshard_after_forward False / True); max |dparam| "
+          "compares the full parameters.")
     if res3 is not None:
         print("3D: torch = DeviceMesh + parallelize_module inside torch.distributed.pipelining stages + FSDP2 "
               "(reshard_after_forward=False) over dp; labkit = labkit.parallel.ParallelGPT with DDP.")

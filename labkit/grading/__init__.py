@@ -33,9 +33,15 @@ written by someone trying to game it:
   size-limited and counted before anything is built, never pickle). Expected values, the code
   computing them, and hidden cases (loaded only by the grader; their inputs are sent only when
   used) never enter the kernel; what runs next to the learner's code lives in
-  :mod:`labkit.grading.kernelside`. Not yet by construction: a few cases take a count measured
-  there (the ring's traffic in 0.2, the all-reduces in 7.3, whether 13.1 wrote a ``.grad``),
-  and the reference tripwire runs there: a kernel that patches labkit can forge those.
+  :mod:`labkit.grading.kernelside` and is the learner's to replace, so it only carries data.
+  **No measurement made in the kernel decides a verdict**: where the point is how data moves
+  (0.2's ring from send/recv, 7.3's all-reduces) the ranks get no process group and every
+  send, receive and all-reduce is a message to a relay in the case's (the grader's) process
+  (:mod:`labkit.grading.relay`), which delivers it, computes the reductions and logs it; the
+  case judges the log against what the algorithm must send. 13.1 is judged on the returned
+  gradients, with ``.grad`` preset so that one written shows in them. Not seen: ranks that
+  also move data by other means (files) while sending what the ring sends, and a ``.grad``
+  cleared before a ``.backward()``; these earn what their data earns.
 * **The results file is written only by the grader**, atomically (new file, rename) after the
   kernel and everything it started are dead; the kernel is not told where it is.
 * **The assignment is pinned by the grader** (``--assignment NN_name``;
@@ -76,20 +82,26 @@ written by someone trying to game it:
   can signal the grader, read what that user reads (the grader's code, expected values,
   hidden cases) and write where it may, with no limits; its processes are still killed in any
   state and reaped (the grader is their subreaper; group, session, descendants, environment
-  mark).
+  mark). Verdicts judged on data in the grader (the relay's log included) then hold only as
+  far as that user's processes cannot reach into the grader's (signals; ptrace or
+  /proc/PID/mem where the system lets a user debug its own processes); as root, under a uid of
+  its own, the kernel cannot. The relay listens on 127.0.0.1 and admits only ranks that hold
+  the case's random token, sent to the kernel alone.
 * **Robustness and bounds**: a cell that raises costs only the exercises that depend on it; a
   cell that kills or exits the kernel, or runs past ``--cell-timeout`` (SIGINT, then SIGKILL),
   is skipped: a fresh kernel replays the cells that ran and grading goes on. Output is never
   collected (a flood is dropped), and each case has a time limit covering its kernel calls.
   ``--time-budget`` bounds the whole submission (default from the cell limit, the number of
-  cells and every case's limit); each cell runs once, in order, and its own ``check`` calls
-  (read from its source) are graded once after it, whatever serials the kernel reports.
+  cells and every case's limit); each cell up to the last grading point runs once, in order
+  (later cells cannot change a grade and do not run), and its own ``check`` calls (read from
+  its source) are graded once after it, whatever serials the kernel reports.
 * **Reference implementations**: an answer that is labkit's own implementation of the
-  exercise, or calls it, fails with a message naming the function and why
-  (:mod:`labkit.grading.references` lists them per exercise; a tripwire in the kernel catches
-  the call, also inside ranks, and the source policy refuses the code that names it). Code
-  retyped from labkit's source is not detected, nor, by the tripwire, a kernel that patches
-  labkit itself (the source policy refuses the patching constructs it knows).
+  exercise, or calls it, gets 0 with a message naming the function
+  (:mod:`labkit.grading.references` lists them per exercise): in a grade the source policy
+  refuses the code that names it (no tripwire runs in the graded kernel: the learner could
+  disable it); the interactive ``check`` also catches the call at run time, as feedback. Code
+  retyped from labkit's source is not detected, nor code the policy cannot read (a module the
+  notebook writes to disk and imports).
 
 Interactive ``check`` in a notebook is feedback, not a grade: it runs the same cases in the
 notebook's own process (each call still makes the data round trip, so verdicts match).

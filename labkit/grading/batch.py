@@ -74,10 +74,12 @@ def gradebook_rows(entries: list[tuple[str, dict | None, str]]) -> tuple[list[st
 
 
 def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: int | None,
-                cell_timeout: float, assignment: str | None = None, hints: bool = True) -> int:
+                options: list[str] = ()) -> int:
     """Grade each of ``paths`` in its own grader process, ``jobs`` at a time; returns the exit status
     (0: every submission graded, 1: one could not be). Results go to ``results_dir`` (a temporary
-    folder when None), the CSV to ``gradebook`` when given."""
+    folder when None), the CSV to ``gradebook`` when given. ``options``: the command-line options
+    every submission's ``python -m labkit grade`` gets (``--assignment``, ``--cell-timeout``, the
+    limits, ...; :func:`labkit.grading.grader.main` passes on all that were given)."""
     import tempfile
 
     paths = [Path(p) for p in paths]
@@ -88,9 +90,7 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
         results_dir = Path(tmp.name)
     results_dir.mkdir(parents=True, exist_ok=True)
     outs = [results_dir / f"{n}.json" for n in _result_names(paths)]
-    base = [sys.executable, "-m", "labkit", "grade", "--cell-timeout", f"{cell_timeout:g}"]
-    base += ["--assignment", assignment] if assignment else []
-    base += [] if hints else ["--no-hints"]
+    base = [sys.executable, "-m", "labkit", "grade", *options]
     todo = list(range(len(paths)))
     running: dict[int, tuple[subprocess.Popen, float, object]] = {}
     done: dict[int, tuple[dict | None, str]] = {}

@@ -57,13 +57,21 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
-
 from ..cliparse import Parser
 from .registry import HIDDEN_ENV, Exercise, exercises_for_notebook, get_exercise
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
            "ExerciseGrade", "CaseGrade", "NotebookGrade", "write_results"]
+
+def _nbformat():
+    """nbformat, imported without jsonschema's optional IRI format checker: ``rfc3987_syntax``
+    compiles about forty lark grammars when imported (some 2 s of CPU, a large share of grading
+    a small notebook), and the notebook schema uses no IRI format."""
+    sys.modules.setdefault("rfc3987_syntax", None)  # jsonschema then skips that checker (ImportError)
+    import nbformat
+
+    return nbformat
+
 
 DEFAULT_CELL_TIMEOUT = 300  # seconds one cell may run under the grader
 MAX_RESTARTS = 3  # fresh kernels after a cell killed one or ran past the limit
@@ -220,13 +228,14 @@ def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, dead
     todo = {i for i, r in results.items() if any(c.secret for c in wanted[i].cases)}
     if not todo:
         return
+    last = max(k for k, ids in due.items() if todo & set(ids))  # no cell after it can matter
     second: dict = {}
     session = None
     try:
         session = launch()
         session.wait_ready()
         for k in replay:
-            if deadline - time.monotonic() < 1:
+            if k > last or deadline - time.monotonic() < 1:
                 break
             st, _, _ = session.execute(cells[k][1], max(1.0, min(cell_timeout, deadline - time.monotonic())))
             if st not in ("ok", "error") or not session.alive():
@@ -271,7 +280,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
 
     ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
     submission holds (:mod:`labkit.grading.assignments`); None reads it from the submission
-    (metadata, file name, check calls). Each code cell runs once, in order; each exercise is
+    (metadata, file name, check calls). Each code cell up to the last grading point runs once,
+    in order (the cells after it cannot change a grade, so they do not run); each exercise is
     graded once, from its pinned name at its grading point (whatever serials the kernel
     reports), and zeroed when its code breaks the source policy (:mod:`labkit.grading.policy`).
     ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
@@ -288,7 +298,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     from .session import KernelSession, isolation_note, kernel_user
 
     path = Path(path)
-    nb = nbformat.read(str(path), as_version=4)
+    nb = _nbformat().read(str(path), as_version=4)
     names = [assignment] if assignment else _notebook_names(nb, path)
     exercises = [ex for name in names for ex in exercises_for_notebook(name)]
     wanted = {ex.id: ex for ex in exercises}
@@ -328,12 +338,15 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
             spare.append(launch())
         return s
 
+    # cells after the last grading point cannot change a grade: they are not run (nor, when the
+    # submission holds none of the exercises, is a kernel started)
+    end = 1 + max((k for k in points.values() if k is not None), default=-1)
     restarts = 0
-    session = start()
+    session = start() if end else None
     from .session import secret_files
 
     hidden = [str(f) for f in _hidden_files()]
-    for f in session.hidden_files_readable(hidden + [f for f in secret_files() if f not in hidden]):
+    for f in session.hidden_files_readable(hidden + [f for f in secret_files() if f not in hidden]) if end else ():
         what = "the hidden case file" if f in hidden else "the grader's file"
         print(f"warning: the submission's kernel can read {what} {f}; make it readable by root only "
               f"(chmod o-r, and its folder o-x)", file=sys.stderr)
@@ -342,7 +355,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     results: dict = {}  # exercise id -> CheckResult of its visible (not secret) cases
     try:
         k = 0
-        while k < len(cells):
+        while k < end:
             idx, src = cells[k]
             left = deadline - time.monotonic()
             if left < 1:
@@ -398,7 +411,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                 break
             k += 1
     finally:
-        session.kill()
+        if session is not None:
+            session.kill()
         for s in spare:
             s.kill()
     # every visible result is fixed: only now do the instructor's secret inputs reach a (fresh) kernel
@@ -484,7 +498,7 @@ def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: s
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
                                                     f"{_first(str(e))}", graded=False)
             try:
-                nb = nbformat.read(str(p), as_version=4)
+                nb = _nbformat().read(str(p), as_version=4)
                 for name in [assignment] if assignment else _notebook_names(nb, Path(p)):
                     for ex in exercises_for_notebook(name):
                         g.exercises.append(_exercise_grade(ex, None, f"not reached: {g.stopped}"))
@@ -644,8 +658,8 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
         if not x.is_file():
             return f"no such notebook: {x}"
         try:
-            nb = nbformat.read(str(x), as_version=4)
-            nbformat.validate(nb)
+            nb = _nbformat().read(str(x), as_version=4)
+            _nbformat().validate(nb)
         except Exception as e:  # noqa: BLE001 - binary, not JSON, not a notebook
             return f"{x} is not a Jupyter notebook ({type(e).__name__}: {_first(str(e), 160)})"
         spec = nb.metadata.get("kernelspec") or {}
@@ -665,6 +679,24 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
         if not os.access(parent, os.W_OK | os.X_OK):
             return f"--results {results}: its folder {parent} is not writable"
     return ""
+
+
+_BATCH_ONLY = {"help", "paths", "results", "results_dir", "gradebook", "jobs"}
+
+
+def _submission_options(parser, args) -> list[str]:
+    """The command-line options, as given, that a batch passes on to each submission's grader:
+    every option of ``parser`` but the batch's own (one list, so none is forgotten)."""
+    out: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse's list of declared options
+        if action.dest in _BATCH_ONLY or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if action.nargs == 0:  # a flag (store_true)
+            out += [action.option_strings[0]] if value else []
+        elif value is not None and value != action.default:
+            out += [action.option_strings[0], str(value)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -754,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
     if batch:
         from .batch import grade_batch
-        return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, cell_timeout, a.assignment, not a.no_hints)
+        return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, _submission_options(p, a))
     t0 = time.monotonic()
     grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits,
                          hints=not a.no_hints, source_policy=not a.no_source_policy)

@@ -32,8 +32,11 @@ and a judgement made in the case. ``answer`` is a :class:`~labkit.grading.proxy.
   labkit module (it is imported by name there). Use it when the answer is a class
   (``answer.apply``), a function to run on ranks (``launch(body, N, answer)``), or when the
   check needs autograd through the learner's result. ``fn`` must return only what the learner's
-  code produced (outputs, gradients, counts); it must never compute or receive an expected
-  value: compute those in the case, after the call.
+  code produced (outputs, gradients); it must never compute or receive an expected value:
+  compute those in the case, after the call. Nor may a verdict rest on anything ``fn``
+  measures about how the answer worked (a count of sends, a flag): the learner can replace
+  ``fn``. To judge how data moves between ranks, run them through a
+  :class:`labkit.grading.relay.Relay` in the case and judge its log.
 
 So a case that today calls ``answer`` and compares numbers stays as it is; one that touches
 the answer's attributes or runs it on ranks moves that part into a top-level kernel-side

@@ -48,6 +48,7 @@ from . import wire
 __all__ = ["Relay", "Message", "Reduction", "RelayGroup", "run_ranks", "REDUCE_OPS"]
 
 MAX_FRAME = 4 * 2 ** 20  # bytes of one message on the relay's wire
+MAX_TOTAL = 32 * 2 ** 20  # bytes of tensors the relay keeps for one case (a flood is refused)
 REDUCE_OPS = ("sum", "max", "min", "product")
 
 
@@ -103,7 +104,9 @@ class Relay:
     Use as a context manager; pass :meth:`address` to the kernel side (:func:`run_ranks`).
     ``timeout``: seconds a receive or an all-reduce waits for its peers before the rank gets an
     error naming what it waited for. ``max_messages``: sends plus all-reduce calls in all
-    before the relay refuses more (a runaway loop). After the ``with`` block :attr:`sent`
+    before the relay refuses more (a runaway loop); it also keeps at most :data:`MAX_TOTAL`
+    bytes of tensors and accepts at most ``4 * world_size + 4`` connections (a hostile kernel
+    cannot make this process build unbounded memory or threads). After the ``with`` block :attr:`sent`
     (list of :class:`Message`, in delivery order), :attr:`reduced` (list of
     :class:`Reduction`) and :attr:`problems` (protocol errors the relay answered, e.g.
     mismatched shapes) are what the case judges.
@@ -126,6 +129,7 @@ class Relay:
         self._conns: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._bytes = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
         self._sock.settimeout(0.2)
 
@@ -147,6 +151,11 @@ class Relay:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        for conn in self._conns:  # wakes a thread blocked reading it
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for s in [self._sock, *self._conns]:
             try:
                 s.close()
@@ -165,6 +174,9 @@ class Relay:
                 continue
             except OSError:
                 return
+            if len(self._conns) >= 4 * self.world_size + 4:
+                conn.close()
+                continue
             conn.settimeout(None)
             self._conns.append(conn)
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="labkit-relay-rank")
@@ -207,9 +219,14 @@ class Relay:
             return {"error": "not a relay request"}
         op = req.get("op")
         if op in ("send", "all_reduce"):
+            t = req.get("tensor")
+            size = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
             with self._cond:
                 if len(self.sent) + len(self.reduced) >= self.max_messages:
                     return self._refuse(f"rank {rank} sent more than {self.max_messages} messages")
+                if self._bytes + size > MAX_TOTAL:
+                    return self._refuse(f"rank {rank} sent more than {MAX_TOTAL // 2 ** 20} MiB in all")
+                self._bytes += size
         if op == "send":
             return self._send(rank, req.get("dst"), req.get("tensor"))
         if op == "recv":

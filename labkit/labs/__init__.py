@@ -1,8 +1,10 @@
 """The labs: ``python -m labkit lab NAME`` (or ``torchrun ... -m labkit.labs.NAME``).
 
-What every lab shares: ``--help`` that shows defaults, one ``error:`` line for bad input,
-the rule that under torchrun only rank 0 prints, one line (no traceback) when the run is
-interrupted or a rank fails (:func:`run_cli`), a fresh run folder per run (:func:`run_folder`)
+Each lab module (``pipeline``, ``tensor``, ``moe``, ``moe_eplb``, ``threed``) supplies only its
+strategy, as a :class:`labkit.labs.harness.Lab`; :mod:`labkit.labs.harness` runs every lab the
+same way. What every lab shares, here: ``--help`` that shows defaults, one ``error:`` line for
+bad input, the rule that under torchrun only rank 0 prints, one line (no traceback) when the run
+is interrupted or a rank fails (:func:`run_cli`), a fresh run folder per run (:func:`run_folder`)
 and the verdict (:mod:`labkit.labs.verdict`).
 """
 from __future__ import annotations
@@ -205,18 +207,6 @@ def count_parameters_meta(build) -> int:
         return sum(p.numel() for p in build().parameters())
 
 
-def activation_bytes(n_layer: int, batch: int, seq: int, hidden: int, heads: int, vocab: int,
-                     extra_per_token: int = 0) -> int:
-    """Bytes autograd keeps for one fp32 forward of the GPT over a ``batch x seq`` batch.
-
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
-    sec. 4.1 eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations; fp32 doubles
-    it. Plus the logits, their softmax and gradient (3 * b*s*V * 4 bytes) and ``extra_per_token``
-    bytes per token and layer (e.g. MoE expert inputs)."""
-    per_layer = seq * batch * hidden * 34 + 5 * heads * seq * seq * batch
-    return 2 * n_layer * per_layer + 12 * batch * seq * vocab + n_layer * batch * seq * extra_per_token
-
-
 def available_memory() -> int | None:
     """Bytes of host memory available now (Linux ``MemAvailable``), or None if unknown."""
     try:
@@ -244,34 +234,45 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB" if n < 2**40 else f"{n / 2**40:.3g} TiB"
 
 
-def bad_memory(params: int, model_bytes_per_param: float, act: int, act_copies: float, sizes: str,
-               limit: int | None = None, ranks: int | None = None) -> str | None:
-    """Refuse a run whose estimated memory exceeds what this machine has (all CPU ranks share it).
+def bad_memory(spec, lay, sizes: str, limit: int | None = None) -> str | None:
+    """Refuse a run whose memory, as the planner counts it, exceeds what this machine has (all
+    CPU ranks share it). None when it fits (or when the planner cannot express the layout: the
+    lab's own layout rules, checked first, name real problems).
 
-    ``params``: parameters of the model; ``model_bytes_per_param``: bytes per parameter over the
-    whole run at its peak (every copy: each rank's fp32 weights, gradients and Adam's 2 moments
-    = 16, the reference's weights and gradients = 8, ...); ``act``: :func:`activation_bytes` of
-    the whole batch, held ``act_copies`` times at the peak. ``sizes``: the options, for the
-    message. ``limit``: bytes available (None: :func:`available_memory`). ``ranks``: when given,
-    ``model_bytes_per_param`` is ``4 * ranks + 48`` (every rank builds the full fp32 model, plus
-    48 bytes/param for Adam, the reference and the verdict's copies) and the message says so,
-    since that term grows with the world size. The estimate is
-    rough (within a factor of ~2), so it refuses only what clearly cannot run."""
+    ``spec``, ``lay``: the run as a :class:`labkit.plan.spec.ModelSpec` and an fp32
+    :class:`labkit.plan.spec.Layout` (a schedule that holds at least as many activations as the
+    lab's, e.g. GPipe). Counted: the planner's bytes of every one of the t p d ranks
+    (:func:`labkit.plan.memory.memory_per_rank` with the CPU's saved-tensor sizes: parameters,
+    gradients, Adam state, activations); the whole fp32 model each rank builds before it keeps
+    its part (4 bytes per parameter each); the single-device reference (the planner's
+    t = p = d = 1 layout over the whole batch) and the verdict's gathered parameters and
+    gradients (8 bytes per parameter). ``sizes``: the options, for the message. ``limit``:
+    bytes available (None: :func:`available_memory`)."""
+    from dataclasses import replace
+
+    from ..plan.memory import memory_per_rank
     limit = available_memory() if limit is None else limit
     if limit is None:
         return None
-    need = params * model_bytes_per_param + act * act_copies
+    try:
+        ranks = memory_per_rank(spec, lay, device="cpu")
+        one = replace(lay, t=1, p=1, d=1, v=1, ep=1, b=spec.global_batch, M=1, zero=0, sequence_parallel=False,
+                      placement="loop", schedule="1f1b")
+        reference = memory_per_rank(spec, one, device="cpu")[0].total
+    except ValueError:
+        return None
+    n, params = lay.n_gpus, spec.total_params()
+    run = lay.t * lay.d * sum(r.total for r in ranks)
+    build = 4 * params * n
+    checks = reference + 8 * params
+    need = run + build + checks
     if need <= limit:
         return None
-    weights = _gib(params * model_bytes_per_param)
-    if ranks is not None:
-        how = f"4 bytes on each of the {ranks:,} ranks, which all build the full model, + 48"
-    else:
-        how = f"{model_bytes_per_param:g}"
-    return (f"{sizes}: the run needs about {_gib(need)} of memory ({params:,} parameters "
-            f"x ({how}) bytes = {weights}; "
-            f"activations: {_gib(act * act_copies)}, Korthikanti et al. 2022 eq. 1), more than the {_gib(limit)} "
-            f"available; use smaller sizes")
+    return (f"{sizes}: the run needs about {_gib(need)} of memory, more than the {_gib(limit)} available "
+            f"(the planner's count for {params:,} parameters: the {n:,} ranks' parameters, gradients, Adam state "
+            f"and activations {_gib(run)}; the full fp32 model each rank builds before keeping its part "
+            f"{_gib(build)}; the single-device reference and the verdict's copies {_gib(checks)}); "
+            f"use smaller sizes")
 
 
 def _ignore_signals() -> None:

@@ -23,6 +23,7 @@ the exit code, the verdicts and the text the lab printed.
 from __future__ import annotations
 
 import io
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -216,7 +217,6 @@ def prepare(lab: Lab, argv: Sequence[str]):
     """Parse ``argv`` and apply the lab's rules: ``(options, corpus, None)``, or ``(None, None,
     exit code)`` after one ``error:`` line. Nothing has started yet."""
     from ..dist import in_torchrun
-    import os
     a = lab.parser().parse_args(list(argv))
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
     bad = lab.resolve(a, world) or lab.check(a)
@@ -227,11 +227,6 @@ def prepare(lab: Lab, argv: Sequence[str]):
     except (OSError, ValueError) as e:
         return None, None, error(str(e))
     return a, corpus, None
-
-
-def main(lab: Lab, argv: Sequence[str]) -> int:
-    """Run ``lab`` with ``argv``, printing as the command line does; returns the exit code."""
-    return run(lab, argv).rc
 
 
 def run(lab: Lab, argv: Sequence[str] | None = None) -> LabRun:

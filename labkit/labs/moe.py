@@ -52,9 +52,6 @@ class RankResult:
     params: dict
     verdict: object = None
 
-    def __getitem__(self, name: str):  # h["bytes"], as the plotting code reads histories
-        return getattr(self.history, name)
-
 
 def _ep_worker(ctx, a, corpus) -> RankResult:
     """One rank of the EP run over ``ctx.group``, judged at every step by the verdict: rank 0's
@@ -108,7 +105,7 @@ def _ep_worker(ctx, a, corpus) -> RankResult:
     return RankResult(hist, {n: p.detach().cpu() for n, p in model.state_dict().items()}, check.result())
 
 
-def _single(a, balance: str, steps: int, corpus):
+def _reference_run(a, balance: str, steps: int, corpus):
     """The single-device training with ``balance`` (routing in ``a.ep`` token groups, like the EP
     run): ``(Reference, History)``."""
     cfg, moe = configs(a, balance, a.ep)
@@ -122,8 +119,9 @@ def max_vio(loads: torch.Tensor) -> float:
 
 
 def _plots(out, runs, ep_hist, a):
-    from . import save_figure
     import matplotlib
+
+    from . import save_figure
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -223,7 +221,7 @@ class MoELab(Lab):
         return [Launch(f"EP={a.ep} ({a.compare_mode})", a.ep, _ep_worker, (a, corpus))]
 
     def reference(self, a, corpus):
-        ref, self.ref_hist = _single(a, a.compare_mode, a.steps, corpus)
+        ref, self.ref_hist = _reference_run(a, a.compare_mode, a.steps, corpus)
         return ref
 
     def report(self, a, outcome):
@@ -264,7 +262,7 @@ class MoELab(Lab):
               f"totals over ranks equal dispatch's).")
 
         # 3. balancing runs
-        runs = self.balance_runs = {mode: _single(a, mode, a.balance_steps, outcome.corpus)[1]
+        runs = self.balance_runs = {mode: _reference_run(a, mode, a.balance_steps, outcome.corpus)[1]
                                     for mode in BALANCE_MODES}
         n = min(10, a.balance_steps)
         print(f"\nbalancing, {a.balance_steps} steps on one device (averages over the last {n} steps):")

@@ -16,9 +16,8 @@ import torch
 from ..cliparse import Parser
 from ..model import GPTConfig
 from ..moe.losses import switch_aux_loss
-from ..moe.model import MoEGPT, moe_config_for, total_aux_loss
-from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               count_parameters_meta)
+from ..moe.model import moe_config_for, total_aux_loss
+from . import HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed
 from .verdict import add_tolerance_option
 
 BALANCE_MODES = ("none", "aux", "aux_free")
@@ -58,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_tolerance_option(p)
     p.add_argument("--eplb", action="store_true",
                    help="instead of the standard lab: measure expert loads, rebalance with EPLB (replicas), run "
-                        "the replicas on P ranks, compare tokens per GPU with the device-level loss and the aux-free bias")
+                        "the replicas on P ranks, compare tokens per GPU with the device-level loss and the aux-free "
+                        "bias")
     p.add_argument("--redundant-experts", type=int, default=None,
                    help="--eplb: extra physical experts R - E (unset: P, one more per GPU)")
     p.add_argument("--gpus-per-node", type=int, default=None,
@@ -125,14 +125,15 @@ def bad_args(a) -> str | None:
             cfg, moe = configs(a, mode, a.ep)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--n-embd {a.n_embd}, --n-head {a.n_head})"
-    # every EP rank builds the full model (4 bytes/param each), keeps its experts with AdamW (16 in
-    # all); rank 0's reference (8) and the verdict's gathered copies (24). Activations: the dense
-    # part (Korthikanti) plus, per token and MoE layer, k expert inputs and hidden states
-    extra = a.top_k * (2 * a.n_embd + 2 * moe.moe_ffn_dim) * 4
-    return bad_memory(n_params(a), 4 * a.ep + 48,
-                      activation_bytes(a.n_layer, a.batch, a.seq, a.n_embd, a.n_head, cfg.vocab_size, extra), 2,
+    from dataclasses import replace
+
+    from ..plan.spec import Layout, ModelSpec
+    # the planner's bytes: EP folded onto the P data-parallel ranks
+    spec = replace(ModelSpec.from_gpt_config(cfg, seq_len=a.seq, global_batch=a.batch), n_routed_experts=a.experts,
+                   n_activated_experts=a.top_k, moe_ffn=moe.moe_ffn_dim, moe_layer_freq=a.moe_every)
+    return bad_memory(spec, Layout(d=a.ep, ep=a.ep, b=a.batch // a.ep, M=1, precision="fp32"),
                       f"--experts {a.experts} --n-embd {a.n_embd} --n-layer {a.n_layer} --seq {a.seq} "
-                      f"--batch {a.batch} (P={a.ep})", ranks=a.ep)
+                      f"--batch {a.batch} (P={a.ep})")
 
 
 def ignored_without_eplb(a) -> str | None:
@@ -162,16 +163,6 @@ def bad_eplb_args(a) -> str | None:
     if not (math.isfinite(a.device_coeff) and a.device_coeff > 0):
         return f"--device-coeff must be a finite number > 0, got {a.device_coeff}"
     return None
-
-
-def n_params(a) -> int:
-    """Parameters of the MoE GPT of ``a``, without building E experts (4096 modules take ~10 s even
-    on the meta device): the count is linear in E, so count the models with E = k and 2k."""
-    counts = []
-    for E in (a.top_k, 2 * a.top_k):
-        cfg, moe = configs(argparse.Namespace(**{**vars(a), "experts": E}), "aux_free", 1)
-        counts.append(count_parameters_meta(lambda: MoEGPT(cfg, moe, a.moe_every)))
-    return counts[0] + (a.experts - a.top_k) * (counts[1] - counts[0]) // a.top_k
 
 
 @dataclass

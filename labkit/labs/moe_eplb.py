@@ -64,7 +64,7 @@ def _model(a, mode: str, groups: int):
     return MoEGPT(cfg, moe, a.moe_every, seed=a.seed)
 
 
-def _train_single(a, mode: str, steps: int, corpus):
+def _trained(a, mode: str, steps: int, corpus):
     """Single-device training (routing in P token groups, as EP routes per rank): the trained model."""
     ref, _ = train_single(_model(a, mode, a.ep), a, steps, corpus)
     return ref.model
@@ -192,7 +192,7 @@ class EPLBLab(Lab):
         self.groups = N if a.expert_groups is None else a.expert_groups
         self.n = n = min(WINDOW, a.balance_steps)
         # 1. train without balancing, then measure the loads of the trained model on the last n batches
-        trained = _train_single(a, "none", a.balance_steps, corpus)
+        trained = _trained(a, "none", a.balance_steps, corpus)
         self.weight = _measure(a, trained, a.balance_steps - n, n, corpus)            # [L_moe, E]
         # 2. EPLB
         self.placement = rebalance_experts(self.weight, R, self.groups, N, P)
@@ -231,7 +231,7 @@ class EPLBLab(Lab):
                    f"no balancing + EPLB, R={R} copies (predicted)": gpu_loads(weight, phy2log, logcnt, P)}
         for mode, label in (("device", f"device-level loss (alpha2={a.device_coeff:g})"),
                             ("aux_free", f"aux-loss-free bias (gamma={a.gamma:g})")):
-            m = _train_single(a, mode, a.balance_steps, outcome.corpus)
+            m = _trained(a, mode, a.balance_steps, outcome.corpus)
             results[label] = contiguous_gpu_loads(_measure(a, m, a.balance_steps - n, n, outcome.corpus), P)
         self.results = results
 

@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 from ..cliparse import Parser
-from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               count_parameters_meta, is_main_rank, loss_change, schedule_name)
-from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
 from ..pipeline.registry import lookup, names
 from ..pipeline.stats import mean_times
+from . import (HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
+               is_main_rank, loss_change, schedule_name)
+from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
 from .verdict import add_tolerance_option
 
 SCHEDULES = names(zero_bubble=False)   # gpipe 1f1b interleaved (labkit.pipeline.registry)
@@ -112,7 +112,7 @@ def _bad_args(a, K) -> str | None:
                     f"({v}*{a.microbatches} + {K} - 1) x {(cost['F'] + cost['B']) * 1e3:g} ms = {step:.3g} s, "
                     f"more than half the {LAUNCH_TIMEOUT:g} s a rank waits for a peer; use smaller costs")
     try:
-        cfg = _config(a)
+        _config(a)
     except ValueError as e:  # e.g. n_embd=64 must be divisible by n_head=3
         return f"{e} (--embd {a.embd}, --heads {a.heads})"
     return None
@@ -120,14 +120,11 @@ def _bad_args(a, K) -> str | None:
 
 def _bad_memory(a, K) -> str | None:
     """The memory estimate's refusal (after the structural rules: they name the real problem)."""
-    from ..model import GPT
-    cfg = _config(a)
-    # every rank builds the full model (4 bytes/param each), then keeps its stages with Adam (16 in
-    # all); rank 0's reference (8) and the verdict's gathered copies (24); the whole batch's
-    # activations in flight and once more in the reference
-    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * K + 48,
-                      activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
-                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})", ranks=K)
+    from ..plan.spec import Layout, ModelSpec
+    # the planner's bytes; GPipe keeps the most activations of any schedule (all M in flight)
+    spec = ModelSpec.from_gpt_config(_config(a), seq_len=a.seq, global_batch=a.batch)
+    lay = Layout(p=K, b=max(1, a.batch // a.microbatches), M=a.microbatches, schedule="gpipe", precision="fp32")
+    return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} (K={K})")
 
 
 def _cost_model(a):
@@ -272,8 +269,7 @@ def _analyse(a, kind, K, results, single):
         measured.append(float(bubble_fraction(tl, K)))
     # mean measured F and B time per stage, then simulate the schedule with them
     times = mean_times(tls, K * v)
-    fwd, bwd = times["F"], times["B"]
-    sim = simulate(lookup(kind).schedule(K, M, v), forward=fwd, backward=bwd)
+    sim = simulate(lookup(kind).schedule(K, M, v), forward=times["F"], backward=times["B"])
     peak = {}
     for r in results:
         peak.update(r.peak)

@@ -21,15 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..cliparse import Parser
 from ..comm import CommLog
 from ..data import Corpus
 from ..grid import ProcessGrid
 from ..model import GPT, GPTConfig
-from ..tensor_parallel import TensorParallelGPT, expected_collectives
-from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               count_parameters_meta, is_main_rank, run_folder, save_figure, write_bytes_atomic)
+from ..plan.comm import comm_per_rank
+from ..plan.spec import Layout, ModelSpec
+from ..tensor_parallel import TensorParallelGPT
+from . import (HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
+               is_main_rank, run_folder, save_figure, write_bytes_atomic)
 from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
 from .verdict import add_tolerance_option, sharded_pieces
 
@@ -62,7 +65,10 @@ def _tp_worker(ctx, args, corpus) -> RankResult:
     check = lockstep(ctx, args, lambda: GPT(cfg, seed=args.seed), lambda m, step, extras: m(*batch(step)))
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     losses, log, seconds = [], CommLog(), 0.0
-    for step in range(args.steps):
+    # rank 0 only, and only on a terminal (disable=None: tqdm turns itself off when stderr is not a TTY)
+    bar = tqdm(range(args.steps), desc=f"TP={ctx.world_size}", unit="step", file=sys.stderr, leave=False,
+               dynamic_ncols=True, disable=None if ctx.rank == 0 else True)
+    for step in bar:
         t0 = time.perf_counter()
         with log:
             loss = model(*batch(step))
@@ -77,6 +83,7 @@ def _tp_worker(ctx, args, corpus) -> RankResult:
         if step > 0:  # step 0 is warm-up, not timed
             seconds += elapsed + time.perf_counter() - t0
         losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
     counts = {kind: (log.count(kind), log.bytes(kind)) for kind in sorted({r.kind for r in log.records})}
     return RankResult(losses, counts, seconds if args.steps > 1 else float("nan"), check.result())
 
@@ -152,15 +159,11 @@ def _bad_args(args, degrees) -> str | None:
                         ("ffn width", cfg.ffn_mult * cfg.n_embd)):
             if n % t:
                 return f"TP degree t={t} must divide {what}={n}"
-    # every rank builds the full model (4 bytes/param each), keeps its shard with Adam (16 in all);
-    # rank 0's reference (8) and the verdict's gathered copies (24); activations: each rank at most
-    # the whole batch's, plus the reference's
-    t = max(degrees)
-    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * t + 48,
-                      activation_bytes(cfg.n_layer, args.batch_size, args.seq_len, cfg.n_embd, cfg.n_head,
-                                       cfg.vocab_size), t + 1,
+    t = max(degrees)                                  # the largest run, as the planner counts it
+    spec = ModelSpec.from_gpt_config(cfg, seq_len=args.seq_len, global_batch=args.batch_size)
+    return bad_memory(spec, Layout(t=t, b=args.batch_size, M=1, precision="fp32"),
                       f"--n-layer {cfg.n_layer} --n-embd {cfg.n_embd} --seq-len {args.seq_len} "
-                      f"--batch-size {args.batch_size} (t={t})", ranks=t)
+                      f"--batch-size {args.batch_size} (t={t})")
 
 
 
@@ -198,7 +201,11 @@ class TensorLab(Lab):
         single = outcome.reference
         runs = {name: ranks[0] for name, ranks in outcome.results.items()}
         tokens = args.batch_size * args.seq_len
-        exp = expected_collectives(cfg.n_layer, args.batch_size, args.seq_len, cfg.n_embd)["step"]
+        spec = ModelSpec.from_gpt_config(cfg, seq_len=args.seq_len, global_batch=args.batch_size)
+
+        def expected(t):          # the planner's all-reduces (count, bytes) of one step; t=1 communicates nothing
+            lay = Layout(t=t, b=args.batch_size, M=1, precision="fp32")
+            return comm_per_rank(spec, lay, act_bytes=4)["tp"].ops.get("all_reduce", (0, 0))
         print(f"\nTensor-parallel GPT (L={cfg.n_layer}, H={cfg.n_embd}, heads={cfg.n_head}, V={cfg.vocab_size}), "
               f"{args.steps} Adam steps of {args.batch_size}x{args.seq_len} tokens, seed {args.seed}")
         header = (f"{'run':<14}{'final loss':>11}{'max |dloss|':>13}{'all-reduces/step':>18}{'(formula)':>10}"
@@ -215,7 +222,7 @@ class TensorLab(Lab):
         for name, r in runs.items():
             gap = max(abs(a - b) for a, b in zip(r.losses, single.losses))
             n_ar, b_ar = r.comm.get("all_reduce", (0, 0))
-            e = exp if int(name.split("=")[1]) > 1 else (0, 0)  # t=1: a group of one communicates nothing
+            e = expected(int(name.split("=")[1]))
             print(f"{name:<14}{r.losses[-1]:>11.4f}{gap:>13.2e}{n_ar / args.steps:>18.1f}{e[0]:>10d}"
                   f"{b_ar / args.steps / 2**20:>10.3f}{e[1] / 2**20:>10.3f}{tok_s(r.seconds):>10.0f}")
             comm_ok = comm_ok and (n_ar, b_ar) == (e[0] * args.steps, e[1] * args.steps)

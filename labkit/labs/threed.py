@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 from ..cliparse import Parser
-from . import (HelpFormatter, activation_bytes, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               count_parameters_meta, is_main_rank, save_figure, schedule_name, write_bytes_atomic)
-from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
 from ..pipeline.registry import lookup, names
+from . import (HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
+               is_main_rank, save_figure, schedule_name, write_bytes_atomic)
+from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
 from .verdict import add_tolerance_option
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
@@ -134,14 +134,13 @@ def _bad_args(a, world) -> str | None:
         check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, zero=a.zero, seq_len=a.seq)
     except ValueError as e:
         return str(e)
-    from ..model import GPT
-    # every rank builds the full reference (4 bytes/param each) and keeps its shard with Adam (16 in
-    # all); rank 0's reference (8) and the verdict's gathered copies (24); activations: the whole
-    # batch in flight over the ranks, plus the reference's
-    return bad_memory(count_parameters_meta(lambda: GPT(cfg)), 4 * world + 48,
-                      activation_bytes(a.layers, a.batch, a.seq, a.embd, a.heads, cfg.vocab_size), 2,
-                      f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} ({world} ranks)",
-                      ranks=world)
+    from ..plan.spec import Layout, ModelSpec
+    # the planner's bytes; GPipe keeps the most activations of any schedule (all M in flight)
+    spec = ModelSpec.from_gpt_config(cfg, seq_len=a.seq, global_batch=a.batch)
+    lay = Layout(t=a.tp, p=a.pp, d=a.dp, b=a.batch // (a.dp * a.microbatches), M=a.microbatches, schedule="gpipe",
+                 zero=1 if a.zero else 0, precision="fp32")
+    return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} "
+                                 f"({world} ranks)")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -352,6 +351,7 @@ def _print_cp_balance(a, ranks) -> None:
 
 def _plots(a, out, folder: Path):
     from matplotlib.figure import Figure
+
     from ..parallel import layout
 
     fig = Figure(figsize=(7, 4))

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .. import comm
+from ..grid import Mesh
 from .dispatch import run_experts
-from .experts import MoEConfig, MoELayer
 from .expert_parallel import ExpertParallelMoE, all_to_all, exchange_splits
+from .experts import MoEConfig, MoELayer
 
 __all__ = ["NodeGroups", "make_node_groups", "HierarchicalExpertParallelMoE", "LevelBytes", "inter_node_rows"]
 
@@ -58,9 +59,14 @@ class NodeGroups:
     local: int
     num_nodes: int
     gpus_per_node: int
+    mesh: Mesh | None = None  # the N x g layout, ``Mesh(node=N, local=g)``
+
+    def __post_init__(self):
+        if self.mesh is None:
+            self.mesh = Mesh(node=self.num_nodes, local=self.gpus_per_node)
 
     def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
+        return self.mesh.coords(rank)["node"]
 
 
 def make_node_groups(ctx, gpus_per_node: int) -> NodeGroups:
@@ -69,19 +75,11 @@ def make_node_groups(ctx, gpus_per_node: int) -> NodeGroups:
     P = ctx.world_size
     if gpus_per_node < 1 or P % gpus_per_node:
         raise ValueError(f"gpus_per_node={gpus_per_node} must divide the {P} ranks into whole nodes")
-    N, g = P // gpus_per_node, gpus_per_node
-    intra = rail = None
-    for n in range(N):                                    # every rank creates every group, same order
-        ranks = [n * g + i for i in range(g)]
-        grp = ctx.group if len(ranks) == P else ctx.new_group(ranks)
-        if ctx.rank in ranks:
-            intra = grp
-    for i in range(g):
-        ranks = [n * g + i for n in range(N)]
-        grp = ctx.group if len(ranks) == P else ctx.new_group(ranks)
-        if ctx.rank in ranks:
-            rail = grp
-    return NodeGroups(ctx.group, intra, rail, ctx.rank, ctx.rank // g, ctx.rank % g, N, g)
+    mesh = Mesh(node=P // gpus_per_node, local=gpus_per_node)
+    intra = mesh.new_groups(ctx, "local")                 # the g ranks of a node
+    rail = mesh.new_groups(ctx, "node")                   # one rank per node, same local index
+    c = mesh.coords(ctx.rank)
+    return NodeGroups(ctx.group, intra, rail, ctx.rank, c["node"], c["local"], mesh.sizes["node"], gpus_per_node, mesh)
 
 
 @dataclass
@@ -192,7 +190,7 @@ class HierarchicalExpertParallelMoE(ExpertParallelMoE):
         N, g, El = nd.num_nodes, nd.gpus_per_node, self.n_local_experts
         row_bytes = x2.shape[1] * x2.element_size()
         node = indices // (El * g)                                           # node of every slot's expert
-        rail_ranks = [n * g + nd.local for n in range(N)]
+        rail_ranks = nd.mesh.ranks("node", nd.rank)
         # 1. inter-node: token t once to every node n that holds one of its kept experts
         goes = torch.zeros(T, N, dtype=torch.bool, device=x2.device)         # goes[t, n]: t needs node n
         t_kept, j_kept = keep.nonzero(as_tuple=True)
@@ -215,7 +213,7 @@ class HierarchicalExpertParallelMoE(ExpertParallelMoE):
         order = torch.argsort(dest_local, stable=True)
         a_slot, a_expert = a_slot[order], a_expert[order]
         isplits = torch.bincount(dest_local[order], minlength=g).tolist()
-        node_ranks = [nd.node * g + i for i in range(g)]
+        node_ranks = nd.mesh.ranks("local", nd.rank)
         iincoming = exchange_splits(isplits, nd.intra, x2.device)
         recv_expert = _a2a_plain(a_expert, isplits, iincoming, nd.intra)
         self.last_bytes.add("dispatch", isplits, node_ranks, nd.rank, nd.node_of, row_bytes)

@@ -36,11 +36,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from ..grid import Mesh
 from ..tensor_parallel.attention import ParallelAttention
 from ..tensor_parallel.layers import ColumnParallelLinear, ParallelMLP, VocabParallelEmbedding
 from ..tensor_parallel.mappings import all_gather_along_dim
-from .experts import Expert, MoELayer
 from .expert_parallel import all_to_all, exchange_splits
+from .experts import Expert, MoELayer
 from .model import MoEBlock, MoEGPT
 
 __all__ = ["SlicedExpert", "ExpertSlicedMoE", "ExpertSlicedMoEGPT", "make_slicing_groups", "SlicingGroups"]
@@ -108,15 +109,25 @@ class SlicingGroups:
 
     @property
     def ep_rank(self) -> int:
-        return self.rank // self.s
+        return _slicing_mesh(self.P, self.s).coords(self.rank)["ep"]
 
     @property
     def slice_rank(self) -> int:
-        return self.rank % self.s
+        return _slicing_mesh(self.P, self.s).coords(self.rank)["slice"]
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.t
+        return _tp_mesh(self.P, self.t).coords(self.rank)["tp"]
+
+
+def _slicing_mesh(P: int, s: int) -> Mesh:
+    """P ranks as P/s expert-parallel groups of s consecutive ranks, each slicing the same experts."""
+    return Mesh(ep=P // s, slice=s)
+
+
+def _tp_mesh(P: int, t: int) -> Mesh:
+    """P ranks as P/t TP groups of t consecutive ranks (the non-expert layers)."""
+    return Mesh(dp=P // t, tp=t)
 
 
 def make_slicing_groups(ctx, s: int, t: int) -> SlicingGroups:
@@ -127,16 +138,9 @@ def make_slicing_groups(ctx, s: int, t: int) -> SlicingGroups:
         if v < 1 or P % v:
             raise ValueError(f"{name}={v} must divide the {P} ranks")
 
-    def groups(size):
-        mine = None
-        for start in range(0, P, size):
-            ranks = list(range(start, start + size))
-            grp = ctx.group if size == P else ctx.new_group(ranks)
-            if ctx.rank in ranks:
-                mine = grp
-        return mine
-
-    return SlicingGroups(ctx.group, groups(s), groups(t), ctx.rank, P, s, t)
+    slicing = _slicing_mesh(P, s).new_groups(ctx, "slice")   # every rank creates every group, same order
+    tp = _tp_mesh(P, t).new_groups(ctx, "tp")
+    return SlicingGroups(ctx.group, slicing, tp, ctx.rank, P, s, t)
 
 
 def _uneven_all_gather(x: torch.Tensor, group) -> tuple[torch.Tensor, list[int]]:

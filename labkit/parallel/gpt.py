@@ -50,6 +50,7 @@ What the planner reads (helper functions returning data, no printing):
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -67,8 +68,9 @@ from ..pipeline.runtime import PipelineStage
 from ..pipeline.schedules import stage_rank
 from ..pipeline.stages import gpt_param_name, stage_layers
 from ..plan.comm import comm_per_rank
+from ..plan.memory import check_layout as plan_check_layout
 from ..plan.spec import Layout, ModelSpec
-from ..tensor_parallel import RECOMPUTE, allreduce_layernorm_grads, gpt_plan, parallelize
+from ..tensor_parallel import allreduce_layernorm_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
 
 __all__ = ["SCHEDULES", "check_layout", "check_cp_layout", "ParallelGPT", "layout"]
@@ -83,18 +85,15 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     """Raise ValueError naming the values and the rule when a layout cannot be built; no
     communication (call it before any rank starts).
 
-    Rules: t * p * d = world size; L divisible by p * v; t divides n_head, n_kv_head, the
-    vocabulary V and the FFN width; the global batch divisible by d * M; GPipe, 1F1B and ZB-H1
-    have v = 1, ZB-V and DualPipeV v = 2 (DualPipeV also M >= 2p), interleaved 1F1B with v >= 2
-    needs M a multiple of p; E experts divisible by the EP size (= d); tied embeddings with
-    p = 1 need v = 1, and are not combined with the V-shaped schedules; ``recompute`` one of
-    none, selective, full; sequence parallelism needs t to divide the sequence length.
+    The rules of the model and the layout are the planner's (:func:`labkit.plan.memory.check_layout`,
+    the one home of them: t divides n_head, n_kv_head and the FFN width; interleaved 1F1B needs
+    max(1, M // p) equal rounds; sequence parallelism t | S; E experts divisible by the EP size
+    (= d); ``recompute`` one of none, selective, full). What this runtime adds, before them:
+    t * p * d = world size; the registry's schedule (GPipe, 1F1B and ZB-H1 v = 1, ZB-V and
+    DualPipeV v = 2, DualPipeV M >= 2p); L divisible by p * v (equal stages); after them: t
+    divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
+    with p = 1 need v = 1, and are not combined with the V-shaped schedules.
     """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ValueError(f"sequence parallelism splits the S={seq_len} tokens over t={tp} ranks: "
-                         f"S must be divisible by t")
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
                       ("M (microbatches)", n_microbatches)):
         if not isinstance(val, int) or val < 1:
@@ -113,18 +112,22 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if cfg.n_layer % (pp * v):
         raise ValueError(f"n_layer={cfg.n_layer} layers must be divisible by p*v = {pp}*{v} = {pp * v} "
                          f"(each pipeline stage gets the same number of layers)")
-    if info.chunks is None and v > 1 and n_microbatches % pp:
-        raise ValueError(f"interleaved 1F1B with v={v} needs M={n_microbatches} divisible by p={pp} "
-                         f"(Megatron-LM: microbatches go through the chunks in groups of p)")
-    for what, n in (("n_head (attention heads)", cfg.n_head), ("n_kv_head (KV heads)", cfg.n_kv_head),
-                    ("vocab_size", cfg.vocab_size), ("FFN hidden width ffn_mult*n_embd", cfg.ffn_mult * cfg.n_embd)):
-        if n % tp:
-            raise ValueError(f"{what}={n} must be divisible by t={tp} (each TP rank gets an equal share)")
+    # the planner's rules: the rounds rule of loop placement with v > 1; V placement has none of its own
+    B = global_batch or dp * n_microbatches
+    spec = ModelSpec.from_gpt_config(cfg, seq_len=seq_len or cfg.block_size, global_batch=B)
+    if n_experts is not None:
+        spec = replace(spec, n_routed_experts=n_experts, n_activated_experts=1)
+    pv = v if pp > 1 and info.chunks is None else 1
+    lay = Layout(t=tp, p=pp, d=dp, v=pv, b=max(1, B // (dp * n_microbatches)), M=n_microbatches,
+                 schedule="interleaved" if pv > 1 else "1f1b", zero=1 if zero else 0, precision="fp32",
+                 ep=dp if n_experts is not None else 1, recompute=recompute,
+                 sequence_parallel=bool(sequence_parallel) and seq_len is not None)
+    plan_check_layout(spec, lay)
+    if cfg.vocab_size % tp:
+        raise ValueError(f"vocab_size={cfg.vocab_size} must be divisible by t={tp} (each TP rank gets an equal share)")
     if global_batch is not None and global_batch % (dp * n_microbatches):
         raise ValueError(f"global batch B={global_batch} must be divisible by d*M = {dp}*{n_microbatches} = "
                          f"{dp * n_microbatches} (each DP rank splits its B/d sequences into M microbatches)")
-    if n_experts is not None and n_experts % dp:
-        raise ValueError(f"n_routed_experts E={n_experts} must be divisible by the EP size {dp} (EP folded onto DP)")
     tied = getattr(cfg, "share_embeddings_and_output_weights", False)
     if tied and ((pp == 1 and v > 1) or info.v_shaped):
         raise ValueError(f"tied embeddings with p={pp}, v={v}, schedule {schedule!r}: the first and last stage "
@@ -180,7 +183,7 @@ class ParallelGPT:
 
     Args:
         reference: the single-device :class:`labkit.model.GPT` (same seed on every rank).
-        grid: from ``make_grid(ctx, tp=t, pp=p, dp=d)``.
+        grid: from ``ProcessGrid.build(ctx, tp=t, pp=p, dp=d)``.
         schedule: "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zbv" | "dualpipev" (or another
             spelling of :mod:`labkit.pipeline.registry`, e.g. "zbh1"); ``v``: chunks
             per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).

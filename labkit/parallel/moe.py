@@ -57,7 +57,7 @@ class _Model(nn.Module):
         tpg = grid.tp_group if grid.tp > 1 else None
         self.embedding = ParallelEmbedding(ref.embedding, tpg) if tpg else copy.deepcopy(ref.embedding)
         self.blocks = nn.ModuleList([
-            _MoEBlock(b, tpg, grid.dp_group, grid.dp_rank, grid.dp) if isinstance(b, MoEBlock)
+            _MoEBlock(b, tpg, grid.ep_group, grid.ep_rank, grid.ep) if isinstance(b, MoEBlock)
             else (ParallelBlock(b, tpg) if tpg else copy.deepcopy(b)) for b in ref.blocks])
         self.head = ParallelHead(ref.head, tpg) if tpg else copy.deepcopy(ref.head)
 
@@ -86,6 +86,9 @@ class ParallelMoEGPT:
         E = reference.moe_cfg.n_routed_experts
         if grid.pp != 1:
             raise ValueError(f"the MoE composition runs without a pipeline: p must be 1, got p={grid.pp}")
+        if getattr(grid, "ep", grid.dp) != grid.dp:
+            raise ValueError(f"ParallelMoEGPT shards the experts over the whole DP group: build the grid with "
+                             f"ep = dp = {grid.dp}, got ep={grid.ep}")
         check_layout(reference.cfg, grid.ctx.world_size, grid.tp, 1, grid.dp, 1, n_microbatches, n_experts=E)
         if reference.moe_cfg.token_groups != grid.dp * n_microbatches:
             raise ValueError(f"the reference must route in token_groups = d*M = {grid.dp * n_microbatches} groups "

@@ -76,7 +76,8 @@ def exchange_metadata(stages: dict, num_stages: int, rank_of, rank: int, peer, g
     """Boundary metadata of every stage on this rank: ``{stage: (inputs, outputs)}``, each a
     tuple of :class:`TensorMeta`. ``stages``: stage index -> :class:`~.runtime.PipelineStage` of this
     rank; ``rank_of(stage)``: its pipeline rank; ``peer(stage)``: the global rank to talk to;
-    ``x_mb``: stage 0's first microbatch (a tuple of tensors; None when not on this rank). Runs each stage once on zeros (autograd on, RNG restored, in
+    ``x_mb``: stage 0's first microbatch (a tuple of tensors; None when not on this rank). Runs
+    each stage once on zeros (autograd on, RNG restored, in
     stage order) and passes the output metadata down the pipeline: a count message, then
     9 int64 per tensor (ndim, 6 sizes, dtype, requires_grad). The receiver marks exactly
     the inputs whose sender output requires grad, so both sides agree which gradients

@@ -15,7 +15,7 @@ This module imports no torch (the planner reads it); the runtime classes, in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable
 
@@ -49,7 +49,7 @@ class ScheduleInfo:
     zero_bubble: bool = False
     formula: str = ""
     planned: bool = False
-    min_microbatches: Callable[[int], int] = staticmethod(lambda K: 1)
+    min_microbatches: Callable[[int], int] = field(default=lambda K: 1)
 
     @property
     def runtime_class(self):
@@ -112,7 +112,8 @@ def _one_stage(builder):
 REGISTRY: dict[str, ScheduleInfo] = {e.name: e for e in (
     ScheduleInfo("gpipe", "GPipe", (), _one_stage(gpipe_schedule), runtime="ScheduleGPipe", planned=True,
                  torch_name="ScheduleGPipe", formula="(K-1)/(M+K-1)"),
-    ScheduleInfo("1f1b", "1F1B", ("pipedream-flush",), _one_stage(one_f_one_b_schedule), runtime="Schedule1F1B", planned=True,
+    ScheduleInfo("1f1b", "1F1B", ("pipedream-flush",), _one_stage(one_f_one_b_schedule), runtime="Schedule1F1B",
+                 planned=True,
                  torch_name="Schedule1F1B", formula="(K-1)/(M+K-1)"),
     ScheduleInfo("interleaved", "Interleaved 1F1B", ("interleaved 1f1b", "interleaved1f1b", "interleaved-1f1b"),
                  interleaved_schedule, chunks=None, runtime="ScheduleInterleaved1F1B", planned=True,

@@ -40,8 +40,8 @@ microbatch.
 
 A schedule that cannot finish (possible only with ``validate=False``) fails when a wait
 times out: the error's first line names the first action that cannot complete (found by
-running the schedule symbolically, the same on every rank) and says that the rank in the
-RankError header is the rank that reported it, and where that rank was waiting.
+running the schedule symbolically, the same on every rank) and says which rank reported it (by its
+global rank too, inside a larger grid), and where that rank was waiting.
 
 Measurements: the interpreter only executes actions and emits one :class:`~.stats.Event`
 per action (action, start, end, bytes; seconds from a common start taken right after a
@@ -80,7 +80,8 @@ from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
 _as_tuple = as_tuple  # the old private name (tests/test_pipeline_boundaries.py)
 
-__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
+__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+           "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "explain_hang"]
 
 def _check_cost_model(cost_model):
     """None, or a dict kind -> seconds >= 0 for kinds among F, B, I, W (ValueError otherwise)."""
@@ -247,7 +248,8 @@ class PipelineSchedule:
     def _split(self, t, what):
         M = self.n_microbatches
         if t is None:
-            raise ValueError(f"this rank holds the {what} stage and needs the {'input' if what == 'first' else 'target'}")
+            raise ValueError(f"this rank holds the {what} stage and needs the "
+                             f"{'input' if what == 'first' else 'target'}")
         if t.shape[0] % M:
             raise ValueError(f"batch size {t.shape[0]} is not divisible by n_microbatches M={M}")
         return list(t.chunk(M, dim=0))
@@ -519,7 +521,7 @@ class PipelineSchedule:
         try:
             self._wait(work)
         except Exception as e:
-            raise RuntimeError(explain_hang(self.actions, self.rank, a, comm_action, e)) from e
+            raise RuntimeError(explain_hang(self.actions, self.rank, a, comm_action, e, self._global)) from e
 
     def _forward(self, st: PipelineStage, inp, target, s, m, forward_only, rng):
         """Stage forward (and loss when ``target`` is given); returns (output, loss or None,
@@ -645,20 +647,29 @@ class ScheduleDualPipeV(_TwoStagesV):
 
 # ---------------------------------------------------------------------- explaining a hang
 
-def explain_hang(actions: Schedule, rank: int, a: Action, comm_action: Action, error: BaseException) -> str:
-    """The message of a failed wait on ``rank`` (at action ``a``, waiting for ``comm_action``).
-    First line: the first action that cannot complete (:func:`diagnose_hang`) and which rank
-    this report is from (the rank a :class:`~labkit.dist.RankError` header names)."""
+def explain_hang(actions: Schedule, rank: int, a: Action, comm_action: Action, error: BaseException,
+                 global_ranks: list[int] | None = None) -> str:
+    """The message of a failed wait on pipeline rank ``rank`` (at action ``a``, waiting for
+    ``comm_action``). First line: the first action that cannot complete (:func:`diagnose_hang`)
+    and which rank this report is from, by its global rank too when the pipeline group's ranks
+    ``global_ranks`` are not 0..K-1 (a pipeline inside a larger grid: the rank a launch or
+    torchrun names)."""
+    g = list(global_ranks) if global_ranks is not None else list(range(len(actions.actions)))
+    same = g == list(range(len(g)))
+
+    def who(r):
+        return f"rank {r}" if same else f"pipeline rank {r} (global rank {g[r]})"
     peer = actions.peer(comm_action)
-    here = (f"this error is rank {rank}'s (the rank in the RankError header), which was at {a!r} waiting for "
-            f"{comm_action!r} ({'from' if comm_action.kind.startswith('RECV') else 'to'} rank {peer})")
+    here = (f"this error is from {who(rank)}, which was at {a!r} waiting for "
+            f"{comm_action!r} ({'from' if comm_action.kind.startswith('RECV') else 'to'} {who(peer)})")
     found = diagnose_hang(actions)
     if found is not None:
         r, i, b, reason = found
-        first = (f"pipeline schedule hung: the first action that cannot complete is {b!r} on rank {r} (its action "
-                 f"{i}): {reason}; {here}")
+        where = "" if same else f" (ranks in this sentence are the pipeline group's: global ranks {g})"
+        first = (f"pipeline schedule hung: the first action that cannot complete is {b!r} on {who(r)} (its action "
+                 f"{i}): {reason}{where}; {here}")
     else:
-        first = (f"pipeline rank {rank}: a wait failed although the schedule can finish when run symbolically (so "
+        first = (f"{'pipeline ' if same else ''}{who(rank)}: a wait failed although the schedule can finish when run symbolically (so "
                  f"another rank probably failed first: see its error, or the messages between two ranks come in "
                  f"different orders); {here}")
     cause = str(error).strip().splitlines()[0] if str(error).strip() else ""

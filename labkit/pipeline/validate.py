@@ -70,12 +70,17 @@ def validate_schedule(schedule: dict, n_microbatches: int | None = None, n_stage
     (rendezvous sends); see the module docstring. ``max_in_flight``: None, an int for every
     stage, or a sequence indexed by stage (e.g. ``[min(M, K - s) for s in range(K)]`` for
     1F1B). ``placement``: "loop" (stage s on rank s % K) or "v" (rank r holds stages r and
-    2K-1-r); None infers it (:func:`~.schedules.infer_placement`). Starts no process.
+    2K-1-r); None infers it (:func:`~.schedules.infer_placement`). A :class:`~.schedules.Schedule`
+    brings its own M, n_stages and placement (used where these are None). Starts no process.
     """
     if sends not in ("async", "blocking"):
         raise ValueError(f"sends must be 'async' or 'blocking', got {sends!r}")
     if placement is not None and placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS} or None, got {placement!r}")
+    if isinstance(schedule, Schedule):  # its sizes, unless given
+        n_microbatches = schedule.M if n_microbatches is None else n_microbatches
+        n_stages = schedule.n_stages if n_stages is None else n_stages
+        placement = placement or schedule.placement
     sched = Schedule.of(_normalise(schedule), n_microbatches, n_stages, placement)
     K, M, S, pl = sched.K, sched.M, sched.n_stages, sched.placement
     if pl == "v" and S != 2 * K:

@@ -65,8 +65,8 @@ def zb_h1_schedule(K: int, M: int) -> dict:
 
     K ranks, one stage each (stage r on rank r), M microbatches. Peak in flight (F done, W
     not yet) ``min(M, K)`` on every stage: 1F1B's peak memory. Bubble time per rank
-    ``(K-1)(T_F + T_I - T_W)`` against 1F1B's ``(K-1)(T_F + T_I + T_W)``; exact in the
-    simulator for ``T_W <= min(T_F, T_I)`` and ``M >= K`` (tests: K = 1..6, a grid of costs). In the
+    ``(K-1)(T_F + T_I - T_W)`` against 1F1B's ``(K-1)(T_F + T_I + T_W)``, exact for
+    ``T_W <= min(T_F, T_I)`` and ``M >= K``. In the
     DeepSeek-V3 report's notation (B = full backward) the same bubble is (K-1)(F + B - 2W).
     Raises ScheduleError for K < 1 or M < 1."""
     check_pipeline_sizes(K, M)
@@ -141,10 +141,7 @@ def zbv_schedule(K: int, M: int) -> dict:
       bubble time per rank is (K-1)t (a chunk is half a stage: half of ZB-H1's
       (K-1)(T_F + T_I - T_W) for the same model). No source gives a formula for other costs.
     * This order, any costs T_F, T_I, T_W >= 0 and M >= 2K-1 (derived here): the maximum of
-      the eight terms of :func:`zbv_bubble_terms` (0 for K = 1), independent of M. Exact in
-      the simulator for K = 1..6, every M from 2K-1 to 3K+1 and all costs from
-      {0, 1/2, 1, 2, 3}^3; the tests check part of that grid, plus one cost per term at
-      which that term alone is the maximum. Special cases with T_F = T_I = t: (K-1)t for
+      the eight terms of :func:`zbv_bubble_terms` (0 for K = 1), independent of M. Special cases with T_F = T_I = t: (K-1)t for
       t/2 <= T_W <= t (the paper's case included); 2(K-1)(t - T_W) for T_W < t/2;
       (K-1)t + (K-2)(T_W - t) for T_W > t. For M < 2K-1 (microbatches dropped from the
       layout) none of this is exact; simulate.
@@ -245,8 +242,7 @@ def dualpipev_schedule(K: int, M: int) -> dict:
     2K-stage model; DualPipe keeps two copies of the parameters), activations PP+1. The
     simulator (with the pairs of :func:`dualpipev_overlapped` and ``overlap`` = T_FB)
     reproduces the README bubble exactly for T_F = T_I >= T_W and T_FB = T_F + T_B, which
-    includes the README figure's costs F = 1, B = 2, W = 1, F&B = 3 (tests: K = 2..5,
-    M = 2K..3K+1); with a real overlap gain (T_FB < T_F + T_B) the formula is not exact for
+    includes the README figure's costs F = 1, B = 2, W = 1, F&B = 3; with a real overlap gain (T_FB < T_F + T_B) the formula is not exact for
     this order. Raises ScheduleError for K < 1, M < 1 or M < 2K."""
     check_pipeline_sizes(K, M)
     if M < 2 * K:
@@ -277,8 +273,8 @@ def zbv_bubble_terms(K: int, T_F=1, T_I=1, T_W=1) -> list:
     and I(s, m) -> W(s, m). Every path costs a*T_F + b*T_I + c*T_W, so the step time, and the
     bubble = step - 2M(T_F + T_I + T_W), is a maximum of linear terms. Enumerating the longest
     paths of this order for K = 2..6 and M = 2K..3K gives these eight (for K >= 3 each one is
-    the only maximum at some costs; at K = 2 some coincide), with coefficients linear in K and no M; the tests check the
-    maximum against the simulator for K = 1..6, M = 2K-1..3K+1 and a grid of costs."""
+    the only maximum at some costs; at K = 2 some coincide), with coefficients linear in K and no
+    M."""
     n = K - 1
     return [T_I + (K - 2) * T_W,
             n * T_I,

@@ -1,7 +1,7 @@
 """Memory, communication and time per GPU for a layout (t, p, d, ...): formulas, presets, planner.
 
 * :mod:`.activations`: activation bytes of one layer: Korthikanti et al. 2022's formulas and
-  labkit's exact count (tested to the byte with ``saved_tensors_hooks``);
+  labkit's exact count;
 * :mod:`.spec`: :class:`ModelSpec` (GPT / MoE / MLA sizes, parameter counts), :class:`Layout`
   (t, p, d, v, M, schedule, ZeRO, SP, recompute, precision, ep), :class:`Cluster`, the presets;
 * :mod:`.params`: total and active parameters (:func:`count_parameters`), the decode cost;
@@ -11,7 +11,8 @@
   explanation of the winner, the error naming the smallest memory that would work;
 * :mod:`.cli`: ``python -m labkit plan``.
 
-Every byte count is checked against labkit's measured runs (tests/test_plan.py, test_plan_3d.py).
+Every count is labkit's own (what its runs hold and send), so a run can print the planner's
+figure next to the measured one.
 """
 from .activations import korthikanti_layer_activation_bytes, layer_activation_bytes, torch_saved_bytes_per_element
 from .comm import AxisComm, axis_links, comm_per_rank

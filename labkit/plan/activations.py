@@ -24,8 +24,8 @@ count "adjusted to the element size".
 
 labkit's layer (:class:`labkit.tensor_parallel.ParallelTransformerLayer`, the reference
 :class:`labkit.model.Block`) keeps a little more or less than the paper, for reasons one can
-see in the code; :func:`layer_activation_bytes` is its exact count (tested to the byte with
-``saved_tensors_hooks``):
+see in the code; :func:`layer_activation_bytes` is its exact count (what
+``saved_tensors_hooks`` sees):
 
 * LayerNorm also saves its per-token mean and 1/std: ``2 sb`` values per LayerNorm
   (``ln_stat_bytes`` each: the activation dtype on CPU, fp32 on CUDA);

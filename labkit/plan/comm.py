@@ -18,8 +18,11 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   its gradient between the first and the last stage per step (axis "embedding").
 * DP (Rajbhandari et al. 2020 sec. 7): ZeRO-0 all-reduces the gradients once per step
   (``2 (d-1)/d`` Psi on the wire), ZeRO-1/2 reduce-scatter the gradients and all-gather the
-  updated parameters (the same wire bytes), ZeRO-3 also all-gathers the parameters for every
-  forward and backward (1.5x). Expert gradients go over the d/ep ranks that share an expert.
+  updated parameters (the same wire bytes); ZeRO-3 (labkit's FSDP: one padded buffer per unit)
+  all-gathers each unit's parameters before every microbatch's forward and again before its
+  backward (``reshard_after_forward``; 3 (d-1)/d Psi, 1.5x) and reduce-scatters each unit's
+  gradient once per step, with no all-gather after the step. Expert gradients go over the
+  d/ep ranks that share an expert.
 * CP (:mod:`labkit.context_parallel`; the sequence split over cp ranks, each layer's K/V
   exchanged, per microbatch and layer, kv = b (s/cp) (a_kv/t) d e bytes of K or of V): "allgather"
   (Llama 3) 2 all-gathers of kv forward and 2 reduce-scatters of cp kv backward; "ring" cp - 1
@@ -41,10 +44,10 @@ from dataclasses import dataclass, field
 
 from ..comm import ring_bytes
 from .memory import (_zero_shard, bytes_per_param, check_layout, holds_first, holds_last, n_microbatches,
-                     rank_layer_chunks, rank_param_counts, rank_stages)
+                     rank_layer_chunks, rank_param_counts, rank_stages, zero3_units)
 from .spec import Cluster, Layout, ModelSpec
 
-__all__ = ["AxisComm", "comm_per_rank", "axis_links"]
+__all__ = ["AxisComm", "comm_per_rank", "tp_comm", "axis_links"]
 
 
 @dataclass
@@ -84,6 +87,49 @@ def axis_links(lay: Layout, cluster: Cluster) -> dict:
             "pp": link(lay.p, tc * lay.d), "ep": link(lay.ep, tc)}
 
 
+def tp_comm(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
+            act_bytes: int | None = None, regather_in_backward: bool = True) -> dict:
+    """The tensor-parallel collectives of one training step on a rank of pipeline rank
+    ``pp_rank``, as ``{"forward": AxisComm, "backward": AxisComm}`` (the module docstring's TP
+    rules; full recompute's second forward runs in backward, the sequence-parallel gradient
+    all-reduce after it). :func:`comm_per_rank`'s ``"tp"`` is their sum."""
+    check_layout(spec, lay)
+    cluster = cluster or Cluster()
+    link = axis_links(lay, cluster)["tp"]
+    pb, gb, _ = bytes_per_param(lay)
+    e = act_bytes or pb
+    M = n_microbatches(spec, lay)
+    Ml = M // 2 if lay.schedule == "dualpipe" else M   # passes through each layer (DualPipe: half each way)
+    t, r, h = lay.t, pp_rank, spec.hidden
+    N = spec.seq_len * lay.b // lay.cp                         # tokens of this CP rank
+    act = N * h * e
+    L_r = rank_param_counts(spec, lay, r)["layers"]
+    fwd, bwd = AxisComm("tp", t, link), AxisComm("tp", t, link)
+    again = 1 if lay.recompute == "full" else 0                 # full recompute reruns the forward in backward
+    if lay.sequence_parallel:
+        fwd.add("all_gather", Ml * 2 * L_r, act // t)            # entering the column-parallel regions
+        fwd.add("reduce_scatter", Ml * 2 * L_r, act)             # leaving the row-parallel regions (g-bar)
+        bwd.add("all_gather", Ml * 2 * L_r * (again + (1 if regather_in_backward else 0)), act // t)
+        bwd.add("reduce_scatter", Ml * 2 * L_r * again, act)
+        bwd.add("reduce_scatter", Ml * 2 * L_r, act)             # backward of g
+        bwd.add("all_gather", Ml * 2 * L_r, act // t)            # backward of g-bar
+        n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
+        bwd.add("all_reduce", 1 if n_ln else 0, n_ln * gb)      # sequence-parallel gradients
+    else:
+        fwd.add("all_reduce", Ml * 2 * L_r, act)                 # g after attention and MLP
+        bwd.add("all_reduce", Ml * 2 * L_r * (1 + again), act)   # f of each
+    if holds_first(lay, r):                                      # vocab-parallel embedding: g
+        fwd.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", Ml, act)
+    if holds_last(lay, r):                                       # output layer f, cross-entropy
+        if lay.sequence_parallel:
+            fwd.add("all_gather", Ml, act // t)
+            bwd.add("reduce_scatter", Ml, act)
+        else:
+            bwd.add("all_reduce", Ml, act)
+        fwd.add("all_reduce", 3 * Ml, N * 4)
+    return {"forward": fwd, "backward": bwd}
+
+
 def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
                   act_bytes: int | None = None, regather_in_backward: bool = True,
                   dp_buckets: int | None = None) -> dict:
@@ -111,30 +157,17 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
+    fwd_layers = L_r * (2 if lay.recompute == "full" else 1)   # full recompute reruns the forward
     ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
     n_moe = sum(1 for i in ids if spec.is_moe_layer(i))
 
-    # ---- TP: per microbatch, then x M
+    # ---- TP: forward and backward collectives (tp_comm), summed
     tp = out["tp"]
-    fwd_layers = L_r * (2 if lay.recompute == "full" else 1)   # full recompute reruns the forward
-    if lay.sequence_parallel:
-        tp.add("all_gather", Ml * (2 * fwd_layers + 2 * L_r * (1 if regather_in_backward else 0)), act // t)
-        tp.add("reduce_scatter", Ml * 2 * fwd_layers, act)      # forward g-bar
-        tp.add("reduce_scatter", Ml * 2 * L_r, act)             # backward of g
-        tp.add("all_gather", Ml * 2 * L_r, act // t)            # backward of g-bar
-        n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
-        tp.add("all_reduce", 1 if n_ln else 0, n_ln * gb)     # sequence-parallel gradients
-    else:
-        tp.add("all_reduce", Ml * 2 * (fwd_layers + L_r), act)
-    if holds_first(lay, r):                                     # vocab-parallel embedding: g
-        tp.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", Ml, act)
-    if holds_last(lay, r):                                      # output layer f, cross-entropy
-        if lay.sequence_parallel:
-            tp.add("all_gather", Ml, act // t)
-            tp.add("reduce_scatter", Ml, act)
-        else:
-            tp.add("all_reduce", Ml, act)
-        tp.add("all_reduce", 3 * Ml, N * 4)
+    for part in tp_comm(spec, lay, cluster, r, act_bytes, regather_in_backward).values():
+        for k, (c, nbytes) in part.ops.items():
+            c0, b0 = tp.ops.get(k, (0, 0))
+            tp.ops[k] = (c0 + c, b0 + nbytes)
+        tp.wire += part.wire
 
     # ---- CP: each layer's K/V, per microbatch
     cp = out["cp"]
@@ -169,11 +202,16 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     # ---- DP: once per step
     dp = out["dp"]
     d, d_exp = lay.d * lay.cp, max(1, lay.d // lay.ep) * lay.cp
-    for n, dd, buckets in ((cnt["dense"], d, dp_buckets), (cnt["expert"], d_exp, None)):
+    for k, (n, dd, buckets) in enumerate(((cnt["dense"], d, dp_buckets), (cnt["expert"], d_exp, None))):
         if n == 0 or dd == 1:
             continue
         sub = AxisComm("dp", dd, links["dp"])
-        if lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
+        if lay.zero == 3 and k == 0:   # dense FSDP units: gathered per microbatch, no gather after the step
+            for u in zero3_units(spec, lay, r):
+                padded = _zero_shard(u, dd) * dd
+                sub.add("all_gather", M * (2 if lay.reshard_after_forward else 1), padded // dd * pb)
+                sub.add("reduce_scatter", 1, padded * gb)
+        elif lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
             sub.add("all_reduce", 1, n * gb)
             if buckets or v > 1:
                 sub.ops["all_reduce"] = (buckets or v, n * gb)

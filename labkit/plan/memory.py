@@ -5,6 +5,10 @@ every parameter costs 2 bytes (bf16 weights) + 2 (bf16 gradients) + K = 12 (fp32
 weights, first and second moments); in fp32 training 4 + 4 + 8. ZeRO stage 1 divides the
 optimizer state by the DP degree d, stage 2 also the gradients, stage 3 also the parameters
 (sec. 5; the flat buffers are padded to a multiple of d, as in labkit's ZeroRedundancyOptimizer).
+ZeRO-3 as labkit's FullyShardedDataParallel does it (torch FSDP2): one flat buffer per unit (the
+embedding, each layer, the head), each padded to a multiple of d; at the peak a rank also holds
+the gathered parameters of two neighbouring units (the current one and the prefetched next), or
+of every unit with ``reshard_after_forward=False`` (:func:`zero3_units`, ``RankMemory.gathered``).
 
 Which parameters a rank holds (Megatron-LM): TP splits attention and MLP matrices and the
 vocabulary by t (biases of row-parallel layers and the norms are replicated); PP gives rank
@@ -37,10 +41,11 @@ from dataclasses import dataclass
 from .activations import layer_activation_bytes, torch_saved_bytes_per_element
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
-__all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank", "most_loaded_rank",
+__all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank",
+           "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
-           "grad_convention"]
+           "grad_convention", "zero3_units", "zero3_gathered_peak"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
@@ -51,7 +56,8 @@ CP_ATTENTIONS = ("allgather", "ring", "ulysses")
 class RankMemory:
     """Bytes on one rank (pipeline rank ``pp_rank``): ``params``, ``grads``, ``optimizer``,
     ``activations``; ``total``; ``param_count`` (elements held before ZeRO-3's split);
-    ``in_flight`` (microbatch-chunks whose activations are alive at the peak); ``layers``."""
+    ``in_flight`` (microbatch-chunks whose activations are alive at the peak); ``layers``;
+    ``gathered`` (ZeRO-3: the peak bytes of all-gathered unit parameters, in ``total``)."""
 
     pp_rank: int
     params: int
@@ -61,10 +67,11 @@ class RankMemory:
     param_count: int
     in_flight: int
     layers: int
+    gathered: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.gathered
 
     def as_dict(self) -> dict:
         return {"pp_rank": self.pp_rank, "params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -114,8 +121,12 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         if not ok:
             raise ValueError(msg)
     rules = [
-        (a % lay.t == 0 and akv % lay.t == 0, f"t={lay.t} must divide the heads a={a} and key/value heads {akv}"),
-        (spec.ffn_hidden % lay.t == 0, f"t={lay.t} must divide the FFN width {spec.ffn_hidden}"),
+        (a % lay.t == 0, f"n_head (attention heads)={a} must be divisible by t={lay.t} (each TP rank gets an "
+                         f"equal share)"),
+        (akv % lay.t == 0, f"n_kv_head (KV heads)={akv} must be divisible by t={lay.t} (each TP rank gets an "
+                           f"equal share)"),
+        (spec.ffn_hidden % lay.t == 0, f"the FFN width f={spec.ffn_hidden} must be divisible by t={lay.t} (each TP "
+                                       f"rank gets an equal share)"),
         (spec.n_layer >= lay.p * lay.v, f"p*v={lay.p}*{lay.v} stages need at least as many layers (L={spec.n_layer})"),
         (lay.v == 1 or lay.schedule == "interleaved", f"v={lay.v} > 1 needs schedule 'interleaved'"),
         (lay.placement in ("loop", "v"), f"placement must be 'loop' or 'v', got {lay.placement!r}"),
@@ -126,8 +137,9 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
          f"DualPipe needs an even p >= 2 and v = 1 (got p={lay.p}, v={lay.v})"),
         (not lay.sequence_parallel or spec.seq_len % lay.t == 0,
          f"sequence parallelism needs t={lay.t} to divide the sequence length s={spec.seq_len}"),
-        (not spec.is_moe or (spec.n_routed_experts % lay.ep == 0 and lay.d % lay.ep == 0),
-         f"ep={lay.ep} must divide the experts E={spec.n_routed_experts} and d={lay.d}"),
+        (not spec.is_moe or spec.n_routed_experts % lay.ep == 0,
+         f"n_routed_experts E={spec.n_routed_experts} must be divisible by the EP size {lay.ep} (EP folded onto DP)"),
+        (lay.d % lay.ep == 0, f"the EP size ep={lay.ep} must divide d={lay.d} (EP folded onto DP)"),
         (spec.is_moe or lay.ep == 1, f"ep={lay.ep} > 1 needs a MoE model"),
         (lay.cp == 1 or spec.seq_len % (2 * lay.cp * (lay.t if lay.sequence_parallel else 1)) == 0,
          f"context parallelism needs 2 cp (x t with SP) = {2 * lay.cp * (lay.t if lay.sequence_parallel else 1)} "
@@ -154,8 +166,8 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
 
 def interleaved_group(p: int, M: int) -> int:
     """Microbatches per round of interleaved 1F1B, ``M / max(1, M // p)`` (torch's
-    ``ScheduleInterleaved1F1B``; p when p divides M, Megatron's groups of p). The same rule as
-    :func:`labkit.pipeline.schedules.interleaved_group` (tests/test_plan.py checks)."""
+    ``ScheduleInterleaved1F1B``; p when p divides M, Megatron's groups of p), the rule of
+    :func:`labkit.pipeline.schedules.interleaved_group`."""
     return M // max(1, M // p)
 
 
@@ -171,8 +183,7 @@ def in_flight_units(lay: Layout, M: int, pp_rank: int) -> int:
     interleaved ``min((v-1) g + 2 (p-1-r) + 1, M v)`` with g microbatches per round
     (:func:`interleaved_group`): the warm-up plus one. That is today's Megatron-Core and torch
     rule, also at M = p (rank p-1 then holds p + 1 chunks at v = 2; Megatron-LM v2 ran every
-    forward first there and held 2p). Checked against labkit's schedules, counted from their
-    actions, and measured on the runtime (tests/test_plan.py, tests/test_pipeline_interleaved.py)."""
+    forward first there and held 2p)."""
     p, v, r = lay.p, lay.v, pp_rank
     if lay.schedule == "gpipe":
         return M * v
@@ -203,8 +214,7 @@ def stage_in_flight(lay: Layout, M: int, which: str) -> int:
     """Microbatches alive at the peak on the FIRST stage (it holds the input embedding) or the
     LAST stage (the output layer and loss): GPipe M and M; 1F1B ``min(p, M)`` and 1;
     interleaved: counted along the schedule's order (chunk 0 of rank 0, chunk v-1 of rank p-1;
-    ``min(2p, M)`` and 1 when p divides M and M > p). Checked against labkit's schedules
-    (tests/test_plan.py)."""
+    ``min(2p, M)`` and 1 when p divides M and M > p)."""
     p = lay.p
     if lay.schedule == "gpipe":
         return M
@@ -245,8 +255,8 @@ def rank_layer_chunks(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[range]
     sec. 3.2.1) the two stages r and p-1-r of the two directions (L/p layers each: twice the
     parameters of 1F1B)."""
     if lay.placement == "v":
-        first, second = rank_chunks(spec.n_layer, lay.p, 2, pp_rank), rank_chunks(spec.n_layer, lay.p, 2, lay.p - 1 - pp_rank)
-        return [first[0], second[1]]
+        first = rank_chunks(spec.n_layer, lay.p, 2, pp_rank)[0]
+        return [first, rank_chunks(spec.n_layer, lay.p, 2, lay.p - 1 - pp_rank)[1]]
     if lay.schedule == "dualpipe":
         return rank_chunks(spec.n_layer, lay.p, 1, pp_rank) + rank_chunks(spec.n_layer, lay.p, 1, lay.p - 1 - pp_rank)
     return rank_chunks(spec.n_layer, lay.p, lay.v, pp_rank)
@@ -284,6 +294,37 @@ def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
         out = vocab * spec.hidden if (head_split or (spec.tied_embeddings and p > 1)) else 0
         dense += out + head_rep
     return {"dense": dense, "expert": expert, "layers": len(layer_ids)}
+
+
+def zero3_units(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[int]:
+    """Dense parameter elements of each FSDP unit on a rank of pipeline rank ``pp_rank``, in
+    forward order: the embedding (first rank), each of its layers, the head (last rank: final
+    norm and output layer). Their sum is ``rank_param_counts(...)["dense"]``."""
+    t = lay.t
+    vocab = math.ceil(spec.vocab_size / t)
+    units = []
+    if holds_first(lay, pp_rank):
+        units.append(vocab * spec.hidden + spec.embedding_params()[1])
+    for i in (i for ch in rank_layer_chunks(spec, lay, pp_rank) for i in ch):
+        lp = spec.layer_params(spec.is_moe and i >= spec.first_dense_layers)
+        units.append(lp["split"] // t + lp["replicated"])
+    if holds_last(lay, pp_rank):
+        head_split, head_rep = spec.head_params()
+        out = vocab * spec.hidden if (head_split or (spec.tied_embeddings and lay.p > 1)) else 0
+        units.append(out + head_rep)
+    return units
+
+
+def zero3_gathered_peak(units: list[int], d: int, reshard_after_forward: bool = True) -> int:
+    """Peak elements of gathered ZeRO-3 parameters: the largest sum of two neighbouring units'
+    padded sizes (unit i computing while unit i+1's all-gather is prefetched), or of all units
+    when they are not resharded after forward (FSDP2, Zhao et al. 2023 sec. 3.3)."""
+    pads = [_zero_shard(n, d) * d for n in units]
+    if not pads:
+        return 0
+    if not reshard_after_forward:
+        return sum(pads)
+    return max([pads[0]] + [a + b for a, b in zip(pads, pads[1:])])
 
 
 def _zero_shard(n: int, d: int) -> int:
@@ -372,10 +413,14 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
     for r in range(lay.p):
         cnt = rank_param_counts(spec, lay, r)
         dense, expert = cnt["dense"], cnt["expert"]
-        shard = lambda n, dd, stage: _zero_shard(n, dd) if z >= stage else n  # noqa: E731
-        params = pb * (shard(dense, d, 3) + shard(expert, d_exp, 3))
-        grads = gb * (shard(dense, d, 2) + shard(expert, d_exp, 2))
-        opt = ob * (shard(dense, d, 1) + shard(expert, d_exp, 1))
+        # dense parameters: one flat buffer padded to d (ZeRO-1/2), one per unit under ZeRO-3
+        units3 = zero3_units(spec, lay, r) if z == 3 else [dense]
+        dense_shard = sum(_zero_shard(n, d) for n in units3)
+        ds = lambda stage: dense_shard if z >= stage else dense                        # noqa: E731
+        es = lambda stage: _zero_shard(expert, d_exp) if z >= stage else expert        # noqa: E731
+        params, grads, opt = pb * (ds(3) + es(3)), gb * (ds(2) + es(2)), ob * (ds(1) + es(1))
+        # ZeRO-3's gathered units (two neighbours at a time, the next one prefetched)
+        gathered = pb * zero3_gathered_peak(units3, d, lay.reshard_after_forward) if z == 3 and d > 1 else 0
         units = in_flight_units(lay, M, r)
         # the rank's layers may differ (dense / MoE, uneven chunks): average over its chunks
         chunks = rank_layer_chunks(spec, lay, r)
@@ -390,7 +435,7 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
             act += stage_in_flight(lay, M, "first") * _embedding_act(aspec, lay, device)
         if holds_last(lay, r):
             act += stage_in_flight(lay, M, "last") * _head_act(aspec, lay, device)
-        out.append(RankMemory(r, params, grads, opt, int(act), dense + expert, units, cnt["layers"]))
+        out.append(RankMemory(r, params, grads, opt, int(act), dense + expert, units, cnt["layers"], gathered))
     return out
 
 

@@ -232,6 +232,8 @@ class Layout:
     parameter, ``6 + 12/d`` with the distributed optimizer; off: labkit's 16 bytes, ``4 + 12/d``),
     ``pp_scatter_gather`` (time model only: Megatron sends each pipeline message as t shards
     of ``b s h / t`` and all-gathers it inside the node, Narayanan et al. 2021 sec. 4.1),
+    ``reshard_after_forward`` (ZeRO-3 only: free each unit's gathered parameters after its forward
+    and gather them again for backward, FSDP2's default; False keeps them, Llama 3's choice),
     ``placement`` of the p v stages: "loop" (stage i on rank i % p) | "v" (v = 2, rank r holds
     stages r and 2p-1-r: the V-shaped zero-bubble schedules ZB-V and DualPipeV, Qi et al. 2024
     sec. 6; memory's in-flight count then follows ``schedule``);
@@ -255,6 +257,7 @@ class Layout:
     fused_attention: bool = False
     fp32_grads: bool = False
     pp_scatter_gather: bool = True
+    reshard_after_forward: bool = True
     placement: str = "loop"
     cp: int = 1
     cp_attention: str = "allgather"
@@ -349,7 +352,7 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
 
 # The clusters of the published runs. compute_efficiency (the share of peak a GEMM reaches) is
 # the time model's one free constant: 0.68 puts the eight iteration times of Korthikanti et al.
-# 2022 Table 5 within 10 % (tests/test_plan_published.py). Selene: DGX A100 80GB, NVLink 3
+# 2022 Table 5 within 10 %. Selene: DGX A100 80GB, NVLink 3
 # (300 GB/s per GPU and direction), 8 HDR InfiniBand NICs per node (25 GB/s per GPU), HBM2e 2.0 TB/s.
 CLUSTERS: dict[str, Cluster] = {
     "selene-a100-80gb": Cluster(gpus_per_node=8, gpu_memory=80e9, peak_flops=312e12, intra_bw=300e9, inter_bw=25e9,

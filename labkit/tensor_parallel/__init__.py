@@ -30,7 +30,7 @@ from .attention import ParallelAttention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .parallelize import parallelize
 from .model import (RECOMPUTE, ParallelBlock, ParallelEmbedding, ParallelHead, ParallelTransformerLayer,
-                    TensorParallelGPT, expected_collectives, gather_full_tensors, gpt_plan)
+                    TensorParallelGPT, gather_full_tensors, gpt_plan)
 from .sequence_parallel import allreduce_layernorm_grads, measure_activation_bytes
 
 __all__ = [
@@ -54,7 +54,6 @@ __all__ = [
     "ParallelBlock",
     "ParallelHead",
     "gather_full_tensors",
-    "expected_collectives",
     "reduce_scatter_along_dim",
     "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region",

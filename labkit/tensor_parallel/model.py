@@ -26,8 +26,8 @@ comparable key by key with ``reference.named_parameters()``.
 Communication per training step (B*S = N tokens, hidden H, L layers, fp32):
 forward ``1 + 2L`` all-reduces of ``N*H`` elements (embedding, then attention and MLP of
 each block) and 3 of N (cross-entropy); backward ``2L + 1`` all-reduces of ``N*H``
-(f of attention and MLP of each block, f of the output layer). See
-:func:`expected_collectives`.
+(f of attention and MLP of each block, f of the output layer): the planner's
+:func:`labkit.plan.comm.tp_comm`.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from .mappings import all_gather_along_dim, tp_rank, tp_size
 from .parallelize import parallelize
 
 __all__ = ["TensorParallelGPT", "ParallelEmbedding", "ParallelBlock", "ParallelHead", "ParallelTransformerLayer",
-           "gpt_plan", "gather_full_tensors", "expected_collectives", "RECOMPUTE"]
+           "gpt_plan", "gather_full_tensors", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -237,17 +237,3 @@ def gather_full_tensors(model: nn.Module, group, what: str = "grad") -> dict:
         else:
             out[name] = t.clone()
     return out
-
-
-def expected_collectives(n_layer: int, batch: int, seq: int, hidden: int, bytes_per_element: int = 4) -> dict:
-    """The formula: all-reduces one TP training step of :class:`TensorParallelGPT` issues.
-
-    Returns ``{"forward": (count, bytes), "backward": (count, bytes), "step": (count, bytes)}``
-    for N = batch*seq tokens: forward ``2L + 1`` all-reduces of ``N*H`` elements plus 3 of
-    N (cross-entropy); backward ``2L + 1`` of ``N*H``. Bytes per rank's tensor (payload).
-    """
-    N = batch * seq
-    act = N * hidden * bytes_per_element
-    fwd = (2 * n_layer + 1 + 3, (2 * n_layer + 1) * act + 3 * N * bytes_per_element)
-    bwd = (2 * n_layer + 1, (2 * n_layer + 1) * act)
-    return {"forward": fwd, "backward": bwd, "step": (fwd[0] + bwd[0], fwd[1] + bwd[1])}

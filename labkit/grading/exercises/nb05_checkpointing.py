@@ -147,12 +147,12 @@ def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, lab
     got = answer.run(_ckpt_outputs, p, seed, segments, x, G)
     expect_close(got[0], ref[0], f"{label}: output y")
     if got[1] is None:
-        raise CheckFailure(f"{label}: x.grad is None; backward must return (None, dL/dx)")
+        raise CheckFailure(f"{label}: x.grad is None: backward returned no gradient for the input x")
     expect_close(got[1], ref[1], f"{label}: dL/dx (vs backprop without checkpointing)")
     for name, gref in ref[2].items():
         if got[2][name] is None:
-            raise CheckFailure(f"{label}: parameter {name} got no gradient; run the recomputation under "
-                               f"torch.enable_grad() and backpropagate through it")
+            raise CheckFailure(f"{label}: parameter {name} got no gradient: nothing in backward "
+                               f"backpropagated through a graph that holds it")
         expect_close(got[2][name], gref, f"{label}: gradient of parameter {name}")
     if check_stream:
         expect_equal(got[3], ref[3], f"{label}: torch.rand(3) right after backward (the RNG stream of the rest "

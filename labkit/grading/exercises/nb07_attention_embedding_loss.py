@@ -186,8 +186,9 @@ def _ce_case(t: int, N: int, V: int, seed: int, offset: float = 0.0, scale: floa
                 raise CheckFailure(f"{desc}: rank {r} returned a loss of shape {tuple(got.shape)}; expected one "
                                    f"loss per token, shape {tuple(expected.shape)} (no mean)")
             if not torch.isfinite(got).all():
-                raise CheckFailure(f"{desc}: rank {r} returned {got[~torch.isfinite(got)][:3].tolist()}; subtract the "
-                                   f"global max before exp, or exp overflows")
+                raise CheckFailure(f"{desc}: rank {r} returned {got[~torch.isfinite(got)][:3].tolist()}: exp "
+                                   f"overflowed (or underflowed to 0) on logits this large, which happens when no "
+                                   f"global max was subtracted before exp")
             expect_close(got, expected, f"{desc}: per-token loss on rank {r} (vs F.cross_entropy on the full logits)",
                          rtol=1e-5, atol=1e-5)
             n = [item.tensor.numel() for item in relay.reduced if item.rank == r]  # the grader's own count
@@ -196,11 +197,11 @@ def _ce_case(t: int, N: int, V: int, seed: int, offset: float = 0.0, scale: floa
                                    f"loss: what it needs from the other ranks must come through all-reduce")
             if max_all_reduces is not None:
                 if len(n) > max_all_reduces:
-                    raise CheckFailure(f"{desc}: rank {r} issued {len(n)} all-reduces; three (max, target logit, "
-                                       f"sum of exp) are enough")
+                    raise CheckFailure(f"{desc}: rank {r} issued {len(n)} all-reduces (counted by the grader), "
+                                       f"more than the loss needs: section 3 counts them")
                 if any(k > N for k in n):
-                    raise CheckFailure(f"{desc}: rank {r} all-reduced a tensor of {max(n)} values; each of the "
-                                       f"three needs only N={N} values (one per token)")
+                    raise CheckFailure(f"{desc}: rank {r} all-reduced a tensor of {max(n)} values, more than one "
+                                       f"per token (N={N}): that moves logits, not per-token numbers")
     return case
 
 

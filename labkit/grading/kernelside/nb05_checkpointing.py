@@ -28,8 +28,9 @@ def _run(net, x, G, seed, fn):
         y.backward(G)
     except RuntimeError as e:
         if "does not require grad" in str(e):
-            raise CheckFailure("backward: the recomputed output has no autograd graph; recompute under "
-                               "torch.enable_grad() from a copy of x that requires grad") from None
+            raise CheckFailure("backward: the recomputed output has no autograd graph: the recomputation ran "
+                               "with gradients disabled (as autograd runs every backward), so it recorded "
+                               "nothing to backpropagate through") from None
         raise
     after = torch.rand(3)  # the RNG stream right after forward + backward
     grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in net.named_parameters()}

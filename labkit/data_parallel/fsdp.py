@@ -1,0 +1,380 @@
+"""ZeRO stage 3 / FSDP: parameters, gradients and optimizer state sharded over the DP ranks.
+
+Rajbhandari et al. 2020 (ZeRO, sec. 5.3, P_os+g+p) and torch FSDP2 (``fully_shard``; Zhao et
+al. 2023, "PyTorch FSDP", sec. 3). The model is cut into *units* (here: the embedding, each
+transformer block, the head). Each unit's parameters are one flat buffer of n elements padded
+to ``n_pad = ceil(n/d) * d`` (:mod:`.flat`); rank r keeps only its shard of ``n_pad/d``
+elements, as an ``nn.Parameter`` that the optimizer steps (so the optimizer state is 1/d
+too). Around each unit's computation:
+
+* **before its forward**: all-gather the unit's full flat parameters over the DP group and
+  point the module's weights at views of it;
+* **after its forward**: with ``reshard_after_forward=True`` (ZeRO-3, FSDP2's default) free the
+  gathered buffer; with ``False`` (Llama 3's choice, ZeRO-2-like traffic) keep it until backward;
+* **before its backward** (a hook on the unit's output gradient): all-gather again if it was
+  freed;
+* **after its backward** (the flat buffer's gradient is complete): free the parameters and
+  **reduce-scatter** the flat gradient: rank r receives the sum of shard r, divides by d (the
+  DP mean) and keeps it as its shard's ``.grad``.
+
+**Prefetch** (FSDP's forward/backward prefetch): when unit i starts its forward, the
+all-gather of unit i+1 is started asynchronously, so it runs while unit i computes; in backward,
+unit i-1's all-gather starts when unit i's backward starts. So at most two units are gathered
+at once: the peak parameter bytes per rank are the shards plus the largest two neighbouring
+units (:func:`expected_fsdp`). Units must be listed in the order their forwards run.
+
+**Traffic** per step, per rank, for n_pad elements in all: all-gather in forward (n_pad), again
+in backward (n_pad, only when resharded), reduce-scatter (n_pad). Under the ring algorithm each
+moves ``(d-1)/d * n_pad`` elements: 3 (d-1)/d n_pad, **1.5x** the all-reduce of plain DP
+(2 (d-1)/d n); with ``reshard_after_forward=False`` 2 (d-1)/d n_pad, the same as DP.
+
+**HSDP** (hybrid sharding; FSDP2 with a 2-D mesh ``(replicate, shard)``): pass
+``replicate_group`` too. Parameters are sharded over ``process_group`` (S ranks) and replicated
+over ``replicate_group`` (R ranks); after the reduce-scatter in the shard group the shard's
+gradient is all-reduced across the replicas and divided by R*S.
+
+``no_sync()``: gradients accumulate unsharded (the full flat gradient of each unit stays on the
+rank; FSDP2's ``set_requires_gradient_sync(False)``); the first backward outside it
+reduce-scatters the sum.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from .flat import flatten, padded_numel, unflatten
+
+__all__ = ["FullyShardedDataParallel", "fully_shard", "default_units", "expected_fsdp"]
+
+
+def default_units(module: nn.Module) -> list[str]:
+    """The FSDP units of a labkit GPT (or a pipeline stage of one), in forward order: the
+    embedding, each block, the head (``embedding``, ``blocks.0`` ..., ``head``; absent parts
+    skipped). Other modules: their direct children that hold parameters, ModuleLists expanded."""
+    names = []
+    for name, child in module.named_children():
+        if isinstance(child, nn.ModuleList):
+            names += [f"{name}.{i}" for i, c in enumerate(child) if any(True for _ in c.parameters())]
+        elif any(True for _ in child.parameters()):
+            names.append(name)
+    return names
+
+
+def expected_fsdp(unit_numels: Sequence[int], d: int, reshard_after_forward: bool = True,
+                  bytes_per_element: int = 4, replicas: int = 1) -> dict:
+    """What :class:`FullyShardedDataParallel` does per rank in one synchronised step.
+
+    ``unit_numels``: parameter elements per unit, in forward order; ``d``: ranks that shard
+    (the shard group). Returns, in bytes (payload as :class:`labkit.comm.CommLog` counts it):
+    ``shard_bytes`` (sum n_pad/d: parameters, gradients, and per Adam moment), ``all_gather``
+    (count, bytes: the local shard of each gather), ``reduce_scatter`` (count, bytes: the full
+    padded gradient), ``all_reduce`` (HSDP across ``replicas``: count, bytes of the shards),
+    ``ring_bytes`` (what one rank sends under the ring algorithms), ``dp_all_reduce_ring_bytes``
+    (plain DP's all-reduce of the unpadded n, for the 1.5x comparison) and
+    ``peak_gathered_bytes`` (largest sum over two neighbouring units' n_pad when resharded, the
+    sum of all units' when not). Source: ZeRO sec. 7 (3x / 1.5x traffic), FSDP sec. 3.2."""
+    pads = [padded_numel(n, d) for n in unit_numels]
+    b = bytes_per_element
+    gathers = len(pads) * (2 if reshard_after_forward else 1)
+    ag_bytes = sum(p // d for p in pads) * b * (2 if reshard_after_forward else 1)
+    rs_bytes = sum(pads) * b
+    shard = sum(p // d for p in pads) * b
+    if reshard_after_forward:
+        peak = max([pads[0]] + [pads[i] + pads[i + 1] for i in range(len(pads) - 1)]) * b
+    else:
+        peak = sum(pads) * b
+    ring = (d - 1) * ag_bytes + (d - 1) * rs_bytes // d
+    ar = (len(pads), shard) if replicas > 1 else (0, 0)
+    if replicas > 1:
+        ring += 2 * (replicas - 1) * shard // replicas
+    n = sum(unit_numels)
+    return {"shard_bytes": shard, "all_gather": (gathers, ag_bytes), "reduce_scatter": (len(pads), rs_bytes),
+            "all_reduce": ar, "ring_bytes": ring, "dp_all_reduce_ring_bytes": 2 * (d * replicas - 1) * n * b
+            // (d * replicas), "peak_gathered_bytes": peak}
+
+
+def _time_completion(work, event: dict) -> None:
+    """Set ``event["end"]`` when ``work`` completes (through its future where the backend has
+    one; gloo's reduce-scatter has none: then at the wait)."""
+    def done(_fut):
+        event["end"] = time.perf_counter()
+    try:
+        work.get_future().then(done)
+    except RuntimeError:
+        pass
+
+
+class _Unit:
+    """One FSDP unit: its flat shard (the parameter the optimizer sees), the buffer its full
+    parameters are gathered into, and where each original parameter lived."""
+
+    def __init__(self, name: str, module: nn.Module, d: int, rank: int):
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"FSDP unit {name!r} has no parameters that require grad")
+        self.name, self.module = name, module
+        self.names = [f"{name}.{n}" for n, _ in named]
+        self.shapes = [p.shape for _, p in named]
+        self.numel = sum(p.numel() for _, p in named)
+        self.padded = padded_numel(self.numel, d)
+        flat = flatten([p.detach() for _, p in named], d)
+        size = self.padded // d
+        self.shard = nn.Parameter(flat[rank * size:(rank + 1) * size].clone())
+        self.slots = []
+        for n, _ in named:
+            owner, _, attr = n.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            del sub._parameters[attr]
+            self.slots.append((sub, attr))
+        # the autograd leaf whose views the module computes with, and an alias of the same
+        # storage with its own version counter: re-gathering into it before backward is not an
+        # "in-place change of a saved tensor" (the bytes are the same ones)
+        self.full = torch.zeros(self.padded, dtype=flat.dtype, device=flat.device, requires_grad=True)
+        self.raw = self.full.data
+        self.nbytes = self.padded * flat.element_size()
+        self.full.untyped_storage().resize_(0)
+        self.state = "sharded"           # sharded | pending | gathered
+        self.work = None
+        self.backward_started = False
+
+    def set_views(self) -> None:
+        for (sub, attr), view in zip(self.slots, unflatten(self.full, self.shapes)):
+            setattr(sub, attr, view)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3 / FSDP over ``process_group`` (d ranks), one flat shard per unit.
+
+    Args:
+        module: the model (the same weights on every rank, or ``sync_module_states=True``).
+            Its parameters are replaced by the shards; ``self.parameters()`` yields the shards
+            (hand them to any elementwise optimizer: SGD, Adam, AdamW).
+        units: names of submodules, in forward order, that each become one unit (default
+            :func:`default_units`); every parameter must be in exactly one unit.
+        process_group: the group that shards (None: the default group).
+        reshard_after_forward: free each unit's gathered parameters after its forward and
+            gather them again for backward (True, ZeRO-3) or keep them (False).
+        prefetch: start the next unit's all-gather while the current one computes.
+        replicate_group: HSDP's replica group (R ranks holding the same shard), or None.
+        sync_module_states: broadcast rank 0's weights first (in the shard and replicate groups).
+
+    After a synchronised backward every shard's ``.grad`` holds its part of the DP-mean
+    gradient. Measurements: ``peak_gathered_bytes`` (largest sum of gathered unit buffers seen
+    since :meth:`reset_peak`), ``timeline`` (the last forward+backward's events: dicts with
+    ``unit``, ``kind`` = forward | backward | all_gather | reduce_scatter, ``phase``, ``start``,
+    ``end`` in ``time.perf_counter`` seconds). Raises ValueError (before any communication) for
+    an unknown unit, a parameter in no unit or in two, or mixed dtypes/devices.
+    """
+
+    def __init__(self, module: nn.Module, units: Sequence[str] | None = None, process_group=None,
+                 reshard_after_forward: bool = True, prefetch: bool = True, replicate_group=None,
+                 sync_module_states: bool = False):
+        super().__init__()
+        names = list(default_units(module) if units is None else units)
+        known = dict(module.named_modules())
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"units {unknown} are not submodules of the model")
+        owner: dict[int, str] = {}
+        for n in names:
+            for pn, p in known[n].named_parameters():
+                if id(p) in owner:
+                    raise ValueError(f"parameter {n}.{pn} is in two units ({owner[id(p)]} and {n}); "
+                                     "units must not overlap or share parameters")
+                owner[id(p)] = n
+        outside = [n for n, p in module.named_parameters() if id(p) not in owner and p.requires_grad]
+        if outside:
+            raise ValueError(f"parameters {outside[:4]} belong to no unit; list their module in units")
+        params = [p for p in module.parameters() if p.requires_grad]
+        if len({(p.dtype, p.device) for p in params}) > 1:
+            raise ValueError("all parameters must share one dtype and device")
+        self.process_group, self.replicate_group = process_group, replicate_group
+        self.d = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        if sync_module_states:
+            with torch.no_grad():
+                for group in (process_group, replicate_group) if replicate_group is not None else (process_group,):
+                    src = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)[0]
+                    for p in params:
+                        comm.broadcast(p.data, src=src, group=group)
+        self.module = module
+        self.units = [_Unit(n, known[n], self.d, self.rank) for n in names]
+        self.shards = nn.ParameterList([u.shard for u in self.units])
+        self.require_backward_grad_sync = True
+        self.peak_gathered_bytes, self._live = 0, 0
+        self.timeline: list[dict] = []
+        self._pending: list = []
+        self._callback_queued = False
+        for i, u in enumerate(self.units):
+            u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
+            u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
+            u.full.register_post_accumulate_grad_hook(lambda t, i=i: self._post_backward(i))
+
+    # ------------------------------------------------------------------ public
+
+    def forward(self, *args, **kwargs):
+        if not self._callback_queued:
+            self.timeline = []
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate the unsharded gradients locally (no reduce-scatter)."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def reset_peak(self) -> None:
+        self.peak_gathered_bytes = self._live
+
+    def shard_bytes(self) -> int:
+        """Parameter bytes this rank keeps between steps: the shards (sum n_pad/d per unit)."""
+        return sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+
+    def grad_bytes(self) -> int:
+        """Gradient bytes this rank keeps after backward: its shards' ``.grad``."""
+        return sum(u.shard.grad.numel() * u.shard.grad.element_size() for u in self.units
+                   if u.shard.grad is not None)
+
+    @torch.no_grad()
+    def full_tensors(self, what: str = "param") -> dict[str, torch.Tensor]:
+        """For inspection only (tests, a lab's verdict): all-gather every unit's shard of the
+        parameters (``what="param"``) or of their gradients (``"grad"``) and return
+        ``{name: full tensor}`` with the original module's parameter names."""
+        out = {}
+        for u in self.units:
+            src = u.shard if what == "param" else u.shard.grad
+            if src is None:
+                raise RuntimeError(f"unit {u.name} has no gradient yet")
+            buf = torch.empty(u.padded, dtype=src.dtype, device=src.device)
+            comm.all_gather_into_tensor(buf, src.detach(), self.process_group)
+            for n, v in zip(u.names, unflatten(buf, u.shapes)):
+                out[n] = v.clone()
+        return out
+
+    # ------------------------------------------------------------------ gathering
+
+    def _event(self, unit, kind, phase, start=None, end=None):
+        ev = {"unit": unit.name, "kind": kind, "phase": phase,
+              "start": time.perf_counter() if start is None else start, "end": end}
+        self.timeline.append(ev)
+        return ev
+
+    def _unshard(self, u: _Unit, phase: str) -> None:
+        """Start the all-gather of ``u`` (async) unless it is gathered or on its way."""
+        if u.state != "sharded":
+            return
+        u.full.untyped_storage().resize_(u.nbytes)
+        self._live += u.nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._live)
+        ev = self._event(u, "all_gather", phase)
+        u.work = comm.all_gather_into_tensor(u.raw, u.shard.detach(), self.process_group, async_op=True)
+        u.gather_event = ev
+        _time_completion(u.work, ev)
+        u.state = "pending"
+
+    def _wait(self, u: _Unit) -> None:
+        if u.state == "pending":
+            u.work.wait()
+            u.gather_event["end"] = u.gather_event["end"] or time.perf_counter()
+            u.work, u.state = None, "gathered"
+
+    def _reshard(self, u: _Unit) -> None:
+        if u.state == "sharded":
+            return
+        self._wait(u)
+        u.full.untyped_storage().resize_(0)
+        self._live -= u.nbytes
+        u.state = "sharded"
+
+    # ------------------------------------------------------------------ hooks
+
+    def _pre_forward(self, i: int) -> None:
+        u = self.units[i]
+        self._unshard(u, "forward")
+        self._wait(u)
+        u.set_views()
+        if self.prefetch and i + 1 < len(self.units):
+            self._unshard(self.units[i + 1], "forward")
+        u.fwd_event = self._event(u, "forward", "forward")
+
+    def _post_forward(self, i: int, out):
+        u = self.units[i]
+        u.fwd_event["end"] = time.perf_counter()
+        tensors = [out] if torch.is_tensor(out) else [t for t in (out if isinstance(out, (tuple, list)) else [])
+                                                      if torch.is_tensor(t)]
+        tensors = [t for t in tensors if t.requires_grad]
+        if self.reshard_after_forward or not tensors:
+            self._reshard(u)
+        for t in tensors:
+            t.register_hook(lambda g, i=i: self._pre_backward(i))
+        return out
+
+    def _pre_backward(self, i: int) -> None:
+        u = self.units[i]
+        if u.backward_started:
+            return
+        u.backward_started = True
+        self._queue_finalize()
+        self._unshard(u, "backward")
+        self._wait(u)
+        if self.prefetch and i > 0:
+            self._unshard(self.units[i - 1], "backward")
+        u.bwd_event = self._event(u, "backward", "backward")
+
+    def _post_backward(self, i: int) -> None:
+        u = self.units[i]
+        if hasattr(u, "bwd_event"):
+            u.bwd_event["end"] = time.perf_counter()
+        self._reshard(u)
+        if not self.require_backward_grad_sync:
+            return
+        self._queue_finalize()
+        grad = u.full.grad
+        u.full.grad = None
+        out = torch.empty_like(u.shard)
+        ev = self._event(u, "reduce_scatter", "backward")
+        work = comm.reduce_scatter_tensor(out, grad, self.process_group, async_op=True)
+        _time_completion(work, ev)
+        self._pending.append((u, out, work, grad, ev))
+
+    def _queue_finalize(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _finalize(self) -> None:
+        """End of backward: wait for the reduce-scatters, average (HSDP: all-reduce across the
+        replicas), write each shard's ``.grad`` (added to an existing one)."""
+        self._callback_queued = False
+        for u, out, work, _, ev in self._pending:
+            work.wait()
+            ev["end"] = ev["end"] or time.perf_counter()
+            if self.replicate_group is not None:
+                comm.all_reduce(out, self.replicate_group)
+            out.div_(self.d * self.replicas)
+            if u.shard.grad is None:
+                u.shard.grad = out
+            else:
+                u.shard.grad.add_(out)
+        self._pending = []
+        for u in self.units:
+            u.backward_started = False
+
+
+def fully_shard(module: nn.Module, process_group=None, reshard_after_forward: bool = True,
+                units: Sequence[str] | None = None, **kwargs) -> FullyShardedDataParallel:
+    """torch FSDP2's spelling: shard ``module`` by units over ``process_group`` and return the
+    wrapper (:class:`FullyShardedDataParallel`; ``kwargs`` go to it)."""
+    return FullyShardedDataParallel(module, units, process_group, reshard_after_forward, **kwargs)

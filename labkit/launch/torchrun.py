@@ -1,0 +1,275 @@
+"""This process as one rank under ``torchrun``: the variables checked before any rank starts, dying
+with the agent, SIGTERM within moments, heartbeats that name a lost peer, one line per failed rank
+(:func:`run_torchrun_rank`; see :mod:`labkit.launch`)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import _error_priority
+from .signals import _libc_prctl, _raise_terminated, _stopping_handler_installed
+
+
+def in_torchrun() -> bool:
+    """True when this process was started by ``torchrun`` (its env vars are set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def torchrun_env_problem() -> str | None:
+    """Why the torchrun variables in the environment cannot start a rank, as one message, or None
+    (none set, or a consistent set). Checked before any rank starts, so that an exported ``RANK``
+    without torchrun is a clear line, not torch's traceback, a wait for peers that never come, or
+    (on a rank other than 0, which prints nothing) an exit without a word. The rules: RANK,
+    WORLD_SIZE and LOCAL_RANK all set or none; integers with 0 <= RANK < WORLD_SIZE and LOCAL_RANK
+    >= 0; MASTER_ADDR and MASTER_PORT set (torchrun sets all of them); rank 0 outside torchrun's
+    agent store can bind MASTER_PORT (it serves the rendezvous there)."""
+    env = os.environ
+    given = [k for k in TORCHRUN_VARS if k in env]
+    if not given:
+        return None
+    hint = "start with torchrun, or unset RANK WORLD_SIZE LOCAL_RANK to run on forked CPU ranks"
+    if len(given) < len(TORCHRUN_VARS):
+        missing = [k for k in TORCHRUN_VARS if k not in env]
+        return f"{', '.join(f'{k}={env[k]}' for k in given)} set but {', '.join(missing)} not; {hint}"
+    values = {}
+    for k in TORCHRUN_VARS:
+        try:
+            values[k] = int(env[k])
+        except ValueError:
+            return f"{k}={env[k]!r} is not an integer; {hint}"
+    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
+        return (f"RANK={values['RANK']}, WORLD_SIZE={values['WORLD_SIZE']}, LOCAL_RANK={values['LOCAL_RANK']}: "
+                f"need 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0; {hint}")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        return f"RANK, WORLD_SIZE and LOCAL_RANK are set but {' and '.join(missing)} not; {hint}"
+    try:
+        port = int(env["MASTER_PORT"])
+        if not 0 < port < 65536:
+            raise ValueError
+    except ValueError:
+        return f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number (1..65535)"
+    if values["RANK"] == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        import errno
+        import socket
+        with socket.socket() as sock:
+            try:
+                sock.bind((env["MASTER_ADDR"], port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return (f"MASTER_PORT={port} on MASTER_ADDR={env['MASTER_ADDR']} is taken by another process "
+                            f"(rank 0 serves the rendezvous there); choose a free port")
+    return None
+
+
+def torchrun_where(rank: int | None = None) -> str:
+    """``'rank 2 (node 1, local rank 0)'`` for this process under torchrun (``rank`` None), from
+    RANK, GROUP_RANK (the node's index) and LOCAL_RANK; ``'rank 2'`` for another rank."""
+    if rank is not None and rank != int(os.environ.get("RANK", -1)):
+        return f"rank {rank}"
+    node = os.environ.get("GROUP_RANK")
+    return (f"rank {os.environ['RANK']} ({f'node {node}, ' if node is not None else ''}"
+            f"local rank {os.environ['LOCAL_RANK']})")
+
+
+_TORCHRUN_GUARD = None
+
+
+def _guard_torchrun_rank() -> None:
+    """Under torchrun, once per process: die with the agent (PR_SET_PDEATHSIG: a node whose torchrun
+    is SIGKILLed takes its workers with it, instead of leaving them training), and stop within
+    moments on SIGTERM wherever the main thread is blocked (a C++ wait in init_process_group or a
+    gloo receive runs no Python signal handler). SIGTERM is blocked in every thread and taken by
+    a watcher thread (``sigwait``), which prints one line that is true for this rank and ends the
+    process with ``os._exit(143)``: no exit-time barrier waits for peers that are gone."""
+    global _TORCHRUN_GUARD
+    if _TORCHRUN_GUARD is not None or threading.current_thread() is not threading.main_thread():
+        return
+    agent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            _libc_prctl()(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != agent:  # the agent died before prctl
+            os._exit(1)
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, _raise_terminated) \
+            and not _stopping_handler_installed():
+        _TORCHRUN_GUARD = False  # someone else handles SIGTERM
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit it
+
+    def watch():
+        signal.sigwait({signal.SIGTERM})
+        try:
+            os.write(2, f"terminated (SIGTERM): {torchrun_where()} stopped\n".encode())
+        finally:
+            os._exit(128 + signal.SIGTERM)
+    _TORCHRUN_GUARD = threading.Thread(target=watch, daemon=True, name="labkit-sigterm")
+    _TORCHRUN_GUARD.start()
+
+
+def run_torchrun_rank(fn, world_size: int, args: tuple, backend: str, timeout: float, make_context) -> list:
+    """Under torchrun: this process is one rank. Initialise from the environment, run
+    ``fn(make_context(...), *args)`` here and return every rank's result (``all_gather_object``).
+    ``backend`` is already resolved. A failure ends this process with one line
+    (:func:`_torchrun_rank_failed`), never a traceback. Raises ValueError when ``world_size``
+    differs from WORLD_SIZE."""
+    env_ws = int(os.environ["WORLD_SIZE"])
+    if env_ws != world_size:
+        raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_ws} ranks")
+    _guard_torchrun_rank()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            import atexit
+
+            atexit.register(_shutdown_torchrun)
+        _Heartbeat.start_once()
+        ctx = make_context(rank, world_size, local_rank, backend, device, dist.group.WORLD, timeout)
+        result = fn(ctx, *args)
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, result)
+        return gathered
+    except Exception as e:  # noqa: BLE001 - one line per rank, then out: peers that are gone answer no barrier
+        _torchrun_rank_failed(e)
+
+
+class _Heartbeat(threading.Thread):
+    """Under torchrun, once per process: who this rank is and that it is alive, in torchrun's own
+    store (MASTER_ADDR:MASTER_PORT, served by node 0's agent, or by rank 0), so that a survivor can
+    name the peer that is gone by global rank and node (gloo's error names neither).
+
+    Keys (prefix ``labkit/<run id>/<restart>/``): ``who/<rank>`` = "node|local rank|host", set once;
+    ``beat/<rank>``, a counter this thread adds 1 to every ``PERIOD`` s; ``done/<rank>``, set by a
+    rank that ends on its own (an error line of its own, or a clean exit), which is therefore not
+    "gone". The thread is a daemon and never blocks the rank: every store call has a short timeout,
+    and a store that cannot be reached only means that no peer can be named."""
+
+    PERIOD = 0.25
+    INSTANCE = None
+
+    def __init__(self):
+        super().__init__(daemon=True, name="labkit-heartbeat")
+        env = os.environ
+        self.rank = int(env["RANK"])
+        self.prefix = f"labkit/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+        self.store = None
+
+    @classmethod
+    def start_once(cls) -> None:
+        if cls.INSTANCE is None:
+            cls.INSTANCE = cls()
+            cls.INSTANCE.start()
+
+    def _connect(self):
+        env = os.environ
+        return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=2), wait_for_workers=False)
+
+    def run(self) -> None:
+        try:
+            store = self._connect()
+            env = os.environ
+            store.set(self.prefix + f"who/{self.rank}",
+                      f"{env.get('GROUP_RANK', '')}|{env.get('LOCAL_RANK', '')}|{socket.gethostname()}")
+            self.store = store
+            while True:
+                store.add(self.prefix + f"beat/{self.rank}", 1)
+                time.sleep(self.PERIOD)
+        except Exception:  # noqa: BLE001 - the store is gone or unreachable: nothing to name then
+            return
+
+    def mark_done(self) -> None:
+        """This rank ends on its own: it is not a lost peer."""
+        try:
+            store = self.store or self._connect()
+            store.set(self.prefix + f"done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def gone_peers(self, world_size: int, wait: float = 1.0) -> list[str] | None:
+        """The peers whose heartbeat stopped within ``wait`` s and that did not end on their own, as
+        "rank 2 (node 1, local rank 0, host h)"; None when the store cannot be reached (its host is
+        gone: node 0's agent, or rank 0)."""
+        try:
+            store = self._connect()
+            others = [r for r in range(world_size) if r != self.rank]
+
+            def beats():
+                return {r: store.add(self.prefix + f"beat/{r}", 0) for r in others}
+            before = beats()
+            time.sleep(max(wait, 3 * self.PERIOD))
+            after = beats()
+            gone = []
+            for r in others:
+                if after[r] != before[r] or store.check([self.prefix + f"done/{r}"]):
+                    continue
+                node, local, host = (store.get(self.prefix + f"who/{r}").decode().split("|")
+                                     if store.check([self.prefix + f"who/{r}"]) else ("?", "?", "?"))
+                gone.append(f"rank {r} (node {node}, local rank {local}, host {host})")
+            return gone
+        except Exception:  # noqa: BLE001
+            return None
+
+
+def _torchrun_rank_failed(e: BaseException) -> None:
+    """Under torchrun, a rank whose work raised: ONE line on its stderr naming it by global rank and
+    node (torchrun prints no RankError header, and a lost peer makes every survivor raise) and, when
+    it lost a peer, which peers are gone (their heartbeat stopped: :class:`_Heartbeat`), then
+    ``os._exit(1)``: the exit-time barrier would wait for ranks that are gone. The full traceback
+    is printed only with LABKIT_TRACEBACK=1."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    kind = _error_priority((type(e).__name__, str(e), ""))
+    why = {2: "lost its connection to a peer that stopped or died",
+           1: "timed out waiting for a peer"}.get(kind, "failed")
+    beat = _Heartbeat.INSTANCE
+    if beat is not None:
+        beat.mark_done()
+        if kind in (1, 2):
+            gone = beat.gone_peers(int(os.environ["WORLD_SIZE"]))
+            if gone is None:
+                why += (f" (gone: the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
+                        f"{os.environ.get('MASTER_PORT')}, i.e. node 0's agent or rank 0)")
+            elif gone:
+                why += f" (gone: {', '.join(gone)})"
+    text = f"error: {torchrun_where()} {why}: {type(e).__name__}: {first[:300]}\n"
+    if os.environ.get("LABKIT_TRACEBACK") == "1":
+        text = traceback.format_exc() + text
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    os.write(2, text.encode(errors="replace"))
+    os._exit(1)
+
+
+def _shutdown_torchrun() -> None:
+    """At exit under torchrun: wait for every rank, then tear the group down, so that no rank
+    closes its connections while a peer still uses them (gloo aborts the peer then)."""
+    if _Heartbeat.INSTANCE is not None:
+        _Heartbeat.INSTANCE.mark_done()
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except Exception:
+        pass

@@ -1,0 +1,78 @@
+"""The relay the grader runs for communication exercises (labkit.grading.relay): ranks join with the
+case's token only, once each; it delivers sends in order, computes all-reduces itself and logs both;
+a deadlock is an error naming the ranks; a hostile kernel cannot make it hold unbounded memory."""
+import socket
+
+import pytest
+import torch
+
+from labkit.dist import RankError
+from labkit.grading.relay import MAX_TOTAL, Relay, _read, _write, run_ranks
+
+
+def _join(relay, rank, token=None):
+    host, port, tok = relay.address()
+    s = socket.create_connection((host, port))
+    _write(s, {"token": tok if token is None else token, "rank": rank})
+    return s, _read(s)
+
+
+def test_only_the_cases_ranks_join_once_each():
+    with Relay(2, timeout=0.5) as relay:
+        _, ok = _join(relay, 0)
+        assert ok == {"ok": True}
+        assert _join(relay, 0)[1] is None           # rank 0 again: closed
+        assert _join(relay, 1, token="guess")[1] is None  # without the token: closed
+        assert _join(relay, 2)[1] is None           # no such rank
+
+
+def test_sends_recvs_and_all_reduces_are_delivered_computed_and_logged():
+    def body(ctx):
+        import torch.distributed as dist
+
+        x = torch.full((3,), float(ctx.rank + 1))
+        other = torch.empty(3)
+        req = dist.isend(x, (ctx.rank + 1) % 2)
+        dist.recv(other, (ctx.rank + 1) % 2)
+        req.wait()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return other, x, dist.get_rank(), dist.get_world_size()
+
+    with Relay(2, timeout=5) as relay:
+        out = run_ranks(body, 2, relay.address(), allowed=("send", "recv", "isend", "irecv", "all_reduce"))
+    assert [o[0].tolist() for o in out] == [[2.0] * 3, [1.0] * 3]
+    assert all(o[1].tolist() == [2.0] * 3 and o[3] == 2 for o in out) and [o[2] for o in out] == [0, 1]
+    assert sorted((m.src, m.dst) for m in relay.sent) == [(0, 1), (1, 0)]
+    assert sorted((r.rank, r.op) for r in relay.reduced) == [(0, "max"), (1, "max")]
+
+
+def test_a_deadlock_names_the_ranks_and_other_collectives_refuse():
+    def stuck(ctx):
+        import torch.distributed as dist
+
+        dist.recv(torch.empty(1), 1 - ctx.rank)  # both wait: nobody sends
+
+    with Relay(2, timeout=0.5) as relay:
+        with pytest.raises(RankError, match="waited to receive from rank"):
+            run_ranks(stuck, 2, relay.address(), timeout=10)
+
+    def gathers(ctx):
+        import torch.distributed as dist
+
+        dist.all_gather([torch.empty(1)] * 2, torch.ones(1))
+
+    with Relay(2, timeout=0.5) as relay:
+        with pytest.raises(RankError, match="all_gather is not available on these ranks"):
+            run_ranks(gathers, 2, relay.address(), timeout=10)
+
+
+def test_a_flood_is_refused_before_the_grader_holds_it():
+    with Relay(2, timeout=0.5) as relay:
+        s, _ = _join(relay, 0)
+        big = torch.zeros(2 ** 20 - 64)  # just under 4 MiB a message
+        replies = []
+        for _ in range(MAX_TOTAL // (4 * 2 ** 20) + 2):
+            _write(s, {"op": "send", "dst": 1, "tensor": big})
+            replies.append(_read(s))
+        assert "error" in replies[-1] and "MiB in all" in replies[-1]["error"]
+        assert sum(m.tensor.numel() * 4 for m in relay.sent) <= MAX_TOTAL
