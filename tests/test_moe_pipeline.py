@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import labkit.moe.pipeline as mp
+import labkit.parallel.moe_pipeline as mpp
 from labkit.comm import all_reduce
 from labkit.dist import launch, make_grid
 from labkit.model import GPTConfig, lm_loss
@@ -62,7 +63,7 @@ def _worker(ctx, aux_scale_bug, runs):
     res = {}
     for name, recompute in runs:
         v = 2 if name == "interleaved" else 1
-        stages = mp.moe_stages_for_rank(_model(), K, v, k, M)
+        stages = mpp.moe_stages_for_rank(_model(), K, v, k, M)
         if aux_scale_bug is not None:
             for st in stages:
                 st.aux_loss_scale = aux_scale_bug
@@ -78,7 +79,7 @@ def _worker(ctx, aux_scale_bug, runs):
             losses = []
             sched.step(x if k == 0 else None, target=y if k == K - 1 else None, losses=losses)
             aux = {st.layer_ids[0]: list(st.aux_values) for st in stages}
-            params = [(mp.moe_param_name(st, n), p) for st in stages for n, p in st.named_parameters()]
+            params = [(mpp.moe_param_name(st, n), p) for st in stages for n, p in st.named_parameters()]
             for _, p in params:                                    # data parallel: mean of the DP grads
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -92,7 +93,7 @@ def _worker(ctx, aux_scale_bug, runs):
             hist.append({"lm": [float(l) for l in losses], "aux": aux, "grads": grads,
                          "bias": {lid: l.router.expert_bias.clone() for st in stages
                                   for lid, l in st.moe_layers().items()}})
-        hist.append({mp.moe_param_name(st, n): t.detach().clone() for st in stages
+        hist.append({mpp.moe_param_name(st, n): t.detach().clone() for st in stages
                      for n, t in st.state_dict().items()})
         res[(name, recompute)] = hist
     return {"pp_rank": k, "dp_rank": d, "runs": res}
@@ -142,7 +143,7 @@ def test_aux_loss_scaled_by_one_is_caught(results):
 
 def test_aux_loss_not_attached_is_caught(results, monkeypatch):
     _, ref = results
-    monkeypatch.setattr(mp, "attach_aux_loss", lambda x, aux, scale, on_backward=None: x)
+    monkeypatch.setattr(mpp, "attach_aux_loss", lambda x, aux, scale, on_backward=None: x)   # where the stages look it up
     ranks = launch(_worker, PP * DP, None, [("gpipe", False)], timeout=60)
     with pytest.raises(AssertionError, match="grad of"):
         _check(ranks, ref, ("gpipe", False))

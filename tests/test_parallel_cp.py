@@ -45,7 +45,7 @@ def _worker(ctx, cfg, t, p, d, cp, method, bug):
     if bug == "dp_only":       # injected: DDP over the DP group alone (CP ranks' gradients never meet)
         import labkit.parallel.gpt as gpt_mod
         orig = gpt_mod.DistributedDataParallel
-        gpt_mod.DistributedDataParallel = lambda m, group, cap: orig(m, grid.dp_group, cap)
+        gpt_mod.DistributedDataParallel = lambda m, group, cap, **kw: orig(m, grid.dp_group, cap, **kw)
     pg = ParallelGPT(GPT(cfg, seed=0), grid, "1f1b", 2, bucket_cap_mb=0.002, cp_attention=method)
     pg.make_optimizer("sgd", 0.1)
     out = {"losses": [], "grads": [], "comm": [], "expected": pg.expected_comm(B, S), "last": pg.has_last_stage,

@@ -1,7 +1,8 @@
 """Lab: 3D parallelism, TP x PP x DP on one process grid, proved equal to one device.
 
-    python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved]
-                            [--chunks v] [--microbatches M] [--zero] [--tied] [--steps N] [--data PATH]
+    python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved|zb-h1|zbv|dualpipev]
+                            [--chunks v] [--microbatches M] [--zero] [--tied] [--sp]
+                            [--recompute none|selective|full] [--steps N] [--data PATH]
                             [--cp C --cp-attention ring|allgather|ulysses]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
 
@@ -15,7 +16,9 @@ Printed: one table per axis (collectives and bytes per step counted on each rank
 formula: TP all-reduces, PP sends, DP all-reduce or reduce-scatter/all-gather, the tied
 embedding's all-reduce), the measured pipeline bubble next to (p-1)/(vM+p-1), the share of the
 DP all-reduce time hidden behind backward, peak parameter/gradient/optimizer bytes per rank and
-tokens per second; then the verdict of :mod:`labkit.labs.verdict` (every step, loss and every
+tokens per second; per rank a table of measured bytes next to the planner's (:mod:`labkit.plan`):
+parameters, gradients and optimizer state (exact), activations (the peak of the last step measured
+with saved_tensors_hooks, within 2 %) and the payload bytes per axis (exact); then the verdict of :mod:`labkit.labs.verdict` (every step, loss and every
 gradient against the single-device model at the same parameters). Exit status 1 when the verdict
 or a count fails. Saved under ``runs/3d-<time>/``: ``loss_curves.png``, ``rank_grid.png``
 (which rank holds which layers and which shard), ``losses.csv``.
@@ -70,6 +73,16 @@ def _parser():
                         "ulysses (all-to-all over heads)")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism inside each TP group (Korthikanti et al. 2022): LayerNorms and "
+                        "dropouts on S/t tokens per rank")
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                   help="activation recomputation: selective = the attention core, full = every block")
+    p.add_argument("--moe", action="store_true",
+                   help="the MoE GPT (every other block's MLP an MoE layer) with EP folded onto DP: the experts "
+                        "of each MoE layer spread over the d ranks of the DP group")
+    p.add_argument("--experts", type=int, default=4, help="with --moe: routed experts E, divisible by d")
+    p.add_argument("--topk", type=int, default=2, help="with --moe: experts per token k")
     p.add_argument("--bucket-cap-mb", type=float, default=0.02, help="DDP bucket size (MiB)")
     p.add_argument("--steps", type=int, default=12, help="Adam steps")
     p.add_argument("--batch", type=int, default=16, help="global batch B (sequences), divisible by d*M")
@@ -111,6 +124,32 @@ def _config(a):
                      share_embeddings_and_output_weights=a.tied)
 
 
+def _moe_config(a):
+    """The MoE layers' config (--moe): E experts, top-k, each the dense MLP's width, Switch aux loss
+    1e-2, routed in d*M groups (one per microbatch and DP rank, what one rank routes together)."""
+    from ..moe.model import moe_config_for
+    return moe_config_for(_config(a), n_routed_experts=a.experts, n_activated_experts=a.topk,
+                          aux_loss_coeff=1e-2, token_groups=a.dp * a.microbatches)
+
+
+def _model(a):
+    """The single-device model of this run: labkit's GPT, or with --moe its MoE variant."""
+    from ..model import GPT
+    from ..moe.model import MoEGPT
+    if a.moe:
+        return MoEGPT(_config(a), _moe_config(a), moe_layer_freq=2, seed=a.seed)
+    return GPT(_config(a), seed=a.seed)
+
+
+def _loss(model, x, y):
+    """The training loss of the single-device model: LM loss (+ the MoE balance losses)."""
+    from ..moe.model import total_aux_loss
+    if getattr(model, "moe_cfg", None) is None:
+        return model(x, y)
+    loss, stats = model(x, y)
+    return loss + total_aux_loss(stats).to(loss.device)
+
+
 def _bad_args(a, world) -> str | None:
     """The first rule the options break, as one message naming the values; None if all are fine."""
     if a.chunks is not None and lookup(a.schedule).chunks is not None:
@@ -125,20 +164,31 @@ def _bad_args(a, world) -> str | None:
            or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
     if bad:
         return bad
+    if a.moe and (a.sp or a.recompute != "none" or a.zero):
+        return (f"--moe runs with DDP, without --sp and --recompute (got --sp={a.sp}, --recompute {a.recompute}, "
+                f"--zero={a.zero})")
+    if a.moe and not 1 <= a.topk <= a.experts:
+        return f"--topk must be between 1 and --experts={a.experts}, got {a.topk}"
     try:
         cfg = _config(a)
         from ..parallel import check_layout
         from ..parallel.gpt import check_cp_layout
         v = _v(a)
-        check_layout(cfg, world // a.cp, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule)
-        check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, zero=a.zero, seq_len=a.seq)
+        check_layout(cfg, world // a.cp, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule,
+                     sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq,
+                     n_experts=a.experts if a.moe else None)
+        check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq)
+        if a.cp > 1 and a.moe:
+            raise ValueError("--cp is not combined with --moe here")
     except ValueError as e:
         return str(e)
-    from ..plan.spec import Layout, ModelSpec
+    from ..parallel.gpt import planner_spec
+    from ..plan.spec import Layout
     # the planner's bytes; GPipe keeps the most activations of any schedule (all M in flight)
-    spec = ModelSpec.from_gpt_config(cfg, seq_len=a.seq, global_batch=a.batch)
+    spec = planner_spec(cfg, a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     lay = Layout(t=a.tp, p=a.pp, d=a.dp, b=a.batch // (a.dp * a.microbatches), M=a.microbatches, schedule="gpipe",
-                 zero=1 if a.zero else 0, precision="fp32")
+                 ep=a.dp if a.moe else 1, zero=1 if a.zero else 0, sequence_parallel=a.sp, recompute=a.recompute,
+                 precision="fp32", cp=a.cp)
     return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} "
                                  f"({world} ranks)")
 
@@ -171,6 +221,7 @@ class RankResult:
     verdict: object
     device: str
     backend: str
+    activations: int | None = None     # peak bytes saved for backward in the last step (steps >= 2)
     cp_rank: int = 0
     cp_work: int = 0          # ring attention: query-key pairs this rank computed in the last step
     cp_seconds: float = 0.0   # ring attention: seconds of its attention compute in the last step
@@ -194,32 +245,31 @@ def _batch(a, corpus, step):
 
 
 def _worker(ctx, a, corpus) -> RankResult:
-    from ..comm import CommLog
+    from ..checkpoint import SavedTensorMeter
+    from ..comm import CommLog, all_reduce
     from ..grid import ProcessGrid
-    from ..model import GPT
     from ..parallel import ParallelGPT
-    from ..pipeline.stages import gpt_param_name
     from .verdict import sharded_pieces
 
     torch.manual_seed(a.seed)
     v = _v(a)
     grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp, cp=a.cp)
-    cfg = _config(a)
-    pg = ParallelGPT(GPT(cfg, seed=a.seed), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
-                     bucket_cap_mb=a.bucket_cap_mb, cp_attention=a.cp_attention)
+    pg = ParallelGPT(_model(a), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
+                     bucket_cap_mb=a.bucket_cap_mb, sequence_parallel=a.sp, recompute=a.recompute,
+                     cp_attention=a.cp_attention)
     opt = pg.make_optimizer("adam", a.lr)
 
     def ref_loss(model, step, extras):
         x, y = _batch(a, corpus, step)
-        return model(x.to(ctx.device), y.to(ctx.device))
+        return _loss(model, x.to(ctx.device), y.to(ctx.device))
 
-    check = lockstep(ctx, a, lambda: GPT(cfg, seed=a.seed), ref_loss)
+    check = lockstep(ctx, a, lambda: _model(a), ref_loss)
 
     def pieces():
         out = []
         for m in pg.modules:
             def rename(n, m=m):
-                name = gpt_param_name(m, n)
+                name = pg.reference_name(m, n)
                 # tied, p > 1: the last stage's copy is the reference's one matrix
                 return "embedding.wte.weight" if pg.tied and name == "head.lm_head.weight" else name
             out += sharded_pieces(m, grid.tp_rank, grid.tp, rename)
@@ -232,13 +282,20 @@ def _worker(ctx, a, corpus) -> RankResult:
         pg.zero_grad()
         pg.cp_stats.clear()
         t0 = time.perf_counter()
-        with CommLog() as log:
+        with CommLog() as log, SavedTensorMeter(exclude=pg.parameters()) as meter:
             loss = pg.train_step(x, y)
             if a.zero and grid.dp > 1:
                 opt.reduce_gradients()
         t_bwd = time.perf_counter() - t0
+        # the peak of a later step: in the first one the runtime measures each stage's first forward itself
+        act_peak = meter.peak if step >= 1 else None
         if a.zero and grid.dp > 1:
             opt.gather_gradients()          # inspection only, outside the counted window
+        if a.moe:                           # the balance losses live on every stage: sum them over PP
+            aux = torch.tensor([pg.take_aux_loss()], dtype=torch.float64)
+            if grid.pp > 1:
+                all_reduce(aux, grid.pp_group)
+            loss = None if loss is None else loss + float(aux)
         check.step(step, pieces(), loss=loss)
         t1 = time.perf_counter()
         with CommLog() as log2:
@@ -256,14 +313,15 @@ def _worker(ctx, a, corpus) -> RankResult:
     return RankResult(ctx.rank, grid.tp_rank, grid.dp_rank, grid.pp_rank, pg.has_last_stage, losses, comm, wire,
                       pg.expected_comm(a.batch, a.seq), seconds, overlaps, peak_mem,
                       timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
-                      check.result(), str(ctx.device), ctx.backend, getattr(grid, "cp_rank", 0),
-                      sum(st["work"] for st in pg.cp_stats), sum(st["seconds"] for st in pg.cp_stats))
+                      check.result(), str(ctx.device), ctx.backend, activations=act_peak,
+                      cp_rank=getattr(grid, "cp_rank", 0),
+                      cp_work=sum(st["work"] for st in pg.cp_stats),
+                      cp_seconds=sum(st["seconds"] for st in pg.cp_stats))
 
 
 def _reference(a, corpus) -> Reference:
     """The same training on one device (one CPU thread, like each rank): loss curve and time."""
-    from ..model import GPT
-    return train_reference(GPT(_config(a), seed=a.seed), a.steps, lambda m, step: m(*_batch(a, corpus, step)), a.lr)
+    return train_reference(_model(a), a.steps, lambda m, step: _loss(m, *_batch(a, corpus, step)), a.lr)
 
 
 def _summarise(a, ranks: list, single: Reference) -> Result3D:
@@ -280,6 +338,13 @@ def _summarise(a, ranks: list, single: Reference) -> Result3D:
     for step in range(a.steps):
         ls = [r.losses[step] for r in ranks if r.last and r.tp_rank == 0]
         losses.append(sum(ls) / len(ls))
+    pred = _planner(a)
+    if pred is not None:   # the expected counts are the planner's (DDP: the run's buckets, the same bytes)
+        for r in ranks:
+            exp = {ax: dict(kinds) for ax, kinds in pred[1][r.pp_rank].items()}
+            if "all_reduce" in r.expected.get("dp", {}):
+                exp["dp"]["all_reduce"] = (r.expected["dp"]["all_reduce"][0], exp["dp"]["all_reduce"][1])
+            r.expected = exp
     ov = [o for r in ranks for o in r.overlap[1:] if o == o] if a.dp > 1 and not a.zero else []
     return Result3D(ranks, single, losses, (sum(measured) / len(measured), _bubble_formula(a)),
                     sum(ov) / len(ov) if ov else float("nan"))
@@ -307,6 +372,91 @@ def _mib(b):
     return b / 2**20
 
 
+# schedule -> (the planner's schedule with the same stages per rank and messages, placement, whether the
+# planner models its activations). The zero-bubble ones keep microbatches until their W, which the
+# planner's in-flight counts do not model yet: their parameters and bytes per axis are still compared.
+_PLANNER_SCHEDULE = {"gpipe": ("gpipe", "loop", True), "1f1b": ("1f1b", "loop", True),
+                     "interleaved": ("interleaved", "loop", True), "zb-h1": ("1f1b", "loop", False),
+                     "zbv": ("interleaved", "v", False), "dualpipev": ("interleaved", "v", False)}
+
+
+def _planner(a):
+    """The planner's prediction for this run: ``(memory per pipeline rank, {pp_rank: {axis: {kind:
+    (count, bytes)}}}, what is compared: "all" | "no activations" | "nothing")``, or None when the
+    planner cannot take the layout. MoE: shown, not compared (the planner splits each expert over
+    the TP group, as Megatron-Core with expert TP = t; labkit's MoE blocks replicate them there)."""
+    from ..plan.comm import comm_per_rank
+    from ..plan.memory import memory_per_rank
+    from ..parallel.gpt import planner_spec
+    from ..plan.spec import Layout
+    if a.schedule not in _PLANNER_SCHEDULE:
+        return None
+    schedule, placement, act_modeled = _PLANNER_SCHEDULE[a.schedule]
+    compared = "nothing" if a.moe else ("all" if act_modeled else "no activations")
+    if a.cp > 1 and compared == "all":   # CP attention keeps q, k, v, out, lse, not labkit's layer's scores
+        compared = "no activations"
+    spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
+    try:
+        lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
+                     ep=a.dp if a.moe else 1,
+                     schedule=schedule, placement=placement, zero=1 if a.zero else 0, sequence_parallel=a.sp,
+                     recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention)
+        mem = memory_per_rank(spec, lay, device="cpu")
+        comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
+                for r in range(a.pp)}
+    except ValueError:
+        return None
+    return mem, comm, compared
+
+
+def _planner_table(a, out) -> tuple[list[str], list[str]]:
+    """Per rank, measured bytes next to the planner's: lines of the table and the mismatches
+    (memory and communication exact, activations within 2 %). DP all-reduces are compared by
+    bytes (the run reduces in buckets, the planner counts one per model chunk)."""
+    pred = _planner(a)
+    if pred is None:
+        return [f"planner: not shown for this layout (--schedule {a.schedule}, v={_v(a)})"], []
+    mem, comm, compared = pred
+    act_modeled = compared == "all"
+    bad, rows = [], []
+    head = (f"{'rank':>4}  {'params':>9} {'(planner)':>9}  {'grads':>9} {'(planner)':>9}  {'optimizer':>9} "
+            f"{'(planner)':>9}  {'activations':>11} {'(planner)':>9} {'diff':>6}  communication bytes per axis (planner)")
+    rows += [head, "-" * len(head)]
+    for r in sorted(out.ranks, key=lambda r: r.rank):
+        pm, m = mem[r.pp_rank], r.memory
+        for k in ("params", "grads", "optimizer"):
+            if m[k] != getattr(pm, k) and compared != "nothing":
+                bad.append(f"rank {r.rank} {k}: measured {m[k]} B, planner {getattr(pm, k)} B")
+        act = r.activations
+        diff = (pm.activations / act - 1) if act else float("nan")
+        if act_modeled and not abs(diff) <= 0.02:
+            bad.append(f"rank {r.rank} activations: measured {act} B, planner {pm.activations} B "
+                       f"({diff:+.1%}, more than 2 %)")
+        got, want = r.comm[-1], comm[r.pp_rank]
+        cells = []
+        for ax in sorted(set(got) | set(want)):
+            g, w = got.get(ax, {}), want.get(ax, {})
+            for kind in sorted(set(g) | set(w)):
+                (gc, gb), (wc, wb) = g.get(kind, (0, 0)), w.get(kind, (0, 0))
+                if compared != "nothing" and (gb != wb or (gc != wc and (ax, kind) != ("dp", "all_reduce"))):
+                    bad.append(f"rank {r.rank} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
+            cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
+        rows.append(f"{r.rank:>4}  {m['params']:>9} {pm.params:>9}  {m['grads']:>9} {pm.grads:>9}  "
+                    f"{m['optimizer']:>9} {pm.optimizer:>9}  {act if act else '-':>11} "
+                    f"{pm.activations if act_modeled else 'n/a':>9} {f'{diff:+.1%}' if act_modeled else '-':>6}  "
+                    f"{', '.join(cells)}")
+    if compared == "nothing":
+        rows.append("(MoE: shown, not compared: the planner splits each expert over the TP group, Megatron-Core's "
+                    "expert TP = t; here the TP ranks hold whole experts, and the EP bytes follow the routing)")
+    elif not act_modeled and a.cp > 1:
+        rows.append("(activations: not compared under CP; the planner counts labkit's layer at s/cp tokens, CP "
+                    "attention keeps q, k, v, its output and log-sum-exp instead of the scores)")
+    elif not act_modeled:
+        rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches yet; not "
+                    f"compared)")
+    return rows, bad
+
+
 def _axis_table(a, out) -> tuple[list[str], bool]:
     """Lines of the per-axis table (max over ranks of the per-step counts, steps after the first)
     and whether every rank's counts equal the formula at every timed step."""
@@ -314,7 +464,8 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
     ok = all(c == r.expected for r in ranks for c in r.comm[1:])
     rows = []
     labels = {"tp": f"TP (t={a.tp})", "cp": f"CP (cp={a.cp})", "pp": f"PP (p={a.pp})",
-              "dp": f"DP (d={a.dp})" if a.cp == 1 else f"DP (d*cp={a.dp * a.cp})", "embedding": "embedding"}
+              "dp": f"DP (d={a.dp})" if a.cp == 1 else f"DP (d*cp={a.dp * a.cp})", "ep": f"EP (={a.dp}, on DP)",
+              "embedding": "embedding"}
     kinds = sorted({(ax, k) for r in ranks for ax in r.expected for k in r.expected[ax]},
                    key=lambda x: (list(labels).index(x[0]), x[1]))
     head = f"{'axis':<12}{'collective':<16}{'count/step':>11}{'(formula)':>10}{'MiB/step':>10}{'(formula)':>10}  ranks"
@@ -442,9 +593,15 @@ class ThreeDLab(Lab):
         ranks = out.ranks
         print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
               f"on t={a.tp}{f' x cp={a.cp} ({a.cp_attention})' if a.cp > 1 else ''} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
-              f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}, "
+              f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}"
+              f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}"
+              f"{f', MoE E={a.experts} top-{a.topk} EP={a.dp}' if a.moe else ''}, "
               f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
         rows, counts_ok = _axis_table(a, out)
+        if a.moe or (_planner(a) is None and (a.sp or a.recompute != "none")):
+            counts_ok = True       # ParallelGPT.expected_comm models neither; the planner not these schedules
+            rows.append("(the formula column does not model this layout (--moe, or --sp/--recompute with this "
+                        "schedule): not compared)")
         print("\nCommunication per step and rank (the busiest rank; payload bytes as counted by labkit.comm):")
         print("\n".join(rows))
         print("formulas: TP 4 all-reduces of b*S*H per block per microbatch (+1 embedding, +1 output layer, +3 of b*S "
@@ -472,6 +629,12 @@ class ThreeDLab(Lab):
             f = max if key == "max" else min
             print(f"{key:<18}{_mib(f(m['params'] for m in mem)):>11.3f}{_mib(f(m['grads'] for m in mem)):>11.3f}"
                   f"{_mib(f(m['optimizer'] for m in mem)):>15.3f}")
+        planner_bad = []
+        if a.steps > 1:
+            prow, planner_bad = _planner_table(a, out)
+            print("\nPer rank, measured next to the planner (bytes; activations: peak saved for backward in the last "
+                  "step, saved_tensors_hooks):")
+            print("\n".join(prow))
         tokens = a.batch * a.seq * (a.steps - 1)
         par_s = max(r.seconds for r in ranks)
         if a.steps > 1:
@@ -479,6 +642,7 @@ class ThreeDLab(Lab):
                   f"one device (one CPU thread each; {os.cpu_count()} cores here)")
         print(f"lab time: {time.perf_counter() - self.t_start:.1f} s")
         failures = [] if counts_ok else ["FAIL: the counted collectives differ from the formula (table above)"]
+        failures += [f"FAIL: planner: {line}" for line in planner_bad]
         return Report({_run_name(a): ranks[0].verdict}, failures)
 
     def files(self, a, outcome, folder):

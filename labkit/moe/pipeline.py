@@ -1,4 +1,7 @@
-"""The MoE GPT under pipeline parallelism: balance losses and the aux-loss-free bias per stage.
+"""Balance losses and the aux-loss-free bias when the MoE GPT is cut into pipeline stages.
+
+The stages themselves (a composition of MoE and the pipeline axis) are in
+:mod:`labkit.parallel.moe_pipeline`; this module holds the two MoE pieces they use.
 
 A pipeline stage returns ONE tensor (its activations) and the runtime differentiates only the
 last stage's loss (:mod:`labkit.pipeline.runtime`). An MoE layer on a middle stage also makes a
@@ -26,18 +29,11 @@ the bias updated once per microbatch.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
-import torch.nn as nn
 
-from ..pipeline.schedules import stage_rank
-from ..pipeline.stages import stage_layers
 from .expert_parallel import all_reduce_loads
-from .model import MoEBlock, MoEGPT
 
-__all__ = ["attach_aux_loss", "MoEGPTStage", "split_moe_gpt", "moe_stages_for_rank", "finish_step",
-           "moe_param_name"]
+__all__ = ["attach_aux_loss", "finish_step"]
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -67,76 +63,6 @@ def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: float, on_backwar
     return _AttachAuxLoss.apply(x, aux, float(scale), on_backward)
 
 
-class MoEGPTStage(nn.Module):
-    """One pipeline stage of the :class:`~labkit.moe.model.MoEGPT`: optional ``embedding``,
-    some ``blocks`` (Block or MoEBlock), optional ``head``; ``forward(ids [b, S] or x [b, S, H])
-    -> x [b, S, H] or logits [b, S, V]``, with the balance loss of every MoE block attached to
-    its output (scale ``aux_loss_scale``, set to 1/M by :func:`split_moe_gpt`).
-
-    ``loads`` {global block index: [E] long}: loads summed over the forwards whose backward ran
-    since the last :func:`finish_step`; ``aux_values`` the (unscaled) aux losses of those forwards."""
-
-    def __init__(self, embedding, blocks, head, layer_ids, aux_loss_scale: float):
-        super().__init__()
-        self.embedding, self.head = embedding, head
-        self.blocks = nn.ModuleList(blocks)
-        self.layer_ids = list(layer_ids)
-        self.aux_loss_scale = aux_loss_scale
-        self.loads: dict[int, torch.Tensor] = {}
-        self.aux_values: list[float] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embedding is not None:
-            x = self.embedding(x)
-        for lid, block in zip(self.layer_ids, self.blocks):
-            if isinstance(block, MoEBlock):
-                x, stats = block(x)
-                if torch.is_grad_enabled():
-                    # counted when this forward's backward runs: exactly once per microbatch and step
-                    # (not for the runtime's shape probe, nor for the no-grad forward of recomputation)
-                    count = self._counter(lid, stats.tokens_per_expert.clone(), stats.aux_loss.item())
-                    x = attach_aux_loss(x, stats.aux_loss, self.aux_loss_scale, count)
-            else:
-                x = block(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
-
-    def _counter(self, lid: int, load: torch.Tensor, aux: float):
-        def count():
-            self.loads[lid] = self.loads[lid] + load if lid in self.loads else load
-            self.aux_values.append(aux)
-        return count
-
-    def moe_layers(self) -> dict:
-        """{global block index: MoE layer} of this stage."""
-        return {lid: b.moe for lid, b in zip(self.layer_ids, self.blocks) if isinstance(b, MoEBlock)}
-
-
-def split_moe_gpt(model: MoEGPT, n_stages: int, n_microbatches: int, stages=None) -> list[MoEGPTStage]:
-    """Deep copies of ``model``'s parts as ``n_stages`` stages (only the indices in ``stages``
-    when given), by layers as :func:`labkit.pipeline.stages.split_gpt`; each stage's
-    ``aux_loss_scale`` is 1/M. Raises ScheduleError when the layers do not divide evenly."""
-    L = model.cfg.n_layer
-    stage_layers(L, n_stages, 0)
-    if n_microbatches < 1:
-        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
-    out = []
-    for i in (range(n_stages) if stages is None else stages):
-        ids = stage_layers(L, n_stages, i)
-        out.append(MoEGPTStage(copy.deepcopy(model.embedding) if i == 0 else None,
-                               [copy.deepcopy(model.blocks[j]) for j in ids],
-                               copy.deepcopy(model.head) if i == n_stages - 1 else None,
-                               ids, 1.0 / n_microbatches))
-    return out
-
-
-def moe_stages_for_rank(model: MoEGPT, K: int, v: int, rank: int, n_microbatches: int) -> list[MoEGPTStage]:
-    """The v stages of pipeline rank ``rank`` with looped placement (stage i on rank i % K)."""
-    n = K * v
-    return split_moe_gpt(model, n, n_microbatches, [s for s in range(n) if stage_rank(s, K) == rank])
-
-
 @torch.no_grad()
 def finish_step(stages, dp_group=None) -> dict:
     """After a schedule's step: sum each MoE layer's loads over the DP group (all-reduce; None:
@@ -154,12 +80,3 @@ def finish_step(stages, dp_group=None) -> dict:
             done[lid] = load
         st.aux_values.clear()
     return done
-
-
-def moe_param_name(stage: MoEGPTStage, name: str) -> str:
-    """Name in the single-device MoEGPT of a stage parameter or buffer (``blocks.0.x`` ->
-    ``blocks.<global>.x``)."""
-    if name.startswith("blocks."):
-        _, i, rest = name.split(".", 2)
-        return f"blocks.{stage.layer_ids[int(i)]}.{rest}"
-    return name

@@ -5,8 +5,11 @@ The one place that builds a model on a :class:`labkit.grid.ProcessGrid` from the
 :mod:`labkit.moe`, and none of them imports it.
 
 * :mod:`.gpt`: :class:`ParallelGPT` (dense GPT, any t, p, d, any schedule, DDP or ZeRO-1, tied
-  embeddings), :func:`check_layout`, :func:`layout`;
-* :mod:`.moe`: :class:`ParallelMoEGPT` (attention TP over t, experts over EP = the DP group).
+  embeddings, sequence parallelism, recompute none | selective | full), :func:`check_layout`,
+  :func:`layout`; each stage: slice -> parallelize -> data-parallel wrapper -> pipeline stage;
+* :mod:`.moe`: :class:`ParallelMoEGPT` (attention TP over t, experts over EP = the DP group);
+* :mod:`.moe_pipeline`: the MoE GPT cut into pipeline stages (MoE x PP);
+* :mod:`.expert_slicing`: expert slicing with tensor-parallel non-expert layers (DeepSpeed-MoE).
 """
 from .gpt import SCHEDULES, ParallelGPT, check_layout, layout
 from .moe import ParallelMoEGPT

@@ -63,15 +63,18 @@ from ..context_parallel import (ATTENTIONS, check_sequence_split, check_ulysses,
                                 shard_sequence)
 from ..grid import ProcessGrid
 from ..model import lm_loss
+from ..moe.expert_parallel import expert_param_names
+from ..moe.pipeline import finish_step
 from ..pipeline.registry import canonical, lookup, names
 from ..pipeline.runtime import PipelineStage
 from ..pipeline.schedules import stage_rank
-from ..pipeline.stages import gpt_param_name, stage_layers
+from ..pipeline.stages import stage_layers
 from ..plan.comm import comm_per_rank
 from ..plan.memory import check_layout as plan_check_layout
 from ..plan.spec import Layout, ModelSpec
 from ..tensor_parallel import allreduce_layernorm_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
+from .moe_pipeline import moe_block_rule, split_moe_gpt
 
 __all__ = ["SCHEDULES", "check_layout", "check_cp_layout", "ParallelGPT", "layout"]
 
@@ -178,6 +181,18 @@ def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") 
     return out
 
 
+def planner_spec(cfg, seq: int, batch: int, moe_cfg=None, moe_layer_freq: int = 1) -> ModelSpec:
+    """The planner's :class:`labkit.plan.spec.ModelSpec` of labkit's GPT (``moe_cfg``: of its MoE
+    variant, :class:`labkit.moe.MoEGPT`: E routed experts of width ``moe_ffn_dim``, top-k, shared
+    experts, every ``moe_layer_freq``-th layer MoE)."""
+    spec = ModelSpec.from_gpt_config(cfg, seq_len=seq, global_batch=batch)
+    if moe_cfg is None:
+        return spec
+    return replace(spec, n_routed_experts=moe_cfg.n_routed_experts, n_activated_experts=moe_cfg.n_activated_experts,
+                   n_shared_experts=moe_cfg.n_shared_experts, moe_ffn=moe_cfg.moe_ffn_dim,
+                   moe_layer_freq=moe_layer_freq)
+
+
 class ParallelGPT:
     """This rank's part of the GPT on a :class:`labkit.grid.ProcessGrid` (t, p, d).
 
@@ -190,6 +205,12 @@ class ParallelGPT:
         n_microbatches: M per step (per DP rank).
         zero: ZeRO-1 over the DP group instead of DDP (see :meth:`make_optimizer`).
         bucket_cap_mb: DDP bucket size.
+        reference may also be a :class:`labkit.moe.MoEGPT` whose MoE layers route in
+            ``token_groups = d*M`` groups: its experts are spread over the DP group (EP folded onto
+            DP, Megatron-Core's "parallel folding"; E divisible by d), each stage attaches its balance
+            losses (:mod:`labkit.parallel.moe_pipeline`), DDP leaves the experts unreduced (their
+            gradient already sums every rank's tokens through the all-to-all). Not with ZeRO, SP or
+            recompute (ValueError).
         sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
             Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
             shard and the ``sequence_parallel`` gradients are all-reduced over TP in :meth:`train_step`.
@@ -209,12 +230,29 @@ class ParallelGPT:
                  recompute: str = "none", plan: dict | None = None, cp_attention: str = "ring"):
         cfg = reference.cfg
         cp = getattr(grid, "cp", 1)
+        moe_cfg = getattr(reference, "moe_cfg", None)
         check_layout(cfg, grid.ctx.world_size // cp, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule,
-                     sequence_parallel=sequence_parallel, recompute=recompute)
+                     sequence_parallel=sequence_parallel, recompute=recompute,
+                     n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts)
         if cp > 1:
             check_cp_layout(cfg, grid.tp, cp, cp_attention, sequence_parallel, zero)
+            if moe_cfg is not None:
+                raise ValueError("context parallelism (cp > 1) is not combined with the MoE GPT here")
         self.cp, self.cp_attention = cp, cp_attention
         self.cp_stats: list = []    # ring attention's per-step {"work", "seconds", ...} (cleared by the caller)
+        if moe_cfg is not None:
+            if zero or (sequence_parallel and grid.tp > 1) or recompute != "none":
+                raise ValueError("the MoE GPT runs here with DDP, without sequence parallelism and without "
+                                 f"recompute (got zero={zero}, sequence_parallel={sequence_parallel}, "
+                                 f"recompute={recompute!r})")
+            if grid.ep != grid.dp:
+                raise ValueError(f"ParallelGPT folds EP onto the whole DP group: ep must equal d={grid.dp}, "
+                                 f"got ep={grid.ep}")
+            if moe_cfg.token_groups != grid.dp * n_microbatches:
+                raise ValueError(f"the reference must route in token_groups = d*M = {grid.dp * n_microbatches} "
+                                 f"groups (one per microbatch and DP rank), got {moe_cfg.token_groups}")
+        self.moe = moe_cfg is not None
+        self.moe_cfg, self.moe_layer_freq = moe_cfg, getattr(reference, "moe_layer_freq", 1)
         self.cfg, self.grid, self.v, self.M = cfg, grid, v, n_microbatches
         self.sequence_parallel, self.recompute = bool(sequence_parallel) and grid.tp > 1, recompute
         self.zero, self.bucket_cap_mb = zero, bucket_cap_mb
@@ -226,12 +264,18 @@ class ParallelGPT:
         info = lookup(schedule)
         self.placement = placement = info.placement
         self.stage_ids = [s for s in range(n) if stage_rank(s, p, placement) == grid.pp_rank]
-        plan = plan if plan is not None else gpt_plan(self.sequence_parallel, recompute)
+        group = grid.tp_group if tpg is not None or recompute != "none" else None
+        if plan is None:
+            plan = gpt_plan(self.sequence_parallel, recompute) if group is not None else {}
+            if self.moe:
+                plan = {**plan, "blocks.*": moe_block_rule(grid.ep_group, grid.ep_rank, grid.ep, plan.get("blocks.*"))}
         self.modules: list[nn.Module] = []
         for s in self.stage_ids:
-            stage = reference.slice(stage_layers(cfg.n_layer, n, s), s == 0, s == n - 1)   # slice
-            if tpg is not None or recompute != "none":
-                parallelize(stage, grid.tp_group, plan)                                    # parallelize
+            if self.moe:                                                                    # slice
+                stage = split_moe_gpt(reference, n, n_microbatches, [s])[0]
+            else:
+                stage = reference.slice(stage_layers(cfg.n_layer, n, s), s == 0, s == n - 1)
+            parallelize(stage, group, plan)                                                 # parallelize
             self.modules.append(stage.to(device))
         # embedding group: first and last pipeline rank with this (dp_rank, tp_rank); every rank
         # creates every group, in the same order (a torch rule)
@@ -252,8 +296,8 @@ class ParallelGPT:
                     g = grid.ctx.group if len(ranks) == grid.ctx.world_size else grid.ctx.new_group(ranks)
                     if grid.ctx.rank in ranks:
                         self.dp_cp_group, self.dp_cp_ranks = g, tuple(ranks)
-        self.ddp = [DistributedDataParallel(m, self.dp_cp_group, bucket_cap_mb) if d * cp > 1 and not zero else None
-                    for m in self.modules]                                                  # data parallel
+        self.ddp = [DistributedDataParallel(m, self.dp_cp_group, bucket_cap_mb, expert_params=expert_param_names(m))
+                    if d * cp > 1 and not zero else None for m in self.modules]             # data parallel
         submods = [w if w is not None else m for w, m in zip(self.ddp, self.modules)]
         stages = [PipelineStage(sm, s, n, device, group=grid.pp_group)                     # pipeline stage
                   for sm, s in zip(submods, self.stage_ids)]
@@ -308,6 +352,8 @@ class ParallelGPT:
                 w.finish_grad_sync()          # no-op when the last backward completed it
         if self.sequence_parallel:            # LayerNorms etc. saw S/t tokens: sum over TP, once per step
             allreduce_layernorm_grads(nn.ModuleList(self.modules), self.grid.tp_group)
+        if self.moe and any(layer.cfg.expert_bias for m in self.modules for layer in m.moe_layers().values()):
+            finish_step(self.modules, self.grid.dp_group if self.grid.dp > 1 else None)   # aux-loss-free bias
         if self.emb_group is not None:
             w = self._tied_weight()
             if w.grad is None:
@@ -331,6 +377,28 @@ class ParallelGPT:
             for block in m.blocks:
                 block.attn.core = core
         return shard_sequence(x, 1, g.cp_rank, self.cp), shard_sequence(y, 1, g.cp_rank, self.cp)
+
+    def take_aux_loss(self) -> float:
+        """MoE: the sum over this rank's MoE layers of their balance loss averaged over the step's M
+        microbatches (from the forwards whose backward ran; unscaled, as in the reference's loss),
+        then forgotten. Local: the stages of the other pipeline ranks hold the other layers'."""
+        total = 0.0
+        for m in self.modules:
+            values = getattr(m, "aux_values", None)
+            if values:
+                total += sum(values) / self.M
+                values.clear()
+        return total
+
+    def reference_name(self, stage: nn.Module, name: str) -> str:
+        """The single-device model's name of ``stage``'s parameter or buffer ``name``: global block
+        index, and for a local expert its global id (``...moe.experts.<expert_offset + j>...``)."""
+        if ".experts." in name:
+            pre, rest = name.split(".experts.", 1)
+            j, tail = rest.split(".", 1)
+            offset = getattr(stage.get_submodule(pre), "expert_offset", 0)
+            name = f"{pre}.experts.{offset + int(j)}.{tail}"
+        return stage.reference_name(name)
 
     def _tied_weight(self) -> nn.Parameter:
         for m in self.modules:
@@ -357,7 +425,7 @@ class ParallelGPT:
                 tensor = prm.grad if what == "grad" else prm.detach()
                 if tensor is not None and getattr(prm, "tensor_model_parallel", False) and self.grid.tp > 1:
                     tensor = all_gather_along_dim(tensor, prm.partition_dim, self.grid.tp_group)
-                out[gpt_param_name(m, name)] = None if tensor is None else tensor.detach().cpu().clone()
+                out[self.reference_name(m, name)] = None if tensor is None else tensor.detach().cpu().clone()
         return out
 
     def memory(self) -> dict:
@@ -393,7 +461,7 @@ class ParallelGPT:
         if ranks == tp_r and g.tp > 1:
             return "tp"
         if ranks == dp_r and len(dp_r) > 1:
-            return "dp"
+            return "ep" if rec.kind == "all_to_all" else "dp"     # EP folded onto the DP ranks
         if self.emb_ranks and ranks == set(self.emb_ranks):
             return "embedding"
         return "other"
@@ -424,8 +492,9 @@ class ParallelGPT:
         counts as 1F1B and every other as interleaved, in this schedule's placement), with this
         rank's DDP bucket count."""
         g = self.grid
-        spec = ModelSpec.from_gpt_config(self.cfg, seq_len=seq, global_batch=batch)
+        spec = planner_spec(self.cfg, seq, batch, self.moe_cfg, self.moe_layer_freq)
         lay = Layout(t=g.tp, p=g.pp, d=g.dp, v=self.v, b=batch // (g.dp * self.M), M=self.M,
+                     ep=g.dp if self.moe else 1,
                      schedule="interleaved" if self.v > 1 else "1f1b",
                      zero=1 if self.zero else 0, precision="fp32", placement=self.placement,
                      sequence_parallel=self.sequence_parallel, recompute=self.recompute,

@@ -27,28 +27,14 @@ import torch.nn as nn
 
 from ..data_parallel import DistributedDataParallel
 from ..model import lm_loss
-from ..moe.expert_parallel import ExpertParallelMoE, expert_param_names
+from ..moe.expert_parallel import expert_param_names
 from ..moe.model import MoEBlock, total_aux_loss
-from ..tensor_parallel import ParallelAttention, ParallelBlock, ParallelEmbedding, ParallelHead
+from ..tensor_parallel import ParallelBlock, ParallelEmbedding, ParallelHead
 from ..tensor_parallel.mappings import all_gather_along_dim
 from .gpt import check_layout
+from .moe_pipeline import ParallelMoEBlock
 
 __all__ = ["ParallelMoEGPT"]
-
-
-class _MoEBlock(nn.Module):
-    """x + Attn_TP(LN1 x), then x + MoE_EP(LN2 x). ``[B, S, H] -> ([B, S, H], MoEStats)``."""
-
-    def __init__(self, ref: MoEBlock, tp_group, ep_group, ep_rank: int, ep_size: int):
-        super().__init__()
-        self.ln1, self.ln2 = copy.deepcopy(ref.ln1), copy.deepcopy(ref.ln2)
-        self.attn = ParallelAttention.from_reference(ref.attn, tp_group) if tp_group else copy.deepcopy(ref.attn)
-        self.moe = ExpertParallelMoE.from_dense(ref.moe, ep_group, ep_rank, ep_size)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        y, stats = self.moe(self.ln2(x))
-        return x + y, stats
 
 
 class _Model(nn.Module):
@@ -57,14 +43,14 @@ class _Model(nn.Module):
         tpg = grid.tp_group if grid.tp > 1 else None
         self.embedding = ParallelEmbedding(ref.embedding, tpg) if tpg else copy.deepcopy(ref.embedding)
         self.blocks = nn.ModuleList([
-            _MoEBlock(b, tpg, grid.ep_group, grid.ep_rank, grid.ep) if isinstance(b, MoEBlock)
+            ParallelMoEBlock(b, tpg, grid.ep_group, grid.ep_rank, grid.ep) if isinstance(b, MoEBlock)
             else (ParallelBlock(b, tpg) if tpg else copy.deepcopy(b)) for b in ref.blocks])
         self.head = ParallelHead(ref.head, tpg) if tpg else copy.deepcopy(ref.head)
 
     def forward(self, idx):
         x, stats = self.embedding(idx), []
         for b in self.blocks:
-            if isinstance(b, _MoEBlock):
+            if isinstance(b, ParallelMoEBlock):
                 x, s = b(x)
                 stats.append(s)
             else:

@@ -10,11 +10,12 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   and MLP) and twice backward (f); the input embedding once forward, the output layer once
   backward, the vocab-parallel cross-entropy 3 times ``N`` fp32 values. With sequence
   parallelism (Korthikanti et al. 2022 sec. 4.2.2) each all-reduce becomes a reduce-scatter +
-  an all-gather (same wire bytes) and backward re-gathers the two column-parallel inputs;
-  once per step the LayerNorm (and row-parallel bias) gradients are all-reduced. Full
-  recompute repeats the forward's collectives in backward.
-* PP: each stage boundary sends ``N h`` forward and the gradient back (labkit sends the
-  full activation; Megatron with SP sends the shard); a tied embedding adds one all-reduce of
+  an all-gather (same wire bytes) and backward re-gathers the column-parallel inputs (the two
+  of each layer and the output layer's); once per step the gradients of the parameters that saw
+  S/t tokens (LayerNorms, row-parallel biases, the final norm, learned positions) are
+  all-reduced. Full recompute repeats the forward's collectives in backward.
+* PP: each stage boundary sends ``N h`` forward and the gradient back (with SP each TP rank
+  sends its ``N h / t`` shard, as Megatron does); a tied embedding adds one all-reduce of
   its gradient between the first and the last stage per step (axis "embedding").
 * DP (Rajbhandari et al. 2020 sec. 7): ZeRO-0 all-reduces the gradients once per step
   (``2 (d-1)/d`` Psi on the wire), ZeRO-1/2 reduce-scatter the gradients and all-gather the
@@ -114,15 +115,21 @@ def tp_comm(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_ran
         bwd.add("reduce_scatter", Ml * 2 * L_r, act)             # backward of g
         bwd.add("all_gather", Ml * 2 * L_r, act // t)            # backward of g-bar
         n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
+        n_ln += spec.norm_params() if holds_last(lay, r) else 0            # the final norm
+        if holds_first(lay, r) and spec.position == "learned":             # positions added per S/t block
+            n_ln += spec.seq_len * h
         bwd.add("all_reduce", 1 if n_ln else 0, n_ln * gb)      # sequence-parallel gradients
     else:
         fwd.add("all_reduce", Ml * 2 * L_r, act)                 # g after attention and MLP
         bwd.add("all_reduce", Ml * 2 * L_r * (1 + again), act)   # f of each
     if holds_first(lay, r):                                      # vocab-parallel embedding: g
         fwd.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", Ml, act)
+        if lay.sequence_parallel:                                # its backward: an all-gather
+            bwd.add("all_gather", Ml, act // t)
     if holds_last(lay, r):                                       # output layer f, cross-entropy
-        if lay.sequence_parallel:
+        if lay.sequence_parallel:                                # gather (+ re-gather in backward), dX
             fwd.add("all_gather", Ml, act // t)
+            bwd.add("all_gather", Ml if regather_in_backward else 0, act // t)
             bwd.add("reduce_scatter", Ml, act)
         else:
             bwd.add("all_reduce", Ml, act)
@@ -193,9 +200,10 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     last = p * v - 1
     n_send_f = sum(1 for s in stages if s != last and s + 1 not in stages)   # V placement: p-1 -> p stays
     n_send_b = sum(1 for s in stages if s != 0 and s - 1 not in stages)
-    if p > 1:
-        pp.add("send", M * (n_send_f + n_send_b), act)
-        pp.add("recv", M * (n_send_f + n_send_b), act)
+    if p > 1:                                                   # SP: each TP rank sends its S/t shard
+        msg = act // t if lay.sequence_parallel else act
+        pp.add("send", M * (n_send_f + n_send_b), msg)
+        pp.add("recv", M * (n_send_f + n_send_b), msg)
         if spec.tied_embeddings and r in (0, p - 1) and lay.placement == "loop":   # 2 copies of a tied embedding
             out["embedding"].add("all_reduce", 1, math.ceil(spec.vocab_size / t) * h * gb)
 

@@ -377,7 +377,8 @@ def _embedding_act(spec: ModelSpec, lay: Layout, device: str = "cuda") -> int:
     and, with dropout > 0, the embedding-dropout mask ``s b h`` elements of the mask size
     (split by t under sequence parallelism, where the embedding output is scattered first)."""
     sb = spec.seq_len * lay.b
-    n = sb * 8 + (spec.seq_len * 8 if spec.position == "learned" else 0) + (sb if lay.t > 1 else 0)
+    ts = lay.t if lay.sequence_parallel else 1         # SP: this rank's S/t positions
+    n = sb * 8 + (spec.seq_len * 8 // ts if spec.position == "learned" else 0) + (sb if lay.t > 1 else 0)
     if spec.dropout > 0:
         mask = torch_saved_bytes_per_element(BYTES[lay.precision][0], device)["mask"]
         n += sb * spec.hidden * mask // (lay.t if lay.sequence_parallel else 1)
@@ -428,9 +429,12 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         moe = [spec.is_moe_layer(i) for i in ids]
         chunk_act = sum(_layer_act(spec, lay, m, device) for m in moe) / len(chunks)
         act = units * chunk_act
-        if lay.recompute == "full":   # the layer being recomputed in backward is alive too
-            act += max(_layer_act(spec, Layout(**{**lay.__dict__, "recompute": "none"}),
-                                  spec.is_moe_layer(i), device) for i in ids)
+        if lay.recompute == "full":
+            # the layer being recomputed in backward holds its whole stash again (its input is already
+            # counted); on the last stage that microbatch's head stash is freed by then
+            none = Layout(**{**lay.__dict__, "recompute": "none"})
+            rec = max(_layer_act(spec, none, m, device) - _layer_act(spec, lay, m, device) for m in moe)
+            act += max(rec - _head_act(spec, lay, device), 0) if holds_last(lay, r) else rec
         if holds_first(lay, r):
             act += stage_in_flight(lay, M, "first") * _embedding_act(aspec, lay, device)
         if holds_last(lay, r):

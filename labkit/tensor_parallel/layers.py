@@ -92,6 +92,18 @@ def mark_sequence_parallel(*params) -> None:
             p.sequence_parallel = True
 
 
+def _runs(t: torch.Tensor | None) -> bool:
+    """Inside a backward: will autograd run the node that made ``t`` in this pass? (A split
+    backward asks for the input gradient first and the weight gradients later.)"""
+    return t is not None and t.grad_fn is not None and torch._C._will_engine_execute_node(t.grad_fn)
+
+
+def _node(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` through a view: a node of its own that autograd runs only when ``t``'s gradient is
+    wanted in this pass (the engine cannot be asked about a leaf during ``autograd.grad``)."""
+    return t.view_as(t) if t is not None and t.requires_grad else t
+
+
 class _GatherLinears(torch.autograd.Function):
     """All-gather a sequence shard, then apply n linear layers to the full sequence; save only
     the SHARD and all-gather it again in backward (Korthikanti et al. 2022, sec. 4.2.2, end).
@@ -99,6 +111,9 @@ class _GatherLinears(torch.autograd.Function):
     The n layers (q, k, v: Megatron's fused ``linear_qkv``) share one all-gather forward, one
     re-gather and one reduce-scatter of dL/dX backward. Inputs: ``x`` ``[B, S/t, H]``, then
     ``w_0, b_0, w_1, b_1, ...`` (b may be None). Outputs: ``y_i`` ``[B, S, out_i]``.
+    Under a split backward (zero-bubble schedules: I, then W) the input gradient and its
+    reduce-scatter run only in the pass that wants them, the re-gather and the weight gradients
+    only in the other, so each collective runs once.
     """
 
     @staticmethod
@@ -106,22 +121,30 @@ class _GatherLinears(torch.autograd.Function):
         ctx.group, ctx.n = group, n
         ctx.has_bias = [wb[2 * i + 1] is not None for i in range(n)]
         total = all_gather_along_dim(x, SEQUENCE_DIM, group)
-        ctx.save_for_backward(x, *wb[0::2])
+        ctx.save_for_backward(x, *wb)
         return tuple(F.linear(total, wb[2 * i], wb[2 * i + 1]) for i in range(n))
 
     @staticmethod
     def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
-        total = all_gather_along_dim(x, SEQUENCE_DIM, ctx.group)   # the extra all-gather
-        total2d = total.reshape(-1, total.shape[-1])
-        dx = None
-        out = []
-        for g, w, has_b in zip(grads, weights, ctx.has_bias):
-            g2d = g.reshape(-1, g.shape[-1])
-            part = g @ w                                            # dL/dX of this branch
-            dx = part if dx is None else dx + part
-            out += [g2d.t() @ total2d, g2d.sum(0) if has_b else None]
-        dx = reduce_scatter_along_dim(dx, SEQUENCE_DIM, ctx.group)  # sum over ranks, keep my tokens
+        x, *wb = ctx.saved_tensors
+        weights, biases = wb[0::2], wb[1::2]
+        need_x = ctx.needs_input_grad[0] and _runs(x)
+        need_w = any(_runs(t) for t in wb)
+        dx, out = None, []
+        if need_w:
+            total = all_gather_along_dim(x, SEQUENCE_DIM, ctx.group)   # the extra all-gather
+            total2d = total.reshape(-1, total.shape[-1])
+        for g, w, b in zip(grads, weights, biases):
+            if need_x:
+                part = g @ w                                            # dL/dX of this branch
+                dx = part if dx is None else dx + part
+            if need_w:
+                g2d = g.reshape(-1, g.shape[-1])
+                out += [g2d.t() @ total2d, g2d.sum(0) if b is not None else None]
+            else:
+                out += [None, None]
+        if need_x:
+            dx = reduce_scatter_along_dim(dx, SEQUENCE_DIM, ctx.group)  # sum over ranks, keep my tokens
         return (dx, None, None, *out)
 
 
@@ -136,8 +159,8 @@ def column_parallel_linears(x: torch.Tensor, layers, group, sequence_parallel: b
     Communication: TP backward 1 all-reduce of dL/dX; SP forward 1 all-gather, backward 1
     reduce-scatter (+1 all-gather when re-gathering)."""
     if sequence_parallel and regather_in_backward and tp_size(group) > 1:
-        args = [a for layer in layers for a in (layer.weight, layer.bias)]
-        return list(_GatherLinears.apply(x, group, len(layers), *args))
+        args = [_node(a) for layer in layers for a in (layer.weight, layer.bias)]
+        return list(_GatherLinears.apply(_node(x), group, len(layers), *args))
     if sequence_parallel:
         x = gather_from_sequence_parallel_region(x, group)
     elif copy_input:
