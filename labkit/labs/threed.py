@@ -36,6 +36,7 @@ over the d C ranks of a stage; the table then has a CP row (K/V traffic = the pl
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -275,20 +276,23 @@ def _worker(ctx, a, corpus) -> RankResult:
             out += sharded_pieces(m, grid.tp_rank, grid.tp, rename)
         return out
 
-    wire, losses, comm, seconds, overlaps, timelines = [], [], [], 0.0, [], []
+    wire, losses, comm, seconds, overlaps, timelines, act_peak = [], [], [], 0.0, [], [], None
     peak_mem = {"params": 0, "grads": 0, "optimizer": 0}
     for step in range(a.steps):
         x, y = _batch(a, corpus, step)
         pg.zero_grad()
         pg.cp_stats.clear()
         t0 = time.perf_counter()
-        with CommLog() as log, SavedTensorMeter(exclude=pg.parameters()) as meter:
+        # activations: the peak of the last step (in the first one the runtime measures each stage's
+        # first forward itself; the hooks cost time, so only one step carries them)
+        meter = SavedTensorMeter(exclude=pg.parameters()) if step == a.steps - 1 and step >= 1 else None
+        with CommLog() as log, meter if meter is not None else contextlib.nullcontext():
             loss = pg.train_step(x, y)
             if a.zero and grid.dp > 1:
                 opt.reduce_gradients()
         t_bwd = time.perf_counter() - t0
-        # the peak of a later step: in the first one the runtime measures each stage's first forward itself
-        act_peak = meter.peak if step >= 1 else None
+        if meter is not None:
+            act_peak = meter.peak
         if a.zero and grid.dp > 1:
             opt.gather_gradients()          # inspection only, outside the counted window
         if a.moe:                           # the balance losses live on every stage: sum them over PP
