@@ -75,6 +75,7 @@ class ParallelAttention(nn.Module):
                                           sequence_parallel=sequence_parallel)
         self.attn_drop = nn.Dropout(dropout)
         self.resid_drop = nn.Dropout(dropout)
+        self.core = None   # None: causal_attention; context parallelism (labkit.parallel) sets its (q, k, v) -> y
 
     @classmethod
     def from_reference(cls, attn: nn.Module, group, **kwargs) -> "ParallelAttention":
@@ -96,7 +97,9 @@ class ParallelAttention(nn.Module):
         q = q.view(B, S, self.n_head_local, d).transpose(1, 2)
         k = k.view(B, S, self.n_kv_head_local, d).transpose(1, 2)
         v = v.view(B, S, self.n_kv_head_local, d).transpose(1, 2)
-        if self.recompute_core:   # keep q, k, v; recompute the s^2 part (scores, softmax, dropout, sum)
+        if self.core is not None:   # context parallelism's (q, k, v) -> y
+            y = self.core(q, k, v)
+        elif self.recompute_core:   # keep q, k, v; recompute the s^2 part (scores, softmax, dropout, sum)
             y = checkpoint(causal_attention, q, k, v, self.attn_drop)
         else:
             y = causal_attention(q, k, v, self.attn_drop)                 # local heads only
