@@ -608,7 +608,8 @@ class ThreeDLab(Lab):
         v = _v(a)
         ranks = out.ranks
         print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
-              f"on t={a.tp}{f' x cp={a.cp} ({a.cp_attention})' if a.cp > 1 else ''} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
+              f"on t={a.tp}{f' x cp={a.cp} ({a.cp_attention})' if a.cp > 1 else ''} x p={a.pp} x d={a.dp} = "
+              f"{len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
               f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}"
               f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}"
               f"{f', MoE E={a.experts} top-{a.topk} EP={a.dp}' if a.moe else ''}, "

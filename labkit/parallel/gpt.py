@@ -57,10 +57,9 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..context_parallel import ATTENTIONS, check_sequence_split, check_ulysses, sequence_positions, shard_sequence
 from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer
 from ..data_parallel.zero import optimizer_state_bytes
-from ..context_parallel import (ATTENTIONS, check_sequence_split, check_ulysses, sequence_positions,
-                                shard_sequence)
 from ..grid import ProcessGrid
 from ..model import lm_loss
 from ..moe.expert_parallel import expert_param_names
