@@ -408,8 +408,6 @@ def _planner(a):
         return None
     schedule, placement, act_modeled = _PLANNER_SCHEDULE[a.schedule]
     compared = "nothing" if a.moe else ("all" if act_modeled else "no activations")
-    if a.cp > 1 and compared == "all":   # CP attention keeps q, k, v, out, lse, not labkit's layer's scores
-        compared = "no activations"
     spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     try:
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
@@ -464,9 +462,6 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     if compared == "nothing":
         rows.append("(MoE: shown, not compared: the planner splits each expert over the TP group, Megatron-Core's "
                     "expert TP = t; here the TP ranks hold whole experts, and the EP bytes follow the routing)")
-    elif not act_modeled and a.cp > 1:
-        rows.append("(activations: not compared under CP; the planner counts labkit's layer at s/cp tokens, CP "
-                    "attention keeps q, k, v, its output and log-sum-exp instead of the scores)")
     elif not act_modeled:
         rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches yet; not "
                     f"compared)")
