@@ -5,15 +5,26 @@ import time
 
 import pytest
 import torch
+from procs import live_processes
 from torch.distributed import pipelining as tpp
 
 from labkit.dist import RankError, launch
 from labkit.model import GPT, GPTConfig, lm_loss
-from labkit.pipeline import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleError, ScheduleGPipe,
-                             ScheduleInterleaved1F1B, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule,
-                             parse_actions, simulate, validate_schedule)
+from labkit.pipeline import (
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleError,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    gpipe_schedule,
+    interleaved_schedule,
+    one_f_one_b_schedule,
+    parse_actions,
+    simulate,
+    validate_schedule,
+)
 from labkit.pipeline.stages import gpt_param_name, gpt_stages_for_rank, split_gpt, step_torch_schedule
-from procs import live_processes
 
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
 BATCH, SEQ = 16, 16
@@ -330,12 +341,14 @@ def test_a_hang_inside_a_grid_names_global_ranks():
     assert "RankError header" not in msg
 
 
-def _wrong_in_grid(ctx):
-    """Two pipelines of p = 2 on 4 ranks (t = 2: pipelines [0, 2] and [1, 3]), the same hung schedule."""
+def _wrong_in_grid(ctx, case="hang"):
+    """Two pipelines of p = 2 on 4 ranks (t = 2: pipelines [0, 2] and [1, 3]), the same hung schedule
+    (or, ``case="stages"``, global rank 3 holding the wrong stage)."""
     from labkit.grid import ProcessGrid
     grid = ProcessGrid.build(ctx, tp=2, pp=2)
-    mods = gpt_stages_for_rank(GPT(CFG, seed=0), 2, 1, grid.pp_rank)
-    sched = PipelineSchedule(PipelineStage(mods[0], grid.pp_rank, 2, group=grid.pp_group), 2, lm_loss,
+    stage = 1 - grid.pp_rank if case == "stages" and ctx.rank == 3 else grid.pp_rank
+    mods = gpt_stages_for_rank(GPT(CFG, seed=0), 2, 1, stage)
+    sched = PipelineSchedule(PipelineStage(mods[0], stage, 2, group=grid.pp_group), 2, lm_loss,
                              actions=HUNG["missing send"][0], validate=False)
     sched.step(*_batch(0)[:1], target=_batch(0)[1])
 
@@ -348,3 +361,6 @@ def test_a_hang_in_a_launched_grid_is_reported_by_global_rank():
     peer = 1 - pr
     assert f"this error is from pipeline rank {pr} (global rank {r}), which was " in str(info.value).splitlines()[0]
     assert f"(global rank {peer * 2 + r % 2}))" in str(info.value).splitlines()[0]
+    with pytest.raises(RankError, match=r"rank 3 failed with ScheduleError: pipeline rank 1 \(global rank 3\) "
+                                        r"holds stages \[0\] but"):
+        launch(_wrong_in_grid, 4, "stages", timeout=3)

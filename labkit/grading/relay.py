@@ -259,10 +259,11 @@ class Relay:
         with self._cond:
             self._cond.wait_for(lambda: box or self._closed or src in self._gone, self.timeout)
             if not box:
-                why = (f"rank {src} ended without sending it anything more" if src in self._gone
-                       else f"rank {src} sent it nothing more in {self.timeout:g} s")
-                return {"error": f"rank {rank} waited to receive from rank {src}, but {why} (a deadlock, or a "
-                                 f"send that is missing)"}
+                if src in self._gone:
+                    return {"error": f"rank {rank} waited to receive from rank {src}, whose connection closed "
+                                     f"without sending it anything more"}
+                return {"error": f"rank {rank} timed out receiving from rank {src}, which sent it nothing more "
+                                 f"within {self.timeout:g} s"}
             got = box.popleft()
         if list(got.shape) != list(shape or ()) or str(got.dtype).replace("torch.", "") != dtype:
             return self._refuse(f"rank {rank} received into a {dtype} tensor of shape {list(shape or ())} the "
@@ -285,8 +286,8 @@ class Relay:
                                        or self._closed or bool(self._gone - set(round_)), self.timeout)
             if not done or self._closed or len(round_) < self.world_size + ("result" in round_):
                 missing = sorted(set(range(self.world_size)) - set(round_))
-                return {"error": f"rank {rank} waited {self.timeout:g} s in its all-reduce number {index + 1} for "
-                                 f"rank(s) {missing}, which never made that many all-reduces"}
+                return {"error": f"rank {rank} timed out ({self.timeout:g} s) in its all-reduce number {index + 1} "
+                                 f"waiting for rank(s) {missing}, which never made that many all-reduces"}
             if "result" not in round_:
                 round_["result"] = self._reduce(index, [round_[r] for r in range(self.world_size)])
             result = round_["result"]
@@ -443,6 +444,12 @@ def _rank_main(body, rank, world_size, address, allowed, refuse, wfd, args) -> N
         os._exit(0)
 
 
+def _waiting(error: tuple) -> bool:
+    """A rank's error that only says it waited for a peer (the peer's own error is the cause)."""
+    kind, message = error[0], error[1]
+    return kind == "ProcessDied" or "timed out" in message or "connection closed" in message
+
+
 def _refused(name: str) -> BaseException:
     return RuntimeError(f"{name} is not available on these ranks: they talk through the grader's relay")
 
@@ -453,8 +460,8 @@ def run_ranks(body: Callable, world_size: int, address, *args, allowed=("send", 
     through the relay at ``address``; their results in rank order.
 
     ``allowed``: the torch.distributed calls that reach the relay (the others raise
-    ``refuse(name)``). Raises :class:`labkit.dist.RankError` for the rank that failed first by
-    cause (one that raised by itself before one that gave up waiting for a peer), or when the
+    ``refuse(name)``). Raises :class:`labkit.dist.RankError` for the rank that failed by cause
+    (one that raised by itself before one that gave up waiting for a peer), or when the
     ranks are not done after ``timeout`` seconds. Every rank is killed and reaped before this
     returns."""
     import select
@@ -502,7 +509,7 @@ def run_ranks(body: Callable, world_size: int, address, *args, allowed=("send", 
                 if rank in errors and grace is None:
                     grace = time.monotonic() + 0.5  # the others may fail by themselves too: say the cause
         if errors:
-            rank = min(errors, key=lambda r: ("waited" in errors[r][1] or errors[r][0] == "ProcessDied", r))
+            rank = min(errors, key=lambda r: (_waiting(errors[r]), r))
             raise RankError(rank, *errors[rank])
         return [results[r] for r in range(world_size)]
     finally:

@@ -196,7 +196,7 @@ class PipelineSchedule:
         expected = [s for s in range(S) if shaped.rank_of(s) == self.rank]
         if mine != expected:
             rule = "stage i on rank i % K" if self.placement == "loop" else "V placement: rank r holds r and 2K-1-r"
-            raise ScheduleError(f"rank {self.rank} holds stages {mine} but with K={K} ranks and {S} stages it must "
+            raise ScheduleError(f"{self._who} holds stages {mine} but with K={K} ranks and {S} stages it must "
                                 f"hold {expected} ({rule})")
         if any(st.num_stages != S for st in self.stages):
             raise ScheduleError("all stages must agree on num_stages")
@@ -229,6 +229,14 @@ class PipelineSchedule:
 
     def _rank_of(self, stage: int) -> int:
         return self.actions.rank_of(stage)
+
+    @property
+    def _who(self) -> str:
+        """This rank in messages: "rank r", or "pipeline rank r (global rank g)" when its global rank
+        (the one a launch or torchrun names) differs, as in a pipeline inside a larger grid."""
+        g = dist.get_global_rank(self.group, self.rank) if dist.is_initialized() and self.group is not None \
+            else self.rank
+        return f"rank {self.rank}" if g == self.rank else f"pipeline rank {self.rank} (global rank {g})"
 
     def _peer(self, stage: int) -> int:
         return self._global[self._rank_of(stage)]
@@ -299,7 +307,7 @@ class PipelineSchedule:
             if forward_only and a.kind in ("B", "I", "W", "SEND_B", "RECV_B"):
                 continue
             if a.kind not in run:
-                raise ScheduleError(f"rank {self.rank}: unknown action kind {a.kind!r}")
+                raise ScheduleError(f"{self._who}: unknown action kind {a.kind!r}")
             run[a.kind](a, st)
             if self.cost_model and a.kind in self.cost_model and not st.forward_only:
                 self._pad(st, self.cost_model[a.kind])
@@ -307,7 +315,7 @@ class PipelineSchedule:
             for work in works:
                 self._wait_or_explain(work, a, a)
         if st.pending:
-            raise ScheduleError(f"rank {self.rank}: receives posted but never used: {sorted(st.pending)}")
+            raise ScheduleError(f"{self._who}: receives posted but never used: {sorted(st.pending)}")
         self.events = st.events
         if not forward_only:
             self.stats = step_stats(st.events, self._by_index, M,
@@ -342,11 +350,11 @@ class PipelineSchedule:
         t = st.now()
         if a.kind == "SEND_F":
             if key not in st.outputs:
-                raise ScheduleError(f"rank {self.rank}: {a!r} before F{a.microbatch}@s{a.stage} ran")
+                raise ScheduleError(f"{self._who}: {a!r} before F{a.microbatch}@s{a.stage} ran")
             tensors, dst = tuple(o.detach() for o in st.outputs[key]), a.stage + 1
         else:
             if key not in st.grads:
-                raise ScheduleError(f"rank {self.rank}: {a!r} before B{a.microbatch}@s{a.stage} (or "
+                raise ScheduleError(f"{self._who}: {a!r} before B{a.microbatch}@s{a.stage} (or "
                                     f"I{a.microbatch}@s{a.stage}) ran")
             tensors, dst = st.grads.pop(key), a.stage - 1
         works = [comm.isend(t_, self._peer(dst), self.group) for t_ in tensors]
@@ -381,7 +389,7 @@ class PipelineSchedule:
                 rg = [o.requires_grad for o in out]
                 want = [meta.requires_grad for meta in self._shapes[s][1]]
                 if rg != want:
-                    raise ScheduleError(f"rank {self.rank}: {a!r}: which outputs require grad {rg} changed since "
+                    raise ScheduleError(f"{self._who}: {a!r}: which outputs require grad {rg} changed since "
                                         f"the first step {want}; the next stage expects gradients for the latter")
             st.outputs[(s, m)] = out
         st.emit(a, start, stash)
@@ -420,7 +428,7 @@ class PipelineSchedule:
         if grads is None:
             grads = (None,) * len(tensors)
         if len(tensors) != len(grads):
-            raise ScheduleError(f"rank {self.rank}: {a!r}: {len(tensors)} output(s) require grad but "
+            raise ScheduleError(f"{self._who}: {a!r}: {len(tensors)} output(s) require grad but "
                                 f"{len(grads)} gradient(s) arrived")
         return start, inp, tensors, grads
 
@@ -506,7 +514,7 @@ class PipelineSchedule:
     def _take(self, st: "_StepState", key, needed_by: Action):
         """Wait for a posted receive; returns its buffers and stamps the RECV's end time."""
         if key not in st.pending:
-            raise ScheduleError(f"rank {self.rank}: {needed_by!r} needs {key[0]}{key[2]}@s{key[1]}, which this "
+            raise ScheduleError(f"{self._who}: {needed_by!r} needs {key[0]}{key[2]}@s{key[1]}, which this "
                                 f"rank did not post before it")
         works, bufs, i = st.pending.pop(key)
         for work in works:

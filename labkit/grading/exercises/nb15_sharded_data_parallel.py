@@ -1,0 +1,216 @@
+"""Exercises of notebook 15_sharded_data_parallel: flat shards, ZeRO memory and traffic, FSDP's peak.
+
+* 15.1 split a flat parameter into d equal shards, zero-padded at the end (what every ZeRO stage
+  and FSDP do before a reduce-scatter / all-gather). Named mistakes: uneven pieces (``chunk`` /
+  ``tensor_split``), padding in front, elements dropped.
+* 15.2 model-state bytes of one GPU per ZeRO stage with mixed-precision Adam (2 + 2 + 12 bytes per
+  parameter; ZeRO sec. 3.1, 5): 16 Psi, 4 Psi + 12 Psi/d, 2 Psi + 14 Psi/d, 16 Psi/d. Named: a
+  stage that shards one state too many or too few, fp32-only Adam moments (K = 8).
+* 15.3 elements one GPU sends per step per ZeRO stage under the ring algorithms (ZeRO sec. 7):
+  2 (d-1)/d Psi for stages 0-2, 3 (d-1)/d Psi for stage 3. Named: stage 3 like DP, the (d-1)/d
+  factor forgotten.
+* 15.4 FSDP's peak of gathered parameters: the largest sum of two neighbouring units' padded sizes
+  (the current unit and the prefetched next one), all units without resharding. Named: one unit
+  only (no prefetch), sizes without padding, the two largest units anywhere.
+
+Ground truth: :mod:`labkit.data_parallel.flat`, :func:`labkit.plan.memory.zero3_gathered_peak`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...data_parallel.flat import padded_numel
+from ...data_parallel.flat import shard_flat as _shard
+from ...plan.memory import zero3_gathered_peak
+from ..fresh import fresh_case
+from ..registry import CheckFailure, exercise
+
+NB = "15_sharded_data_parallel"
+
+# ----------------------------------------------------------------------------- 15.1
+ex151 = exercise(
+    "15.1", title="shard a flat parameter, with padding", notebook=NB, points=2,
+    references=["labkit.data_parallel.flat:shard_flat", "labkit.data_parallel.flat:unshard_flat"],
+    hint="Section 1: a reduce-scatter and an all-gather over d ranks need d pieces of the SAME size, and "
+         "rank r's piece must be the elements r would own in the concatenation. What size makes n elements "
+         "fit, and where do the extra zeros go so that concatenating the shards gives the parameter back?")
+ex151.hint2 = ("Round n up to a multiple of d; the zeros go after the last real element, so that every rank's "
+               "piece starts where the previous one ended.")
+
+
+def _shard_case(n, d, what):
+    def case(shard_flat):
+        flat = torch.arange(1, n + 1, dtype=torch.float32)
+        got = shard_flat(flat.clone(), d)
+        if isinstance(got, torch.Tensor) and got.dim() == 2:
+            got = list(got)
+        if not isinstance(got, (list, tuple)) or len(got) != d or not all(isinstance(s, torch.Tensor) for s in got):
+            raise CheckFailure(f"{what}: expected a list of {d} tensors (one shard per rank), got "
+                               f"{type(got).__name__} of length {len(got) if hasattr(got, '__len__') else '?'}")
+        size = padded_numel(n, d) // d
+        sizes = [s.numel() for s in got]
+        if sizes != [size] * d:
+            why = ""
+            if sum(sizes) == n:
+                why = (" (the pieces hold the n elements but are not all the same size: a reduce-scatter and "
+                       "an all-gather need equal pieces, so pad first)")
+            elif sizes == [n // d] * d:
+                why = " (rounded down: the last elements were dropped)"
+            raise CheckFailure(f"{what}: every shard must hold {size} elements, got sizes {sizes}{why}")
+        want = [_shard(flat, d, r) for r in range(d)]
+        for r, (g, w) in enumerate(zip(got, want)):
+            if not torch.equal(g.reshape(-1).float(), w):
+                pad = padded_numel(n, d) - n
+                front = torch.cat([torch.zeros(pad), flat])
+                why = ""
+                if pad and torch.equal(torch.cat([s.reshape(-1).float() for s in got]), front):
+                    why = (" (the zeros went in front: then rank 0's shard no longer starts at the first "
+                           "element, and dropping the padding after the all-gather cuts off real values)")
+                raise CheckFailure(f"{what}: shard of rank {r} is {g.reshape(-1).tolist()}, expected "
+                                   f"{w.tolist()}{why}")
+    return case
+
+
+ex151.case("n = 10 over d = 4 (2 zeros of padding)")(_shard_case(10, 4, "shard_flat(arange 1..10, d=4)"))
+ex151.case("n = 12 over d = 4 (no padding)")(_shard_case(12, 4, "shard_flat(arange 1..12, d=4)"))
+ex151.case("n = 7 over d = 3")(_shard_case(7, 3, "shard_flat(arange 1..7, d=3)"))
+ex151.case("n = 3 over d = 8 (most shards all padding)", hidden=True)(_shard_case(3, 8, "shard_flat(3 elements, d=8)"))
+fresh_case(ex151, "n = 3 over d = 8 (most shards all padding)",
+           lambda r: (r.randint(1, 200), r.choice((2, 3, 4, 5, 8, 16))),
+           lambda n, d: _shard_case(n, d, f"shard_flat({n} elements, d={d})"))
+
+
+# ----------------------------------------------------------------------------- 15.2
+ex152 = exercise(
+    "15.2", title="model-state memory of one GPU per ZeRO stage", notebook=NB, points=2,
+    hint="Section 2: mixed-precision Adam keeps three kinds of state per parameter: bf16 weights, bf16 "
+         "gradients and K bytes of fp32 optimizer state. Which of them does each stage split over the d ranks, "
+         "and which stay whole on every GPU?")
+ex152.hint2 = ("Stage 1 splits one kind of state, stage 2 one more, stage 3 all three; K counts the fp32 master "
+               "weights as well as the two moments.")
+
+
+def _zero_bytes(psi, d, stage, p=2, g=2, k=12):
+    return (p / d if stage >= 3 else p) * psi + (g / d if stage >= 2 else g) * psi + (k / d if stage >= 1 else k) * psi
+
+
+def _memory_case(psi, d, stages, what):
+    def case(zero_memory):
+        for stage in stages:
+            got = zero_memory(psi, d, stage)
+            want = _zero_bytes(psi, d, stage)
+            try:
+                got = float(got)
+            except (TypeError, ValueError):
+                raise CheckFailure(f"{what}, stage {stage}: expected a number of bytes, got "
+                                   f"{type(got).__name__}") from None
+            if abs(got - want) > 1e-9 * max(1.0, want):
+                why = ""
+                for s in range(4):
+                    if s != stage and abs(got - _zero_bytes(psi, d, s)) <= 1e-9 * want:
+                        sharded = ["nothing", "the optimizer state", "the optimizer state and the gradients",
+                                   "all three"][stage]
+                        why = f" (that is stage {s}'s memory: stage {stage} shards {sharded})"
+                if not why and abs(got - _zero_bytes(psi, d, stage, k=8)) <= 1e-9 * want:
+                    why = " (K = 8 counts only Adam's two fp32 moments; the fp32 master weights are part of it too)"
+                raise CheckFailure(f"{what}, stage {stage}: expected {want:.6g} bytes, got {got:.6g}{why}")
+    return case
+
+
+ex152.case("the ZeRO paper's Figure 1: 7.5B parameters, d = 64")(
+    _memory_case(7.5e9, 64, (0, 1, 2, 3), "zero_memory(7.5e9, d=64)"))
+ex152.case("1000 parameters, d = 4")(_memory_case(1000, 4, (0, 1, 2, 3), "zero_memory(1000, d=4)"))
+ex152.case("175B parameters, d = 1024", hidden=True)(
+    _memory_case(175e9, 1024, (0, 1, 2, 3), "zero_memory(175e9, 1024)"))
+fresh_case(ex152, "175B parameters, d = 1024", lambda r: (r.randint(1, 1000) * 1e8, r.choice((2, 4, 8, 16, 64, 256))),
+           lambda psi, d: _memory_case(psi, d, (0, 1, 2, 3), f"zero_memory({psi:g}, d={d})"))
+
+
+# ----------------------------------------------------------------------------- 15.3
+ex153 = exercise(
+    "15.3", title="communication volume per ZeRO stage", notebook=NB, points=2,
+    hint="Section 4: count the collectives of one step and what each sends per rank in a ring. A ring "
+         "all-reduce is a reduce-scatter followed by an all-gather; what does stage 3 gather that the others "
+         "do not?")
+ex153.hint2 = ("Each reduce-scatter or all-gather of the whole model sends all but one d-th of it per rank; count "
+               "how many of them each stage runs per step.")
+
+
+def _volume(psi, d, stage):
+    return (3 if stage == 3 else 2) * (d - 1) / d * psi
+
+
+def _volume_case(psi, d, what):
+    def case(comm_volume):
+        for stage in range(4):
+            got = comm_volume(psi, d, stage)
+            want = _volume(psi, d, stage)
+            try:
+                got = float(got)
+            except (TypeError, ValueError):
+                raise CheckFailure(f"{what}, stage {stage}: expected a number of elements, got "
+                                   f"{type(got).__name__}") from None
+            if abs(got - want) > 1e-9 * max(1.0, want):
+                why = ""
+                if stage == 3 and abs(got - _volume(psi, d, 0)) <= 1e-9 * want:
+                    why = (" (this is plain DP's volume: stage 3 gathers the parameters again for backward, "
+                           "because forward freed them)")
+                elif abs(got - want * d / (d - 1)) <= 1e-9 * want * d:
+                    why = " (each rank sends (d-1)/d of the data in a ring collective, not all of it)"
+                raise CheckFailure(f"{what}, stage {stage}: expected {want:.6g} elements sent per GPU, got "
+                                   f"{got:.6g}{why}")
+    return case
+
+
+ex153.case("Psi = 1e9, d = 8")(_volume_case(1e9, 8, "comm_volume(1e9, d=8)"))
+ex153.case("Psi = 1200, d = 4")(_volume_case(1200, 4, "comm_volume(1200, d=4)"))
+ex153.case("Psi = 7.5e9, d = 64", hidden=True)(_volume_case(7.5e9, 64, "comm_volume(7.5e9, d=64)"))
+fresh_case(ex153, "Psi = 7.5e9, d = 64", lambda r: (r.randint(1, 1000) * 1e7, r.choice((2, 3, 4, 8, 64))),
+           lambda psi, d: _volume_case(psi, d, f"comm_volume({psi:g}, d={d})"))
+
+
+# ----------------------------------------------------------------------------- 15.4
+ex154 = exercise(
+    "15.4", title="FSDP's peak of gathered parameters", notebook=NB, points=2,
+    references=["labkit.plan.memory:zero3_gathered_peak"],
+    hint="Section 3: look at the measured timeline. While one unit computes, which other unit's parameters "
+         "are already gathered, and how long is each unit's gathered buffer on d ranks?")
+ex154.hint2 = ("With prefetch two units that run one after the other are gathered at once; each buffer is the "
+               "padded length. Without resharding nothing is freed until backward ends.")
+
+
+def _peak_case(units, d, reshard, what):
+    def case(gathered_peak):
+        got = gathered_peak(list(units), d, reshard)
+        want = zero3_gathered_peak(list(units), d, reshard)
+        try:
+            got = int(got)
+        except (TypeError, ValueError):
+            raise CheckFailure(f"{what}: expected a number of elements, got {type(got).__name__}") from None
+        if got != want:
+            pads = [padded_numel(n, d) for n in units]
+            why = ""
+            if got == max(pads):
+                why = " (one unit only: the prefetched next unit is gathered while this one computes)"
+            elif reshard and got == zero3_gathered_peak(list(units), 1, True):
+                why = " (the sizes were not padded: each unit's buffer is a multiple of d)"
+            elif got == sum(sorted(pads)[-2:]):
+                why = " (the two largest units, but only units that run one after the other are gathered together)"
+            elif reshard and got == sum(pads):
+                why = " (every unit: with reshard_after_forward=True each unit is freed after its forward)"
+            raise CheckFailure(f"{what}: expected {want} elements, got {got}{why}")
+    return case
+
+
+ex154.case("4 units [4224, 3136, 3136, 4128], d = 3, resharded")(
+    _peak_case([4224, 3136, 3136, 4128], 3, True, "gathered_peak([4224, 3136, 3136, 4128], d=3, reshard=True)"))
+ex154.case("5 units, the largest two far apart, d = 2")(
+    _peak_case([901, 10, 11, 12, 899], 2, True, "gathered_peak([901, 10, 11, 12, 899], d=2, reshard=True)"))
+ex154.case("units [10, 21, 5], d = 4, padding decides")(
+    _peak_case([10, 21, 5], 4, True, "gathered_peak([10, 21, 5], d=4, reshard=True)"))
+ex154.case("not resharded: [100, 50, 75], d = 2")(
+    _peak_case([100, 50, 75], 2, False, "gathered_peak([100, 50, 75], d=2, reshard=False)"))
+ex154.case("one unit", hidden=True)(_peak_case([77], 4, True, "gathered_peak([77], d=4, reshard=True)"))
+fresh_case(ex154, "one unit", lambda r: ([r.randint(1, 5000) for _ in range(r.randint(1, 8))], r.choice((2, 3, 4, 8)),
+                                         r.random() < 0.7),
+           lambda u, d, rs: _peak_case(u, d, rs, f"gathered_peak({len(u)} units, d={d}, reshard={rs})"))

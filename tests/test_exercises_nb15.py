@@ -1,0 +1,123 @@
+"""Exercises of notebook 15_sharded_data_parallel: the solutions pass, plausible wrong answers fail a
+public case with a message that names the mistake."""
+import pytest
+import torch
+
+from labkit.grading.testing import assert_check_passes, assert_public_case_fails
+
+
+def shard_flat(flat, d):
+    size = -(-flat.numel() // d)
+    padded = torch.cat([flat, flat.new_zeros(size * d - flat.numel())])
+    return [padded[r * size:(r + 1) * size].clone() for r in range(d)]
+
+
+def shard_chunk(flat, d):
+    return list(torch.chunk(flat, d))
+
+
+def shard_tensor_split(flat, d):
+    return list(torch.tensor_split(flat, d))
+
+
+def shard_pad_front(flat, d):
+    size = -(-flat.numel() // d)
+    padded = torch.cat([flat.new_zeros(size * d - flat.numel()), flat])
+    return [padded[r * size:(r + 1) * size] for r in range(d)]
+
+
+def shard_floor(flat, d):
+    size = flat.numel() // d
+    return [flat[r * size:(r + 1) * size] for r in range(d)]
+
+
+def zero_memory(psi, d, stage):
+    p, g, k = 2 * psi, 2 * psi, 12 * psi
+    return (p / d if stage >= 3 else p) + (g / d if stage >= 2 else g) + (k / d if stage >= 1 else k)
+
+
+def zero_memory_off_by_one(psi, d, stage):
+    return zero_memory(psi, d, min(3, stage + 1)) if stage else zero_memory(psi, d, 0)
+
+
+def zero_memory_k8(psi, d, stage):
+    p, g, k = 2 * psi, 2 * psi, 8 * psi
+    return (p / d if stage >= 3 else p) + (g / d if stage >= 2 else g) + (k / d if stage >= 1 else k)
+
+
+def comm_volume(psi, d, stage):
+    return (3 if stage == 3 else 2) * (d - 1) / d * psi
+
+
+def comm_volume_like_dp(psi, d, stage):
+    return 2 * (d - 1) / d * psi
+
+
+def comm_volume_no_ring(psi, d, stage):
+    return (3 if stage == 3 else 2) * psi
+
+
+def gathered_peak(units, d, reshard_after_forward):
+    pads = [-(-n // d) * d for n in units]
+    if not reshard_after_forward:
+        return sum(pads)
+    return max([pads[0]] + [a + b for a, b in zip(pads, pads[1:])])
+
+
+def peak_one_unit(units, d, reshard):
+    return max(-(-n // d) * d for n in units)
+
+
+def peak_unpadded(units, d, reshard):
+    return max([units[0]] + [a + b for a, b in zip(units, units[1:])]) if reshard else sum(units)
+
+
+def peak_two_largest(units, d, reshard):
+    return sum(sorted(-(-n // d) * d for n in units)[-2:])
+
+
+def peak_all(units, d, reshard):
+    return sum(-(-n // d) * d for n in units)
+
+
+def test_solutions_pass():
+    assert_check_passes("15.1", shard_flat)
+    assert_check_passes("15.2", zero_memory)
+    assert_check_passes("15.3", comm_volume)
+    assert_check_passes("15.4", gathered_peak)
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (shard_chunk, "n = 10 over d = 4", "not all the same size"),
+    (shard_tensor_split, "n = 10 over d = 4", "not all the same size"),
+    (shard_pad_front, "n = 10 over d = 4", "the zeros went in front"),
+    (shard_floor, "n = 10 over d = 4", "rounded down"),
+])
+def test_shard_mistakes_are_named(wrong, case, contains):
+    assert_public_case_fails("15.1", wrong, case, contains=contains)
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (zero_memory_off_by_one, "the ZeRO paper's Figure 1", "that is stage 2's memory"),
+    (zero_memory_k8, "the ZeRO paper's Figure 1", "K = 8 counts only"),
+])
+def test_memory_mistakes_are_named(wrong, case, contains):
+    assert_public_case_fails("15.2", wrong, case, contains=contains)
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (comm_volume_like_dp, "Psi = 1e9, d = 8", "this is plain DP's volume"),
+    (comm_volume_no_ring, "Psi = 1e9, d = 8", "(d-1)/d"),
+])
+def test_volume_mistakes_are_named(wrong, case, contains):
+    assert_public_case_fails("15.3", wrong, case, contains=contains)
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (peak_one_unit, "4 units", "one unit only"),
+    (peak_unpadded, "4 units", "not padded"),
+    (peak_two_largest, "4 units", "the two largest units"),
+    (peak_all, "4 units", "every unit"),
+])
+def test_peak_mistakes_are_named(wrong, case, contains):
+    assert_public_case_fails("15.4", wrong, case, contains=contains)
