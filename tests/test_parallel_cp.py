@@ -3,7 +3,8 @@ every parameter gradient (gathered to full shape) at every step and the paramete
 plain-SGD steps equal one device's; the communication of every axis, CP's K/V traffic included,
 equals the planner's formula exactly. Layouts: t = 2, cp = 2, p = 2 on 8 ranks (ring), and
 cp = 2 with d = 2 on 4 ranks (all-gather, Ulysses). An injected bug (the gradients averaged over
-DP only, not over the d cp ranks) must be caught."""
+DP only, not over the d cp ranks) must be caught. ``lab 3d --cp`` per attention kind on 4 ranks:
+measured activations = the planner's within 2 %."""
 import pytest
 import torch
 

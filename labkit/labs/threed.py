@@ -33,7 +33,9 @@ sent}`` under the ring algorithms), ``expected`` (the counts from the formulas),
 Context parallelism (``--cp C``, :mod:`labkit.context_parallel`): each sequence is split over C
 ranks (load-balanced 2 C chunks; grid order tp-cp-dp-pp, N = t C p d), every attention core runs
 ``--cp-attention`` ring | allgather | ulysses over the CP group, and the gradients are averaged
-over the d C ranks of a stage; the table then has a CP row (K/V traffic = the planner's formula).
+over the d C ranks of a stage; the table then has a CP row (K/V traffic = the planner's formula),
+and the activations are compared with the planner's count of what the CP attention core keeps
+(:func:`labkit.plan.memory.cp_core_activation_bytes`).
 """
 from __future__ import annotations
 
