@@ -68,7 +68,7 @@ def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug):
         out["peers"].update((r.peer % (d * t), r.peer // (d * t) != grid.pp_rank)
                             for r in log.records if r.peer is not None)
         out["me"] = ctx.rank % (d * t)
-        grads = pg.gather_full("grad") if not zero else None  # after the step: not counted
+        grads = pg.gather_full("grad") if zero != 1 else None  # after the step: not counted (ZeRO-1 keeps none)
         if keep:
             out["grads"].append(grads)
     params = pg.gather_full("param")

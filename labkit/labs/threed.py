@@ -1,7 +1,7 @@
 """Lab: 3D parallelism, TP x PP x DP on one process grid, proved equal to one device.
 
     python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved|zb-h1|zbv|dualpipev]
-                            [--chunks v] [--microbatches M] [--zero] [--tied] [--sp]
+                            [--chunks v] [--microbatches M] [--zero [STAGE]] [--hsdp R] [--tied] [--sp]
                             [--recompute none|selective|full] [--steps N] [--data PATH]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
 
@@ -62,7 +62,11 @@ def _parser():
     p.add_argument("--chunks", type=int, default=None,
                    help="v model chunks per rank, with --schedule interleaved (unset: 2; zbv/dualpipev: always 2)")
     p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
-    p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
+    p.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2, 3), metavar="STAGE",
+                   help="ZeRO stage over the DP group: 0 DDP, 1 optimizer state sharded (the bare flag), 2 also the "
+                        "gradients, 3 also the parameters (FSDP units: embedding, each block, head)")
+    p.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="HSDP with --zero 3: the d DP ranks as R replicas x d/R shards (R divides d)")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism inside each TP group (Korthikanti et al. 2022): LayerNorms and "
@@ -165,7 +169,7 @@ def _bad_args(a, world) -> str | None:
         from ..parallel import check_layout
         v = _v(a)
         check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule,
-                     sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq,
+                     sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq, zero=a.zero, hsdp=a.hsdp,
                      n_experts=a.experts if a.moe else None)
     except ValueError as e:
         return str(e)
@@ -174,7 +178,7 @@ def _bad_args(a, world) -> str | None:
     # the planner's bytes; GPipe keeps the most activations of any schedule (all M in flight)
     spec = planner_spec(cfg, a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     lay = Layout(t=a.tp, p=a.pp, d=a.dp, b=a.batch // (a.dp * a.microbatches), M=a.microbatches, schedule="gpipe",
-                 ep=a.dp if a.moe else 1, zero=1 if a.zero else 0, sequence_parallel=a.sp, recompute=a.recompute,
+                 ep=a.dp if a.moe else 1, zero=a.zero, sequence_parallel=a.sp, recompute=a.recompute,
                  precision="fp32")
     return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} "
                                  f"({world} ranks)")
@@ -238,7 +242,7 @@ def _worker(ctx, a, corpus) -> RankResult:
     torch.manual_seed(a.seed)
     v = _v(a)
     grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
-    pg = ParallelGPT(_model(a), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
+    pg = ParallelGPT(_model(a), grid, a.schedule, a.microbatches, v=v, zero=a.zero, hsdp=a.hsdp,
                      bucket_cap_mb=a.bucket_cap_mb, sequence_parallel=a.sp, recompute=a.recompute)
     opt = pg.make_optimizer("adam", a.lr)
 
@@ -250,6 +254,15 @@ def _worker(ctx, a, corpus) -> RankResult:
 
     def pieces():
         out = []
+        if a.zero >= 2 and grid.dp > 1:     # ZeRO-2/3: the DP shards gathered (inspection only, not counted)
+            from .verdict import Piece
+            for m, grads, params in zip(pg.modules, pg.tp_local("grad"), pg.tp_local("param")):
+                for n, (g, dim) in grads.items():
+                    k = params[n][0].shape[dim] if dim is not None else 0
+                    index = None if dim is None else (slice(None),) * dim + (slice(grid.tp_rank * k, (grid.tp_rank + 1) * k),)
+                    out.append(Piece(pg.reference_name(m, n), params[n][0], g, index))
+                out += [Piece(pg.reference_name(m, n), b.detach()) for n, b in m.named_buffers()]
+            return out
         for m in pg.modules:
             def rename(n, m=m):
                 name = pg.reference_name(m, n)
@@ -259,7 +272,7 @@ def _worker(ctx, a, corpus) -> RankResult:
         return out
 
     wire, losses, comm, seconds, overlaps, timelines, act_peak = [], [], [], 0.0, [], [], None
-    peak_mem = {"params": 0, "grads": 0, "optimizer": 0}
+    peak_mem = {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0}
     for step in range(a.steps):
         x, y = _batch(a, corpus, step)
         pg.zero_grad()
@@ -269,12 +282,12 @@ def _worker(ctx, a, corpus) -> RankResult:
         meter = SavedTensorMeter(exclude=pg.parameters()) if step == a.steps - 1 and step >= 1 else None
         with CommLog() as log, meter if meter is not None else contextlib.nullcontext():
             loss = pg.train_step(x, y)
-            if a.zero and grid.dp > 1:
+            if a.zero == 1 and grid.dp > 1:
                 opt.reduce_gradients()
         t_bwd = time.perf_counter() - t0
         if meter is not None:
             act_peak = meter.peak
-        if a.zero and grid.dp > 1:
+        if a.zero == 1 and grid.dp > 1:
             opt.gather_gradients()          # inspection only, outside the counted window
         if a.moe:                           # the balance losses live on every stage: sum them over PP
             aux = torch.tensor([pg.take_aux_loss()], dtype=torch.float64)
@@ -294,7 +307,7 @@ def _worker(ctx, a, corpus) -> RankResult:
         overlaps.append(pg.dp_overlap())
         timelines.append([(tuple(e.action), e.start, e.end) for e in pg.schedule.timeline])
         mem = pg.memory()
-        peak_mem = {k: max(peak_mem[k], mem[k]) for k in mem}
+        peak_mem = {k: max(peak_mem.get(k, 0), mem[k]) for k in mem}
     return RankResult(ctx.rank, grid.tp_rank, grid.dp_rank, grid.pp_rank, pg.has_last_stage, losses, comm, wire,
                       pg.expected_comm(a.batch, a.seq), seconds, overlaps, peak_mem,
                       timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
@@ -368,7 +381,7 @@ def _planner(a):
     the TP group, as Megatron-Core with expert TP = t; labkit's MoE blocks replicate them there)."""
     from ..plan.comm import comm_per_rank
     from ..plan.memory import memory_per_rank
-    from ..parallel.gpt import planner_spec
+    from ..parallel.gpt import hsdp_dp_comm, planner_spec
     from ..plan.spec import Layout
     if a.schedule not in _PLANNER_SCHEDULE:
         return None
@@ -378,11 +391,14 @@ def _planner(a):
     try:
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
                      ep=a.dp if a.moe else 1,
-                     schedule=schedule, placement=placement, zero=1 if a.zero else 0, sequence_parallel=a.sp,
+                     schedule=schedule, placement=placement, zero=a.zero, sequence_parallel=a.sp,
                      recompute=a.recompute, precision="fp32")
-        mem = memory_per_rank(spec, lay, device="cpu")
+        # HSDP: model states sharded over the d/R shard ranks (the same b and M per rank)
+        mem = memory_per_rank(spec, Layout(**{**lay.__dict__, "d": a.dp // a.hsdp}), device="cpu")
         comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
                 for r in range(a.pp)}
+        for r in range(a.pp) if a.hsdp > 1 else ():
+            comm[r]["dp"] = hsdp_dp_comm(spec, lay, a.hsdp, r)
     except ValueError:
         return None
     return mem, comm, compared
@@ -403,12 +419,12 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     rows += [head, "-" * len(head)]
     for r in sorted(out.ranks, key=lambda r: r.rank):
         pm, m = mem[r.pp_rank], r.memory
-        for k in ("params", "grads", "optimizer"):
-            if m[k] != getattr(pm, k) and compared != "nothing":
-                bad.append(f"rank {r.rank} {k}: measured {m[k]} B, planner {getattr(pm, k)} B")
+        for k in ("params", "grads", "optimizer") + (("gathered",) if a.zero == 3 and a.dp > 1 else ()):
+            if m.get(k, 0) != getattr(pm, k) and compared != "nothing":
+                bad.append(f"rank {r.rank} {k}: measured {m.get(k, 0)} B, planner {getattr(pm, k)} B")
         act = r.activations
         diff = (pm.activations / act - 1) if act else float("nan")
-        if act_modeled and not abs(diff) <= 0.02:
+        if act_modeled and not abs(diff) <= 0.02 and a.zero != 3:
             bad.append(f"rank {r.rank} activations: measured {act} B, planner {pm.activations} B "
                        f"({diff:+.1%}, more than 2 %)")
         got, want = r.comm[-1], comm[r.pp_rank]
@@ -427,7 +443,12 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     if compared == "nothing":
         rows.append("(MoE: shown, not compared: the planner splits each expert over the TP group, Megatron-Core's "
                     "expert TP = t; here the TP ranks hold whole experts, and the EP bytes follow the routing)")
-    elif not act_modeled:
+    if a.zero == 3 and a.dp > 1:
+        rows.append("ZeRO-3 gathered units, peak bytes per rank (planner: the largest two neighbouring units): "
+                    + ", ".join(f"rank {r.rank} {r.memory.get('gathered', 0)} ({mem[r.pp_rank].gathered})"
+                                for r in sorted(out.ranks, key=lambda r: r.rank))
+                    + "; activations not compared (the gathered weights are saved for backward)")
+    if compared != "nothing" and not act_modeled:
         rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches yet; not "
                     f"compared)")
     return rows, bad
@@ -549,7 +570,8 @@ class ThreeDLab(Lab):
         ranks = out.ranks
         print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
               f"on t={a.tp} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
-              f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}"
+              f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {f'ZeRO-{a.zero}' if a.zero else 'DDP'}"
+              f"{f', HSDP R={a.hsdp}' if a.hsdp > 1 else ''}"
               f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}"
               f"{f', MoE E={a.experts} top-{a.topk} EP={a.dp}' if a.moe else ''}, "
               f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
