@@ -23,6 +23,7 @@ lab: $(STAMP)
 	$(VPY) -m labkit lab 3d
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VPY) -m labkit build --check
 	$(NBVAL_SOLUTIONS)
 	$(NBVAL_NOTEBOOKS)

@@ -123,7 +123,8 @@ class Corpus:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         raw = load_bytes(path, max_bytes)
         if len(raw) < 1024:
-            raise ValueError(f"corpus from {'the standard library' if path is None else path} has {len(raw)} bytes; need >= 1024")
+            where = "the standard library" if path is None else path
+            raise ValueError(f"corpus from {where} has {len(raw)} bytes; need >= 1024")
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         n_val = max(int(len(data) * val_fraction), 256)
         source = str(path) if path is not None else f"Python {sysconfig.get_python_version()} standard library"

@@ -74,7 +74,8 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: nn.Module | None = None) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     dropout: nn.Module | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v for q: [B, h, S, d], k, v: [B, h_kv, S, d].
 
     With h_kv < h each K/V head is repeated for its h / h_kv query heads (GQA).
@@ -106,13 +107,14 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
         self.attn_drop = nn.Dropout(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.core = None   # None: causal_attention; context parallelism sets its (q, k, v) -> y here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
-        y = causal_attention(q, k, v, self.attn_drop)
+        y = causal_attention(q, k, v, self.attn_drop) if self.core is None else self.core(q, k, v)
         y = y.transpose(1, 2).reshape(B, S, self.n_head * self.head_dim)
         return self.resid_drop(self.out_proj(y))
 
@@ -154,12 +156,13 @@ class Embedding(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
+        self.positions = None   # None: 0..S-1; context parallelism sets the positions this rank holds
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         S = idx.shape[1]
         if S > self.block_size:
             raise ValueError(f"sequence length {S} exceeds block_size={self.block_size}")
-        pos = torch.arange(S, device=idx.device)
+        pos = torch.arange(S, device=idx.device) if self.positions is None else self.positions.to(idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 

@@ -84,7 +84,8 @@ def test_bundle_on_a_tree_laid_out_like_gradescope(tmp_path):
         assert setup.returncode == 0, setup.stdout + setup.stderr
         assert f"labkit {root}/venv/lib/" in setup.stdout  # the bundled copy, not this checkout
         hidden = root / "source" / "hidden"
-        assert stat.S_IMODE(hidden.stat().st_mode) == 0o700 and stat.S_IMODE((hidden / "tiny.py").stat().st_mode) == 0o600
+        assert stat.S_IMODE(hidden.stat().st_mode) == 0o700
+        assert stat.S_IMODE((hidden / "tiny.py").stat().st_mode) == 0o600
 
         def grade(files):
             for d in ("submission", "results"):

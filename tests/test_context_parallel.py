@@ -11,18 +11,25 @@ log-sum-exp merge, the ring backward without delta, positions of the wrong place
 gradient all-reduce) must be caught by the same comparison. One launch per cp.
 """
 import copy
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from labkit.comm import CommLog
-from labkit.context_parallel import (ContextParallelAttention, ContextParallelGPT, causal_work,
-                                     check_cp_config, finish_grad_sync, gather_sequence,
-                                     sequence_positions, shard_sequence, unshard_sequence)
-from labkit.context_parallel import ring as ring_mod
+from labkit.context_parallel import (
+    ContextParallelAttention,
+    ContextParallelGPT,
+    causal_work,
+    check_cp_config,
+    finish_grad_sync,
+    gather_sequence,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+)
 from labkit.context_parallel import layers as layers_mod
+from labkit.context_parallel import ring as ring_mod
 from labkit.dist import launch
 from labkit.model import GPT, CausalSelfAttention, GPTConfig
 from labkit.plan.comm import comm_per_rank

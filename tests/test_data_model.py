@@ -45,7 +45,7 @@ def test_batches_are_pure_functions_of_step_and_seed():
 def test_gpt_is_deterministic_from_seed_and_predicts_uniformly_at_init():
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
     a, b, c = GPT(cfg, seed=0), GPT(cfg, seed=0), GPT(cfg, seed=1)
-    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+    for (n, p), (_, q), (_, _r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
         assert torch.equal(p, q), n
     assert not torch.equal(a.blocks[0].mlp.fc1.weight, c.blocks[0].mlp.fc1.weight)
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from labkit.comm import CommLog
-from labkit.data_parallel import (DistributedDataParallel, ZeroRedundancyOptimizer, assign_buckets,
-                                  optimizer_state_bytes)
+from labkit.data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer, assign_buckets, optimizer_state_bytes
 from labkit.dist import launch
 from labkit.model import GPT, GPTConfig
 from labkit.plan.comm import comm_per_rank

@@ -31,7 +31,7 @@ def test_sends_solution_passes():
 
 def test_sends_forgetting_k1_fails_a_public_case():
     assert_public_case_fails("4.3", lambda K, M, v: 2 * M * (K * v - 1), "K=1, M=4, v=3",
-                             contains="p2p_sends(K=1, M=4, v=3) vs the SEND actions in the schedule: expected 0, got 16",
+                             contains="p2p_sends(K=1, M=4, v=3) vs the SEND actions in the schedule: expected 0, got 16",  # noqa: E501
                              hint="With one rank, does any message ever leave it?")
     assert any(c.hidden and c.name.startswith("K=1") for c in get_exercise("4.3").cases)
 

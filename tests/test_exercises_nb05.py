@@ -77,7 +77,8 @@ class CheckpointNoRng(torch.autograd.Function):
 
 
 class CheckpointNoFork(torch.autograd.Function):
-    """Wrong (caught by a public case since issue 13): restores the RNG state without fork_rng, rewinding the training stream."""
+    """Wrong (caught by a public case since issue 13): restores the RNG state without fork_rng,
+    rewinding the training stream."""
 
     @staticmethod
     def forward(ctx, run, x):
@@ -126,7 +127,7 @@ def test_solution_passes(ex, answer):
     ("5.1", boundaries_remainder_last, "got sizes [2, 2, 2, 4] from boundaries [0, 2, 4, 6, 10]"),
     ("5.1", boundaries_range_step, "expected k+1 = 5 boundaries (k segments), got 6"),
     ("5.2", best_sqrt, "k=10 has a peak of 90 bytes, but k=25 has 57"),
-    ("5.3", CheckpointNoRng, 'failed case "dropout p=0.5: the recomputation draws the same masks": dropout p=0.5: dL/dx'),
+    ("5.3", CheckpointNoRng, 'failed case "dropout p=0.5: the recomputation draws the same masks": dropout p=0.5: dL/dx'),  # noqa: E501
     ("5.3", CheckpointNoGrad, "the recomputation ran with gradients disabled"),
 ])
 def test_wrong_answer_fails_with_a_useful_message(ex, answer, contains):

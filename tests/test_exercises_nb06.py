@@ -1,15 +1,14 @@
 """Exercises of notebook 06_megatron_ffn: the solutions pass, plausible wrong answers fail with
 a message that says what was expected and what came back."""
-import numpy as np
 import pytest
 import torch
 
 from labkit import comm
-from labkit.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from labkit.grading import evaluate
-from labkit.grading.registry import get_exercise
-from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 from labkit.grading.exercises.nb06_megatron_ffn import gelu
+from labkit.grading.registry import get_exercise
+from labkit.grading.testing import assert_check_passes, assert_public_case_fails
+from labkit.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 
 
 def mlp_partials(X, A, B, t):

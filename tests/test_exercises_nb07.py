@@ -6,7 +6,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit import comm
-from labkit.grading.registry import get_exercise
 from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 
 

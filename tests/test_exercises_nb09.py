@@ -2,9 +2,8 @@
 message that says what was expected and what came back."""
 import math
 
-import torch
-
 import pytest
+import torch
 
 from labkit.grading.testing import assert_check_fails, assert_check_passes
 

@@ -1,8 +1,7 @@
 """Exercises of notebook 10_balance_losses: the solutions pass, plausible wrong answers fail with
 a message that says what was expected and what came back."""
-import torch
-
 import pytest
+import torch
 
 from labkit.grading.testing import assert_check_fails, assert_check_passes
 

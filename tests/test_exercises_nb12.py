@@ -1,13 +1,11 @@
 """Exercises of notebook 12_deepseek_moe: the solutions pass, plausible wrong answers fail with a
 message that says what was expected and what came back."""
 import inspect
-
-import pytest
 import math
 
+import pytest
 import torch
 
-from labkit.grading.registry import get_exercise
 from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 from labkit.moe import MoELayer
 from labkit.moe.router import route

@@ -1,9 +1,8 @@
 """Exercises of notebook 13_zero_bubble: the solutions pass; a W not delayed, a backward
 not split, .backward() instead of autograd.grad, and the full-backward "B" confusion fail
 with messages that say so."""
-import torch
-
 import pytest
+import torch
 
 from labkit.grading.testing import assert_check_fails, assert_check_passes
 from labkit.pipeline import Action

@@ -10,8 +10,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from labkit.pipeline import gpipe_schedule, interleaved_schedule, one_f_one_b_schedule, simulate  # noqa: E402
-from labkit.pipeline.explorer import (SCHEDULES, build_schedule, count_sends, describe, explorer,  # noqa: E402
-                                      peak_in_flight_per_rank, render)
+from labkit.pipeline.explorer import (  # noqa: E402
+    SCHEDULES,
+    build_schedule,
+    count_sends,
+    describe,
+    explorer,
+    peak_in_flight_per_rank,
+    render,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -18,9 +18,9 @@ import torch
 from labkit import comm
 from labkit.dist import launch
 from labkit.grading import check, registry
-from labkit.grading.grader import results_json, validate_results, CaseGrade, ExerciseGrade, NotebookGrade
-from labkit.grading.registry import CheckFailure, exercise, expect_close, expect_equal
-from labkit.grading.runner import CheckNotPassed, Case, evaluate, run_case
+from labkit.grading.grader import CaseGrade, ExerciseGrade, NotebookGrade, results_json, validate_results
+from labkit.grading.registry import exercise, expect_close, expect_equal
+from labkit.grading.runner import Case, CheckNotPassed, evaluate, run_case
 from labkit.grading.testing import assert_check_fails, assert_check_passes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def test_stub_is_not_attempted_and_exceptions_are_reported(capsys):
         raise NotImplementedError("Exercise T.1: double x")
 
     assert check("T.1", stub).status == "not_attempted"
-    assert capsys.readouterr().out == "Exercise T.1 (double): not attempted (the stub still raises NotImplementedError).\n"
+    assert capsys.readouterr().out == "Exercise T.1 (double): not attempted (the stub still raises NotImplementedError).\n"  # noqa: E501
     res = check("T.1", lambda x: 1 / 0)
     assert "ZeroDivisionError: division by zero" in res.message
 

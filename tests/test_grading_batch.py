@@ -9,11 +9,9 @@ import subprocess
 import sys
 
 import pytest
-
-from labkit.grading.grader import main, validate_results
-
 from tinyassign import CASES, _nb  # noqa: E402
 
+from labkit.grading.grader import main, validate_results
 
 SOLVED = ["check('98.1', lambda x: 3 * x)", "check('98.2', lambda x: -x)", "check('97.1', lambda x: x)"]
 WRONG = ["check('98.1', lambda x: 2 * x)", "check('98.2', lambda x: -x)"]
@@ -122,7 +120,8 @@ def test_batch_bad_options_are_one_error_line(tmp_path, env, monkeypatch, capsys
     sub = _nb(tmp_path / "a.ipynb", "98_alpha", SOLVED)
     for args, msg in ((["-j", "0"], "error: -j must be >= 1 submission at a time, got 0"),
                       (["--gradebook", tmp_path / "nowhere" / "g.csv"], "its folder"),
-                      (["--results-dir", tmp_path / "d", "--results", tmp_path / "r.json"], "--results writes one file")):
+                      (["--results-dir", tmp_path / "d", "--results", tmp_path / "r.json"],
+                       "--results writes one file")):
         code, err = _grade_here([sub, *args], env, monkeypatch, capsys)
         assert code == 2 and err.startswith("error:") and msg in err, err
         assert "Traceback" not in err

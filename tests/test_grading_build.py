@@ -10,8 +10,20 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.grading.build import (BEGIN, END, INSTALL_CELL, WIDGET_NOTE, BuildError, _code_only, build_all, build_text,
-                                  learner_version, plot_code_fingerprint, stale_notebooks, uses_plotting_code)
+from labkit.grading.build import (
+    BEGIN,
+    END,
+    INSTALL_CELL,
+    WIDGET_NOTE,
+    BuildError,
+    _code_only,
+    build_all,
+    build_text,
+    learner_version,
+    plot_code_fingerprint,
+    stale_notebooks,
+    uses_plotting_code,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_CALL = re.compile(r"(?<![\w.])check\(\s*[\"']")

@@ -23,8 +23,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from nbfiles import write_notebook
+
 from labkit.grading import wire
 from labkit.grading.contain import Cgroup, Limits, UidLease, kill_uid, remove_files_of, uid_processes
 

@@ -11,10 +11,16 @@ import nbformat
 import pytest
 
 from labkit.grading import check
-from labkit.grading.grader import _exercise_grade, _notebook_names, grade_notebook, results_json, validate_results
-from labkit.grading.runner import CaseResult, CheckResult
-from labkit.grading.grader import NotebookGrade
+from labkit.grading.grader import (
+    NotebookGrade,
+    _exercise_grade,
+    _notebook_names,
+    grade_notebook,
+    results_json,
+    validate_results,
+)
 from labkit.grading.registry import exercise, expect_equal, get_exercise
+from labkit.grading.runner import CaseResult, CheckResult
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION_01 = ROOT / "solutions" / "01_pipeline_bubble.ipynb"
@@ -110,7 +116,7 @@ def test_float_answer_to_1_2_fails_a_public_case(capsys):
     line = capsys.readouterr().out
     assert res.status == "failed"
     assert line.startswith('Exercise 1.2 (smallest M for a target bubble): failed case "returns an int": '
-                           'smallest_microbatches(K=4, target=0.05): expected an int, got float. Hint: A number of microbatches is a whole number')
+                           'smallest_microbatches(K=4, target=0.05): expected an int, got float. Hint: A number of microbatches is a whole number')  # noqa: E501
     assert not next(c for c in get_exercise("1.2").cases if c.name == "returns an int").hidden
 
 
@@ -237,7 +243,8 @@ def test_grade_cli_bad_input_is_one_line_not_a_traceback(tmp_path):
     (tmp_path / "bin.ipynb").write_bytes(bytes(range(256)))
     proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(tmp_path / "bin.ipynb")],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: "), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
 def test_nb02_accumulation_hint_is_a_hint_not_the_solution():

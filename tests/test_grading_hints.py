@@ -32,7 +32,7 @@ _EXPR_NODES = (ast.BinOp, ast.BoolOp, ast.Compare, ast.Call, ast.Subscript, ast.
 _SYM = r"(?:\d+(?:\.\d+)?|[A-Za-z][A-Za-z0-9]?(?:_[A-Za-z0-9]+)?|[A-Za-z]\w*\([^()]*\))"
 _OPERAND = rf"(?:\(?\s*{_SYM}\s*\)?)"
 _FORMULA = re.compile(rf"(?<![\w-]){_OPERAND}\s*[-+*/^]\s*{_OPERAND}\s*[-+*/^]\s*{_OPERAND}(?![\w-])")
-_CODE = re.compile(r"[A-Za-z_][\w.]*\([^()]*[\w)]\)|\b\w+(?:\[[^\]]*\])?\s*(?:\+|-|\*)?=(?!=)\s*(?!\d+(?:\.\d+)?(?![\w.(]))\S|//|%|\*\*")
+_CODE = re.compile(r"[A-Za-z_][\w.]*\([^()]*[\w)]\)|\b\w+(?:\[[^\]]*\])?\s*(?:\+|-|\*)?=(?!=)\s*(?!\d+(?:\.\d+)?(?![\w.(]))\S|//|%|\*\*")  # noqa: E501
 
 
 def _norm(text: str) -> str:

@@ -141,7 +141,7 @@ HONEST = [
                                 "check('1.1', bubble_fraction)"]),
     # send/recv in the point-to-point exercise
     ("0.2", "ring_all_reduce", ["import torch.distributed as dist",
-                                "def ring_all_reduce(ctx, x):\n    dist.send(x, 1)\n    dist.recv(x, 0)\n    return x"]),
+                                "def ring_all_reduce(ctx, x):\n    dist.send(x, 1)\n    dist.recv(x, 0)\n    return x"]),  # noqa: E501
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
@@ -351,7 +351,7 @@ def test_secret_inputs_never_reach_a_visible_result(tmp_path):
     os.chmod(tmp_path, 0o777)  # writable by the kernels' uids too
     memory = tmp_path / "seen.txt"
     cells = ["from labkit.grading import check",
-             f"def echo(x):\n    try:\n        with open({str(memory)!r}, 'a') as f:\n            f.write(f'{{x}}\\n')\n"
+             f"def echo(x):\n    try:\n        with open({str(memory)!r}, 'a') as f:\n            f.write(f'{{x}}\\n')\n"  # noqa: E501
              f"        return int(open({str(memory)!r}).read().split()[0])\n    except OSError:\n        return x",
              "check('S.1', echo)",
              f"def recall(x):  # the largest input ever seen: the secret, if it reached this kernel first\n"

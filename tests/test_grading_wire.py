@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from labkit.grading import wire
-from labkit.grading.proxy import LocalBackend, Answer, ReferenceImplementationUsed
+from labkit.grading.proxy import Answer, LocalBackend, ReferenceImplementationUsed
 from labkit.pipeline import Action
 
 
@@ -30,7 +30,8 @@ def test_values_round_trip_exactly():
             assert np.array_equal(back[k], v) and back[k].dtype == v.dtype
         else:
             assert back[k] == v and type(back[k]) is type(v), k
-    assert torch.ones(2, requires_grad=True).requires_grad == wire.loads(wire.dumps(torch.ones(2, requires_grad=True))).requires_grad
+    leaf = torch.ones(2, requires_grad=True)
+    assert leaf.requires_grad == wire.loads(wire.dumps(leaf)).requires_grad
 
 
 def test_objects_that_are_not_data_become_named_placeholders():

@@ -9,8 +9,7 @@ import torch
 from labkit.comm import CommLog
 from labkit.dist import RankError, launch
 from labkit.moe import MoEConfig, MoELayer
-from labkit.moe.expert_parallel import (ExpertParallelMoE, all_reduce_loads, all_to_all_uneven,
-                                        sync_replicated_grads)
+from labkit.moe.expert_parallel import ExpertParallelMoE, all_reduce_loads, all_to_all_uneven, sync_replicated_grads
 
 RTOL, ATOL = 1e-5, 1e-6
 H = 8

@@ -172,7 +172,8 @@ def _reference(steps, lr):
         layer.zero_grad(set_to_none=True)
         y, stats = layer(x)
         ((y * g).sum() / P + stats.aux_loss).backward()       # the mean over the P token groups
-        out.append({"y": y.detach(), "x_grad": x.grad, "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}})
+        out.append({"y": y.detach(), "x_grad": x.grad,
+                    "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}})
         with torch.no_grad():
             for p in layer.parameters():
                 p -= lr * p.grad

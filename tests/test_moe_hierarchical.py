@@ -50,7 +50,8 @@ def _train(layer, x, g, step_fn=None, group=None):
                "indices": stats.router.indices, "keep": stats.router.keep}
         if group is not None:
             rec["bytes"] = layer.last_bytes
-            rec["a2a_rows"] = sum(r.nbytes for r in log.of("all_to_all") if r.dtype == "float32" and r.shape[1:] == (H,))
+            rec["a2a_rows"] = sum(r.nbytes for r in log.of("all_to_all")
+                                  if r.dtype == "float32" and r.shape[1:] == (H,))
         out.append(rec)
         with torch.no_grad():
             for p in layer.parameters():

@@ -10,8 +10,8 @@ from labkit.model import GPTConfig
 from labkit.moe import MoEConfig, MoELayer
 from labkit.moe.experts import Expert
 from labkit.moe.inference import SlicedExpert
-from labkit.parallel.expert_slicing import ExpertSlicedMoE, ExpertSlicedMoEGPT, make_slicing_groups
 from labkit.moe.model import MoEGPT, moe_config_for
+from labkit.parallel.expert_slicing import ExpertSlicedMoE, ExpertSlicedMoEGPT, make_slicing_groups
 
 RTOL, ATOL = 1e-5, 1e-6
 H = 8

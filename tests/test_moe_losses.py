@@ -4,8 +4,15 @@ import math
 import pytest
 import torch
 
-from labkit.moe import (comm_balance_loss, device_balance_loss, expert_balance_loss, route, sequence_balance_loss,
-                        switch_aux_loss, z_loss)
+from labkit.moe import (
+    comm_balance_loss,
+    device_balance_loss,
+    expert_balance_loss,
+    route,
+    sequence_balance_loss,
+    switch_aux_loss,
+    z_loss,
+)
 
 
 def _softmax(row):
@@ -55,7 +62,7 @@ def test_switch_aux_matches_formula_and_mask():
 
 def _wrong_aux(logits, idx, alpha):
     """The bug: P from softmax over the k selected logits, averaged (always 1/k), not the full softmax."""
-    E, k = logits.shape[1], idx.shape[1]
+    E = logits.shape[1]
     topk_weights = logits.gather(1, idx).softmax(-1)
     f = torch.bincount(idx.flatten(), minlength=E).double() / idx.numel()
     return alpha * E * (f * topk_weights.mean()).sum()
@@ -69,7 +76,7 @@ def test_switch_aux_depends_on_routing_wrong_version_is_constant():
 
 
 def test_uniform_routing_gives_alpha():
-    T, E, k = 8, 4, 2
+    T, E = 8, 4
     logits = torch.zeros(T, E)
     idx = torch.tensor([[0, 1], [2, 3]] * 4)
     assert switch_aux_loss(logits, idx, 0.3, from_logits=True).item() == pytest.approx(0.3)

@@ -3,11 +3,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn as nn
 
 from labkit.dist import launch
 from labkit.model import Block, GPTConfig
-from labkit.moe import (Expert, MoEBlock, MoEGPT, moe_config_for, sync_replicated_grads, to_expert_parallel, total_aux_loss)
+from labkit.moe import (
+    MoEBlock,
+    MoEGPT,
+    moe_config_for,
+    sync_replicated_grads,
+    to_expert_parallel,
+    total_aux_loss,
+)
 from labkit.moe.expert_parallel import all_reduce_loads
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16, ffn_mult=2)
@@ -94,7 +100,8 @@ def test_lab_runs_and_matches():
     threads = torch.get_num_threads()
     try:
         assert main(["--ep", "2", "--steps", "3", "--balance-steps", "3", "--batch", "4", "--seq", "16",
-                     "--n-embd", "16", "--n-layer", "2", "--experts", "4", "--no-plots", "--out", "/tmp/labkit-moe-test"]) == 0
+                     "--n-embd", "16", "--n-layer", "2", "--experts", "4", "--no-plots",
+                     "--out", "/tmp/labkit-moe-test"]) == 0
     finally:
         torch.set_num_threads(threads)
 

@@ -143,7 +143,8 @@ def test_aux_loss_scaled_by_one_is_caught(results):
 
 def test_aux_loss_not_attached_is_caught(results, monkeypatch):
     _, ref = results
-    monkeypatch.setattr(mpp, "attach_aux_loss", lambda x, aux, scale, on_backward=None: x)   # where the stages look it up
+    # where the stages look it up
+    monkeypatch.setattr(mpp, "attach_aux_loss", lambda x, aux, scale, on_backward=None: x)
     ranks = launch(_worker, PP * DP, None, [("gpipe", False)], timeout=60)
     with pytest.raises(AssertionError, match="grad of"):
         _check(ranks, ref, ("gpipe", False))

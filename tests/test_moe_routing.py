@@ -5,9 +5,24 @@ import math
 import pytest
 import torch
 
-from labkit.moe import (comm_balance_loss, device_balance_loss, sequence_balance_loss, switch_aux_loss, z_loss,
-                        MoEConfig, MoELayer, TopKRouter, capacity_mask, compute_capacity, dense_dispatch_tensors,
-                        dense_moe, fine_grained, route, sorted_moe, update_expert_bias)
+from labkit.moe import (
+    MoEConfig,
+    MoELayer,
+    TopKRouter,
+    capacity_mask,
+    comm_balance_loss,
+    compute_capacity,
+    dense_dispatch_tensors,
+    dense_moe,
+    device_balance_loss,
+    fine_grained,
+    route,
+    sequence_balance_loss,
+    sorted_moe,
+    switch_aux_loss,
+    update_expert_bias,
+    z_loss,
+)
 
 
 def test_topk_weights_unrenormalised_and_renormalised():
@@ -231,8 +246,8 @@ def test_layer_errors():
     with pytest.raises(ValueError, match="T=6 tokens are not divisible by token_groups=4"):
         layer(torch.randn(6, 8))
     with pytest.raises(ValueError, match="an expert has"):
-        dense_dispatch_tensors(torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.bool),
-                               2, capacity=2)
+        dense_dispatch_tensors(torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.long),
+                               torch.ones(3, 1, dtype=torch.bool), 2, capacity=2)
 
 
 def test_layer_losses_are_means_over_token_groups():

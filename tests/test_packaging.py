@@ -5,9 +5,9 @@ import functools
 import importlib.metadata as md
 import re
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 

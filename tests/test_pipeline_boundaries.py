@@ -12,8 +12,7 @@ import torch.nn.functional as F
 
 from labkit.comm import CommLog
 from labkit.dist import launch
-from labkit.pipeline import PipelineSchedule, PipelineStage, ScheduleError, ScheduleInterleaved1F1B
-from labkit.pipeline import runtime
+from labkit.pipeline import PipelineSchedule, PipelineStage, ScheduleError, ScheduleInterleaved1F1B, runtime
 
 V, H, S, B, M = 11, 8, 5, 8, 2
 RTOL, ATOL = 1e-5, 1e-6

@@ -3,8 +3,16 @@ from fractions import Fraction
 
 import pytest
 
-from labkit.pipeline import (Action, Schedule, ScheduleError, bubble_formula, bubble_time_formula, parse_actions,
-                             simulate, validate_schedule)
+from labkit.pipeline import (
+    Action,
+    Schedule,
+    ScheduleError,
+    bubble_formula,
+    bubble_time_formula,
+    parse_actions,
+    simulate,
+    validate_schedule,
+)
 from labkit.pipeline.registry import REGISTRY, canonical, lookup, names
 from labkit.pipeline.symbolic import advance_async, advance_blocking, diagnose_hang
 

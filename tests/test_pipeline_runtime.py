@@ -5,15 +5,26 @@ import time
 
 import pytest
 import torch
+from procs import live_processes
 from torch.distributed import pipelining as tpp
 
 from labkit.dist import RankError, launch
 from labkit.model import GPT, GPTConfig, lm_loss
-from labkit.pipeline import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleError, ScheduleGPipe,
-                             ScheduleInterleaved1F1B, gpipe_schedule, interleaved_schedule, one_f_one_b_schedule,
-                             parse_actions, simulate, validate_schedule)
+from labkit.pipeline import (
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleError,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    gpipe_schedule,
+    interleaved_schedule,
+    one_f_one_b_schedule,
+    parse_actions,
+    simulate,
+    validate_schedule,
+)
 from labkit.pipeline.stages import gpt_param_name, gpt_stages_for_rank, split_gpt, step_torch_schedule
-from procs import live_processes
 
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)
 BATCH, SEQ = 16, 16

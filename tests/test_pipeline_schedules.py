@@ -6,9 +6,20 @@ from fractions import Fraction
 
 import pytest
 
-from labkit.pipeline import (Action, ScheduleError, add_communication, bubble_formula, format_schedule,
-                             gpipe_schedule, interleaved_schedule, one_f_one_b_schedule, parse_actions,
-                             peak_in_flight, simulate, validate_schedule)
+from labkit.pipeline import (
+    Action,
+    ScheduleError,
+    add_communication,
+    bubble_formula,
+    format_schedule,
+    gpipe_schedule,
+    interleaved_schedule,
+    one_f_one_b_schedule,
+    parse_actions,
+    peak_in_flight,
+    simulate,
+    validate_schedule,
+)
 
 
 def _grid():
@@ -85,7 +96,7 @@ def test_bubble_formula_with_b_equals_2f():
 
 
 def test_float_costs_match_formula_to_1e12():
-    for name, K, M, v, s in grid()[::7]:
+    for _name, K, M, v, s in grid()[::7]:
         r = simulate(s, forward=0.3, backward=0.3, validate=False)
         assert abs(r.bubble_fraction - float(bubble_formula(K, M, v))) < 1e-12
 
@@ -200,7 +211,7 @@ def test_validator_local_stage_order_for_one_rank():
     (lambda: gpipe_schedule(4, 0), r"M \(microbatches\) must be an integer >= 1, got 0"),
     (lambda: one_f_one_b_schedule(0, 4), r"K \(pipeline ranks\) must be an integer >= 1, got 0"),
     (lambda: interleaved_schedule(4, 8, 0), r"v \(chunks per rank\) must be an integer >= 1, got 0"),
-    (lambda: interleaved_schedule(4, 9, 2), r"K=4 ranks needs M split into equal rounds .* = 2 must divide M\); got M=9"),
+    (lambda: interleaved_schedule(4, 9, 2), r"K=4 ranks needs M split into equal rounds .* = 2 must divide M\); got M=9"),  # noqa: E501
 ])
 def test_build_time_errors(call, message):
     with pytest.raises(ScheduleError, match=message):

@@ -79,7 +79,7 @@ def test_cp_traffic_per_algorithm_and_link():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(t=8, cp=16, cp_attention="ulysses"), "Ulysses needs cp=16 to divide the heads per TP rank a/t=16 and a_kv/t=1"),
+    (dict(t=8, cp=16, cp_attention="ulysses"), "Ulysses needs cp=16 to divide the heads per TP rank a/t=16 and a_kv/t=1"),  # noqa: E501
     (dict(t=1, cp=3), "2 cp \\(x t with SP\\) = 6 to divide the sequence length s=8192"),
     (dict(cp=2, cp_attention="flash"), "cp_attention must be one of"),
 ])

@@ -5,8 +5,14 @@ import dataclasses
 
 import pytest
 
-from labkit.plan.flops import (hfu, iteration_flops, korthikanti_model_flops, korthikanti_selective_flops, mfu,
-                               narayanan_full_recompute_flops)
+from labkit.plan.flops import (
+    hfu,
+    iteration_flops,
+    korthikanti_model_flops,
+    korthikanti_selective_flops,
+    mfu,
+    narayanan_full_recompute_flops,
+)
 from labkit.plan.memory import grad_convention, memory_per_rank, stage_in_flight
 from labkit.plan.spec import CLUSTERS, PUBLISHED, Layout, preset
 from labkit.plan.timing import layer_forward_backward, step_time

@@ -15,10 +15,9 @@ import torch
 from labkit.comm import CommLog
 from labkit.dist import RankError, launch
 from labkit.model import Block, GPTConfig
-from labkit.tensor_parallel import gather_full_tensors
+from labkit.tensor_parallel import ParallelBlock, allreduce_layernorm_grads, gather_full_tensors
 from labkit.tensor_parallel import layers as sp_mod
 from labkit.tensor_parallel.mappings import all_gather_along_dim, split_along_dim
-from labkit.tensor_parallel import ParallelBlock, allreduce_layernorm_grads
 
 RTOL, ATOL = 1e-5, 1e-6
 B, S, H, NH = 2, 8, 32, 8
@@ -138,7 +137,7 @@ def test_injected_bugs_are_caught(results, t):
 def test_sp_bytes_equal_the_all_reduces_exactly(results):
     t, e, N = 2, 4, B * S
     act = N * H * e                                      # one [B, S, H] fp32 tensor
-    for r, res in enumerate(results[t]):
+    for _r, res in enumerate(results[t]):
         c = res["comm"]
         # TP: 2 all-reduces forward (g) + 2 backward (f) of the full activation
         assert c["tp"]["summary"] == {("all_reduce", t): (4, 4 * act)}

@@ -5,8 +5,13 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm import CommLog
-from labkit.data_parallel import (FullyShardedDataParallel, ZeroStage2, expected_fsdp, expected_zero2,
-                                  optimizer_state_bytes)
+from labkit.data_parallel import (
+    FullyShardedDataParallel,
+    ZeroStage2,
+    expected_fsdp,
+    expected_zero2,
+    optimizer_state_bytes,
+)
 from labkit.data_parallel.flat import padded_numel, shard_flat, unshard_flat
 from labkit.dist import launch
 from labkit.model import GPT, GPTConfig

@@ -2,7 +2,6 @@
 communication (checked with CommLog: nothing was issued)."""
 import pytest
 import torch
-import torch.nn as nn
 
 from labkit.comm import CommLog
 from labkit.dist import RankError, launch

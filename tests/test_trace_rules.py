@@ -5,10 +5,18 @@ children of a receive; several schedules share one file as separate processes. T
 traces of the lab are checked in tests/test_zero_bubble_lab.py, notebook 13's in the notebook."""
 import pytest
 
-from labkit.pipeline import TimedAction
+from labkit.pipeline import (
+    TimedAction,
+    dualpipev_overlapped,
+    dualpipev_schedule,
+    gpipe_schedule,
+    interleaved_schedule,
+    one_f_one_b_schedule,
+    simulate,
+    zb_h1_schedule,
+    zbv_schedule,
+)
 from labkit.pipeline.schedules import parse_actions
-from labkit.pipeline import (dualpipev_overlapped, dualpipev_schedule, gpipe_schedule, interleaved_schedule,
-                             one_f_one_b_schedule, simulate, zb_h1_schedule, zbv_schedule)
 from labkit.pipeline.trace import chrome_trace, trace_problems
 
 K, M = 4, 8

@@ -14,8 +14,8 @@ from labkit.dist import launch
 from labkit.labs import moe as moe_lab
 from labkit.labs import pipeline as pipe_lab
 from labkit.labs import tensor as tensor_lab
-from labkit.labs.verdict import Lockstep, LockstepResult, Piece, StepRecord, report
 from labkit.labs.replay import replayed_routing
+from labkit.labs.verdict import Lockstep, LockstepResult, Piece, StepRecord, report
 
 CORPUS = Corpus.load()
 PIPE = ["--steps", "3", "--microbatches", "2", "--batch", "4", "--seq", "8", "--layers", "2", "--embd", "16",

@@ -10,8 +10,7 @@ from torch.distributed import pipelining as tpp
 
 from labkit.dist import launch
 from labkit.model import GPT, GPTConfig, lm_loss
-from labkit.pipeline import PipelineStage, ScheduleDualPipeV, ScheduleZBH1, ScheduleZBVZeroBubble
-from labkit.pipeline import split_backward
+from labkit.pipeline import PipelineStage, ScheduleDualPipeV, ScheduleZBH1, ScheduleZBVZeroBubble, split_backward
 from labkit.pipeline.split_backward import backward_input, backward_weight
 from labkit.pipeline.stages import gpt_param_name, split_gpt
 

@@ -5,11 +5,25 @@ from fractions import Fraction as Fr
 
 import pytest
 
-from labkit.pipeline import (Action, ScheduleError, add_communication, bubble_time_formula, dualpipev_overlapped,
-                             dualpipev_schedule, infer_placement, one_f_one_b_schedule, parse_actions,
-                             peak_in_flight, peak_waiting_for_w, simulate, stage_rank, validate_schedule,
-                             zb_h1_schedule, zbv_schedule)
-from labkit.pipeline import zero_bubble
+from labkit.pipeline import (
+    Action,
+    ScheduleError,
+    add_communication,
+    bubble_time_formula,
+    dualpipev_overlapped,
+    dualpipev_schedule,
+    infer_placement,
+    one_f_one_b_schedule,
+    parse_actions,
+    peak_in_flight,
+    peak_waiting_for_w,
+    simulate,
+    stage_rank,
+    validate_schedule,
+    zb_h1_schedule,
+    zbv_schedule,
+    zero_bubble,
+)
 
 COSTS = list(itertools.product([1, 2, 3], repeat=3)) + [(Fr(3, 2), 1, Fr(1, 2)), (1, Fr(5, 2), Fr(1, 3))]
 
@@ -59,7 +73,7 @@ def test_zb_h1_memory_is_1f1bs_peak_on_every_stage():
 
 
 def _gapless(sim):
-    for r, tl in sim.timeline.items():
+    for _r, tl in sim.timeline.items():
         comp = [t for t in tl if t.action.kind in "FBIW"]
         if any(b.start != a.end for a, b in zip(comp, comp[1:])):
             return False
@@ -171,7 +185,7 @@ def test_dualpipev_rules_and_structure():
         validate_schedule(s)
         kinds = {a.kind for r in s for a in s[r]}
         assert {"F", "B"} <= kinds and (K == 1 or {"I", "W"} <= kinds)
-        for r, pairs in dualpipev_overlapped(K, M).items():
+        for _r, pairs in dualpipev_overlapped(K, M).items():
             for fa, ba in pairs:
                 assert fa.kind == "F" and ba.kind == "B" and fa.stage != ba.stage
     assert sum(len(p) for p in dualpipev_overlapped(4, 10).values()) > 0

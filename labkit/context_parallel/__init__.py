@@ -11,11 +11,17 @@ Every collective and P2P goes through :mod:`labkit.comm`; process groups are pas
 """
 from .allgather import allgather_attention
 from .blockwise import block_attention, merge_partials
-from .layers import (ATTENTIONS, ContextParallelAttention, ContextParallelGPT, check_cp_config,
-                     finish_grad_sync)
+from .layers import ATTENTIONS, ContextParallelAttention, ContextParallelGPT, check_cp_config, finish_grad_sync
 from .ring import ring_attention
-from .sharding import (causal_work, check_sequence_split, chunk_placement, gather_sequence,
-                       sequence_positions, shard_sequence, unshard_sequence)
+from .sharding import (
+                     causal_work,
+                     check_sequence_split,
+                     chunk_placement,
+                     gather_sequence,
+                     sequence_positions,
+                     shard_sequence,
+                     unshard_sequence,
+)
 from .ulysses import check_ulysses, ulysses_attention
 
 __all__ = [

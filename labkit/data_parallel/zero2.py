@@ -119,7 +119,8 @@ class ZeroStage2(nn.Module):
 
     def grad_bytes(self) -> int:
         """Gradient bytes on this rank: the shards' ``.grad`` plus any full ``param.grad`` left."""
-        shards = sum(b.shard.grad.numel() * b.shard.grad.element_size() for b in self.buckets if b.shard.grad is not None)
+        shards = sum(b.shard.grad.numel() * b.shard.grad.element_size() for b in self.buckets
+                     if b.shard.grad is not None)
         return shards + sum(p.grad.numel() * p.grad.element_size() for p in self.module.parameters()
                             if p.grad is not None)
 

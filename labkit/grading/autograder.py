@@ -76,7 +76,8 @@ fi
 rm -rf "$SITE/labkit"
 cp -r "$SRC/labkit" "$SITE/labkit"
 chmod -R a+rX "$ROOT/venv"
-(cd / && "$VPY" -c "import torch, labkit.grading.grader as g; print('labkit autograder: torch', torch.__version__, 'labkit', g.__file__)")
+(cd / && "$VPY" -c "import torch, labkit.grading.grader as g
+print('labkit autograder: torch', torch.__version__, 'labkit', g.__file__)")
 # the unprivileged user the submission's kernel runs as
 id labkit-kernel >/dev/null 2>&1 || useradd --system --no-create-home --home-dir /nonexistent \
     --shell /usr/sbin/nologin --user-group labkit-kernel
@@ -92,8 +93,8 @@ RUN_AUTOGRADER = r"""#!/usr/bin/env bash
 ROOT="${LABKIT_AUTOGRADER_ROOT:-/autograder}"
 if [ ! -x "$ROOT/venv/bin/python" ]; then
     mkdir -p "$ROOT/results"
-    echo '{"score": 0, "output": "The autograder is not set up (setup.sh did not finish); tell your instructor.", "tests": []}' \
-        > "$ROOT/results/results.json"
+    MSG="The autograder is not set up (setup.sh did not finish); tell your instructor."
+    echo "{\"score\": 0, \"output\": \"$MSG\", \"tests\": []}" > "$ROOT/results/results.json"
     echo "error: $ROOT/venv/bin/python is missing: setup.sh did not finish" >&2
     exit 1
 fi
@@ -180,8 +181,15 @@ def run(root: Path) -> int:
 
     Returns 0 when the results are the submission's grade (whatever its score), 1 when the
     notebook could not be graded."""
-    from .grader import NotebookGrade, _exercise_grade, format_table, grade_paths, results_json, validate_results
-    from .grader import write_results
+    from .grader import (
+        NotebookGrade,
+        _exercise_grade,
+        format_table,
+        grade_paths,
+        results_json,
+        validate_results,
+        write_results,
+    )
     from .registry import HIDDEN_ENV, exercises_for_notebook, load_all
 
     t0 = time.monotonic()
@@ -204,7 +212,8 @@ def run(root: Path) -> int:
             names = ", ".join(p.relative_to(root / "submission").as_posix() for p in found)
             why = f"{len(found)} notebooks were uploaded ({names}): upload exactly one, your {want}; nothing was graded"
         grade = NotebookGrade(want, assignment, why)
-        grade.exercises = [_exercise_grade(ex, None, f"not attempted: {why}") for ex in exercises_for_notebook(assignment)]
+        grade.exercises = [_exercise_grade(ex, None, f"not attempted: {why}")
+                           for ex in exercises_for_notebook(assignment)]
     print(format_table([grade]))  # instructor only (stdout_visibility: hidden)
     obj = results_json([grade], execution_time=time.monotonic() - t0)
     validate_results(obj)

@@ -126,7 +126,7 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
                 print(head + (f"{'; ' if obj else ''}NOT GRADED: {err}" if err else "")
                       + f" ({time.monotonic() - t0:.0f} s)", flush=True)
     finally:
-        for proc, _, log in running.values():  # Ctrl-C or SIGTERM: each grader cleans up its kernel
+        for proc, _, _log in running.values():  # Ctrl-C or SIGTERM: each grader cleans up its kernel
             proc.terminate()
         for proc, _, log in running.values():
             try:

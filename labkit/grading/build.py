@@ -340,7 +340,8 @@ def notebooks_main(argv: list[str] | None = None) -> int:
     import shutil
 
     p = Parser(prog="python -m labkit notebooks",
-               description="Copy the learner notebooks shipped with labkit into a folder (Colab, JupyterHub, a laptop).")
+               description="Copy the learner notebooks shipped with labkit into a folder "
+                           "(Colab, JupyterHub, a laptop).")
     p.add_argument("dest", nargs="?", type=Path, default=Path("labkit-notebooks"), help="folder to copy into")
     p.add_argument("--solutions", action="store_true", help="also copy the complete notebooks into DEST/solutions")
     p.add_argument("--force", action="store_true", help="replace notebooks already in DEST")

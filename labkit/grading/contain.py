@@ -155,14 +155,14 @@ def kill_uid(uid: int, timeout: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while True:
         procs = uid_processes(uid)
-        for pid, state, ppid in procs:
+        for pid, _state, _ppid in procs:
             if pid == me:
                 continue
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        for pid, state, ppid in uid_processes(uid):
+        for pid, _state, ppid in uid_processes(uid):
             if ppid == me:
                 try:
                     os.waitpid(pid, os.WNOHANG)

@@ -64,7 +64,7 @@ def fresh_case(ex, name: str, draw: Callable[[random.Random], tuple], factory: C
     exercise's number of cases (the line ``check`` prints) and its time limit. An exercise
     without a hidden case gets a new one named "<name> (fresh inputs)".
     """
-    from .registry import Case, DEFAULT_TIMEOUT
+    from .registry import DEFAULT_TIMEOUT, Case
 
     def draws(answer):
         r = rng()

@@ -373,7 +373,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                         stop = f"{out_of_time} while cell {idx + 1}'s checks were graded"
                         break
                     code = register_code(ex_id, answer_name(ex_id, cells))
-                    st, en, ev = session.execute(code, max(1.0, min(cell_timeout, deadline - time.monotonic()))) if code else ("ok", "", "")
+                    left = max(1.0, min(cell_timeout, deadline - time.monotonic()))
+                    st, en, ev = session.execute(code, left) if code else ("ok", "", "")
                     if st == "ok" and (code or ex_id in _registered(session)):
                         results[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
                     elif st == "error" and status == "error" and en == "NameError":  # the cell broke
@@ -599,7 +600,8 @@ def validate_results(obj: dict) -> None:
             raise ValueError(f"{where} must be an object")
         for key, typ in (("name", str), ("output", str), ("score", (int, float)), ("max_score", (int, float))):
             if not isinstance(t.get(key), typ) or isinstance(t.get(key), bool):
-                raise ValueError(f"{where}.{key} must be {'a string' if typ is str else 'a number'}, got {t.get(key)!r}")
+                kind = "a string" if typ is str else "a number"
+                raise ValueError(f"{where}.{key} must be {kind}, got {t.get(key)!r}")
         if t.get("status") not in ("passed", "failed"):
             raise ValueError(f"{where}.status must be 'passed' or 'failed', got {t.get('status')!r}")
         if t.get("visibility") not in ("visible", "hidden", "after_due_date", "after_published"):
@@ -735,7 +737,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="batch: one results file per submission in this folder")
     p.add_argument("--gradebook", type=Path, default=None,
                    help="batch: a CSV with one row per submission, one column per exercise and the total")
-    p.add_argument("-j", "--jobs", type=int, default=None, help="batch: submissions graded at a time (default: the cores)")
+    p.add_argument("-j", "--jobs", type=int, default=None,
+                   help="batch: submissions graded at a time (default: the cores)")
     a = p.parse_args(argv)
     limits = Limits(processes=a.max_processes, file_size=a.max_file_size * 2 ** 20,
                     address_space=a.max_memory * 2 ** 20, memory=a.max_memory * 2 ** 20, tmp_size=a.tmp_size * 2 ** 20)

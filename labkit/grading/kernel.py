@@ -136,12 +136,12 @@ class _Tripwires:
                     self.saved.append((fn, fn.__code__, trip))
 
     def __enter__(self):
-        for fn, code, trip in self.saved:
+        for fn, _code, trip in self.saved:
             fn.__code__ = trip
         return self
 
     def __exit__(self, *exc):
-        for fn, code, trip in self.saved:
+        for fn, code, _trip in self.saved:
             fn.__code__ = code
         return False
 

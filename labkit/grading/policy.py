@@ -408,7 +408,7 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
     allow = ALLOW.get(exercise_id, set())
     fixed = _fixed(stmts, names)
     by_name: dict[str, list] = {}
-    for pos, (cell, stmt) in enumerate(stmts):
+    for pos, (_cell, stmt) in enumerate(stmts):
         for n in _defines(stmt, fixed):
             by_name.setdefault(n, []).append(pos)
     end = len(stmts)
@@ -431,7 +431,8 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
                 roots.append((pos, cell, ast.Expr(ast.Tuple(sub.args[1:], ast.Load()), lineno=sub.lineno,
                                                   col_offset=0)))
     seen: set = set()
-    visits = [(pos, cell, node, pos) for pos, cell, node in roots[-1:]]  # the last check counts  # (pos, cell, statement, context position)
+    # the last check counts; (pos, cell, statement, context position)
+    visits = [(pos, cell, node, pos) for pos, cell, node in roots[-1:]]
     while todo or visits:
         while todo:
             name, p = todo.pop()

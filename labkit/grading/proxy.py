@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import builtins
-import os
 import time
 from typing import Any, Callable
 

@@ -610,7 +610,8 @@ def _first_difference(got, expected) -> str:
         if diff.numel() == 0:
             return ""
         idx = int(torch.argmax(diff.reshape(-1)))
-        pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(idx), tuple(expected.shape))) if expected.dim() else ()
+        pos = (tuple(int(i) for i in torch.unravel_index(torch.tensor(idx), tuple(expected.shape)))
+               if expected.dim() else ())
         return (f" (largest difference at index {list(pos)}: expected {expected.reshape(-1)[idx].item():.6g}, "
                 f"got {got.reshape(-1)[idx].item():.6g})")
     except Exception:

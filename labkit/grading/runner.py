@@ -70,7 +70,8 @@ class CheckResult:
         return self.status == "passed"
 
     def __repr__(self) -> str:
-        return f"CheckResult(exercise={self.exercise!r}, status={self.status!r}, passed={self.passed}, total={self.total})"
+        return (f"CheckResult(exercise={self.exercise!r}, status={self.status!r}, passed={self.passed}, "
+                f"total={self.total})")
 
     def _ipython_display_(self) -> None:  # the line was already printed by check()
         return None

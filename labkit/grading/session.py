@@ -457,7 +457,7 @@ class KernelSession:
                 if self.proc.poll() is None:
                     victims.add(pid)
                 zombies: list = []
-                for p, (ppid, sid, uid, start) in _processes(zombies).items():
+                for p, (ppid, sid, _uid, start) in _processes(zombies).items():
                     if p == me:
                         continue
                     if sid == pid or (ppid == me and start >= started and p != pid and p not in _KEEP):

@@ -324,8 +324,6 @@ def loads(data: bytes, limit: int = MAX_BYTES) -> Any:
         if tag == "N":
             return dec_array(rest)
         if tag == "n":
-            import numpy as np
-
             if len(rest) != 2:
                 raise WireError("bad numpy scalar")
             dt = _np_dtype(rest[0])

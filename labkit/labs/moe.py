@@ -30,13 +30,22 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import CommLog
+from ..dist import in_torchrun
 from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_expert_parallel
 from ..moe.model import MoEGPT, total_aux_loss
-from ..dist import in_torchrun
 from . import out_folder
 from .harness import Lab, Launch, Report, lockstep, run
-from .moe_common import (BALANCE_MODES, History, bad_args, build_parser, configs, global_name,
-                         ignored_without_eplb, resolve, train_single)
+from .moe_common import (
+    BALANCE_MODES,
+    History,
+    bad_args,
+    build_parser,
+    configs,
+    global_name,
+    ignored_without_eplb,
+    resolve,
+    train_single,
+)
 from .replay import replayed_routing
 
 __all__ = ["BALANCE_MODES", "build_parser", "main", "max_vio", "LAB"]
@@ -56,8 +65,9 @@ class RankResult:
 def _ep_worker(ctx, a, corpus) -> RankResult:
     """One rank of the EP run over ``ctx.group``, judged at every step by the verdict: rank 0's
     reference replays this run's routing (:mod:`labkit.labs.replay`)."""
-    from .verdict import module_pieces
     from tqdm.auto import tqdm
+
+    from .verdict import module_pieces
 
     P, rank, device = ctx.world_size, ctx.rank, ctx.device
     cfg, moe = configs(a, a.compare_mode, 1)

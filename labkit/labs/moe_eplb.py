@@ -308,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(out, results, measured, a):
-    from . import save_figure
     import matplotlib
+
+    from . import save_figure
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

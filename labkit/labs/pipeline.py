@@ -41,8 +41,7 @@ import torch
 from ..cliparse import Parser
 from ..pipeline.registry import lookup, names
 from ..pipeline.stats import mean_times
-from . import (HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               is_main_rank, loss_change, schedule_name)
+from . import HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed, is_main_rank, loss_change, schedule_name
 from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
 from .verdict import add_tolerance_option
 

@@ -31,8 +31,18 @@ from ..model import GPT, GPTConfig
 from ..plan.comm import comm_per_rank
 from ..plan.spec import Layout, ModelSpec
 from ..tensor_parallel import TensorParallelGPT
-from . import (HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               is_main_rank, run_folder, save_figure, write_bytes_atomic)
+from . import (
+    HelpFormatter,
+    bad_lr,
+    bad_memory,
+    bad_number,
+    bad_out,
+    bad_seed,
+    is_main_rank,
+    run_folder,
+    save_figure,
+    write_bytes_atomic,
+)
 from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
 from .verdict import add_tolerance_option, sharded_pieces
 

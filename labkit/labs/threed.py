@@ -3,6 +3,7 @@
     python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved|zb-h1|zbv|dualpipev]
                             [--chunks v] [--microbatches M] [--zero [STAGE]] [--hsdp R] [--tied] [--sp]
                             [--recompute none|selective|full] [--steps N] [--data PATH]
+                            [--cp C --cp-attention ring|allgather|ulysses]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
 
 Megatron-LM's recipe (Narayanan et al. 2021, sec. 3.3): N = t * p * d devices; TP inside a node
@@ -17,9 +18,10 @@ embedding's all-reduce), the measured pipeline bubble next to (p-1)/(vM+p-1), th
 DP all-reduce time hidden behind backward, peak parameter/gradient/optimizer bytes per rank and
 tokens per second; per rank a table of measured bytes next to the planner's (:mod:`labkit.plan`):
 parameters, gradients and optimizer state (exact), activations (the peak of the last step measured
-with saved_tensors_hooks, within 2 %) and the payload bytes per axis (exact); then the verdict of :mod:`labkit.labs.verdict` (every step, loss and every
-gradient against the single-device model at the same parameters). Exit status 1 when the verdict
-or a count fails. Saved under ``runs/3d-<time>/``: ``loss_curves.png``, ``rank_grid.png``
+with saved_tensors_hooks, within 2 %) and the payload bytes per axis (exact); then the verdict of
+:mod:`labkit.labs.verdict` (every step, loss and every gradient against the single-device model
+at the same parameters). Exit status 1 when the verdict or a count fails. Saved under
+``runs/3d-<time>/``: ``loss_curves.png``, ``rank_grid.png``
 (which rank holds which layers and which shard), ``losses.csv``.
 
 For the planner: :func:`run_3d` returns the measured data without printing: per rank
@@ -27,6 +29,11 @@ For the planner: :func:`run_3d` returns the measured data without printing: per 
 (count, bytes)}}`` counted by :class:`labkit.comm.CommLog`), ``wire`` (per step, ``{axis: bytes
 sent}`` under the ring algorithms), ``expected`` (the counts from the formulas), ``overlap``,
 ``bubble`` and the loss curves.
+
+Context parallelism (``--cp C``, :mod:`labkit.context_parallel`): each sequence is split over C
+ranks (load-balanced 2 C chunks; grid order tp-cp-dp-pp, N = t C p d), every attention core runs
+``--cp-attention`` ring | allgather | ulysses over the CP group, and the gradients are averaged
+over the d C ranks of a stage; the table then has a CP row (K/V traffic = the planner's formula).
 """
 from __future__ import annotations
 
@@ -41,8 +48,18 @@ import torch
 
 from ..cliparse import Parser
 from ..pipeline.registry import lookup, names
-from . import (HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed,
-               is_main_rank, save_figure, schedule_name, write_bytes_atomic)
+from . import (
+    HelpFormatter,
+    bad_lr,
+    bad_memory,
+    bad_number,
+    bad_out,
+    bad_seed,
+    is_main_rank,
+    save_figure,
+    schedule_name,
+    write_bytes_atomic,
+)
 from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
 from .verdict import add_tolerance_option
 
@@ -62,6 +79,10 @@ def _parser():
     p.add_argument("--chunks", type=int, default=None,
                    help="v model chunks per rank, with --schedule interleaved (unset: 2; zbv/dualpipev: always 2)")
     p.add_argument("--microbatches", type=int, default=4, help="M microbatches per step and DP rank")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree C: each sequence split over C ranks")
+    p.add_argument("--cp-attention", default="ring", choices=("ring", "allgather", "ulysses"),
+                   help="attention under context parallelism: ring (K/V passed around), allgather (Llama 3), "
+                        "ulysses (all-to-all over heads)")
     p.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2, 3), metavar="STAGE",
                    help="ZeRO stage over the DP group: 0 DDP, 1 optimizer state sharded (the bare flag), 2 also the "
                         "gradients, 3 also the parameters (FSDP units: embedding, each block, head)")
@@ -150,7 +171,7 @@ def _bad_args(a, world) -> str | None:
     if a.chunks is not None and lookup(a.schedule).chunks is not None:
         return (f"--chunks {a.chunks} applies to --schedule interleaved only (gpipe, 1f1b, zb-h1 run 1 chunk per rank, "
                 f"zbv and dualpipev 2); got --schedule {a.schedule}")
-    for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--chunks", _v(a)),
+    for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--cp", a.cp), ("--chunks", _v(a)),
                         ("--microbatches", a.microbatches), ("--steps", a.steps), ("--batch", a.batch),
                         ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
         if value < 1:
@@ -167,10 +188,14 @@ def _bad_args(a, world) -> str | None:
     try:
         cfg = _config(a)
         from ..parallel import check_layout
+        from ..parallel.gpt import check_cp_layout
         v = _v(a)
-        check_layout(cfg, world, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule,
+        check_layout(cfg, world // a.cp, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule,
                      sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq, zero=a.zero, hsdp=a.hsdp,
                      n_experts=a.experts if a.moe else None)
+        check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq)
+        if a.cp > 1 and a.moe:
+            raise ValueError("--cp is not combined with --moe here")
     except ValueError as e:
         return str(e)
     from ..parallel.gpt import planner_spec
@@ -179,7 +204,7 @@ def _bad_args(a, world) -> str | None:
     spec = planner_spec(cfg, a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     lay = Layout(t=a.tp, p=a.pp, d=a.dp, b=a.batch // (a.dp * a.microbatches), M=a.microbatches, schedule="gpipe",
                  ep=a.dp if a.moe else 1, zero=a.zero, sequence_parallel=a.sp, recompute=a.recompute,
-                 precision="fp32")
+                 precision="fp32", cp=a.cp)
     return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} "
                                  f"({world} ranks)")
 
@@ -213,6 +238,9 @@ class RankResult:
     device: str
     backend: str
     activations: int | None = None     # peak bytes saved for backward in the last step (steps >= 2)
+    cp_rank: int = 0
+    cp_work: int = 0          # ring attention: query-key pairs this rank computed in the last step
+    cp_seconds: float = 0.0   # ring attention: seconds of its attention compute in the last step
 
 
 @dataclass
@@ -241,9 +269,10 @@ def _worker(ctx, a, corpus) -> RankResult:
 
     torch.manual_seed(a.seed)
     v = _v(a)
-    grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp)
+    grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp, cp=a.cp)
     pg = ParallelGPT(_model(a), grid, a.schedule, a.microbatches, v=v, zero=a.zero, hsdp=a.hsdp,
-                     bucket_cap_mb=a.bucket_cap_mb, sequence_parallel=a.sp, recompute=a.recompute)
+                     bucket_cap_mb=a.bucket_cap_mb, sequence_parallel=a.sp, recompute=a.recompute,
+                     cp_attention=a.cp_attention)
     opt = pg.make_optimizer("adam", a.lr)
 
     def ref_loss(model, step, extras):
@@ -276,6 +305,7 @@ def _worker(ctx, a, corpus) -> RankResult:
     for step in range(a.steps):
         x, y = _batch(a, corpus, step)
         pg.zero_grad()
+        pg.cp_stats.clear()
         t0 = time.perf_counter()
         # activations: the peak of the last step (in the first one the runtime measures each stage's
         # first forward itself; the hooks cost time, so only one step carries them)
@@ -311,7 +341,10 @@ def _worker(ctx, a, corpus) -> RankResult:
     return RankResult(ctx.rank, grid.tp_rank, grid.dp_rank, grid.pp_rank, pg.has_last_stage, losses, comm, wire,
                       pg.expected_comm(a.batch, a.seq), seconds, overlaps, peak_mem,
                       timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
-                      check.result(), str(ctx.device), ctx.backend, activations=act_peak)
+                      check.result(), str(ctx.device), ctx.backend, activations=act_peak,
+                      cp_rank=getattr(grid, "cp_rank", 0),
+                      cp_work=sum(st["work"] for st in pg.cp_stats),
+                      cp_seconds=sum(st["seconds"] for st in pg.cp_stats))
 
 
 def _reference(a, corpus) -> Reference:
@@ -357,7 +390,8 @@ def run_3d(a, corpus=None) -> Result3D:
 
 
 def _run_name(a) -> str:
-    return f"t{a.tp} p{a.pp} d{a.dp} {a.schedule}"
+    cp = f" cp{a.cp} {a.cp_attention}" if a.cp > 1 else ""
+    return f"t{a.tp}{cp} p{a.pp} d{a.dp} {a.schedule}"
 
 
 # ----------------------------------------------------------------------------- report
@@ -383,20 +417,22 @@ def _planner(a):
     (count, bytes)}}}, what is compared: "all" | "no activations" | "nothing")``, or None when the
     planner cannot take the layout. MoE: shown, not compared (the planner splits each expert over
     the TP group, as Megatron-Core with expert TP = t; labkit's MoE blocks replicate them there)."""
+    from ..parallel.gpt import hsdp_dp_comm, planner_spec
     from ..plan.comm import comm_per_rank
     from ..plan.memory import memory_per_rank
-    from ..parallel.gpt import hsdp_dp_comm, planner_spec
     from ..plan.spec import Layout
     if a.schedule not in _PLANNER_SCHEDULE:
         return None
     schedule, placement, act_modeled = _PLANNER_SCHEDULE[a.schedule]
     compared = "nothing" if a.moe else ("all" if act_modeled else "no activations")
+    if a.cp > 1 and compared == "all":   # CP attention keeps q, k, v, out, lse, not labkit's layer's scores
+        compared = "no activations"
     spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     try:
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
                      ep=a.dp if a.moe else 1,
                      schedule=schedule, placement=placement, zero=a.zero, sequence_parallel=a.sp,
-                     recompute=a.recompute, precision="fp32")
+                     recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention)
         # HSDP: model states sharded over the d/R shard ranks (the same b and M per rank)
         mem = memory_per_rank(spec, Layout(**{**lay.__dict__, "d": a.dp // a.hsdp}), device="cpu")
         comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
@@ -419,7 +455,8 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     act_modeled = compared == "all"
     bad, rows = [], []
     head = (f"{'rank':>4}  {'params':>9} {'(planner)':>9}  {'grads':>9} {'(planner)':>9}  {'optimizer':>9} "
-            f"{'(planner)':>9}  {'activations':>11} {'(planner)':>9} {'diff':>6}  communication bytes per axis (planner)")
+            f"{'(planner)':>9}  {'activations':>11} {'(planner)':>9} {'diff':>6}  "
+            f"communication bytes per axis (planner)")
     rows += [head, "-" * len(head)]
     for r in sorted(out.ranks, key=lambda r: r.rank):
         pm, m = mem[r.pp_rank], r.memory
@@ -453,7 +490,12 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                     + ", ".join(f"rank {r.rank} {r.memory.get('gathered', 0)} ({mem[r.pp_rank].gathered})"
                                 for r in sorted(out.ranks, key=lambda r: r.rank))
                     + "; activations not compared (the gathered weights are saved for backward)")
-    if compared != "nothing" and not act_modeled:
+    if compared == "nothing":
+        pass                # said above
+    elif not act_modeled and a.cp > 1:
+        rows.append("(activations: not compared under CP; the planner counts labkit's layer at s/cp tokens, CP "
+                    "attention keeps q, k, v, its output and log-sum-exp instead of the scores)")
+    elif not act_modeled:
         rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches yet; not "
                     f"compared)")
     return rows, bad
@@ -465,7 +507,8 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
     ranks = out.ranks
     ok = all(c == r.expected for r in ranks for c in r.comm[1:])
     rows = []
-    labels = {"tp": f"TP (t={a.tp})", "pp": f"PP (p={a.pp})", "dp": f"DP (d={a.dp})", "ep": f"EP (={a.dp}, on DP)",
+    labels = {"tp": f"TP (t={a.tp})", "cp": f"CP (cp={a.cp})", "pp": f"PP (p={a.pp})",
+              "dp": f"DP (d={a.dp})" if a.cp == 1 else f"DP (d*cp={a.dp * a.cp})", "ep": f"EP (={a.dp}, on DP)",
               "embedding": "embedding"}
     kinds = sorted({(ax, k) for r in ranks for ax in r.expected for k in r.expected[ax]},
                    key=lambda x: (list(labels).index(x[0]), x[1]))
@@ -482,6 +525,23 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
     sent = ", ".join(f"{labels[ax]} {_mib(max(r.wire[-1].get(ax, 0) for r in ranks)):.3f}" for ax in axes)
     rows.append(f"MiB sent per step on the wire (ring algorithms, busiest rank): {sent}")
     return rows, ok
+
+
+def _print_cp_balance(a, ranks) -> None:
+    """Causal work per CP rank (load-balanced 2 cp chunks) next to the contiguous split's, and, for
+    the ring, what each rank measured in the last step (work and attention compute seconds)."""
+    from ..context_parallel import causal_work
+    bal, contiguous = causal_work(a.seq, a.cp), causal_work(a.seq, a.cp, load_balance=False)
+    print(f"\ncausal attention work per CP rank (query-key pairs per sequence and head; 2 cp chunks, rank r "
+          f"holds r and 2cp-1-r): {bal}; a contiguous split would give {contiguous}")
+    if a.cp_attention == "ring":
+        row = [r for r in ranks if r.tp_rank == 0 and r.dp_rank == 0 and r.pp_rank == 0]
+        row.sort(key=lambda r: r.cp_rank)
+        layers = a.layers // (a.pp * _v(a)) * _v(a)
+        print("measured in the last step, ring attention forward on pipeline rank 0 (per CP rank): work "
+              + ", ".join(str(r.cp_work) for r in row) + f" (formula x {layers} layers x M={a.microbatches}: "
+              + ", ".join(str(w * layers * a.microbatches) for w in bal) + "); compute ms "
+              + ", ".join(f"{1e3 * r.cp_seconds:.1f}" for r in row))
 
 
 def _plots(a, out, folder: Path):
@@ -540,18 +600,20 @@ class ThreeDLab(Lab):
 
     def resolve(self, a, world):
         if world is not None:
-            if a.tp < 1 or a.pp < 1 or world % (a.tp * a.pp):
-                return f"--tp {a.tp} * --pp {a.pp} must divide WORLD_SIZE={world}"
-            if a.dp is not None and a.dp * a.tp * a.pp != world and is_main_rank():
-                print(f"note: --dp {a.dp} ignored under torchrun: d = WORLD_SIZE / (t*p) = {world // (a.tp * a.pp)}",
+            mp = a.tp * a.pp * a.cp
+            if a.tp < 1 or a.pp < 1 or a.cp < 1 or world % mp:
+                return f"--tp {a.tp} * --pp {a.pp}" + (f" * --cp {a.cp}" if a.cp != 1 else "") + \
+                    f" must divide WORLD_SIZE={world}"
+            if a.dp is not None and a.dp * mp != world and is_main_rank():
+                print(f"note: --dp {a.dp} ignored under torchrun: d = WORLD_SIZE / (t*p*cp) = {world // mp}",
                       file=sys.stderr)
-            a.dp = world // (a.tp * a.pp)
+            a.dp = world // mp
         else:
             a.dp = 2 if a.dp is None else a.dp
         return None
 
     def check(self, a):
-        return _bad_args(a, a.tp * a.pp * a.dp)
+        return _bad_args(a, a.tp * a.pp * a.dp * a.cp)
 
     def load_corpus(self, a):
         from ..data import Corpus
@@ -563,7 +625,7 @@ class ThreeDLab(Lab):
         self.t_start = time.perf_counter()
 
     def runs(self, a, corpus):
-        return [Launch(_run_name(a), a.tp * a.pp * a.dp, _worker, (a, corpus))]
+        return [Launch(_run_name(a), a.tp * a.pp * a.dp * a.cp, _worker, (a, corpus))]
 
     def reference(self, a, corpus):
         return _reference(a, corpus)
@@ -574,7 +636,8 @@ class ThreeDLab(Lab):
         v = _v(a)
         ranks = out.ranks
         print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
-              f"on t={a.tp} x p={a.pp} x d={a.dp} = {len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
+              f"on t={a.tp}{f' x cp={a.cp} ({a.cp_attention})' if a.cp > 1 else ''} x p={a.pp} x d={a.dp} = "
+              f"{len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
               f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {f'ZeRO-{a.zero}' if a.zero else 'DDP'}"
               f"{f', HSDP R={a.hsdp}' if a.hsdp > 1 else ''}"
               f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}"
@@ -590,7 +653,12 @@ class ThreeDLab(Lab):
         print("formulas: TP 4 all-reduces of b*S*H per block per microbatch (+1 embedding, +1 output layer, +3 of b*S "
               "cross-entropy); PP 1 send of b*S*H per microbatch and boundary each way; DP one all-reduce per bucket "
               "of the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an "
-              "all-gather of n/d; b = B/(d*M).")
+              "all-gather of n/d; b = B/(d*M)." + (" CP per block and microbatch: ring (cp-1) sends of K and V "
+              "forward, (cp-1)+cp backward (K, V, then their gradients); allgather 2 all-gathers of K, V forward, "
+              "2 reduce-scatters backward; ulysses 4 all-to-alls (q, k, v, output) each way; DP over the d*cp "
+              "ranks of a stage." if a.cp > 1 else ""))
+        if a.cp > 1:
+            _print_cp_balance(a, ranks)
         meas, formula = out.bubble
         name = "(p-1)/(vM+p-1)" if not lookup(a.schedule).zero_bubble else "(T_F = T_I = T_W)"
         print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "

@@ -10,13 +10,28 @@ placement), ``replicas`` (expert parallelism over the copies), ``hierarchical`` 
 all-to-all, bytes per level), ``inference`` (expert slicing), ``pipeline`` (the MoE
 GPT under pipeline parallelism).
 """
-from .router import RouterOutput, TopKRouter, Gate, route, compute_capacity, capacity_mask, update_expert_bias
-from .losses import (switch_aux_loss, z_loss, expert_balance_loss, device_balance_loss, comm_balance_loss,
-                     sequence_balance_loss, expert_fraction, router_probs)
-from .dispatch import permute, unpermute, sorted_moe, dense_moe, dense_dispatch_tensors, run_experts
-from .experts import Expert, MoEConfig, MoEStats, MoELayer, MoE, fine_grained
-from .expert_parallel import (ExpertParallelMoE, all_to_all, all_to_all_uneven, exchange_splits,
-                              sync_replicated_grads, to_expert_parallel, all_reduce_loads)
-from .model import MoEBlock, MoEGPT, total_aux_loss, moe_config_for
+from .dispatch import dense_dispatch_tensors, dense_moe, permute, run_experts, sorted_moe, unpermute
 from .eplb import rebalance_experts
+from .expert_parallel import (
+                     ExpertParallelMoE,
+                     all_reduce_loads,
+                     all_to_all,
+                     all_to_all_uneven,
+                     exchange_splits,
+                     sync_replicated_grads,
+                     to_expert_parallel,
+)
+from .experts import Expert, MoE, MoEConfig, MoELayer, MoEStats, fine_grained
+from .losses import (
+                     comm_balance_loss,
+                     device_balance_loss,
+                     expert_balance_loss,
+                     expert_fraction,
+                     router_probs,
+                     sequence_balance_loss,
+                     switch_aux_loss,
+                     z_loss,
+)
+from .model import MoEBlock, MoEGPT, moe_config_for, total_aux_loss
 from .replicas import ReplicatedExpertParallelMoE, sync_replica_grads, to_replicated_expert_parallel
+from .router import Gate, RouterOutput, TopKRouter, capacity_mask, compute_capacity, route, update_expert_bias

@@ -106,7 +106,7 @@ def _hierarchical(weight: torch.Tensor, num_replicas: int, num_groups: int, num_
     """The three steps of the hierarchical policy (module docstring). Returns (phy2log,
     phyrank, logcnt) as :func:`rebalance_experts` before the log2phy table is built."""
     L, E = weight.shape
-    group_size, groups_per_node = E // num_groups, num_groups // num_nodes
+    group_size = E // num_groups
     experts_per_node, phy_per_node = E // num_nodes, num_replicas // num_nodes
     gpus_per_node, phy_per_gpu = num_gpus // num_nodes, num_replicas // num_gpus
 

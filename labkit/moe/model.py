@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from ..model import GPTConfig, Block, Embedding, Head, init_weights, lm_loss
+from ..model import Block, Embedding, GPTConfig, Head, init_weights, lm_loss
 from .experts import MoEConfig, MoELayer, MoEStats
 
 __all__ = ["MoEBlock", "MoEGPT", "total_aux_loss", "moe_config_for"]

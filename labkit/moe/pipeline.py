@@ -22,10 +22,10 @@ add nothing, and the recomputed forward in the backward contributes once.
 The aux-loss-free bias (DeepSeek-V3 sec. 2.1.2) must move once per GLOBAL batch from the loads
 summed over all microbatches and all data-parallel ranks: each stage adds up the loads of the
 forwards whose backward ran (the attached function's backward counts them: exactly one per
-microbatch and step, with or without recomputation), and :func:`finish_step` all-reduces them over the DP group, updates the bias
-and clears the sums. Reported failure modes in production trainers, prevented here: the aux
-loss scaled by 1 instead of 1/M, counted twice under recomputation, lost on middle stages, or
-the bias updated once per microbatch.
+microbatch and step, with or without recomputation), and :func:`finish_step` all-reduces them
+over the DP group, updates the bias and clears the sums. Reported failure modes in production
+trainers, prevented here: the aux loss scaled by 1 instead of 1/M, counted twice under
+recomputation, lost on middle stages, or the bias updated once per microbatch.
 """
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ import torch.nn as nn
 
 from .. import comm
 from .dispatch import permute, run_experts, unpermute
-from .experts import MoEConfig, MoELayer
 from .expert_parallel import ExpertParallelMoE, all_to_all
+from .experts import MoEConfig, MoELayer
 
 __all__ = ["ReplicatedExpertParallelMoE", "choose_replicas", "expert_parallel_ffn", "sync_replica_grads",
            "to_replicated_expert_parallel"]

@@ -36,13 +36,13 @@ import torch.nn as nn
 
 from .. import comm
 from ..grid import Mesh
+from ..moe.expert_parallel import all_to_all, exchange_splits
+from ..moe.experts import MoELayer
+from ..moe.inference import SlicedExpert
+from ..moe.model import MoEBlock, MoEGPT
 from ..tensor_parallel.attention import ParallelAttention
 from ..tensor_parallel.layers import ColumnParallelLinear, ParallelMLP, VocabParallelEmbedding
 from ..tensor_parallel.mappings import all_gather_along_dim
-from ..moe.experts import MoELayer
-from ..moe.inference import SlicedExpert
-from ..moe.expert_parallel import all_to_all, exchange_splits
-from ..moe.model import MoEBlock, MoEGPT
 
 __all__ = ["ExpertSlicedMoE", "ExpertSlicedMoEGPT", "make_slicing_groups", "SlicingGroups"]
 

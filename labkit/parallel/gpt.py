@@ -27,6 +27,13 @@ TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP out
   a step run under ``no_sync()`` (the pipeline runtime's rule), so every stage reduces once per
   step. The zero-bubble schedules (backward split into I and W) run with ZeRO 0 and 1 only.
 
+Context parallelism (``grid.cp`` > 1, :mod:`labkit.context_parallel`; rank order tp-cp-dp-pp):
+each CP rank holds its share of every sequence (the load-balanced 2 cp chunks), the embedding
+adds those tokens' positions, every attention core runs ring attention, the all-gather of K/V
+or Ulysses over the CP group (TP's local heads), and the gradients are averaged over the d cp
+ranks that share a stage and TP rank (Megatron-Core's data-parallel group with CP: DDP over it).
+Not combined with sequence parallelism or ZeRO here.
+
 Global batch B: DP rank r takes rows ``r*B/d .. (r+1)*B/d - 1`` and the pipeline splits them into
 M microbatches of ``b = B/(d*M)`` sequences; the loss is scaled by 1/M once (in the pipeline
 runtime) and averaged over d once (in DDP or ZeRO), so the gradient is that of the global-batch
@@ -52,11 +59,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from .. import comm
+from ..context_parallel import ATTENTIONS, check_sequence_split, check_ulysses, sequence_positions, shard_sequence
 from ..data_parallel import (DistributedDataParallel, FullyShardedDataParallel, ZeroRedundancyOptimizer,
                              ZeroStage2, default_units)
 from ..data_parallel.zero import optimizer_state_bytes
@@ -76,7 +85,7 @@ from ..tensor_parallel import allreduce_layernorm_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
 from .moe_pipeline import moe_block_rule, split_moe_gpt
 
-__all__ = ["SCHEDULES", "check_layout", "ParallelGPT", "layout"]
+__all__ = ["SCHEDULES", "check_layout", "check_cp_layout", "ParallelGPT", "layout"]
 
 SCHEDULES = names()   # every schedule with a runtime (labkit.pipeline.registry; other spellings accepted)
 
@@ -175,6 +184,32 @@ def _zero_stage(zero) -> int:
     return zero
 
 
+def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel: bool = False,
+                    zero: bool = False, seq_len: int | None = None) -> None:
+    """Raise ValueError (one line, before any rank starts) when context parallelism cannot run:
+    ``cp_attention`` one of ring | allgather | ulysses; Ulysses needs cp to divide the heads and K/V
+    heads of each TP rank; the sequence divisible by 2 cp; not with sequence parallelism or ZeRO."""
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"cp (--cp) must be an integer >= 1, got {cp!r}")
+    if cp_attention not in ATTENTIONS:
+        raise ValueError(f"cp attention (--cp-attention) must be one of {' | '.join(ATTENTIONS)}, got {cp_attention!r}")
+    if cp > 1 and sequence_parallel:
+        raise ValueError("context parallelism (cp > 1) is not combined with sequence parallelism here")
+    if cp > 1 and zero:
+        raise ValueError("context parallelism (cp > 1) is not combined with ZeRO here (use DDP)")
+    if cp > 1 and cp_attention == "ulysses":
+        check_ulysses(cfg.n_head // tp, cfg.n_kv_head // tp, cp)
+    if cp > 1 and seq_len is not None:
+        check_sequence_split(seq_len, cp)
+
+
+def _cp_core(attention, group, positions, stats, q, k, v):
+    """The attention core of one layer under CP: this rank's local heads, its S/cp queries
+    (``stats``: a list the ring appends its per-step work and compute time to, or None)."""
+    kw = {"stats": stats} if stats is not None else {}
+    return attention(q, k, v, group, [p.to(q.device) for p in positions], causal=True, **kw)
+
+
 def layout(cfg, tp: int, pp: int, dp: int, v: int = 1, placement: str = "loop") -> list[dict]:
     """For every global rank: ``{"rank", "tp_rank", "dp_rank", "pp_rank", "stages", "layers",
     "embedding", "head", "shard"}`` (``shard``: "heads a..b, vocab c..d" of this TP rank)."""
@@ -241,13 +276,20 @@ class ParallelGPT:
 
     def __init__(self, reference: nn.Module, grid, schedule: str = "1f1b", n_microbatches: int = 1, v: int = 1,
                  zero: int = 0, bucket_cap_mb: float = 25.0, sequence_parallel: bool = False,
-                 recompute: str = "none", plan: dict | None = None, hsdp: int = 1):
+                 recompute: str = "none", plan: dict | None = None, cp_attention: str = "ring", hsdp: int = 1):
         cfg = reference.cfg
+        cp = getattr(grid, "cp", 1)
         moe_cfg = getattr(reference, "moe_cfg", None)
         zero = _zero_stage(zero)
-        check_layout(cfg, grid.ctx.world_size, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule,
+        check_layout(cfg, grid.ctx.world_size // cp, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule,
                      sequence_parallel=sequence_parallel, recompute=recompute, zero=zero, hsdp=hsdp,
                      n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts)
+        if cp > 1:
+            check_cp_layout(cfg, grid.tp, cp, cp_attention, sequence_parallel, zero)
+            if moe_cfg is not None:
+                raise ValueError("context parallelism (cp > 1) is not combined with the MoE GPT here")
+        self.cp, self.cp_attention = cp, cp_attention
+        self.cp_stats: list = []    # ring attention's per-step {"work", "seconds", ...} (cleared by the caller)
         if moe_cfg is not None:
             if zero or (sequence_parallel and grid.tp > 1) or recompute != "none":
                 raise ValueError("the MoE GPT runs here with DDP, without sequence parallelism and without "
@@ -290,13 +332,22 @@ class ParallelGPT:
         self.emb_group, self.emb_ranks = None, ()
         if self.tied and p > 1:
             for dd in range(d):
+                for c in range(cp):
+                    for tt in range(t):
+                        ranks = [grid.rank_of(pp=0, dp=dd, cp=c, tp=tt), grid.rank_of(pp=p - 1, dp=dd, cp=c, tp=tt)]
+                        g = grid.ctx.new_group(ranks)
+                        if grid.ctx.rank in ranks:
+                            self.emb_group, self.emb_ranks = g, tuple(ranks)
+        self.dp_cp_group, self.dp_cp_ranks = grid.dp_group, tuple(grid.ranks("dp"))
+        if cp > 1:     # the d cp ranks of this (pp, tp) reduce gradients together; every rank makes every group
+            for pp_ in range(p):
                 for tt in range(t):
-                    ranks = [grid.rank_of(pp=0, dp=dd, tp=tt), grid.rank_of(pp=p - 1, dp=dd, tp=tt)]
-                    g = grid.ctx.new_group(ranks)
+                    ranks = [grid.rank_of(pp=pp_, dp=dd, cp=c, tp=tt) for dd in range(d) for c in range(cp)]
+                    g = grid.ctx.group if len(ranks) == grid.ctx.world_size else grid.ctx.new_group(ranks)
                     if grid.ctx.rank in ranks:
-                        self.emb_group, self.emb_ranks = g, tuple(ranks)
-        self.ddp = [DistributedDataParallel(m, grid.dp_group, bucket_cap_mb, expert_params=expert_param_names(m))
-                    if d > 1 and not zero else None for m in self.modules]                  # data parallel
+                        self.dp_cp_group, self.dp_cp_ranks = g, tuple(ranks)
+        self.ddp = [DistributedDataParallel(m, self.dp_cp_group, bucket_cap_mb, expert_params=expert_param_names(m))
+                    if d * cp > 1 and not zero else None for m in self.modules]             # data parallel
         # TP slicing of every parameter (name -> partition dim or None), read before ZeRO-3 hides them
         self._tp_dims = [{n: (q.partition_dim if getattr(q, "tensor_model_parallel", False) and t > 1 else None)
                           for n, q in m.named_parameters()} for m in self.modules]
@@ -367,8 +418,11 @@ class ParallelGPT:
         b = B // d
         sl = slice(self.grid.dp_rank * b, (self.grid.dp_rank + 1) * b)
         dev = self.grid.ctx.device
+        x, y = x[sl], y[sl]
+        if self.cp > 1:                       # this CP rank's tokens; the loss is their mean
+            x, y = self._context_parallel(x, y)
         losses: list = []
-        self.schedule.step(x[sl].to(dev), target=y[sl].to(dev), losses=losses)
+        self.schedule.step(x.to(dev), target=y.to(dev), losses=losses)
         for w in self.ddp:
             if w is not None:
                 w.finish_grad_sync()          # no-op when the last backward completed it
@@ -384,6 +438,21 @@ class ParallelGPT:
         if losses:
             return float(sum(float(v) for v in losses) / len(losses))
         return None
+
+    def _context_parallel(self, x: torch.Tensor, y: torch.Tensor):
+        """Shard a batch [b, S] to this CP rank's [b, S/cp] and point the embedding and every
+        attention core of this rank's stages at the CP group (positions of the load-balanced split)."""
+        g, S = self.grid, x.shape[1]
+        check_sequence_split(S, self.cp)
+        positions = [sequence_positions(S, r, self.cp) for r in range(self.cp)]
+        core = partial(_cp_core, ATTENTIONS[self.cp_attention], g.cp_group, positions,
+                       self.cp_stats if self.cp_attention == "ring" else None)
+        for m in self.modules:
+            if m.embedding is not None:
+                m.embedding.positions = positions[g.cp_rank]
+            for block in m.blocks:
+                block.attn.core = core
+        return shard_sequence(x, 1, g.cp_rank, self.cp), shard_sequence(y, 1, g.cp_rank, self.cp)
 
     def take_aux_loss(self) -> float:
         """MoE: the sum over this rank's MoE layers of their balance loss averaged over the step's M
@@ -489,15 +558,18 @@ class ParallelGPT:
         return sum(vals) / len(vals) if vals else float("nan")
 
     def axis_of(self, rec) -> str:
-        """Which axis a :class:`labkit.comm.CommRecord` belongs to: tp, pp, dp, embedding or other."""
+        """Which axis a :class:`labkit.comm.CommRecord` belongs to: tp, cp, pp, dp (over the d cp ranks
+        with CP), embedding or other."""
         ranks = set(rec.ranks or ())
         g = self.grid
-        tp_r, dp_r = set(g.ranks("tp")), set(g.ranks("dp"))
+        tp_r, dp_r = set(g.ranks("tp")), set(self.dp_cp_ranks)
+        if self.cp > 1 and ranks == set(g.ranks("cp")) and rec.kind != "all_reduce":
+            return "cp"                       # attention's K/V traffic (the gradient all-reduce is DP's)
         if rec.kind in ("send", "recv"):
             return "pp"
         if ranks == tp_r and g.tp > 1:
             return "tp"
-        if ranks == dp_r and g.dp > 1:
+        if ranks == dp_r and len(dp_r) > 1:
             return "ep" if rec.kind == "all_to_all" else "dp"     # EP folded onto the DP ranks
         if self.hsdp > 1 and ranks and ranks < dp_r:
             return "dp"                                           # HSDP's shard and replicate groups
@@ -536,7 +608,8 @@ class ParallelGPT:
                      ep=g.dp if self.moe else 1,
                      schedule="interleaved" if self.v > 1 else "1f1b",
                      zero=self.zero, precision="fp32", placement=self.placement,
-                     sequence_parallel=self.sequence_parallel, recompute=self.recompute)
+                     sequence_parallel=self.sequence_parallel, recompute=self.recompute,
+                     cp=self.cp, cp_attention=self.cp_attention)
         buckets = sum(len(w.buckets) for w in self.ddp if w is not None) or None
         axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets)
         out = {ax: dict(c.ops) for ax, c in axes.items() if c.ops}

@@ -20,46 +20,23 @@ that one rank routes together here. No pipeline (p = 1).
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 
 from ..data_parallel import DistributedDataParallel
-from ..model import lm_loss
 from ..moe.expert_parallel import expert_param_names
-from ..moe.model import MoEBlock, total_aux_loss
-from ..tensor_parallel import ParallelBlock, ParallelEmbedding, ParallelHead
+from ..tensor_parallel import gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
 from .gpt import check_layout
-from .moe_pipeline import ParallelMoEBlock
+from .moe_pipeline import moe_block_rule, split_moe_gpt
 
 __all__ = ["ParallelMoEGPT"]
 
 
-class _Model(nn.Module):
-    def __init__(self, ref, grid):
-        super().__init__()
-        tpg = grid.tp_group if grid.tp > 1 else None
-        self.embedding = ParallelEmbedding(ref.embedding, tpg) if tpg else copy.deepcopy(ref.embedding)
-        self.blocks = nn.ModuleList([
-            ParallelMoEBlock(b, tpg, grid.ep_group, grid.ep_rank, grid.ep) if isinstance(b, MoEBlock)
-            else (ParallelBlock(b, tpg) if tpg else copy.deepcopy(b)) for b in ref.blocks])
-        self.head = ParallelHead(ref.head, tpg) if tpg else copy.deepcopy(ref.head)
-
-    def forward(self, idx):
-        x, stats = self.embedding(idx), []
-        for b in self.blocks:
-            if isinstance(b, ParallelMoEBlock):
-                x, s = b(x)
-                stats.append(s)
-            else:
-                x = b(x)
-        return self.head(x), stats
-
-
 class ParallelMoEGPT:
-    """This rank's part of an :class:`labkit.moe.MoEGPT` on a grid (t, p=1, d), EP = DP.
+    """This rank's part of an :class:`labkit.moe.MoEGPT` on a grid (t, p=1, d), EP = DP: the model as
+    one stage (:func:`labkit.parallel.moe_pipeline.split_moe_gpt`) parallelized with the MoE block
+    rule (:func:`labkit.tensor_parallel.parallelize`), like :class:`labkit.parallel.ParallelGPT`'s stages.
 
     ``train_step(x [B, S], y [B, S])``: this DP rank's slice in M microbatches (gradient
     accumulation under ``no_sync`` but the last); the loss of a microbatch is its LM loss plus the
@@ -80,11 +57,17 @@ class ParallelMoEGPT:
             raise ValueError(f"the reference must route in token_groups = d*M = {grid.dp * n_microbatches} groups "
                              f"(one per microbatch and DP rank), got {reference.moe_cfg.token_groups}")
         self.grid, self.M, self.E = grid, n_microbatches, E
-        self.model = _Model(reference, grid).to(grid.ctx.device)
+        # slice (the whole model, one stage whose MoE layers attach their balance losses, scaled 1/M)
+        # -> parallelize (TP attention, embedding and head; experts over EP)
+        tpg = grid.tp_group if grid.tp > 1 else None
+        plan = gpt_plan() if tpg else {}
+        plan = {**plan, "blocks.*": moe_block_rule(grid.ep_group, grid.ep_rank, grid.ep, plan.get("blocks.*"))}
+        (stage,) = split_moe_gpt(reference, 1, n_microbatches)
+        self.model = parallelize(stage, tpg, plan).to(grid.ctx.device)
         self.experts = expert_param_names(self.model)
         self.ddp = DistributedDataParallel(self.model, grid.dp_group, bucket_cap_mb, expert_params=self.experts) \
             if grid.dp > 1 else None
-        self.loss_fn = self.model.head.loss if grid.tp > 1 else lm_loss
+        self.loss_fn = self.model.head.loss
         self.optimizer = None
 
     def make_optimizer(self, name: str = "sgd", lr: float = 0.1, **kw):
@@ -109,11 +92,11 @@ class ParallelMoEGPT:
         for m in range(M):
             sync = m == M - 1 or self.ddp is None
             with (torch.enable_grad() if sync else self.ddp.no_sync()):
-                logits, stats = run(xs[m])
-                loss = self.loss_fn(logits, ys[m]) + total_aux_loss(stats).to(logits.device)
+                loss = self.loss_fn(run(xs[m]), ys[m])     # the balance losses ride on the activations
                 (loss / M).backward()
             total += float(loss)
-        return total / M
+        aux, self.model.aux_values[:] = sum(self.model.aux_values), []   # of this step's M forwards
+        return (total + aux) / M
 
     @torch.no_grad()
     def gather_full(self, what: str = "grad") -> dict:

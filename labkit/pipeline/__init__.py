@@ -23,16 +23,43 @@ registry and the simulator load without torch (the planner reads the registry).
 """
 from .registry import REGISTRY, ScheduleInfo, canonical, lookup
 from .schedules import (
-    COMM, COMPUTE, KINDS, PLACEMENTS, Action, Message, Schedule, ScheduleError, add_communication,
-    check_pipeline_sizes, format_schedule, gpipe_schedule, infer_placement, interleaved_schedule,
-    one_f_one_b_schedule, parse_actions, stage_rank,
+    COMM,
+    COMPUTE,
+    KINDS,
+    PLACEMENTS,
+    Action,
+    Message,
+    Schedule,
+    ScheduleError,
+    add_communication,
+    check_pipeline_sizes,
+    format_schedule,
+    gpipe_schedule,
+    infer_placement,
+    interleaved_schedule,
+    one_f_one_b_schedule,
+    parse_actions,
+    stage_rank,
 )
-from .simulate import (SimResult, TimedAction, bubble_formula, bubble_fraction, peak_in_flight, peak_waiting_for_w,
-                       simulate)
+from .simulate import (
+    SimResult,
+    TimedAction,
+    bubble_formula,
+    bubble_fraction,
+    peak_in_flight,
+    peak_waiting_for_w,
+    simulate,
+)
 from .trace import chrome_trace, trace_problems, write_chrome_trace
 from .validate import validate_schedule
-from .zero_bubble import (bubble_time_formula, dualpipev_overlapped, dualpipev_schedule, zb_h1_schedule,
-                          zbv_bubble_terms, zbv_schedule)
+from .zero_bubble import (
+    bubble_time_formula,
+    dualpipev_overlapped,
+    dualpipev_schedule,
+    zb_h1_schedule,
+    zbv_bubble_terms,
+    zbv_schedule,
+)
 
 __all__ = [
     "Action", "ScheduleError", "COMPUTE", "COMM", "KINDS", "stage_rank", "parse_actions",

@@ -69,8 +69,15 @@ import torch.nn as nn
 from .. import comm
 from .boundary import as_tuple, exchange_metadata, replay_rng, rng_state
 from .boundary import nbytes as tensor_bytes
-from .schedules import (Action, Schedule, ScheduleError, check_pipeline_sizes, gpipe_schedule, interleaved_schedule,
-                        one_f_one_b_schedule)
+from .schedules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    check_pipeline_sizes,
+    gpipe_schedule,
+    interleaved_schedule,
+    one_f_one_b_schedule,
+)
 from .split_backward import backward_input, backward_weight, w_only_saved_bytes
 from .stats import Event, step_stats
 from .stats import timeline as timed_actions

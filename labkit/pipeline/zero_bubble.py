@@ -31,6 +31,7 @@ communication, and the simulator's bubble ``makespan - busy/K``: see :func:`bubb
 from __future__ import annotations
 
 from collections import deque
+
 from .schedules import Action, ScheduleError, add_communication, check_pipeline_sizes
 
 __all__ = ["zb_h1_schedule", "zbv_schedule", "dualpipev_schedule", "dualpipev_overlapped", "bubble_time_formula",
@@ -141,7 +142,8 @@ def zbv_schedule(K: int, M: int) -> dict:
       bubble time per rank is (K-1)t (a chunk is half a stage: half of ZB-H1's
       (K-1)(T_F + T_I - T_W) for the same model). No source gives a formula for other costs.
     * This order, any costs T_F, T_I, T_W >= 0 and M >= 2K-1 (derived here): the maximum of
-      the eight terms of :func:`zbv_bubble_terms` (0 for K = 1), independent of M. Special cases with T_F = T_I = t: (K-1)t for
+      the eight terms of :func:`zbv_bubble_terms` (0 for K = 1), independent of M.
+      Special cases with T_F = T_I = t: (K-1)t for
       t/2 <= T_W <= t (the paper's case included); 2(K-1)(t - T_W) for T_W < t/2;
       (K-1)t + (K-2)(T_W - t) for T_W > t. For M < 2K-1 (microbatches dropped from the
       layout) none of this is exact; simulate.
@@ -242,7 +244,8 @@ def dualpipev_schedule(K: int, M: int) -> dict:
     2K-stage model; DualPipe keeps two copies of the parameters), activations PP+1. The
     simulator (with the pairs of :func:`dualpipev_overlapped` and ``overlap`` = T_FB)
     reproduces the README bubble exactly for T_F = T_I >= T_W and T_FB = T_F + T_B, which
-    includes the README figure's costs F = 1, B = 2, W = 1, F&B = 3; with a real overlap gain (T_FB < T_F + T_B) the formula is not exact for
+    includes the README figure's costs F = 1, B = 2, W = 1, F&B = 3; with a real overlap gain
+    (T_FB < T_F + T_B) the formula is not exact for
     this order. Raises ScheduleError for K < 1, M < 1 or M < 2K."""
     check_pipeline_sizes(K, M)
     if M < 2 * K:

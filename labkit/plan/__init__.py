@@ -16,8 +16,8 @@ figure next to the measured one.
 """
 from .activations import korthikanti_layer_activation_bytes, layer_activation_bytes, torch_saved_bytes_per_element
 from .comm import AxisComm, axis_links, comm_per_rank
-from .params import DecodeCost, ParamCount, count_parameters, decode_cost, expected_experts_touched
 from .memory import RankMemory, check_layout, memory_per_rank, most_loaded_rank
+from .params import DecodeCost, ParamCount, count_parameters, decode_cost, expected_experts_touched
 from .planner import PlanEntry, PlanError, StepTime, explain, plan, step_time
 from .spec import PRESETS, PUBLISHED, Cluster, Layout, ModelSpec, load_model_json, preset
 

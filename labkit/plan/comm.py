@@ -44,8 +44,18 @@ import math
 from dataclasses import dataclass, field
 
 from ..comm import ring_bytes
-from .memory import (_zero_shard, bytes_per_param, check_layout, holds_first, holds_last, n_microbatches,
-                     rank_layer_chunks, rank_param_counts, rank_stages, zero3_units)
+from .memory import (
+    _zero_shard,
+    bytes_per_param,
+    check_layout,
+    holds_first,
+    holds_last,
+    n_microbatches,
+    rank_layer_chunks,
+    rank_param_counts,
+    rank_stages,
+    zero3_units,
+)
 from .spec import Cluster, Layout, ModelSpec
 
 __all__ = ["AxisComm", "comm_per_rank", "tp_comm", "axis_links"]

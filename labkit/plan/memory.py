@@ -278,7 +278,7 @@ def holds_last(lay: Layout, pp_rank: int) -> bool:
 def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     """Elements of parameters on one rank of pipeline rank ``pp_rank`` (any TP/DP rank):
     ``{"dense": n, "expert": n, "layers": n}`` (experts separately: their DP group is d/ep)."""
-    t, p, v = lay.t, lay.p, lay.v
+    t, p = lay.t, lay.p
     layer_ids = [i for ch in rank_layer_chunks(spec, lay, pp_rank) for i in ch]
     dense = expert = 0
     for i in layer_ids:
@@ -417,8 +417,8 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         # dense parameters: one flat buffer padded to d (ZeRO-1/2), one per unit under ZeRO-3
         units3 = zero3_units(spec, lay, r) if z == 3 else [dense]
         dense_shard = sum(_zero_shard(n, d) for n in units3)
-        ds = lambda stage: dense_shard if z >= stage else dense                        # noqa: E731
-        es = lambda stage: _zero_shard(expert, d_exp) if z >= stage else expert        # noqa: E731
+        ds = lambda stage: dense_shard if z >= stage else dense                        # noqa: E731, B023
+        es = lambda stage: _zero_shard(expert, d_exp) if z >= stage else expert        # noqa: E731, B023
         params, grads, opt = pb * (ds(3) + es(3)), gb * (ds(2) + es(2)), ob * (ds(1) + es(1))
         # ZeRO-3's gathered units (two neighbours at a time, the next one prefetched)
         gathered = pb * zero3_gathered_peak(units3, d, lay.reshard_after_forward) if z == 3 and d > 1 else 0

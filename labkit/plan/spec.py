@@ -324,8 +324,8 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
        source="Jiang et al. 2024, Mixtral of Experts, Table 1 (32 layers, 8 experts, top-2; 46.7B / 12.9B active)"),
     _p(name="deepseek-v3", n_layer=61, hidden=7168, n_head=128, ffn=18432, vocab_size=129280, seq_len=4096,
        norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=0.0, n_routed_experts=256,
-       n_activated_experts=8, n_shared_experts=1, moe_ffn=2048, first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
-       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, router_bias=True, n_mtp_modules=1,
+       n_activated_experts=8, n_shared_experts=1, moe_ffn=2048, first_dense_layers=3, q_lora_rank=1536,
+       kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, router_bias=True, n_mtp_modules=1,
        global_batch=15360,
        source="DeepSeek-AI 2024, DeepSeek-V3 Technical Report, sec. 4.2 (61 layers, 256+1 experts, top-8; "
               "671B / 37B active; trained with 16-way PP, 64-way EP, ZeRO-1 DP, no TP)"),

@@ -47,8 +47,7 @@ from dataclasses import dataclass
 
 from .comm import comm_per_rank
 from .flops import iteration_flops, layer_forward_flops
-from .memory import (BYTES, bytes_per_param, check_layout, holds_last, memory_per_rank, n_microbatches,
-                     rank_layer_chunks)
+from .memory import BYTES, bytes_per_param, check_layout, holds_last, memory_per_rank, n_microbatches, rank_layer_chunks
 from .spec import Cluster, Layout, ModelSpec
 
 BWD_ELEM = 1.5   # backward element-wise traffic over forward's: reads the output gradient and the saved input

@@ -13,24 +13,32 @@
   TensorParallelGPT, gather_full_tensors;
 * :mod:`.sequence_parallel`: allreduce_layernorm_grads, measure_activation_bytes.
 """
+from .attention import ParallelAttention
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (
     all_gather_along_dim,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_along_dim,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
     split_along_dim,
-    reduce_scatter_along_dim,
-    scatter_to_sequence_parallel_region,
-    gather_from_sequence_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
 )
-from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
-from .attention import ParallelAttention
-from .cross_entropy import vocab_parallel_cross_entropy
+from .model import (
+    RECOMPUTE,
+    ParallelBlock,
+    ParallelEmbedding,
+    ParallelHead,
+    ParallelTransformerLayer,
+    TensorParallelGPT,
+    gather_full_tensors,
+    gpt_plan,
+)
 from .parallelize import parallelize
-from .model import (RECOMPUTE, ParallelBlock, ParallelEmbedding, ParallelHead, ParallelTransformerLayer,
-                    TensorParallelGPT, gather_full_tensors, gpt_plan)
 from .sequence_parallel import allreduce_layernorm_grads, measure_activation_bytes
 
 __all__ = [

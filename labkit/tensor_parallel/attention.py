@@ -68,12 +68,14 @@ class ParallelAttention(nn.Module):
         d = self.head_dim
         # copy_input=False: one f for all three projections (see module docstring)
         self.q_proj = ColumnParallelLinear(hidden, n_head * d, bias, gather_output=False, group=group, copy_input=False)
-        self.k_proj = ColumnParallelLinear(hidden, n_kv_head * d, bias, gather_output=False, group=group, copy_input=False)
-        self.v_proj = ColumnParallelLinear(hidden, n_kv_head * d, bias, gather_output=False, group=group, copy_input=False)
+        kv = dict(gather_output=False, group=group, copy_input=False)
+        self.k_proj = ColumnParallelLinear(hidden, n_kv_head * d, bias, **kv)
+        self.v_proj = ColumnParallelLinear(hidden, n_kv_head * d, bias, **kv)
         self.out_proj = RowParallelLinear(n_head * d, hidden, bias, input_is_parallel=True, group=group,
                                           sequence_parallel=sequence_parallel)
         self.attn_drop = nn.Dropout(dropout)
         self.resid_drop = nn.Dropout(dropout)
+        self.core = None   # None: causal_attention; context parallelism (labkit.parallel) sets its (q, k, v) -> y
 
     @classmethod
     def from_reference(cls, attn: nn.Module, group, **kwargs) -> "ParallelAttention":
@@ -95,7 +97,9 @@ class ParallelAttention(nn.Module):
         q = q.view(B, S, self.n_head_local, d).transpose(1, 2)
         k = k.view(B, S, self.n_kv_head_local, d).transpose(1, 2)
         v = v.view(B, S, self.n_kv_head_local, d).transpose(1, 2)
-        if self.recompute_core:   # keep q, k, v; recompute the s^2 part (scores, softmax, dropout, sum)
+        if self.core is not None:   # context parallelism's (q, k, v) -> y
+            y = self.core(q, k, v)
+        elif self.recompute_core:   # keep q, k, v; recompute the s^2 part (scores, softmax, dropout, sum)
             y = checkpoint(causal_attention, q, k, v, self.attn_drop)
         else:
             y = causal_attention(q, k, v, self.attn_drop)                 # local heads only

@@ -64,6 +64,7 @@ class ParallelEmbedding(nn.Module):
         self.sequence_parallel = bool(sequence_parallel) and tp_size(group) > 1
         self.wte = VocabParallelEmbedding.from_full(ref.wte, group, sequence_parallel=self.sequence_parallel)
         self.wpe = copy.deepcopy(ref.wpe)
+        self.positions = None   # None: 0..S-1 (or this TP rank's S/t under SP); context parallelism sets its own
         self.drop = copy.deepcopy(ref.drop)
         if self.sequence_parallel:
             mark_sequence_parallel(self.wpe.weight)
@@ -80,6 +81,8 @@ class ParallelEmbedding(nn.Module):
             pos = torch.arange(start, start + S // t, device=idx.device)
         else:
             pos = torch.arange(S, device=idx.device)
+        if self.positions is not None:   # context parallelism: this rank's positions
+            pos = self.positions.to(idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 

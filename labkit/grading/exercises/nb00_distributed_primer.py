@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from ...dist import launch
+from ..kernelside.nb00_distributed_primer import RING_TIMEOUT, _run_ring  # noqa: F401 - run in the kernel
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
 from ..relay import Relay
 from . import kernel_side
-from ..kernelside.nb00_distributed_primer import RING_TIMEOUT, _run_ring  # noqa: F401 - run in the kernel
 
 # ----------------------------------------------------------------------------- 0.1
 ex01 = exercise(

@@ -17,14 +17,24 @@ import torch
 from ...comm import CommLog
 from ...dist import launch
 from ...model import GPT, GPTConfig, lm_loss
-from ...pipeline import (COMPUTE, Action, PipelineSchedule, PipelineStage, ScheduleError, add_communication,
-                         gpipe_schedule, interleaved_schedule, one_f_one_b_schedule, parse_actions,
-                         peak_in_flight, validate_schedule)
+from ...pipeline import (
+    COMPUTE,
+    Action,
+    PipelineSchedule,
+    PipelineStage,
+    ScheduleError,
+    add_communication,
+    gpipe_schedule,
+    interleaved_schedule,
+    one_f_one_b_schedule,
+    parse_actions,
+    peak_in_flight,
+    validate_schedule,
+)
 from ...pipeline.stages import gpt_param_name, gpt_stages_for_rank
+from ..kernelside.nb02_gpipe import ACC_BATCH, ACC_CFG, ACC_LR, ACC_SEQ, _acc_batch, _accumulate_run, _sgd_run  # noqa: F401 - run in the kernel
 from ..registry import CheckFailure, exercise, expect_close, expect_equal
 from . import kernel_side
-from ..kernelside.nb02_gpipe import (  # noqa: F401 - run in the kernel
-    ACC_BATCH, ACC_CFG, ACC_LR, ACC_SEQ, _acc_batch, _accumulate_run, _sgd_run)
 
 # A tiny GPT: 8 layers split over K*v stages (K=4, v=2 at most), 8 sequences of 16 tokens.
 CFG = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16)

@@ -14,8 +14,8 @@ import math
 
 import torch
 
+from ..kernelside.nb05_checkpointing import _ckpt_outputs, _net, _run  # noqa: F401 - run in the kernel
 from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
-from ..kernelside.nb05_checkpointing import _net, _run, _ckpt_outputs  # noqa: F401 - run in the kernel
 
 NOTEBOOK = "05_checkpointing"
 

@@ -13,10 +13,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..kernelside.nb06_megatron_ffn import _operator_outputs, _row_outputs, _row_run, _torch_gelu, _tp_mlp_run  # noqa: F401 - run in the kernel
 from ..registry import CheckFailure, exercise, expect_close, expect_raises
 from . import kernel_side
-from ..kernelside.nb06_megatron_ffn import (  # noqa: F401 - run in the kernel
-    _torch_gelu, _tp_mlp_run, _operator_outputs, _row_run, _row_outputs)
 
 NOTEBOOK = "06_megatron_ffn"
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernelside.nb07_attention_embedding_loss import _OFFSET_HINT, _call_emb, _emb_grad, _run_ce  # noqa: F401 - run in the kernel
 from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
 from ..relay import Relay
-from ..kernelside.nb07_attention_embedding_loss import (  # noqa: F401 - run in the kernel
-    _OFFSET_HINT, _call_emb, _emb_grad, _run_ce)
 
 NOTEBOOK = "07_attention_embedding_loss"
 
@@ -43,7 +42,8 @@ def _heads_case(n_head: int, t: int):
             if not isinstance(got, (list, tuple, range)):
                 raise CheckFailure(f"heads_of_rank(n_head={n_head}, t={t}, rank={r}): expected a list of ints, "
                                    f"got {type(got).__name__}")
-            expect_equal([int(h) for h in got], _heads(n_head, t, r), f"heads_of_rank(n_head={n_head}, t={t}, rank={r})")
+            expect_equal([int(h) for h in got], _heads(n_head, t, r),
+                         f"heads_of_rank(n_head={n_head}, t={t}, rank={r})")
     return case
 
 
@@ -128,10 +128,11 @@ def _(partial_embedding):
 def _(partial_embedding):
     V, D, t = 16, 2, 4
     W, _ = _emb_data(V, D, (1,), 4)
-    for r, (shard, start) in enumerate(_shards(W, t)):
+    for _r, (shard, start) in enumerate(_shards(W, t)):
         end = start + V // t
         ids = torch.tensor([i for i in (start - 1, start, end - 1, end) if 0 <= i < V])
-        got = _call_emb(partial_embedding, ids, shard, start, f"partial_embedding(ids {ids.tolist()}, vocab_start={start})")
+        got = _call_emb(partial_embedding, ids, shard, start,
+                        f"partial_embedding(ids {ids.tolist()}, vocab_start={start})")
         mine = (ids >= start) & (ids < end)
         expected = torch.where(mine.unsqueeze(-1), F.embedding(ids, W), torch.zeros(len(ids), D))
         expect_close(got, expected, f"partial_embedding(ids {ids.tolist()}, vocab_start={start})")

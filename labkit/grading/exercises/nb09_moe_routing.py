@@ -16,11 +16,11 @@ from dataclasses import replace
 
 import torch
 
+from ...moe.router import capacity_mask, compute_capacity, route
 from ...plan.params import count_parameters
 from ...plan.spec import ModelSpec, preset
-from ...moe.router import capacity_mask, compute_capacity, route
-from ..registry import CheckFailure, exercise, expect_close, expect_equal
 from ..kernelside.nb09_moe_routing import _gate_with_grad  # noqa: F401 - run in the kernel
+from ..registry import CheckFailure, exercise, expect_close, expect_equal
 
 
 def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:

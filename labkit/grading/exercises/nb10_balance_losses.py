@@ -14,8 +14,8 @@ import torch
 
 from ...moe.losses import device_balance_loss, switch_aux_loss
 from ...moe.router import update_expert_bias
+from ..kernelside.nb10_balance_losses import _bias_update, _loss_with_grad  # noqa: F401 - run in the kernel
 from ..registry import CheckFailure, exercise, expect_close
-from ..kernelside.nb10_balance_losses import _loss_with_grad, _bias_update  # noqa: F401 - run in the kernel
 
 
 def _routing(T: int, E: int, k: int, seed: int, scale: float = 2.0):
@@ -60,7 +60,8 @@ ex101.hint2 = ("Count the slots per expert from indices, as a fraction of all sl
 
 _L0 = torch.zeros(4, 4)
 _I0 = torch.tensor([[0], [1], [2], [3]])
-ex101.case("uniform routing gives alpha")(_loss_case(switch_aux_loss, _L0, _I0, (0.01,), "switch_aux_loss(uniform, alpha=0.01)"))
+ex101.case("uniform routing gives alpha")(
+    _loss_case(switch_aux_loss, _L0, _I0, (0.01,), "switch_aux_loss(uniform, alpha=0.01)"))
 ex101.case("T=16, E=4, k=1 (Switch), value and gradient")(
     _loss_case(switch_aux_loss, *_routing(16, 4, 1, 101), (0.1,), "switch_aux_loss(T=16, E=4, k=1, alpha=0.1)"))
 ex101.case("T=16, E=8, k=2 (f normalised by T*k)")(

@@ -15,8 +15,8 @@ import torch
 
 from ...comm import CommLog
 from ...dist import launch
-from ...moe.experts import MoEConfig, MoELayer
 from ...moe.expert_parallel import ExpertParallelMoE, all_to_all_uneven
+from ...moe.experts import MoEConfig, MoELayer
 from ..registry import CheckFailure, exercise, expect_equal
 
 

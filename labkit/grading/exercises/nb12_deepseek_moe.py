@@ -22,9 +22,9 @@ import torch
 
 from ...moe.experts import MoELayer
 from ...moe.router import route
+from ..kernelside.nb12_deepseek_moe import _gate_lines, _v3_fields  # noqa: F401 - run in the kernel
 from ..registry import CheckFailure, exercise, expect_equal
 from . import kernel_side
-from ..kernelside.nb12_deepseek_moe import _gate_lines, _v3_fields  # noqa: F401 - run in the kernel
 
 # ----------------------------------------------------------------------------- 12.1
 ex121 = exercise(

@@ -14,10 +14,10 @@ from fractions import Fraction
 import torch
 
 from ...pipeline import peak_in_flight, simulate, zb_h1_schedule, zbv_schedule
+from ..kernelside.nb13_zero_bubble import _split_run  # noqa: F401 - run in the kernel
 from ..registry import CheckFailure, exercise, expect_close
 from . import kernel_side
 from .nb02_gpipe import expect_same_grads, run_pipeline, validated
-from ..kernelside.nb13_zero_bubble import _split_run  # noqa: F401 - run in the kernel
 
 # ----------------------------------------------------------------------------- 13.1
 ex131 = exercise(

@@ -220,7 +220,8 @@ MIXTRAL_8X7B, DEEPSEEK_V3 = preset("mixtral-8x7b"), preset("deepseek-v3")
 LLAMA2_70B, LLAMA31_405B = preset("llama2-70b"), preset("llama3.1-405b")
 ex144.case("Mixtral 8x7B, bf16, 3.35 TB/s")(_decode_case(MIXTRAL_8X7B, 2, 3.35e12, "decode_bound(Mixtral 8x7B)"))
 ex144.case("Llama 2 70B (dense), bf16, 3.35 TB/s")(_decode_case(LLAMA2_70B, 2, 3.35e12, "decode_bound(Llama 2 70B)"))
-ex144.case("DeepSeek-V3, fp8, 3.35 TB/s", hidden=True)(_decode_case(DEEPSEEK_V3, 1, 3.35e12, "decode_bound(DeepSeek-V3)"))
+ex144.case("DeepSeek-V3, fp8, 3.35 TB/s", hidden=True)(
+    _decode_case(DEEPSEEK_V3, 1, 3.35e12, "decode_bound(DeepSeek-V3)"))
 ex144.case("Llama 3.1 405B, fp8, 4.8 TB/s", hidden=True)(
     _decode_case(LLAMA31_405B, 1, 4.8e12, "decode_bound(Llama 3.1 405B)"))
 

@@ -108,7 +108,9 @@ def _memory_case(psi, d, stages, what):
                 why = ""
                 for s in range(4):
                     if s != stage and abs(got - _zero_bytes(psi, d, s)) <= 1e-9 * want:
-                        why = f" (that is stage {s}'s memory: stage {stage} shards {['nothing', 'the optimizer state', 'the optimizer state and the gradients', 'all three'][stage]})"
+                        sharded = ["nothing", "the optimizer state", "the optimizer state and the gradients",
+                                   "all three"][stage]
+                        why = f" (that is stage {s}'s memory: stage {stage} shards {sharded})"
                 if not why and abs(got - _zero_bytes(psi, d, stage, k=8)) <= 1e-9 * want:
                     why = " (K = 8 counts only Adam's two fp32 moments; the fp32 master weights are part of it too)"
                 raise CheckFailure(f"{what}, stage {stage}: expected {want:.6g} bytes, got {got:.6g}{why}")
@@ -118,7 +120,8 @@ def _memory_case(psi, d, stages, what):
 ex152.case("the ZeRO paper's Figure 1: 7.5B parameters, d = 64")(
     _memory_case(7.5e9, 64, (0, 1, 2, 3), "zero_memory(7.5e9, d=64)"))
 ex152.case("1000 parameters, d = 4")(_memory_case(1000, 4, (0, 1, 2, 3), "zero_memory(1000, d=4)"))
-ex152.case("175B parameters, d = 1024", hidden=True)(_memory_case(175e9, 1024, (0, 1, 2, 3), "zero_memory(175e9, 1024)"))
+ex152.case("175B parameters, d = 1024", hidden=True)(
+    _memory_case(175e9, 1024, (0, 1, 2, 3), "zero_memory(175e9, 1024)"))
 fresh_case(ex152, "175B parameters, d = 1024", lambda r: (r.randint(1, 1000) * 1e8, r.choice((2, 4, 8, 16, 64, 256))),
            lambda psi, d: _memory_case(psi, d, (0, 1, 2, 3), f"zero_memory({psi:g}, d={d})"))
 

@@ -169,3 +169,18 @@ ex162.case("cp = 4")(_placement_case(4, "placement(4)"))
 ex162.case("cp = 1")(_placement_case(1, "placement(1)"))
 ex162.case("cp = 16 (Llama 3's long-context layout)", hidden=True)(_placement_case(16, "placement(16)"))
 ex162.case("cp = 3", hidden=True)(_placement_case(3, "placement(3)"))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case, seed  # noqa: E402
+
+
+def _merge_draw(r):
+    Sq, n_a, n_b = r.randint(1, 6), r.randint(1, 8), r.randint(1, 8)
+    causal = r.choice([None, "a"]) if n_a + n_b >= Sq else None
+    return seed(r), "merge(random blocks)", dict(Sq=Sq, Sk=(n_a, n_b), scale=r.choice([1.0, 5.0]),
+                                                 causal_block=causal)
+
+
+fresh_case(ex161, "random block sizes and scales", _merge_draw, lambda s, what, kw: _merge_case(s, what, **kw))
+fresh_case(ex162, "random cp", lambda r: (r.randint(1, 32), "placement(random cp)"), _placement_case)

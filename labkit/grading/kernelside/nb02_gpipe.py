@@ -10,7 +10,6 @@ import torch
 
 from ...model import GPT, GPTConfig
 
-
 # A smaller GPT than the pipeline's: one device, a few SGD steps per case.
 ACC_BATCH, ACC_SEQ, ACC_LR = 8, 8, 0.5
 ACC_CFG = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)

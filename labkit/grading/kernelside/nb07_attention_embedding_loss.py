@@ -13,7 +13,6 @@ import torch
 from ..registry import CheckFailure, explain_index_errors
 from ..relay import run_ranks
 
-
 _OFFSET_HINT = ("the shard holds rows vocab_start .. vocab_start + V/t - 1 of the full table as ITS rows "
                 "0 .. V/t - 1: a global id is not a row number of the shard")
 
@@ -53,8 +52,8 @@ def _run_ce(vocab_parallel_ce, t, logits, target, relay_address):
         local = logits[:, ctx.rank * n:(ctx.rank + 1) * n].clone()
         with explain_index_errors(
                 f"vocab_parallel_ce on rank {ctx.rank} (logits of ids {ctx.rank * n}..{(ctx.rank + 1) * n - 1})",
-                f"local_logits holds the columns of ids r*V/t .. (r+1)*V/t - 1 as its columns 0 .. V/t - 1: "
-                f"a global target id is not a column number of this rank's block"):
+                "local_logits holds the columns of ids r*V/t .. (r+1)*V/t - 1 as its columns 0 .. V/t - 1: "
+                "a global target id is not a column number of this rank's block"):
             loss = vocab_parallel_ce(local, target.clone(), ctx.group)
         if not isinstance(loss, torch.Tensor):
             raise CheckFailure(f"vocab_parallel_ce returned {type(loss).__name__}, not a tensor")

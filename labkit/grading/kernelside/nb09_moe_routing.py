@@ -7,7 +7,6 @@ package (:mod:`labkit.grading.session`); nothing here computes an expected value
 from __future__ import annotations
 
 
-
 def _gate_with_grad(top_k_gate, logits, k: int, renormalize: bool, g):
     """Kernel side: the learner's gate on logits that require grad, and d(sum(w * g))/d logits
     with w sorted by expert id (None when that cannot be computed)."""

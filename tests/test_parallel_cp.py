@@ -1,0 +1,152 @@
+"""Context parallelism composed with TP, PP and DP (labkit.parallel.ParallelGPT on a grid with cp):
+every parameter gradient (gathered to full shape) at every step and the parameters after 3
+plain-SGD steps equal one device's; the communication of every axis, CP's K/V traffic included,
+equals the planner's formula exactly. Layouts: t = 2, cp = 2, p = 2 on 8 ranks (ring), and
+cp = 2 with d = 2 on 4 ranks (all-gather, Ulysses). An injected bug (the gradients averaged over
+DP only, not over the d cp ranks) must be caught."""
+import pytest
+import torch
+
+from labkit.comm import CommLog
+from labkit.dist import launch, make_grid
+from labkit.model import GPT, GPTConfig
+from labkit.parallel import ParallelGPT
+from labkit.parallel.gpt import check_cp_layout
+
+B, S, STEPS = 4, 16, 3
+
+
+def cfg_for():
+    return GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, block_size=S, bias=False, vocab_size=64)
+
+
+def batches(cfg):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, cfg.vocab_size, (B, S), generator=g),
+             torch.randint(0, cfg.vocab_size, (B, S), generator=g)) for _ in range(STEPS)]
+
+
+def reference(cfg, lr=0.1):
+    model = GPT(cfg, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for x, y in batches(cfg):
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: q.grad.clone() for n, q in model.named_parameters()})
+        opt.step()
+    return losses, grads, {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def _worker(ctx, cfg, t, p, d, cp, method, bug):
+    grid = make_grid(ctx, tp=t, pp=p, dp=d, cp=cp)
+    if bug == "dp_only":       # injected: DDP over the DP group alone (CP ranks' gradients never meet)
+        import labkit.parallel.gpt as gpt_mod
+        orig = gpt_mod.DistributedDataParallel
+        gpt_mod.DistributedDataParallel = lambda m, group, cap, **kw: orig(m, grid.dp_group, cap, **kw)
+    pg = ParallelGPT(GPT(cfg, seed=0), grid, "1f1b", 2, bucket_cap_mb=0.002, cp_attention=method)
+    pg.make_optimizer("sgd", 0.1)
+    out = {"losses": [], "grads": [], "comm": [], "expected": pg.expected_comm(B, S), "last": pg.has_last_stage,
+           "keep": grid.tp_rank == 0}
+    for x, y in batches(cfg):
+        pg.zero_grad()
+        with CommLog() as log:
+            out["losses"].append(pg.train_step(x, y))
+            pg.optimizer.step()
+        out["comm"].append(pg.comm_by_axis(log.records))
+        grads = pg.gather_full("grad")
+        out["grads"].append(grads if out["keep"] else None)
+    params = pg.gather_full("param")
+    out["params"] = params if out["keep"] else None
+    return out
+
+
+def run(t, p, d, cp, method, bug=None):
+    cfg = cfg_for()
+    return cfg, launch(_worker, t * p * d * cp, cfg, t, p, d, cp, method, bug, timeout=60)
+
+
+def _mismatches(cfg, ranks):
+    ref_losses, ref_grads, ref_params = reference(cfg)
+    bad = []
+    for i, r in enumerate(ranks):
+        if not r["keep"]:
+            continue
+        for step in range(STEPS):
+            for n, g in r["grads"][step].items():
+                if not torch.allclose(g, ref_grads[step][n], rtol=1e-5, atol=1e-6):
+                    bad.append((i, step, n))
+        for n, prm in r["params"].items():
+            if not torch.allclose(prm, ref_params[n], rtol=1e-5, atol=1e-6):
+                bad.append((i, "param", n))
+    losses = [sum(r["losses"][s] for r in ranks if r["last"]) / sum(1 for r in ranks if r["last"])
+              for s in range(STEPS)]
+    return bad, losses, ref_losses
+
+
+LAYOUTS = {"t2 cp2 p2 ring": (2, 2, 1, 2, "ring"), "cp2 d2 allgather": (1, 1, 2, 2, "allgather"),
+           "cp2 d2 ulysses": (1, 1, 2, 2, "ulysses")}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def outcome(request):
+    return request.param, run(*LAYOUTS[request.param])
+
+
+def test_equals_one_device(outcome):
+    name, (cfg, ranks) = outcome
+    bad, losses, ref = _mismatches(cfg, ranks)
+    assert not bad, f"{name}: mismatches {bad[:8]}"
+    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    held = set().union(*(r["grads"][0] for r in ranks if r["keep"]))
+    assert held == set(n for n, _ in GPT(cfg, seed=0).named_parameters())   # every parameter checked
+
+
+def test_bytes_per_axis_equal_the_planner(outcome):
+    name, (cfg, ranks) = outcome
+    t, p, d, cp, method = LAYOUTS[name]
+    for r in ranks:
+        for step in range(1, STEPS):      # step 0 also sends the pipeline's shape messages
+            assert r["comm"][step] == r["expected"], (name, step, r["comm"][step], r["expected"])
+        assert "cp" in r["expected"] and "dp" in r["expected"]
+
+
+def test_injected_bug_is_caught():
+    cfg, ranks = run(1, 1, 2, 2, "allgather", bug="dp_only")
+    bad, _, _ = _mismatches(cfg, ranks)
+    assert any(n == "embedding.wte.weight" for *_, n in bad)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tp=2, cp=2, cp_attention="ulysses"), "n_kv_head=1 must both be divisible by cp=2"),
+    (dict(tp=1, cp=2, cp_attention="flash"), "must be one of ring | allgather | ulysses"),
+    (dict(tp=2, cp=2, cp_attention="ring", sequence_parallel=True), "not combined with sequence parallelism"),
+    (dict(tp=1, cp=2, cp_attention="ring", zero=True), "not combined with ZeRO"),
+    (dict(tp=1, cp=3, cp_attention="ring", seq_len=16), "S=16 must be divisible by 2 * cp"),
+])
+def test_bad_cp_layouts(kw, message):
+    with pytest.raises(ValueError, match=message.replace("*", r"\*")):
+        check_cp_layout(cfg_for(), **{"tp": 1, **kw})
+
+
+def test_lab_3d_with_cp(tmp_path, capsys):
+    """``lab 3d --cp 2`` (t = 2, cp = 2: 4 ranks) trains, prints a CP row equal to its formula and says OK."""
+    from labkit.labs.threed import main
+    rc = main(["--tp", "2", "--cp", "2", "--pp", "1", "--dp", "1", "--steps", "2", "--batch", "4",
+               "--microbatches", "1", "--seq", "16", "--no-plots", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "CP (cp=2)   send" in out and "OK: every run (t2 cp2 ring p1 d1 1f1b)" in out
+    # per CP rank: 68 query-key pairs per sequence and head (balanced), x 4 layers x M = 1, measured by the ring
+    assert "[68, 68]; a contiguous split would give [36, 100]" in out
+    assert "work 272, 272 (formula x 4 layers x M=1: 272, 272)" in out
+
+
+def test_lab_3d_bad_cp_is_one_line(tmp_path, capsys):
+    from labkit.labs.threed import main
+    assert main(["--cp", "2", "--cp-attention", "ulysses", "--heads", "2", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: Ulysses splits attention heads over the CP group: n_head=1 and n_kv_head=1 must both be "
+                   "divisible by cp=2"]
