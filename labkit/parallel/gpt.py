@@ -390,6 +390,12 @@ class ParallelGPT:
                     out.append(prm)
         return out
 
+    def gathered_buffers(self) -> list[torch.Tensor]:
+        """ZeRO-3: every FSDP unit's buffer its full parameters are all-gathered into (storage
+        of size 0 while resharded; the tensors saved for backward that live in it are weights, not
+        activations). Else empty."""
+        return [u.raw for w in self.sharded if isinstance(w, FullyShardedDataParallel) for u in w.units]
+
     def make_optimizer(self, name: str = "sgd", lr: float = 0.1, **kw):
         """``torch.optim.SGD`` or ``Adam`` over this rank's parameters, or ZeRO-1 of it over
         the DP group when ``zero`` and d > 1. Stored as ``self.optimizer``."""
