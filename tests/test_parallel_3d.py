@@ -177,6 +177,17 @@ def test_3d_zero2_zero3_hsdp_sgd(t, p, d, zero, hsdp):
             assert ("all_reduce" in dp) == (hsdp > 1)
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_3d_zero2_zero3_adam(zero):
+    """5 Adam steps (the moments held for the 1/d shards only) end at the one-device parameters."""
+    cfg = cfg_for()
+    out = run(cfg, 1, 1, 2, "1f1b", 1, M=2, steps=5, opt="adam", lr=1e-3, zero=zero)
+    check_equal(out, cfg, 5, "adam", 1e-3)
+    check_comm(out)
+    for r in out:
+        assert r["memory"]["optimizer"] == 2 * r["memory"]["grads"]     # two moments of the gradient shard
+
+
 def test_3d_zero_check_catches_missing_average():
     cfg = cfg_for()
     out = run(cfg, 1, 1, 2, "1f1b", 1, M=2, steps=1, zero=3, bug="no_dp_average")

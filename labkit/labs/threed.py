@@ -17,15 +17,17 @@ formula: TP all-reduces, PP sends, DP all-reduce or reduce-scatter/all-gather, t
 embedding's all-reduce), the measured pipeline bubble next to (p-1)/(vM+p-1), the share of the
 DP all-reduce time hidden behind backward, peak parameter/gradient/optimizer bytes per rank and
 tokens per second; per rank a table of measured bytes next to the planner's (:mod:`labkit.plan`):
-parameters, gradients and optimizer state (exact), activations (the peak of the last step measured
-with saved_tensors_hooks, within 2 %) and the payload bytes per axis (exact); then the verdict of
+parameters, gradients and optimizer state (exact; ``--zero 3`` also the peak of the gathered FSDP
+units), activations (the peak of the last step measured with saved_tensors_hooks, within 2 %) and
+the payload bytes per axis (exact; DDP and ZeRO-2 count one collective per gradient bucket, the
+planner one per chunk: compared by bytes); then the verdict of
 :mod:`labkit.labs.verdict` (every step, loss and every gradient against the single-device model
 at the same parameters). Exit status 1 when the verdict or a count fails. Saved under
 ``runs/3d-<time>/``: ``loss_curves.png``, ``rank_grid.png``
 (which rank holds which layers and which shard), ``losses.csv``.
 
 For the planner: :func:`run_3d` returns the measured data without printing: per rank
-``memory`` (``{"params", "grads", "optimizer"}`` bytes), ``comm`` (per step, ``{axis: {kind:
+``memory`` (``{"params", "grads", "optimizer", "gathered"}`` bytes), ``comm`` (per step, ``{axis: {kind:
 (count, bytes)}}`` counted by :class:`labkit.comm.CommLog`), ``wire`` (per step, ``{axis: bytes
 sent}`` under the ring algorithms), ``expected`` (the counts from the formulas), ``overlap``,
 ``bubble`` and the loss curves.
@@ -303,7 +305,8 @@ def _worker(ctx, a, corpus) -> RankResult:
             for m, grads, params in zip(pg.modules, pg.tp_local("grad"), pg.tp_local("param")):
                 for n, (g, dim) in grads.items():
                     k = params[n][0].shape[dim] if dim is not None else 0
-                    index = None if dim is None else (slice(None),) * dim + (slice(grid.tp_rank * k, (grid.tp_rank + 1) * k),)
+                    mine = slice(grid.tp_rank * k, (grid.tp_rank + 1) * k)
+                    index = None if dim is None else (slice(None),) * dim + (mine,)
                     out.append(Piece(pg.reference_name(m, n), params[n][0], g, index))
                 out += [Piece(pg.reference_name(m, n), b.detach()) for n, b in m.named_buffers()]
             return out
@@ -665,9 +668,12 @@ class ThreeDLab(Lab):
         print("\n".join(rows))
         print("formulas: TP 4 all-reduces of b*S*H per block per microbatch (+1 embedding, +1 output layer, +3 of b*S "
               "cross-entropy); PP 1 send of b*S*H per microbatch and boundary each way; DP one all-reduce per bucket "
-              "of the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an "
-              "all-gather of n/d; b = B/(d*M)." + (" CP per block and microbatch: ring (cp-1) sends of K and V "
-              "forward, (cp-1)+cp backward (K, V, then their gradients); allgather 2 all-gathers of K, V forward, "
+              "of the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 and ZeRO-2 a reduce-scatter of n and an "
+              "all-gather of n/d (ZeRO-2: per bucket), ZeRO-3 per FSDP unit an all-gather of n/d before each "
+              "microbatch's forward and backward and one reduce-scatter of n (HSDP: over d/R ranks, then an "
+              "all-reduce of the shard across the R replicas); b = B/(d*M)."
+              + (" CP per block and microbatch: ring (cp-1) sends of K and V forward, (cp-1)+cp backward (K, V, "
+              "then their gradients); allgather 2 all-gathers of K, V forward, "
               "2 reduce-scatters backward; ulysses 4 all-to-alls (q, k, v, output) each way; DP over the d*cp "
               "ranks of a stage." if a.cp > 1 else ""))
         if a.cp > 1:

@@ -66,8 +66,13 @@ import torch.nn as nn
 
 from .. import comm
 from ..context_parallel import ATTENTIONS, check_sequence_split, check_ulysses, sequence_positions, shard_sequence
-from ..data_parallel import (DistributedDataParallel, FullyShardedDataParallel, ZeroRedundancyOptimizer,
-                             ZeroStage2, default_units)
+from ..data_parallel import (
+    DistributedDataParallel,
+    FullyShardedDataParallel,
+    ZeroRedundancyOptimizer,
+    ZeroStage2,
+    default_units,
+)
 from ..data_parallel.zero import optimizer_state_bytes
 from ..grid import Mesh, ProcessGrid
 from ..model import lm_loss
@@ -416,8 +421,9 @@ class ParallelGPT:
                 w.zero_grad()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor):
-        """Forward and backward of the global batch; gradients averaged over DP (DDP) or left
-        local for ZeRO's reduce-scatter; tied embedding gradients summed over the embedding group."""
+        """Forward and backward of the global batch; gradients averaged over DP (DDP), left
+        local for ZeRO-1's reduce-scatter, or reduce-scattered into the DP shards (ZeRO-2/3) in each
+        stage's last backward of the step; tied embedding gradients summed over the embedding group."""
         B, d = x.shape[0], self.grid.dp
         if B % (d * self.M):
             raise ValueError(f"global batch B={B} must be divisible by d*M = {d}*{self.M}")
