@@ -71,6 +71,7 @@ def test_lab_3d_zero_flag_spellings():
 
 @pytest.mark.parametrize("argv,msg", [
     (["--dp", "4", "--zero", "3", "--hsdp", "3"], "HSDP replicas R=3 must be an integer >= 1 that divides d=4"),
+    (["--dp", "2", "--zero", "3", "--hsdp", "2"], "HSDP with R = d = 2 replicas leaves one rank per shard group"),
     (["--dp", "4", "--hsdp", "2"], "HSDP (R=2 replicas) shards the parameters: it needs ZeRO-3, got ZeRO-0"),
     (["--zero", "2", "--schedule", "zb-h1"], "ZeRO-2 with ZB-H1"),
     (["--zero", "3", "--tied"], "ZeRO-3 runs here without tied embeddings"),

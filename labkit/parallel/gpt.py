@@ -112,7 +112,7 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
     0-3 (True: 1); ZeRO-2/3 not with a zero-bubble schedule (their W accumulates outside the
     gradient hooks), tied embeddings, MoE or sequence parallelism with t > 1; ``hsdp`` R replicas
-    (ZeRO-3 only) dividing d.
+    (ZeRO-3 only) dividing d, below d.
     """
     zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
@@ -131,6 +131,9 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if not isinstance(hsdp, int) or isinstance(hsdp, bool) or hsdp < 1 or dp % hsdp:
         raise ValueError(f"HSDP replicas R={hsdp!r} must be an integer >= 1 that divides d={dp} "
                          f"(d ranks = R replicas x d/R shards)")
+    if hsdp > 1 and hsdp == dp:
+        raise ValueError(f"HSDP with R = d = {dp} replicas leaves one rank per shard group (nothing is sharded): "
+                         f"use R < d, or DDP")
     if hsdp > 1 and zero != 3:
         raise ValueError(f"HSDP (R={hsdp} replicas) shards the parameters: it needs ZeRO-3, got ZeRO-{zero}")
     if zero >= 2 and info.zero_bubble:
