@@ -75,6 +75,7 @@ def test_lab_3d_zero_flag_spellings():
     (["--dp", "4", "--hsdp", "2"], "HSDP (R=2 replicas) shards the parameters: it needs ZeRO-3, got ZeRO-0"),
     (["--zero", "2", "--schedule", "zb-h1"], "ZeRO-2 with ZB-H1"),
     (["--zero", "3", "--tied"], "ZeRO-3 runs here without tied embeddings"),
+    (["--zero", "2", "--recompute", "full"], "ZeRO-2 with full recompute"),
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
     (["--layers", "3"], "n_layer=3 layers must be divisible by p*v"),
     (["--batch", "6"], "global batch B=6 must be divisible by d*M"),

@@ -112,7 +112,7 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
     0-3 (True: 1); ZeRO-2/3 not with a zero-bubble schedule (their W accumulates outside the
     gradient hooks), tied embeddings, MoE or sequence parallelism with t > 1; ``hsdp`` R replicas
-    (ZeRO-3 only) dividing d, below d.
+    (ZeRO-3 only) dividing d, below d; ZeRO-2 not with full recompute.
     """
     zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
@@ -143,6 +143,10 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
                       or (sequence_parallel and tp > 1)):
         raise ValueError(f"ZeRO-{zero} runs here without tied embeddings, MoE and sequence parallelism (their "
                          f"extra gradient reductions need the full gradients, which ZeRO-{zero} no longer keeps)")
+    if zero == 2 and recompute == "full":
+        raise ValueError("ZeRO-2 with full recompute: each recomputed block runs its own backward, which closes "
+                         "ZeroStage2's gradient sync early (the buckets are reduce-scattered twice); use ZeRO-3 or "
+                         "selective recompute")
     if n_microbatches < info.min_microbatches(pp):
         raise ValueError(f"{info.label} needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
     if cfg.n_layer % (pp * v):
