@@ -94,3 +94,19 @@ def test_bad_cp_layouts(kw, message):
 
 def test_assumptions_are_stated():
     assert LLAMA3_405B_ASSUMED["recompute"] == "full" and len(PUBLISHED["llama3-405b"]) == 3
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero23_shards_over_dp_times_cp(zero):
+    """ZeRO-2/3 with CP shard over the d cp ranks that reduce the gradients together (Megatron's
+    distributed optimizer over dp x cp): gradients (and under ZeRO-3 parameters) cp times smaller,
+    the DP reduce-scatter's group d cp."""
+    spec = dataclasses.replace(preset("llama3-70b"), seq_len=16384, global_batch=64)
+    base = Layout(t=8, p=4, d=2, b=1, sequence_parallel=True, fused_attention=True, zero=zero)
+    cp = 4
+    for a, b in zip(memory_per_rank(spec, base), memory_per_rank(spec, dataclasses.replace(base, cp=cp))):
+        assert b.grads * cp == pytest.approx(a.grads, rel=1e-6)
+        assert b.optimizer * cp == pytest.approx(a.optimizer, rel=1e-6)
+        assert (b.params * cp == pytest.approx(a.params, rel=1e-6)) if zero == 3 else b.params == a.params
+    dp = comm_per_rank(spec, dataclasses.replace(base, cp=cp), H100)["dp"]
+    assert dp.group == 2 * cp
