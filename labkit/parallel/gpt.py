@@ -326,7 +326,7 @@ class ParallelGPT:
         info = lookup(schedule)
         self.placement = placement = info.placement
         self.stage_ids = [s for s in range(n) if stage_rank(s, p, placement) == grid.pp_rank]
-        group = grid.tp_group if tpg is not None or recompute != "none" else None
+        group = grid.tp_group   # t = 1 too: one block class, whose saved tensors the planner counts
         if plan is None:
             plan = gpt_plan(self.sequence_parallel, recompute) if group is not None else {}
             if self.moe:
