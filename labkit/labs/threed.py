@@ -397,9 +397,10 @@ _PLANNER_SCHEDULE = {"gpipe": ("gpipe", "loop", True), "1f1b": ("1f1b", "loop", 
 
 def _planner(a):
     """The planner's prediction for this run: ``(memory per pipeline rank, {pp_rank: {axis: {kind:
-    (count, bytes)}}}, what is compared: "all" | "no activations" | "nothing")``, or None when the
-    planner cannot take the layout. MoE: shown, not compared (the planner splits each expert over
-    the TP group, as Megatron-Core with expert TP = t; labkit's MoE blocks replicate them there)."""
+    (count, bytes)}}}, what is compared: "all" | "no activations" | "moe")``, or None when the
+    planner cannot take the layout. MoE: expert TP 1 (``Layout.etp``: labkit's MoE blocks hold whole
+    experts on every TP rank, Megatron-Core's ``expert_tensor_parallel_size=1``); "moe" compares what
+    does not follow the routing (see :func:`_planner_table`)."""
     from ..parallel.gpt import planner_spec
     from ..plan.comm import comm_per_rank
     from ..plan.memory import memory_per_rank
@@ -407,13 +408,13 @@ def _planner(a):
     if a.schedule not in _PLANNER_SCHEDULE:
         return None
     schedule, placement, act_modeled = _PLANNER_SCHEDULE[a.schedule]
-    compared = "nothing" if a.moe else ("all" if act_modeled else "no activations")
+    compared = "moe" if a.moe else ("all" if act_modeled else "no activations")
     if a.cp > 1 and compared == "all":   # CP attention keeps q, k, v, out, lse, not labkit's layer's scores
         compared = "no activations"
     spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     try:
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
-                     ep=a.dp if a.moe else 1,
+                     ep=a.dp if a.moe else 1, etp=1 if a.moe else None,
                      schedule=schedule, placement=placement, zero=1 if a.zero else 0, sequence_parallel=a.sp,
                      recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention)
         mem = memory_per_rank(spec, lay, device="cpu")
@@ -427,21 +428,41 @@ def _planner(a):
 def _planner_table(a, out) -> tuple[list[str], list[str]]:
     """Per rank, measured bytes next to the planner's: lines of the table and the mismatches
     (memory and communication exact, activations within 2 %). DP all-reduces are compared by
-    bytes (the run reduces in buckets, the planner counts one per model chunk)."""
+    bytes (the run reduces in buckets, the planner counts one per model chunk).
+
+    MoE (EP folded onto DP, no token dropped: the lab sets no capacity): parameters, gradients,
+    optimizer state and the TP, PP, DP bytes exactly. EP all-to-alls: the count exactly (the
+    planner's dispatch and combine, forward and backward, plus labkit's per-expert counts exchange,
+    one all-to-all of E int64 per MoE layer and microbatch); the bytes a rank sends follow the
+    routing (its kept slots and the rows it receives), so the exact check is their sum over each EP
+    group (every slot is sent out and back once in each direction), i.e. the planner's balanced
+    bytes per rank times ep. Activations: within 2 % on pipeline ranks without a MoE layer; on the
+    others shown only (the experts' saved inputs are the rows each rank receives, which follow the
+    routing and which the run does not record)."""
+    from ..parallel.gpt import planner_spec
+    from ..plan.memory import rank_layer_chunks
+    from ..plan.spec import Layout
     pred = _planner(a)
     if pred is None:
         return [f"planner: not shown for this layout (--schedule {a.schedule}, v={_v(a)})"], []
     mem, comm, compared = pred
-    act_modeled = compared == "all"
-    bad, rows = [], []
+    moe_ranks = set()
+    if compared == "moe":
+        spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a), 2)
+        lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), schedule=_PLANNER_SCHEDULE[a.schedule][0],
+                     placement=_PLANNER_SCHEDULE[a.schedule][1])
+        moe_ranks = {r for r in range(a.pp) if any(spec.is_moe_layer(i) for ch in rank_layer_chunks(spec, lay, r)
+                                                   for i in ch)}
+    bad, rows, ep_groups = [], [], {}
     head = (f"{'rank':>4}  {'params':>9} {'(planner)':>9}  {'grads':>9} {'(planner)':>9}  {'optimizer':>9} "
             f"{'(planner)':>9}  {'activations':>11} {'(planner)':>9} {'diff':>6}  "
             f"communication bytes per axis (planner)")
     rows += [head, "-" * len(head)]
     for r in sorted(out.ranks, key=lambda r: r.rank):
         pm, m = mem[r.pp_rank], r.memory
+        act_modeled = compared == "all" or (compared == "moe" and r.pp_rank not in moe_ranks)
         for k in ("params", "grads", "optimizer"):
-            if m[k] != getattr(pm, k) and compared != "nothing":
+            if m[k] != getattr(pm, k):
                 bad.append(f"rank {r.rank} {k}: measured {m[k]} B, planner {getattr(pm, k)} B")
         act = r.activations
         diff = (pm.activations / act - 1) if act else float("nan")
@@ -454,20 +475,36 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
             g, w = got.get(ax, {}), want.get(ax, {})
             for kind in sorted(set(g) | set(w)):
                 (gc, gb), (wc, wb) = g.get(kind, (0, 0)), w.get(kind, (0, 0))
-                if compared != "nothing" and (gb != wb or (gc != wc and (ax, kind) != ("dp", "all_reduce"))):
+                if (ax, kind) == ("ep", "all_to_all") and compared == "moe":
+                    exchanges = wc // 4                    # one counts exchange per MoE layer and microbatch
+                    wb += exchanges * a.experts * 8
+                    w = {**w, kind: (wc + exchanges, wb)}
+                    if gc != wc + exchanges:
+                        bad.append(f"rank {r.rank} ep all_to_all: measured {gc} x; planner {wc} x + {exchanges} "
+                                   f"counts exchanges")
+                    ep_groups.setdefault((r.pp_rank, r.tp_rank), []).append((r.rank, gb, wb))
+                elif gb != wb or (gc != wc and (ax, kind) != ("dp", "all_reduce")):
                     bad.append(f"rank {r.rank} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
             cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
         rows.append(f"{r.rank:>4}  {m['params']:>9} {pm.params:>9}  {m['grads']:>9} {pm.grads:>9}  "
                     f"{m['optimizer']:>9} {pm.optimizer:>9}  {act if act else '-':>11} "
-                    f"{pm.activations if act_modeled else 'n/a':>9} {f'{diff:+.1%}' if act_modeled else '-':>6}  "
+                    f"{pm.activations if act_modeled or compared == 'moe' else 'n/a':>9} "
+                    f"{f'{diff:+.1%}' if act_modeled else '-':>6}  "
                     f"{', '.join(cells)}")
-    if compared == "nothing":
-        rows.append("(MoE: shown, not compared: the planner splits each expert over the TP group, Megatron-Core's "
-                    "expert TP = t; here the TP ranks hold whole experts, and the EP bytes follow the routing)")
-    elif not act_modeled and a.cp > 1:
+    for (pp_rank, tp_rank), members in sorted(ep_groups.items()):
+        got_sum, want_sum = sum(gb for _, gb, _ in members), sum(wb for _, _, wb in members)
+        if got_sum != want_sum:
+            bad.append(f"EP group of ranks {[m[0] for m in members]} all_to_all: measured {got_sum} B in all, "
+                       f"planner {want_sum} B")
+    if compared == "moe":
+        rows.append("(MoE, expert TP 1: whole experts on every TP rank. EP all-to-all bytes per rank follow the "
+                    "routing: compared summed over each EP group, counts per rank (+1 counts exchange per MoE "
+                    "layer and microbatch); activations compared on the stages without a MoE layer, shown on "
+                    "the others: the experts' inputs are the rows a rank receives, not recorded)")
+    elif compared != "all" and a.cp > 1:
         rows.append("(activations: not compared under CP; the planner counts labkit's layer at s/cp tokens, CP "
                     "attention keeps q, k, v, its output and log-sum-exp instead of the scores)")
-    elif not act_modeled:
+    elif compared != "all":
         rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches yet; not "
                     f"compared)")
     return rows, bad

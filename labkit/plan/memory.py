@@ -140,6 +140,10 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (not spec.is_moe or spec.n_routed_experts % lay.ep == 0,
          f"n_routed_experts E={spec.n_routed_experts} must be divisible by the EP size {lay.ep} (EP folded onto DP)"),
         (lay.d % lay.ep == 0, f"the EP size ep={lay.ep} must divide d={lay.d} (EP folded onto DP)"),
+        (lay.etp is None or (lay.etp >= 1 and lay.t % lay.etp == 0
+                             and (spec.moe_ffn or spec.ffn_hidden) % lay.etp == 0),
+         f"the expert TP size etp={lay.etp} must be >= 1 and divide t={lay.t} (each expert split over etp of the "
+         f"TP ranks)"),
         (spec.is_moe or lay.ep == 1, f"ep={lay.ep} > 1 needs a MoE model"),
         (lay.cp == 1 or spec.seq_len % (2 * lay.cp * (lay.t if lay.sequence_parallel else 1)) == 0,
          f"context parallelism needs 2 cp (x t with SP) = {2 * lay.cp * (lay.t if lay.sequence_parallel else 1)} "
@@ -284,7 +288,10 @@ def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     for i in layer_ids:
         lp = spec.layer_params(spec.is_moe_layer(i))
         dense += lp["split"] // t + lp["replicated"]
-        expert += lp["expert"] * lp["experts"] // lay.ep // t
+        if lp["experts"]:   # expert TP (etp of the t ranks) splits each expert's matrices, not its biases
+            e_split, e_rep = spec.mlp_params(spec.moe_ffn or spec.ffn_hidden)
+            per_expert = e_split // lay.expert_tp + e_rep if lay.expert_tp < t else lp["expert"] // t
+            expert += per_expert * (lp["experts"] // lay.ep)
     vocab = math.ceil(spec.vocab_size / t)
     if holds_first(lay, pp_rank):
         emb_split, emb_rep = spec.embedding_params()
@@ -354,7 +361,9 @@ def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
     saved = torch_saved_bytes_per_element(e, device)
     mult = 2 if spec.mlp == "swiglu" else 1           # SwiGLU keeps gate, up and their product
     if moe:
-        width = (spec.n_activated_experts + spec.n_shared_experts) * (spec.moe_ffn or spec.ffn_hidden)
+        # routed experts split over etp of the t ranks (scaled to the /t below), shared ones over t
+        w = spec.moe_ffn or spec.ffn_hidden
+        width = spec.n_activated_experts * w * lay.t // lay.expert_tp + spec.n_shared_experts * w
     else:
         width = spec.ffn_hidden
     ffn = mult * width
