@@ -147,7 +147,8 @@ def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
     # the planner column (expert TP 1) is compared: whole experts on the MoE stage, exact bytes per axis
     assert "FAIL: planner" not in cap.err and "MoE, expert TP 1" in cap.out
     assert "   4      28064     28064      28064     28064      56128     56128" in cap.out
-    assert "   0      15968     15968      15968     15968      31936     31936        47424     47424  +0.0%" in cap.out
+    assert "   0      15968     15968      15968     15968      31936     31936        47424     47424  +0.0%" \
+        in cap.out
     from labkit.labs import threed
     from labkit.plan.spec import Layout
     a, out = threed.parse_args(argv), threed.LAB.result

@@ -491,7 +491,7 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                     f"{pm.activations if act_modeled or compared == 'moe' else 'n/a':>9} "
                     f"{f'{diff:+.1%}' if act_modeled else '-':>6}  "
                     f"{', '.join(cells)}")
-    for (pp_rank, tp_rank), members in sorted(ep_groups.items()):
+    for _, members in sorted(ep_groups.items()):
         got_sum, want_sum = sum(gb for _, gb, _ in members), sum(wb for _, _, wb in members)
         if got_sum != want_sum:
             bad.append(f"EP group of ranks {[m[0] for m in members]} all_to_all: measured {got_sum} B in all, "
