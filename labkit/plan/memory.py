@@ -15,7 +15,8 @@ vocabulary by t (biases of row-parallel layers and the norms are replicated); PP
 r the layers of its stages (L/p, in v chunks for interleaving), the input embedding to the
 first rank and the final norm and output layer to the last (a tied embedding is kept on both
 ends, Megatron-LM sec. 5 / Narayanan et al. 2021); expert parallelism (ep ranks, folded onto
-DP) gives each rank E/ep experts.
+DP) gives each rank E/ep experts, each split over ``etp`` of the TP ranks (Megatron-Core's
+``expert_tensor_parallel_size``, ``Layout.etp``; default t; 1: whole experts on every TP rank).
 
 Activations (Korthikanti et al. 2022, sec. 4): per layer and microbatch as in
 :mod:`.activations`; the first pipeline rank holds the most microbatches: 1F1B min(p, M),
@@ -288,10 +289,11 @@ def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     for i in layer_ids:
         lp = spec.layer_params(spec.is_moe_layer(i))
         dense += lp["split"] // t + lp["replicated"]
-        if lp["experts"]:   # expert TP (etp of the t ranks) splits each expert's matrices, not its biases
+        if lp["experts"] and lay.expert_tp < t:   # expert TP: etp of the t ranks split the matrices, not biases
             e_split, e_rep = spec.mlp_params(spec.moe_ffn or spec.ffn_hidden)
-            per_expert = e_split // lay.expert_tp + e_rep if lay.expert_tp < t else lp["expert"] // t
-            expert += per_expert * (lp["experts"] // lay.ep)
+            expert += (e_split // lay.expert_tp + e_rep) * (lp["experts"] // lay.ep)
+        else:
+            expert += lp["expert"] * lp["experts"] // lay.ep // t
     vocab = math.ceil(spec.vocab_size / t)
     if holds_first(lay, pp_rank):
         emb_split, emb_rep = spec.embedding_params()
