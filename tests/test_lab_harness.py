@@ -81,3 +81,37 @@ def test_moe_labs_do_not_import_each_other():
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         assert other not in imported and f"labs.{other}" not in imported, (mod.__name__, imported)
+
+
+SHARED = ("--seed", "--data", "--backend", "--tolerance")
+
+
+def _options(parser) -> dict:
+    return {s: (a.dest, a.default, a.help, a.choices, a.type) for a in parser._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("name", ["pipeline", "tensor", "threed", "moe", "moe_eplb"])
+def test_every_lab_takes_the_shared_options_from_the_harness(name):
+    """Each lab's parser gets --seed, --data, --backend, --tolerance, its run folder option and
+    --no-plots from harness.add_shared_options, and declares none of them itself."""
+    import argparse
+    import ast
+    import importlib
+    import inspect
+    module = importlib.import_module(f"labkit.labs.{'moe_common' if name.startswith('moe') else name}")
+    lab = importlib.import_module(f"labkit.labs.{name}").LAB
+    ref = argparse.ArgumentParser()
+    harness.add_shared_options(ref, plots=True)
+    got, want = _options(lab.parser()), _options(ref)
+    assert {s: got[s] for s in SHARED} == {s: want[s] for s in SHARED}
+    out = {"pipeline": ("out", "runs"), "tensor": ("runs_dir", "runs"), "threed": ("out", "runs"),
+           "moe": ("out", None), "moe_eplb": ("out", None)}[name]
+    assert got["--out"][:2] == out and ("--runs-dir" in got) == (name == "tensor")
+    assert ("--no-plots" in got) == (name in ("threed", "moe", "moe_eplb"))
+    tree = ast.parse(inspect.getsource(module))
+    declared = {c.args[0].value for c in ast.walk(tree) if isinstance(c, ast.Call) and c.args
+                and isinstance(c.func, ast.Attribute) and c.func.attr == "add_argument"
+                and isinstance(c.args[0], ast.Constant)}
+    assert not declared & {*SHARED, "--out", "--runs-dir", "--no-plots"}, declared
+    assert "add_shared_options" in {c.func.id for c in ast.walk(tree) if isinstance(c, ast.Call)
+                                    and isinstance(c.func, ast.Name)}

@@ -57,7 +57,8 @@ def test_each_entry_builds_what_it_says(name):
     assert isinstance(s, Schedule) and (s.K, s.M) == (K, M)
     assert s.placement == info.placement and s.n_stages == info.n_stages(K, 3) == K * info.v(3)
     assert info.v(3) == (3 if name == "interleaved" else 2 if name in ("zbv", "dualpipev") else 1)
-    assert info.runtime_class.__name__ == info.runtime and info.runtime_class.__module__ == "labkit.pipeline.runtime"
+    assert info.runtime_class.__name__ == info.runtime
+    assert info.runtime_class.__module__ == "labkit.pipeline.schedule_classes"
     assert any(a.kind in ("I", "W") for r in s for a in s[r]) == info.zero_bubble
     if info.zero_bubble:
         assert info.bubble_fraction(K, M) is None

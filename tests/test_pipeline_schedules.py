@@ -137,6 +137,19 @@ def test_validator_backward_before_forward():
         validate_schedule(s)
 
 
+def test_simulate_validates_first_with_the_validators_message():
+    """simulate() runs the validity pass before timing: a schedule that never runs B1@s0 (a
+    gradient lost, no deadlock) is refused with validate_schedule's message; validate=False times it."""
+    s = _two_rank("F0@s0 SEND_F0@s0 F1@s0 SEND_F1@s0 RECV_B0@s0 B0@s0 RECV_B1@s0", GOOD1)
+    with pytest.raises(ScheduleError) as want:
+        validate_schedule(s)
+    assert "B1@s0 is missing" in str(want.value)
+    with pytest.raises(ScheduleError) as got:
+        simulate(s)
+    assert str(got.value) == str(want.value)
+    assert simulate(s, validate=False).makespan > 0
+
+
 def test_validator_missing_receive():
     s = _two_rank(GOOD0, "RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1 F1@s1 B1@s1 SEND_B1@s1")
     with pytest.raises(ScheduleError, match=r"rank 1, action 4 \(F1@s1\): no RECV_F1@s1 before it; its input "
@@ -230,3 +243,16 @@ def test_validator_max_in_flight():
     with pytest.raises(ScheduleError, match=r"rank 0, action \d+ \(F4@s0\): stage 0 would hold 5 microbatches in "
                                             r"flight \(forward done, backward not yet\), more than max_in_flight=4"):
         validate_schedule(gpipe_schedule(K, M), max_in_flight=[min(M, K - s) for s in range(K)])
+
+
+def test_validator_and_simulator_import_only_lower_modules():
+    """validate.py and simulate.py both stand on schedules/symbolic/rules; neither imports the other."""
+    import ast
+    import importlib
+    import inspect
+    for name, other in (("simulate", "validate"), ("validate", "simulate")):
+        mod = importlib.import_module(f"labkit.pipeline.{name}")  # the module, not the function
+        imported = {n.module for n in ast.walk(ast.parse(inspect.getsource(mod))) if isinstance(n, ast.ImportFrom)}
+        assert imported <= {"__future__", "dataclasses", "fractions", "numbers", "typing", "rules", "schedules",
+                            "symbolic"}, (mod.__name__, imported)
+        assert other not in imported

@@ -11,7 +11,8 @@ from labkit.comm import CommLog
 from labkit.data import VOCAB_SIZE
 from labkit.dist import launch
 from labkit.model import GPT, GPTConfig, lm_loss
-from labkit.pipeline.runtime import PipelineStage, Schedule1F1B, ScheduleGPipe
+from labkit.pipeline.runtime import PipelineStage
+from labkit.pipeline.schedule_classes import Schedule1F1B, ScheduleGPipe
 from labkit.pipeline.stages import split_gpt
 from labkit.plan import memory as plan_memory
 from labkit.plan.comm import comm_per_rank

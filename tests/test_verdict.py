@@ -82,13 +82,13 @@ def test_pipeline_dropped_microbatch_fails(monkeypatch):
 
 def test_pipeline_wrong_schedule_never_says_ok(monkeypatch, capsys):
     """A schedule that loses microbatch 1's backward on stage 0: refused, the lab ends in an error."""
-    from labkit.pipeline import runtime, schedules
+    from labkit.pipeline import schedule_classes, schedules
 
     def wrong(K, M):
         acts = schedules.one_f_one_b_schedule(K, M)
         acts[0] = [x for x in acts[0] if not (x.kind == "B" and x.microbatch == 1)]
         return acts
-    monkeypatch.setattr(runtime.Schedule1F1B, "_builder", staticmethod(wrong))
+    monkeypatch.setattr(schedule_classes.Schedule1F1B, "_builder", staticmethod(wrong))
     from labkit.__main__ import main
     rc = main(["lab", "pipeline", "--world-size", "2", "--schedule", "1f1b", *PIPE])
     out, err = capsys.readouterr()

@@ -2,7 +2,8 @@
 
 A lab (``python -m labkit lab NAME``) supplies only its strategy, as a :class:`Lab`:
 
-* ``parser()``: its options (``--help`` shows the defaults; bad values are one ``error:`` line);
+* ``parser()``: its options (``--help`` shows the defaults; bad values are one ``error:`` line),
+  the ones every lab shares added by :func:`add_shared_options`;
 * ``resolve(a, world)``: its sizes under torchrun (``world`` = WORLD_SIZE) or from the options;
 * ``check(a)``: its layout rules and the memory refusal, as one message naming the values;
 * ``runs(a, corpus)``: the parallel runs to start, each a :class:`Launch` (its per-rank build
@@ -32,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import OutputError, error, is_main_rank, run_folder
-from .verdict import Lockstep, LockstepResult, verdict_exit
+from .verdict import Lockstep, LockstepResult, add_tolerance_option, verdict_exit
 
 
 @dataclass
@@ -147,6 +148,24 @@ class Lab:
 
     def files(self, a, outcome: Outcome, folder) -> None:
         """Write the plots and CSV files into ``folder`` and print their paths."""
+
+
+def add_shared_options(p, out: Sequence[str] = ("--out",), out_dest: str | None = None,
+                       out_default: str | None = "runs", out_help: str = "folder for the run folder",
+                       plots: bool = False) -> None:
+    """Add the options every lab shares to its parser ``p``: ``--seed`` (weights and batches),
+    ``--data`` (the corpus, :meth:`Lab.load_corpus`), ``--backend`` (auto | gloo | nccl),
+    ``--tolerance`` (the verdict's rtol, :func:`~labkit.labs.verdict.add_tolerance_option`),
+    the run folder option (spellings ``out``, stored as ``out_dest``, default ``out_default``,
+    help ``out_help``: a lab keeps the spelling and default it always had) and, for a lab that
+    draws, ``--no-plots`` (``plots=True``)."""
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
+    add_tolerance_option(p)
+    p.add_argument(*out, **({"dest": out_dest} if out_dest else {}), default=out_default, help=out_help)
+    if plots:
+        p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
 
 
 def lockstep(ctx, a, reference: Callable[[], torch.nn.Module], loss_fn) -> Lockstep:

@@ -18,7 +18,7 @@ from ..model import GPTConfig
 from ..moe.losses import switch_aux_loss
 from ..moe.model import moe_config_for, total_aux_loss
 from . import HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed
-from .verdict import add_tolerance_option
+from .harness import add_shared_options
 
 BALANCE_MODES = ("none", "aux", "aux_free")
 DEVICE_COEFF = 0.05  # alpha2 of the device-level balance loss (DeepSeek-V2 sec. 2.2.3 trains with 0.05)
@@ -49,12 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=float, default=1e-2, help="aux-loss-free bias update speed")
     p.add_argument("--compare-mode", default="aux_free", choices=BALANCE_MODES,
                    help="balancing used in the EP vs single-device comparison")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
-    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
-    p.add_argument("--out", default=None, help="run folder (unset: runs/moe-<time>)")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
-    add_tolerance_option(p)
+    add_shared_options(p, out_default=None, out_help="run folder (unset: runs/moe-<time>)", plots=True)
     p.add_argument("--eplb", action="store_true",
                    help="instead of the standard lab: measure expert loads, rebalance with EPLB (replicas), run "
                         "the replicas on P ranks, compare tokens per GPU with the device-level loss and the aux-free "

@@ -42,8 +42,7 @@ from ..cliparse import Parser
 from ..pipeline.registry import lookup, names
 from ..pipeline.stats import mean_times
 from . import HelpFormatter, bad_lr, bad_memory, bad_number, bad_out, bad_seed, is_main_rank, loss_change, schedule_name
-from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
-from .verdict import add_tolerance_option
+from .harness import Lab, Launch, Reference, Report, add_shared_options, lockstep, run, train_reference
 
 SCHEDULES = names(zero_bubble=False)   # gpipe 1f1b interleaved (labkit.pipeline.registry)
 ZERO_BUBBLE = names(zero_bubble=True)  # zb-h1 zbv dualpipev: backward split into I and W
@@ -71,17 +70,13 @@ def _parser():
     p.add_argument("--microbatches", type=int, default=8, help="M microbatches per step")
     p.add_argument("--chunks", type=int, default=2, help="v model chunks per rank for interleaved 1F1B")
     p.add_argument("--steps", type=int, default=30, help="Adam steps")
-    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     p.add_argument("--layers", type=int, default=8, help="transformer blocks L")
     p.add_argument("--embd", type=int, default=64, help="hidden size H")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
-    p.add_argument("--out", default="runs", help="folder for the run folder")
-    add_tolerance_option(p)
+    add_shared_options(p)
     return p
 
 

@@ -43,8 +43,8 @@ from . import (
     save_figure,
     write_bytes_atomic,
 )
-from .harness import Lab, Launch, Reference, Report, lockstep, run, train_reference
-from .verdict import add_tolerance_option, sharded_pieces
+from .harness import Lab, Launch, Reference, Report, add_shared_options, lockstep, run, train_reference
+from .verdict import sharded_pieces
 
 
 def _config(args) -> GPTConfig:
@@ -136,11 +136,7 @@ def _parser():
     p.add_argument("--n-head", "--heads", dest="n_head", type=int, default=4, help="attention heads")
     p.add_argument("--n-embd", "--embd", dest="n_embd", type=int, default=64, help="hidden size H")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
-    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
-    p.add_argument("--runs-dir", "--out", dest="runs_dir", default="runs", help="folder for the run folder")
-    add_tolerance_option(p)
+    add_shared_options(p, out=("--runs-dir", "--out"), out_dest="runs_dir")
     return p
 
 

@@ -60,8 +60,7 @@ from . import (
     schedule_name,
     write_bytes_atomic,
 )
-from .harness import Lab, Launch, Reference, Report, execute, lockstep, run, train_reference
-from .verdict import add_tolerance_option
+from .harness import Lab, Launch, Reference, Report, add_shared_options, execute, lockstep, run, train_reference
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
 
@@ -103,12 +102,7 @@ def _parser():
     p.add_argument("--embd", type=int, default=32, help="hidden size H")
     p.add_argument("--heads", type=int, default=4, help="attention heads, divisible by t")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
-    p.add_argument("--data", default=None, help="text file or folder (unset: the Python standard library)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
-    add_tolerance_option(p)
-    p.add_argument("--out", default="runs", help="folder for the run folder")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    add_shared_options(p, plots=True)
     return p
 
 

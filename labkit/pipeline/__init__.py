@@ -9,17 +9,21 @@
 * :mod:`.registry`: the one table of schedule names (builder, placement, runtime class, bubble
   formula, label, accepted spellings) that the labs, the planner and the explorer read.
 * :mod:`.symbolic`: the one symbolic executor (deadlock check, hang diagnosis, simulator clock).
-* :mod:`.validate`: ``validate_schedule`` (raises ``ScheduleError`` naming rank and action).
+* :mod:`.rules`: the validity pass (dependencies, pairing, deadlock, ...) that the validator
+  and the simulator both run; :mod:`.validate`: ``validate_schedule``, its public entry point
+  (raises ``ScheduleError`` naming rank and action).
 * :mod:`.simulate`: ``simulate`` (timeline, bubble fraction, peak in flight), ``bubble_formula``.
-* :mod:`.runtime`: ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``,
-  ``ScheduleInterleaved1F1B``, ``PipelineSchedule`` (any schedule data) on torch.distributed;
-  it emits events, from which :mod:`.stats` derives in-flight, stash and W-memory figures.
+* :mod:`.runtime`: the interpreter, ``PipelineStage`` and ``PipelineSchedule`` (any schedule
+  data) on torch.distributed; it executes actions and emits events, from which :mod:`.stats`
+  derives in-flight, stash and W-memory figures; :mod:`.hang` explains a step that hung.
+* :mod:`.schedule_classes`: the named schedules ``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B``, ``ScheduleZBH1``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``.
 * :mod:`.stages`: cut the reference GPT into stages by layers.
 * :mod:`.trace`: ``write_chrome_trace`` (timelines as Chrome trace-event JSON for Perfetto).
 * :mod:`.plot`: ``plot_timeline`` (Gantt chart of a simulated or measured timeline).
 
-The torch parts (runtime, stages) are imported on first use, so that the schedule data, the
-registry and the simulator load without torch (the planner reads the registry).
+The torch parts (runtime, schedule classes, stages) are imported on first use, so that the
+schedule data, the registry and the simulator load without torch (the planner reads the registry).
 """
 from .registry import REGISTRY, ScheduleInfo, canonical, lookup
 from .schedules import (
@@ -71,8 +75,9 @@ __all__ = [
     "Schedule", "Message", "REGISTRY", "ScheduleInfo", "lookup", "canonical",
 ]
 _LAZY = {  # name -> module (imports torch)
-    **{n: "runtime" for n in ("PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleDualPipeV",
-                              "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble")},
+    **{n: "runtime" for n in ("PipelineSchedule", "PipelineStage")},
+    **{n: "schedule_classes" for n in ("Schedule1F1B", "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B",
+                                       "ScheduleZBH1", "ScheduleZBVZeroBubble")},
     **{n: "stages" for n in ("GPTStage", "gpt_stages_for_rank", "split_gpt")},
 }
 __all__ += ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",

@@ -11,7 +11,7 @@ looked up without regard to case, and the other spellings in use (``zbh1``, ``ZB
 from both ends) is known to the planner only; nothing here builds or runs it.
 
 This module imports no torch (the planner reads it); the runtime classes, in
-:mod:`.runtime`, are imported when :attr:`ScheduleInfo.runtime_class` is asked for.
+:mod:`.schedule_classes`, are imported when :attr:`ScheduleInfo.runtime_class` is asked for.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class ScheduleInfo:
     ``build(K, M, v)`` -> ``{rank: [Action]}`` (None: planner only); ``placement``: "loop"
     (stage s on rank s % K) or "v" (rank r holds stages r and 2K-1-r); ``chunks``: stages per
     rank v (None: any v >= 1, chosen by the user); ``runtime``: the class name in
-    :mod:`.runtime` (torch's where torch has it); ``torch_name``: torch.distributed.pipelining's
+    :mod:`.schedule_classes` (torch's where torch has it); ``torch_name``: torch.distributed.pipelining's
     nearest class; ``zero_bubble``: backward split into I and W; ``min_microbatches(K)``:
     the least M it runs with; ``formula``: its bubble as text; ``planned``: the planner
     (:mod:`labkit.plan`) has its memory and time formulas."""
@@ -56,8 +56,8 @@ class ScheduleInfo:
         """The :class:`~.runtime.PipelineSchedule` subclass that runs this schedule."""
         if self.runtime is None:
             raise ValueError(f"schedule {self.name!r} is known to the planner only; it has no runtime")
-        from . import runtime
-        return getattr(runtime, self.runtime)
+        from . import schedule_classes
+        return getattr(schedule_classes, self.runtime)
 
     @property
     def v_shaped(self) -> bool:

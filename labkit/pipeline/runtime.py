@@ -1,10 +1,11 @@
 """Run any pipeline schedule on real ranks with point-to-point messages.
 
-Names follow ``torch.distributed.pipelining``: wrap each stage module in
-:class:`PipelineStage`, build a schedule object (:class:`ScheduleGPipe`,
-:class:`Schedule1F1B`, :class:`ScheduleInterleaved1F1B`, or :class:`PipelineSchedule` with
-any ``{rank: [Action]}`` data, e.g. a learner's), and call ``step(x, target=y,
-losses=losses)`` on every rank of the pipeline group.
+The interpreter: it executes actions and emits events. Names follow
+``torch.distributed.pipelining``: wrap each stage module in :class:`PipelineStage`, build a
+schedule object (:class:`PipelineSchedule` with any ``{rank: [Action]}`` data, e.g. a
+learner's, or a named one from :mod:`.schedule_classes`: ``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B``, ...), and call ``step(x, target=y, losses=losses)`` on every rank
+of the pipeline group.
 
 What ``step`` does on one rank, action by action (semantics in :mod:`.schedules`):
 
@@ -41,7 +42,7 @@ microbatch.
 A schedule that cannot finish (possible only with ``validate=False``) fails when a wait
 times out: the error's first line names the first action that cannot complete (found by
 running the schedule symbolically, the same on every rank) and says which rank reported it (by its
-global rank too, inside a larger grid), and where that rank was waiting.
+global rank too, inside a larger grid), and where that rank was waiting (:mod:`.hang`).
 
 Measurements: the interpreter only executes actions and emits one :class:`~.stats.Event`
 per action (action, start, end, bytes; seconds from a common start taken right after a
@@ -60,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import time
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -69,26 +70,17 @@ import torch.nn as nn
 from .. import comm
 from .boundary import as_tuple, exchange_metadata, replay_rng, rng_state
 from .boundary import nbytes as tensor_bytes
-from .schedules import (
-    Action,
-    Schedule,
-    ScheduleError,
-    check_pipeline_sizes,
-    gpipe_schedule,
-    interleaved_schedule,
-    one_f_one_b_schedule,
-)
+from .hang import explain_hang
+from .schedules import Action, Schedule, ScheduleError
 from .split_backward import backward_input, backward_weight, w_only_saved_bytes
 from .stats import Event, step_stats
 from .stats import timeline as timed_actions
-from .symbolic import diagnose_hang
 from .validate import validate_schedule
-from .zero_bubble import dualpipev_schedule, zb_h1_schedule, zbv_schedule
 
 _as_tuple = as_tuple  # the old private name (tests/test_pipeline_boundaries.py)
 
-__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-           "ScheduleZBH1", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "explain_hang"]
+__all__ = ["PipelineStage", "PipelineSchedule", "explain_hang"]
+
 
 def _check_cost_model(cost_model):
     """None, or a dict kind -> seconds >= 0 for kinds among F, B, I, W (ValueError otherwise)."""
@@ -569,129 +561,3 @@ class PipelineSchedule:
             out, loss = run()
         self._stash_cache[s] = sum(seen.values())
         return out, loss, self._stash_cache[s]
-
-
-class _OneStagePerRank(PipelineSchedule):
-    """A named schedule with one stage per rank, built by ``_builder(K, M)``."""
-
-    _builder = None
-
-    def _build(self, K, M, v):
-        check_pipeline_sizes(K, M)
-        if v != 1 or self.num_stages != K:
-            raise ScheduleError(f"{type(self).__name__} needs one stage per rank: num_stages={self.num_stages}, "
-                                f"world size K={K}, {v} stage(s) on this rank")
-        return self._builder(K, M)
-
-
-class ScheduleGPipe(_OneStagePerRank):
-    """GPipe: all forwards, then all backwards (:func:`~.schedules.gpipe_schedule`).
-    ``ScheduleGPipe(stage, n_microbatches, loss_fn, recompute=False)``; K = group size."""
-
-    _builder = staticmethod(gpipe_schedule)
-
-
-class Schedule1F1B(_OneStagePerRank):
-    """1F1B / PipeDream-Flush (:func:`~.schedules.one_f_one_b_schedule`).
-    ``Schedule1F1B(stage, n_microbatches, loss_fn, recompute=False)``; K = group size."""
-
-    _builder = staticmethod(one_f_one_b_schedule)
-
-
-class ScheduleInterleaved1F1B(PipelineSchedule):
-    """Interleaved 1F1B with v = len(stages) chunks per rank
-    (:func:`~.schedules.interleaved_schedule`; M in equal rounds, torch's rule, when v >= 2)."""
-
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches, loss_fn=None, **kw):
-        super().__init__(list(stages) if isinstance(stages, (list, tuple)) else [stages],
-                         n_microbatches, loss_fn, **kw)
-
-    def _build(self, K, M, v):
-        check_pipeline_sizes(K, M, v)
-        if self.num_stages != K * v:
-            raise ScheduleError(f"ScheduleInterleaved1F1B: num_stages={self.num_stages} must equal K*v = "
-                                f"{K}*{v} (world size times stages per rank)")
-        return interleaved_schedule(K, M, v)
-
-
-# ----------------------------------------------------------------------------- zero-bubble schedules
-
-
-class ScheduleZBH1(_OneStagePerRank):
-    """ZB-H1 (Qi et al. 2024, sec. 2.1; :func:`~.zero_bubble.zb_h1_schedule`): 1F1B with each
-    backward split into I (input gradient) and W (weight gradients), W delayed on the first
-    ranks. ``ScheduleZBH1(stage, n_microbatches, loss_fn, recompute=False)``; K = group size.
-    torch's nearest is ``ScheduleInterleavedZeroBubble`` with one stage per rank."""
-
-    _builder = staticmethod(zb_h1_schedule)
-
-
-class _TwoStagesV(PipelineSchedule):
-    """A named schedule with two stages per rank in V placement (rank r: stages r, 2K-1-r)."""
-
-    _builder = None
-
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches, loss_fn=None, **kw):
-        super().__init__(list(stages) if isinstance(stages, (list, tuple)) else [stages],
-                         n_microbatches, loss_fn, **kw)
-
-    def _build(self, K, M, v):
-        check_pipeline_sizes(K, M)
-        if v != 2 or self.num_stages != 2 * K:
-            raise ScheduleError(f"{type(self).__name__} needs exactly 2 stages per rank (V placement: rank r holds "
-                                f"stages r and 2K-1-r): got {v} stage(s) on this rank, num_stages="
-                                f"{self.num_stages}, K={K}")
-        return type(self)._builder(K, M)
-
-
-class ScheduleZBVZeroBubble(_TwoStagesV):
-    """ZB-V (Qi et al. 2024, sec. 6; :func:`~.zero_bubble.zbv_schedule`), torch's name and
-    order. ``ScheduleZBVZeroBubble([stage_r, stage_2K-1-r], n_microbatches, loss_fn)``."""
-
-    _builder = staticmethod(zbv_schedule)
-
-
-class ScheduleDualPipeV(_TwoStagesV):
-    """DualPipeV (DualPipe README; :func:`~.zero_bubble.dualpipev_schedule`), torch's name
-    and order; M >= 2K. The overlapped F&B pairs run one after the other here (one compute
-    stream; the overlap of communication with compute is DualPipe's point on GPUs).
-    ``ScheduleDualPipeV([stage_r, stage_2K-1-r], n_microbatches, loss_fn)``."""
-
-    _builder = staticmethod(dualpipev_schedule)
-
-
-# ---------------------------------------------------------------------- explaining a hang
-
-def explain_hang(actions: Schedule, rank: int, a: Action, comm_action: Action, error: BaseException,
-                 global_ranks: list[int] | None = None) -> str:
-    """The message of a failed wait on pipeline rank ``rank`` (at action ``a``, waiting for
-    ``comm_action``). First line: the first action that cannot complete (:func:`diagnose_hang`)
-    and which rank this report is from, by its global rank too when the pipeline group's ranks
-    ``global_ranks`` are not 0..K-1 (a pipeline inside a larger grid: the rank a launch or
-    torchrun names)."""
-    g = list(global_ranks) if global_ranks is not None else list(range(len(actions.actions)))
-    same = g == list(range(len(g)))
-
-    def who(r):
-        return f"rank {r}" if same else f"pipeline rank {r} (global rank {g[r]})"
-    peer = actions.peer(comm_action)
-    here = (f"this error is from {who(rank)}, which was at {a!r} waiting for "
-            f"{comm_action!r} ({'from' if comm_action.kind.startswith('RECV') else 'to'} {who(peer)})")
-    found = diagnose_hang(actions)
-    if found is not None:
-        r, i, b, reason = found
-        where = "" if same else f" (ranks in this sentence are the pipeline group's: global ranks {g})"
-        first = (f"pipeline schedule hung: the first action that cannot complete is {b!r} on {who(r)} (its action "
-                 f"{i}): {reason}{where}; {here}")
-    else:
-        first = (f"{'pipeline ' if same else ''}{who(rank)}: a wait failed although the schedule can finish when "
-                 f"run symbolically (so "
-                 f"another rank probably failed first: see its error, or the messages between two ranks come in "
-                 f"different orders); {here}")
-    cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    lines = [first, f"cause: {type(error).__name__}: {cause}"]
-    try:
-        validate_schedule(actions.actions, n_stages=actions.n_stages)
-    except ScheduleError as e:
-        lines.append(f"validate_schedule (skipped with validate=False) reports: {e}")
-    return "\n".join(lines)

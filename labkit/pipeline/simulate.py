@@ -36,9 +36,9 @@ from fractions import Fraction
 from numbers import Rational
 from typing import Callable, NamedTuple, Sequence, Union
 
+from .rules import check_schedule
 from .schedules import COMPUTE, Action, Schedule, ScheduleError, infer_sizes  # noqa: F401 (infer_sizes: re-exported)
 from .symbolic import execute
-from .validate import validate_schedule
 
 __all__ = ["TimedAction", "SimResult", "simulate", "bubble_formula", "peak_in_flight", "peak_waiting_for_w",
            "bubble_fraction", "infer_sizes"]
@@ -202,8 +202,7 @@ def simulate(schedule: dict, forward: Cost = 1, backward: Cost | None = None, co
     B or I of (s+1, m); W(s, m) after I(s, m). A message arrives ``comm`` after its SEND.
     """
     if validate:  # also turns plain (kind, stage, microbatch) tuples into Actions
-        schedule = validate_schedule(schedule, n_microbatches=n_microbatches, n_stages=n_stages,
-                                     placement=placement)
+        schedule = check_schedule(schedule, n_microbatches=n_microbatches, n_stages=n_stages, placement=placement)
     else:
         schedule = Schedule.of(schedule, n_microbatches, n_stages, placement)
     K, M, S = schedule.K, schedule.M, schedule.n_stages
