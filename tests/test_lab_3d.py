@@ -91,7 +91,7 @@ GRID = ["--tp", "2", "--pp", "2", "--dp", "2", "--no-plots", "--steps", "2", "--
     ["--sp"], ["--recompute", "selective"], ["--recompute", "full"], ["--sp", "--recompute", "selective"],
     ["--sp", "--zero"], ["--sp", "--schedule", "zb-h1"],
 ], ids=lambda e: " ".join(e))
-def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_path, capsys):
+def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_path, capsys, monkeypatch):
     rc = main(["lab", "3d", *GRID, *extra, "--out", str(tmp_path)])
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
@@ -100,10 +100,15 @@ def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_pat
     assert len(rows) == 8
     for row in rows:                                       # params, grads, optimizer: measured == planner
         assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
-        if "zb-h1" in extra:                               # bytes per axis still compared (exit code 0)
-            assert row[8] == "n/a" and "not model zb-h1" in cap.out
-        else:
-            assert abs(float(row[9].rstrip("%"))) <= 2.0, row
+        assert abs(float(row[9].rstrip("%"))) <= 2.0, row  # zb-h1: counted along its actions (W pending)
+    if "zb-h1" in extra:                                   # injected bug: zb-h1 counted as 1F1B (W ignored)
+        from labkit.labs import threed
+        a, out = threed.parse_args([*GRID, *extra]), threed.LAB.result
+        assert threed._planner_table(a, out)[1] == []
+        monkeypatch.setitem(threed._PLANNER_SCHEDULE, "zb-h1", ("1f1b", "loop", True))
+        bad = threed._planner_table(a, out)[1]
+        assert bad and all("activations" in b and b.startswith(("rank 4", "rank 5", "rank 6", "rank 7"))
+                           for b in bad), bad
 
 
 def test_lab_3d_sp_bugs_are_caught(tmp_path, capsys, monkeypatch):

@@ -46,7 +46,7 @@ __all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "Ran
            "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
-           "grad_convention", "zero3_units", "zero3_gathered_peak"]
+           "grad_convention", "zero3_units", "zero3_gathered_peak", "schedule_activation_peak"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
@@ -457,3 +457,46 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
 def most_loaded_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> RankMemory:
     """The pipeline rank with the largest total (usually the first: most microbatches in flight)."""
     return max(memory_per_rank(spec, lay, device), key=lambda m: m.total)
+
+
+def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_rank: int, device: str = "cuda") -> int:
+    """Peak activation bytes of pipeline rank ``pp_rank`` counted along its ``actions`` (objects
+    with ``kind`` "F" | "B" | "I" | "W", ``stage``, ``microbatch``; other kinds are skipped), for
+    the schedules whose backward is split (Qi et al. 2024, sec. 2-3: ZB-H1, ZB-V, DualPipeV).
+
+    F adds the stage's stash of one microbatch (its layers, the embedding on stage 0, the head
+    on the last stage); B frees it. I keeps the autograd graph for W (labkit's
+    :mod:`labkit.pipeline.split_backward`), so a microbatch between its I and its W still holds
+    the stash of its layers and its output layer's input; only the cross-entropy's part (the
+    softmax and the targets, not on the way to a parameter) goes at I; W frees the rest. The
+    peak is taken after each F. ``recompute="full"`` is not modelled (ValueError)."""
+    if lay.recompute == "full":
+        raise ValueError("schedule_activation_peak: recompute='full' is not modelled")
+    aspec = cp_local(spec, lay)
+    last = (2 if lay.placement == "v" else lay.v) * lay.p - 1
+    full, at_i = {}, {}
+    for stage, layers in zip(rank_stages(lay, pp_rank), rank_layer_chunks(spec, lay, pp_rank)):
+        n = sum(_layer_act(spec, lay, spec.is_moe_layer(i), device) for i in layers)
+        n += _embedding_act(aspec, lay, device) if stage == 0 else 0
+        head = _head_act(aspec, lay, device) if stage == last else 0
+        keep = 0
+        if head:   # the final norm and the output layer's input stay for W; the cross-entropy's part goes
+            e = BYTES[lay.precision][0]
+            sb, ts = aspec.seq_len * lay.b, (lay.t if lay.sequence_parallel else 1)
+            keep = 2 * sb * spec.hidden * e // ts + 2 * sb * torch_saved_bytes_per_element(e, device)["ln_stat"] // ts
+        full[stage], at_i[stage] = n + head, head - keep
+    alive = {}
+    live = peak = 0
+    for act in actions:
+        key = (act.stage, act.microbatch)
+        if act.kind == "F":
+            alive[key] = full[act.stage]
+            live += alive[key]
+            peak = max(peak, live)
+        elif act.kind == "I" and key in alive:
+            freed = at_i[act.stage]
+            alive[key] -= freed
+            live -= freed
+        elif act.kind in ("B", "W") and key in alive:
+            live -= alive.pop(key)
+    return int(peak)
