@@ -395,10 +395,10 @@ def _planner(a):
     planner cannot take the layout. MoE: expert TP 1 (``Layout.etp``: labkit's MoE blocks hold whole
     experts on every TP rank, Megatron-Core's ``expert_tensor_parallel_size=1``); "moe" compares what
     does not follow the routing (see :func:`_planner_table`)."""
-    from ..parallel.gpt import planner_spec
-    from ..plan.comm import comm_per_rank
     import dataclasses
 
+    from ..parallel.gpt import planner_spec
+    from ..plan.comm import comm_per_rank
     from ..plan.memory import memory_per_rank, schedule_activation_peak
     from ..plan.spec import Layout
     if a.schedule not in _PLANNER_SCHEDULE:
