@@ -31,6 +31,31 @@ def shard_floor(flat, d):
     return [flat[r * size:(r + 1) * size] for r in range(d)]
 
 
+def unshard_flat(shards, numel):
+    return torch.cat(list(shards))[:numel]
+
+
+def unshard_keep_padding(shards, numel):
+    return torch.cat(list(shards))
+
+
+def unshard_reversed(shards, numel):
+    return torch.cat(list(shards)[::-1])[:numel]
+
+
+def unshard_interleaved(shards, numel):
+    return torch.stack(list(shards), 1).reshape(-1)[:numel]
+
+
+def unshard_strip_front(shards, numel):
+    return torch.cat(list(shards))[-numel:]
+
+
+def unshard_minus_pad(shards, numel):
+    flat = torch.cat(list(shards))
+    return flat[:-(flat.numel() - numel)]
+
+
 def zero_memory(psi, d, stage):
     p, g, k = 2 * psi, 2 * psi, 12 * psi
     return (p / d if stage >= 3 else p) + (g / d if stage >= 2 else g) + (k / d if stage >= 1 else k)
@@ -85,6 +110,7 @@ def test_solutions_pass():
     assert_check_passes("15.2", zero_memory)
     assert_check_passes("15.3", comm_volume)
     assert_check_passes("15.4", gathered_peak)
+    assert_check_passes("15.5", unshard_flat)
 
 
 @pytest.mark.parametrize("wrong, case, contains", [
@@ -95,6 +121,17 @@ def test_solutions_pass():
 ])
 def test_shard_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("15.1", wrong, case, contains=contains)
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (unshard_keep_padding, "n = 10 from d = 4", "the padding is still there"),
+    (unshard_reversed, "n = 10 from d = 4", "reverse order"),
+    (unshard_interleaved, "n = 10 from d = 4", "interleaved"),
+    (unshard_strip_front, "n = 10 from d = 4", "first elements were dropped"),
+    (unshard_minus_pad, "n = 12 from d = 4", "minus zero"),
+])
+def test_unshard_mistakes_are_named(wrong, case, contains):
+    assert_public_case_fails("15.5", wrong, case, contains=contains)
 
 
 @pytest.mark.parametrize("wrong, case, contains", [

@@ -46,9 +46,12 @@ def reference(cfg, steps, opt="sgd", lr=0.1):
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug):
+def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug, hsdp=1):
     grid = make_grid(ctx, tp=t, pp=p, dp=d)
-    pg = ParallelGPT(GPT(cfg, seed=0), grid, schedule, M, v=v, zero=zero, bucket_cap_mb=0.002)
+    pg = ParallelGPT(GPT(cfg, seed=0), grid, schedule, M, v=v, zero=zero, bucket_cap_mb=0.002, hsdp=hsdp)
+    if bug == "no_dp_average":                        # injected: ZeRO-2/3 shards summed over DP, not averaged
+        for w in pg.sharded:
+            w.d, w.replicas = 1, 1
     pg.make_optimizer(opt, lr, **(ADAM if opt == "adam" else {}))
     if bug == "no_embedding_allreduce":               # injected: tied copies not summed
         pg.emb_group = None
@@ -68,7 +71,7 @@ def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug):
         out["peers"].update((r.peer % (d * t), r.peer // (d * t) != grid.pp_rank)
                             for r in log.records if r.peer is not None)
         out["me"] = ctx.rank % (d * t)
-        grads = pg.gather_full("grad") if not zero else None  # after the step: not counted
+        grads = pg.gather_full("grad") if zero != 1 else None  # after the step: not counted (ZeRO-1 keeps none)
         if keep:
             out["grads"].append(grads)
     params = pg.gather_full("param")
@@ -77,8 +80,8 @@ def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug):
     return out
 
 
-def run(cfg, t, p, d, schedule="1f1b", v=1, M=2, steps=3, opt="sgd", lr=0.1, zero=False, bug=None):
-    return launch(_worker, t * p * d, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug, backend="gloo")
+def run(cfg, t, p, d, schedule="1f1b", v=1, M=2, steps=3, opt="sgd", lr=0.1, zero=False, bug=None, hsdp=1):
+    return launch(_worker, t * p * d, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug, hsdp, backend="gloo")
 
 
 def merged(out, key, step=None):
@@ -154,6 +157,44 @@ def test_3d_2x2x2_1f1b_zero1_adam():
         assert r["memory"]["optimizer"] == 2 * (-(-n // 2)) * 4
 
 
+@pytest.mark.parametrize("t,p,d,zero,hsdp", [(1, 2, 2, 2, 1), (2, 1, 2, 3, 1), (1, 1, 4, 3, 2)])
+def test_3d_zero2_zero3_hsdp_sgd(t, p, d, zero, hsdp):
+    """ZeRO-2 under PP, ZeRO-3 under TP, HSDP (2 replicas x 2 shards): every parameter gradient at
+    every step and the parameters after 3 SGD steps equal one device; M = 2 microbatches reduce
+    once per step; counts = formula; model states 1/d (HSDP: 1/(d/R)) of the TP-local ones."""
+    cfg = cfg_for()
+    out = run(cfg, t, p, d, "1f1b", 1, M=2, zero=zero, hsdp=hsdp)
+    check_equal(out, cfg, 3)
+    check_comm(out)
+    shards = d // hsdp
+    for r in out:
+        dp = r["comm"][-1]["dp"]
+        assert dp["reduce_scatter"][0] == r["expected"]["dp"]["reduce_scatter"][0] >= 1
+        mem = r["memory"]
+        assert mem["grads"] * shards == dp["reduce_scatter"][1]      # the shard of the padded gradient
+        if zero == 3:
+            assert mem["params"] == mem["grads"] and 0 < mem["gathered"]
+            assert ("all_reduce" in dp) == (hsdp > 1)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_3d_zero2_zero3_adam(zero):
+    """5 Adam steps (the moments held for the 1/d shards only) end at the one-device parameters."""
+    cfg = cfg_for()
+    out = run(cfg, 1, 1, 2, "1f1b", 1, M=2, steps=5, opt="adam", lr=1e-3, zero=zero)
+    check_equal(out, cfg, 5, "adam", 1e-3)
+    check_comm(out)
+    for r in out:
+        assert r["memory"]["optimizer"] == 2 * r["memory"]["grads"]     # two moments of the gradient shard
+
+
+def test_3d_zero_check_catches_missing_average():
+    cfg = cfg_for()
+    out = run(cfg, 1, 1, 2, "1f1b", 1, M=2, steps=1, zero=3, bug="no_dp_average")
+    with pytest.raises(AssertionError, match="gradients differ"):
+        check_equal(out, cfg, 1)
+
+
 def test_3d_check_catches_double_scaling():
     cfg = cfg_for()
     out = run(cfg, 1, 1, 2, "1f1b", 1, M=2, steps=1, bug="double_scale")
@@ -189,6 +230,10 @@ ERRORS = [
     (dict(world_size=4, tp=1, pp=1, dp=4, global_batch=8, M=4), "d\\*M"),
     (dict(world_size=4, tp=2, pp=1, dp=2, n_experts=3), "n_routed_experts E=3"),
     (dict(world_size=2, tp=1, pp=2, dp=1, v=2, schedule="1f1b"), "v=1"),
+    (dict(world_size=4, tp=1, pp=1, dp=4, zero=3, hsdp=3), "R=3 must be an integer >= 1 that divides d=4"),
+    (dict(world_size=4, tp=1, pp=1, dp=4, zero=2, hsdp=2), "HSDP .* needs ZeRO-3, got ZeRO-2"),
+    (dict(world_size=2, tp=1, pp=2, dp=1, zero=2, schedule="zbh1", M=2), "ZeRO-2 with ZB-H1"),
+    (dict(world_size=2, tp=1, pp=1, dp=2, zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
 ]
 
 

@@ -44,15 +44,19 @@ def test_llama3_needs_recompute_in_the_planner():
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("cp", [2, 4, 16])
 def test_activation_memory_divided_by_cp(cp, fused):
-    """Every activation term is linear in the rank's tokens s/cp, the unfused scores too
-    (s/cp queries x s keys): cp x the CP rank's activations = the cp = 1 activations."""
+    """With a fused attention kernel every activation term is linear in the rank's tokens s/cp:
+    cp x the CP rank's activations = the cp = 1 activations, whatever the CP algorithm. Without
+    one the planner counts what labkit's CP core keeps (the gathered K/V, s x s Ulysses scores:
+    not linear in s/cp), proved against the measured bytes in tests/test_parallel_cp.py."""
     spec = dataclasses.replace(preset("llama3-70b"), seq_len=16384, global_batch=64)
     base = Layout(t=8, p=4, d=2, b=1, sequence_parallel=True, fused_attention=fused)
     one = memory_per_rank(spec, base)
-    many = memory_per_rank(spec, dataclasses.replace(base, cp=cp))
-    for a, b in zip(one, many):
-        assert cp * b.activations == pytest.approx(a.activations, rel=1e-6)
-        assert b.params == a.params and b.optimizer == a.optimizer   # weights replicated over CP
+    for method in ("allgather", "ring"):      # Ulysses cannot split a_kv/t = 1 head over cp
+        many = memory_per_rank(spec, dataclasses.replace(base, cp=cp, cp_attention=method))
+        for a, b in zip(one, many):
+            if fused:
+                assert cp * b.activations == pytest.approx(a.activations, rel=1e-6), method
+            assert b.params == a.params and b.optimizer == a.optimizer   # weights replicated over CP
     z1 = dataclasses.replace(base, zero=1)                  # ZeRO shards over the d cp ranks
     for a, b in zip(memory_per_rank(spec, z1), memory_per_rank(spec, dataclasses.replace(z1, cp=cp))):
         assert b.optimizer * cp == pytest.approx(a.optimizer, rel=1e-6)
@@ -90,3 +94,19 @@ def test_bad_cp_layouts(kw, message):
 
 def test_assumptions_are_stated():
     assert LLAMA3_405B_ASSUMED["recompute"] == "full" and len(PUBLISHED["llama3-405b"]) == 3
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero23_shards_over_dp_times_cp(zero):
+    """ZeRO-2/3 with CP shard over the d cp ranks that reduce the gradients together (Megatron's
+    distributed optimizer over dp x cp): gradients (and under ZeRO-3 parameters) cp times smaller,
+    the DP reduce-scatter's group d cp."""
+    spec = dataclasses.replace(preset("llama3-70b"), seq_len=16384, global_batch=64)
+    base = Layout(t=8, p=4, d=2, b=1, sequence_parallel=True, fused_attention=True, zero=zero)
+    cp = 4
+    for a, b in zip(memory_per_rank(spec, base), memory_per_rank(spec, dataclasses.replace(base, cp=cp))):
+        assert b.grads * cp == pytest.approx(a.grads, rel=1e-6)
+        assert b.optimizer * cp == pytest.approx(a.optimizer, rel=1e-6)
+        assert (b.params * cp == pytest.approx(a.params, rel=1e-6)) if zero == 3 else b.params == a.params
+    dp = comm_per_rank(spec, dataclasses.replace(base, cp=cp), H100)["dp"]
+    assert dp.group == 2 * cp

@@ -36,6 +36,7 @@ ANSWERS: dict[str, str] = {
     "13.1": "split_linear_backward", "13.2": "zb_h1_order", "13.3": "bubble_time",
     "14.1": "pack_groups", "14.2": "replica_counts", "14.3": "inter_node_bytes", "14.4": "decode_bound",
     "15.1": "shard_flat", "15.2": "zero_memory", "15.3": "comm_volume", "15.4": "gathered_peak",
+    "15.5": "unshard_flat",
     "16.1": "merge_attention_partials", "16.2": "causal_chunk_placement",
 }
 

@@ -1,7 +1,7 @@
 """Lab: 3D parallelism, TP x PP x DP on one process grid, proved equal to one device.
 
     python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved|zb-h1|zbv|dualpipev]
-                            [--chunks v] [--microbatches M] [--zero] [--tied] [--sp]
+                            [--chunks v] [--microbatches M] [--zero [STAGE]] [--hsdp R] [--tied] [--sp]
                             [--recompute none|selective|full] [--steps N] [--data PATH]
                             [--cp C --cp-attention ring|allgather|ulysses]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
@@ -17,15 +17,17 @@ formula: TP all-reduces, PP sends, DP all-reduce or reduce-scatter/all-gather, t
 embedding's all-reduce), the measured pipeline bubble next to (p-1)/(vM+p-1), the share of the
 DP all-reduce time hidden behind backward, peak parameter/gradient/optimizer bytes per rank and
 tokens per second; per rank a table of measured bytes next to the planner's (:mod:`labkit.plan`):
-parameters, gradients and optimizer state (exact), activations (the peak of the last step measured
-with saved_tensors_hooks, within 2 %) and the payload bytes per axis (exact); then the verdict of
+parameters, gradients and optimizer state (exact; ``--zero 3`` also the peak of the gathered FSDP
+units), activations (the peak of the last step measured with saved_tensors_hooks, within 2 %) and
+the payload bytes per axis (exact; DDP and ZeRO-2 count one collective per gradient bucket, the
+planner one per chunk: compared by bytes); then the verdict of
 :mod:`labkit.labs.verdict` (every step, loss and every gradient against the single-device model
 at the same parameters). Exit status 1 when the verdict or a count fails. Saved under
 ``runs/3d-<time>/``: ``loss_curves.png``, ``rank_grid.png``
 (which rank holds which layers and which shard), ``losses.csv``.
 
 For the planner: :func:`run_3d` returns the measured data without printing: per rank
-``memory`` (``{"params", "grads", "optimizer"}`` bytes), ``comm`` (per step, ``{axis: {kind:
+``memory`` (``{"params", "grads", "optimizer", "gathered"}`` bytes), ``comm`` (per step, ``{axis: {kind:
 (count, bytes)}}`` counted by :class:`labkit.comm.CommLog`), ``wire`` (per step, ``{axis: bytes
 sent}`` under the ring algorithms), ``expected`` (the counts from the formulas), ``overlap``,
 ``bubble`` and the loss curves.
@@ -33,7 +35,9 @@ sent}`` under the ring algorithms), ``expected`` (the counts from the formulas),
 Context parallelism (``--cp C``, :mod:`labkit.context_parallel`): each sequence is split over C
 ranks (load-balanced 2 C chunks; grid order tp-cp-dp-pp, N = t C p d), every attention core runs
 ``--cp-attention`` ring | allgather | ulysses over the CP group, and the gradients are averaged
-over the d C ranks of a stage; the table then has a CP row (K/V traffic = the planner's formula).
+over the d C ranks of a stage; the table then has a CP row (K/V traffic = the planner's formula),
+and the activations are compared with the planner's count of what the CP attention core keeps
+(:func:`labkit.plan.memory.cp_core_activation_bytes`).
 """
 from __future__ import annotations
 
@@ -82,7 +86,11 @@ def _parser():
     p.add_argument("--cp-attention", default="ring", choices=("ring", "allgather", "ulysses"),
                    help="attention under context parallelism: ring (K/V passed around), allgather (Llama 3), "
                         "ulysses (all-to-all over heads)")
-    p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP group instead of DDP")
+    p.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2, 3), metavar="STAGE",
+                   help="ZeRO stage over the DP group: 0 DDP, 1 optimizer state sharded (the bare flag), 2 also the "
+                        "gradients, 3 also the parameters (FSDP units: embedding, each block, head)")
+    p.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="HSDP with --zero 3: the d DP ranks as R replicas x d/R shards (R divides d)")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism inside each TP group (Korthikanti et al. 2022): LayerNorms and "
@@ -181,7 +189,7 @@ def _bad_args(a, world) -> str | None:
         from ..parallel.gpt import check_cp_layout
         v = _v(a)
         check_layout(cfg, world // a.cp, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule,
-                     sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq,
+                     sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq, zero=a.zero, hsdp=a.hsdp,
                      n_experts=a.experts if a.moe else None)
         check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq)
         if a.cp > 1 and a.moe:
@@ -193,7 +201,7 @@ def _bad_args(a, world) -> str | None:
     # the planner's bytes; GPipe keeps the most activations of any schedule (all M in flight)
     spec = planner_spec(cfg, a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     lay = Layout(t=a.tp, p=a.pp, d=a.dp, b=a.batch // (a.dp * a.microbatches), M=a.microbatches, schedule="gpipe",
-                 ep=a.dp if a.moe else 1, zero=1 if a.zero else 0, sequence_parallel=a.sp, recompute=a.recompute,
+                 ep=a.dp if a.moe else 1, zero=a.zero, sequence_parallel=a.sp, recompute=a.recompute,
                  precision="fp32", cp=a.cp)
     return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} "
                                  f"({world} ranks)")
@@ -250,8 +258,23 @@ def _batch(a, corpus, step):
     return corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
 
 
-def _worker(ctx, a, corpus) -> RankResult:
+def _Meter(exclude, gathered):
+    """:class:`labkit.checkpoint.SavedTensorMeter` that also leaves out tensors living in a ZeRO-3
+    unit's gathered buffer at the moment they are saved (weights; the buffer moves at each gather)."""
     from ..checkpoint import SavedTensorMeter
+
+    class Meter(SavedTensorMeter):
+        def _pack(self, t):
+            live = {g.untyped_storage().data_ptr() for g in gathered if g.untyped_storage().nbytes()}
+            self.exclude = base | live
+            return super()._pack(t)
+
+    meter = Meter(exclude)
+    base = set(meter.exclude)
+    return meter
+
+
+def _worker(ctx, a, corpus) -> RankResult:
     from ..comm import CommLog, all_reduce
     from ..grid import ProcessGrid
     from ..parallel import ParallelGPT
@@ -260,7 +283,7 @@ def _worker(ctx, a, corpus) -> RankResult:
     torch.manual_seed(a.seed)
     v = _v(a)
     grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp, cp=a.cp)
-    pg = ParallelGPT(_model(a), grid, a.schedule, a.microbatches, v=v, zero=a.zero,
+    pg = ParallelGPT(_model(a), grid, a.schedule, a.microbatches, v=v, zero=a.zero, hsdp=a.hsdp,
                      bucket_cap_mb=a.bucket_cap_mb, sequence_parallel=a.sp, recompute=a.recompute,
                      cp_attention=a.cp_attention)
     opt = pg.make_optimizer("adam", a.lr)
@@ -273,6 +296,16 @@ def _worker(ctx, a, corpus) -> RankResult:
 
     def pieces():
         out = []
+        if a.zero >= 2 and grid.dp > 1:     # ZeRO-2/3: the DP shards gathered (inspection only, not counted)
+            from .verdict import Piece
+            for m, grads, params in zip(pg.modules, pg.tp_local("grad"), pg.tp_local("param")):
+                for n, (g, dim) in grads.items():
+                    k = params[n][0].shape[dim] if dim is not None else 0
+                    mine = slice(grid.tp_rank * k, (grid.tp_rank + 1) * k)
+                    index = None if dim is None else (slice(None),) * dim + (mine,)
+                    out.append(Piece(pg.reference_name(m, n), params[n][0], g, index))
+                out += [Piece(pg.reference_name(m, n), b.detach()) for n, b in m.named_buffers()]
+            return out
         for m in pg.modules:
             def rename(n, m=m):
                 name = pg.reference_name(m, n)
@@ -282,7 +315,7 @@ def _worker(ctx, a, corpus) -> RankResult:
         return out
 
     wire, losses, comm, seconds, overlaps, timelines, act_peak = [], [], [], 0.0, [], [], None
-    peak_mem = {"params": 0, "grads": 0, "optimizer": 0}
+    peak_mem = {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0}
     for step in range(a.steps):
         x, y = _batch(a, corpus, step)
         pg.zero_grad()
@@ -290,15 +323,15 @@ def _worker(ctx, a, corpus) -> RankResult:
         t0 = time.perf_counter()
         # activations: the peak of the last step (in the first one the runtime measures each stage's
         # first forward itself; the hooks cost time, so only one step carries them)
-        meter = SavedTensorMeter(exclude=pg.parameters()) if step == a.steps - 1 and step >= 1 else None
+        meter = _Meter(pg.parameters(), pg.gathered_buffers()) if step == a.steps - 1 and step >= 1 else None
         with CommLog() as log, meter if meter is not None else contextlib.nullcontext():
             loss = pg.train_step(x, y)
-            if a.zero and grid.dp > 1:
+            if a.zero == 1 and grid.dp > 1:
                 opt.reduce_gradients()
         t_bwd = time.perf_counter() - t0
         if meter is not None:
             act_peak = meter.peak
-        if a.zero and grid.dp > 1:
+        if a.zero == 1 and grid.dp > 1:
             opt.gather_gradients()          # inspection only, outside the counted window
         if a.moe:                           # the balance losses live on every stage: sum them over PP
             aux = torch.tensor([pg.take_aux_loss()], dtype=torch.float64)
@@ -318,7 +351,7 @@ def _worker(ctx, a, corpus) -> RankResult:
         overlaps.append(pg.dp_overlap())
         timelines.append([(tuple(e.action), e.start, e.end) for e in pg.schedule.timeline])
         mem = pg.memory()
-        peak_mem = {k: max(peak_mem[k], mem[k]) for k in mem}
+        peak_mem = {k: max(peak_mem.get(k, 0), mem[k]) for k in mem}
     return RankResult(ctx.rank, grid.tp_rank, grid.dp_rank, grid.pp_rank, pg.has_last_stage, losses, comm, wire,
                       pg.expected_comm(a.batch, a.seq), seconds, overlaps, peak_mem,
                       timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
@@ -351,8 +384,9 @@ def _summarise(a, ranks: list, single: Reference) -> Result3D:
     if pred is not None:   # the expected counts are the planner's (DDP: the run's buckets, the same bytes)
         for r in ranks:
             exp = {ax: dict(kinds) for ax, kinds in pred[1][r.pp_rank].items()}
-            if "all_reduce" in r.expected.get("dp", {}):
-                exp["dp"]["all_reduce"] = (r.expected["dp"]["all_reduce"][0], exp["dp"]["all_reduce"][1])
+            for kind in _BUCKETED if a.zero == 2 else ("all_reduce",):   # ZeRO-2 also by bucket
+                if kind in r.expected.get("dp", {}) and kind in exp.get("dp", {}):
+                    exp["dp"][kind] = (r.expected["dp"][kind][0], exp["dp"][kind][1])
             r.expected = exp
     ov = [o for r in ranks for o in r.overlap[1:] if o == o] if a.dp > 1 and not a.zero else []
     return Result3D(ranks, single, losses, (sum(measured) / len(measured), _bubble_formula(a)),
@@ -389,6 +423,9 @@ _PLANNER_SCHEDULE = {"gpipe": ("gpipe", "loop", True), "1f1b": ("1f1b", "loop", 
                      "zbv": ("interleaved", "v", False), "dualpipev": ("interleaved", "v", False)}
 
 
+_BUCKETED = ("all_reduce", "reduce_scatter", "all_gather")   # DDP / ZeRO-2: one per gradient bucket
+
+
 def _planner(a):
     """The planner's prediction for this run: ``(memory per pipeline rank, {pp_rank: {axis: {kind:
     (count, bytes)}}}, what is compared: "all" | "no activations" | "moe")``, or None when the
@@ -397,7 +434,7 @@ def _planner(a):
     does not follow the routing (see :func:`_planner_table`)."""
     import dataclasses
 
-    from ..parallel.gpt import planner_spec
+    from ..parallel.gpt import hsdp_dp_comm, planner_spec
     from ..plan.comm import comm_per_rank
     from ..plan.memory import memory_per_rank, schedule_activation_peak
     from ..plan.spec import Layout
@@ -405,24 +442,26 @@ def _planner(a):
         return None
     schedule, placement, act_modeled = _PLANNER_SCHEDULE[a.schedule]
     compared = "moe" if a.moe else ("all" if act_modeled else "no activations")
-    if a.cp > 1 and compared == "all":   # CP attention keeps q, k, v, out, lse, not labkit's layer's scores
-        compared = "no activations"
     spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     try:
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
                      ep=a.dp if a.moe else 1, etp=1 if a.moe else None,
-                     schedule=schedule, placement=placement, zero=1 if a.zero else 0, sequence_parallel=a.sp,
+                     schedule=schedule, placement=placement, zero=a.zero, sequence_parallel=a.sp,
                      recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention)
-        mem = memory_per_rank(spec, lay, device="cpu")
+        # HSDP: model states sharded over the d/R shard ranks (the same b and M per rank)
+        mem_lay = Layout(**{**lay.__dict__, "d": a.dp // a.hsdp})
+        mem = memory_per_rank(spec, mem_lay, device="cpu")
         # ZB-H1: counted along the schedule's actions (the V-shaped ones measured 3-16 % more: not yet)
         if not act_modeled and placement == "loop" and a.cp == 1 and a.recompute != "full":
             actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
-            mem = [dataclasses.replace(m, activations=schedule_activation_peak(spec, lay, actions[m.pp_rank],
+            mem = [dataclasses.replace(m, activations=schedule_activation_peak(spec, mem_lay, actions[m.pp_rank],
                                                                                m.pp_rank, device="cpu"))
                    for m in mem]
             compared = "moe" if a.moe else "all"
         comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
                 for r in range(a.pp)}
+        for r in range(a.pp) if a.hsdp > 1 else ():
+            comm[r]["dp"] = hsdp_dp_comm(spec, lay, a.hsdp, r)
     except ValueError:
         return None
     return mem, comm, compared
@@ -464,9 +503,9 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     for r in sorted(out.ranks, key=lambda r: r.rank):
         pm, m = mem[r.pp_rank], r.memory
         act_modeled = compared == "all" or (compared == "moe" and r.pp_rank not in moe_ranks)
-        for k in ("params", "grads", "optimizer"):
-            if m[k] != getattr(pm, k):
-                bad.append(f"rank {r.rank} {k}: measured {m[k]} B, planner {getattr(pm, k)} B")
+        for k in ("params", "grads", "optimizer") + (("gathered",) if a.zero == 3 and a.dp > 1 else ()):
+            if m.get(k, 0) != getattr(pm, k):
+                bad.append(f"rank {r.rank} {k}: measured {m.get(k, 0)} B, planner {getattr(pm, k)} B")
         act = r.activations
         diff = (pm.activations / act - 1) if act else float("nan")
         if act_modeled and not abs(diff) <= 0.02:
@@ -478,6 +517,7 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
             g, w = got.get(ax, {}), want.get(ax, {})
             for kind in sorted(set(g) | set(w)):
                 (gc, gb), (wc, wb) = g.get(kind, (0, 0)), w.get(kind, (0, 0))
+                by_bucket = ax == "dp" and (kind == "all_reduce" or (a.zero == 2 and kind in _BUCKETED))
                 if (ax, kind) == ("ep", "all_to_all") and compared == "moe":
                     exchanges = wc // 4                    # one counts exchange per MoE layer and microbatch
                     wb += exchanges * a.experts * 8
@@ -486,7 +526,7 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                         bad.append(f"rank {r.rank} ep all_to_all: measured {gc} x; planner {wc} x + {exchanges} "
                                    f"counts exchanges")
                     ep_groups.setdefault((r.pp_rank, r.tp_rank), []).append((r.rank, gb, wb))
-                elif gb != wb or (gc != wc and (ax, kind) != ("dp", "all_reduce")):
+                elif gb != wb or (gc != wc and not by_bucket):
                     bad.append(f"rank {r.rank} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
             cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
         rows.append(f"{r.rank:>4}  {m['params']:>9} {pm.params:>9}  {m['grads']:>9} {pm.grads:>9}  "
@@ -504,12 +544,14 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                     "routing: compared summed over each EP group, counts per rank (+1 counts exchange per MoE "
                     "layer and microbatch); activations compared on the stages without a MoE layer, shown on "
                     "the others: the experts' inputs are the rows a rank receives, not recorded)")
-    elif compared != "all" and a.cp > 1:
-        rows.append("(activations: not compared under CP; the planner counts labkit's layer at s/cp tokens, CP "
-                    "attention keeps q, k, v, its output and log-sum-exp instead of the scores)")
-    elif compared != "all":
-        rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches yet (ZB-H1 "
-                    f"only, without full recompute); not compared)")
+    if a.zero == 3 and a.dp > 1:
+        rows.append("ZeRO-3 gathered units, peak bytes per rank (planner: the largest two neighbouring units): "
+                    + ", ".join(f"rank {r.rank} {r.memory.get('gathered', 0)} ({mem[r.pp_rank].gathered})"
+                                for r in sorted(out.ranks, key=lambda r: r.rank))
+                    + "; the gathered weights saved for backward are not counted as activations")
+    if compared == "no activations":
+        rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches here (it "
+                    f"counts ZB-H1's along its actions, without CP and full recompute); not compared)")
     return rows, bad
 
 
@@ -650,7 +692,8 @@ class ThreeDLab(Lab):
         print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}{', tied embeddings' if a.tied else ''}) "
               f"on t={a.tp}{f' x cp={a.cp} ({a.cp_attention})' if a.cp > 1 else ''} x p={a.pp} x d={a.dp} = "
               f"{len(ranks)} ranks ({ranks[0].backend}), {a.schedule}"
-              f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {'ZeRO-1' if a.zero else 'DDP'}"
+              f"{f' v={v}' if v > 1 else ''}, M={a.microbatches}, {f'ZeRO-{a.zero}' if a.zero else 'DDP'}"
+              f"{f', HSDP R={a.hsdp}' if a.hsdp > 1 else ''}"
               f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}"
               f"{f', MoE E={a.experts} top-{a.topk} EP={a.dp}' if a.moe else ''}, "
               f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
@@ -663,9 +706,12 @@ class ThreeDLab(Lab):
         print("\n".join(rows))
         print("formulas: TP 4 all-reduces of b*S*H per block per microbatch (+1 embedding, +1 output layer, +3 of b*S "
               "cross-entropy); PP 1 send of b*S*H per microbatch and boundary each way; DP one all-reduce per bucket "
-              "of the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 a reduce-scatter of n and an "
-              "all-gather of n/d; b = B/(d*M)." + (" CP per block and microbatch: ring (cp-1) sends of K and V "
-              "forward, (cp-1)+cp backward (K, V, then their gradients); allgather 2 all-gathers of K, V forward, "
+              "of the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 and ZeRO-2 a reduce-scatter of n and an "
+              "all-gather of n/d (ZeRO-2: per bucket), ZeRO-3 per FSDP unit an all-gather of n/d before each "
+              "microbatch's forward and backward and one reduce-scatter of n (HSDP: over d/R ranks, then an "
+              "all-reduce of the shard across the R replicas); b = B/(d*M)."
+              + (" CP per block and microbatch: ring (cp-1) sends of K and V forward, (cp-1)+cp backward (K, V, "
+              "then their gradients); allgather 2 all-gathers of K, V forward, "
               "2 reduce-scatters backward; ulysses 4 all-to-alls (q, k, v, output) each way; DP over the d*cp "
               "ranks of a stage." if a.cp > 1 else ""))
         if a.cp > 1:

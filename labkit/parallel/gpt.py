@@ -14,10 +14,18 @@ TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP out
   interleaved 1F1B, and the zero-bubble ZB-H1, ZB-V and DualPipeV whose backward is split into
   I and W: :mod:`labkit.pipeline.runtime`) over the pipeline group, which holds the
   ranks with the same (dp_rank, tp_rank): TP rank j of stage s sends to TP rank j of stage s+1;
-* each stage is wrapped in :class:`labkit.data_parallel.DistributedDataParallel` over the DP
-  group (same pp_rank and tp_rank): gradients are averaged in the stage's last backward of the
-  step, overlapped with it; or, with ``zero=True``, the optimizer is
-  :class:`labkit.data_parallel.ZeroRedundancyOptimizer` over the DP group.
+* each stage is wrapped for data parallelism over the DP group (same pp_rank and tp_rank),
+  by ZeRO stage (Rajbhandari et al. 2020; DeepSpeed's ``zero_optimization.stage``):
+  0 :class:`labkit.data_parallel.DistributedDataParallel` (gradients averaged in the stage's last
+  backward of the step, overlapped with it); 1 the optimizer is
+  :class:`labkit.data_parallel.ZeroRedundancyOptimizer`; 2 :class:`labkit.data_parallel.ZeroStage2`
+  (gradients reduce-scattered in buckets from the hooks of that last backward); 3
+  :class:`labkit.data_parallel.FullyShardedDataParallel` with one unit per embedding, block and
+  head of the stage (the parameters, already TP-sliced, sharded over DP). HSDP (``hsdp=R``,
+  ZeRO-3 only): the DP group's d ranks are R replicas x d/R shards (shard innermost, as FSDP2's
+  ``(replicate, shard)`` mesh; groups from :class:`labkit.grid.Mesh`). The first M-1 backwards of
+  a step run under ``no_sync()`` (the pipeline runtime's rule), so every stage reduces once per
+  step. The zero-bubble schedules (backward split into I and W) run with ZeRO 0 and 1 only.
 
 Context parallelism (``grid.cp`` > 1, :mod:`labkit.context_parallel`; rank order tp-cp-dp-pp):
 each CP rank holds its share of every sequence (the load-balanced 2 cp chunks), the embedding
@@ -58,9 +66,15 @@ import torch.nn as nn
 
 from .. import comm
 from ..context_parallel import ATTENTIONS, check_sequence_split, check_ulysses, sequence_positions, shard_sequence
-from ..data_parallel import DistributedDataParallel, ZeroRedundancyOptimizer
+from ..data_parallel import (
+    DistributedDataParallel,
+    FullyShardedDataParallel,
+    ZeroRedundancyOptimizer,
+    ZeroStage2,
+    default_units,
+)
 from ..data_parallel.zero import optimizer_state_bytes
-from ..grid import ProcessGrid
+from ..grid import Mesh, ProcessGrid
 from ..model import lm_loss
 from ..moe.expert_parallel import expert_param_names
 from ..moe.pipeline import finish_step
@@ -70,6 +84,7 @@ from ..pipeline.schedules import stage_rank
 from ..pipeline.stages import stage_layers
 from ..plan.comm import comm_per_rank
 from ..plan.memory import check_layout as plan_check_layout
+from ..plan.memory import zero3_units
 from ..plan.spec import Layout, ModelSpec
 from ..tensor_parallel import allreduce_layernorm_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
@@ -82,8 +97,8 @@ SCHEDULES = names()   # every schedule with a runtime (labkit.pipeline.registry;
 
 def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_microbatches: int = 1,
                  global_batch: int | None = None, schedule: str = "1f1b", n_experts: int | None = None,
-                 zero: bool = False, sequence_parallel: bool = False, recompute: str = "none",
-                 seq_len: int | None = None) -> None:
+                 zero: int = 0, sequence_parallel: bool = False, recompute: str = "none",
+                 seq_len: int | None = None, hsdp: int = 1) -> None:
     """Raise ValueError naming the values and the rule when a layout cannot be built; no
     communication (call it before any rank starts).
 
@@ -94,8 +109,12 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     t * p * d = world size; the registry's schedule (GPipe, 1F1B and ZB-H1 v = 1, ZB-V and
     DualPipeV v = 2, DualPipeV M >= 2p); L divisible by p * v (equal stages); after them: t
     divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
-    with p = 1 need v = 1, and are not combined with the V-shaped schedules.
+    with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
+    0-3 (True: 1); ZeRO-2/3 not with a zero-bubble schedule (their W accumulates outside the
+    gradient hooks), tied embeddings, MoE or sequence parallelism with t > 1; ``hsdp`` R replicas
+    (ZeRO-3 only) dividing d, below d; ZeRO-2 not with full recompute.
     """
+    zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
                       ("M (microbatches)", n_microbatches)):
         if not isinstance(val, int) or val < 1:
@@ -109,6 +128,25 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
         raise ValueError(f"schedule {schedule!r} runs two stages per rank (v=2, V placement); got v={v}")
     if info.chunks == 1 and v != 1:
         raise ValueError(f"schedule {schedule!r} runs one stage per rank (v=1); got v={v} (use interleaved)")
+    if not isinstance(hsdp, int) or isinstance(hsdp, bool) or hsdp < 1 or dp % hsdp:
+        raise ValueError(f"HSDP replicas R={hsdp!r} must be an integer >= 1 that divides d={dp} "
+                         f"(d ranks = R replicas x d/R shards)")
+    if hsdp > 1 and hsdp == dp:
+        raise ValueError(f"HSDP with R = d = {dp} replicas leaves one rank per shard group (nothing is sharded): "
+                         f"use R < d, or DDP")
+    if hsdp > 1 and zero != 3:
+        raise ValueError(f"HSDP (R={hsdp} replicas) shards the parameters: it needs ZeRO-3, got ZeRO-{zero}")
+    if zero >= 2 and info.zero_bubble:
+        raise ValueError(f"ZeRO-{zero} with {info.label}: the split backward's W accumulates the weight gradients "
+                         f"outside the hooks that reduce-scatter them; use ZeRO 0 or 1 with it, or another schedule")
+    if zero >= 2 and (getattr(cfg, "share_embeddings_and_output_weights", False) or n_experts is not None
+                      or (sequence_parallel and tp > 1)):
+        raise ValueError(f"ZeRO-{zero} runs here without tied embeddings, MoE and sequence parallelism (their "
+                         f"extra gradient reductions need the full gradients, which ZeRO-{zero} no longer keeps)")
+    if zero == 2 and recompute == "full":
+        raise ValueError("ZeRO-2 with full recompute: each recomputed block runs its own backward, which closes "
+                         "ZeroStage2's gradient sync early (the buckets are reduce-scattered twice); use ZeRO-3 or "
+                         "selective recompute")
     if n_microbatches < info.min_microbatches(pp):
         raise ValueError(f"{info.label} needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
     if cfg.n_layer % (pp * v):
@@ -121,7 +159,7 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
         spec = replace(spec, n_routed_experts=n_experts, n_activated_experts=1)
     pv = v if pp > 1 and info.chunks is None else 1
     lay = Layout(t=tp, p=pp, d=dp, v=pv, b=max(1, B // (dp * n_microbatches)), M=n_microbatches,
-                 schedule="interleaved" if pv > 1 else "1f1b", zero=1 if zero else 0, precision="fp32",
+                 schedule="interleaved" if pv > 1 else "1f1b", zero=zero, precision="fp32",
                  ep=dp if n_experts is not None else 1, recompute=recompute,
                  sequence_parallel=bool(sequence_parallel) and seq_len is not None)
     plan_check_layout(spec, lay)
@@ -134,6 +172,28 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if tied and ((pp == 1 and v > 1) or info.v_shaped):
         raise ValueError(f"tied embeddings with p={pp}, v={v}, schedule {schedule!r}: the first and last stage "
                          f"would be two modules on one rank; use p > 1 with loop placement, or v = 1")
+
+
+def hsdp_dp_comm(spec: ModelSpec, lay: Layout, replicas: int, pp_rank: int, bytes_per_element: int = 4) -> dict:
+    """HSDP's DP traffic of one step on pipeline rank ``pp_rank`` (``lay``: the whole layout, d
+    ranks; fp32), ``{kind: (count, bytes)}`` as :class:`labkit.comm.CommLog` counts it: per FSDP
+    unit (:func:`labkit.plan.memory.zero3_units`) over the S = d/R shard ranks an all-gather of its
+    padded n/S shard before each of the M forwards and M backwards, one reduce-scatter of the
+    padded n, and across the R replicas one all-reduce of the n/S shard (FSDP2's HSDP; Zhao et
+    al. 2023 sec. 3.2)."""
+    S, b, M = lay.d // replicas, bytes_per_element, lay.M
+    shards = [-(-n // S) for n in zero3_units(spec, replace(lay, d=S), pp_rank)]
+    return {"all_gather": (2 * M * len(shards), 2 * M * sum(shards) * b),
+            "reduce_scatter": (len(shards), sum(shards) * S * b), "all_reduce": (len(shards), sum(shards) * b)}
+
+
+def _zero_stage(zero) -> int:
+    """The ZeRO stage 0-3 of ``zero`` (False/True: 0/1, as before stages 2 and 3 existed)."""
+    if isinstance(zero, bool):
+        return int(zero)
+    if not isinstance(zero, int) or not 0 <= zero <= 3:
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+    return zero
 
 
 def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel: bool = False,
@@ -202,7 +262,9 @@ class ParallelGPT:
             spelling of :mod:`labkit.pipeline.registry`, e.g. "zbh1"); ``v``: chunks
             per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).
         n_microbatches: M per step (per DP rank).
-        zero: ZeRO-1 over the DP group instead of DDP (see :meth:`make_optimizer`).
+        zero: ZeRO stage over the DP group: 0 DDP, 1 ZeRO-1 (in :meth:`make_optimizer`), 2
+            :class:`~labkit.data_parallel.ZeroStage2`, 3 FSDP units (True: 1, False: 0).
+        hsdp: R replicas of HSDP (ZeRO-3; R divides d): shard over d/R ranks, all-reduce across R.
         bucket_cap_mb: DDP bucket size.
         reference may also be a :class:`labkit.moe.MoEGPT` whose MoE layers route in
             ``token_groups = d*M`` groups: its experts are spread over the DP group (EP folded onto
@@ -225,13 +287,14 @@ class ParallelGPT:
     """
 
     def __init__(self, reference: nn.Module, grid, schedule: str = "1f1b", n_microbatches: int = 1, v: int = 1,
-                 zero: bool = False, bucket_cap_mb: float = 25.0, sequence_parallel: bool = False,
-                 recompute: str = "none", plan: dict | None = None, cp_attention: str = "ring"):
+                 zero: int = 0, bucket_cap_mb: float = 25.0, sequence_parallel: bool = False,
+                 recompute: str = "none", plan: dict | None = None, cp_attention: str = "ring", hsdp: int = 1):
         cfg = reference.cfg
         cp = getattr(grid, "cp", 1)
         moe_cfg = getattr(reference, "moe_cfg", None)
+        zero = _zero_stage(zero)
         check_layout(cfg, grid.ctx.world_size // cp, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule,
-                     sequence_parallel=sequence_parallel, recompute=recompute,
+                     sequence_parallel=sequence_parallel, recompute=recompute, zero=zero, hsdp=hsdp,
                      n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts)
         if cp > 1:
             check_cp_layout(cfg, grid.tp, cp, cp_attention, sequence_parallel, zero)
@@ -254,7 +317,7 @@ class ParallelGPT:
         self.moe_cfg, self.moe_layer_freq = moe_cfg, getattr(reference, "moe_layer_freq", 1)
         self.cfg, self.grid, self.v, self.M = cfg, grid, v, n_microbatches
         self.sequence_parallel, self.recompute = bool(sequence_parallel) and grid.tp > 1, recompute
-        self.zero, self.bucket_cap_mb = zero, bucket_cap_mb
+        self.zero, self.bucket_cap_mb, self.hsdp = zero, bucket_cap_mb, hsdp
         self.tied = bool(getattr(cfg, "share_embeddings_and_output_weights", False))
         t, p, d = grid.tp, grid.pp, grid.dp
         self.n_stages = n = p * v
@@ -297,7 +360,12 @@ class ParallelGPT:
                         self.dp_cp_group, self.dp_cp_ranks = g, tuple(ranks)
         self.ddp = [DistributedDataParallel(m, self.dp_cp_group, bucket_cap_mb, expert_params=expert_param_names(m))
                     if d * cp > 1 and not zero else None for m in self.modules]             # data parallel
-        submods = [w if w is not None else m for w, m in zip(self.ddp, self.modules)]
+        # TP slicing of every parameter (name -> partition dim or None), read before ZeRO-3 hides them
+        self._tp_dims = [{n: (q.partition_dim if getattr(q, "tensor_model_parallel", False) and t > 1 else None)
+                          for n, q in m.named_parameters()} for m in self.modules]
+        self.sharded = self._wrap_sharded() if d > 1 and zero >= 2 else [None] * len(self.modules)
+        submods = [w if w is not None else s if s is not None else m
+                   for w, s, m in zip(self.ddp, self.sharded, self.modules)]
         stages = [PipelineStage(sm, s, n, device, group=grid.pp_group)                     # pipeline stage
                   for sm, s in zip(submods, self.stage_ids)]
         heads = [m.head for m in self.modules if m.head is not None]
@@ -306,10 +374,26 @@ class ParallelGPT:
         self.schedule = info.runtime_class(stages[0] if one_per_rank else stages, n_microbatches, loss_fn)
         self.optimizer = None
 
+    def _wrap_sharded(self) -> list:
+        """ZeRO-2 or FSDP wrappers of this rank's stages over the DP group (HSDP: the shard and
+        replicate groups of ``Mesh(pp, replicate, shard, tp)``, created by every rank in order)."""
+        g = self.grid
+        if self.zero == 2:   # the optimizer class comes with make_optimizer; SGD holds the place
+            return [ZeroStage2(m, torch.optim.SGD, g.dp_group, self.bucket_cap_mb, lr=0.0) for m in self.modules]
+        shard_group, replicate_group = g.dp_group, None
+        if self.hsdp > 1:
+            mesh = Mesh(pp=g.pp, replicate=self.hsdp, shard=g.dp // self.hsdp, tp=g.tp)
+            shard_group = mesh.new_groups(g.ctx, "shard")
+            replicate_group = mesh.new_groups(g.ctx, "replicate")
+        return [FullyShardedDataParallel(m, default_units(m), shard_group, replicate_group=replicate_group)
+                for m in self.modules]
+
     # ---------------------------------------------------------------- training
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters, each once."""
+        """This rank's parameters, each once (ZeRO-3: its flat shards, what the optimizer steps)."""
+        if self.zero == 3 and self.sharded[0] is not None:
+            return [u.shard for w in self.sharded for u in w.units]
         seen, out = set(), []
         for m in self.modules:
             for prm in m.parameters():
@@ -318,11 +402,19 @@ class ParallelGPT:
                     out.append(prm)
         return out
 
+    def gathered_buffers(self) -> list[torch.Tensor]:
+        """ZeRO-3: every FSDP unit's buffer its full parameters are all-gathered into (storage
+        of size 0 while resharded; the tensors saved for backward that live in it are weights, not
+        activations). Else empty."""
+        return [u.raw for w in self.sharded if isinstance(w, FullyShardedDataParallel) for u in w.units]
+
     def make_optimizer(self, name: str = "sgd", lr: float = 0.1, **kw):
         """``torch.optim.SGD`` or ``Adam`` over this rank's parameters, or ZeRO-1 of it over
         the DP group when ``zero`` and d > 1. Stored as ``self.optimizer``."""
         cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[name]
-        if self.zero and self.grid.dp > 1:
+        if self.zero == 2 and self.grid.dp > 1:
+            self.optimizer = _Zero2Step(self.sharded, cls, lr=lr, **kw)
+        elif self.zero == 1 and self.grid.dp > 1:
             self.optimizer = ZeroRedundancyOptimizer(self.parameters(), cls, self.grid.dp_group, lr=lr, **kw)
         else:
             self.optimizer = cls(self.parameters(), lr=lr, **kw)
@@ -331,10 +423,14 @@ class ParallelGPT:
     def zero_grad(self) -> None:
         for prm in self.parameters():
             prm.grad = None
+        for w in self.sharded:
+            if w is not None and self.zero == 2:
+                w.zero_grad()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor):
-        """Forward and backward of the global batch; gradients averaged over DP (DDP) or left
-        local for ZeRO's reduce-scatter; tied embedding gradients summed over the embedding group."""
+        """Forward and backward of the global batch; gradients averaged over DP (DDP), left
+        local for ZeRO-1's reduce-scatter, or reduce-scattered into the DP shards (ZeRO-2/3) in each
+        stage's last backward of the step; tied embedding gradients summed over the embedding group."""
         B, d = x.shape[0], self.grid.dp
         if B % (d * self.M):
             raise ValueError(f"global batch B={B} must be divisible by d*M = {d}*{self.M}")
@@ -418,6 +514,14 @@ class ParallelGPT:
         """``{reference name: full-shape tensor}`` of this rank's stages (TP shards all-gathered
         over the TP group: collective over it). Tied: both ``embedding.wte.weight`` and
         ``head.lm_head.weight`` appear where held (as in ``named_parameters(remove_duplicate=False)``)."""
+        if self.sharded[0] is not None:
+            out = {}
+            for m, named in zip(self.modules, self.tp_local(what)):
+                for name, (tensor, dim) in named.items():
+                    if dim is not None:
+                        tensor = all_gather_along_dim(tensor, dim, self.grid.tp_group)
+                    out[self.reference_name(m, name)] = tensor.detach().cpu().clone()
+            return out
         out = {}
         for m in self.modules:
             for name, prm in m.named_parameters(remove_duplicate=False):
@@ -427,6 +531,26 @@ class ParallelGPT:
                 out[self.reference_name(m, name)] = None if tensor is None else tensor.detach().cpu().clone()
         return out
 
+    @torch.no_grad()
+    def tp_local(self, what: str = "grad") -> list[dict]:
+        """Per stage module ``{local name: (tensor, TP partition dim or None)}``: this TP rank's
+        parameter (``what="param"``) or DP-mean gradient (``"grad"``; zeros where none) in the
+        TP-sliced shape, whole over DP: under ZeRO-2/3 all-gathered from the DP shards (inspection
+        only, a collective over the DP group, not part of the step)."""
+        out = []
+        for i, m in enumerate(self.modules):
+            w, dims = self.sharded[i], self._tp_dims[i]
+            if isinstance(w, FullyShardedDataParallel):
+                full = w.full_tensors(what)
+            elif isinstance(w, ZeroStage2) and what == "grad":
+                by_id = w.full_grads()
+                full = {n: by_id[id(q)] for n, q in m.named_parameters()}
+            else:
+                full = {n: (q.detach() if what == "param" else q.grad if q.grad is not None else torch.zeros_like(q))
+                        for n, q in m.named_parameters()}
+            out.append({n: (full[n], dims[n]) for n in dims})
+        return out
+
     def memory(self) -> dict:
         """Bytes held on this rank: ``params``, ``grads`` (``.grad`` tensors), ``optimizer``
         (per-element state: Adam's two moments, SGD momentum; 1/d of it under ZeRO-1)."""
@@ -434,13 +558,18 @@ class ParallelGPT:
         opt = self.optimizer
         if opt is None:
             ob = 0
-        elif isinstance(opt, ZeroRedundancyOptimizer):
+        elif isinstance(opt, (ZeroRedundancyOptimizer, _Zero2Step)):
             ob = opt.state_bytes()
         else:
             ob = optimizer_state_bytes(opt)
-        return {"params": sum(q.numel() * q.element_size() for q in ps),
-                "grads": sum(q.grad.numel() * q.grad.element_size() for q in ps if q.grad is not None),
-                "optimizer": ob}
+        out = {"params": sum(q.numel() * q.element_size() for q in ps),
+               "grads": sum(q.grad.numel() * q.grad.element_size() for q in ps if q.grad is not None),
+               "optimizer": ob}
+        if self.zero == 2 and self.sharded[0] is not None:
+            out["grads"] = sum(w.grad_bytes() for w in self.sharded)
+        if self.zero == 3 and self.sharded[0] is not None:
+            out["gathered"] = max(w.peak_gathered_bytes for w in self.sharded)
+        return out
 
     def dp_overlap(self) -> float:
         """Share of DP all-reduce time hidden behind backward in the last step (mean over stages)."""
@@ -461,6 +590,8 @@ class ParallelGPT:
             return "tp"
         if ranks == dp_r and len(dp_r) > 1:
             return "ep" if rec.kind == "all_to_all" else "dp"     # EP folded onto the DP ranks
+        if self.hsdp > 1 and ranks and ranks < dp_r:
+            return "dp"                                           # HSDP's shard and replicate groups
         if self.emb_ranks and ranks == set(self.emb_ranks):
             return "embedding"
         return "other"
@@ -495,9 +626,41 @@ class ParallelGPT:
         lay = Layout(t=g.tp, p=g.pp, d=g.dp, v=self.v, b=batch // (g.dp * self.M), M=self.M,
                      ep=g.dp if self.moe else 1,
                      schedule="interleaved" if self.v > 1 else "1f1b",
-                     zero=1 if self.zero else 0, precision="fp32", placement=self.placement,
+                     zero=self.zero, precision="fp32", placement=self.placement,
                      sequence_parallel=self.sequence_parallel, recompute=self.recompute,
                      cp=self.cp, cp_attention=self.cp_attention)
         buckets = sum(len(w.buckets) for w in self.ddp if w is not None) or None
         axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets)
-        return {ax: dict(c.ops) for ax, c in axes.items() if c.ops}
+        out = {ax: dict(c.ops) for ax, c in axes.items() if c.ops}
+        if self.hsdp > 1:
+            out["dp"] = hsdp_dp_comm(spec, lay, self.hsdp, g.pp_rank, bytes_per_element)
+        if self.zero == 2 and g.dp > 1:   # one reduce-scatter and one all-gather per gradient bucket
+            n = sum(len(w.buckets) for w in self.sharded)
+            out["dp"] = {k: (n, nbytes) for k, (_, nbytes) in out["dp"].items()}
+        return out
+
+
+class _Zero2Step:
+    """The optimizer of ZeRO-2 stages: one ``optimizer_class`` per :class:`ZeroStage2` over its
+    bucket shards; :meth:`step` steps each and all-gathers its parameters."""
+
+    def __init__(self, wrappers, optimizer_class, **defaults):
+        self.wrappers = wrappers
+        for w in wrappers:
+            w.optim = optimizer_class([b.shard for b in w.buckets], **defaults)
+
+    @property
+    def param_groups(self):
+        return [g for w in self.wrappers for g in w.optim.param_groups]
+
+    def step(self) -> None:
+        for w in self.wrappers:
+            w.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for w in self.wrappers:
+            w.zero_grad()
+
+    def state_bytes(self) -> int:
+        """Per-element optimizer state bytes on this rank (its 1/d shards)."""
+        return sum(optimizer_state_bytes(w.optim) for w in self.wrappers)

@@ -28,8 +28,10 @@ The embedding-dropout mask (``s b h``, with dropout > 0) is counted on the first
 Gradients: 2 bytes (bf16, labkit's convention) or 4 (``fp32_grads``, Megatron-LM's).
 
 Context parallelism (cp > 1, :mod:`labkit.context_parallel`): every activation is split along
-the sequence, so each rank keeps the activations of s/cp tokens; an unfused attention's scores
-are its s/cp queries against all s keys (``a s^2 b / (t cp)``). The weights are replicated over
+the sequence, so each rank keeps the activations of s/cp tokens; with a fused attention kernel
+that is the whole count. Without one, the attention core keeps what labkit's CP algorithm keeps
+(:func:`cp_core_activation_bytes`: ring no scores, all-gather the gathered K/V and s/cp x s
+scores, Ulysses s x s scores of a/cp heads). The weights are replicated over
 CP; ZeRO shards over the d cp ranks that reduce the gradients together (Megatron-Core's
 data-parallel group with context parallelism).
 """
@@ -348,17 +350,48 @@ def cp_local(spec: ModelSpec, lay: Layout) -> ModelSpec:
     return dataclasses.replace(spec, seq_len=spec.seq_len // lay.cp, max_position=spec.max_position or spec.seq_len)
 
 
+def cp_core_activation_bytes(spec: ModelSpec, lay: Layout) -> int:
+    """Bytes labkit's context-parallel attention core (:mod:`labkit.context_parallel`, no fused
+    kernel, dropout 0, causal) keeps for backward, one layer, one microbatch, one rank: what
+    ``saved_tensors_hooks`` sees, counted from the code. Notation: local tokens s' = s/cp,
+    N' = s' b, heads per TP rank a/t, e bytes per element, masks 1 byte (bool).
+
+    * ``ring`` (hand-written backward, FlashAttention-2 style: Liu et al. 2023 sec. 3; Dao 2023
+      Alg. 2): q, its own un-gathered k and v (a_kv heads, not repeated), the merged output and
+      the log-sum-exp [b, a/t, s'], no scores: ``N' (2a + 2a_kv)(h/a) e / t + N' a e / t``.
+    * ``allgather`` (Llama 3, Dubey et al. 2024 sec. 3.3.2; autograd through the local math): q,
+      the gathered K and V of all s tokens (repeated to a heads for GQA, which the matmuls keep),
+      the scores (logsumexp's input) and the probabilities, both [b, a/t, s', s], the
+      log-sum-exp, the causal mask [s', s] and the log-sum-exp's -inf mask:
+      ``N' h e/t + 2 cp N' h e/t + 2 a b s' s e/t + N' a e/t + s' s + N' a/t``.
+    * ``ulysses`` (Jacobs et al. 2023 sec. 3): after the all-to-all the head-sharded q, k, v of
+      all s tokens (a/(t cp) heads, k and v repeated), scores and probabilities
+      [b, a/(t cp), s, s], the log-sum-exp, the causal mask [s, s] (whole, on every rank) and the
+      -inf mask: ``3 N' h e/t + 2 a b s^2 e/(t cp) + N' a e/t + s^2 + N' a/t``.
+
+    The output projection's input (``N' h e / t``) is the layer's, counted outside the core."""
+    s, cp, t, b, e = spec.seq_len, lay.cp, lay.t, lay.b, BYTES[lay.precision][0]
+    sl = s // cp
+    N, h, a = sl * b, spec.hidden, spec.n_head
+    lse = N * a * e // t
+    if lay.cp_attention == "ring":
+        return N * (2 * a + 2 * spec.kv_heads) * (h // a) * e // t + lse
+    inf_mask = N * a // t
+    if lay.cp_attention == "allgather":
+        return N * h * e // t + 2 * cp * N * h * e // t + 2 * a * b * sl * s * e // t + lse + sl * s + inf_mask
+    return 3 * N * h * e // t + 2 * (a // t // cp) * b * s * s * e + lse + s * s + inf_mask
+
+
 def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
     """Activation bytes of one layer, one microbatch, on one rank (s/cp tokens with CP)."""
     if lay.cp > 1:
         n = _layer_act(cp_local(spec, lay), dataclasses.replace(lay, cp=1), moe, device)
         if lay.fused_attention or lay.recompute != "none":
             return n
-        # unfused scores: s/cp queries x s keys, not (s/cp)^2: mask (bool), softmax, dropout
-        s, cp, e = spec.seq_len, lay.cp, BYTES[lay.precision][0]
-        m = torch_saved_bytes_per_element(e, device)["mask"]
-        per_entry = 1 + spec.n_head * lay.b * (e + ((m + e) if spec.dropout > 0 else 0)) // lay.t
-        return n + (s * s // cp - (s // cp) ** 2) * per_entry
+        # labkit's unfused layer at s/cp tokens, its attention core replaced by what the CP core keeps
+        sl, e, t = spec.seq_len // lay.cp, BYTES[lay.precision][0], lay.t
+        reference_core = 3 * sl * lay.b * spec.hidden * e // t + sl * sl + spec.n_head * sl * sl * lay.b * e // t
+        return n - reference_core + cp_core_activation_bytes(spec, lay)
     e = BYTES[lay.precision][0]
     saved = torch_saved_bytes_per_element(e, device)
     mult = 2 if spec.mlp == "swiglu" else 1           # SwiGLU keeps gate, up and their product

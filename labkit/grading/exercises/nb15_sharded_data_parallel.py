@@ -12,6 +12,10 @@
 * 15.4 FSDP's peak of gathered parameters: the largest sum of two neighbouring units' padded sizes
   (the current unit and the prefetched next one), all units without resharding. Named: one unit
   only (no prefetch), sizes without padding, the two largest units anywhere.
+* 15.5 (section 1, after 15.1) the inverse of 15.1: the d shards in rank order (what an all-gather
+  returns) concatenated and the padding dropped. Named mistakes: padding kept, shards joined in the
+  wrong order (reversed, or interleaved element by element), padding taken off the front, the
+  ``[:-pad]`` slice that empties the tensor when there is no padding.
 
 Ground truth: :mod:`labkit.data_parallel.flat`, :func:`labkit.plan.memory.zero3_gathered_peak`.
 """
@@ -21,6 +25,7 @@ import torch
 
 from ...data_parallel.flat import padded_numel
 from ...data_parallel.flat import shard_flat as _shard
+from ...data_parallel.flat import unshard_flat as _unshard
 from ...plan.memory import zero3_gathered_peak
 from ..fresh import fresh_case
 from ..registry import CheckFailure, exercise
@@ -214,3 +219,57 @@ ex154.case("one unit", hidden=True)(_peak_case([77], 4, True, "gathered_peak([77
 fresh_case(ex154, "one unit", lambda r: ([r.randint(1, 5000) for _ in range(r.randint(1, 8))], r.choice((2, 3, 4, 8)),
                                          r.random() < 0.7),
            lambda u, d, rs: _peak_case(u, d, rs, f"gathered_peak({len(u)} units, d={d}, reshard={rs})"))
+
+
+# ----------------------------------------------------------------------------- 15.5
+ex155 = exercise(
+    "15.5", title="unshard a flat parameter, dropping the padding", notebook=NB, points=2,
+    references=["labkit.data_parallel.flat:unshard_flat"],
+    hint="Section 1: an all-gather hands every rank the d shards, shard r from rank r. In which order do "
+         "they have to be laid end to end to give the padded buffer back, and where in that buffer are the "
+         "zeros that 15.1 added?")
+ex155.hint2 = ("Keep exactly the n real elements, counted from the start of the buffer; make sure your slice "
+               "still works when n is already a multiple of d and there is no padding at all.")
+
+
+def _unshard_case(n, d, what):
+    def case(unshard_flat):
+        flat = torch.arange(1, n + 1, dtype=torch.float32)
+        shards = [_shard(flat, d, r) for r in range(d)]
+        got = unshard_flat([s.clone() for s in shards], n)
+        if not isinstance(got, torch.Tensor):
+            raise CheckFailure(f"{what}: expected one 1-D tensor, got {type(got).__name__}")
+        got = got.reshape(-1).float()
+        if torch.equal(got, _unshard(shards, n)):
+            return
+        padded = torch.cat(shards)
+        why = ""
+        if got.numel() == padded.numel() and torch.equal(got, padded):
+            why = (f" (the padding is still there: the buffer has {padded.numel()} elements, the parameter "
+                   f"{n}; drop the zeros after the last real element)")
+        elif got.numel() == 0 and padded.numel() == n:
+            why = (" (empty: with no padding a slice that ends 'minus the padding' ends at minus zero, which "
+                   "keeps nothing; slice by the number of real elements instead)")
+        elif got.numel() == n and d > 1 and any(torch.equal(got, rev) for rev in (
+                torch.cat(shards[::-1])[:n], torch.cat(shards[::-1])[-n:])):
+            why = " (the shards were joined in reverse order: shard r comes from rank r and goes r-th)"
+        elif got.numel() == n and d > 1 and torch.equal(got, torch.stack(shards, 1).reshape(-1)[:n]):
+            why = (" (the shards were interleaved element by element: each shard is a contiguous piece of "
+                   "the buffer, so lay them end to end)")
+        elif got.numel() == n and torch.equal(got, padded[-n:]):
+            why = (" (the first elements were dropped instead of the last: 15.1 put the zeros at the end, "
+                   "so the padding is cut off the end)")
+        raise CheckFailure(f"{what}: expected {flat.tolist()}, got {got.tolist()}{why}")
+    return case
+
+
+ex155.case("n = 10 from d = 4 shards (2 zeros of padding)")(
+    _unshard_case(10, 4, "unshard_flat(4 shards of arange 1..10, n=10)"))
+ex155.case("n = 12 from d = 4 shards (no padding)")(
+    _unshard_case(12, 4, "unshard_flat(4 shards of arange 1..12, n=12)"))
+ex155.case("n = 7 from d = 3 shards")(_unshard_case(7, 3, "unshard_flat(3 shards of arange 1..7, n=7)"))
+ex155.case("n = 3 from d = 8 shards (most shards all padding)", hidden=True)(
+    _unshard_case(3, 8, "unshard_flat(8 shards of 3 elements, n=3)"))
+fresh_case(ex155, "n = 3 from d = 8 shards (most shards all padding)",
+           lambda r: (r.randint(1, 200), r.choice((2, 3, 4, 5, 8, 16))),
+           lambda n, d: _unshard_case(n, d, f"unshard_flat({d} shards of {n} elements, n={n})"))
