@@ -137,7 +137,7 @@ GRID = ["--tp", "2", "--pp", "2", "--dp", "2", "--no-plots", "--steps", "2", "--
     ["--sp"], ["--recompute", "selective"], ["--recompute", "full"], ["--sp", "--recompute", "selective"],
     ["--sp", "--zero"], ["--sp", "--schedule", "zb-h1"],
 ], ids=lambda e: " ".join(e))
-def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_path, capsys):
+def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_path, capsys, monkeypatch):
     rc = main(["lab", "3d", *GRID, *extra, "--out", str(tmp_path)])
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
@@ -146,10 +146,15 @@ def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_pat
     assert len(rows) == 8
     for row in rows:                                       # params, grads, optimizer: measured == planner
         assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
-        if "zb-h1" in extra:                               # bytes per axis still compared (exit code 0)
-            assert row[8] == "n/a" and "not model zb-h1" in cap.out
-        else:
-            assert abs(float(row[9].rstrip("%"))) <= 2.0, row
+        assert abs(float(row[9].rstrip("%"))) <= 2.0, row  # zb-h1: counted along its actions (W pending)
+    if "zb-h1" in extra:                                   # injected bug: zb-h1 counted as 1F1B (W ignored)
+        from labkit.labs import threed
+        a, out = threed.parse_args([*GRID, *extra]), threed.LAB.result
+        assert threed._planner_table(a, out)[1] == []
+        monkeypatch.setitem(threed._PLANNER_SCHEDULE, "zb-h1", ("1f1b", "loop", True))
+        bad = threed._planner_table(a, out)[1]
+        assert bad and all("activations" in b and b.startswith(("rank 4", "rank 5", "rank 6", "rank 7"))
+                           for b in bad), bad
 
 
 def test_lab_3d_sp_bugs_are_caught(tmp_path, capsys, monkeypatch):
@@ -185,10 +190,29 @@ def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
     """--moe at (t, p, d) = (2, 2, 2): experts over EP = d = 2 (folded onto DP), TP attention, two
     pipeline stages; the verdict is the labs' one. Injected bug: the experts all-reduced over DP as
     if they were replicated (each rank's experts differ) must fail it."""
-    rc = main(["lab", "3d", *GRID, "--moe", "--experts", "4", "--topk", "2", "--out", str(tmp_path)])
+    argv = [*GRID, "--moe", "--experts", "4", "--topk", "2"]
+    rc = main(["lab", "3d", *argv, "--out", str(tmp_path)])
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     assert "OK   t2 p2 d2 1f1b" in cap.out and "MoE E=4 top-2 EP=2" in cap.out and "EP (=2, on DP)" in cap.out
+    # the planner column (expert TP 1) is compared: whole experts on the MoE stage, exact bytes per axis
+    assert "FAIL: planner" not in cap.err and "MoE, expert TP 1" in cap.out
+    assert "   4      28064     28064      28064     28064      56128     56128" in cap.out
+    assert "   0      15968     15968      15968     15968      31936     31936        47424     47424  +0.0%" \
+        in cap.out
+    from labkit.labs import threed
+    from labkit.plan.spec import Layout
+    a, out = threed.parse_args(argv), threed.LAB.result
+    assert threed._planner_table(a, out)[1] == []
+    with monkeypatch.context() as m:     # injected bug: experts split over the TP group (etp = t)
+        m.setattr(Layout, "expert_tp", property(lambda lay: lay.t))
+        bad = threed._planner_table(a, out)[1]
+    assert "rank 4 params: measured 28064 B, planner 19552 B" in bad and any("rank 4 tp all_reduce" in b for b in bad)
+    ep = out.ranks[4].comm[-1]["ep"]     # injected bug: one rank's all-to-all payload off by a row
+    ep["all_to_all"] = (ep["all_to_all"][0], ep["all_to_all"][1] + 64)
+    assert any(b.startswith("EP group of ranks [4, 6] all_to_all") for b in threed._planner_table(a, out)[1])
+    ep["all_to_all"] = (ep["all_to_all"][0] - 1, ep["all_to_all"][1] - 64)
+    assert "rank 4 ep all_to_all: measured 9 x; planner 8 x + 2 counts exchanges" in threed._planner_table(a, out)[1]
     from labkit.parallel import gpt as pgpt
     monkeypatch.setattr(pgpt, "expert_param_names", lambda module: set())
     rc = main(["lab", "3d", *GRID, "--moe", "--out", str(tmp_path)])

@@ -416,8 +416,8 @@ def _mib(b):
 
 
 # schedule -> (the planner's schedule with the same stages per rank and messages, placement, whether the
-# planner models its activations). The zero-bubble ones keep microbatches until their W, which the
-# planner's in-flight counts do not model yet: their parameters and bytes per axis are still compared.
+# planner's in-flight counts model its activations). The zero-bubble ones keep microbatches until their W:
+# ZB-H1's are counted along its actions (plan.memory.schedule_activation_peak), ZB-V's and DualPipeV's not yet.
 _PLANNER_SCHEDULE = {"gpipe": ("gpipe", "loop", True), "1f1b": ("1f1b", "loop", True),
                      "interleaved": ("interleaved", "loop", True), "zb-h1": ("1f1b", "loop", False),
                      "zbv": ("interleaved", "v", False), "dualpipev": ("interleaved", "v", False)}
@@ -428,25 +428,36 @@ _BUCKETED = ("all_reduce", "reduce_scatter", "all_gather")   # DDP / ZeRO-2: one
 
 def _planner(a):
     """The planner's prediction for this run: ``(memory per pipeline rank, {pp_rank: {axis: {kind:
-    (count, bytes)}}}, what is compared: "all" | "no activations" | "nothing")``, or None when the
-    planner cannot take the layout. MoE: shown, not compared (the planner splits each expert over
-    the TP group, as Megatron-Core with expert TP = t; labkit's MoE blocks replicate them there)."""
+    (count, bytes)}}}, what is compared: "all" | "no activations" | "moe")``, or None when the
+    planner cannot take the layout. MoE: expert TP 1 (``Layout.etp``: labkit's MoE blocks hold whole
+    experts on every TP rank, Megatron-Core's ``expert_tensor_parallel_size=1``); "moe" compares what
+    does not follow the routing (see :func:`_planner_table`)."""
+    import dataclasses
+
     from ..parallel.gpt import hsdp_dp_comm, planner_spec
     from ..plan.comm import comm_per_rank
-    from ..plan.memory import memory_per_rank
+    from ..plan.memory import memory_per_rank, schedule_activation_peak
     from ..plan.spec import Layout
     if a.schedule not in _PLANNER_SCHEDULE:
         return None
     schedule, placement, act_modeled = _PLANNER_SCHEDULE[a.schedule]
-    compared = "nothing" if a.moe else ("all" if act_modeled else "no activations")
+    compared = "moe" if a.moe else ("all" if act_modeled else "no activations")
     spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     try:
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
-                     ep=a.dp if a.moe else 1,
+                     ep=a.dp if a.moe else 1, etp=1 if a.moe else None,
                      schedule=schedule, placement=placement, zero=a.zero, sequence_parallel=a.sp,
                      recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention)
         # HSDP: model states sharded over the d/R shard ranks (the same b and M per rank)
-        mem = memory_per_rank(spec, Layout(**{**lay.__dict__, "d": a.dp // a.hsdp}), device="cpu")
+        mem_lay = Layout(**{**lay.__dict__, "d": a.dp // a.hsdp})
+        mem = memory_per_rank(spec, mem_lay, device="cpu")
+        # ZB-H1: counted along the schedule's actions (the V-shaped ones measured 3-16 % more: not yet)
+        if not act_modeled and placement == "loop" and a.cp == 1 and a.recompute != "full":
+            actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
+            mem = [dataclasses.replace(m, activations=schedule_activation_peak(spec, mem_lay, actions[m.pp_rank],
+                                                                               m.pp_rank, device="cpu"))
+                   for m in mem]
+            compared = "moe" if a.moe else "all"
         comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
                 for r in range(a.pp)}
         for r in range(a.pp) if a.hsdp > 1 else ():
@@ -459,21 +470,41 @@ def _planner(a):
 def _planner_table(a, out) -> tuple[list[str], list[str]]:
     """Per rank, measured bytes next to the planner's: lines of the table and the mismatches
     (memory and communication exact, activations within 2 %). DP all-reduces are compared by
-    bytes (the run reduces in buckets, the planner counts one per model chunk)."""
+    bytes (the run reduces in buckets, the planner counts one per model chunk).
+
+    MoE (EP folded onto DP, no token dropped: the lab sets no capacity): parameters, gradients,
+    optimizer state and the TP, PP, DP bytes exactly. EP all-to-alls: the count exactly (the
+    planner's dispatch and combine, forward and backward, plus labkit's per-expert counts exchange,
+    one all-to-all of E int64 per MoE layer and microbatch); the bytes a rank sends follow the
+    routing (its kept slots and the rows it receives), so the exact check is their sum over each EP
+    group (every slot is sent out and back once in each direction), i.e. the planner's balanced
+    bytes per rank times ep. Activations: within 2 % on pipeline ranks without a MoE layer; on the
+    others shown only (the experts' saved inputs are the rows each rank receives, which follow the
+    routing and which the run does not record)."""
+    from ..parallel.gpt import planner_spec
+    from ..plan.memory import rank_layer_chunks
+    from ..plan.spec import Layout
     pred = _planner(a)
     if pred is None:
         return [f"planner: not shown for this layout (--schedule {a.schedule}, v={_v(a)})"], []
     mem, comm, compared = pred
-    act_modeled = compared == "all"
-    bad, rows = [], []
+    moe_ranks = set()
+    if compared == "moe":
+        spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a), 2)
+        lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), schedule=_PLANNER_SCHEDULE[a.schedule][0],
+                     placement=_PLANNER_SCHEDULE[a.schedule][1])
+        moe_ranks = {r for r in range(a.pp) if any(spec.is_moe_layer(i) for ch in rank_layer_chunks(spec, lay, r)
+                                                   for i in ch)}
+    bad, rows, ep_groups = [], [], {}
     head = (f"{'rank':>4}  {'params':>9} {'(planner)':>9}  {'grads':>9} {'(planner)':>9}  {'optimizer':>9} "
             f"{'(planner)':>9}  {'activations':>11} {'(planner)':>9} {'diff':>6}  "
             f"communication bytes per axis (planner)")
     rows += [head, "-" * len(head)]
     for r in sorted(out.ranks, key=lambda r: r.rank):
         pm, m = mem[r.pp_rank], r.memory
+        act_modeled = compared == "all" or (compared == "moe" and r.pp_rank not in moe_ranks)
         for k in ("params", "grads", "optimizer") + (("gathered",) if a.zero == 3 and a.dp > 1 else ()):
-            if m.get(k, 0) != getattr(pm, k) and compared != "nothing":
+            if m.get(k, 0) != getattr(pm, k):
                 bad.append(f"rank {r.rank} {k}: measured {m.get(k, 0)} B, planner {getattr(pm, k)} B")
         act = r.activations
         diff = (pm.activations / act - 1) if act else float("nan")
@@ -487,24 +518,40 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
             for kind in sorted(set(g) | set(w)):
                 (gc, gb), (wc, wb) = g.get(kind, (0, 0)), w.get(kind, (0, 0))
                 by_bucket = ax == "dp" and (kind == "all_reduce" or (a.zero == 2 and kind in _BUCKETED))
-                if compared != "nothing" and (gb != wb or (gc != wc and not by_bucket)):
+                if (ax, kind) == ("ep", "all_to_all") and compared == "moe":
+                    exchanges = wc // 4                    # one counts exchange per MoE layer and microbatch
+                    wb += exchanges * a.experts * 8
+                    w = {**w, kind: (wc + exchanges, wb)}
+                    if gc != wc + exchanges:
+                        bad.append(f"rank {r.rank} ep all_to_all: measured {gc} x; planner {wc} x + {exchanges} "
+                                   f"counts exchanges")
+                    ep_groups.setdefault((r.pp_rank, r.tp_rank), []).append((r.rank, gb, wb))
+                elif gb != wb or (gc != wc and not by_bucket):
                     bad.append(f"rank {r.rank} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
             cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
         rows.append(f"{r.rank:>4}  {m['params']:>9} {pm.params:>9}  {m['grads']:>9} {pm.grads:>9}  "
                     f"{m['optimizer']:>9} {pm.optimizer:>9}  {act if act else '-':>11} "
-                    f"{pm.activations if act_modeled else 'n/a':>9} {f'{diff:+.1%}' if act_modeled else '-':>6}  "
+                    f"{pm.activations if act_modeled or compared == 'moe' else 'n/a':>9} "
+                    f"{f'{diff:+.1%}' if act_modeled else '-':>6}  "
                     f"{', '.join(cells)}")
-    if compared == "nothing":
-        rows.append("(MoE: shown, not compared: the planner splits each expert over the TP group, Megatron-Core's "
-                    "expert TP = t; here the TP ranks hold whole experts, and the EP bytes follow the routing)")
+    for _, members in sorted(ep_groups.items()):
+        got_sum, want_sum = sum(gb for _, gb, _ in members), sum(wb for _, _, wb in members)
+        if got_sum != want_sum:
+            bad.append(f"EP group of ranks {[m[0] for m in members]} all_to_all: measured {got_sum} B in all, "
+                       f"planner {want_sum} B")
+    if compared == "moe":
+        rows.append("(MoE, expert TP 1: whole experts on every TP rank. EP all-to-all bytes per rank follow the "
+                    "routing: compared summed over each EP group, counts per rank (+1 counts exchange per MoE "
+                    "layer and microbatch); activations compared on the stages without a MoE layer, shown on "
+                    "the others: the experts' inputs are the rows a rank receives, not recorded)")
     if a.zero == 3 and a.dp > 1:
         rows.append("ZeRO-3 gathered units, peak bytes per rank (planner: the largest two neighbouring units): "
                     + ", ".join(f"rank {r.rank} {r.memory.get('gathered', 0)} ({mem[r.pp_rank].gathered})"
                                 for r in sorted(out.ranks, key=lambda r: r.rank))
                     + "; the gathered weights saved for backward are not counted as activations")
-    if compared != "nothing" and not act_modeled:
-        rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches yet; not "
-                    f"compared)")
+    if compared == "no activations":
+        rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches here (it "
+                    f"counts ZB-H1's along its actions, without CP and full recompute); not compared)")
     return rows, bad
 
 

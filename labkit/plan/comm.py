@@ -13,7 +13,10 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   an all-gather (same wire bytes) and backward re-gathers the column-parallel inputs (the two
   of each layer and the output layer's); once per step the gradients of the parameters that saw
   S/t tokens (LayerNorms, row-parallel biases, the final norm, learned positions) are
-  all-reduced. Full recompute repeats the forward's collectives in backward.
+  all-reduced. Full recompute repeats the forward's collectives in backward. A MoE layer with
+  expert TP 1 (``Layout.etp``, Megatron-Core's ``expert_tensor_parallel_size``) and no shared
+  experts, without SP, holds whole experts on every TP rank: its MLP output is already complete,
+  so only its attention all-reduces (once forward, once backward).
 * PP: each stage boundary sends ``N h`` forward and the gradient back (with SP each TP rank
   sends its ``N h / t`` shard, as Megatron does); a tied embedding adds one all-reduce of
   its gradient between the first and the last stage per step (axis "embedding").
@@ -130,8 +133,13 @@ def tp_comm(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_ran
             n_ln += spec.seq_len * h
         bwd.add("all_reduce", 1 if n_ln else 0, n_ln * gb)      # sequence-parallel gradients
     else:
-        fwd.add("all_reduce", Ml * 2 * L_r, act)                 # g after attention and MLP
-        bwd.add("all_reduce", Ml * 2 * L_r * (1 + again), act)   # f of each
+        # g after attention and MLP, f of each in backward; a MoE layer with whole experts on every TP
+        # rank (expert TP 1, no shared experts) has a replicated MLP output: no collective around it
+        ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
+        whole = lay.expert_tp == 1 and t > 1 and not spec.n_shared_experts
+        regions = 2 * L_r - (sum(1 for i in ids if spec.is_moe_layer(i)) if whole else 0)
+        fwd.add("all_reduce", Ml * regions, act)
+        bwd.add("all_reduce", Ml * regions * (1 + again), act)
     if holds_first(lay, r):                                      # vocab-parallel embedding: g
         fwd.add("reduce_scatter" if lay.sequence_parallel else "all_reduce", Ml, act)
         if lay.sequence_parallel:                                # its backward: an all-gather

@@ -15,7 +15,8 @@ vocabulary by t (biases of row-parallel layers and the norms are replicated); PP
 r the layers of its stages (L/p, in v chunks for interleaving), the input embedding to the
 first rank and the final norm and output layer to the last (a tied embedding is kept on both
 ends, Megatron-LM sec. 5 / Narayanan et al. 2021); expert parallelism (ep ranks, folded onto
-DP) gives each rank E/ep experts.
+DP) gives each rank E/ep experts, each split over ``etp`` of the TP ranks (Megatron-Core's
+``expert_tensor_parallel_size``, ``Layout.etp``; default t; 1: whole experts on every TP rank).
 
 Activations (Korthikanti et al. 2022, sec. 4): per layer and microbatch as in
 :mod:`.activations`; the first pipeline rank holds the most microbatches: 1F1B min(p, M),
@@ -47,7 +48,7 @@ __all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "Ran
            "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
-           "grad_convention", "zero3_units", "zero3_gathered_peak"]
+           "grad_convention", "zero3_units", "zero3_gathered_peak", "schedule_activation_peak"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
@@ -142,6 +143,10 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (not spec.is_moe or spec.n_routed_experts % lay.ep == 0,
          f"n_routed_experts E={spec.n_routed_experts} must be divisible by the EP size {lay.ep} (EP folded onto DP)"),
         (lay.d % lay.ep == 0, f"the EP size ep={lay.ep} must divide d={lay.d} (EP folded onto DP)"),
+        (lay.etp is None or (lay.etp >= 1 and lay.t % lay.etp == 0
+                             and (spec.moe_ffn or spec.ffn_hidden) % lay.etp == 0),
+         f"the expert TP size etp={lay.etp} must be >= 1 and divide t={lay.t} (each expert split over etp of the "
+         f"TP ranks)"),
         (spec.is_moe or lay.ep == 1, f"ep={lay.ep} > 1 needs a MoE model"),
         (lay.cp == 1 or spec.seq_len % (2 * lay.cp * (lay.t if lay.sequence_parallel else 1)) == 0,
          f"context parallelism needs 2 cp (x t with SP) = {2 * lay.cp * (lay.t if lay.sequence_parallel else 1)} "
@@ -286,7 +291,11 @@ def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
     for i in layer_ids:
         lp = spec.layer_params(spec.is_moe_layer(i))
         dense += lp["split"] // t + lp["replicated"]
-        expert += lp["expert"] * lp["experts"] // lay.ep // t
+        if lp["experts"] and lay.expert_tp < t:   # expert TP: etp of the t ranks split the matrices, not biases
+            e_split, e_rep = spec.mlp_params(spec.moe_ffn or spec.ffn_hidden)
+            expert += (e_split // lay.expert_tp + e_rep) * (lp["experts"] // lay.ep)
+        else:
+            expert += lp["expert"] * lp["experts"] // lay.ep // t
     vocab = math.ceil(spec.vocab_size / t)
     if holds_first(lay, pp_rank):
         emb_split, emb_rep = spec.embedding_params()
@@ -387,7 +396,9 @@ def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
     saved = torch_saved_bytes_per_element(e, device)
     mult = 2 if spec.mlp == "swiglu" else 1           # SwiGLU keeps gate, up and their product
     if moe:
-        width = (spec.n_activated_experts + spec.n_shared_experts) * (spec.moe_ffn or spec.ffn_hidden)
+        # routed experts split over etp of the t ranks (scaled to the /t below), shared ones over t
+        w = spec.moe_ffn or spec.ffn_hidden
+        width = spec.n_activated_experts * w * lay.t // lay.expert_tp + spec.n_shared_experts * w
     else:
         width = spec.ffn_hidden
     ffn = mult * width
@@ -479,3 +490,46 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
 def most_loaded_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> RankMemory:
     """The pipeline rank with the largest total (usually the first: most microbatches in flight)."""
     return max(memory_per_rank(spec, lay, device), key=lambda m: m.total)
+
+
+def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_rank: int, device: str = "cuda") -> int:
+    """Peak activation bytes of pipeline rank ``pp_rank`` counted along its ``actions`` (objects
+    with ``kind`` "F" | "B" | "I" | "W", ``stage``, ``microbatch``; other kinds are skipped), for
+    the schedules whose backward is split (Qi et al. 2024, sec. 2-3: ZB-H1, ZB-V, DualPipeV).
+
+    F adds the stage's stash of one microbatch (its layers, the embedding on stage 0, the head
+    on the last stage); B frees it. I keeps the autograd graph for W (labkit's
+    :mod:`labkit.pipeline.split_backward`), so a microbatch between its I and its W still holds
+    the stash of its layers and its output layer's input; only the cross-entropy's part (the
+    softmax and the targets, not on the way to a parameter) goes at I; W frees the rest. The
+    peak is taken after each F. ``recompute="full"`` is not modelled (ValueError)."""
+    if lay.recompute == "full":
+        raise ValueError("schedule_activation_peak: recompute='full' is not modelled")
+    aspec = cp_local(spec, lay)
+    last = (2 if lay.placement == "v" else lay.v) * lay.p - 1
+    full, at_i = {}, {}
+    for stage, layers in zip(rank_stages(lay, pp_rank), rank_layer_chunks(spec, lay, pp_rank)):
+        n = sum(_layer_act(spec, lay, spec.is_moe_layer(i), device) for i in layers)
+        n += _embedding_act(aspec, lay, device) if stage == 0 else 0
+        head = _head_act(aspec, lay, device) if stage == last else 0
+        keep = 0
+        if head:   # the final norm and the output layer's input stay for W; the cross-entropy's part goes
+            e = BYTES[lay.precision][0]
+            sb, ts = aspec.seq_len * lay.b, (lay.t if lay.sequence_parallel else 1)
+            keep = 2 * sb * spec.hidden * e // ts + 2 * sb * torch_saved_bytes_per_element(e, device)["ln_stat"] // ts
+        full[stage], at_i[stage] = n + head, head - keep
+    alive = {}
+    live = peak = 0
+    for act in actions:
+        key = (act.stage, act.microbatch)
+        if act.kind == "F":
+            alive[key] = full[act.stage]
+            live += alive[key]
+            peak = max(peak, live)
+        elif act.kind == "I" and key in alive:
+            freed = at_i[act.stage]
+            alive[key] -= freed
+            live -= freed
+        elif act.kind in ("B", "W") and key in alive:
+            live -= alive.pop(key)
+    return int(peak)

@@ -240,7 +240,10 @@ class Layout:
     context-parallel degree ``cp`` (the sequence split over cp ranks, load-balanced 2 cp
     chunks; ranks ordered TP, CP, DP, PP as Megatron-Core; N_GPU = t cp p d) and
     ``cp_attention`` ("allgather": K/V all-gathered, Llama 3; "ring"; "ulysses"), see
-    :mod:`labkit.context_parallel`."""
+    :mod:`labkit.context_parallel`; ``etp``: the expert tensor-parallel degree
+    (Megatron-Core's ``expert_tensor_parallel_size``: each routed expert's matrices split over
+    ``etp`` of the t TP ranks; None: t, Megatron-Core's default; 1: whole experts on every TP
+    rank, as labkit's MoE blocks hold them)."""
 
     t: int = 1
     p: int = 1
@@ -261,6 +264,12 @@ class Layout:
     placement: str = "loop"
     cp: int = 1
     cp_attention: str = "allgather"
+    etp: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel degree in effect: ``etp``, or t when unset."""
+        return self.t if self.etp is None else self.etp
 
     @property
     def n_gpus(self) -> int:
@@ -269,6 +278,7 @@ class Layout:
     def describe(self) -> str:
         extra = [f"v={self.v}"] if self.v > 1 else []
         extra += [f"ep={self.ep}"] if self.ep > 1 else []
+        extra += [f"etp={self.etp}"] if self.etp is not None and self.etp != self.t else []
         extra += [f"cp={self.cp} ({self.cp_attention})"] if self.cp > 1 else []
         return (f"t={self.t} p={self.p} d={self.d}{' ' + ' '.join(extra) if extra else ''} b={self.b} "
                 f"M={self.M} {self.schedule} ZeRO-{self.zero} SP={'on' if self.sequence_parallel else 'off'} "
