@@ -202,7 +202,7 @@ def _bad_args(a, world) -> str | None:
     spec = planner_spec(cfg, a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     lay = Layout(t=a.tp, p=a.pp, d=a.dp, b=a.batch // (a.dp * a.microbatches), M=a.microbatches, schedule="gpipe",
                  ep=a.dp if a.moe else 1, zero=a.zero, sequence_parallel=a.sp, recompute=a.recompute,
-                 precision="fp32", cp=a.cp)
+                 precision="fp32", cp=a.cp, etp=1 if a.moe else None)   # labkit's MoE: whole experts
     return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} "
                                  f"({world} ranks)")
 
