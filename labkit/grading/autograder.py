@@ -38,7 +38,7 @@ from pathlib import Path
 
 __all__ = ["build_bundle", "run", "main", "TORCH_PIN", "RUNTIME_REQUIREMENTS", "DEFAULT_BUNDLE_CELL_TIMEOUT"]
 
-TORCH_PIN = "torch==2.13.0"  # as in requirements.txt (tests/test_autograder.py checks they agree)
+TORCH_PIN = "torch==2.13.0"  # as in requirements.txt (tests/grading/test_autograder.py checks they agree)
 # labkit's runtime dependencies (pyproject.toml), torch pinned
 RUNTIME_REQUIREMENTS = [TORCH_PIN, "numpy>=1.22", "matplotlib>=3.6", "tqdm>=4.62", "nbformat>=5.1",
                         "nbclient>=0.6", "ipykernel>=6.0", "ipython>=8.0", "ipywidgets>=8.0", "jupyter_client>=7.0",

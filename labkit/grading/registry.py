@@ -95,7 +95,7 @@ to fail: ``@ex.case("rejects M=0 with ValueError", hint="Check M >= 1 before com
 ``ex.hint2``, a second and more specific hint, follows the first from the second failed ``check``
 of the same exercise in a session (:func:`labkit.grading.runner.check`). Hints lead (the concept,
 the notebook section, the invariant that fails, a question); they never contain the answer's
-formula or code (``tests/test_grading_hints.py`` checks every hint against the solution notebooks).
+formula or code (``tests/grading/test_grading_hints.py`` checks every hint against the solution notebooks).
 
 Points: an exercise's ``points`` are all-or-nothing: the grader awards them only when every
 case of the exercise (public and hidden) passes; a case carries no share of its own (a wrong

@@ -77,7 +77,7 @@ from .stats import Event, step_stats
 from .stats import timeline as timed_actions
 from .validate import validate_schedule
 
-_as_tuple = as_tuple  # the old private name (tests/test_pipeline_boundaries.py)
+_as_tuple = as_tuple  # the old private name (tests/pipeline/test_pipeline_boundaries.py)
 
 __all__ = ["PipelineStage", "PipelineSchedule", "explain_hang"]
 

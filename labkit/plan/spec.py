@@ -429,7 +429,7 @@ PUBLISHED = {
 # per microbatch, bf16, sequence parallelism with TP, a fused (flash) attention kernel, FSDP without
 # resharding after forward as ZeRO-2 (gradients and optimizer state sharded, parameters kept),
 # interleaved 1F1B with v = 7 chunks per rank (126 layers on 112 stages, uneven) and full activation
-# recompute: without recompute rank 0 needs about 94 GB (tests/test_plan_published.py).
+# recompute: without recompute rank 0 needs about 94 GB (tests/plan/test_plan_published.py).
 LLAMA3_405B_ASSUMED = dict(b=1, zero=2, sequence_parallel=True, fused_attention=True, recompute="full",
                            schedule="interleaved", v=7)
 

@@ -13,7 +13,7 @@ B, S = 8, 8
 
 
 def cfg_for(tied=False, n_layer=4):
-    # bias=False: see tests/test_data_parallel.py (a key bias has a pure-rounding-noise gradient)
+    # bias=False: see tests/data_parallel/test_data_parallel.py (a key bias has a pure-rounding-noise gradient)
     return GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=S, bias=False,
                      share_embeddings_and_output_weights=tied)
 

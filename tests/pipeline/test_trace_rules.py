@@ -2,7 +2,7 @@
 each track complete events nest (Perfetto drops a slice that overlaps another without nesting).
 Receives go to their own tracks (several per rank when they overlap), so compute slices are never
 children of a receive; several schedules share one file as separate processes. The measured
-traces of the lab are checked in tests/test_zero_bubble_lab.py, notebook 13's in the notebook."""
+traces of the lab are checked in tests/labs/test_zero_bubble_lab.py, notebook 13's in the notebook."""
 import pytest
 
 from labkit.pipeline import (

@@ -19,7 +19,7 @@ from labkit.grading.assignments import ANSWERS, grading_points
 from labkit.grading.policy import check_cells
 from labkit.grading.registry import all_exercises, exercises_for_notebook
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _v(ex, answer, *cells):

@@ -17,7 +17,7 @@ import pytest
 
 from labkit.grading.build import INSTALL_CELL
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_learner_notebook_starts_with_the_install_cell():

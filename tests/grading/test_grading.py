@@ -23,7 +23,7 @@ from labkit.grading.registry import exercise, expect_close, expect_equal
 from labkit.grading.runner import Case, CheckNotPassed, evaluate, run_case
 from labkit.grading.testing import assert_check_fails, assert_check_passes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------- test exercises
 

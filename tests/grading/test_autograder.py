@@ -25,7 +25,7 @@ from labkit.grading.autograder import RUNTIME_REQUIREMENTS, TORCH_PIN
 from labkit.grading.autograder import main as autograder_main
 from labkit.grading.grader import validate_results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 from tinyassign import CASES, _nb  # noqa: E402
 
 

@@ -344,7 +344,7 @@ def _as_non_root(argv):
     """Run ``argv`` as a fresh non-root uid, with Python reachable (the grader's own jail)."""
     lease = UidLease()
     _as_non_root.leases.append(lease)
-    jail = str(Path(__file__).parents[1] / "labkit" / "grading" / "_jail.py")
+    jail = str(Path(__file__).parents[2] / "labkit" / "grading" / "_jail.py")
     import labkit
 
     needed = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),

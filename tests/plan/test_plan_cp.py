@@ -2,7 +2,7 @@
 
 Activation memory divided by cp, K/V traffic per algorithm and its link, the three published
 405B layouts of Dubey et al. 2024 (Table 4) fitting 80 GB with predicted MFU near the published
-one. The planner's CP bytes against labkit's measured run: tests/test_context_parallel.py."""
+one. The planner's CP bytes against labkit's measured run: tests/context_parallel/test_context_parallel.py."""
 import dataclasses
 
 import pytest
@@ -47,7 +47,7 @@ def test_activation_memory_divided_by_cp(cp, fused):
     """With a fused attention kernel every activation term is linear in the rank's tokens s/cp:
     cp x the CP rank's activations = the cp = 1 activations, whatever the CP algorithm. Without
     one the planner counts what labkit's CP core keeps (the gathered K/V, s x s Ulysses scores:
-    not linear in s/cp), proved against the measured bytes in tests/test_parallel_cp.py."""
+    not linear in s/cp), proved against the measured bytes in tests/parallel/test_parallel_cp.py."""
     spec = dataclasses.replace(preset("llama3-70b"), seq_len=16384, global_batch=64)
     base = Layout(t=8, p=4, d=2, b=1, sequence_parallel=True, fused_attention=fused)
     one = memory_per_rank(spec, base)

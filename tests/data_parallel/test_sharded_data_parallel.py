@@ -19,7 +19,7 @@ from labkit.plan.comm import comm_per_rank
 from labkit.plan.memory import memory_per_rank, zero3_units
 from labkit.plan.spec import Layout, ModelSpec
 
-# bias=False: see tests/test_data_parallel.py (the key bias's gradient is pure rounding noise)
+# bias=False: see tests/data_parallel/test_data_parallel.py (the key bias's gradient is pure rounding noise)
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, bias=False)
 B, S, LR = 24, 8, 0.1   # B divisible by d = 2, 3, 4 and by 2 microbatches per rank
 

@@ -25,7 +25,7 @@ import pytest
 from labkit.grading.registry import all_exercises
 from labkit.grading.runner import SECOND_HINT_AFTER, check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MIN_EXPR = 5  # characters of a normalized solution sub-expression that count as "its code"
 _EXPR_NODES = (ast.BinOp, ast.BoolOp, ast.Compare, ast.Call, ast.Subscript, ast.IfExp, ast.ListComp,
                ast.GeneratorExp, ast.DictComp, ast.Lambda, ast.UnaryOp)

@@ -9,7 +9,7 @@ import pytest
 from labkit.grading.grader import grade_notebook, results_json, validate_results
 from labkit.grading.registry import IMPORT_ERRORS, exercises_for_notebook
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 LEARNER = [ROOT / "notebooks" / p.name for p in SOLUTIONS]
 

@@ -22,7 +22,7 @@ from labkit.grading.grader import (
 from labkit.grading.registry import exercise, expect_equal, get_exercise
 from labkit.grading.runner import CaseResult, CheckResult
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTION_01 = ROOT / "solutions" / "01_pipeline_bubble.ipynb"
 
 TF = exercise("T.fix", title="square", notebook="zz_grading_fixes", points=1, hint="Multiply x by itself.")

@@ -25,7 +25,7 @@ from labkit.grading.build import (
     uses_plotting_code,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHECK_CALL = re.compile(r"(?<![\w.])check\(\s*[\"']")
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 
