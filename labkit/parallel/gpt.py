@@ -322,7 +322,6 @@ class ParallelGPT:
         t, p, d = grid.tp, grid.pp, grid.dp
         self.n_stages = n = p * v
         device = grid.ctx.device
-        tpg = grid.tp_group if t > 1 else None
         info = lookup(schedule)
         self.placement = placement = info.placement
         self.stage_ids = [s for s in range(n) if stage_rank(s, p, placement) == grid.pp_rank]
