@@ -127,9 +127,8 @@ def test_batch_bad_options_are_one_error_line(tmp_path, env, monkeypatch, capsys
         assert "Traceback" not in err
 
 
-def test_a_batch_passes_every_per_submission_option_on(env, monkeypatch):
-    monkeypatch.setenv("LABKIT_HIDDEN_CASES", env["LABKIT_HIDDEN_CASES"])  # 98_alpha is known in any test order
-    captured = {}
+def test_a_batch_passes_every_per_submission_option_on():
+    captured = {}   # a shipped assignment: the hidden-case registry loads once per process, in any test order
 
     def fake_batch(paths, results_dir, gradebook, jobs, options):
         captured.update(options=options, jobs=jobs)
@@ -139,12 +138,12 @@ def test_a_batch_passes_every_per_submission_option_on(env, monkeypatch):
 
     real, batch.grade_batch = batch.grade_batch, fake_batch
     try:
-        assert main(["--gradebook", "/dev/null", "-j", "1", "--assignment", "98_alpha", "--no-hints",
+        assert main(["--gradebook", "/dev/null", "-j", "1", "--assignment", "01_pipeline_bubble", "--no-hints",
                      "--no-source-policy", "--cell-timeout", "7", "--time-budget", "50", "--max-processes", "64",
                      "--max-file-size", "8", "--max-memory", "2048", "--tmp-size", "16", __file__]) == 0
     finally:
         batch.grade_batch = real
     assert captured["jobs"] == 1
-    assert captured["options"] == ["--cell-timeout", "7", "--time-budget", "50", "--assignment", "98_alpha",
+    assert captured["options"] == ["--cell-timeout", "7", "--time-budget", "50", "--assignment", "01_pipeline_bubble",
                                    "--max-processes", "64", "--max-file-size", "8", "--max-memory", "2048",
                                    "--tmp-size", "16", "--no-hints", "--no-source-policy"]

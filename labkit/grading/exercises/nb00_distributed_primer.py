@@ -119,6 +119,7 @@ def _judge_messages(sent, inputs: list[torch.Tensor], what: str) -> None:
     sums, and what rank r received (with its own tensor) covers every rank's input at every
     element, so its output can only come from send/recv."""
     N, n = len(inputs), inputs[0].numel()
+    sent = sorted(sent, key=lambda m: m.src)   # per sender in send order: the same text whatever the arrival order
     reached = [torch.full((n,), 1 << r, dtype=torch.int64) for r in range(N)]  # bit k: rank k's input arrived
     for k, m in enumerate(sent):
         where = f"{what}: message {k + 1} (rank {m.src} to rank {m.dst})"
@@ -166,7 +167,7 @@ def _traffic_case(N: int, numel: int, seed: int):
                                    f"2(N-1)/N x {numel} = {limit}")
         what = f"N={N}, {numel} elements"
         chunk = -(-numel // N)
-        for k, m in enumerate(sent):
+        for k, m in enumerate(sorted(sent, key=lambda m: m.src)):
             if m.tensor.numel() > chunk:
                 raise CheckFailure(f"{what}: message {k + 1} (rank {m.src} to rank {m.dst}) holds "
                                    f"{m.tensor.numel()} elements; a ring step sends one chunk of {numel}/N")
