@@ -8,6 +8,12 @@ NBVAL_SOLUTIONS := LABKIT_STRICT=1 $(PYTEST) -q -p no:cacheprovider --nbval --nb
 	--nbval-sanitize-with .ci/nbval_sanitize.cfg -n 2 --dist loadscope solutions/
 NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-env -n 2 --dist loadscope notebooks/
 
+# the Ctrl-C / SIGTERM tests run in a pytest process of their own: after the rest of the suite, a worker's signal
+# state (left by in-process runs of the commands) made them fail in the full run although each passes alone
+SIGNAL_TESTS := tests/labs/test_faults.py::test_signals_stop_every_worker_and_remove_the_rendezvous_folder \
+	tests/labs/test_faults.py::test_cleanup_deadline_holds_while_the_cores_are_loaded \
+	tests/test_dist.py::test_ctrl_c_just_after_the_folder_is_made_leaves_no_folder
+
 .PHONY: lab test install build notebooks unit clean autograder
 
 $(STAMP): requirements.txt pyproject.toml
@@ -27,11 +33,13 @@ test: $(STAMP)
 	$(VPY) -m labkit build --check
 	$(NBVAL_SOLUTIONS)
 	$(NBVAL_NOTEBOOKS)
-	$(PYTEST) -q -n 2 tests/
+	$(PYTEST) -q -n 2 tests/ $(SIGNAL_TESTS:%=--deselect %)
+	$(PYTEST) -q -p no:cacheprovider $(SIGNAL_TESTS)
 
 # run just one part
 unit: $(STAMP)
-	$(PYTEST) -q -n 2 tests/
+	$(PYTEST) -q -n 2 tests/ $(SIGNAL_TESTS:%=--deselect %)
+	$(PYTEST) -q -p no:cacheprovider $(SIGNAL_TESTS)
 notebooks: $(STAMP)
 	$(NBVAL_SOLUTIONS)
 	$(NBVAL_NOTEBOOKS)
