@@ -35,7 +35,6 @@ the time the all-reduces were in flight lies before the end of backward (hidden 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from typing import Iterable
 
 import torch
@@ -43,6 +42,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
+from .flat import NoSyncMixin  # DDP's bucket rule (one home: flat.py)
+from .flat import bucket_groups as assign_buckets
 
 __all__ = ["DistributedDataParallel", "broadcast_parameters", "assign_buckets", "overlap_share"]
 
@@ -59,24 +60,6 @@ def broadcast_parameters(module: nn.Module, process_group=None, buffers: bool = 
     tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
     for t in tensors:
         comm.broadcast(t.data, src=src, group=process_group)
-
-
-def assign_buckets(nbytes: list[int], bucket_cap_mb: float) -> list[list[int]]:
-    """DDP's bucket rule: indices into ``nbytes`` (gradient sizes in bytes, in bucket order, i.e.
-    reverse registration order) grouped into consecutive buckets of at most ``bucket_cap_mb``
-    MiB (2**20 bytes); a gradient larger than the cap gets a bucket of its own. One all-reduce
-    per bucket; its expected bytes per step are the planner's (:func:`labkit.plan.comm.comm_per_rank`)."""
-    cap = bucket_cap_mb * 2**20
-    groups, cur, cur_bytes = [], [], 0
-    for i, nb in enumerate(nbytes):
-        if cur and cur_bytes + nb > cap:
-            groups.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append(i)
-        cur_bytes += nb
-    if cur:
-        groups.append(cur)
-    return groups
 
 
 def overlap_share(intervals: list[tuple[float, float]], backward_end: float) -> float:
@@ -106,7 +89,7 @@ class _Bucket:
         self.times = [0.0, 0.0]
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(NoSyncMixin, nn.Module):
     """``DistributedDataParallel(module, process_group=None, bucket_cap_mb=25.0)`` as in torch.
 
     Args:
@@ -183,16 +166,6 @@ class DistributedDataParallel(nn.Module):
                 f"parameters got no gradient ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); "
                 "call finish_grad_sync() after backward (it counts them as zero) or use every parameter")
         return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        """Skip the gradient all-reduce in backwards run inside (gradients accumulate locally)."""
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
 
     # ----------------------------------------------------------------- hooks
 

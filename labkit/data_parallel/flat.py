@@ -9,11 +9,12 @@ elements, not n (Rajbhandari et al. 2020, ZeRO, sec. 5; torch FSDP, Zhao et al. 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
 
-__all__ = ["padded_numel", "flatten", "shard_flat", "unshard_flat", "unflatten", "bucket_groups"]
+__all__ = ["padded_numel", "flatten", "shard_flat", "unshard_flat", "unflatten", "bucket_groups", "NoSyncMixin"]
 
 
 def padded_numel(numel: int, d: int) -> int:
@@ -81,3 +82,20 @@ def bucket_groups(nbytes: Sequence[int], bucket_cap_mb: float) -> list[list[int]
     if cur:
         groups.append(cur)
     return groups
+
+
+class NoSyncMixin:
+    """``no_sync()`` of the data-parallel wrappers (torch DDP's and FSDP's name): backwards run
+    inside skip the gradient reduction (all-reduce or reduce-scatter); gradients accumulate
+    locally and the first backward outside reduces them all. The wrapper reads
+    ``require_backward_grad_sync`` in its hooks."""
+    require_backward_grad_sync = True
+
+    @contextmanager
+    def no_sync(self):
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old

@@ -40,7 +40,6 @@ reduce-scatters the sum.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -48,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .flat import flatten, padded_numel, unflatten
+from .flat import NoSyncMixin, flatten, padded_numel, unflatten
 
 __all__ = ["FullyShardedDataParallel", "fully_shard", "default_units", "expected_fsdp"]
 
@@ -148,7 +147,7 @@ class _Unit:
             setattr(sub, attr, view)
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(NoSyncMixin, nn.Module):
     """ZeRO-3 / FSDP over ``process_group`` (d ranks), one flat shard per unit.
 
     Args:
@@ -224,16 +223,6 @@ class FullyShardedDataParallel(nn.Module):
         if not self._callback_queued:
             self.timeline = []
         return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        """Backwards inside accumulate the unsharded gradients locally (no reduce-scatter)."""
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
 
     def reset_peak(self) -> None:
         self.peak_gathered_bytes = self._live

@@ -17,7 +17,6 @@ per parameter. Traffic per step: reduce-scatter of n_pad + all-gather of n_pad/d
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -25,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .flat import bucket_groups, flatten, padded_numel
+from .flat import NoSyncMixin, bucket_groups, flatten, padded_numel
 
 __all__ = ["ZeroStage2", "expected_zero2"]
 
@@ -54,7 +53,7 @@ class _Bucket:
         self.ready, self.work, self.out, self.buffer = 0, None, None, None
 
 
-class ZeroStage2(nn.Module):
+class ZeroStage2(NoSyncMixin, nn.Module):
     """ZeRO-2 around ``module`` over ``process_group`` (d ranks) with ``optimizer_class(**defaults)``.
 
     Args:
@@ -96,16 +95,6 @@ class ZeroStage2(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        """Skip the reduce-scatter in backwards run inside (full gradients accumulate locally)."""
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
 
     @property
     def param_groups(self):
