@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from compare import assert_all_close, merge_disjoint  # noqa: E402
 from procs import live_processes
 from torch.distributed import pipelining as tpp
 
@@ -131,18 +132,8 @@ def _ref():
     return REF
 
 
-def _merge(results, key):
-    merged = {}
-    for r in results:
-        assert not set(merged) & set(r[key])
-        merged.update(r[key])
-    return merged
-
-
 def _assert_close(got, want, what):
-    assert set(got) == set(want), what
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {n}: {m}")
+    assert_all_close(got, want, what, RTOL, ATOL)
 
 
 @pytest.mark.parametrize("K", [2, 4])
@@ -151,16 +142,16 @@ def test_schedule_equals_single_device_and_torch(name, K):
     M = 2 * K
     res = launch(_run_all, K, name, M, timeout=60)
     ref_grads, ref_params, _ = _ref()
-    _assert_close(_merge(res, "grads"), ref_grads, f"{name} K={K} grad")
-    _assert_close(_merge(res, "grads_torch"), ref_grads, f"torch {name} K={K} grad")
-    _assert_close(_merge(res, "grads"), _merge(res, "grads_torch"), f"{name} K={K} vs torch grad")
-    _assert_close(_merge(res, "params"), ref_params, f"{name} K={K} params after 3 SGD steps")
+    _assert_close(merge_disjoint(res, "grads"), ref_grads, f"{name} K={K} grad")
+    _assert_close(merge_disjoint(res, "grads_torch"), ref_grads, f"torch {name} K={K} grad")
+    _assert_close(merge_disjoint(res, "grads"), merge_disjoint(res, "grads_torch"), f"{name} K={K} vs torch grad")
+    _assert_close(merge_disjoint(res, "params"), ref_params, f"{name} K={K} params after 3 SGD steps")
     # recompute: the same arithmetic, so identical gradients, and far fewer bytes stashed
-    g, gr = _merge(res, "grads"), _merge(res, "grads_recompute")
+    g, gr = merge_disjoint(res, "grads"), merge_disjoint(res, "grads_recompute")
     assert all(torch.equal(g[n], gr[n]) for n in g)
-    stash, stash_rc = _merge(res, "stash"), _merge(res, "stash_recompute")
+    stash, stash_rc = merge_disjoint(res, "stash"), merge_disjoint(res, "stash_recompute")
     mb_act = (BATCH // M) * SEQ * CFG.n_embd * 4  # one stage input [b, S, H] fp32
-    peak = _merge(res, "peak")
+    peak = merge_disjoint(res, "peak")
     for s in stash:
         assert stash_rc[s] < stash[s] / 5
         assert stash_rc[s] == peak[s] * (mb_act if s > 0 else (BATCH // M) * SEQ * 8)

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from compare import assert_all_close, merge_disjoint  # noqa: E402
 from torch.distributed import pipelining as tpp
 
 from labkit.dist import launch
@@ -89,18 +90,8 @@ def _reference(steps):
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _merge(results, key):
-    out = {}
-    for r in results:
-        assert not set(out) & set(r[key])
-        out.update(r[key])
-    return out
-
-
 def _close(got, want, what):
-    assert set(got) == set(want), what
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {n}: {m}")
+    assert_all_close(got, want, what, RTOL, ATOL)
 
 
 @pytest.mark.parametrize("K", [2, 4])
@@ -118,13 +109,13 @@ def test_split_backward_equals_single_device_and_torch(name, K):
     # measured in flight (F to W) and between I and W equal what the schedule data says
     from labkit.pipeline import dualpipev_schedule, peak_in_flight, peak_waiting_for_w, zb_h1_schedule, zbv_schedule
     data = {"zb-h1": zb_h1_schedule, "zbv": zbv_schedule, "dualpipev": dualpipev_schedule}[name](K, M)
-    assert [_merge(res, "peak")[s] for s in sorted(_merge(res, "peak"))] == peak_in_flight(data)
-    assert [_merge(res, "peak_w")[s] for s in sorted(_merge(res, "peak_w"))] == peak_waiting_for_w(data)
-    assert all(v > 0 for v in _merge(res, "w_bytes").values()) or name == "dualpipev"
-    _close(_merge(res, "grads"), grads, f"{name} K={K} grad")
-    _close(_merge(res, "grads_torch"), grads, f"torch {name} K={K} grad")
-    _close(_merge(res, "grads"), _merge(res, "grads_torch"), f"{name} K={K} vs torch grad")
-    _close(_merge(res, "params"), params, f"{name} K={K} params after {steps} SGD steps")
+    assert [merge_disjoint(res, "peak")[s] for s in sorted(merge_disjoint(res, "peak"))] == peak_in_flight(data)
+    assert [merge_disjoint(res, "peak_w")[s] for s in sorted(merge_disjoint(res, "peak_w"))] == peak_waiting_for_w(data)
+    assert all(v > 0 for v in merge_disjoint(res, "w_bytes").values()) or name == "dualpipev"
+    _close(merge_disjoint(res, "grads"), grads, f"{name} K={K} grad")
+    _close(merge_disjoint(res, "grads_torch"), grads, f"torch {name} K={K} grad")
+    _close(merge_disjoint(res, "grads"), merge_disjoint(res, "grads_torch"), f"{name} K={K} vs torch grad")
+    _close(merge_disjoint(res, "params"), params, f"{name} K={K} params after {steps} SGD steps")
 
 
 def _stage_case():
@@ -186,4 +177,4 @@ def test_the_comparison_catches_a_runtime_that_drops_w(monkeypatch):
     grads, _ = _reference(1)
     res = launch(_rank, 2, "zb-h1", 1, backend="gloo", timeout=60)
     with pytest.raises(AssertionError):
-        _close(_merge(res, "grads"), grads, "zb-h1 without W")
+        _close(merge_disjoint(res, "grads"), grads, "zb-h1 without W")
