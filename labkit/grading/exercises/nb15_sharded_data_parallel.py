@@ -39,8 +39,9 @@ ex151 = exercise(
     hint="Section 1: a reduce-scatter and an all-gather over d ranks need d pieces of the SAME size, and "
          "rank r's piece must be the elements r would own in the concatenation. What size makes n elements "
          "fit, and where do the extra zeros go so that concatenating the shards gives the parameter back?")
-ex151.hint2 = ("Round n up to a multiple of d; the zeros go after the last real element, so that every rank's "
-               "piece starts where the previous one ended.")
+ex151.hint2 = ("Check the invariant on a small case, n = 10 and d = 4: are all four of your pieces the same "
+               "length, and does laying them end to end give back the 10 elements in order, with only zeros "
+               "after them?")
 
 
 def _shard_case(n, d, what):
@@ -91,8 +92,9 @@ ex152 = exercise(
     hint="Section 2: mixed-precision Adam keeps three kinds of state per parameter: bf16 weights, bf16 "
          "gradients and K bytes of fp32 optimizer state. Which of them does each stage split over the d ranks, "
          "and which stay whole on every GPU?")
-ex152.hint2 = ("Stage 1 splits one kind of state, stage 2 one more, stage 3 all three; K counts the fp32 master "
-               "weights as well as the two moments.")
+ex152.hint2 = ("Make a table with one row per kind of state (weights, gradients, optimizer state) and one column "
+               "per stage: in which cells is the state divided over the d ranks? Is the fp32 copy of the weights "
+               "part of the optimizer state or of the weights?")
 
 
 def _zero_bytes(psi, d, stage, p=2, g=2, k=12):
@@ -137,8 +139,9 @@ ex153 = exercise(
     hint="Section 4: count the collectives of one step and what each sends per rank in a ring. A ring "
          "all-reduce is a reduce-scatter followed by an all-gather; what does stage 3 gather that the others "
          "do not?")
-ex153.hint2 = ("Each reduce-scatter or all-gather of the whole model sends all but one d-th of it per rank; count "
-               "how many of them each stage runs per step.")
+ex153.hint2 = ("Count, for one step of each stage, the collectives that move the whole model: which are "
+               "reduce-scatters, which all-gathers, and which all-reduces? Then ask how much one ring collective of "
+               "that size sends per rank, compared with another.")
 
 
 def _volume(psi, d, stage):
@@ -180,8 +183,9 @@ ex154 = exercise(
     references=["labkit.plan.memory:zero3_gathered_peak"],
     hint="Section 3: look at the measured timeline. While one unit computes, which other unit's parameters "
          "are already gathered, and how long is each unit's gathered buffer on d ranks?")
-ex154.hint2 = ("With prefetch two units that run one after the other are gathered at once; each buffer is the "
-               "padded length. Without resharding nothing is freed until backward ends.")
+ex154.hint2 = ("Read the timeline in section 3 at its busiest moment: how many units' buffers exist at the same "
+               "time, how long is each buffer once padded, and what does keeping the gathered parameters until "
+               "backward change about when they are freed?")
 
 
 def _peak_case(units, d, reshard, what):
@@ -228,8 +232,8 @@ ex155 = exercise(
     hint="Section 1: an all-gather hands every rank the d shards, shard r from rank r. In which order do "
          "they have to be laid end to end to give the padded buffer back, and where in that buffer are the "
          "zeros that 15.1 added?")
-ex155.hint2 = ("Keep exactly the n real elements, counted from the start of the buffer; make sure your slice "
-               "still works when n is already a multiple of d and there is no padding at all.")
+ex155.hint2 = ("Try your function with n = 8 and d = 4, where there is no padding at all: does it still return "
+               "all 8 elements? And with n = 10: are the two zeros gone and is the order 1..10?")
 
 
 def _unshard_case(n, d, what):

@@ -25,9 +25,10 @@ ex161 = exercise(
     hint="Section 2: each block's output is normalised by its own block's sum of exponentials. What share of "
          "the total sum does each block hold, and how do you get it from the two log-sum-exps without "
          "leaving the log domain?")
-ex161.hint2 = ("The merged log-sum-exp is the log of the sum of the two blocks' sums; each block's weight is its "
-               "sum over that total. Large scores overflow a plain exponential: work with differences of "
-               "log-sum-exps, and let a block with no visible key (minus infinity) weigh nothing.")
+ex161.hint2 = ("Write each block's output as its unnormalised sum divided by its own normaliser: what must the "
+               "merged result be divided by instead, and how do you get that quantity from the two log-sum-exps "
+               "without ever computing an exponential that can overflow? What should a block with no visible key "
+               "contribute?")
 
 
 def _partials(seed, B=2, h=3, Sq=5, Sk=(4, 6), d=4, scale=1.0, causal_block=None):
@@ -126,8 +127,8 @@ ex162 = exercise(
     "16.2", title="the causal chunk placement", notebook="16_context_parallel", points=3,
     hint="Section 4: under a causal mask a chunk's work grows with its position in the sequence. With two "
          "chunks per rank, how can every rank get the same total, whatever cp is?")
-ex162.hint2 = ("Pair a chunk from the start of the sequence with one from the end, so that the two positions "
-               "add up to the same number on every rank.")
+ex162.hint2 = ("Compute the causal work of each of the 2cp chunks for cp = 2 (it grows with the chunk's index). "
+               "Which pairs of chunks give every rank the same total?")
 
 
 def _chunk_work(c: int, m: int) -> int:
