@@ -113,7 +113,7 @@ class _Unit:
     """One FSDP unit: its flat shard (the parameter the optimizer sees), the buffer its full
     parameters are gathered into, and where each original parameter lived."""
 
-    def __init__(self, name: str, module: nn.Module, d: int, rank: int):
+    def __init__(self, name: str, module: nn.Module, d: int, rank: int, is_partial=None):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(f"FSDP unit {name!r} has no parameters that require grad")
@@ -121,6 +121,9 @@ class _Unit:
         self.names = [f"{name}.{n}" for n, _ in named]
         self.shapes = [p.shape for _, p in named]
         self.numel = sum(p.numel() for _, p in named)
+        starts = [sum(q.numel() for _, q in named[:i]) for i in range(len(named))]
+        # (offset, numel) in the flat buffer of the parameters whose gradients are partial sums
+        self.partial = [(o, p.numel()) for o, (_, p) in zip(starts, named) if is_partial and is_partial(p)]
         self.padded = padded_numel(self.numel, d)
         flat = flatten([p.detach() for _, p in named], d)
         size = self.padded // d
@@ -162,6 +165,11 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         prefetch: start the next unit's all-gather while the current one computes.
         replicate_group: HSDP's replica group (R ranks holding the same shard), or None.
         sync_module_states: broadcast rank 0's weights first (in the shard and replicate groups).
+        partial_grad_group: a group over which the gradients of the parameters marked
+            ``sequence_parallel`` (Megatron-Core's attribute; sequence parallelism's LayerNorm
+            weights, which saw S/t tokens on each TP rank) are partial sums: summed over it, one
+            coalesced all-reduce per unit that holds any, just before the unit's reduce-scatter
+            (Korthikanti et al. 2022 sec. 4.2.2). None: no such parameters.
 
     After a synchronised backward every shard's ``.grad`` holds its part of the DP-mean
     gradient. Measurements: ``peak_gathered_bytes`` (largest sum of gathered unit buffers seen
@@ -173,7 +181,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
 
     def __init__(self, module: nn.Module, units: Sequence[str] | None = None, process_group=None,
                  reshard_after_forward: bool = True, prefetch: bool = True, replicate_group=None,
-                 sync_module_states: bool = False):
+                 sync_module_states: bool = False, partial_grad_group=None):
         super().__init__()
         names = list(default_units(module) if units is None else units)
         known = dict(module.named_modules())
@@ -205,7 +213,9 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
                     for p in params:
                         comm.broadcast(p.data, src=src, group=group)
         self.module = module
-        self.units = [_Unit(n, known[n], self.d, self.rank) for n in names]
+        self.partial_grad_group = partial_grad_group
+        marked = (lambda p: getattr(p, "sequence_parallel", False)) if partial_grad_group is not None else None
+        self.units = [_Unit(n, known[n], self.d, self.rank, marked) for n in names]
         self.shards = nn.ParameterList([u.shard for u in self.units])
         self.require_backward_grad_sync = True
         self.peak_gathered_bytes, self._live = 0, 0
@@ -332,6 +342,13 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self._queue_finalize()
         grad = u.full.grad
         u.full.grad = None
+        if u.partial:                       # partial sums (sequence parallelism) over their group first
+            flat = torch.cat([grad[o:o + n] for o, n in u.partial])
+            comm.all_reduce(flat, self.partial_grad_group)
+            offset = 0
+            for o, n in u.partial:
+                grad[o:o + n].copy_(flat[offset:offset + n])
+                offset += n
         out = torch.empty_like(u.shard)
         ev = self._event(u, "reduce_scatter", "backward")
         work = comm.reduce_scatter_tensor(out, grad, self.process_group, async_op=True)

@@ -62,21 +62,47 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         optimizer_class: an elementwise ``torch.optim.Optimizer`` class (SGD, Adam, AdamW).
         process_group: the DP group; None: the default group.
         bucket_cap_mb: largest gradient bucket in MiB (2**20 bytes).
+        partial_grad_group, is_partial: see "Partial gradients" below (None: none).
+        expert_params: names (in ``module``) of parameters not sharded (see below).
         **defaults: passed to ``optimizer_class``.
 
     After a synchronised backward no ``param.grad`` is left on the module; each bucket's
     ``shard.grad`` holds rank r's part of the DP-mean gradient. :meth:`step` steps the shards and
     all-gathers the parameters. ``no_sync()`` accumulates full local gradients (the next
-    synchronised backward reduce-scatters the sum). Raises ValueError (before any
-    communication) for ``bucket_cap_mb <= 0``, no parameters, or mixed dtypes/devices.
+    synchronised backward reduce-scatters the sum).
+
+    When the sync closes (DDP's rule, :class:`~.ddp.DistributedDataParallel`): at the end of an
+    autograd run in which the last bucket started. A parameter without a gradient, or a backward
+    split into several autograd runs (a checkpointed block's recompute runs its own nested
+    backward; a zero-bubble W runs one per microbatch), leaves it open until the rest arrives or
+    :meth:`finish_grad_sync` (which :meth:`step` calls first) closes it, counting missing
+    gradients as zero: every bucket is reduce-scattered exactly once per step.
+
+    Partial gradients (``partial_grad_group``): parameters for which ``is_partial(p)`` holds
+    (default: Megatron-Core's ``sequence_parallel`` attribute) saw only this rank's share of the
+    tokens of that group (sequence parallelism: S/t of them over TP), so their gradients are summed
+    over it first, one coalesced all-reduce per bucket that holds any, just before the bucket's
+    reduce-scatter (the same sum as reducing the shards over TP afterwards; Korthikanti et al.
+    2022 sec. 4.2.2). ``expert_params``: names of parameters that differ across the DP ranks
+    (expert parallelism folded onto DP): not sharded, their full gradient is only divided by d
+    (as in DDP) and they are stepped whole by :attr:`expert_optim`.
+
+    Raises ValueError (before any communication) for ``bucket_cap_mb <= 0``, no parameters,
+    mixed dtypes/devices, or unknown ``expert_params``.
     """
 
     def __init__(self, module: nn.Module, optimizer_class=torch.optim.Adam, process_group=None,
-                 bucket_cap_mb: float = 25.0, **defaults):
+                 bucket_cap_mb: float = 25.0, partial_grad_group=None, is_partial=None,
+                 expert_params: Sequence[str] = (), **defaults):
         super().__init__()
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        params = [p for p in module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        unknown = set(expert_params) - {n for n, _ in named}
+        if unknown:
+            raise ValueError(f"expert_params {sorted(unknown)} are not parameters of the module")
+        self.expert_params = [p for n, p in named if n in set(expert_params)]
+        params = [p for n, p in named if n not in set(expert_params)]
         if not params:
             raise ValueError("ZeroStage2 got a module without parameters that require grad")
         if len({(p.dtype, p.device) for p in params}) > 1:
@@ -88,10 +114,15 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         self.buckets = [_Bucket([order[i] for i in g], self.d, self.rank) for g in groups]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.optim = optimizer_class([b.shard for b in self.buckets], **defaults)
+        self.expert_optim = optimizer_class(self.expert_params, **defaults) if self.expert_params else None
+        self.partial_grad_group = partial_grad_group
+        self.is_partial = is_partial or (lambda p: getattr(p, "sequence_parallel", False))
         self.require_backward_grad_sync = True
-        self._next, self._callback_queued = 0, False
+        self._next, self._callback_queued, self._pending_experts = 0, False, {}
         for p in params:
             p.register_post_accumulate_grad_hook(self._hook)
+        for p in self.expert_params:
+            p.register_post_accumulate_grad_hook(self._expert_hook)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -101,6 +132,7 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         return self.optim.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._pending_experts = {}
         for b in self.buckets:
             b.shard.grad = None
         for p in self.module.parameters():
@@ -115,12 +147,20 @@ class ZeroStage2(NoSyncMixin, nn.Module):
 
     # ------------------------------------------------------------------ backward
 
-    def _hook(self, p: nn.Parameter) -> None:
-        if not self.require_backward_grad_sync:
-            return
+    def _queue_finalize(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _expert_hook(self, p: nn.Parameter) -> None:
+        if self.require_backward_grad_sync:
+            self._queue_finalize()
+            self._pending_experts[id(p)] = p   # once per step, however many runs
+
+    def _hook(self, p: nn.Parameter) -> None:
+        if not self.require_backward_grad_sync:
+            return
+        self._queue_finalize()
         self._bucket_of[id(p)].ready += 1
         while self._next < len(self.buckets) and \
                 self.buckets[self._next].ready == len(self.buckets[self._next].params):
@@ -128,6 +168,15 @@ class ZeroStage2(NoSyncMixin, nn.Module):
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
+        if self.partial_grad_group is not None:   # partial sums over e.g. TP first (coalesced)
+            part = [q.grad for q in b.params if q.grad is not None and self.is_partial(q)]
+            if part:
+                flat = torch.cat([g.reshape(-1) for g in part])
+                comm.all_reduce(flat, self.partial_grad_group)
+                offset = 0
+                for g in part:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
         b.buffer = torch.zeros(b.padded, dtype=b.shard.dtype, device=b.shard.device)
         offset = 0
         for q in b.params:
@@ -138,10 +187,30 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         b.out = torch.empty_like(b.shard)
         b.work = comm.reduce_scatter_tensor(b.out, b.buffer, self.process_group, async_op=True)
 
+    def _in_progress(self) -> bool:
+        return self._next > 0 or any(b.ready for b in self.buckets) or bool(self._pending_experts)
+
     def _finalize(self) -> None:
+        """End of an autograd run: complete the sync when every bucket has started, else leave
+        it open (a nested recompute backward, a zero-bubble W, a parameter without gradient)."""
         self._callback_queued = False
-        for b in self.buckets[self._next:]:     # parameters without a gradient count as zero
+        if self._next == len(self.buckets):
+            self._complete()
+
+    def finish_grad_sync(self) -> None:
+        """Close an open sync (Megatron-Core's name): start the buckets not started yet (missing
+        gradients count as zero) and complete. No-op when none is open."""
+        if not self._in_progress():
+            return
+        for b in self.buckets[self._next:]:
             self._launch(b)
+        self._next = len(self.buckets)
+        self._complete()
+
+    def _complete(self) -> None:
+        for p in self._pending_experts.values():   # experts: the full gradient, the DP mean of the loss
+            p.grad.div_(self.d)
+        self._pending_experts = {}
         for b in self.buckets:
             b.work.wait()
             b.out.div_(self.d)
@@ -156,9 +225,13 @@ class ZeroStage2(NoSyncMixin, nn.Module):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step this rank's shards, then all-gather every bucket's parameters (all started
-        asynchronously, then waited for) and copy them into the module."""
+        """Close an open gradient sync, step this rank's shards (and the experts), then
+        all-gather every bucket's parameters (all started asynchronously, then waited for) and
+        copy them into the module."""
+        self.finish_grad_sync()
         self.optim.step()
+        if self.expert_optim is not None:
+            self.expert_optim.step()
         gathered = []
         for b in self.buckets:
             full = torch.empty(b.padded, dtype=b.shard.dtype, device=b.shard.device)

@@ -111,8 +111,10 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
     0-3 (True: 1); ZeRO-2/3 not with a zero-bubble schedule (their W accumulates outside the
-    gradient hooks), tied embeddings, MoE or sequence parallelism with t > 1; ``hsdp`` R replicas
-    (ZeRO-3 only) dividing d, below d; ZeRO-2 not with full recompute.
+    gradient hooks), tied embeddings or MoE; ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d.
+    ZeRO-2/3 do run with sequence parallelism (the LayerNorm gradients summed over TP inside their
+    hooks, before the reduce-scatter) and with full recompute (ZeRO-2's sync stays open across the
+    recompute's nested backwards).
     """
     zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
@@ -139,14 +141,9 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if zero >= 2 and info.zero_bubble:
         raise ValueError(f"ZeRO-{zero} with {info.label}: the split backward's W accumulates the weight gradients "
                          f"outside the hooks that reduce-scatter them; use ZeRO 0 or 1 with it, or another schedule")
-    if zero >= 2 and (getattr(cfg, "share_embeddings_and_output_weights", False) or n_experts is not None
-                      or (sequence_parallel and tp > 1)):
-        raise ValueError(f"ZeRO-{zero} runs here without tied embeddings, MoE and sequence parallelism (their "
-                         f"extra gradient reductions need the full gradients, which ZeRO-{zero} no longer keeps)")
-    if zero == 2 and recompute == "full":
-        raise ValueError("ZeRO-2 with full recompute: each recomputed block runs its own backward, which closes "
-                         "ZeroStage2's gradient sync early (the buckets are reduce-scattered twice); use ZeRO-3 or "
-                         "selective recompute")
+    if zero >= 2 and (getattr(cfg, "share_embeddings_and_output_weights", False) or n_experts is not None):
+        raise ValueError(f"ZeRO-{zero} runs here without tied embeddings and MoE (their extra gradient reductions "
+                         f"need the full gradients, which ZeRO-{zero} no longer keeps)")
     if n_microbatches < info.min_microbatches(pp):
         raise ValueError(f"{info.label} needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
     if cfg.n_layer % (pp * v):
@@ -377,15 +374,17 @@ class ParallelGPT:
         """ZeRO-2 or FSDP wrappers of this rank's stages over the DP group (HSDP: the shard and
         replicate groups of ``Mesh(pp, replicate, shard, tp)``, created by every rank in order)."""
         g = self.grid
+        partial = g.tp_group if self.sequence_parallel else None    # SP: LayerNorm grads summed over TP
         if self.zero == 2:   # the optimizer class comes with make_optimizer; SGD holds the place
-            return [ZeroStage2(m, torch.optim.SGD, g.dp_group, self.bucket_cap_mb, lr=0.0) for m in self.modules]
+            return [ZeroStage2(m, torch.optim.SGD, g.dp_group, self.bucket_cap_mb, partial_grad_group=partial, lr=0.0)
+                    for m in self.modules]
         shard_group, replicate_group = g.dp_group, None
         if self.hsdp > 1:
             mesh = Mesh(pp=g.pp, replicate=self.hsdp, shard=g.dp // self.hsdp, tp=g.tp)
             shard_group = mesh.new_groups(g.ctx, "shard")
             replicate_group = mesh.new_groups(g.ctx, "replicate")
-        return [FullyShardedDataParallel(m, default_units(m), shard_group, replicate_group=replicate_group)
-                for m in self.modules]
+        return [FullyShardedDataParallel(m, default_units(m), shard_group, replicate_group=replicate_group,
+                                         partial_grad_group=partial) for m in self.modules]
 
     # ---------------------------------------------------------------- training
 
@@ -441,10 +440,11 @@ class ParallelGPT:
             x, y = self._context_parallel(x, y)
         losses: list = []
         self.schedule.step(x.to(dev), target=y.to(dev), losses=losses)
-        for w in self.ddp:
-            if w is not None:
+        for w in (*self.ddp, *self.sharded):
+            if w is not None and hasattr(w, "finish_grad_sync"):
                 w.finish_grad_sync()          # no-op when the last backward completed it
-        if self.sequence_parallel:            # LayerNorms etc. saw S/t tokens: sum over TP, once per step
+        if self.sequence_parallel and self.sharded[0] is None:   # ZeRO-2/3 sum them in their hooks
+            # LayerNorms etc. saw S/t tokens: sum over TP, once per step
             allreduce_layernorm_grads(nn.ModuleList(self.modules), self.grid.tp_group)
         if self.moe and any(layer.cfg.expert_bias for m in self.modules for layer in m.moe_layers().values()):
             finish_step(self.modules, self.grid.dp_group if self.grid.dp > 1 else None)   # aux-loss-free bias
@@ -636,6 +636,10 @@ class ParallelGPT:
         if self.zero == 2 and g.dp > 1:   # one reduce-scatter and one all-gather per gradient bucket
             n = sum(len(w.buckets) for w in self.sharded)
             out["dp"] = {k: (n, nbytes) for k, (_, nbytes) in out["dp"].items()}
+            if self.sequence_parallel:   # SP sums: one per bucket holding any (the planner: one per chunk)
+                n_sp = sum(1 for w in self.sharded for b in w.buckets if any(w.is_partial(q) for q in b.params))
+                c, nbytes = out["tp"]["all_reduce"]
+                out["tp"]["all_reduce"] = (c - len(self.modules) + n_sp, nbytes)
         return out
 
 

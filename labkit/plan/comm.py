@@ -13,7 +13,9 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   an all-gather (same wire bytes) and backward re-gathers the column-parallel inputs (the two
   of each layer and the output layer's); once per step the gradients of the parameters that saw
   S/t tokens (LayerNorms, row-parallel biases, the final norm, learned positions) are
-  all-reduced. Full recompute repeats the forward's collectives in backward. A MoE layer with
+  all-reduced (one coalesced all-reduce; under ZeRO-2/3 with d > 1 one per gradient bucket,
+  labkit's default one per model chunk, or per FSDP unit that holds any, from the reduce-scatter
+  hooks: the same bytes). Full recompute repeats the forward's collectives in backward. A MoE layer with
   expert TP 1 (``Layout.etp``, Megatron-Core's ``expert_tensor_parallel_size``) and no shared
   experts, without SP, holds whole experts on every TP rank: its MLP output is already complete,
   so only its attention all-reduces (once forward, once backward).
@@ -131,7 +133,16 @@ def tp_comm(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_ran
         n_ln += spec.norm_params() if holds_last(lay, r) else 0            # the final norm
         if holds_first(lay, r) and spec.position == "learned":             # positions added per S/t block
             n_ln += spec.seq_len * h
-        bwd.add("all_reduce", 1 if n_ln else 0, n_ln * gb)      # sequence-parallel gradients
+        n_ar = 1 if n_ln else 0                                 # sequence-parallel gradients
+        if n_ln and lay.zero == 2 and lay.d * lay.cp > 1:       # ZeroStage2: per bucket (one per chunk)
+            n_ar = len(rank_stages(lay, r))
+        elif n_ln and lay.zero == 3 and lay.d * lay.cp > 1:     # FSDP: per unit holding any
+            n_ar = L_r + (1 if holds_last(lay, r) and spec.norm_params() else 0) + \
+                (1 if holds_first(lay, r) and spec.position == "learned" else 0)
+        bwd.add("all_reduce", 1 if n_ln else 0, n_ln * gb)     # the bytes of one; then the count
+        if n_ar > 1:
+            c, nbytes = bwd.ops["all_reduce"]
+            bwd.ops["all_reduce"] = (c + n_ar - 1, nbytes)
     else:
         # g after attention and MLP, f of each in backward; a MoE layer with whole experts on every TP
         # rank (expert TP 1, no shared experts) has a replicated MLP output: no collective around it

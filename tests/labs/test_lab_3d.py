@@ -76,7 +76,7 @@ def test_lab_3d_zero_flag_spellings():
     (["--dp", "4", "--hsdp", "2"], "HSDP (R=2 replicas) shards the parameters: it needs ZeRO-3, got ZeRO-0"),
     (["--zero", "2", "--schedule", "zb-h1"], "ZeRO-2 with ZB-H1"),
     (["--zero", "3", "--tied"], "ZeRO-3 runs here without tied embeddings"),
-    (["--zero", "2", "--recompute", "full"], "ZeRO-2 with full recompute"),
+    (["--zero", "2", "--moe"], "--moe runs with DDP, without --sp and --recompute"),
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
     (["--layers", "3"], "n_layer=3 layers must be divisible by p*v"),
     (["--batch", "6"], "global batch B=6 must be divisible by d*M"),
@@ -136,6 +136,7 @@ GRID = ["--tp", "2", "--pp", "2", "--dp", "2", "--no-plots", "--steps", "2", "--
 @pytest.mark.parametrize("extra", [
     ["--sp"], ["--recompute", "selective"], ["--recompute", "full"], ["--sp", "--recompute", "selective"],
     ["--sp", "--zero"], ["--sp", "--schedule", "zb-h1"],
+    ["--sp", "--zero", "2", "--recompute", "full"], ["--sp", "--zero", "3"],   # issue 19 (a), (b)
 ], ids=lambda e: " ".join(e))
 def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_path, capsys, monkeypatch):
     rc = main(["lab", "3d", *GRID, *extra, "--out", str(tmp_path)])

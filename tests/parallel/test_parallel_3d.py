@@ -46,9 +46,10 @@ def reference(cfg, steps, opt="sgd", lr=0.1):
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug, hsdp=1):
+def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug, hsdp=1, sp=False, recompute="none"):
     grid = make_grid(ctx, tp=t, pp=p, dp=d)
-    pg = ParallelGPT(GPT(cfg, seed=0), grid, schedule, M, v=v, zero=zero, bucket_cap_mb=0.002, hsdp=hsdp)
+    pg = ParallelGPT(GPT(cfg, seed=0), grid, schedule, M, v=v, zero=zero, bucket_cap_mb=0.002, hsdp=hsdp,
+                     sequence_parallel=sp, recompute=recompute)
     if bug == "no_dp_average":                        # injected: ZeRO-2/3 shards summed over DP, not averaged
         for w in pg.sharded:
             w.d, w.replicas = 1, 1
@@ -80,8 +81,10 @@ def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug, hsdp=1
     return out
 
 
-def run(cfg, t, p, d, schedule="1f1b", v=1, M=2, steps=3, opt="sgd", lr=0.1, zero=False, bug=None, hsdp=1):
-    return launch(_worker, t * p * d, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug, hsdp, backend="gloo")
+def run(cfg, t, p, d, schedule="1f1b", v=1, M=2, steps=3, opt="sgd", lr=0.1, zero=False, bug=None, hsdp=1,
+        sp=False, recompute="none"):
+    return launch(_worker, t * p * d, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug, hsdp, sp, recompute,
+                  backend="gloo")
 
 
 def merged(out, key, step=None):
@@ -175,6 +178,23 @@ def test_3d_zero2_zero3_hsdp_sgd(t, p, d, zero, hsdp):
         if zero == 3:
             assert mem["params"] == mem["grads"] and 0 < mem["gathered"]
             assert ("all_reduce" in dp) == (hsdp > 1)
+
+
+@pytest.mark.parametrize("t,p,d,zero,sp,recompute", [
+    (1, 2, 2, 2, False, "full"),      # (a) the recompute's nested backwards keep ZeRO-2's sync open
+    (2, 1, 2, 2, True, "full"),       # (b) SP: LayerNorm gradients summed over TP in the hooks; and (a)
+    (2, 1, 2, 3, True, "none"),       # (b) under FSDP: per unit, before its reduce-scatter
+])
+def test_3d_zero23_with_sp_and_full_recompute(t, p, d, zero, sp, recompute):
+    """ZeRO-2/3 composed with sequence parallelism and full recompute (issue 19): every parameter
+    gradient at every step and the parameters after 3 SGD steps equal one device; each bucket/unit
+    reduce-scattered once per step and the SP all-reduces as the planner counts them (check_comm)."""
+    cfg = cfg_for()
+    out = run(cfg, t, p, d, "1f1b", 1, M=2, zero=zero, sp=sp, recompute=recompute)
+    check_equal(out, cfg, 3)
+    check_comm(out)
+    if sp:
+        assert all(r["comm"][-1]["tp"]["all_reduce"][0] == r["expected"]["tp"]["all_reduce"][0] >= 1 for r in out)
 
 
 @pytest.mark.parametrize("zero", [2, 3])
