@@ -170,6 +170,11 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
             weights, which saw S/t tokens on each TP rank) are partial sums: summed over it, one
             coalesced all-reduce per unit that holds any, just before the unit's reduce-scatter
             (Korthikanti et al. 2022 sec. 4.2.2). None: no such parameters.
+        defer_reduce: names of parameters whose unit is reduce-scattered only in
+            :meth:`finish_grad_sync`, after backward; until then the unit's full flat gradient
+            stays (:meth:`unsharded_grad` views it), for a reduction the caller must do first
+            that cannot run inside backward (a tied embedding's gradient summed between the first
+            and the last pipeline stage; Megatron-Core's ``finalize_model_grads``).
 
     After a synchronised backward every shard's ``.grad`` holds its part of the DP-mean
     gradient. Measurements: ``peak_gathered_bytes`` (largest sum of gathered unit buffers seen
@@ -181,7 +186,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
 
     def __init__(self, module: nn.Module, units: Sequence[str] | None = None, process_group=None,
                  reshard_after_forward: bool = True, prefetch: bool = True, replicate_group=None,
-                 sync_module_states: bool = False, partial_grad_group=None):
+                 sync_module_states: bool = False, partial_grad_group=None, defer_reduce: Sequence[str] = ()):
         super().__init__()
         names = list(default_units(module) if units is None else units)
         known = dict(module.named_modules())
@@ -215,7 +220,13 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self.module = module
         self.partial_grad_group = partial_grad_group
         marked = (lambda p: getattr(p, "sequence_parallel", False)) if partial_grad_group is not None else None
+        unknown = set(defer_reduce) - {n for n, _ in module.named_parameters()}
+        if unknown:
+            raise ValueError(f"defer_reduce {sorted(unknown)} are not parameters of the module")
         self.units = [_Unit(n, known[n], self.d, self.rank, marked) for n in names]
+        for u in self.units:
+            u.deferred = bool(set(u.names) & set(defer_reduce))
+            u.held = None            # a deferred unit's full gradient between backward and finish_grad_sync
         self.shards = nn.ParameterList([u.shard for u in self.units])
         self.require_backward_grad_sync = True
         self.peak_gathered_bytes, self._live = 0, 0
@@ -342,6 +353,12 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self._queue_finalize()
         grad = u.full.grad
         u.full.grad = None
+        if u.deferred:                      # kept whole until finish_grad_sync
+            u.held = grad
+            return
+        self._reduce_scatter(u, grad)
+
+    def _reduce_scatter(self, u: _Unit, grad: torch.Tensor) -> None:
         if u.partial:                       # partial sums (sequence parallelism) over their group first
             flat = torch.cat([grad[o:o + n] for o, n in u.partial])
             comm.all_reduce(flat, self.partial_grad_group)
@@ -354,6 +371,26 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         work = comm.reduce_scatter_tensor(out, grad, self.process_group, async_op=True)
         _time_completion(work, ev)
         self._pending.append((u, out, work, grad, ev))
+
+    def unsharded_grad(self, name: str) -> torch.Tensor:
+        """The full gradient of parameter ``name`` of a deferred unit (a view of the unit's held
+        flat gradient: write into it to change what is reduce-scattered). Raises RuntimeError
+        when no gradient is held for it."""
+        for u in self.units:
+            if name in u.names and u.held is not None:
+                i = u.names.index(name)
+                return unflatten(u.held, u.shapes)[i]
+        raise RuntimeError(f"no unsharded gradient held for {name!r} (not in defer_reduce, or no backward yet)")
+
+    def finish_grad_sync(self) -> None:
+        """Reduce-scatter the deferred units' held gradients (after the caller's own reduction
+        of them) into their shards' ``.grad``. No-op when none is held."""
+        held = [u for u in self.units if u.held is not None]
+        for u in held:
+            grad, u.held = u.held, None
+            self._reduce_scatter(u, grad)
+        if held:
+            self._finalize()
 
     def _queue_finalize(self) -> None:
         if not self._callback_queued:

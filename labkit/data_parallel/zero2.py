@@ -51,6 +51,7 @@ class _Bucket:
         size = self.padded // d
         self.shard = nn.Parameter(flatten([p.detach() for p in params], d)[rank * size:(rank + 1) * size].clone())
         self.ready, self.work, self.out, self.buffer = 0, None, None, None
+        self.deferred = False
 
 
 class ZeroStage2(NoSyncMixin, nn.Module):
@@ -64,6 +65,11 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         bucket_cap_mb: largest gradient bucket in MiB (2**20 bytes).
         partial_grad_group, is_partial: see "Partial gradients" below (None: none).
         expert_params: names (in ``module``) of parameters not sharded (see below).
+        defer_reduce: names (in ``module``) of parameters whose bucket is reduce-scattered only
+            in :meth:`finish_grad_sync`, after backward: until then their full ``.grad`` stays,
+            for a reduction the caller must do first that cannot run inside backward (a tied
+            embedding's gradient summed between the first and the last pipeline stage, whose
+            backwards run at different times; Megatron-Core's ``finalize_model_grads``).
         **defaults: passed to ``optimizer_class``.
 
     After a synchronised backward no ``param.grad`` is left on the module; each bucket's
@@ -93,14 +99,14 @@ class ZeroStage2(NoSyncMixin, nn.Module):
 
     def __init__(self, module: nn.Module, optimizer_class=torch.optim.Adam, process_group=None,
                  bucket_cap_mb: float = 25.0, partial_grad_group=None, is_partial=None,
-                 expert_params: Sequence[str] = (), **defaults):
+                 expert_params: Sequence[str] = (), defer_reduce: Sequence[str] = (), **defaults):
         super().__init__()
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        unknown = set(expert_params) - {n for n, _ in named}
+        unknown = (set(expert_params) | set(defer_reduce)) - {n for n, _ in named}
         if unknown:
-            raise ValueError(f"expert_params {sorted(unknown)} are not parameters of the module")
+            raise ValueError(f"expert_params/defer_reduce {sorted(unknown)} are not parameters of the module")
         self.expert_params = [p for n, p in named if n in set(expert_params)]
         params = [p for n, p in named if n not in set(expert_params)]
         if not params:
@@ -113,6 +119,9 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         groups = bucket_groups([p.numel() * p.element_size() for p in order], bucket_cap_mb)
         self.buckets = [_Bucket([order[i] for i in g], self.d, self.rank) for g in groups]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for n, p in named:
+            if n in set(defer_reduce):
+                self._bucket_of[id(p)].deferred = True
         self.optim = optimizer_class([b.shard for b in self.buckets], **defaults)
         self.expert_optim = optimizer_class(self.expert_params, **defaults) if self.expert_params else None
         self.partial_grad_group = partial_grad_group
@@ -162,9 +171,14 @@ class ZeroStage2(NoSyncMixin, nn.Module):
             return
         self._queue_finalize()
         self._bucket_of[id(p)].ready += 1
-        while self._next < len(self.buckets) and \
-                self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            self._launch(self.buckets[self._next])
+        # start every consecutive full bucket in index order (the same on every rank); a deferred
+        # one is skipped here and started in finish_grad_sync
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if not b.deferred:
+                if b.ready < len(b.params):
+                    break
+                self._launch(b)
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
@@ -194,17 +208,18 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         """End of an autograd run: complete the sync when every bucket has started, else leave
         it open (a nested recompute backward, a zero-bubble W, a parameter without gradient)."""
         self._callback_queued = False
-        if self._next == len(self.buckets):
+        if self._next == len(self.buckets) and not any(b.deferred for b in self.buckets):
             self._complete()
 
     def finish_grad_sync(self) -> None:
-        """Close an open sync (Megatron-Core's name): start the buckets not started yet (missing
-        gradients count as zero) and complete. No-op when none is open."""
+        """Close an open sync (Megatron-Core's name): start the buckets not started yet, deferred
+        ones included, in index order (missing gradients count as zero) and complete. No-op when
+        none is open."""
         if not self._in_progress():
             return
-        for b in self.buckets[self._next:]:
-            self._launch(b)
-        self._next = len(self.buckets)
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
         self._complete()
 
     def _complete(self) -> None:

@@ -46,6 +46,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -294,24 +295,27 @@ def _worker(ctx, a, corpus) -> RankResult:
 
     check = lockstep(ctx, a, lambda: _model(a), ref_loss)
 
+    def rename(m, n):
+        name = pg.reference_name(m, n)
+        # tied: the last stage's copy (p > 1), or the one matrix's second name (p = 1), is the reference's one
+        return "embedding.wte.weight" if pg.tied and name == "head.lm_head.weight" else name
+
     def pieces():
         out = []
         if a.zero >= 2 and grid.dp > 1:     # ZeRO-2/3: the DP shards gathered (inspection only, not counted)
             from .verdict import Piece
             for m, grads, params in zip(pg.modules, pg.tp_local("grad"), pg.tp_local("param")):
                 for n, (g, dim) in grads.items():
+                    if pg.tied and pg.grid.pp == 1 and rename(m, n) != pg.reference_name(m, n):
+                        continue                                   # p = 1: the one matrix, once
                     k = params[n][0].shape[dim] if dim is not None else 0
                     mine = slice(grid.tp_rank * k, (grid.tp_rank + 1) * k)
                     index = None if dim is None else (slice(None),) * dim + (mine,)
-                    out.append(Piece(pg.reference_name(m, n), params[n][0], g, index))
+                    out.append(Piece(rename(m, n), params[n][0], g, index))
                 out += [Piece(pg.reference_name(m, n), b.detach()) for n, b in m.named_buffers()]
             return out
         for m in pg.modules:
-            def rename(n, m=m):
-                name = pg.reference_name(m, n)
-                # tied, p > 1: the last stage's copy is the reference's one matrix
-                return "embedding.wte.weight" if pg.tied and name == "head.lm_head.weight" else name
-            out += sharded_pieces(m, grid.tp_rank, grid.tp, rename)
+            out += sharded_pieces(m, grid.tp_rank, grid.tp, partial(rename, m))
         return out
 
     wire, losses, comm, seconds, overlaps, timelines, act_peak = [], [], [], 0.0, [], [], None

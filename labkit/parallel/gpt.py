@@ -26,6 +26,10 @@ TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP out
   ``(replicate, shard)`` mesh; groups from :class:`labkit.grid.Mesh`). The first M-1 backwards of
   a step run under ``no_sync()`` (the pipeline runtime's rule), so every stage reduces once per
   step. The zero-bubble schedules (backward split into I and W) run with ZeRO 0 and 1 only.
+  ZeRO-2/3 compose with sequence parallelism (the LayerNorm gradients, partial over TP, are
+  summed over TP inside the reduce-scatter hooks), full recompute and tied embeddings (the copy's
+  bucket or unit waits for the embedding-group all-reduce after the backwards), as Llama 3's
+  FSDP + TP + SP; not (yet) with MoE or the zero-bubble schedules.
 
 Context parallelism (``grid.cp`` > 1, :mod:`labkit.context_parallel`; rank order tp-cp-dp-pp):
 each CP rank holds its share of every sequence (the load-balanced 2 cp chunks), the embedding
@@ -111,10 +115,12 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
     0-3 (True: 1); ZeRO-2/3 not with a zero-bubble schedule (their W accumulates outside the
-    gradient hooks), tied embeddings or MoE; ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d.
-    ZeRO-2/3 do run with sequence parallelism (the LayerNorm gradients summed over TP inside their
-    hooks, before the reduce-scatter) and with full recompute (ZeRO-2's sync stays open across the
-    recompute's nested backwards).
+    gradient hooks) or MoE; ZeRO-3 not with tied embeddings at p = 1 (one matrix in two FSDP
+    units); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d. ZeRO-2/3 do run with sequence
+    parallelism (the LayerNorm gradients summed over TP inside their hooks, before the
+    reduce-scatter), with full recompute (ZeRO-2's sync stays open across the recompute's nested
+    backwards) and with tied embeddings at p > 1 (the copy's bucket/unit reduce-scattered after
+    the embedding-group all-reduce of its full gradient).
     """
     zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
@@ -141,9 +147,12 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if zero >= 2 and info.zero_bubble:
         raise ValueError(f"ZeRO-{zero} with {info.label}: the split backward's W accumulates the weight gradients "
                          f"outside the hooks that reduce-scatter them; use ZeRO 0 or 1 with it, or another schedule")
-    if zero >= 2 and (getattr(cfg, "share_embeddings_and_output_weights", False) or n_experts is not None):
-        raise ValueError(f"ZeRO-{zero} runs here without tied embeddings and MoE (their extra gradient reductions "
-                         f"need the full gradients, which ZeRO-{zero} no longer keeps)")
+    if zero >= 2 and n_experts is not None:
+        raise ValueError(f"ZeRO-{zero} runs here without MoE (the experts reduce over the expert-DP group, not "
+                         f"the DP group); use ZeRO 0 or 1 with it")
+    if zero == 3 and pp == 1 and getattr(cfg, "share_embeddings_and_output_weights", False):
+        raise ValueError("ZeRO-3 with tied embeddings and p=1: the one matrix would be in two FSDP units (the "
+                         "embedding and the head); use p > 1 (a copy on each end stage), or ZeRO 0-2")
     if n_microbatches < info.min_microbatches(pp):
         raise ValueError(f"{info.label} needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
     if cfg.n_layer % (pp * v):
@@ -358,7 +367,11 @@ class ParallelGPT:
                     if d * cp > 1 and not zero else None for m in self.modules]             # data parallel
         # TP slicing of every parameter (name -> partition dim or None), read before ZeRO-3 hides them
         self._tp_dims = [{n: (q.partition_dim if getattr(q, "tensor_model_parallel", False) and t > 1 else None)
-                          for n, q in m.named_parameters()} for m in self.modules]
+                          for n, q in m.named_parameters(remove_duplicate=False)} for m in self.modules]
+        # a tied embedding's copy (p > 1), per stage module: summed over the embedding group after the
+        # step's backwards (train_step), so under ZeRO-2/3 its bucket/unit is reduce-scattered only then
+        self._tied_names = [[n for n, q in m.named_parameters() if self.emb_group is not None
+                             and q is self._tied_weight(m)] for m in self.modules]
         self.sharded = self._wrap_sharded() if d > 1 and zero >= 2 else [None] * len(self.modules)
         submods = [w if w is not None else s if s is not None else m
                    for w, s, m in zip(self.ddp, self.sharded, self.modules)]
@@ -375,16 +388,18 @@ class ParallelGPT:
         replicate groups of ``Mesh(pp, replicate, shard, tp)``, created by every rank in order)."""
         g = self.grid
         partial = g.tp_group if self.sequence_parallel else None    # SP: LayerNorm grads summed over TP
+        defer = self._tied_names
         if self.zero == 2:   # the optimizer class comes with make_optimizer; SGD holds the place
-            return [ZeroStage2(m, torch.optim.SGD, g.dp_group, self.bucket_cap_mb, partial_grad_group=partial, lr=0.0)
-                    for m in self.modules]
+            return [ZeroStage2(m, torch.optim.SGD, g.dp_group, self.bucket_cap_mb, partial_grad_group=partial,
+                               defer_reduce=tied, lr=0.0) for m, tied in zip(self.modules, defer)]
         shard_group, replicate_group = g.dp_group, None
         if self.hsdp > 1:
             mesh = Mesh(pp=g.pp, replicate=self.hsdp, shard=g.dp // self.hsdp, tp=g.tp)
             shard_group = mesh.new_groups(g.ctx, "shard")
             replicate_group = mesh.new_groups(g.ctx, "replicate")
         return [FullyShardedDataParallel(m, default_units(m), shard_group, replicate_group=replicate_group,
-                                         partial_grad_group=partial) for m in self.modules]
+                                         partial_grad_group=partial, defer_reduce=tied)
+                for m, tied in zip(self.modules, defer)]
 
     # ---------------------------------------------------------------- training
 
@@ -440,19 +455,19 @@ class ParallelGPT:
             x, y = self._context_parallel(x, y)
         losses: list = []
         self.schedule.step(x.to(dev), target=y.to(dev), losses=losses)
-        for w in (*self.ddp, *self.sharded):
-            if w is not None and hasattr(w, "finish_grad_sync"):
+        for w in self.ddp:
+            if w is not None:
                 w.finish_grad_sync()          # no-op when the last backward completed it
         if self.sequence_parallel and self.sharded[0] is None:   # ZeRO-2/3 sum them in their hooks
             # LayerNorms etc. saw S/t tokens: sum over TP, once per step
             allreduce_layernorm_grads(nn.ModuleList(self.modules), self.grid.tp_group)
         if self.moe and any(layer.cfg.expert_bias for m in self.modules for layer in m.moe_layers().values()):
             finish_step(self.modules, self.grid.dp_group if self.grid.dp > 1 else None)   # aux-loss-free bias
-        if self.emb_group is not None:
-            w = self._tied_weight()
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            comm.all_reduce(w.grad, self.emb_group)
+        if self.emb_group is not None:        # the two copies' gradients summed (full ones: ZeRO-2/3 defer them)
+            comm.all_reduce(self._tied_grad(), self.emb_group)
+        for w in self.sharded:
+            if w is not None and hasattr(w, "finish_grad_sync"):
+                w.finish_grad_sync()          # ZeRO-2/3: open syncs and deferred buckets/units reduce-scattered
         if losses:
             return float(sum(float(v) for v in losses) / len(losses))
         return None
@@ -494,13 +509,27 @@ class ParallelGPT:
             name = f"{pre}.experts.{offset + int(j)}.{tail}"
         return stage.reference_name(name)
 
-    def _tied_weight(self) -> nn.Parameter:
-        for m in self.modules:
+    def _tied_weight(self, module: nn.Module | None = None) -> nn.Parameter | None:
+        """The tied embedding/output matrix of ``module`` (default: this rank's, which must hold one)."""
+        for m in [module] if module is not None else self.modules:
             if m.embedding is not None:
                 return m.embedding.wte.weight
             if m.head is not None:
                 return m.head.lm_head.weight
-        raise RuntimeError("no tied weight on this rank")
+        if module is None:
+            raise RuntimeError("no tied weight on this rank")
+        return None
+
+    def _tied_grad(self) -> torch.Tensor:
+        """The full gradient of this rank's tied copy: its ``.grad`` (DDP, ZeRO-1; ZeRO-2 keeps it
+        in its deferred bucket until finish_grad_sync) or FSDP's held unit gradient (ZeRO-3)."""
+        for tied, w in zip(self._tied_names, self.sharded):
+            if isinstance(w, FullyShardedDataParallel) and tied:
+                return w.unsharded_grad(tied[0])
+        prm = self._tied_weight()
+        if prm.grad is None:
+            prm.grad = torch.zeros_like(prm)
+        return prm.grad
 
     @property
     def has_last_stage(self) -> bool:
@@ -543,10 +572,10 @@ class ParallelGPT:
                 full = w.full_tensors(what)
             elif isinstance(w, ZeroStage2) and what == "grad":
                 by_id = w.full_grads()
-                full = {n: by_id[id(q)] for n, q in m.named_parameters()}
+                full = {n: by_id[id(q)] for n, q in m.named_parameters(remove_duplicate=False)}
             else:
                 full = {n: (q.detach() if what == "param" else q.grad if q.grad is not None else torch.zeros_like(q))
-                        for n, q in m.named_parameters()}
+                        for n, q in m.named_parameters(remove_duplicate=False)}
             out.append({n: (full[n], dims[n]) for n in dims})
         return out
 

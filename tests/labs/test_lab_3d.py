@@ -33,6 +33,7 @@ def test_lab_3d_fails_on_wrong_dp_average(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("argv,head", [
     (["--tp", "2", "--pp", "2", "--dp", "2", "--zero", "3"], "ZeRO-3"),      # the one 8-rank case
     (["--tp", "1", "--pp", "2", "--dp", "2", "--zero", "2"], "ZeRO-2"),
+    (["--tp", "1", "--pp", "2", "--dp", "2", "--zero", "3", "--tied"], "ZeRO-3"),   # issue 19 (c)
     # HSDP d=4 = 2 replicas x 2 shards on 4 ranks (t=1 runs the same block class as t>1, so the
     # planner's activations hold there too)
     (["--tp", "1", "--pp", "1", "--dp", "4", "--zero", "3", "--hsdp", "2"], "ZeRO-3, HSDP R=2"),
@@ -75,7 +76,7 @@ def test_lab_3d_zero_flag_spellings():
     (["--dp", "2", "--zero", "3", "--hsdp", "2"], "HSDP with R = d = 2 replicas leaves one rank per shard group"),
     (["--dp", "4", "--hsdp", "2"], "HSDP (R=2 replicas) shards the parameters: it needs ZeRO-3, got ZeRO-0"),
     (["--zero", "2", "--schedule", "zb-h1"], "ZeRO-2 with ZB-H1"),
-    (["--zero", "3", "--tied"], "ZeRO-3 runs here without tied embeddings"),
+    (["--zero", "3", "--tied", "--pp", "1"], "ZeRO-3 with tied embeddings and p=1"),
     (["--zero", "2", "--moe"], "--moe runs with DDP, without --sp and --recompute"),
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
     (["--layers", "3"], "n_layer=3 layers must be divisible by p*v"),

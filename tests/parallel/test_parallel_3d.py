@@ -197,6 +197,18 @@ def test_3d_zero23_with_sp_and_full_recompute(t, p, d, zero, sp, recompute):
         assert all(r["comm"][-1]["tp"]["all_reduce"][0] == r["expected"]["tp"]["all_reduce"][0] >= 1 for r in out)
 
 
+@pytest.mark.parametrize("t,p,d,zero", [(1, 2, 2, 2), (1, 2, 2, 3), (1, 1, 2, 2)])
+def test_3d_zero23_with_tied_embeddings(t, p, d, zero):
+    """ZeRO-2/3 with tied embeddings (issue 19 c): with p > 1 the copy's bucket (ZeRO-2) or unit
+    (FSDP) is reduce-scattered after the embedding-group all-reduce of its full gradient; with p = 1
+    (ZeRO-2) the one matrix is one parameter. Equal to one device; counts = planner."""
+    cfg = cfg_for(tied=True)
+    out = run(cfg, t, p, d, "1f1b", 1, M=2, zero=zero)
+    check_equal(out, cfg, 3)
+    check_comm(out)
+    assert all(("embedding" in r["comm"][-1]) == (p > 1) for r in out)
+
+
 @pytest.mark.parametrize("zero", [2, 3])
 def test_3d_zero2_zero3_adam(zero):
     """5 Adam steps (the moments held for the 1/d shards only) end at the one-device parameters."""
