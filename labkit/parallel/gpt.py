@@ -147,9 +147,9 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if zero >= 2 and info.zero_bubble:
         raise ValueError(f"ZeRO-{zero} with {info.label}: the split backward's W accumulates the weight gradients "
                          f"outside the hooks that reduce-scatter them; use ZeRO 0 or 1 with it, or another schedule")
-    if zero >= 2 and n_experts is not None:
-        raise ValueError(f"ZeRO-{zero} runs here without MoE (the experts reduce over the expert-DP group, not "
-                         f"the DP group); use ZeRO 0 or 1 with it")
+    if zero in (1, 3) and n_experts is not None:
+        raise ValueError(f"ZeRO-{zero} with MoE: the experts (EP folded onto DP) must not be reduced or gathered "
+                         f"over the DP group; use ZeRO 0 or 2 with it")
     if zero == 3 and pp == 1 and getattr(cfg, "share_embeddings_and_output_weights", False):
         raise ValueError("ZeRO-3 with tied embeddings and p=1: the one matrix would be in two FSDP units (the "
                          "embedding and the head); use p > 1 (a copy on each end stage), or ZeRO 0-2")
@@ -309,8 +309,8 @@ class ParallelGPT:
         self.cp, self.cp_attention = cp, cp_attention
         self.cp_stats: list = []    # ring attention's per-step {"work", "seconds", ...} (cleared by the caller)
         if moe_cfg is not None:
-            if zero or (sequence_parallel and grid.tp > 1) or recompute != "none":
-                raise ValueError("the MoE GPT runs here with DDP, without sequence parallelism and without "
+            if zero in (1, 3) or (sequence_parallel and grid.tp > 1) or recompute != "none":
+                raise ValueError("the MoE GPT runs here with DDP or ZeRO-2, without sequence parallelism and without "
                                  f"recompute (got zero={zero}, sequence_parallel={sequence_parallel}, "
                                  f"recompute={recompute!r})")
             if grid.ep != grid.dp:
@@ -390,8 +390,10 @@ class ParallelGPT:
         partial = g.tp_group if self.sequence_parallel else None    # SP: LayerNorm grads summed over TP
         defer = self._tied_names
         if self.zero == 2:   # the optimizer class comes with make_optimizer; SGD holds the place
+            # MoE: the local experts (EP = d, so their expert-DP group is one rank) stay whole
             return [ZeroStage2(m, torch.optim.SGD, g.dp_group, self.bucket_cap_mb, partial_grad_group=partial,
-                               defer_reduce=tied, lr=0.0) for m, tied in zip(self.modules, defer)]
+                               defer_reduce=tied, expert_params=sorted(expert_param_names(m)), lr=0.0)
+                    for m, tied in zip(self.modules, defer)]
         shard_group, replicate_group = g.dp_group, None
         if self.hsdp > 1:
             mesh = Mesh(pp=g.pp, replicate=self.hsdp, shard=g.dp // self.hsdp, tp=g.tp)
@@ -571,8 +573,9 @@ class ParallelGPT:
             if isinstance(w, FullyShardedDataParallel):
                 full = w.full_tensors(what)
             elif isinstance(w, ZeroStage2) and what == "grad":
-                by_id = w.full_grads()
-                full = {n: by_id[id(q)] for n, q in m.named_parameters(remove_duplicate=False)}
+                by_id = w.full_grads()     # the experts are not sharded: their own .grad
+                full = {n: by_id[id(q)] if id(q) in by_id else q.grad if q.grad is not None else torch.zeros_like(q)
+                        for n, q in m.named_parameters(remove_duplicate=False)}
             else:
                 full = {n: (q.detach() if what == "param" else q.grad if q.grad is not None else torch.zeros_like(q))
                         for n, q in m.named_parameters(remove_duplicate=False)}
@@ -680,10 +683,11 @@ class _Zero2Step:
         self.wrappers = wrappers
         for w in wrappers:
             w.optim = optimizer_class([b.shard for b in w.buckets], **defaults)
+            w.expert_optim = optimizer_class(w.expert_params, **defaults) if w.expert_params else None
 
     @property
     def param_groups(self):
-        return [g for w in self.wrappers for g in w.optim.param_groups]
+        return [g for w in self.wrappers for o in (w.optim, w.expert_optim) if o is not None for g in o.param_groups]
 
     def step(self) -> None:
         for w in self.wrappers:
@@ -695,4 +699,5 @@ class _Zero2Step:
 
     def state_bytes(self) -> int:
         """Per-element optimizer state bytes on this rank (its 1/d shards)."""
-        return sum(optimizer_state_bytes(w.optim) for w in self.wrappers)
+        return sum(optimizer_state_bytes(o) for w in self.wrappers for o in (w.optim, w.expert_optim)
+                   if o is not None)
