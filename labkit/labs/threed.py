@@ -391,6 +391,8 @@ def _summarise(a, ranks: list, single: Reference) -> Result3D:
             for kind in _BUCKETED if a.zero == 2 else ("all_reduce",):   # ZeRO-2 also by bucket
                 if kind in r.expected.get("dp", {}) and kind in exp.get("dp", {}):
                     exp["dp"][kind] = (r.expected["dp"][kind][0], exp["dp"][kind][1])
+            if a.zero == 2 and a.sp and "all_reduce" in exp.get("tp", {}):   # SP sums: one per bucket holding any
+                exp["tp"]["all_reduce"] = (r.expected["tp"]["all_reduce"][0], exp["tp"]["all_reduce"][1])
             r.expected = exp
     ov = [o for r in ranks for o in r.overlap[1:] if o == o] if a.dp > 1 and not a.zero else []
     return Result3D(ranks, single, losses, (sum(measured) / len(measured), _bubble_formula(a)),
@@ -473,8 +475,9 @@ def _planner(a):
 
 def _planner_table(a, out) -> tuple[list[str], list[str]]:
     """Per rank, measured bytes next to the planner's: lines of the table and the mismatches
-    (memory and communication exact, activations within 2 %). DP all-reduces are compared by
-    bytes (the run reduces in buckets, the planner counts one per model chunk).
+    (memory and communication exact, activations within 2 %). DP all-reduces (and ZeRO-2's
+    reduce-scatters, all-gathers and, with SP, its TP all-reduces of the SP gradients) are
+    compared by bytes (the run reduces in buckets, the planner counts one per model chunk).
 
     MoE (EP folded onto DP, no token dropped: the lab sets no capacity): parameters, gradients,
     optimizer state and the TP, PP, DP bytes exactly. EP all-to-alls: the count exactly (the
@@ -522,6 +525,9 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
             for kind in sorted(set(g) | set(w)):
                 (gc, gb), (wc, wb) = g.get(kind, (0, 0)), w.get(kind, (0, 0))
                 by_bucket = ax == "dp" and (kind == "all_reduce" or (a.zero == 2 and kind in _BUCKETED))
+                # ZeRO-2 + SP: one TP all-reduce of the SP gradients per bucket holding any (the planner: one
+                # per chunk); the count is checked against the run's buckets in the formula table
+                by_bucket = by_bucket or (ax, kind) == ("tp", "all_reduce") and a.zero == 2 and a.sp and a.dp > 1
                 if (ax, kind) == ("ep", "all_to_all") and compared == "moe":
                     exchanges = wc // 4                    # one counts exchange per MoE layer and microbatch
                     wb += exchanges * a.experts * 8

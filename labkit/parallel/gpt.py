@@ -144,9 +144,10 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
                          f"use R < d, or DDP")
     if hsdp > 1 and zero != 3:
         raise ValueError(f"HSDP (R={hsdp} replicas) shards the parameters: it needs ZeRO-3, got ZeRO-{zero}")
-    if zero >= 2 and info.zero_bubble:
-        raise ValueError(f"ZeRO-{zero} with {info.label}: the split backward's W accumulates the weight gradients "
-                         f"outside the hooks that reduce-scatter them; use ZeRO 0 or 1 with it, or another schedule")
+    if zero == 3 and info.zero_bubble:
+        raise ValueError(f"ZeRO-3 with {info.label}: FSDP reshards a unit after its first weight-gradient pass (W), "
+                         f"but the other microbatches' W still read its gathered weights; use ZeRO 0-2 with it, "
+                         f"or another schedule")
     if zero in (1, 3) and n_experts is not None:
         raise ValueError(f"ZeRO-{zero} with MoE: the experts (EP folded onto DP) must not be reduced or gathered "
                          f"over the DP group; use ZeRO 0 or 2 with it")

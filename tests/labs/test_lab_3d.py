@@ -75,7 +75,7 @@ def test_lab_3d_zero_flag_spellings():
     (["--dp", "4", "--zero", "3", "--hsdp", "3"], "HSDP replicas R=3 must be an integer >= 1 that divides d=4"),
     (["--dp", "2", "--zero", "3", "--hsdp", "2"], "HSDP with R = d = 2 replicas leaves one rank per shard group"),
     (["--dp", "4", "--hsdp", "2"], "HSDP (R=2 replicas) shards the parameters: it needs ZeRO-3, got ZeRO-0"),
-    (["--zero", "2", "--schedule", "zb-h1"], "ZeRO-2 with ZB-H1"),
+    (["--zero", "3", "--schedule", "zb-h1"], "ZeRO-3 with ZB-H1"),
     (["--zero", "3", "--tied", "--pp", "1"], "ZeRO-3 with tied embeddings and p=1"),
     (["--zero", "3", "--moe"], "--moe runs with DDP or --zero 2, without --sp and --recompute"),
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
@@ -138,6 +138,7 @@ GRID = ["--tp", "2", "--pp", "2", "--dp", "2", "--no-plots", "--steps", "2", "--
     ["--sp"], ["--recompute", "selective"], ["--recompute", "full"], ["--sp", "--recompute", "selective"],
     ["--sp", "--zero"], ["--sp", "--schedule", "zb-h1"],
     ["--sp", "--zero", "2", "--recompute", "full"], ["--sp", "--zero", "3"],   # issue 19 (a), (b)
+    ["--sp", "--zero", "2", "--schedule", "zb-h1"],                            # issue 19 (e)
 ], ids=lambda e: " ".join(e))
 def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_path, capsys, monkeypatch):
     rc = main(["lab", "3d", *GRID, *extra, "--out", str(tmp_path)])

@@ -209,6 +209,18 @@ def test_3d_zero23_with_tied_embeddings(t, p, d, zero):
     assert all(("embedding" in r["comm"][-1]) == (p > 1) for r in out)
 
 
+@pytest.mark.parametrize("t,p,d,schedule,v,M,sp", [(2, 2, 2, "zbh1", 1, 2, True), (1, 2, 2, "zbv", 2, 4, False),
+                                                    (1, 2, 2, "dualpipev", 2, 4, False)])
+def test_3d_zero2_with_zero_bubble(t, p, d, schedule, v, M, sp):
+    """ZeRO-2 under the zero-bubble schedules (issue 19 e): the W passes accumulate the weight
+    gradients in many autograd runs; the sync stays open until the last W's buckets (or the step's
+    finish_grad_sync) start, each bucket reduce-scattered once. Equal to one device; counts = planner."""
+    cfg = cfg_for()
+    out = run(cfg, t, p, d, schedule, v, M=M, zero=2, sp=sp)
+    check_equal(out, cfg, 3)
+    check_comm(out)
+
+
 @pytest.mark.parametrize("zero", [2, 3])
 def test_3d_zero2_zero3_adam(zero):
     """5 Adam steps (the moments held for the 1/d shards only) end at the one-device parameters."""
