@@ -25,11 +25,11 @@ TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP out
   ZeRO-3 only): the DP group's d ranks are R replicas x d/R shards (shard innermost, as FSDP2's
   ``(replicate, shard)`` mesh; groups from :class:`labkit.grid.Mesh`). The first M-1 backwards of
   a step run under ``no_sync()`` (the pipeline runtime's rule), so every stage reduces once per
-  step. The zero-bubble schedules (backward split into I and W) run with ZeRO 0 and 1 only.
-  ZeRO-2/3 compose with sequence parallelism (the LayerNorm gradients, partial over TP, are
-  summed over TP inside the reduce-scatter hooks), full recompute and tied embeddings (the copy's
-  bucket or unit waits for the embedding-group all-reduce after the backwards), as Llama 3's
-  FSDP + TP + SP; not (yet) with MoE or the zero-bubble schedules.
+  step. ZeRO-2/3 compose with sequence parallelism (the LayerNorm gradients, partial over TP,
+  are summed over TP inside the reduce-scatter hooks), full recompute and tied embeddings (the
+  copy's bucket or unit waits for the embedding-group all-reduce after the backwards), as Llama
+  3's FSDP + TP + SP; ZeRO-2 also with MoE (the local experts unsharded) and the zero-bubble
+  schedules (backward split into I and W). What stays refused: :func:`check_layout`.
 
 Context parallelism (``grid.cp`` > 1, :mod:`labkit.context_parallel`; rank order tp-cp-dp-pp):
 each CP rank holds its share of every sequence (the load-balanced 2 cp chunks), the embedding
@@ -114,13 +114,16 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     DualPipeV v = 2, DualPipeV M >= 2p); L divisible by p * v (equal stages); after them: t
     divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
-    0-3 (True: 1); ZeRO-2/3 not with a zero-bubble schedule (their W accumulates outside the
-    gradient hooks) or MoE; ZeRO-3 not with tied embeddings at p = 1 (one matrix in two FSDP
-    units); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d. ZeRO-2/3 do run with sequence
-    parallelism (the LayerNorm gradients summed over TP inside their hooks, before the
-    reduce-scatter), with full recompute (ZeRO-2's sync stays open across the recompute's nested
-    backwards) and with tied embeddings at p > 1 (the copy's bucket/unit reduce-scattered after
-    the embedding-group all-reduce of its full gradient).
+    0-3 (True: 1); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d. Refused compositions
+    of sharded DP (issue 19): ZeRO-3 with a zero-bubble schedule (FSDP reshards a unit after its
+    first W while the other microbatches' W still read its weights); ZeRO-1 and ZeRO-3 with MoE
+    (the experts must not be reduced or gathered over DP); ZeRO-3 with tied embeddings at p = 1
+    (one matrix in two FSDP units). ZeRO-2/3 do run with sequence parallelism (the LayerNorm
+    gradients summed over TP inside their hooks, before the reduce-scatter), full recompute
+    (ZeRO-2's sync stays open across the recompute's nested backwards) and tied embeddings at
+    p > 1 (the copy's bucket/unit reduce-scattered after the embedding-group all-reduce of its full
+    gradient); ZeRO-2 also with tied embeddings at p = 1, MoE (the local experts whole, scaled by
+    1/d) and the zero-bubble schedules (the sync open until the last W's buckets start).
     """
     zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
@@ -277,7 +280,8 @@ class ParallelGPT:
             ``token_groups = d*M`` groups: its experts are spread over the DP group (EP folded onto
             DP, Megatron-Core's "parallel folding"; E divisible by d), each stage attaches its balance
             losses (:mod:`labkit.parallel.moe_pipeline`), DDP leaves the experts unreduced (their
-            gradient already sums every rank's tokens through the all-to-all). Not with ZeRO, SP or
+            gradient already sums every rank's tokens through the all-to-all; ZeRO-2 keeps them
+            whole in :class:`~labkit.data_parallel.ZeroStage2`). Not with ZeRO-1/3, SP or
             recompute (ValueError).
         sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
             Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
