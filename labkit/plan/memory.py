@@ -317,7 +317,7 @@ def zero3_units(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[int]:
     if holds_first(lay, pp_rank):
         units.append(vocab * spec.hidden + spec.embedding_params()[1])
     for i in (i for ch in rank_layer_chunks(spec, lay, pp_rank) for i in ch):
-        lp = spec.layer_params(spec.is_moe and i >= spec.first_dense_layers)
+        lp = spec.layer_params(spec.is_moe_layer(i))
         units.append(lp["split"] // t + lp["replicated"])
     if holds_last(lay, pp_rank):
         head_split, head_rep = spec.head_params()

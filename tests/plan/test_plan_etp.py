@@ -46,3 +46,13 @@ def test_etp1_expert_activations_are_not_split_by_t():
 def test_bad_etp_is_refused(etp):
     with pytest.raises(ValueError, match=f"expert TP size etp={etp} must be >= 1 and divide t=2"):
         memory_per_rank(SPEC, dataclasses.replace(LAY, etp=etp))
+
+
+def test_zero3_units_follow_moe_layer_freq():
+    """The FSDP units of a rank sum to its dense parameters (zero3_units' rule), with every 2nd layer
+    MoE: a dense layer (layer 0 here, on pipeline rank 0) is a whole dense layer, not an MoE layer's
+    dense part (the planner once read only first_dense_layers)."""
+    from labkit.plan.memory import zero3_units
+    lay = dataclasses.replace(LAY, zero=3)
+    for r in range(2):
+        assert sum(zero3_units(SPEC, lay, r)) == rank_param_counts(SPEC, lay, r)["dense"], r
