@@ -55,14 +55,17 @@ __all__ = ["FullyShardedDataParallel", "fully_shard", "default_units", "expected
 def default_units(module: nn.Module) -> list[str]:
     """The FSDP units of a labkit GPT (or a pipeline stage of one), in forward order: the
     embedding, each block, the head (``embedding``, ``blocks.0`` ..., ``head``; absent parts
-    skipped). Other modules: their direct children that hold parameters, ModuleLists expanded."""
+    skipped; forward order even where a stage registers its head before its blocks, as the MoE
+    GPT's do: a unit prefetched out of order stays gathered, stale, into the next step). Other
+    modules: their direct children that hold parameters, ModuleLists expanded."""
     names = []
     for name, child in module.named_children():
         if isinstance(child, nn.ModuleList):
             names += [f"{name}.{i}" for i, c in enumerate(child) if any(True for _ in c.parameters())]
         elif any(True for _ in child.parameters()):
             names.append(name)
-    return names
+    # forward order whatever the registration order (the MoE GPT's stages register the head first)
+    return sorted(names, key=lambda n: {"embedding": 0, "head": 2}.get(n, 1))
 
 
 def expected_fsdp(unit_numels: Sequence[int], d: int, reshard_after_forward: bool = True,
@@ -113,8 +116,8 @@ class _Unit:
     """One FSDP unit: its flat shard (the parameter the optimizer sees), the buffer its full
     parameters are gathered into, and where each original parameter lived."""
 
-    def __init__(self, name: str, module: nn.Module, d: int, rank: int, is_partial=None):
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    def __init__(self, name: str, module: nn.Module, d: int, rank: int, is_partial=None, skip=frozenset()):
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in skip]
         if not named:
             raise ValueError(f"FSDP unit {name!r} has no parameters that require grad")
         self.name, self.module = name, module
@@ -165,6 +168,12 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         prefetch: start the next unit's all-gather while the current one computes.
         replicate_group: HSDP's replica group (R ranks holding the same shard), or None.
         sync_module_states: broadcast rank 0's weights first (in the shard and replicate groups).
+        expert_params: names of parameters left out of the units (torch FSDP's ``ignored_params``):
+            they differ across the DP ranks (expert parallelism folded onto DP, an expert-DP group
+            of one rank), stay ordinary whole parameters of the module (``self.parameters()``
+            yields them too), are not reduced, and their gradient is only divided by the DP size
+            (the loss's DP mean; their gradient already sums every rank's tokens through the
+            all-to-all).
         partial_grad_group: a group over which the gradients of the parameters marked
             ``sequence_parallel`` (Megatron-Core's attribute; sequence parallelism's LayerNorm
             weights, which saw S/t tokens on each TP rank) are partial sums: summed over it, one
@@ -186,16 +195,25 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
 
     def __init__(self, module: nn.Module, units: Sequence[str] | None = None, process_group=None,
                  reshard_after_forward: bool = True, prefetch: bool = True, replicate_group=None,
-                 sync_module_states: bool = False, partial_grad_group=None, defer_reduce: Sequence[str] = ()):
+                 sync_module_states: bool = False, partial_grad_group=None, defer_reduce: Sequence[str] = (),
+                 expert_params: Sequence[str] = ()):
         super().__init__()
         names = list(default_units(module) if units is None else units)
         known = dict(module.named_modules())
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"units {unknown} are not submodules of the model")
-        owner: dict[int, str] = {}
+        unknown = (set(defer_reduce) | set(expert_params)) - {n for n, _ in module.named_parameters()}
+        if unknown:
+            raise ValueError(f"defer_reduce/expert_params {sorted(unknown)} are not parameters of the module")
+        self.expert_params = [p for n, p in module.named_parameters() if n in set(expert_params)]
+        self.expert_names = [n for n, _ in module.named_parameters() if n in set(expert_params)]
+        skip = frozenset(id(p) for p in self.expert_params)
+        owner: dict[int, str] = {id(p): "(expert)" for p in self.expert_params}
         for n in names:
             for pn, p in known[n].named_parameters():
+                if id(p) in skip:
+                    continue
                 if id(p) in owner:
                     raise ValueError(f"parameter {n}.{pn} is in two units ({owner[id(p)]} and {n}); "
                                      "units must not overlap or share parameters")
@@ -203,7 +221,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         outside = [n for n, p in module.named_parameters() if id(p) not in owner and p.requires_grad]
         if outside:
             raise ValueError(f"parameters {outside[:4]} belong to no unit; list their module in units")
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
         if len({(p.dtype, p.device) for p in params}) > 1:
             raise ValueError("all parameters must share one dtype and device")
         self.process_group, self.replicate_group = process_group, replicate_group
@@ -220,10 +238,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self.module = module
         self.partial_grad_group = partial_grad_group
         marked = (lambda p: getattr(p, "sequence_parallel", False)) if partial_grad_group is not None else None
-        unknown = set(defer_reduce) - {n for n, _ in module.named_parameters()}
-        if unknown:
-            raise ValueError(f"defer_reduce {sorted(unknown)} are not parameters of the module")
-        self.units = [_Unit(n, known[n], self.d, self.rank, marked) for n in names]
+        self.units = [_Unit(n, known[n], self.d, self.rank, marked, skip) for n in names]
         for u in self.units:
             u.deferred = bool(set(u.names) & set(defer_reduce))
             u.held = None            # a deferred unit's full gradient between backward and finish_grad_sync
@@ -232,7 +247,10 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self.peak_gathered_bytes, self._live = 0, 0
         self.timeline: list[dict] = []
         self._pending: list = []
+        self._pending_experts: dict = {}
         self._callback_queued = False
+        for p in self.expert_params:
+            p.register_post_accumulate_grad_hook(self._expert_hook)
         for i, u in enumerate(self.units):
             u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
             u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
@@ -271,6 +289,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
             comm.all_gather_into_tensor(buf, src.detach(), self.process_group)
             for n, v in zip(u.names, unflatten(buf, u.shapes)):
                 out[n] = v.clone()
+        for n, p in zip(self.expert_names, self.expert_params):    # whole on this rank
+            out[n] = (p.detach() if what == "param" else p.grad if p.grad is not None else torch.zeros_like(p)).clone()
         return out
 
     # ------------------------------------------------------------------ gathering
@@ -392,6 +412,11 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         if held:
             self._finalize()
 
+    def _expert_hook(self, p: nn.Parameter) -> None:
+        if self.require_backward_grad_sync:
+            self._queue_finalize()
+            self._pending_experts[id(p)] = p
+
     def _queue_finalize(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
@@ -412,6 +437,9 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
             else:
                 u.shard.grad.add_(out)
         self._pending = []
+        for p in self._pending_experts.values():   # experts: not reduced, the DP mean of the loss only
+            p.grad.div_(self.d * self.replicas)
+        self._pending_experts = {}
         for u in self.units:
             u.backward_started = False
 

@@ -179,8 +179,8 @@ def _bad_args(a, world) -> str | None:
            or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
     if bad:
         return bad
-    if a.moe and (a.sp or a.recompute != "none" or a.zero in (1, 3)):
-        return (f"--moe runs with DDP or --zero 2, without --sp and --recompute (got --sp={a.sp}, --recompute "
+    if a.moe and (a.sp or a.recompute != "none" or a.zero == 1):
+        return (f"--moe runs with DDP, --zero 2 or 3, without --sp and --recompute (got --sp={a.sp}, --recompute "
                 f"{a.recompute}, --zero={a.zero})")
     if a.moe and not 1 <= a.topk <= a.experts:
         return f"--topk must be between 1 and --experts={a.experts}, got {a.topk}"

@@ -28,8 +28,8 @@ TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP out
   step. ZeRO-2/3 compose with sequence parallelism (the LayerNorm gradients, partial over TP,
   are summed over TP inside the reduce-scatter hooks), full recompute and tied embeddings (the
   copy's bucket or unit waits for the embedding-group all-reduce after the backwards), as Llama
-  3's FSDP + TP + SP; ZeRO-2 also with MoE (the local experts unsharded) and the zero-bubble
-  schedules (backward split into I and W). What stays refused: :func:`check_layout`.
+  3's FSDP + TP + SP, and with MoE (the local experts unsharded); ZeRO-2 also with the
+  zero-bubble schedules (backward split into I and W). What stays refused: :func:`check_layout`.
 
 Context parallelism (``grid.cp`` > 1, :mod:`labkit.context_parallel`; rank order tp-cp-dp-pp):
 each CP rank holds its share of every sequence (the load-balanced 2 cp chunks), the embedding
@@ -116,14 +116,15 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
     0-3 (True: 1); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d. Refused compositions
     of sharded DP (issue 19): ZeRO-3 with a zero-bubble schedule (FSDP reshards a unit after its
-    first W while the other microbatches' W still read its weights); ZeRO-1 and ZeRO-3 with MoE
-    (the experts must not be reduced or gathered over DP); ZeRO-3 with tied embeddings at p = 1
-    (one matrix in two FSDP units). ZeRO-2/3 do run with sequence parallelism (the LayerNorm
+    first W while the other microbatches' W still read its weights); ZeRO-1 with MoE (its flat
+    reduce-scatter would sum the experts over DP); ZeRO-3 with tied embeddings at p = 1 (one
+    matrix in two FSDP units). ZeRO-2/3 do run with sequence parallelism (the LayerNorm
     gradients summed over TP inside their hooks, before the reduce-scatter), full recompute
     (ZeRO-2's sync stays open across the recompute's nested backwards) and tied embeddings at
     p > 1 (the copy's bucket/unit reduce-scattered after the embedding-group all-reduce of its full
-    gradient); ZeRO-2 also with tied embeddings at p = 1, MoE (the local experts whole, scaled by
-    1/d) and the zero-bubble schedules (the sync open until the last W's buckets start).
+    gradient) and MoE (the local experts whole, outside the buckets/units, scaled by 1/d); ZeRO-2
+    also with tied embeddings at p = 1 and the zero-bubble schedules (the sync open until the
+    last W's buckets start).
     """
     zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
@@ -151,9 +152,9 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
         raise ValueError(f"ZeRO-3 with {info.label}: FSDP reshards a unit after its first weight-gradient pass (W), "
                          f"but the other microbatches' W still read its gathered weights; use ZeRO 0-2 with it, "
                          f"or another schedule")
-    if zero in (1, 3) and n_experts is not None:
-        raise ValueError(f"ZeRO-{zero} with MoE: the experts (EP folded onto DP) must not be reduced or gathered "
-                         f"over the DP group; use ZeRO 0 or 2 with it")
+    if zero == 1 and n_experts is not None:
+        raise ValueError("ZeRO-1 with MoE: its flat reduce-scatter would sum the experts (EP folded onto DP, each "
+                         "rank's differ) over the DP group; use ZeRO 0, 2 or 3 with it")
     if zero == 3 and pp == 1 and getattr(cfg, "share_embeddings_and_output_weights", False):
         raise ValueError("ZeRO-3 with tied embeddings and p=1: the one matrix would be in two FSDP units (the "
                          "embedding and the head); use p > 1 (a copy on each end stage), or ZeRO 0-2")
@@ -281,8 +282,8 @@ class ParallelGPT:
             DP, Megatron-Core's "parallel folding"; E divisible by d), each stage attaches its balance
             losses (:mod:`labkit.parallel.moe_pipeline`), DDP leaves the experts unreduced (their
             gradient already sums every rank's tokens through the all-to-all; ZeRO-2 keeps them
-            whole in :class:`~labkit.data_parallel.ZeroStage2`). Not with ZeRO-1/3, SP or
-            recompute (ValueError).
+            whole in :class:`~labkit.data_parallel.ZeroStage2` and outside the FSDP units). Not
+            with ZeRO-1, SP or recompute (ValueError).
         sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
             Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
             shard and the ``sequence_parallel`` gradients are all-reduced over TP in :meth:`train_step`.
@@ -314,8 +315,9 @@ class ParallelGPT:
         self.cp, self.cp_attention = cp, cp_attention
         self.cp_stats: list = []    # ring attention's per-step {"work", "seconds", ...} (cleared by the caller)
         if moe_cfg is not None:
-            if zero in (1, 3) or (sequence_parallel and grid.tp > 1) or recompute != "none":
-                raise ValueError("the MoE GPT runs here with DDP or ZeRO-2, without sequence parallelism and without "
+            if zero == 1 or (sequence_parallel and grid.tp > 1) or recompute != "none":
+                raise ValueError("the MoE GPT runs here with DDP, ZeRO-2 or ZeRO-3, without sequence parallelism and "
+                                 "without "
                                  f"recompute (got zero={zero}, sequence_parallel={sequence_parallel}, "
                                  f"recompute={recompute!r})")
             if grid.ep != grid.dp:
@@ -405,15 +407,16 @@ class ParallelGPT:
             shard_group = mesh.new_groups(g.ctx, "shard")
             replicate_group = mesh.new_groups(g.ctx, "replicate")
         return [FullyShardedDataParallel(m, default_units(m), shard_group, replicate_group=replicate_group,
-                                         partial_grad_group=partial, defer_reduce=tied)
+                                         partial_grad_group=partial, defer_reduce=tied,
+                                         expert_params=sorted(expert_param_names(m)))
                 for m, tied in zip(self.modules, defer)]
 
     # ---------------------------------------------------------------- training
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, each once (ZeRO-3: its flat shards, what the optimizer steps)."""
-        if self.zero == 3 and self.sharded[0] is not None:
-            return [u.shard for w in self.sharded for u in w.units]
+        if self.zero == 3 and self.sharded[0] is not None:    # MoE: and the whole local experts
+            return [u.shard for w in self.sharded for u in w.units] + [q for w in self.sharded for q in w.expert_params]
         seen, out = set(), []
         for m in self.modules:
             for prm in m.parameters():

@@ -77,7 +77,7 @@ def test_lab_3d_zero_flag_spellings():
     (["--dp", "4", "--hsdp", "2"], "HSDP (R=2 replicas) shards the parameters: it needs ZeRO-3, got ZeRO-0"),
     (["--zero", "3", "--schedule", "zb-h1"], "ZeRO-3 with ZB-H1"),
     (["--zero", "3", "--tied", "--pp", "1"], "ZeRO-3 with tied embeddings and p=1"),
-    (["--zero", "3", "--moe"], "--moe runs with DDP or --zero 2, without --sp and --recompute"),
+    (["--zero", "1", "--moe"], "--moe runs with DDP, --zero 2 or 3, without --sp and --recompute"),
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
     (["--layers", "3"], "n_layer=3 layers must be divisible by p*v"),
     (["--batch", "6"], "global batch B=6 must be divisible by d*M"),
@@ -224,7 +224,7 @@ def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--moe", "--sp"], "--moe runs with DDP or --zero 2, without --sp and --recompute"),
+    (["--moe", "--sp"], "--moe runs with DDP, --zero 2 or 3, without --sp and --recompute"),
     (["--moe", "--experts", "3"], "n_routed_experts E=3 must be divisible by the EP size 2"),
     (["--moe", "--topk", "5"], "--topk must be between 1 and --experts=4, got 5"),
 ])
@@ -234,18 +234,21 @@ def test_lab_3d_moe_errors(argv, msg, capsys, tmp_path):
     assert rc == 2 and msg in err and "Traceback" not in err
 
 
-def test_lab_3d_moe_zero2_equals_one_device(tmp_path, capsys, monkeypatch):
-    """--moe --zero 2 at (t, p, d) = (2, 2, 2) (issue 19 d): the dense parameters sharded over DP, the
-    local experts (expert-DP group of one rank: EP = d) kept whole and only scaled by 1/d; equal to
-    one device and to the planner column. Injected bug: the experts reduce-scattered over DP with
-    the dense gradients (each rank's experts differ) must fail the verdict."""
-    argv = [*GRID, "--moe", "--experts", "4", "--topk", "2", "--zero", "2"]
+@pytest.mark.parametrize("zero,row4", [(2, "28064     28064      22544     22544      45088     45088"),
+                                      (3, "22544     22544      22544     22544      45088     45088")])
+def test_lab_3d_moe_zero23_equals_one_device(zero, row4, tmp_path, capsys, monkeypatch):
+    """--moe --zero 2/3 at (t, p, d) = (2, 2, 2) (issue 19 d): the dense parameters sharded over DP
+    (ZeRO-2 buckets, FSDP units), the local experts (expert-DP group of one rank: EP = d) kept whole
+    and only scaled by 1/d; equal to one device and to the planner column (model states exact, so
+    the experts are whole; ZeRO-3's gathered peak). Injected bug: the experts sharded over DP with
+    the dense parameters (each rank's experts differ) must fail the verdict."""
+    argv = [*GRID, "--moe", "--experts", "4", "--topk", "2", "--zero", str(zero)]
     rc = main(["lab", "3d", *argv, "--out", str(tmp_path)])
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
-    assert "OK   t2 p2 d2 1f1b" in cap.out and "ZeRO-2, MoE E=4 top-2 EP=2" in cap.out
+    assert "OK   t2 p2 d2 1f1b" in cap.out and f"ZeRO-{zero}, MoE E=4 top-2 EP=2" in cap.out
     assert "FAIL: planner" not in cap.err
-    assert "   4      28064     28064      22544     22544      45088     45088" in cap.out   # experts whole
+    assert f"   4      {row4}" in cap.out
     from labkit.parallel import gpt as pgpt
     monkeypatch.setattr(pgpt, "expert_param_names", lambda m: set())
     rc = main(["lab", "3d", *argv, "--steps", "1", "--out", str(tmp_path)])

@@ -276,7 +276,9 @@ ERRORS = [
     (dict(world_size=2, tp=1, pp=2, dp=1, v=2, schedule="1f1b"), "v=1"),
     (dict(world_size=4, tp=1, pp=1, dp=4, zero=3, hsdp=3), "R=3 must be an integer >= 1 that divides d=4"),
     (dict(world_size=4, tp=1, pp=1, dp=4, zero=2, hsdp=2), "HSDP .* needs ZeRO-3, got ZeRO-2"),
-    (dict(world_size=2, tp=1, pp=2, dp=1, zero=2, schedule="zbh1", M=2), "ZeRO-2 with ZB-H1"),
+    (dict(world_size=2, tp=1, pp=2, dp=1, zero=3, schedule="zbh1", M=2), "ZeRO-3 with ZB-H1"),     # issue 19:
+    (dict(world_size=2, tp=1, pp=1, dp=2, zero=1, n_experts=2), "ZeRO-1 with MoE"),             # what stays
+    (dict(world_size=2, tp=1, pp=1, dp=2, zero=3, tied=True), "ZeRO-3 with tied embeddings and p=1"),  # refused
     (dict(world_size=2, tp=1, pp=1, dp=2, zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
 ]
 
@@ -285,7 +287,8 @@ ERRORS = [
 def test_layout_errors(kw, match):
     kw = dict(kw)
     cfg_kw = {k: kw.pop(k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd") if k in kw}
-    cfg = GPTConfig(**{"n_layer": 4, "n_head": 4, "n_embd": 16, **cfg_kw})
+    cfg = GPTConfig(**{"n_layer": 4, "n_head": 4, "n_embd": 16, **cfg_kw},
+                    share_embeddings_and_output_weights=kw.pop("tied", False))
     M = kw.pop("M", 1)
     with pytest.raises(ValueError, match=match):
         check_layout(cfg, n_microbatches=M, **kw)
