@@ -280,7 +280,8 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
 
 # ----------------------------------------------------------------------------- claims the kernel used to make
 # Submissions of notebook 00 whose 0.2 games how the ring is measured, with helper modules the learner
-# writes to disk (the source policy cannot see into them). 0.1 is right: honest score 2 of 6 each.
+# writes to disk. The source policy refuses importing them (not on its allow-list); graded here with
+# --no-source-policy, to prove that the relay's judgement holds on its own. 0.1 is right: honest score 2 of 6 each.
 RS = ("def reduce_scatter_by_hand(inputs):\n    return list(torch.stack(inputs).sum(dim=0).chunk(len(inputs)))\n"
       "check('0.1', reduce_scatter_by_hand)")
 HEAD = "import sys\nimport torch\nfrom labkit import comm\nfrom labkit.grading import check\nsys.path.insert(0, '.')"
@@ -306,7 +307,8 @@ def claims(tmp_path_factory):
         write_notebook(tmp / f"{name}.ipynb", cells, notebook="00_distributed_primer")
     proc = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in CLAIMS),
                            "--assignment", "00_distributed_primer", "--results-dir", str(tmp / "out"),
-                           "--cell-timeout", "30"], capture_output=True, text=True, cwd=tmp, timeout=300)
+                           "--cell-timeout", "30", "--no-source-policy"], capture_output=True, text=True, cwd=tmp,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in CLAIMS}, proc
 
