@@ -13,7 +13,9 @@ line (:class:`Violation`).
    :data:`FORBIDDEN_ATTRS`, :data:`FORBIDDEN_MODULES`: ``exec``, ``eval``, ``compile``,
    ``__code__``, ``types.FunctionType``, ``importlib.reload``, ``subprocess``, ``ctypes``,
    ``sys.modules``, ``sys.path``, ``gc``, ``os.system``/``os.fork``/..., unpickling,
-   ``torch.hub``, IPython magics and shell escapes); no import from ``labkit.grading`` but
+   ``torch.hub``, torch function and dispatch modes, global module hooks and ``torch.library``
+   (code torch would run behind every call, which no answer's closure shows), IPython magics
+   and shell escapes); no import from ``labkit.grading`` but
    ``from labkit.grading import check``; **imports only from an allow-list**
    (:data:`ALLOWED_IMPORTS`: torch and the parts of it the course uses, numpy, matplotlib,
    the standard numerics and a few plain standard modules, and labkit's own modules as
@@ -82,6 +84,13 @@ FORBIDDEN_ATTRS = {
     "hub": "loads and runs code from a folder or the network", "load_library": "loads compiled code",
     "load_inline": "compiles and loads code", "cpp_extension": "compiles and loads code",
     "ctypeslib": "calls C and rewrites memory",
+    # code torch runs on its own, called by no answer (so outside any answer's closure)
+    **{n: "makes torch run code of yours behind every call" for n in (
+        "TorchFunctionMode", "BaseTorchFunctionMode", "TorchDispatchMode", "_python_dispatch",
+        "register_module_forward_hook", "register_module_forward_pre_hook", "register_module_full_backward_hook",
+        "register_module_backward_hook", "register_module_full_backward_pre_hook",
+        "register_module_buffer_registration_hook", "register_module_module_registration_hook",
+        "register_module_parameter_registration_hook")},
 }
 # keyword arguments refused in any call: they unpickle, which rebuilds objects by name and runs code
 FORBIDDEN_KEYWORDS = {("weights_only", False): "unpickles (runs code by name); keep weights_only=True",
@@ -95,6 +104,8 @@ MODULE_ATTRS = {
             **{n: "changes where imports come from" for n in ("path", "meta_path", "path_hooks",
                                                               "path_importer_cache")},
             "setprofile": "traces every call", "_getframe": "reaches callers' frames"},
+    "torch": {"library": "replaces torch's operators by code of yours", "overrides": "makes torch run code of yours "
+              "behind every call", "_C": "reaches torch's internals"},
     "inspect": {n: "reaches callers' frames and their names" for n in (
         "currentframe", "stack", "trace", "getouterframes", "getinnerframes", "getargvalues", "getclosurevars")},
     "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",

@@ -12,7 +12,10 @@ submission could abuse:
   others cannot enter (e.g. ``/root/.pyenv``), and :func:`secret_paths` covered by empty
   mounts; under cgroup v2 also in a cgroup of its own. Without ``unshare`` it starts directly
   as that uid (a private HOME/TMPDIR folder, no private /tmp). As any other user, isolation is
-  partial: :func:`isolation_note` says so.
+  partial (:func:`isolation_note` says what is left open): the kernel runs as that user, in
+  user, mount and IPC namespaces of its own when ``unshare --user`` works (``--keep-user`` of
+  :mod:`labkit.grading._jail`: private /tmp, /var/tmp, /dev/shm, the secrets covered, every
+  capability dropped), else as a plain process of that user.
 * **process tree**: the kernel starts a new session (its own process group) and carries a fresh
   ``LABKIT_KERNEL_MARK`` in its environment (inherited by all it starts); at the end the
   grader kills that group, every process of that session, every process carrying the mark
@@ -225,7 +228,8 @@ def isolation_note(user: KernelUser | None) -> str:
         return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits, but "
                 + "; ".join(_UNUSABLE) + ": no private /tmp, and the grader's exercise code is readable by it "
                 "unless its folder is readable by root only")
-    return ("isolation is partial: the grader is not root, so the submission's kernel runs as the same user; "
+    why = f" ({'; '.join(_UNUSABLE)})" if _UNUSABLE else ""
+    return (f"isolation is partial: the grader is not root{why}, so the submission's kernel runs as the same user; "
             "code in it could signal the grader, read files this user can read (hidden cases, the grader's "
             "exercise code and expected values) and write where this user can; no process or file limits. "
             "Run the grader as root (as autograder containers do) for full isolation.")

@@ -125,6 +125,14 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "callers' frames": ("1.1", "bubble_fraction", [
         "import inspect\ndef bubble_fraction(K, M):\n    return inspect.getargvalues(inspect.stack()[1][0]).locals"],
         "`inspect.stack`"),
+    # code torch would run in the ranks although no answer calls it (outside every answer's closure)
+    "a torch function mode entered at the top level": ("0.2", "ring_all_reduce", [
+        "import torch\nclass Spy(torch.overrides.TorchFunctionMode):\n"
+        "    def __torch_function__(self, f, types, args=(), kwargs=None):\n        return f(*args, **(kwargs or {}))\n"
+        "def keep():\n    with Spy():\n        yield\nit = keep()\nnext(it)"], "`torch.overrides`"),
+    "a global module hook": ("13.1", "split_linear_backward", [
+        "import torch\ntorch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)"],
+        "`.register_module_forward_hook`"),
     # 0.2: the ranks talk only through send/recv (the relay), not through files, pipes, stores, shared memory
     "ring data through files": ("0.2", "ring_all_reduce", [
         "import torch",
