@@ -235,6 +235,20 @@ def isolation_note(user: KernelUser | None) -> str:
             "Run the grader as root (as autograder containers do) for full isolation.")
 
 
+def _no_user_site() -> list[str]:
+    """``["-s"]`` (no user site-packages: a ``.pth`` file there would run code in every later kernel
+    of this user), unless the kit, torch or ipykernel are installed there."""
+    import importlib.util
+    import site
+
+    user_site = os.path.realpath(site.getusersitepackages())
+    for name in ("labkit", "torch", "ipykernel"):
+        spec = importlib.util.find_spec(name)
+        if spec and spec.origin and os.path.realpath(spec.origin).startswith(user_site + os.sep):
+            return []
+    return ["-s"]
+
+
 def _pdeathsig():
     """In the kernel (after it changed user): die with the grader."""
     try:
@@ -359,7 +373,7 @@ class KernelSession:
                     options.insert(0, f"--cgroup={self.cgroup.path}")
                 except OSError:
                     self.cgroup = None  # no delegation here: the uid alone contains the kernel
-            argv = [sys.executable, "-s", "-m", "ipykernel_launcher", "-f", conn_inside,
+            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside,
                     "--HistoryManager.enabled=False"]
             argv, kw = self.user.command(argv, None, options)
             self.cwd = "/"
@@ -377,7 +391,8 @@ class KernelSession:
                 os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
             env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
         if not private:
-            argv = [sys.executable, "-s", "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"]
+            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn,
+                    "--HistoryManager.enabled=False"]
             if self.user is not None:
                 argv, kw = self.user.command(argv, self.cwd)
         _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader

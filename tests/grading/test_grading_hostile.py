@@ -268,6 +268,12 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
     finally:
         del os.environ["LABKIT_TEST_MARK"]
     try:
+        # nothing this kernel imports can come from its working folder or the user's site-packages, nor its
+        # IPython startup files and matplotlib rc from a folder an earlier kernel of this user could write
+        own = ("import os, sys\nassert '' not in sys.path and '.' not in sys.path, sys.path\n"
+               f"assert sys.flags.no_user_site\nassert os.environ['IPYTHONDIR'] == {s.dir + '/ipython'!r}\n"
+               f"assert os.environ['MPLCONFIGDIR'] == {s.dir + '/mpl'!r}")
+        assert s.execute(own, 20)[:2] == ("ok", ""), s.execute(own, 20)
         assert s.execute(DAEMON, 20)[0] == "ok"
         assert s.execute("while True:\n    pass", 1)[0] == "timeout"
         assert len(_marked_processes()) >= 2  # the kernel and the daemon
