@@ -123,11 +123,16 @@ def test_injected_bug_is_caught():
 @pytest.mark.parametrize("kw, message", [
     (dict(tp=2, cp=2, cp_attention="ulysses"), "n_kv_head=1 must both be divisible by cp=2"),
     (dict(tp=1, cp=2, cp_attention="flash"), "must be one of ring | allgather | ulysses"),
-    (dict(tp=2, cp=2, cp_attention="ring", sequence_parallel=True), "not combined with sequence parallelism"),
-    (dict(tp=1, cp=2, cp_attention="ring", zero=True), "not combined with ZeRO"),
+    (dict(tp=4, cp=2, cp_attention="ring", sequence_parallel=True, seq_len=12),
+     "each CP rank's S/cp = 12/2 = 6 tokens must be divisible by t=4"),
+    (dict(tp=1, cp=2, cp_attention="ring", zero=3, hsdp=2), "not combined with HSDP"),
+    (dict(tp=1, cp=2, cp_attention="ring", seq_len=6, load_balance=False), None),
     (dict(tp=1, cp=3, cp_attention="ring", seq_len=16), "S=16 must be divisible by 2 * cp"),
 ])
 def test_bad_cp_layouts(kw, message):
+    if message is None:                       # allowed: the contiguous split needs cp | S only
+        check_cp_layout(cfg_for(), **kw)
+        return
     with pytest.raises(ValueError, match=message.replace("*", r"\*")):
         check_cp_layout(cfg_for(), **{"tp": 1, **kw})
 
@@ -140,9 +145,10 @@ def test_lab_3d_with_cp(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "CP (cp=2)   send" in out and "OK: every run (t2 cp2 ring p1 d1 1f1b)" in out
-    # per CP rank: 68 query-key pairs per sequence and head (balanced), x 4 layers x M = 1, measured by the ring
+    # per CP rank: 68 query-key pairs per sequence and head (balanced), x 4 layers x M = 1 x 2 heads per TP rank,
+    # measured by the ring
     assert "[68, 68]; a contiguous split would give [36, 100]" in out
-    assert "work 272, 272 (formula x 4 layers x M=1: 272, 272)" in out
+    assert "work 544, 544 (formula x 4 layers x M=1, 2 heads: 544, 544)" in out
 
 
 @pytest.mark.parametrize("method, layout", [
@@ -171,3 +177,41 @@ def test_lab_3d_bad_cp_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: Ulysses splits attention heads over the CP group: n_head=1 and n_kv_head=1 must both be "
                    "divisible by cp=2"]
+
+
+def test_attention_work_formula():
+    """Per CP rank, query-key pairs per sequence summed over the heads it computes (S = 8, cp = 2)."""
+    from labkit.context_parallel import attention_work
+    # contiguous: queries 0-3 see 1+2+3+4 = 10 keys, 4-7 see 5+..+8 = 26; balanced chunks {0,1,6,7}, {2,3,4,5}: 18 each
+    assert attention_work(8, 2, "ring", 1, load_balance=False) == [10, 26]
+    assert attention_work(8, 2, "allgather", 3) == [54, 54]
+    # Ulysses: 2 of 4 heads on the whole triangle (36 pairs) each, whatever the placement
+    assert attention_work(8, 2, "ulysses", 4) == attention_work(8, 2, "ulysses", 4, load_balance=False) == [72, 72]
+    with pytest.raises(ValueError, match="heads=3 must be divisible by cp=2"):
+        attention_work(8, 2, "ulysses", 3)
+    with pytest.raises(ValueError, match="must be one of ring"):
+        attention_work(8, 2, "flash", 2)
+
+
+@pytest.mark.parametrize("method, work", [
+    ("allgather", "work 288, 800 (formula x 2 layers x M=1, 4 heads: 288, 800)"),     # 4 heads x 2 x [36, 100]
+    ("ulysses", "work 544, 544 (formula x 2 layers x M=1, 4 heads: 544, 544)"),       # 2 of 4 heads x 2 x 136
+])
+def test_lab_3d_cp_work_per_rank_contiguous(tmp_path, capsys, monkeypatch, method, work):
+    """The naive (contiguous) split on cp = 2, t = 1: equal to one device; the work each CP rank's
+    attention measured = :func:`attention_work` exactly (all-gather: unbalanced, Ulysses: balanced by
+    heads), the compute time only reported. Injected bug: the work counted without the causal mask
+    (dense pairs) must fail the lab."""
+    from labkit.labs.threed import main
+    argv = ["--tp", "1", "--cp", "2", "--pp", "1", "--dp", "1", "--cp-attention", method, "--cp-no-load-balance",
+            "--steps", "2", "--batch", "2", "--microbatches", "1", "--seq", "16", "--layers", "2", "--no-plots",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert work in out and "compute ms" in out and "contiguous split, --cp-no-load-balance): [36, 100]" in out
+    import labkit.context_parallel.allgather as ag
+    import labkit.context_parallel.ulysses as ul
+    mod = ag if method == "allgather" else ul
+    monkeypatch.setattr(mod, "block_work", lambda q_pos, k_pos, causal: q_pos.numel() * k_pos.numel())
+    assert main(argv) == 1
+    assert "FAIL: CP attention work per rank measured" in capsys.readouterr().err
