@@ -2,9 +2,11 @@
 every parameter gradient (gathered to full shape) at every step and the parameters after 3
 plain-SGD steps equal one device's; the communication of every axis, CP's K/V traffic included,
 equals the planner's formula exactly. Layouts: t = 2, cp = 2, p = 2 on 8 ranks (ring), and
-cp = 2 with d = 2 on 4 ranks (all-gather, Ulysses). An injected bug (the gradients averaged over
-DP only, not over the d cp ranks) must be caught. ``lab 3d --cp`` per attention kind on 4 ranks:
-measured activations = the planner's within 2 %."""
+cp = 2 with d = 2 on 4 ranks (all-gather, Ulysses); ZeRO 1, 2, 3 over the d cp ranks (one with
+p = 2 and d = 1: ZeRO over the CP ranks alone). Injected bugs (the gradients averaged, or ZeRO-2's
+shards reduce-scattered, over DP only, not over the d cp ranks) must be caught. ``lab 3d --cp``
+per attention kind on 4 ranks: measured activations = the planner's within 2 %; per CP rank the
+attention work = :func:`labkit.context_parallel.attention_work`."""
 import pytest
 import torch
 
@@ -41,13 +43,19 @@ def reference(cfg, lr=0.1):
     return losses, grads, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
-def _worker(ctx, cfg, t, p, d, cp, method, bug):
+def _worker(ctx, cfg, t, p, d, cp, method, bug, zero, sp):
     grid = make_grid(ctx, tp=t, pp=p, dp=d, cp=cp)
+    import labkit.parallel.gpt as gpt_mod
     if bug == "dp_only":       # injected: DDP over the DP group alone (CP ranks' gradients never meet)
-        import labkit.parallel.gpt as gpt_mod
         orig = gpt_mod.DistributedDataParallel
         gpt_mod.DistributedDataParallel = lambda m, group, cap, **kw: orig(m, grid.dp_group, cap, **kw)
-    pg = ParallelGPT(GPT(cfg, seed=0), grid, "1f1b", 2, bucket_cap_mb=0.002, cp_attention=method)
+    if bug == "zero_dp_only":  # injected: ZeRO-2 reduce-scatters over the DP group alone
+        class DPOnly(gpt_mod.ZeroStage2):
+            def __init__(self, m, cls, group, cap, **kw):
+                super().__init__(m, cls, grid.dp_group, cap, **kw)
+        gpt_mod.ZeroStage2 = DPOnly
+    pg = ParallelGPT(GPT(cfg, seed=0), grid, "1f1b", 2, bucket_cap_mb=0.002, cp_attention=method, zero=zero,
+                     sequence_parallel=sp)
     pg.make_optimizer("sgd", 0.1)
     out = {"losses": [], "grads": [], "comm": [], "expected": pg.expected_comm(B, S), "last": pg.has_last_stage,
            "keep": grid.tp_rank == 0}
@@ -55,18 +63,23 @@ def _worker(ctx, cfg, t, p, d, cp, method, bug):
         pg.zero_grad()
         with CommLog() as log:
             out["losses"].append(pg.train_step(x, y))
-            pg.optimizer.step()
-        out["comm"].append(pg.comm_by_axis(log.records))
-        grads = pg.gather_full("grad")
+            if zero == 1:
+                pg.optimizer.reduce_gradients()
+        if zero == 1:
+            pg.optimizer.gather_gradients()      # inspection only, not counted
+        grads = pg.gather_full("grad")           # ZeRO-2/3: the shards all-gathered, not counted
         out["grads"].append(grads if out["keep"] else None)
+        with CommLog() as log2:
+            pg.optimizer.step()
+        out["comm"].append(pg.comm_by_axis(log.records + log2.records))
     params = pg.gather_full("param")
     out["params"] = params if out["keep"] else None
     return out
 
 
-def run(t, p, d, cp, method, bug=None):
+def run(t, p, d, cp, method, bug=None, zero=0, sp=False):
     cfg = cfg_for()
-    return cfg, launch(_worker, t * p * d * cp, cfg, t, p, d, cp, method, bug, timeout=60)
+    return cfg, launch(_worker, t * p * d * cp, cfg, t, p, d, cp, method, bug, zero, sp, timeout=60)
 
 
 def _mismatches(cfg, ranks):
@@ -88,7 +101,11 @@ def _mismatches(cfg, ranks):
 
 
 LAYOUTS = {"t2 cp2 p2 ring": (2, 2, 1, 2, "ring"), "cp2 d2 allgather": (1, 1, 2, 2, "allgather"),
-           "cp2 d2 ulysses": (1, 1, 2, 2, "ulysses")}
+           "cp2 d2 ulysses": (1, 1, 2, 2, "ulysses"),
+           # ZeRO over the d cp ranks of a stage; d = 1: over the CP ranks alone (the same ranks as CP's K/V)
+           "cp2 d2 zero1 ring": (1, 1, 2, 2, "ring", None, 1),
+           "cp2 p2 zero2 allgather": (1, 2, 1, 2, "allgather", None, 2),
+           "cp2 d2 zero3 ulysses": (1, 1, 2, 2, "ulysses", None, 3)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -107,15 +124,15 @@ def test_equals_one_device(outcome):
 
 def test_bytes_per_axis_equal_the_planner(outcome):
     name, (cfg, ranks) = outcome
-    t, p, d, cp, method = LAYOUTS[name]
     for r in ranks:
         for step in range(1, STEPS):      # step 0 also sends the pipeline's shape messages
             assert r["comm"][step] == r["expected"], (name, step, r["comm"][step], r["expected"])
         assert "cp" in r["expected"] and "dp" in r["expected"]
 
 
-def test_injected_bug_is_caught():
-    cfg, ranks = run(1, 1, 2, 2, "allgather", bug="dp_only")
+@pytest.mark.parametrize("bug, zero", [("dp_only", 0), ("zero_dp_only", 2)])
+def test_injected_bug_is_caught(bug, zero):
+    cfg, ranks = run(1, 1, 2, 2, "allgather", bug=bug, zero=zero)
     bad, _, _ = _mismatches(cfg, ranks)
     assert any(n == "embedding.wte.weight" for *_, n in bad)
 
@@ -215,3 +232,33 @@ def test_lab_3d_cp_work_per_rank_contiguous(tmp_path, capsys, monkeypatch, metho
     monkeypatch.setattr(mod, "block_work", lambda q_pos, k_pos, causal: q_pos.numel() * k_pos.numel())
     assert main(argv) == 1
     assert "FAIL: CP attention work per rank measured" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("zero, layout, method", [
+    ("1", ["--dp", "2", "--pp", "1"], "ulysses"),
+    ("2", ["--dp", "1", "--pp", "2"], "ring"),        # ZeRO over the CP ranks alone, two pipeline stages
+    ("3", ["--dp", "2", "--pp", "1"], "allgather"),
+])
+def test_lab_3d_cp_with_zero(tmp_path, capsys, monkeypatch, zero, layout, method):
+    """``lab 3d --cp 2 --zero 1|2|3`` (t = 1, 4 ranks): equal to one device by the lab's verdict and
+    the planner = measured per rank (model states and ZeRO-3's gathered peak exact over the d cp
+    shard ranks, bytes per axis exact), else the lab fails. Injected bug: a planner that shards the
+    model states over d alone (not d cp) must fail the planner check."""
+    from labkit.labs import threed
+    argv = ["--tp", "1", "--cp", "2", *layout, "--zero", zero, "--cp-attention", method, "--steps", "2",
+            "--batch", "4", "--microbatches", "2", "--seq", "16", "--layers", "2", "--no-plots"]
+    rc = threed.main([*argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0 and "FAIL" not in cap.err, cap.out + cap.err
+    assert f"ZeRO-{zero}," in cap.out and "OK: every run" in cap.out and "DP (d*cp=" in cap.out
+    rows = [ln.split() for ln in cap.out.split("communication bytes per axis (planner)\n")[1].splitlines()[1:5]]
+    for row in rows:                                       # params, grads, optimizer: measured == planner
+        assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
+    a, out = threed.parse_args(argv), threed.LAB.result
+    a.dp = int(layout[1])
+    assert threed._planner_table(a, out)[1] == []
+    from labkit.plan import memory
+    orig = memory._zero_shard
+    monkeypatch.setattr(memory, "_zero_shard", lambda n, d: orig(n, d // 2))     # shards over d, not d * cp
+    bad = threed._planner_table(a, out)[1]
+    assert any(b.startswith("rank 0 optimizer: measured") for b in bad), bad
