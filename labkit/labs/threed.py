@@ -3,7 +3,7 @@
     python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved|zb-h1|zbv|dualpipev]
                             [--chunks v] [--microbatches M] [--zero [STAGE]] [--hsdp R] [--tied] [--sp]
                             [--recompute none|selective|full] [--steps N] [--data PATH]
-                            [--cp C --cp-attention ring|allgather|ulysses]
+                            [--cp C --cp-attention ring|allgather|ulysses] [--cp-no-load-balance]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
 
 Megatron-LM's recipe (Narayanan et al. 2021, sec. 3.3): N = t * p * d devices; TP inside a node
@@ -35,9 +35,14 @@ sent}`` under the ring algorithms), ``expected`` (the counts from the formulas),
 Context parallelism (``--cp C``, :mod:`labkit.context_parallel`): each sequence is split over C
 ranks (load-balanced 2 C chunks; grid order tp-cp-dp-pp, N = t C p d), every attention core runs
 ``--cp-attention`` ring | allgather | ulysses over the CP group, and the gradients are averaged
-over the d C ranks of a stage; the table then has a CP row (K/V traffic = the planner's formula),
-and the activations are compared with the planner's count of what the CP attention core keeps
-(:func:`labkit.plan.memory.cp_core_activation_bytes`).
+over the d C ranks of a stage (``--zero 1|2|3`` shard over them too); with ``--sp`` (t > 1) each
+CP rank's S/C tokens are split again over its TP group. The table then has a CP row (K/V traffic =
+the planner's formula), the activations are compared with the planner's count of what the CP
+attention core keeps (:func:`labkit.plan.memory.cp_core_activation_bytes`), and per CP rank the
+causal attention work its forwards computed (query-key pairs, summed over its heads) must equal
+:func:`labkit.context_parallel.attention_work` (the 2 C chunks, or the naive contiguous split with
+``--cp-no-load-balance``); their compute time is printed, never judged. Not with HSDP, MoE or
+selective recompute.
 """
 from __future__ import annotations
 
@@ -195,7 +200,7 @@ def _bad_args(a, world) -> str | None:
                      sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq, zero=a.zero, hsdp=a.hsdp,
                      n_experts=a.experts if a.moe else None)
         check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq,
-                        hsdp=a.hsdp, load_balance=not a.cp_no_load_balance)
+                        hsdp=a.hsdp, load_balance=not a.cp_no_load_balance, recompute=a.recompute)
         if a.cp > 1 and a.moe:
             raise ValueError("--cp is not combined with --moe here")
     except ValueError as e:
@@ -612,11 +617,11 @@ def _print_cp_balance(a, ranks) -> list[str]:
               "what a kernel that skips masked tiles would do (the contiguous split would leave it unbalanced)")
     row = sorted((r for r in ranks if r.tp_rank == 0 and r.dp_rank == 0 and r.pp_rank == 0), key=lambda r: r.cp_rank)
     layers = a.layers // (a.pp * _v(a)) * _v(a)
-    runs = layers * a.microbatches * (2 if a.recompute != "none" else 1)    # recompute runs each forward twice
+    runs = layers * a.microbatches * (2 if a.recompute == "full" else 1)    # full recompute: each forward twice
     want = [w * runs for w in attention_work(a.seq, a.cp, a.cp_attention, heads, lb)]
     print(f"measured in the last step, {a.cp_attention} attention forwards on pipeline rank 0 (per CP rank): work "
           + ", ".join(str(r.cp_work) for r in row) + f" (formula x {layers} layers x M={a.microbatches}"
-          + (" x 2 (recompute)" if a.recompute != "none" else "") + f", {heads} heads: "
+          + (" x 2 (recompute)" if a.recompute == "full" else "") + f", {heads} heads: "
           + ", ".join(str(w) for w in want) + "); compute ms " + ", ".join(f"{1e3 * r.cp_seconds:.1f}" for r in row))
     if a.steps == 1:      # step 0 also runs each stage's probe forward on zeros (the pipeline runtime's)
         print("(one step only: it includes the pipeline runtime's probe forward of each stage; work not compared)")

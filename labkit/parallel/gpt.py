@@ -200,13 +200,15 @@ def _zero_stage(zero) -> int:
 
 
 def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel: bool = False,
-                    zero: int = 0, seq_len: int | None = None, hsdp: int = 1, load_balance: bool = True) -> None:
+                    zero: int = 0, seq_len: int | None = None, hsdp: int = 1, load_balance: bool = True,
+                    recompute: str = "none") -> None:
     """Raise ValueError (one line, before any rank starts) when context parallelism cannot run:
     ``cp_attention`` one of ring | allgather | ulysses; Ulysses needs cp to divide the heads and K/V
     heads of each TP rank; the sequence divisible by 2 cp (cp with ``load_balance=False``), and with
     sequence parallelism at t > 1 each CP rank's S/cp tokens divisible by t (Megatron-Core runs
-    TP + SP inside each CP rank); ZeRO 1-3 shard over the d cp ranks of a stage; HSDP is not
-    combined with CP here."""
+    TP + SP inside each CP rank); ZeRO 1-3 shard over the d cp ranks of a stage; HSDP and selective
+    recompute (the CP attention core replaces the core it would checkpoint) are not combined with CP
+    here."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise ValueError(f"cp (--cp) must be an integer >= 1, got {cp!r}")
     if cp_attention not in ATTENTIONS:
@@ -214,6 +216,9 @@ def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel:
     if cp > 1 and hsdp > 1:
         raise ValueError(f"context parallelism (cp={cp}) is not combined with HSDP (R={hsdp}) here: use ZeRO-3 "
                          f"over the d*cp ranks, or cp = 1")
+    if cp > 1 and recompute == "selective":
+        raise ValueError(f"context parallelism (cp={cp}) is not combined with selective recompute here (the CP "
+                         f"attention core is not checkpointed): use --recompute none or full")
     if cp > 1 and cp_attention == "ulysses":
         check_ulysses(cfg.n_head // tp, cfg.n_kv_head // tp, cp)
     if cp > 1 and seq_len is not None:
@@ -307,7 +312,7 @@ class ParallelGPT:
                      n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts)
         if cp > 1:
             check_cp_layout(cfg, grid.tp, cp, cp_attention, sequence_parallel, zero, hsdp=hsdp,
-                            load_balance=cp_load_balance)
+                            load_balance=cp_load_balance, recompute=recompute)
             if moe_cfg is not None:
                 raise ValueError("context parallelism (cp > 1) is not combined with the MoE GPT here")
         self.cp, self.cp_attention, self.cp_load_balance = cp, cp_attention, bool(cp_load_balance)

@@ -3,8 +3,9 @@ every parameter gradient (gathered to full shape) at every step and the paramete
 plain-SGD steps equal one device's; the communication of every axis, CP's K/V traffic included,
 equals the planner's formula exactly. Layouts: t = 2, cp = 2, p = 2 on 8 ranks (ring), and
 cp = 2 with d = 2 on 4 ranks (all-gather, Ulysses); ZeRO 1, 2, 3 over the d cp ranks (one with
-p = 2 and d = 1: ZeRO over the CP ranks alone). Injected bugs (the gradients averaged, or ZeRO-2's
-shards reduce-scattered, over DP only, not over the d cp ranks) must be caught. ``lab 3d --cp``
+p = 2 and d = 1: ZeRO over the CP ranks alone); t = 2 with sequence parallelism. Injected bugs
+(the gradients averaged, or ZeRO-2's shards reduce-scattered, over DP only, not over the d cp
+ranks) must be caught. ``lab 3d --cp``
 per attention kind on 4 ranks: measured activations = the planner's within 2 %; per CP rank the
 attention work = :func:`labkit.context_parallel.attention_work`."""
 import pytest
@@ -105,7 +106,9 @@ LAYOUTS = {"t2 cp2 p2 ring": (2, 2, 1, 2, "ring"), "cp2 d2 allgather": (1, 1, 2,
            # ZeRO over the d cp ranks of a stage; d = 1: over the CP ranks alone (the same ranks as CP's K/V)
            "cp2 d2 zero1 ring": (1, 1, 2, 2, "ring", None, 1),
            "cp2 p2 zero2 allgather": (1, 2, 1, 2, "allgather", None, 2),
-           "cp2 d2 zero3 ulysses": (1, 1, 2, 2, "ulysses", None, 3)}
+           "cp2 d2 zero3 ulysses": (1, 1, 2, 2, "ulysses", None, 3),
+           # TP + SP inside each CP rank: [b, S/(cp t), H] between the blocks
+           "t2 cp2 sp allgather": (2, 1, 1, 2, "allgather", None, 0, True)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -143,6 +146,7 @@ def test_injected_bug_is_caught(bug, zero):
     (dict(tp=4, cp=2, cp_attention="ring", sequence_parallel=True, seq_len=12),
      "each CP rank's S/cp = 12/2 = 6 tokens must be divisible by t=4"),
     (dict(tp=1, cp=2, cp_attention="ring", zero=3, hsdp=2), "not combined with HSDP"),
+    (dict(tp=1, cp=2, cp_attention="ring", recompute="selective"), "not combined with selective recompute"),
     (dict(tp=1, cp=2, cp_attention="ring", seq_len=6, load_balance=False), None),
     (dict(tp=1, cp=3, cp_attention="ring", seq_len=16), "S=16 must be divisible by 2 * cp"),
 ])
@@ -262,3 +266,25 @@ def test_lab_3d_cp_with_zero(tmp_path, capsys, monkeypatch, zero, layout, method
     monkeypatch.setattr(memory, "_zero_shard", lambda n, d: orig(n, d // 2))     # shards over d, not d * cp
     bad = threed._planner_table(a, out)[1]
     assert any(b.startswith("rank 0 optimizer: measured") for b in bad), bad
+
+
+def test_lab_3d_cp_with_sequence_parallelism(tmp_path, capsys, monkeypatch):
+    """``lab 3d --tp 2 --cp 2 --sp`` (Ulysses, 4 ranks): equal to one device by the lab's verdict, the
+    planner = measured per rank (model states and bytes per axis exact, activations within 2 %,
+    else the lab fails). Injected bug: every TP rank adds the positions of TP rank 0's S/(cp t)
+    tokens (the CP positions not sliced per SP shard) must fail the verdict."""
+    from labkit.labs import threed
+    argv = ["--tp", "2", "--cp", "2", "--pp", "1", "--dp", "1", "--sp", "--cp-attention", "ulysses", "--steps", "2",
+            "--batch", "4", "--microbatches", "2", "--seq", "16", "--layers", "2", "--no-plots", "--out", str(tmp_path)]
+    rc = threed.main(argv)
+    cap = capsys.readouterr()
+    assert rc == 0 and "FAIL" not in cap.err, cap.out + cap.err
+    assert ", SP, " in cap.out and "OK: every run (t2 cp2 ulysses p1 d1 1f1b)" in cap.out
+    rows = [ln.split() for ln in cap.out.split("communication bytes per axis (planner)\n")[1].splitlines()[1:5]]
+    for row in rows:
+        assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
+        assert abs(float(row[9].rstrip("%"))) <= 2.0 and row[10:13] == ["cp", row[11], f"({row[11]}),"], row
+    import labkit.tensor_parallel.model as tp_model
+    monkeypatch.setattr(tp_model, "tp_rank", lambda group: 0)
+    assert threed.main(argv) == 1
+    assert "FAIL t2 cp2 ulysses p1 d1 1f1b" in capsys.readouterr().out
