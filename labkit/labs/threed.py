@@ -189,6 +189,11 @@ def _bad_args(a, world) -> str | None:
     if a.moe and (a.sp or a.recompute != "none" or a.zero):
         return (f"--moe runs with DDP, without --sp and --recompute (got --sp={a.sp}, --recompute {a.recompute}, "
                 f"--zero={a.zero})")
+    if a.cp_no_load_balance and a.cp == 1:
+        return "--cp-no-load-balance chooses how --cp C > 1 splits each sequence; got --cp 1"
+    if a.cp_no_load_balance and a.cp > 1 and a.seq % (2 * a.cp):
+        return (f"--seq {a.seq} must be divisible by 2 * --cp = {2 * a.cp} (the planner's CP formulas count 2 cp "
+                f"chunks; the bytes are the same for the contiguous split)")
     if a.moe and not 1 <= a.topk <= a.experts:
         return f"--topk must be between 1 and --experts={a.experts}, got {a.topk}"
     try:

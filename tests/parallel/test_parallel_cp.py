@@ -194,6 +194,13 @@ def test_lab_3d_cp_activations_equal_the_planner(tmp_path, capsys, method, layou
 
 def test_lab_3d_bad_cp_is_one_line(tmp_path, capsys):
     from labkit.labs.threed import main
+    for argv, msg in ((["--cp-no-load-balance"], "--cp-no-load-balance chooses how --cp C > 1 splits each sequence"),
+                      (["--cp", "2", "--seq", "6", "--cp-no-load-balance"], "--seq 6 must be divisible by 2 * --cp"),
+                      (["--cp", "2", "--recompute", "selective"], "not combined with selective recompute"),
+                      (["--cp", "2", "--zero", "3", "--hsdp", "2", "--dp", "4"], "not combined with HSDP (R=2)")):
+        assert main([*argv, "--heads", "2", "--embd", "16", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
     assert main(["--cp", "2", "--cp-attention", "ulysses", "--heads", "2", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: Ulysses splits attention heads over the CP group: n_head=1 and n_kv_head=1 must both be "
