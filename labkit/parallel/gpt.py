@@ -275,9 +275,13 @@ class ParallelGPT:
             spelling of :mod:`labkit.pipeline.registry`, e.g. "zbh1"); ``v``: chunks
             per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).
         n_microbatches: M per step (per DP rank).
-        zero: ZeRO stage over the DP group: 0 DDP, 1 ZeRO-1 (in :meth:`make_optimizer`), 2
-            :class:`~labkit.data_parallel.ZeroStage2`, 3 FSDP units (True: 1, False: 0).
-        hsdp: R replicas of HSDP (ZeRO-3; R divides d): shard over d/R ranks, all-reduce across R.
+        zero: ZeRO stage over the DP group (with CP the d cp ranks of the stage): 0 DDP, 1 ZeRO-1
+            (in :meth:`make_optimizer`), 2 :class:`~labkit.data_parallel.ZeroStage2`, 3 FSDP
+            units (True: 1, False: 0).
+        hsdp: R replicas of HSDP (ZeRO-3; R divides d; cp = 1): shard over d/R ranks, all-reduce across R.
+        cp_attention, cp_load_balance: with ``grid.cp`` > 1, the CP attention (ring | allgather |
+            ulysses) and the split (True: the 2 cp chunks r, 2cp-1-r; False: contiguous); the
+            attention's per-forward work and compute time are appended to ``cp_stats``.
         bucket_cap_mb: DDP bucket size.
         reference may also be a :class:`labkit.moe.MoEGPT` whose MoE layers route in
             ``token_groups = d*M`` groups: its experts are spread over the DP group (EP folded onto
