@@ -14,6 +14,7 @@ from .blockwise import block_attention, merge_partials
 from .layers import ATTENTIONS, ContextParallelAttention, ContextParallelGPT, check_cp_config, finish_grad_sync
 from .ring import ring_attention
 from .sharding import (
+                     attention_work,
                      causal_work,
                      check_sequence_split,
                      chunk_placement,
@@ -25,7 +26,7 @@ from .sharding import (
 from .ulysses import check_ulysses, ulysses_attention
 
 __all__ = [
-    "ATTENTIONS", "ContextParallelAttention", "ContextParallelGPT", "allgather_attention",
+    "ATTENTIONS", "ContextParallelAttention", "ContextParallelGPT", "allgather_attention", "attention_work",
     "block_attention", "causal_work", "check_cp_config", "check_sequence_split", "check_ulysses",
     "chunk_placement", "finish_grad_sync", "gather_sequence", "merge_partials", "ring_attention",
     "sequence_positions", "shard_sequence", "ulysses_attention", "unshard_sequence",

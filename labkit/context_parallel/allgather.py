@@ -10,10 +10,12 @@ all-gathers of b each (k and v); backward two reduce-scatters of cp b each (thei
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import comm
-from .blockwise import block_attention
+from .blockwise import block_attention, block_work
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -37,15 +39,25 @@ class _GatherSeq(torch.autograd.Function):
         return out.permute(1, 2, 0, 3), None
 
 
-def allgather_attention(q, k, v, group, positions, causal: bool = True):
+def allgather_attention(q, k, v, group, positions, causal: bool = True, stats: list | None = None):
     """Attention of this rank's queries on the whole sequence, K/V all-gathered.
 
     Args as :func:`labkit.context_parallel.ring.ring_attention`: q [B, h, S/cp, d],
-    k, v [B, h_kv, S/cp, d], the CP ``group``, ``positions`` (cp tensors [S/cp]), ``causal``.
+    k, v [B, h_kv, S/cp, d], the CP ``group``, ``positions`` (cp tensors [S/cp]), ``causal``;
+    ``stats``: if a list, one dict is appended: ``work`` (unmasked query-key pairs per batch row
+    and head: this rank's queries on all S keys, :func:`labkit.context_parallel.causal_work`),
+    ``heads`` (h, every head computes that work) and ``seconds`` (forward compute time, gather
+    excluded). The masked scores are computed too (one dense [S/cp, S] block per head), so the
+    time follows S/cp * S, not the work, unless a kernel skips masked tiles.
     Returns [B, h, S/cp, d]. Differentiable (autograd through the gather and the local math).
     """
     import torch.distributed as dist
     me = dist.get_process_group_ranks(group).index(dist.get_rank())
     k_all, v_all = _GatherSeq.apply(k, group), _GatherSeq.apply(v, group)
-    out, _ = block_attention(q, k_all, v_all, positions[me], torch.cat(positions), causal)
+    k_pos = torch.cat(positions)
+    t0 = time.perf_counter()
+    out, _ = block_attention(q, k_all, v_all, positions[me], k_pos, causal)
+    if stats is not None:
+        stats.append({"work": block_work(positions[me], k_pos, causal), "heads": q.shape[1],
+                      "seconds": time.perf_counter() - t0})
     return out

@@ -38,7 +38,8 @@ def check_cp_config(n_head: int, n_kv_head: int, S: int, cp: int, attention: str
 class ContextParallelAttention(nn.Module):
     """The reference :class:`labkit.model.CausalSelfAttention` (its weights, shared, not copied)
     on this rank's S/cp tokens. ``forward(x [B, S/cp, H]) -> [B, S/cp, H]`` equals the rows of
-    the full-sequence layer for this rank's positions. ``stats``: see ``ring_attention``.
+    the full-sequence layer for this rank's positions. ``stats``: None, or a list each forward's
+    attention appends its work and compute time to (see ``ring_attention`` and the others).
     Dropout is not supported (its masks would differ from the reference's)."""
 
     def __init__(self, attn: CausalSelfAttention, group, attention: str = "ring",
@@ -62,8 +63,7 @@ class ContextParallelAttention(nn.Module):
         k = a.k_proj(x).view(B, s, a.n_kv_head, a.head_dim).transpose(1, 2)
         v = a.v_proj(x).view(B, s, a.n_kv_head, a.head_dim).transpose(1, 2)
         fn = ATTENTIONS[self.attention]
-        kw = {"stats": self.stats} if self.attention == "ring" else {}
-        y = fn(q, k, v, self.group, positions, causal=self.causal, **kw)
+        y = fn(q, k, v, self.group, positions, causal=self.causal, stats=self.stats)
         return a.out_proj(y.transpose(1, 2).reshape(B, s, a.n_head * a.head_dim))
 
 

@@ -65,7 +65,7 @@ class _RingAttention(torch.autograd.Function):
                 out, lse = (o_j, l_j) if out is None else merge_partials(out, lse, o_j, l_j)
             if stats is not None:
                 stats.append({"step": s, "block": j, "work": block_work(q_pos, k_pos, causal),
-                              "seconds": time.perf_counter() - t0})
+                              "heads": q.shape[1], "seconds": time.perf_counter() - t0})
             for w in works:
                 w.wait()
             if s < cp - 1:
@@ -115,7 +115,8 @@ def ring_attention(q, k, v, group, positions, causal: bool = True, stats: list |
             (``[sequence_positions(S, r, cp, lb) for r in range(cp)]``).
         causal: apply the causal mask by global position.
         stats: if a list, one dict per ring step is appended: ``step``, ``block`` (owner of
-            the K/V block), ``work`` (unmasked query-key pairs), ``seconds`` (compute time).
+            the K/V block), ``work`` (unmasked query-key pairs per batch row and head),
+            ``heads`` (h: every head computes that work), ``seconds`` (compute time).
 
     Returns: [B, h, S/cp, d], equal to full attention's rows for this rank's queries.
     """

@@ -88,3 +88,22 @@ def causal_work(S: int, cp: int, load_balance: bool = True) -> list[int]:
         pos = sequence_positions(S, r, cp, load_balance)
         work.append(int((pos + 1).sum()))
     return work
+
+
+def attention_work(S: int, cp: int, attention: str, heads: int, load_balance: bool = True) -> list[int]:
+    """Per CP rank, the unmasked (query, key) pairs per sequence its attention computes, summed
+    over the heads it computes them for, in a layer of ``heads`` heads (per TP rank).
+
+    ring, allgather: every rank computes all ``heads`` heads for its own queries on every key:
+    ``heads * causal_work(S, cp, load_balance)[r]`` (balanced only with the 2 cp chunks).
+    ulysses: every rank computes ``heads / cp`` heads for all S queries: ``heads / cp * S (S+1) / 2``
+    on every rank, whatever the placement (the head split balances it; Jacobs et al. 2023 sec. 3).
+    Raises ValueError for an unknown ``attention`` or, for Ulysses, cp not dividing ``heads``."""
+    check_sequence_split(S, cp, load_balance)
+    if attention in ("ring", "allgather"):
+        return [heads * w for w in causal_work(S, cp, load_balance)]
+    if attention != "ulysses":
+        raise ValueError(f"attention must be one of ring | allgather | ulysses, got {attention!r}")
+    if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads < 1 or heads % cp:
+        raise ValueError(f"Ulysses splits the heads over the CP group: heads={heads!r} must be divisible by cp={cp}")
+    return [heads // cp * S * (S + 1) // 2] * cp

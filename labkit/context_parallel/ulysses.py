@@ -11,11 +11,12 @@ and the output (B (2h + 2h_kv) (S/cp) d e in all), backward the same four again.
 from __future__ import annotations
 
 import numbers
+import time
 
 import torch
 
 from .. import comm
-from .blockwise import block_attention
+from .blockwise import block_attention, block_work
 
 
 def check_ulysses(n_head: int, n_kv_head: int, cp: int) -> None:
@@ -71,16 +72,25 @@ class _HeadToSeq(torch.autograd.Function):
         return _seq_to_head(g.contiguous(), ctx.group), None
 
 
-def ulysses_attention(q, k, v, group, positions, causal: bool = True):
+def ulysses_attention(q, k, v, group, positions, causal: bool = True, stats: list | None = None):
     """Attention of this rank's queries on the whole sequence, by two all-to-alls over heads.
 
     Args as :func:`labkit.context_parallel.ring.ring_attention`: q [B, h, S/cp, d],
-    k, v [B, h_kv, S/cp, d], ``positions`` (cp tensors [S/cp]), ``causal``.
+    k, v [B, h_kv, S/cp, d], ``positions`` (cp tensors [S/cp]), ``causal``; ``stats``: if a
+    list, one dict is appended: ``work`` (unmasked query-key pairs per batch row and head: every
+    position's queries on every key, S (S+1)/2 causal, whatever the placement), ``heads`` (h/cp,
+    the heads this rank computes it for) and ``seconds`` (forward compute time, all-to-alls
+    excluded). Every rank computes the same work: balance here comes from the head split, the
+    chunk placement changes nothing.
     Returns [B, h, S/cp, d]. Raises ValueError when cp does not divide h and h_kv.
     """
     cp = comm._group_size(group)
     check_ulysses(q.shape[1], k.shape[1], cp)
     pos = torch.cat(positions)
     qh, kh, vh = (_SeqToHead.apply(t, group) for t in (q, k, v))
+    t0 = time.perf_counter()
     out, _ = block_attention(qh, kh, vh, pos, pos, causal)
+    if stats is not None:
+        stats.append({"work": block_work(pos, pos, causal), "heads": qh.shape[1],
+                      "seconds": time.perf_counter() - t0})
     return _HeadToSeq.apply(out, group)

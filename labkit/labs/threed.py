@@ -3,7 +3,7 @@
     python -m labkit lab 3d [--tp 2] [--pp 2] [--dp 2] [--schedule 1f1b|gpipe|interleaved|zb-h1|zbv|dualpipev]
                             [--chunks v] [--microbatches M] [--zero [STAGE]] [--hsdp R] [--tied] [--sp]
                             [--recompute none|selective|full] [--steps N] [--data PATH]
-                            [--cp C --cp-attention ring|allgather|ulysses]
+                            [--cp C --cp-attention ring|allgather|ulysses] [--cp-no-load-balance]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
 
 Megatron-LM's recipe (Narayanan et al. 2021, sec. 3.3): N = t * p * d devices; TP inside a node
@@ -35,9 +35,14 @@ sent}`` under the ring algorithms), ``expected`` (the counts from the formulas),
 Context parallelism (``--cp C``, :mod:`labkit.context_parallel`): each sequence is split over C
 ranks (load-balanced 2 C chunks; grid order tp-cp-dp-pp, N = t C p d), every attention core runs
 ``--cp-attention`` ring | allgather | ulysses over the CP group, and the gradients are averaged
-over the d C ranks of a stage; the table then has a CP row (K/V traffic = the planner's formula),
-and the activations are compared with the planner's count of what the CP attention core keeps
-(:func:`labkit.plan.memory.cp_core_activation_bytes`).
+over the d C ranks of a stage (``--zero 1|2|3`` shard over them too); with ``--sp`` (t > 1) each
+CP rank's S/C tokens are split again over its TP group. The table then has a CP row (K/V traffic =
+the planner's formula), the activations are compared with the planner's count of what the CP
+attention core keeps (:func:`labkit.plan.memory.cp_core_activation_bytes`), and per CP rank the
+causal attention work its forwards computed (query-key pairs, summed over its heads) must equal
+:func:`labkit.context_parallel.attention_work` (the 2 C chunks, or the naive contiguous split with
+``--cp-no-load-balance``); their compute time is printed, never judged. Not with HSDP, MoE or
+selective recompute.
 """
 from __future__ import annotations
 
@@ -87,6 +92,9 @@ def _parser():
     p.add_argument("--cp-attention", default="ring", choices=("ring", "allgather", "ulysses"),
                    help="attention under context parallelism: ring (K/V passed around), allgather (Llama 3), "
                         "ulysses (all-to-all over heads)")
+    p.add_argument("--cp-no-load-balance", action="store_true",
+                   help="with --cp: the naive contiguous split (rank r holds tokens r*S/cp ..) instead of the 2 cp "
+                        "chunks r and 2cp-1-r (to measure the causal imbalance)")
     p.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2, 3), metavar="STAGE",
                    help="ZeRO stage over the DP group: 0 DDP, 1 optimizer state sharded (the bare flag), 2 also the "
                         "gradients, 3 also the parameters (FSDP units: embedding, each block, head)")
@@ -182,6 +190,11 @@ def _bad_args(a, world) -> str | None:
     if a.moe and (a.sp or a.recompute != "none" or a.zero == 1):
         return (f"--moe runs with DDP, --zero 2 or 3, without --sp and --recompute (got --sp={a.sp}, --recompute "
                 f"{a.recompute}, --zero={a.zero})")
+    if a.cp_no_load_balance and a.cp == 1:
+        return "--cp-no-load-balance chooses how --cp C > 1 splits each sequence; got --cp 1"
+    if a.cp_no_load_balance and a.cp > 1 and a.seq % (2 * a.cp):
+        return (f"--seq {a.seq} must be divisible by 2 * --cp = {2 * a.cp} (the planner's CP formulas count 2 cp "
+                f"chunks; the bytes are the same for the contiguous split)")
     if a.moe and not 1 <= a.topk <= a.experts:
         return f"--topk must be between 1 and --experts={a.experts}, got {a.topk}"
     try:
@@ -192,7 +205,8 @@ def _bad_args(a, world) -> str | None:
         check_layout(cfg, world // a.cp, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule,
                      sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq, zero=a.zero, hsdp=a.hsdp,
                      n_experts=a.experts if a.moe else None)
-        check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq)
+        check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq,
+                        hsdp=a.hsdp, load_balance=not a.cp_no_load_balance, recompute=a.recompute)
         if a.cp > 1 and a.moe:
             raise ValueError("--cp is not combined with --moe here")
     except ValueError as e:
@@ -238,8 +252,8 @@ class RankResult:
     backend: str
     activations: int | None = None     # peak bytes saved for backward in the last step (steps >= 2)
     cp_rank: int = 0
-    cp_work: int = 0          # ring attention: query-key pairs this rank computed in the last step
-    cp_seconds: float = 0.0   # ring attention: seconds of its attention compute in the last step
+    cp_work: int = 0          # CP attention: query-key pairs per sequence (x heads) computed in the last step
+    cp_seconds: float = 0.0   # CP attention: seconds of its forward compute in the last step
 
 
 @dataclass
@@ -286,7 +300,7 @@ def _worker(ctx, a, corpus) -> RankResult:
     grid = ProcessGrid.build(ctx, tp=a.tp, pp=a.pp, dp=a.dp, cp=a.cp)
     pg = ParallelGPT(_model(a), grid, a.schedule, a.microbatches, v=v, zero=a.zero, hsdp=a.hsdp,
                      bucket_cap_mb=a.bucket_cap_mb, sequence_parallel=a.sp, recompute=a.recompute,
-                     cp_attention=a.cp_attention)
+                     cp_attention=a.cp_attention, cp_load_balance=not a.cp_no_load_balance)
     opt = pg.make_optimizer("adam", a.lr)
 
     def ref_loss(model, step, extras):
@@ -302,7 +316,7 @@ def _worker(ctx, a, corpus) -> RankResult:
 
     def pieces():
         out = []
-        if a.zero >= 2 and grid.dp > 1:     # ZeRO-2/3: the DP shards gathered (inspection only, not counted)
+        if a.zero >= 2 and pg.dp_cp > 1:    # ZeRO-2/3: the DP shards gathered (inspection only, not counted)
             from .verdict import Piece
             for m, grads, params in zip(pg.modules, pg.tp_local("grad"), pg.tp_local("param")):
                 for n, (g, dim) in grads.items():
@@ -330,12 +344,12 @@ def _worker(ctx, a, corpus) -> RankResult:
         meter = _Meter(pg.parameters(), pg.gathered_buffers()) if step == a.steps - 1 and step >= 1 else None
         with CommLog() as log, meter if meter is not None else contextlib.nullcontext():
             loss = pg.train_step(x, y)
-            if a.zero == 1 and grid.dp > 1:
+            if a.zero == 1 and pg.dp_cp > 1:
                 opt.reduce_gradients()
         t_bwd = time.perf_counter() - t0
         if meter is not None:
             act_peak = meter.peak
-        if a.zero == 1 and grid.dp > 1:
+        if a.zero == 1 and pg.dp_cp > 1:
             opt.gather_gradients()          # inspection only, outside the counted window
         if a.moe:                           # the balance losses live on every stage: sum them over PP
             aux = torch.tensor([pg.take_aux_loss()], dtype=torch.float64)
@@ -361,7 +375,7 @@ def _worker(ctx, a, corpus) -> RankResult:
                       timelines if grid.dp_rank == 0 and grid.tp_rank == 0 else None,
                       check.result(), str(ctx.device), ctx.backend, activations=act_peak,
                       cp_rank=getattr(grid, "cp_rank", 0),
-                      cp_work=sum(st["work"] for st in pg.cp_stats),
+                      cp_work=sum(st["work"] * st["heads"] for st in pg.cp_stats),
                       cp_seconds=sum(st["seconds"] for st in pg.cp_stats))
 
 
@@ -510,7 +524,7 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     for r in sorted(out.ranks, key=lambda r: r.rank):
         pm, m = mem[r.pp_rank], r.memory
         act_modeled = compared == "all" or (compared == "moe" and r.pp_rank not in moe_ranks)
-        for k in ("params", "grads", "optimizer") + (("gathered",) if a.zero == 3 and a.dp > 1 else ()):
+        for k in ("params", "grads", "optimizer") + (("gathered",) if a.zero == 3 and a.dp * a.cp > 1 else ()):
             if m.get(k, 0) != getattr(pm, k):
                 bad.append(f"rank {r.rank} {k}: measured {m.get(k, 0)} B, planner {getattr(pm, k)} B")
         act = r.activations
@@ -554,7 +568,7 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                     "routing: compared summed over each EP group, counts per rank (+1 counts exchange per MoE "
                     "layer and microbatch); activations compared on the stages without a MoE layer, shown on "
                     "the others: the experts' inputs are the rows a rank receives, not recorded)")
-    if a.zero == 3 and a.dp > 1:
+    if a.zero == 3 and a.dp * a.cp > 1:
         rows.append("ZeRO-3 gathered units, peak bytes per rank (planner: the largest two neighbouring units): "
                     + ", ".join(f"rank {r.rank} {r.memory.get('gathered', 0)} ({mem[r.pp_rank].gathered})"
                                 for r in sorted(out.ranks, key=lambda r: r.rank))
@@ -591,21 +605,44 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
     return rows, ok
 
 
-def _print_cp_balance(a, ranks) -> None:
-    """Causal work per CP rank (load-balanced 2 cp chunks) next to the contiguous split's, and, for
-    the ring, what each rank measured in the last step (work and attention compute seconds)."""
-    from ..context_parallel import causal_work
-    bal, contiguous = causal_work(a.seq, a.cp), causal_work(a.seq, a.cp, load_balance=False)
-    print(f"\ncausal attention work per CP rank (query-key pairs per sequence and head; 2 cp chunks, rank r "
-          f"holds r and 2cp-1-r): {bal}; a contiguous split would give {contiguous}")
-    if a.cp_attention == "ring":
-        row = [r for r in ranks if r.tp_rank == 0 and r.dp_rank == 0 and r.pp_rank == 0]
-        row.sort(key=lambda r: r.cp_rank)
-        layers = a.layers // (a.pp * _v(a)) * _v(a)
-        print("measured in the last step, ring attention forward on pipeline rank 0 (per CP rank): work "
-              + ", ".join(str(r.cp_work) for r in row) + f" (formula x {layers} layers x M={a.microbatches}: "
-              + ", ".join(str(w * layers * a.microbatches) for w in bal) + "); compute ms "
-              + ", ".join(f"{1e3 * r.cp_seconds:.1f}" for r in row))
+def _print_cp_balance(a, ranks) -> list[str]:
+    """Causal work per CP rank (load-balanced 2 cp chunks) next to the contiguous split's, and what
+    each CP rank of pipeline rank 0 (d0 t0) measured in the last step: the work its attention
+    forwards computed (query-key pairs per sequence, summed over the heads it computes) next to
+    :func:`labkit.context_parallel.attention_work`, and their compute seconds. Returns the FAIL lines
+    (the measured work differs from the formula)."""
+    from ..context_parallel import attention_work, causal_work
+    lb = not a.cp_no_load_balance
+    contiguous = causal_work(a.seq, a.cp, load_balance=False)
+    if lb:
+        print(f"\ncausal attention work per CP rank (query-key pairs per sequence and head; 2 cp chunks, rank r "
+              f"holds r and 2cp-1-r): {causal_work(a.seq, a.cp)}; a contiguous split would give {contiguous}")
+    else:
+        print(f"\ncausal attention work per CP rank (query-key pairs per sequence and head; the contiguous split, "
+              f"--cp-no-load-balance): {contiguous}; the 2 cp chunks would give "
+              + (f"{causal_work(a.seq, a.cp)}" if a.seq % (2 * a.cp) == 0 else f"(S={a.seq} not divisible by 2 cp)"))
+    heads = a.heads // a.tp
+    if a.cp_attention == "ulysses":
+        print(f"ulysses: each rank computes {heads // a.cp} of the {heads} heads (per TP rank) for all {a.seq} "
+              f"positions, so every rank does 1/cp of the whole causal triangle whatever the chunk placement: "
+              f"balance comes from the head split (the chunk placement only sets the positions of a rank's tokens)")
+    elif a.cp_attention == "allgather":
+        print("allgather: each rank computes its own queries on all S keys with the masked scores too (one dense "
+              "[S/cp, S] block per head), so its compute time follows S/cp x S on every rank; the work column is "
+              "what a kernel that skips masked tiles would do (the contiguous split would leave it unbalanced)")
+    row = sorted((r for r in ranks if r.tp_rank == 0 and r.dp_rank == 0 and r.pp_rank == 0), key=lambda r: r.cp_rank)
+    layers = a.layers // (a.pp * _v(a)) * _v(a)
+    runs = layers * a.microbatches * (2 if a.recompute == "full" else 1)    # full recompute: each forward twice
+    want = [w * runs for w in attention_work(a.seq, a.cp, a.cp_attention, heads, lb)]
+    print(f"measured in the last step, {a.cp_attention} attention forwards on pipeline rank 0 (per CP rank): work "
+          + ", ".join(str(r.cp_work) for r in row) + f" (formula x {layers} layers x M={a.microbatches}"
+          + (" x 2 (recompute)" if a.recompute == "full" else "") + f", {heads} heads: "
+          + ", ".join(str(w) for w in want) + "); compute ms " + ", ".join(f"{1e3 * r.cp_seconds:.1f}" for r in row))
+    if a.steps == 1:      # step 0 also runs each stage's probe forward on zeros (the pipeline runtime's)
+        print("(one step only: it includes the pipeline runtime's probe forward of each stage; work not compared)")
+        return []
+    return [] if [r.cp_work for r in row] == want else [
+        f"FAIL: CP attention work per rank measured {[r.cp_work for r in row]}, formula {want}"]
 
 
 def _plots(a, out, folder: Path):
@@ -724,8 +761,7 @@ class ThreeDLab(Lab):
               "then their gradients); allgather 2 all-gathers of K, V forward, "
               "2 reduce-scatters backward; ulysses 4 all-to-alls (q, k, v, output) each way; DP over the d*cp "
               "ranks of a stage." if a.cp > 1 else ""))
-        if a.cp > 1:
-            _print_cp_balance(a, ranks)
+        cp_bad = _print_cp_balance(a, ranks) if a.cp > 1 else []
         meas, formula = out.bubble
         name = "(p-1)/(vM+p-1)" if not lookup(a.schedule).zero_bubble else "(T_F = T_I = T_W)"
         print(f"\npipeline bubble: measured {meas:.1%} (mean of the timed steps, pipeline of d0 t0), "
@@ -756,6 +792,7 @@ class ThreeDLab(Lab):
         print(f"lab time: {time.perf_counter() - self.t_start:.1f} s")
         failures = [] if counts_ok else ["FAIL: the counted collectives differ from the formula (table above)"]
         failures += [f"FAIL: planner: {line}" for line in planner_bad]
+        failures += cp_bad
         return Report({_run_name(a): ranks[0].verdict}, failures)
 
     def files(self, a, outcome, folder):

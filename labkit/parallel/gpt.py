@@ -35,8 +35,11 @@ Context parallelism (``grid.cp`` > 1, :mod:`labkit.context_parallel`; rank order
 each CP rank holds its share of every sequence (the load-balanced 2 cp chunks), the embedding
 adds those tokens' positions, every attention core runs ring attention, the all-gather of K/V
 or Ulysses over the CP group (TP's local heads), and the gradients are averaged over the d cp
-ranks that share a stage and TP rank (Megatron-Core's data-parallel group with CP: DDP over it).
-Not combined with sequence parallelism or ZeRO here.
+ranks that share a stage and TP rank (Megatron-Core's data-parallel group with CP: DDP over it,
+and ZeRO 1-3 shard over it: its distributed optimizer and FSDP units span d cp ranks). With
+sequence parallelism (t > 1) each CP rank's S/cp tokens are split once more over its TP group
+(Megatron-Core runs TP + SP inside each CP rank): the stages exchange ``[b, S/(cp t), H]``, and
+attention sees the S/cp tokens the column-parallel projections all-gather. Not with HSDP or MoE.
 
 Global batch B: DP rank r takes rows ``r*B/d .. (r+1)*B/d - 1`` and the pipeline splits them into
 M microbatches of ``b = B/(d*M)`` sequences; the loss is scaled by 1/M once (in the pipeline
@@ -208,27 +211,37 @@ def _zero_stage(zero) -> int:
 
 
 def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel: bool = False,
-                    zero: bool = False, seq_len: int | None = None) -> None:
+                    zero: int = 0, seq_len: int | None = None, hsdp: int = 1, load_balance: bool = True,
+                    recompute: str = "none") -> None:
     """Raise ValueError (one line, before any rank starts) when context parallelism cannot run:
     ``cp_attention`` one of ring | allgather | ulysses; Ulysses needs cp to divide the heads and K/V
-    heads of each TP rank; the sequence divisible by 2 cp; not with sequence parallelism or ZeRO."""
+    heads of each TP rank; the sequence divisible by 2 cp (cp with ``load_balance=False``), and with
+    sequence parallelism at t > 1 each CP rank's S/cp tokens divisible by t (Megatron-Core runs
+    TP + SP inside each CP rank); ZeRO 1-3 shard over the d cp ranks of a stage; HSDP and selective
+    recompute (the CP attention core replaces the core it would checkpoint) are not combined with CP
+    here."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise ValueError(f"cp (--cp) must be an integer >= 1, got {cp!r}")
     if cp_attention not in ATTENTIONS:
         raise ValueError(f"cp attention (--cp-attention) must be one of {' | '.join(ATTENTIONS)}, got {cp_attention!r}")
-    if cp > 1 and sequence_parallel:
-        raise ValueError("context parallelism (cp > 1) is not combined with sequence parallelism here")
-    if cp > 1 and zero:
-        raise ValueError("context parallelism (cp > 1) is not combined with ZeRO here (use DDP)")
+    if cp > 1 and hsdp > 1:
+        raise ValueError(f"context parallelism (cp={cp}) is not combined with HSDP (R={hsdp}) here: use ZeRO-3 "
+                         f"over the d*cp ranks, or cp = 1")
+    if cp > 1 and recompute == "selective":
+        raise ValueError(f"context parallelism (cp={cp}) is not combined with selective recompute here (the CP "
+                         f"attention core is not checkpointed): use --recompute none or full")
     if cp > 1 and cp_attention == "ulysses":
         check_ulysses(cfg.n_head // tp, cfg.n_kv_head // tp, cp)
     if cp > 1 and seq_len is not None:
-        check_sequence_split(seq_len, cp)
+        check_sequence_split(seq_len, cp, load_balance)
+        if sequence_parallel and tp > 1 and (seq_len // cp) % tp:
+            raise ValueError(f"sequence parallelism with context parallelism: each CP rank's S/cp = "
+                             f"{seq_len}/{cp} = {seq_len // cp} tokens must be divisible by t={tp}")
 
 
 def _cp_core(attention, group, positions, stats, q, k, v):
     """The attention core of one layer under CP: this rank's local heads, its S/cp queries
-    (``stats``: a list the ring appends its per-step work and compute time to, or None)."""
+    (``stats``: a list the attention appends its work and compute time to, or None)."""
     kw = {"stats": stats} if stats is not None else {}
     return attention(q, k, v, group, [p.to(q.device) for p in positions], causal=True, **kw)
 
@@ -273,9 +286,13 @@ class ParallelGPT:
             spelling of :mod:`labkit.pipeline.registry`, e.g. "zbh1"); ``v``: chunks
             per rank (interleaved: any; zbv, dualpipev: 2 in V placement; else 1).
         n_microbatches: M per step (per DP rank).
-        zero: ZeRO stage over the DP group: 0 DDP, 1 ZeRO-1 (in :meth:`make_optimizer`), 2
-            :class:`~labkit.data_parallel.ZeroStage2`, 3 FSDP units (True: 1, False: 0).
-        hsdp: R replicas of HSDP (ZeRO-3; R divides d): shard over d/R ranks, all-reduce across R.
+        zero: ZeRO stage over the DP group (with CP the d cp ranks of the stage): 0 DDP, 1 ZeRO-1
+            (in :meth:`make_optimizer`), 2 :class:`~labkit.data_parallel.ZeroStage2`, 3 FSDP
+            units (True: 1, False: 0).
+        hsdp: R replicas of HSDP (ZeRO-3; R divides d; cp = 1): shard over d/R ranks, all-reduce across R.
+        cp_attention, cp_load_balance: with ``grid.cp`` > 1, the CP attention (ring | allgather |
+            ulysses) and the split (True: the 2 cp chunks r, 2cp-1-r; False: contiguous); the
+            attention's per-forward work and compute time are appended to ``cp_stats``.
         bucket_cap_mb: DDP bucket size.
         reference may also be a :class:`labkit.moe.MoEGPT` whose MoE layers route in
             ``token_groups = d*M`` groups: its experts are spread over the DP group (EP folded onto
@@ -300,7 +317,8 @@ class ParallelGPT:
 
     def __init__(self, reference: nn.Module, grid, schedule: str = "1f1b", n_microbatches: int = 1, v: int = 1,
                  zero: int = 0, bucket_cap_mb: float = 25.0, sequence_parallel: bool = False,
-                 recompute: str = "none", plan: dict | None = None, cp_attention: str = "ring", hsdp: int = 1):
+                 recompute: str = "none", plan: dict | None = None, cp_attention: str = "ring", hsdp: int = 1,
+                 cp_load_balance: bool = True):
         cfg = reference.cfg
         cp = getattr(grid, "cp", 1)
         moe_cfg = getattr(reference, "moe_cfg", None)
@@ -309,11 +327,12 @@ class ParallelGPT:
                      sequence_parallel=sequence_parallel, recompute=recompute, zero=zero, hsdp=hsdp,
                      n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts)
         if cp > 1:
-            check_cp_layout(cfg, grid.tp, cp, cp_attention, sequence_parallel, zero)
+            check_cp_layout(cfg, grid.tp, cp, cp_attention, sequence_parallel, zero, hsdp=hsdp,
+                            load_balance=cp_load_balance, recompute=recompute)
             if moe_cfg is not None:
                 raise ValueError("context parallelism (cp > 1) is not combined with the MoE GPT here")
-        self.cp, self.cp_attention = cp, cp_attention
-        self.cp_stats: list = []    # ring attention's per-step {"work", "seconds", ...} (cleared by the caller)
+        self.cp, self.cp_attention, self.cp_load_balance = cp, cp_attention, bool(cp_load_balance)
+        self.cp_stats: list = []    # the CP attention's {"work", "heads", "seconds", ...} (cleared by the caller)
         if moe_cfg is not None:
             if zero == 1 or (sequence_parallel and grid.tp > 1) or recompute != "none":
                 raise ValueError("the MoE GPT runs here with DDP, ZeRO-2 or ZeRO-3, without sequence parallelism and "
@@ -362,7 +381,7 @@ class ParallelGPT:
                         g = grid.ctx.new_group(ranks)
                         if grid.ctx.rank in ranks:
                             self.emb_group, self.emb_ranks = g, tuple(ranks)
-        self.dp_cp_group, self.dp_cp_ranks = grid.dp_group, tuple(grid.ranks("dp"))
+        self.dp_cp_group, self.dp_cp_ranks, self.dp_cp = grid.dp_group, tuple(grid.ranks("dp")), d * cp
         if cp > 1:     # the d cp ranks of this (pp, tp) reduce gradients together; every rank makes every group
             for pp_ in range(p):
                 for tt in range(t):
@@ -379,7 +398,7 @@ class ParallelGPT:
         # step's backwards (train_step), so under ZeRO-2/3 its bucket/unit is reduce-scattered only then
         self._tied_names = [[n for n, q in m.named_parameters() if self.emb_group is not None
                              and q is self._tied_weight(m)] for m in self.modules]
-        self.sharded = self._wrap_sharded() if d > 1 and zero >= 2 else [None] * len(self.modules)
+        self.sharded = self._wrap_sharded() if self.dp_cp > 1 and zero >= 2 else [None] * len(self.modules)
         submods = [w if w is not None else s if s is not None else m
                    for w, s, m in zip(self.ddp, self.sharded, self.modules)]
         stages = [PipelineStage(sm, s, n, device, group=grid.pp_group)                     # pipeline stage
@@ -391,17 +410,18 @@ class ParallelGPT:
         self.optimizer = None
 
     def _wrap_sharded(self) -> list:
-        """ZeRO-2 or FSDP wrappers of this rank's stages over the DP group (HSDP: the shard and
-        replicate groups of ``Mesh(pp, replicate, shard, tp)``, created by every rank in order)."""
+        """ZeRO-2 or FSDP wrappers of this rank's stages over the DP group, the d cp ranks of the
+        stage with CP (HSDP, cp = 1: the shard and replicate groups of ``Mesh(pp, replicate, shard,
+        tp)``, created by every rank in order)."""
         g = self.grid
         partial = g.tp_group if self.sequence_parallel else None    # SP: LayerNorm grads summed over TP
         defer = self._tied_names
         if self.zero == 2:   # the optimizer class comes with make_optimizer; SGD holds the place
             # MoE: the local experts (EP = d, so their expert-DP group is one rank) stay whole
-            return [ZeroStage2(m, torch.optim.SGD, g.dp_group, self.bucket_cap_mb, partial_grad_group=partial,
+            return [ZeroStage2(m, torch.optim.SGD, self.dp_cp_group, self.bucket_cap_mb, partial_grad_group=partial,
                                defer_reduce=tied, expert_params=sorted(expert_param_names(m)), lr=0.0)
                     for m, tied in zip(self.modules, defer)]
-        shard_group, replicate_group = g.dp_group, None
+        shard_group, replicate_group = self.dp_cp_group, None
         if self.hsdp > 1:
             mesh = Mesh(pp=g.pp, replicate=self.hsdp, shard=g.dp // self.hsdp, tp=g.tp)
             shard_group = mesh.new_groups(g.ctx, "shard")
@@ -433,12 +453,12 @@ class ParallelGPT:
 
     def make_optimizer(self, name: str = "sgd", lr: float = 0.1, **kw):
         """``torch.optim.SGD`` or ``Adam`` over this rank's parameters, or ZeRO-1 of it over
-        the DP group when ``zero`` and d > 1. Stored as ``self.optimizer``."""
+        the DP group (the d cp ranks with CP) when ``zero`` and d cp > 1. Stored as ``self.optimizer``."""
         cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[name]
-        if self.zero == 2 and self.grid.dp > 1:
+        if self.zero == 2 and self.dp_cp > 1:
             self.optimizer = _Zero2Step(self.sharded, cls, lr=lr, **kw)
-        elif self.zero == 1 and self.grid.dp > 1:
-            self.optimizer = ZeroRedundancyOptimizer(self.parameters(), cls, self.grid.dp_group, lr=lr, **kw)
+        elif self.zero == 1 and self.dp_cp > 1:
+            self.optimizer = ZeroRedundancyOptimizer(self.parameters(), cls, self.dp_cp_group, lr=lr, **kw)
         else:
             self.optimizer = cls(self.parameters(), lr=lr, **kw)
         return self.optimizer
@@ -485,17 +505,20 @@ class ParallelGPT:
     def _context_parallel(self, x: torch.Tensor, y: torch.Tensor):
         """Shard a batch [b, S] to this CP rank's [b, S/cp] and point the embedding and every
         attention core of this rank's stages at the CP group (positions of the load-balanced split)."""
-        g, S = self.grid, x.shape[1]
-        check_sequence_split(S, self.cp)
-        positions = [sequence_positions(S, r, self.cp) for r in range(self.cp)]
+        g, S, lb = self.grid, x.shape[1], self.cp_load_balance
+        check_sequence_split(S, self.cp, lb)
+        if self.sequence_parallel and (S // self.cp) % g.tp:
+            raise ValueError(f"sequence parallelism with context parallelism: S/cp = {S}/{self.cp} tokens per CP "
+                             f"rank must be divisible by t={g.tp}")
+        positions = [sequence_positions(S, r, self.cp, lb) for r in range(self.cp)]
         core = partial(_cp_core, ATTENTIONS[self.cp_attention], g.cp_group, positions,
-                       self.cp_stats if self.cp_attention == "ring" else None)
+                       self.cp_stats)
         for m in self.modules:
             if m.embedding is not None:
                 m.embedding.positions = positions[g.cp_rank]
             for block in m.blocks:
                 block.attn.core = core
-        return shard_sequence(x, 1, g.cp_rank, self.cp), shard_sequence(y, 1, g.cp_rank, self.cp)
+        return shard_sequence(x, 1, g.cp_rank, self.cp, lb), shard_sequence(y, 1, g.cp_rank, self.cp, lb)
 
     def take_aux_loss(self) -> float:
         """MoE: the sum over this rank's MoE layers of their balance loss averaged over the step's M
@@ -621,8 +644,9 @@ class ParallelGPT:
         ranks = set(rec.ranks or ())
         g = self.grid
         tp_r, dp_r = set(g.ranks("tp")), set(self.dp_cp_ranks)
-        if self.cp > 1 and ranks == set(g.ranks("cp")) and rec.kind != "all_reduce":
-            return "cp"                       # attention's K/V traffic (the gradient all-reduce is DP's)
+        if self.cp > 1 and ranks == set(g.ranks("cp")) and rec.kind != "all_reduce" and len(rec.shape) > 1:
+            return "cp"      # attention's K/V traffic: [.., s, ..] blocks (DDP's all-reduce and ZeRO's flat 1-D
+            #                  buffers are DP's, over the same ranks when d = 1)
         if rec.kind in ("send", "recv"):
             return "pp"
         if ranks == tp_r and g.tp > 1:
@@ -673,7 +697,7 @@ class ParallelGPT:
         out = {ax: dict(c.ops) for ax, c in axes.items() if c.ops}
         if self.hsdp > 1:
             out["dp"] = hsdp_dp_comm(spec, lay, self.hsdp, g.pp_rank, bytes_per_element)
-        if self.zero == 2 and g.dp > 1:   # one reduce-scatter and one all-gather per gradient bucket
+        if self.zero == 2 and self.dp_cp > 1:   # one reduce-scatter and one all-gather per gradient bucket
             n = sum(len(w.buckets) for w in self.sharded)
             out["dp"] = {k: (n, nbytes) for k, (_, nbytes) in out["dp"].items()}
             if self.sequence_parallel:   # SP sums: one per bucket holding any (the planner: one per chunk)

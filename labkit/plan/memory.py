@@ -148,9 +148,12 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
          f"the expert TP size etp={lay.etp} must be >= 1 and divide t={lay.t} (each expert split over etp of the "
          f"TP ranks)"),
         (spec.is_moe or lay.ep == 1, f"ep={lay.ep} > 1 needs a MoE model"),
-        (lay.cp == 1 or spec.seq_len % (2 * lay.cp * (lay.t if lay.sequence_parallel else 1)) == 0,
-         f"context parallelism needs 2 cp (x t with SP) = {2 * lay.cp * (lay.t if lay.sequence_parallel else 1)} "
-         f"to divide the sequence length s={spec.seq_len} (two chunks per CP rank)"),
+        (lay.cp == 1 or spec.seq_len % (2 * lay.cp) == 0,
+         f"context parallelism needs 2 cp = {2 * lay.cp} to divide the sequence length s={spec.seq_len} "
+         f"(two chunks per CP rank)"),
+        (lay.cp == 1 or not lay.sequence_parallel or (spec.seq_len // lay.cp) % lay.t == 0,
+         f"sequence parallelism with context parallelism needs t={lay.t} to divide each CP rank's "
+         f"s/cp = {spec.seq_len}/{lay.cp} = {spec.seq_len // lay.cp} tokens"),
         (lay.cp_attention != "ulysses" or (a // lay.t) % lay.cp == 0 and (akv // lay.t) % lay.cp == 0,
          f"Ulysses needs cp={lay.cp} to divide the heads per TP rank a/t={a // lay.t} and a_kv/t={akv // lay.t}"),
     ]

@@ -73,16 +73,14 @@ class ParallelEmbedding(nn.Module):
         S = idx.shape[1]
         if S > self.block_size:
             raise ValueError(f"sequence length {S} exceeds block_size={self.block_size}")
+        # context parallelism: this CP rank's S global positions (else 0..S-1); SP keeps its TP rank's S/t
+        pos = self.positions.to(idx.device) if self.positions is not None else torch.arange(S, device=idx.device)
         if self.sequence_parallel:
             t = tp_size(self.group)
             if S % t:
                 raise ValueError(f"sequence parallelism needs the sequence length S={S} divisible by t={t}")
             start = tp_rank(self.group) * (S // t)
-            pos = torch.arange(start, start + S // t, device=idx.device)
-        else:
-            pos = torch.arange(S, device=idx.device)
-        if self.positions is not None:   # context parallelism: this rank's positions
-            pos = self.positions.to(idx.device)
+            pos = pos[start:start + S // t]
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 

@@ -20,6 +20,7 @@ from labkit.comm import CommLog
 from labkit.context_parallel import (
     ContextParallelAttention,
     ContextParallelGPT,
+    attention_work,
     causal_work,
     check_cp_config,
     finish_grad_sync,
@@ -133,11 +134,13 @@ def _comm_of(group, rank, cp, method):
     return {"fwd": fwd.summary(), "bwd": bwd.summary()}
 
 
-def _work_of(group, rank, cp, lb):
+def _work_of(group, rank, cp, lb, method="ring"):
     torch.manual_seed(0)
-    par = ContextParallelAttention(CausalSelfAttention(_cfg()), group, "ring", load_balance=lb)
+    par = ContextParallelAttention(CausalSelfAttention(_cfg()), group, method, load_balance=lb)
     par.stats = []
     par(torch.randn(B, S // cp, H))
+    if method != "ring":      # one record per forward: pairs per batch row summed over the heads computed
+        return sum(s["work"] * s["heads"] for s in par.stats)
     return [(s["block"], s["work"]) for s in par.stats]
 
 
@@ -151,6 +154,8 @@ def _rank(ctx):
         res[("comm", method)] = _comm_of(g, r, cp, method)
     res[("layer", "ring", "contiguous")] = _layer_run(g, r, cp, "ring", True, lb=False)
     res["work"] = {lb: _work_of(g, r, cp, lb) for lb in (True, False)}
+    res["work by heads"] = {(m, lb): _work_of(g, r, cp, lb, m)
+                            for m in ("allgather", "ulysses") for lb in (True, False)}
     # injected bugs: the same comparison must catch each
     res["BUG no gradient all-reduce"] = _layer_run(g, r, cp, "allgather", True, sync=False)
     orig_merge, orig_bwd = ring_mod.merge_partials, ring_mod.block_attention_backward
@@ -271,6 +276,14 @@ def test_causal_work_per_rank(results, cp):
     # contiguous: rank i computes only the blocks of ranks <= i (the others are skipped)
     for i, res in enumerate(results[cp]):
         assert sorted(j for j, w in res["work"][False] if w) == list(range(i + 1))
+    # all-gather and Ulysses, per rank, pairs summed over the heads computed: = attention_work (Ulysses:
+    # h/cp heads of the whole triangle, the same on every rank for either placement)
+    for method in ("allgather", "ulysses"):
+        for lb in (True, False):
+            measured = [res["work by heads"][(method, lb)] for res in results[cp]]
+            assert measured == attention_work(S, cp, method, NH, lb), (method, lb, measured)
+    assert attention_work(S, cp, "allgather", NH, False) == [NH * w for w in contiguous]
+    assert attention_work(S, cp, "ulysses", NH, False) == [NH // cp * S * (S + 1) // 2] * cp
 
 
 def test_placement_and_positions():

@@ -2,9 +2,12 @@
 every parameter gradient (gathered to full shape) at every step and the parameters after 3
 plain-SGD steps equal one device's; the communication of every axis, CP's K/V traffic included,
 equals the planner's formula exactly. Layouts: t = 2, cp = 2, p = 2 on 8 ranks (ring), and
-cp = 2 with d = 2 on 4 ranks (all-gather, Ulysses). An injected bug (the gradients averaged over
-DP only, not over the d cp ranks) must be caught. ``lab 3d --cp`` per attention kind on 4 ranks:
-measured activations = the planner's within 2 %."""
+cp = 2 with d = 2 on 4 ranks (all-gather, Ulysses); ZeRO 1, 2, 3 over the d cp ranks (one with
+p = 2 and d = 1: ZeRO over the CP ranks alone); t = 2 with sequence parallelism. Injected bugs
+(the gradients averaged, or ZeRO-2's shards reduce-scattered, over DP only, not over the d cp
+ranks) must be caught. ``lab 3d --cp``
+per attention kind on 4 ranks: measured activations = the planner's within 2 %; per CP rank the
+attention work = :func:`labkit.context_parallel.attention_work`."""
 import pytest
 import torch
 
@@ -41,13 +44,19 @@ def reference(cfg, lr=0.1):
     return losses, grads, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
-def _worker(ctx, cfg, t, p, d, cp, method, bug):
+def _worker(ctx, cfg, t, p, d, cp, method, bug, zero, sp):
     grid = make_grid(ctx, tp=t, pp=p, dp=d, cp=cp)
+    import labkit.parallel.gpt as gpt_mod
     if bug == "dp_only":       # injected: DDP over the DP group alone (CP ranks' gradients never meet)
-        import labkit.parallel.gpt as gpt_mod
         orig = gpt_mod.DistributedDataParallel
         gpt_mod.DistributedDataParallel = lambda m, group, cap, **kw: orig(m, grid.dp_group, cap, **kw)
-    pg = ParallelGPT(GPT(cfg, seed=0), grid, "1f1b", 2, bucket_cap_mb=0.002, cp_attention=method)
+    if bug == "zero_dp_only":  # injected: ZeRO-2 reduce-scatters over the DP group alone
+        class DPOnly(gpt_mod.ZeroStage2):
+            def __init__(self, m, cls, group, cap, **kw):
+                super().__init__(m, cls, grid.dp_group, cap, **kw)
+        gpt_mod.ZeroStage2 = DPOnly
+    pg = ParallelGPT(GPT(cfg, seed=0), grid, "1f1b", 2, bucket_cap_mb=0.002, cp_attention=method, zero=zero,
+                     sequence_parallel=sp)
     pg.make_optimizer("sgd", 0.1)
     out = {"losses": [], "grads": [], "comm": [], "expected": pg.expected_comm(B, S), "last": pg.has_last_stage,
            "keep": grid.tp_rank == 0}
@@ -55,18 +64,23 @@ def _worker(ctx, cfg, t, p, d, cp, method, bug):
         pg.zero_grad()
         with CommLog() as log:
             out["losses"].append(pg.train_step(x, y))
-            pg.optimizer.step()
-        out["comm"].append(pg.comm_by_axis(log.records))
-        grads = pg.gather_full("grad")
+            if zero == 1:
+                pg.optimizer.reduce_gradients()
+        if zero == 1:
+            pg.optimizer.gather_gradients()      # inspection only, not counted
+        grads = pg.gather_full("grad")           # ZeRO-2/3: the shards all-gathered, not counted
         out["grads"].append(grads if out["keep"] else None)
+        with CommLog() as log2:
+            pg.optimizer.step()
+        out["comm"].append(pg.comm_by_axis(log.records + log2.records))
     params = pg.gather_full("param")
     out["params"] = params if out["keep"] else None
     return out
 
 
-def run(t, p, d, cp, method, bug=None):
+def run(t, p, d, cp, method, bug=None, zero=0, sp=False):
     cfg = cfg_for()
-    return cfg, launch(_worker, t * p * d * cp, cfg, t, p, d, cp, method, bug, timeout=60)
+    return cfg, launch(_worker, t * p * d * cp, cfg, t, p, d, cp, method, bug, zero, sp, timeout=60)
 
 
 def _mismatches(cfg, ranks):
@@ -88,7 +102,13 @@ def _mismatches(cfg, ranks):
 
 
 LAYOUTS = {"t2 cp2 p2 ring": (2, 2, 1, 2, "ring"), "cp2 d2 allgather": (1, 1, 2, 2, "allgather"),
-           "cp2 d2 ulysses": (1, 1, 2, 2, "ulysses")}
+           "cp2 d2 ulysses": (1, 1, 2, 2, "ulysses"),
+           # ZeRO over the d cp ranks of a stage; d = 1: over the CP ranks alone (the same ranks as CP's K/V)
+           "cp2 d2 zero1 ring": (1, 1, 2, 2, "ring", None, 1),
+           "cp2 p2 zero2 allgather": (1, 2, 1, 2, "allgather", None, 2),
+           "cp2 d2 zero3 ulysses": (1, 1, 2, 2, "ulysses", None, 3),
+           # TP + SP inside each CP rank: [b, S/(cp t), H] between the blocks
+           "t2 cp2 sp allgather": (2, 1, 1, 2, "allgather", None, 0, True)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -107,15 +127,15 @@ def test_equals_one_device(outcome):
 
 def test_bytes_per_axis_equal_the_planner(outcome):
     name, (cfg, ranks) = outcome
-    t, p, d, cp, method = LAYOUTS[name]
     for r in ranks:
         for step in range(1, STEPS):      # step 0 also sends the pipeline's shape messages
             assert r["comm"][step] == r["expected"], (name, step, r["comm"][step], r["expected"])
         assert "cp" in r["expected"] and "dp" in r["expected"]
 
 
-def test_injected_bug_is_caught():
-    cfg, ranks = run(1, 1, 2, 2, "allgather", bug="dp_only")
+@pytest.mark.parametrize("bug, zero", [("dp_only", 0), ("zero_dp_only", 2)])
+def test_injected_bug_is_caught(bug, zero):
+    cfg, ranks = run(1, 1, 2, 2, "allgather", bug=bug, zero=zero)
     bad, _, _ = _mismatches(cfg, ranks)
     assert any(n == "embedding.wte.weight" for *_, n in bad)
 
@@ -123,11 +143,17 @@ def test_injected_bug_is_caught():
 @pytest.mark.parametrize("kw, message", [
     (dict(tp=2, cp=2, cp_attention="ulysses"), "n_kv_head=1 must both be divisible by cp=2"),
     (dict(tp=1, cp=2, cp_attention="flash"), "must be one of ring | allgather | ulysses"),
-    (dict(tp=2, cp=2, cp_attention="ring", sequence_parallel=True), "not combined with sequence parallelism"),
-    (dict(tp=1, cp=2, cp_attention="ring", zero=True), "not combined with ZeRO"),
+    (dict(tp=4, cp=2, cp_attention="ring", sequence_parallel=True, seq_len=12),
+     "each CP rank's S/cp = 12/2 = 6 tokens must be divisible by t=4"),
+    (dict(tp=1, cp=2, cp_attention="ring", zero=3, hsdp=2), "not combined with HSDP"),
+    (dict(tp=1, cp=2, cp_attention="ring", recompute="selective"), "not combined with selective recompute"),
+    (dict(tp=1, cp=2, cp_attention="ring", seq_len=6, load_balance=False), None),
     (dict(tp=1, cp=3, cp_attention="ring", seq_len=16), "S=16 must be divisible by 2 * cp"),
 ])
 def test_bad_cp_layouts(kw, message):
+    if message is None:                       # allowed: the contiguous split needs cp | S only
+        check_cp_layout(cfg_for(), **kw)
+        return
     with pytest.raises(ValueError, match=message.replace("*", r"\*")):
         check_cp_layout(cfg_for(), **{"tp": 1, **kw})
 
@@ -140,9 +166,10 @@ def test_lab_3d_with_cp(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "CP (cp=2)   send" in out and "OK: every run (t2 cp2 ring p1 d1 1f1b)" in out
-    # per CP rank: 68 query-key pairs per sequence and head (balanced), x 4 layers x M = 1, measured by the ring
+    # per CP rank: 68 query-key pairs per sequence and head (balanced), x 4 layers x M = 1 x 2 heads per TP rank,
+    # measured by the ring
     assert "[68, 68]; a contiguous split would give [36, 100]" in out
-    assert "work 272, 272 (formula x 4 layers x M=1: 272, 272)" in out
+    assert "work 544, 544 (formula x 4 layers x M=1, 2 heads: 544, 544)" in out
 
 
 @pytest.mark.parametrize("method, layout", [
@@ -167,7 +194,104 @@ def test_lab_3d_cp_activations_equal_the_planner(tmp_path, capsys, method, layou
 
 def test_lab_3d_bad_cp_is_one_line(tmp_path, capsys):
     from labkit.labs.threed import main
+    for argv, msg in ((["--cp-no-load-balance"], "--cp-no-load-balance chooses how --cp C > 1 splits each sequence"),
+                      (["--cp", "2", "--seq", "6", "--cp-no-load-balance"], "--seq 6 must be divisible by 2 * --cp"),
+                      (["--cp", "2", "--recompute", "selective"], "not combined with selective recompute"),
+                      (["--cp", "2", "--zero", "3", "--hsdp", "2", "--dp", "4"], "not combined with HSDP (R=2)")):
+        assert main([*argv, "--heads", "2", "--embd", "16", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
     assert main(["--cp", "2", "--cp-attention", "ulysses", "--heads", "2", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: Ulysses splits attention heads over the CP group: n_head=1 and n_kv_head=1 must both be "
                    "divisible by cp=2"]
+
+
+def test_attention_work_formula():
+    """Per CP rank, query-key pairs per sequence summed over the heads it computes (S = 8, cp = 2)."""
+    from labkit.context_parallel import attention_work
+    # contiguous: queries 0-3 see 1+2+3+4 = 10 keys, 4-7 see 5+..+8 = 26; balanced chunks {0,1,6,7}, {2,3,4,5}: 18 each
+    assert attention_work(8, 2, "ring", 1, load_balance=False) == [10, 26]
+    assert attention_work(8, 2, "allgather", 3) == [54, 54]
+    # Ulysses: 2 of 4 heads on the whole triangle (36 pairs) each, whatever the placement
+    assert attention_work(8, 2, "ulysses", 4) == attention_work(8, 2, "ulysses", 4, load_balance=False) == [72, 72]
+    with pytest.raises(ValueError, match="heads=3 must be divisible by cp=2"):
+        attention_work(8, 2, "ulysses", 3)
+    with pytest.raises(ValueError, match="must be one of ring"):
+        attention_work(8, 2, "flash", 2)
+
+
+@pytest.mark.parametrize("method, work", [
+    ("allgather", "work 288, 800 (formula x 2 layers x M=1, 4 heads: 288, 800)"),     # 4 heads x 2 x [36, 100]
+    ("ulysses", "work 544, 544 (formula x 2 layers x M=1, 4 heads: 544, 544)"),       # 2 of 4 heads x 2 x 136
+])
+def test_lab_3d_cp_work_per_rank_contiguous(tmp_path, capsys, monkeypatch, method, work):
+    """The naive (contiguous) split on cp = 2, t = 1: equal to one device; the work each CP rank's
+    attention measured = :func:`attention_work` exactly (all-gather: unbalanced, Ulysses: balanced by
+    heads), the compute time only reported. Injected bug: the work counted without the causal mask
+    (dense pairs) must fail the lab."""
+    from labkit.labs.threed import main
+    argv = ["--tp", "1", "--cp", "2", "--pp", "1", "--dp", "1", "--cp-attention", method, "--cp-no-load-balance",
+            "--steps", "2", "--batch", "2", "--microbatches", "1", "--seq", "16", "--layers", "2", "--no-plots",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert work in out and "compute ms" in out and "contiguous split, --cp-no-load-balance): [36, 100]" in out
+    import labkit.context_parallel.allgather as ag
+    import labkit.context_parallel.ulysses as ul
+    mod = ag if method == "allgather" else ul
+    monkeypatch.setattr(mod, "block_work", lambda q_pos, k_pos, causal: q_pos.numel() * k_pos.numel())
+    assert main(argv) == 1
+    assert "FAIL: CP attention work per rank measured" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("zero, layout, method", [
+    ("1", ["--dp", "2", "--pp", "1"], "ulysses"),
+    ("2", ["--dp", "1", "--pp", "2"], "ring"),        # ZeRO over the CP ranks alone, two pipeline stages
+    ("3", ["--dp", "2", "--pp", "1"], "allgather"),
+])
+def test_lab_3d_cp_with_zero(tmp_path, capsys, monkeypatch, zero, layout, method):
+    """``lab 3d --cp 2 --zero 1|2|3`` (t = 1, 4 ranks): equal to one device by the lab's verdict and
+    the planner = measured per rank (model states and ZeRO-3's gathered peak exact over the d cp
+    shard ranks, bytes per axis exact), else the lab fails. Injected bug: a planner that shards the
+    model states over d alone (not d cp) must fail the planner check."""
+    from labkit.labs import threed
+    argv = ["--tp", "1", "--cp", "2", *layout, "--zero", zero, "--cp-attention", method, "--steps", "2",
+            "--batch", "4", "--microbatches", "2", "--seq", "16", "--layers", "2", "--no-plots"]
+    rc = threed.main([*argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0 and "FAIL" not in cap.err, cap.out + cap.err
+    assert f"ZeRO-{zero}," in cap.out and "OK: every run" in cap.out and "DP (d*cp=" in cap.out
+    rows = [ln.split() for ln in cap.out.split("communication bytes per axis (planner)\n")[1].splitlines()[1:5]]
+    for row in rows:                                       # params, grads, optimizer: measured == planner
+        assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
+    a, out = threed.parse_args(argv), threed.LAB.result
+    a.dp = int(layout[1])
+    assert threed._planner_table(a, out)[1] == []
+    from labkit.plan import memory
+    orig = memory._zero_shard
+    monkeypatch.setattr(memory, "_zero_shard", lambda n, d: orig(n, d // 2))     # shards over d, not d * cp
+    bad = threed._planner_table(a, out)[1]
+    assert any(b.startswith("rank 0 optimizer: measured") for b in bad), bad
+
+
+def test_lab_3d_cp_with_sequence_parallelism(tmp_path, capsys, monkeypatch):
+    """``lab 3d --tp 2 --cp 2 --sp`` (Ulysses, 4 ranks): equal to one device by the lab's verdict, the
+    planner = measured per rank (model states and bytes per axis exact, activations within 2 %,
+    else the lab fails). Injected bug: every TP rank adds the positions of TP rank 0's S/(cp t)
+    tokens (the CP positions not sliced per SP shard) must fail the verdict."""
+    from labkit.labs import threed
+    argv = ["--tp", "2", "--cp", "2", "--pp", "1", "--dp", "1", "--sp", "--cp-attention", "ulysses", "--steps", "2",
+            "--batch", "4", "--microbatches", "2", "--seq", "16", "--layers", "2", "--no-plots", "--out", str(tmp_path)]
+    rc = threed.main(argv)
+    cap = capsys.readouterr()
+    assert rc == 0 and "FAIL" not in cap.err, cap.out + cap.err
+    assert ", SP, " in cap.out and "OK: every run (t2 cp2 ulysses p1 d1 1f1b)" in cap.out
+    rows = [ln.split() for ln in cap.out.split("communication bytes per axis (planner)\n")[1].splitlines()[1:5]]
+    for row in rows:
+        assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
+        assert abs(float(row[9].rstrip("%"))) <= 2.0 and row[10:13] == ["cp", row[11], f"({row[11]}),"], row
+    import labkit.tensor_parallel.model as tp_model
+    monkeypatch.setattr(tp_model, "tp_rank", lambda group: 0)
+    assert threed.main(argv) == 1
+    assert "FAIL t2 cp2 ulysses p1 d1 1f1b" in capsys.readouterr().out

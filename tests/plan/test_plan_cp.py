@@ -84,12 +84,22 @@ def test_cp_traffic_per_algorithm_and_link():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(t=8, cp=16, cp_attention="ulysses"), "Ulysses needs cp=16 to divide the heads per TP rank a/t=16 and a_kv/t=1"),  # noqa: E501
-    (dict(t=1, cp=3), "2 cp \\(x t with SP\\) = 6 to divide the sequence length s=8192"),
+    (dict(t=1, cp=3), "2 cp = 6 to divide the sequence length s=8192"),
+    (dict(t=8, cp=2048, sequence_parallel=True), "needs t=8 to divide each CP rank's s/cp = 8192/2048 = 4 tokens"),
     (dict(cp=2, cp_attention="flash"), "cp_attention must be one of"),
 ])
 def test_bad_cp_layouts(kw, message):
     with pytest.raises(ValueError, match=message):
         check_layout(preset("llama3-405b"), Layout(**kw))
+
+
+def test_cp_with_sp_needs_t_to_divide_s_over_cp_only():
+    """SP splits each CP rank's s/cp tokens over t: s = 20, cp = 2, t = 2 is valid (10 tokens per CP
+    rank), though 2 cp t = 8 does not divide s."""
+    spec = dataclasses.replace(preset("llama3-405b"), seq_len=20)
+    check_layout(spec, Layout(t=2, cp=2, sequence_parallel=True))
+    with pytest.raises(ValueError, match="s/cp = 20/2 = 10 tokens"):
+        check_layout(spec, Layout(t=4, cp=2, sequence_parallel=True))
 
 
 def test_assumptions_are_stated():
