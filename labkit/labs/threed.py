@@ -417,7 +417,8 @@ def _mib(b):
 
 # schedule -> (the planner's schedule with the same stages per rank and messages, placement, whether the
 # planner's in-flight counts model its activations). The zero-bubble ones keep microbatches until their W:
-# ZB-H1's are counted along its actions (plan.memory.schedule_activation_peak), ZB-V's and DualPipeV's not yet.
+# their activations are counted along their actions (plan.memory.schedule_activation_peak; ZB-V and
+# DualPipeV on the V, two stages per rank), except with CP or full recompute (not modelled there).
 _PLANNER_SCHEDULE = {"gpipe": ("gpipe", "loop", True), "1f1b": ("1f1b", "loop", True),
                      "interleaved": ("interleaved", "loop", True), "zb-h1": ("1f1b", "loop", False),
                      "zbv": ("interleaved", "v", False), "dualpipev": ("interleaved", "v", False)}
@@ -451,8 +452,8 @@ def _planner(a):
         # HSDP: model states sharded over the d/R shard ranks (the same b and M per rank)
         mem_lay = Layout(**{**lay.__dict__, "d": a.dp // a.hsdp})
         mem = memory_per_rank(spec, mem_lay, device="cpu")
-        # ZB-H1: counted along the schedule's actions (the V-shaped ones measured 3-16 % more: not yet)
-        if not act_modeled and placement == "loop" and a.cp == 1 and a.recompute != "full":
+        # the zero-bubble schedules: counted along their actions (ZB-H1, and ZB-V / DualPipeV on the V)
+        if not act_modeled and a.cp == 1 and a.recompute != "full":
             actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
             mem = [dataclasses.replace(m, activations=schedule_activation_peak(spec, mem_lay, actions[m.pp_rank],
                                                                                m.pp_rank, device="cpu"))
@@ -550,8 +551,8 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                                 for r in sorted(out.ranks, key=lambda r: r.rank))
                     + "; the gathered weights saved for backward are not counted as activations")
     if compared == "no activations":
-        rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches here (it "
-                    f"counts ZB-H1's along its actions, without CP and full recompute); not compared)")
+        rows.append(f"(activations: the planner counts {a.schedule}'s W-deferred microbatches along its actions "
+                    f"without CP and full recompute only; not compared)")
     return rows, bad
 
 

@@ -502,7 +502,10 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
     :mod:`labkit.pipeline.split_backward`), so a microbatch between its I and its W still holds
     the stash of its layers and its output layer's input; only the cross-entropy's part (the
     softmax and the targets, not on the way to a parameter) goes at I; W frees the rest. The
-    peak is taken after each F. ``recompute="full"`` is not modelled (ValueError)."""
+    peak is taken after each F. V placement (``lay.placement == "v"``, ZB-V and DualPipeV, sec. 4):
+    rank r holds stages r and 2p-1-r (:func:`rank_stages`), so rank 0 stashes the embedding with
+    stage 0 and the output layer and loss with stage 2p-1, and a microbatch's two stages on one
+    rank are two entries. ``recompute="full"`` is not modelled (ValueError)."""
     if lay.recompute == "full":
         raise ValueError("schedule_activation_peak: recompute='full' is not modelled")
     aspec = cp_local(spec, lay)
