@@ -79,6 +79,17 @@ class Mesh:
         """The ranks of the group along ``axis`` that holds ``rank``."""
         return next(g for g in self.all_ranks(axis) if rank in g)
 
+    def shard(self, t: torch.Tensor, axis: str, rank: int, dim: int = 0) -> torch.Tensor:
+        """The part of ``t`` that ``rank`` holds when ``t`` is split into equal consecutive parts
+        along ``dim`` over ``axis`` (part c for coordinate c; a view). Raises ValueError for an
+        unknown axis or when the axis size does not divide ``t.shape[dim]``."""
+        if axis not in self.sizes:
+            raise ValueError(f"unknown axis {axis!r}; the grid's axes are {', '.join(self.axes)}")
+        n, size = t.shape[dim], self.sizes[axis]
+        if n % size:
+            raise ValueError(f"{n} rows along dim {dim} cannot be split evenly over {axis}={size} ranks")
+        return t.narrow(dim, self.coords(rank)[axis] * (n // size), n // size)
+
     def new_groups(self, ctx, axis: str):
         """Create every group along ``axis`` on the launch ``ctx`` (collective: every rank, same
         order; a group spanning the world is the world group) and return this rank's."""
@@ -175,6 +186,14 @@ class ProcessGrid:
         if rank is None:
             raise ValueError("this grid has no rank (rank=None): pass ranks(axis, rank)")
         return next(g for g in self.all_ranks(axis) if rank in g)
+
+    def shard(self, t: torch.Tensor, axis: str, rank: int | None = None, dim: int = 0) -> torch.Tensor:
+        """:meth:`Mesh.shard` of ``t`` over ``axis`` (``"pp"``, ``"dp"``, ``"cp"``, ``"tp"``) for
+        ``rank`` (default: this rank), e.g. this DP rank's slice of the global batch."""
+        rank = self.rank if rank is None else rank
+        if rank is None:
+            raise ValueError("this grid has no rank (rank=None): pass shard(t, axis, rank)")
+        return self._mesh.shard(t, axis, rank, dim)
 
     def group(self, axis: str):
         """This rank's process group along ``axis`` (after :meth:`build`)."""

@@ -230,6 +230,19 @@ def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
     from labkit.plan.spec import Layout
     a, out = threed.parse_args(argv), threed.LAB.result
     assert threed._planner_table(a, out)[1] == []
+    # activations compared on every rank, the MoE stage's from the rows each rank received
+    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    assert len(rows) == 8 and all(abs(float(row[9].rstrip("%"))) <= 2.0 for row in rows), rows
+    assert {r.rank for r in out.ranks if r.moe_loads} == {4, 5, 6, 7}
+    from labkit.plan import activations as plan_act
+    from labkit.plan import memory as plan_memory
+    with monkeypatch.context() as m:     # injected bug: the experts' input rows not counted
+        row = plan_act.moe_row_bytes
+        for mod in (plan_act, plan_memory):
+            m.setattr(mod, "moe_row_bytes", lambda h, f, e=4, glu=False, etp=1: row(h, f, e, glu, etp) - h * e)
+        bad = threed._planner_table(a, out)[1]
+    assert bad and all(b.startswith(("rank 4 activations", "rank 5 activations", "rank 6 activations",
+                                     "rank 7 activations")) for b in bad), bad
     with monkeypatch.context() as m:     # injected bug: experts split over the TP group (etp = t)
         m.setattr(Layout, "expert_tp", property(lambda lay: lay.t))
         bad = threed._planner_table(a, out)[1]
