@@ -3,7 +3,9 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-PYTEST  := $(VPY) -m pytest
+# one intra-op thread per process: two pytest workers (and the kernels and ranks they start) share 2 cores,
+# and tiny models run several times slower when two torch threads each fight for them
+PYTEST  := OMP_NUM_THREADS=1 $(VPY) -m pytest
 NBVAL_SOLUTIONS := LABKIT_STRICT=1 $(PYTEST) -q -p no:cacheprovider --nbval --nbval-current-env \
 	--nbval-sanitize-with .ci/nbval_sanitize.cfg -n 2 --dist loadscope solutions/
 NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-env -n 2 --dist loadscope notebooks/

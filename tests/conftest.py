@@ -15,13 +15,25 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored():
-    """Every test leaves SIGINT and SIGTERM as it found them. A command that ends after a signal
-    ignores later ones (``stop_on_first_signal(ignore_after=True)``, right for a process about to
-    exit); run in-process by a test, that would leave the test worker ignoring Ctrl-C, and every
-    subprocess it starts later would inherit the ignored disposition."""
+    """Every test leaves SIGINT and SIGTERM, and the signal mask, as it found them. A command that
+    ends after a signal ignores later ones (``stop_on_first_signal(ignore_after=True)``, right for a
+    process about to exit); run in-process by a test, that would leave the test worker ignoring
+    Ctrl-C, and every subprocess it starts later would inherit the ignored disposition (a blocked
+    signal, too: the mask survives fork and exec). A change is undone and reported as a warning
+    naming the test, so that the test that leaks it can be found."""
     import signal
+    import threading
+    import warnings
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    threads = {t.name for t in threading.enumerate()}
     yield
     for s, h in saved.items():
         if signal.getsignal(s) is not h and h is not None:
             signal.signal(s, h)
+    now = signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if now != mask:
+        warnings.warn(f"the test left signals {sorted(now ^ mask)} blocked/unblocked; restored", stacklevel=1)
+    new = {t.name for t in threading.enumerate()} - threads
+    if any(n.startswith("labkit-") for n in new):
+        warnings.warn(f"the test left labkit threads running: {sorted(new)}", stacklevel=1)

@@ -306,6 +306,9 @@ class KernelSession:
         env[GRADING_ENV] = "1"
         env[MARK_ENV] = self.mark
         env["MPLBACKEND"] = "Agg"
+        # the exercises' models are tiny: one intra-op thread is faster than two fighting over the cores
+        # (8x on a loaded 2-core machine), and a batch grades several kernels at once
+        env.setdefault("OMP_NUM_THREADS", "1")
         kw = {}
         private = self.user is not None and self.user.jail
         if private:
