@@ -100,7 +100,10 @@ def test_shard_is_the_rank_s_part_along_one_axis():
                                                                       [[8, 9], [10, 11]], [[8, 9], [10, 11]]]
     assert mesh.shard(x, "tp", 3, dim=1).tolist() == [[1], [3], [5], [7], [9], [11]]
     grid = ProcessGrid(tp=2, dp=3, rank=2)                  # dp coordinate 1
-    assert grid.shard(x, "dp").tolist() == [[4, 5], [6, 7]]
+    assert grid.shard(x, "dp").tolist() == [[4, 5], [6, 7]] and grid.part(8, "tp") == slice(0, 4)
+    assert ProcessGrid(tp=2, dp=3).part(8, "tp", rank=5) == slice(4, 8)
+    with pytest.raises(ValueError, match="this grid has no rank"):
+        ProcessGrid(tp=2).shard(x, "tp")
     with pytest.raises(ValueError, match="5 rows along dim 0 cannot be split evenly over dp=3 ranks"):
         mesh.shard(x[:5], "dp", 0)
     with pytest.raises(ValueError, match="unknown axis 'ep'"):

@@ -302,8 +302,7 @@ def _worker(ctx, a, corpus) -> RankResult:
             from .verdict import Piece
             for m, grads, params in zip(pg.modules, pg.tp_local("grad"), pg.tp_local("param")):
                 for n, (g, dim) in grads.items():
-                    k = params[n][0].shape[dim] if dim is not None else 0
-                    mine = slice(grid.tp_rank * k, (grid.tp_rank + 1) * k)
+                    mine = None if dim is None else grid.part(params[n][0].shape[dim] * grid.tp, "tp")
                     index = None if dim is None else (slice(None),) * dim + (mine,)
                     out.append(Piece(pg.reference_name(m, n), params[n][0], g, index))
                 out += [Piece(pg.reference_name(m, n), b.detach()) for n, b in m.named_buffers()]
