@@ -39,9 +39,11 @@ written by someone trying to game it:
   send, receive and all-reduce is a message to a relay in the case's (the grader's) process
   (:mod:`labkit.grading.relay`), which delivers it, computes the reductions and logs it; the
   case judges the log against what the algorithm must send. 13.1 is judged on the returned
-  gradients, with ``.grad`` preset so that one written shows in them. Not seen: ranks that
-  also move data by other means (files) while sending what the ring sends, and a ``.grad``
-  cleared before a ``.backward()``; these earn what their data earns.
+  gradients, with ``.grad`` preset so that one written shows in them. What the data cannot
+  show is refused in the source (below): files, pipes, sockets, shared memory, stores and
+  process groups in 0.2's code (ranks that move data past the relay while sending what a
+  ring sends), ``.backward()``/``.grad``/``zero_grad`` in 13.1's (a ``.grad`` cleared before
+  a ``.backward()``). Not seen: covert channels the policy cannot name (timing, signals).
 * **The results file is written only by the grader**, atomically (new file, rename) after the
   kernel and everything it started are dead; the kernel is not told where it is.
 * **The assignment is pinned by the grader** (``--assignment NN_name``;
@@ -51,9 +53,14 @@ written by someone trying to game it:
   metadata, file name or ``check`` calls say.
 * **The source is judged too** (:mod:`labkit.grading.policy`): an exercise whose code, or a
   cell before its grading point, breaks its rules (labkit's reference for it, collectives in
-  a send/recv exercise, code from strings or code objects, reload, subprocess, ctypes, gc,
-  sys.modules, os.system/fork, imports of labkit.grading other than ``check``, assigning
-  attributes of modules or classes the learner did not define) scores 0, with cell and line.
+  a send/recv exercise and what the exercise rules out, code from strings or code objects,
+  reload, subprocess, ctypes, gc, sys.modules, sys.path, os.system/fork, torch.hub,
+  unpickling, torch function/dispatch modes, global module hooks, torch.library, imports of
+  labkit.grading other than ``check``, imports of any module not on
+  :data:`~labkit.grading.policy.ALLOWED_IMPORTS` or labkit's own installed modules (so a
+  module the notebook writes to disk is refused), assigning attributes of modules or classes
+  the learner did not define) scores 0, with cell and line. The graded kernel imports nothing
+  from its working folder and no user site-packages, so an allowed name cannot be shadowed.
   The interactive ``check`` applies the same rule to the cells its kernel ran.
 * **Fresh inputs** (:mod:`labkit.grading.fresh`): hidden cases also draw inputs seeded from
   ``os.urandom`` in the grader's case process each run; expected values are computed there.
@@ -77,16 +84,26 @@ written by someone trying to game it:
   run) and reaped, its files in the shared temporary folders removed, the uid released. So
   it can neither signal the grader nor another submission, write the results, read the
   grader's secrets, nor leave a process or file. Without ``unshare``: uid, limits and sweeps,
-  but a shared /tmp, and the grader's files hidden only by their own permissions. As any
-  other user the output says that isolation is partial: the kernel runs as that user, so it
-  can signal the grader, read what that user reads (the grader's code, expected values,
-  hidden cases) and write where it may, with no limits; its processes are still killed in any
-  state and reaped (the grader is their subreaper; group, session, descendants, environment
-  mark). Verdicts judged on data in the grader (the relay's log included) then hold only as
-  far as that user's processes cannot reach into the grader's (signals; ptrace or
-  /proc/PID/mem where the system lets a user debug its own processes); as root, under a uid of
-  its own, the kernel cannot. The relay listens on 127.0.0.1 and admits only ranks that hold
-  the case's random token, sent to the kernel alone.
+  but a shared /tmp, and the grader's files hidden only by their own permissions.
+* **As any other user** the output says that isolation is partial. What holds (tested with
+  the hostile suite graded as a fresh unprivileged uid): every process of the submission is
+  killed in any state and reaped (the grader is their subreaper; group, session,
+  descendants, environment mark), the next submission is unharmed, the grader's memory and
+  time are bounded, verdicts are judged on data in the grader. With unprivileged user
+  namespaces (``unshare --user``) each kernel also runs in user, mount and IPC namespaces of
+  its own with no capabilities: private /tmp, /var/tmp, /dev/shm and IPC (its files there
+  vanish with it), the grader's exercise code, reference list and hidden cases covered,
+  file-size and memory rlimits. NOT covered: the kernel is the grader's user, so it can
+  signal the grader and every process of that user, read their environment and, through
+  ``/proc/PID/root`` or ``/proc/PID/mem`` (where the system lets a user debug its own
+  processes), the grader's files (hidden cases) and memory; it can write wherever that user
+  may outside the private folders (its home, the results folder, the kit itself if writable:
+  then the policy's labkit module list and the grader's code are the kernel's to change); no
+  process limit, no cgroup; without user namespaces its /tmp files stay and the grader's
+  files are readable. Verdicts judged in the grader hold only as far as that user's
+  processes cannot reach into the grader's; as root, under a uid of its own, the kernel
+  cannot. The relay listens on 127.0.0.1 and admits only ranks that hold the case's random
+  token, sent to the kernel alone.
 * **Robustness and bounds**: a cell that raises costs only the exercises that depend on it; a
   cell that kills or exits the kernel, or runs past ``--cell-timeout`` (SIGINT, then SIGKILL),
   is skipped: a fresh kernel replays the cells that ran and grading goes on. Output is never
@@ -100,8 +117,7 @@ written by someone trying to game it:
   (:mod:`labkit.grading.references` lists them per exercise): in a grade the source policy
   refuses the code that names it (no tripwire runs in the graded kernel: the learner could
   disable it); the interactive ``check`` also catches the call at run time, as feedback. Code
-  retyped from labkit's source is not detected, nor code the policy cannot read (a module the
-  notebook writes to disk and imports).
+  retyped from labkit's source is not detected.
 
 Interactive ``check`` in a notebook is feedback, not a grade: it runs the same cases in the
 notebook's own process (each call still makes the data round trip, so verdicts match).

@@ -18,6 +18,10 @@ Options, each one token ``--name=value``:
 * ``--hide=PATH``: cover PATH with an empty read-only tmpfs (a folder) or /dev/null (a file),
   in this namespace only: the grader's exercise modules and reference list, hidden cases.
 * ``--rlimit=NAME:N``: ``resource.RLIMIT_NAME`` soft and hard limit N (NPROC, FSIZE, AS).
+* ``--keep-user=1``: a non-root grader, inside ``unshare --user --map-root-user ...``: UID and GID
+  stay what they are (its own, mapped to 0 here); instead every capability of the namespace
+  is dropped (bounding set emptied, no new privileges), so COMMAND can neither undo the
+  mounts above nor make new ones.
 
 Some installs keep Python under a folder other users cannot enter (``/root/.pyenv``, mode
 0700). For each such folder on the way to a PATH the kernel needs (Python's prefix, the
@@ -28,9 +32,9 @@ drops to UID/GID with no supplementary groups, asks to be killed with its parent
 COMMAND. Nothing outside the namespace changes, and the private folders vanish with the
 namespace's last process.
 """
+import ctypes
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 
@@ -57,8 +61,20 @@ def _tops(needed):
     return {t: ps for t, ps in tops.items() if not any(t != u and t.startswith(u + "/") for u in tops)}
 
 
-def _mount(*args):
-    subprocess.run(["mount", *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_BIND, MS_MOVE, MS_REC = 1, 2, 4, 4096, 8192, 16384
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def _mount(source, target: str, flags: int = 0, fstype: str | None = None, data: str | None = None) -> None:
+    """mount(2) itself (``mount(8)`` fails after a move inside a user namespace of a non-root user)."""
+    enc = (lambda x: None if x is None else os.fsencode(x))
+    if _LIBC.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+def _tmpfs(target: str, data: str, flags: int = 0) -> None:
+    _mount("tmpfs", target, flags, "tmpfs", data)
 
 
 def _under(p: str, top: str) -> bool:
@@ -72,12 +88,12 @@ def _cover_blocked(needed) -> None:
         for i, p in enumerate(paths):
             dst = os.path.join(stage, str(i))
             os.makedirs(dst)
-            _mount("--rbind", p, dst)
+            _mount(p, dst, MS_BIND | MS_REC)
             held.append((dst, p))
-        _mount("-t", "tmpfs", "-o", "mode=0755", "tmpfs", top)
+        _tmpfs(top, "mode=0755")
         for dst, p in held:
             os.makedirs(p, exist_ok=True)
-            _mount("--move", dst, p)
+            _mount(dst, p, MS_MOVE)
         for dst, _ in held:
             os.rmdir(dst)
         os.rmdir(stage)
@@ -90,20 +106,20 @@ def _private_tmp(size: int, stage_dir: str, needed) -> None:
         if not os.path.isdir(top) or os.path.islink(top):
             continue
         stage = tempfile.mkdtemp(prefix="tmp-", dir=stage_dir)
-        _mount("-t", "tmpfs", "-o", f"size={size},mode=1777,nosuid,nodev", "tmpfs", stage)
+        _tmpfs(stage, f"size={size},mode=1777", MS_NOSUID | MS_NODEV)
         for p in needed:
             if _under(p, top) and p != top:
                 dst = os.path.join(stage, os.path.relpath(p, top))
                 os.makedirs(dst, exist_ok=True)
-                _mount("--rbind", p, dst)
-        _mount("--move", stage, top)
+                _mount(p, dst, MS_BIND | MS_REC)
+        _mount(stage, top, MS_MOVE)
 
 
 def _hide(path: str) -> None:
     if os.path.isdir(path):
-        _mount("-t", "tmpfs", "-o", "ro,size=4k,mode=0555", "tmpfs", path)
+        _tmpfs(path, "size=4k,mode=0555", MS_RDONLY)
     elif os.path.exists(path):
-        _mount("--bind", "/dev/null", path)
+        _mount("/dev/null", path, MS_BIND)
 
 
 def main(argv):
@@ -145,15 +161,18 @@ def main(argv):
     for spec in opts.get("rlimit", []):
         name, value = spec.split(":", 1)
         resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (int(value), int(value)))
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the grader
-    except Exception:  # noqa: BLE001
-        pass
+    libc = _LIBC
+    if "keep-user" in opts:
+        cap = 0
+        while libc.prctl(24, cap, 0, 0, 0) == 0:  # PR_CAPBSET_DROP, until EINVAL past the last capability
+            cap += 1
+        if cap == 0 or libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            raise SystemExit("labkit jail: could not drop the namespace's capabilities")
+    else:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: die with the grader
     if home:
         os.chdir(home)
     os.execv(cmd[0], cmd)

@@ -22,8 +22,10 @@ relies on what the kernel (Linux) enforces:
 * **rlimits** (:class:`Limits`): processes (``RLIMIT_NPROC``, counted per uid, so exactly the
   submission's), file size (``RLIMIT_FSIZE``) and address space per process (``RLIMIT_AS``).
 
-What is not covered without root: everything here; a non-root grader runs the kernel as its
-own user, and :func:`labkit.grading.session.isolation_note` says so.
+Without root none of this is available: a non-root grader runs the kernel as its own user
+(in user, mount and IPC namespaces of its own where ``unshare --user`` works: private
+temporary folders, secrets covered, no capabilities; no uid, cgroup or process limit), and
+:func:`labkit.grading.session.isolation_note` says what that leaves open.
 """
 from __future__ import annotations
 

@@ -273,6 +273,24 @@ def default_time_budget(cell_timeout: float, exercises, n_cells: int) -> float:
     return min(n_cells, MAX_RESTARTS + 2) * cell_timeout + (MAX_RESTARTS + 1) * 5 * n_cells + cases + 60
 
 
+def _untouched(nb, names: list[str]) -> bool:
+    """Whether the submission's code cells are exactly those of the learner notebook shipped for
+    its one assignment (``labkit/_notebooks``): every exercise there is a stub that raises
+    NotImplementedError (``make test`` runs each learner notebook), so it grades 0 with no kernel.
+    Any edit, however small, and a bundle without the shipped notebooks, take the normal path."""
+    from .build import packaged_notebooks
+
+    if len(names) != 1:
+        return False
+    shipped = next((p for p in packaged_notebooks("notebooks") if p.stem == names[0]), None)
+    if shipped is None:
+        return False
+    code = [c.get("source", "") for c in nb.cells if c.get("cell_type") == "code"]
+    ref = [c.get("source", "") for c in _nbformat().read(str(shipped), as_version=4).cells
+           if c.get("cell_type") == "code"]
+    return code == ref
+
+
 def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                    assignment: str | None = None, time_budget: float | None = None,
                    limits=None, hints: bool = True, source_policy: bool = True) -> NotebookGrade:
@@ -280,7 +298,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
 
     ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
     submission holds (:mod:`labkit.grading.assignments`); None reads it from the submission
-    (metadata, file name, check calls). Each code cell up to the last grading point runs once,
+    (metadata, file name, check calls). A notebook whose code is the shipped learner version's,
+    unedited, grades 0 ("not attempted") without a kernel. Each code cell up to the last grading point runs once,
     in order (the cells after it cannot change a grade, so they do not run); each exercise is
     graded once, from its pinned name at its grading point (whatever serials the kernel
     reports), and zeroed when its code breaks the source policy (:mod:`labkit.grading.policy`).
@@ -316,6 +335,11 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     expected_errors = {i for i, c in enumerate(nb.cells)
                        if "raises-exception" in c.get("metadata", {}).get("tags", [])}
     user = kernel_user(limits)
+    if exercises and _untouched(nb, names):  # a blank submission: nothing to run
+        grade = NotebookGrade(str(path), ", ".join(names), "", isolation=isolation_note(user))
+        grade.exercises = [_exercise_grade(ex, None, "not attempted: the notebook is the learner version as shipped "
+                                           "(the stub still raises NotImplementedError)") for ex in exercises]
+        return grade
     cell_problems: dict[int, str] = {}
     stop = ""
 

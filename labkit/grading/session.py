@@ -12,7 +12,10 @@ submission could abuse:
   others cannot enter (e.g. ``/root/.pyenv``), and :func:`secret_paths` covered by empty
   mounts; under cgroup v2 also in a cgroup of its own. Without ``unshare`` it starts directly
   as that uid (a private HOME/TMPDIR folder, no private /tmp). As any other user, isolation is
-  partial: :func:`isolation_note` says so.
+  partial (:func:`isolation_note` says what is left open): the kernel runs as that user, in
+  user, mount and IPC namespaces of its own when ``unshare --user`` works (``--keep-user`` of
+  :mod:`labkit.grading._jail`: private /tmp, /var/tmp, /dev/shm, the secrets covered, every
+  capability dropped), else as a plain process of that user.
 * **process tree**: the kernel starts a new session (its own process group) and carries a fresh
   ``LABKIT_KERNEL_MARK`` in its environment (inherited by all it starts); at the end the
   grader kills that group, every process of that session, every process carrying the mark
@@ -57,6 +60,11 @@ MARK_ENV = "LABKIT_KERNEL_MARK"  # a fresh value per kernel, inherited by every 
 MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 
 
+# before the first cell: no import from the working folder (IPython puts "" first on sys.path, so a module
+# the notebook writes there, e.g. a fractions.py, would shadow an allowed one; the source policy refuses
+# changing sys.path), then torch and the kit, so no cell's time limit pays for them
+WARM_UP = ("import sys\nsys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
+           "import torch, labkit.grading.kernel")
 PRIVATE_HOME = "/tmp/labkit-home"  # the kernel's HOME, inside its private /tmp (jail mode)
 
 
@@ -68,6 +76,7 @@ class KernelUser:
     dedicated: bool  # only then may every process of this uid be killed at the end
     jail: bool = False  # run through _jail.py (private mount and IPC namespaces)
     limits: Limits = Limits()
+    userns: bool = False  # a non-root grader: its own uid, in a user namespace of its own (no uid change)
 
     def command(self, cmd: list[str], cwd: str | None = None, options=()) -> tuple[list[str], dict]:
         """``cmd`` as this user: (argv, extra Popen keywords). ``options``: more
@@ -92,7 +101,12 @@ class KernelUser:
         if cwd:
             needed.add(cwd)
         jail = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail.py")
-        rl = [f"--rlimit={k}:{v}" for k, v in self.limits.rlimits().items()]
+        rl = [f"--rlimit={k}:{v}" for k, v in self.limits.rlimits().items()
+              if not (self.userns and k == "NPROC")]  # NPROC counts every process of the uid: the grader's too
+        if self.userns:
+            return (["unshare", "--user", "--map-root-user", "--mount", "--ipc", "--propagation", "private", "--",
+                     sys.executable, "-S", "-I", jail, "0", "0", "--keep-user=1", *rl, *options, *sorted(needed), "--",
+                     *cmd], {})
         return (["unshare", "--mount", "--ipc", "--propagation", "private", "--", sys.executable, "-S", "-I", jail,
                  str(self.uid), str(self.gid), *rl, *options, *sorted(needed), "--", *cmd], {})
 
@@ -108,13 +122,13 @@ def kernel_user(limits: Limits | None = None) -> KernelUser | None:
         _USER_CACHE.append(_find_kernel_user())
     user = _USER_CACHE[0]
     if user is not None and limits is not None:
-        user = KernelUser(user.name, user.uid, user.gid, user.dedicated, user.jail, limits)
+        user = KernelUser(user.name, user.uid, user.gid, user.dedicated, user.jail, limits, user.userns)
     return user
 
 
 def _find_kernel_user() -> KernelUser | None:
     if os.geteuid() != 0:
-        return None
+        return _find_namespace_user()
     lease = UidLease()
     try:
         user = KernelUser("a uid of its own", lease.uid, lease.gid, True)
@@ -134,6 +148,21 @@ def _find_kernel_user() -> KernelUser | None:
     finally:
         kill_uid(lease.uid, 5)
         lease.release()
+
+
+def _find_namespace_user() -> KernelUser | None:
+    """A non-root grader: its own uid, in user, mount and IPC namespaces of the kernel's own
+    (private /tmp, /var/tmp, /dev/shm and IPC; the grader's secret files covered; every
+    capability dropped), when ``unshare --user`` works here; else None (no isolation)."""
+    if not (shutil.which("unshare") and shutil.which("mount")):
+        _UNUSABLE[:] = ["unshare or mount is missing"]
+        return None
+    user = KernelUser("this user, in namespaces of its own", os.getuid(), os.getgid(), False, True, Limits(), True)
+    ok, why = _probe(user)
+    if ok:
+        return user
+    _UNUSABLE[:] = [f"no user namespace ({why})"]
+    return None
 
 
 def _probe(user: KernelUser) -> tuple[bool, str]:
@@ -183,6 +212,13 @@ def isolation_note(user: KernelUser | None) -> str:
         return ("isolation is partial: the grader runs as root, but " + "; ".join(_UNUSABLE or ["no unprivileged user"])
                 + ", so the submission's kernel runs as root; make Python and labkit readable by other users "
                   "(e.g. chmod o+rx on their folders) for full isolation.")
+    if user is not None and user.userns:
+        return ("isolation is partial: the grader is not root, so each kernel runs as this same user, but in user, "
+                "mount and IPC namespaces of its own with no capabilities: private /tmp, /var/tmp and /dev/shm "
+                "(its files there vanish with it), the grader's exercise code, reference list and hidden cases "
+                "covered, limits on file size and memory; it can still signal the grader and its other processes, "
+                "read their environment and files through /proc, and write wherever this user may outside those "
+                "folders. Run the grader as root (as autograder containers do) for full isolation.")
     if user is not None and user.jail:
         return ("isolation: each kernel runs as a uid of its own in its own session, mount and IPC namespaces "
                 "(private /tmp and /dev/shm; the grader's exercise code, reference list and hidden cases hidden), "
@@ -192,10 +228,25 @@ def isolation_note(user: KernelUser | None) -> str:
         return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits, but "
                 + "; ".join(_UNUSABLE) + ": no private /tmp, and the grader's exercise code is readable by it "
                 "unless its folder is readable by root only")
-    return ("isolation is partial: the grader is not root, so the submission's kernel runs as the same user; "
+    why = f" ({'; '.join(_UNUSABLE)})" if _UNUSABLE else ""
+    return (f"isolation is partial: the grader is not root{why}, so the submission's kernel runs as the same user; "
             "code in it could signal the grader, read files this user can read (hidden cases, the grader's "
             "exercise code and expected values) and write where this user can; no process or file limits. "
             "Run the grader as root (as autograder containers do) for full isolation.")
+
+
+def _no_user_site() -> list[str]:
+    """``["-s"]`` (no user site-packages: a ``.pth`` file there would run code in every later kernel
+    of this user), unless the kit, torch or ipykernel are installed there."""
+    import importlib.util
+    import site
+
+    user_site = os.path.realpath(site.getusersitepackages())
+    for name in ("labkit", "torch", "ipykernel"):
+        spec = importlib.util.find_spec(name)
+        if spec and spec.origin and os.path.realpath(spec.origin).startswith(user_site + os.sep):
+            return []
+    return ["-s"]
 
 
 def _pdeathsig():
@@ -276,7 +327,7 @@ class KernelSession:
 
     def __init__(self, cwd: str, user: KernelUser | None = None):
         self.lease = self.cgroup = None
-        if user is not None:  # a uid of its own: no other kernel, of this grader or another, has it
+        if user is not None and not user.userns:  # a uid of its own: no other kernel, of any grader, has it
             self.lease = UidLease()
             user = KernelUser(f"uid {self.lease.uid}", self.lease.uid, self.lease.gid, True, user.jail, user.limits)
         self.user = user
@@ -318,14 +369,15 @@ class KernelSession:
                        MPLCONFIGDIR=os.path.join(PRIVATE_HOME, "mpl"))
             options = [f"--copy={conn}:{conn_inside}", f"--tmp={self.user.limits.tmp_size}", f"--stage={self.dir}",
                        f"--home={PRIVATE_HOME}", *(f"--hide={p}" for p in secret_paths())]
-            root = cgroup_v2_root()
+            root = cgroup_v2_root() if not self.user.userns else None
             if root is not None:
                 try:
                     self.cgroup = Cgroup(root, f"kernel-{self.user.uid}", self.user.limits)
                     options.insert(0, f"--cgroup={self.cgroup.path}")
                 except OSError:
                     self.cgroup = None  # no delegation here: the uid alone contains the kernel
-            argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn_inside, "--HistoryManager.enabled=False"]
+            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside,
+                    "--HistoryManager.enabled=False"]
             argv, kw = self.user.command(argv, None, options)
             self.cwd = "/"
         elif self.user is not None:
@@ -337,8 +389,13 @@ class KernelSession:
             env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
                        LOGNAME=self.user.name, IPYTHONDIR=os.path.join(self.dir, "ipython"),
                        MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
+        if self.user is None:  # the grader's user: IPython's startup files and matplotlib's rc of this kernel alone
+            for sub in ("ipython", "mpl"):
+                os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
+            env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
         if not private:
-            argv = [sys.executable, "-m", "ipykernel_launcher", "-f", conn, "--HistoryManager.enabled=False"]
+            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn,
+                    "--HistoryManager.enabled=False"]
             if self.user is not None:
                 argv, kw = self.user.command(argv, self.cwd)
         _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
@@ -374,8 +431,7 @@ class KernelSession:
 
     def _warm_up(self) -> None:
         """Import torch and the kit before the first cell, so no cell's time limit pays for it."""
-        mid = self.kc.execute("import torch, labkit.grading.kernel", silent=True, store_history=False,
-                              allow_stdin=False)
+        mid = self.kc.execute(WARM_UP, silent=True, store_history=False, allow_stdin=False)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline and self.alive():
             try:

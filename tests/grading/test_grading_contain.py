@@ -357,27 +357,44 @@ def _as_non_root(argv):
 _as_non_root.leases = []
 
 
-@pytest.mark.skipif(not ROOT, reason="runs the grader as another uid (as root, for the test only)")
-def test_as_non_root_the_hostile_processes_are_still_killed(tmp_path):
-    # the grader runs as a plain user: no uid of its own for the kernel, no private /tmp; its
-    # processes are still all killed (subreaper, any state) and the next submission is unharmed
+@pytest.mark.skipif(not ROOT, reason="runs the grader as another uid (as root, for the test only); a non-root "
+                                     "session cannot switch users")
+def test_as_non_root_hostile_submission_gets_its_honest_score_and_leaves_nothing(tmp_path):
+    # the grader runs as a plain user (a fresh uid, the kit and Python readable, not writable): no uid of
+    # its own for the kernel, no cgroup; with user namespaces (``unshare --user``), each kernel still gets a
+    # private /tmp, /var/tmp, /dev/shm and IPC namespace, the grader's secrets covered, no capabilities. The
+    # same hostile submission as as root: files in the temporary folders and a System V segment, a peek
+    # at the grader's files, a 30-byte bomb, a state-Z escaper that kills every process it may signal
+    # once its kernel is gone; then an honest submission, which must be unharmed
     os.chmod(tmp_path, 0o777)
     _as_non_root.tmp = str(tmp_path)
-    cells = [c for c in HOSTILE if c is not FILES]
     try:
-        proc, obj, took, _ = _grade(tmp_path, {"hostile": cells, "honest": HONEST}, "--cell-timeout", "20",
-                                    wrap=_as_non_root)
+        proc, obj, took, maxrss = _grade(tmp_path, {"hostile": HOSTILE, "honest": HONEST}, "--cell-timeout", "20",
+                                         wrap=_as_non_root)
         uid = _as_non_root.leases[-1].uid
         assert "isolation is partial" in proc.stdout
         assert ": 2 / 3" in _scores(obj, "hostile.ipynb"), proc.stdout
         assert _scores(obj, "honest.ipynb").endswith(": 3 / 3"), proc.stdout
+        h2 = next(t for t in obj["tests"] if t["name"] == "Exercise H.2 (negate) - case: x=1")
+        assert h2["status"] == "failed" and "more than" in h2["output"], h2
         deadline = time.monotonic() + 2
         while uid_processes(uid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert uid_processes(uid) == []
+        assert uid_processes(uid) == [], "a process of the grader's uid outlived grading (any state)"
+        assert maxrss < 1_000_000, f"the grader or a process it waited for peaked at {maxrss} KiB"
+        assert took < 150, took
+        seen = proc.stdout.split("SEEN ")[1].split("\n")[0]
+        if shutil.which("unshare") and "namespaces of its own" in proc.stdout:
+            # what the namespaces give a non-root grader: nothing left in the temporary folders, the
+            # grader's cases and reference list covered (still readable through /proc/<grader>: documented)
+            assert _left_files() == [] and _segments() == []
+            assert "('exercises/nb08_3d_parallelism.py', 'FileNotFoundError')" in seen, seen
+            assert "('references.py', 0)" in seen and "('import', 'ImportError')" in seen, seen
+        else:  # no user namespaces here: the note says what is left open
+            assert "no user namespace" in proc.stdout, proc.stdout
     finally:
         for lease in _as_non_root.leases:
             kill_uid(lease.uid, 5)
-            remove_files_of(lease.uid, [str(tmp_path), "/tmp", "/dev/shm"])
+            remove_files_of(lease.uid, [str(tmp_path), "/tmp", "/var/tmp", "/dev/shm"])
             lease.release()
         _as_non_root.leases.clear()

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from nbfiles import write_notebook
@@ -267,6 +268,12 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
     finally:
         del os.environ["LABKIT_TEST_MARK"]
     try:
+        # nothing this kernel imports can come from its working folder or the user's site-packages, nor its
+        # IPython startup files and matplotlib rc from a folder an earlier kernel of this user could write
+        own = ("import os, sys\nassert '' not in sys.path and '.' not in sys.path, sys.path\n"
+               f"assert sys.flags.no_user_site\nassert os.environ['IPYTHONDIR'] == {s.dir + '/ipython'!r}\n"
+               f"assert os.environ['MPLCONFIGDIR'] == {s.dir + '/mpl'!r}")
+        assert s.execute(own, 20)[:2] == ("ok", ""), s.execute(own, 20)
         assert s.execute(DAEMON, 20)[0] == "ok"
         assert s.execute("while True:\n    pass", 1)[0] == "timeout"
         assert len(_marked_processes()) >= 2  # the kernel and the daemon
@@ -280,7 +287,8 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
 
 # ----------------------------------------------------------------------------- claims the kernel used to make
 # Submissions of notebook 00 whose 0.2 games how the ring is measured, with helper modules the learner
-# writes to disk (the source policy cannot see into them). 0.1 is right: honest score 2 of 6 each.
+# writes to disk. The source policy refuses importing them (not on its allow-list); graded here with
+# --no-source-policy, to prove that the relay's judgement holds on its own. 0.1 is right: honest score 2 of 6 each.
 RS = ("def reduce_scatter_by_hand(inputs):\n    return list(torch.stack(inputs).sum(dim=0).chunk(len(inputs)))\n"
       "check('0.1', reduce_scatter_by_hand)")
 HEAD = "import sys\nimport torch\nfrom labkit import comm\nfrom labkit.grading import check\nsys.path.insert(0, '.')"
@@ -306,7 +314,8 @@ def claims(tmp_path_factory):
         write_notebook(tmp / f"{name}.ipynb", cells, notebook="00_distributed_primer")
     proc = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in CLAIMS),
                            "--assignment", "00_distributed_primer", "--results-dir", str(tmp / "out"),
-                           "--cell-timeout", "30"], capture_output=True, text=True, cwd=tmp, timeout=300)
+                           "--cell-timeout", "30", "--no-source-policy"], capture_output=True, text=True, cwd=tmp,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in CLAIMS}, proc
 
@@ -321,3 +330,62 @@ def test_a_ring_that_games_the_measurement_scores_its_honest_score(claims, name)
     # judged on what reached the grader's relay: no process group for the alias, no message for the rebinding
     why = {"alias": "process group", "rebound": "nothing that rank 0 received by send/recv carried them"}[name]
     assert any(why in t.get("output", "") for t in ring), ring
+
+
+# ----------------------------------------------------------------------------- 13.1, judged on returned gradients
+# Submissions of notebook 13 whose 13.1 attacks how its gradients are judged (returned values, with .grad
+# preset); 13.3 is right in each, graded before the attack's cells: honest score 13.3's points. With the
+# source policy each attack is zeroed with its line (with --no-source-policy all three score 13.1's points:
+# the returned gradients are right; the policy is what sees how they were made).
+_NB13 = json.loads((Path(__file__).parents[2] / "solutions" / "13_zero_bubble.ipynb").read_text())["cells"]
+BUBBLE = next("".join(c["source"]) for c in _NB13 if "def bubble_time" in "".join(c["source"]))
+HEAD13 = ["import sys\nimport torch\nfrom labkit.grading import check", BUBBLE, 'check("13.3", bubble_time)']
+ONDISK = "sys.path.insert(0, '/tmp')\nopen('/tmp/{0}.py', 'w').write({1!r})\nimport {0}"
+SPLIT = {
+    # .grad cleared, then a plain .backward(): the returned values are right, what .grad held is lost
+    "cleared": HEAD13 + ["def split_linear_backward(layer, x, grad_out):\n"
+                         "    x.grad = layer.weight.grad = layer.bias.grad = None\n"
+                         "    layer(x).backward(grad_out)\n"
+                         "    return x.grad, layer.weight.grad, layer.bias.grad\ncheck('13.1', split_linear_backward)"],
+    # labkit's reference (backward_input), from a module the notebook writes to disk
+    "reference": HEAD13 + [ONDISK.format("ref13", "import torch\nfrom labkit.pipeline.split_backward import "
+                                                  "backward_input\ndef split(layer, x, g):\n    out = layer(x)\n"
+                                                  "    gi, _ = backward_input(out, x, g, [])\n"
+                                                  "    return (gi, *torch.autograd.grad(out, [layer.weight, "
+                                                  "layer.bias], g))\n"),
+                           "def split_linear_backward(layer, x, grad_out):\n"
+                           "    return ref13.split(layer, x, grad_out)\ncheck('13.1', split_linear_backward)"],
+    # the checker's kernel side rebound (from a module on disk) to compute the gradients itself; the answer is None
+    "patched": HEAD13 + [ONDISK.format("fix13", "import torch\nimport labkit.grading.kernelside.nb13_zero_bubble as K\n"
+                                                "def run(fn, w, b, x, g, held):\n"
+                                                "    w, b, x = (t.clone().requires_grad_(True) for t in (w, b, x))\n"
+                                                "    out = torch.nn.functional.linear(x, w, b)\n"
+                                                "    return torch.autograd.grad(out, [x, w, b], g)\n"
+                                                "K._split_run = run\n"),
+                         "def split_linear_backward(layer, x, grad_out):\n    return None\n"
+                         "check('13.1', split_linear_backward)"],
+}
+SPLIT_WHAT = {"cleared": "`.backward`", "reference": "import of `ref13`", "patched": "import of `fix13`"}
+
+
+@pytest.fixture(scope="module")
+def split_attacks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("split")
+    for name, cells in SPLIT.items():
+        write_notebook(tmp / f"{name}.ipynb", cells, notebook="13_zero_bubble")
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in SPLIT),
+                           "--assignment", "13_zero_bubble", "--results-dir", str(tmp / "out"), "--cell-timeout", "30"],
+                          capture_output=True, text=True, cwd=tmp, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in SPLIT}, proc
+
+
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_a_split_backward_that_games_its_judgement_scores_its_honest_score(split_attacks, name):
+    results, proc = split_attacks
+    obj = results[name]
+    tests = {t["name"].split(" (")[0]: t for t in obj["tests"] if " - " not in t["name"]}
+    assert tests["Exercise 13.3"]["score"] == tests["Exercise 13.3"]["max_score"] > 0, obj["output"]
+    assert obj["score"] == tests["Exercise 13.3"]["max_score"], (name, obj["output"], proc.stdout[-3000:])
+    split = tests["Exercise 13.1"]
+    assert split["score"] == 0 and "source policy" in split["output"] and SPLIT_WHAT[name] in split["output"], split

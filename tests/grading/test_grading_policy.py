@@ -107,6 +107,58 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
                                 "`from labkit.pipeline.simulate import *`"),
     "labkit.grading.runner": ("1.1", "bubble_fraction", ["import labkit.grading.runner as R\nR.evaluate = None"],
                               "import from `labkit.grading.runner`"),
+    "labkit.grading as a name": ("1.1", "bubble_fraction", ["from labkit import grading"],
+                                 "import from `labkit.grading`"),
+    # code the policy cannot read: only modules on the allow-list may be imported
+    "a module the notebook writes to disk": ("1.1", "bubble_fraction", [
+        "open('helper.py', 'w').write('from labkit.pipeline.simulate import bubble_fraction as f')\nimport helper",
+        "def bubble_fraction(K, M):\n    return helper.f(K, M)"], "import of `helper`"),
+    "a package not on the list": ("1.1", "bubble_fraction", ["import scipy.special"], "import of `scipy.special`"),
+    "a torch part not on the list": ("1.1", "bubble_fraction", ["from torch.utils import cpp_extension"],
+                                     "import of `torch.utils`"),
+    "a relative import": ("1.1", "bubble_fraction", ["from . import helper"], "`from . import ...`"),
+    "sys.path": ("1.1", "bubble_fraction", ["import sys\nsys.path.insert(0, '/tmp')"], "`sys.path`"),
+    "torch.hub from a folder": ("1.1", "bubble_fraction", [
+        "import torch\nf = torch.hub.load('.', 'f', source='local')"], "`.hub`"),
+    "unpickling": ("1.1", "bubble_fraction", ["import torch\nf = torch.load('f.pt', weights_only=False)"],
+                   "`weights_only=False`"),
+    "callers' frames": ("1.1", "bubble_fraction", [
+        "import inspect\ndef bubble_fraction(K, M):\n    return inspect.getargvalues(inspect.stack()[1][0]).locals"],
+        "`inspect.stack`"),
+    # code torch would run in the ranks although no answer calls it (outside every answer's closure)
+    "a torch function mode entered at the top level": ("0.2", "ring_all_reduce", [
+        "import torch\nclass Spy(torch.overrides.TorchFunctionMode):\n"
+        "    def __torch_function__(self, f, types, args=(), kwargs=None):\n        return f(*args, **(kwargs or {}))\n"
+        "def keep():\n    with Spy():\n        yield\nit = keep()\nnext(it)"], "`torch.overrides`"),
+    "a global module hook": ("13.1", "split_linear_backward", [
+        "import torch\ntorch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)"],
+        "`.register_module_forward_hook`"),
+    # 0.2: the ranks talk only through send/recv (the relay), not through files, pipes, stores, shared memory
+    "ring data through files": ("0.2", "ring_all_reduce", [
+        "import torch",
+        "def ring_all_reduce(ctx, x):\n    torch.save(x, f'/tmp/r{ctx.rank}')\n    return x"], "`.save`"),
+    "ring data through open()": ("0.2", "ring_all_reduce", [
+        "def ring_all_reduce(ctx, x):\n    open(f'/tmp/r{ctx.rank}', 'w').write(str(x.tolist()))\n    return x"],
+        "`open`"),
+    "ring data through a process group of its own": ("0.2", "ring_all_reduce", [
+        "import torch.distributed as dist",
+        "def ring_all_reduce(ctx, x):\n    dist.init_process_group('gloo', init_method='file:///tmp/pg', "
+        "rank=ctx.rank, world_size=ctx.world_size)\n    return x"], "`.init_process_group`"),
+    "ring data through a pipe": ("0.2", "ring_all_reduce", [
+        "import os\nfds = os.pipe()", "def ring_all_reduce(ctx, x):\n    os.write(fds[1], b'1')\n    return x"],
+        "`os` (from `os`)"),
+    "ring data through shared memory made before the ranks fork": ("0.2", "ring_all_reduce", [
+        "import torch\nboard = torch.zeros(4, 16).share_memory_()",
+        "def ring_all_reduce(ctx, x):\n    board[ctx.rank] = x\n    return board.sum(0)"], "`.share_memory_`"),
+    # 13.1: the returned gradients cannot show a .grad cleared before a .backward(): refused in its code
+    ".grad cleared, then .backward()": ("13.1", "split_linear_backward", [
+        "def split_linear_backward(layer, x, grad_out):\n    x.grad = layer.weight.grad = layer.bias.grad = None\n"
+        "    layer(x).backward(grad_out)\n    return x.grad, layer.weight.grad, layer.bias.grad"], "`.backward`"),
+    "zero_grad, then torch.autograd.backward": ("13.1", "split_linear_backward", [
+        "import torch",
+        "def split_linear_backward(layer, x, grad_out):\n    layer.zero_grad()\n"
+        "    torch.autograd.backward(layer(x), grad_out, inputs=[x, layer.weight, layer.bias])\n"
+        "    return tuple(t.grad for t in (x, layer.weight, layer.bias))"], "`.zero_grad`"),
 }
 
 
@@ -142,6 +194,15 @@ HONEST = [
     # send/recv in the point-to-point exercise
     ("0.2", "ring_all_reduce", ["import torch.distributed as dist",
                                 "def ring_all_reduce(ctx, x):\n    dist.send(x, 1)\n    dist.recv(x, 0)\n    return x"]),  # noqa: E501
+    # 13.1 with torch.autograd.grad under any of its names; the allow-list's modules
+    ("13.1", "split_linear_backward", [
+        "from __future__ import annotations\nimport math, fractions, json, os, tempfile\nimport numpy as np\n"
+        "import matplotlib.pyplot as plt\nfrom dataclasses import replace\nimport torch\nimport torch.autograd as A\n"
+        "from torch import autograd\nfrom labkit.pipeline import gpipe_schedule\nfrom labkit.grading import check",
+        "def split_linear_backward(layer, x, grad_out):\n    out = layer(x)\n"
+        "    (gi,) = A.grad(out, x, grad_out, retain_graph=True)\n"
+        "    gw, gb = autograd.grad(out, [layer.weight, layer.bias], grad_out)\n    return gi, gw, gb",
+        "check('13.1', split_linear_backward)"]),
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),

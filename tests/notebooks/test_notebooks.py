@@ -1,7 +1,9 @@
 """Every solution notebook grades 100%; every untouched learner notebook grades 0, each of its
-exercises "not attempted". One test per notebook (xdist spreads them; each runs a kernel)."""
+exercises "not attempted". One test per notebook (xdist spreads them; each solution runs a kernel;
+an unedited learner notebook is recognised without one, so two edited copies take the kernel's path)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,20 @@ def test_untouched_learner_notebook_grades_zero_not_attempted(path):
     not_attempted = [eg for eg in grade.exercises if eg.status != "not_attempted"]
     assert not not_attempted, _lines(grade)
     assert all("not attempted" in eg.message for eg in grade.exercises), _lines(grade)
+    assert all("learner version as shipped" in eg.message for eg in grade.exercises), _lines(grade)
+
+
+@pytest.mark.parametrize("name", ["00_distributed_primer", "07_attention_embedding_loss"])
+def test_an_edited_untouched_notebook_runs_in_a_kernel_and_still_grades_zero(name, tmp_path):
+    """One code cell (a comment) added at the end: no longer the shipped notebook, so every cell
+    runs in a kernel up to the last grading point and the stubs' NotImplementedError decides."""
+    nb = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
+    nb["cells"].append({"cell_type": "code", "id": "edited-by-the-test", "metadata": {}, "source": "# edited", "outputs": [],
+                        "execution_count": None})
+    copy = tmp_path / f"{name}.ipynb"
+    copy.write_text(json.dumps(nb))
+    grade = grade_notebook(copy)
+    assert grade.stopped == "" and grade.exercises, _lines(grade)
+    assert all(eg.status == "not_attempted" and "NotImplementedError" in eg.message for eg in grade.exercises), \
+        _lines(grade)
+    assert not any("learner version as shipped" in eg.message for eg in grade.exercises), _lines(grade)
