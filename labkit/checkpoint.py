@@ -140,7 +140,11 @@ def checkpoint_sequential(layers: Sequence[nn.Module], segments: int | None = No
 
 class _Saved:
     """What the pack hook hands to autograd; its destruction tells the meter the saved
-    tensor was released (autograd drops saved tensors once their node ran backward)."""
+    tensor was released (autograd drops saved tensors once their node ran backward, or with
+    the node when a graph kept by ``retain_graph=True`` is dropped). It holds a detached view
+    (same storage): the tensor itself would carry its ``grad_fn``, and a saved *output*
+    (softmax's, exp's) would then point back at its own node, a cycle through C++ that gc never
+    collects (the split backward's I, which retains the graph, would leak those bytes)."""
 
     __slots__ = ("tensor", "key", "meter", "__weakref__")
 
@@ -172,14 +176,14 @@ class SavedTensorMeter:
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in self.exclude or t.numel() == 0:
-            return _Saved(t, None, self)
+            return _Saved(t.detach(), None, self)
         if key in self.refs:
             self.refs[key][0] += 1
         else:
             self.refs[key] = [1, storage.nbytes()]
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
-        return _Saved(t, key, self)
+        return _Saved(t.detach(), key, self)
 
     @staticmethod
     def _unpack(s: "_Saved") -> torch.Tensor:

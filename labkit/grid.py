@@ -79,6 +79,23 @@ class Mesh:
         """The ranks of the group along ``axis`` that holds ``rank``."""
         return next(g for g in self.all_ranks(axis) if rank in g)
 
+    def part(self, n: int, axis: str, rank: int, dim: int = 0) -> slice:
+        """Which of ``n`` items ``rank`` holds when they are split into equal consecutive parts
+        over ``axis``: ``slice(c n/size, (c+1) n/size)`` for coordinate c. Raises ValueError for
+        an unknown axis or when the axis size does not divide n (``dim`` only names it)."""
+        if axis not in self.sizes:
+            raise ValueError(f"unknown axis {axis!r}; the grid's axes are {', '.join(self.axes)}")
+        size = self.sizes[axis]
+        if n % size:
+            raise ValueError(f"{n} rows along dim {dim} cannot be split evenly over {axis}={size} ranks")
+        c = self.coords(rank)[axis]
+        return slice(c * (n // size), (c + 1) * (n // size))
+
+    def shard(self, t: torch.Tensor, axis: str, rank: int, dim: int = 0) -> torch.Tensor:
+        """The part of ``t`` along ``dim`` that ``rank`` holds (:meth:`part`; a view)."""
+        sl = self.part(t.shape[dim], axis, rank, dim)
+        return t.narrow(dim, sl.start, sl.stop - sl.start)
+
     def new_groups(self, ctx, axis: str):
         """Create every group along ``axis`` on the launch ``ctx`` (collective: every rank, same
         order; a group spanning the world is the world group) and return this rank's."""
@@ -175,6 +192,22 @@ class ProcessGrid:
         if rank is None:
             raise ValueError("this grid has no rank (rank=None): pass ranks(axis, rank)")
         return next(g for g in self.all_ranks(axis) if rank in g)
+
+    def shard(self, t: torch.Tensor, axis: str, rank: int | None = None, dim: int = 0) -> torch.Tensor:
+        """:meth:`Mesh.shard` of ``t`` over ``axis`` (``"pp"``, ``"dp"``, ``"cp"``, ``"tp"``) for
+        ``rank`` (default: this rank), e.g. this DP rank's slice of the global batch."""
+        return self._mesh.shard(t, axis, self._rank_or(rank, "shard(t, axis, rank)"), dim)
+
+    def part(self, n: int, axis: str, rank: int | None = None) -> slice:
+        """:meth:`Mesh.part` over ``axis`` for ``rank`` (default: this rank): e.g. the columns of a
+        TP-split matrix that this TP rank holds."""
+        return self._mesh.part(n, axis, self._rank_or(rank, "part(n, axis, rank)"))
+
+    def _rank_or(self, rank, call: str) -> int:
+        rank = self.rank if rank is None else rank
+        if rank is None:
+            raise ValueError(f"this grid has no rank (rank=None): pass {call}")
+        return rank
 
     def group(self, axis: str):
         """This rank's process group along ``axis`` (after :meth:`build`)."""

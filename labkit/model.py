@@ -274,6 +274,13 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 ignore_index: int = -100) -> torch.Tensor:
+        return self.run(idx, targets, ignore_index, lambda block, x: block(x))
+
+    def run(self, idx: torch.Tensor, targets: torch.Tensor | None, ignore_index: int, apply) -> torch.Tensor:
+        """The one forward of the GPT family: embedding -> every block through ``apply(block, x) -> x``
+        -> head (and the loss when ``targets`` are given). :class:`labkit.moe.MoEGPT` passes an
+        ``apply`` that also collects its MoE blocks' statistics. Raises ValueError for targets on a
+        slice without the head, or targets outside the vocabulary."""
         if targets is not None:
             if self.head is None:
                 raise ValueError("targets were given to a GPT slice without the head (only the last "
@@ -281,7 +288,7 @@ class GPT(nn.Module):
             check_targets(targets, self.cfg.vocab_size, ignore_index)   # before any communication
         x = idx if self.embedding is None else self.embedding(idx)
         for block in self.blocks:
-            x = block(x)
+            x = apply(block, x)
         if self.head is None:
             return x
         logits = self.head(x)

@@ -144,6 +144,20 @@ def test_saved_tensor_meter_counts_and_releases():
     assert m.live == 0 and m.peak >= 400
 
 
+def test_saved_tensor_meter_releases_a_graph_kept_by_retain_graph():
+    """A graph kept with retain_graph=True (the split backward's I) and then dropped frees all its
+    saved tensors. Holding the tensor itself in the pack hook would not: a saved output (softmax's)
+    then points at its own node (node -> packed tensor -> grad_fn -> node), a cycle through C++
+    that gc never collects, and the meter would show those bytes alive for ever."""
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensorMeter() as m:
+        y = (x @ x.t()).softmax(dim=-1)                   # mm saves x and x.t(); softmax its output
+        torch.autograd.grad(y.sum(), x, retain_graph=True)
+        assert m.live == 4 * 8 * 4 + 4 * 4 * 4            # x (one storage with x.t()) + softmax output
+        del y
+    assert m.live == 0 and m.peak == 4 * 8 * 4 + 4 * 4 * 4
+
+
 def test_cpu_runs_make_no_cuda_calls(monkeypatch):
     """The RNG save/restore touches CUDA only when an input lives on a GPU."""
     def forbidden(*a, **k):

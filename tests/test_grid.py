@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.dist import launch
-from labkit.grid import AXES, ProcessGrid
+from labkit.grid import AXES, Mesh, ProcessGrid
 
 
 def _formula(r, t, c, d):
@@ -91,3 +91,20 @@ def test_built_groups_hold_the_ranks_the_mesh_names():
     m0, m5 = res[0][0], res[5][0]
     assert m0["cp"] == [0, 2] and m5["cp"] == [5, 7] and m5["tp"] == [4, 5] and m5["dp"] == [1, 5]
     assert m5["pp"] == [5] and m5["ep"] == [5] and m5["edp"] == [1, 5]
+
+
+def test_shard_is_the_rank_s_part_along_one_axis():
+    x = torch.arange(12).view(6, 2)
+    mesh = Mesh(dp=3, tp=2)
+    assert [mesh.shard(x, "dp", r).tolist() for r in (0, 1, 4, 5)] == [[[0, 1], [2, 3]], [[0, 1], [2, 3]],
+                                                                      [[8, 9], [10, 11]], [[8, 9], [10, 11]]]
+    assert mesh.shard(x, "tp", 3, dim=1).tolist() == [[1], [3], [5], [7], [9], [11]]
+    grid = ProcessGrid(tp=2, dp=3, rank=2)                  # dp coordinate 1
+    assert grid.shard(x, "dp").tolist() == [[4, 5], [6, 7]] and grid.part(8, "tp") == slice(0, 4)
+    assert ProcessGrid(tp=2, dp=3).part(8, "tp", rank=5) == slice(4, 8)
+    with pytest.raises(ValueError, match="this grid has no rank"):
+        ProcessGrid(tp=2).shard(x, "tp")
+    with pytest.raises(ValueError, match="5 rows along dim 0 cannot be split evenly over dp=3 ranks"):
+        mesh.shard(x[:5], "dp", 0)
+    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+        mesh.shard(x, "ep", 0)

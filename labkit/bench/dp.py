@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..cliparse import Parser
 from ..dist import launch
+from ..grid import Mesh
 from ..model import GPT, GPTConfig
 
 
@@ -190,7 +191,8 @@ def _worker_3d(ctx, a):
                           loss_fn=lambda out, tgt: F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1)))
     th_opt = torch.optim.SGD(stage.parameters(), lr=0.01)
     th_loss = []
-    xs, ys = x[dp_rank * a.batch:(dp_rank + 1) * a.batch], y[dp_rank * a.batch:(dp_rank + 1) * a.batch]
+    dp_mesh = Mesh(dp=d)                       # this DP rank's a.batch sequences of the d * a.batch
+    xs, ys = dp_mesh.shard(x, "dp", dp_rank), dp_mesh.shard(y, "dp", dp_rank)
 
     def th_step(i):
         th_opt.zero_grad()

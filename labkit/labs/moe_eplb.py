@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..dist import in_torchrun
+from ..grid import Mesh
 from ..model import GPTConfig
 from ..moe.eplb import contiguous_gpu_loads, gpu_loads, imbalance, rebalance_experts
 from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads
@@ -115,11 +116,11 @@ def _replica_worker(ctx, a, state, phy2log, start, corpus) -> RankResult:
         return lm + total_aux_loss(stats), "; ".join(dict.fromkeys(problems)) or None
 
     check = lockstep(ctx, a, lambda: _model(a, "none", P), ref_loss)
-    rows = a.batch // P
+    ep = Mesh(ep=P)                    # every rank one EP rank: its slice of the global batch
     per_gpu, loads = [], []
     for step in range(start, start + a.steps):
         x, y = corpus.get_batch("train", a.batch, a.seq, step, a.seed)
-        lm, stats = model(x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])
+        lm, stats = model(ep.shard(x, "ep", r), ep.shard(y, "ep", r))
         loss = lm + total_aux_loss(stats)
         (loss / P).backward()
         sync_replicated_grads(model, ctx.group)
@@ -138,8 +139,7 @@ def _a2a_worker(ctx, a, layer, x, g):
     (and without a limit): outputs and bytes per level of this rank."""
     nodes = make_node_groups(ctx, g)
     N, r = ctx.world_size // g, ctx.rank
-    rows = x.shape[0] // ctx.world_size
-    mine = x[r * rows:(r + 1) * rows]
+    mine = Mesh(ep=ctx.world_size).shard(x, "ep", r)    # every rank one EP rank: its slice of the tokens
     out = {}
     E, k = layer.cfg.n_routed_experts, layer.cfg.n_activated_experts
     for M in [None] + [m for m in range(1, N + 1) if m * (E // N) >= k]:       # M nodes must hold k experts

@@ -47,6 +47,7 @@ selective recompute.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -254,6 +255,7 @@ class RankResult:
     cp_rank: int = 0
     cp_work: int = 0          # CP attention: query-key pairs per sequence (x heads) computed in the last step
     cp_seconds: float = 0.0   # CP attention: seconds of its forward compute in the last step
+    moe_loads: dict | None = None   # --moe, last step: {(stage, layer): [(tokens per expert, offset, local)]}
 
 
 @dataclass
@@ -322,8 +324,7 @@ def _worker(ctx, a, corpus) -> RankResult:
                 for n, (g, dim) in grads.items():
                     if pg.tied and pg.grid.pp == 1 and rename(m, n) != pg.reference_name(m, n):
                         continue                                   # p = 1: the one matrix, once
-                    k = params[n][0].shape[dim] if dim is not None else 0
-                    mine = slice(grid.tp_rank * k, (grid.tp_rank + 1) * k)
+                    mine = None if dim is None else grid.part(params[n][0].shape[dim] * grid.tp, "tp")
                     index = None if dim is None else (slice(None),) * dim + (mine,)
                     out.append(Piece(rename(m, n), params[n][0], g, index))
                 out += [Piece(pg.reference_name(m, n), b.detach()) for n, b in m.named_buffers()]
@@ -332,7 +333,7 @@ def _worker(ctx, a, corpus) -> RankResult:
             out += sharded_pieces(m, grid.tp_rank, grid.tp, partial(rename, m))
         return out
 
-    wire, losses, comm, seconds, overlaps, timelines, act_peak = [], [], [], 0.0, [], [], None
+    wire, losses, comm, seconds, overlaps, timelines, act_peak, loads = [], [], [], 0.0, [], [], None, None
     peak_mem = {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0}
     for step in range(a.steps):
         x, y = _batch(a, corpus, step)
@@ -342,10 +343,16 @@ def _worker(ctx, a, corpus) -> RankResult:
         # activations: the peak of the last step (in the first one the runtime measures each stage's
         # first forward itself; the hooks cost time, so only one step carries them)
         meter = _Meter(pg.parameters(), pg.gathered_buffers()) if step == a.steps - 1 and step >= 1 else None
+        if meter is not None and a.moe:
+            loads = {}
+            hooks = _record_loads(pg, loads)
         with CommLog() as log, meter if meter is not None else contextlib.nullcontext():
             loss = pg.train_step(x, y)
             if a.zero == 1 and pg.dp_cp > 1:
                 opt.reduce_gradients()
+        if meter is not None and a.moe:
+            for h in hooks:
+                h.remove()
         t_bwd = time.perf_counter() - t0
         if meter is not None:
             act_peak = meter.peak
@@ -376,7 +383,23 @@ def _worker(ctx, a, corpus) -> RankResult:
                       check.result(), str(ctx.device), ctx.backend, activations=act_peak,
                       cp_rank=getattr(grid, "cp_rank", 0),
                       cp_work=sum(st["work"] * st["heads"] for st in pg.cp_stats),
-                      cp_seconds=sum(st["seconds"] for st in pg.cp_stats))
+                      cp_seconds=sum(st["seconds"] for st in pg.cp_stats), moe_loads=loads)
+
+
+def _record_loads(pg, loads: dict) -> list:
+    """Forward hooks on this rank's MoE layers: each forward appends to ``loads[(stage, layer
+    name)]`` ``(tokens per expert [E] of this rank's tokens, first local expert, local experts)``
+    (the routing the run had; the rows a rank receives are its EP peers' loads on its experts)."""
+    from ..moe.expert_parallel import ExpertParallelMoE
+    hooks = []
+    for stage, module in zip(pg.stage_ids, pg.modules):
+        for name, layer in module.named_modules():
+            if isinstance(layer, ExpertParallelMoE):
+                def hook(mod, inputs, out, key=(stage, name)):
+                    loads.setdefault(key, []).append((out[1].tokens_per_expert.tolist(), mod.expert_offset,
+                                                      mod.n_local_experts))
+                hooks.append(layer.register_forward_hook(hook))
+    return hooks
 
 
 def _reference(a, corpus) -> Reference:
@@ -437,7 +460,8 @@ def _mib(b):
 
 # schedule -> (the planner's schedule with the same stages per rank and messages, placement, whether the
 # planner's in-flight counts model its activations). The zero-bubble ones keep microbatches until their W:
-# ZB-H1's are counted along its actions (plan.memory.schedule_activation_peak), ZB-V's and DualPipeV's not yet.
+# their activations are counted along their actions (plan.memory.schedule_activation_peak; ZB-V and
+# DualPipeV on the V, two stages per rank), except with CP or full recompute (not modelled there).
 _PLANNER_SCHEDULE = {"gpipe": ("gpipe", "loop", True), "1f1b": ("1f1b", "loop", True),
                      "interleaved": ("interleaved", "loop", True), "zb-h1": ("1f1b", "loop", False),
                      "zbv": ("interleaved", "v", False), "dualpipev": ("interleaved", "v", False)}
@@ -448,12 +472,12 @@ _BUCKETED = ("all_reduce", "reduce_scatter", "all_gather")   # DDP / ZeRO-2: one
 
 def _planner(a):
     """The planner's prediction for this run: ``(memory per pipeline rank, {pp_rank: {axis: {kind:
-    (count, bytes)}}}, what is compared: "all" | "no activations" | "moe")``, or None when the
-    planner cannot take the layout. MoE: expert TP 1 (``Layout.etp``: labkit's MoE blocks hold whole
-    experts on every TP rank, Megatron-Core's ``expert_tensor_parallel_size=1``); "moe" compares what
-    does not follow the routing (see :func:`_planner_table`)."""
-    import dataclasses
-
+    (count, bytes)}}}, what is compared: "all" | "no activations" | "moe", moe_peak)``, or None when
+    the planner cannot take the layout. MoE: expert TP 1 (``Layout.etp``: labkit's MoE blocks hold
+    whole experts on every TP rank, Megatron-Core's ``expert_tensor_parallel_size=1``); "moe" compares
+    the bytes that follow the routing as :func:`_planner_table` says; ``moe_peak(pp_rank, rows)``: the
+    activation peak counted along the schedule's actions with ``rows`` ``{(stage, microbatch): rows
+    received}`` (:func:`labkit.plan.memory.schedule_activation_peak`)."""
     from ..parallel.gpt import hsdp_dp_comm, planner_spec
     from ..plan.comm import comm_per_rank
     from ..plan.memory import memory_per_rank, schedule_activation_peak
@@ -471,8 +495,8 @@ def _planner(a):
         # HSDP: model states sharded over the d/R shard ranks (the same b and M per rank)
         mem_lay = Layout(**{**lay.__dict__, "d": a.dp // a.hsdp})
         mem = memory_per_rank(spec, mem_lay, device="cpu")
-        # ZB-H1: counted along the schedule's actions (the V-shaped ones measured 3-16 % more: not yet)
-        if not act_modeled and placement == "loop" and a.cp == 1 and a.recompute != "full":
+        # the zero-bubble schedules: counted along their actions (ZB-H1, and ZB-V / DualPipeV on the V)
+        if not act_modeled and a.cp == 1 and a.recompute != "full":
             actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
             mem = [dataclasses.replace(m, activations=schedule_activation_peak(spec, mem_lay, actions[m.pp_rank],
                                                                                m.pp_rank, device="cpu"))
@@ -484,7 +508,38 @@ def _planner(a):
             comm[r]["dp"] = hsdp_dp_comm(spec, lay, a.hsdp, r)
     except ValueError:
         return None
-    return mem, comm, compared
+
+    def moe_peak(pp_rank, rows):
+        actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
+        return schedule_activation_peak(spec, mem_lay, actions[pp_rank], pp_rank, "cpu", rows)
+    return mem, comm, compared, moe_peak
+
+
+def _moe_rows(a, ranks) -> dict:
+    """``{rank: {(stage, microbatch): rows}}``: the rows each rank's experts received in the last
+    step, summed over the stage's MoE layers: its EP peers' (the DP ranks of its pipeline and TP
+    rank) recorded tokens per expert on its local experts. The c-th forward of a stage is the
+    microbatch of the stage's c-th F action. Ranks without records (a run of one step): absent."""
+    actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
+    peers = {}
+    for r in ranks:
+        peers.setdefault((r.pp_rank, r.tp_rank), []).append(r)
+    out = {}
+    for r in ranks:
+        if r.moe_loads is None:
+            continue
+        order = {}
+        for act in actions[r.pp_rank]:
+            if act.kind == "F":
+                order.setdefault(act.stage, []).append(act.microbatch)
+        rows = {}
+        for key, calls in r.moe_loads.items():
+            for c, (_, first, n) in enumerate(calls):
+                got = sum(sum(q.moe_loads[key][c][0][first:first + n]) for q in peers[(r.pp_rank, r.tp_rank)])
+                mb = (key[0], order[key[0]][c])
+                rows[mb] = rows.get(mb, 0) + got
+        out[r.rank] = rows
+    return out
 
 
 def _planner_table(a, out) -> tuple[list[str], list[str]]:
@@ -499,23 +554,19 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     one all-to-all of E int64 per MoE layer and microbatch); the bytes a rank sends follow the
     routing (its kept slots and the rows it receives), so the exact check is their sum over each EP
     group (every slot is sent out and back once in each direction), i.e. the planner's balanced
-    bytes per rank times ep. Activations: within 2 % on pipeline ranks without a MoE layer; on the
-    others shown only (the experts' saved inputs are the rows each rank receives, which follow the
-    routing and which the run does not record)."""
-    from ..parallel.gpt import planner_spec
-    from ..plan.memory import rank_layer_chunks
-    from ..plan.spec import Layout
+    bytes per rank times ep. Activations: within 2 % on every rank. An MoE layer's saved bytes are
+    a part that follows from the rank's own tokens (router, slots, the returned rows) and a part
+    per row its experts RECEIVED (:func:`labkit.plan.activations.moe_layer_activation_bytes`); the
+    received rows follow the routing, which is deterministic (same seed, same batch) but known only
+    by running the router: the planner takes them from the routing the run had (every rank records
+    its tokens per expert in the last step, :func:`_record_loads`; a rank's rows are its EP peers'
+    counts on its experts, :func:`_moe_rows`) and counts the peak along the schedule's actions. The
+    counts come from the run, the bytes from the formula."""
     pred = _planner(a)
     if pred is None:
         return [f"planner: not shown for this layout (--schedule {a.schedule}, v={_v(a)})"], []
-    mem, comm, compared = pred
-    moe_ranks = set()
-    if compared == "moe":
-        spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a), 2)
-        lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), schedule=_PLANNER_SCHEDULE[a.schedule][0],
-                     placement=_PLANNER_SCHEDULE[a.schedule][1])
-        moe_ranks = {r for r in range(a.pp) if any(spec.is_moe_layer(i) for ch in rank_layer_chunks(spec, lay, r)
-                                                   for i in ch)}
+    mem, comm, compared, moe_peak = pred
+    moe_rows = _moe_rows(a, out.ranks) if compared == "moe" else {}
     bad, rows, ep_groups = [], [], {}
     head = (f"{'rank':>4}  {'params':>9} {'(planner)':>9}  {'grads':>9} {'(planner)':>9}  {'optimizer':>9} "
             f"{'(planner)':>9}  {'activations':>11} {'(planner)':>9} {'diff':>6}  "
@@ -523,7 +574,9 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     rows += [head, "-" * len(head)]
     for r in sorted(out.ranks, key=lambda r: r.rank):
         pm, m = mem[r.pp_rank], r.memory
-        act_modeled = compared == "all" or (compared == "moe" and r.pp_rank not in moe_ranks)
+        act_modeled = compared == "all" or (compared == "moe" and r.rank in moe_rows)
+        if compared == "moe" and r.rank in moe_rows:   # the experts' part from the rows this rank received
+            pm = dataclasses.replace(pm, activations=moe_peak(r.pp_rank, moe_rows[r.rank]))
         for k in ("params", "grads", "optimizer") + (("gathered",) if a.zero == 3 and a.dp * a.cp > 1 else ()):
             if m.get(k, 0) != getattr(pm, k):
                 bad.append(f"rank {r.rank} {k}: measured {m.get(k, 0)} B, planner {getattr(pm, k)} B")
@@ -555,7 +608,7 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
             cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
         rows.append(f"{r.rank:>4}  {m['params']:>9} {pm.params:>9}  {m['grads']:>9} {pm.grads:>9}  "
                     f"{m['optimizer']:>9} {pm.optimizer:>9}  {act if act else '-':>11} "
-                    f"{pm.activations if act_modeled or compared == 'moe' else 'n/a':>9} "
+                    f"{pm.activations if act_modeled else 'n/a':>9} "
                     f"{f'{diff:+.1%}' if act_modeled else '-':>6}  "
                     f"{', '.join(cells)}")
     for _, members in sorted(ep_groups.items()):
@@ -566,16 +619,17 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     if compared == "moe":
         rows.append("(MoE, expert TP 1: whole experts on every TP rank. EP all-to-all bytes per rank follow the "
                     "routing: compared summed over each EP group, counts per rank (+1 counts exchange per MoE "
-                    "layer and microbatch); activations compared on the stages without a MoE layer, shown on "
-                    "the others: the experts' inputs are the rows a rank receives, not recorded)")
+                    "layer and microbatch); activations: the experts' part counted from the rows each rank "
+                    "received in the last step (the run's routing, from every EP peer's tokens per expert), "
+                    "the rest from the formula)")
     if a.zero == 3 and a.dp * a.cp > 1:
         rows.append("ZeRO-3 gathered units, peak bytes per rank (planner: the largest two neighbouring units): "
                     + ", ".join(f"rank {r.rank} {r.memory.get('gathered', 0)} ({mem[r.pp_rank].gathered})"
                                 for r in sorted(out.ranks, key=lambda r: r.rank))
                     + "; the gathered weights saved for backward are not counted as activations")
     if compared == "no activations":
-        rows.append(f"(activations: the planner does not model {a.schedule}'s W-deferred microbatches here (it "
-                    f"counts ZB-H1's along its actions, without CP and full recompute); not compared)")
+        rows.append(f"(activations: the planner counts {a.schedule}'s W-deferred microbatches along its actions "
+                    f"without CP and full recompute only; not compared)")
     return rows, bad
 
 
@@ -648,6 +702,7 @@ def _print_cp_balance(a, ranks) -> list[str]:
 def _plots(a, out, folder: Path):
     from matplotlib.figure import Figure
 
+    from ..grid import Mesh
     from ..parallel import layout
 
     fig = Figure(figsize=(7, 4))
@@ -663,12 +718,12 @@ def _plots(a, out, folder: Path):
 
     v = _v(a)
     cells = layout(_config(a), a.tp, a.pp, a.dp, v, lookup(a.schedule).placement)
-    cols = a.dp * a.tp
+    cols, row = a.dp * a.tp, Mesh(dp=a.dp, tp=a.tp)     # one row of the grid: d x t ranks, TP inside
     fig = Figure(figsize=(max(5.0, 1.9 * cols), max(2.4, 1.3 * a.pp + 0.8)))
     ax = fig.add_subplot(1, 1, 1)
     colors = ["#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd"]
     for c in cells:
-        x, y = c["dp_rank"] * a.tp + c["tp_rank"], a.pp - 1 - c["pp_rank"]
+        x, y = row.rank_of(dp=c["dp_rank"], tp=c["tp_rank"]), a.pp - 1 - c["pp_rank"]
         ax.add_patch(__import__("matplotlib.patches", fromlist=["Rectangle"]).Rectangle(
             (x + 0.04, y + 0.06), 0.92, 0.88, facecolor=colors[c["pp_rank"] % len(colors)], edgecolor="black"))
         extra = ("+emb " if c["embedding"] else "") + ("+head" if c["head"] else "")
@@ -680,7 +735,8 @@ def _plots(a, out, folder: Path):
         ax.axvline(d * a.tp, color="black", lw=2.5)
     ax.set_xlim(0, cols)
     ax.set_ylim(0, a.pp)
-    ax.set_xticks([i + 0.5 for i in range(cols)], [f"d{i // a.tp} t{i % a.tp}" for i in range(cols)], fontsize=8)
+    ax.set_xticks([i + 0.5 for i in range(cols)],
+                  [f"d{row.coords(i)['dp']} t{row.coords(i)['tp']}" for i in range(cols)], fontsize=8)
     ax.set_yticks([i + 0.5 for i in range(a.pp)], [f"pipeline rank {a.pp - 1 - i}" for i in range(a.pp)], fontsize=8)
     ax.set_title(f"rank grid: TP inside (neighbouring ranks), DP across (thick lines), PP rows "
                  f"({a.schedule}, v={v})", fontsize=9)

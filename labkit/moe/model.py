@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from ..model import Block, Embedding, GPTConfig, Head, init_weights, lm_loss
+from ..model import GPT, Block, Embedding, GPTConfig, Head, init_weights
 from .experts import MoEConfig, MoELayer, MoEStats
 
 __all__ = ["MoEBlock", "MoEGPT", "total_aux_loss", "moe_config_for"]
@@ -47,16 +47,17 @@ def moe_config_for(cfg: GPTConfig, **overrides) -> MoEConfig:
     return replace(base, **overrides)
 
 
-class MoEGPT(nn.Module):
-    """GPT with MoE FFNs. ``embedding``, ``blocks`` (Block or MoEBlock), ``head`` as in GPT.
-    Deterministic from ``seed`` (does not touch the global RNG).
+class MoEGPT(GPT):
+    """GPT with MoE FFNs. ``embedding``, ``blocks`` (Block or MoEBlock), ``head`` as in GPT, and
+    GPT's forward (:meth:`labkit.model.GPT.run`). Deterministic from ``seed`` (does not touch the
+    global RNG). Its embeddings are never tied.
 
     ``forward(idx [B, S], targets=None, mask=None)``: ``mask`` [B, S] (1 = real token, 0 =
     padding) keeps padded tokens out of every MoE layer's balance losses and loads; to keep
     them out of the LM loss too, set their ``targets`` to -100 (cross-entropy's ignore_index)."""
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, moe_layer_freq: int = 2, seed: int = 0):
-        super().__init__()
+        nn.Module.__init__(self)       # GPT's parts, built here with MoE blocks (GPT.__init__ builds dense ones)
         if moe_layer_freq < 1:
             raise ValueError(f"moe_layer_freq must be >= 1, got {moe_layer_freq}")
         if moe.n_embd != cfg.n_embd:
@@ -73,21 +74,21 @@ class MoEGPT(nn.Module):
             for m in self.modules():               # init_weights resets Linear layers; the gate too
                 if isinstance(m, MoELayer):
                     nn.init.normal_(m.router.weight, std=0.02)
+        self.layer_ids = list(range(cfg.n_layer))
 
     def moe_layers(self) -> list[MoELayer]:
         return [b.moe for b in self.blocks if isinstance(b, MoEBlock)]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, mask: torch.Tensor | None = None):
-        x = self.embedding(idx)
         stats: list[MoEStats] = []
-        for block in self.blocks:
-            if isinstance(block, MoEBlock):
-                x, s = block(x, mask)
-                stats.append(s)
-            else:
-                x = block(x)
-        logits = self.head(x)
-        return (logits if targets is None else lm_loss(logits, targets)), stats
+
+        def apply(block, x):
+            if not isinstance(block, MoEBlock):
+                return block(x)
+            x, s = block(x, mask)
+            stats.append(s)
+            return x
+        return self.run(idx, targets, -100, apply), stats
 
 
 def total_aux_loss(stats: list[MoEStats]) -> torch.Tensor:

@@ -140,10 +140,10 @@ class ExpertSlicedMoE(nn.Module):
         x_all = x.reshape(-1, shape[-1])
         if x_all.shape[0] % g.t:
             raise ValueError(f"{x_all.shape[0]} tokens cannot be split over the TP degree t={g.t}")
-        n = x_all.shape[0] // g.t
-        x2 = x_all[g.tp_rank * n:(g.tp_rank + 1) * n]                    # 1. my 1/t of the tokens
+        tp = Mesh(tp=g.t)
+        x2 = tp.shard(x_all, "tp", g.tp_rank)                             # 1. my 1/t of the tokens
         if mask is not None:
-            mask = mask.reshape(-1)[g.tp_rank * n:(g.tp_rank + 1) * n]
+            mask = tp.shard(mask.reshape(-1), "tp", g.tp_rank)
         r, stats = self.route_tokens(x2, None, mask)
         # 2. dispatch: slot of expert e -> rank (e // n_local) * s + my slice index
         slot = r.keep.reshape(-1).nonzero().squeeze(1)

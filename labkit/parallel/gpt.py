@@ -477,10 +477,8 @@ class ParallelGPT:
         B, d = x.shape[0], self.grid.dp
         if B % (d * self.M):
             raise ValueError(f"global batch B={B} must be divisible by d*M = {d}*{self.M}")
-        b = B // d
-        sl = slice(self.grid.dp_rank * b, (self.grid.dp_rank + 1) * b)
         dev = self.grid.ctx.device
-        x, y = x[sl], y[sl]
+        x, y = self.grid.shard(x, "dp"), self.grid.shard(y, "dp")    # this DP rank's B/d sequences
         if self.cp > 1:                       # this CP rank's tokens; the loss is their mean
             x, y = self._context_parallel(x, y)
         losses: list = []

@@ -83,10 +83,9 @@ class ParallelMoEGPT:
         B, d, M = x.shape[0], self.grid.dp, self.M
         if B % (d * M):
             raise ValueError(f"global batch B={B} must be divisible by d*M = {d}*{M}")
-        b = B // d
         dev = self.grid.ctx.device
-        xs = x[self.grid.dp_rank * b:(self.grid.dp_rank + 1) * b].to(dev).chunk(M)
-        ys = y[self.grid.dp_rank * b:(self.grid.dp_rank + 1) * b].to(dev).chunk(M)
+        xs = self.grid.shard(x, "dp").to(dev).chunk(M)             # this DP rank's B/d sequences
+        ys = self.grid.shard(y, "dp").to(dev).chunk(M)
         run = self.ddp if self.ddp is not None else self.model
         total = 0.0
         for m in range(M):

@@ -555,7 +555,7 @@ class PipelineSchedule:
             ptr = stor.data_ptr()
             if ptr not in params:
                 seen[ptr] = stor.nbytes()
-            return t
+            return t.detach()   # not t: a saved output would hold its own node (a cycle; see checkpoint._Saved)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out, loss = run()

@@ -43,7 +43,7 @@ see in the code; :func:`layer_activation_bytes` is its exact count (what
 from __future__ import annotations
 
 __all__ = ["korthikanti_layer_activation_bytes", "layer_activation_bytes", "torch_saved_bytes_per_element",
-           "RECOMPUTE"]
+           "moe_layer_activation_bytes", "moe_row_bytes", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -148,3 +148,41 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_
     if dropout:
         total += a * s * s * b * (m + e) // t                     # dropout mask + dropped scores
     return total
+
+
+def moe_row_bytes(h: int, ffn: int, bytes_per_element: int = 4, glu: bool = False, expert_tp: int = 1) -> int:
+    """Bytes one routed row keeps in the experts of the rank that received it (labkit's
+    :class:`labkit.moe.expert_parallel.ExpertParallelMoE`): the expert's input row ``h e`` (the
+    received rows, regrouped by local expert: one storage), its hidden activations (GeLU: the GeLU
+    input and the second linear's input, ``2 f e``; SwiGLU: w1's output, SiLU's output, w3's output
+    and their product, ``4 f e``; divided by ``expert_tp`` when each expert's width is split), and
+    the two int64 orderings of the received rows (by local expert and back): 16 bytes."""
+    hidden = (4 if glu else 2) * ffn * bytes_per_element // expert_tp
+    return h * bytes_per_element + hidden + 16
+
+
+def moe_layer_activation_bytes(tokens: int, h: int, n_experts: int, top_k: int, ffn: int,
+                               bytes_per_element: int = 4, received_rows: int | None = None, glu: bool = False,
+                               expert_tp: int = 1, aux_loss: bool = True) -> int:
+    """labkit's exact count: bytes one MoE layer (:class:`labkit.moe.expert_parallel.ExpertParallelMoE`,
+    sort-based dispatch, softmax scores, no capacity dropping, no padding mask) keeps for backward
+    on one rank for one microbatch of ``tokens`` N tokens, besides its input (the router's and the
+    shared experts' input, the block's MLP input) and besides the shared experts. Returns bytes.
+
+    The part that follows from N alone (every token sends its k slots out and gets them back):
+    router scores (softmax) ``N E e``, the top-k indices of the gather ``8 N k``, the capacity mask
+    ``N k`` (bool), the Switch aux loss (``aux_loss``: its own softmax ``N E e``, the token mask
+    ``N e`` and its sum, the fractions ``E e``), the permutation's token index and slot ``2 x 8 N k``,
+    the gating weights of the slots ``N k e``, the returned rows and their weighted copy
+    ``2 N k h e``. The part that follows the routing: :func:`moe_row_bytes` per row this rank
+    RECEIVED (``received_rows``; which experts a rank holds and what the tokens chose decide it:
+    ``None`` takes the balanced ``N k``, the mean over the EP group, exact for its sum).
+    Source: the code of :mod:`labkit.moe` (router, losses, dispatch, expert_parallel), measured
+    with ``saved_tensors_hooks`` in tests/plan/test_plan_moe_activations.py."""
+    e, N, k = bytes_per_element, tokens, top_k
+    rows = N * k if received_rows is None else received_rows
+    routing = N * n_experts * e + 8 * N * k + N * k                     # scores, gather index, keep mask
+    if aux_loss:
+        routing += N * n_experts * e + N * e + 4 + n_experts * e          # aux softmax, mask and its sum, f
+    slots = 2 * 8 * N * k + N * k * e + 2 * N * k * h * e                 # token index, slot, weights, rows
+    return routing + slots + rows * moe_row_bytes(h, ffn, e, glu, expert_tp)

@@ -41,14 +41,19 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .activations import layer_activation_bytes, torch_saved_bytes_per_element
+from .activations import (
+    layer_activation_bytes,
+    moe_layer_activation_bytes,
+    moe_row_bytes,
+    torch_saved_bytes_per_element,
+)
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
 
 __all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "RankMemory", "memory_per_rank",
            "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
-           "grad_convention", "zero3_units", "zero3_gathered_peak", "schedule_activation_peak"]
+           "grad_convention", "zero3_units", "zero3_gathered_peak", "schedule_activation_peak", "moe_balanced_rows"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
@@ -398,12 +403,8 @@ def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
     e = BYTES[lay.precision][0]
     saved = torch_saved_bytes_per_element(e, device)
     mult = 2 if spec.mlp == "swiglu" else 1           # SwiGLU keeps gate, up and their product
-    if moe:
-        # routed experts split over etp of the t ranks (scaled to the /t below), shared ones over t
-        w = spec.moe_ffn or spec.ffn_hidden
-        width = spec.n_activated_experts * w * lay.t // lay.expert_tp + spec.n_shared_experts * w
-    else:
-        width = spec.ffn_hidden
+    # an MoE layer: its shared experts (over t) in the layer's count, the routed part in _moe_act
+    width = spec.n_shared_experts * (spec.moe_ffn or spec.ffn_hidden) if moe else spec.ffn_hidden
     ffn = mult * width
     ffn += (-ffn) % lay.t                              # layer_activation_bytes divides by t
     n = layer_activation_bytes(spec.seq_len, lay.b, spec.hidden, spec.n_head, t=lay.t,
@@ -413,10 +414,25 @@ def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
                                mask_bytes=saved["mask"], ln_stat_bytes=saved["ln_stat"],
                                fused_attention=lay.fused_attention)
     if moe and lay.recompute != "full":
-        N = spec.seq_len * lay.b // (lay.t if lay.sequence_parallel else 1)
-        n += N * spec.n_routed_experts * e                            # router probabilities
-        n += N * spec.n_activated_experts * spec.hidden * e           # dispatched tokens
+        n += _moe_act(spec, lay)
     return n
+
+
+def moe_balanced_rows(spec: ModelSpec, lay: Layout) -> int:
+    """Rows one rank's experts receive per MoE layer and microbatch when the routing is balanced:
+    ``s b k`` (every rank sends ``s b k`` slots, so this is the mean over the EP group)."""
+    return spec.seq_len * lay.b * spec.n_activated_experts
+
+
+def _moe_act(spec: ModelSpec, lay: Layout, received_rows: int | None = None) -> int:
+    """The routed part of one MoE layer, one microbatch (:func:`.activations.moe_layer_activation_bytes`:
+    the router on this rank's s b (/t with SP) tokens, the experts on ``received_rows``, default
+    :func:`moe_balanced_rows`; each expert's width split over ``etp``)."""
+    rows = moe_balanced_rows(spec, lay) if received_rows is None else received_rows
+    return moe_layer_activation_bytes(spec.seq_len * lay.b // (lay.t if lay.sequence_parallel else 1), spec.hidden,
+                                      spec.n_routed_experts, spec.n_activated_experts,
+                                      spec.moe_ffn or spec.ffn_hidden, BYTES[lay.precision][0], rows,
+                                      glu=spec.mlp == "swiglu", expert_tp=lay.expert_tp)
 
 
 def _embedding_act(spec: ModelSpec, lay: Layout, device: str = "cuda") -> int:
@@ -495,7 +511,8 @@ def most_loaded_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> Rank
     return max(memory_per_rank(spec, lay, device), key=lambda m: m.total)
 
 
-def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_rank: int, device: str = "cuda") -> int:
+def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_rank: int, device: str = "cuda",
+                             moe_rows: dict | None = None) -> int:
     """Peak activation bytes of pipeline rank ``pp_rank`` counted along its ``actions`` (objects
     with ``kind`` "F" | "B" | "I" | "W", ``stage``, ``microbatch``; other kinds are skipped), for
     the schedules whose backward is split (Qi et al. 2024, sec. 2-3: ZB-H1, ZB-V, DualPipeV).
@@ -505,14 +522,22 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
     :mod:`labkit.pipeline.split_backward`), so a microbatch between its I and its W still holds
     the stash of its layers and its output layer's input; only the cross-entropy's part (the
     softmax and the targets, not on the way to a parameter) goes at I; W frees the rest. The
-    peak is taken after each F. ``recompute="full"`` is not modelled (ValueError)."""
+    peak is taken after each F. V placement (``lay.placement == "v"``, ZB-V and DualPipeV, sec. 4):
+    rank r holds stages r and 2p-1-r (:func:`rank_stages`), so rank 0 stashes the embedding with
+    stage 0 and the output layer and loss with stage 2p-1, and a microbatch's two stages on one
+    rank are two entries. Schedules without split backward (F and B only) give the in-flight
+    formulas' figure. ``moe_rows``: ``{(stage, microbatch): rows}``, the rows the rank's experts
+    received in that forward, summed over the stage's MoE layers (the routing a run had; absent
+    keys and None: balanced, :func:`moe_balanced_rows` per layer); each row costs
+    :func:`.activations.moe_row_bytes`. ``recompute="full"`` is not modelled (ValueError)."""
     if lay.recompute == "full":
         raise ValueError("schedule_activation_peak: recompute='full' is not modelled")
     aspec = cp_local(spec, lay)
     last = (2 if lay.placement == "v" else lay.v) * lay.p - 1
-    full, at_i = {}, {}
+    full, at_i, n_moe = {}, {}, {}
     for stage, layers in zip(rank_stages(lay, pp_rank), rank_layer_chunks(spec, lay, pp_rank)):
         n = sum(_layer_act(spec, lay, spec.is_moe_layer(i), device) for i in layers)
+        n_moe[stage] = sum(spec.is_moe_layer(i) for i in layers)
         n += _embedding_act(aspec, lay, device) if stage == 0 else 0
         head = _head_act(aspec, lay, device) if stage == last else 0
         keep = 0
@@ -521,12 +546,16 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
             sb, ts = aspec.seq_len * lay.b, (lay.t if lay.sequence_parallel else 1)
             keep = 2 * sb * spec.hidden * e // ts + 2 * sb * torch_saved_bytes_per_element(e, device)["ln_stat"] // ts
         full[stage], at_i[stage] = n + head, head - keep
+    per_row = moe_row_bytes(spec.hidden, spec.moe_ffn or spec.ffn_hidden, BYTES[lay.precision][0],
+                            spec.mlp == "swiglu", lay.expert_tp) if spec.is_moe else 0
     alive = {}
     live = peak = 0
     for act in actions:
         key = (act.stage, act.microbatch)
         if act.kind == "F":
             alive[key] = full[act.stage]
+            if moe_rows and key in moe_rows:    # the routing this forward had instead of the balanced one
+                alive[key] += per_row * (moe_rows[key] - n_moe[act.stage] * moe_balanced_rows(spec, lay))
             live += alive[key]
             peak = max(peak, live)
         elif act.kind == "I" and key in alive:

@@ -2,7 +2,6 @@
 5 Adam steps, with gradient accumulation; per-rank memory = 1/d; bytes communicated = formula."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from labkit.comm import CommLog
 from labkit.data_parallel import (
@@ -14,6 +13,7 @@ from labkit.data_parallel import (
 )
 from labkit.data_parallel.flat import padded_numel, shard_flat, unshard_flat
 from labkit.dist import launch
+from labkit.grid import Mesh
 from labkit.model import GPT, GPTConfig
 from labkit.plan.comm import comm_per_rank
 from labkit.plan.memory import memory_per_rank, zero3_units
@@ -56,11 +56,9 @@ def assert_close(got, want, what):
 
 def _fsdp_worker(ctx, steps, opt_name, reshard, accum, bug, hsdp):
     rep_group = shard_group = None
-    if hsdp:                                   # 2-D DP mesh (replicate R=2, shard S=d/2): rank = rep*S + s
-        S = ctx.world_size // 2
-        shards = [dist.new_group(list(range(i * S, (i + 1) * S))) for i in range(2)]
-        reps = [dist.new_group([s, s + S]) for s in range(S)]
-        shard_group, rep_group = shards[ctx.rank // S], reps[ctx.rank % S]
+    if hsdp:                                   # 2-D DP mesh (replicate R=2, shard S=d/2), shard innermost
+        mesh = Mesh(replicate=2, shard=ctx.world_size // 2)
+        shard_group, rep_group = mesh.new_groups(ctx, "shard"), mesh.new_groups(ctx, "replicate")
     model = GPT(CFG, seed=0)
     fsdp = FullyShardedDataParallel(model, process_group=shard_group, reshard_after_forward=reshard,
                                     replicate_group=rep_group)

@@ -160,6 +160,32 @@ def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_pat
                            for b in bad), bad
 
 
+# ZB-V and DualPipeV (V placement, two stages per rank) at (t, p, d) = (2, 2, 1): the activations the
+# planner counts along the schedule's actions are within 2 % of the peak measured on every rank
+VGRID = ["--tp", "2", "--pp", "2", "--dp", "1", "--no-plots", "--steps", "2", "--batch", "4", "--seq", "8",
+         "--layers", "4", "--embd", "8", "--heads", "2", "--microbatches", "4"]
+
+
+@pytest.mark.parametrize("extra", [["--schedule", "zbv", "--sp"], ["--schedule", "dualpipev"]],
+                         ids=lambda e: " ".join(e))
+def test_lab_3d_v_schedules_activations_equal_the_planner(extra, tmp_path, capsys, monkeypatch):
+    rc = main(["lab", "3d", *VGRID, *extra, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert f"OK   t2 p2 d1 {extra[1]}" in cap.out and "FAIL" not in cap.err and "not compared" not in cap.out
+    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    assert len(rows) == 4
+    for row in rows:
+        assert row[7] != "-" and row[8] != "n/a" and abs(float(row[9].rstrip("%"))) <= 2.0, row
+    from labkit.labs import threed
+    a, out = threed.parse_args([*VGRID, *extra]), threed.LAB.result
+    assert threed._planner_table(a, out)[1] == []
+    # injected bug: the V schedule counted with interleaved 1F1B's in-flight formula, not along its actions
+    monkeypatch.setitem(threed._PLANNER_SCHEDULE, a.schedule, ("interleaved", "v", True))
+    bad = threed._planner_table(a, out)[1]
+    assert bad and all("activations" in b for b in bad) and any(b.startswith("rank 2 ") for b in bad), bad
+
+
 def test_lab_3d_sp_bugs_are_caught(tmp_path, capsys, monkeypatch):
     """SP without the LayerNorm gradient all-reduce fails the verdict; a planner that forgets that
     all-reduce fails the planner check."""
@@ -207,6 +233,19 @@ def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
     from labkit.plan.spec import Layout
     a, out = threed.parse_args(argv), threed.LAB.result
     assert threed._planner_table(a, out)[1] == []
+    # activations compared on every rank, the MoE stage's from the rows each rank received
+    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    assert len(rows) == 8 and all(abs(float(row[9].rstrip("%"))) <= 2.0 for row in rows), rows
+    assert {r.rank for r in out.ranks if r.moe_loads} == {4, 5, 6, 7}
+    from labkit.plan import activations as plan_act
+    from labkit.plan import memory as plan_memory
+    with monkeypatch.context() as m:     # injected bug: the experts' input rows not counted
+        row = plan_act.moe_row_bytes
+        for mod in (plan_act, plan_memory):
+            m.setattr(mod, "moe_row_bytes", lambda h, f, e=4, glu=False, etp=1: row(h, f, e, glu, etp) - h * e)
+        bad = threed._planner_table(a, out)[1]
+    assert bad and all(b.startswith(("rank 4 activations", "rank 5 activations", "rank 6 activations",
+                                     "rank 7 activations")) for b in bad), bad
     with monkeypatch.context() as m:     # injected bug: experts split over the TP group (etp = t)
         m.setattr(Layout, "expert_tp", property(lambda lay: lay.t))
         bad = threed._planner_table(a, out)[1]
