@@ -101,7 +101,11 @@ class DistributedDataParallel(NoSyncMixin, nn.Module):
         expert_params: names (in ``module``) of parameters that differ across the DP ranks
             (expert parallelism folded onto the DP axis): they are NOT all-reduced, only scaled
             by 1/d, the DP mean of the loss (Megatron-Core's expert gradient scaling; their
-            gradient already sums every rank's tokens through the backward all-to-all).
+            gradient already sums every rank's tokens through the backward all-to-all). The
+            scaling is a tensor hook on each contribution, before it is accumulated (also under
+            :meth:`no_sync`), so it does not depend on how many autograd runs a backward is
+            split into nor on whether the experts' gradients come after the buckets completed
+            (a zero-bubble W runs one autograd call per boundary node: issue 17).
         broadcast_buffers: broadcast buffers too at construction.
 
     ``forward(*args, **kwargs)`` calls ``module``. After each backward outside :meth:`no_sync`
@@ -154,7 +158,7 @@ class DistributedDataParallel(NoSyncMixin, nn.Module):
         for p in params:
             p.register_post_accumulate_grad_hook(self._hook)
         for p in self.expert_params:
-            p.register_post_accumulate_grad_hook(self._expert_hook)
+            p.register_hook(self._expert_hook)
 
     def forward(self, *args, **kwargs):
         if self.require_backward_grad_sync and self._in_progress():
@@ -174,10 +178,9 @@ class DistributedDataParallel(NoSyncMixin, nn.Module):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
-    def _expert_hook(self, p: nn.Parameter) -> None:
-        if self.require_backward_grad_sync:
-            self._queue_finalize()
-            self._pending_experts = getattr(self, "_pending_experts", []) + [p]
+    def _expert_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        # each contribution / d before accumulation: the sum is the DP mean whatever the order
+        return grad / self.d
 
     def _hook(self, p: nn.Parameter) -> None:
         if not self.require_backward_grad_sync:
@@ -244,9 +247,6 @@ class DistributedDataParallel(NoSyncMixin, nn.Module):
         self.last_intervals = [(b.times[0], b.times[1] if b.times[1] is not None else end) for b in self.buckets]
         self.last_backward_end = backward_end
         self.last_overlap = overlap_share(self.last_intervals, backward_end)
-        for p in getattr(self, "_pending_experts", []):
-            p.grad.div_(self.d)
-        self._pending_experts = []
         for b in self.buckets:
             b.ready, b.work = 0, None
         self._next = 0

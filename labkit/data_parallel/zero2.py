@@ -91,7 +91,9 @@ class ZeroStage2(NoSyncMixin, nn.Module):
     reduce-scatter (the same sum as reducing the shards over TP afterwards; Korthikanti et al.
     2022 sec. 4.2.2). ``expert_params``: names of parameters that differ across the DP ranks
     (expert parallelism folded onto DP): not sharded, their full gradient is only divided by d
-    (as in DDP) and they are stepped whole by :attr:`expert_optim`.
+    (as in DDP: each contribution, by a tensor hook before accumulation, so a zero-bubble W whose
+    experts come after the buckets completed neither misses the scaling nor reopens the sync)
+    and they are stepped whole by :attr:`expert_optim`.
 
     Raises ValueError (before any communication) for ``bucket_cap_mb <= 0``, no parameters,
     mixed dtypes/devices, or unknown ``expert_params``.
@@ -127,11 +129,11 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         self.partial_grad_group = partial_grad_group
         self.is_partial = is_partial or (lambda p: getattr(p, "sequence_parallel", False))
         self.require_backward_grad_sync = True
-        self._next, self._callback_queued, self._pending_experts = 0, False, {}
+        self._next, self._callback_queued = 0, False
         for p in params:
             p.register_post_accumulate_grad_hook(self._hook)
         for p in self.expert_params:
-            p.register_post_accumulate_grad_hook(self._expert_hook)
+            p.register_hook(self._expert_hook)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -141,7 +143,6 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         return self.optim.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._pending_experts = {}
         for b in self.buckets:
             b.shard.grad = None
         for p in self.module.parameters():
@@ -161,10 +162,8 @@ class ZeroStage2(NoSyncMixin, nn.Module):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
-    def _expert_hook(self, p: nn.Parameter) -> None:
-        if self.require_backward_grad_sync:
-            self._queue_finalize()
-            self._pending_experts[id(p)] = p   # once per step, however many runs
+    def _expert_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad / self.d       # each contribution: the sum is the DP mean whatever the order
 
     def _hook(self, p: nn.Parameter) -> None:
         if not self.require_backward_grad_sync:
@@ -202,7 +201,7 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         b.work = comm.reduce_scatter_tensor(b.out, b.buffer, self.process_group, async_op=True)
 
     def _in_progress(self) -> bool:
-        return self._next > 0 or any(b.ready for b in self.buckets) or bool(self._pending_experts)
+        return self._next > 0 or any(b.ready for b in self.buckets)
 
     def _finalize(self) -> None:
         """End of an autograd run: complete the sync when every bucket has started, else leave
@@ -223,9 +222,6 @@ class ZeroStage2(NoSyncMixin, nn.Module):
         self._complete()
 
     def _complete(self) -> None:
-        for p in self._pending_experts.values():   # experts: the full gradient, the DP mean of the loss
-            p.grad.div_(self.d)
-        self._pending_experts = {}
         for b in self.buckets:
             b.work.wait()
             b.out.div_(self.d)

@@ -292,3 +292,18 @@ def test_lab_3d_moe_zero23_equals_one_device(zero, row4, tmp_path, capsys, monke
     monkeypatch.setattr(pgpt, "expert_param_names", lambda m: set())
     rc = main(["lab", "3d", *argv, "--steps", "1", "--out", str(tmp_path)])
     assert rc == 1 and "FAIL t2 p2 d2 1f1b" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("schedule,zero", [("zbv", "0"), ("dualpipev", "2")])
+def test_lab_3d_moe_v_schedule_ep2_equals_one_device(schedule, zero, tmp_path, capsys):
+    """--moe with a V schedule (two stages per rank) at (t, p, d) = (1, 2, 2) (issue 17): a stage's
+    W runs one autograd call per boundary node, so its experts' gradients may come after the DP
+    buckets completed; they must still be scaled by 1/d exactly once (DDP: blocks.1's experts were
+    off by 0.125; ZeRO-2: the late experts reopened the sync, 5 reduce-scatters for the planner's 1)."""
+    argv = ["--tp", "1", "--pp", "2", "--dp", "2", "--schedule", schedule, "--zero", zero, "--moe", "--no-plots",
+            "--steps", "2", "--batch", "8", "--seq", "16", "--layers", "4", "--embd", "16", "--heads", "2",
+            "--microbatches", "4", "--experts", "4", "--topk", "2"]
+    rc = main(["lab", "3d", *argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert f"OK   t1 p2 d2 {schedule}" in cap.out and "FAIL:" not in cap.out + cap.err
