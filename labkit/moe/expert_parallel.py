@@ -27,7 +27,8 @@ them with SUM. The aux-loss-free bias update uses loads all-reduced over the EP 
 
 Bytes per layer and forward (counted with :class:`labkit.comm.CommLog`, what this rank sends):
 counts ``E * 8``; dispatch and combine each ``N_p * H * 4`` (fp32), N_p = kept slots of rank p.
-Backward repeats dispatch and combine in reverse (no counts).
+Backward repeats dispatch and combine in reverse (no counts). P = 1: no all-to-all at all (the
+one rank holds every expert; Megatron-Core's dispatcher skips it too), so nothing is counted.
 """
 from __future__ import annotations
 
@@ -202,6 +203,9 @@ class ExpertParallelMoE(MoELayer):
         x2 = x.reshape(-1, shape[-1])
         r, stats = self.route_tokens(x2, shape[1] if x.dim() == 3 else None, mask)
         rows, perm = permute(x2, r.indices, r.keep, self.cfg.n_routed_experts)     # sorted by global expert
+        if P == 1:      # one EP rank holds every expert: no exchange at all (as Megatron-Core's dispatcher)
+            y = unpermute(run_experts(rows, perm.tokens_per_expert.tolist(), self.experts), perm, r.weights)
+            return self._add_shared(y, x2).view(shape), stats
         # all-to-all #0: per-expert counts; recv_counts[s, e] = rows rank s sends to my local expert e
         recv_counts = torch.empty_like(perm.tokens_per_expert)
         comm.all_to_all_single(recv_counts, perm.tokens_per_expert, [El] * P, [El] * P, self.ep_group)
@@ -217,9 +221,10 @@ class ExpertParallelMoE(MoELayer):
         # all-to-all #2: combine (reverse splits), then weight on the token's own rank
         returned = all_to_all(out, input_splits, output_splits, self.ep_group)
         y = unpermute(returned, perm, r.weights)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x2)
-        return y.view(shape), stats
+        return self._add_shared(y, x2).view(shape), stats
+
+    def _add_shared(self, y: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return y + self.shared_experts(x2) if self.shared_experts is not None else y
 
 
 def expert_param_names(model: nn.Module) -> set[str]:

@@ -307,3 +307,19 @@ def test_lab_3d_moe_v_schedule_ep2_equals_one_device(schedule, zero, tmp_path, c
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     assert f"OK   t1 p2 d2 {schedule}" in cap.out and "FAIL:" not in cap.out + cap.err
+
+
+def test_lab_3d_moe_ep1_has_no_all_to_all(tmp_path, capsys):
+    """--moe --dp 1 (issue 19): one EP rank holds every expert, so no all-to-all runs (Megatron-Core
+    skips it too) and the planner's none agrees; a one-rank all-to-all was counted under "other"
+    and failed the planner check."""
+    argv = ["--tp", "1", "--pp", "2", "--dp", "1", "--moe", "--no-plots", "--steps", "2", "--batch", "4",
+            "--seq", "16", "--layers", "2", "--embd", "16", "--heads", "2", "--microbatches", "2"]
+    rc = main(["lab", "3d", *argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert "OK   t1 p2 d1 1f1b" in cap.out and "MoE E=4 top-2 EP=1" in cap.out and "FAIL:" not in cap.err
+    from labkit.labs import threed
+    out = threed.LAB.result
+    assert all("all_to_all" not in kinds for r in out.ranks for kinds in r.comm[-1].values()), \
+        [r.comm[-1] for r in out.ranks]
