@@ -173,7 +173,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
             of one rank), stay ordinary whole parameters of the module (``self.parameters()``
             yields them too), are not reduced, and their gradient is only divided by the DP size
             (the loss's DP mean; their gradient already sums every rank's tokens through the
-            all-to-all).
+            all-to-all): each contribution, by a tensor hook before accumulation (as in DDP and
+            ZeRO-2), so the result does not depend on how many autograd runs carry it.
         partial_grad_group: a group over which the gradients of the parameters marked
             ``sequence_parallel`` (Megatron-Core's attribute; sequence parallelism's LayerNorm
             weights, which saw S/t tokens on each TP rank) are partial sums: summed over it, one
@@ -247,10 +248,9 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self.peak_gathered_bytes, self._live = 0, 0
         self.timeline: list[dict] = []
         self._pending: list = []
-        self._pending_experts: dict = {}
         self._callback_queued = False
         for p in self.expert_params:
-            p.register_post_accumulate_grad_hook(self._expert_hook)
+            p.register_hook(self._expert_hook)
         for i, u in enumerate(self.units):
             u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
             u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
@@ -412,10 +412,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         if held:
             self._finalize()
 
-    def _expert_hook(self, p: nn.Parameter) -> None:
-        if self.require_backward_grad_sync:
-            self._queue_finalize()
-            self._pending_experts[id(p)] = p
+    def _expert_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad / (self.d * self.replicas)     # each contribution: the DP mean whatever the order
 
     def _queue_finalize(self) -> None:
         if not self._callback_queued:
@@ -437,9 +435,6 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
             else:
                 u.shard.grad.add_(out)
         self._pending = []
-        for p in self._pending_experts.values():   # experts: not reduced, the DP mean of the loss only
-            p.grad.div_(self.d * self.replicas)
-        self._pending_experts = {}
         for u in self.units:
             u.backward_started = False
 
