@@ -329,7 +329,10 @@ def test_the_time_budget_bounds_a_submission(tmp_path):
              "def triple(x):\n    return 3 * x\ncheck('H.1', triple)"] + ["import time\ntime.sleep(5)"] * 6 + [
              "def square(x):\n    return x * x\ncheck('H.3', square)"]
     proc, obj, took, _ = _grade(tmp_path, {"slow": cells}, "--cell-timeout", "20", "--time-budget", "20")
-    assert took < 20 + 20, took  # the budget, plus starting Python and importing torch in the grader
+    # the grader's own clock (from the first submission to the results) keeps the budget, plus killing the
+    # kernel; the wall time adds starting Python and importing torch, which a loaded machine stretches
+    assert obj["execution_time"] <= 20 + 8, obj["execution_time"]
+    assert took < 20 + 60, took
     assert "time budget of 20 s ran out" in proc.stdout, proc.stdout
     # H.1's visible case was graded before the budget ran out; its instructor case (run after every visible
     # result, in a fresh kernel) found no time left, so it fails and H.1 (all or nothing) earns 0
