@@ -309,15 +309,18 @@ CLAIMS = {
 
 @pytest.fixture(scope="module")
 def claims(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("claims")
-    for name, cells in CLAIMS.items():
-        write_notebook(tmp / f"{name}.ipynb", cells, notebook="00_distributed_primer")
-    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in CLAIMS),
-                           "--assignment", "00_distributed_primer", "--results-dir", str(tmp / "out"),
-                           "--cell-timeout", "30", "--no-source-policy"], capture_output=True, text=True, cwd=tmp,
-                          timeout=300)
+    return _grade_batch(tmp_path_factory.mktemp("claims"), CLAIMS, "00_distributed_primer", "--no-source-policy")
+
+
+def _grade_batch(tmp, notebooks: dict, assignment: str, *extra: str):
+    """Grade ``notebooks`` ({name: cells}) in one batch pinned to ``assignment``: ({name: results}, proc)."""
+    for name, cells in notebooks.items():
+        write_notebook(tmp / f"{name}.ipynb", cells, notebook=assignment)
+    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in notebooks),
+                           "--assignment", assignment, "--results-dir", str(tmp / "out"), "--cell-timeout", "30",
+                           *extra], capture_output=True, text=True, cwd=tmp, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in CLAIMS}, proc
+    return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in notebooks}, proc
 
 
 @pytest.mark.parametrize("name", list(CLAIMS))
@@ -370,14 +373,7 @@ SPLIT_WHAT = {"cleared": "`.backward`", "reference": "import of `ref13`", "patch
 
 @pytest.fixture(scope="module")
 def split_attacks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("split")
-    for name, cells in SPLIT.items():
-        write_notebook(tmp / f"{name}.ipynb", cells, notebook="13_zero_bubble")
-    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in SPLIT),
-                           "--assignment", "13_zero_bubble", "--results-dir", str(tmp / "out"), "--cell-timeout", "30"],
-                          capture_output=True, text=True, cwd=tmp, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in SPLIT}, proc
+    return _grade_batch(tmp_path_factory.mktemp("split"), SPLIT, "13_zero_bubble")
 
 
 @pytest.mark.parametrize("name", list(SPLIT))
