@@ -4,9 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 # one intra-op thread per process: two pytest workers (and the kernels and ranks they start) share 2 cores,
-# and tiny models run several times slower when two torch threads each fight for them. The unit tests run on
-# three workers: many of them wait on processes they start (kernels, ranks, graders), and a third worker fills
-# those waits (idle 2-core machine, side by side: 381 s at -n 3 against 482 s at -n 2, 1397 tests)
+# and tiny models run several times slower when two torch threads each fight for them
 PYTEST  := OMP_NUM_THREADS=1 $(VPY) -m pytest
 NBVAL_SOLUTIONS := LABKIT_STRICT=1 $(PYTEST) -q -p no:cacheprovider --nbval --nbval-current-env \
 	--nbval-sanitize-with .ci/nbval_sanitize.cfg -n 2 --dist loadscope solutions/
@@ -37,12 +35,12 @@ test: $(STAMP)
 	$(VPY) -m labkit build --check
 	$(NBVAL_SOLUTIONS)
 	$(NBVAL_NOTEBOOKS)
-	$(PYTEST) -q -n 3 tests/ $(SIGNAL_TESTS:%=--deselect %)
+	$(PYTEST) -q -n 2 tests/ $(SIGNAL_TESTS:%=--deselect %)
 	$(PYTEST) -q -p no:cacheprovider $(SIGNAL_TESTS)
 
 # run just one part
 unit: $(STAMP)
-	$(PYTEST) -q -n 3 tests/ $(SIGNAL_TESTS:%=--deselect %)
+	$(PYTEST) -q -n 2 tests/ $(SIGNAL_TESTS:%=--deselect %)
 	$(PYTEST) -q -p no:cacheprovider $(SIGNAL_TESTS)
 notebooks: $(STAMP)
 	$(NBVAL_SOLUTIONS)
