@@ -65,3 +65,21 @@ def test_an_edited_untouched_notebook_runs_in_a_kernel_and_still_grades_zero(nam
     assert all(eg.status == "not_attempted" and "NotImplementedError" in eg.message for eg in grade.exercises), \
         _lines(grade)
     assert not any("learner version as shipped" in eg.message for eg in grade.exercises), _lines(grade)
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_a_notebook_leaves_no_temporary_file(path):
+    # mkdtemp/mkstemp/NamedTemporaryFile(delete=False) outlive the kernel: every nbval run, grading run and learner
+    # run would leave one in /tmp (notebook 13 left a labkit-nb13-* folder with its trace). A notebook uses
+    # ``with tempfile.TemporaryDirectory(...)``, removed when the block ends.
+    import ast
+
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        for node in ast.walk(ast.parse("".join(cell["source"]))):
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+                name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                keeps = name in ("mkdtemp", "mkstemp") or (name == "NamedTemporaryFile" and any(
+                    k.arg == "delete" and getattr(k.value, "value", True) is False for k in node.keywords))
+                assert not keeps, f"{path.name} cell {i + 1}: tempfile.{name} leaves a file after the kernel ends"
