@@ -214,6 +214,44 @@ def test_a_launch_that_fails_before_its_ranks_start_leaves_no_folder(tmp_path, m
     assert _children_alive() == []
 
 
+@pytest.mark.parametrize("after", [0.0, 0.1], ids=["at-fork", "before-set-up"])
+def test_a_sigterm_to_a_rank_just_forked_kills_it_and_never_runs_the_launchers_code(tmp_path, monkeypatch, after):
+    """A rank SIGTERMed the moment it is forked (as the clean-up of a failed launch does, or a
+    ``kill`` from outside), before it reached its own signal set-up: it dies of SIGTERM.
+    ``at-fork``: the signal lands before Python's after-fork code, which drops pending Python-level
+    signals: the rank used to survive it. ``before-set-up``: the launcher's SIGTERM handler
+    (inherited by fork) ran in the child and raised before multiprocessing's child code took
+    over, which sent the forked copy of the caller (a pytest worker) back into the caller's own
+    code. Here the child is held 0.3 s right after fork; a handler run in it ends it with exit
+    code 86."""
+    import signal
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real_fork = os.fork
+
+    def slow_child_fork():
+        if not sys._getframe(1).f_code.co_filename.endswith("popen_fork.py"):
+            return real_fork()  # the folder's reaper
+        pid = real_fork()
+        if pid == 0:
+            try:
+                time.sleep(0.3)  # a loaded machine: the child is not scheduled yet
+            except BaseException:
+                os._exit(86)  # the parent's handler ran in the child
+            return 0
+        time.sleep(after)
+        os.kill(pid, signal.SIGTERM)
+        return pid
+
+    monkeypatch.setattr(os, "fork", slow_child_fork)
+    with pytest.raises(RankError) as err:
+        launch(_rank_info, 2, 0, timeout=5)
+    assert "signal SIGTERM" in str(err.value) and "exit code 86" not in str(err.value), str(err.value)
+    assert os.listdir(tmp_path) == []
+    assert _children_alive() == []
+
+
 def test_ctrl_c_just_after_the_folder_is_made_leaves_no_folder(tmp_path, monkeypatch):
     """A Ctrl-C landing the moment the rendezvous folder exists (before the launch knows its name):
     KeyboardInterrupt comes out, and neither the folder nor its reaper is left."""

@@ -164,6 +164,9 @@ class _IsattyAs:
         return getattr(self._stream, name)
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, start_method, parent_pid, err_fd,
             make_context):
     status = "ok"
@@ -172,6 +175,7 @@ def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, star
         # the parent handles Ctrl-C (it stops every worker); SIGTERM kills a worker at once
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by the parent across the fork
         if err_fd is not None:  # stderr goes through the parent, which keeps its last lines
             try:
                 tty = sys.stderr is not None and bool(sys.stderr.isatty())
@@ -324,9 +328,14 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method,
                       os.getpid(), err_w, make_context),
                 daemon=True,
             )
+            # SIGINT/SIGTERM blocked across the fork: the child inherits the mask, so a signal that lands
+            # before it set its own handlers waits in the kernel instead of running this process's
+            # handler in the child (or being dropped by Python's after-fork code); _worker unblocks
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
             try:
                 p.start()
             finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
                 if err_w is not None:
                     os.close(err_w)
                     err_fds[err_r] = rank

@@ -25,8 +25,9 @@ ex131 = exercise(
     hint="Section 1: the input gradient and the weight gradients are two separate backward passes through the "
          "same graph. torch.autograd.grad returns gradients without writing .grad: what must the first call "
          "keep so that the second can still run?")
-ex131.hint2 = ("Ask the first call for the gradient with respect to x only and the second for the weight and "
-               "the bias, both with grad_out as the output's gradient; return the three tensors.")
+ex131.hint2 = ("Two passes over one graph, from the same output gradient: which tensor does the input-gradient "
+               "pass differentiate with respect to, which tensors the weight-gradient pass, and does anything "
+               "you return come from .grad?")
 
 
 def _linear_case(n_in: int, n_out: int, batch: int, seed: int):
