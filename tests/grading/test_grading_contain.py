@@ -23,10 +23,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from asuser import NonRoot
 from nbfiles import write_notebook
 
 from labkit.grading import wire
-from labkit.grading.contain import Cgroup, Limits, UidLease, kill_uid, remove_files_of, uid_processes
+from labkit.grading.contain import Cgroup, Limits, UidLease, remove_files_of, uid_processes
 
 ROOT = os.geteuid() == 0
 
@@ -343,23 +344,6 @@ def test_the_time_budget_bounds_a_submission(tmp_path):
     assert h3["score"] == 0 and "time budget" in h3["output"], h3
 
 
-def _as_non_root(argv):
-    """Run ``argv`` as a fresh non-root uid, with Python reachable (the grader's own jail)."""
-    lease = UidLease()
-    _as_non_root.leases.append(lease)
-    jail = str(Path(__file__).parents[2] / "labkit" / "grading" / "_jail.py")
-    import labkit
-
-    needed = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-              os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))}
-    needed |= {p for p in sys.path if p and os.path.isdir(p)}
-    return ["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-S", "-I", jail,
-            str(lease.uid), str(lease.gid), *sorted(needed), _as_non_root.tmp, "--", *argv], {}
-
-
-_as_non_root.leases = []
-
-
 @pytest.mark.skipif(not ROOT, reason="runs the grader as another uid (as root, for the test only); a non-root "
                                      "session cannot switch users")
 def test_as_non_root_hostile_submission_gets_its_honest_score_and_leaves_nothing(tmp_path):
@@ -369,12 +353,11 @@ def test_as_non_root_hostile_submission_gets_its_honest_score_and_leaves_nothing
     # same hostile submission as as root: files in the temporary folders and a System V segment, a peek
     # at the grader's files, a 30-byte bomb, a state-Z escaper that kills every process it may signal
     # once its kernel is gone; then an honest submission, which must be unharmed
-    os.chmod(tmp_path, 0o777)
-    _as_non_root.tmp = str(tmp_path)
+    user = NonRoot(tmp_path)
     try:
         proc, obj, took, maxrss = _grade(tmp_path, {"hostile": HOSTILE, "honest": HONEST}, "--cell-timeout", "20",
-                                         wrap=_as_non_root)
-        uid = _as_non_root.leases[-1].uid
+                                         wrap=user.wrap)
+        uid = user.uid
         assert "isolation is partial" in proc.stdout
         assert ": 2 / 3" in _scores(obj, "hostile.ipynb"), proc.stdout
         assert _scores(obj, "honest.ipynb").endswith(": 3 / 3"), proc.stdout
@@ -396,8 +379,4 @@ def test_as_non_root_hostile_submission_gets_its_honest_score_and_leaves_nothing
         else:  # no user namespaces here: the note says what is left open
             assert "no user namespace" in proc.stdout, proc.stdout
     finally:
-        for lease in _as_non_root.leases:
-            kill_uid(lease.uid, 5)
-            remove_files_of(lease.uid, [str(tmp_path), "/tmp", "/var/tmp", "/dev/shm"])
-            lease.release()
-        _as_non_root.leases.clear()
+        user.close()

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from asuser import ROOT, NonRoot
 from nbfiles import write_notebook
 
 from labkit.grading.runner import evaluate
@@ -103,23 +104,62 @@ ROBUST = [
 ]
 
 
+# every end-to-end grading here runs twice: as root (a uid and a private /tmp per kernel, the grader's files
+# covered) and as a non-root grader (a fresh uid, as an instructor without root runs it): the verdicts must
+# not depend on the isolation the grader could get
+USERS = ["root", pytest.param("non-root", marks=pytest.mark.skipif(
+    not ROOT, reason="runs the grader as another uid (as root, for the test only); a non-root session cannot "
+                     "switch users"))]
+
+
+@pytest.fixture(scope="module", params=USERS)
+def user(request, tmp_path_factory):
+    """None (the grader runs as this test's user) or a ``NonRoot`` wrapper around a fresh uid."""
+    if request.param == "root":
+        yield None
+        return
+    wrapper = NonRoot(tmp_path_factory.mktemp("nonroot"))
+    try:
+        yield wrapper
+    finally:
+        wrapper.close()
+
+
+def _run(user, argv, **kw):
+    """``subprocess.run(argv)`` as this test's user or as the ``NonRoot`` one."""
+    if user is not None:
+        argv, extra = user.wrap(argv)
+        kw.update(extra)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, **kw)
+
+
+def _folder(user, tmp_path_factory, name):
+    """A fresh folder for one grading: under the folder the non-root grader may reach and write, if any."""
+    if user is None:
+        return tmp_path_factory.mktemp(name)
+    tmp = Path(user.tmp) / name
+    tmp.mkdir()
+    os.chmod(tmp, 0o777)
+    return tmp
+
+
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hostile")
+def graded(user, tmp_path_factory):
+    tmp = _folder(user, tmp_path_factory, "hostile")
     (tmp / "cases").mkdir()
     (tmp / "cases" / "hostile.py").write_text(CASES)
     sub = tmp / "submission"
     sub.mkdir()
     write_notebook(sub / "attacks.ipynb", STUBS + ATTACKS)
     write_notebook(sub / "robust.ipynb", ROBUST)
-    (tmp / "out").mkdir()
+    (tmp / "out").mkdir(mode=0o777)
+    os.chmod(tmp / "out", 0o777)
     results = tmp / "out" / "results.json"
     env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"), LABKIT_TEST_MARK=MARK)
-    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", str(sub / "attacks.ipynb"),
-                           str(sub / "robust.ipynb"), "--results", str(results), "--cell-timeout", "4"],
-                          capture_output=True, text=True, env=env, cwd=tmp, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return tmp, proc, json.loads(results.read_text())
+    proc = _run(user, [sys.executable, "-m", "labkit", "grade", str(sub / "attacks.ipynb"), str(sub / "robust.ipynb"),
+                       "--results", str(results), "--cell-timeout", "4"], env=env, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return tmp, proc, json.loads(results.read_text()), user
 
 
 MARK = uuid.uuid4().hex  # in the grader's environment, so in every process its kernels start
@@ -155,7 +195,7 @@ def _tests(obj, notebook_tests):
 
 
 def test_attacks_score_zero_and_only_the_notebooks_exercises_count(graded):
-    tmp, proc, obj = graded
+    tmp, proc, obj, _ = graded
     names = [t["name"] for t in obj["tests"]]
     # two notebooks x (H.1: 1 + 2 cases, H.2: 1 + 1, H.3: 1 + 1); no test of notebook 01 or 12
     assert len(names) == 14 and all(n.startswith("Exercise H.") for n in names), names
@@ -170,14 +210,14 @@ def test_attacks_score_zero_and_only_the_notebooks_exercises_count(graded):
 
 
 def test_the_kernel_never_sees_hidden_cases(graded):
-    tmp, proc, obj = graded
+    tmp, proc, obj, _ = graded
     # the attack cell raised what it found; its error is in the grader's output
     assert 'raised RuntimeError: OBSERVED {"env": null, "modules": [], "cases": []}' in proc.stdout
     assert str(SECRET) not in proc.stdout + json.dumps(obj)
 
 
 def test_broken_cells_cost_only_what_depends_on_them(graded):
-    tmp, proc, obj = graded
+    tmp, proc, obj, _ = graded
     robust = {t["name"]: t for t in obj["tests"][7:]}
     assert robust["Exercise H.1 (triple)"]["score"] == 1
     assert robust["Exercise H.1 (triple) - hidden case: secret"]["status"] == "passed"
@@ -192,12 +232,14 @@ def test_broken_cells_cost_only_what_depends_on_them(graded):
 
 
 def test_grader_says_how_the_kernel_is_isolated(graded):
-    tmp, proc, obj = graded
+    tmp, proc, obj, user = graded
     # the note is instructor detail: in the grader's stdout, kept from students (stdout_visibility)
     assert "isolation" in proc.stdout and "isolation" not in obj["output"]
     assert obj["stdout_visibility"] == "hidden" and str(tmp) not in obj["output"]
-    if os.geteuid() != 0:
+    if user is not None or not ROOT:
         assert "isolation is partial" in proc.stdout
+    else:
+        assert "each kernel runs as a uid of its own" in proc.stdout
 
 
 def test_labkit_reference_as_the_answer_is_refused():
@@ -308,17 +350,19 @@ CLAIMS = {
 
 
 @pytest.fixture(scope="module")
-def claims(tmp_path_factory):
-    return _grade_batch(tmp_path_factory.mktemp("claims"), CLAIMS, "00_distributed_primer", "--no-source-policy")
+def claims(user, tmp_path_factory):
+    return _grade_batch(user, _folder(user, tmp_path_factory, "claims"), CLAIMS, "00_distributed_primer",
+                        "--no-source-policy")
 
 
-def _grade_batch(tmp, notebooks: dict, assignment: str, *extra: str):
-    """Grade ``notebooks`` ({name: cells}) in one batch pinned to ``assignment``: ({name: results}, proc)."""
+def _grade_batch(user, tmp, notebooks: dict, assignment: str, *extra: str):
+    """Grade ``notebooks`` ({name: cells}) in one batch pinned to ``assignment``, as ``user`` (None: this
+    test's): ({name: results}, proc)."""
     for name, cells in notebooks.items():
         write_notebook(tmp / f"{name}.ipynb", cells, notebook=assignment)
-    proc = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in notebooks),
-                           "--assignment", assignment, "--results-dir", str(tmp / "out"), "--cell-timeout", "30",
-                           *extra], capture_output=True, text=True, cwd=tmp, timeout=300)
+    proc = _run(user, [sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in notebooks),
+                       "--assignment", assignment, "--results-dir", str(tmp / "out"), "--cell-timeout", "30",
+                       *extra], cwd=tmp)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in notebooks}, proc
 
@@ -372,8 +416,8 @@ SPLIT_WHAT = {"cleared": "`.backward`", "reference": "import of `ref13`", "patch
 
 
 @pytest.fixture(scope="module")
-def split_attacks(tmp_path_factory):
-    return _grade_batch(tmp_path_factory.mktemp("split"), SPLIT, "13_zero_bubble")
+def split_attacks(user, tmp_path_factory):
+    return _grade_batch(user, _folder(user, tmp_path_factory, "split"), SPLIT, "13_zero_bubble")
 
 
 @pytest.mark.parametrize("name", list(SPLIT))
