@@ -30,9 +30,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["AXES", "Mesh", "ProcessGrid", "make_grid"]
+__all__ = ["AXES", "Mesh", "ProcessGrid", "even_part", "make_grid"]
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first; Megatron-Core's order read from the outside
+
+
+def even_part(n: int, size: int, index: int) -> slice:
+    """The ``index``-th of ``size`` equal consecutive parts of ``n`` items:
+    ``slice(index n/size, (index+1) n/size)``. What a rank holds of anything split evenly over an
+    axis: the rows of a TP-split weight, a vocabulary shard, a DP rank's micro-batch rows, the
+    experts ``expert_offset .. expert_offset + E/ep - 1`` of an EP rank (Megatron-Core's
+    ``local_expert_indices``). Raises ValueError when ``size`` does not divide ``n`` or ``index``
+    is outside ``0 .. size-1``."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or n % size:
+        raise ValueError(f"{n} items cannot be split evenly into {size!r} parts")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
+        raise ValueError(f"part {index!r} is outside 0..{size - 1}")
+    return slice(index * (n // size), (index + 1) * (n // size))
 
 
 class Mesh:
@@ -88,8 +102,7 @@ class Mesh:
         size = self.sizes[axis]
         if n % size:
             raise ValueError(f"{n} rows along dim {dim} cannot be split evenly over {axis}={size} ranks")
-        c = self.coords(rank)[axis]
-        return slice(c * (n // size), (c + 1) * (n // size))
+        return even_part(n, size, self.coords(rank)[axis])
 
     def shard(self, t: torch.Tensor, axis: str, rank: int, dim: int = 0) -> torch.Tensor:
         """The part of ``t`` along ``dim`` that ``rank`` holds (:meth:`part`; a view)."""

@@ -108,3 +108,16 @@ def test_shard_is_the_rank_s_part_along_one_axis():
         mesh.shard(x[:5], "dp", 0)
     with pytest.raises(ValueError, match="unknown axis 'ep'"):
         mesh.shard(x, "ep", 0)
+
+
+def test_even_part_is_the_one_split_of_n_items_over_an_axis():
+    from labkit.grid import even_part
+
+    # 12 experts over ep = 3: ranks hold 0-3, 4-7, 8-11 (Megatron-Core's local_expert_indices)
+    assert [even_part(12, 3, i) for i in range(3)] == [slice(0, 4), slice(4, 8), slice(8, 12)]
+    g = ProcessGrid(tp=2, pp=1, dp=3)
+    assert [g.part(12, "dp", r) for r in range(6)] == [even_part(12, 3, r // 2) for r in range(6)]
+    for args, msg in [((10, 3, 0), "cannot be split evenly into 3 parts"), ((12, 3, 3), "part 3 is outside 0..2"),
+                      ((12, 0, 0), "into 0 parts"), ((12, 3, -1), "outside 0..2")]:
+        with pytest.raises(ValueError, match=msg):
+            even_part(*args)

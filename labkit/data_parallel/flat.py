@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from ..grid import even_part
+
 __all__ = ["padded_numel", "flatten", "shard_flat", "unshard_flat", "unflatten", "bucket_groups", "NoSyncMixin"]
 
 
@@ -44,7 +46,7 @@ def shard_flat(flat: torch.Tensor, d: int, rank: int) -> torch.Tensor:
         raise ValueError(f"shard_flat needs 0 <= rank < d, got rank={rank}, d={d}")
     size = padded_numel(flat.numel(), d) // d
     out = torch.zeros(size, dtype=flat.dtype, device=flat.device)
-    piece = flat.reshape(-1)[rank * size:(rank + 1) * size]
+    piece = flat.reshape(-1)[even_part(size * d, d, rank)]
     out[:piece.numel()].copy_(piece)
     return out
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .flat import NoSyncMixin, flatten, padded_numel, unflatten
+from .flat import NoSyncMixin, flatten, padded_numel, shard_flat, unflatten
 
 __all__ = ["FullyShardedDataParallel", "fully_shard", "default_units", "expected_fsdp"]
 
@@ -129,8 +129,7 @@ class _Unit:
         self.partial = [(o, p.numel()) for o, (_, p) in zip(starts, named) if is_partial and is_partial(p)]
         self.padded = padded_numel(self.numel, d)
         flat = flatten([p.detach() for _, p in named], d)
-        size = self.padded // d
-        self.shard = nn.Parameter(flat[rank * size:(rank + 1) * size].clone())
+        self.shard = nn.Parameter(shard_flat(flat, d, rank))
         self.slots = []
         for n, _ in named:
             owner, _, attr = n.rpartition(".")

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
+from ..grid import even_part
 
 __all__ = ["ZeroRedundancyOptimizer", "optimizer_state_bytes"]
 
@@ -80,13 +81,13 @@ class ZeroRedundancyOptimizer:
         self.rank = dist.get_rank(process_group)
         self.numel = n = sum(p.numel() for p in self.params)
         self.padded = -(-n // d) * d
-        shard = self.padded // d
-        self.partition = (self.rank * shard, min(n, (self.rank + 1) * shard))
+        mine = even_part(self.padded, d, self.rank)
+        self.partition = (mine.start, min(n, mine.stop))
         p0 = self.params[0]
         flat = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
         self._flatten_into(flat, [p.detach() for p in self.params])
         # this rank's partition of the parameters: the only tensor the inner optimizer sees
-        self.shard = nn.Parameter(flat[self.rank * shard:(self.rank + 1) * shard].clone())
+        self.shard = nn.Parameter(flat[mine].clone())
         self.optim = optimizer_class([self.shard], **defaults)
         self.grad_shard = None
         self._flat_grad = torch.zeros_like(flat)

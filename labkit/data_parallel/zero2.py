@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .flat import NoSyncMixin, bucket_groups, flatten, padded_numel
+from .flat import NoSyncMixin, bucket_groups, flatten, padded_numel, shard_flat
 
 __all__ = ["ZeroStage2", "expected_zero2"]
 
@@ -48,8 +48,7 @@ class _Bucket:
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.padded = padded_numel(self.numel, d)
-        size = self.padded // d
-        self.shard = nn.Parameter(flatten([p.detach() for p in params], d)[rank * size:(rank + 1) * size].clone())
+        self.shard = nn.Parameter(shard_flat(flatten([p.detach() for p in params], d), d, rank))
         self.ready, self.work, self.out, self.buffer = 0, None, None, None
         self.deferred = False
 

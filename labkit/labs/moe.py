@@ -31,6 +31,7 @@ import torch
 
 from ..comm import CommLog
 from ..dist import in_torchrun
+from ..grid import even_part
 from ..moe.expert_parallel import all_reduce_loads, sync_replicated_grads, to_expert_parallel
 from ..moe.model import MoEGPT, total_aux_loss
 from . import out_folder
@@ -43,6 +44,7 @@ from .moe_common import (
     configs,
     global_name,
     ignored_without_eplb,
+    model_expert_offset,
     resolve,
     train_single,
 )
@@ -87,21 +89,21 @@ def _ep_worker(ctx, a, corpus) -> RankResult:
         return lm + total_aux_loss(stats).to(device), "; ".join(dict.fromkeys(problems)) or None
     ref_cfg, ref_moe = configs(a, a.compare_mode, P)
     check = lockstep(ctx, a, lambda: MoEGPT(ref_cfg, ref_moe, a.moe_every, seed=a.seed), ref_loss)
-    rows, n_local = a.batch // P, a.experts // P
+    rows, offset = even_part(a.batch, P, rank), model_expert_offset(model)
     hist = History()
     # disable=None: no bar when stderr is not a terminal (logs); else one bar (rank 0) cleared when done
     bar = tqdm(range(a.steps), desc=f"EP={P} {a.compare_mode}", disable=None if rank == 0 else True,
                leave=False, file=sys.stderr)
     for step in bar:
         x, y = corpus.get_batch("train", a.batch, a.seq, step, a.seed)
-        x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
+        x, y = x[rows].to(device), y[rows].to(device)
         with CommLog() as fwd_log:
             lm, stats = model(x, y)
         aux = total_aux_loss(stats).to(device)
         with CommLog() as bwd_log:
             ((lm + aux) / P).backward()
         sync_replicated_grads(model, ctx.group)
-        check.step(step, module_pieces(model, lambda n: global_name(n, rank, n_local)), (lm + aux).item(),
+        check.step(step, module_pieces(model, lambda n: global_name(n, offset)), (lm + aux).item(),
                    extra=[(s.router.indices.cpu(), s.router.keep.cpu()) for s in stats])
         loads = all_reduce_loads(torch.stack([s.tokens_per_expert for s in stats]), ctx.group)  # [L_moe, E]
         for layer, load in zip(model.moe_layers(), loads):

@@ -210,10 +210,19 @@ def train_single(model, a, steps: int, corpus, start: int = 0):
     return train_reference(model, steps, step_loss, a.lr, optimizer="adamw", after_backward=update_bias), hist
 
 
-def global_name(name: str, rank: int, n_local: int) -> str:
-    """An EP rank's parameter name in the single-device model: local expert i -> rank*E/P + i."""
+def model_expert_offset(model) -> int:
+    """The global id of this EP rank's first local expert (every MoE layer of the model holds the
+    same ones: its ``expert_offset``)."""
+    offsets = {m.expert_offset for m in model.modules() if hasattr(m, "expert_offset")}
+    if len(offsets) != 1:
+        raise ValueError(f"the model's MoE layers hold experts from different offsets {sorted(offsets)}")
+    return offsets.pop()
+
+
+def global_name(name: str, expert_offset: int) -> str:
+    """An EP rank's parameter name in the single-device model: local expert i -> expert_offset + i."""
     if ".experts." not in name:
         return name
     head, tail = name.split(".experts.")
     i, rest = tail.split(".", 1)
-    return f"{head}.experts.{rank * n_local + int(i)}.{rest}"
+    return f"{head}.experts.{expert_offset + int(i)}.{rest}"

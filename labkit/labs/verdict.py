@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..grid import even_part
+
 __all__ = ["RTOL", "ATOL", "Piece", "module_pieces", "sharded_pieces", "Lockstep", "LockstepResult",
            "StepRecord", "report", "verdict_exit", "RULE", "add_tolerance_option", "check_tolerance"]
 
@@ -109,7 +111,7 @@ def sharded_pieces(module: nn.Module, rank: int, size: int, rename: Callable[[st
     for piece, (_, p) in zip(module_pieces(module, rename, buffers=False), module.named_parameters()):
         if getattr(p, "tensor_model_parallel", False) and size > 1:
             d, n = p.partition_dim, p.shape[p.partition_dim]
-            piece.index = (slice(None),) * d + (slice(rank * n, (rank + 1) * n),)
+            piece.index = (slice(None),) * d + (even_part(n * size, size, rank),)
         out.append(piece)
     if buffers:
         out += [Piece(rename(n), b.detach()) for n, b in module.named_buffers()]

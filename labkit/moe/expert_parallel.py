@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
+from ..grid import even_part
 from .dispatch import permute, run_experts, unpermute
 from .experts import Expert, MoEConfig, MoELayer
 from .router import TopKRouter
@@ -165,7 +166,7 @@ class ExpertParallelMoE(MoELayer):
                              f"{cfg.token_groups} (use token_groups=P only in the single-device reference)")
         self.cfg, self.ep_group, self.ep_rank, self.ep_size = cfg, ep_group, ep_rank, ep_size
         self.n_local_experts = E // ep_size
-        self.expert_offset = ep_rank * self.n_local_experts
+        self.expert_offset = even_part(E, ep_size, int(ep_rank)).start
         self._build_modules(cfg)
 
     def _build_modules(self, cfg: MoEConfig):

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..grid import even_part
 from .experts import Expert
 
 __all__ = ["SlicedExpert"]
@@ -32,7 +33,7 @@ class SlicedExpert(nn.Module):
         if n_slices < 1 or F_ % n_slices:
             raise ValueError(f"expert width {F_} is not divisible by the expert-slicing degree s={n_slices}")
         self.activation, self.first = expert.activation, slice_rank == 0
-        cols = slice(slice_rank * F_ // n_slices, (slice_rank + 1) * F_ // n_slices)
+        cols = even_part(F_, n_slices, slice_rank)
 
         def rows_of(lin):
             new = nn.Linear(lin.in_features, F_ // n_slices, bias=lin.bias is not None)

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..grid import even_part
 from .dispatch import permute, run_experts, unpermute
 from .expert_parallel import ExpertParallelMoE, all_to_all
 from .experts import MoEConfig, MoELayer
@@ -109,7 +110,7 @@ class ReplicatedExpertParallelMoE(ExpertParallelMoE):
         self.cfg, self.ep_group, self.ep_rank, self.ep_size = cfg, ep_group, ep_rank, ep_size
         self.n_physical = R
         self.n_local_experts = R // ep_size
-        self.expert_offset = ep_rank * self.n_local_experts
+        self.expert_offset = even_part(R, ep_size, int(ep_rank)).start
         log2phy = torch.full((E, int(logcnt.max())), -1, dtype=torch.int64)
         seen = [0] * E
         for p, e in enumerate(phy2log.tolist()):

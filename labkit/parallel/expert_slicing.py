@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..grid import Mesh
+from ..grid import Mesh, even_part
 from ..moe.expert_parallel import all_to_all, exchange_splits
 from ..moe.experts import MoELayer
 from ..moe.inference import SlicedExpert
@@ -123,7 +123,7 @@ class ExpertSlicedMoE(nn.Module):
             raise ValueError("expert-sliced inference routes every token: use capacity_factor=None, token_groups=1")
         self.cfg, self.g = cfg, groups
         self.n_local = E // n_ep
-        self.expert_offset = groups.ep_rank * self.n_local
+        self.expert_offset = even_part(E, n_ep, groups.ep_rank).start
         self.router = copy.deepcopy(layer.router)
         self.experts = nn.ModuleList([SlicedExpert(layer.experts[self.expert_offset + i], groups.slice_rank, groups.s)
                                       for i in range(self.n_local)])

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..grid import even_part
 from .mappings import (
     SEQUENCE_DIM,
     all_gather_along_dim,
@@ -372,8 +373,8 @@ class VocabParallelEmbedding(nn.Module):
         self.t, self.rank = tp_size(group), tp_rank(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.per_rank = divide(num_embeddings, self.t, "VocabParallelEmbedding vocabulary size num_embeddings")
-        self.vocab_start = self.rank * self.per_rank
-        self.vocab_end = self.vocab_start + self.per_rank
+        mine = even_part(num_embeddings, self.t, self.rank)
+        self.vocab_start, self.vocab_end = mine.start, mine.stop
         self.weight = _mark(nn.Parameter(torch.empty(self.per_rank, embedding_dim)), 0)
         nn.init.normal_(self.weight)
 
