@@ -461,7 +461,7 @@ def _mib(b):
 # schedule -> (the planner's schedule with the same stages per rank and messages, placement, whether the
 # planner's in-flight counts model its activations). The zero-bubble ones keep microbatches until their W:
 # their activations are counted along their actions (plan.memory.schedule_activation_peak; ZB-V and
-# DualPipeV on the V, two stages per rank), except with CP or full recompute (not modelled there).
+# DualPipeV on the V, two stages per rank; with CP too). Full recompute is not run with them (check_layout).
 _PLANNER_SCHEDULE = {"gpipe": ("gpipe", "loop", True), "1f1b": ("1f1b", "loop", True),
                      "interleaved": ("interleaved", "loop", True), "zb-h1": ("1f1b", "loop", False),
                      "zbv": ("interleaved", "v", False), "dualpipev": ("interleaved", "v", False)}
@@ -472,7 +472,7 @@ _BUCKETED = ("all_reduce", "reduce_scatter", "all_gather")   # DDP / ZeRO-2: one
 
 def _planner(a):
     """The planner's prediction for this run: ``(memory per pipeline rank, {pp_rank: {axis: {kind:
-    (count, bytes)}}}, what is compared: "all" | "no activations" | "moe", moe_peak)``, or None when
+    (count, bytes)}}}, what is compared: "all" | "moe", moe_peak)``, or None when
     the planner cannot take the layout. MoE: expert TP 1 (``Layout.etp``: labkit's MoE blocks hold
     whole experts on every TP rank, Megatron-Core's ``expert_tensor_parallel_size=1``); "moe" compares
     the bytes that follow the routing as :func:`_planner_table` says; ``moe_peak(pp_rank, rows)``: the
@@ -485,7 +485,7 @@ def _planner(a):
     if a.schedule not in _PLANNER_SCHEDULE:
         return None
     schedule, placement, act_modeled = _PLANNER_SCHEDULE[a.schedule]
-    compared = "moe" if a.moe else ("all" if act_modeled else "no activations")
+    compared = "moe" if a.moe else "all"
     spec = planner_spec(_config(a), a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     try:
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
@@ -496,12 +496,11 @@ def _planner(a):
         mem_lay = Layout(**{**lay.__dict__, "d": a.dp // a.hsdp})
         mem = memory_per_rank(spec, mem_lay, device="cpu")
         # the zero-bubble schedules: counted along their actions (ZB-H1, and ZB-V / DualPipeV on the V)
-        if not act_modeled and a.cp == 1 and a.recompute != "full":
+        if not act_modeled:
             actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
             mem = [dataclasses.replace(m, activations=schedule_activation_peak(spec, mem_lay, actions[m.pp_rank],
                                                                                m.pp_rank, device="cpu"))
                    for m in mem]
-            compared = "moe" if a.moe else "all"
         comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
                 for r in range(a.pp)}
         for r in range(a.pp) if a.hsdp > 1 else ():
@@ -627,9 +626,6 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                     + ", ".join(f"rank {r.rank} {r.memory.get('gathered', 0)} ({mem[r.pp_rank].gathered})"
                                 for r in sorted(out.ranks, key=lambda r: r.rank))
                     + "; the gathered weights saved for backward are not counted as activations")
-    if compared == "no activations":
-        rows.append(f"(activations: the planner counts {a.schedule}'s W-deferred microbatches along its actions "
-                    f"without CP and full recompute only; not compared)")
     return rows, bad
 
 

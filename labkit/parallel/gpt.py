@@ -118,16 +118,19 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
     0-3 (True: 1); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d. Refused compositions
-    of sharded DP (issue 19): ZeRO-3 with a zero-bubble schedule (FSDP reshards a unit after its
-    first W while the other microbatches' W still read its weights); ZeRO-1 with MoE (its flat
+    of sharded DP (issue 19): full recompute with a zero-bubble schedule (labkit's reentrant
+    checkpoint differentiates a whole block inside I, weight gradients included: nothing is left for
+    W, and a data-parallel wrapper would reduce them out of order); ZeRO-3 with a zero-bubble
+    schedule (FSDP reshards a unit after its first W while the other microbatches' W still read its
+    weights); ZeRO-1 with MoE (its flat
     reduce-scatter would sum the experts over DP); ZeRO-3 with tied embeddings at p = 1 (one
     matrix in two FSDP units). ZeRO-2/3 do run with sequence parallelism (the LayerNorm
     gradients summed over TP inside their hooks, before the reduce-scatter), full recompute
     (ZeRO-2's sync stays open across the recompute's nested backwards) and tied embeddings at
     p > 1 (the copy's bucket/unit reduce-scattered after the embedding-group all-reduce of its full
     gradient) and MoE (the local experts whole, outside the buckets/units, scaled by 1/d); ZeRO-2
-    also with tied embeddings at p = 1 and the zero-bubble schedules (the sync open until the
-    last W's buckets start).
+    also with tied embeddings at p = 1 and the zero-bubble schedules without full recompute (the
+    sync open until the last W's buckets start).
     """
     zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
@@ -155,6 +158,11 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
         raise ValueError(f"ZeRO-3 with {info.label}: FSDP reshards a unit after its first weight-gradient pass (W), "
                          f"but the other microbatches' W still read its gathered weights; use ZeRO 0-2 with it, "
                          f"or another schedule")
+    if recompute == "full" and info.zero_bubble:
+        raise ValueError(f"full recompute with {info.label}: labkit's checkpoint recomputes and differentiates a "
+                         f"whole block inside the input-gradient pass (I), so the block's weight gradients cannot "
+                         f"wait for W (and a data-parallel sync would see them out of order); use --recompute "
+                         f"selective or none with it, or a schedule without split backward")
     if zero == 1 and n_experts is not None:
         raise ValueError("ZeRO-1 with MoE: its flat reduce-scatter would sum the experts (EP folded onto DP, each "
                          "rank's differ) over the DP group; use ZeRO 0, 2 or 3 with it")

@@ -76,6 +76,11 @@ def test_lab_3d_zero_flag_spellings():
     (["--dp", "2", "--zero", "3", "--hsdp", "2"], "HSDP with R = d = 2 replicas leaves one rank per shard group"),
     (["--dp", "4", "--hsdp", "2"], "HSDP (R=2 replicas) shards the parameters: it needs ZeRO-3, got ZeRO-0"),
     (["--zero", "3", "--schedule", "zb-h1"], "ZeRO-3 with ZB-H1"),
+    # a reentrant checkpoint differentiates the whole block inside I (it crashed DDP, and gave ZeRO-2 wrong
+    # gradients with DualPipeV)
+    (["--recompute", "full", "--schedule", "zb-h1"], "full recompute with ZB-H1: labkit's checkpoint"),
+    (["--recompute", "full", "--schedule", "dualpipev", "--microbatches", "4", "--layers", "4"],
+     "full recompute with DualPipeV"),
     (["--zero", "3", "--tied", "--pp", "1"], "ZeRO-3 with tied embeddings and p=1"),
     (["--zero", "1", "--moe"], "--moe runs with DDP, --zero 2 or 3, without --sp and --recompute"),
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
@@ -184,6 +189,33 @@ def test_lab_3d_v_schedules_activations_equal_the_planner(extra, tmp_path, capsy
     monkeypatch.setitem(threed._PLANNER_SCHEDULE, a.schedule, ("interleaved", "v", True))
     bad = threed._planner_table(a, out)[1]
     assert bad and all("activations" in b for b in bad) and any(b.startswith("rank 2 ") for b in bad), bad
+
+
+# the zero-bubble schedules with context parallelism (t, cp, p, d) = (1, 2, 2, 1): the activations counted
+# along the actions with each CP rank's S/cp tokens and its attention core, within 2 % on every rank
+CPGRID = ["--tp", "1", "--pp", "2", "--dp", "1", "--cp", "2", "--no-plots", "--steps", "2", "--batch", "4",
+          "--seq", "16", "--layers", "4", "--embd", "16", "--heads", "2", "--microbatches", "4"]
+
+
+@pytest.mark.parametrize("extra", [["--schedule", "zb-h1", "--cp-attention", "allgather"],
+                                   ["--schedule", "zbv", "--cp-attention", "ring"]], ids=lambda e: " ".join(e))
+def test_lab_3d_zero_bubble_with_cp_activations_equal_the_planner(extra, tmp_path, capsys, monkeypatch):
+    rc = main(["lab", "3d", *CPGRID, *extra, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert f"OK   t1 cp2 {extra[3]} p2 d1 {extra[1]}" in cap.out and "not compared" not in cap.out, cap.out
+    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    assert len(rows) == 4
+    for row in rows:
+        assert row[8] != "n/a" and abs(float(row[9].rstrip("%"))) <= 2.0, row
+    from labkit.labs import threed
+    from labkit.plan import memory as plan_memory
+    a, out = threed.parse_args([*CPGRID, *extra]), threed.LAB.result
+    assert threed._planner_table(a, out)[1] == []
+    # injected bug: the actions counted with the whole sequence on each CP rank (CP ignored)
+    monkeypatch.setattr(plan_memory, "cp_local", lambda spec, lay: spec)
+    bad = threed._planner_table(a, out)[1]
+    assert bad and any("activations" in b for b in bad), bad
 
 
 def test_lab_3d_sp_bugs_are_caught(tmp_path, capsys, monkeypatch):
