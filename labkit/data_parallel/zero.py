@@ -60,6 +60,11 @@ class ZeroRedundancyOptimizer:
             they should start equal on all ranks (see :func:`~.ddp.broadcast_parameters`).
         optimizer_class: an elementwise ``torch.optim.Optimizer`` class.
         process_group: the DP group; None: the default group.
+        expert_params: parameters among ``params`` that differ across the DP ranks (the local
+            experts of an MoE layer with EP folded onto DP, EP = d: their expert-data-parallel
+            group is this rank alone, Megatron-Core's ``expert_data_parallel_size`` = 1). They stay
+            out of the flat buffer: their gradients are divided by d (the DP mean of the loss, no
+            communication) and a second ``optimizer_class`` keeps their whole state.
         **defaults: passed to ``optimizer_class`` (``lr``, ``betas``, ``momentum``, ...).
 
     Gradients are the *local* ones (no DDP all-reduce before): :meth:`step` reduce-scatters
@@ -70,8 +75,14 @@ class ZeroRedundancyOptimizer:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer_class=torch.optim.Adam, process_group=None,
-                 **defaults):
-        self.params = [p for p in params if p.requires_grad]
+                 expert_params: Iterable[nn.Parameter] = (), **defaults):
+        params = [p for p in params if p.requires_grad]
+        experts = {id(p) for p in expert_params}
+        if experts - {id(p) for p in params}:
+            raise ValueError("expert_params must be among the optimizer's parameters that require grad")
+        self.params = [p for p in params if id(p) not in experts]
+        self.expert_params = [p for p in params if id(p) in experts]
+        self.expert_optim = optimizer_class(self.expert_params, **defaults) if self.expert_params else None
         if not self.params:
             raise ValueError("ZeroRedundancyOptimizer got no parameters that require grad")
         if len({(p.dtype, p.device) for p in self.params}) > 1:
@@ -95,7 +106,7 @@ class ZeroRedundancyOptimizer:
 
     @property
     def param_groups(self):
-        return self.optim.param_groups
+        return self.optim.param_groups + (self.expert_optim.param_groups if self.expert_optim else [])
 
     @property
     def state(self):
@@ -113,7 +124,7 @@ class ZeroRedundancyOptimizer:
         buf[offset:].zero_()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
+        for p in self.params + self.expert_params:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
@@ -122,7 +133,11 @@ class ZeroRedundancyOptimizer:
     @torch.no_grad()
     def reduce_gradients(self) -> torch.Tensor:
         """Step 1 alone: reduce-scatter the local gradients; returns (and keeps as
-        :attr:`grad_shard`) this rank's averaged partition [ceil(n/d)]."""
+        :attr:`grad_shard`) this rank's averaged partition [ceil(n/d)]. The local experts' ``.grad``
+        are divided by d in place (their whole reduction)."""
+        for p in self.expert_params:
+            if p.grad is not None:
+                p.grad.div_(self.d)
         shard = self.shard.numel()
         self._flatten_into(self._flat_grad, [p.grad for p in self.params])
         g = torch.empty(shard, dtype=self._flat_grad.dtype, device=self._flat_grad.device)
@@ -154,6 +169,8 @@ class ZeroRedundancyOptimizer:
             self.reduce_gradients()
         self.shard.grad = self.grad_shard
         self.optim.step()
+        if self.expert_optim is not None:
+            self.expert_optim.step()
         self.grad_shard = None
         comm.all_gather_into_tensor(self._flat_param, self.shard.detach(), self.process_group)
         offset = 0
@@ -164,8 +181,13 @@ class ZeroRedundancyOptimizer:
 
     def state_bytes(self, per_element_only: bool = True) -> int:
         """Optimizer-state bytes held on this rank: ceil(n/d) elements per state tensor, 1/d of
-        the unsharded optimizer's (see :func:`optimizer_state_bytes`)."""
-        return optimizer_state_bytes(self.optim, per_element_only)
+        the unsharded optimizer's (see :func:`optimizer_state_bytes`), plus the whole state of the
+        local experts."""
+        return optimizer_state_bytes(self.optim, per_element_only) + (
+            optimizer_state_bytes(self.expert_optim, per_element_only) if self.expert_optim else 0)
 
     def state_dict(self):
-        return self.optim.state_dict()
+        """The shard optimizer's state dict (with local experts: ``{"shard": ..., "experts": ...}``)."""
+        if self.expert_optim is None:
+            return self.optim.state_dict()
+        return {"shard": self.optim.state_dict(), "experts": self.expert_optim.state_dict()}

@@ -122,13 +122,14 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     checkpoint differentiates a whole block inside I, weight gradients included: nothing is left for
     W, and a data-parallel wrapper would reduce them out of order); ZeRO-3 with a zero-bubble
     schedule (FSDP reshards a unit after its first W while the other microbatches' W still read its
-    weights); ZeRO-1 with MoE (its flat
-    reduce-scatter would sum the experts over DP); ZeRO-3 with tied embeddings at p = 1 (one
-    matrix in two FSDP units). ZeRO-2/3 do run with sequence parallelism (the LayerNorm
+    weights); ZeRO-3 with tied embeddings at p = 1 (one matrix in two FSDP units). ZeRO-1, 2 and 3
+    run with MoE (the local experts whole, outside the flat buffer, buckets or units, their
+    gradients scaled by 1/d: with EP = d their expert-DP group is one rank). ZeRO-2/3 do run with
+    sequence parallelism (the LayerNorm
     gradients summed over TP inside their hooks, before the reduce-scatter), full recompute
     (ZeRO-2's sync stays open across the recompute's nested backwards) and tied embeddings at
     p > 1 (the copy's bucket/unit reduce-scattered after the embedding-group all-reduce of its full
-    gradient) and MoE (the local experts whole, outside the buckets/units, scaled by 1/d); ZeRO-2
+    gradient); ZeRO-2
     also with tied embeddings at p = 1 and the zero-bubble schedules without full recompute (the
     sync open until the last W's buckets start).
     """
@@ -163,9 +164,6 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
                          f"whole block inside the input-gradient pass (I), so the block's weight gradients cannot "
                          f"wait for W (and a data-parallel sync would see them out of order); use --recompute "
                          f"selective or none with it, or a schedule without split backward")
-    if zero == 1 and n_experts is not None:
-        raise ValueError("ZeRO-1 with MoE: its flat reduce-scatter would sum the experts (EP folded onto DP, each "
-                         "rank's differ) over the DP group; use ZeRO 0, 2 or 3 with it")
     if zero == 3 and pp == 1 and getattr(cfg, "share_embeddings_and_output_weights", False):
         raise ValueError("ZeRO-3 with tied embeddings and p=1: the one matrix would be in two FSDP units (the "
                          "embedding and the head); use p > 1 (a copy on each end stage), or ZeRO 0-2")
@@ -307,8 +305,8 @@ class ParallelGPT:
             DP, Megatron-Core's "parallel folding"; E divisible by d), each stage attaches its balance
             losses (:mod:`labkit.parallel.moe_pipeline`), DDP leaves the experts unreduced (their
             gradient already sums every rank's tokens through the all-to-all; ZeRO-2 keeps them
-            whole in :class:`~labkit.data_parallel.ZeroStage2` and outside the FSDP units). Not
-            with ZeRO-1, SP or recompute (ValueError).
+            whole in :class:`~labkit.data_parallel.ZeroStage2`, outside ZeRO-1's flat buffer and the
+            FSDP units). Not with SP or recompute (ValueError).
         sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
             Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
             shard and the ``sequence_parallel`` gradients are all-reduced over TP in :meth:`train_step`.
@@ -342,11 +340,9 @@ class ParallelGPT:
         self.cp, self.cp_attention, self.cp_load_balance = cp, cp_attention, bool(cp_load_balance)
         self.cp_stats: list = []    # the CP attention's {"work", "heads", "seconds", ...} (cleared by the caller)
         if moe_cfg is not None:
-            if zero == 1 or (sequence_parallel and grid.tp > 1) or recompute != "none":
-                raise ValueError("the MoE GPT runs here with DDP, ZeRO-2 or ZeRO-3, without sequence parallelism and "
-                                 "without "
-                                 f"recompute (got zero={zero}, sequence_parallel={sequence_parallel}, "
-                                 f"recompute={recompute!r})")
+            if (sequence_parallel and grid.tp > 1) or recompute != "none":
+                raise ValueError("the MoE GPT runs here without sequence parallelism and without recompute (got "
+                                 f"sequence_parallel={sequence_parallel}, recompute={recompute!r})")
             if grid.ep != grid.dp:
                 raise ValueError(f"ParallelGPT folds EP onto the whole DP group: ep must equal d={grid.dp}, "
                                  f"got ep={grid.ep}")
@@ -465,8 +461,10 @@ class ParallelGPT:
         cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[name]
         if self.zero == 2 and self.dp_cp > 1:
             self.optimizer = _Zero2Step(self.sharded, cls, lr=lr, **kw)
-        elif self.zero == 1 and self.dp_cp > 1:
-            self.optimizer = ZeroRedundancyOptimizer(self.parameters(), cls, self.dp_cp_group, lr=lr, **kw)
+        elif self.zero == 1 and self.dp_cp > 1:   # MoE: the local experts whole, outside the flat buffer
+            experts = [q for m in self.modules for n, q in m.named_parameters() if n in expert_param_names(m)]
+            self.optimizer = ZeroRedundancyOptimizer(self.parameters(), cls, self.dp_cp_group, expert_params=experts,
+                                                     lr=lr, **kw)
         else:
             self.optimizer = cls(self.parameters(), lr=lr, **kw)
         return self.optimizer

@@ -82,7 +82,6 @@ def test_lab_3d_zero_flag_spellings():
     (["--recompute", "full", "--schedule", "dualpipev", "--microbatches", "4", "--layers", "4"],
      "full recompute with DualPipeV"),
     (["--zero", "3", "--tied", "--pp", "1"], "ZeRO-3 with tied embeddings and p=1"),
-    (["--zero", "1", "--moe"], "--moe runs with DDP, --zero 2 or 3, without --sp and --recompute"),
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
     (["--layers", "3"], "n_layer=3 layers must be divisible by p*v"),
     (["--batch", "6"], "global batch B=6 must be divisible by d*M"),
@@ -295,7 +294,7 @@ def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--moe", "--sp"], "--moe runs with DDP, --zero 2 or 3, without --sp and --recompute"),
+    (["--moe", "--sp"], "--moe runs without --sp and --recompute"),
     (["--moe", "--experts", "3"], "n_routed_experts E=3 must be divisible by the EP size 2"),
     (["--moe", "--topk", "5"], "--topk must be between 1 and --experts=4, got 5"),
 ])
@@ -305,14 +304,16 @@ def test_lab_3d_moe_errors(argv, msg, capsys, tmp_path):
     assert rc == 2 and msg in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("zero,row4", [(2, "28064     28064      22544     22544      45088     45088"),
+@pytest.mark.parametrize("zero,row4", [(1, "28064     28064      28064     28064      45088     45088"),
+                                      (2, "28064     28064      22544     22544      45088     45088"),
                                       (3, "22544     22544      22544     22544      45088     45088")])
-def test_lab_3d_moe_zero23_equals_one_device(zero, row4, tmp_path, capsys, monkeypatch):
-    """--moe --zero 2/3 at (t, p, d) = (2, 2, 2) (issue 19 d): the dense parameters sharded over DP
-    (ZeRO-2 buckets, FSDP units), the local experts (expert-DP group of one rank: EP = d) kept whole
-    and only scaled by 1/d; equal to one device and to the planner column (model states exact, so
-    the experts are whole; ZeRO-3's gathered peak). Injected bug: the experts sharded over DP with
-    the dense parameters (each rank's experts differ) must fail the verdict."""
+def test_lab_3d_moe_zero_equals_one_device(zero, row4, tmp_path, capsys, monkeypatch):
+    """--moe --zero 1/2/3 at (t, p, d) = (2, 2, 2) (issue 19 d): the dense optimizer state (ZeRO-1's
+    flat buffer) or parameters sharded over DP (ZeRO-2 buckets, FSDP units), the local experts
+    (expert-DP group of one rank: EP = d) kept whole and only scaled by 1/d; equal to one device and
+    to the planner column (model states exact, so the experts are whole; ZeRO-3's gathered peak).
+    Injected bug: the experts sharded over DP with the dense parameters (each rank's experts differ)
+    must fail the verdict."""
     argv = [*GRID, "--moe", "--experts", "4", "--topk", "2", "--zero", str(zero)]
     rc = main(["lab", "3d", *argv, "--out", str(tmp_path)])
     cap = capsys.readouterr()

@@ -277,7 +277,8 @@ ERRORS = [
     (dict(world_size=4, tp=1, pp=1, dp=4, zero=3, hsdp=3), "R=3 must be an integer >= 1 that divides d=4"),
     (dict(world_size=4, tp=1, pp=1, dp=4, zero=2, hsdp=2), "HSDP .* needs ZeRO-3, got ZeRO-2"),
     (dict(world_size=2, tp=1, pp=2, dp=1, zero=3, schedule="zbh1", M=2), "ZeRO-3 with ZB-H1"),     # issue 19:
-    (dict(world_size=2, tp=1, pp=1, dp=2, zero=1, n_experts=2), "ZeRO-1 with MoE"),             # what stays
+    (dict(world_size=2, tp=1, pp=2, dp=1, recompute="full", schedule="zb-h1", M=2),              # what stays
+     "full recompute with ZB-H1"),
     (dict(world_size=2, tp=1, pp=1, dp=2, zero=3, tied=True), "ZeRO-3 with tied embeddings and p=1"),  # refused
     (dict(world_size=2, tp=1, pp=1, dp=2, zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
 ]
