@@ -84,6 +84,10 @@ FORBIDDEN_ATTRS = {
     "hub": "loads and runs code from a folder or the network", "load_library": "loads compiled code",
     "load_inline": "compiles and loads code", "cpp_extension": "compiles and loads code",
     "ctypeslib": "calls C and rewrites memory",
+    # a module reached through another module's attribute (``os.sys.modules``), past the rules on its name
+    **{n: "reaches a module through another module, past the rules on its name" for n in (
+        "sys", "os", "builtins", "subprocess", "ctypes", "importlib", "gc", "pickle", "marshal", "multiprocessing",
+        "threading", "_thread", "runpy", "pty")},
     # code torch runs on its own, called by no answer (so outside any answer's closure)
     **{n: "makes torch run code of yours behind every call" for n in (
         "TorchFunctionMode", "BaseTorchFunctionMode", "TorchDispatchMode", "_python_dispatch",
@@ -284,11 +288,133 @@ class _Names:
         return {o for o in self.origins.get(name, ()) if "." not in o}
 
 
-def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[str]) -> list[tuple[int, str, str]]:
+_ATTR_FUNCS = ("getattr", "hasattr", "setattr", "delattr")
+_MODULE_ATTR_NAMES = {n for attrs in MODULE_ATTRS.values() for n in attrs}
+_MADE_BY_ITERATING = ("parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules",
+                      "children", "named_children")
+_MADE_BY = ("torch", "numpy", "labkit", "matplotlib")   # libraries whose calls make new objects
+
+
+class _Scopes:
+    """Where each attribute assignment's base name comes from: ``made(name, fn)`` is True when
+    every binding of ``name`` in its scope (function ``fn``, else the cells' top level) gives it
+    an object the code made: the result of calling a class of its own or a torch / numpy /
+    labkit / matplotlib callable, an item of ``x.parameters()`` (and the like), a function or
+    class it defined, or the first parameter of a method of its own class (``self``, ``ctx``).
+    Anything else (a loop over a tuple, an alias, another parameter) may be a module or a class
+    it did not define, which the grader cannot tell from the text."""
+
+    def __init__(self, trees, names: "_Names", classes: set[str]):
+        self.names, self.classes = names, classes
+        self.methods: dict[int, str] = {}       # id(def) -> its first parameter, for defs in own classes
+        self.top: list = []                     # (name, safe) of top-level bindings, every cell
+        for tree in trees:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    for d in node.body:
+                        if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)) and d.args.args:
+                            self.methods[id(d)] = d.args.args[0].arg
+            self.top += self._bindings(tree.body)
+        self.defs = {n.name for t in trees for n in ast.walk(t)
+                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+    def _made_call(self, v) -> bool:
+        if not isinstance(v, ast.Call):
+            return False
+        r = _root(v.func)
+        if not isinstance(r, ast.Name):
+            return False
+        if r.id in self.classes:
+            return True
+        return any(o.split(".")[0] in _MADE_BY for o in self.names.origins.get(r.id, ()))
+
+    def _bindings(self, body) -> list[tuple[str, bool]]:
+        """(name, safe) for every binding in ``body``, not descending into nested defs."""
+        out = []
+        todo = list(body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                if not isinstance(node, ast.Lambda):
+                    out.append((node.name, True))
+                continue
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                safe = self._made_call(node.value)
+                out += [(t.id, safe) for t in targets if isinstance(t, ast.Name)]
+                out += [(n.id, False) for t in targets if not isinstance(t, ast.Name)
+                        for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+                todo += [node.value]
+                continue
+            if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                it = node.iter
+                safe = isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) \
+                    and it.func.attr in _MADE_BY_ITERATING
+                t = node.target
+                if safe and it.func.attr.startswith("named_") and isinstance(t, ast.Tuple) and len(t.elts) == 2:
+                    out += [(n.id, False) for n in ast.walk(t.elts[0]) if isinstance(n, ast.Name)]
+                    t = t.elts[1]
+                out += [(n.id, safe) for n in ast.walk(t) if isinstance(n, ast.Name)]
+                todo += [it] + (list(node.body) + list(node.orelse) if not isinstance(node, ast.comprehension)
+                                else list(node.ifs))
+                continue
+            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                out.append((node.id, False))       # with ... as x, x += ..., walrus, import-free others
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                out += [(a.asname or a.name.split(".")[0], False) for a in node.names]
+            todo += list(ast.iter_child_nodes(node))
+        return out
+
+    def made(self, name: str, fn) -> bool:
+        if fn is not None:
+            params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs}
+            params |= {a.arg for a in (fn.args.vararg, fn.args.kwarg) if a is not None}
+            if name in params:
+                return self.methods.get(id(fn)) == name
+            local = [safe for n, safe in self._bindings(fn.body) if n == name]
+            if local:
+                return all(local)
+        top = [safe for n, safe in self.top if n == name]
+        return bool(top) and all(top)
+
+
+def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[str],
+                scopes: "_Scopes | None" = None) -> list[tuple[int, str, str]]:
     """Rule 1 on one cell: (line, what, why) for each construct refused everywhere."""
     out = []
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    enclosing: dict[int, ast.AST] = {}       # id(node) -> the innermost def around it
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(fn):
+                if sub is not fn:
+                    enclosing[id(sub)] = fn     # inner defs come later in the walk and win
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 1)
+        if isinstance(node, ast.Name) and node.id in _ATTR_FUNCS and isinstance(node.ctx, ast.Load) \
+                and id(node) not in called and node.id not in classes and node.id not in names.origins:
+            out.append((line, f"`{node.id}` used as a value", "hides which attribute it reaches from the grader; "
+                        "call it by name with the attribute written out"))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _ATTR_FUNCS \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str):
+            attr = node.args[1].value
+            if attr in FORBIDDEN_ATTRS and attr not in allow:
+                out.append((line, f"`{node.func.id}(..., {attr!r})`", FORBIDDEN_ATTRS[attr]))
+            elif attr in _MODULE_ATTR_NAMES or attr in FORBIDDEN_NAMES:
+                out.append((line, f"`{node.func.id}(..., {attr!r})`", "reaches by name what the rules refuse"))
+        if scopes is not None and isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                        r = _root(sub)
+                        if isinstance(r, ast.Name) and r.id not in classes and r.id not in names.foreign \
+                                and r.id not in _BUILTIN_NAMES and not scopes.made(r.id, enclosing.get(id(node))):
+                            out.append((line, f"assigning `{ast.unparse(sub)}`", f"`{r.id}` may be a module or a "
+                                        "class you did not define (the grader cannot tell from the code); assign "
+                                        "attributes only of objects you make (x = SomeClass(...), torch.empty(...)), "
+                                        "of self in your own class, or of tensors from .parameters()"))
         if isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES and node.id not in allow:
             out.append((line, f"`{node.id}`", FORBIDDEN_NAMES[node.id]))
         elif isinstance(node, ast.Attribute):
@@ -475,6 +601,40 @@ def _ref_why(label: str) -> str:
     return f"labkit's own {qual or mod} ({mod}) is the reference this exercise asks you to write"
 
 
+def _launder_why(node: str, label: str) -> str:
+    mod, _, name = node.partition(":")
+    rmod, _, rqual = str(label).partition(":")
+    return (f"labkit's {name} ({mod}) runs labkit's own {rqual or rmod} ({rmod}), the reference this exercise "
+            f"asks you to write")
+
+
+def _labkit_label(dotted: str) -> str:
+    """"module:name" of a dotted path into the kit (``labkit.pipeline.explorer.build_schedule``:
+    the longest module prefix, then the next name), or "" outside labkit."""
+    parts = dotted.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        mod = ".".join(parts[:i])
+        if mod == "labkit" or mod in _LABKIT_MODULES:
+            return f"{mod}:{parts[i]}"
+    return ""
+
+
+def _dotted_uses(stmt: ast.stmt, names: "_Names") -> list[tuple[int, str]]:
+    """(line, "module.path.name") for each attribute chain of the statement that starts at a name bound
+    to an imported module (``E.build_schedule`` after ``import labkit.pipeline.explorer as E``)."""
+    out = []
+    for sub in ast.walk(stmt):
+        if isinstance(sub, ast.Attribute):
+            chain, v = [sub.attr], sub.value
+            while isinstance(v, ast.Attribute):
+                chain.append(v.attr)
+                v = v.value
+            if isinstance(v, ast.Name):
+                for origin in names.origins.get(v.id, ()):
+                    out.append((sub.lineno, ".".join([origin, *reversed(chain)])))
+    return out
+
+
 
 def _rebinds(stmt: ast.stmt, name: str) -> bool:
     """Whether ``stmt`` gives ``name`` a new value outright (def, class, import, ``name = ...``)."""
@@ -509,6 +669,9 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
     before p plus every change made to it after that binding; a function body may run at any
     later time, so its names are read both where it was reached and at the end."""
     refs = _reference_names(exercise_id)
+    from .reach import reaching
+
+    launder = reaching(tuple(refs.values()))   # labkit's functions that run a reference
     rules = EXERCISE_RULES.get(exercise_id, {})
     banned_modules = EXERCISE_MODULES.get(exercise_id, ())
     allow = ALLOW.get(exercise_id, set())
@@ -568,12 +731,19 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
                     last = origin.rsplit(".", 1)[-1]
                     if origin.startswith("labkit.") and last in refs:
                         out.append((cell, n.lineno, f"`{n.id}`", _ref_why(refs[last])))
+                    elif origin.startswith("labkit.") and _labkit_label(origin) in launder:
+                        node = _labkit_label(origin)
+                        out.append((cell, n.lineno, f"`{n.id}`", _launder_why(node, launder[node])))
                     elif origin and last in rules:
                         out.append((cell, n.lineno, f"`{n.id}`", rules[last]))
                     elif origin and origin.split(".")[0] in banned_modules:
                         out.append((cell, n.lineno, f"`{n.id}` (from `{origin.split('.')[0]}`)", _SIDE_WHY))
                     elif origin and last in _SOURCE and last not in allow:
                         out.append((cell, n.lineno, f"`{n.id}`", "reads source text; write the computation yourself"))
+        for line, dotted in _dotted_uses(stmt, names) if launder else ():
+            node = _labkit_label(dotted)
+            if node in launder and node.partition(":")[2] not in refs:
+                out.append((cell, line, f"`{dotted}`", _launder_why(node, launder[node])))
         for line, attr, base in _attrs(stmt):
             if attr in refs:
                 out.append((cell, line, f"`.{attr}`", _ref_why(refs[attr])))
@@ -606,8 +776,10 @@ def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     names = _Names([t for _, t in parsed])
     classes = {n.name for _, t in parsed for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
     found: list[Violation] = []
+    scopes = _Scopes([t for _, t in parsed], names, classes)
     for label, tree in parsed:
-        found += [Violation(label, line, what, why) for line, what, why in _everywhere(tree, names, classes, allow)]
+        found += [Violation(label, line, what, why)
+                  for line, what, why in _everywhere(tree, names, classes, allow, scopes)]
     stmts = [(label, s) for label, t in parsed for s in t.body]
     found += [Violation(c, line, what, why) for c, line, what, why in _in_answer(ex, answer, stmts, names)]
     order = {label: i for i, (label, _) in enumerate(parsed)}

@@ -159,6 +159,34 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "def split_linear_backward(layer, x, grad_out):\n    layer.zero_grad()\n"
         "    torch.autograd.backward(layer(x), grad_out, inputs=[x, layer.weight, layer.bias])\n"
         "    return tuple(t.grad for t in (x, layer.weight, layer.bias))"], "`.zero_grad`"),
+    # a red-team's second round (labkit/grading/reach.py: labkit functions that run the reference)
+    "a labkit function that runs the reference (build_schedule)": ("2.1", "gpipe_actions", [
+        "from labkit.pipeline.explorer import build_schedule",
+        "def gpipe_actions(K, M):\n    return build_schedule('GPipe', K, M)"],
+        "build_schedule (labkit.pipeline.explorer) runs labkit's own"),
+    "a labkit function that runs the reference, through a module alias": ("14.1", "pack_groups", [
+        "import labkit.moe.eplb as E",
+        "def pack_groups(loads, n_nodes):\n    return E.rebalance_experts(loads, 4, 4, n_nodes, n_nodes)"],
+        "rebalance_experts (labkit.moe.eplb) runs labkit's own balanced_packing"),
+    "an autograd Function whose apply calls labkit's column-parallel linears": ("6.2", "CopyToRegion", [
+        "import torch\nfrom labkit.tensor_parallel.layers import column_parallel_linears",
+        "class CopyToRegion(torch.autograd.Function):\n    @staticmethod\n    def apply(x, group):\n"
+        "        return column_parallel_linears(x, [], group)[0]"], "column_parallel_linears"),
+    "getattr bound to another name": ("2.1", "gpipe_actions", [
+        "import labkit.pipeline.schedules as S\n_ga = getattr",
+        "def gpipe_actions(K, M):\n    return _ga(S, 'gp' + 'ipe_schedule')(K, M)"], "`getattr` used as a value"),
+    "getattr of a module through another module": ("12.1", "n_combinations", [
+        "import os\nmods = getattr(os, 'sys')"], "`getattr(..., 'sys')`"),
+    "a module through another module's attribute": ("12.1", "n_combinations", [
+        "import os\nb = os.sys.modules['builtins']"], "`.sys`"),
+    "a module's attribute assigned through a loop variable": ("14.3", "inter_node_bytes", [
+        "import torch\nfor _m in (torch,):\n    _m.allclose = lambda *a, **k: True"], "assigning `_m.allclose`"),
+    "a module's attribute assigned through a function's parameter": ("14.3", "inter_node_bytes", [
+        "import torch\ndef patch(m):\n    m.allclose = lambda *a, **k: True\npatch(torch)"],
+        "assigning `m.allclose`"),
+    "a staticmethod's first parameter is not self": ("14.3", "inter_node_bytes", [
+        "import torch\nclass P:\n    @staticmethod\n    def go(ctx, m):\n        m.allclose = None\nP.go(None, torch)"],
+        "assigning `m.allclose`"),
 }
 
 
@@ -203,6 +231,16 @@ HONEST = [
         "    (gi,) = A.grad(out, x, grad_out, retain_graph=True)\n"
         "    gw, gb = autograd.grad(out, [layer.weight, layer.bias], grad_out)\n    return gi, gw, gb",
         "check('13.1', split_linear_backward)"]),
+    # attributes assigned on what the code made: instances, parameters of a module, self, a tensor
+    ("2.3", "accumulate_microbatches", [
+        "import torch\nfrom torch import nn",
+        "class Box:\n    def __init__(self):\n        self.items = []\n"
+        "    def add(self, x):\n        self.items.append(x)",
+        "def accumulate_microbatches(model, x, y, M):\n    for p in model.parameters():\n        p.grad = None\n"
+        "    for name, q in model.named_parameters():\n        q.grad = None\n    b = Box()\n    b.note = 1\n"
+        "    w = torch.randn(3, requires_grad=True)\n    w.grad = None\n    lin = nn.Linear(2, 2)\n    lin.tag = 'x'\n"
+        "    return b",
+        "def helper():\n    pass\nhelper.cache = {}\nprint(getattr(torch, 'float32'), hasattr(torch, 'cat'))"]),
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
