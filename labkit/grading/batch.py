@@ -91,6 +91,8 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
     results_dir.mkdir(parents=True, exist_ok=True)
     outs = [results_dir / f"{n}.json" for n in _result_names(paths)]
     base = [sys.executable, "-m", "labkit", "grade", *options]
+    from .session import add_private_paths
+    add_private_paths([*paths, results_dir])   # every submission's kernel: none of the batch's files
     todo = list(range(len(paths)))
     running: dict[int, tuple[subprocess.Popen, float, object]] = {}
     done: dict[int, tuple[dict | None, str]] = {}

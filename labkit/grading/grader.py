@@ -815,6 +815,8 @@ def main(argv: list[str] | None = None) -> int:
         from .batch import grade_batch
         return grade_batch(a.paths, a.results_dir, a.gradebook, a.jobs, _submission_options(p, a))
     t0 = time.monotonic()
+    from .session import add_private_paths
+    add_private_paths([*a.paths, *([a.results] if a.results else [])])   # out of every kernel's reach
     grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits,
                          hints=not a.no_hints, source_policy=not a.no_source_policy)
     print(format_table(grades))

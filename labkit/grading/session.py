@@ -30,9 +30,14 @@ submission could abuse:
 * **time**: each cell has a limit; past it the kernel gets SIGINT, and if it still does not
   answer within :data:`INTERRUPT_GRACE` seconds, it is killed (the grader then starts a fresh
   kernel and replays the cells that ran, see :mod:`labkit.grading.grader`).
-* **environment**: ``LABKIT_HIDDEN_CASES`` and ``LABKIT_STRICT`` are removed; ``LABKIT_GRADING=1``
-  tells ``check`` to register answers instead of judging them. The kernel is not told where
-  the results go.
+* **environment**: built from an allow-list (:data:`KERNEL_ENV`: ``PATH``, the locale, the
+  Python and thread settings), so no token or path of the grader's environment reaches it;
+  ``LABKIT_GRADING=1`` tells ``check`` to register answers instead of judging them. The kernel
+  is not told where the results go.
+* **files** (in the kernel's mount namespace, as root or with user namespaces): the grader's
+  exercise modules, reference list and hidden cases, the solved notebooks shipped with the kit
+  (``labkit/_solutions``) and every submission and results file of the grading or batch
+  (:data:`PRIVATE_ENV`) are covered (:func:`secret_paths`).
 """
 from __future__ import annotations
 
@@ -57,6 +62,25 @@ __all__ = ["KernelUser", "kernel_user", "KernelSession", "isolation_note", "INTE
 INTERRUPT_GRACE = 2.0  # seconds a kernel gets to stop after SIGINT before it is killed
 START_TIMEOUT = 60.0  # seconds a kernel may take to start
 MARK_ENV = "LABKIT_KERNEL_MARK"  # a fresh value per kernel, inherited by every process it starts
+# the submissions and results of this grading (os.pathsep-separated): covered in the kernel's namespace,
+# so one submission's code reads neither the others nor their results (set by the grader, never passed on)
+PRIVATE_ENV = "LABKIT_PRIVATE_PATHS"
+# the only variables of the grader's environment a kernel gets (plus LC_*): what Python, torch and the
+# kit need to run; anything else (tokens, credentials, the grader's paths) stays with the grader
+KERNEL_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
+              "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "LABKIT_TEST_MARK")
+
+
+def kernel_environment() -> dict:
+    """The kernel's environment: :data:`KERNEL_ENV` and ``LC_*`` of the grader's, nothing else."""
+    return {k: v for k, v in os.environ.items() if k in KERNEL_ENV or k.startswith("LC_")}
+
+
+def add_private_paths(paths) -> None:
+    """Add ``paths`` (submissions, results) to what this grader's kernels must not read."""
+    old = [p for p in os.environ.get(PRIVATE_ENV, "").split(os.pathsep) if p]
+    new = [os.path.abspath(str(p)) for p in paths]
+    os.environ[PRIVATE_ENV] = os.pathsep.join(dict.fromkeys(old + new))
 MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 
 
@@ -192,7 +216,19 @@ def secret_paths() -> list[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     out = [os.path.join(here, "exercises"), os.path.join(here, "references.py"), os.path.join(here, "hidden")]
     out += [p for p in os.environ.get(HIDDEN_ENV, "").split(os.pathsep) if p and os.path.isdir(p)]
-    return out
+    # the solved notebooks shipped with the kit (labkit/_solutions, a link to solutions/ in a checkout)
+    kit = os.path.dirname(here)
+    solutions = os.path.join(kit, "_solutions")
+    if os.path.isdir(solutions):
+        out += [solutions, os.path.realpath(solutions)]
+    # this grading's submissions and results, unless a folder among them holds what the kernel runs
+    needed = [os.path.realpath(q) for q in (kit, sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))]
+    for p in os.environ.get(PRIVATE_ENV, "").split(os.pathsep):
+        real = os.path.realpath(p) if p else ""
+        if real and os.path.exists(real) and not any(n == real or n.startswith(real.rstrip("/") + "/")
+                                                     for n in needed):
+            out.append(real)
+    return list(dict.fromkeys(out))
 
 
 def secret_files() -> list[str]:
@@ -352,8 +388,7 @@ class KernelSession:
 
         conn = os.path.join(self.dir, "kernel.json")
         _, self.info = write_connection_file(conn, ip="127.0.0.1")
-        env = {k: v for k, v in os.environ.items()
-               if k not in (HIDDEN_ENV, "LABKIT_STRICT", "LABKIT_RESULTS_FILE") and not k.startswith("JPY_")}
+        env = kernel_environment()
         env[GRADING_ENV] = "1"
         env[MARK_ENV] = self.mark
         env["MPLBACKEND"] = "Agg"

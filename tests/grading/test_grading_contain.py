@@ -181,15 +181,24 @@ PEEK = ("import labkit.grading, os\nhere = os.path.dirname(labkit.grading.__file
         "found = {}\nfor rel in ('exercises/nb08_3d_parallelism.py', 'references.py', 'grader.py'):\n"
         "    try:\n        found[rel] = len(open(os.path.join(here, rel)).read())\n"
         "    except OSError as e:\n        found[rel] = type(e).__name__\n"
-        "found['hidden'] = os.path.exists(os.environ.get('HIDDEN_DIR', '') or '/nonexistent-dir')\n"
+        "found['hidden'] = os.path.exists('@HIDDEN_DIR@')\n"
+
         "try:\n    from labkit.grading.exercises.nb08_3d_parallelism import _axis\n    found['import'] = 'ok'\n"
         "except ImportError as e:\n    found['import'] = 'ImportError'\n"
         "raise RuntimeError('SEEN ' + repr(sorted(found.items())))")
+# the kit's solved notebooks, the grading's other submission, the grader's environment
+PEEK_MORE = ("import labkit, os\nsol = os.path.join(os.path.dirname(labkit.__file__), '_solutions')\n"
+             "found = {'solutions': sorted(os.listdir(sol))[:1] if os.path.isdir(sol) else 'none'}\n"
+             "try:\n    found['other'] = len(open('@OTHER@').read())\nexcept OSError as e:\n"
+             "    found['other'] = type(e).__name__\n"
+             "found['env'] = sorted(k for k in os.environ if 'SECRET' in k)\n"
+             "raise RuntimeError('MORE ' + repr(sorted(found.items())))")
 
 HOSTILE = [
     "from labkit.grading import check\nimport os, signal",
     FILES,
     PEEK,
+    PEEK_MORE,
     "def triple(x):\n    return 3 * x\ncheck('H.1', triple)",          # right: 1 point
     "def negate(x):\n    return range(30_000_000)\ncheck('H.2', negate)",  # wrong, and a 30-byte bomb
     ESCAPE,  # before the last check: cells after the last grading point do not run
@@ -220,8 +229,11 @@ RESERIAL = [
 def _grade(tmp: Path, notebooks: dict, *extra: str, wrap=None):
     (tmp / "cases").mkdir(exist_ok=True)
     (tmp / "cases" / "hostile.py").write_text(CASES)
+    others = [tmp / f"{n}.ipynb" for n in notebooks]
     for name, cells in notebooks.items():
-        write_notebook(tmp / f"{name}.ipynb", cells)
+        other = next((str(o) for o in others if o.stem != name), "/nonexistent-file")
+        write_notebook(tmp / f"{name}.ipynb", [c.replace("@HIDDEN_DIR@", str(tmp / "cases")).replace("@OTHER@", other)
+                                               for c in cells])
     results = tmp / "results.json"
     # --no-source-policy: these attacks would be zeroed by the source policy first; here they run, to
     # prove that containment and the grader's judgement hold on their own (an attack the policy misses)
@@ -232,7 +244,7 @@ def _grade(tmp: Path, notebooks: dict, *extra: str, wrap=None):
             "print('MAXRSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
             "sys.exit(p.returncode)")
     mark = uuid.uuid4().hex
-    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"), LABKIT_TEST_MARK=mark, HIDDEN_DIR=str(tmp / "cases"))
+    env = dict(os.environ, LABKIT_HIDDEN_CASES=str(tmp / "cases"), LABKIT_TEST_MARK=mark, GRADER_SECRET="hunter2")
     argv = [sys.executable, "-c", code, *cmd]
     kw = {}
     if wrap is not None:
@@ -306,6 +318,11 @@ def test_as_root_hostile_submission_gets_its_honest_score_and_leaves_nothing(tmp
     assert "('references.py', 0)" in seen, seen  # covered by an empty file
     assert "('hidden', False)" in seen and "('import', 'ImportError')" in seen, seen
     assert "('grader.py', 0)" not in seen  # the rest of the kit is there
+    # no solved notebook, no other submission of the grading, no variable of the grader's environment
+    more = proc.stdout.split("MORE ")[1].split("\n")[0]
+    assert re.search(r"\('solutions', (\[\]|'none')\)", more), more
+    assert re.search(r"\('other', (0|'FileNotFoundError'|'PermissionError')\)", more), more
+    assert "('env', [])" in more, more
     assert "warning: the submission's kernel can read" not in proc.stderr
     assert len(uids) >= 2, uids  # a uid per kernel: at least one per submission
     deadline = time.monotonic() + 2
