@@ -58,8 +58,11 @@ written by someone trying to game it:
   unpickling, torch function/dispatch modes, global module hooks, torch.library, imports of
   labkit.grading other than ``check``, imports of any module not on
   :data:`~labkit.grading.policy.ALLOWED_IMPORTS` or labkit's own installed modules (so a
-  module the notebook writes to disk is refused), assigning attributes of modules or classes
-  the learner did not define) scores 0, with cell and line. The graded kernel imports nothing
+  module the notebook writes to disk is refused), labkit functions from which the reference
+  can be reached (:mod:`labkit.grading.reach`, a static call graph of the kit), ``getattr``
+  and friends used as values or naming a refused attribute, a module reached through another
+  module's attribute, assigning attributes of anything but what the code made) scores 0,
+  with cell and line. The graded kernel imports nothing
   from its working folder and no user site-packages, so an allowed name cannot be shadowed.
   The interactive ``check`` applies the same rule to the cells its kernel ran.
 * **Fresh inputs** (:mod:`labkit.grading.fresh`): hidden cases also draw inputs seeded from
@@ -76,9 +79,12 @@ written by someone trying to game it:
   as root, each kernel runs under a uid of its own (locked, so no other kernel of any grader
   has it), in its own session and in private mount and IPC namespaces: fresh size-limited
   tmpfs on /tmp, /var/tmp and /dev/shm, and empty mounts over ``labkit/grading/exercises``,
-  ``references.py`` and the hidden-case folders (file-system level: the kernel imports labkit,
-  but cannot open the grader's cases, expected-value code or reference list; the grader
-  probes this as that uid and warns otherwise). rlimits: processes per uid, file size,
+  ``references.py``, the hidden-case folders, the kit's solved notebooks and the grading's
+  (or batch's) submissions and results (file-system level: the kernel imports labkit, but
+  cannot open the grader's cases, expected-value code, reference list, the solutions or
+  another submission; the grader probes this as that uid and warns otherwise); an
+  environment from an allow-list (no variable of the grader's but PATH, locale, Python and
+  thread settings). rlimits: processes per uid, file size,
   address space; under cgroup v2 also its own cgroup (memory, pids, CPU; ``cgroup.kill``). At
   the end every process of the uid is SIGKILLed in any state (a zombie leader whose threads
   run) and reaped, its files in the shared temporary folders removed, the uid released. So
