@@ -306,7 +306,8 @@ class ParallelGPT:
             losses (:mod:`labkit.parallel.moe_pipeline`), DDP leaves the experts unreduced (their
             gradient already sums every rank's tokens through the all-to-all; ZeRO-2 keeps them
             whole in :class:`~labkit.data_parallel.ZeroStage2`, outside ZeRO-1's flat buffer and the
-            FSDP units). Not with SP or recompute (ValueError).
+            FSDP units). Selective recompute checkpoints the MoE blocks' attention core too; not
+            with SP or full recompute (ValueError).
         sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
             Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
             shard and the ``sequence_parallel`` gradients are all-reduced over TP in :meth:`train_step`.
@@ -340,8 +341,8 @@ class ParallelGPT:
         self.cp, self.cp_attention, self.cp_load_balance = cp, cp_attention, bool(cp_load_balance)
         self.cp_stats: list = []    # the CP attention's {"work", "heads", "seconds", ...} (cleared by the caller)
         if moe_cfg is not None:
-            if (sequence_parallel and grid.tp > 1) or recompute != "none":
-                raise ValueError("the MoE GPT runs here without sequence parallelism and without recompute (got "
+            if (sequence_parallel and grid.tp > 1) or recompute == "full":
+                raise ValueError("the MoE GPT runs here without sequence parallelism and without full recompute (got "
                                  f"sequence_parallel={sequence_parallel}, recompute={recompute!r})")
             if grid.ep != grid.dp:
                 raise ValueError(f"ParallelGPT folds EP onto the whole DP group: ep must equal d={grid.dp}, "
@@ -365,7 +366,8 @@ class ParallelGPT:
         if plan is None:
             plan = gpt_plan(self.sequence_parallel, recompute) if group is not None else {}
             if self.moe:
-                plan = {**plan, "blocks.*": moe_block_rule(grid.ep_group, grid.ep_rank, grid.ep, plan.get("blocks.*"))}
+                plan = {**plan, "blocks.*": moe_block_rule(grid.ep_group, grid.ep_rank, grid.ep, plan.get("blocks.*"),
+                                                           recompute_core=recompute == "selective")}
         self.modules: list[nn.Module] = []
         for s in self.stage_ids:
             if self.moe:                                                                    # slice

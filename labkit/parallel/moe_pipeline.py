@@ -26,13 +26,15 @@ class ParallelMoEBlock(nn.Module):
     a copy of the reference's) and the experts spread over ``ep_group``
     (:class:`labkit.moe.expert_parallel.ExpertParallelMoE`; rank ``ep_rank`` holds experts
     ``ep_rank*E/ep_size ..``). The MoE input is replicated over TP, so the t ranks of a TP group
-    hold the same experts and compute the same thing (as for a LayerNorm).
-    ``[B, S, H] -> ([B, S, H], MoEStats)``."""
+    hold the same experts and compute the same thing (as for a LayerNorm). ``recompute_core``:
+    selective recompute of the attention core (Korthikanti et al. 2022 sec. 5), as in the dense
+    blocks. ``[B, S, H] -> ([B, S, H], MoEStats)``."""
 
-    def __init__(self, ref: MoEBlock, tp_group, ep_group, ep_rank: int, ep_size: int):
+    def __init__(self, ref: MoEBlock, tp_group, ep_group, ep_rank: int, ep_size: int, recompute_core: bool = False):
         super().__init__()
         self.ln1, self.ln2 = copy.deepcopy(ref.ln1), copy.deepcopy(ref.ln2)
-        self.attn = ParallelAttention.from_reference(ref.attn, tp_group) if tp_group else copy.deepcopy(ref.attn)
+        self.attn = (ParallelAttention.from_reference(ref.attn, tp_group, recompute_core=recompute_core)
+                     if tp_group is not None or recompute_core else copy.deepcopy(ref.attn))
         self.moe = ExpertParallelMoE.from_dense(ref.moe, ep_group, ep_rank, ep_size)
 
     def forward(self, x):
@@ -41,12 +43,12 @@ class ParallelMoEBlock(nn.Module):
         return x + y, stats
 
 
-def moe_block_rule(ep_group, ep_rank: int, ep_size: int, dense_rule=None):
+def moe_block_rule(ep_group, ep_rank: int, ep_size: int, dense_rule=None, recompute_core: bool = False):
     """A plan rule for ``"blocks.*"`` of the MoE GPT (:func:`labkit.tensor_parallel.parallelize`): an
     MoE block becomes a :class:`ParallelMoEBlock`, a dense block goes to ``dense_rule`` (None: kept)."""
     def rule(block, group):
         if isinstance(block, MoEBlock):
-            return ParallelMoEBlock(block, group, ep_group, ep_rank, ep_size)
+            return ParallelMoEBlock(block, group, ep_group, ep_rank, ep_size, recompute_core)
         return dense_rule(block, group) if dense_rule is not None else block
     return rule
 
