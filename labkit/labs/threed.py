@@ -490,9 +490,8 @@ def _planner(a):
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
                      ep=a.dp if a.moe else 1, etp=1 if a.moe else None,
                      schedule=schedule, placement=placement, zero=a.zero, sequence_parallel=a.sp,
-                     recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention)
-        # HSDP: model states sharded over the d/R shard ranks (the same b and M per rank)
-        mem_lay = Layout(**{**lay.__dict__, "d": a.dp // a.hsdp})
+                     recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention, hsdp=a.hsdp)
+        mem_lay = lay   # HSDP: the planner shards the dense model states over the d/R ranks of a shard group
         mem = memory_per_rank(spec, mem_lay, device="cpu")
         # the zero-bubble schedules: counted along their actions (ZB-H1, and ZB-V / DualPipeV on the V)
         if not act_modeled:

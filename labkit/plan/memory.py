@@ -124,6 +124,8 @@ def check_layout(spec: ModelSpec, lay: Layout) -> None:
         (lay.recompute in ("none", "selective", "full"),
          f"recompute must be none, selective or full, got {lay.recompute!r}"),
         (not lay.fp32_grads or lay.precision == "bf16", "fp32_grads needs precision 'bf16' (fp32 has 4-byte grads)"),
+        (lay.hsdp >= 1 and lay.d % lay.hsdp == 0 and (lay.hsdp == 1 or lay.zero == 3),
+         f"HSDP replicas R={lay.hsdp} must divide d={lay.d}, with ZeRO-3"),
     ]
     for ok, msg in rules:
         if not ok:
@@ -470,7 +472,7 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
     check_layout(spec, lay)
     M = n_microbatches(spec, lay)
     pb, gb, ob = bytes_per_param(lay)
-    z, d = lay.zero, lay.d * lay.cp          # ZeRO shards over the d cp ranks that reduce gradients
+    z, d = lay.zero, lay.d // lay.hsdp * lay.cp    # ZeRO shards over the d cp ranks (HSDP: d/R) that reduce
     d_exp = max(1, lay.d // lay.ep) * lay.cp
     aspec = cp_local(spec, lay)
     out = []

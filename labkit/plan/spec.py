@@ -243,7 +243,9 @@ class Layout:
     :mod:`labkit.context_parallel`; ``etp``: the expert tensor-parallel degree
     (Megatron-Core's ``expert_tensor_parallel_size``: each routed expert's matrices split over
     ``etp`` of the t TP ranks; None: t, Megatron-Core's default; 1: whole experts on every TP
-    rank, as labkit's MoE blocks hold them)."""
+    rank, as labkit's MoE blocks hold them); ``hsdp``: R replicas of ZeRO-3 (HSDP, Zhao et al.
+    2023 sec. 3.2: the dense model states sharded over the d/R ranks of a shard group and
+    replicated across the R groups; the local experts stay whole, EP = d)."""
 
     t: int = 1
     p: int = 1
@@ -265,6 +267,7 @@ class Layout:
     cp: int = 1
     cp_attention: str = "allgather"
     etp: int | None = None
+    hsdp: int = 1
 
     @property
     def expert_tp(self) -> int:

@@ -327,6 +327,24 @@ def test_lab_3d_moe_zero_equals_one_device(zero, row4, tmp_path, capsys, monkeyp
     assert rc == 1 and "FAIL t2 p2 d2 1f1b" in capsys.readouterr().out
 
 
+def test_lab_3d_moe_with_hsdp_equals_one_device_and_the_planner(tmp_path, capsys, monkeypatch):
+    """--moe --zero 3 --hsdp 2 at (t, p, d) = (1, 1, 4) (issue 19): the dense parameters sharded over
+    the 2 ranks of a shard group and replicated across 2 groups, the local experts (EP = d = 4)
+    whole; equal to one device, model states and DP bytes equal to the planner's (Layout.hsdp).
+    Injected bug: the experts treated as dense (sharded and reduced over DP) must fail the verdict."""
+    argv = ["--tp", "1", "--pp", "1", "--dp", "4", "--zero", "3", "--hsdp", "2", "--moe", "--experts", "4",
+            "--topk", "2", "--steps", "2", "--no-plots", "--batch", "8", "--seq", "16", "--layers", "2",
+            "--embd", "16", "--heads", "2", "--microbatches", "2"]
+    rc = main(["lab", "3d", *argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0 and "OK   t1 p1 d4 1f1b" in cap.out and "FAIL" not in cap.err, cap.out + cap.err
+    assert "   0      34464     34464      34464     34464      68928     68928" in cap.out, cap.out
+    from labkit.parallel import gpt as pgpt
+    monkeypatch.setattr(pgpt, "expert_param_names", lambda m: set())
+    rc = main(["lab", "3d", *argv, "--steps", "1", "--out", str(tmp_path)])
+    assert rc == 1 and "FAIL t1 p1 d4 1f1b" in capsys.readouterr().out
+
+
 def test_lab_3d_moe_selective_recompute_equals_one_device_and_the_planner(tmp_path, capsys):
     """--moe --recompute selective at (t, p, d) = (2, 2, 2): the MoE blocks' attention core is
     checkpointed as in the dense blocks; equal to one device, the activations within 2 % of the

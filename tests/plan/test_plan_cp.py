@@ -120,3 +120,21 @@ def test_zero23_shards_over_dp_times_cp(zero):
         assert (b.params * cp == pytest.approx(a.params, rel=1e-6)) if zero == 3 else b.params == a.params
     dp = comm_per_rank(spec, dataclasses.replace(base, cp=cp), H100)["dp"]
     assert dp.group == 2 * cp
+
+
+def test_hsdp_shards_the_dense_model_states_over_a_shard_group():
+    """Layout.hsdp = R (HSDP, ZeRO-3 only): the dense model states of d ranks sharded as by d/R ranks,
+    the local experts unchanged (EP = d); the rule when R does not divide d or ZeRO is not 3."""
+    from labkit.model import GPTConfig
+    from labkit.plan.spec import ModelSpec
+
+    spec = ModelSpec.from_gpt_config(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16),
+                                     seq_len=16, global_batch=8)
+    lay = Layout(t=1, p=1, d=4, b=1, M=2, zero=3, precision="fp32", hsdp=2)
+    got = memory_per_rank(spec, lay, device="cpu")[0]
+    by_two = memory_per_rank(spec, dataclasses.replace(lay, d=2, hsdp=1, M=4), device="cpu")[0]
+    assert (got.params, got.grads, got.optimizer) == (by_two.params, by_two.grads, by_two.optimizer)
+    assert got.params == 2 * memory_per_rank(spec, dataclasses.replace(lay, hsdp=1), device="cpu")[0].params
+    for bad, msg in [(dict(hsdp=3), "R=3 must divide d=4"), (dict(zero=2), "with ZeRO-3")]:
+        with pytest.raises(ValueError, match=msg):
+            memory_per_rank(spec, dataclasses.replace(lay, **bad), device="cpu")
