@@ -23,12 +23,22 @@ is the reference it is compared with, not what it uses). Three details matter:
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
-__all__ = ["checkpoint", "checkpoint_sequential", "SavedTensorMeter", "memory_table", "format_memory_table"]
+__all__ = ["checkpoint", "checkpoint_sequential", "recomputing", "SavedTensorMeter", "memory_table",
+           "format_memory_table"]
+
+_RECOMPUTING = threading.local()
+
+
+def recomputing() -> bool:
+    """True while a :func:`checkpoint`'s backward re-runs its function (the re-materialisation):
+    code with side effects per forward (counters, statistics) can skip them then."""
+    return getattr(_RECOMPUTING, "depth", 0) > 0
 
 
 def _cuda_devices(tensors) -> list:
@@ -70,8 +80,12 @@ class CheckpointFunction(torch.autograd.Function):
                 torch.set_rng_state(ctx.cpu_rng_state)
                 for d, s in zip(ctx.cuda_devices, getattr(ctx, "cuda_rng_states", [])):
                     torch.cuda.set_rng_state(s, d)
-            with torch.enable_grad():
-                outputs = ctx.function(*args)          # the re-materialisation
+            _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
+            try:
+                with torch.enable_grad():
+                    outputs = ctx.function(*args)      # the re-materialisation
+            finally:
+                _RECOMPUTING.depth -= 1
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if torch.is_tensor(o) and o.requires_grad]

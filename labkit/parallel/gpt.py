@@ -72,6 +72,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..checkpoint import recomputing
 from ..context_parallel import ATTENTIONS, check_sequence_split, check_ulysses, sequence_positions, shard_sequence
 from ..data_parallel import (
     DistributedDataParallel,
@@ -223,9 +224,9 @@ def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel:
     ``cp_attention`` one of ring | allgather | ulysses; Ulysses needs cp to divide the heads and K/V
     heads of each TP rank; the sequence divisible by 2 cp (cp with ``load_balance=False``), and with
     sequence parallelism at t > 1 each CP rank's S/cp tokens divisible by t (Megatron-Core runs
-    TP + SP inside each CP rank); ZeRO 1-3 shard over the d cp ranks of a stage; HSDP and selective
-    recompute (the CP attention core replaces the core it would checkpoint) are not combined with CP
-    here."""
+    TP + SP inside each CP rank); ZeRO 1-3 shard over the d cp ranks of a stage; selective recompute
+    checkpoints the CP core (its forward communication runs again in backward, as the planner
+    counts), with ring attention only; HSDP is not combined with CP here."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise ValueError(f"cp (--cp) must be an integer >= 1, got {cp!r}")
     if cp_attention not in ATTENTIONS:
@@ -233,9 +234,10 @@ def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel:
     if cp > 1 and hsdp > 1:
         raise ValueError(f"context parallelism (cp={cp}) is not combined with HSDP (R={hsdp}) here: use ZeRO-3 "
                          f"over the d*cp ranks, or cp = 1")
-    if cp > 1 and recompute == "selective":
-        raise ValueError(f"context parallelism (cp={cp}) is not combined with selective recompute here (the CP "
-                         f"attention core is not checkpointed): use --recompute none or full")
+    if cp > 1 and recompute == "selective" and cp_attention != "ring":
+        raise ValueError(f"context parallelism (cp={cp}) with selective recompute runs here with ring attention only "
+                         f"(recomputing the {cp_attention} core rebuilds its s x s scores next to the stash, a peak "
+                         f"the planner does not model yet): use --cp-attention ring, or --recompute none or full")
     if cp > 1 and cp_attention == "ulysses":
         check_ulysses(cfg.n_head // tp, cfg.n_kv_head // tp, cp)
     if cp > 1 and seq_len is not None:
@@ -248,7 +250,7 @@ def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel:
 def _cp_core(attention, group, positions, stats, q, k, v):
     """The attention core of one layer under CP: this rank's local heads, its S/cp queries
     (``stats``: a list the attention appends its work and compute time to, or None)."""
-    kw = {"stats": stats} if stats is not None else {}
+    kw = {"stats": stats} if stats is not None and not recomputing() else {}   # one entry per forward
     return attention(q, k, v, group, [p.to(q.device) for p in positions], causal=True, **kw)
 
 

@@ -34,8 +34,9 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   (Llama 3) 2 all-gathers of kv forward and 2 reduce-scatters of cp kv backward; "ring" cp - 1
   sends of K and V forward, backward cp - 1 sends of K and V and cp of their gradients; "ulysses"
   4 all-to-alls (q, k, v, output) forward and 4 backward of b (s/cp) d e (2a + 2a_kv)/t bytes in
-  all. Full recompute repeats the forward's. The parameter gradients are reduced over the d cp
-  ranks (the DP axis's group becomes d cp, Megatron-Core's data-parallel group with CP).
+  all. Recompute repeats the forward's (full; selective too, which checkpoints the CP core). The
+  parameter gradients are reduced over the d cp ranks (the DP axis's group becomes d cp,
+  Megatron-Core's data-parallel group with CP).
 * EP: each MoE layer sends its k routed copies of the tokens to the experts' ranks and back
   (2 all-to-alls forward, 2 backward).
 
@@ -193,7 +194,6 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
-    fwd_layers = L_r * (2 if lay.recompute == "full" else 1)   # full recompute reruns the forward
     ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
     n_moe = sum(1 for i in ids if spec.is_moe_layer(i))
 
@@ -210,7 +210,7 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     if lay.cp > 1:
         d_h = spec.head_dim
         kv = N * (spec.kv_heads // t) * d_h * e
-        fwd = Ml * fwd_layers
+        fwd = Ml * L_r * (1 if lay.recompute == "none" else 2)   # recompute (selective too) reruns the core
         if lay.cp_attention == "allgather":
             cp.add("all_gather", 2 * fwd, kv)
             cp.add("reduce_scatter", 2 * Ml * L_r, lay.cp * kv)

@@ -97,8 +97,8 @@ class ParallelAttention(nn.Module):
         q = q.view(B, S, self.n_head_local, d).transpose(1, 2)
         k = k.view(B, S, self.n_kv_head_local, d).transpose(1, 2)
         v = v.view(B, S, self.n_kv_head_local, d).transpose(1, 2)
-        if self.core is not None:   # context parallelism's (q, k, v) -> y
-            y = self.core(q, k, v)
+        if self.core is not None:   # context parallelism's (q, k, v) -> y; selective: its inputs kept only
+            y = checkpoint(self.core, q, k, v) if self.recompute_core else self.core(q, k, v)
         elif self.recompute_core:   # keep q, k, v; recompute the s^2 part (scores, softmax, dropout, sum)
             y = checkpoint(causal_attention, q, k, v, self.attn_drop)
         else:

@@ -146,7 +146,8 @@ def test_injected_bug_is_caught(bug, zero):
     (dict(tp=4, cp=2, cp_attention="ring", sequence_parallel=True, seq_len=12),
      "each CP rank's S/cp = 12/2 = 6 tokens must be divisible by t=4"),
     (dict(tp=1, cp=2, cp_attention="ring", zero=3, hsdp=2), "not combined with HSDP"),
-    (dict(tp=1, cp=2, cp_attention="ring", recompute="selective"), "not combined with selective recompute"),
+    (dict(tp=1, cp=2, cp_attention="allgather", recompute="selective"), "with ring attention only"),
+    (dict(tp=1, cp=2, cp_attention="ring", recompute="selective"), None),
     (dict(tp=1, cp=2, cp_attention="ring", seq_len=6, load_balance=False), None),
     (dict(tp=1, cp=3, cp_attention="ring", seq_len=16), "S=16 must be divisible by 2 * cp"),
 ])
@@ -192,11 +193,29 @@ def test_lab_3d_cp_activations_equal_the_planner(tmp_path, capsys, method, layou
     assert "not compared" not in out
 
 
+def test_lab_3d_cp_ring_with_selective_recompute_equals_one_device_and_the_planner(tmp_path, capsys):
+    """(t, cp, p, d) = (1, 2, 2, 1), ring attention, selective recompute: the CP core checkpointed (its
+    inputs kept; its forward's K/V sends run again in backward), equal to one device, bytes per axis
+    and activations equal to the planner's. Injected bug: the planner told there is no recompute
+    misses the repeated sends and the activations it saves."""
+    from labkit.labs import threed
+    argv = ["--tp", "1", "--pp", "2", "--dp", "1", "--cp", "2", "--cp-attention", "ring", "--steps", "2", "--batch",
+            "4", "--microbatches", "2", "--seq", "16", "--no-plots", "--recompute", "selective"]
+    rc = threed.main([*argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0 and "OK   t1 cp2 ring p2 d1 1f1b" in cap.out and "FAIL" not in cap.err, cap.out + cap.err
+    out = threed.LAB.result
+    assert threed._planner_table(threed.parse_args(argv), out)[1] == []
+    bad = threed._planner_table(threed.parse_args(argv[:-2]), out)[1]
+    assert any("cp send" in b for b in bad) and any("activations" in b for b in bad), bad
+
+
 def test_lab_3d_bad_cp_is_one_line(tmp_path, capsys):
     from labkit.labs.threed import main
     for argv, msg in ((["--cp-no-load-balance"], "--cp-no-load-balance chooses how --cp C > 1 splits each sequence"),
                       (["--cp", "2", "--seq", "6", "--cp-no-load-balance"], "--seq 6 must be divisible by 2 * --cp"),
-                      (["--cp", "2", "--recompute", "selective"], "not combined with selective recompute"),
+                      (["--cp", "2", "--recompute", "selective", "--cp-attention", "ulysses"],
+                       "with ring attention only"),
                       (["--cp", "2", "--zero", "3", "--hsdp", "2", "--dp", "4"], "not combined with HSDP (R=2)")):
         assert main([*argv, "--heads", "2", "--embd", "16", "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
