@@ -252,7 +252,18 @@ def _(answer):
 
 
 # ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
-from ..fresh import fresh_case  # noqa: E402
+from ..fresh import fresh_case, seed  # noqa: E402
 
 fresh_case(ex121, "random E, k, m", lambda r: (lambda E: (E, r.randint(1, E), r.randint(1, 8)))(r.randint(1, 64)),
            _comb_case)
+
+
+def _draw_groups(r):
+    G, per = r.randint(1, 4), r.randint(2, 4)
+    keep = r.randint(1, G)
+    k, T = r.randint(1, keep * per), r.randint(1, 8)
+    logits = torch.randn(T, G * per, generator=torch.Generator().manual_seed(seed(r))) * 2
+    return logits, k, G, keep, f"group_limited_topk(T={T}, E={G * per}, k={k}, G={G}, topk_groups={keep})"
+
+
+fresh_case(ex122, "random scores, groups and k", _draw_groups, _group_case)
