@@ -67,6 +67,8 @@ written by someone trying to game it:
   The interactive ``check`` applies the same rule to the cells its kernel ran.
 * **Fresh inputs** (:mod:`labkit.grading.fresh`): hidden cases also draw inputs seeded from
   ``os.urandom`` in the grader's case process each run; expected values are computed there.
+  Every exercise that takes inputs has such a case (those without inputs are listed in
+  ``fresh.EXEMPT`` with the reason; tests/grading/test_grading_fresh.py checks both).
   An instructor's hidden cases (``LABKIT_HIDDEN_CASES``) run after every visible result is
   fixed, in a fresh kernel that replays the cells that ran; visible messages show a
   learner-returned value that is not a number by its type and size only.

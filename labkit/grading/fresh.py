@@ -19,9 +19,20 @@ import os
 import random
 from typing import Any, Callable
 
-__all__ = ["rng", "seed", "fresh_case", "reproducible"]
+__all__ = ["rng", "seed", "fresh_case", "reproducible", "has_fresh_case", "EXEMPT", "MARK"]
 
 DRAWS = 4  # inputs drawn per fresh case
+MARK = "(fresh inputs)"  # the end of a fresh case's name
+
+# Exercises with no inputs to draw: what the learner returns does not depend on arguments, so there is
+# nothing a lookup table could key on and nothing fresh to draw. Every other exercise of labkit's
+# notebooks has a fresh case (tests/grading/test_grading_fresh.py holds both lists to that).
+EXEMPT: dict[str, str] = {
+    "12.3": "no inputs: gate_lines() names lines of labkit's own source (route, MoELayer.forward), which the "
+            "case reads with inspect; the answer is one fixed mapping",
+    "12.4": "no inputs: deepseek_v3_gate() returns one configuration (DeepSeek-V3's published numbers); its "
+            "hidden routing case only exercises that configuration",
+}
 
 
 _FIXED_SEED: int | None = None  # set by the interactive check only (see :func:`reproducible`)
@@ -53,6 +64,11 @@ def seed(r: random.Random) -> int:
     return r.getrandbits(31)
 
 
+def has_fresh_case(ex) -> bool:
+    """Whether exercise ``ex`` has a hidden case that draws fresh inputs (one made by :func:`fresh_case`)."""
+    return any(c.hidden and c.name.endswith(MARK) for c in ex.cases)
+
+
 def fresh_case(ex, name: str, draw: Callable[[random.Random], tuple], factory: Callable[..., Callable[[Any], None]],
                n: int = DRAWS) -> None:
     """Make exercise ``ex``'s last hidden case also run ``n`` fresh draws: each run draws
@@ -73,7 +89,7 @@ def fresh_case(ex, name: str, draw: Callable[[random.Random], tuple], factory: C
 
     hidden = [i for i, c in enumerate(ex.cases) if c.hidden]
     if not hidden:
-        ex.cases.append(Case(f"{name} (fresh inputs)", draws, True, DEFAULT_TIMEOUT))
+        ex.cases.append(Case(f"{name} {MARK}", draws, True, DEFAULT_TIMEOUT))
         return
     i = hidden[-1]
     old = ex.cases[i]
@@ -82,4 +98,4 @@ def fresh_case(ex, name: str, draw: Callable[[random.Random], tuple], factory: C
         _fixed(answer)
         draws(answer)
 
-    ex.cases[i] = Case(f"{old.name}; {name} (fresh inputs)", both, True, old.timeout, old.hint, old.secret)
+    ex.cases[i] = Case(f"{old.name}; {name} {MARK}", both, True, old.timeout, old.hint, old.secret)

@@ -132,7 +132,22 @@ def test_unscaled_loss_is_also_caught_by_the_plain_sgd_case():
     case = next(c for c in get_exercise("2.3").cases if "SGD steps" in c.name and not c.hidden)
     assert run_case(case, accumulate).status == "passed"
     res = run_case(case, accumulate_unscaled)
-    assert res.status == "failed" and "M=4 times the full-batch gradient" in res.message
+    assert res.status == "failed" and "M=4 times the expected gradient" in res.message
+
+
+def accumulate_full_batch(model, x, y, M):
+    """Wrong: one call on the whole batch, M ignored (labkit's GPT would give the same gradient; the check's
+    model has a batch-statistic term, so the gradients show it)."""
+    model(x, y).backward()
+
+
+def test_full_batch_ignoring_M_fails_on_the_gradients_naming_the_missing_split():
+    assert_public_case_fails("2.3", accumulate_full_batch, "M=4: every parameter gradient",
+                             contains="the batch was not split into M=4 microbatches")
+    fresh = next(c for c in get_exercise("2.3").cases if c.name.endswith("(fresh inputs)"))
+    assert fresh.hidden and run_case(fresh, accumulate).status == "passed"
+    res = run_case(fresh, accumulate_full_batch)
+    assert res.status == "failed" and "not split into M=" in res.message
 
 
 def accumulate_split_by_M(model, x, y, M):
@@ -190,11 +205,12 @@ def test_wrong_answer_fails(exercise, answer, kw):
 WRONG_PUBLIC = {
     "unscaled_microbatch_loss_fails_naming_the_factor_M":
         ("2.3", accumulate_unscaled, "M=4: every parameter gradient",
-         {"contains": "it is exactly M=4 times the full-batch gradient: the M microbatch losses were added up as "
+         {"contains": "it is exactly M=4 times the expected gradient: the M microbatch losses were added up as "
                       "they are, but the batch loss is their MEAN"}),
     "zeroing_inside_the_loop_fails_with_the_difference":
         ("2.3", accumulate_zeroing, "M=4: every parameter gradient",
-         {"contains": "embedding.wte.weight vs the full batch's: tensors of shape (256, 16) differ in"}),
+         {"contains": "embedding.wte.weight vs M=4 microbatches' (loss / M each): tensors of shape (256, 16) differ "
+                      "in"}),
 }
 
 

@@ -2,6 +2,7 @@
 message that says what was expected and what came back."""
 import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -96,17 +97,27 @@ def test_v3_gate_solution_passes():
 
 
 @pytest.mark.parametrize("change, case, contains", [
-    ({"n_limited_groups": 8}, "group-limited routing", "MoEConfig.n_limited_groups: expected 4, got 8"),
-    ({"score_func": "softmax"}, "scores and weights", "MoEConfig.score_func: expected 'sigmoid', got 'softmax'"),
-    ({"route_scale": 1.0}, "scores and weights", "MoEConfig.route_scale: expected 2.5, got 1.0"),
-    ({"n_shared_experts": 0}, "experts:", "MoEConfig.n_shared_experts: expected 1, got 0"),
-    ({"n_activated_experts": 2}, "experts:", "MoEConfig.n_activated_experts: expected 8, got 2"),
-    ({"moe_ffn_dim": 18432}, "expert sizes", "MoEConfig.moe_ffn_dim: expected 2048, got 18432"),
-    ({"activation": "gelu"}, "expert sizes", "MoEConfig.activation: expected 'swiglu', got 'gelu'"),
-    ({"n_embd": 4096}, "expert sizes", "MoEConfig.n_embd: expected 7168, got 4096"),
+    ({"n_limited_groups": 8}, "group-limited routing", "MoEConfig.n_limited_groups is not DeepSeek-V3's (yours is 8)"),
+    ({"score_func": "softmax"}, "scores and weights", "MoEConfig.score_func is not DeepSeek-V3's (yours is 'softmax')"),
+    ({"route_scale": 1.0}, "scores and weights", "MoEConfig.route_scale is not DeepSeek-V3's (yours is 1.0)"),
+    ({"n_shared_experts": 0}, "experts:", "MoEConfig.n_shared_experts is not DeepSeek-V3's (yours is 0)"),
+    ({"n_activated_experts": 2}, "experts:", "MoEConfig.n_activated_experts is not DeepSeek-V3's (yours is 2)"),
+    ({"n_routed_experts": 64}, "experts:", "MoEConfig.n_routed_experts is not DeepSeek-V3's (yours is 64): it "
+                                           "holds the number of routed experts per MoE layer; look it up in the "
+                                           "report, sec. 4.2"),
+    ({"moe_ffn_dim": 18432}, "expert sizes", "MoEConfig.moe_ffn_dim is not DeepSeek-V3's (yours is 18432)"),
+    ({"activation": "gelu"}, "expert sizes", "MoEConfig.activation is not DeepSeek-V3's (yours is 'gelu')"),
+    ({"n_embd": 4096}, "expert sizes", "MoEConfig.n_embd is not DeepSeek-V3's (yours is 4096)"),
+    ({"renormalize": False}, "experts:", "MoEConfig.renormalize is not DeepSeek-V3's (yours is False)"),
 ])
 def test_v3_gate_misread_fails_naming_the_field(change, case, contains):
-    assert_public_case_fails("12.4", lambda: replace(deepseek_v3_gate(), **change), case, contains=contains)
+    res = assert_public_case_fails("12.4", lambda: replace(deepseek_v3_gate(), **change), case, contains=contains)
+    # the message names the field and where to look, never DeepSeek-V3's value
+    field = next(iter(change))
+    want = {"renormalize": True}.get(field, getattr(deepseek_v3_gate(), field))
+    rest = res.message.split(f"MoEConfig.{field} ", 1)[1].split(" Hint:")[0]
+    rest = rest.replace(f"(yours is {change[field]!r})", "")
+    assert "expected" not in rest and not re.search(rf"(?<![\d.]){re.escape(repr(want))}(?![\d.])", rest), rest
 
 
 # a plausible wrong answer fails with a message that names the mistake

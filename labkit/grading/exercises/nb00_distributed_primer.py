@@ -194,3 +194,5 @@ from ..fresh import fresh_case, seed  # noqa: E402
 
 fresh_case(ex01, "random N, chunk size and values", lambda r: (r.randint(1, 4), r.randint(1, 4), seed(r)),
            _rs_case, n=2)
+fresh_case(ex02, "random N, length and values", lambda r: (r.randint(2, 4), r.randint(1, 12), seed(r)), _ring_case,
+           n=2)

@@ -5,7 +5,9 @@ so every stage keeps the activations of all M microbatches at its peak. The chec
 learner's action list with the validator, then run it on real gloo ranks and compare every
 parameter gradient with the single-device model. Exercise 2.3 (gradient accumulation) checks
 the 1/M scaling of each microbatch's loss with plain SGD, which shows a gradient M times too
-large where Adam, scale-invariant, would hide it.
+large where Adam, scale-invariant, would hide it; its model's loss has a term in its batch's
+mean activation (as BatchNorm's statistics), so the gradients themselves show whether the batch
+was cut into M microbatches.
 
 The helpers here (a tiny GPT on K ranks, the single-device reference) are shared with the
 exercises of notebooks 03 and 04.
@@ -250,6 +252,18 @@ ex23.hint2 = ("Check two things: that the loop makes M microbatches of equal siz
               "it.")
 
 
+def _microbatched(M: int):
+    """The accumulation the exercise asks for: M chunks, each loss scaled by 1/M (run in the grader)."""
+    def step(model, x, y):
+        for xm, ym in zip(x.chunk(M), y.chunk(M)):
+            (model(xm, ym) / M).backward()
+    return step
+
+
+def _full_batch(model, x, y):
+    model(x, y).backward()
+
+
 def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
     """' (... M times ...)' when ``got`` is ``want`` times a constant that is M or 1/M."""
     denom = float((want * want).sum())
@@ -259,11 +273,11 @@ def _scale_hint(got: torch.Tensor, want: torch.Tensor, M: int) -> str:
     if not torch.allclose(got, ratio * want, rtol=1e-4, atol=1e-7):
         return ""
     if abs(ratio - M) < 1e-3 * M:
-        return (f"; it is exactly M={M} times the full-batch gradient: the M microbatch losses were added up "
+        return (f"; it is exactly M={M} times the expected gradient: the M microbatch losses were added up "
                 f"as they are, but the batch loss is their MEAN")
     if M > 1 and abs(ratio - 1 / M) < 1e-3 / M:
-        return f"; it is 1/M = 1/{M} of the full-batch gradient: the loss was divided by M twice"
-    return f"; it is {ratio:.4g} times the full-batch gradient"
+        return f"; it is 1/M = 1/{M} of the expected gradient: the loss was divided by M twice"
+    return f"; it is {ratio:.4g} times the expected gradient"
 
 
 def _calls_message(calls, M: int) -> str:
@@ -276,17 +290,29 @@ def _calls_message(calls, M: int) -> str:
             "cut into microbatches")
 
 
+def _same_grads(got_g: dict, want_g: dict) -> bool:
+    return all(isinstance(got_g.get(n), torch.Tensor) and got_g[n].shape == w.shape
+               and torch.allclose(got_g[n], w, rtol=1e-5, atol=1e-6) for n, w in want_g.items())
+
+
 def _accumulate_case(M: int, steps: int, seed: int):
+    """The learner's accumulation on :class:`~labkit.grading.kernelside.nb02_gpipe.BatchStatGPT` (its loss has a
+    term in its batch's mean activation, so one full-batch call and M microbatch calls give different
+    gradients), judged against M chunks of loss L_m / M computed here: the gradients (data) show the split."""
     def case(accumulate_microbatches):
         what = f"accumulate_microbatches(model, x [{ACC_BATCH}, {ACC_SEQ}], y, M={M})"
         got = kernel_side(accumulate_microbatches, _accumulate_run, M, steps, seed)
-        if not isinstance(got, (tuple, list)) or len(got) != 3:
+        if not isinstance(got, (tuple, list)) or len(got) != 3 or not isinstance(got[0], dict):
             raise CheckFailure(f"{what}: the run did not return gradients and parameters")
         got_g, got_p, calls = got
-        want_g, want_p = _sgd_run(lambda model, x, y: model(x, y).backward(), steps, seed)
-        if any(not torch.allclose(got_g[n], w, rtol=1e-5, atol=1e-6) for n, w in want_g.items()
-               if got_g.get(n) is not None) and _calls_message(calls, M):
-            raise CheckFailure(f"{what}: the accumulated gradients differ from the full batch's"
+        want_g, want_p = _sgd_run(_microbatched(M), steps, seed)
+        if M > 1 and not _same_grads(got_g, want_g) and _same_grads(got_g, _sgd_run(_full_batch, 1, seed)[0]):
+            raise CheckFailure(f"{what}: these are the gradients of ONE call of the model on the whole batch: the "
+                               f"batch was not split into M={M} microbatches (this model's loss depends on the "
+                               "statistics of the batch it is called on, as with BatchNorm, so the split shows in "
+                               "the gradients)")
+        if not _same_grads(got_g, want_g) and _calls_message(calls, M):
+            raise CheckFailure(f"{what}: the accumulated gradients differ from those of M={M} microbatches"
                                + _calls_message(calls, M))
         for name, w in want_g.items():
             g = got_g.get(name)
@@ -294,18 +320,18 @@ def _accumulate_case(M: int, steps: int, seed: int):
                 raise CheckFailure(f"{what}: parameter {name} has no gradient afterwards; call loss.backward() "
                                    f"for every microbatch")
             if not torch.allclose(g, w, rtol=1e-5, atol=1e-6) and _scale_hint(g, w, M):
-                raise CheckFailure(f"{what}: the accumulated gradient of {name} differs from the full batch's"
+                raise CheckFailure(f"{what}: the accumulated gradient of {name} differs from the expected one"
                                    + _scale_hint(g, w, M))
-            expect_close(g, w, f"{what}: the accumulated gradient of {name} vs the full batch's")
+            expect_close(g, w, f"{what}: the accumulated gradient of {name} vs M={M} microbatches' (loss / M each)")
         if steps > 1:
             for name, w in want_p.items():
                 expect_close(got_p[name], w, f"{what}: parameter {name} after {steps} plain SGD steps "
-                                             f"(lr={ACC_LR}) vs full-batch training")
+                                             f"(lr={ACC_LR}) vs training on M={M} microbatches")
     return case
 
 
-ex23.case("M=4: every parameter gradient equals the full batch's")(_accumulate_case(4, 1, 0))
-ex23.case("M=4, 3 plain SGD steps: parameters equal full-batch training",
+ex23.case("M=4: every parameter gradient equals M microbatches' (loss / M each)")(_accumulate_case(4, 1, 0))
+ex23.case("M=4, 3 plain SGD steps: parameters equal training on M microbatches",
           hint="Plain SGD (not Adam, which divides by the gradient's size) shows a gradient that is a constant "
                "factor off: by what factor does your microbatch loss differ from its share of the batch's "
                "loss?")(_accumulate_case(4, 3, 1))
@@ -318,3 +344,20 @@ ex23.case("M=2, 3 SGD steps", hidden=True)(_accumulate_case(2, 3, 4))
 from ..fresh import fresh_case  # noqa: E402
 
 fresh_case(ex21, "random K, M", lambda r: (r.randint(1, 6), r.randint(1, 10)), _gpipe_case)
+
+
+def _draw_schedule(r):
+    """A random GPipe, 1F1B or interleaved schedule (K, M small), as _count_case's arguments."""
+    K = r.randint(1, 4)
+    kind = r.choice(("gpipe", "1f1b", "interleaved"))
+    if kind == "interleaved":
+        v, M = r.randint(2, 3), K * r.randint(1, 3)
+        return (lambda: interleaved_schedule(K, M, v)), K * v, f"interleaved K={K}, M={M}, v={v}"
+    M = r.randint(1, 8)
+    make = gpipe_schedule if kind == "gpipe" else one_f_one_b_schedule
+    return (lambda: make(K, M)), K, f"{kind} K={K}, M={M}"
+
+
+fresh_case(ex22, "random GPipe, 1F1B or interleaved schedule", _draw_schedule, _count_case)
+fresh_case(ex23, "random M, steps and weights", lambda r: (r.choice((2, 4, 8)), r.randint(1, 2), r.randint(5, 10 ** 6)),
+           _accumulate_case)

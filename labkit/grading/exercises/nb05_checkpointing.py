@@ -178,3 +178,19 @@ ex53.case("three checkpointed segments in a row, dropout", hidden=True)(
     _ckpt_case(0.3, 2, segments=3, label="3 segments, dropout p=0.3"))
 ex53.case("the RNG stream after three segments", hidden=True)(
     _ckpt_case(0.2, 4, segments=3, check_stream=True, label="RNG stream, 3 segments"))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case, seed  # noqa: E402
+
+fresh_case(ex51, "random n, k", lambda r: (lambda n: (n, r.randint(1, n)))(r.randint(1, 300)), _bounds_case)
+fresh_case(ex52, "random n and sizes", lambda r: (r.randint(1, 300), r.randint(1, 10 ** 4), r.randint(1, 10 ** 4)),
+           _best_case)
+
+
+def _draw_ckpt(r):
+    segments, stream = r.randint(1, 3), r.random() < 0.5
+    return r.choice((0.0, 0.1, 0.3, 0.5, 0.7)), seed(r), segments, stream, f"random draw, {segments} segment(s)"
+
+
+fresh_case(ex53, "random dropout, weights and segments", _draw_ckpt, _ckpt_case, n=2)

@@ -245,3 +245,30 @@ ex64.case("t=2 ranks: output and gradients equal one device", timeout=20)(_row_c
 ex64.case("t=4 ranks: output and gradients equal one device", timeout=25)(_row_case(4, 3, 16, 5, 41))
 ex64.case("t=1 rank", hidden=True, timeout=20)(_row_case(1, 2, 4, 3, 42))
 ex64.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_row_case(3, 5, 12, 7, 43))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case, seed  # noqa: E402
+
+
+def _draw_mlp(r):
+    t = r.randint(1, 5)
+    return r.randint(1, 6), r.randint(1, 8), t * r.randint(1, 6), t, seed(r)
+
+
+def _draw_operator(which):
+    def draw(r):
+        t = r.randint(1, 3)
+        return which, t, r.randint(1, 5), r.randint(1, 6), t * r.randint(1, 4), seed(r)
+    return draw
+
+
+def _draw_row(r):
+    t = r.randint(1, 3)
+    return t, r.randint(1, 5), t * r.randint(1, 4), r.randint(1, 6), seed(r)
+
+
+fresh_case(ex61, "random sizes, t and values", _draw_mlp, _partials_case)
+fresh_case(ex62, "random t, sizes and values", _draw_operator("f"), _operator_case, n=2)
+fresh_case(ex63, "random t, sizes and values", _draw_operator("g"), _operator_case, n=2)
+fresh_case(ex64, "random t, sizes and values", _draw_row, _row_case, n=2)

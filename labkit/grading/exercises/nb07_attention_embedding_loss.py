@@ -217,7 +217,23 @@ ex73.case("t=2, very negative logits", hidden=True, timeout=20)(_ce_case(2, 4, 8
 
 
 # ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
-from ..fresh import fresh_case  # noqa: E402
+from ..fresh import fresh_case, seed  # noqa: E402
 
 fresh_case(ex71, "random heads and t", lambda r: (lambda t: (t * r.randint(1, 6), t))(r.choice((1, 2, 4, 8))),
            _heads_case)
+
+
+def _draw_emb(r):
+    t = r.randint(1, 4)
+    return t * r.randint(1, 6), r.randint(1, 5), t, tuple(r.randint(1, 4) for _ in range(r.randint(1, 3))), seed(r)
+
+
+def _draw_ce(r):
+    t = r.randint(1, 3)
+    offset = r.choice((0.0, r.uniform(-800.0, 800.0)))
+    block = r.randrange(t) if r.random() < 0.25 else None
+    return t, r.randint(1, 6), t * r.randint(1, 8), seed(r), offset, r.uniform(0.5, 20.0), block
+
+
+fresh_case(ex72, "random V, t, ids and weights", _draw_emb, _emb_sum_case)
+fresh_case(ex73, "random t, tokens, vocabulary and logits", _draw_ce, _ce_case, n=2)

@@ -377,3 +377,25 @@ fresh_case(ex82, "random t, p, d", _draw_grid, _groups_case)
 fresh_case(ex83, "random P, layout, ZeRO stage, precision", _draw_states, _states_case)
 fresh_case(ex84, "random model, layout, SP and recompute", _draw_act, _act_case)
 fresh_case(ex86, "random model and layout", _draw_axis, _axis_case)
+
+_FRESH_MODELS = ("megatron-8.3b", "gpt3-175b", "mt-nlg-530b", "llama3-70b", "llama3-405b", "bloom-176b",
+                 "korthikanti-22b", "korthikanti-175b", "mixtral-8x7b")
+
+
+def _fresh_choice_case(kind, *args):
+    """8.5's fresh draws: the planner's table of a random model and cluster, or a random literal table."""
+    return (_choose_case if kind == "model" else _literal_choose_case)(*args)
+
+
+def _draw_choice(r):
+    g = r.choice((2, 4, 8))
+    if r.random() < 0.5:
+        return ("model", r.choice(_FRESH_MODELS), 2 ** r.randint(3, 12), g, r.choice((16, 24, 40, 80, 96, 141)),
+                r.choice(("selective", "full")))
+    n = r.choice((4, 6, 8, 12, 16, 24, 32, 48, 64))
+    pairs = [(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 3, 4, 6, 8) if r.random() < 0.7]
+    table = {tp: r.randint(1, 200) * 1e9 for tp in pairs}
+    return "literal", n, g, r.randint(5, 160), table
+
+
+fresh_case(ex85, "random model, cluster and memory tables", _draw_choice, _fresh_choice_case)

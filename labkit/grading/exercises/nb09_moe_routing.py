@@ -183,3 +183,37 @@ ex93.case("a toy MoE, E=4, k=1")(_params_case(_TOY))
 ex93.case("Mixtral 8x22B (about 141B total, 39B active)", hidden=True)(_params_case(MIXTRAL_8X22B))
 ex93.case("E=1, k=1 is a dense model (total == active)", hidden=True)(
     _params_case(replace(_TOY, name="a dense model", n_routed_experts=1, n_activated_experts=1)))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case, seed  # noqa: E402
+
+
+def _draw_gate(r):
+    T, E = r.randint(1, 16), r.randint(1, 10)
+    k = r.randint(1, E)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(seed(r))) * r.uniform(0.5, 4.0)
+    return logits, k, r.random() < 0.5, f"top_k_gate(random logits [{T}, {E}], k={k})", r.random() < 0.5
+
+
+def _draw_capacity(r):
+    E = r.choice((1, 2, 4, 8))      # E and cf powers of two (or dyadic): k T / E * cf is exact in floating point
+    T, k = r.randint(1, 40), r.randint(1, E)
+    g = torch.Generator().manual_seed(seed(r))
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    cf = r.choice((0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0))
+    return idx, E, cf, f"capacity_keep(T={T}, E={E}, k={k}, cf={cf})"
+
+
+def _draw_moe_spec(r):
+    kv = r.choice((1, 2, 4))
+    n_head = kv * r.randint(1, 4)
+    E = r.randint(1, 16)
+    return (replace(_TOY, name="a random MoE", vocab_size=r.randint(100, 60000), hidden=n_head * 32 * r.randint(1, 4),
+                    n_layer=r.randint(1, 48), n_head=n_head, n_kv_head=kv, moe_ffn=64 * r.randint(1, 64),
+                    n_routed_experts=E, n_activated_experts=r.randint(1, E), seq_len=r.choice((512, 4096, 32768))),)
+
+
+fresh_case(ex91, "random logits and k", _draw_gate, _gate_case)
+fresh_case(ex92, "random routing, E, k and capacity factor", _draw_capacity, _cap_case)
+fresh_case(ex93, "random MoE shapes", _draw_moe_spec, _params_case)

@@ -124,3 +124,34 @@ ex103.case("random loads over 16 experts", hidden=True)(
     _bias_case(torch.randn(16, generator=torch.Generator().manual_seed(7)) * 0.01,
                torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(8)), 0.002,
                "update_bias(16 experts)"))
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from ..fresh import fresh_case, seed  # noqa: E402
+
+
+def _draw_switch(r):
+    T, E = r.randint(1, 64), r.randint(1, 16)
+    k = r.randint(1, E)
+    alpha = r.choice((0.001, 0.01, 0.1, 1.0))
+    return switch_aux_loss, *_routing(T, E, k, seed(r)), (alpha,), f"switch_aux_loss(T={T}, E={E}, k={k})"
+
+
+def _draw_device(r):
+    D = r.randint(1, 4)
+    E = D * r.randint(1, 4)
+    T, k = r.randint(1, 48), r.randint(1, E)
+    return (device_balance_loss, *_routing(T, E, k, seed(r)), (D, r.choice((0.01, 0.05, 1.0))),
+            f"device_balance_loss(T={T}, E={E}, k={k}, D={D})")
+
+
+def _draw_bias(r):
+    E = r.randint(1, 32)
+    g = torch.Generator().manual_seed(seed(r))
+    return (torch.randn(E, generator=g) * 0.01, torch.randint(0, 60, (E,), generator=g), r.choice((1e-3, 2e-3, 0.01)),
+            f"update_bias({E} experts)")
+
+
+fresh_case(ex101, "random routing and alpha", _draw_switch, _loss_case)
+fresh_case(ex102, "random routing, devices and alpha2", _draw_device, _loss_case)
+fresh_case(ex103, "random bias, loads and gamma", _draw_bias, _bias_case)

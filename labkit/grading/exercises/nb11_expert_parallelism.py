@@ -129,11 +129,11 @@ ex112.hint2 = ("The dispatch sends the rows given by this rank's input splits; t
 _EP_CFG = dict(n_embd=8, n_routed_experts=8, n_activated_experts=2, moe_ffn_dim=8, capacity_factor=1.0)
 
 
-def _ep_bytes_worker(ctx, cfg, T):
-    torch.manual_seed(0)
+def _ep_bytes_worker(ctx, cfg, T, seed=5):
+    torch.manual_seed(seed - 5)
     dense = MoELayer(cfg)
     layer = ExpertParallelMoE.from_dense(dense, ctx.group, ctx.rank, ctx.world_size)
-    x = torch.randn(ctx.world_size * T, cfg.n_embd, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(ctx.world_size * T, cfg.n_embd, generator=torch.Generator().manual_seed(seed))
     with CommLog() as log:
         _, stats = layer(x[ctx.rank * T:(ctx.rank + 1) * T])
     r = stats.router
@@ -143,10 +143,10 @@ def _ep_bytes_worker(ctx, cfg, T):
     return {"send": send, "bytes": [rec.nbytes for rec in log.of("all_to_all")]}
 
 
-def _bytes_case(T, cfg_kw, P=4):
+def _bytes_case(T, cfg_kw, P=4, seed=5):
     def case(a2a_bytes):
         cfg = MoEConfig(**cfg_kw)
-        res = launch(_ep_bytes_worker, P, cfg, T, timeout=10)
+        res = launch(_ep_bytes_worker, P, cfg, T, seed, timeout=10)
         for p in range(P):
             send = res[p]["send"]
             recv = [res[s]["send"][p] for s in range(P)]
@@ -179,3 +179,16 @@ def _draw_routing(r):
 
 
 fresh_case(ex111, "random routing", _draw_routing, _splits_case)
+
+
+def _draw_ep(r):
+    P = r.choice((2, 3, 4))      # one rank alone makes no all-to-all for CommLog to measure
+    E = P * r.randint(1, 3)
+    kw = dict(n_embd=r.choice((4, 8, 16, 24)), n_routed_experts=E, n_activated_experts=r.randint(1, min(E, 3)),
+              moe_ffn_dim=8)
+    if r.random() < 0.5:
+        kw["capacity_factor"] = r.choice((0.5, 1.0, 1.5))
+    return r.randint(1, 8), kw, P, 5 + seed(r)
+
+
+fresh_case(ex112, "random ranks, experts, k, hidden size and tokens", _draw_ep, _bytes_case, n=2)

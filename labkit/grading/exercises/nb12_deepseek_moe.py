@@ -178,19 +178,25 @@ ex124.hint2 = ("Read the MoEConfig docstring for what each field means; the rout
                "routed_scaling_factor in the released config, and the groups are the nodes a token may be sent "
                "to.")
 
-# field -> (DeepSeek-V3's value, where the description says it)
+# field -> (DeepSeek-V3's value, what the field holds, where the report says it). A failure message names the
+# field and where to look, never the value (that would hand out the answer).
 V3_GATE = {
-    "n_routed_experts": (256, "256 routed experts per MoE layer (sec. 4.2)"),
-    "n_shared_experts": (1, "1 shared expert per MoE layer (sec. 4.2)"),
-    "n_activated_experts": (8, "8 routed experts activated per token (sec. 4.2)"),
-    "score_func": ("sigmoid", "sigmoid affinity scores s = sigma(u^T e) (eq. 15)"),
-    "expert_bias": (True, "the aux-loss-free bias b_i added for selection only (eq. 16, notebook 10)"),
-    "n_expert_groups": (8, "the experts form 8 groups, one per node of 8 GPUs (sec. 2.1.2, 4.2)"),
-    "n_limited_groups": (4, "each token is sent to at most 4 nodes, i.e. 4 groups (sec. 4.2)"),
-    "route_scale": (2.5, "the gating weights are scaled by 2.5 (routed_scaling_factor of the released config)"),
-    "n_embd": (7168, "the hidden size is 7168 (sec. 4.2)"),
-    "moe_ffn_dim": (2048, "each expert's intermediate hidden size is 2048 (sec. 4.2)"),
-    "activation": ("swiglu", "the experts are SwiGLU FFNs, like the dense layers (sec. 2.1, 4.2)"),
+    "n_routed_experts": (256, "the number of routed experts per MoE layer", "sec. 4.2 (model hyper-parameters)"),
+    "n_shared_experts": (1, "the number of shared experts per MoE layer", "sec. 4.2 (model hyper-parameters)"),
+    "n_activated_experts": (8, "the number of routed experts a token activates", "sec. 4.2 (model hyper-parameters)"),
+    "score_func": ("sigmoid", "the function that turns a token's logits into affinity scores",
+                   "sec. 2.1.2, eq. 15"),
+    "expert_bias": (True, "whether the aux-loss-free bias b_i is added for selection",
+                    "sec. 2.1.2, eq. 16 (and notebook 10)"),
+    "n_expert_groups": (8, "the number of groups the routed experts form (one per node)",
+                        "sec. 2.1.2 (node-limited routing) and sec. 4.2"),
+    "n_limited_groups": (4, "the number of groups (nodes) one token may be sent to",
+                         "sec. 2.1.2 (node-limited routing) and sec. 4.2"),
+    "route_scale": (2.5, "the factor that scales the gating weights",
+                    "routed_scaling_factor in the released config"),
+    "n_embd": (7168, "the hidden size", "sec. 4.2 (model hyper-parameters)"),
+    "moe_ffn_dim": (2048, "the intermediate hidden size of one expert", "sec. 4.2 (model hyper-parameters)"),
+    "activation": ("swiglu", "the kind of FFN each expert is", "sec. 2.1 and 4.2 (like the dense layers)"),
 }
 
 
@@ -205,14 +211,15 @@ def _v3_fields_case(names):
     def case(answer):
         cfg = _v3_config(answer)
         for name in names:
-            want, why = V3_GATE[name]
+            want, what, where = V3_GATE[name]
             got = getattr(cfg, name)
             same = (type(got) is bool) == (type(want) is bool) and got == want
             if not same:
-                raise CheckFailure(f"MoEConfig.{name}: expected {want!r}, got {got!r}: {why}")
+                raise CheckFailure(f"MoEConfig.{name} is not DeepSeek-V3's (yours is {got!r}): it holds {what}; "
+                                   f"look it up in the report, {where}")
         if cfg.renormalize is False:
-            raise CheckFailure("MoEConfig.renormalize: expected None or True, got False: V3 renormalises the "
-                               "sigmoid scores of the chosen 8 experts (eq. 13)")
+            raise CheckFailure("MoEConfig.renormalize is not DeepSeek-V3's (yours is False): see how the report "
+                               "turns the chosen experts' sigmoid scores into gating weights (sec. 2.1.2, eq. 13)")
     return case
 
 
@@ -220,13 +227,13 @@ ex124.case("experts: routed, shared, activated per token")(
     _v3_fields_case(["n_routed_experts", "n_shared_experts", "n_activated_experts"]))
 ex124.case("scores and weights: sigmoid, aux-loss-free bias, route scale")(
     _v3_fields_case(["score_func", "expert_bias", "route_scale"]))
-ex124.case("group-limited routing: 8 groups, at most 4 per token")(
+ex124.case("group-limited routing: the groups, and how many one token may use")(
     _v3_fields_case(["n_expert_groups", "n_limited_groups"]))
 ex124.case("expert sizes: hidden size, width of one expert, activation")(
     _v3_fields_case(["n_embd", "moe_ffn_dim", "activation"]))
 
 
-@ex124.case("routing 32 tokens with this gate: 8 experts from at most 4 groups, weights summing to 2.5",
+@ex124.case("routing 32 tokens with this gate: k experts from the allowed groups, weights summing to the route scale",
             hidden=True)
 def _(answer):
     cfg = _v3_config(answer)
@@ -245,7 +252,18 @@ def _(answer):
 
 
 # ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
-from ..fresh import fresh_case  # noqa: E402
+from ..fresh import fresh_case, seed  # noqa: E402
 
 fresh_case(ex121, "random E, k, m", lambda r: (lambda E: (E, r.randint(1, E), r.randint(1, 8)))(r.randint(1, 64)),
            _comb_case)
+
+
+def _draw_groups(r):
+    G, per = r.randint(1, 4), r.randint(2, 4)
+    keep = r.randint(1, G)
+    k, T = r.randint(1, keep * per), r.randint(1, 8)
+    logits = torch.randn(T, G * per, generator=torch.Generator().manual_seed(seed(r))) * 2
+    return logits, k, G, keep, f"group_limited_topk(T={T}, E={G * per}, k={k}, G={G}, topk_groups={keep})"
+
+
+fresh_case(ex122, "random scores, groups and k", _draw_groups, _group_case)

@@ -198,6 +198,21 @@ ex133.case("K=1: no bubble", hidden=True)(_bubble_case([("1f1b", 1, 1, 1, 1), ("
 
 
 # ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
-from ..fresh import fresh_case  # noqa: E402
+from ..fresh import fresh_case, seed  # noqa: E402
 
 fresh_case(ex132, "random K, M >= K", lambda r: (lambda K: (K, r.randint(K, 3 * K)))(r.randint(1, 6)), _zb_case)
+
+fresh_case(ex131, "random sizes and values", lambda r: (r.randint(1, 32), r.randint(1, 32), r.randint(1, 8), seed(r)),
+           _linear_case)
+
+
+def _draw_bubbles(r):
+    """A random (name, K, T_F, T_I, T_W) of each schedule, in the range where each formula holds: ZB-H1 with
+    T_W <= min(T_F, T_I), ZB-V with equal chunk costs."""
+    K = r.randint(1, 8)
+    f, i = r.randint(1, 6), r.randint(1, 6)
+    c = r.choice((Fraction(1, 2), Fraction(1), Fraction(2), Fraction(3)))
+    return ([("1f1b", K, f, i, r.randint(1, 6)), ("zb-h1", K, f, i, r.randint(1, min(f, i))), ("zbv", K, c, c, c)],)
+
+
+fresh_case(ex133, "random K and costs", _draw_bubbles, _bubble_case)

@@ -225,3 +225,52 @@ ex144.case("DeepSeek-V3, fp8, 3.35 TB/s", hidden=True)(
 ex144.case("Llama 3.1 405B, fp8, 4.8 TB/s", hidden=True)(
     _decode_case(LLAMA31_405B, 1, 4.8e12, "decode_bound(Llama 3.1 405B)"))
 
+
+
+# ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
+from dataclasses import replace as _replace  # noqa: E402
+
+from ..fresh import fresh_case, seed  # noqa: E402
+
+
+def _draw_packing(r):
+    n_nodes, per = r.randint(1, 4), r.randint(1, 4)
+    loads = r.sample(range(1, 1000), n_nodes * per)   # distinct loads: one greedy order
+    return loads, n_nodes, f"pack_groups({len(loads)} random loads, {n_nodes})"
+
+
+def _draw_replicas(r):
+    E = r.randint(1, 10)
+    load = [r.randint(1, 500) for _ in range(E)]
+    return load, E + r.randint(0, 2 * E), f"replica_counts({E} random loads)"
+
+
+def _draw_inter_node(r):
+    nodes, per = r.randint(1, 8), r.randint(1, 8)
+    E = nodes * per
+    T, k = r.randint(1, 32), r.randint(1, min(E, 8))
+    g = torch.Generator().manual_seed(seed(r))
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    return (idx, per, r.randrange(nodes), r.choice((8, 16, 32, 7168)), r.choice((1, 2, 4)),
+            f"inter_node_bytes({T} tokens, k={k}, {nodes} nodes)")
+
+
+_DECODE_MODELS = ("mixtral-8x7b", "deepseek-v3", "llama2-70b", "llama3.1-405b", "gpt3-175b", "megatron-8.3b")
+
+
+def _draw_decode(r):
+    """A preset with random layers, vocabulary and (for an MoE) experts: no table of the presets fits it."""
+    spec = preset(r.choice(_DECODE_MODELS))
+    kw = dict(name="a random model", n_layer=spec.first_dense_layers + r.randint(1, spec.n_layer),
+              vocab_size=r.randint(1000, 200000))
+    if spec.n_routed_experts:
+        E = r.randint(2, spec.n_routed_experts)
+        kw.update(n_routed_experts=E, n_activated_experts=r.randint(1, min(E, spec.n_activated_experts)))
+    return (_replace(spec, **kw), r.choice((0.5, 1, 2, 4)), r.choice((0.9e12, 2.0e12, 3.35e12, 4.8e12, 8e12)),
+            "decode_bound(a random model)")
+
+
+fresh_case(ex141, "random loads and nodes", _draw_packing, _packing_case)
+fresh_case(ex142, "random loads and copies", _draw_replicas, _replica_case)
+fresh_case(ex143, "random routing, nodes, H and bytes", _draw_inter_node, _bytes_case)
+fresh_case(ex144, "random model, bytes per parameter and bandwidth", _draw_decode, _decode_case)

@@ -13,6 +13,30 @@ from ...model import GPT, GPTConfig
 # A smaller GPT than the pipeline's: one device, a few SGD steps per case.
 ACC_BATCH, ACC_SEQ, ACC_LR = 8, 8, 0.5
 ACC_CFG = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8)
+ACC_STAT = 1.0  # weight of BatchStatGPT's batch-statistic term
+
+
+class BatchStatGPT(GPT):
+    """The GPT of exercise 2.3's check: its loss adds ``ACC_STAT * |mean_batch(h)|^2``, the squared mean over
+    the call's batch (and positions) of the last block's output h, a per-call statistic as BatchNorm's.
+
+    That term is not linear in the batch: one call on the whole batch and M calls on its M microbatches give
+    different gradients, so the gradients alone (data) show whether the batch was cut into M microbatches,
+    each loss scaled by 1/M. Parameter names are the GPT's."""
+
+    def forward(self, idx, targets=None, ignore_index=-100):
+        last = []
+
+        def apply(block, x):
+            x = block(x)
+            last[:] = [x]
+            return x
+
+        out = self.run(idx, targets, ignore_index, apply)
+        if targets is None or not last:
+            return out
+        mean = last[0].mean(dim=(0, 1))
+        return out + ACC_STAT * (mean * mean).sum()
 
 
 def _acc_batch(seed: int):
@@ -22,10 +46,10 @@ def _acc_batch(seed: int):
 
 
 def _sgd_run(step_grads, steps: int, seed: int, calls: list | None = None) -> tuple[dict, dict]:
-    """``steps`` steps of plain SGD (lr ACC_LR) on a fresh tiny GPT; ``step_grads(model, x, y)`` fills
+    """``steps`` steps of plain SGD (lr ACC_LR) on a fresh tiny :class:`BatchStatGPT`; ``step_grads(model, x, y)`` fills
     .grad each step. Returns (gradients of the first step, parameters after the last). With ``calls``
     (a list), the batch size of every call of the model in the first step is appended to it."""
-    model = GPT(ACC_CFG, seed=seed)
+    model = BatchStatGPT(ACC_CFG, seed=seed)
     state = {"step": 0}
     if calls is not None:
         def record(module, args, kwargs):
