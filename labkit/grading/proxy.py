@@ -135,19 +135,31 @@ def _exception_from(d: dict) -> BaseException:
         return type(name if name.isidentifier() else "Error", (Exception,), {})(msg)
 
 
+def _plain(v):
+    """``v`` with every :class:`~labkit.grading.wire.LearnerText` back to a plain str (an error
+    report: the learner's exception is shown as it raised it)."""
+    if isinstance(v, str):
+        return str.__str__(v)
+    if isinstance(v, dict):
+        return {_plain(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain(x) for x in v)
+    return v
+
+
 def _result(data: bytes):
     try:
-        reply = wire.loads(data)
+        reply = wire.loads(data, text_class=wire.LearnerText)   # the learner's strings: shown by length only
     except wire.WireError as e:
         raise KernelFailure(f"the kernel's reply is not valid data ({e})") from None
     if not isinstance(reply, dict):
         raise KernelFailure("the kernel's reply is not valid data")
     if "ok" in reply:
         return reply["ok"]
-    if "exc" in reply:
-        raise _exception_from(reply["exc"])
+    if "exc" in reply:   # the learner's own exception: its name and message as it raised them
+        raise _exception_from(_plain(reply["exc"]))
     if "reference" in reply:
-        raise ReferenceImplementationUsed(str(reply["reference"]))
+        raise ReferenceImplementationUsed(str(_plain(reply["reference"])))
     if reply.get("timeout"):
         raise CaseTimeout()
     if reply.get("died"):

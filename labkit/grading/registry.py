@@ -409,6 +409,8 @@ def _shown(x: Any) -> str:
         return _short(x)
     if type(x).__module__ == "numpy" and getattr(x, "ndim", 1) == 0:
         return _short(x)
+    if isinstance(x, str) and type(x) is not str:   # wire.LearnerText: a short word as it is, else its length
+        return repr(x) if not repr(x).startswith("<") else f"a str of length {len(x)}"
     kind = _SHOWN_TYPES.get(type(x).__name__) if type(x).__module__ in ("builtins", "numpy") else None
     if kind is None:
         return "an object that is not data (not a number, tensor or container)"

@@ -34,7 +34,7 @@ import struct
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["dumps", "loads", "Opaque", "WireError", "RECORDS", "MAX_BYTES"]
+__all__ = ["dumps", "loads", "LearnerText", "Opaque", "WireError", "RECORDS", "MAX_BYTES"]
 
 MAGIC = b"LKW1"
 MAX_BYTES = 64 * 2 ** 20  # default limit of one message (64 MiB)
@@ -201,8 +201,31 @@ def _safe_repr(x) -> str:
 # ----------------------------------------------------------------------------- decode
 
 
-def loads(data: bytes, limit: int = MAX_BYTES) -> Any:
-    """Decode a message made by :func:`dumps`; raises :class:`WireError` on anything else."""
+class LearnerText(str):
+    """A string decoded from the learner's kernel (``loads(..., text=LearnerText)``): equal to,
+    hashed and sliced as the str it holds, but shown only by its length wherever the grader
+    formats it (``repr``, ``str``, f-strings, and the messages of ``int(x)`` / ``float(x)``), so no
+    message can echo text the learner's code chose (issue 16: a visible message must not carry
+    what the kernel read). A short name (at most 24 characters, dotted identifiers: ``"F"``,
+    ``"SEND_F"``, ``"softmax"``, ``"MoELayer.forward"``) is a word of the exercise's vocabulary,
+    not free text, and is shown as it is."""
+
+    def _word(self) -> bool:
+        return len(self) <= 24 and all(part.isidentifier() for part in str.split(self, "."))
+
+    def __repr__(self) -> str:
+        return str.__repr__(self) if self._word() else f"<a str of length {len(self)}>"
+
+    def __str__(self) -> str:
+        return str.__str__(self) if self._word() else f"<a str of length {len(self)}>"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+def loads(data: bytes, limit: int = MAX_BYTES, text_class: type = str) -> Any:
+    """Decode a message made by :func:`dumps`; raises :class:`WireError` on anything else.
+    ``text_class``: the class of decoded strings (:class:`LearnerText` for values from the kernel)."""
     if not isinstance(data, (bytes, bytearray)):
         raise WireError("a message must be bytes")
     if len(data) > limit:
@@ -265,7 +288,7 @@ def loads(data: bytes, limit: int = MAX_BYTES) -> Any:
             raise WireError("nested too deep")
         if isinstance(x, str):
             count(len(x), "text")
-            return x
+            return x if text_class is str else text_class(x)
         if x is None or isinstance(x, (bool, int, float)):
             return x
         if not isinstance(x, list) or not x or not isinstance(x[0], str):

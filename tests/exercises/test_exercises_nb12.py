@@ -99,7 +99,7 @@ def test_v3_gate_solution_passes():
 @pytest.mark.parametrize("change, case, contains", [
     ({"n_limited_groups": 8}, "group-limited routing", "MoEConfig.n_limited_groups is not DeepSeek-V3's (yours is 8)"),
     ({"score_func": "softmax"}, "scores and weights", "MoEConfig.score_func is not DeepSeek-V3's (yours is 'softmax')"),
-    ({"route_scale": 1.0}, "scores and weights", "MoEConfig.route_scale is not DeepSeek-V3's (yours is 1.0)"),
+    ({"route_scale": 1.0}, "scores and weights", "MoEConfig.route_scale is not DeepSeek-V3's (yours is 1)"),
     ({"n_shared_experts": 0}, "experts:", "MoEConfig.n_shared_experts is not DeepSeek-V3's (yours is 0)"),
     ({"n_activated_experts": 2}, "experts:", "MoEConfig.n_activated_experts is not DeepSeek-V3's (yours is 2)"),
     ({"n_routed_experts": 64}, "experts:", "MoEConfig.n_routed_experts is not DeepSeek-V3's (yours is 64): it "

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..kernelside.nb05_checkpointing import _ckpt_outputs, _net, _run  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal, expect_raises
 
 NOTEBOOK = "05_checkpointing"
 
@@ -97,7 +97,7 @@ def _best_case(n: int, a: int, s: int):
         what = f"best_segment_count(n={n}, input_bytes={a}, layer_bytes={s})"
         got = best_segment_count(n, a, s)
         if isinstance(got, bool) or not isinstance(got, int):
-            raise CheckFailure(f"{what}: expected an int k, got {type(got).__name__} {got!r}")
+            raise CheckFailure(f"{what}: expected an int k, got {_shown(got)}")
         if not 1 <= got <= n:
             raise CheckFailure(f"{what}: k must be between 1 and n={n}, got {got}")
         best = min(range(1, n + 1), key=lambda k: (_cost(n, k, a, s), k))

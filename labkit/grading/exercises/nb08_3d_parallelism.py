@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ...plan.activations import korthikanti_layer_activation_bytes
 from ...plan.memory import BYTES
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal, expect_raises
 
 NOTEBOOK = "08_3d_parallelism"
 
@@ -94,7 +94,8 @@ def _coords_case(t, p, d):
         for r in range(t * p * d):
             got = rank_coords(r, t, p, d)
             if not isinstance(got, (tuple, list)) or len(got) != 3:
-                raise CheckFailure(f"rank_coords({r}, t={t}, p={p}, d={d}): expected a tuple (tp, pp, dp), got {got!r}")
+                raise CheckFailure(f"rank_coords({r}, t={t}, p={p}, d={d}): expected a tuple (tp, pp, dp), "
+                                   f"got {_shown(got)}")
             got_all.append(tuple(int(x) for x in got))
         if any(g != _coords(r, t, p, d) for r, g in enumerate(got_all)):
             raise CheckFailure(f"t={t}, p={p}, d={d}: {_explain_coords(got_all, t, p, d)}")
@@ -129,7 +130,7 @@ def _groups_case(t, p, d):
             got = rank_groups(r, t, p, d)
             if not isinstance(got, dict) or set(got) != {"tp", "dp", "pp"}:
                 raise CheckFailure(f"rank_groups({r}, t={t}, p={p}, d={d}): expected a dict with keys 'tp', 'dp', "
-                                   f"'pp', got {got!r}")
+                                   f"'pp', got {_shown(got)}")
             want = _groups(r, t, p, d)
             for k in ("tp", "dp", "pp"):
                 expect_equal([int(x) for x in got[k]], want[k], f"rank_groups({r}, t={t}, p={p}, d={d})[{k!r}]")
@@ -165,7 +166,7 @@ def _states_case(P, t, p, d, zero, precision):
         what = f"model_state_bytes(P={P:.3g}, t={t}, p={p}, d={d}, zero={zero}, precision={precision!r})"
         got = model_state_bytes(P, t, p, d, zero, precision)
         if not isinstance(got, dict) or set(got) != {"params", "grads", "optimizer"}:
-            raise CheckFailure(f"{what}: expected a dict with keys 'params', 'grads', 'optimizer', got {got!r}")
+            raise CheckFailure(f"{what}: expected a dict with keys 'params', 'grads', 'optimizer', got {_shown(got)}")
         want = _states(P, t, p, d, zero, precision)
         for k in want:
             expect_close(float(got[k]), want[k], f"{what}[{k!r}] (bytes)", rtol=1e-9, atol=0)
@@ -279,7 +280,7 @@ def _judge_choice(choose_layout, n, g, gb, table, what):
         return
     got = choose_layout(n, g, mem, dict(table))
     if not isinstance(got, (tuple, list)) or len(got) != 3:
-        raise CheckFailure(f"{what}: expected a tuple (t, p, d), got {got!r}")
+        raise CheckFailure(f"{what}: expected a tuple (t, p, d), got {_shown(got)}")
     got = tuple(int(x) for x in got)
     if got == want:
         return
@@ -332,7 +333,7 @@ def _axis_case(s, b, h, L, t, p, d, M, n_params, e):
         what = f"axis_bytes(s={s}, b={b}, h={h}, L={L}, t={t}, p={p}, d={d}, M={M}, n_params={n_params:.3g}, e={e})"
         got = axis_bytes(s, b, h, L, t, p, d, M, n_params, e)
         if not isinstance(got, dict) or set(got) != {"tp", "pp", "dp"}:
-            raise CheckFailure(f"{what}: expected a dict with keys 'tp', 'pp', 'dp', got {got!r}")
+            raise CheckFailure(f"{what}: expected a dict with keys 'tp', 'pp', 'dp', got {_shown(got)}")
         want = _axis(s, b, h, L, t, p, d, M, n_params, e)
         for k in want:
             expect_close(float(got[k]), want[k], f"{what}[{k!r}] (bytes)", rtol=1e-9, atol=0)

@@ -20,7 +20,7 @@ from ...moe.router import capacity_mask, compute_capacity, route
 from ...plan.params import count_parameters
 from ...plan.spec import ModelSpec, preset
 from ..kernelside.nb09_moe_routing import _gate_with_grad  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, exercise, expect_close, expect_equal
+from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal
 
 
 def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
@@ -114,7 +114,7 @@ def _cap_case(indices: torch.Tensor, E: int, cf: float, what: str):
         if isinstance(C, torch.Tensor) and C.numel() == 1:
             C = C.item()
         if not isinstance(C, int) or isinstance(C, bool):
-            raise CheckFailure(f"{what}: C must be an int (a number of slots), got {type(C).__name__} {C!r}")
+            raise CheckFailure(f"{what}: C must be an int (a number of slots), got {_shown(C)}")
         expect_equal(C, want_C, f"{what}: capacity C = ceil({k}*{T}/{E}*{cf})")
         _tensor(keep, f"{what}: keep", (T, k), "bool")
         want = capacity_mask(indices, torch.zeros(T, k), E, want_C, policy="position")

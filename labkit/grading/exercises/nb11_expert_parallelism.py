@@ -17,7 +17,7 @@ from ...comm import CommLog
 from ...dist import launch
 from ...moe.expert_parallel import ExpertParallelMoE, all_to_all_uneven
 from ...moe.experts import MoEConfig, MoELayer
-from ..registry import CheckFailure, exercise, expect_equal
+from ..registry import CheckFailure, _shown, exercise, expect_equal
 
 
 def _true_splits(indices_per_rank, experts_per_rank):
@@ -42,9 +42,9 @@ def _as_int_list(x, what: str, P: int) -> list:
     if isinstance(x, torch.Tensor):
         x = x.tolist()
     if not isinstance(x, (list, tuple)) or len(x) != P:
-        raise CheckFailure(f"{what}: expected a list of {P} ints (one per rank), got {x!r}")
+        raise CheckFailure(f"{what}: expected a list of {P} ints (one per rank), got {_shown(x)}")
     if any(not isinstance(v, int) or isinstance(v, bool) for v in x):
-        raise CheckFailure(f"{what}: expected Python ints, got {x!r}")
+        raise CheckFailure(f"{what}: expected Python ints, got {_shown(x)}")
     return list(x)
 
 
@@ -153,7 +153,7 @@ def _bytes_case(T, cfg_kw, P=4, seed=5):
             got = a2a_bytes(send, recv, cfg.n_routed_experts, cfg.n_embd)
             if not isinstance(got, dict) or set(got) != {"counts", "dispatch", "combine"}:
                 raise CheckFailure("a2a_bytes must return a dict with keys 'counts', 'dispatch', 'combine', got "
-                                   f"{got!r}")
+                                   f"{_shown(got)}")
             measured = dict(zip(("counts", "dispatch", "combine"), res[p]["bytes"]))
             for key in ("counts", "dispatch", "combine"):
                 expect_equal(int(got[key]), measured[key],

@@ -23,7 +23,7 @@ import torch
 from ...moe.experts import MoELayer
 from ...moe.router import route
 from ..kernelside.nb12_deepseek_moe import _gate_lines, _v3_fields  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, exercise, expect_equal
+from ..registry import CheckFailure, _shown, exercise, expect_equal
 from . import kernel_side
 
 # ----------------------------------------------------------------------------- 12.1
@@ -146,7 +146,7 @@ def _concept_case(names):
             fn, test, job = CONCEPTS[name]
             entry = answer[name]
             if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[1], str):
-                raise CheckFailure(f"{name!r}: expected a pair (function, line of its source), got {entry!r}")
+                raise CheckFailure(f"{name!r}: expected a pair (function, line of its source), got {_shown(entry)}")
             where, line = entry
             is_fn = isinstance(where, tuple) and len(where) == 3 and where[0] == "function"
             if not is_fn or (where[1], where[2]) != (fn.__module__, fn.__qualname__):
@@ -215,7 +215,7 @@ def _v3_fields_case(names):
             got = getattr(cfg, name)
             same = (type(got) is bool) == (type(want) is bool) and got == want
             if not same:
-                raise CheckFailure(f"MoEConfig.{name} is not DeepSeek-V3's (yours is {got!r}): it holds {what}; "
+                raise CheckFailure(f"MoEConfig.{name} is not DeepSeek-V3's (yours is {_shown(got)}): it holds {what}; "
                                    f"look it up in the report, {where}")
         if cfg.renormalize is False:
             raise CheckFailure("MoEConfig.renormalize is not DeepSeek-V3's (yours is False): see how the report "

@@ -15,7 +15,7 @@ import torch
 
 from ...pipeline import peak_in_flight, simulate, zb_h1_schedule, zbv_schedule
 from ..kernelside.nb13_zero_bubble import _split_run  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, exercise, expect_close
+from ..registry import CheckFailure, _shown, exercise, expect_close
 from . import kernel_side
 from .nb02_gpipe import expect_same_grads, run_pipeline, validated
 
@@ -174,7 +174,7 @@ def _bubble_case(cases):
             try:
                 ok = abs(Fraction(got) - Fraction(want)) <= Fraction(1, 10 ** 9) * max(1, abs(Fraction(want)))
             except (TypeError, ValueError):
-                raise CheckFailure(f"{what}: expected a number, got {got!r}") from None
+                raise CheckFailure(f"{what}: expected a number, got {_shown(got)}") from None
             if not ok:
                 why = _confusion(name, K, f, i, w, Fraction(got))
                 raise CheckFailure(f"{what}: expected {want}, got {got}" + (f"; {why}" if why else ""))

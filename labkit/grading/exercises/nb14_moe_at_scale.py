@@ -22,7 +22,7 @@ from ...moe.eplb import balanced_packing, replicate_experts
 from ...moe.hierarchical import inter_node_rows
 from ...plan.params import count_parameters
 from ...plan.spec import preset
-from ..registry import CheckFailure, exercise, expect_close
+from ..registry import CheckFailure, _shown, exercise, expect_close
 
 # ----------------------------------------------------------------------------- 14.1
 ex141 = exercise(
@@ -39,7 +39,7 @@ def _as_ints(x, n, what):
         x = x.tolist()
     if not isinstance(x, (list, tuple)) or len(x) != n or any(not isinstance(v, int) or isinstance(v, bool)
                                                                for v in x):
-        raise CheckFailure(f"{what}: expected a list of {n} ints, got {x!r}")
+        raise CheckFailure(f"{what}: expected a list of {n} ints, got {_shown(x)}")
     return list(x)
 
 
@@ -174,7 +174,7 @@ def _bytes_case(indices, experts_per_node, my_node, H, nbytes, what):
     def case(inter_node_bytes):
         got = inter_node_bytes(indices.clone(), experts_per_node, my_node, H, nbytes)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise CheckFailure(f"{what}: expected a pair (flat, hierarchical), got {got!r}")
+            raise CheckFailure(f"{what}: expected a pair (flat, hierarchical), got {_shown(got)}")
         keep = torch.ones_like(indices, dtype=torch.bool)
         want = tuple(inter_node_rows(indices, keep, experts_per_node, my_node, h) * H * nbytes
                      for h in (False, True))
@@ -209,7 +209,7 @@ def _decode_case(spec, bpp, bw, what):
     def case(decode_bound):
         got = decode_bound(spec, bpp, bw)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise CheckFailure(f"{what}: expected a pair (bytes_read, latency_s), got {got!r}")
+            raise CheckFailure(f"{what}: expected a pair (bytes_read, latency_s), got {_shown(got)}")
         nbytes = count_parameters(spec).active * bpp
         expect_close(float(got[0]), float(nbytes), f"{what}: bytes read per token", rtol=1e-6, atol=0)
         expect_close(float(got[1]), nbytes / bw, f"{what}: latency bound in seconds", rtol=1e-6, atol=0)

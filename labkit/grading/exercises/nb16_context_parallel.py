@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...context_parallel.blockwise import block_attention
-from ..registry import CheckFailure, exercise
+from ..registry import CheckFailure, _shown, exercise
 
 # ----------------------------------------------------------------------------- 16.1
 ex161 = exercise(
@@ -144,7 +144,8 @@ def _placement_case(cp, what, m=4):
         if not isinstance(got, (list, tuple)) or len(got) != cp or any(
                 not isinstance(r, (list, tuple)) or len(r) != 2 or any(
                     isinstance(c, bool) or not isinstance(c, int) for c in r) for r in got):
-            raise CheckFailure(f"{what}: expected a list of {cp} pairs of chunk ids (two chunks per rank), got {got!r}")
+            raise CheckFailure(f"{what}: expected a list of {cp} pairs of chunk ids (two chunks per rank), "
+                               f"got {_shown(got)}")
         flat = sorted(c for r in got for c in r)
         if flat != list(range(2 * cp)):
             twice = sorted({c for c in flat if flat.count(c) > 1})
