@@ -23,6 +23,11 @@ line (:class:`Violation`).
    package, holds code this policy cannot read, so importing it is a violation; and no
    assignment to (or ``setattr``/``del`` of) an attribute of a module, or of a class the
    learner did not define (``torch.distributed.all_reduce = ...``, ``nn.Linear.forward = ...``).
+   And labkit's reference for the exercise (or a labkit function from which it can be reached,
+   :mod:`labkit.grading.reach`) may not be named in any of these cells at all: imported, read
+   through a module, or read where a cell the kit ships imported it (the shipped learner
+   notebook's own cells are exempt); no flow through globals, containers, decorators or
+   exceptions then hides it.
 2. **In the exercise's code**: the answer's definition and everything it reaches through the
    notebook's top-level names (helpers, aliases, tables built at the top level; the
    "closure" of the answer) must not use labkit's reference for that exercise
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 from dataclasses import dataclass
 
 __all__ = ["Violation", "check_cells", "check_history", "describe", "FORBIDDEN_NAMES", "FORBIDDEN_ATTRS",
@@ -150,6 +156,11 @@ _GRAD_WHY = ("writes or reads .grad; 13.1 asks for the two gradients from torch.
 EXERCISE_RULES = {
     "0.2": {**{n: _SIDE_WHY for n in _SIDE_CHANNELS}, **{n: _P2P_WHY for n in COLLECTIVES}},
     "13.1": {"backward": _GRAD_WHY, "grad": _GRAD_WHY, "zero_grad": _GRAD_WHY},
+    # the ModelSpec 9.3 receives counts its own parameters: its counting methods are labkit's answer
+    "9.3": {n: "a ModelSpec method that counts parameters is labkit's own count (labkit.plan.spec); count "
+               "them from the spec's sizes yourself" for n in (
+            "total_params", "active_params", "layer_params", "mlp_params", "attention_params", "norm_params",
+            "embedding_params", "head_params")},
 }
 # per exercise: modules none of whose names the exercise's code may read (0.2: files and processes)
 EXERCISE_MODULES = {"0.2": ("os", "tempfile", "io", "pathlib", "shutil", "socket", "mmap", "json", "signal")}
@@ -760,6 +771,98 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
     return out
 
 
+def _shipped_cells(exercise_id: str) -> frozenset:
+    """The code cells of the learner notebook the kit ships for the exercise (``labkit/_notebooks``,
+    normalised): the kit's own text, which may import what the learner may not."""
+    return _shipped_for(str(exercise_id).split(".")[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_for(major: str) -> frozenset:
+    import glob
+    import json
+    import os
+
+    import labkit
+
+    folder = os.path.join(os.path.dirname(os.path.abspath(labkit.__file__)), "_notebooks")
+    out = set()
+    if major.isdigit():
+        for path in glob.glob(os.path.join(folder, f"{int(major):02d}_*.ipynb")):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    nb = json.load(f)
+            except (OSError, ValueError):
+                continue
+            out |= {"".join(c.get("source", "")).strip() for c in nb.get("cells", []) if c.get("cell_type") == "code"}
+    return frozenset(out)
+
+
+def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Violation]:
+    """Principle 3 of issue 16 as written: labkit's reference for the exercise, or a labkit
+    function from which it can be reached, named in ANY cell up to the grading point (an import,
+    a module attribute, or a name a shipped cell imported), whatever the answer's code reaches:
+    no flow through globals, containers, decorators or exceptions can hide it. The cells the kit
+    ships in the learner notebook are exempt (they may import labkit's functions for plots)."""
+    refs = _reference_names(exercise_id)
+    if not refs:
+        return []
+    from .reach import reaching
+
+    labels = set(refs.values())
+    launder = reaching(tuple(refs.values()))
+
+    def label_of(origin: str) -> str:
+        node = _labkit_label(origin)
+        if node in labels or node in launder:
+            return node
+        # a method or attribute of a listed class: "labkit.x:Cls" for "labkit.x.Cls"
+        return ""
+
+    def why(node: str) -> str:
+        return _ref_why(node) if node in labels else _launder_why(node, launder[node])
+
+    # names bound (anywhere) to a reference by an import
+    bound: dict[str, str] = {}
+    for _, tree in parsed:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
+                for a in node.names:
+                    lab = label_of(f"{node.module}.{a.name}")
+                    if lab:
+                        bound[a.asname or a.name] = lab
+    # a name the learner's own cells define (their answer may share a reference's name) is theirs
+    for label, tree in parsed:
+        if not label.startswith("__shipped__"):
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    bound.pop(node.name, None)
+    out = []
+    for label, tree in parsed:
+        if label.startswith("__shipped__"):
+            continue
+        for node in ast.walk(tree):
+            line = getattr(node, "lineno", 1)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
+                for a in node.names:
+                    lab = label_of(f"{node.module}.{a.name}")
+                    if lab:
+                        out.append(Violation(label, line, f"import of `{a.name}`", why(lab)))
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
+                out.append(Violation(label, line, f"`{node.id}`", why(bound[node.id])))
+            elif isinstance(node, ast.Attribute):
+                chain, v = [node.attr], node.value
+                while isinstance(v, ast.Attribute):
+                    chain.append(v.attr)
+                    v = v.value
+                if isinstance(v, ast.Name):
+                    for origin in names.origins.get(v.id, ()):
+                        lab = label_of(".".join([origin, *reversed(chain)]))
+                        if lab:
+                            out.append(Violation(label, line, f"`{ast.unparse(node)}`", why(lab)))
+    return out
+
+
 def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     """Violations of exercise ``exercise_id``'s rules in ``cells``: ``[(label, source), ...]``,
     the code cells up to (and including) the one where the exercise is graded, in order.
@@ -771,11 +874,13 @@ def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     """
     ex = str(exercise_id)
     allow = ALLOW.get(ex, set())
-    parsed = [(label, t) for label, src in cells
+    shipped = _shipped_cells(ex)
+    marked = [("__shipped__" + label if str(src).strip() in shipped else label, t) for label, src in cells
               if not _is_install_cell(str(src)) and (t := _python(str(src))) is not None]
+    parsed = [(label.removeprefix("__shipped__"), t) for label, t in marked]
     names = _Names([t for _, t in parsed])
     classes = {n.name for _, t in parsed for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
-    found: list[Violation] = []
+    found: list[Violation] = _reference_anywhere(ex, marked, names)
     scopes = _Scopes([t for _, t in parsed], names, classes)
     for label, tree in parsed:
         found += [Violation(label, line, what, why)
@@ -802,6 +907,8 @@ def describe(exercise_id: str) -> str:
                      "(send/recv only)")
     if str(exercise_id) == "13.1":
         extra.append(".backward(), .grad or zero_grad (torch.autograd.grad only)")
+    if str(exercise_id) == "9.3":
+        extra.append("the ModelSpec's own counting methods (total_params, active_params, layer_params, ...)")
     own = f" must not use {' or '.join(extra)};" if extra else ""
     return (f"the code of exercise {exercise_id}{own} no cell may run code from strings or copies of code "
             f"(exec, eval, compile, __code__, FunctionType, reload), reach the interpreter (sys.modules, gc, "

@@ -22,6 +22,11 @@ from labkit.grading.registry import all_exercises, exercises_for_notebook
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _shipped(major: str) -> list[str]:
+    nb = json.loads(next((ROOT / "notebooks").glob(f"{major}_*.ipynb")).read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
 def _v(ex, answer, *cells):
     return check_cells(ex, answer, [(f"cell {i + 1}", src) for i, src in enumerate(cells)])
 
@@ -172,6 +177,26 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "import torch\nfrom labkit.tensor_parallel.layers import column_parallel_linears",
         "class CopyToRegion(torch.autograd.Function):\n    @staticmethod\n    def apply(x, group):\n"
         "        return column_parallel_linears(x, [], group)[0]"], "column_parallel_linears"),
+    # principle 3 as written: the reference named in ANY cell before the grading point (a second red team
+    # hid it in a global set inside a function, a container filled by a function, an alias of a container,
+    # an if/while/try block, an exception's args; the answer's closure never saw it)
+    "the reference imported in an earlier cell, used outside the answer": ("8.6", "axis_bytes", [
+        "from labkit.plan.comm import comm_per_rank\nWIDTH = 4", "def axis_bytes(t, p, d):\n    return t * WIDTH",
+        "print(comm_per_rank(1))"], "import of `comm_per_rank`"),
+    "a global set inside a function that imports the reference": ("1.1", "bubble_fraction", [
+        "def _fill():\n    global _f\n    from labkit.pipeline.simulate import bubble_formula as g\n"
+        "    _f = g\n_fill()",
+        "def bubble_fraction(K, M):\n    return float(_f(K, M))"], "import of `bubble_formula`"),
+    "the reference carried out in an exception": ("16.1", "merge_attention_partials", [
+        "try:\n    from labkit.context_parallel.blockwise import merge_partials as _m\n    raise KeyError(_m)\n"
+        "except KeyError as _e:\n    _f = _e.args[0]", "def merge_attention_partials(*a):\n    return _f(*a)"],
+        "import of `merge_partials`"),
+    "the reference through a module alias in a while block": ("10.1", "switch_loss", [
+        "while True:\n    import labkit.moe.losses as L\n    break",
+        "def switch_loss(*a):\n    return L.switch_aux_loss(*a)"], "`L.switch_aux_loss`"),
+    "the ModelSpec's own parameter count": ("9.3", "moe_param_count", [
+        "def moe_param_count(spec):\n    return int(spec.total_params()), int(spec.active_params())"],
+        "`.total_params`"),
     "getattr bound to another name": ("2.1", "gpipe_actions", [
         "import labkit.pipeline.schedules as S\n_ga = getattr",
         "def gpipe_actions(K, M):\n    return _ga(S, 'gp' + 'ipe_schedule')(K, M)"], "`getattr` used as a value"),
@@ -211,14 +236,9 @@ HONEST = [
                              "    def forward(ctx, run, x):\n        ctx.run = run\n        return run(x)",
                              "MyCheckpoint.note = 'mine'\nm = nn.Linear(2, 2)\nm.weight.grad = None\n"
                              "for sub in m.modules():\n    pass\nsetattr(m, 'tag', 1)"]),
-    # labkit's reference imported for a comparison AFTER the answer is written, and used outside it
-    ("8.6", "axis_bytes", ["from labkit.plan.comm import comm_per_rank\nWIDTH = 4",
-                           "def axis_bytes(t, p, d):\n    return t * WIDTH",
-                           "print(comm_per_rank(1), axis_bytes(1, 2, 3), WIDTH)"]),
-    # labkit's function of the same name imported earlier, then replaced by the learner's own
-    ("1.1", "bubble_fraction", ["from labkit.pipeline import bubble_fraction\nprint(bubble_fraction(4, 8))",
-                                "def bubble_fraction(K, M):\n    return (K - 1) / (M + K - 1)",
-                                "check('1.1', bubble_fraction)"]),
+    # a cell the kit ships in the learner notebook may import the reference (notebook 08's first cell)
+    ("8.6", "axis_bytes", [next(c for c in _shipped("08") if "comm_per_rank" in c and "import" in c),
+                           "def axis_bytes(t, p, d):\n    return t * 4"]),
     # send/recv in the point-to-point exercise
     ("0.2", "ring_all_reduce", ["import torch.distributed as dist",
                                 "def ring_all_reduce(ctx, x):\n    dist.send(x, 1)\n    dist.recv(x, 0)\n    return x"]),  # noqa: E501
