@@ -42,6 +42,13 @@ def merge_lse_max(out_a, lse_a, out_b, lse_b):
     return out, torch.maximum(lse_a, lse_b)
 
 
+def merge_no_guard(out_a, lse_a, out_b, lse_b):
+    """Wrong: no guard for rows with no key in either block (-inf - -inf = NaN there); right elsewhere
+    (a second red team found it passing every case)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse
+
+
 def causal_chunk_placement(cp):
     return [(i, 2 * cp - 1 - i) for i in range(cp)]
 
@@ -71,6 +78,7 @@ def test_solutions_pass():
     (merge_unshifted, "large scores", "exp of a log-sum-exp overflows"),
     (merge_inf_as_zero, "causal: block b fully masked", "lse_b = -inf was treated as 0"),
     (merge_lse_max, "two blocks", "this is the larger of the two"),
+    (merge_no_guard, "two rows see no key in either block", "some rows see no key in either block"),
 ])
 def test_merge_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("16.1", wrong, case, contains=contains)

@@ -41,6 +41,8 @@ def _partials(seed, B=2, h=3, Sq=5, Sk=(4, 6), d=4, scale=1.0, causal_block=None
     k_pos = torch.arange(sum(Sk))
     if causal_block == "b":           # block b's keys all lie after every query: fully masked
         q_pos = torch.arange(n_a - Sq, n_a)
+    elif causal_block == "both":      # the first two queries come before every key: no key at all
+        q_pos = torch.arange(-2, Sq - 2)
     else:
         q_pos = torch.arange(sum(Sk) - Sq, sum(Sk))
     causal = causal_block is not None
@@ -78,7 +80,10 @@ def _merge_case(seed, what, **kw):
         out, lse = out.double(), lse.double()
         if not torch.isfinite(out).all():
             masked = bool(torch.isinf(lb).any())
-            why = (" (block b has no visible key for some rows, lse_b = -inf: it must weigh nothing, and "
+            nothing = bool((torch.isinf(la) & torch.isinf(lb)).any())
+            why = (" (some rows see no key in either block: what is a weighted sum over no keys, and what does "
+                   "exp(-inf - (-inf)) give?)" if nothing else
+                   " (block b has no visible key for some rows, lse_b = -inf: it must weigh nothing, and "
                    "-inf minus -inf is not a number)" if masked else
                    " (the scores are large here: exp of a log-sum-exp overflows; only differences of "
                    "log-sum-exps are safe to exponentiate)")
@@ -116,6 +121,8 @@ ex161.case("large scores (lse up to about 1000)")(
     _merge_case(1612, "merge(scores scaled by 20)", scale=20.0))
 ex161.case("causal: block b fully masked for every query")(
     _merge_case(1613, "merge(causal, block b after every query)", Sq=4, Sk=(6, 5), causal_block="b"))
+ex161.case("causal: two rows see no key in either block")(
+    _merge_case(1616, "merge(causal, two rows before every key)", Sq=4, Sk=(4, 4), causal_block="both"))
 ex161.case("one query row, 1 and 9 keys", hidden=True)(
     _merge_case(1614, "merge(1 query, blocks of 1 and 9 keys)", Sq=1, Sk=(1, 9)))
 ex161.case("causal rows over both blocks", hidden=True)(
