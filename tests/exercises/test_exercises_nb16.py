@@ -78,7 +78,7 @@ def test_solutions_pass():
     (merge_unshifted, "large scores", "exp of a log-sum-exp overflows"),
     (merge_inf_as_zero, "causal: block b fully masked", "lse_b = -inf was treated as 0"),
     (merge_lse_max, "two blocks", "this is the larger of the two"),
-    (merge_no_guard, "two rows see no key in either block", "some rows see no key in either block"),
+    (merge_no_guard, "causal: two rows see no key in either block", "some rows see no key in either block"),
 ])
 def test_merge_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("16.1", wrong, case, contains=contains)
