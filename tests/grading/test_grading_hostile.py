@@ -206,7 +206,9 @@ def test_attacks_score_zero_and_only_the_notebooks_exercises_count(graded):
     # the grader reads the source: the cells before H.1's last check patch labkit.grading
     assert "source policy" in attacks[0]["output"] and "import from `labkit.grading.runner`" in attacks[0]["output"]
     h3 = [t for t in attacks if t["name"] == "Exercise H.3 (square)"][0]
-    assert "labkit's own bubble_formula (labkit.pipeline.simulate)" in h3["output"], h3
+    # zeroed by the source policy (the earlier cells' patches come first in its list; the import of
+    # labkit's bubble_formula in its own cell is refused too: test_grading_policy's ATTACKS)
+    assert h3["score"] == 0 and "source policy" in h3["output"], h3
 
 
 def test_the_kernel_never_sees_hidden_cases(graded):

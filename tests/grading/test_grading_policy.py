@@ -363,13 +363,17 @@ def test_interactive_check_shows_the_same_rule(capsys):
                     "r = check('1.1', bubble_fraction)"]:
             shell.run_cell(src, store_history=True)
         out = capsys.readouterr().out
-        assert "failed: the grader gives 0 points for this code: In [2], line 4: `bubble_formula`" in out, out
+        assert "failed: the grader gives 0 points for this code: In [1], line 2: import of `bubble_formula`" in out, out
+        assert "(and 1 more)" in out, out     # In [2]'s use of it
         assert shell.user_ns["r"].status == "failed"
-        for src in ["def bubble_fraction(K, M):\n    if K < 1 or M < 1:\n        raise ValueError(K)\n"
+        # principle 3: the reference imported in any cell before the check counts; a fresh kernel without it passes
+        InteractiveShell.clear_instance()
+        shell = InteractiveShell.instance(config=config)
+        for src in ["from labkit.grading import check",
+                    "def bubble_fraction(K, M):\n    if K < 1 or M < 1:\n        raise ValueError(K)\n"
                     "    return (K - 1) / (M + K - 1)",
                     "r = check('1.1', bubble_fraction)"]:
             shell.run_cell(src, store_history=True)
-        # the import of the reference alone is no violation; the cells that used it were replaced
         out = capsys.readouterr().out
         assert "passed" in out and shell.user_ns["r"].status == "passed", out
     finally:
