@@ -633,17 +633,19 @@ def _labkit_label(dotted: str) -> str:
 def _dotted_uses(stmt: ast.stmt, names: "_Names") -> list[tuple[int, str]]:
     """(line, "module.path.name") for each attribute chain of the statement that starts at a name bound
     to an imported module (``E.build_schedule`` after ``import labkit.pipeline.explorer as E``)."""
-    out = []
-    for sub in ast.walk(stmt):
-        if isinstance(sub, ast.Attribute):
-            chain, v = [sub.attr], sub.value
-            while isinstance(v, ast.Attribute):
-                chain.append(v.attr)
-                v = v.value
-            if isinstance(v, ast.Name):
-                for origin in names.origins.get(v.id, ()):
-                    out.append((sub.lineno, ".".join([origin, *reversed(chain)])))
-    return out
+    return [(sub.lineno, path) for sub in ast.walk(stmt) if isinstance(sub, ast.Attribute)
+            for path in _paths(sub, names)]
+
+
+def _paths(node: ast.Attribute, names: "_Names") -> list[str]:
+    """The dotted paths an attribute chain stands for, one per import origin of the name it starts at."""
+    chain, v = [node.attr], node.value
+    while isinstance(v, ast.Attribute):
+        chain.append(v.attr)
+        v = v.value
+    if not isinstance(v, ast.Name):
+        return []
+    return [".".join([origin, *reversed(chain)]) for origin in names.origins.get(v.id, ())]
 
 
 
@@ -851,15 +853,8 @@ def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Viola
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
                 out.append(Violation(label, line, f"`{node.id}`", why(bound[node.id])))
             elif isinstance(node, ast.Attribute):
-                chain, v = [node.attr], node.value
-                while isinstance(v, ast.Attribute):
-                    chain.append(v.attr)
-                    v = v.value
-                if isinstance(v, ast.Name):
-                    for origin in names.origins.get(v.id, ()):
-                        lab = label_of(".".join([origin, *reversed(chain)]))
-                        if lab:
-                            out.append(Violation(label, line, f"`{ast.unparse(node)}`", why(lab)))
+                for lab in filter(None, map(label_of, _paths(node, names))):
+                    out.append(Violation(label, line, f"`{ast.unparse(node)}`", why(lab)))
     return out
 
 
