@@ -630,13 +630,6 @@ def _labkit_label(dotted: str) -> str:
     return ""
 
 
-def _dotted_uses(stmt: ast.stmt, names: "_Names") -> list[tuple[int, str]]:
-    """(line, "module.path.name") for each attribute chain of the statement that starts at a name bound
-    to an imported module (``E.build_schedule`` after ``import labkit.pipeline.explorer as E``)."""
-    return [(sub.lineno, path) for sub in ast.walk(stmt) if isinstance(sub, ast.Attribute)
-            for path in _paths(sub, names)]
-
-
 def _paths(node: ast.Attribute, names: "_Names") -> list[str]:
     """The dotted paths an attribute chain stands for, one per import origin of the name it starts at."""
     chain, v = [node.attr], node.value
@@ -682,9 +675,6 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
     before p plus every change made to it after that binding; a function body may run at any
     later time, so its names are read both where it was reached and at the end."""
     refs = _reference_names(exercise_id)
-    from .reach import reaching
-
-    launder = reaching(tuple(refs.values()))   # labkit's functions that run a reference
     rules = EXERCISE_RULES.get(exercise_id, {})
     banned_modules = EXERCISE_MODULES.get(exercise_id, ())
     allow = ALLOW.get(exercise_id, set())
@@ -744,19 +734,12 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
                     last = origin.rsplit(".", 1)[-1]
                     if origin.startswith("labkit.") and last in refs:
                         out.append((cell, n.lineno, f"`{n.id}`", _ref_why(refs[last])))
-                    elif origin.startswith("labkit.") and _labkit_label(origin) in launder:
-                        node = _labkit_label(origin)
-                        out.append((cell, n.lineno, f"`{n.id}`", _launder_why(node, launder[node])))
                     elif origin and last in rules:
                         out.append((cell, n.lineno, f"`{n.id}`", rules[last]))
                     elif origin and origin.split(".")[0] in banned_modules:
                         out.append((cell, n.lineno, f"`{n.id}` (from `{origin.split('.')[0]}`)", _SIDE_WHY))
                     elif origin and last in _SOURCE and last not in allow:
                         out.append((cell, n.lineno, f"`{n.id}`", "reads source text; write the computation yourself"))
-        for line, dotted in _dotted_uses(stmt, names) if launder else ():
-            node = _labkit_label(dotted)
-            if node in launder and node.partition(":")[2] not in refs:
-                out.append((cell, line, f"`{dotted}`", _launder_why(node, launder[node])))
         for line, attr, base in _attrs(stmt):
             if attr in refs:
                 out.append((cell, line, f"`.{attr}`", _ref_why(refs[attr])))

@@ -491,12 +491,11 @@ def _planner(a):
                      ep=a.dp if a.moe else 1, etp=1 if a.moe else None,
                      schedule=schedule, placement=placement, zero=a.zero, sequence_parallel=a.sp,
                      recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention, hsdp=a.hsdp)
-        mem_lay = lay   # HSDP: the planner shards the dense model states over the d/R ranks of a shard group
-        mem = memory_per_rank(spec, mem_lay, device="cpu")
+        mem = memory_per_rank(spec, lay, device="cpu")   # HSDP: Layout.hsdp shards over d/R
         # the zero-bubble schedules: counted along their actions (ZB-H1, and ZB-V / DualPipeV on the V)
         if not act_modeled:
             actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
-            mem = [dataclasses.replace(m, activations=schedule_activation_peak(spec, mem_lay, actions[m.pp_rank],
+            mem = [dataclasses.replace(m, activations=schedule_activation_peak(spec, lay, actions[m.pp_rank],
                                                                                m.pp_rank, device="cpu"))
                    for m in mem]
         comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
@@ -508,7 +507,7 @@ def _planner(a):
 
     def moe_peak(pp_rank, rows):
         actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
-        return schedule_activation_peak(spec, mem_lay, actions[pp_rank], pp_rank, "cpu", rows)
+        return schedule_activation_peak(spec, lay, actions[pp_rank], pp_rank, "cpu", rows)
     return mem, comm, compared, moe_peak
 
 
