@@ -365,7 +365,8 @@ def _grade_batch(user, tmp, notebooks: dict, assignment: str, *extra: str):
     proc = _run(user, [sys.executable, "-m", "labkit", "grade", *(str(tmp / f"{n}.ipynb") for n in notebooks),
                        "--assignment", assignment, "--results-dir", str(tmp / "out"), "--cell-timeout", "30",
                        *extra], cwd=tmp)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    outs = {f.name: f.read_text()[:3000] for f in sorted((tmp / "out").glob("*.json"))}   # what each result says
+    assert proc.returncode == 0, (proc.stdout + proc.stderr, outs)
     return {n: json.loads((tmp / "out" / f"{n}.json").read_text()) for n in notebooks}, proc
 
 
