@@ -120,9 +120,6 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
                 if proc.returncode != 0:
                     last = [l for l in text.splitlines() if l.startswith("error:")] or text.strip().splitlines()[-1:]
                     err = (last[-1].removeprefix("error: ") if last else f"the grader exited {proc.returncode}")
-                    # the reason the grader recorded (an exception while grading), rather than its generic last line
-                    why = [ln for ln in (obj or {}).get("output", "").splitlines()[1:] if "could not be graded" in ln]
-                    err = why[0] if why else err
                 done[i] = (obj, err)
                 head = f"[{len(done)}/{len(paths)}] {paths[i].name}: "
                 if obj is not None:

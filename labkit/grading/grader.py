@@ -825,8 +825,9 @@ def main(argv: list[str] | None = None) -> int:
         validate_results(obj)
         write_results(a.results, obj)
         print(f"wrote {a.results}")
-    bad = [g.path for g in grades if not g.graded]
+    bad = [f"{g.path} ({g.stopped.removeprefix('the notebook could not be graded: ')})" for g in grades
+           if not g.graded]   # each with the reason (the batch shows this line)
     if bad:
-        print(f"error: {len(bad)} notebook(s) could not be graded: {', '.join(bad)}", file=sys.stderr)
+        print(f"error: {len(bad)} notebook(s) could not be graded: {'; '.join(bad)}", file=sys.stderr)
         return 1
     return 0

@@ -147,3 +147,17 @@ def test_a_batch_passes_every_per_submission_option_on():
     assert captured["options"] == ["--cell-timeout", "7", "--time-budget", "50", "--assignment", "01_pipeline_bubble",
                                    "--max-processes", "64", "--max-file-size", "8", "--max-memory", "2048",
                                    "--tmp-size", "16", "--no-hints", "--no-source-policy"]
+
+
+def test_a_notebook_that_cannot_be_graded_is_named_with_the_reason(tmp_path, env, monkeypatch, capsys):
+    # an exception while grading (here: one raised by the grading itself) reaches the instructor's error line, which
+    # the batch shows for that submission, with its reason rather than only the path
+    import labkit.grading.grader as grader
+
+    def broken(*a, **k):
+        raise RuntimeError("the kernel died while starting")
+    monkeypatch.setattr(grader, "grade_notebook", broken)
+    sub = _nb(tmp_path / "dana.ipynb", "00_distributed_primer", SOLVED)
+    assert main([str(sub), "--assignment", "00_distributed_primer", "--results", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert "could not be graded" in err and "RuntimeError: the kernel died while starting" in err, err
