@@ -49,6 +49,7 @@ from pathlib import Path
 import nbformat
 
 from ..cliparse import Parser
+from .install import INSTALL_CELL, INSTALL_CELL_ID, REPOSITORY_URL
 
 __all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "execute_notebook", "main",
            "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "REPOSITORY_URL",
@@ -65,14 +66,6 @@ _DROP_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
 PLOTTING_MODULES = ("labkit.pipeline.plot", "labkit.pipeline.explorer")
 WIDGET_NOTE = "[interactive widget: it appears when this cell runs in a live kernel]"
 _WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-
-
-REPOSITORY_URL = "https://github.com/labkit-course/labkit"  # also in pyproject.toml's [project.urls]
-INSTALL_CELL_ID = "install-labkit"
-INSTALL_CELL = f"""# Colab / JupyterHub: install labkit when this Python lacks it (does nothing where it is installed)
-import importlib.util, os
-if importlib.util.find_spec("labkit") is None:
-    %pip install -q {{os.environ.get("LABKIT_PIP_SOURCE", "git+{REPOSITORY_URL}")}}"""
 
 
 class BuildError(ValueError):

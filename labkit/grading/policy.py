@@ -230,7 +230,7 @@ def _is_install_cell(src: str) -> bool:
     """True for the exact first cell ``build`` writes into every learner notebook (it installs labkit
     with one ``%pip`` line where labkit is missing): the kit's own text, not the learner's, so its
     magic and import are allowed; any edit to it makes it an ordinary cell again."""
-    from .build import INSTALL_CELL
+    from .install import INSTALL_CELL
 
     def norm(text: str) -> str:
         try:
