@@ -158,6 +158,9 @@ def run_case(case: Case, answer: Any, exercise: Exercise | None = None, backend_
         backend_factory = lambda: LocalBackend(answer)  # noqa: E731
     ex_id = exercise.id if exercise is not None else ""
     refs = exercise.reference_names() if exercise is not None else ()
+    # torch imports sympy lazily on the first ``backward(grad)`` / ``autograd.grad(..., grad)`` (about 1 s):
+    # once here, inherited by every case's child, instead of once in each (as labkit.launch does for ranks)
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
     rfd, wfd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
