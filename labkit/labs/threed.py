@@ -188,8 +188,6 @@ def _bad_args(a, world) -> str | None:
            or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
     if bad:
         return bad
-    if a.moe and (a.sp or a.recompute == "full"):
-        return (f"--moe runs without --sp and --recompute full (got --sp={a.sp}, --recompute {a.recompute})")
     if a.cp_no_load_balance and a.cp == 1:
         return "--cp-no-load-balance chooses how --cp C > 1 splits each sequence; got --cp 1"
     if a.cp_no_load_balance and a.cp > 1 and a.seq % (2 * a.cp):
