@@ -387,12 +387,15 @@ def _record_loads(pg, loads: dict) -> list:
     """Forward hooks on this rank's MoE layers: each forward appends to ``loads[(stage, layer
     name)]`` ``(tokens per expert [E] of this rank's tokens, first local expert, local experts)``
     (the routing the run had; the rows a rank receives are its EP peers' loads on its experts)."""
+    from ..checkpoint import recomputing
     from ..moe.expert_parallel import ExpertParallelMoE
     hooks = []
     for stage, module in zip(pg.stage_ids, pg.modules):
         for name, layer in module.named_modules():
             if isinstance(layer, ExpertParallelMoE):
                 def hook(mod, inputs, out, key=(stage, name)):
+                    if recomputing():      # full recompute: the same routing again, once per forward counted
+                        return
                     loads.setdefault(key, []).append((out[1].tokens_per_expert.tolist(), mod.expert_offset,
                                                       mod.n_local_experts))
                 hooks.append(layer.register_forward_hook(hook))
@@ -510,9 +513,10 @@ def _planner(a):
 
 
 def _moe_rows(a, ranks) -> dict:
-    """``{rank: {(stage, microbatch): rows}}``: the rows each rank's experts received in the last
-    step, summed over the stage's MoE layers: its EP peers' (the DP ranks of its pipeline and TP
-    rank) recorded tokens per expert on its local experts. The c-th forward of a stage is the
+    """``{rank: {(stage, microbatch): [rows per MoE layer]}}``: the rows each rank's experts received
+    in the last step, one entry per MoE layer of the stage in order: its EP peers' (the DP ranks of
+    its pipeline and TP rank; with SP each routed its S/t tokens) recorded tokens per expert on its
+    local experts. The c-th forward of a stage is the
     microbatch of the stage's c-th F action. Ranks without records (a run of one step): absent."""
     actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
     peers = {}
@@ -530,8 +534,7 @@ def _moe_rows(a, ranks) -> dict:
         for key, calls in r.moe_loads.items():
             for c, (_, first, n) in enumerate(calls):
                 got = sum(sum(q.moe_loads[key][c][0][first:first + n]) for q in peers[(r.pp_rank, r.tp_rank)])
-                mb = (key[0], order[key[0]][c])
-                rows[mb] = rows.get(mb, 0) + got
+                rows.setdefault((key[0], order[key[0]][c]), []).append(got)
         out[r.rank] = rows
     return out
 
@@ -590,7 +593,9 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                 # per chunk); the count is checked against the run's buckets in the formula table
                 by_bucket = by_bucket or (ax, kind) == ("tp", "all_reduce") and a.zero == 2 and a.sp and a.dp > 1
                 if (ax, kind) == ("ep", "all_to_all") and compared == "moe":
-                    exchanges = wc // 4                    # one counts exchange per MoE layer and microbatch
+                    # one counts exchange per MoE layer and microbatch forward (full recompute: again in
+                    # backward, with the dispatch and combine: 6 of the planner's per layer and microbatch)
+                    exchanges = wc // 3 if a.recompute == "full" else wc // 4
                     wb += exchanges * a.experts * 8
                     w = {**w, kind: (wc + exchanges, wb)}
                     if gc != wc + exchanges:
