@@ -548,7 +548,8 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     MoE (EP folded onto DP, no token dropped: the lab sets no capacity): parameters, gradients,
     optimizer state and the TP, PP, DP bytes exactly. EP all-to-alls: the count exactly (the
     planner's dispatch and combine, forward and backward, plus labkit's per-expert counts exchange,
-    one all-to-all of E int64 per MoE layer and microbatch); the bytes a rank sends follow the
+    one all-to-all of E int64 per MoE layer and microbatch, twice with full recompute); the bytes a
+    rank sends follow the
     routing (its kept slots and the rows it receives), so the exact check is their sum over each EP
     group (every slot is sent out and back once in each direction), i.e. the planner's balanced
     bytes per rank times ep. Activations: within 2 % on every rank. An MoE layer's saved bytes are
@@ -557,8 +558,10 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     received rows follow the routing, which is deterministic (same seed, same batch) but known only
     by running the router: the planner takes them from the routing the run had (every rank records
     its tokens per expert in the last step, :func:`_record_loads`; a rank's rows are its EP peers'
-    counts on its experts, :func:`_moe_rows`) and counts the peak along the schedule's actions. The
-    counts come from the run, the bytes from the formula."""
+    counts on its experts, :func:`_moe_rows`; with SP each TP rank routes its S/t tokens over the EP
+    ranks of its TP rank) and counts the peak along the schedule's actions (full recompute: each
+    layer's recomputed stash in the backward, :func:`labkit.plan.memory.schedule_activation_peak`).
+    The counts come from the run, the bytes from the formula."""
     pred = _planner(a)
     if pred is None:
         return [f"planner: not shown for this layout (--schedule {a.schedule}, v={_v(a)})"], []
