@@ -549,9 +549,8 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     optimizer state and the TP, PP, DP bytes exactly. EP all-to-alls: the count exactly (the
     planner's dispatch and combine, forward and backward, plus labkit's per-expert counts exchange,
     one all-to-all of E int64 per MoE layer and microbatch, twice with full recompute); the bytes a
-    rank sends follow the
-    routing (its kept slots and the rows it receives), so the exact check is their sum over each EP
-    group (every slot is sent out and back once in each direction), i.e. the planner's balanced
+    rank sends follow the routing (its kept slots and the rows it receives), so the exact check is
+    their sum over each EP group (every slot is sent out and back once in each direction), i.e. the planner's balanced
     bytes per rank times ep. Activations: within 2 % on every rank. An MoE layer's saved bytes are
     a part that follows from the rank's own tokens (router, slots, the returned rows) and a part
     per row its experts RECEIVED (:func:`labkit.plan.activations.moe_layer_activation_bytes`); the
