@@ -293,7 +293,8 @@ def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
     assert rc == 1 and "FAIL t2 p2 d2 1f1b" in cap.out
 
 
-@pytest.mark.parametrize("extra", [["--sp"], ["--recompute", "full"], ["--sp", "--recompute", "full"]],
+@pytest.mark.parametrize("extra", [["--sp"], ["--recompute", "full"], ["--sp", "--recompute", "full"],
+                                   ["--sp", "--zero", "2"], ["--sp", "--zero", "3", "--recompute", "full"]],
                          ids=lambda e: " ".join(e))
 def test_lab_3d_moe_sp_and_full_recompute_equal_one_device_and_the_planner(extra, tmp_path, capsys, monkeypatch):
     """--moe with --sp and/or --recompute full at (t, p, d) = (2, 2, 2), EP = 2 (issue 17): each TP rank
@@ -303,7 +304,8 @@ def test_lab_3d_moe_sp_and_full_recompute_equal_one_device_and_the_planner(extra
     SP gradient all-reduce), activations within 2 % on every rank (full recompute: counted along the
     actions with each layer's recomputed stash from the rows it received). Injected planner bugs:
     the balance loss's TP gathers forgotten (the TP counts), the recompute ignored (activations);
-    injected run bug: every TP rank attaching the whole balance loss (the verdict)."""
+    injected run bug: every TP rank attaching the whole balance loss (the verdict). ZeRO-2/3: the
+    local experts' TP sum is one more all-reduce outside the buckets/units (compared by bytes)."""
     argv = [*GRID, "--moe", "--experts", "4", "--topk", "2", *extra]
     rc = main(["lab", "3d", *argv, "--out", str(tmp_path)])
     cap = capsys.readouterr()
