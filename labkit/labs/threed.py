@@ -188,8 +188,6 @@ def _bad_args(a, world) -> str | None:
            or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
     if bad:
         return bad
-    if a.moe and (a.sp or a.recompute == "full"):
-        return (f"--moe runs without --sp and --recompute full (got --sp={a.sp}, --recompute {a.recompute})")
     if a.cp_no_load_balance and a.cp == 1:
         return "--cp-no-load-balance chooses how --cp C > 1 splits each sequence; got --cp 1"
     if a.cp_no_load_balance and a.cp > 1 and a.seq % (2 * a.cp):
@@ -389,12 +387,15 @@ def _record_loads(pg, loads: dict) -> list:
     """Forward hooks on this rank's MoE layers: each forward appends to ``loads[(stage, layer
     name)]`` ``(tokens per expert [E] of this rank's tokens, first local expert, local experts)``
     (the routing the run had; the rows a rank receives are its EP peers' loads on its experts)."""
+    from ..checkpoint import recomputing
     from ..moe.expert_parallel import ExpertParallelMoE
     hooks = []
     for stage, module in zip(pg.stage_ids, pg.modules):
         for name, layer in module.named_modules():
             if isinstance(layer, ExpertParallelMoE):
                 def hook(mod, inputs, out, key=(stage, name)):
+                    if recomputing():      # full recompute: the same routing again, once per forward counted
+                        return
                     loads.setdefault(key, []).append((out[1].tokens_per_expert.tolist(), mod.expert_offset,
                                                       mod.n_local_experts))
                 hooks.append(layer.register_forward_hook(hook))
@@ -512,9 +513,10 @@ def _planner(a):
 
 
 def _moe_rows(a, ranks) -> dict:
-    """``{rank: {(stage, microbatch): rows}}``: the rows each rank's experts received in the last
-    step, summed over the stage's MoE layers: its EP peers' (the DP ranks of its pipeline and TP
-    rank) recorded tokens per expert on its local experts. The c-th forward of a stage is the
+    """``{rank: {(stage, microbatch): [rows per MoE layer]}}``: the rows each rank's experts received
+    in the last step, one entry per MoE layer of the stage in order: its EP peers' (the DP ranks of
+    its pipeline and TP rank; with SP each routed its S/t tokens) recorded tokens per expert on its
+    local experts. The c-th forward of a stage is the
     microbatch of the stage's c-th F action. Ranks without records (a run of one step): absent."""
     actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
     peers = {}
@@ -532,8 +534,7 @@ def _moe_rows(a, ranks) -> dict:
         for key, calls in r.moe_loads.items():
             for c, (_, first, n) in enumerate(calls):
                 got = sum(sum(q.moe_loads[key][c][0][first:first + n]) for q in peers[(r.pp_rank, r.tp_rank)])
-                mb = (key[0], order[key[0]][c])
-                rows[mb] = rows.get(mb, 0) + got
+                rows.setdefault((key[0], order[key[0]][c]), []).append(got)
         out[r.rank] = rows
     return out
 
@@ -547,17 +548,19 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     MoE (EP folded onto DP, no token dropped: the lab sets no capacity): parameters, gradients,
     optimizer state and the TP, PP, DP bytes exactly. EP all-to-alls: the count exactly (the
     planner's dispatch and combine, forward and backward, plus labkit's per-expert counts exchange,
-    one all-to-all of E int64 per MoE layer and microbatch); the bytes a rank sends follow the
-    routing (its kept slots and the rows it receives), so the exact check is their sum over each EP
-    group (every slot is sent out and back once in each direction), i.e. the planner's balanced
+    one all-to-all of E int64 per MoE layer and microbatch, twice with full recompute); the bytes a
+    rank sends follow the routing (its kept slots and the rows it receives), so the exact check is
+    their sum over each EP group (every slot is sent out and back once in each direction), i.e. the planner's balanced
     bytes per rank times ep. Activations: within 2 % on every rank. An MoE layer's saved bytes are
     a part that follows from the rank's own tokens (router, slots, the returned rows) and a part
     per row its experts RECEIVED (:func:`labkit.plan.activations.moe_layer_activation_bytes`); the
     received rows follow the routing, which is deterministic (same seed, same batch) but known only
     by running the router: the planner takes them from the routing the run had (every rank records
     its tokens per expert in the last step, :func:`_record_loads`; a rank's rows are its EP peers'
-    counts on its experts, :func:`_moe_rows`) and counts the peak along the schedule's actions. The
-    counts come from the run, the bytes from the formula."""
+    counts on its experts, :func:`_moe_rows`; with SP each TP rank routes its S/t tokens over the EP
+    ranks of its TP rank) and counts the peak along the schedule's actions (full recompute: each
+    layer's recomputed stash in the backward, :func:`labkit.plan.memory.schedule_activation_peak`).
+    The counts come from the run, the bytes from the formula."""
     pred = _planner(a)
     if pred is None:
         return [f"planner: not shown for this layout (--schedule {a.schedule}, v={_v(a)})"], []
@@ -592,7 +595,9 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                 # per chunk); the count is checked against the run's buckets in the formula table
                 by_bucket = by_bucket or (ax, kind) == ("tp", "all_reduce") and a.zero == 2 and a.sp and a.dp > 1
                 if (ax, kind) == ("ep", "all_to_all") and compared == "moe":
-                    exchanges = wc // 4                    # one counts exchange per MoE layer and microbatch
+                    # one counts exchange per MoE layer and microbatch forward (full recompute: again in
+                    # backward, with the dispatch and combine: 6 of the planner's per layer and microbatch)
+                    exchanges = wc // 3 if a.recompute == "full" else wc // 4
                     wb += exchanges * a.experts * 8
                     w = {**w, kind: (wc + exchanges, wb)}
                     if gc != wc + exchanges:

@@ -138,7 +138,15 @@ class MoELayer(nn.Module):
     ``x.shape[:-1]``, 1 = real token, 0 = padding) keeps padded tokens out of the balance
     losses and the loads. With x [B, S, H] the sequence-wise loss uses S as the sequence
     length. Raises ValueError when T is not divisible by ``token_groups``.
+
+    ``compute_balance_losses`` (True): False leaves the balance losses to the caller
+    (``stats.losses`` empty, ``stats.aux_loss`` 0; :meth:`balance_losses` computes them from
+    router outputs): under sequence parallelism a rank routes only its S/t tokens, and the
+    losses are computed on the whole group's router logits
+    (:class:`labkit.parallel.moe_pipeline.ParallelMoEBlock`).
     """
+
+    compute_balance_losses = True
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -173,11 +181,33 @@ class MoELayer(nn.Module):
             mask = mask.bool()
         outs = [self.router(chunk) for chunk in x2.chunk(G, dim=0)] if T else [self.router(x2)]
         masks = list(mask.chunk(G)) if mask is not None and T else [None] * len(outs)
-        losses: dict[str, torch.Tensor] = {}
+        losses = self.balance_losses(outs, masks, seq_len) if self.compute_balance_losses else {}
+        if mask is not None:   # loads over real tokens only (what the aux-loss-free bias update uses)
+            for o, m in zip(outs, masks):
+                o.tokens_per_expert = torch.bincount(o.indices[m].reshape(-1), minlength=cfg.n_routed_experts)
+        cat = RouterOutput(
+            weights=torch.cat([o.weights for o in outs]), indices=torch.cat([o.indices for o in outs]),
+            keep=torch.cat([o.keep for o in outs]), logits=torch.cat([o.logits for o in outs]),
+            scores=torch.cat([o.scores for o in outs]),
+            tokens_per_expert=torch.stack([o.tokens_per_expert for o in outs]).sum(0),
+            capacity=outs[0].capacity, dropped_fraction=0.0)
+        cat.dropped_fraction = float((~cat.keep).sum()) / max(1, cat.keep.numel())
+        aux = sum(losses.values()) if losses else x2.new_zeros(())
+        stats = MoEStats(aux, losses, cat.tokens_per_expert.detach(), cat.dropped_fraction, cat)
+        return cat, stats
+
+    def balance_losses(self, outs, masks, seq_len: int | None) -> dict:
+        """The enabled balance losses of the config, each weighted by its coefficient and averaged
+        over the groups: ``outs`` one routing per group (objects with ``logits`` [T_g, E] and
+        ``indices`` [T_g, k], e.g. :class:`RouterOutput`), ``masks`` one [T_g] bool mask or None
+        per group, ``seq_len`` the S of the sequence-wise loss (None: x was not [B, S, H]).
+        Returns ``{name: 0-d tensor}`` (names aux, z, seq_aux, device, comm; empty when none is
+        on). Raises ValueError for the sequence-wise loss without ``seq_len``."""
+        cfg, losses = self.cfg, {}
 
         def add(name, loss_of_group):
             # a group without a real token adds 0 (so EP, one group per rank, sums the same)
-            values = [loss_of_group(o, m) if m is None or bool(m.any()) else x2.new_zeros(())
+            values = [loss_of_group(o, m) if m is None or bool(m.any()) else o.logits.new_zeros(())
                       for o, m in zip(outs, masks)]
             losses[name] = torch.stack(values).mean()
 
@@ -196,19 +226,7 @@ class MoELayer(nn.Module):
         if cfg.comm_loss_coeff:
             add("comm", lambda o, m: comm_balance_loss(o.logits, o.indices, cfg.n_devices, cfg.max_devices,
                                                        cfg.comm_loss_coeff, cfg.score_func, m, from_logits=True))
-        if mask is not None:   # loads over real tokens only (what the aux-loss-free bias update uses)
-            for o, m in zip(outs, masks):
-                o.tokens_per_expert = torch.bincount(o.indices[m].reshape(-1), minlength=cfg.n_routed_experts)
-        cat = RouterOutput(
-            weights=torch.cat([o.weights for o in outs]), indices=torch.cat([o.indices for o in outs]),
-            keep=torch.cat([o.keep for o in outs]), logits=torch.cat([o.logits for o in outs]),
-            scores=torch.cat([o.scores for o in outs]),
-            tokens_per_expert=torch.stack([o.tokens_per_expert for o in outs]).sum(0),
-            capacity=outs[0].capacity, dropped_fraction=0.0)
-        cat.dropped_fraction = float((~cat.keep).sum()) / max(1, cat.keep.numel())
-        aux = sum(losses.values()) if losses else x2.new_zeros(())
-        stats = MoEStats(aux, losses, cat.tokens_per_expert.detach(), cat.dropped_fraction, cat)
-        return cat, stats
+        return losses
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         shape = x.shape

@@ -23,7 +23,8 @@ The aux-loss-free bias (DeepSeek-V3 sec. 2.1.2) must move once per GLOBAL batch 
 summed over all microbatches and all data-parallel ranks: each stage adds up the loads of the
 forwards whose backward ran (the attached function's backward counts them: exactly one per
 microbatch and step, with or without recomputation), and :func:`finish_step` all-reduces them
-over the DP group, updates the bias and clears the sums. Reported failure modes in production
+over the DP group (and the TP group under sequence parallelism, where each TP rank routes its
+S/t tokens), updates the bias and clears the sums. Reported failure modes in production
 trainers, prevented here: the aux loss scaled by 1 instead of 1/M, counted twice under
 recomputation, lost on middle stages, or the bias updated once per microbatch.
 """
@@ -64,10 +65,13 @@ def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: float, on_backwar
 
 
 @torch.no_grad()
-def finish_step(stages, dp_group=None) -> dict:
+def finish_step(stages, dp_group=None, tp_group=None, clear_aux_values: bool = True) -> dict:
     """After a schedule's step: sum each MoE layer's loads over the DP group (all-reduce; None:
-    no DP), update its aux-loss-free bias once, clear the sums. Returns {block index: loads [E]}.
-    Every DP rank must call it (the all-reduces are collective)."""
+    no DP) and, with sequence parallelism, over the TP group too (``tp_group``; each TP rank routed
+    only its S/t tokens; None: the TP ranks routed the same tokens), update its aux-loss-free bias
+    once, clear the sums, and the stages' ``aux_values`` unless ``clear_aux_values`` is False (a
+    caller that reports them later clears them itself). Returns {block index: loads [E]}. Every
+    rank of those groups must call it (the all-reduces are collective)."""
     done = {}
     for st in stages:
         for lid, layer in st.moe_layers().items():
@@ -76,7 +80,10 @@ def finish_step(stages, dp_group=None) -> dict:
                 load = torch.zeros(layer.cfg.n_routed_experts, dtype=torch.long, device=layer.router.weight.device)
             if dp_group is not None:
                 load = all_reduce_loads(load, dp_group)
+            if tp_group is not None:
+                load = all_reduce_loads(load, tp_group)
             layer.update_bias(load)
             done[lid] = load
-        st.aux_values.clear()
+        if clear_aux_values:
+            st.aux_values.clear()
     return done

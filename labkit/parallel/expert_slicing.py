@@ -130,6 +130,8 @@ class ExpertSlicedMoE(nn.Module):
         self.shared_experts = copy.deepcopy(layer.shared_experts)
 
     route_tokens = MoELayer.route_tokens          # the same routing code as the single-device layer
+    balance_losses = MoELayer.balance_losses
+    compute_balance_losses = True
 
     @classmethod
     def from_dense(cls, layer: MoELayer, groups: SlicingGroups) -> "ExpertSlicedMoE":

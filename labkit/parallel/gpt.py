@@ -94,7 +94,7 @@ from ..plan.comm import comm_per_rank
 from ..plan.memory import check_layout as plan_check_layout
 from ..plan.memory import zero3_units
 from ..plan.spec import Layout, ModelSpec
-from ..tensor_parallel import allreduce_layernorm_grads, gpt_plan, parallelize
+from ..tensor_parallel import allreduce_layernorm_grads, allreduce_sequence_parallel_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
 from .moe_pipeline import moe_block_rule, split_moe_gpt
 
@@ -308,8 +308,11 @@ class ParallelGPT:
             losses (:mod:`labkit.parallel.moe_pipeline`), DDP leaves the experts unreduced (their
             gradient already sums every rank's tokens through the all-to-all; ZeRO-2 keeps them
             whole in :class:`~labkit.data_parallel.ZeroStage2`, outside ZeRO-1's flat buffer and the
-            FSDP units). Selective recompute checkpoints the MoE blocks' attention core too; not
-            with SP or full recompute (ValueError).
+            FSDP units). Selective recompute checkpoints the MoE blocks' attention core too, full
+            recompute the whole MoE block; with sequence parallelism each TP rank routes and
+            dispatches its S/t tokens and the balance losses are computed on the router logits
+            all-gathered over TP (:class:`labkit.parallel.moe_pipeline.ParallelMoEBlock`; not with
+            ``capacity_factor``: ValueError).
         sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
             Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
             shard and the ``sequence_parallel`` gradients are all-reduced over TP in :meth:`train_step`.
@@ -332,6 +335,10 @@ class ParallelGPT:
         cp = getattr(grid, "cp", 1)
         moe_cfg = getattr(reference, "moe_cfg", None)
         zero = _zero_stage(zero)
+        if moe_cfg is not None and sequence_parallel and grid.tp > 1 and moe_cfg.capacity_factor is not None:
+            raise ValueError(f"the MoE GPT with sequence parallelism (t={grid.tp}) routes each TP rank's S/t tokens "
+                             f"on its own, but capacity dropping (capacity_factor={moe_cfg.capacity_factor}) "
+                             f"decides over the whole group of b*S tokens: use capacity_factor=None with SP")
         check_layout(cfg, grid.ctx.world_size // cp, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule,
                      sequence_parallel=sequence_parallel, recompute=recompute, zero=zero, hsdp=hsdp,
                      n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts)
@@ -343,9 +350,6 @@ class ParallelGPT:
         self.cp, self.cp_attention, self.cp_load_balance = cp, cp_attention, bool(cp_load_balance)
         self.cp_stats: list = []    # the CP attention's {"work", "heads", "seconds", ...} (cleared by the caller)
         if moe_cfg is not None:
-            if (sequence_parallel and grid.tp > 1) or recompute == "full":
-                raise ValueError("the MoE GPT runs here without sequence parallelism and without full recompute (got "
-                                 f"sequence_parallel={sequence_parallel}, recompute={recompute!r})")
             if grid.ep != grid.dp:
                 raise ValueError(f"ParallelGPT folds EP onto the whole DP group: ep must equal d={grid.dp}, "
                                  f"got ep={grid.ep}")
@@ -369,7 +373,8 @@ class ParallelGPT:
             plan = gpt_plan(self.sequence_parallel, recompute) if group is not None else {}
             if self.moe:
                 plan = {**plan, "blocks.*": moe_block_rule(grid.ep_group, grid.ep_rank, grid.ep, plan.get("blocks.*"),
-                                                           recompute_core=recompute == "selective")}
+                                                           sequence_parallel=self.sequence_parallel,
+                                                           recompute=recompute)}
         self.modules: list[nn.Module] = []
         for s in self.stage_ids:
             if self.moe:                                                                    # slice
@@ -497,10 +502,14 @@ class ParallelGPT:
             if w is not None:
                 w.finish_grad_sync()          # no-op when the last backward completed it
         if self.sequence_parallel and self.sharded[0] is None:   # ZeRO-2/3 sum them in their hooks
-            # LayerNorms etc. saw S/t tokens: sum over TP, once per step
+            # LayerNorms etc. (MoE: routers and experts too) saw S/t tokens: sum over TP, once per step
             allreduce_layernorm_grads(nn.ModuleList(self.modules), self.grid.tp_group)
+        elif self.sequence_parallel and self.moe:   # ZeRO-2/3 keep the local experts whole, outside their hooks
+            allreduce_sequence_parallel_grads([q for w in self.sharded for q in w.expert_params], self.grid.tp_group)
         if self.moe and any(layer.cfg.expert_bias for m in self.modules for layer in m.moe_layers().values()):
-            finish_step(self.modules, self.grid.dp_group if self.grid.dp > 1 else None)   # aux-loss-free bias
+            finish_step(self.modules, self.grid.dp_group if self.grid.dp > 1 else None,    # aux-loss-free bias
+                        self.grid.tp_group if self.sequence_parallel else None,
+                        clear_aux_values=False)    # take_aux_loss reports and clears them
         if self.emb_group is not None:        # the two copies' gradients summed (full ones: ZeRO-2/3 defer them)
             comm.all_reduce(self._tied_grad(), self.emb_group)
         for w in self.sharded:

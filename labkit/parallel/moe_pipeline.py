@@ -6,16 +6,22 @@ Why and how: :mod:`labkit.moe.pipeline`.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 
+from ..checkpoint import checkpoint
 from ..moe.expert_parallel import ExpertParallelMoE
+from ..moe.experts import MoEStats
 from ..moe.model import MoEBlock, MoEGPT
 from ..moe.pipeline import attach_aux_loss
 from ..pipeline.schedules import stage_rank
 from ..pipeline.stages import stage_layers
 from ..tensor_parallel import ParallelAttention
+from ..tensor_parallel.layers import mark_sequence_parallel
+from ..tensor_parallel.mappings import all_gather_along_dim, gather_from_sequence_parallel_region, tp_size
+from ..tensor_parallel.model import RECOMPUTE
 
 __all__ = ["MoEGPTStage", "split_moe_gpt", "moe_stages_for_rank", "moe_param_name", "ParallelMoEBlock",
            "moe_block_rule"]
@@ -25,30 +31,96 @@ class ParallelMoEBlock(nn.Module):
     """x + Attn_TP(LN1 x), then x + MoE_EP(LN2 x): Megatron's TP attention over ``tp_group`` (None:
     a copy of the reference's) and the experts spread over ``ep_group``
     (:class:`labkit.moe.expert_parallel.ExpertParallelMoE`; rank ``ep_rank`` holds experts
-    ``ep_rank*E/ep_size ..``). The MoE input is replicated over TP, so the t ranks of a TP group
-    hold the same experts and compute the same thing (as for a LayerNorm). ``recompute_core``:
-    selective recompute of the attention core (Korthikanti et al. 2022 sec. 5), as in the dense
-    blocks. ``[B, S, H] -> ([B, S, H], MoEStats)``."""
+    ``ep_rank*E/ep_size ..``). Each TP rank holds whole experts (expert TP 1, Megatron-Core's
+    ``expert_tensor_parallel_size=1``).
 
-    def __init__(self, ref: MoEBlock, tp_group, ep_group, ep_rank: int, ep_size: int, recompute_core: bool = False):
+    ``sequence_parallel=False``: the MoE input is replicated over TP, so the t ranks of a TP group
+    route the same tokens and compute the same thing (as for a LayerNorm). ``True`` (Korthikanti
+    et al. 2022 sec. 4.2.2, t > 1): input and output are this rank's ``[b, S/t, H]``; the attention
+    all-gathers and reduce-scatters as in :class:`labkit.tensor_parallel.ParallelBlock`, and the
+    MoE layer routes only this rank's S/t tokens and dispatches them over ``ep_group`` (the EP
+    ranks with this TP rank; Megatron-Core's token dispatcher works on the SP-local tokens the
+    same way, no all-gather of hidden states). The LayerNorms, the router, the experts and the
+    shared experts then saw S/t tokens: they are marked ``sequence_parallel`` and their gradients
+    are summed over TP after backward (:func:`labkit.tensor_parallel.allreduce_layernorm_grads`,
+    or ZeRO-2/3's partial-gradient hooks). The balance losses need the whole group of b*S tokens
+    (f and P are means over it; the sequence-wise loss per sequence): they are computed on the
+    router logits all-gathered over TP along the sequence (backward: reduce-scatter,
+    :func:`labkit.tensor_parallel.mappings.gather_from_sequence_parallel_region`) and the indices
+    all-gathered, the same value on every TP rank; each rank attaches ``aux_loss_share`` = 1/t of
+    it (:class:`MoEGPTStage`), so the gradients summed over TP are the reference's. The loads
+    ``tokens_per_expert`` are this rank's tokens' (summed over TP and DP for the aux-loss-free
+    bias, :func:`labkit.moe.pipeline.finish_step`). Not with capacity dropping (whose choices need
+    the whole group): :class:`labkit.parallel.ParallelGPT` refuses it.
+
+    ``recompute``: "selective" checkpoints the attention core (Korthikanti et al. 2022 sec. 5), as
+    in the dense blocks; "full" checkpoints the whole block (:func:`labkit.checkpoint.checkpoint`
+    of a function returning ``(x, aux_loss, tokens_per_expert)``: only the input is kept, and the
+    forward, its all-to-alls and gathers included, runs again in backward). ``[b, S, H] (SP: [b,
+    S/t, H]) -> (same shape, MoEStats)``; with "full" the stats hold only ``aux_loss`` and
+    ``tokens_per_expert``."""
+
+    def __init__(self, ref: MoEBlock, tp_group, ep_group, ep_rank: int, ep_size: int, recompute_core: bool = False,
+                 sequence_parallel: bool = False, recompute: str = "none"):
         super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+        self.tp_group, self.recompute = tp_group, recompute
+        self.sequence_parallel = bool(sequence_parallel) and tp_group is not None and tp_size(tp_group) > 1
+        recompute_core = recompute_core or recompute == "selective"
         self.ln1, self.ln2 = copy.deepcopy(ref.ln1), copy.deepcopy(ref.ln2)
-        self.attn = (ParallelAttention.from_reference(ref.attn, tp_group, recompute_core=recompute_core)
+        self.attn = (ParallelAttention.from_reference(ref.attn, tp_group, recompute_core=recompute_core,
+                                                      sequence_parallel=self.sequence_parallel)
                      if tp_group is not None or recompute_core else copy.deepcopy(ref.attn))
         self.moe = ExpertParallelMoE.from_dense(ref.moe, ep_group, ep_rank, ep_size)
+        self.aux_loss_share = 1.0
+        if self.sequence_parallel:
+            self.moe.compute_balance_losses = False          # computed on the whole group in _group_losses
+            self.aux_loss_share = 1.0 / tp_size(tp_group)
+            mark_sequence_parallel(*self.ln1.parameters(), *self.ln2.parameters(), *self.moe.parameters())
 
-    def forward(self, x):
+    def _block(self, x):
         x = x + self.attn(self.ln1(x))
-        y, stats = self.moe(self.ln2(x))
+        h = self.ln2(x)
+        y, stats = self.moe(h)
+        if self.sequence_parallel:
+            stats.losses = self._group_losses(stats.router, h.shape[0], h.shape[1])
+            stats.aux_loss = sum(stats.losses.values()) if stats.losses else h.new_zeros(())
         return x + y, stats
 
+    def _group_losses(self, r, b: int, s: int) -> dict:
+        """The balance losses of the whole group from this rank's routing ``r`` of its ``[b, s]``
+        tokens (s = S/t): logits all-gathered along the sequence (differentiable, backward
+        reduce-scatter) and indices all-gathered, in the reference's token order [b, S]."""
+        if not any(getattr(self.moe.cfg, c) for c in ("aux_loss_coeff", "z_loss_coeff", "seq_aux_loss_coeff",
+                                                         "device_loss_coeff", "comm_loss_coeff")):
+            return {}
+        t = tp_size(self.tp_group)
+        logits = gather_from_sequence_parallel_region(r.logits.view(b, s, -1), self.tp_group)
+        indices = all_gather_along_dim(r.indices.reshape(b, s, -1), 1, self.tp_group)
+        whole = SimpleNamespace(logits=logits.reshape(b * s * t, -1), indices=indices.reshape(b * s * t, -1))
+        return self.moe.balance_losses([whole], [None], s * t)
 
-def moe_block_rule(ep_group, ep_rank: int, ep_size: int, dense_rule=None, recompute_core: bool = False):
+    def _block_tensors(self, x):
+        y, stats = self._block(x)
+        return y, stats.aux_loss, stats.tokens_per_expert
+
+    def forward(self, x):
+        if self.recompute == "full":
+            y, aux, load = checkpoint(self._block_tensors, x)
+            return y, MoEStats(aux, {}, load)
+        return self._block(x)
+
+
+def moe_block_rule(ep_group, ep_rank: int, ep_size: int, dense_rule=None, recompute_core: bool = False,
+                   sequence_parallel: bool = False, recompute: str = "none"):
     """A plan rule for ``"blocks.*"`` of the MoE GPT (:func:`labkit.tensor_parallel.parallelize`): an
-    MoE block becomes a :class:`ParallelMoEBlock`, a dense block goes to ``dense_rule`` (None: kept)."""
+    MoE block becomes a :class:`ParallelMoEBlock` (``sequence_parallel``, ``recompute`` as there),
+    a dense block goes to ``dense_rule`` (None: kept)."""
     def rule(block, group):
         if isinstance(block, MoEBlock):
-            return ParallelMoEBlock(block, group, ep_group, ep_rank, ep_size, recompute_core)
+            return ParallelMoEBlock(block, group, ep_group, ep_rank, ep_size, recompute_core, sequence_parallel,
+                                    recompute)
         return dense_rule(block, group) if dense_rule is not None else block
     return rule
 
@@ -85,7 +157,9 @@ class MoEGPTStage(nn.Module):
                     # counted when this forward's backward runs: exactly once per microbatch and step
                     # (not for the runtime's shape probe, nor for the no-grad forward of recomputation)
                     count = self._counter(lid, stats.tokens_per_expert.clone(), stats.aux_loss.item())
-                    x = attach_aux_loss(x, stats.aux_loss, self.aux_loss_scale, count)
+                    # SP: every TP rank holds the whole group's loss and attaches its 1/t share
+                    share = getattr(block, "aux_loss_share", 1.0)
+                    x = attach_aux_loss(x, stats.aux_loss, self.aux_loss_scale * share, count)
             else:
                 x = block(x)
         if self.head is not None:

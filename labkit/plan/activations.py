@@ -163,7 +163,7 @@ def moe_row_bytes(h: int, ffn: int, bytes_per_element: int = 4, glu: bool = Fals
 
 def moe_layer_activation_bytes(tokens: int, h: int, n_experts: int, top_k: int, ffn: int,
                                bytes_per_element: int = 4, received_rows: int | None = None, glu: bool = False,
-                               expert_tp: int = 1, aux_loss: bool = True) -> int:
+                               expert_tp: int = 1, aux_loss: bool = True, loss_tokens: int | None = None) -> int:
     """labkit's exact count: bytes one MoE layer (:class:`labkit.moe.expert_parallel.ExpertParallelMoE`,
     sort-based dispatch, softmax scores, no capacity dropping, no padding mask) keeps for backward
     on one rank for one microbatch of ``tokens`` N tokens, besides its input (the router's and the
@@ -171,8 +171,11 @@ def moe_layer_activation_bytes(tokens: int, h: int, n_experts: int, top_k: int, 
 
     The part that follows from N alone (every token sends its k slots out and gets them back):
     router scores (softmax) ``N E e``, the top-k indices of the gather ``8 N k``, the capacity mask
-    ``N k`` (bool), the Switch aux loss (``aux_loss``: its own softmax ``N E e``, the token mask
-    ``N e`` and its sum, the fractions ``E e``), the permutation's token index and slot ``2 x 8 N k``,
+    ``N k`` (bool), the Switch aux loss (``aux_loss``: its own softmax ``N' E e``, the token mask
+    ``N' e`` and its sum, the fractions ``E e``, over the N' = ``loss_tokens`` tokens it sees,
+    default N; under sequence parallelism the whole group's b S, whose logits are all-gathered
+    over TP, :class:`labkit.parallel.moe_pipeline.ParallelMoEBlock`), the permutation's token
+    index and slot ``2 x 8 N k``,
     the gating weights of the slots ``N k e``, the returned rows and their weighted copy
     ``2 N k h e``. The part that follows the routing: :func:`moe_row_bytes` per row this rank
     RECEIVED (``received_rows``; which experts a rank holds and what the tokens chose decide it:
@@ -183,6 +186,7 @@ def moe_layer_activation_bytes(tokens: int, h: int, n_experts: int, top_k: int, 
     rows = N * k if received_rows is None else received_rows
     routing = N * n_experts * e + 8 * N * k + N * k                     # scores, gather index, keep mask
     if aux_loss:
-        routing += N * n_experts * e + N * e + 4 + n_experts * e          # aux softmax, mask and its sum, f
+        Nl = N if loss_tokens is None else loss_tokens
+        routing += Nl * n_experts * e + Nl * e + 4 + n_experts * e        # aux softmax, mask and its sum, f
     slots = 2 * 8 * N * k + N * k * e + 2 * N * k * h * e                 # token index, slot, weights, rows
     return routing + slots + rows * moe_row_bytes(h, ffn, e, glu, expert_tp)

@@ -17,8 +17,14 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   labkit's default one per model chunk, or per FSDP unit that holds any, from the reduce-scatter
   hooks: the same bytes). Full recompute repeats the forward's collectives in backward. A MoE layer with
   expert TP 1 (``Layout.etp``, Megatron-Core's ``expert_tensor_parallel_size``) and no shared
-  experts, without SP, holds whole experts on every TP rank: its MLP output is already complete,
-  so only its attention all-reduces (once forward, once backward).
+  experts holds whole experts on every TP rank: its MLP output is already complete, so only its
+  attention all-reduces (once forward, once backward). With SP (labkit's
+  :class:`labkit.parallel.moe_pipeline.ParallelMoEBlock`) such a layer routes this rank's S/t
+  tokens: only its attention gathers and reduce-scatters, its balance loss all-gathers the router
+  logits ``N E / t`` and the top-k indices ``8 N k / t`` of this rank (forward; again with full
+  recompute) and reduce-scatters the logits' gradient ``N E`` (backward), and its router and local
+  experts join the sequence-parallel gradient all-reduce (under ZeRO-2/3 the whole experts in
+  one more all-reduce, outside the buckets or units).
 * PP: each stage boundary sends ``N h`` forward and the gradient back (with SP each TP rank
   sends its ``N h / t`` shard, as Megatron does); a tied embedding adds one all-reduce of
   its gradient between the first and the last stage per step (axis "embedding").
@@ -123,33 +129,48 @@ def tp_comm(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_ran
     L_r = rank_param_counts(spec, lay, r)["layers"]
     fwd, bwd = AxisComm("tp", t, link), AxisComm("tp", t, link)
     again = 1 if lay.recompute == "full" else 0                 # full recompute reruns the forward in backward
+    # a MoE layer with whole experts on every TP rank (expert TP 1, no shared experts) has no tensor-parallel
+    # MLP region: no collective around it (without SP its output is replicated; with SP it routes its S/t tokens)
+    ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
+    whole = lay.expert_tp == 1 and t > 1 and not spec.n_shared_experts
+    n_whole = sum(1 for i in ids if spec.is_moe_layer(i)) if whole else 0
+    regions = 2 * L_r - n_whole
     if lay.sequence_parallel:
-        fwd.add("all_gather", Ml * 2 * L_r, act // t)            # entering the column-parallel regions
-        fwd.add("reduce_scatter", Ml * 2 * L_r, act)             # leaving the row-parallel regions (g-bar)
-        bwd.add("all_gather", Ml * 2 * L_r * (again + (1 if regather_in_backward else 0)), act // t)
-        bwd.add("reduce_scatter", Ml * 2 * L_r * again, act)
-        bwd.add("reduce_scatter", Ml * 2 * L_r, act)             # backward of g
-        bwd.add("all_gather", Ml * 2 * L_r, act // t)            # backward of g-bar
+        fwd.add("all_gather", Ml * regions, act // t)            # entering the column-parallel regions
+        fwd.add("reduce_scatter", Ml * regions, act)             # leaving the row-parallel regions (g-bar)
+        bwd.add("all_gather", Ml * regions * (again + (1 if regather_in_backward else 0)), act // t)
+        bwd.add("reduce_scatter", Ml * regions * again, act)
+        bwd.add("reduce_scatter", Ml * regions, act)             # backward of g
+        bwd.add("all_gather", Ml * regions, act // t)            # backward of g-bar
+        if n_whole:   # the balance losses on the whole group: router logits and indices all-gathered, dlogits back
+            n_logits = N * spec.n_routed_experts                 # logits of the b S tokens
+            fwd.add("all_gather", Ml * n_whole, n_logits // t * e)
+            fwd.add("all_gather", Ml * n_whole, N // t * spec.n_activated_experts * 8)
+            bwd.add("all_gather", Ml * n_whole * again, n_logits // t * e)
+            bwd.add("all_gather", Ml * n_whole * again, N // t * spec.n_activated_experts * 8)
+            bwd.add("reduce_scatter", Ml * n_whole, n_logits * e)
         n_ln = L_r * (spec.norm_params() * 2 + (2 * h if spec.bias else 0))
         n_ln += spec.norm_params() if holds_last(lay, r) else 0            # the final norm
         if holds_first(lay, r) and spec.position == "learned":             # positions added per S/t block
             n_ln += spec.seq_len * h
+        if n_whole:   # router and local experts saw S/t tokens; no row-parallel MLP bias
+            lp = spec.layer_params(True)
+            n_ln += n_whole * (spec.n_routed_experts * (h + (1 if spec.router_bias else 0))
+                               + lp["expert"] * lp["experts"] // lay.ep - (h if spec.bias else 0))
         n_ar = 1 if n_ln else 0                                 # sequence-parallel gradients
+        sharded = lay.zero in (2, 3) and lay.d * lay.cp > 1
         if n_ln and lay.zero == 2 and lay.d * lay.cp > 1:       # ZeroStage2: per bucket (one per chunk)
             n_ar = len(rank_stages(lay, r))
         elif n_ln and lay.zero == 3 and lay.d * lay.cp > 1:     # FSDP: per unit holding any
             n_ar = L_r + (1 if holds_last(lay, r) and spec.norm_params() else 0) + \
                 (1 if holds_first(lay, r) and spec.position == "learned" else 0)
+        n_ar += 1 if n_whole and sharded else 0                 # ZeRO-2/3: the whole local experts, once more
         bwd.add("all_reduce", 1 if n_ln else 0, n_ln * gb)     # the bytes of one; then the count
         if n_ar > 1:
             c, nbytes = bwd.ops["all_reduce"]
             bwd.ops["all_reduce"] = (c + n_ar - 1, nbytes)
     else:
-        # g after attention and MLP, f of each in backward; a MoE layer with whole experts on every TP
-        # rank (expert TP 1, no shared experts) has a replicated MLP output: no collective around it
-        ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]
-        whole = lay.expert_tp == 1 and t > 1 and not spec.n_shared_experts
-        regions = 2 * L_r - (sum(1 for i in ids if spec.is_moe_layer(i)) if whole else 0)
+        # g after attention and MLP, f of each in backward
         fwd.add("all_reduce", Ml * regions, act)
         bwd.add("all_reduce", Ml * regions * (1 + again), act)
     if holds_first(lay, r):                                      # vocab-parallel embedding: g

@@ -422,19 +422,22 @@ def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
 
 def moe_balanced_rows(spec: ModelSpec, lay: Layout) -> int:
     """Rows one rank's experts receive per MoE layer and microbatch when the routing is balanced:
-    ``s b k`` (every rank sends ``s b k`` slots, so this is the mean over the EP group)."""
-    return spec.seq_len * lay.b * spec.n_activated_experts
+    ``s b k`` (every rank sends ``s b k`` slots, so this is the mean over the EP group); with
+    sequence parallelism ``s b k / t`` (each TP rank routes its S/t tokens over its EP group)."""
+    return spec.seq_len * lay.b * spec.n_activated_experts // (lay.t if lay.sequence_parallel else 1)
 
 
 def _moe_act(spec: ModelSpec, lay: Layout, received_rows: int | None = None) -> int:
     """The routed part of one MoE layer, one microbatch (:func:`.activations.moe_layer_activation_bytes`:
-    the router on this rank's s b (/t with SP) tokens, the experts on ``received_rows``, default
-    :func:`moe_balanced_rows`; each expert's width split over ``etp``)."""
+    the router on this rank's s b (/t with SP) tokens, the balance loss on the group's s b (with SP
+    gathered over TP), the experts on ``received_rows``, default :func:`moe_balanced_rows`; each
+    expert's width split over ``etp``)."""
     rows = moe_balanced_rows(spec, lay) if received_rows is None else received_rows
     return moe_layer_activation_bytes(spec.seq_len * lay.b // (lay.t if lay.sequence_parallel else 1), spec.hidden,
                                       spec.n_routed_experts, spec.n_activated_experts,
                                       spec.moe_ffn or spec.ffn_hidden, BYTES[lay.precision][0], rows,
-                                      glu=spec.mlp == "swiglu", expert_tp=lay.expert_tp)
+                                      glu=spec.mlp == "swiglu", expert_tp=lay.expert_tp,
+                                      loss_tokens=spec.seq_len * lay.b)
 
 
 def _embedding_act(spec: ModelSpec, lay: Layout, device: str = "cuda") -> int:
@@ -530,10 +533,17 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
     rank are two entries. Schedules without split backward (F and B only) give the in-flight
     formulas' figure. ``moe_rows``: ``{(stage, microbatch): rows}``, the rows the rank's experts
     received in that forward, summed over the stage's MoE layers (the routing a run had; absent
-    keys and None: balanced, :func:`moe_balanced_rows` per layer); each row costs
-    :func:`.activations.moe_row_bytes`. ``recompute="full"`` is not modelled (ValueError)."""
+    keys and None: balanced, :func:`moe_balanced_rows` per layer; a value may also be a list, one
+    entry per MoE layer of the stage in order); each row costs :func:`.activations.moe_row_bytes`.
+
+    ``recompute="full"`` (schedules without split backward only: ValueError for I or W): F keeps
+    each layer's input (and the embedding's and head's stash); B frees the head's stash, then
+    recomputes the layers last to first, the peak taken while layer j's whole stash is alive again
+    (its routed part from its own rows: give per-layer lists when a stage has several MoE
+    layers, an int is split evenly over them) with the inputs of the layers before it, and frees
+    layer j's input after it."""
     if lay.recompute == "full":
-        raise ValueError("schedule_activation_peak: recompute='full' is not modelled")
+        return _full_recompute_peak(spec, lay, actions, pp_rank, device, moe_rows)
     aspec = cp_local(spec, lay)
     last = (2 if lay.placement == "v" else lay.v) * lay.p - 1
     full, at_i, n_moe = {}, {}, {}
@@ -557,7 +567,8 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
         if act.kind == "F":
             alive[key] = full[act.stage]
             if moe_rows and key in moe_rows:    # the routing this forward had instead of the balanced one
-                alive[key] += per_row * (moe_rows[key] - n_moe[act.stage] * moe_balanced_rows(spec, lay))
+                rows = moe_rows[key] if isinstance(moe_rows[key], int) else sum(moe_rows[key])
+                alive[key] += per_row * (rows - n_moe[act.stage] * moe_balanced_rows(spec, lay))
             live += alive[key]
             peak = max(peak, live)
         elif act.kind == "I" and key in alive:
@@ -566,4 +577,48 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
             live -= freed
         elif act.kind in ("B", "W") and key in alive:
             live -= alive.pop(key)
+    return int(peak)
+
+
+def _full_recompute_peak(spec: ModelSpec, lay: Layout, actions: list, pp_rank: int, device: str,
+                         moe_rows: dict | None) -> int:
+    """:func:`schedule_activation_peak` with ``recompute="full"`` (see there)."""
+    if any(act.kind in ("I", "W") for act in actions):
+        raise ValueError("schedule_activation_peak: recompute='full' is modelled for schedules without split "
+                         "backward (F and B) only")
+    aspec = cp_local(spec, lay)
+    none = dataclasses.replace(lay, recompute="none")
+    last = (2 if lay.placement == "v" else lay.v) * lay.p - 1
+    per_row = moe_row_bytes(spec.hidden, spec.moe_ffn or spec.ffn_hidden, BYTES[lay.precision][0],
+                            spec.mlp == "swiglu", lay.expert_tp) if spec.is_moe else 0
+    layers_of = dict(zip(rank_stages(lay, pp_rank), rank_layer_chunks(spec, lay, pp_rank)))
+    alive, live, peak = {}, 0, 0
+    for act in actions:
+        if act.kind not in ("F", "B") or act.stage not in layers_of:
+            continue
+        key, layers = (act.stage, act.microbatch), list(layers_of[act.stage])
+        inputs = [_layer_act(spec, lay, spec.is_moe_layer(i), device) for i in layers]
+        emb = _embedding_act(aspec, lay, device) if act.stage == 0 else 0
+        head = _head_act(aspec, lay, device) if act.stage == last else 0
+        if act.kind == "F":
+            alive[key] = sum(inputs) + emb + head
+            live += alive[key]
+            peak = max(peak, live)
+            continue
+        if key not in alive:
+            continue
+        moe_ids = [i for i in layers if spec.is_moe_layer(i)]
+        rows = moe_rows.get(key) if moe_rows else None
+        if isinstance(rows, int):
+            rows = [rows // len(moe_ids)] * len(moe_ids) if moe_ids else []
+        live -= head                                           # the head's backward runs first
+        for j in reversed(range(len(layers))):
+            i = layers[j]
+            stash = _layer_act(spec, none, spec.is_moe_layer(i), device)
+            if rows is not None and i in moe_ids:              # this forward's routing, not the balanced one
+                stash += per_row * (rows[moe_ids.index(i)] - moe_balanced_rows(spec, lay))
+            peak = max(peak, live - inputs[j] + stash)       # the recomputed layer: its input is in its stash
+            live -= inputs[j]
+        live -= emb
+        alive.pop(key)
     return int(peak)

@@ -11,7 +11,7 @@
 * :mod:`.model`: the GPT's plan (gpt_plan: ParallelEmbedding, ParallelBlock with
   ``sequence_parallel`` and ``recompute`` none | selective | full, ParallelHead),
   TensorParallelGPT, gather_full_tensors;
-* :mod:`.sequence_parallel`: allreduce_layernorm_grads, measure_activation_bytes.
+* :mod:`.sequence_parallel`: allreduce_layernorm_grads, allreduce_sequence_parallel_grads, measure_activation_bytes.
 """
 from .attention import ParallelAttention
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -39,7 +39,7 @@ from .model import (
     gpt_plan,
 )
 from .parallelize import parallelize
-from .sequence_parallel import allreduce_layernorm_grads, measure_activation_bytes
+from .sequence_parallel import allreduce_layernorm_grads, allreduce_sequence_parallel_grads, measure_activation_bytes
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -68,5 +68,6 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "ParallelTransformerLayer",
     "allreduce_layernorm_grads",
+    "allreduce_sequence_parallel_grads",
     "measure_activation_bytes",
 ]

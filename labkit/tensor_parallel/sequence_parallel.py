@@ -18,21 +18,30 @@ from .. import comm
 from ..checkpoint import SavedTensorMeter
 from .mappings import tp_size
 
-__all__ = ["allreduce_layernorm_grads", "measure_activation_bytes"]
+__all__ = ["allreduce_layernorm_grads", "allreduce_sequence_parallel_grads", "measure_activation_bytes"]
 
 
 @torch.no_grad()
 def allreduce_layernorm_grads(model: nn.Module, group) -> int:
     """Sum over the TP group the gradients of every parameter marked ``sequence_parallel``
-    (LayerNorm weights and biases, row-parallel biases of sequence-parallel layers): each rank
-    saw only its S/t tokens, so its gradient is a partial sum (Korthikanti et al. 2022,
-    sec. 4.2.2; Megatron-Core ``finalize_model_grads``).
+    (LayerNorm weights and biases, row-parallel biases of sequence-parallel layers; an MoE
+    block's router and experts, which routed only this rank's tokens): each rank saw only its
+    S/t tokens, so its gradient is a partial sum (Korthikanti et al. 2022, sec. 4.2.2;
+    Megatron-Core ``finalize_model_grads``).
 
     The gradients are packed into ONE buffer and all-reduced once (like Megatron's coalesced
     reduction). Returns the number of elements reduced (0: nothing to do, no communication).
     Collective: every rank of ``group`` must call it, with the same model structure.
     """
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    return allreduce_sequence_parallel_grads(model.parameters(), group)
+
+
+@torch.no_grad()
+def allreduce_sequence_parallel_grads(params, group) -> int:
+    """:func:`allreduce_layernorm_grads` on the parameters ``params`` (an iterable): those marked
+    ``sequence_parallel`` with a gradient, summed over ``group`` in one coalesced all-reduce.
+    Returns the number of elements reduced (0: no communication)."""
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or tp_size(group) == 1:
         return 0
     flat = torch.cat([g.reshape(-1) for g in grads])

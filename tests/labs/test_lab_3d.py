@@ -293,8 +293,62 @@ def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
     assert rc == 1 and "FAIL t2 p2 d2 1f1b" in cap.out
 
 
+@pytest.mark.parametrize("extra", [["--sp"], ["--recompute", "full"], ["--sp", "--recompute", "full"],
+                                   ["--sp", "--zero", "2"], ["--sp", "--zero", "3", "--recompute", "full"]],
+                         ids=lambda e: " ".join(e))
+def test_lab_3d_moe_sp_and_full_recompute_equal_one_device_and_the_planner(extra, tmp_path, capsys, monkeypatch):
+    """--moe with --sp and/or --recompute full at (t, p, d) = (2, 2, 2), EP = 2 (issue 17): each TP rank
+    routes and dispatches its S/t tokens (the balance loss on the logits all-gathered over TP), full
+    recompute checkpoints the MoE block. Equal to one device; model states and bytes per axis equal
+    the planner's (SP: the MoE layer's gathers of logits and indices, its router and experts in the
+    SP gradient all-reduce), activations within 2 % on every rank (full recompute: counted along the
+    actions with each layer's recomputed stash from the rows it received). Injected planner bugs:
+    the balance loss's TP gathers forgotten (the TP counts), the recompute ignored (activations);
+    injected run bug: every TP rank attaching the whole balance loss (the verdict). ZeRO-2/3: the
+    local experts' TP sum is one more all-reduce outside the buckets/units (compared by bytes)."""
+    argv = [*GRID, "--moe", "--experts", "4", "--topk", "2", *extra]
+    rc = main(["lab", "3d", *argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert "OK   t2 p2 d2 1f1b" in cap.out and "FAIL" not in cap.err and "MoE, expert TP 1" in cap.out
+    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    assert len(rows) == 8
+    for row in rows:
+        assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
+        assert row[8] != "n/a" and abs(float(row[9].rstrip("%"))) <= 2.0, row
+    from labkit.labs import threed
+    a, out = threed.parse_args(argv), threed.LAB.result
+    assert threed._planner_table(a, out)[1] == []
+    if "full" in extra:                    # injected: the planner told there is no recompute
+        bad = threed._planner_table(threed.parse_args([q for q in argv if q not in ("--recompute", "full")]), out)[1]
+        assert bad and any(b.startswith("rank 4 activations") for b in bad), bad
+    if "--sp" in extra:
+        # injected: the planner forgets the balance loss's TP gathers of logits and indices (payloads under the
+        # b S H / t = 1024 B of the attention's)
+        from labkit.plan import comm as plan_comm
+        add = plan_comm.AxisComm.add
+
+        def no_loss_gathers(self, kind, count, each):
+            if not (self.axis == "tp" and kind in ("all_gather", "reduce_scatter") and each < 1024):
+                add(self, kind, count, each)
+        monkeypatch.setattr(plan_comm.AxisComm, "add", no_loss_gathers)
+        bad = threed._planner_table(a, out)[1]
+        assert bad and all(b.startswith(("rank 4 tp", "rank 5 tp", "rank 6 tp", "rank 7 tp")) for b in bad), bad
+        assert "rank 4 tp all_gather: measured" in " ".join(bad)
+    if extra == ["--sp"]:                  # injected: every TP rank attaches the whole balance loss
+        monkeypatch.undo()
+        from labkit.parallel import moe_pipeline as mpp
+        init = mpp.ParallelMoEBlock.__init__
+
+        def whole_loss(self, *args, **kw):
+            init(self, *args, **kw)
+            self.aux_loss_share = 1.0
+        monkeypatch.setattr(mpp.ParallelMoEBlock, "__init__", whole_loss)
+        rc = main(["lab", "3d", *argv, "--steps", "1", "--out", str(tmp_path)])
+        assert rc == 1 and "FAIL t2 p2 d2 1f1b" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,msg", [
-    (["--moe", "--sp"], "--moe runs without --sp and --recompute full"),
     (["--moe", "--experts", "3"], "n_routed_experts E=3 must be divisible by the EP size 2"),
     (["--moe", "--topk", "5"], "--topk must be between 1 and --experts=4, got 5"),
 ])

@@ -30,6 +30,16 @@ def test_one_f_one_b_actions_give_the_in_flight_formula():
         [m.activations for m in mem]
 
 
-def test_full_recompute_is_refused():
-    with pytest.raises(ValueError, match="recompute='full' is not modelled"):
-        schedule_activation_peak(SPEC, dataclasses.replace(LAY, recompute="full"), [], 0)
+def test_full_recompute_with_split_backward_is_refused():
+    with pytest.raises(ValueError, match="recompute='full' is modelled for schedules without split backward"):
+        schedule_activation_peak(SPEC, dataclasses.replace(LAY, recompute="full"), lookup("zb-h1").build(2, 2, 1)[0], 0)
+
+
+def test_full_recompute_along_one_f_one_b_actions_gives_the_formula():
+    """One layer per stage: the recomputed layer's stash next to the kept inputs is the formula's
+    peak (memory_per_rank: in-flight inputs + the largest recomputed stash, less the freed head)."""
+    lay = dataclasses.replace(LAY, recompute="full")
+    actions = lookup("1f1b").build(2, 2, 1)
+    mem = memory_per_rank(SPEC, lay, device="cpu")
+    assert [schedule_activation_peak(SPEC, lay, actions[r], r, "cpu") for r in (0, 1)] == \
+        [m.activations for m in mem]
