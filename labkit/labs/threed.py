@@ -41,8 +41,10 @@ the planner's formula), the activations are compared with the planner's count of
 attention core keeps (:func:`labkit.plan.memory.cp_core_activation_bytes`), and per CP rank the
 causal attention work its forwards computed (query-key pairs, summed over its heads) must equal
 :func:`labkit.context_parallel.attention_work` (the 2 C chunks, or the naive contiguous split with
-``--cp-no-load-balance``); their compute time is printed, never judged. Not with HSDP, MoE or
-selective recompute.
+``--cp-no-load-balance``); their compute time is printed, never judged. ``--hsdp R`` shards over
+the (d/R) C ranks of each replica (R divides d; R = d leaves the C ranks); ``--recompute selective``
+re-runs each CP core in backward (the planner counts the rise of the live bytes while it re-runs).
+Not with MoE.
 """
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ def _parser():
                    help="ZeRO stage over the DP group: 0 DDP, 1 optimizer state sharded (the bare flag), 2 also the "
                         "gradients, 3 also the parameters (FSDP units: embedding, each block, head)")
     p.add_argument("--hsdp", type=int, default=1, metavar="R",
-                   help="HSDP with --zero 3: the d DP ranks as R replicas x d/R shards (R divides d)")
+                   help="HSDP with --zero 3: the d DP ranks as R replicas x d/R shards (R divides d; with --cp C "
+                        "each replica shards over its (d/R) C ranks)")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism inside each TP group (Korthikanti et al. 2022): LayerNorms and "
@@ -202,7 +205,7 @@ def _bad_args(a, world) -> str | None:
         v = _v(a)
         check_layout(cfg, world // a.cp, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule,
                      sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq, zero=a.zero, hsdp=a.hsdp,
-                     n_experts=a.experts if a.moe else None)
+                     n_experts=a.experts if a.moe else None, cp=a.cp)
         check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq,
                         hsdp=a.hsdp, load_balance=not a.cp_no_load_balance, recompute=a.recompute)
         if a.cp > 1 and a.moe:

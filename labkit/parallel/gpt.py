@@ -39,7 +39,9 @@ ranks that share a stage and TP rank (Megatron-Core's data-parallel group with C
 and ZeRO 1-3 shard over it: its distributed optimizer and FSDP units span d cp ranks). With
 sequence parallelism (t > 1) each CP rank's S/cp tokens are split once more over its TP group
 (Megatron-Core runs TP + SP inside each CP rank): the stages exchange ``[b, S/(cp t), H]``, and
-attention sees the S/cp tokens the column-parallel projections all-gather. Not with HSDP or MoE.
+attention sees the S/cp tokens the column-parallel projections all-gather. HSDP with CP (as
+torchtitan's ``(dp_replicate, dp_shard_cp)`` mesh): R replicas of the DP coordinate, each
+sharding over its (d/R) cp ranks, so R = d leaves cp shard ranks. Not with MoE.
 
 Global batch B: DP rank r takes rows ``r*B/d .. (r+1)*B/d - 1`` and the pipeline splits them into
 M microbatches of ``b = B/(d*M)`` sequences; the loss is scaled by 1/M once (in the pipeline
@@ -106,7 +108,7 @@ SCHEDULES = names()   # every schedule with a runtime (labkit.pipeline.registry;
 def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_microbatches: int = 1,
                  global_batch: int | None = None, schedule: str = "1f1b", n_experts: int | None = None,
                  zero: int = 0, sequence_parallel: bool = False, recompute: str = "none",
-                 seq_len: int | None = None, hsdp: int = 1) -> None:
+                 seq_len: int | None = None, hsdp: int = 1, cp: int = 1) -> None:
     """Raise ValueError naming the values and the rule when a layout cannot be built; no
     communication (call it before any rank starts).
 
@@ -118,7 +120,8 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     DualPipeV v = 2, DualPipeV M >= 2p); L divisible by p * v (equal stages); after them: t
     divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
-    0-3 (True: 1); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d. Refused compositions
+    0-3 (True: 1); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d unless cp > 1 (the shard
+    group is the d/R x cp ranks, :func:`check_cp_layout`; ``world_size`` counts t p d, without cp). Refused compositions
     of sharded DP (issue 19): full recompute with a zero-bubble schedule (labkit's reentrant
     checkpoint differentiates a whole block inside I, weight gradients included: nothing is left for
     W, and a data-parallel wrapper would reduce them out of order); ZeRO-3 with a zero-bubble
@@ -151,7 +154,7 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     if not isinstance(hsdp, int) or isinstance(hsdp, bool) or hsdp < 1 or dp % hsdp:
         raise ValueError(f"HSDP replicas R={hsdp!r} must be an integer >= 1 that divides d={dp} "
                          f"(d ranks = R replicas x d/R shards)")
-    if hsdp > 1 and hsdp == dp:
+    if hsdp > 1 and hsdp == dp and cp == 1:
         raise ValueError(f"HSDP with R = d = {dp} replicas leaves one rank per shard group (nothing is sharded): "
                          f"use R < d, or DDP")
     if hsdp > 1 and zero != 3:
@@ -198,11 +201,11 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
 def hsdp_dp_comm(spec: ModelSpec, lay: Layout, replicas: int, pp_rank: int, bytes_per_element: int = 4) -> dict:
     """HSDP's DP traffic of one step on pipeline rank ``pp_rank`` (``lay``: the whole layout, d
     ranks; fp32), ``{kind: (count, bytes)}`` as :class:`labkit.comm.CommLog` counts it: per FSDP
-    unit (:func:`labkit.plan.memory.zero3_units`) over the S = d/R shard ranks an all-gather of its
+    unit (:func:`labkit.plan.memory.zero3_units`) over the S = (d/R) cp shard ranks an all-gather of its
     padded n/S shard before each of the M forwards and M backwards, one reduce-scatter of the
     padded n, and across the R replicas one all-reduce of the n/S shard (FSDP2's HSDP; Zhao et
     al. 2023 sec. 3.2)."""
-    S, b, M = lay.d // replicas, bytes_per_element, lay.M
+    S, b, M = lay.d // replicas * lay.cp, bytes_per_element, lay.M
     shards = [-(-n // S) for n in zero3_units(spec, replace(lay, d=S), pp_rank)]
     return {"all_gather": (2 * M * len(shards), 2 * M * sum(shards) * b),
             "reduce_scatter": (len(shards), sum(shards) * S * b), "all_reduce": (len(shards), sum(shards) * b)}
@@ -224,20 +227,16 @@ def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel:
     ``cp_attention`` one of ring | allgather | ulysses; Ulysses needs cp to divide the heads and K/V
     heads of each TP rank; the sequence divisible by 2 cp (cp with ``load_balance=False``), and with
     sequence parallelism at t > 1 each CP rank's S/cp tokens divisible by t (Megatron-Core runs
-    TP + SP inside each CP rank); ZeRO 1-3 shard over the d cp ranks of a stage; selective recompute
-    checkpoints the CP core (its forward communication runs again in backward, as the planner
-    counts), with ring attention only; HSDP is not combined with CP here."""
+    TP + SP inside each CP rank); ZeRO 1-3 shard over the d cp ranks of a stage, and HSDP (``hsdp``
+    = R, dividing d: :func:`check_layout`) over R replicas x (d/R) cp shard ranks (torchtitan's
+    ``dp_shard_cp`` mesh dimension, Megatron-Core's data-parallel group with CP split into
+    distributed-optimizer instances); selective recompute checkpoints the CP core of any kind (its
+    forward communication runs again in backward, and its saves rise above the stash while it
+    re-runs, as the planner counts: :func:`labkit.plan.memory.cp_core_recompute_bytes`)."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise ValueError(f"cp (--cp) must be an integer >= 1, got {cp!r}")
     if cp_attention not in ATTENTIONS:
         raise ValueError(f"cp attention (--cp-attention) must be one of {' | '.join(ATTENTIONS)}, got {cp_attention!r}")
-    if cp > 1 and hsdp > 1:
-        raise ValueError(f"context parallelism (cp={cp}) is not combined with HSDP (R={hsdp}) here: use ZeRO-3 "
-                         f"over the d*cp ranks, or cp = 1")
-    if cp > 1 and recompute == "selective" and cp_attention != "ring":
-        raise ValueError(f"context parallelism (cp={cp}) with selective recompute runs here with ring attention only "
-                         f"(recomputing the {cp_attention} core rebuilds its s x s scores next to the stash, a peak "
-                         f"the planner does not model yet): use --cp-attention ring, or --recompute none or full")
     if cp > 1 and cp_attention == "ulysses":
         check_ulysses(cfg.n_head // tp, cfg.n_kv_head // tp, cp)
     if cp > 1 and seq_len is not None:
@@ -297,7 +296,7 @@ class ParallelGPT:
         zero: ZeRO stage over the DP group (with CP the d cp ranks of the stage): 0 DDP, 1 ZeRO-1
             (in :meth:`make_optimizer`), 2 :class:`~labkit.data_parallel.ZeroStage2`, 3 FSDP
             units (True: 1, False: 0).
-        hsdp: R replicas of HSDP (ZeRO-3; R divides d; cp = 1): shard over d/R ranks, all-reduce across R.
+        hsdp: R replicas of HSDP (ZeRO-3; R divides d): shard over the (d/R) cp ranks, all-reduce across R.
         cp_attention, cp_load_balance: with ``grid.cp`` > 1, the CP attention (ring | allgather |
             ulysses) and the split (True: the 2 cp chunks r, 2cp-1-r; False: contiguous); the
             attention's per-forward work and compute time are appended to ``cp_stats``.
@@ -341,7 +340,7 @@ class ParallelGPT:
                              f"decides over the whole group of b*S tokens: use capacity_factor=None with SP")
         check_layout(cfg, grid.ctx.world_size // cp, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule,
                      sequence_parallel=sequence_parallel, recompute=recompute, zero=zero, hsdp=hsdp,
-                     n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts)
+                     n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts, cp=cp)
         if cp > 1:
             check_cp_layout(cfg, grid.tp, cp, cp_attention, sequence_parallel, zero, hsdp=hsdp,
                             load_balance=cp_load_balance, recompute=recompute)
@@ -424,8 +423,10 @@ class ParallelGPT:
 
     def _wrap_sharded(self) -> list:
         """ZeRO-2 or FSDP wrappers of this rank's stages over the DP group, the d cp ranks of the
-        stage with CP (HSDP, cp = 1: the shard and replicate groups of ``Mesh(pp, replicate, shard,
-        tp)``, created by every rank in order)."""
+        stage with CP. HSDP: the shard and replicate groups of ``Mesh(pp, replicate=R, shard=(d/R) cp,
+        tp)``, created by every rank in order: the DP coordinate split into (replicate, dp_shard), and
+        dp_shard x cp flattened into the shard dimension (torchtitan's ``dp_shard_cp``; the grid's
+        order pp-dp-cp-tp makes those ranks a block of the mesh)."""
         g = self.grid
         partial = g.tp_group if self.sequence_parallel else None    # SP: LayerNorm grads summed over TP
         defer = self._tied_names
@@ -436,7 +437,7 @@ class ParallelGPT:
                     for m, tied in zip(self.modules, defer)]
         shard_group, replicate_group = self.dp_cp_group, None
         if self.hsdp > 1:
-            mesh = Mesh(pp=g.pp, replicate=self.hsdp, shard=g.dp // self.hsdp, tp=g.tp)
+            mesh = Mesh(pp=g.pp, replicate=self.hsdp, shard=g.dp // self.hsdp * self.cp, tp=g.tp)
             shard_group = mesh.new_groups(g.ctx, "shard")
             replicate_group = mesh.new_groups(g.ctx, "replicate")
         return [FullyShardedDataParallel(m, default_units(m), shard_group, replicate_group=replicate_group,

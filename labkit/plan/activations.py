@@ -43,7 +43,7 @@ see in the code; :func:`layer_activation_bytes` is its exact count (what
 from __future__ import annotations
 
 __all__ = ["korthikanti_layer_activation_bytes", "layer_activation_bytes", "torch_saved_bytes_per_element",
-           "moe_layer_activation_bytes", "moe_row_bytes", "RECOMPUTE"]
+           "moe_layer_activation_bytes", "moe_row_bytes", "selective_bytes_before_core", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -148,6 +148,25 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_
     if dropout:
         total += a * s * s * b * (m + e) // t                     # dropout mask + dropped scores
     return total
+
+
+def selective_bytes_before_core(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                                bytes_per_element: int = 4, kv_heads: int | None = None,
+                                ln_stat_bytes: int | None = None, regather_in_backward: bool = True) -> int:
+    """Of the stash :func:`layer_activation_bytes` counts for ``recompute="selective"``, the bytes
+    still held when the layer's backward reaches its checkpointed attention core: LN1's input and
+    statistics ``N h e/ts + 2 N ln_stat/ts``, the attention input ``N h e/tin`` and the
+    checkpoint's q, k, v ``N (a + 2 a_kv)(h/a) e/t`` (arguments and notation as there). The rest
+    (LN2, the MLP, the output-projection input, the residual dropout masks) is freed by then:
+    torch's autograd engine runs the nodes made later in forward first, and frees each node's
+    saved tensors once it ran."""
+    _check(t, "selective", s, sequence_parallel)
+    e, N = bytes_per_element, s * b
+    a_kv = a if kv_heads is None else kv_heads
+    st = e if ln_stat_bytes is None else ln_stat_bytes
+    ts = t if sequence_parallel else 1
+    tin = ts if (sequence_parallel and regather_in_backward) else 1
+    return N * h * e // ts + 2 * N * st // ts + N * h * e // tin + N * (a + 2 * a_kv) * (h // a) * e // t
 
 
 def moe_row_bytes(h: int, ffn: int, bytes_per_element: int = 4, glu: bool = False, expert_tp: int = 1) -> int:

@@ -45,6 +45,7 @@ from .activations import (
     layer_activation_bytes,
     moe_layer_activation_bytes,
     moe_row_bytes,
+    selective_bytes_before_core,
     torch_saved_bytes_per_element,
 )
 from .spec import PRECISIONS, SCHEDULES, Layout, ModelSpec
@@ -392,6 +393,34 @@ def cp_core_activation_bytes(spec: ModelSpec, lay: Layout) -> int:
     return 3 * N * h * e // t + 2 * (a // t // cp) * b * s * s * e + lse + s * s + inf_mask
 
 
+def cp_core_recompute_bytes(spec: ModelSpec, lay: Layout) -> int:
+    """Bytes the CP attention core saves anew when selective recompute re-runs it in backward (one
+    layer, one microbatch, one rank; its checkpoint already holds q, k, v): ring's autograd
+    function saves its inputs as they are, so only the merged output and the log-sum-exp are new
+    (``N' h e/t + N' a e/t``); the all-gather and Ulysses cores save what they save in a forward
+    without recompute (:func:`cp_core_activation_bytes`: their matmuls keep contiguous copies of
+    the transposed q, the gathered or all-to-all'd K/V, and the s'/s x s scores and probabilities)."""
+    if lay.cp_attention == "ring":
+        sl = spec.seq_len // lay.cp
+        N, e, t = sl * lay.b, BYTES[lay.precision][0], lay.t
+        return N * spec.hidden * e // t + N * spec.n_head * e // t
+    return cp_core_activation_bytes(spec, lay)
+
+
+def _selective_cp_transient(spec: ModelSpec, lay: Layout, device: str) -> int:
+    """Context parallelism with selective recompute: how far the live bytes rise above the stash
+    while a layer's backward re-runs its CP core (labkit's checkpoint of the core), i.e. the core's
+    new saves (:func:`cp_core_recompute_bytes`) less what the layer's backward freed before it
+    reaches the core (:func:`.activations.selective_bytes_before_core`: the MLP, LN2 and
+    output-projection part; autograd runs the later nodes first). May be negative (no new peak)."""
+    lspec, one = cp_local(spec, lay), dataclasses.replace(lay, cp=1)
+    e = BYTES[lay.precision][0]
+    saved = torch_saved_bytes_per_element(e, device)
+    held = selective_bytes_before_core(lspec.seq_len, lay.b, spec.hidden, spec.n_head, lay.t, lay.sequence_parallel,
+                                       e, spec.kv_heads, saved["ln_stat"])
+    return cp_core_recompute_bytes(spec, lay) - (_layer_act(lspec, one, False, device) - held)
+
+
 def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
     """Activation bytes of one layer, one microbatch, on one rank (s/cp tokens with CP)."""
     if lay.cp > 1:
@@ -503,6 +532,11 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
             none = Layout(**{**lay.__dict__, "recompute": "none"})
             rec = max(_layer_act(spec, none, m, device) - _layer_act(spec, lay, m, device) for m in moe)
             act += max(rec - _head_act(spec, lay, device), 0) if holds_last(lay, r) else rec
+        elif lay.recompute == "selective" and lay.cp > 1 and not lay.fused_attention:
+            # the first backward after the peak re-runs a layer's CP core (on the last stage that
+            # microbatch's head stash is freed by then)
+            rec = _selective_cp_transient(spec, lay, device)
+            act += max(rec - _head_act(aspec, lay, device), 0) if holds_last(lay, r) else max(rec, 0)
         if holds_first(lay, r):
             act += stage_in_flight(lay, M, "first") * _embedding_act(aspec, lay, device)
         if holds_last(lay, r):
@@ -535,6 +569,10 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
     received in that forward, summed over the stage's MoE layers (the routing a run had; absent
     keys and None: balanced, :func:`moe_balanced_rows` per layer; a value may also be a list, one
     entry per MoE layer of the stage in order); each row costs :func:`.activations.moe_row_bytes`.
+    Context parallelism with selective recompute: the CP core re-run inside a backward adds its
+    saves on top of the live bytes (I keeps the whole graph: :func:`cp_core_recompute_bytes`; a
+    whole backward, B or stage 0's W, has freed the layer's later part and the head by then:
+    :func:`_selective_cp_transient`).
 
     ``recompute="full"`` (schedules without split backward only: ValueError for I or W): F keeps
     each layer's input (and the embedding's and head's stash); B frees the head's stash, then
@@ -546,7 +584,11 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
         return _full_recompute_peak(spec, lay, actions, pp_rank, device, moe_rows)
     aspec = cp_local(spec, lay)
     last = (2 if lay.placement == "v" else lay.v) * lay.p - 1
-    full, at_i, n_moe = {}, {}, {}
+    rec_i = rec_b = 0
+    if lay.recompute == "selective" and lay.cp > 1 and not lay.fused_attention:
+        rec_i = cp_core_recompute_bytes(spec, lay)         # I keeps the graph: the core's saves come on top
+        rec_b = _selective_cp_transient(spec, lay, device)  # a whole backward has freed the layer's later part
+    full, at_i, n_moe, heads = {}, {}, {}, {}
     for stage, layers in zip(rank_stages(lay, pp_rank), rank_layer_chunks(spec, lay, pp_rank)):
         n = sum(_layer_act(spec, lay, spec.is_moe_layer(i), device) for i in layers)
         n_moe[stage] = sum(spec.is_moe_layer(i) for i in layers)
@@ -557,7 +599,7 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
             e = BYTES[lay.precision][0]
             sb, ts = aspec.seq_len * lay.b, (lay.t if lay.sequence_parallel else 1)
             keep = 2 * sb * spec.hidden * e // ts + 2 * sb * torch_saved_bytes_per_element(e, device)["ln_stat"] // ts
-        full[stage], at_i[stage] = n + head, head - keep
+        full[stage], at_i[stage], heads[stage] = n + head, head - keep, head
     per_row = moe_row_bytes(spec.hidden, spec.moe_ffn or spec.ffn_hidden, BYTES[lay.precision][0],
                             spec.mlp == "swiglu", lay.expert_tp) if spec.is_moe else 0
     alive = {}
@@ -572,10 +614,14 @@ def schedule_activation_peak(spec: ModelSpec, lay: Layout, actions: list, pp_ran
             live += alive[key]
             peak = max(peak, live)
         elif act.kind == "I" and key in alive:
+            if act.stage != 0:                 # stage 0 has no input gradient: its W is the whole backward
+                peak = max(peak, live + rec_i)
             freed = at_i[act.stage]
             alive[key] -= freed
             live -= freed
         elif act.kind in ("B", "W") and key in alive:
+            if act.kind == "B" or act.stage == 0:   # a whole backward: the head's stash goes first
+                peak = max(peak, live + max(rec_b - heads[act.stage], 0))
             live -= alive.pop(key)
     return int(peak)
 

@@ -3,11 +3,14 @@ every parameter gradient (gathered to full shape) at every step and the paramete
 plain-SGD steps equal one device's; the communication of every axis, CP's K/V traffic included,
 equals the planner's formula exactly. Layouts: t = 2, cp = 2, p = 2 on 8 ranks (ring), and
 cp = 2 with d = 2 on 4 ranks (all-gather, Ulysses); ZeRO 1, 2, 3 over the d cp ranks (one with
-p = 2 and d = 1: ZeRO over the CP ranks alone); t = 2 with sequence parallelism. Injected bugs
-(the gradients averaged, or ZeRO-2's shards reduce-scattered, over DP only, not over the d cp
-ranks) must be caught. ``lab 3d --cp``
+p = 2 and d = 1: ZeRO over the CP ranks alone); HSDP (R = 2 replicas x (d/R) cp shard ranks);
+selective recompute of the all-gather and Ulysses cores; t = 2 with sequence parallelism. Injected
+bugs (the gradients averaged, or ZeRO-2's shards reduce-scattered, over DP only, not over the d cp
+ranks; HSDP's shards averaged over the shard ranks alone) must be caught. ``lab 3d --cp``
 per attention kind on 4 ranks: measured activations = the planner's within 2 %; per CP rank the
 attention work = :func:`labkit.context_parallel.attention_work`."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,7 +47,7 @@ def reference(cfg, lr=0.1):
     return losses, grads, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
-def _worker(ctx, cfg, t, p, d, cp, method, bug, zero, sp):
+def _worker(ctx, cfg, t, p, d, cp, method, bug, zero, sp, hsdp=1, recompute="none"):
     grid = make_grid(ctx, tp=t, pp=p, dp=d, cp=cp)
     import labkit.parallel.gpt as gpt_mod
     if bug == "dp_only":       # injected: DDP over the DP group alone (CP ranks' gradients never meet)
@@ -56,7 +59,10 @@ def _worker(ctx, cfg, t, p, d, cp, method, bug, zero, sp):
                 super().__init__(m, cls, grid.dp_group, cap, **kw)
         gpt_mod.ZeroStage2 = DPOnly
     pg = ParallelGPT(GPT(cfg, seed=0), grid, "1f1b", 2, bucket_cap_mb=0.002, cp_attention=method, zero=zero,
-                     sequence_parallel=sp)
+                     sequence_parallel=sp, hsdp=hsdp, recompute=recompute)
+    if bug == "hsdp_shard_dp_only":   # injected: each shard's gradient averaged over the d/R shard ranks alone
+        for w in pg.sharded:
+            w.replicas = 1
     pg.make_optimizer("sgd", 0.1)
     out = {"losses": [], "grads": [], "comm": [], "expected": pg.expected_comm(B, S), "last": pg.has_last_stage,
            "keep": grid.tp_rank == 0}
@@ -78,9 +84,9 @@ def _worker(ctx, cfg, t, p, d, cp, method, bug, zero, sp):
     return out
 
 
-def run(t, p, d, cp, method, bug=None, zero=0, sp=False):
+def run(t, p, d, cp, method, bug=None, zero=0, sp=False, hsdp=1, recompute="none"):
     cfg = cfg_for()
-    return cfg, launch(_worker, t * p * d * cp, cfg, t, p, d, cp, method, bug, zero, sp, timeout=60)
+    return cfg, launch(_worker, t * p * d * cp, cfg, t, p, d, cp, method, bug, zero, sp, hsdp, recompute, timeout=60)
 
 
 def _mismatches(cfg, ranks):
@@ -108,7 +114,12 @@ LAYOUTS = {"t2 cp2 p2 ring": (2, 2, 1, 2, "ring"), "cp2 d2 allgather": (1, 1, 2,
            "cp2 p2 zero2 allgather": (1, 2, 1, 2, "allgather", None, 2),
            "cp2 d2 zero3 ulysses": (1, 1, 2, 2, "ulysses", None, 3),
            # TP + SP inside each CP rank: [b, S/(cp t), H] between the blocks
-           "t2 cp2 sp allgather": (2, 1, 1, 2, "allgather", None, 0, True)}
+           "t2 cp2 sp allgather": (2, 1, 1, 2, "allgather", None, 0, True),
+           # HSDP: R = 2 replicas (of the DP coordinate) x (d/R) cp = 2 shard ranks; R = d, the CP ranks shard
+           "cp2 d2 zero3 hsdp2 ring": (1, 1, 2, 2, "ring", None, 3, False, 2),
+           # selective recompute: the all-gather / Ulysses core recomputed in backward (its s x s scores again)
+           "cp2 d2 selective allgather": (1, 1, 2, 2, "allgather", None, 0, False, 1, "selective"),
+           "cp2 p2 selective ulysses": (1, 2, 1, 2, "ulysses", None, 0, False, 1, "selective")}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -133,9 +144,9 @@ def test_bytes_per_axis_equal_the_planner(outcome):
         assert "cp" in r["expected"] and "dp" in r["expected"]
 
 
-@pytest.mark.parametrize("bug, zero", [("dp_only", 0), ("zero_dp_only", 2)])
-def test_injected_bug_is_caught(bug, zero):
-    cfg, ranks = run(1, 1, 2, 2, "allgather", bug=bug, zero=zero)
+@pytest.mark.parametrize("bug, zero, hsdp", [("dp_only", 0, 1), ("zero_dp_only", 2, 1), ("hsdp_shard_dp_only", 3, 2)])
+def test_injected_bug_is_caught(bug, zero, hsdp):
+    cfg, ranks = run(1, 1, 2, 2, "allgather", bug=bug, zero=zero, hsdp=hsdp)
     bad, _, _ = _mismatches(cfg, ranks)
     assert any(n == "embedding.wte.weight" for *_, n in bad)
 
@@ -145,8 +156,9 @@ def test_injected_bug_is_caught(bug, zero):
     (dict(tp=1, cp=2, cp_attention="flash"), "must be one of ring | allgather | ulysses"),
     (dict(tp=4, cp=2, cp_attention="ring", sequence_parallel=True, seq_len=12),
      "each CP rank's S/cp = 12/2 = 6 tokens must be divisible by t=4"),
-    (dict(tp=1, cp=2, cp_attention="ring", zero=3, hsdp=2), "not combined with HSDP"),
-    (dict(tp=1, cp=2, cp_attention="allgather", recompute="selective"), "with ring attention only"),
+    (dict(tp=1, cp=2, cp_attention="ring", zero=3, hsdp=2), None),          # HSDP over (d/R) cp shard ranks
+    (dict(tp=1, cp=2, cp_attention="allgather", recompute="selective"), None),
+    (dict(tp=1, cp=2, cp_attention="ulysses", recompute="selective"), None),
     (dict(tp=1, cp=2, cp_attention="ring", recompute="selective"), None),
     (dict(tp=1, cp=2, cp_attention="ring", seq_len=6, load_balance=False), None),
     (dict(tp=1, cp=3, cp_attention="ring", seq_len=16), "S=16 must be divisible by 2 * cp"),
@@ -214,9 +226,8 @@ def test_lab_3d_bad_cp_is_one_line(tmp_path, capsys):
     from labkit.labs.threed import main
     for argv, msg in ((["--cp-no-load-balance"], "--cp-no-load-balance chooses how --cp C > 1 splits each sequence"),
                       (["--cp", "2", "--seq", "6", "--cp-no-load-balance"], "--seq 6 must be divisible by 2 * --cp"),
-                      (["--cp", "2", "--recompute", "selective", "--cp-attention", "ulysses"],
-                       "with ring attention only"),
-                      (["--cp", "2", "--zero", "3", "--hsdp", "2", "--dp", "4"], "not combined with HSDP (R=2)")):
+                      (["--cp", "2", "--zero", "3", "--hsdp", "3", "--dp", "4"],
+                       "HSDP replicas R=3 must be an integer >= 1 that divides d=4")):
         assert main([*argv, "--heads", "2", "--embd", "16", "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
@@ -314,3 +325,53 @@ def test_lab_3d_cp_with_sequence_parallelism(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tp_model, "tp_rank", lambda group: 0)
     assert threed.main(argv) == 1
     assert "FAIL t2 cp2 ulysses p1 d1 1f1b" in capsys.readouterr().out
+
+
+def test_lab_3d_cp_with_hsdp_equals_one_device_and_the_planner(tmp_path, capsys, monkeypatch):
+    """``lab 3d --cp 2 --dp 2 --zero 3 --hsdp 2`` (t = 1, 4 ranks): R = d = 2 replicas, each sharding
+    over its (d/R) cp = 2 CP ranks; equal to one device by the lab's verdict, model states, ZeRO-3's
+    gathered peak and the DP bytes (all-gathers and reduce-scatter over the shard ranks, the
+    all-reduce across the replicas) equal to the planner's. Injected bug: a planner whose HSDP
+    shard group leaves out cp (d/R ranks) must fail the planner check."""
+    from labkit.labs import threed
+    argv = ["--tp", "1", "--cp", "2", "--dp", "2", "--pp", "1", "--zero", "3", "--hsdp", "2", "--cp-attention", "ring",
+            "--steps", "2", "--batch", "4", "--microbatches", "2", "--seq", "16", "--layers", "2", "--no-plots"]
+    rc = threed.main([*argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0 and "FAIL" not in cap.err, cap.out + cap.err
+    assert "HSDP R=2" in cap.out and "OK: every run" in cap.out and "DP (d*cp=4)" in cap.out
+    a, out = threed.parse_args(argv), threed.LAB.result
+    assert threed._planner_table(a, out)[1] == []
+    assert all("all_reduce" in r.comm[-1]["dp"] and "all_gather" in r.comm[-1]["dp"] for r in out.ranks)
+    import labkit.parallel.gpt as gpt_mod
+    orig = gpt_mod.hsdp_dp_comm
+    monkeypatch.setattr(gpt_mod, "hsdp_dp_comm", lambda spec, lay, R, r, *x: orig(spec, dataclasses.replace(
+        lay, cp=1), R, r, *x))                                  # shards over d/R = 1 rank: nothing gathered
+    bad = threed._planner_table(a, out)[1]
+    assert any(" dp all_gather" in b or " dp reduce_scatter" in b for b in bad), bad
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("allgather", ["--seq", "32", "--microbatches", "1"]),
+    # ZB-H1: I keeps the graph, so the re-run Ulysses core's s x s scores come on top of the stash
+    ("ulysses", ["--seq", "64", "--embd", "16", "--microbatches", "2", "--schedule", "zb-h1"]),
+])
+def test_lab_3d_cp_selective_recompute_equals_one_device_and_the_planner(tmp_path, capsys, monkeypatch, method,
+                                                                         extra):
+    """(t, cp, p, d) = (1, 2, 2, 1), selective recompute with the all-gather / Ulysses core: equal to
+    one device by the lab's verdict; bytes per axis exact and activations within 2 % of the
+    planner's, whose peak includes the rise while a backward re-runs the core (its s'/s x s scores
+    next to the stash). Injected bug: a planner without that rise must fail the activations."""
+    from labkit.labs import threed
+    from labkit.plan import memory
+    argv = ["--tp", "1", "--pp", "2", "--dp", "1", "--cp", "2", "--cp-attention", method, "--steps", "2", "--batch",
+            "4", *extra, "--layers", "4", "--no-plots", "--recompute", "selective"]
+    rc = threed.main([*argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0 and "FAIL" not in cap.err and "OK: every run" in cap.out, cap.out + cap.err
+    a, out = threed.parse_args(argv), threed.LAB.result
+    assert threed._planner_table(a, out)[1] == []
+    monkeypatch.setattr(memory, "cp_core_recompute_bytes", lambda spec, lay: 0)
+    monkeypatch.setattr(memory, "_selective_cp_transient", lambda spec, lay, device: 0)
+    bad = threed._planner_table(a, out)[1]
+    assert any("activations" in b for b in bad), bad
