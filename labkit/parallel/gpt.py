@@ -92,7 +92,7 @@ from ..pipeline.schedules import stage_rank
 from ..pipeline.stages import stage_layers
 from ..plan.comm import comm_per_rank
 from ..plan.memory import check_layout as plan_check_layout
-from ..plan.memory import zero3_units
+from ..plan.memory import rank_stages, zero3_split_gathers, zero3_stage_units
 from ..plan.spec import Layout, ModelSpec
 from ..tensor_parallel import allreduce_layernorm_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
@@ -156,18 +156,11 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
                          f"use R < d, or DDP")
     if hsdp > 1 and zero != 3:
         raise ValueError(f"HSDP (R={hsdp} replicas) shards the parameters: it needs ZeRO-3, got ZeRO-{zero}")
-    if zero == 3 and info.zero_bubble:
-        raise ValueError(f"ZeRO-3 with {info.label}: FSDP reshards a unit after its first weight-gradient pass (W), "
-                         f"but the other microbatches' W still read its gathered weights; use ZeRO 0-2 with it, "
-                         f"or another schedule")
     if recompute == "full" and info.zero_bubble:
         raise ValueError(f"full recompute with {info.label}: labkit's checkpoint recomputes and differentiates a "
                          f"whole block inside the input-gradient pass (I), so the block's weight gradients cannot "
                          f"wait for W (and a data-parallel sync would see them out of order); use --recompute "
                          f"selective or none with it, or a schedule without split backward")
-    if zero == 3 and pp == 1 and getattr(cfg, "share_embeddings_and_output_weights", False):
-        raise ValueError("ZeRO-3 with tied embeddings and p=1: the one matrix would be in two FSDP units (the "
-                         "embedding and the head); use p > 1 (a copy on each end stage), or ZeRO 0-2")
     if n_microbatches < info.min_microbatches(pp):
         raise ValueError(f"{info.label} needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
     if cfg.n_layer % (pp * v):
@@ -195,16 +188,25 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
                          f"would be two modules on one rank; use p > 1 with loop placement, or v = 1")
 
 
-def hsdp_dp_comm(spec: ModelSpec, lay: Layout, replicas: int, pp_rank: int, bytes_per_element: int = 4) -> dict:
+def hsdp_dp_comm(spec: ModelSpec, lay: Layout, replicas: int, pp_rank: int, bytes_per_element: int = 4,
+                 actions=None) -> dict:
     """HSDP's DP traffic of one step on pipeline rank ``pp_rank`` (``lay``: the whole layout, d
     ranks; fp32), ``{kind: (count, bytes)}`` as :class:`labkit.comm.CommLog` counts it: per FSDP
     unit (:func:`labkit.plan.memory.zero3_units`) over the S = d/R shard ranks an all-gather of its
-    padded n/S shard before each of the M forwards and M backwards, one reduce-scatter of the
-    padded n, and across the R replicas one all-reduce of the n/S shard (FSDP2's HSDP; Zhao et
-    al. 2023 sec. 3.2)."""
+    padded n/S shard before each of the M forwards and M backwards (a split backward: as many as
+    :func:`labkit.plan.memory.zero3_split_gathers` counts along this rank's ``actions``), one
+    reduce-scatter of the padded n, and across the R replicas one all-reduce of the n/S shard
+    (FSDP2's HSDP; Zhao et al. 2023 sec. 3.2)."""
     S, b, M = lay.d // replicas, bytes_per_element, lay.M
-    shards = [-(-n // S) for n in zero3_units(spec, replace(lay, d=S), pp_rank)]
-    return {"all_gather": (2 * M * len(shards), 2 * M * sum(shards) * b),
+    lay_s = replace(lay, d=S)
+    per_stage = [[-(-n // S) for n in units] for units in zero3_stage_units(spec, lay_s, pp_rank)]
+    if actions is not None and any(a.kind in ("I", "W") for a in actions):
+        gathers = [zero3_split_gathers(actions, s, M) for s in rank_stages(lay_s, pp_rank)]
+    else:
+        gathers = [2 * M] * len(per_stage)
+    shards = [n for st in per_stage for n in st]
+    return {"all_gather": (sum(g * len(st) for g, st in zip(gathers, per_stage)),
+                           sum(g * sum(st) for g, st in zip(gathers, per_stage)) * b),
             "reduce_scatter": (len(shards), sum(shards) * S * b), "all_reduce": (len(shards), sum(shards) * b)}
 
 
@@ -701,10 +703,12 @@ class ParallelGPT:
                      sequence_parallel=self.sequence_parallel, recompute=self.recompute,
                      cp=self.cp, cp_attention=self.cp_attention)
         buckets = sum(len(w.buckets) for w in self.ddp if w is not None) or None
-        axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets)
+        actions = list(self.schedule.actions[self.schedule.rank])   # split backward: ZeRO-3 gathers along them
+        axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets,
+                             actions=actions)
         out = {ax: dict(c.ops) for ax, c in axes.items() if c.ops}
         if self.hsdp > 1:
-            out["dp"] = hsdp_dp_comm(spec, lay, self.hsdp, g.pp_rank, bytes_per_element)
+            out["dp"] = hsdp_dp_comm(spec, lay, self.hsdp, g.pp_rank, bytes_per_element, actions)
         if self.zero == 2 and self.dp_cp > 1:   # one reduce-scatter and one all-gather per gradient bucket
             n = sum(len(w.buckets) for w in self.sharded)
             out["dp"] = {k: (n, nbytes) for k, (_, nbytes) in out["dp"].items()}
