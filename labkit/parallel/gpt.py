@@ -28,8 +28,10 @@ TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP out
   step. ZeRO-2/3 compose with sequence parallelism (the LayerNorm gradients, partial over TP,
   are summed over TP inside the reduce-scatter hooks), full recompute and tied embeddings (the
   copy's bucket or unit waits for the embedding-group all-reduce after the backwards), as Llama
-  3's FSDP + TP + SP, and with MoE (the local experts unsharded); ZeRO-2 also with the
-  zero-bubble schedules (backward split into I and W). What stays refused: :func:`check_layout`.
+  3's FSDP + TP + SP, and with MoE (the local experts unsharded); ZeRO-2 and 3 also with the
+  zero-bubble schedules (backward split into I and W: FSDP gathers a stage's units for each I and W
+  and keeps them until the stage's last W, which reshards and reduce-scatters them). What stays
+  refused: :func:`check_layout`.
 
 Context parallelism (``grid.cp`` > 1, :mod:`labkit.context_parallel`; rank order tp-cp-dp-pp):
 each CP rank holds its share of every sequence (the load-balanced 2 cp chunks), the embedding
@@ -47,9 +49,10 @@ runtime) and averaged over d once (in DDP or ZeRO), so the gradient is that of t
 mean, as on one device.
 
 Tied embeddings (``GPTConfig.share_embeddings_and_output_weights``): with p = 1 the stage holds
-one matrix; with p > 1 the first and the last stage each hold a copy and, after backward,
-all-reduce its gradient over their *embedding group* (the two ranks with the same dp and tp
-rank; Megatron-LM's rule, Shoeybi et al. 2019 and ``megatron/core/distributed/finalize_model_grads``).
+one matrix (under ZeRO-3 one FSDP unit with the embedding and the head); with p > 1 the first and
+the last stage each hold a copy and, after backward, all-reduce its gradient over their *embedding
+group* (the two ranks with the same dp and tp rank; Megatron-LM's rule, Shoeybi et al. 2019 and
+``megatron/core/distributed/finalize_model_grads``).
 
 What the planner reads (helper functions returning data, no printing):
 
@@ -118,21 +121,18 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     DualPipeV v = 2, DualPipeV M >= 2p); L divisible by p * v (equal stages); after them: t
     divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
-    0-3 (True: 1); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d. Refused compositions
-    of sharded DP (issue 19): full recompute with a zero-bubble schedule (labkit's reentrant
-    checkpoint differentiates a whole block inside I, weight gradients included: nothing is left for
-    W, and a data-parallel wrapper would reduce them out of order); ZeRO-3 with a zero-bubble
-    schedule (FSDP reshards a unit after its first W while the other microbatches' W still read its
-    weights); ZeRO-3 with tied embeddings at p = 1 (one matrix in two FSDP units). ZeRO-1, 2 and 3
-    run with MoE (the local experts whole, outside the flat buffer, buckets or units, their
-    gradients scaled by 1/d: with EP = d their expert-DP group is one rank). ZeRO-2/3 do run with
-    sequence parallelism (the LayerNorm
+    0-3 (True: 1); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d. Refused: full
+    recompute with a zero-bubble schedule (labkit's reentrant checkpoint differentiates a whole
+    block inside I, weight gradients included: nothing is left for W, and a data-parallel wrapper
+    would reduce them out of order). ZeRO-1, 2 and 3 run with MoE (the local experts whole,
+    outside the flat buffer, buckets or units, their gradients scaled by 1/d: with EP = d their
+    expert-DP group is one rank). ZeRO-2/3 run with sequence parallelism (the LayerNorm
     gradients summed over TP inside their hooks, before the reduce-scatter), full recompute
     (ZeRO-2's sync stays open across the recompute's nested backwards) and tied embeddings at
     p > 1 (the copy's bucket/unit reduce-scattered after the embedding-group all-reduce of its full
-    gradient); ZeRO-2
-    also with tied embeddings at p = 1 and the zero-bubble schedules without full recompute (the
-    sync open until the last W's buckets start).
+    gradient) and at p = 1 (ZeRO-3: the embedding and the head one FSDP unit), and with the
+    zero-bubble schedules without full recompute (ZeRO-2's sync open until the last W's buckets
+    start; FSDP's units gathered for each I and W and kept until the stage's last W).
     """
     zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
