@@ -7,15 +7,31 @@ to ``n_pad = ceil(n/d) * d`` (:mod:`.flat`); rank r keeps only its shard of ``n_
 elements, as an ``nn.Parameter`` that the optimizer steps (so the optimizer state is 1/d
 too). Around each unit's computation:
 
-* **before its forward**: all-gather the unit's full flat parameters over the DP group and
-  point the module's weights at views of it;
+* **before its forward**: all-gather the unit's full flat parameters over the DP group; the
+  module's weights are views of that buffer, one autograd leaf per parameter (FSDP2's unsharded
+  parameters), each with its own ``.grad``;
 * **after its forward**: with ``reshard_after_forward=True`` (ZeRO-3, FSDP2's default) free the
   gathered buffer; with ``False`` (Llama 3's choice, ZeRO-2-like traffic) keep it until backward;
 * **before its backward** (a hook on the unit's output gradient): all-gather again if it was
   freed;
-* **after its backward** (the flat buffer's gradient is complete): free the parameters and
-  **reduce-scatter** the flat gradient: rank r receives the sum of shard r, divides by d (the
-  DP mean) and keeps it as its shard's ``.grad``.
+* **after its backward** (every leaf's gradient accumulated): free the parameters and
+  **reduce-scatter** the leaves' gradients as one padded flat buffer: rank r receives the sum of
+  shard r, divides by d (the DP mean) and keeps it as its shard's ``.grad``.
+
+**Shared parameters**: listed modules that share a parameter (a tied embedding and output layer,
+``GPTConfig.share_embeddings_and_output_weights``) are one unit, gathered before its first
+module's forward and kept until its last module's forward; autograd sums the gradients of both
+uses into the one leaf before the unit's backward is complete.
+
+**Split backward** (zero-bubble schedules, Qi et al. 2024: I then W, :mod:`labkit.pipeline.split_backward`):
+the pipeline runtime runs each I and W inside :meth:`FullyShardedDataParallel.split_backward`
+and differentiates :meth:`~FullyShardedDataParallel.unsharded_parameters`. Each I and W first
+gathers every resharded unit of the stage; a unit stays gathered after I and after W (the W of
+other microbatches read its weights later) until the stage's last W of the step, whose completion
+reshards each unit and reduce-scatters its gradient, the sum of all M microbatches' W (the
+other W run under ``no_sync()``). Forward passes keep their ``reshard_after_forward`` rule, so how
+often a unit is gathered depends on the schedule's order
+(:func:`labkit.plan.memory.zero3_split_gathers`); the peak is the stage's units all at once.
 
 **Prefetch** (FSDP's forward/backward prefetch): when unit i starts its forward, the
 all-gather of unit i+1 is started asynchronously, so it runs while unit i computes; in backward,
@@ -180,7 +196,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
             Its parameters are replaced by the shards; ``self.parameters()`` yields the shards
             (hand them to any elementwise optimizer: SGD, Adam, AdamW).
         units: names of submodules, in forward order, that each become one unit (default
-            :func:`default_units`); every parameter must be in exactly one unit.
+            :func:`default_units`); every parameter must be in one of them, none nested in another;
+            modules that share a parameter (a tied embedding and head) become one unit.
         process_group: the group that shards (None: the default group).
         reshard_after_forward: free each unit's gathered parameters after its forward and
             gather them again for backward (True, ZeRO-3) or keep them (False).
@@ -210,7 +227,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
     since :meth:`reset_peak`), ``timeline`` (the last forward+backward's events: dicts with
     ``unit``, ``kind`` = forward | backward | all_gather | reduce_scatter, ``phase``, ``start``,
     ``end`` in ``time.perf_counter`` seconds). Raises ValueError (before any communication) for
-    an unknown unit, a parameter in no unit or in two, or mixed dtypes/devices.
+    an unknown unit, a parameter in no unit, nested or repeated units, or mixed dtypes/devices.
     """
 
     def __init__(self, module: nn.Module, units: Sequence[str] | None = None, process_group=None,

@@ -511,7 +511,7 @@ class PipelineSchedule:
             fn, gs = module, [g for g in grads if g is not None] if grads is not None else None
         devices = [] if stage.device.type == "cpu" else [stage.device]
         with torch.random.fork_rng(devices=devices):
-            return w_only_saved_bytes(fn, [t.detach() for t in inp], gs, module.parameters())["w_only"]
+            return w_only_saved_bytes(fn, [t.detach() for t in inp], gs, _compute_params(stage.submod))["w_only"]
 
     def _do_backward_weight(self, a: Action, st: "_StepState"):
         """W: the parameter gradients of (stage, microbatch) from what its I kept; they
