@@ -178,13 +178,15 @@ def test_3d_2x2x2_1f1b_zero1_adam():
         assert r["memory"]["optimizer"] == 2 * (-(-n // 2)) * 4
 
 
-@pytest.mark.parametrize("t,p,d,zero,hsdp", [(1, 2, 2, 2, 1), (2, 1, 2, 3, 1), (1, 1, 4, 3, 2)])
-def test_3d_zero2_zero3_hsdp_sgd(t, p, d, zero, hsdp):
-    """ZeRO-2 under PP, ZeRO-3 under TP, HSDP (2 replicas x 2 shards): every parameter gradient at
-    every step and the parameters after 3 SGD steps equal one device; M = 2 microbatches reduce
-    once per step; counts = formula; model states 1/d (HSDP: 1/(d/R)) of the TP-local ones."""
+@pytest.mark.parametrize("t,p,d,zero,hsdp,schedule", [(1, 2, 2, 2, 1, "1f1b"), (2, 1, 2, 3, 1, "1f1b"),
+                                                      (1, 1, 4, 3, 2, "1f1b"), (1, 1, 4, 3, 2, "zbh1")])
+def test_3d_zero2_zero3_hsdp_sgd(t, p, d, zero, hsdp, schedule):
+    """ZeRO-2 under PP, ZeRO-3 under TP, HSDP (2 replicas x 2 shards; also under ZB-H1's split
+    backward): every parameter gradient at every step and the parameters after 3 SGD steps equal
+    one device; M = 2 microbatches reduce once per step; counts = formula; model states 1/d (HSDP:
+    1/(d/R)) of the TP-local ones."""
     cfg = cfg_for()
-    out = run(cfg, t, p, d, "1f1b", 1, M=2, zero=zero, hsdp=hsdp)
+    out = run(cfg, t, p, d, schedule, 1, M=2, zero=zero, hsdp=hsdp)
     check_equal(out, cfg, 3)
     check_comm(out)
     shards = d // hsdp
