@@ -7,15 +7,31 @@ to ``n_pad = ceil(n/d) * d`` (:mod:`.flat`); rank r keeps only its shard of ``n_
 elements, as an ``nn.Parameter`` that the optimizer steps (so the optimizer state is 1/d
 too). Around each unit's computation:
 
-* **before its forward**: all-gather the unit's full flat parameters over the DP group and
-  point the module's weights at views of it;
+* **before its forward**: all-gather the unit's full flat parameters over the DP group; the
+  module's weights are views of that buffer, one autograd leaf per parameter (FSDP2's unsharded
+  parameters), each with its own ``.grad``;
 * **after its forward**: with ``reshard_after_forward=True`` (ZeRO-3, FSDP2's default) free the
   gathered buffer; with ``False`` (Llama 3's choice, ZeRO-2-like traffic) keep it until backward;
 * **before its backward** (a hook on the unit's output gradient): all-gather again if it was
   freed;
-* **after its backward** (the flat buffer's gradient is complete): free the parameters and
-  **reduce-scatter** the flat gradient: rank r receives the sum of shard r, divides by d (the
-  DP mean) and keeps it as its shard's ``.grad``.
+* **after its backward** (every leaf's gradient accumulated): free the parameters and
+  **reduce-scatter** the leaves' gradients as one padded flat buffer: rank r receives the sum of
+  shard r, divides by d (the DP mean) and keeps it as its shard's ``.grad``.
+
+**Shared parameters**: listed modules that share a parameter (a tied embedding and output layer,
+``GPTConfig.share_embeddings_and_output_weights``) are one unit, gathered before its first
+module's forward and kept until its last module's forward; autograd sums the gradients of both
+uses into the one leaf before the unit's backward is complete.
+
+**Split backward** (zero-bubble schedules, Qi et al. 2024: I then W, :mod:`labkit.pipeline.split_backward`):
+the pipeline runtime runs each I and W inside :meth:`FullyShardedDataParallel.split_backward`
+and differentiates :meth:`~FullyShardedDataParallel.unsharded_parameters`. Each I and W first
+gathers every resharded unit of the stage; a unit stays gathered after I and after W (the W of
+other microbatches read its weights later) until the stage's last W of the step, whose completion
+reshards each unit and reduce-scatters its gradient, the sum of all M microbatches' W (the
+other W run under ``no_sync()``). Forward passes keep their ``reshard_after_forward`` rule, so how
+often a unit is gathered depends on the schedule's order
+(:func:`labkit.plan.memory.zero3_split_gathers`); the peak is the stage's units all at once.
 
 **Prefetch** (FSDP's forward/backward prefetch): when unit i starts its forward, the
 all-gather of unit i+1 is started asynchronously, so it runs while unit i computes; in backward,
@@ -40,6 +56,7 @@ reduce-scatters the sum.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -114,14 +131,30 @@ def _time_completion(work, event: dict) -> None:
 
 class _Unit:
     """One FSDP unit: its flat shard (the parameter the optimizer sees), the buffer its full
-    parameters are gathered into, and where each original parameter lived."""
+    parameters are gathered into, and one autograd leaf per original parameter (a view of that
+    buffer) wherever the parameter was registered (``parts``: ``[(name, module)]``, several
+    modules when they share a parameter, as a tied embedding and output layer do)."""
 
-    def __init__(self, name: str, module: nn.Module, d: int, rank: int, is_partial=None, skip=frozenset()):
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in skip]
+    def __init__(self, parts, d: int, rank: int, is_partial=None, skip=frozenset()):
+        named, slots, self.aliases = [], {}, {}
+        for mname, module in parts:
+            for n, p in module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad or id(p) in skip:
+                    continue
+                owner, _, attr = n.rpartition(".")
+                sub = module.get_submodule(owner) if owner else module
+                if id(p) not in slots:
+                    named.append((f"{mname}.{n}", p))
+                    slots[id(p)] = []
+                elif f"{mname}.{n}" != named[[id(q) for _, q in named].index(id(p))][0]:
+                    self.aliases[f"{mname}.{n}"] = [id(q) for _, q in named].index(id(p))   # a tied copy's name
+                if (sub, attr) not in slots[id(p)]:
+                    slots[id(p)].append((sub, attr))
+        self.name = "+".join(m for m, _ in parts)
         if not named:
-            raise ValueError(f"FSDP unit {name!r} has no parameters that require grad")
-        self.name, self.module = name, module
-        self.names = [f"{name}.{n}" for n, _ in named]
+            raise ValueError(f"FSDP unit {self.name!r} has no parameters that require grad")
+        self.modules = [m for _, m in parts]
+        self.names = [n for n, _ in named]
         self.shapes = [p.shape for _, p in named]
         self.numel = sum(p.numel() for _, p in named)
         starts = [sum(q.numel() for _, q in named[:i]) for i in range(len(named))]
@@ -130,26 +163,29 @@ class _Unit:
         self.padded = padded_numel(self.numel, d)
         flat = flatten([p.detach() for _, p in named], d)
         self.shard = nn.Parameter(shard_flat(flat, d, rank))
-        self.slots = []
-        for n, _ in named:
-            owner, _, attr = n.rpartition(".")
-            sub = module.get_submodule(owner) if owner else module
-            del sub._parameters[attr]
-            self.slots.append((sub, attr))
-        # the autograd leaf whose views the module computes with, and an alias of the same
-        # storage with its own version counter: re-gathering into it before backward is not an
-        # "in-place change of a saved tensor" (the bytes are the same ones)
-        self.full = torch.zeros(self.padded, dtype=flat.dtype, device=flat.device, requires_grad=True)
-        self.raw = self.full.data
+        # the buffer the all-gather writes into, and per parameter a leaf over its bytes with a
+        # version counter of its own (``.data``): re-gathering before backward is not an "in-place
+        # change of a saved tensor" (the bytes are the same ones); each leaf gets its own ``.grad``
+        self.raw = torch.zeros(self.padded, dtype=flat.dtype, device=flat.device)
+        self.leaves = [view.data.requires_grad_(True) for view in unflatten(self.raw, self.shapes)]
+        for (_, p), leaf in zip(named, self.leaves):
+            for sub, attr in slots[id(p)]:
+                del sub._parameters[attr]
+                setattr(sub, attr, leaf)
         self.nbytes = self.padded * flat.element_size()
-        self.full.untyped_storage().resize_(0)
+        self.raw.untyped_storage().resize_(0)
         self.state = "sharded"           # sharded | pending | gathered
         self.work = None
         self.backward_started = False
+        self.accumulated = 0             # leaves whose gradient arrived in the backward under way
 
-    def set_views(self) -> None:
-        for (sub, attr), view in zip(self.slots, unflatten(self.full, self.shapes)):
-            setattr(sub, attr, view)
+    def flat_grad(self) -> torch.Tensor:
+        """The leaves' gradients as one padded flat buffer (the leaves' ``.grad`` then dropped)."""
+        parts = [leaf.grad.reshape(-1) for leaf in self.leaves]
+        parts.append(parts[0].new_zeros(self.padded - self.numel))
+        for leaf in self.leaves:
+            leaf.grad = None
+        return torch.cat(parts)
 
 
 class FullyShardedDataParallel(NoSyncMixin, nn.Module):
@@ -160,7 +196,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
             Its parameters are replaced by the shards; ``self.parameters()`` yields the shards
             (hand them to any elementwise optimizer: SGD, Adam, AdamW).
         units: names of submodules, in forward order, that each become one unit (default
-            :func:`default_units`); every parameter must be in exactly one unit.
+            :func:`default_units`); every parameter must be in one of them, none nested in another;
+            modules that share a parameter (a tied embedding and head) become one unit.
         process_group: the group that shards (None: the default group).
         reshard_after_forward: free each unit's gathered parameters after its forward and
             gather them again for backward (True, ZeRO-3) or keep them (False).
@@ -190,7 +227,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
     since :meth:`reset_peak`), ``timeline`` (the last forward+backward's events: dicts with
     ``unit``, ``kind`` = forward | backward | all_gather | reduce_scatter, ``phase``, ``start``,
     ``end`` in ``time.perf_counter`` seconds). Raises ValueError (before any communication) for
-    an unknown unit, a parameter in no unit or in two, or mixed dtypes/devices.
+    an unknown unit, a parameter in no unit, nested or repeated units, or mixed dtypes/devices.
     """
 
     def __init__(self, module: nn.Module, units: Sequence[str] | None = None, process_group=None,
@@ -209,15 +246,21 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self.expert_params = [p for n, p in module.named_parameters() if n in set(expert_params)]
         self.expert_names = [n for n, _ in module.named_parameters() if n in set(expert_params)]
         skip = frozenset(id(p) for p in self.expert_params)
-        owner: dict[int, str] = {id(p): "(expert)" for p in self.expert_params}
-        for n in names:
-            for pn, p in known[n].named_parameters():
+        nested = [(a, b) for a in names for b in names if b.startswith(a + ".")]
+        if nested or len(set(names)) < len(names):
+            raise ValueError(f"units must not overlap: {nested[0] if nested else sorted(names)} "
+                             f"(a unit nested in another, or listed twice)")
+        # units that share a parameter (a tied embedding and output layer) become one unit
+        owner: dict[int, int] = {id(p): -1 for p in self.expert_params}
+        group = list(range(len(names)))
+        for i, n in enumerate(names):
+            for p in known[n].parameters():
                 if id(p) in skip:
                     continue
-                if id(p) in owner:
-                    raise ValueError(f"parameter {n}.{pn} is in two units ({owner[id(p)]} and {n}); "
-                                     "units must not overlap or share parameters")
-                owner[id(p)] = n
+                j = owner.setdefault(id(p), i)
+                if j != i:
+                    a, b = group[i], group[j]
+                    group = [min(a, b) if g in (a, b) else g for g in group]
         outside = [n for n, p in module.named_parameters() if id(p) not in owner and p.requires_grad]
         if outside:
             raise ValueError(f"parameters {outside[:4]} belong to no unit; list their module in units")
@@ -238,7 +281,11 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self.module = module
         self.partial_grad_group = partial_grad_group
         marked = (lambda p: getattr(p, "sequence_parallel", False)) if partial_grad_group is not None else None
-        self.units = [_Unit(n, known[n], self.d, self.rank, marked, skip) for n in names]
+        firsts = sorted(set(group))
+        self.units = [_Unit([(n, known[n]) for n, g in zip(names, group) if g == first], self.d, self.rank, marked,
+                            skip) for first in firsts]
+        # the forward calls in order, each (unit index, module): a shared unit has several
+        self.calls = [(firsts.index(g), known[n]) for n, g in zip(names, group)]
         for u in self.units:
             u.deferred = bool(set(u.names) & set(defer_reduce))
             u.held = None            # a deferred unit's full gradient between backward and finish_grad_sync
@@ -250,10 +297,13 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self._callback_queued = False
         for p in self.expert_params:
             p.register_hook(self._expert_hook)
+        self._split = None               # None | "open" | "last": inside split_backward (zero-bubble I or W)
+        for c, (_, mod) in enumerate(self.calls):
+            mod.register_forward_pre_hook(lambda m, a, c=c: self._pre_forward(c))
+            mod.register_forward_hook(lambda m, a, out, c=c: self._post_forward(c, out))
         for i, u in enumerate(self.units):
-            u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
-            u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
-            u.full.register_post_accumulate_grad_hook(lambda t, i=i: self._post_backward(i))
+            for leaf in u.leaves:
+                leaf.register_post_accumulate_grad_hook(lambda t, i=i: self._leaf_grad_ready(i))
 
     # ------------------------------------------------------------------ public
 
@@ -278,7 +328,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
     def full_tensors(self, what: str = "param") -> dict[str, torch.Tensor]:
         """For inspection only (tests, a lab's verdict): all-gather every unit's shard of the
         parameters (``what="param"``) or of their gradients (``"grad"``) and return
-        ``{name: full tensor}`` with the original module's parameter names."""
+        ``{name: full tensor}`` with the original module's parameter names (a shared parameter
+        under each of its names, as ``named_parameters(remove_duplicate=False)``)."""
         out = {}
         for u in self.units:
             src = u.shard if what == "param" else u.shard.grad
@@ -286,8 +337,11 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
                 raise RuntimeError(f"unit {u.name} has no gradient yet")
             buf = torch.empty(u.padded, dtype=src.dtype, device=src.device)
             comm.all_gather_into_tensor(buf, src.detach(), self.process_group)
-            for n, v in zip(u.names, unflatten(buf, u.shapes)):
+            views = unflatten(buf, u.shapes)
+            for n, v in zip(u.names, views):
                 out[n] = v.clone()
+            for n, i in u.aliases.items():          # a shared parameter under its other names too
+                out[n] = out[u.names[i]]
         for n, p in zip(self.expert_names, self.expert_params):    # whole on this rank
             out[n] = (p.detach() if what == "param" else p.grad if p.grad is not None else torch.zeros_like(p)).clone()
         return out
@@ -304,7 +358,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         """Start the all-gather of ``u`` (async) unless it is gathered or on its way."""
         if u.state != "sharded":
             return
-        u.full.untyped_storage().resize_(u.nbytes)
+        u.raw.untyped_storage().resize_(u.nbytes)
         self._live += u.nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._live)
         ev = self._event(u, "all_gather", phase)
@@ -323,59 +377,103 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         if u.state == "sharded":
             return
         self._wait(u)
-        u.full.untyped_storage().resize_(0)
+        u.raw.untyped_storage().resize_(0)
         self._live -= u.nbytes
         u.state = "sharded"
 
     # ------------------------------------------------------------------ hooks
 
-    def _pre_forward(self, i: int) -> None:
-        u = self.units[i]
+    def _pre_forward(self, c: int) -> None:
+        u = self.units[self.calls[c][0]]
         self._unshard(u, "forward")
         self._wait(u)
-        u.set_views()
-        if self.prefetch and i + 1 < len(self.units):
-            self._unshard(self.units[i + 1], "forward")
+        if self.prefetch and c + 1 < len(self.calls):
+            self._unshard(self.units[self.calls[c + 1][0]], "forward")
         u.fwd_event = self._event(u, "forward", "forward")
 
-    def _post_forward(self, i: int, out):
+    def _post_forward(self, c: int, out):
+        i = self.calls[c][0]
         u = self.units[i]
         u.fwd_event["end"] = time.perf_counter()
         tensors = [out] if torch.is_tensor(out) else [t for t in (out if isinstance(out, (tuple, list)) else [])
                                                       if torch.is_tensor(t)]
         tensors = [t for t in tensors if t.requires_grad]
-        if self.reshard_after_forward or not tensors:
+        # a shared unit (tied embedding and output layer) stays gathered until its last call's forward
+        last_call = all(j != i for j, _ in self.calls[c + 1:])
+        if (self.reshard_after_forward and last_call) or not tensors:
             self._reshard(u)
         for t in tensors:
-            t.register_hook(lambda g, i=i: self._pre_backward(i))
+            t.register_hook(lambda g, c=c: self._pre_backward(c))
         return out
 
-    def _pre_backward(self, i: int) -> None:
-        u = self.units[i]
+    def _pre_backward(self, c: int) -> None:
+        u = self.units[self.calls[c][0]]
         if u.backward_started:
             return
         u.backward_started = True
         self._queue_finalize()
-        self._unshard(u, "backward")
-        self._wait(u)
-        if self.prefetch and i > 0:
-            self._unshard(self.units[i - 1], "backward")
+        if self._split is None:   # a split backward gathered every unit first (one completed in the last W stays freed)
+            self._unshard(u, "backward")
+            self._wait(u)
+            if self.prefetch and c > 0:
+                self._unshard(self.units[self.calls[c - 1][0]], "backward")
         u.bwd_event = self._event(u, "backward", "backward")
+
+    def _leaf_grad_ready(self, i: int) -> None:
+        """A leaf's gradient was accumulated; the unit's backward is complete when every leaf's
+        was (each leaf is accumulated once per backward: autograd sums a shared weight's uses)."""
+        u = self.units[i]
+        u.accumulated += 1
+        if u.accumulated == len(u.leaves):
+            u.accumulated = 0
+            self._post_backward(i)
 
     def _post_backward(self, i: int) -> None:
         u = self.units[i]
         if hasattr(u, "bwd_event"):
             u.bwd_event["end"] = time.perf_counter()
-        self._reshard(u)
+        if self._split != "open":           # a split backward's W keeps the unit until the step's last W
+            self._reshard(u)
         if not self.require_backward_grad_sync:
             return
         self._queue_finalize()
-        grad = u.full.grad
-        u.full.grad = None
+        grad = u.flat_grad()
         if u.deferred:                      # kept whole until finish_grad_sync
             u.held = grad
             return
         self._reduce_scatter(u, grad)
+
+    # ------------------------------------------------------------------ split backward (zero bubble)
+
+    def unsharded_parameters(self) -> list[torch.Tensor]:
+        """The tensors the module computes with, which a split backward differentiates: each
+        unit's per-parameter leaves (views of its gathered buffer), then the expert parameters."""
+        return [leaf for u in self.units for leaf in u.leaves] + list(self.expert_params)
+
+    @contextmanager
+    def split_backward(self, last: bool):
+        """Run one pass of a split backward (a zero-bubble schedule's I or W, Qi et al. 2024) inside:
+        every resharded unit is all-gathered first (the stage's weights, which I and W read; the
+        W passes of other microbatches read them later too), and a unit completed by a W stays
+        gathered, its gradient accumulating, unless ``last``: the step's last W of this stage,
+        after which each unit is resharded and (outside ``no_sync``) reduce-scattered. FSDP2
+        under torch's pipeline schedules keeps units gathered the same way (no reshard after
+        backward until the last). Raises RuntimeError when the last W left a unit's gradient
+        incomplete (a parameter that got no gradient)."""
+        for u in self.units:
+            self._unshard(u, "backward")
+        for u in self.units:
+            self._wait(u)
+        self._split = "last" if last else "open"
+        try:
+            yield
+        finally:
+            self._split = None
+        if last:
+            left = [u.name for u in self.units if u.state != "sharded" or u.accumulated]
+            if left:
+                raise RuntimeError(f"FSDP units {left} were not completed by the step's last W (every parameter "
+                                   f"of a unit must get a gradient in each backward)")
 
     def _reduce_scatter(self, u: _Unit, grad: torch.Tensor) -> None:
         if u.partial:                       # partial sums (sequence parallelism) over their group first

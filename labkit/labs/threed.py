@@ -100,7 +100,8 @@ def _parser():
                         "chunks r and 2cp-1-r (to measure the causal imbalance)")
     p.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2, 3), metavar="STAGE",
                    help="ZeRO stage over the DP group: 0 DDP, 1 optimizer state sharded (the bare flag), 2 also the "
-                        "gradients, 3 also the parameters (FSDP units: embedding, each block, head)")
+                        "gradients, 3 also the parameters (FSDP units: embedding, each block, head; tied at p = 1: "
+                        "embedding and head one unit)")
     p.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="HSDP with --zero 3: the d DP ranks as R replicas x d/R shards (R divides d; with --cp C "
                         "each replica shards over its (d/R) C ranks)")
@@ -483,7 +484,7 @@ def _planner(a):
     received}`` (:func:`labkit.plan.memory.schedule_activation_peak`)."""
     from ..parallel.gpt import hsdp_dp_comm, planner_spec
     from ..plan.comm import comm_per_rank
-    from ..plan.memory import memory_per_rank, schedule_activation_peak
+    from ..plan.memory import memory_per_rank, schedule_activation_peak, zero3_split_gathered_peak
     from ..plan.spec import Layout
     if a.schedule not in _PLANNER_SCHEDULE:
         return None
@@ -497,15 +498,20 @@ def _planner(a):
                      recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention, hsdp=a.hsdp)
         mem = memory_per_rank(spec, lay, device="cpu")   # HSDP: Layout.hsdp shards over d/R
         # the zero-bubble schedules: counted along their actions (ZB-H1, and ZB-V / DualPipeV on the V)
-        if not act_modeled:
-            actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
+        actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a)) if not act_modeled else None
+        if actions is not None:   # ZeRO-3: a whole stage's units gathered for each I and W
+            split_peak = a.zero == 3 and a.dp * a.cp > 1
             mem = [dataclasses.replace(m, activations=schedule_activation_peak(spec, lay, actions[m.pp_rank],
-                                                                               m.pp_rank, device="cpu"))
+                                                                               m.pp_rank, device="cpu"),
+                                       gathered=4 * zero3_split_gathered_peak(spec, lay, m.pp_rank) if split_peak
+                                       else m.gathered)
                    for m in mem]
-        comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4).items() if c.ops}
+        comm = {r: {ax: dict(c.ops) for ax, c in comm_per_rank(spec, lay, pp_rank=r, act_bytes=4,
+                                                                actions=actions[r] if actions else None).items()
+                    if c.ops}
                 for r in range(a.pp)}
         for r in range(a.pp) if a.hsdp > 1 else ():
-            comm[r]["dp"] = hsdp_dp_comm(spec, lay, a.hsdp, r)
+            comm[r]["dp"] = hsdp_dp_comm(spec, lay, a.hsdp, r, actions=actions[r] if actions else None)
     except ValueError:
         return None
 
@@ -627,7 +633,10 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                     "received in the last step (the run's routing, from every EP peer's tokens per expert), "
                     "the rest from the formula)")
     if a.zero == 3 and a.dp * a.cp > 1:
-        rows.append("ZeRO-3 gathered units, peak bytes per rank (planner: the largest two neighbouring units): "
+        what = "a whole stage's units, gathered for each I and W" if lookup(a.schedule).zero_bubble else \
+            "the tied embedding+head unit and two neighbouring blocks" if a.tied and a.pp == 1 else \
+            "the largest two neighbouring units"
+        rows.append(f"ZeRO-3 gathered units, peak bytes per rank (planner: {what}): "
                     + ", ".join(f"rank {r.rank} {r.memory.get('gathered', 0)} ({mem[r.pp_rank].gathered})"
                                 for r in sorted(out.ranks, key=lambda r: r.rank))
                     + "; the gathered weights saved for backward are not counted as activations")
@@ -812,7 +821,8 @@ class ThreeDLab(Lab):
               "cross-entropy); PP 1 send of b*S*H per microbatch and boundary each way; DP one all-reduce per bucket "
               "of the stage's gradients (a ring moves 2(d-1)/d of it), ZeRO-1 and ZeRO-2 a reduce-scatter of n and an "
               "all-gather of n/d (ZeRO-2: per bucket), ZeRO-3 per FSDP unit an all-gather of n/d before each "
-              "microbatch's forward and backward and one reduce-scatter of n (HSDP: over d/R ranks, then an "
+              "microbatch's forward and backward (zero-bubble: before each I or W that finds it resharded, counted "
+              "along the schedule's actions) and one reduce-scatter of n (HSDP: over d/R ranks, then an "
               "all-reduce of the shard across the R replicas); b = B/(d*M)."
               + (" CP per block and microbatch: ring (cp-1) sends of K and V forward, (cp-1)+cp backward (K, V, "
               "then their gradients); allgather 2 all-gathers of K, V forward, "

@@ -28,8 +28,10 @@ TP innermost (neighbouring ranks, the fast links inside a node), then DP, PP out
   step. ZeRO-2/3 compose with sequence parallelism (the LayerNorm gradients, partial over TP,
   are summed over TP inside the reduce-scatter hooks), full recompute and tied embeddings (the
   copy's bucket or unit waits for the embedding-group all-reduce after the backwards), as Llama
-  3's FSDP + TP + SP, and with MoE (the local experts unsharded); ZeRO-2 also with the
-  zero-bubble schedules (backward split into I and W). What stays refused: :func:`check_layout`.
+  3's FSDP + TP + SP, and with MoE (the local experts unsharded); ZeRO-2 and 3 also with the
+  zero-bubble schedules (backward split into I and W: FSDP gathers a stage's units for each I and W
+  and keeps them until the stage's last W, which reshards and reduce-scatters them). What stays
+  refused: :func:`check_layout`.
 
 Context parallelism (``grid.cp`` > 1, :mod:`labkit.context_parallel`; rank order tp-cp-dp-pp):
 each CP rank holds its share of every sequence (the load-balanced 2 cp chunks), the embedding
@@ -49,9 +51,10 @@ runtime) and averaged over d once (in DDP or ZeRO), so the gradient is that of t
 mean, as on one device.
 
 Tied embeddings (``GPTConfig.share_embeddings_and_output_weights``): with p = 1 the stage holds
-one matrix; with p > 1 the first and the last stage each hold a copy and, after backward,
-all-reduce its gradient over their *embedding group* (the two ranks with the same dp and tp
-rank; Megatron-LM's rule, Shoeybi et al. 2019 and ``megatron/core/distributed/finalize_model_grads``).
+one matrix (under ZeRO-3 one FSDP unit with the embedding and the head); with p > 1 the first and
+the last stage each hold a copy and, after backward, all-reduce its gradient over their *embedding
+group* (the two ranks with the same dp and tp rank; Megatron-LM's rule, Shoeybi et al. 2019 and
+``megatron/core/distributed/finalize_model_grads``).
 
 What the planner reads (helper functions returning data, no printing):
 
@@ -94,7 +97,7 @@ from ..pipeline.schedules import stage_rank
 from ..pipeline.stages import stage_layers
 from ..plan.comm import comm_per_rank
 from ..plan.memory import check_layout as plan_check_layout
-from ..plan.memory import zero3_units
+from ..plan.memory import rank_stages, zero3_split_gathers, zero3_stage_units
 from ..plan.spec import Layout, ModelSpec
 from ..tensor_parallel import allreduce_layernorm_grads, allreduce_sequence_parallel_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
@@ -121,21 +124,18 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
     divides the vocabulary V (no padding); the global batch divisible by d * M; tied embeddings
     with p = 1 need v = 1, and are not combined with the V-shaped schedules; ``zero`` a ZeRO stage
     0-3 (True: 1); ``hsdp`` R replicas (ZeRO-3 only) dividing d, below d unless cp > 1 (the shard
-    group is the d/R x cp ranks, :func:`check_cp_layout`; ``world_size`` counts t p d, without cp). Refused compositions
-    of sharded DP (issue 19): full recompute with a zero-bubble schedule (labkit's reentrant
-    checkpoint differentiates a whole block inside I, weight gradients included: nothing is left for
-    W, and a data-parallel wrapper would reduce them out of order); ZeRO-3 with a zero-bubble
-    schedule (FSDP reshards a unit after its first W while the other microbatches' W still read its
-    weights); ZeRO-3 with tied embeddings at p = 1 (one matrix in two FSDP units). ZeRO-1, 2 and 3
-    run with MoE (the local experts whole, outside the flat buffer, buckets or units, their
-    gradients scaled by 1/d: with EP = d their expert-DP group is one rank). ZeRO-2/3 do run with
-    sequence parallelism (the LayerNorm
+    group is the d/R x cp ranks, :func:`check_cp_layout`; ``world_size`` counts t p d, without cp).
+    Refused: full recompute with a zero-bubble schedule (labkit's reentrant checkpoint
+    differentiates a whole block inside I, weight gradients included: nothing is left for W, and a
+    data-parallel wrapper would reduce them out of order). ZeRO-1, 2 and 3 run with MoE (the local experts whole,
+    outside the flat buffer, buckets or units, their gradients scaled by 1/d: with EP = d their
+    expert-DP group is one rank). ZeRO-2/3 run with sequence parallelism (the LayerNorm
     gradients summed over TP inside their hooks, before the reduce-scatter), full recompute
     (ZeRO-2's sync stays open across the recompute's nested backwards) and tied embeddings at
     p > 1 (the copy's bucket/unit reduce-scattered after the embedding-group all-reduce of its full
-    gradient); ZeRO-2
-    also with tied embeddings at p = 1 and the zero-bubble schedules without full recompute (the
-    sync open until the last W's buckets start).
+    gradient) and at p = 1 (ZeRO-3: the embedding and the head one FSDP unit), and with the
+    zero-bubble schedules without full recompute (ZeRO-2's sync open until the last W's buckets
+    start; FSDP's units gathered for each I and W and kept until the stage's last W).
     """
     zero = _zero_stage(zero)
     for name, val in (("t (--tp)", tp), ("p (--pp)", pp), ("d (--dp)", dp), ("v (chunks)", v),
@@ -159,18 +159,11 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
                          f"use R < d, or DDP")
     if hsdp > 1 and zero != 3:
         raise ValueError(f"HSDP (R={hsdp} replicas) shards the parameters: it needs ZeRO-3, got ZeRO-{zero}")
-    if zero == 3 and info.zero_bubble:
-        raise ValueError(f"ZeRO-3 with {info.label}: FSDP reshards a unit after its first weight-gradient pass (W), "
-                         f"but the other microbatches' W still read its gathered weights; use ZeRO 0-2 with it, "
-                         f"or another schedule")
     if recompute == "full" and info.zero_bubble:
         raise ValueError(f"full recompute with {info.label}: labkit's checkpoint recomputes and differentiates a "
                          f"whole block inside the input-gradient pass (I), so the block's weight gradients cannot "
                          f"wait for W (and a data-parallel sync would see them out of order); use --recompute "
                          f"selective or none with it, or a schedule without split backward")
-    if zero == 3 and pp == 1 and getattr(cfg, "share_embeddings_and_output_weights", False):
-        raise ValueError("ZeRO-3 with tied embeddings and p=1: the one matrix would be in two FSDP units (the "
-                         "embedding and the head); use p > 1 (a copy on each end stage), or ZeRO 0-2")
     if n_microbatches < info.min_microbatches(pp):
         raise ValueError(f"{info.label} needs M >= 2p microbatches: M={n_microbatches}, p={pp}")
     if cfg.n_layer % (pp * v):
@@ -198,16 +191,25 @@ def check_layout(cfg, world_size: int, tp: int, pp: int, dp: int, v: int = 1, n_
                          f"would be two modules on one rank; use p > 1 with loop placement, or v = 1")
 
 
-def hsdp_dp_comm(spec: ModelSpec, lay: Layout, replicas: int, pp_rank: int, bytes_per_element: int = 4) -> dict:
+def hsdp_dp_comm(spec: ModelSpec, lay: Layout, replicas: int, pp_rank: int, bytes_per_element: int = 4,
+                 actions=None) -> dict:
     """HSDP's DP traffic of one step on pipeline rank ``pp_rank`` (``lay``: the whole layout, d
     ranks; fp32), ``{kind: (count, bytes)}`` as :class:`labkit.comm.CommLog` counts it: per FSDP
     unit (:func:`labkit.plan.memory.zero3_units`) over the S = (d/R) cp shard ranks an all-gather of its
-    padded n/S shard before each of the M forwards and M backwards, one reduce-scatter of the
-    padded n, and across the R replicas one all-reduce of the n/S shard (FSDP2's HSDP; Zhao et
-    al. 2023 sec. 3.2)."""
+    padded n/S shard before each of the M forwards and M backwards (a split backward: as many as
+    :func:`labkit.plan.memory.zero3_split_gathers` counts along this rank's ``actions``), one
+    reduce-scatter of the padded n, and across the R replicas one all-reduce of the n/S shard
+    (FSDP2's HSDP; Zhao et al. 2023 sec. 3.2)."""
     S, b, M = lay.d // replicas * lay.cp, bytes_per_element, lay.M
-    shards = [-(-n // S) for n in zero3_units(spec, replace(lay, d=S), pp_rank)]
-    return {"all_gather": (2 * M * len(shards), 2 * M * sum(shards) * b),
+    lay_s = replace(lay, d=S)
+    per_stage = [[-(-n // S) for n in units] for units in zero3_stage_units(spec, lay_s, pp_rank)]
+    if actions is not None and any(a.kind in ("I", "W") for a in actions):
+        gathers = [zero3_split_gathers(actions, s, M) for s in rank_stages(lay_s, pp_rank)]
+    else:
+        gathers = [2 * M] * len(per_stage)
+    shards = [n for st in per_stage for n in st]
+    return {"all_gather": (sum(g * len(st) for g, st in zip(gathers, per_stage)),
+                           sum(g * sum(st) for g, st in zip(gathers, per_stage)) * b),
             "reduce_scatter": (len(shards), sum(shards) * S * b), "all_reduce": (len(shards), sum(shards) * b)}
 
 
@@ -711,10 +713,12 @@ class ParallelGPT:
                      sequence_parallel=self.sequence_parallel, recompute=self.recompute,
                      cp=self.cp, cp_attention=self.cp_attention)
         buckets = sum(len(w.buckets) for w in self.ddp if w is not None) or None
-        axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets)
+        actions = list(self.schedule.actions[self.schedule.rank])   # split backward: ZeRO-3 gathers along them
+        axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets,
+                             actions=actions)
         out = {ax: dict(c.ops) for ax, c in axes.items() if c.ops}
         if self.hsdp > 1:
-            out["dp"] = hsdp_dp_comm(spec, lay, self.hsdp, g.pp_rank, bytes_per_element)
+            out["dp"] = hsdp_dp_comm(spec, lay, self.hsdp, g.pp_rank, bytes_per_element, actions)
         if self.zero == 2 and self.dp_cp > 1:   # one reduce-scatter and one all-gather per gradient bucket
             n = sum(len(w.buckets) for w in self.sharded)
             out["dp"] = {k: (n, nbytes) for k, (_, nbytes) in out["dp"].items()}

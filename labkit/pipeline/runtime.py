@@ -21,7 +21,11 @@ What ``step`` does on one rank, action by action (semantics in :mod:`.schedules`
   across steps (zero them yourself, as with any optimizer loop).
 * ``I`` / ``W`` (zero-bubble schedules): the same backward in two parts, the input
   gradient(s) first (sent by SEND_B) and the parameter gradients later
-  (:mod:`.split_backward`); the microbatch's activations stay until its W.
+  (:mod:`.split_backward`); the microbatch's activations stay until its W. A stage wrapped in
+  :class:`labkit.data_parallel.FullyShardedDataParallel` runs each I and W inside its
+  ``split_backward(last)`` (its units gathered first and kept until the stage's last W of the
+  step; torch's schedules unshard FSDP2 stages the same way) and differentiates its gathered
+  per-parameter leaves (``unsharded_parameters()``).
 
 Stage boundaries: a stage may return one tensor or a tuple of tensors; the next stage is
 called with them as positional arguments (``submod(*outputs)``), and ``step(*args)`` gives
@@ -92,6 +96,20 @@ def _check_cost_model(cost_model):
         if k not in ("F", "B", "I", "W") or not isinstance(t, (int, float)) or t < 0:
             raise ValueError(f"cost_model entries are F, B, I, W -> seconds >= 0; got {k!r}: {t!r}")
     return dict(cost_model)
+
+
+def _compute_params(submod: nn.Module):
+    """The tensors a split backward differentiates: FSDP's gathered per-parameter leaves
+    (``unsharded_parameters()``), else the module's parameters."""
+    fn = getattr(submod, "unsharded_parameters", None)
+    return fn() if fn is not None else submod.parameters()
+
+
+def _split_pass(submod: nn.Module, last: bool):
+    """FSDP's ``split_backward(last)`` around an I or W (its units gathered, kept until the last W),
+    or nothing for a module without it."""
+    fn = getattr(submod, "split_backward", None)
+    return fn(last) if fn is not None else contextlib.nullcontext()
 
 
 class PipelineStage:
@@ -469,7 +487,8 @@ class PipelineSchedule:
             self.w_only_bytes[s] = self._measure_w_only(stage, inp, grads, st, m)
             start = st.now()  # the measurement is not part of this I's time
         wants = [t for t, meta in zip(inp, self._shapes[s][0]) if meta.requires_grad] if s > 0 else []
-        gins, pending = backward_input(tensors, wants, list(grads), stage.submod.parameters())
+        with _split_pass(stage.submod, last=False):
+            gins, pending = backward_input(tensors, wants, list(grads), _compute_params(stage.submod))
         if s > 0:
             st.grads[(s, m)] = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(gins, wants))
         st.weight_grads[(s, m)] = pending
@@ -492,7 +511,7 @@ class PipelineSchedule:
             fn, gs = module, [g for g in grads if g is not None] if grads is not None else None
         devices = [] if stage.device.type == "cpu" else [stage.device]
         with torch.random.fork_rng(devices=devices):
-            return w_only_saved_bytes(fn, [t.detach() for t in inp], gs, module.parameters())["w_only"]
+            return w_only_saved_bytes(fn, [t.detach() for t in inp], gs, _compute_params(stage.submod))["w_only"]
 
     def _do_backward_weight(self, a: Action, st: "_StepState"):
         """W: the parameter gradients of (stage, microbatch) from what its I kept; they
@@ -504,7 +523,8 @@ class PipelineSchedule:
         st.n_backward[s] += 1
         last = st.n_backward[s] == self.n_microbatches
         pending = st.weight_grads.pop((s, m))
-        with contextlib.nullcontext() if last or not hasattr(stage.submod, "no_sync") else stage.submod.no_sync():
+        with contextlib.nullcontext() if last or not hasattr(stage.submod, "no_sync") else stage.submod.no_sync(), \
+                _split_pass(stage.submod, last):
             backward_weight(pending)
         st.inputs.pop((s, m))
         st.emit(a, start)

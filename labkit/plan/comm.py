@@ -66,6 +66,8 @@ from .memory import (
     rank_layer_chunks,
     rank_param_counts,
     rank_stages,
+    zero3_split_gathers,
+    zero3_stage_units,
     zero3_units,
 )
 from .spec import Cluster, Layout, ModelSpec
@@ -190,7 +192,7 @@ def tp_comm(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_ran
 
 def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, pp_rank: int = 0,
                   act_bytes: int | None = None, regather_in_backward: bool = True,
-                  dp_buckets: int | None = None) -> dict:
+                  dp_buckets: int | None = None, actions=None) -> dict:
     """Communication of one training step on a rank of pipeline rank ``pp_rank``:
     ``{"tp", "cp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
     of a tied embedding's gradient between the first and the last pipeline rank).
@@ -198,7 +200,10 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     ``act_bytes``: bytes per activation element (default: the layout's precision, 2 for bf16,
     4 for fp32). ``dp_buckets``: how many all-reduces this rank's ZeRO-0 gradient reduction
     issues per step (DDP's buckets, over all its model chunks; None: one per chunk, a fused
-    reduction); the payload is the same. Raises ValueError for an impossible layout.
+    reduction); the payload is the same. ``actions``: this pipeline rank's actions (objects with
+    ``kind`` and ``stage``); for a schedule with split backward (I and W: ZB-H1, ZB-V, DualPipeV)
+    ZeRO-3's all-gathers per unit are counted along them (:func:`.memory.zero3_split_gathers`; the
+    order decides how often a unit is resharded). Raises ValueError for an impossible layout.
     """
     check_layout(spec, lay)
     cluster = cluster or Cluster()
@@ -264,7 +269,15 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
         if n == 0 or dd == 1:
             continue
         sub = AxisComm("dp", dd, links["dp"])
-        if lay.zero == 3 and k == 0:   # dense FSDP units: gathered per microbatch, no gather after the step
+        split = actions is not None and any(a.kind in ("I", "W") for a in actions)
+        if lay.zero == 3 and k == 0 and split:   # split backward: gathers counted along the actions
+            for stage, units in zip(rank_stages(lay, r), zero3_stage_units(spec, lay, r)):
+                n_ag = zero3_split_gathers(actions, stage, M, lay.reshard_after_forward)
+                for u in units:
+                    padded = _zero_shard(u, dd) * dd
+                    sub.add("all_gather", n_ag, padded // dd * pb)
+                    sub.add("reduce_scatter", 1, padded * gb)
+        elif lay.zero == 3 and k == 0:   # dense FSDP units: gathered per microbatch, no gather after the step
             for u in zero3_units(spec, lay, r):
                 padded = _zero_shard(u, dd) * dd
                 sub.add("all_gather", M * (2 if lay.reshard_after_forward else 1), padded // dd * pb)

@@ -54,7 +54,8 @@ __all__ = ["rank_stages", "rank_layer_chunks", "holds_first", "holds_last", "Ran
            "most_loaded_rank",
            "check_layout", "in_flight_units",
            "BYTES", "rank_param_counts", "rank_chunks", "stage_in_flight", "interleaved_group", "bytes_per_param",
-           "grad_convention", "zero3_units", "zero3_gathered_peak", "schedule_activation_peak", "moe_balanced_rows"]
+           "grad_convention", "zero3_units", "zero3_gathered_peak", "zero3_stage_units", "zero3_shared_unit",
+           "zero3_split_gathered_peak", "zero3_split_gathers", "schedule_activation_peak", "moe_balanced_rows"]
 
 # bytes per parameter element: (parameter, gradient, optimizer state) -- ZeRO sec. 3.1
 BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
@@ -321,7 +322,8 @@ def rank_param_counts(spec: ModelSpec, lay: Layout, pp_rank: int) -> dict:
 def zero3_units(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[int]:
     """Dense parameter elements of each FSDP unit on a rank of pipeline rank ``pp_rank``, in
     forward order: the embedding (first rank), each of its layers, the head (last rank: final
-    norm and output layer). Their sum is ``rank_param_counts(...)["dense"]``."""
+    norm and output layer). A tied embedding at p = 1 is one unit with the head (the one matrix
+    and the final norm; listed first). Their sum is ``rank_param_counts(...)["dense"]``."""
     t = lay.t
     vocab = math.ceil(spec.vocab_size / t)
     units = []
@@ -333,20 +335,86 @@ def zero3_units(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[int]:
     if holds_last(lay, pp_rank):
         head_split, head_rep = spec.head_params()
         out = vocab * spec.hidden if (head_split or (spec.tied_embeddings and lay.p > 1)) else 0
-        units.append(out + head_rep)
+        if zero3_shared_unit(spec, lay):
+            units[0] += head_rep
+        else:
+            units.append(out + head_rep)
     return units
 
 
-def zero3_gathered_peak(units: list[int], d: int, reshard_after_forward: bool = True) -> int:
+def zero3_shared_unit(spec: ModelSpec, lay: Layout) -> bool:
+    """Whether the embedding and the head are one FSDP unit: a tied embedding at p = 1 (the one
+    matrix serves both; FSDP units that share a parameter are one unit)."""
+    return spec.tied_embeddings and lay.p == 1
+
+
+def zero3_stage_units(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[list[int]]:
+    """:func:`zero3_units` per stage of the rank (the order of :func:`rank_stages`; loop or V
+    placement): each stage is its own FSDP wrapper."""
+    units = zero3_units(spec, lay, pp_rank)
+    chunks = rank_layer_chunks(spec, lay, pp_rank)
+    first = 1 if holds_first(lay, pp_rank) else 0
+    out, k = [], first
+    for ch in chunks:
+        out.append(units[k:k + len(ch)])
+        k += len(ch)
+    if first:
+        out[0].insert(0, units[0])
+    if k < len(units):                    # the head: with the last stage, the last chunk of the rank
+        out[-1].append(units[k])
+    return out
+
+
+def zero3_gathered_peak(units: list[int], d: int, reshard_after_forward: bool = True,
+                        shared_first_last: bool = False) -> int:
     """Peak elements of gathered ZeRO-3 parameters: the largest sum of two neighbouring units'
     padded sizes (unit i computing while unit i+1's all-gather is prefetched), or of all units
-    when they are not resharded after forward (FSDP2, Zhao et al. 2023 sec. 3.3)."""
+    when they are not resharded after forward (FSDP2, Zhao et al. 2023 sec. 3.3).
+    ``shared_first_last``: ``units[0]`` serves the first and the last call of the forward (a tied
+    embedding and head at p = 1): it stays gathered through the step's forward and backward, on top
+    of the two neighbouring units between."""
     pads = [_zero_shard(n, d) * d for n in units]
     if not pads:
         return 0
     if not reshard_after_forward:
         return sum(pads)
+    if shared_first_last:
+        rest = pads[1:]
+        return pads[0] + max([0] + rest[:1] + [a + b for a, b in zip(rest, rest[1:])])
     return max([pads[0]] + [a + b for a, b in zip(pads, pads[1:])])
+
+
+def zero3_split_gathered_peak(spec: ModelSpec, lay: Layout, pp_rank: int) -> int:
+    """Peak elements of gathered ZeRO-3 parameters of one stage under a schedule with split backward
+    (ZB-H1, ZB-V, DualPipeV): each I and W first gathers every unit of its stage, so the peak is
+    the largest stage's units all at once (padded; :class:`labkit.data_parallel.FullyShardedDataParallel`
+    measures per stage wrapper)."""
+    d = lay.d // lay.hsdp * lay.cp
+    return max(sum(_zero_shard(n, d) * d for n in st) for st in zero3_stage_units(spec, lay, pp_rank))
+
+
+def zero3_split_gathers(actions, stage: int, n_microbatches: int, reshard_after_forward: bool = True) -> int:
+    """All-gathers per unit of ``stage`` in one step, counted along this rank's ``actions``
+    (``kind`` F | B | I | W, ``stage``; other kinds skipped) with FSDP's rules: F gathers a
+    resharded unit and reshards it after (``reshard_after_forward``), B gathers and reshards after;
+    I and W (split backward) gather a resharded unit and keep it until the stage's last W of the
+    step (the ``n_microbatches``-th). Every unit of the stage moves together at action granularity."""
+    gathered, n = False, 0
+    w = 0
+    for a in actions:
+        if a.stage != stage or a.kind not in ("F", "B", "I", "W"):
+            continue
+        n += 0 if gathered else 1
+        if a.kind == "F":
+            gathered = not reshard_after_forward
+        elif a.kind == "B":
+            gathered = False
+        elif a.kind == "I":
+            gathered = True
+        else:
+            w += 1
+            gathered = w < n_microbatches
+    return n
 
 
 def _zero_shard(n: int, d: int) -> int:
@@ -518,7 +586,8 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         es = lambda stage: _zero_shard(expert, d_exp) if z >= stage else expert        # noqa: E731, B023
         params, grads, opt = pb * (ds(3) + es(3)), gb * (ds(2) + es(2)), ob * (ds(1) + es(1))
         # ZeRO-3's gathered units (two neighbours at a time, the next one prefetched)
-        gathered = pb * zero3_gathered_peak(units3, d, lay.reshard_after_forward) if z == 3 and d > 1 else 0
+        gathered = pb * zero3_gathered_peak(units3, d, lay.reshard_after_forward, zero3_shared_unit(spec, lay)) \
+            if z == 3 and d > 1 else 0
         units = in_flight_units(lay, M, r)
         # the rank's layers may differ (dense / MoE, uneven chunks): average over its chunks
         chunks = rank_layer_chunks(spec, lay, r)

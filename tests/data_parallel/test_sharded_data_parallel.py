@@ -181,6 +181,88 @@ def test_hsdp_equals_single_device(reshard):
         assert rank["shard_bytes"] == sum(padded_numel(n, 2) for n in units) // 2 * 4
 
 
+TIED = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, bias=False, share_embeddings_and_output_weights=True)
+
+
+def _tied_worker(ctx, steps, opt_name, reshard, bug):
+    model = GPT(TIED, seed=0)
+    fsdp = FullyShardedDataParallel(model, reshard_after_forward=reshard)
+    if bug == "reshard_after_embedding":          # injected: the shared unit freed after its first call
+        post = fsdp._post_forward
+
+        def early(c, out):
+            out = post(c, out)
+            fsdp._reshard(fsdp.units[fsdp.calls[c][0]])
+            return out
+        fsdp._post_forward = early
+    opt = tied_opt(fsdp.parameters(), opt_name)
+    d, r = ctx.world_size, ctx.rank
+    grads, logs, peaks = [], [], []
+    for x, y in batches(steps):
+        sl = slice(r * B // d, (r + 1) * B // d)
+        opt.zero_grad(set_to_none=True)
+        fsdp.reset_peak()
+        with CommLog() as log:
+            fsdp(x[sl], y[sl]).backward()
+            opt.step()
+        logs.append(log.summary())
+        peaks.append(fsdp.peak_gathered_bytes)
+        grads.append(fsdp.full_tensors("grad"))
+    return {"grads": grads, "params": fsdp.full_tensors("param"), "logs": logs, "peaks": peaks,
+            "units": [u.numel for u in fsdp.units], "names": [u.name for u in fsdp.units], "live_after": fsdp._live}
+
+
+def tied_opt(params, opt):
+    # Adam: the tied matrix's two gradient contributions are summed in another order than on one
+    # device (~1e-7 relative); lr=1e-3 and eps=1e-6 keep Adam's amplification of that within fp32
+    # tolerance (as tests/parallel/test_parallel_3d.py's ADAM)
+    return torch.optim.SGD(params, lr=LR) if opt == "sgd" else torch.optim.Adam(params, lr=1e-3, eps=1e-6)
+
+
+def tied_reference(steps, opt):
+    model = GPT(TIED, seed=0)
+    o = tied_opt(model.parameters(), opt)
+    grads = []
+    for x, y in batches(steps):
+        o.zero_grad()
+        model(x, y).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
+        o.step()
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("opt_name,steps,reshard", [("sgd", 3, True), ("adam", 3, False)])
+def test_fsdp_tied_embedding_one_unit(opt_name, steps, reshard):
+    """A tied embedding and output layer: the modules sharing the matrix are one unit (gathered
+    before the embedding's forward, kept for the head's, its gradient the sum of both uses before
+    the one reduce-scatter). Equal to one device; gathers, peak and traffic = the planner."""
+    ref_grads, ref_params = tied_reference(steps, opt_name)
+    out = launch(_tied_worker, 2, steps, opt_name, reshard, None, backend="gloo")
+    for rank in out:
+        if opt_name == "sgd":
+            for step in range(steps):
+                assert_close(rank["grads"][step], ref_grads[step], f"gradient at step {step}")
+        assert_close(rank["params"], ref_params, "parameters after the steps")
+        assert rank["live_after"] == 0
+    assert out[0]["names"] == ["embedding+head", "blocks.0", "blocks.1"]
+    spec = ModelSpec.from_gpt_config(TIED, seq_len=S, global_batch=B)
+    lay = Layout(t=1, p=1, d=2, b=B // 2, M=1, zero=3, precision="fp32", reshard_after_forward=reshard)
+    assert zero3_units(spec, lay, 0) == out[0]["units"] == [4224 + 32, 3136, 3136]
+    assert memory_per_rank(spec, lay, device="cpu")[0].gathered == max(out[0]["peaks"])
+    for log in out[0]["logs"]:
+        assert comm_per_rank(spec, lay)["dp"].ops == {"all_gather": log[("all_gather", 2)],
+                                                      "reduce_scatter": log[("reduce_scatter", 2)]}
+
+
+def test_fsdp_tied_check_catches_early_reshard():
+    """Resharding the shared unit after the embedding's forward gathers it again for the head: the
+    planner's count of all-gathers tells."""
+    out = launch(_tied_worker, 2, 1, "sgd", True, "reshard_after_embedding", backend="gloo")
+    spec = ModelSpec.from_gpt_config(TIED, seq_len=S, global_batch=B)
+    lay = Layout(t=1, p=1, d=2, b=B // 2, M=1, zero=3, precision="fp32")
+    assert comm_per_rank(spec, lay)["dp"].ops["all_gather"] != out[0]["logs"][0][("all_gather", 2)]
+
+
 def _timeline_worker(ctx, prefetch):
     fsdp = FullyShardedDataParallel(GPT(CFG, seed=0), prefetch=prefetch)
     x, y = batches(1)[0]

@@ -34,6 +34,8 @@ def test_lab_3d_fails_on_wrong_dp_average(tmp_path, capsys, monkeypatch):
     (["--tp", "2", "--pp", "2", "--dp", "2", "--zero", "3"], "ZeRO-3"),      # the one 8-rank case
     (["--tp", "1", "--pp", "2", "--dp", "2", "--zero", "2"], "ZeRO-2"),
     (["--tp", "1", "--pp", "2", "--dp", "2", "--zero", "3", "--tied"], "ZeRO-3"),   # issue 19 (c)
+    (["--tp", "1", "--pp", "1", "--dp", "2", "--zero", "3", "--tied"], "ZeRO-3"),   # one unit: embedding + head
+    (["--tp", "1", "--pp", "2", "--dp", "2", "--zero", "3", "--schedule", "zb-h1"], "ZeRO-3"),   # split backward
     # HSDP d=4 = 2 replicas x 2 shards on 4 ranks (t=1 runs the same block class as t>1, so the
     # planner's activations hold there too)
     (["--tp", "1", "--pp", "1", "--dp", "4", "--zero", "3", "--hsdp", "2"], "ZeRO-3, HSDP R=2"),
@@ -48,6 +50,35 @@ def test_lab_3d_zero_stages_ok(argv, head, tmp_path, capsys):
     assert f"M=2, {head}," in out and "OK: every run" in out
     if head.startswith("ZeRO-3"):
         assert "ZeRO-3 gathered units, peak bytes per rank" in out
+
+
+def test_lab_3d_zero3_dualpipev_ok(tmp_path, capsys):
+    """ZeRO-3 under DualPipeV (two stages per rank on the V): equal to one device; gathers along the
+    actions, the whole-stage gathered peak and every byte = the planner."""
+    rc = main(["lab", "3d", "--tp", "1", "--pp", "2", "--dp", "2", "--zero", "3", "--schedule", "dualpipev",
+               "--no-plots", "--out", str(tmp_path), *SMALL, "--layers", "4", "--microbatches", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "\nFAIL" not in out, out
+    assert "a whole stage's units, gathered for each I and W" in out and "OK: every run" in out
+
+
+def test_lab_3d_zero3_zero_bubble_fails_on_early_reshard(tmp_path, capsys, monkeypatch):
+    """Injected: FSDP reshards a unit after every W (the next W gathers it again): the planner's
+    all-gather count no longer matches and the lab exits 1."""
+    from labkit.data_parallel import fsdp
+    orig = fsdp.FullyShardedDataParallel._post_backward
+
+    def every_w(self, i):
+        split, self._split = self._split, "last" if self._split else None
+        try:
+            orig(self, i)
+        finally:
+            self._split = split
+    monkeypatch.setattr(fsdp.FullyShardedDataParallel, "_post_backward", every_w)
+    rc = main(["lab", "3d", "--tp", "1", "--pp", "2", "--dp", "2", "--zero", "3", "--schedule", "zb-h1", "--no-plots",
+               "--out", str(tmp_path), *SMALL])
+    cap = capsys.readouterr()
+    assert rc == 1 and "dp all_gather" in cap.out + cap.err, cap.out
 
 
 def test_lab_3d_zero3_fails_without_dp_average(tmp_path, capsys, monkeypatch):
@@ -75,13 +106,11 @@ def test_lab_3d_zero_flag_spellings():
     (["--dp", "4", "--zero", "3", "--hsdp", "3"], "HSDP replicas R=3 must be an integer >= 1 that divides d=4"),
     (["--dp", "2", "--zero", "3", "--hsdp", "2"], "HSDP with R = d = 2 replicas leaves one rank per shard group"),
     (["--dp", "4", "--hsdp", "2"], "HSDP (R=2 replicas) shards the parameters: it needs ZeRO-3, got ZeRO-0"),
-    (["--zero", "3", "--schedule", "zb-h1"], "ZeRO-3 with ZB-H1"),
     # a reentrant checkpoint differentiates the whole block inside I (it crashed DDP, and gave ZeRO-2 wrong
     # gradients with DualPipeV)
     (["--recompute", "full", "--schedule", "zb-h1"], "full recompute with ZB-H1: labkit's checkpoint"),
     (["--recompute", "full", "--schedule", "dualpipev", "--microbatches", "4", "--layers", "4"],
      "full recompute with DualPipeV"),
-    (["--zero", "3", "--tied", "--pp", "1"], "ZeRO-3 with tied embeddings and p=1"),
     (["--tp", "3"], "n_head (attention heads)=2 must be divisible by t=3"),
     (["--layers", "3"], "n_layer=3 layers must be divisible by p*v"),
     (["--batch", "6"], "global batch B=6 must be divisible by d*M"),

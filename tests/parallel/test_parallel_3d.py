@@ -1,6 +1,8 @@
 """3D parallelism (labkit.parallel) against one device: loss curve, every parameter gradient
 (gathered to full shape) at every step and the parameters after 3 plain-SGD steps; ZeRO-1
 with Adam over 5 steps; exact communication per axis; the error table."""
+import contextlib
+
 import pytest
 import torch
 
@@ -8,6 +10,10 @@ from labkit.comm import CommLog
 from labkit.dist import launch, make_grid
 from labkit.model import GPT, GPTConfig
 from labkit.parallel import ParallelGPT, check_layout
+from labkit.parallel.gpt import planner_spec
+from labkit.pipeline.registry import lookup
+from labkit.plan.memory import memory_per_rank, zero3_split_gathered_peak
+from labkit.plan.spec import Layout
 
 B, S = 8, 8
 
@@ -53,12 +59,24 @@ def _worker(ctx, cfg, t, p, d, schedule, v, M, steps, opt, lr, zero, bug, hsdp=1
     if bug == "no_dp_average":                        # injected: ZeRO-2/3 shards summed over DP, not averaged
         for w in pg.sharded:
             w.d, w.replicas = 1, 1
+    if bug == "reshard_every_w":                      # injected: FSDP reshards after every W, not the last
+        for w in pg.sharded:
+            def every(i, w=w, post=w._post_backward):
+                split, w._split = w._split, "last" if w._split else None
+                try:
+                    post(i)
+                finally:
+                    w._split = split
+            w._post_backward = every
+    if bug == "reduce_scatter_every_w":               # injected: FSDP reduce-scatters before the last W
+        for w in pg.sharded:
+            w.no_sync = contextlib.nullcontext
     pg.make_optimizer(opt, lr, **(ADAM if opt == "adam" else {}))
     if bug == "no_embedding_allreduce":               # injected: tied copies not summed
         pg.emb_group = None
     keep = grid.dp_rank == 0 and grid.tp_rank == 0     # one copy of each stage goes back
     out = {"losses": [], "grads": [], "comm": [], "expected": pg.expected_comm(B, S), "peers": set(),
-           "tp_rank": grid.tp_rank, "last": pg.has_last_stage, "keep": keep}
+           "tp_rank": grid.tp_rank, "pp_rank": grid.pp_rank, "last": pg.has_last_stage, "keep": keep}
     for x, y in batches(cfg, steps):
         pg.zero_grad()
         with CommLog() as log:
@@ -160,13 +178,15 @@ def test_3d_2x2x2_1f1b_zero1_adam():
         assert r["memory"]["optimizer"] == 2 * (-(-n // 2)) * 4
 
 
-@pytest.mark.parametrize("t,p,d,zero,hsdp", [(1, 2, 2, 2, 1), (2, 1, 2, 3, 1), (1, 1, 4, 3, 2)])
-def test_3d_zero2_zero3_hsdp_sgd(t, p, d, zero, hsdp):
-    """ZeRO-2 under PP, ZeRO-3 under TP, HSDP (2 replicas x 2 shards): every parameter gradient at
-    every step and the parameters after 3 SGD steps equal one device; M = 2 microbatches reduce
-    once per step; counts = formula; model states 1/d (HSDP: 1/(d/R)) of the TP-local ones."""
+@pytest.mark.parametrize("t,p,d,zero,hsdp,schedule", [(1, 2, 2, 2, 1, "1f1b"), (2, 1, 2, 3, 1, "1f1b"),
+                                                      (1, 1, 4, 3, 2, "1f1b"), (1, 1, 4, 3, 2, "zbh1")])
+def test_3d_zero2_zero3_hsdp_sgd(t, p, d, zero, hsdp, schedule):
+    """ZeRO-2 under PP, ZeRO-3 under TP, HSDP (2 replicas x 2 shards; also under ZB-H1's split
+    backward): every parameter gradient at every step and the parameters after 3 SGD steps equal
+    one device; M = 2 microbatches reduce once per step; counts = formula; model states 1/d (HSDP:
+    1/(d/R)) of the TP-local ones."""
     cfg = cfg_for()
-    out = run(cfg, t, p, d, "1f1b", 1, M=2, zero=zero, hsdp=hsdp)
+    out = run(cfg, t, p, d, schedule, 1, M=2, zero=zero, hsdp=hsdp)
     check_equal(out, cfg, 3)
     check_comm(out)
     shards = d // hsdp
@@ -197,16 +217,28 @@ def test_3d_zero23_with_sp_and_full_recompute(t, p, d, zero, sp, recompute):
         assert all(r["comm"][-1]["tp"]["all_reduce"][0] == r["expected"]["tp"]["all_reduce"][0] >= 1 for r in out)
 
 
-@pytest.mark.parametrize("t,p,d,zero", [(1, 2, 2, 2), (1, 2, 2, 3), (1, 1, 2, 2)])
-def test_3d_zero23_with_tied_embeddings(t, p, d, zero):
+def planner_layout(t, p, d, schedule, v, M, zero):
+    """The planner's Layout of a run (fp32, b = B/(d M); the schedule's placement)."""
+    return Layout(t=t, p=p, d=d, v=v, b=B // (d * M), M=M, schedule="interleaved" if v > 1 else "1f1b",
+                  placement=lookup(schedule).placement, zero=zero, precision="fp32")
+
+
+@pytest.mark.parametrize("t,p,d,zero,schedule", [(1, 2, 2, 2, "1f1b"), (1, 2, 2, 3, "1f1b"), (1, 1, 2, 2, "1f1b"),
+                                                 (1, 1, 2, 3, "1f1b"), (2, 1, 2, 3, "zbh1")])
+def test_3d_zero23_with_tied_embeddings(t, p, d, zero, schedule):
     """ZeRO-2/3 with tied embeddings (issue 19 c): with p > 1 the copy's bucket (ZeRO-2) or unit
     (FSDP) is reduce-scattered after the embedding-group all-reduce of its full gradient; with p = 1
-    (ZeRO-2) the one matrix is one parameter. Equal to one device; counts = planner."""
+    the one matrix is one parameter (ZeRO-2) or one FSDP unit with the embedding and the head (ZeRO-3,
+    its gradient summed over both uses before the reduce-scatter). Equal to one device; counts and
+    ZeRO-3's gathered peak = planner."""
     cfg = cfg_for(tied=True)
-    out = run(cfg, t, p, d, "1f1b", 1, M=2, zero=zero)
+    out = run(cfg, t, p, d, schedule, 1, M=2, zero=zero)
     check_equal(out, cfg, 3)
     check_comm(out)
     assert all(("embedding" in r["comm"][-1]) == (p > 1) for r in out)
+    if zero == 3 and schedule == "1f1b":
+        mem = memory_per_rank(planner_spec(cfg, S, B), planner_layout(t, p, d, schedule, 1, 2, zero), device="cpu")
+        assert all(r["memory"]["gathered"] == mem[r["pp_rank"]].gathered > 0 for r in out)
 
 
 @pytest.mark.parametrize("t,p,d,schedule,v,M,sp", [(2, 2, 2, "zbh1", 1, 2, True), (1, 2, 2, "zbv", 2, 4, False),
@@ -221,11 +253,40 @@ def test_3d_zero2_with_zero_bubble(t, p, d, schedule, v, M, sp):
     check_comm(out)
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_3d_zero2_zero3_adam(zero):
+ZB3 = [(1, 2, 2, "zbh1", 1, 2), (1, 1, 2, "zbh1", 1, 2), (1, 2, 2, "zbv", 2, 4), (1, 2, 2, "dualpipev", 2, 4)]
+
+
+@pytest.mark.parametrize("t,p,d,schedule,v,M", ZB3)
+def test_3d_zero3_with_zero_bubble(t, p, d, schedule, v, M):
+    """ZeRO-3 under the zero-bubble schedules: each I and W runs with the stage's units gathered,
+    kept until the stage's last W of the step, whose completion reshards each unit and
+    reduce-scatters its gradient (all M microbatches' W accumulated). Every gradient and the
+    parameters after 3 SGD steps equal one device; all-gathers counted along the schedule's actions,
+    one reduce-scatter per unit (check_comm); the gathered peak = the planner's (a whole stage)."""
+    cfg = cfg_for()
+    out = run(cfg, t, p, d, schedule, v, M=M, zero=3)
+    check_equal(out, cfg, 3)
+    check_comm(out)
+    spec, lay = planner_spec(cfg, S, B), planner_layout(t, p, d, schedule, v, M, 3)
+    for r in out:
+        assert r["memory"]["gathered"] == 4 * zero3_split_gathered_peak(spec, lay, r["pp_rank"])
+
+
+@pytest.mark.parametrize("bug", ["reshard_every_w", "reduce_scatter_every_w"])
+def test_3d_zero3_zero_bubble_check_catches_early_reshard(bug):
+    """Resharding after every W (the other microbatches' W gather again) or reduce-scattering before
+    the stage's last W: the counts differ from the planner's."""
+    cfg = cfg_for()
+    out = run(cfg, 1, 2, 2, "zbh1", 1, M=2, steps=2, zero=3, bug=bug)
+    with pytest.raises(AssertionError):
+        check_comm(out)
+
+
+@pytest.mark.parametrize("zero,schedule", [(2, "1f1b"), (3, "1f1b"), (3, "zbh1")])
+def test_3d_zero2_zero3_adam(zero, schedule):
     """5 Adam steps (the moments held for the 1/d shards only) end at the one-device parameters."""
     cfg = cfg_for()
-    out = run(cfg, 1, 1, 2, "1f1b", 1, M=2, steps=5, opt="adam", lr=1e-3, zero=zero)
+    out = run(cfg, 1, 1, 2, schedule, 1, M=2, steps=5, opt="adam", lr=1e-3, zero=zero)
     check_equal(out, cfg, 5, "adam", 1e-3)
     check_comm(out)
     for r in out:
@@ -276,10 +337,8 @@ ERRORS = [
     (dict(world_size=2, tp=1, pp=2, dp=1, v=2, schedule="1f1b"), "v=1"),
     (dict(world_size=4, tp=1, pp=1, dp=4, zero=3, hsdp=3), "R=3 must be an integer >= 1 that divides d=4"),
     (dict(world_size=4, tp=1, pp=1, dp=4, zero=2, hsdp=2), "HSDP .* needs ZeRO-3, got ZeRO-2"),
-    (dict(world_size=2, tp=1, pp=2, dp=1, zero=3, schedule="zbh1", M=2), "ZeRO-3 with ZB-H1"),     # issue 19:
-    (dict(world_size=2, tp=1, pp=2, dp=1, recompute="full", schedule="zb-h1", M=2),              # what stays
-     "full recompute with ZB-H1"),
-    (dict(world_size=2, tp=1, pp=1, dp=2, zero=3, tied=True), "ZeRO-3 with tied embeddings and p=1"),  # refused
+    (dict(world_size=2, tp=1, pp=2, dp=1, recompute="full", schedule="zb-h1", M=2),              # issue 19:
+     "full recompute with ZB-H1"),                                                               # refused
     (dict(world_size=2, tp=1, pp=1, dp=2, zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
 ]
 
