@@ -345,8 +345,8 @@ def test_lab_3d_cp_with_hsdp_equals_one_device_and_the_planner(tmp_path, capsys,
     assert all("all_reduce" in r.comm[-1]["dp"] and "all_gather" in r.comm[-1]["dp"] for r in out.ranks)
     import labkit.parallel.gpt as gpt_mod
     orig = gpt_mod.hsdp_dp_comm
-    monkeypatch.setattr(gpt_mod, "hsdp_dp_comm", lambda spec, lay, R, r, *x: orig(spec, dataclasses.replace(
-        lay, cp=1), R, r, *x))                                  # shards over d/R = 1 rank: nothing gathered
+    monkeypatch.setattr(gpt_mod, "hsdp_dp_comm", lambda spec, lay, R, r, *x, **kw: orig(spec, dataclasses.replace(
+        lay, cp=1), R, r, *x, **kw))                                  # shards over d/R = 1 rank: nothing gathered
     bad = threed._planner_table(a, out)[1]
     assert any(" dp all_gather" in b or " dp reduce_scatter" in b for b in bad), bad
 
