@@ -15,8 +15,15 @@ line (:class:`Violation`).
    ``sys.modules``, ``sys.path``, ``gc``, ``os.system``/``os.fork``/..., unpickling,
    ``torch.hub``, torch function and dispatch modes, global module hooks and ``torch.library``
    (code torch would run behind every call, which no answer's closure shows), IPython magics
-   and shell escapes); no import from ``labkit.grading`` but
-   ``from labkit.grading import check``; **imports only from an allow-list**
+   and shell escapes; annotation strings evaluated as code: ``typing.get_type_hints``,
+   ``inspect.get_annotations``, ``singledispatch``, ``eval_str=``; ``string.Formatter().get_field``;
+   unpickling: ``weights_only``/``allow_pickle`` other than the literal safe value, torch's and
+   numpy's loaders with more than the file positionally, ``*``/``**`` or as a value, ``torch.load``
+   without ``weights_only=True``, ``torch.package``); no module used as a value (passed on,
+   stored, returned, looked into by ``getattr`` with a computed name): a module is read only as
+   the base of a written-out attribute (``S.name``, ``getattr(S, "name")``), so every attribute
+   the code takes from a module is a dotted path the rules below can see; no import from
+   ``labkit.grading`` but ``from labkit.grading import check``; **imports only from an allow-list**
    (:data:`ALLOWED_IMPORTS`: torch and the parts of it the course uses, numpy, matplotlib,
    the standard numerics and a few plain standard modules, and labkit's own modules as
    installed when the grader started): a module the notebook writes to disk, or any other
@@ -69,6 +76,8 @@ FORBIDDEN_NAMES = {
     "globals": "reaches names by computed strings", "vars": "reaches names by computed strings",
     "get_ipython": "runs magics and shell commands", "__builtins__": "reaches the interpreter's builtins",
     "breakpoint": "stops in a debugger",
+    **{n: "evaluates annotation strings as code" for n in (
+        "get_type_hints", "get_annotations", "ForwardRef", "_eval_type", "singledispatch", "singledispatchmethod")},
 }
 # attribute names refused on any object
 FORBIDDEN_ATTRS = {
@@ -87,6 +96,9 @@ FORBIDDEN_ATTRS = {
     "gi_frame": "reaches a generator's frame", "tb_frame": "reaches a traceback's frame",
     "settrace": "traces every call", "setprofile": "traces every call", "getmembers": "reaches attributes by name",
     "attrgetter": "looks attributes up by name", "methodcaller": "looks attributes up by name",
+    "get_field": "looks attributes up by name", "_tensor_to_object": "unpickles (rebuilds objects by name)",
+    **{n: "evaluates annotation strings as code" for n in (
+        "get_type_hints", "get_annotations", "ForwardRef", "_eval_type", "singledispatch", "singledispatchmethod")},
     "hub": "loads and runs code from a folder or the network", "load_library": "loads compiled code",
     "load_inline": "compiles and loads code", "cpp_extension": "compiles and loads code",
     "ctypeslib": "calls C and rewrites memory",
@@ -102,9 +114,16 @@ FORBIDDEN_ATTRS = {
         "register_module_buffer_registration_hook", "register_module_module_registration_hook",
         "register_module_parameter_registration_hook")},
 }
-# keyword arguments refused in any call: they unpickle, which rebuilds objects by name and runs code
-FORBIDDEN_KEYWORDS = {("weights_only", False): "unpickles (runs code by name); keep weights_only=True",
-                      ("allow_pickle", True): "unpickles (runs code by name)"}
+# keyword arguments any call may pass only as their literal safe value: any other value (``allow_pickle=not 0``,
+# ``weights_only=[]``) unpickles, which rebuilds objects by name and runs code, or evaluates strings as code
+SAFE_KEYWORDS = {"weights_only": (True, "unpickles (runs code by name) unless it is the literal True"),
+                 "allow_pickle": (False, "unpickles (runs code by name) unless it is the literal False"),
+                 "eval_str": (False, "evaluates annotation strings as code unless it is the literal False")}
+# torch's and numpy's loaders that unpickle what a positional argument, a ``*``/``**`` unpacking or (torch) an
+# environment variable can switch on: {name: positional arguments allowed} (numpy's load(file, mmap_mode,
+# allow_pickle); read_array(fp, allow_pickle); NpzFile(fid, own_fid, allow_pickle); torch's load(f,
+# map_location, pickle_module), whose weights_only TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns off unless passed)
+LOADERS = {"load": 2, "read_array": 1, "NpzFile": 2}
 # attributes refused on one module (``sys.modules``, ``os.system``; also ``from os import system``)
 # (signals and sessions are not here: they produce no answer, and containing processes is the
 # operating system's job, see labkit.grading.session)
@@ -115,7 +134,8 @@ MODULE_ATTRS = {
                                                               "path_importer_cache")},
             "setprofile": "traces every call", "_getframe": "reaches callers' frames"},
     "torch": {"library": "replaces torch's operators by code of yours", "overrides": "makes torch run code of yours "
-              "behind every call", "_C": "reaches torch's internals"},
+              "behind every call", "_C": "reaches torch's internals",
+              "package": "imports and runs code from an archive (and unpickles)"},
     "inspect": {n: "reaches callers' frames and their names" for n in (
         "currentframe", "stack", "trace", "getouterframes", "getinnerframes", "getargvalues", "getclosurevars")},
     "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",
@@ -450,13 +470,162 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
                                         "did not define; define your own function or class instead"))
         if isinstance(node, ast.Call):
             for k in node.keywords:
-                if isinstance(k.value, ast.Constant) and (k.arg, k.value.value) in FORBIDDEN_KEYWORDS:
-                    out.append((line, f"`{k.arg}={k.value.value!r}`", FORBIDDEN_KEYWORDS[k.arg, k.value.value]))
+                if k.arg in SAFE_KEYWORDS and not (isinstance(k.value, ast.Constant)
+                                                   and k.value.value is SAFE_KEYWORDS[k.arg][0]):
+                    out.append((line, f"`{k.arg}={ast.unparse(k.value)}`", SAFE_KEYWORDS[k.arg][1]))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
             r = _root(node.args[0]) if node.args else None
             if not isinstance(r, ast.Name) or r.id not in classes and (r.id in names.foreign or r.id in _BUILTIN_NAMES):
                 what = ast.unparse(node.args[0]) if node.args else "?"
                 out.append((line, f"`{node.func.id}({what}, ...)`", "changes a module or a class you did not define"))
+    return out + _module_values(tree, names)
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
+def _own_locals(fn) -> set[str]:
+    """Names local to one function, lambda or comprehension scope: its parameters (or targets) and
+    what its own body assigns, nested scopes and imports left out (a name an import binds keeps
+    its module), less the names it declares global or nonlocal."""
+    out, declared = set(), set()
+    if isinstance(fn, _COMPREHENSIONS):
+        return {n.id for g in fn.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+    a = fn.args
+    out |= {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs + [v for v in (a.vararg, a.kwarg) if v]}
+    todo = list(fn.body) if isinstance(fn.body, list) else [fn.body]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            continue
+        if isinstance(node, (ast.Lambda, *_COMPREHENSIONS, ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, (ast.Global, ast.Nonlocal)):
+            declared |= set(node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            out.add(node.id)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            out.add(node.name)
+        todo += list(ast.iter_child_nodes(node))
+    return out - declared
+
+
+def _shadowed_loads(tree: ast.Module) -> set[int]:
+    """ids of the Name loads that read a name local to an enclosing function, lambda or
+    comprehension (a parameter ``P`` is not the module ``P`` a cell imported)."""
+    out: set[int] = set()
+
+    def visit(node, local: frozenset) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            outer = [*getattr(node, "decorator_list", []), *a.defaults, *[d for d in a.kw_defaults if d],
+                     *[x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs if x.annotation],
+                     *[getattr(node, "returns", None)] * bool(getattr(node, "returns", None))]
+            for sub in outer:
+                visit(sub, local)
+            inner = local | _own_locals(node)
+            for sub in node.body if isinstance(node.body, list) else [node.body]:
+                visit(sub, inner)
+            return
+        if isinstance(node, _COMPREHENSIONS):
+            visit(node.generators[0].iter, local)
+            inner = local | _own_locals(node)
+            for i, g in enumerate(node.generators):
+                for sub in ([] if i == 0 else [g.iter]) + list(g.ifs):
+                    visit(sub, inner)
+            for sub in ([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]):
+                visit(sub, inner)
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in local:
+            out.add(id(node))
+        for sub in ast.iter_child_nodes(node):
+            visit(sub, local)
+
+    visit(tree, frozenset())
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_module(dotted: str) -> bool:
+    """Whether the dotted path (``torch.distributed``, ``labkit.pipeline.schedules``) names a module:
+    looked up (never imported) through the modules this process has loaded, statically (no
+    ``__getattr__`` runs), else by the allow-list and the kit's module list. The kit's own
+    packages are imported first (the grader's own code), so that a name a package re-exports
+    (``labkit.pipeline.simulate``, a function) is not taken for the submodule it hides."""
+    import importlib
+    import inspect
+    import sys
+    import types
+
+    parts = dotted.split(".")
+    if parts[0] == "labkit":
+        for i in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:i])
+            if prefix == "labkit" or prefix in _LABKIT_MODULES:
+                try:
+                    importlib.import_module(prefix)
+                except Exception:  # noqa: BLE001 - a module of the kit that does not import here
+                    pass
+                break
+    known = dotted in ALLOWED_IMPORTS or dotted in _LABKIT_MODULES or dotted in sys.modules
+    obj = sys.modules.get(parts[0])
+    if obj is None:
+        return known
+    for part in parts[1:]:
+        try:
+            obj = inspect.getattr_static(obj, part)
+        except AttributeError:
+            return known
+    return isinstance(obj, types.ModuleType)
+
+
+def _module_values(tree: ast.Module, names: "_Names") -> list[tuple[int, str, str]]:
+    """(line, what, why) for each module the cell uses as a value: a name an import bound to a
+    module, or an attribute chain from one that names a module (``torch.distributed``), read
+    anywhere but as the base of a written-out attribute (``S.gpipe_schedule``, ``torch.cat``,
+    ``getattr(torch, "float32")``).
+    Passed to a function (``getattr(S, ...)``, ``Formatter().get_field(..., (S,), ...)``, ``dir``),
+    stored (``box = [S]``, ``for m in (sys,)``) or returned, a module hides which of its
+    attributes the code reaches, so the rules on labkit's references and on module attributes
+    (``sys.modules``) could not see them; and torch's and numpy's unpickling loaders
+    (:data:`LOADERS`) called with more than the file and its map location positionally, with
+    ``*``/``**`` unpacking, used as a value, or (torch's) without ``weights_only=True``."""
+    parent = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    shadowed = _shadowed_loads(tree)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            paths = () if id(node) in shadowed else names.origins.get(node.id, ())
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) or _const_getattr(node) is not None:
+            paths = _paths(node, names)
+        else:
+            continue
+        up = parent.get(id(node))
+        base = isinstance(up, ast.Attribute) and up.value is node or (  # m.name, getattr(m, "name"), hasattr
+            isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id in ("getattr", "hasattr")
+            and len(up.args) >= 2 and up.args[0] is node and isinstance(up.args[1], ast.Constant)
+            and isinstance(up.args[1].value, str))
+        if any(_is_module(p) for p in paths) and not base:
+            out.append((node.lineno, f"`{ast.unparse(node)}` used as a value", "a module passed on, stored or "
+                        "looked into by a computed name hides which of its attributes the code reaches; write "
+                        "the attribute out (module.function)"))
+        loader = next((p for p in paths if p.split(".")[0] in ("torch", "numpy")
+                       and p.rsplit(".", 1)[-1] in LOADERS), "")
+        if not loader:
+            continue
+        call = up if isinstance(up, ast.Call) and up.func is node else None
+        keywords = {k.arg: k.value for k in call.keywords} if call else {}
+        wo = keywords.get("weights_only")
+        problem = ("used as a value" if call is None else
+                   "with * or ** unpacking" if None in keywords or any(isinstance(a, ast.Starred) for a in call.args)
+                   else "with more positional arguments than the file and its map location"
+                   if len(call.args) > LOADERS[loader.rsplit(".", 1)[-1]] else
+                   "without weights_only=True" if loader.startswith("torch.") and not (
+                       isinstance(wo, ast.Constant) and wo.value is True) else "")
+        if problem:
+            out.append((node.lineno, f"`{ast.unparse(node)}` {problem}", "can unpickle (runs code by name); call "
+                        "it with the file alone, and torch.load with weights_only=True"))
     return out
 
 
@@ -630,13 +799,29 @@ def _labkit_label(dotted: str) -> str:
     return ""
 
 
-def _paths(node: ast.Attribute, names: "_Names") -> list[str]:
-    """The dotted paths an attribute chain stands for, one per import origin of the name it starts at."""
-    chain, v = [node.attr], node.value
-    while isinstance(v, ast.Attribute):
-        chain.append(v.attr)
-        v = v.value
-    if not isinstance(v, ast.Name):
+def _const_getattr(node) -> str | None:
+    """The attribute name of ``getattr(x, "name")`` (a written-out name, as ``x.name``), else None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+            and len(node.args) in (2, 3) and isinstance(node.args[1], ast.Constant) \
+            and isinstance(node.args[1].value, str):
+        return node.args[1].value
+    return None
+
+
+def _paths(node: ast.expr, names: "_Names") -> list[str]:
+    """The dotted paths an attribute chain stands for (``getattr(x, "name")`` read as ``x.name``), one
+    per import origin of the name it starts at; [] for anything else."""
+    chain, v = [], node
+    while True:
+        if isinstance(v, ast.Attribute):
+            chain.append(v.attr)
+            v = v.value
+        elif (attr := _const_getattr(v)) is not None:
+            chain.append(attr)
+            v = v.args[0]
+        else:
+            break
+    if not chain or not isinstance(v, ast.Name):
         return []
     return [".".join([origin, *reversed(chain)]) for origin in names.origins.get(v.id, ())]
 
@@ -835,7 +1020,7 @@ def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Viola
                         out.append(Violation(label, line, f"import of `{a.name}`", why(lab)))
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
                 out.append(Violation(label, line, f"`{node.id}`", why(bound[node.id])))
-            elif isinstance(node, ast.Attribute):
+            elif isinstance(node, ast.Attribute) or _const_getattr(node) is not None:
                 for lab in filter(None, map(label_of, _paths(node, names))):
                     out.append(Violation(label, line, f"`{ast.unparse(node)}`", why(lab)))
     return out

@@ -212,6 +212,54 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "a staticmethod's first parameter is not self": ("14.3", "inter_node_bytes", [
         "import torch\nclass P:\n    @staticmethod\n    def go(ctx, m):\n        m.allclose = None\nP.go(None, torch)"],
         "assigning `m.allclose`"),
+    # a third red team: a module used as a value hides which of its attributes the code reaches (the reference
+    # reached outside the answer's closure and stored where the answer reads it; sys.modules through an alias)
+    "a module handed to getattr in a helper that fills a global": ("13.1", "split_linear_backward", [
+        "import torch\nimport labkit.pipeline.split_backward as sb\nclass B:\n    pass\nbox = B()",
+        "def fill(m):\n    box.f = getattr(m, 'backward_' + 'input')\nfill(sb)",
+        "def split_linear_backward(layer, x, g):\n    return box.f(layer(x), x, g, [])"], "`sb` used as a value"),
+    "the reference by getattr with a written name, outside the answer": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\nclass B:\n    pass\nbox = B()",
+        "def fill():\n    box.f = getattr(getattr(sb, 'backward_input'), '__call__')\nfill()"],
+        "`getattr(sb, 'backward_input')`"),
+    "a module in a container": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\ndef fill():\n    return [sb][0].backward_input"], "`sb` used"),
+    "a module through a loop variable in a function": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\ndef fill():\n    for m in (sb,):\n        return dir(m)"],
+        "`sb` used as a value"),
+    "sys.modules through an alias": ("12.1", "n_combinations", [
+        "import sys\nt = sys\nm = t.modules['labkit.pipeline.split_backward']"], "`sys` used as a value"),
+    "a module's attribute chain to a module, stored": ("12.1", "n_combinations", [
+        "import labkit\nm = getattr(labkit, 'pipeline').split_backward"], "used as a value"),
+    "attributes looked up by a format field": ("9.3", "moe_param_count", [
+        "import string\ndef moe_param_count(spec):\n    return string.Formatter().get_field('0.total_' + 'params', "
+        "(spec,), {})[0]()"], "`.get_field`"),
+    # code from strings: annotation strings evaluated, unpickling switched on by a value the policy cannot read
+    "an annotation string evaluated by get_type_hints": ("13.1", "split_linear_backward", [
+        "import typing\ndef _h(x: \"__import__('os')\"):\n    pass\nf = typing.get_type_hints(_h)['x']"],
+        "`.get_type_hints`"),
+    "an annotation string evaluated by singledispatch": ("12.1", "n_combinations", [
+        "from functools import singledispatch"], "import of `singledispatch`"),
+    "an annotation string evaluated by inspect.signature": ("12.1", "n_combinations", [
+        "import inspect\ndef g(x: 'print(1)'):\n    pass\ninspect.signature(g, eval_str=1)"], "`eval_str=1`"),
+    "numpy's allow_pickle as its third positional argument": ("13.1", "split_linear_backward", [
+        "import numpy as np\nf = np.load('/tmp/p.bin', None, True)"], "with more positional arguments"),
+    "allow_pickle as a value the policy cannot read": ("12.1", "n_combinations", [
+        "import numpy as np\nf = np.load('p', allow_pickle=not 0)"], "`allow_pickle=not 0`"),
+    "weights_only as a falsy list": ("12.1", "n_combinations", [
+        "import torch\nf = torch.load('p', weights_only=[])"], "`weights_only=[]`"),
+    "torch.load left to the environment": ("12.1", "n_combinations", [
+        "import torch, os\nos.environ['TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'] = '1'\nf = torch.load('p')"],
+        "without weights_only=True"),
+    "numpy's load in a partial": ("12.1", "n_combinations", [
+        "import functools, numpy as np\nf = functools.partial(np.load, 'p', None, True)()"], "used as a value"),
+    "numpy's read_array with allow_pickle positional": ("12.1", "n_combinations", [
+        "import numpy as np\nf = np.lib.format.read_array(open('p', 'rb'), True)"], "with more positional"),
+    "torch's object unpickler": ("12.1", "n_combinations", [
+        "import torch.distributed as d\nf = d.distributed_c10d._tensor_to_object(None, 1, None)"],
+        "`._tensor_to_object`"),
+    "torch.package": ("12.1", "n_combinations", [
+        "import torch\nI = torch.package.PackageImporter('x')"], "`torch.package`"),
 }
 
 
@@ -261,6 +309,12 @@ HONEST = [
         "    w = torch.randn(3, requires_grad=True)\n    w.grad = None\n    lin = nn.Linear(2, 2)\n    lin.tag = 'x'\n"
         "    return b",
         "def helper():\n    pass\nhelper.cache = {}\nprint(getattr(torch, 'float32'), hasattr(torch, 'cat'))"]),
+    # a parameter or local that shares a module's name is not the module; attributes by written name; safe loads
+    ("8.3", "model_state_bytes", ["from labkit import plan as P\nimport torch, numpy as np",
+                                  "def model_state_bytes(P, t, p, d, zero, precision):\n    return [P][0] / t",
+                                  "print([torch for torch in range(2)], getattr(torch, 'float32'), "
+                                  "hasattr(np, 'load'))\n"
+                                  "w = torch.load('w.pt', weights_only=True)\na = np.load('a.npy')"]),
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
