@@ -22,7 +22,9 @@ line (:class:`Violation`).
    without ``weights_only=True``, ``torch.package``); no module used as a value (passed on,
    stored, returned, looked into by ``getattr`` with a computed name): a module is read only as
    the base of a written-out attribute (``S.name``, ``getattr(S, "name")``), so every attribute
-   the code takes from a module is a dotted path the rules below can see; no import from
+   the code takes from a module is a dotted path the rules can see, and each path is judged
+   on the object it reaches too (``collections._sys.modules`` is ``sys.modules``,
+   ``enum.bltns.exec`` a builtin reached through a module); no import from
    ``labkit.grading`` but ``from labkit.grading import check``; **imports only from an allow-list**
    (:data:`ALLOWED_IMPORTS`: torch and the parts of it the course uses, numpy, matplotlib,
    the standard numerics and a few plain standard modules, and labkit's own modules as
@@ -513,7 +515,8 @@ def _own_locals(fn) -> set[str]:
 
 def _shadowed_loads(tree: ast.Module) -> set[int]:
     """ids of the Name loads that read a name local to an enclosing function, lambda or
-    comprehension (a parameter ``P`` is not the module ``P`` a cell imported)."""
+    comprehension, or the target of an enclosing ``for`` or ``with`` in its body (a parameter or
+    loop variable ``P`` is not the module ``P`` a cell imported)."""
     out: set[int] = set()
 
     def visit(node, local: frozenset) -> None:
@@ -537,6 +540,18 @@ def _shadowed_loads(tree: ast.Module) -> set[int]:
             for sub in ([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]):
                 visit(sub, inner)
             return
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith)):
+            # the body of a loop (or with) sees its target bound to an item (or the context's value); a module
+            # gets there only from a container or context that names it as a value, which is refused itself
+            heads = [node.iter] if isinstance(node, (ast.For, ast.AsyncFor)) else [i.context_expr for i in node.items]
+            targets = [node.target] if isinstance(node, (ast.For, ast.AsyncFor)) else \
+                [i.optional_vars for i in node.items if i.optional_vars is not None]
+            for sub in heads + targets + list(getattr(node, "orelse", [])):
+                visit(sub, local)
+            inner = local | {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            for sub in node.body:
+                visit(sub, inner)
+            return
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in local:
             out.add(id(node))
         for sub in ast.iter_child_nodes(node):
@@ -546,17 +561,19 @@ def _shadowed_loads(tree: ast.Module) -> set[int]:
     return out
 
 
+_MISSING = object()
+
+
 @functools.lru_cache(maxsize=4096)
-def _is_module(dotted: str) -> bool:
-    """Whether the dotted path (``torch.distributed``, ``labkit.pipeline.schedules``) names a module:
-    looked up (never imported) through the modules this process has loaded, statically (no
-    ``__getattr__`` runs), else by the allow-list and the kit's module list. The kit's own
-    packages are imported first (the grader's own code), so that a name a package re-exports
-    (``labkit.pipeline.simulate``, a function) is not taken for the submodule it hides."""
+def _resolve(dotted: str):
+    """The object the dotted path (``torch.distributed``, ``collections._sys``) names, looked up
+    (never imported) through the modules this process has loaded, statically (no ``__getattr__``
+    runs); :data:`_MISSING` when it cannot be found so. The kit's own packages are imported first
+    (the grader's own code), so that a name a package re-exports (``labkit.pipeline.simulate``,
+    a function) is not taken for the submodule it hides."""
     import importlib
     import inspect
     import sys
-    import types
 
     parts = dotted.split(".")
     if parts[0] == "labkit":
@@ -568,16 +585,64 @@ def _is_module(dotted: str) -> bool:
                 except Exception:  # noqa: BLE001 - a module of the kit that does not import here
                     pass
                 break
-    known = dotted in ALLOWED_IMPORTS or dotted in _LABKIT_MODULES or dotted in sys.modules
-    obj = sys.modules.get(parts[0])
-    if obj is None:
-        return known
+    obj = sys.modules.get(parts[0], _MISSING)
     for part in parts[1:]:
+        if obj is _MISSING:
+            break
         try:
             obj = inspect.getattr_static(obj, part)
         except AttributeError:
-            return known
+            obj = _MISSING
+    return obj
+
+
+def _is_module(dotted: str) -> bool:
+    """Whether the dotted path names a module (:func:`_resolve`; else by the allow-list, the kit's
+    module list and the modules loaded here)."""
+    import sys
+    import types
+
+    obj = _resolve(dotted)
+    if obj is _MISSING:
+        return dotted in ALLOWED_IMPORTS or dotted in _LABKIT_MODULES or dotted in sys.modules
     return isinstance(obj, types.ModuleType)
+
+
+# module names (their first part) whose objects no path may reach under another name; "posix" is os
+_UNDER_ANOTHER_NAME = set(FORBIDDEN_MODULES) | {"_pickle", "_imp", "_posixsubprocess", "_ctypes", "posix", "nt"}
+
+
+def _reached_by_path(dotted: str) -> str:
+    """Why the object an attribute path reaches is refused ("" when it is not), judged on the
+    object (:func:`_resolve`), whatever the names it goes through: a module or a function of
+    one whose import is refused (``collections._sys``'s ``modules``, ``enum.bltns.exec``,
+    ``distributed_c10d._unpickler``), a builtin (``exec``, ``getattr``) reached through a module,
+    or a refused attribute of ``sys``, ``os``, ``torch`` or ``inspect`` reached through an alias."""
+    import builtins as _builtins
+    import types
+
+    obj = _resolve(dotted)
+    if obj is _MISSING:
+        return ""
+    base_path, _, last = dotted.rpartition(".")
+    base = _resolve(base_path) if base_path else _MISSING
+    if isinstance(base, types.ModuleType):
+        home = {"posix": "os", "nt": "os"}.get(base.__name__, base.__name__)
+        if last in MODULE_ATTRS.get(home, {}):
+            return MODULE_ATTRS[home][last]
+    if isinstance(obj, types.ModuleType):
+        name = obj.__name__
+    else:
+        name = getattr(obj, "__module__", None) if isinstance(obj, (type, types.FunctionType,
+                                                                      types.BuiltinFunctionType)) else None
+        if name == "builtins" and getattr(_builtins, getattr(obj, "__name__", ""), None) is obj \
+                and isinstance(base, types.ModuleType):
+            return "reaches the interpreter's builtins through a module"
+        if name == "builtins":
+            return ""
+    if isinstance(name, str) and name.split(".")[0] in _UNDER_ANOTHER_NAME:
+        return f"reaches {name} (whose import is refused) under another name"
+    return ""
 
 
 def _module_values(tree: ast.Module, names: "_Names") -> list[tuple[int, str, str]]:
@@ -606,6 +671,10 @@ def _module_values(tree: ast.Module, names: "_Names") -> list[tuple[int, str, st
             isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id in ("getattr", "hasattr")
             and len(up.args) >= 2 and up.args[0] is node and isinstance(up.args[1], ast.Constant)
             and isinstance(up.args[1].value, str))
+        if isinstance(node, (ast.Attribute, ast.Call)):
+            why = next(filter(None, map(_reached_by_path, paths)), "")
+            if why:
+                out.append((node.lineno, f"`{ast.unparse(node)}`", why))
         if any(_is_module(p) for p in paths) and not base:
             out.append((node.lineno, f"`{ast.unparse(node)}` used as a value", "a module passed on, stored or "
                         "looked into by a computed name hides which of its attributes the code reaches; write "

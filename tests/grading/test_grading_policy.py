@@ -260,6 +260,17 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "`._tensor_to_object`"),
     "torch.package": ("12.1", "n_combinations", [
         "import torch\nI = torch.package.PackageImporter('x')"], "`torch.package`"),
+    # refused modules and builtins under another name, judged on the object the path reaches
+    "sys.modules through a module's private alias of sys": ("13.1", "split_linear_backward", [
+        "import collections\nf = collections._sys.modules['labkit.pipeline.split_backward'].backward_input"],
+        "`collections._sys.modules` (reaches every imported module)"),
+    "exec through a module's alias of builtins": ("12.1", "n_combinations", [
+        "import enum\nenum.bltns.exec('import subprocess')"], "`enum.bltns.exec` (reaches the interpreter's builtins"),
+    "pickle's Unpickler under torch's name": ("12.1", "n_combinations", [
+        "import torch.distributed as d\nf = d.distributed_c10d._unpickler(open('/tmp/p', 'rb')).load()"],
+        "reaches _pickle (whose import is refused) under another name"),
+    "os.system through a module's alias of os": ("12.1", "n_combinations", [
+        "import tempfile\ntempfile._os.system('true')"], "`tempfile._os.system`"),
 }
 
 
@@ -314,7 +325,9 @@ HONEST = [
                                   "def model_state_bytes(P, t, p, d, zero, precision):\n    return [P][0] / t",
                                   "print([torch for torch in range(2)], getattr(torch, 'float32'), "
                                   "hasattr(np, 'load'))\n"
-                                  "w = torch.load('w.pt', weights_only=True)\na = np.load('a.npy')"]),
+                                  "w = torch.load('w.pt', weights_only=True)\na = np.load('a.npy')\n"
+                                  "for P in ({'t': 1},):\n    print(P['t'], [P])\n"
+                                  "with open('w.pt', 'rb') as np:\n    print([np])"]),
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
