@@ -99,6 +99,10 @@ FORBIDDEN_ATTRS = {
     "settrace": "traces every call", "setprofile": "traces every call", "getmembers": "reaches attributes by name",
     "attrgetter": "looks attributes up by name", "methodcaller": "looks attributes up by name",
     "get_field": "looks attributes up by name", "_tensor_to_object": "unpickles (rebuilds objects by name)",
+    # the kernel's shell runs code from strings (run_cell, ex, ev) and holds every name (user_ns); ``exit._ip``
+    # and a widget's ``comm.kernel.shell`` reach it
+    **{n: "reaches the kernel's shell, which runs code from strings" for n in (
+        "_ip", "shell", "kernel", "user_ns", "user_global_ns", "run_cell", "run_line_magic", "run_cell_magic")},
     **{n: "evaluates annotation strings as code" for n in (
         "get_type_hints", "get_annotations", "ForwardRef", "_eval_type", "singledispatch", "singledispatchmethod")},
     "hub": "loads and runs code from a folder or the network", "load_library": "loads compiled code",
@@ -568,23 +572,25 @@ _MISSING = object()
 def _resolve(dotted: str):
     """The object the dotted path (``torch.distributed``, ``collections._sys``) names, looked up
     (never imported) through the modules this process has loaded, statically (no ``__getattr__``
-    runs); :data:`_MISSING` when it cannot be found so. The kit's own packages are imported first
-    (the grader's own code), so that a name a package re-exports (``labkit.pipeline.simulate``,
-    a function) is not taken for the submodule it hides."""
+    runs); :data:`_MISSING` when it cannot be found so. The longest prefix that is one of the kit's
+    modules or on :data:`ALLOWED_IMPORTS` is imported first (code the grader trusts, which the
+    kernel may import too), so that the path is judged as the kernel sees it (``ipywidgets``'s
+    attributes; ``labkit.pipeline.simulate``, a function the package re-exports, not the submodule
+    it hides). A path through a submodule that neither imports it names stays unresolved."""
     import importlib
     import inspect
     import sys
 
     parts = dotted.split(".")
-    if parts[0] == "labkit":
-        for i in range(len(parts) - 1, 0, -1):
-            prefix = ".".join(parts[:i])
-            if prefix == "labkit" or prefix in _LABKIT_MODULES:
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in ALLOWED_IMPORTS or prefix == "labkit" or prefix in _LABKIT_MODULES:
+            if prefix not in sys.modules:
                 try:
                     importlib.import_module(prefix)
-                except Exception:  # noqa: BLE001 - a module of the kit that does not import here
+                except Exception:  # noqa: BLE001 - a module that does not import here: unresolved
                     pass
-                break
+            break
     obj = sys.modules.get(parts[0], _MISSING)
     for part in parts[1:]:
         if obj is _MISSING:
@@ -610,6 +616,11 @@ def _is_module(dotted: str) -> bool:
 
 # module names (their first part) whose objects no path may reach under another name; "posix" is os
 _UNDER_ANOTHER_NAME = set(FORBIDDEN_MODULES) | {"_pickle", "_imp", "_posixsubprocess", "_ctypes", "posix", "nt"}
+# the kernel's own machinery (its shell runs code from strings): reached by no path, IPython.display's display
+# functions and classes aside (the import the allow-list names)
+_KERNEL_MODULES = ("IPython", "ipykernel", "jupyter_client", "jupyter_core", "zmq", "traitlets", "comm")
+_DISPLAY_MODULES = ("IPython.display", "IPython.core.display", "IPython.core.display_functions", "IPython.lib.display")
+_KERNEL_WHY = "reaches the kernel's machinery (its shell runs code from strings); only IPython.display may be used"
 
 
 def _reached_by_path(dotted: str) -> str:
@@ -621,6 +632,9 @@ def _reached_by_path(dotted: str) -> str:
     import builtins as _builtins
     import types
 
+    parts = dotted.split(".")
+    if parts[0] == "IPython" and parts[1:2] != ["display"]:
+        return _KERNEL_WHY
     obj = _resolve(dotted)
     if obj is _MISSING:
         return ""
@@ -642,6 +656,9 @@ def _reached_by_path(dotted: str) -> str:
             return ""
     if isinstance(name, str) and name.split(".")[0] in _UNDER_ANOTHER_NAME:
         return f"reaches {name} (whose import is refused) under another name"
+    if isinstance(name, str) and name.split(".")[0] in _KERNEL_MODULES and not any(
+            name == m or name.startswith(m + ".") for m in _DISPLAY_MODULES):
+        return _KERNEL_WHY
     return ""
 
 
@@ -659,6 +676,7 @@ def _module_values(tree: ast.Module, names: "_Names") -> list[tuple[int, str, st
     parent = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
     shadowed = _shadowed_loads(tree)
     out = []
+    reached: dict[int, tuple] = {}   # id(node) -> (node, why) of paths reaching a refused object
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             paths = () if id(node) in shadowed else names.origins.get(node.id, ())
@@ -674,7 +692,7 @@ def _module_values(tree: ast.Module, names: "_Names") -> list[tuple[int, str, st
         if isinstance(node, (ast.Attribute, ast.Call)):
             why = next(filter(None, map(_reached_by_path, paths)), "")
             if why:
-                out.append((node.lineno, f"`{ast.unparse(node)}`", why))
+                reached[id(node)] = (node, why)
         if any(_is_module(p) for p in paths) and not base:
             out.append((node.lineno, f"`{ast.unparse(node)}` used as a value", "a module passed on, stored or "
                         "looked into by a computed name hides which of its attributes the code reaches; write "
@@ -695,6 +713,9 @@ def _module_values(tree: ast.Module, names: "_Names") -> list[tuple[int, str, st
         if problem:
             out.append((node.lineno, f"`{ast.unparse(node)}` {problem}", "can unpickle (runs code by name); call "
                         "it with the file alone, and torch.load with weights_only=True"))
+    for node, why in reached.values():   # the shortest path that reaches it (not every longer one)
+        if id(node.value if isinstance(node, ast.Attribute) else node.args[0]) not in reached:
+            out.append((node.lineno, f"`{ast.unparse(node)}`", why))
     return out
 
 

@@ -265,12 +265,22 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "import collections\nf = collections._sys.modules['labkit.pipeline.split_backward'].backward_input"],
         "`collections._sys.modules` (reaches every imported module)"),
     "exec through a module's alias of builtins": ("12.1", "n_combinations", [
-        "import enum\nenum.bltns.exec('import subprocess')"], "`enum.bltns.exec` (reaches the interpreter's builtins"),
+        "import enum\nenum.bltns.exec('import subprocess')"], "`enum.bltns` (reaches builtins"),
     "pickle's Unpickler under torch's name": ("12.1", "n_combinations", [
         "import torch.distributed as d\nf = d.distributed_c10d._unpickler(open('/tmp/p', 'rb')).load()"],
         "reaches _pickle (whose import is refused) under another name"),
     "os.system through a module's alias of os": ("12.1", "n_combinations", [
         "import tempfile\ntempfile._os.system('true')"], "`tempfile._os.system`"),
+    # the kernel's shell runs code from strings that no cell shows
+    "the kernel's shell through IPython's attributes": ("13.1", "split_linear_backward", [
+        "import IPython.display\nsh = IPython.core.interactiveshell.InteractiveShell.instance()\n"
+        "sh.run_cell('from labkit.pipeline.split_backward import backward_input')"],
+        "`IPython.core` (reaches the kernel's machinery"),
+    "the kernel's shell held by exit": ("12.1", "n_combinations", ["exit._ip.ex('import subprocess')"], "`._ip`"),
+    "the kernel's shell through a widget's comm": ("12.1", "n_combinations", [
+        "import ipywidgets\nipywidgets.IntSlider().comm.kernel.shell.ev('1')"], "`.kernel`"),
+    "the kernel's machinery under another module's name": ("12.1", "n_combinations", [
+        "import ipywidgets\nc = ipywidgets.comm.comm.create_comm"], "`ipywidgets.comm.comm` (reaches the kernel's"),
 }
 
 
