@@ -35,8 +35,9 @@ line (:class:`Violation`).
    And labkit's reference for the exercise (or a labkit function from which it can be reached,
    :mod:`labkit.grading.reach`) may not be named in any of these cells at all: imported, read
    through a module, or read where a cell the kit ships imported it (the shipped learner
-   notebook's own cells are exempt); no flow through globals, containers, decorators or
-   exceptions then hides it.
+   notebook's own cells are exempt; a name a package exports lazily is judged where its
+   object was defined); no flow through globals, containers, decorators or exceptions then
+   hides it.
 2. **In the exercise's code**: the answer's definition and everything it reaches through the
    notebook's top-level names (helpers, aliases, tables built at the top level; the
    "closure" of the answer) must not use labkit's reference for that exercise
@@ -898,6 +899,27 @@ def _const_getattr(node) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)
+def _home_label(node: str) -> str:
+    """"module:name" where the object that the kit's ``node`` ("labkit.pipeline:gpt_stages_for_rank")
+    stands for was defined (``labkit.pipeline.stages:gpt_stages_for_rank``): the module imported
+    and the name looked up as the kernel would (the kit's own code, a package's lazy
+    ``__getattr__`` included); "" when it is not a function or class of the kit."""
+    import importlib
+
+    mod, _, name = node.partition(":")
+    if not mod or not name:
+        return ""
+    try:
+        obj = getattr(importlib.import_module(mod), name)
+    except Exception:  # noqa: BLE001 - no such name in the kit
+        return ""
+    home, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not (isinstance(home, str) and isinstance(qual, str) and home.startswith("labkit.")):
+        return ""
+    return f"{home}:{qual.split('.')[0]}"
+
+
 def _paths(node: ast.expr, names: "_Names") -> list[str]:
     """The dotted paths an attribute chain stands for (``getattr(x, "name")`` read as ``x.name``), one
     per import origin of the name it starts at; [] for anything else."""
@@ -1076,8 +1098,8 @@ def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Viola
         node = _labkit_label(origin)
         if node in labels or node in launder:
             return node
-        # a method or attribute of a listed class: "labkit.x:Cls" for "labkit.x.Cls"
-        return ""
+        home = _home_label(node)    # a name a package exports lazily (PEP 562): where the object was defined
+        return home if home in labels or home in launder else ""
 
     def why(node: str) -> str:
         return _ref_why(node) if node in labels else _launder_why(node, launder[node])

@@ -271,6 +271,12 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "reaches _pickle (whose import is refused) under another name"),
     "os.system through a module's alias of os": ("12.1", "n_combinations", [
         "import tempfile\ntempfile._os.system('true')"], "`tempfile._os.system`"),
+    # a name a package exports lazily (PEP 562 __getattr__) is judged where its object was defined
+    "the reference through a package's lazy export": ("4.1", "layers_of_rank", [
+        "import labkit.pipeline\nclass B:\n    pass\nbox = B()\ndef fill():\n"
+        "    box.f = labkit.pipeline.gpt_stages_for_rank\nfill()"], "`labkit.pipeline.gpt_stages_for_rank`"),
+    "a launderer through a package's lazy export": ("13.2", "zb_h1_order", [
+        "def fill():\n    from labkit.pipeline import ScheduleZBH1 as S\n    return S"], "import of `ScheduleZBH1`"),
     # the kernel's shell runs code from strings that no cell shows
     "the kernel's shell through IPython's attributes": ("13.1", "split_linear_backward", [
         "import IPython.display\nsh = IPython.core.interactiveshell.InteractiveShell.instance()\n"
