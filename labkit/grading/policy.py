@@ -24,7 +24,10 @@ line (:class:`Violation`).
    the base of a written-out attribute (``S.name``, ``getattr(S, "name")``), so every attribute
    the code takes from a module is a dotted path the rules can see, and each path is judged
    on the object it reaches too (``collections._sys.modules`` is ``sys.modules``,
-   ``enum.bltns.exec`` a builtin reached through a module); no import from
+   ``enum.bltns.exec`` a builtin reached through a module); no private name (``_x``) of a
+   module the learner did not write (``torch._utils``, ``collections._sys``), no ``__self__``
+   (``len.__self__`` is builtins), an AttributeError's ``.obj`` or ``inspect.getmodule``
+   (module objects from values); no import from
    ``labkit.grading`` but ``from labkit.grading import check``; **imports only from an allow-list**
    (:data:`ALLOWED_IMPORTS`: torch and the parts of it the course uses, numpy, matplotlib,
    the standard numerics and a few plain standard modules, and labkit's own modules as
@@ -100,6 +103,9 @@ FORBIDDEN_ATTRS = {
     "settrace": "traces every call", "setprofile": "traces every call", "getmembers": "reaches attributes by name",
     "attrgetter": "looks attributes up by name", "methodcaller": "looks attributes up by name",
     "get_field": "looks attributes up by name", "_tensor_to_object": "unpickles (rebuilds objects by name)",
+    "__self__": "reaches the module a builtin belongs to (len.__self__ is builtins)",
+    "obj": "reaches the object an AttributeError was raised on (a module, passed on as a value)",
+    "getmodule": "reaches a module as a value", "f2py": "compiles and loads code",
     # the kernel's shell runs code from strings (run_cell, ex, ev) and holds every name (user_ns); ``exit._ip``
     # and a widget's ``comm.kernel.shell`` reach it
     **{n: "reaches the kernel's shell, which runs code from strings" for n in (
@@ -616,9 +622,10 @@ def _is_module(dotted: str) -> bool:
 
 
 # module names (their first part) whose objects no path may reach under another name; "posix" is os
-_UNDER_ANOTHER_NAME = set(FORBIDDEN_MODULES) | {"_pickle", "_imp", "_posixsubprocess", "_ctypes", "posix", "nt"}
+_UNDER_ANOTHER_NAME = set(FORBIDDEN_MODULES) | {"_pickle", "_imp", "_posixsubprocess", "_ctypes"}
 # the kernel's own machinery (its shell runs code from strings): reached by no path, IPython.display's display
 # functions and classes aside (the import the allow-list names)
+_PUBLIC_PRIVATE = {"os._exit"}   # documented functions whose names start with "_"
 _KERNEL_MODULES = ("IPython", "ipykernel", "jupyter_client", "jupyter_core", "zmq", "traitlets", "comm")
 _DISPLAY_MODULES = ("IPython.display", "IPython.core.display", "IPython.core.display_functions", "IPython.lib.display")
 _KERNEL_WHY = "reaches the kernel's machinery (its shell runs code from strings); only IPython.display may be used"
@@ -631,6 +638,8 @@ def _reached_by_path(dotted: str) -> str:
     ``distributed_c10d._unpickler``), a builtin (``exec``, ``getattr``) reached through a module,
     or a refused attribute of ``sys``, ``os``, ``torch`` or ``inspect`` reached through an alias."""
     import builtins as _builtins
+    import inspect
+    import sys
     import types
 
     parts = dotted.split(".")
@@ -645,6 +654,15 @@ def _reached_by_path(dotted: str) -> str:
         home = {"posix": "os", "nt": "os"}.get(base.__name__, base.__name__)
         if last in MODULE_ATTRS.get(home, {}):
             return MODULE_ATTRS[home][last]
+    for mod, attrs in MODULE_ATTRS.items():   # os.system as another module's attribute of another name
+        m = sys.modules.get(mod)
+        for attr, why in attrs.items():
+            if m is not None and not isinstance(obj, (int, str, bool)) and inspect.getattr_static(m, attr, None) is obj:
+                return why
+    if dotted not in _PUBLIC_PRIVATE and any(p.startswith("_") and not (p.startswith("__") and p.endswith("__"))
+                                             for p in parts[1:]):
+        return ("a private name of a module you did not write (not course material; private helpers import, "
+                "unpickle and run code by name)")
     if isinstance(obj, types.ModuleType):
         name = obj.__name__
     else:
@@ -754,6 +772,9 @@ def _import_problems(node, allow: set[str]) -> list[tuple[int, str, str]]:
                 out.append((line, f"import of `{a.name}`", FORBIDDEN_ATTRS[a.name]))
             elif a.name in MODULE_ATTRS.get(top, {}):
                 out.append((line, f"import of `{top}.{a.name}`", MODULE_ATTRS[top][a.name]))
+            elif a.name.startswith("_") and not (a.name.startswith("__") and a.name.endswith("__")):
+                out.append((line, f"import of `{a.name}`", "a private name of a module you did not write (not "
+                            "course material; private helpers import, unpickle and run code by name)"))
     return out
 
 

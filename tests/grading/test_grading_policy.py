@@ -260,23 +260,39 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "`._tensor_to_object`"),
     "torch.package": ("12.1", "n_combinations", [
         "import torch\nI = torch.package.PackageImporter('x')"], "`torch.package`"),
-    # refused modules and builtins under another name, judged on the object the path reaches
+    # refused modules and builtins under another name: private names of allowed modules, and public paths judged
+    # on the object they reach
     "sys.modules through a module's private alias of sys": ("13.1", "split_linear_backward", [
         "import collections\nf = collections._sys.modules['labkit.pipeline.split_backward'].backward_input"],
-        "`collections._sys.modules` (reaches every imported module)"),
+        "`collections._sys` (a private name of a module you did not write"),
     "exec through a module's alias of builtins": ("12.1", "n_combinations", [
         "import enum\nenum.bltns.exec('import subprocess')"], "`enum.bltns` (reaches builtins"),
     "pickle's Unpickler under torch's name": ("12.1", "n_combinations", [
         "import torch.distributed as d\nf = d.distributed_c10d._unpickler(open('/tmp/p', 'rb')).load()"],
-        "reaches _pickle (whose import is refused) under another name"),
+        "`d.distributed_c10d._unpickler` (a private name"),
     "os.system through a module's alias of os": ("12.1", "n_combinations", [
-        "import tempfile\ntempfile._os.system('true')"], "`tempfile._os.system`"),
+        "import tempfile\ntempfile._os.system('true')"], "`tempfile._os` (a private name"),
     # a name a package exports lazily (PEP 562 __getattr__) is judged where its object was defined
     "the reference through a package's lazy export": ("4.1", "layers_of_rank", [
         "import labkit.pipeline\nclass B:\n    pass\nbox = B()\ndef fill():\n"
         "    box.f = labkit.pipeline.gpt_stages_for_rank\nfill()"], "`labkit.pipeline.gpt_stages_for_rank`"),
     "a launderer through a package's lazy export": ("13.2", "zb_h1_order", [
         "def fill():\n    from labkit.pipeline import ScheduleZBH1 as S\n    return S"], "import of `ScheduleZBH1`"),
+    # a module object reached from a value that is not one: a builtin's module, an AttributeError's object,
+    # inspect.getmodule; private helpers of allowed modules (torch._utils._import_dotted_name imports by name)
+    "builtins through a builtin's __self__": ("12.1", "n_combinations", [
+        "b = len.__self__\nb.exec('import subprocess')"], "`.__self__`"),
+    "a module from an AttributeError": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\ntry:\n    sb.nothing\nexcept AttributeError as e:\n"
+        "    m = e.obj\nf = getattr(m, 'backward_' + 'input')"], "`.obj`"),
+    "a module from inspect.getmodule": ("13.1", "split_linear_backward", [
+        "import inspect\nimport labkit.pipeline.split_backward as sb\nm = inspect.getmodule(sb.backward_weight)"],
+        "`.getmodule`"),
+    "torch's private importer by dotted name": ("12.1", "n_combinations", [
+        "import torch\nf = torch._utils._import_dotted_name('labkit.pipeline.split_backward.backward_input')"],
+        "`torch._utils` (a private name of a module you did not write"),
+    "a private module imported by name": ("12.1", "n_combinations", ["from torch import _utils"],
+                                          "import of `_utils` (a private name"),
     # the kernel's shell runs code from strings that no cell shows
     "the kernel's shell through IPython's attributes": ("13.1", "split_linear_backward", [
         "import IPython.display\nsh = IPython.core.interactiveshell.InteractiveShell.instance()\n"
