@@ -631,6 +631,7 @@ _DISPLAY_MODULES = ("IPython.display", "IPython.core.display", "IPython.core.dis
 _KERNEL_WHY = "reaches the kernel's machinery (its shell runs code from strings); only IPython.display may be used"
 
 
+@functools.lru_cache(maxsize=4096)
 def _reached_by_path(dotted: str) -> str:
     """Why the object an attribute path reaches is refused ("" when it is not), judged on the
     object (:func:`_resolve`), whatever the names it goes through: a module or a function of
@@ -657,7 +658,8 @@ def _reached_by_path(dotted: str) -> str:
     for mod, attrs in MODULE_ATTRS.items():   # os.system as another module's attribute of another name
         m = sys.modules.get(mod)
         for attr, why in attrs.items():
-            if m is not None and not isinstance(obj, (int, str, bool)) and inspect.getattr_static(m, attr, None) is obj:
+            if m is not None and not isinstance(obj, (int, str, bool)) \
+                    and inspect.getattr_static(m, attr, _MISSING) is obj:
                 return why
     if dotted not in _PUBLIC_PRIVATE and any(p.startswith("_") and not (p.startswith("__") and p.endswith("__"))
                                              for p in parts[1:]):
