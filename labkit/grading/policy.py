@@ -459,6 +459,13 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
                                         "class you did not define (the grader cannot tell from the code); assign "
                                         "attributes only of objects you make (x = SomeClass(...), torch.empty(...)), "
                                         "of self in your own class, or of tensors from .parameters()"))
+        rebound = (node.id if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) else
+                   node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else
+                   node.arg if isinstance(node, ast.arg) else
+                   node.asname if isinstance(node, ast.alias) else None)
+        if rebound in _ATTR_FUNCS:
+            out.append((line, f"rebinding `{rebound}`", "the rules read getattr and friends by name (a getattr of "
+                        "your own, or one deleted again, would hide what is looked up); use another name"))
         if isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES and node.id not in allow:
             out.append((line, f"`{node.id}`", FORBIDDEN_NAMES[node.id]))
         elif isinstance(node, ast.Attribute):

@@ -293,6 +293,10 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "`torch._utils` (a private name of a module you did not write"),
     "a private module imported by name": ("12.1", "n_combinations", ["from torch import _utils"],
                                           "import of `_utils` (a private name"),
+    "a getattr of its own hands the module on, then the builtin comes back": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\nclass B:\n    pass\nbox = B()",
+        "def getattr(m, n):\n    return m\nbox.m = getattr(sb, 'zzz')\ndel getattr",
+        "def fill():\n    box.f = getattr(box.m, 'backward_' + 'input')\nfill()"], "rebinding `getattr`"),
     # the kernel's shell runs code from strings that no cell shows
     "the kernel's shell through IPython's attributes": ("13.1", "split_linear_backward", [
         "import IPython.display\nsh = IPython.core.interactiveshell.InteractiveShell.instance()\n"
