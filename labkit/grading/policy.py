@@ -653,6 +653,8 @@ def _reached_by_path(dotted: str) -> str:
     parts = dotted.split(".")
     if parts[0] == "IPython" and parts[1:2] != ["display"]:
         return _KERNEL_WHY
+    if parts[:2] == ["labkit", "grading"] and parts[2:] != ["check"]:
+        return "the grader's code is not the course's labkit; only `from labkit.grading import check` is allowed"
     obj = _resolve(dotted)
     if obj is _MISSING:
         return ""

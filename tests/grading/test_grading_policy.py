@@ -297,6 +297,9 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "import labkit.pipeline.split_backward as sb\nclass B:\n    pass\nbox = B()",
         "def getattr(m, n):\n    return m\nbox.m = getattr(sb, 'zzz')\ndel getattr",
         "def fill():\n    box.f = getattr(box.m, 'backward_' + 'input')\nfill()"], "rebinding `getattr`"),
+    "labkit.grading through an attribute path": ("12.1", "n_combinations", [
+        "import labkit.pipeline\nlabkit.grading.kernel.register('12.1', print)"],
+        "`labkit.grading` (the grader's code"),
     # the kernel's shell runs code from strings that no cell shows
     "the kernel's shell through IPython's attributes": ("13.1", "split_linear_backward", [
         "import IPython.display\nsh = IPython.core.interactiveshell.InteractiveShell.instance()\n"
