@@ -106,6 +106,7 @@ FORBIDDEN_ATTRS = {
     "__self__": "reaches the module a builtin belongs to (len.__self__ is builtins)",
     "obj": "reaches the object an AttributeError was raised on (a module, passed on as a value)",
     "getmodule": "reaches a module as a value", "f2py": "compiles and loads code",
+    **{n: "looks attributes up by name" for n in ("getattr_static", "getmembers_static", "classify_class_attrs")},
     # the kernel's shell runs code from strings (run_cell, ex, ev) and holds every name (user_ns); ``exit._ip``
     # and a widget's ``comm.kernel.shell`` reach it
     **{n: "reaches the kernel's shell, which runs code from strings" for n in (

@@ -297,6 +297,9 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "import labkit.pipeline.split_backward as sb\nclass B:\n    pass\nbox = B()",
         "def getattr(m, n):\n    return m\nbox.m = getattr(sb, 'zzz')\ndel getattr",
         "def fill():\n    box.f = getattr(box.m, 'backward_' + 'input')\nfill()"], "rebinding `getattr`"),
+    "a ModelSpec method by a computed name through inspect": ("9.3", "moe_param_count", [
+        "import inspect\ndef moe_param_count(spec):\n"
+        "    return dict(inspect.getmembers_static(type(spec)))['total_' + 'params'](spec)"], "`.getmembers_static`"),
     "labkit.grading through an attribute path": ("12.1", "n_combinations", [
         "import labkit.pipeline\nlabkit.grading.kernel.register('12.1', print)"],
         "`labkit.grading` (the grader's code"),
