@@ -532,10 +532,16 @@ def _own_locals(fn) -> set[str]:
     return out - declared
 
 
+def _imported_in(node) -> set[str]:
+    """Names an import anywhere inside ``node`` binds (such a name may hold the module there)."""
+    return {a.asname or a.name.split(".")[0] for sub in ast.walk(node) if isinstance(sub, (ast.Import, ast.ImportFrom))
+            for a in sub.names}
+
+
 def _shadowed_loads(tree: ast.Module) -> set[int]:
     """ids of the Name loads that read a name local to an enclosing function, lambda or
     comprehension, or the target of an enclosing ``for`` or ``with`` in its body (a parameter or
-    loop variable ``P`` is not the module ``P`` a cell imported)."""
+    loop variable ``P`` is not the module ``P`` a cell imported, unless an import inside binds it)."""
     out: set[int] = set()
 
     def visit(node, local: frozenset) -> None:
@@ -546,7 +552,7 @@ def _shadowed_loads(tree: ast.Module) -> set[int]:
                      *[getattr(node, "returns", None)] * bool(getattr(node, "returns", None))]
             for sub in outer:
                 visit(sub, local)
-            inner = local | _own_locals(node)
+            inner = (local | _own_locals(node)) - _imported_in(node)
             for sub in node.body if isinstance(node.body, list) else [node.body]:
                 visit(sub, inner)
             return
@@ -567,7 +573,8 @@ def _shadowed_loads(tree: ast.Module) -> set[int]:
                 [i.optional_vars for i in node.items if i.optional_vars is not None]
             for sub in heads + targets + list(getattr(node, "orelse", [])):
                 visit(sub, local)
-            inner = local | {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            bound = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            inner = (local | bound) - _imported_in(node)
             for sub in node.body:
                 visit(sub, inner)
             return

@@ -300,6 +300,11 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "a ModelSpec method by a computed name through inspect": ("9.3", "moe_param_count", [
         "import inspect\ndef moe_param_count(spec):\n"
         "    return dict(inspect.getmembers_static(type(spec)))['total_' + 'params'](spec)"], "`.getmembers_static`"),
+    "a parameter of the module's name rebound by an import inside": ("13.1", "split_linear_backward", [
+        "def fill(sb):\n    import labkit.pipeline.split_backward as sb\n    return [sb]"], "`sb` used as a value"),
+    "a loop variable of the module's name rebound by an import in the loop": ("13.1", "split_linear_backward", [
+        "for sb in range(1):\n    import labkit.pipeline.split_backward as sb\n    box = [sb]"],
+        "`sb` used as a value"),
     "labkit.grading through an attribute path": ("12.1", "n_combinations", [
         "import labkit.pipeline\nlabkit.grading.kernel.register('12.1', print)"],
         "`labkit.grading` (the grader's code"),
