@@ -15,8 +15,20 @@ line (:class:`Violation`).
    ``sys.modules``, ``sys.path``, ``gc``, ``os.system``/``os.fork``/..., unpickling,
    ``torch.hub``, torch function and dispatch modes, global module hooks and ``torch.library``
    (code torch would run behind every call, which no answer's closure shows), IPython magics
-   and shell escapes); no import from ``labkit.grading`` but
-   ``from labkit.grading import check``; **imports only from an allow-list**
+   and shell escapes; annotation strings evaluated as code: ``typing.get_type_hints``,
+   ``inspect.get_annotations``, ``singledispatch``, ``eval_str=``; ``string.Formatter().get_field``;
+   unpickling: ``weights_only``/``allow_pickle`` other than the literal safe value, torch's and
+   numpy's loaders with more than the file positionally, ``*``/``**`` or as a value, ``torch.load``
+   without ``weights_only=True``, ``torch.package``); no module used as a value (passed on,
+   stored, returned, looked into by ``getattr`` with a computed name): a module is read only as
+   the base of a written-out attribute (``S.name``, ``getattr(S, "name")``), so every attribute
+   the code takes from a module is a dotted path the rules can see, and each path is judged
+   on the object it reaches too (``collections._sys.modules`` is ``sys.modules``,
+   ``enum.bltns.exec`` a builtin reached through a module); no private name (``_x``) of a
+   module the learner did not write (``torch._utils``, ``collections._sys``), no ``__self__``
+   (``len.__self__`` is builtins), an AttributeError's ``.obj`` or ``inspect.getmodule``
+   (module objects from values); no import from
+   ``labkit.grading`` but ``from labkit.grading import check``; **imports only from an allow-list**
    (:data:`ALLOWED_IMPORTS`: torch and the parts of it the course uses, numpy, matplotlib,
    the standard numerics and a few plain standard modules, and labkit's own modules as
    installed when the grader started): a module the notebook writes to disk, or any other
@@ -26,8 +38,9 @@ line (:class:`Violation`).
    And labkit's reference for the exercise (or a labkit function from which it can be reached,
    :mod:`labkit.grading.reach`) may not be named in any of these cells at all: imported, read
    through a module, or read where a cell the kit ships imported it (the shipped learner
-   notebook's own cells are exempt); no flow through globals, containers, decorators or
-   exceptions then hides it.
+   notebook's own cells are exempt; a name a package exports lazily is judged where its
+   object was defined); no flow through globals, containers, decorators or exceptions then
+   hides it.
 2. **In the exercise's code**: the answer's definition and everything it reaches through the
    notebook's top-level names (helpers, aliases, tables built at the top level; the
    "closure" of the answer) must not use labkit's reference for that exercise
@@ -69,6 +82,8 @@ FORBIDDEN_NAMES = {
     "globals": "reaches names by computed strings", "vars": "reaches names by computed strings",
     "get_ipython": "runs magics and shell commands", "__builtins__": "reaches the interpreter's builtins",
     "breakpoint": "stops in a debugger",
+    **{n: "evaluates annotation strings as code" for n in (
+        "get_type_hints", "get_annotations", "ForwardRef", "_eval_type", "singledispatch", "singledispatchmethod")},
 }
 # attribute names refused on any object
 FORBIDDEN_ATTRS = {
@@ -87,6 +102,17 @@ FORBIDDEN_ATTRS = {
     "gi_frame": "reaches a generator's frame", "tb_frame": "reaches a traceback's frame",
     "settrace": "traces every call", "setprofile": "traces every call", "getmembers": "reaches attributes by name",
     "attrgetter": "looks attributes up by name", "methodcaller": "looks attributes up by name",
+    "get_field": "looks attributes up by name", "_tensor_to_object": "unpickles (rebuilds objects by name)",
+    "__self__": "reaches the module a builtin belongs to (len.__self__ is builtins)",
+    "obj": "reaches the object an AttributeError was raised on (a module, passed on as a value)",
+    "getmodule": "reaches a module as a value", "f2py": "compiles and loads code",
+    **{n: "looks attributes up by name" for n in ("getattr_static", "getmembers_static", "classify_class_attrs")},
+    # the kernel's shell runs code from strings (run_cell, ex, ev) and holds every name (user_ns); ``exit._ip``
+    # and a widget's ``comm.kernel.shell`` reach it
+    **{n: "reaches the kernel's shell, which runs code from strings" for n in (
+        "_ip", "shell", "kernel", "user_ns", "user_global_ns", "run_cell", "run_line_magic", "run_cell_magic")},
+    **{n: "evaluates annotation strings as code" for n in (
+        "get_type_hints", "get_annotations", "ForwardRef", "_eval_type", "singledispatch", "singledispatchmethod")},
     "hub": "loads and runs code from a folder or the network", "load_library": "loads compiled code",
     "load_inline": "compiles and loads code", "cpp_extension": "compiles and loads code",
     "ctypeslib": "calls C and rewrites memory",
@@ -102,9 +128,16 @@ FORBIDDEN_ATTRS = {
         "register_module_buffer_registration_hook", "register_module_module_registration_hook",
         "register_module_parameter_registration_hook")},
 }
-# keyword arguments refused in any call: they unpickle, which rebuilds objects by name and runs code
-FORBIDDEN_KEYWORDS = {("weights_only", False): "unpickles (runs code by name); keep weights_only=True",
-                      ("allow_pickle", True): "unpickles (runs code by name)"}
+# keyword arguments any call may pass only as their literal safe value: any other value (``allow_pickle=not 0``,
+# ``weights_only=[]``) unpickles, which rebuilds objects by name and runs code, or evaluates strings as code
+SAFE_KEYWORDS = {"weights_only": (True, "unpickles (runs code by name) unless it is the literal True"),
+                 "allow_pickle": (False, "unpickles (runs code by name) unless it is the literal False"),
+                 "eval_str": (False, "evaluates annotation strings as code unless it is the literal False")}
+# torch's and numpy's loaders that unpickle what a positional argument, a ``*``/``**`` unpacking or (torch) an
+# environment variable can switch on: {name: positional arguments allowed} (numpy's load(file, mmap_mode,
+# allow_pickle); read_array(fp, allow_pickle); NpzFile(fid, own_fid, allow_pickle); torch's load(f,
+# map_location, pickle_module), whose weights_only TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns off unless passed)
+LOADERS = {"load": 2, "read_array": 1, "NpzFile": 2}
 # attributes refused on one module (``sys.modules``, ``os.system``; also ``from os import system``)
 # (signals and sessions are not here: they produce no answer, and containing processes is the
 # operating system's job, see labkit.grading.session)
@@ -115,7 +148,8 @@ MODULE_ATTRS = {
                                                               "path_importer_cache")},
             "setprofile": "traces every call", "_getframe": "reaches callers' frames"},
     "torch": {"library": "replaces torch's operators by code of yours", "overrides": "makes torch run code of yours "
-              "behind every call", "_C": "reaches torch's internals"},
+              "behind every call", "_C": "reaches torch's internals",
+              "package": "imports and runs code from an archive (and unpickles)"},
     "inspect": {n: "reaches callers' frames and their names" for n in (
         "currentframe", "stack", "trace", "getouterframes", "getinnerframes", "getargvalues", "getclosurevars")},
     "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",
@@ -426,6 +460,13 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
                                         "class you did not define (the grader cannot tell from the code); assign "
                                         "attributes only of objects you make (x = SomeClass(...), torch.empty(...)), "
                                         "of self in your own class, or of tensors from .parameters()"))
+        rebound = (node.id if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) else
+                   node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else
+                   node.arg if isinstance(node, ast.arg) else
+                   node.asname if isinstance(node, ast.alias) else None)
+        if rebound in _ATTR_FUNCS:
+            out.append((line, f"rebinding `{rebound}`", "the rules read getattr and friends by name (a getattr of "
+                        "your own, or one deleted again, would hide what is looked up); use another name"))
         if isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES and node.id not in allow:
             out.append((line, f"`{node.id}`", FORBIDDEN_NAMES[node.id]))
         elif isinstance(node, ast.Attribute):
@@ -450,13 +491,269 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
                                         "did not define; define your own function or class instead"))
         if isinstance(node, ast.Call):
             for k in node.keywords:
-                if isinstance(k.value, ast.Constant) and (k.arg, k.value.value) in FORBIDDEN_KEYWORDS:
-                    out.append((line, f"`{k.arg}={k.value.value!r}`", FORBIDDEN_KEYWORDS[k.arg, k.value.value]))
+                if k.arg in SAFE_KEYWORDS and not (isinstance(k.value, ast.Constant)
+                                                   and k.value.value is SAFE_KEYWORDS[k.arg][0]):
+                    out.append((line, f"`{k.arg}={ast.unparse(k.value)}`", SAFE_KEYWORDS[k.arg][1]))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
             r = _root(node.args[0]) if node.args else None
             if not isinstance(r, ast.Name) or r.id not in classes and (r.id in names.foreign or r.id in _BUILTIN_NAMES):
                 what = ast.unparse(node.args[0]) if node.args else "?"
                 out.append((line, f"`{node.func.id}({what}, ...)`", "changes a module or a class you did not define"))
+    return out + _module_values(tree, names)
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
+def _own_locals(fn) -> set[str]:
+    """Names local to one function, lambda or comprehension scope: its parameters (or targets) and
+    what its own body assigns, nested scopes and imports left out (a name an import binds keeps
+    its module), less the names it declares global or nonlocal."""
+    out, declared = set(), set()
+    if isinstance(fn, _COMPREHENSIONS):
+        return {n.id for g in fn.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+    a = fn.args
+    out |= {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs + [v for v in (a.vararg, a.kwarg) if v]}
+    todo = list(fn.body) if isinstance(fn.body, list) else [fn.body]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            continue
+        if isinstance(node, (ast.Lambda, *_COMPREHENSIONS, ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, (ast.Global, ast.Nonlocal)):
+            declared |= set(node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            out.add(node.id)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            out.add(node.name)
+        todo += list(ast.iter_child_nodes(node))
+    return out - declared
+
+
+def _imported_in(node) -> set[str]:
+    """Names an import anywhere inside ``node`` binds (such a name may hold the module there)."""
+    return {a.asname or a.name.split(".")[0] for sub in ast.walk(node) if isinstance(sub, (ast.Import, ast.ImportFrom))
+            for a in sub.names}
+
+
+def _shadowed_loads(tree: ast.Module) -> set[int]:
+    """ids of the Name loads that read a name local to an enclosing function, lambda or
+    comprehension, or the target of an enclosing ``for`` or ``with`` in its body (a parameter or
+    loop variable ``P`` is not the module ``P`` a cell imported, unless an import inside binds it)."""
+    out: set[int] = set()
+
+    def visit(node, local: frozenset) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            outer = [*getattr(node, "decorator_list", []), *a.defaults, *[d for d in a.kw_defaults if d],
+                     *[x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs if x.annotation],
+                     *[getattr(node, "returns", None)] * bool(getattr(node, "returns", None))]
+            for sub in outer:
+                visit(sub, local)
+            inner = (local | _own_locals(node)) - _imported_in(node)
+            for sub in node.body if isinstance(node.body, list) else [node.body]:
+                visit(sub, inner)
+            return
+        if isinstance(node, _COMPREHENSIONS):
+            visit(node.generators[0].iter, local)
+            inner = local | _own_locals(node)
+            for i, g in enumerate(node.generators):
+                for sub in ([] if i == 0 else [g.iter]) + list(g.ifs):
+                    visit(sub, inner)
+            for sub in ([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]):
+                visit(sub, inner)
+            return
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith)):
+            # the body of a loop (or with) sees its target bound to an item (or the context's value); a module
+            # gets there only from a container or context that names it as a value, which is refused itself
+            heads = [node.iter] if isinstance(node, (ast.For, ast.AsyncFor)) else [i.context_expr for i in node.items]
+            targets = [node.target] if isinstance(node, (ast.For, ast.AsyncFor)) else \
+                [i.optional_vars for i in node.items if i.optional_vars is not None]
+            for sub in heads + targets + list(getattr(node, "orelse", [])):
+                visit(sub, local)
+            bound = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            inner = (local | bound) - _imported_in(node)
+            for sub in node.body:
+                visit(sub, inner)
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in local:
+            out.add(id(node))
+        for sub in ast.iter_child_nodes(node):
+            visit(sub, local)
+
+    visit(tree, frozenset())
+    return out
+
+
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve(dotted: str):
+    """The object the dotted path (``torch.distributed``, ``collections._sys``) names, looked up
+    (never imported) through the modules this process has loaded, statically (no ``__getattr__``
+    runs); :data:`_MISSING` when it cannot be found so. The longest prefix that is one of the kit's
+    modules or on :data:`ALLOWED_IMPORTS` is imported first (code the grader trusts, which the
+    kernel may import too), so that the path is judged as the kernel sees it (``ipywidgets``'s
+    attributes; ``labkit.pipeline.simulate``, a function the package re-exports, not the submodule
+    it hides). A path through a submodule that neither imports it names stays unresolved."""
+    import importlib
+    import inspect
+    import sys
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in ALLOWED_IMPORTS or prefix == "labkit" or prefix in _LABKIT_MODULES:
+            if prefix not in sys.modules:
+                try:
+                    importlib.import_module(prefix)
+                except Exception:  # noqa: BLE001 - a module that does not import here: unresolved
+                    pass
+            break
+    obj = sys.modules.get(parts[0], _MISSING)
+    for part in parts[1:]:
+        if obj is _MISSING:
+            break
+        try:
+            obj = inspect.getattr_static(obj, part)
+        except AttributeError:
+            obj = _MISSING
+    return obj
+
+
+def _is_module(dotted: str) -> bool:
+    """Whether the dotted path names a module (:func:`_resolve`; else by the allow-list, the kit's
+    module list and the modules loaded here)."""
+    import sys
+    import types
+
+    obj = _resolve(dotted)
+    if obj is _MISSING:
+        return dotted in ALLOWED_IMPORTS or dotted in _LABKIT_MODULES or dotted in sys.modules
+    return isinstance(obj, types.ModuleType)
+
+
+# module names (their first part) whose objects no path may reach under another name; "posix" is os
+_UNDER_ANOTHER_NAME = set(FORBIDDEN_MODULES) | {"_pickle", "_imp", "_posixsubprocess", "_ctypes"}
+# the kernel's own machinery (its shell runs code from strings): reached by no path, IPython.display's display
+# functions and classes aside (the import the allow-list names)
+_PUBLIC_PRIVATE = {"os._exit"}   # documented functions whose names start with "_"
+_KERNEL_MODULES = ("IPython", "ipykernel", "jupyter_client", "jupyter_core", "zmq", "traitlets", "comm")
+_DISPLAY_MODULES = ("IPython.display", "IPython.core.display", "IPython.core.display_functions", "IPython.lib.display")
+_KERNEL_WHY = "reaches the kernel's machinery (its shell runs code from strings); only IPython.display may be used"
+
+
+@functools.lru_cache(maxsize=4096)
+def _reached_by_path(dotted: str) -> str:
+    """Why the object an attribute path reaches is refused ("" when it is not), judged on the
+    object (:func:`_resolve`), whatever the names it goes through: a module or a function of
+    one whose import is refused (``collections._sys``'s ``modules``, ``enum.bltns.exec``,
+    ``distributed_c10d._unpickler``), a builtin (``exec``, ``getattr``) reached through a module,
+    or a refused attribute of ``sys``, ``os``, ``torch`` or ``inspect`` reached through an alias."""
+    import builtins as _builtins
+    import inspect
+    import sys
+    import types
+
+    parts = dotted.split(".")
+    if parts[0] == "IPython" and parts[1:2] != ["display"]:
+        return _KERNEL_WHY
+    if parts[:2] == ["labkit", "grading"] and parts[2:] != ["check"]:
+        return "the grader's code is not the course's labkit; only `from labkit.grading import check` is allowed"
+    obj = _resolve(dotted)
+    if obj is _MISSING:
+        return ""
+    base_path, _, last = dotted.rpartition(".")
+    base = _resolve(base_path) if base_path else _MISSING
+    if isinstance(base, types.ModuleType):
+        home = {"posix": "os", "nt": "os"}.get(base.__name__, base.__name__)
+        if last in MODULE_ATTRS.get(home, {}):
+            return MODULE_ATTRS[home][last]
+    for mod, attrs in MODULE_ATTRS.items():   # os.system as another module's attribute of another name
+        m = sys.modules.get(mod)
+        for attr, why in attrs.items():
+            if m is not None and not isinstance(obj, (int, str, bool)) \
+                    and inspect.getattr_static(m, attr, _MISSING) is obj:
+                return why
+    if dotted not in _PUBLIC_PRIVATE and any(p.startswith("_") and not (p.startswith("__") and p.endswith("__"))
+                                             for p in parts[1:]):
+        return ("a private name of a module you did not write (not course material; private helpers import, "
+                "unpickle and run code by name)")
+    if isinstance(obj, types.ModuleType):
+        name = obj.__name__
+    else:
+        name = getattr(obj, "__module__", None) if isinstance(obj, (type, types.FunctionType,
+                                                                      types.BuiltinFunctionType)) else None
+        if name == "builtins" and getattr(_builtins, getattr(obj, "__name__", ""), None) is obj \
+                and isinstance(base, types.ModuleType):
+            return "reaches the interpreter's builtins through a module"
+        if name == "builtins":
+            return ""
+    if isinstance(name, str) and name.split(".")[0] in _UNDER_ANOTHER_NAME:
+        return f"reaches {name} (whose import is refused) under another name"
+    if isinstance(name, str) and name.split(".")[0] in _KERNEL_MODULES and not any(
+            name == m or name.startswith(m + ".") for m in _DISPLAY_MODULES):
+        return _KERNEL_WHY
+    return ""
+
+
+def _module_values(tree: ast.Module, names: "_Names") -> list[tuple[int, str, str]]:
+    """(line, what, why) for each module the cell uses as a value: a name an import bound to a
+    module, or an attribute chain from one that names a module (``torch.distributed``), read
+    anywhere but as the base of a written-out attribute (``S.gpipe_schedule``, ``torch.cat``,
+    ``getattr(torch, "float32")``).
+    Passed to a function (``getattr(S, ...)``, ``Formatter().get_field(..., (S,), ...)``, ``dir``),
+    stored (``box = [S]``, ``for m in (sys,)``) or returned, a module hides which of its
+    attributes the code reaches, so the rules on labkit's references and on module attributes
+    (``sys.modules``) could not see them; and torch's and numpy's unpickling loaders
+    (:data:`LOADERS`) called with more than the file and its map location positionally, with
+    ``*``/``**`` unpacking, used as a value, or (torch's) without ``weights_only=True``."""
+    parent = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    shadowed = _shadowed_loads(tree)
+    out = []
+    reached: dict[int, tuple] = {}   # id(node) -> (node, why) of paths reaching a refused object
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            paths = () if id(node) in shadowed else names.origins.get(node.id, ())
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) or _const_getattr(node) is not None:
+            paths = _paths(node, names)
+        else:
+            continue
+        up = parent.get(id(node))
+        base = isinstance(up, ast.Attribute) and up.value is node or (  # m.name, getattr(m, "name"), hasattr
+            isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id in ("getattr", "hasattr")
+            and len(up.args) >= 2 and up.args[0] is node and isinstance(up.args[1], ast.Constant)
+            and isinstance(up.args[1].value, str))
+        if isinstance(node, (ast.Attribute, ast.Call)):
+            why = next(filter(None, map(_reached_by_path, paths)), "")
+            if why:
+                reached[id(node)] = (node, why)
+        if any(_is_module(p) for p in paths) and not base:
+            out.append((node.lineno, f"`{ast.unparse(node)}` used as a value", "a module passed on, stored or "
+                        "looked into by a computed name hides which of its attributes the code reaches; write "
+                        "the attribute out (module.function)"))
+        loader = next((p for p in paths if p.split(".")[0] in ("torch", "numpy")
+                       and p.rsplit(".", 1)[-1] in LOADERS), "")
+        if not loader:
+            continue
+        call = up if isinstance(up, ast.Call) and up.func is node else None
+        keywords = {k.arg: k.value for k in call.keywords} if call else {}
+        wo = keywords.get("weights_only")
+        problem = ("used as a value" if call is None else
+                   "with * or ** unpacking" if None in keywords or any(isinstance(a, ast.Starred) for a in call.args)
+                   else "with more positional arguments than the file and its map location"
+                   if len(call.args) > LOADERS[loader.rsplit(".", 1)[-1]] else
+                   "without weights_only=True" if loader.startswith("torch.") and not (
+                       isinstance(wo, ast.Constant) and wo.value is True) else "")
+        if problem:
+            out.append((node.lineno, f"`{ast.unparse(node)}` {problem}", "can unpickle (runs code by name); call "
+                        "it with the file alone, and torch.load with weights_only=True"))
+    for node, why in reached.values():   # the shortest path that reaches it (not every longer one)
+        if id(node.value if isinstance(node, ast.Attribute) else node.args[0]) not in reached:
+            out.append((node.lineno, f"`{ast.unparse(node)}`", why))
     return out
 
 
@@ -494,6 +791,9 @@ def _import_problems(node, allow: set[str]) -> list[tuple[int, str, str]]:
                 out.append((line, f"import of `{a.name}`", FORBIDDEN_ATTRS[a.name]))
             elif a.name in MODULE_ATTRS.get(top, {}):
                 out.append((line, f"import of `{top}.{a.name}`", MODULE_ATTRS[top][a.name]))
+            elif a.name.startswith("_") and not (a.name.startswith("__") and a.name.endswith("__")):
+                out.append((line, f"import of `{a.name}`", "a private name of a module you did not write (not "
+                            "course material; private helpers import, unpickle and run code by name)"))
     return out
 
 
@@ -630,13 +930,50 @@ def _labkit_label(dotted: str) -> str:
     return ""
 
 
-def _paths(node: ast.Attribute, names: "_Names") -> list[str]:
-    """The dotted paths an attribute chain stands for, one per import origin of the name it starts at."""
-    chain, v = [node.attr], node.value
-    while isinstance(v, ast.Attribute):
-        chain.append(v.attr)
-        v = v.value
-    if not isinstance(v, ast.Name):
+def _const_getattr(node) -> str | None:
+    """The attribute name of ``getattr(x, "name")`` (a written-out name, as ``x.name``), else None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+            and len(node.args) in (2, 3) and isinstance(node.args[1], ast.Constant) \
+            and isinstance(node.args[1].value, str):
+        return node.args[1].value
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _home_label(node: str) -> str:
+    """"module:name" where the object that the kit's ``node`` ("labkit.pipeline:gpt_stages_for_rank")
+    stands for was defined (``labkit.pipeline.stages:gpt_stages_for_rank``): the module imported
+    and the name looked up as the kernel would (the kit's own code, a package's lazy
+    ``__getattr__`` included); "" when it is not a function or class of the kit."""
+    import importlib
+
+    mod, _, name = node.partition(":")
+    if not mod or not name:
+        return ""
+    try:
+        obj = getattr(importlib.import_module(mod), name)
+    except Exception:  # noqa: BLE001 - no such name in the kit
+        return ""
+    home, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not (isinstance(home, str) and isinstance(qual, str) and home.startswith("labkit.")):
+        return ""
+    return f"{home}:{qual.split('.')[0]}"
+
+
+def _paths(node: ast.expr, names: "_Names") -> list[str]:
+    """The dotted paths an attribute chain stands for (``getattr(x, "name")`` read as ``x.name``), one
+    per import origin of the name it starts at; [] for anything else."""
+    chain, v = [], node
+    while True:
+        if isinstance(v, ast.Attribute):
+            chain.append(v.attr)
+            v = v.value
+        elif (attr := _const_getattr(v)) is not None:
+            chain.append(attr)
+            v = v.args[0]
+        else:
+            break
+    if not chain or not isinstance(v, ast.Name):
         return []
     return [".".join([origin, *reversed(chain)]) for origin in names.origins.get(v.id, ())]
 
@@ -801,8 +1138,8 @@ def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Viola
         node = _labkit_label(origin)
         if node in labels or node in launder:
             return node
-        # a method or attribute of a listed class: "labkit.x:Cls" for "labkit.x.Cls"
-        return ""
+        home = _home_label(node)    # a name a package exports lazily (PEP 562): where the object was defined
+        return home if home in labels or home in launder else ""
 
     def why(node: str) -> str:
         return _ref_why(node) if node in labels else _launder_why(node, launder[node])
@@ -835,7 +1172,7 @@ def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Viola
                         out.append(Violation(label, line, f"import of `{a.name}`", why(lab)))
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
                 out.append(Violation(label, line, f"`{node.id}`", why(bound[node.id])))
-            elif isinstance(node, ast.Attribute):
+            elif isinstance(node, ast.Attribute) or _const_getattr(node) is not None:
                 for lab in filter(None, map(label_of, _paths(node, names))):
                     out.append(Violation(label, line, f"`{ast.unparse(node)}`", why(lab)))
     return out

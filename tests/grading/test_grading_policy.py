@@ -212,6 +212,112 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "a staticmethod's first parameter is not self": ("14.3", "inter_node_bytes", [
         "import torch\nclass P:\n    @staticmethod\n    def go(ctx, m):\n        m.allclose = None\nP.go(None, torch)"],
         "assigning `m.allclose`"),
+    # a third red team: a module used as a value hides which of its attributes the code reaches (the reference
+    # reached outside the answer's closure and stored where the answer reads it; sys.modules through an alias)
+    "a module handed to getattr in a helper that fills a global": ("13.1", "split_linear_backward", [
+        "import torch\nimport labkit.pipeline.split_backward as sb\nclass B:\n    pass\nbox = B()",
+        "def fill(m):\n    box.f = getattr(m, 'backward_' + 'input')\nfill(sb)",
+        "def split_linear_backward(layer, x, g):\n    return box.f(layer(x), x, g, [])"], "`sb` used as a value"),
+    "the reference by getattr with a written name, outside the answer": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\nclass B:\n    pass\nbox = B()",
+        "def fill():\n    box.f = getattr(getattr(sb, 'backward_input'), '__call__')\nfill()"],
+        "`getattr(sb, 'backward_input')`"),
+    "a module in a container": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\ndef fill():\n    return [sb][0].backward_input"], "`sb` used"),
+    "a module through a loop variable in a function": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\ndef fill():\n    for m in (sb,):\n        return dir(m)"],
+        "`sb` used as a value"),
+    "sys.modules through an alias": ("12.1", "n_combinations", [
+        "import sys\nt = sys\nm = t.modules['labkit.pipeline.split_backward']"], "`sys` used as a value"),
+    "a module's attribute chain to a module, stored": ("12.1", "n_combinations", [
+        "import labkit\nm = getattr(labkit, 'pipeline').split_backward"], "used as a value"),
+    "attributes looked up by a format field": ("9.3", "moe_param_count", [
+        "import string\ndef moe_param_count(spec):\n    return string.Formatter().get_field('0.total_' + 'params', "
+        "(spec,), {})[0]()"], "`.get_field`"),
+    # code from strings: annotation strings evaluated, unpickling switched on by a value the policy cannot read
+    "an annotation string evaluated by get_type_hints": ("13.1", "split_linear_backward", [
+        "import typing\ndef _h(x: \"__import__('os')\"):\n    pass\nf = typing.get_type_hints(_h)['x']"],
+        "`.get_type_hints`"),
+    "an annotation string evaluated by singledispatch": ("12.1", "n_combinations", [
+        "from functools import singledispatch"], "import of `singledispatch`"),
+    "an annotation string evaluated by inspect.signature": ("12.1", "n_combinations", [
+        "import inspect\ndef g(x: 'print(1)'):\n    pass\ninspect.signature(g, eval_str=1)"], "`eval_str=1`"),
+    "numpy's allow_pickle as its third positional argument": ("13.1", "split_linear_backward", [
+        "import numpy as np\nf = np.load('/tmp/p.bin', None, True)"], "with more positional arguments"),
+    "allow_pickle as a value the policy cannot read": ("12.1", "n_combinations", [
+        "import numpy as np\nf = np.load('p', allow_pickle=not 0)"], "`allow_pickle=not 0`"),
+    "weights_only as a falsy list": ("12.1", "n_combinations", [
+        "import torch\nf = torch.load('p', weights_only=[])"], "`weights_only=[]`"),
+    "torch.load left to the environment": ("12.1", "n_combinations", [
+        "import torch, os\nos.environ['TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'] = '1'\nf = torch.load('p')"],
+        "without weights_only=True"),
+    "numpy's load in a partial": ("12.1", "n_combinations", [
+        "import functools, numpy as np\nf = functools.partial(np.load, 'p', None, True)()"], "used as a value"),
+    "numpy's read_array with allow_pickle positional": ("12.1", "n_combinations", [
+        "import numpy as np\nf = np.lib.format.read_array(open('p', 'rb'), True)"], "with more positional"),
+    "torch's object unpickler": ("12.1", "n_combinations", [
+        "import torch.distributed as d\nf = d.distributed_c10d._tensor_to_object(None, 1, None)"],
+        "`._tensor_to_object`"),
+    "torch.package": ("12.1", "n_combinations", [
+        "import torch\nI = torch.package.PackageImporter('x')"], "`torch.package`"),
+    # refused modules and builtins under another name: private names of allowed modules, and public paths judged
+    # on the object they reach
+    "sys.modules through a module's private alias of sys": ("13.1", "split_linear_backward", [
+        "import collections\nf = collections._sys.modules['labkit.pipeline.split_backward'].backward_input"],
+        "`collections._sys` (a private name of a module you did not write"),
+    "exec through a module's alias of builtins": ("12.1", "n_combinations", [
+        "import enum\nenum.bltns.exec('import subprocess')"], "`enum.bltns` (reaches builtins"),
+    "pickle's Unpickler under torch's name": ("12.1", "n_combinations", [
+        "import torch.distributed as d\nf = d.distributed_c10d._unpickler(open('/tmp/p', 'rb')).load()"],
+        "`d.distributed_c10d._unpickler` (a private name"),
+    "os.system through a module's alias of os": ("12.1", "n_combinations", [
+        "import tempfile\ntempfile._os.system('true')"], "`tempfile._os` (a private name"),
+    # a name a package exports lazily (PEP 562 __getattr__) is judged where its object was defined
+    "the reference through a package's lazy export": ("4.1", "layers_of_rank", [
+        "import labkit.pipeline\nclass B:\n    pass\nbox = B()\ndef fill():\n"
+        "    box.f = labkit.pipeline.gpt_stages_for_rank\nfill()"], "`labkit.pipeline.gpt_stages_for_rank`"),
+    "a launderer through a package's lazy export": ("13.2", "zb_h1_order", [
+        "def fill():\n    from labkit.pipeline import ScheduleZBH1 as S\n    return S"], "import of `ScheduleZBH1`"),
+    # a module object reached from a value that is not one: a builtin's module, an AttributeError's object,
+    # inspect.getmodule; private helpers of allowed modules (torch._utils._import_dotted_name imports by name)
+    "builtins through a builtin's __self__": ("12.1", "n_combinations", [
+        "b = len.__self__\nb.exec('import subprocess')"], "`.__self__`"),
+    "a module from an AttributeError": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\ntry:\n    sb.nothing\nexcept AttributeError as e:\n"
+        "    m = e.obj\nf = getattr(m, 'backward_' + 'input')"], "`.obj`"),
+    "a module from inspect.getmodule": ("13.1", "split_linear_backward", [
+        "import inspect\nimport labkit.pipeline.split_backward as sb\nm = inspect.getmodule(sb.backward_weight)"],
+        "`.getmodule`"),
+    "torch's private importer by dotted name": ("12.1", "n_combinations", [
+        "import torch\nf = torch._utils._import_dotted_name('labkit.pipeline.split_backward.backward_input')"],
+        "`torch._utils` (a private name of a module you did not write"),
+    "a private module imported by name": ("12.1", "n_combinations", ["from torch import _utils"],
+                                          "import of `_utils` (a private name"),
+    "a getattr of its own hands the module on, then the builtin comes back": ("13.1", "split_linear_backward", [
+        "import labkit.pipeline.split_backward as sb\nclass B:\n    pass\nbox = B()",
+        "def getattr(m, n):\n    return m\nbox.m = getattr(sb, 'zzz')\ndel getattr",
+        "def fill():\n    box.f = getattr(box.m, 'backward_' + 'input')\nfill()"], "rebinding `getattr`"),
+    "a ModelSpec method by a computed name through inspect": ("9.3", "moe_param_count", [
+        "import inspect\ndef moe_param_count(spec):\n"
+        "    return dict(inspect.getmembers_static(type(spec)))['total_' + 'params'](spec)"], "`.getmembers_static`"),
+    "a parameter of the module's name rebound by an import inside": ("13.1", "split_linear_backward", [
+        "def fill(sb):\n    import labkit.pipeline.split_backward as sb\n    return [sb]"], "`sb` used as a value"),
+    "a loop variable of the module's name rebound by an import in the loop": ("13.1", "split_linear_backward", [
+        "for sb in range(1):\n    import labkit.pipeline.split_backward as sb\n    box = [sb]"],
+        "`sb` used as a value"),
+    "labkit.grading through an attribute path": ("12.1", "n_combinations", [
+        "import labkit.pipeline\nlabkit.grading.kernel.register('12.1', print)"],
+        "`labkit.grading` (the grader's code"),
+    # the kernel's shell runs code from strings that no cell shows
+    "the kernel's shell through IPython's attributes": ("13.1", "split_linear_backward", [
+        "import IPython.display\nsh = IPython.core.interactiveshell.InteractiveShell.instance()\n"
+        "sh.run_cell('from labkit.pipeline.split_backward import backward_input')"],
+        "`IPython.core` (reaches the kernel's machinery"),
+    "the kernel's shell held by exit": ("12.1", "n_combinations", ["exit._ip.ex('import subprocess')"], "`._ip`"),
+    "the kernel's shell through a widget's comm": ("12.1", "n_combinations", [
+        "import ipywidgets\nipywidgets.IntSlider().comm.kernel.shell.ev('1')"], "`.kernel`"),
+    "the kernel's machinery under another module's name": ("12.1", "n_combinations", [
+        "import ipywidgets\nc = ipywidgets.comm.comm.create_comm"], "`ipywidgets.comm.comm` (reaches the kernel's"),
 }
 
 
@@ -261,6 +367,14 @@ HONEST = [
         "    w = torch.randn(3, requires_grad=True)\n    w.grad = None\n    lin = nn.Linear(2, 2)\n    lin.tag = 'x'\n"
         "    return b",
         "def helper():\n    pass\nhelper.cache = {}\nprint(getattr(torch, 'float32'), hasattr(torch, 'cat'))"]),
+    # a parameter or local that shares a module's name is not the module; attributes by written name; safe loads
+    ("8.3", "model_state_bytes", ["from labkit import plan as P\nimport torch, numpy as np",
+                                  "def model_state_bytes(P, t, p, d, zero, precision):\n    return [P][0] / t",
+                                  "print([torch for torch in range(2)], getattr(torch, 'float32'), "
+                                  "hasattr(np, 'load'))\n"
+                                  "w = torch.load('w.pt', weights_only=True)\na = np.load('a.npy')\n"
+                                  "for P in ({'t': 1},):\n    print(P['t'], [P])\n"
+                                  "with open('w.pt', 'rb') as np:\n    print([np])"]),
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
