@@ -275,6 +275,8 @@ def _is_install_cell(src: str) -> bool:
             pass
         return text.strip()
 
+    if "find_spec" not in src:  # the install cell's test, which IPython's transforms never write: no IPython import
+        return False
     return src.strip() == INSTALL_CELL.strip() or norm(src) == norm(INSTALL_CELL)
 
 

@@ -416,23 +416,15 @@ SPLIT = {
                          "check('13.1', split_linear_backward)"],
 }
 # a third red team: labkit's reference kept where the answer reads it (a global box) by code outside the answer's
-# closure that never names it: a module handed to getattr with a computed name, a pickle numpy loads (allow_pickle
-# as its third positional argument), an annotation string typing evaluates, builtins' exec through len.__self__,
-# the kernel's shell evaluating a string;
-# each scored 13.1's points before
+# closure that never names it: builtins' exec through len.__self__, the kernel's shell evaluating a string; each
+# scored 13.1's points before (the other ways it found, a module handed to getattr with a computed name, a pickle
+# numpy loads, an annotation string typing evaluates, are judged by the same source policy: test_grading_policy)
 BOX = "class Box:\n    pass\nbox = Box()\n"
 BY_BOX = ("def split_linear_backward(layer, x, grad_out):\n    out = layer(x)\n"
           "    gi, _ = box.f(out, x, grad_out, [])\n"
           "    return (gi, *torch.autograd.grad(out, [layer.weight, layer.bias], grad_out))\n"
           "check('13.1', split_linear_backward)")
 SPLIT.update({
-    "module value": HEAD13 + ["import labkit.pipeline.split_backward as sb\n" + BOX
-                              + "def fill(m):\n    box.f = getattr(m, 'backward_' + 'input')\nfill(sb)", BY_BOX],
-    "unpickled": HEAD13 + ["import numpy as np\nopen('/tmp/p13.bin', 'wb').write(b'clabkit.pipeline.split_backward\\n'"
-                           " b'backward_' b'input\\n.')\n" + BOX + "box.f = np.load('/tmp/p13.bin', None, True)",
-                           BY_BOX],
-    "annotation": HEAD13 + ["import typing\ndef _h(x: \"__import__('labkit.pipeline.split_backward', fromlist=['x'])"
-                            ".backward_input\"):\n    pass\n" + BOX + "box.f = typing.get_type_hints(_h)['x']", BY_BOX],
     # builtins' exec, reached through a builtin's __self__, runs a string no cell shows
     "exec": HEAD13 + [BOX + "len.__self__.exec('from labkit.pipeline.split_backward import backward_input as _bi')\n"
                       "box.f = _bi", BY_BOX],
@@ -442,8 +434,7 @@ SPLIT.update({
                          ".backward_input\")", BY_BOX],
 })
 SPLIT_WHAT = {"cleared": "`.backward`", "reference": "import of `ref13`", "patched": "import of `fix13`",
-              "module value": "`sb` used as a value", "unpickled": "`np.load` with more positional arguments",
-              "annotation": "`.get_type_hints`", "shell": "`IPython.core` (reaches the kernel's machinery",
+              "shell": "`IPython.core` (reaches the kernel's machinery",
               "exec": "`.__self__`"}
 
 
