@@ -205,8 +205,6 @@ def _bad_args(a, world) -> str | None:
                      n_experts=a.experts if a.moe else None)
         check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq,
                         hsdp=a.hsdp, load_balance=not a.cp_no_load_balance, recompute=a.recompute)
-        if a.cp > 1 and a.moe:
-            raise ValueError("--cp is not combined with --moe here")
     except ValueError as e:
         return str(e)
     from ..parallel.gpt import planner_spec
@@ -215,7 +213,8 @@ def _bad_args(a, world) -> str | None:
     spec = planner_spec(cfg, a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     lay = Layout(t=a.tp, p=a.pp, d=a.dp, b=a.batch // (a.dp * a.microbatches), M=a.microbatches, schedule="gpipe",
                  ep=a.dp if a.moe else 1, zero=a.zero, sequence_parallel=a.sp, recompute=a.recompute,
-                 precision="fp32", cp=a.cp, etp=1 if a.moe else None)   # labkit's MoE: whole experts
+                 precision="fp32", cp=a.cp, etp=1 if a.moe else None,   # labkit's MoE: whole experts
+                 shard_experts=False)
     return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} "
                                  f"({world} ranks)")
 
@@ -491,7 +490,8 @@ def _planner(a):
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
                      ep=a.dp if a.moe else 1, etp=1 if a.moe else None,
                      schedule=schedule, placement=placement, zero=a.zero, sequence_parallel=a.sp,
-                     recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention, hsdp=a.hsdp)
+                     recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention, hsdp=a.hsdp,
+                     shard_experts=False)   # labkit's ZeRO keeps the local experts whole
         mem = memory_per_rank(spec, lay, device="cpu")   # HSDP: Layout.hsdp shards over d/R
         # the zero-bubble schedules: counted along their actions (ZB-H1, and ZB-V / DualPipeV on the V)
         if not act_modeled:
@@ -521,7 +521,7 @@ def _moe_rows(a, ranks) -> dict:
     actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
     peers = {}
     for r in ranks:
-        peers.setdefault((r.pp_rank, r.tp_rank), []).append(r)
+        peers.setdefault((r.pp_rank, r.cp_rank, r.tp_rank), []).append(r)
     out = {}
     for r in ranks:
         if r.moe_loads is None:
@@ -533,7 +533,8 @@ def _moe_rows(a, ranks) -> dict:
         rows = {}
         for key, calls in r.moe_loads.items():
             for c, (_, first, n) in enumerate(calls):
-                got = sum(sum(q.moe_loads[key][c][0][first:first + n]) for q in peers[(r.pp_rank, r.tp_rank)])
+                got = sum(sum(q.moe_loads[key][c][0][first:first + n])
+                          for q in peers[(r.pp_rank, r.cp_rank, r.tp_rank)])
                 rows.setdefault((key[0], order[key[0]][c]), []).append(got)
         out[r.rank] = rows
     return out
@@ -603,7 +604,7 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                     if gc != wc + exchanges:
                         bad.append(f"rank {r.rank} ep all_to_all: measured {gc} x; planner {wc} x + {exchanges} "
                                    f"counts exchanges")
-                    ep_groups.setdefault((r.pp_rank, r.tp_rank), []).append((r.rank, gb, wb))
+                    ep_groups.setdefault((r.pp_rank, r.cp_rank, r.tp_rank), []).append((r.rank, gb, wb))
                 elif gb != wb or (gc != wc and not by_bucket):
                     bad.append(f"rank {r.rank} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
             cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
@@ -684,11 +685,11 @@ def _print_cp_balance(a, ranks) -> list[str]:
               "what a kernel that skips masked tiles would do (the contiguous split would leave it unbalanced)")
     row = sorted((r for r in ranks if r.tp_rank == 0 and r.dp_rank == 0 and r.pp_rank == 0), key=lambda r: r.cp_rank)
     layers = a.layers // (a.pp * _v(a)) * _v(a)
-    runs = layers * a.microbatches * (2 if a.recompute == "full" else 1)    # full recompute: each forward twice
+    runs = layers * a.microbatches       # full recompute's second forward is not recorded (_cp_core)
     want = [w * runs for w in attention_work(a.seq, a.cp, a.cp_attention, heads, lb)]
     print(f"measured in the last step, {a.cp_attention} attention forwards on pipeline rank 0 (per CP rank): work "
           + ", ".join(str(r.cp_work) for r in row) + f" (formula x {layers} layers x M={a.microbatches}"
-          + (" x 2 (recompute)" if a.recompute == "full" else "") + f", {heads} heads: "
+          + f", {heads} heads: "
           + ", ".join(str(w) for w in want) + "); compute ms " + ", ".join(f"{1e3 * r.cp_seconds:.1f}" for r in row))
     if a.steps == 1:      # step 0 also runs each stage's probe forward on zeros (the pipeline runtime's)
         print("(one step only: it includes the pipeline runtime's probe forward of each stage; work not compared)")

@@ -689,6 +689,8 @@ class ParallelGPT:
             return "dp"      # MoE: the local experts' gradients summed over CP (their expert-DP group)
         if rec.kind in ("send", "recv"):
             return "pp"
+        if rec.kind == "all_to_all" and self.moe and ranks == set(g.ranks("dp")) and g.dp > 1:
+            return "ep"      # EP folded onto the DP ranks of this CP rank (the d cp ranks' group is DP's)
         if ranks == tp_r and g.tp > 1:
             return "tp"
         if ranks == dp_r and len(dp_r) > 1:
@@ -731,7 +733,7 @@ class ParallelGPT:
                      schedule="interleaved" if self.v > 1 else "1f1b",
                      zero=self.zero, precision="fp32", placement=self.placement,
                      sequence_parallel=self.sequence_parallel, recompute=self.recompute,
-                     cp=self.cp, cp_attention=self.cp_attention)
+                     cp=self.cp, cp_attention=self.cp_attention, shard_experts=False)
         buckets = sum(len(w.buckets) for w in self.ddp if w is not None) or None
         axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets)
         out = {ax: dict(c.ops) for ax, c in axes.items() if c.ops}
