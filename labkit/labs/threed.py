@@ -41,8 +41,11 @@ the planner's formula), the activations are compared with the planner's count of
 attention core keeps (:func:`labkit.plan.memory.cp_core_activation_bytes`), and per CP rank the
 causal attention work its forwards computed (query-key pairs, summed over its heads) must equal
 :func:`labkit.context_parallel.attention_work` (the 2 C chunks, or the naive contiguous split with
-``--cp-no-load-balance``); their compute time is printed, never judged. Not with HSDP, MoE or
-selective recompute.
+``--cp-no-load-balance``); their compute time is printed, never judged. With ``--moe`` each CP
+rank routes its S/C tokens over its EP (= DP) group: the CP row also counts the balance losses'
+gathers of the router logits and indices over CP, the DP row the local experts' CP sum, and the
+experts' activations come from the rows each rank's EP peers of its CP rank sent it. Not with HSDP;
+selective recompute with ring attention only.
 """
 from __future__ import annotations
 
@@ -515,9 +518,9 @@ def _planner(a):
 def _moe_rows(a, ranks) -> dict:
     """``{rank: {(stage, microbatch): [rows per MoE layer]}}``: the rows each rank's experts received
     in the last step, one entry per MoE layer of the stage in order: its EP peers' (the DP ranks of
-    its pipeline and TP rank; with SP each routed its S/t tokens) recorded tokens per expert on its
-    local experts. The c-th forward of a stage is the
-    microbatch of the stage's c-th F action. Ranks without records (a run of one step): absent."""
+    its pipeline, CP and TP rank; with SP each routed its S/t tokens, with CP its S/cp) recorded
+    tokens per expert on its local experts. The c-th forward of a stage is the microbatch of the
+    stage's c-th F action. Ranks without records (a run of one step): absent."""
     actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
     peers = {}
     for r in ranks:
@@ -559,8 +562,9 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     by running the router: the planner takes them from the routing the run had (every rank records
     its tokens per expert in the last step, :func:`_record_loads`; a rank's rows are its EP peers'
     counts on its experts, :func:`_moe_rows`; with SP each TP rank routes its S/t tokens over the EP
-    ranks of its TP rank) and counts the peak along the schedule's actions (full recompute: each
-    layer's recomputed stash in the backward, :func:`labkit.plan.memory.schedule_activation_peak`).
+    ranks of its TP rank, with CP each CP rank its S/cp tokens over those of its CP rank) and counts
+    the peak along the schedule's actions (full recompute: each layer's recomputed stash in the
+    backward, :func:`labkit.plan.memory.schedule_activation_peak`).
     The counts come from the run, the bytes from the formula."""
     pred = _planner(a)
     if pred is None:

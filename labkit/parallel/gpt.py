@@ -39,7 +39,13 @@ ranks that share a stage and TP rank (Megatron-Core's data-parallel group with C
 and ZeRO 1-3 shard over it: its distributed optimizer and FSDP units span d cp ranks). With
 sequence parallelism (t > 1) each CP rank's S/cp tokens are split once more over its TP group
 (Megatron-Core runs TP + SP inside each CP rank): the stages exchange ``[b, S/(cp t), H]``, and
-attention sees the S/cp tokens the column-parallel projections all-gather. Not with HSDP or MoE.
+attention sees the S/cp tokens the column-parallel projections all-gather. With the MoE GPT each
+CP rank routes its S/cp tokens and dispatches them over its EP group (the d DP ranks of this CP
+rank), the balance losses are computed on the router logits gathered over CP (and TP with SP),
+the router and shared experts are averaged over the d cp ranks with the dense parameters, and the
+local experts' gradients, scaled 1/(d cp) there, are summed over CP (their expert-data-parallel
+group; Megatron-Core reduces expert gradients over its DP x CP expert group); no capacity
+dropping (ValueError). Not with HSDP.
 
 Global batch B: DP rank r takes rows ``r*B/d .. (r+1)*B/d - 1`` and the pipeline splits them into
 M microbatches of ``b = B/(d*M)`` sequences; the loss is scaled by 1/M once (in the pipeline
@@ -326,7 +332,8 @@ class ParallelGPT:
             recompute the whole MoE block; with sequence parallelism each TP rank routes and
             dispatches its S/t tokens and the balance losses are computed on the router logits
             all-gathered over TP (:class:`labkit.parallel.moe_pipeline.ParallelMoEBlock`; not with
-            ``capacity_factor``: ValueError).
+            ``capacity_factor``: ValueError); with CP likewise each CP rank's S/cp tokens (module
+            docstring).
         sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
             Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
             shard and the ``sequence_parallel`` gradients are all-reduced over TP in :meth:`train_step`.

@@ -42,8 +42,9 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   4 all-to-alls (q, k, v, output) forward and 4 backward of b (s/cp) d e (2a + 2a_kv)/t bytes in
   all. Recompute repeats the forward's (full; selective too, which checkpoints the CP core). The
   parameter gradients are reduced over the d cp ranks (the DP axis's group becomes d cp,
-  Megatron-Core's data-parallel group with CP; the local experts' over the cp ranks that hold
-  them: ZeRO shards them there too, or with ``Layout.shard_experts`` False one all-reduce). A MoE layer's balance losses (labkit's :class:`labkit.parallel.moe_pipeline.ParallelMoEBlock`)
+  Megatron-Core's data-parallel group with CP; the local experts' over the d/ep cp ranks that hold
+  them: ZeRO shards them there too, or with ``Layout.shard_experts`` False one all-reduce). A MoE
+  layer's balance losses (labkit's :class:`labkit.parallel.moe_pipeline.ParallelMoEBlock`)
   all-gather over CP the router logits ``N E e`` and the top-k indices ``8 N k`` of this CP rank's
   N tokens (after the TP gather with SP; again with full recompute) and reduce-scatter the
   logits' gradient ``cp N E e``.

@@ -150,7 +150,6 @@ def _worker_3d(ctx, t, p, d, sp, recompute, steps, opt, lr, zero, bug, cp=1):
         pgpt.finish_step = lambda stages, dp_group=None, tp_group=None, **kw: finish(stages, dp_group, **kw)
     if bug == "no_cp_expert_sum":     # injected: the local experts' gradients not summed over CP
         import labkit.parallel.gpt as pgpt
-        reduce = pgpt._allreduce_grads
         pgpt._allreduce_grads = lambda params, group: None
     if bug == "no_cp_router_sum":     # injected: the router's gradient (replicated over CP) not averaged over CP
         import labkit.data_parallel.ddp as ddp
@@ -276,3 +275,11 @@ def test_moe_cp_equals_single_device(name, zero):
 def test_moe_cp_checks_catch_bugs(bug):
     with pytest.raises(AssertionError):
         check_3d(run_3d(True, "none", steps=2, bug=bug, grid=(2, 1, 2, 2)), 2, 2)
+
+
+def test_moe_cp_refuses_capacity():
+    from labkit.grid import ProcessGrid
+    from labkit.parallel import ParallelGPT
+    cfg = moe_config_for(CFG, n_routed_experts=4, n_activated_experts=2, capacity_factor=1.0, token_groups=2 * M)
+    with pytest.raises(ValueError, match=r"context parallelism \(cp=2\).*capacity_factor=1.0\) decides over the whole"):
+        ParallelGPT(MoEGPT(CFG, cfg, moe_layer_freq=2, seed=0), ProcessGrid(tp=1, pp=2, dp=2, cp=2, rank=0), "1f1b", M)
