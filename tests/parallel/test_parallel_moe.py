@@ -271,6 +271,12 @@ def test_moe_cp_equals_single_device(name, zero):
     check_3d(run_3d(sp, "none", steps=2, zero=zero, grid=grid), 2, 2)
 
 
+def test_moe_cp_full_recompute_adam():
+    """(t, cp, p, d) = (1, 2, 2, 2) with full recompute (the CP gathers of the balance losses run again in
+    backward) and 3 Adam steps (lr 1e-3, eps 1e-6): the parameters equal one device's."""
+    check_3d(run_3d(False, "full", steps=3, opt="adam", lr=1e-3, grid=(1, 2, 2, 2)), 2, 3, "adam", 1e-3)
+
+
 @pytest.mark.parametrize("bug", ["no_cp_expert_sum", "no_cp_router_sum", "share_1_over_t_cp", "loads_no_cp"])
 def test_moe_cp_checks_catch_bugs(bug):
     with pytest.raises(AssertionError):
