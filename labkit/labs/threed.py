@@ -44,7 +44,10 @@ causal attention work its forwards computed (query-key pairs, summed over its he
 ``--cp-no-load-balance``); their compute time is printed, never judged. ``--hsdp R`` shards over
 the (d/R) C ranks of each replica (R divides d; R = d leaves the C ranks); ``--recompute selective``
 re-runs each CP core in backward (the planner counts the rise of the live bytes while it re-runs).
-Not with MoE.
+With ``--moe`` each CP rank routes its S/C tokens over its EP (= DP) group: the CP row also counts
+the balance losses' gathers of the router logits and indices over CP, the DP row the local
+experts' CP sum, and the experts' activations come from the rows each rank's EP peers of its CP
+rank sent it (not with ``--hsdp``).
 """
 from __future__ import annotations
 
@@ -199,6 +202,9 @@ def _bad_args(a, world) -> str | None:
                 f"chunks; the bytes are the same for the contiguous split)")
     if a.moe and not 1 <= a.topk <= a.experts:
         return f"--topk must be between 1 and --experts={a.experts}, got {a.topk}"
+    if a.moe and a.cp > 1 and a.hsdp > 1:
+        return (f"--moe with --cp {a.cp} is not combined with --hsdp {a.hsdp} here: use --zero 3 without --hsdp, "
+                f"or --cp 1")
     try:
         cfg = _config(a)
         from ..parallel import check_layout
@@ -209,8 +215,6 @@ def _bad_args(a, world) -> str | None:
                      n_experts=a.experts if a.moe else None, cp=a.cp)
         check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq,
                         hsdp=a.hsdp, load_balance=not a.cp_no_load_balance, recompute=a.recompute)
-        if a.cp > 1 and a.moe:
-            raise ValueError("--cp is not combined with --moe here")
     except ValueError as e:
         return str(e)
     from ..parallel.gpt import planner_spec
@@ -219,7 +223,8 @@ def _bad_args(a, world) -> str | None:
     spec = planner_spec(cfg, a.seq, a.batch, _moe_config(a) if a.moe else None, 2)
     lay = Layout(t=a.tp, p=a.pp, d=a.dp, b=a.batch // (a.dp * a.microbatches), M=a.microbatches, schedule="gpipe",
                  ep=a.dp if a.moe else 1, zero=a.zero, sequence_parallel=a.sp, recompute=a.recompute,
-                 precision="fp32", cp=a.cp, etp=1 if a.moe else None)   # labkit's MoE: whole experts
+                 precision="fp32", cp=a.cp, etp=1 if a.moe else None,   # labkit's MoE: whole experts
+                 shard_experts=False)
     return bad_memory(spec, lay, f"--layers {a.layers} --embd {a.embd} --seq {a.seq} --batch {a.batch} "
                                  f"({world} ranks)")
 
@@ -495,7 +500,8 @@ def _planner(a):
         lay = Layout(t=a.tp, p=a.pp, d=a.dp, v=_v(a), b=a.batch // (a.dp * a.microbatches), M=a.microbatches,
                      ep=a.dp if a.moe else 1, etp=1 if a.moe else None,
                      schedule=schedule, placement=placement, zero=a.zero, sequence_parallel=a.sp,
-                     recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention, hsdp=a.hsdp)
+                     recompute=a.recompute, precision="fp32", cp=a.cp, cp_attention=a.cp_attention, hsdp=a.hsdp,
+                     shard_experts=False)   # labkit's ZeRO keeps the local experts whole
         mem = memory_per_rank(spec, lay, device="cpu")   # HSDP: Layout.hsdp shards over d/R
         # the zero-bubble schedules: counted along their actions (ZB-H1, and ZB-V / DualPipeV on the V)
         actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a)) if not act_modeled else None
@@ -524,13 +530,13 @@ def _planner(a):
 def _moe_rows(a, ranks) -> dict:
     """``{rank: {(stage, microbatch): [rows per MoE layer]}}``: the rows each rank's experts received
     in the last step, one entry per MoE layer of the stage in order: its EP peers' (the DP ranks of
-    its pipeline and TP rank; with SP each routed its S/t tokens) recorded tokens per expert on its
-    local experts. The c-th forward of a stage is the
-    microbatch of the stage's c-th F action. Ranks without records (a run of one step): absent."""
+    its pipeline, CP and TP rank; with SP each routed its S/t tokens, with CP its S/cp) recorded
+    tokens per expert on its local experts. The c-th forward of a stage is the microbatch of the
+    stage's c-th F action. Ranks without records (a run of one step): absent."""
     actions = lookup(a.schedule).build(a.pp, a.microbatches, _v(a))
     peers = {}
     for r in ranks:
-        peers.setdefault((r.pp_rank, r.tp_rank), []).append(r)
+        peers.setdefault((r.pp_rank, r.cp_rank, r.tp_rank), []).append(r)
     out = {}
     for r in ranks:
         if r.moe_loads is None:
@@ -542,7 +548,8 @@ def _moe_rows(a, ranks) -> dict:
         rows = {}
         for key, calls in r.moe_loads.items():
             for c, (_, first, n) in enumerate(calls):
-                got = sum(sum(q.moe_loads[key][c][0][first:first + n]) for q in peers[(r.pp_rank, r.tp_rank)])
+                got = sum(sum(q.moe_loads[key][c][0][first:first + n])
+                          for q in peers[(r.pp_rank, r.cp_rank, r.tp_rank)])
                 rows.setdefault((key[0], order[key[0]][c]), []).append(got)
         out[r.rank] = rows
     return out
@@ -567,8 +574,9 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
     by running the router: the planner takes them from the routing the run had (every rank records
     its tokens per expert in the last step, :func:`_record_loads`; a rank's rows are its EP peers'
     counts on its experts, :func:`_moe_rows`; with SP each TP rank routes its S/t tokens over the EP
-    ranks of its TP rank) and counts the peak along the schedule's actions (full recompute: each
-    layer's recomputed stash in the backward, :func:`labkit.plan.memory.schedule_activation_peak`).
+    ranks of its TP rank, with CP each CP rank its S/cp tokens over those of its CP rank) and counts
+    the peak along the schedule's actions (full recompute: each layer's recomputed stash in the
+    backward, :func:`labkit.plan.memory.schedule_activation_peak`).
     The counts come from the run, the bytes from the formula."""
     pred = _planner(a)
     if pred is None:
@@ -612,7 +620,7 @@ def _planner_table(a, out) -> tuple[list[str], list[str]]:
                     if gc != wc + exchanges:
                         bad.append(f"rank {r.rank} ep all_to_all: measured {gc} x; planner {wc} x + {exchanges} "
                                    f"counts exchanges")
-                    ep_groups.setdefault((r.pp_rank, r.tp_rank), []).append((r.rank, gb, wb))
+                    ep_groups.setdefault((r.pp_rank, r.cp_rank, r.tp_rank), []).append((r.rank, gb, wb))
                 elif gb != wb or (gc != wc and not by_bucket):
                     bad.append(f"rank {r.rank} {ax} {kind}: measured {gc} x, {gb} B; planner {wc} x, {wb} B")
             cells.append(f"{ax} {sum(b for _, b in g.values())} ({sum(b for _, b in w.values())})")
@@ -696,11 +704,11 @@ def _print_cp_balance(a, ranks) -> list[str]:
               "what a kernel that skips masked tiles would do (the contiguous split would leave it unbalanced)")
     row = sorted((r for r in ranks if r.tp_rank == 0 and r.dp_rank == 0 and r.pp_rank == 0), key=lambda r: r.cp_rank)
     layers = a.layers // (a.pp * _v(a)) * _v(a)
-    runs = layers * a.microbatches * (2 if a.recompute == "full" else 1)    # full recompute: each forward twice
+    runs = layers * a.microbatches       # full recompute's second forward is not recorded (_cp_core)
     want = [w * runs for w in attention_work(a.seq, a.cp, a.cp_attention, heads, lb)]
     print(f"measured in the last step, {a.cp_attention} attention forwards on pipeline rank 0 (per CP rank): work "
           + ", ".join(str(r.cp_work) for r in row) + f" (formula x {layers} layers x M={a.microbatches}"
-          + (" x 2 (recompute)" if a.recompute == "full" else "") + f", {heads} heads: "
+          + f", {heads} heads: "
           + ", ".join(str(w) for w in want) + "); compute ms " + ", ".join(f"{1e3 * r.cp_seconds:.1f}" for r in row))
     if a.steps == 1:      # step 0 also runs each stage's probe forward on zeros (the pipeline runtime's)
         print("(one step only: it includes the pipeline runtime's probe forward of each stage; work not compared)")

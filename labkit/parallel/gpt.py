@@ -43,7 +43,13 @@ sequence parallelism (t > 1) each CP rank's S/cp tokens are split once more over
 (Megatron-Core runs TP + SP inside each CP rank): the stages exchange ``[b, S/(cp t), H]``, and
 attention sees the S/cp tokens the column-parallel projections all-gather. HSDP with CP (as
 torchtitan's ``(dp_replicate, dp_shard_cp)`` mesh): R replicas of the DP coordinate, each
-sharding over its (d/R) cp ranks, so R = d leaves cp shard ranks. Not with MoE.
+sharding over its (d/R) cp ranks, so R = d leaves cp shard ranks. With the MoE GPT each CP rank
+routes its S/cp tokens and dispatches them over its EP group (the d DP ranks of this CP rank),
+the balance losses are computed on the router logits gathered over CP (and TP with SP), the
+router and shared experts are averaged over the d cp ranks with the dense parameters, and the
+local experts' gradients, scaled 1/(d cp) there, are summed over CP (their expert-data-parallel
+group; Megatron-Core reduces expert gradients over its DP x CP expert group); no capacity
+dropping and no HSDP with it (ValueError).
 
 Global batch B: DP rank r takes rows ``r*B/d .. (r+1)*B/d - 1`` and the pipeline splits them into
 M microbatches of ``b = B/(d*M)`` sequences; the loss is scaled by 1/M once (in the pipeline
@@ -248,6 +254,20 @@ def check_cp_layout(cfg, tp: int, cp: int, cp_attention: str, sequence_parallel:
                              f"{seq_len}/{cp} = {seq_len // cp} tokens must be divisible by t={tp}")
 
 
+@torch.no_grad()
+def _allreduce_grads(params, group) -> None:
+    """Sum the ``.grad`` of ``params`` over ``group`` in one coalesced all-reduce (none without any)."""
+    grads = [q.grad for q in params if q.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([gr.reshape(-1) for gr in grads])
+    comm.all_reduce(flat, group)
+    offset = 0
+    for gr in grads:
+        gr.copy_(flat[offset:offset + gr.numel()].view_as(gr))
+        offset += gr.numel()
+
+
 def _cp_core(attention, group, positions, stats, q, k, v):
     """The attention core of one layer under CP: this rank's local heads, its S/cp queries
     (``stats``: a list the attention appends its work and compute time to, or None)."""
@@ -313,7 +333,8 @@ class ParallelGPT:
             recompute the whole MoE block; with sequence parallelism each TP rank routes and
             dispatches its S/t tokens and the balance losses are computed on the router logits
             all-gathered over TP (:class:`labkit.parallel.moe_pipeline.ParallelMoEBlock`; not with
-            ``capacity_factor``: ValueError).
+            ``capacity_factor``: ValueError); with CP likewise each CP rank's S/cp tokens (module
+            docstring).
         sequence_parallel, recompute: the TP blocks' options (:class:`labkit.tensor_parallel.ParallelBlock`;
             Korthikanti et al. 2022); under SP the stages exchange this rank's ``[b, S/t, H]``
             shard and the ``sequence_parallel`` gradients are all-reduced over TP in :meth:`train_step`.
@@ -340,14 +361,19 @@ class ParallelGPT:
             raise ValueError(f"the MoE GPT with sequence parallelism (t={grid.tp}) routes each TP rank's S/t tokens "
                              f"on its own, but capacity dropping (capacity_factor={moe_cfg.capacity_factor}) "
                              f"decides over the whole group of b*S tokens: use capacity_factor=None with SP")
+        if moe_cfg is not None and cp > 1 and hsdp > 1:
+            raise ValueError(f"the MoE GPT with context parallelism (cp={cp}) is not combined with HSDP (R={hsdp}) "
+                             f"here: use ZeRO-3 without HSDP, or cp = 1")
+        if moe_cfg is not None and cp > 1 and moe_cfg.capacity_factor is not None:
+            raise ValueError(f"the MoE GPT with context parallelism (cp={cp}) routes each CP rank's S/cp tokens "
+                             f"on its own, but capacity dropping (capacity_factor={moe_cfg.capacity_factor}) "
+                             f"decides over the whole group of b*S tokens: use capacity_factor=None with CP")
         check_layout(cfg, grid.ctx.world_size // cp, grid.tp, grid.pp, grid.dp, v, n_microbatches, schedule=schedule,
                      sequence_parallel=sequence_parallel, recompute=recompute, zero=zero, hsdp=hsdp,
                      n_experts=None if moe_cfg is None else moe_cfg.n_routed_experts, cp=cp)
         if cp > 1:
             check_cp_layout(cfg, grid.tp, cp, cp_attention, sequence_parallel, zero, hsdp=hsdp,
                             load_balance=cp_load_balance, recompute=recompute)
-            if moe_cfg is not None:
-                raise ValueError("context parallelism (cp > 1) is not combined with the MoE GPT here")
         self.cp, self.cp_attention, self.cp_load_balance = cp, cp_attention, bool(cp_load_balance)
         self.cp_stats: list = []    # the CP attention's {"work", "heads", "seconds", ...} (cleared by the caller)
         if moe_cfg is not None:
@@ -375,7 +401,8 @@ class ParallelGPT:
             if self.moe:
                 plan = {**plan, "blocks.*": moe_block_rule(grid.ep_group, grid.ep_rank, grid.ep, plan.get("blocks.*"),
                                                            sequence_parallel=self.sequence_parallel,
-                                                           recompute=recompute)}
+                                                           recompute=recompute,
+                                                           cp_group=grid.cp_group if cp > 1 else None)}
         self.modules: list[nn.Module] = []
         for s in self.stage_ids:
             if self.moe:                                                                    # slice
@@ -384,6 +411,8 @@ class ParallelGPT:
                 stage = reference.slice(stage_layers(cfg.n_layer, n, s), s == 0, s == n - 1)
             parallelize(stage, group, plan)                                                 # parallelize
             self.modules.append(stage.to(device))
+        # the local experts: replicated over CP, each copy's gradient covers its CP rank's tokens
+        self._expert_params = [q for m in self.modules for nm, q in m.named_parameters() if nm in expert_param_names(m)]
         # embedding group: first and last pipeline rank with this (dp_rank, tp_rank); every rank
         # creates every group, in the same order (a torch rule)
         self.emb_group, self.emb_ranks = None, ()
@@ -509,8 +538,10 @@ class ParallelGPT:
             allreduce_layernorm_grads(nn.ModuleList(self.modules), self.grid.tp_group)
         elif self.sequence_parallel and self.moe:   # ZeRO-2/3 keep the local experts whole, outside their hooks
             allreduce_sequence_parallel_grads([q for w in self.sharded for q in w.expert_params], self.grid.tp_group)
+        if self.moe and self.cp > 1:     # the local experts' copies over CP each saw their CP rank's tokens
+            _allreduce_grads(self._expert_params, self.grid.cp_group)
         if self.moe and any(layer.cfg.expert_bias for m in self.modules for layer in m.moe_layers().values()):
-            finish_step(self.modules, self.grid.dp_group if self.grid.dp > 1 else None,    # aux-loss-free bias
+            finish_step(self.modules, self.dp_cp_group if self.dp_cp > 1 else None,    # aux-loss-free bias
                         self.grid.tp_group if self.sequence_parallel else None,
                         clear_aux_values=False)    # take_aux_loss reports and clears them
         if self.emb_group is not None:        # the two copies' gradients summed (full ones: ZeRO-2/3 defer them)
@@ -667,8 +698,12 @@ class ParallelGPT:
         if self.cp > 1 and ranks == set(g.ranks("cp")) and rec.kind != "all_reduce" and len(rec.shape) > 1:
             return "cp"      # attention's K/V traffic: [.., s, ..] blocks (DDP's all-reduce and ZeRO's flat 1-D
             #                  buffers are DP's, over the same ranks when d = 1)
+        if self.cp > 1 and ranks == set(g.ranks("cp")) and rec.kind == "all_reduce":
+            return "dp"      # MoE: the local experts' gradients summed over CP (their expert-DP group)
         if rec.kind in ("send", "recv"):
             return "pp"
+        if rec.kind == "all_to_all" and self.moe and ranks == set(g.ranks("dp")) and g.dp > 1:
+            return "ep"      # EP folded onto the DP ranks of this CP rank (the d cp ranks' group is DP's)
         if ranks == tp_r and g.tp > 1:
             return "tp"
         if ranks == dp_r and len(dp_r) > 1:
@@ -711,7 +746,7 @@ class ParallelGPT:
                      schedule="interleaved" if self.v > 1 else "1f1b",
                      zero=self.zero, precision="fp32", placement=self.placement,
                      sequence_parallel=self.sequence_parallel, recompute=self.recompute,
-                     cp=self.cp, cp_attention=self.cp_attention)
+                     cp=self.cp, cp_attention=self.cp_attention, shard_experts=False)
         buckets = sum(len(w.buckets) for w in self.ddp if w is not None) or None
         actions = list(self.schedule.actions[self.schedule.rank])   # split backward: ZeRO-3 gathers along them
         axes = comm_per_rank(spec, lay, pp_rank=g.pp_rank, act_bytes=bytes_per_element, dp_buckets=buckets,

@@ -51,7 +51,21 @@ class ParallelMoEBlock(nn.Module):
     it (:class:`MoEGPTStage`), so the gradients summed over TP are the reference's. The loads
     ``tokens_per_expert`` are this rank's tokens' (summed over TP and DP for the aux-loss-free
     bias, :func:`labkit.moe.pipeline.finish_step`). Not with capacity dropping (whose choices need
-    the whole group): :class:`labkit.parallel.ParallelGPT` refuses it.
+    the whole group): :class:`labkit.parallel.ParallelGPT` refuses it, with SP and with CP.
+
+    ``cp_group`` (context parallelism, cp > 1; None: no CP): the block's input holds this CP rank's
+    share of every sequence (``[b, S/cp, H]``, with SP ``[b, S/(cp t), H]``), and the MoE layer
+    routes and dispatches those tokens over ``ep_group`` (the EP ranks with this CP and TP rank;
+    Megatron-Core's MoE under CP routes each CP rank's local tokens). The balance losses are
+    computed on the whole group: the logits (and indices) gathered over TP (SP) and then over the
+    CP group along the sequence, so each row is one whole sequence (the CP ranks' chunks in rank
+    order: every loss is a mean over tokens, the sequence-wise one per sequence, so the order of
+    the tokens inside a sequence does not change it). The gradients of a CP rank then average over
+    the d cp ranks of a stage (the LM loss of a rank is the mean over its tokens), so every rank
+    attaches the whole loss (1/t with SP): the backward reduce-scatter over CP sums the cp ranks'
+    shares into each rank's dlogits, and the average over CP gives the reference's. The router
+    and shared experts are replicated over the d cp ranks (averaged with the dense parameters);
+    the local experts' gradients are summed over CP by :class:`labkit.parallel.ParallelGPT`.
 
     ``recompute``: "selective" checkpoints the attention core (Korthikanti et al. 2022 sec. 5), as
     in the dense blocks; "full" checkpoints the whole block (:func:`labkit.checkpoint.checkpoint`
@@ -61,7 +75,7 @@ class ParallelMoEBlock(nn.Module):
     ``tokens_per_expert``."""
 
     def __init__(self, ref: MoEBlock, tp_group, ep_group, ep_rank: int, ep_size: int, recompute_core: bool = False,
-                 sequence_parallel: bool = False, recompute: str = "none"):
+                 sequence_parallel: bool = False, recompute: str = "none", cp_group=None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
@@ -74,32 +88,38 @@ class ParallelMoEBlock(nn.Module):
                      if tp_group is not None or recompute_core else copy.deepcopy(ref.attn))
         self.moe = ExpertParallelMoE.from_dense(ref.moe, ep_group, ep_rank, ep_size)
         self.aux_loss_share = 1.0
-        if self.sequence_parallel:
+        self.cp_group = cp_group if cp_group is not None and tp_size(cp_group) > 1 else None
+        if self.sequence_parallel or self.cp_group is not None:
             self.moe.compute_balance_losses = False          # computed on the whole group in _group_losses
-            self.aux_loss_share = 1.0 / tp_size(tp_group)
+        if self.sequence_parallel:
+            self.aux_loss_share = 1.0 / tp_size(tp_group)    # summed over TP (CP: averaged, a share of 1)
             mark_sequence_parallel(*self.ln1.parameters(), *self.ln2.parameters(), *self.moe.parameters())
 
     def _block(self, x):
         x = x + self.attn(self.ln1(x))
         h = self.ln2(x)
         y, stats = self.moe(h)
-        if self.sequence_parallel:
+        if self.sequence_parallel or self.cp_group is not None:
             stats.losses = self._group_losses(stats.router, h.shape[0], h.shape[1])
             stats.aux_loss = sum(stats.losses.values()) if stats.losses else h.new_zeros(())
         return x + y, stats
 
     def _group_losses(self, r, b: int, s: int) -> dict:
         """The balance losses of the whole group from this rank's routing ``r`` of its ``[b, s]``
-        tokens (s = S/t): logits all-gathered along the sequence (differentiable, backward
-        reduce-scatter) and indices all-gathered, in the reference's token order [b, S]."""
+        tokens (s = S/t with SP, S/cp with CP, S/(cp t) with both): logits all-gathered along the
+        sequence (differentiable, backward reduce-scatter) and indices all-gathered, over TP (SP;
+        the reference's token order) and then over CP (each row one whole sequence), [b, S]."""
         if not any(getattr(self.moe.cfg, c) for c in ("aux_loss_coeff", "z_loss_coeff", "seq_aux_loss_coeff",
                                                          "device_loss_coeff", "comm_loss_coeff")):
             return {}
-        t = tp_size(self.tp_group)
-        logits = gather_from_sequence_parallel_region(r.logits.view(b, s, -1), self.tp_group)
-        indices = all_gather_along_dim(r.indices.reshape(b, s, -1), 1, self.tp_group)
-        whole = SimpleNamespace(logits=logits.reshape(b * s * t, -1), indices=indices.reshape(b * s * t, -1))
-        return self.moe.balance_losses([whole], [None], s * t)
+        logits, indices = r.logits.view(b, s, -1), r.indices.reshape(b, s, -1)
+        for group in (self.tp_group if self.sequence_parallel else None, self.cp_group):
+            if group is not None:
+                logits = gather_from_sequence_parallel_region(logits, group)
+                indices = all_gather_along_dim(indices, 1, group)
+        S = logits.shape[1]
+        whole = SimpleNamespace(logits=logits.reshape(b * S, -1), indices=indices.reshape(b * S, -1))
+        return self.moe.balance_losses([whole], [None], S)
 
     def _block_tensors(self, x):
         y, stats = self._block(x)
@@ -113,14 +133,14 @@ class ParallelMoEBlock(nn.Module):
 
 
 def moe_block_rule(ep_group, ep_rank: int, ep_size: int, dense_rule=None, recompute_core: bool = False,
-                   sequence_parallel: bool = False, recompute: str = "none"):
+                   sequence_parallel: bool = False, recompute: str = "none", cp_group=None):
     """A plan rule for ``"blocks.*"`` of the MoE GPT (:func:`labkit.tensor_parallel.parallelize`): an
-    MoE block becomes a :class:`ParallelMoEBlock` (``sequence_parallel``, ``recompute`` as there),
-    a dense block goes to ``dense_rule`` (None: kept)."""
+    MoE block becomes a :class:`ParallelMoEBlock` (``sequence_parallel``, ``recompute``, ``cp_group``
+    as there), a dense block goes to ``dense_rule`` (None: kept)."""
     def rule(block, group):
         if isinstance(block, MoEBlock):
             return ParallelMoEBlock(block, group, ep_group, ep_rank, ep_size, recompute_core, sequence_parallel,
-                                    recompute)
+                                    recompute, cp_group)
         return dense_rule(block, group) if dense_rule is not None else block
     return rule
 

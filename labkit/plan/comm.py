@@ -42,7 +42,12 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   4 all-to-alls (q, k, v, output) forward and 4 backward of b (s/cp) d e (2a + 2a_kv)/t bytes in
   all. Recompute repeats the forward's (full; selective too, which checkpoints the CP core). The
   parameter gradients are reduced over the d cp ranks (the DP axis's group becomes d cp,
-  Megatron-Core's data-parallel group with CP).
+  Megatron-Core's data-parallel group with CP; the local experts' over the d/ep cp ranks that hold
+  them: ZeRO shards them there too, or with ``Layout.shard_experts`` False one all-reduce). A MoE
+  layer's balance losses (labkit's :class:`labkit.parallel.moe_pipeline.ParallelMoEBlock`)
+  all-gather over CP the router logits ``N E e`` and the top-k indices ``8 N k`` of this CP rank's
+  N tokens (after the TP gather with SP; again with full recompute) and reduce-scatter the
+  logits' gradient ``cp N E e``.
 * EP: each MoE layer sends its k routed copies of the tokens to the experts' ranks and back
   (2 all-to-alls forward, 2 backward).
 
@@ -248,6 +253,11 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
             q = N * (spec.n_head // t) * d_h * e
             for each in (q, kv, kv, q):
                 cp.add("all_to_all", fwd + Ml * L_r, each)
+        if n_moe:   # the balance losses on the whole group: logits and indices all-gathered over CP, dlogits back
+            again = 2 if lay.recompute == "full" else 1
+            cp.add("all_gather", Ml * n_moe * again, N * spec.n_routed_experts * e)
+            cp.add("all_gather", Ml * n_moe * again, N * spec.n_activated_experts * 8)
+            cp.add("reduce_scatter", Ml * n_moe, lay.cp * N * spec.n_routed_experts * e)
 
     # ---- PP: sends and receives of this rank's chunks
     pp = out["pp"]
@@ -282,9 +292,10 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
                 padded = _zero_shard(u, dd) * dd
                 sub.add("all_gather", M * (2 if lay.reshard_after_forward else 1), padded // dd * pb)
                 sub.add("reduce_scatter", 1, padded * gb)
-        elif lay.zero == 0:       # one reduction per model chunk (each chunk its own DDP), payload n in all
+        elif lay.zero == 0 or (k == 1 and not lay.shard_experts):   # one reduction per model chunk (each chunk
+            #                     its own DDP), payload n in all; whole experts: all-reduced over their group
             sub.add("all_reduce", 1, n * gb)
-            if buckets or v > 1:
+            if (buckets or v > 1) and (k == 0 or lay.shard_experts):   # whole experts: one coalesced
                 sub.ops["all_reduce"] = (buckets or v, n * gb)
         else:
             padded = _zero_shard(n, dd) * dd

@@ -493,6 +493,9 @@ def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
     """Activation bytes of one layer, one microbatch, on one rank (s/cp tokens with CP)."""
     if lay.cp > 1:
         n = _layer_act(cp_local(spec, lay), dataclasses.replace(lay, cp=1), moe, device)
+        if moe and lay.recompute != "full" and spec.is_moe:   # the balance loss sees the b s tokens gathered over CP
+            n += _moe_loss_act(spec.seq_len * lay.b, spec, lay) - _moe_loss_act(spec.seq_len * lay.b // lay.cp, spec,
+                                                                                 lay)
         if lay.fused_attention or lay.recompute != "none":
             return n
         # labkit's unfused layer at s/cp tokens, its attention core replaced by what the CP core keeps
@@ -520,8 +523,16 @@ def _layer_act(spec: ModelSpec, lay: Layout, moe: bool, device: str) -> int:
 def moe_balanced_rows(spec: ModelSpec, lay: Layout) -> int:
     """Rows one rank's experts receive per MoE layer and microbatch when the routing is balanced:
     ``s b k`` (every rank sends ``s b k`` slots, so this is the mean over the EP group); with
-    sequence parallelism ``s b k / t`` (each TP rank routes its S/t tokens over its EP group)."""
-    return spec.seq_len * lay.b * spec.n_activated_experts // (lay.t if lay.sequence_parallel else 1)
+    sequence parallelism ``s b k / t`` (each TP rank routes its S/t tokens over its EP group), with
+    context parallelism ``/ cp`` (each CP rank routes its S/cp tokens)."""
+    return spec.seq_len * lay.b * spec.n_activated_experts // (lay.t if lay.sequence_parallel else 1) // lay.cp
+
+
+def _moe_loss_act(tokens: int, spec: ModelSpec, lay: Layout) -> int:
+    """The Switch aux loss's part of :func:`.activations.moe_layer_activation_bytes` over ``tokens``."""
+    n = moe_layer_activation_bytes(0, spec.hidden, spec.n_routed_experts, spec.n_activated_experts,
+                                   spec.moe_ffn or spec.ffn_hidden, BYTES[lay.precision][0], 0, loss_tokens=tokens)
+    return n
 
 
 def _moe_act(spec: ModelSpec, lay: Layout, received_rows: int | None = None) -> int:
@@ -583,7 +594,7 @@ def memory_per_rank(spec: ModelSpec, lay: Layout, device: str = "cuda") -> list[
         units3 = zero3_units(spec, lay, r) if z == 3 else [dense]
         dense_shard = sum(_zero_shard(n, d) for n in units3)
         ds = lambda stage: dense_shard if z >= stage else dense                        # noqa: E731, B023
-        es = lambda stage: _zero_shard(expert, d_exp) if z >= stage else expert        # noqa: E731, B023
+        es = lambda stage: _zero_shard(expert, d_exp) if z >= stage and lay.shard_experts else expert  # noqa: E731, B023
         params, grads, opt = pb * (ds(3) + es(3)), gb * (ds(2) + es(2)), ob * (ds(1) + es(1))
         # ZeRO-3's gathered units (two neighbours at a time, the next one prefetched)
         gathered = pb * zero3_gathered_peak(units3, d, lay.reshard_after_forward, zero3_shared_unit(spec, lay)) \

@@ -245,7 +245,11 @@ class Layout:
     ``etp`` of the t TP ranks; None: t, Megatron-Core's default; 1: whole experts on every TP
     rank, as labkit's MoE blocks hold them); ``hsdp``: R replicas of ZeRO-3 (HSDP, Zhao et al.
     2023 sec. 3.2: the dense model states sharded over the d/R ranks of a shard group and
-    replicated across the R groups; the local experts stay whole, EP = d)."""
+    replicated across the R groups; the local experts stay whole, EP = d); ``shard_experts``
+    (ZeRO 1-3 with an expert-data-parallel group of d/ep cp > 1 ranks: True, Megatron-Core's
+    distributed optimizer, shards the experts' states over it; False, labkit's
+    :class:`labkit.parallel.ParallelGPT`, keeps the local experts whole and all-reduces their
+    gradients over it)."""
 
     t: int = 1
     p: int = 1
@@ -268,6 +272,7 @@ class Layout:
     cp_attention: str = "allgather"
     etp: int | None = None
     hsdp: int = 1
+    shard_experts: bool = True
 
     @property
     def expert_tp(self) -> int:

@@ -380,6 +380,8 @@ def test_lab_3d_moe_sp_and_full_recompute_equal_one_device_and_the_planner(extra
 @pytest.mark.parametrize("argv,msg", [
     (["--moe", "--experts", "3"], "n_routed_experts E=3 must be divisible by the EP size 2"),
     (["--moe", "--topk", "5"], "--topk must be between 1 and --experts=4, got 5"),
+    (["--moe", "--tp", "1", "--pp", "1", "--dp", "2", "--cp", "2", "--zero", "3", "--hsdp", "2"],
+     "--moe with --cp 2 is not combined with --hsdp 2"),
 ])
 def test_lab_3d_moe_errors(argv, msg, capsys, tmp_path):
     rc = main(["lab", "3d", "--heads", "2", "--embd", "16", "--microbatches", "2", *argv, "--out", str(tmp_path)])
@@ -493,3 +495,62 @@ def test_lab_3d_zb_h1_m4_activations_equal_the_planner(tmp_path, capsys, monkeyp
     monkeypatch.setitem(threed._PLANNER_SCHEDULE, "zb-h1", ("1f1b", "loop", True))
     bad = threed._planner_table(a, out)[1]
     assert bad and all("activations" in b for b in bad), bad
+
+
+# --moe with context parallelism at (t, cp, p, d) = (1, 2, 2, 2): each CP rank routes its S/cp tokens over its
+# EP (= DP) group; the balance losses on the logits gathered over CP
+CPMOE = ["--tp", "1", "--pp", "2", "--dp", "2", "--cp", "2", "--moe", "--experts", "4", "--topk", "2", "--no-plots",
+         "--steps", "2", "--batch", "4", "--seq", "16", "--layers", "4", "--embd", "16", "--heads", "2",
+         "--microbatches", "2"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--zero", "2", "--recompute", "full"]], ids=lambda e: " ".join(e) or "ddp")
+def test_lab_3d_moe_cp_equals_one_device_and_the_planner(extra, tmp_path, capsys, monkeypatch):
+    """--moe --cp 2 (issue 19): equal to one device; model states, bytes per axis (CP: ring's K/V and the
+    balance losses' gathers of logits and indices, their reduce-scatter; DP: the local experts' CP sum)
+    equal the planner's, activations within 2 % on every rank (the experts' rows from each CP rank's EP
+    peers). Injected planner bugs: the CP gathers of the balance losses forgotten (the CP counts); the
+    balanced expert rows of the whole sequence on each CP rank (activations)."""
+    argv = [*CPMOE, *extra]
+    rc = main(["lab", "3d", *argv, "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert "OK   t1 cp2 ring p2 d2 1f1b" in cap.out and "FAIL:" not in cap.out + cap.err, cap.out
+    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    assert len(rows) == 8
+    for row in rows:
+        assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
+        assert row[8] != "n/a" and abs(float(row[9].rstrip("%"))) <= 2.0, row
+    from labkit.labs import threed
+    from labkit.plan import comm as plan_comm
+    from labkit.plan import memory as plan_memory
+    a, out = threed.parse_args(argv), threed.LAB.result
+    assert threed._planner_table(a, out)[1] == []
+    add = plan_comm.AxisComm.add
+
+    def no_loss_gathers(self, kind, count, each):      # ring attention's CP traffic is sends and receives
+        if not (self.axis == "cp" and kind in ("all_gather", "reduce_scatter")):
+            add(self, kind, count, each)
+    with monkeypatch.context() as m:
+        m.setattr(plan_comm.AxisComm, "add", no_loss_gathers)
+        bad = threed._planner_table(a, out)[1]
+    assert bad and all(" cp all_gather" in b or " cp reduce_scatter" in b for b in bad), bad
+    rows_of = plan_memory.moe_balanced_rows
+    monkeypatch.setattr(plan_memory, "moe_balanced_rows",
+                        lambda spec, lay: rows_of(spec, plan_memory.dataclasses.replace(lay, cp=1)))
+    bad = threed._planner_table(a, out)[1]
+    assert bad and all("activations" in b for b in bad), bad
+
+
+def test_lab_3d_moe_cp_share_bug_is_caught(tmp_path, capsys, monkeypatch):
+    """Injected: every CP rank attaches 1/cp of the balance loss (the gradients already average over CP):
+    the verdict FAILs."""
+    from labkit.parallel import moe_pipeline as mpp
+    init = mpp.ParallelMoEBlock.__init__
+
+    def split_loss(self, *args, **kw):
+        init(self, *args, **kw)
+        self.aux_loss_share = self.aux_loss_share / 2
+    monkeypatch.setattr(mpp.ParallelMoEBlock, "__init__", split_loss)
+    rc = main(["lab", "3d", *CPMOE, "--steps", "1", "--out", str(tmp_path)])
+    assert rc == 1 and "FAIL t1 cp2 ring p2 d2 1f1b" in capsys.readouterr().out

@@ -129,7 +129,7 @@ def reference_3d(d, steps, opt="sgd", lr=LR):
     return hist, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker_3d(ctx, t, p, d, sp, recompute, steps, opt, lr, zero, bug):
+def _worker_3d(ctx, t, p, d, sp, recompute, steps, opt, lr, zero, bug, cp=1):
     from labkit.comm import all_reduce
     from labkit.parallel import ParallelGPT
     if bug == "no_tp_router_sum":     # injected: the router's gradient not summed over TP under SP
@@ -148,7 +148,31 @@ def _worker_3d(ctx, t, p, d, sp, recompute, steps, opt, lr, zero, bug):
         import labkit.parallel.gpt as pgpt
         finish = pgpt.finish_step
         pgpt.finish_step = lambda stages, dp_group=None, tp_group=None, **kw: finish(stages, dp_group, **kw)
-    grid = make_grid(ctx, tp=t, pp=p, dp=d)
+    if bug == "no_cp_expert_sum":     # injected: the local experts' gradients not summed over CP
+        import labkit.parallel.gpt as pgpt
+        pgpt._allreduce_grads = lambda params, group: None
+    if bug == "no_cp_router_sum":     # injected: the router's gradient (replicated over CP) not averaged over CP
+        import labkit.data_parallel.ddp as ddp
+        init = ddp.DistributedDataParallel.__init__
+
+        def local_router(self, module, group, *a, expert_params=(), **k):
+            routers = [n for n, q in module.named_parameters() if n.endswith("router.weight")]
+            init(self, module, group, *a, expert_params=[*expert_params, *routers], **k)
+        ddp.DistributedDataParallel.__init__ = local_router
+    if bug == "share_1_over_t_cp":    # injected: every rank attaches 1/(t cp) of the balance loss
+        import labkit.parallel.moe_pipeline as mpp
+        init = mpp.ParallelMoEBlock.__init__
+
+        def shared(self, *a, **k):
+            init(self, *a, **k)
+            self.aux_loss_share = self.aux_loss_share / cp
+        mpp.ParallelMoEBlock.__init__ = shared
+    if bug == "loads_no_cp":          # injected: the bias loads summed over DP only, not CP
+        import labkit.parallel.gpt as pgpt
+        finish = pgpt.finish_step
+        pgpt.finish_step = lambda stages, dp_group=None, tp_group=None, **kw: finish(
+            stages, grid.dp_group if grid.dp > 1 else None, tp_group, **kw)
+    grid = make_grid(ctx, tp=t, pp=p, dp=d, cp=cp)
     pg = ParallelGPT(MoEGPT(CFG, moe_all(d), moe_layer_freq=2, seed=0), grid, "1f1b", M, zero=zero,
                      bucket_cap_mb=0.002, sequence_parallel=sp, recompute=recompute)
     pg.make_optimizer(opt, lr, **({"eps": 1e-6} if opt == "adam" else {}))
@@ -193,8 +217,10 @@ def check_3d(out, d, steps, opt="sgd", lr=LR):
     assert got.keys() == ref_params.keys() and not bad, f"parameters differ after {steps} steps: {bad}"
 
 
-def run_3d(sp, recompute, steps=3, opt="sgd", lr=LR, zero=0, bug=None):
-    return launch(_worker_3d, 8, 2, 2, 2, sp, recompute, steps, opt, lr, zero, bug, backend="gloo")
+def run_3d(sp, recompute, steps=3, opt="sgd", lr=LR, zero=0, bug=None, grid=(2, 2, 2, 1)):
+    t, p, d, cp = grid
+    return launch(_worker_3d, t * p * d * cp, t, p, d, sp, recompute, steps, opt, lr, zero, bug, cp,
+                  backend="gloo")
 
 
 @pytest.mark.parametrize("sp,recompute,zero", [(True, "none", 0), (False, "full", 0), (True, "full", 0),
@@ -227,3 +253,39 @@ def test_moe_sp_refuses_capacity():
     with pytest.raises(ValueError, match=r"capacity_factor=1.0\) decides over the whole group"):
         ParallelGPT(MoEGPT(CFG, cfg, moe_layer_freq=2, seed=0), ProcessGrid(tp=2, pp=2, dp=2, rank=0), "1f1b", M,
                     sequence_parallel=True)
+
+
+# context parallelism with MoE: (t, cp, p, d) = (1, 2, 2, 2) and, with SP, (2, 2, 1, 2); EP = d per CP rank
+CP_GRIDS = {"t1-cp2-p2-d2": ((1, 2, 2, 2), False), "t2-cp2-p1-d2-sp": ((2, 1, 2, 2), True)}
+
+
+@pytest.mark.parametrize("name,zero", [("t1-cp2-p2-d2", 0), ("t2-cp2-p1-d2-sp", 0), ("t2-cp2-p1-d2-sp", 2)],
+                         ids=["t1-cp2-p2-d2", "t2-cp2-p1-d2-sp", "t2-cp2-p1-d2-sp-zero2"])
+def test_moe_cp_equals_single_device(name, zero):
+    """CP x MoE: each CP rank routes its S/cp tokens (S/(cp t) with SP) and dispatches them over its
+    EP (= DP) group; the balance losses on the logits gathered over TP and CP, the whole loss (1/t
+    with SP) on every rank; the router averaged over the d cp ranks, the local experts' gradients
+    summed over CP; the bias loads summed over TP, CP and DP. Loss, every gradient and the bias at
+    each of 2 SGD steps, and the parameters after them, equal one device."""
+    grid, sp = CP_GRIDS[name]
+    check_3d(run_3d(sp, "none", steps=2, zero=zero, grid=grid), 2, 2)
+
+
+def test_moe_cp_full_recompute_adam():
+    """(t, cp, p, d) = (1, 2, 2, 2) with full recompute (the CP gathers of the balance losses run again in
+    backward) and 3 Adam steps (lr 1e-3, eps 1e-6): the parameters equal one device's."""
+    check_3d(run_3d(False, "full", steps=3, opt="adam", lr=1e-3, grid=(1, 2, 2, 2)), 2, 3, "adam", 1e-3)
+
+
+@pytest.mark.parametrize("bug", ["no_cp_expert_sum", "no_cp_router_sum", "share_1_over_t_cp", "loads_no_cp"])
+def test_moe_cp_checks_catch_bugs(bug):
+    with pytest.raises(AssertionError):
+        check_3d(run_3d(True, "none", steps=2, bug=bug, grid=(2, 1, 2, 2)), 2, 2)
+
+
+def test_moe_cp_refuses_capacity():
+    from labkit.grid import ProcessGrid
+    from labkit.parallel import ParallelGPT
+    cfg = moe_config_for(CFG, n_routed_experts=4, n_activated_experts=2, capacity_factor=1.0, token_groups=2 * M)
+    with pytest.raises(ValueError, match=r"context parallelism \(cp=2\).*capacity_factor=1.0\) decides over the whole"):
+        ParallelGPT(MoEGPT(CFG, cfg, moe_layer_freq=2, seed=0), ProcessGrid(tp=1, pp=2, dp=2, cp=2, rank=0), "1f1b", M)
