@@ -7,6 +7,17 @@ SMALL = ["--steps", "3", "--batch", "8", "--seq", "16", "--layers", "2", "--embd
          "--microbatches", "2"]
 
 
+def _planner_rows(text: str) -> list[list[str]]:
+    """The per-rank rows of lab 3d's planner table, split on blanks."""
+    return [ln.split() for ln in text.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+
+
+def _assert_planner_holds(rows) -> None:
+    """Parameters, gradients and optimizer state equal the planner's; activations compared, within 2 %."""
+    for row in rows:
+        assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
+        assert row[8] != "n/a" and abs(float(row[9].rstrip("%"))) <= 2.0, row
+
 def test_lab_3d_ok(tmp_path, capsys):
     rc = main(["lab", "3d", "--tp", "2", "--pp", "2", "--dp", "1", "--tied", "--out", str(tmp_path), *SMALL])
     out = capsys.readouterr().out
@@ -178,7 +189,7 @@ def test_lab_3d_sp_and_recompute_equal_one_device_and_the_planner(extra, tmp_pat
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     assert "OK   t2 p2 d2 " in cap.out and "FAIL" not in cap.err
-    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    rows = _planner_rows(cap.out)
     assert len(rows) == 8
     for row in rows:                                       # params, grads, optimizer: measured == planner
         assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
@@ -206,7 +217,7 @@ def test_lab_3d_v_schedules_activations_equal_the_planner(extra, tmp_path, capsy
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     assert f"OK   t2 p2 d1 {extra[1]}" in cap.out and "FAIL" not in cap.err and "not compared" not in cap.out
-    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    rows = _planner_rows(cap.out)
     assert len(rows) == 4
     for row in rows:
         assert row[7] != "-" and row[8] != "n/a" and abs(float(row[9].rstrip("%"))) <= 2.0, row
@@ -232,7 +243,7 @@ def test_lab_3d_zero_bubble_with_cp_activations_equal_the_planner(extra, tmp_pat
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     assert f"OK   t1 cp2 {extra[3]} p2 d1 {extra[1]}" in cap.out and "not compared" not in cap.out, cap.out
-    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    rows = _planner_rows(cap.out)
     assert len(rows) == 4
     for row in rows:
         assert row[8] != "n/a" and abs(float(row[9].rstrip("%"))) <= 2.0, row
@@ -294,7 +305,7 @@ def test_lab_3d_moe_ep2_equals_one_device(tmp_path, capsys, monkeypatch):
     a, out = threed.parse_args(argv), threed.LAB.result
     assert threed._planner_table(a, out)[1] == []
     # activations compared on every rank, the MoE stage's from the rows each rank received
-    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    rows = _planner_rows(cap.out)
     assert len(rows) == 8 and all(abs(float(row[9].rstrip("%"))) <= 2.0 for row in rows), rows
     assert {r.rank for r in out.ranks if r.moe_loads} == {4, 5, 6, 7}
     from labkit.plan import activations as plan_act
@@ -340,11 +351,9 @@ def test_lab_3d_moe_sp_and_full_recompute_equal_one_device_and_the_planner(extra
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     assert "OK   t2 p2 d2 1f1b" in cap.out and "FAIL" not in cap.err and "MoE, expert TP 1" in cap.out
-    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    rows = _planner_rows(cap.out)
     assert len(rows) == 8
-    for row in rows:
-        assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
-        assert row[8] != "n/a" and abs(float(row[9].rstrip("%"))) <= 2.0, row
+    _assert_planner_holds(rows)
     from labkit.labs import threed
     a, out = threed.parse_args(argv), threed.LAB.result
     assert threed._planner_table(a, out)[1] == []
@@ -487,7 +496,7 @@ def test_lab_3d_zb_h1_m4_activations_equal_the_planner(tmp_path, capsys, monkeyp
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     assert "OK   t1 p2 d1 zb-h1" in cap.out and "FAIL:" not in cap.err and "not compared" not in cap.out
-    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    rows = _planner_rows(cap.out)
     assert len(rows) == 2 and all(abs(float(row[9].rstrip("%"))) <= 2.0 for row in rows), rows
     from labkit.labs import threed
     a, out = threed.parse_args(argv), threed.LAB.result
@@ -516,11 +525,9 @@ def test_lab_3d_moe_cp_equals_one_device_and_the_planner(extra, tmp_path, capsys
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     assert "OK   t1 cp2 ring p2 d2 1f1b" in cap.out and "FAIL:" not in cap.out + cap.err, cap.out
-    rows = [ln.split() for ln in cap.out.splitlines() if ln[:4].strip().isdigit() and "(" in ln]
+    rows = _planner_rows(cap.out)
     assert len(rows) == 8
-    for row in rows:
-        assert row[1] == row[2] and row[3] == row[4] and row[5] == row[6], row
-        assert row[8] != "n/a" and abs(float(row[9].rstrip("%"))) <= 2.0, row
+    _assert_planner_holds(rows)
     from labkit.labs import threed
     from labkit.plan import comm as plan_comm
     from labkit.plan import memory as plan_memory
