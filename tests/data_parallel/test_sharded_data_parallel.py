@@ -34,16 +34,19 @@ def make_opt(params, opt):
     return torch.optim.SGD(params, lr=LR) if opt == "sgd" else torch.optim.Adam(params, lr=1e-2)
 
 
-def reference(steps, opt):
-    model = GPT(CFG, seed=0)
-    o = make_opt(model.parameters(), opt)
+def reference(steps, opt, cfg=CFG, make=make_opt):
+    """Single-device training of ``cfg``'s GPT: per-step gradients, final parameters (a tied
+    matrix under both its names), optimizer state bytes."""
+    model = GPT(cfg, seed=0)
+    o = make(model.parameters(), opt)
     grads = []
     for x, y in batches(steps):
         o.zero_grad()
         model(x, y).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
         o.step()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, optimizer_state_bytes(o)
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return grads, params, optimizer_state_bytes(o)
 
 
 def assert_close(got, want, what):
@@ -219,24 +222,12 @@ def tied_opt(params, opt):
     return torch.optim.SGD(params, lr=LR) if opt == "sgd" else torch.optim.Adam(params, lr=1e-3, eps=1e-6)
 
 
-def tied_reference(steps, opt):
-    model = GPT(TIED, seed=0)
-    o = tied_opt(model.parameters(), opt)
-    grads = []
-    for x, y in batches(steps):
-        o.zero_grad()
-        model(x, y).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
-        o.step()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-
-
 @pytest.mark.parametrize("opt_name,steps,reshard", [("sgd", 3, True), ("adam", 3, False)])
 def test_fsdp_tied_embedding_one_unit(opt_name, steps, reshard):
     """A tied embedding and output layer: the modules sharing the matrix are one unit (gathered
     before the embedding's forward, kept for the head's, its gradient the sum of both uses before
     the one reduce-scatter). Equal to one device; gathers, peak and traffic = the planner."""
-    ref_grads, ref_params = tied_reference(steps, opt_name)
+    ref_grads, ref_params, _ = reference(steps, opt_name, TIED, tied_opt)
     out = launch(_tied_worker, 2, steps, opt_name, reshard, None, backend="gloo")
     for rank in out:
         if opt_name == "sgd":
