@@ -2,7 +2,9 @@
 
 Each submission is graded by its own ``python -m labkit grade SUBMISSION --results DIR/NAME.json``
 process (its own kernel, its own isolation and clean-up, exactly as for one notebook), N at a
-time (default: the cores). As each one finishes, one summary line is printed
+time (default: the cores). Each is forked from this process once it has imported torch and the
+grader and read the exercises and the kit's call graph (about 5 s of CPU that every submission
+would otherwise pay again); it runs no learner code before it forks. As each one finishes, one summary line is printed
 (``[3/6] alice.ipynb: 12/14 points (21 s)``). The gradebook is a CSV with one row per
 submission: its file, one column per exercise (the exercise ids of the graded notebook(s), in
 order; empty where a submission has no such exercise) and the total. A submission that could
@@ -14,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,6 +76,87 @@ def gradebook_rows(entries: list[tuple[str, dict | None, str]]) -> tuple[list[st
     return ["submission"] + [f"exercise {i}" for i in ids] + ["total", "max", "error"], rows
 
 
+def _warm_up(options) -> None:
+    """What every submission's grader does first, done once here so that the forked graders inherit it."""
+    import torch  # noqa: F401
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401  (runner.run_case imports it before a case forks)
+
+    from . import grader, registry
+
+    grader._nbformat()
+    registry.all_exercises()
+    if "--no-source-policy" not in options:
+        from .reach import _callers
+
+        _callers()
+
+
+class _Grader:
+    """``python -m labkit grade ARGV`` in a child forked from this process, its output to ``log``
+    (a file); ``poll``/``terminate``/``kill``/``wait`` as :class:`subprocess.Popen`'s."""
+
+    def __init__(self, argv: list[str], log):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode = None
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: a grader process of its own, exactly as if started from the command line
+            code = 1
+            try:
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh process has them; its
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)              # run_cli installs its own
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                from ..__main__ import main
+
+                code = main(["grade", *argv])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:  # noqa: BLE001 - the supervisor reads the last line
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 1 << 8
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def _signal(self, sig) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(["labkit", "grade"], timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
 def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: int | None,
                 options: list[str] = ()) -> int:
     """Grade each of ``paths`` in its own grader process, ``jobs`` at a time; returns the exit status
@@ -90,19 +174,18 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
         results_dir = Path(tmp.name)
     results_dir.mkdir(parents=True, exist_ok=True)
     outs = [results_dir / f"{n}.json" for n in _result_names(paths)]
-    base = [sys.executable, "-m", "labkit", "grade", *options]
     from .session import add_private_paths
     add_private_paths([*paths, results_dir])   # every submission's kernel: none of the batch's files
+    _warm_up(options)
     todo = list(range(len(paths)))
-    running: dict[int, tuple[subprocess.Popen, float, object]] = {}
+    running: dict[int, tuple[_Grader, float, object]] = {}
     done: dict[int, tuple[dict | None, str]] = {}
     try:
         while todo or running:
             while todo and len(running) < jobs:
                 i = todo.pop(0)
                 log = tempfile.TemporaryFile(mode="w+")
-                proc = subprocess.Popen(base + [str(paths[i]), "--results", str(outs[i])], stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT, text=True)
+                proc = _Grader([*options, str(paths[i]), "--results", str(outs[i])], log)
                 running[i] = (proc, time.monotonic(), log)
             time.sleep(0.2)
             for i, (proc, t0, log) in list(running.items()):

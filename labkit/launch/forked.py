@@ -2,6 +2,7 @@
 clean-up that leaves no process and no file (:func:`run_forked`; see :mod:`labkit.launch`)."""
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -290,6 +291,12 @@ def _kill_all(procs, grace: float = 1.0) -> None:
             p.join()
 
 
+# torch imports sympy lazily on the first ``tensor.backward(grad)`` (~0.3-0.6 s) and torch._dynamo on the first
+# call of an optimizer's method or of torch.utils.checkpoint (about 2 s of CPU: 16 s for 8 ranks); run_forked imports
+# these before it forks. A grading case's child, whose ranks build no optimizer, leaves torch._dynamo out.
+PRE_IMPORTS: tuple[str, ...] = ("torch._dynamo", "torch.fx.experimental.symbolic_shapes")
+
+
 def run_forked(fn, world_size: int, args: tuple, backend: str, timeout: float, make_context) -> list:
     """Run ``fn(make_context(rank, world_size, local_rank, backend, device, group, timeout), *args)``
     on ``world_size`` new processes (forked for gloo, spawned for NCCL) and return their results in
@@ -297,9 +304,8 @@ def run_forked(fn, world_size: int, args: tuple, backend: str, timeout: float, m
     ``backend`` is already resolved ("gloo" or "nccl")."""
     start_method = "spawn" if backend == "nccl" else "fork"
     if start_method == "fork":
-        # torch imports sympy lazily on the first ``tensor.backward(grad)`` (~0.3-0.6 s);
-        # import it once here so forked ranks inherit it instead of each paying in turn.
-        import torch.fx.experimental.symbolic_shapes  # noqa: F401
+        for name in PRE_IMPORTS:  # once here: forked ranks inherit them instead of each paying in turn
+            importlib.import_module(name)
     mpctx = mp.get_context(start_method)
     with stop_on_first_signal():
         return _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method, make_context)

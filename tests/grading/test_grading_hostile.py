@@ -104,9 +104,9 @@ ROBUST = [
 ]
 
 
-# every end-to-end grading here runs twice: as root (a uid and a private /tmp per kernel, the grader's files
-# covered) and as a non-root grader (a fresh uid, as an instructor without root runs it): the verdicts must
-# not depend on the isolation the grader could get
+# every end-to-end grading here (but the source policy's, judged before a kernel starts) runs twice: as root (a
+# uid and a private /tmp per kernel, the grader's files covered) and as a non-root grader (a fresh uid, as an
+# instructor without root runs it): the verdicts must not depend on the isolation the grader could get
 USERS = ["root", pytest.param("non-root", marks=pytest.mark.skipif(
     not ROOT, reason="runs the grader as another uid (as root, for the test only); a non-root session cannot "
                      "switch users"))]
@@ -439,8 +439,10 @@ SPLIT_WHAT = {"cleared": "`.backward`", "reference": "import of `ref13`", "patch
 
 
 @pytest.fixture(scope="module")
-def split_attacks(user, tmp_path_factory):
-    return _grade_batch(user, _folder(user, tmp_path_factory, "split"), SPLIT, "13_zero_bubble")
+def split_attacks(tmp_path_factory):
+    # graded once, by this test's user: the source policy judges the notebook file in the grader before any kernel
+    # starts, so its verdict cannot depend on the kernel's isolation (which the other batches here run both ways)
+    return _grade_batch(None, tmp_path_factory.mktemp("split"), SPLIT, "13_zero_bubble")
 
 
 @pytest.mark.parametrize("name", list(SPLIT))
