@@ -134,9 +134,6 @@ def _child(case: Case, backend_factory, exercise_id: str, references, wfd: int, 
         sys.stdout = open(os.devnull, "w")
         sys.stderr = open(os.devnull, "w")
         torch.set_num_threads(1)  # a forked child can hang in threaded kernels otherwise
-        from ..launch import forked
-
-        forked.PRE_IMPORTS = tuple(m for m in forked.PRE_IMPORTS if m != "torch._dynamo")  # see PRE_IMPORTS
         set_deadline(time.monotonic() + timeout)
         try:
             case.fn(Answer(backend_factory(), exercise_id, references))

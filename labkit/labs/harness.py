@@ -221,6 +221,10 @@ def execute(lab: Lab, a, corpus) -> Outcome | None:
     """Start ``lab``'s runs and its single-device reference (no printing beyond the lab's :meth:`Lab.start`).
     Returns the :class:`Outcome` on the printing rank, None on the other ranks under torchrun.
     Raises :class:`labkit.dist.RankError` when a rank fails."""
+    # every lab's ranks step an optimizer, whose first call imports torch._dynamo (labkit.launch.forked.LAZY):
+    # imported here, the forked ranks inherit it
+    import torch._dynamo  # noqa: F401
+
     from ..dist import launch
     t0 = time.perf_counter()
     results = {}

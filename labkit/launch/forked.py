@@ -206,7 +206,7 @@ def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, star
         )
         ctx = make_context(rank, world_size, rank, backend, device, dist.group.WORLD, timeout)
         result = fn(ctx, *args)
-        payload = pickle.dumps(("ok", rank, result))
+        payload = pickle.dumps(("ok", rank, (result, [m for m in LAZY if m in sys.modules])))
         # No rank leaves before every rank is done: a rank that exits while a peer is still
         # connecting (or receiving) makes that peer fail with "connection closed by peer".
         dist.barrier(group=ctx.group)
@@ -292,9 +292,13 @@ def _kill_all(procs, grace: float = 1.0) -> None:
 
 
 # torch imports sympy lazily on the first ``tensor.backward(grad)`` (~0.3-0.6 s) and torch._dynamo on the first
-# call of an optimizer's method or of torch.utils.checkpoint (about 2 s of CPU: 16 s for 8 ranks); run_forked imports
-# these before it forks. A grading case's child, whose ranks build no optimizer, leaves torch._dynamo out.
-PRE_IMPORTS: tuple[str, ...] = ("torch._dynamo", "torch.fx.experimental.symbolic_shapes")
+# call of an optimizer's method or of torch.utils.checkpoint (about 2 s of CPU: 16 s for 8 ranks). run_forked imports
+# PRE_IMPORTS before it forks, and each module of LAZY that the ranks of one launch imported before every later
+# launch of this process (a test process's or a notebook's next launches inherit it; a process whose ranks never
+# build an optimizer never pays for it).
+PRE_IMPORTS: tuple[str, ...] = ("torch.fx.experimental.symbolic_shapes",)
+LAZY: tuple[str, ...] = ("torch._dynamo",)
+_learned: set[str] = set()
 
 
 def run_forked(fn, world_size: int, args: tuple, backend: str, timeout: float, make_context) -> list:
@@ -304,7 +308,7 @@ def run_forked(fn, world_size: int, args: tuple, backend: str, timeout: float, m
     ``backend`` is already resolved ("gloo" or "nccl")."""
     start_method = "spawn" if backend == "nccl" else "fork"
     if start_method == "fork":
-        for name in PRE_IMPORTS:  # once here: forked ranks inherit them instead of each paying in turn
+        for name in (*PRE_IMPORTS, *sorted(_learned)):  # once here: forked ranks inherit them instead of each paying
             importlib.import_module(name)
     mpctx = mp.get_context(start_method)
     with stop_on_first_signal():
@@ -376,7 +380,8 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method,
                         kind, r, value = ("error", rank, died(rank, procs[rank]))
                     obj.close()
                     if kind == "ok":
-                        results[r] = value
+                        results[r], imported = value
+                        _learned.update(imported)
                     else:
                         errors.append((time.monotonic(), r, value))
                         first_error_at = first_error_at or time.monotonic()
