@@ -232,9 +232,11 @@ def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, dead
     second: dict = {}
     session = None
     try:
-        session = launch()
-        session.wait_ready()
-        for k in replay:
+        # no time left: no kernel is started (the secret cases count as failed below)
+        session = launch() if deadline - time.monotonic() >= 1 else None
+        if session is not None:
+            session.wait_ready(deadline)
+        for k in replay if session is not None else ():
             if k > last or deadline - time.monotonic() < 1:
                 break
             st, _, _ = session.execute(cells[k][1], max(1.0, min(cell_timeout, deadline - time.monotonic())))
@@ -244,7 +246,8 @@ def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, dead
                 if ex_id not in todo:
                     continue
                 code = register_code(ex_id, answer_name(ex_id, cells))
-                if code and session.execute(code, cell_timeout)[0] != "ok":
+                left = max(1.0, min(cell_timeout, deadline - time.monotonic()))
+                if code and session.execute(code, left)[0] != "ok":
                     continue
                 second[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline, secret=True)
     except Exception:  # noqa: BLE001 - a kernel that would not start: its cases count as failed
@@ -314,7 +317,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     import time
 
     from .assignments import answer_name, grading_points, register_code
-    from .session import KernelSession, isolation_note, kernel_user
+    from .session import KernelSession, KernelStartTimeout, isolation_note, kernel_user
 
     path = Path(path)
     nb = _nbformat().read(str(path), as_version=4)
@@ -354,7 +357,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         # after a first dead or stuck cell a spare kernel warms up while the next one is used
         s = spare.pop() if spare else launch()
         try:
-            s.wait_ready()
+            s.wait_ready(deadline)  # starting a kernel counts against the budget
         except BaseException:
             s.kill()  # a kernel that did not start must not outlive grading either
             raise
@@ -366,7 +369,12 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     # submission holds none of the exercises, is a kernel started)
     end = 1 + max((k for k in points.values() if k is not None), default=-1)
     restarts = 0
-    session = start() if end else None
+    try:
+        session = start() if end else None
+    except KernelStartTimeout as e:
+        if not e.budget:
+            raise
+        session, end, stop = None, 0, f"{out_of_time} while the kernel started"
     from .session import secret_files
 
     hidden = [str(f) for f in _hidden_files()]
@@ -426,7 +434,13 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
             if restarts > MAX_RESTARTS:
                 stop = f"{cell_problems[idx]}; gave up after {MAX_RESTARTS} fresh kernels"
                 break
-            session = start()
+            try:
+                session = start()
+            except KernelStartTimeout as e:
+                if not e.budget:
+                    raise
+                session, stop = None, f"{cell_problems[idx]}; {out_of_time} while a fresh kernel started"
+                break
             for j in ran:
                 st, _, _ = session.execute(cells[j][1], max(1.0, min(cell_timeout, deadline - time.monotonic())))
                 if st not in ("ok", "error"):

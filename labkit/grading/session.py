@@ -57,10 +57,20 @@ from .kernel import GRADING_ENV
 from .proxy import CaseTimeout, KernelFailure, request_kernel
 from .registry import HIDDEN_ENV
 
-__all__ = ["KernelUser", "kernel_user", "KernelSession", "isolation_note", "INTERRUPT_GRACE"]
+__all__ = ["KernelUser", "kernel_user", "KernelSession", "KernelStartTimeout", "isolation_note", "INTERRUPT_GRACE"]
 
 INTERRUPT_GRACE = 2.0  # seconds a kernel gets to stop after SIGINT before it is killed
 START_TIMEOUT = 60.0  # seconds a kernel may take to start
+
+
+class KernelStartTimeout(RuntimeError):
+    """The kernel was not ready in time: ``budget`` True when the grader's time budget ran out
+    first, False when :data:`START_TIMEOUT` did."""
+
+    def __init__(self, budget: bool):
+        self.budget = budget
+        super().__init__("the time budget ran out while the kernel started" if budget else
+                         f"the kernel did not start within {START_TIMEOUT:g} s")
 MARK_ENV = "LABKIT_KERNEL_MARK"  # a fresh value per kernel, inherited by every process it starts
 # the submissions and results of this grading (os.pathsep-separated): covered in the kernel's namespace,
 # so one submission's code reads neither the others nor their results (set by the grader, never passed on)
@@ -447,30 +457,40 @@ class KernelSession:
         self.kc.load_connection_info(self.info)
         self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
+    def wait_ready(self, deadline: float | None = None) -> None:
+        """Wait until the kernel answers and has imported torch and the kit: at most
+        :data:`START_TIMEOUT` seconds, and never past ``deadline`` (a ``time.monotonic()`` value,
+        the grader's time budget). Raises :class:`KernelStartTimeout` when either runs out first,
+        RuntimeError when the kernel exits while starting."""
+        limit = time.monotonic() + START_TIMEOUT
+        budget = deadline is not None and deadline < limit
+        deadline = min(limit, deadline) if deadline is not None else limit
         while True:
             msg_id = self.kc.kernel_info()
             try:
                 while True:
                     msg = self.kc.get_shell_msg(timeout=0.5)
                     if msg.get("parent_header", {}).get("msg_id") == msg_id:
-                        self._warm_up()
+                        self._warm_up(deadline, budget)
                         return
             except queue.Empty:
                 pass
             if not self.alive():
                 raise RuntimeError(f"the kernel exited while starting (exit code {self.proc.poll()})")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the kernel did not start within {START_TIMEOUT:g} s")
+                raise KernelStartTimeout(budget)
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, deadline: float, budget: bool) -> None:
         """Import torch and the kit before the first cell, so no cell's time limit pays for it."""
         mid = self.kc.execute(WARM_UP, silent=True, store_history=False, allow_stdin=False)
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline and self.alive():
+        while self.alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if budget:
+                    raise KernelStartTimeout(budget)
+                return  # slow, not stuck: the first cell's own limit applies
             try:
-                msg = self.kc.get_shell_msg(timeout=0.5)
+                msg = self.kc.get_shell_msg(timeout=min(0.5, left))
             except queue.Empty:
                 continue
             if msg.get("parent_header", {}).get("msg_id") == mid:

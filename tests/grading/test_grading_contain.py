@@ -361,6 +361,18 @@ def test_the_time_budget_bounds_a_submission(tmp_path):
     assert h3["score"] == 0 and "time budget" in h3["output"], h3
 
 
+def test_starting_the_kernel_counts_against_the_time_budget(tmp_path):
+    # a budget shorter than a kernel's start (ipykernel plus torch: seconds): the grader stops waiting at the
+    # budget and kills the kernel; the exercises are "not reached", no kernel started for the instructor case
+    cells = ["from labkit.grading import check", "def triple(x):\n    return 3 * x\ncheck('H.1', triple)"]
+    proc, obj, took, _ = _grade(tmp_path, {"late": cells}, "--cell-timeout", "20", "--time-budget", "0.5")
+    assert obj["execution_time"] <= 0.5 + 8, obj["execution_time"]
+    assert "time budget of 0.5 s ran out while the kernel started" in proc.stdout, proc.stdout
+    h1 = [t for t in obj["tests"] if t["name"].startswith("Exercise H.1")]
+    assert h1 and all(t["score"] == 0 for t in h1), h1
+    assert _left_files() == [] and _segments() == []
+
+
 @pytest.mark.skipif(not ROOT, reason="runs the grader as another uid (as root, for the test only); a non-root "
                                      "session cannot switch users")
 def test_as_non_root_hostile_submission_gets_its_honest_score_and_leaves_nothing(tmp_path):
