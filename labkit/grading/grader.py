@@ -218,6 +218,11 @@ def _merge(ex: Exercise, first, second):
     return res
 
 
+def _limit(cell_timeout: float, deadline: float) -> float:
+    """Seconds one cell may run: the cell limit, cut to what the time budget leaves (at least 1 s)."""
+    return max(1.0, min(cell_timeout, deadline - time.monotonic()))
+
+
 def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, deadline: float) -> None:
     """The instructor's secret cases (hidden-case files), after every visible result is fixed:
     a fresh kernel replays the cells that ran (``replay``: positions, in order) and, at each
@@ -232,24 +237,22 @@ def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, dead
     second: dict = {}
     session = None
     try:
-        # no time left: no kernel is started (the secret cases count as failed below)
-        session = launch() if deadline - time.monotonic() >= 1 else None
-        if session is not None:
+        if deadline - time.monotonic() >= 1:  # else no kernel is started: the secret cases count as failed below
+            session = launch()
             session.wait_ready(deadline)
-        for k in replay if session is not None else ():
-            if k > last or deadline - time.monotonic() < 1:
-                break
-            st, _, _ = session.execute(cells[k][1], max(1.0, min(cell_timeout, deadline - time.monotonic())))
-            if st not in ("ok", "error") or not session.alive():
-                break
-            for ex_id in due.get(k, ()):
-                if ex_id not in todo:
-                    continue
-                code = register_code(ex_id, answer_name(ex_id, cells))
-                left = max(1.0, min(cell_timeout, deadline - time.monotonic()))
-                if code and session.execute(code, left)[0] != "ok":
-                    continue
-                second[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline, secret=True)
+            for k in replay:
+                if k > last or deadline - time.monotonic() < 1:
+                    break
+                st, _, _ = session.execute(cells[k][1], _limit(cell_timeout, deadline))
+                if st not in ("ok", "error") or not session.alive():
+                    break
+                for ex_id in due.get(k, ()):
+                    if ex_id not in todo:
+                        continue
+                    code = register_code(ex_id, answer_name(ex_id, cells))
+                    if code and session.execute(code, _limit(cell_timeout, deadline))[0] != "ok":
+                        continue
+                    second[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline, secret=True)
     except Exception:  # noqa: BLE001 - a kernel that would not start: its cases count as failed
         pass
     finally:
@@ -405,7 +408,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                         stop = f"{out_of_time} while cell {idx + 1}'s checks were graded"
                         break
                     code = register_code(ex_id, answer_name(ex_id, cells))
-                    left = max(1.0, min(cell_timeout, deadline - time.monotonic()))
+                    left = _limit(cell_timeout, deadline)
                     st, en, ev = session.execute(code, left) if code else ("ok", "", "")
                     if st == "ok" and (code or ex_id in _registered(session)):
                         results[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
@@ -442,7 +445,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                 session, stop = None, f"{cell_problems[idx]}; {out_of_time} while a fresh kernel started"
                 break
             for j in ran:
-                st, _, _ = session.execute(cells[j][1], max(1.0, min(cell_timeout, deadline - time.monotonic())))
+                st, _, _ = session.execute(cells[j][1], _limit(cell_timeout, deadline))
                 if st not in ("ok", "error"):
                     stop = f"{cell_problems[idx]}; replaying cell {cells[j][0] + 1} in a fresh kernel failed"
                     break

@@ -62,15 +62,6 @@ __all__ = ["KernelUser", "kernel_user", "KernelSession", "KernelStartTimeout", "
 INTERRUPT_GRACE = 2.0  # seconds a kernel gets to stop after SIGINT before it is killed
 START_TIMEOUT = 60.0  # seconds a kernel may take to start
 
-
-class KernelStartTimeout(RuntimeError):
-    """The kernel was not ready in time: ``budget`` True when the grader's time budget ran out
-    first, False when :data:`START_TIMEOUT` did."""
-
-    def __init__(self, budget: bool):
-        self.budget = budget
-        super().__init__("the time budget ran out while the kernel started" if budget else
-                         f"the kernel did not start within {START_TIMEOUT:g} s")
 MARK_ENV = "LABKIT_KERNEL_MARK"  # a fresh value per kernel, inherited by every process it starts
 # the submissions and results of this grading (os.pathsep-separated): covered in the kernel's namespace,
 # so one submission's code reads neither the others nor their results (set by the grader, never passed on)
@@ -366,6 +357,16 @@ def _become_subreaper() -> None:
         ctypes.CDLL("libc.so.6").prctl(36, 1)
     except Exception:  # noqa: BLE001
         pass
+
+
+class KernelStartTimeout(RuntimeError):
+    """The kernel was not ready in time: ``budget`` True when the grader's time budget ran out
+    first, False when :data:`START_TIMEOUT` did."""
+
+    def __init__(self, budget: bool):
+        self.budget = budget
+        super().__init__("the time budget ran out while the kernel started" if budget else
+                         f"the kernel did not start within {START_TIMEOUT:g} s")
 
 
 class KernelSession:
