@@ -320,7 +320,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     import time
 
     from .assignments import answer_name, grading_points, register_code
-    from .session import KernelSession, KernelStartTimeout, isolation_note, kernel_user
+    from .session import KernelSession, KernelStartError, KernelStartTimeout, isolation_note, kernel_user
 
     path = Path(path)
     nb = _nbformat().read(str(path), as_version=4)
@@ -359,11 +359,19 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     def start():
         # after a first dead or stuck cell a spare kernel warms up while the next one is used
         s = spare.pop() if spare else launch()
-        try:
-            s.wait_ready(deadline)  # starting a kernel counts against the budget
-        except BaseException:
-            s.kill()  # a kernel that did not start must not outlive grading either
-            raise
+        for attempt in (1, 2):
+            try:
+                s.wait_ready(deadline)  # starting a kernel counts against the budget
+                break
+            except KernelStartError as e:  # before any code of the submission ran in it: one more try
+                s.kill()
+                if attempt == 2:
+                    raise
+                print(f"warning: {path.name}: {e}; starting another kernel", file=sys.stderr)
+                s = launch()
+            except BaseException:
+                s.kill()  # a kernel that did not start must not outlive grading either
+                raise
         if restarts and not spare:
             spare.append(launch())
         return s

@@ -57,7 +57,8 @@ from .kernel import GRADING_ENV
 from .proxy import CaseTimeout, KernelFailure, request_kernel
 from .registry import HIDDEN_ENV
 
-__all__ = ["KernelUser", "kernel_user", "KernelSession", "KernelStartTimeout", "isolation_note", "INTERRUPT_GRACE"]
+__all__ = ["KernelUser", "kernel_user", "KernelSession", "KernelStartTimeout", "KernelStartError", "isolation_note",
+           "INTERRUPT_GRACE"]
 
 INTERRUPT_GRACE = 2.0  # seconds a kernel gets to stop after SIGINT before it is killed
 START_TIMEOUT = 60.0  # seconds a kernel may take to start
@@ -369,6 +370,10 @@ class KernelStartTimeout(RuntimeError):
                          f"the kernel did not start within {START_TIMEOUT:g} s")
 
 
+class KernelStartError(RuntimeError):
+    """The kernel process exited before it answered: no code of the submission had run in it."""
+
+
 class KernelSession:
     """One learner kernel (see the module docstring). ``cwd``: its working directory."""
 
@@ -462,7 +467,7 @@ class KernelSession:
         """Wait until the kernel answers and has imported torch and the kit: at most
         :data:`START_TIMEOUT` seconds, and never past ``deadline`` (a ``time.monotonic()`` value,
         the grader's time budget). Raises :class:`KernelStartTimeout` when either runs out first,
-        RuntimeError when the kernel exits while starting."""
+        :class:`KernelStartError` when the kernel exits while starting."""
         limit = time.monotonic() + START_TIMEOUT
         budget = deadline is not None and deadline < limit
         deadline = min(limit, deadline) if deadline is not None else limit
@@ -477,7 +482,7 @@ class KernelSession:
             except queue.Empty:
                 pass
             if not self.alive():
-                raise RuntimeError(f"the kernel exited while starting (exit code {self.proc.poll()})")
+                raise KernelStartError(f"the kernel exited while starting (exit code {self.proc.poll()})")
             if time.monotonic() > deadline:
                 raise KernelStartTimeout(budget)
 

@@ -252,3 +252,42 @@ def test_nb02_accumulation_hint_is_a_hint_not_the_solution():
     assert "mean" in hint.lower() and ".grad" in hint
     for answer in ("/ M", "/M", "model(x_m", "x.chunk(M)", "loss.backward()"):
         assert answer not in hint, answer
+
+
+# ----------------------------------------------------------------------------- a kernel that dies while starting
+
+
+def _dying_kernels(monkeypatch, how_many: int) -> list:
+    """The first ``how_many`` kernels the grader launches are killed at once (before they answer)."""
+    from labkit.grading import session as S
+
+    launched, launch = [], S.KernelSession.launch
+
+    def launch_then_die(self):
+        launch(self)
+        launched.append(self.proc.pid)
+        if len(launched) <= how_many:
+            self.proc.kill()
+            self.proc.wait()
+
+    monkeypatch.setattr(S.KernelSession, "launch", launch_then_die)
+    return launched
+
+
+def test_a_kernel_that_dies_while_starting_is_replaced_once(tmp_path, monkeypatch, capsys):
+    # a kernel that exits before it answers ran no code of the submission: the grader starts one more
+    # (a loaded machine's rare start failure must not zero an honest submission) and says so to the instructor
+    path = tmp_path / "sub.ipynb"
+    nbformat.write(_code_nb("from labkit.grading import check", "def f(x):\n    if x < 0:\n        raise ValueError\n"
+                            "    return x * x\ncheck('T.fix', f)", metadata_notebook="zz_grading_fixes"), str(path))
+    launched = _dying_kernels(monkeypatch, 1)
+    g = grade_notebook(path, cell_timeout=60)
+    assert len(launched) == 2, launched
+    assert g.stopped == "" and [eg.status for eg in g.exercises] == ["passed"], g.stopped
+    assert "exited while starting" in capsys.readouterr().err
+    # twice in a row: the start failure is the grade's reason, not a retry without end
+    monkeypatch.undo()
+    launched = _dying_kernels(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="exited while starting"):
+        grade_notebook(path, cell_timeout=60)
+    assert len(launched) == 2, launched
