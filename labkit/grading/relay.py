@@ -102,8 +102,11 @@ class Relay:
     """Grader side: delivers the messages of ``world_size`` ranks and logs them (see the module).
 
     Use as a context manager; pass :meth:`address` to the kernel side (:func:`run_ranks`).
-    ``timeout``: seconds a receive or an all-reduce waits for its peers before the rank gets an
-    error naming what it waited for. ``max_messages``: sends plus all-reduce calls in all
+    ``timeout``: seconds during which every rank waits in the relay with nothing to deliver (a
+    deadlock) before each waiting rank gets an error naming what it waited for. The clock runs
+    only while all ``world_size`` ranks have joined and each is either blocked here or gone: a
+    rank still starting or computing (slow on a loaded machine) stops it, so only a real
+    deadlock is reported; the case's own deadline bounds everything else. ``max_messages``: sends plus all-reduce calls in all
     before the relay refuses more (a runaway loop); it also keeps at most :data:`MAX_TOTAL`
     bytes of tensors and accepts at most ``4 * world_size + 4`` connections (a hostile kernel
     cannot make this process build unbounded memory or threads). After the ``with`` block :attr:`sent`
@@ -126,6 +129,8 @@ class Relay:
         self._rounds: dict[int, dict] = {}   # index -> {rank: Reduction}, "result"
         self._ranks: set[int] = set()
         self._gone: set[int] = set()  # ranks whose connection closed
+        self._blocked: dict[int, Callable[[], bool]] = {}  # rank -> what its wait needs (while it waits)
+        self._stuck: set[int] = set()  # ranks released by a declared deadlock (each gets the timeout error)
         self._conns: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -257,9 +262,9 @@ class Relay:
                                 f"not itself)")
         box = self._mail.setdefault((src, rank), deque())
         with self._cond:
-            self._cond.wait_for(lambda: box or self._closed or src in self._gone, self.timeout)
+            deadlock = self._wait(rank, lambda: bool(box) or src in self._gone)
             if not box:
-                if src in self._gone:
+                if src in self._gone and not deadlock:
                     return {"error": f"rank {rank} waited to receive from rank {src}, whose connection closed "
                                      f"without sending it anything more"}
                 return {"error": f"rank {rank} timed out receiving from rank {src}, which sent it nothing more "
@@ -282,9 +287,9 @@ class Relay:
             round_ = self._rounds.setdefault(index, {})
             round_[rank] = item
             self._cond.notify_all()
-            done = self._cond.wait_for(lambda: len(round_) >= self.world_size + ("result" in round_)
-                                       or self._closed or bool(self._gone - set(round_)), self.timeout)
-            if not done or self._closed or len(round_) < self.world_size + ("result" in round_):
+            deadlock = self._wait(rank, lambda: len(round_) >= self.world_size + ("result" in round_)
+                                  or bool(self._gone - set(round_)))
+            if deadlock or self._closed or len(round_) < self.world_size + ("result" in round_):
                 missing = sorted(set(range(self.world_size)) - set(round_))
                 return {"error": f"rank {rank} timed out ({self.timeout:g} s) in its all-reduce number {index + 1} "
                                  f"waiting for rank(s) {missing}, which never made that many all-reduces"}
@@ -294,6 +299,39 @@ class Relay:
         if isinstance(result, str):
             return {"error": result}
         return {"ok": result}
+
+    def _wait(self, rank: int, ready: Callable[[], bool]) -> bool:
+        """Block (holding ``self._cond``) until ``ready()``, the relay closes, or every rank has been
+        waiting here with nothing to deliver for ``timeout`` seconds in a row (see the class); True
+        for the last: then every rank waiting is released together, each with its timeout error
+        (not with the "connection closed" of a peer that got its own error first)."""
+        self._blocked[rank] = ready
+        try:
+            stuck_since = None
+            while not ready() and not self._closed:
+                if rank in self._stuck:
+                    self._stuck.discard(rank)
+                    return True
+                now = time.monotonic()
+                if self._deadlocked():
+                    stuck_since = now if stuck_since is None else stuck_since
+                    if now - stuck_since >= self.timeout:
+                        self._stuck |= set(self._blocked) - {rank}
+                        self._cond.notify_all()
+                        return True
+                else:
+                    stuck_since = None
+                self._cond.wait(0.05 if stuck_since is None else min(0.05, self.timeout - (now - stuck_since)))
+            return False
+        finally:
+            del self._blocked[rank]
+            self._stuck.discard(rank)
+
+    def _deadlocked(self) -> bool:
+        """Every rank joined and is gone or blocked in the relay, and no blocked wait can go on."""
+        return (len(self._ranks) == self.world_size
+                and all(r in self._blocked or r in self._gone for r in range(self.world_size))
+                and not any(ready() for ready in self._blocked.values()))
 
     def _reduce(self, index: int, items: list[Reduction]):
         first = items[0]

@@ -76,3 +76,40 @@ def test_a_flood_is_refused_before_the_grader_holds_it():
             replies.append(_read(s))
         assert "error" in replies[-1] and "MiB in all" in replies[-1]["error"]
         assert sum(m.tensor.numel() * 4 for m in relay.sent) <= MAX_TOTAL
+
+
+def test_a_slow_rank_is_waited_for_and_only_a_deadlock_times_out():
+    # a loaded machine: rank 1 starts its all-reduce and its send long after the relay's timeout; while it
+    # computes, the others' waits are not a deadlock (CI saw a 4-rank case fail on a rank that started late)
+    def slow(ctx):
+        import time
+
+        import torch.distributed as dist
+
+        if ctx.rank == 1:
+            time.sleep(1.5)
+        x = torch.ones(2) * ctx.rank
+        dist.all_reduce(x)
+        if ctx.rank == 1:
+            time.sleep(1.5)
+            dist.send(x, 0)
+        elif ctx.rank == 0:
+            dist.recv(x, 1)
+        return x
+
+    with Relay(3, timeout=0.5) as relay:
+        out = run_ranks(slow, 3, relay.address(), allowed=("send", "recv", "all_reduce"), timeout=20)
+    assert [o.tolist() for o in out] == [[3.0, 3.0]] * 3
+
+    def mismatched(ctx):
+        import torch.distributed as dist
+
+        if ctx.rank == 0:
+            dist.all_reduce(torch.ones(1))  # rank 1 never makes this all-reduce: a deadlock
+        else:
+            dist.recv(torch.empty(1), 0)
+
+    with Relay(2, timeout=0.5) as relay:
+        with pytest.raises(RankError, match=r"rank 0 timed out \(0.5 s\) in its all-reduce number 1 waiting for "
+                                            r"rank\(s\) \[1\]|rank 1 timed out receiving from rank 0"):
+            run_ranks(mismatched, 2, relay.address(), allowed=("recv", "all_reduce"), timeout=10)
