@@ -106,8 +106,8 @@ class Relay:
     deadlock) before each waiting rank gets an error naming what it waited for. The clock runs
     only while all ``world_size`` ranks have joined and each is either blocked here or gone: a
     rank still starting or computing (slow on a loaded machine) stops it, so only a real
-    deadlock is reported; the case's own deadline bounds everything else. ``max_messages``: sends plus all-reduce calls in all
-    before the relay refuses more (a runaway loop); it also keeps at most :data:`MAX_TOTAL`
+    deadlock is reported; the case's own deadline bounds everything else. ``max_messages``: sends
+    plus all-reduce calls in all before the relay refuses more (a runaway loop); it also keeps at most :data:`MAX_TOTAL`
     bytes of tensors and accepts at most ``4 * world_size + 4`` connections (a hostile kernel
     cannot make this process build unbounded memory or threads). After the ``with`` block :attr:`sent`
     (list of :class:`Message`, in delivery order), :attr:`reduced` (list of
