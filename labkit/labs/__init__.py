@@ -16,7 +16,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from ..dist import in_torchrun
+from ..launch.torchrun import in_torchrun
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -167,7 +167,7 @@ def run_cli(main, *args, check_env: bool = True) -> int:
     inconsistent torchrun variables (:func:`labkit.dist.torchrun_env_problem`) with one line, exit 2."""
     import signal
 
-    from ..dist import RankError, Terminated, stop_on_first_signal, torchrun_env_problem
+    from ..launch import RankError, Terminated, stop_on_first_signal, torchrun_env_problem
     problem = torchrun_env_problem() if check_env else None
     if problem:
         print(f"error: {problem}", file=sys.stderr)  # every process prints it: the variables are not to be trusted

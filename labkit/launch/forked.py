@@ -16,9 +16,6 @@ from datetime import timedelta
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from .errors import RankError, _describe_exit, _error_priority
 from .signals import _libc_prctl, _signals_deferred, stop_on_first_signal
 
@@ -170,6 +167,9 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, start_method, parent_pid, err_fd,
             make_context):
+    import torch
+    import torch.distributed as dist
+
     status = "ok"
     try:
         _die_with_parent(parent_pid)

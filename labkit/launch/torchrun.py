@@ -12,9 +12,6 @@ import time
 import traceback
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
 from .errors import _error_priority
 from .signals import _libc_prctl, _raise_terminated, _stopping_handler_installed
 
@@ -130,6 +127,9 @@ def run_torchrun_rank(fn, world_size: int, args: tuple, backend: str, timeout: f
     env_ws = int(os.environ["WORLD_SIZE"])
     if env_ws != world_size:
         raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_ws} ranks")
+    import torch
+    import torch.distributed as dist
+
     _guard_torchrun_rank()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if backend == "nccl":
@@ -181,6 +181,8 @@ class _Heartbeat(threading.Thread):
             cls.INSTANCE.start()
 
     def _connect(self):
+        import torch.distributed as dist
+
         env = os.environ
         return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                              timeout=timedelta(seconds=2), wait_for_workers=False)
@@ -267,6 +269,8 @@ def _shutdown_torchrun() -> None:
     closes its connections while a peer still uses them (gloo aborts the peer then)."""
     if _Heartbeat.INSTANCE is not None:
         _Heartbeat.INSTANCE.mark_done()
+    import torch.distributed as dist
+
     try:
         if dist.is_initialized():
             dist.barrier()
