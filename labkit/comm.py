@@ -29,6 +29,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .plan.comm import ring_bytes  # the ring formula's one home (the planner, torch-free, owns it)
+
 _ACTIVE: list["CommLog"] = []
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (old names warn)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -91,24 +93,6 @@ class CommLog:
 
     def clear(self) -> None:
         self.records.clear()
-
-
-def ring_bytes(kind: str, p: int, t: int) -> int:
-    """Bytes one rank sends for one collective of ``kind`` with a P-byte argument ``p`` over
-    ``t`` ranks under the ring algorithms (Patarasuk & Yuan 2009; Megatron-LM sec. 3):
-    all-reduce ``2 (t-1)/t P`` (a reduce-scatter then an all-gather), reduce-scatter of a P-byte
-    input ``(t-1)/t P``, all-gather of a P-byte shard ``(t-1) P``, all-to-all ``(t-1)/t P`` (its
-    own block stays), send P, recv 0, broadcast P (a chain). Integer division: exact whenever t
-    divides the payload. The one home of this formula (the planner's wire bytes use it too)."""
-    if kind == "all_reduce":
-        return 2 * (t - 1) * p // t
-    if kind in ("reduce_scatter", "all_to_all"):
-        return (t - 1) * p // t
-    if kind == "all_gather":
-        return (t - 1) * p
-    if kind == "recv":
-        return 0
-    return p
 
 
 def ring_wire_bytes(rec: CommRecord) -> int:

@@ -4,9 +4,11 @@ import ast
 import functools
 import importlib.metadata as md
 import re
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -83,3 +85,26 @@ def test_ranges_are_real_and_the_pin_satisfies_them():
     for name, req in deps.items():                                       # the installed versions fit too
         assert str(req.specifier), f"{name} has no version range"
         assert Version(md.version(name)) in req.specifier, (name, md.version(name), str(req.specifier))
+
+
+# commands that need no tensor start without torch (importing it costs ~4 s of CPU on 2 cores): run with torch
+# made unimportable, each still works; a command that does need torch fails there, so the check can fail
+_BLOCK_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['labkit', *sys.argv[1:]]; "
+                "runpy.run_module('labkit', run_name='__main__')")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["grade", "--help"], ["build", "--check"],
+                                  ["plan", "--model", "gpt3-175b", "--gpus", "64", "--top", "1"]],
+                         ids=["help", "grade-help", "build-check", "plan"])
+def test_commands_without_tensors_start_without_torch(argv):
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _BLOCK_TORCH, *argv], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, (argv, out.stdout[-500:], out.stderr[-1500:])
+
+
+def test_the_torch_free_check_fails_for_a_command_that_needs_torch():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _BLOCK_TORCH, "lab", "pipeline", "--steps", "1"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0, out.stdout[-500:]
