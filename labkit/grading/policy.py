@@ -1146,21 +1146,36 @@ def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Viola
     def why(node: str) -> str:
         return _ref_why(node) if node in labels else _launder_why(node, launder[node])
 
-    # names bound (anywhere) to a reference by an import
+    # names bound (anywhere) to a reference by an import; where: (cell, top-level statement) of each binding
     bound: dict[str, str] = {}
-    for _, tree in parsed:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
-                for a in node.names:
-                    lab = label_of(f"{node.module}.{a.name}")
-                    if lab:
-                        bound[a.asname or a.name] = lab
-    # a name the learner's own cells define (their answer may share a reference's name) is theirs
-    for label, tree in parsed:
-        if not label.startswith("__shipped__"):
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    bound.pop(node.name, None)
+    bound_at: dict[str, list[tuple[int, int]]] = {}
+    for c, (_, tree) in enumerate(parsed):
+        for s, stmt in enumerate(tree.body):
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
+                    for a in node.names:
+                        lab = label_of(f"{node.module}.{a.name}")
+                        if lab:
+                            bound[a.asname or a.name] = lab
+                            bound_at.setdefault(a.asname or a.name, []).append((c, s))
+    # a name the learner's own cells define (their answer may share a reference's name) is theirs from that
+    # definition on, when it is a top-level def or class (a def nested in a function binds nothing global until
+    # called: it clears nothing), no import binds the name again after it, and no code of the learner's names
+    # it before it (what ran or was defined before the def saw the reference)
+    own_at: dict[str, tuple[int, int]] = {}
+    used_at: dict[str, list[tuple[int, int]]] = {}
+    for c, (label, tree) in enumerate(parsed):
+        if label.startswith("__shipped__"):
+            continue
+        for s, stmt in enumerate(tree.body):
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and stmt.name in bound:
+                own_at.setdefault(stmt.name, (c, s))
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
+                    used_at.setdefault(node.id, []).append((c, s))
+    for name, at in own_at.items():
+        if all(b < at for b in bound_at[name]) and all(u >= at for u in used_at.get(name, [])):
+            bound.pop(name)
     out = []
     for label, tree in parsed:
         if label.startswith("__shipped__"):

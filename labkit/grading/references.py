@@ -26,13 +26,14 @@ _SCHED = "labkit.pipeline.schedules"
 _SIM = "labkit.pipeline.simulate"
 _EXPLORER = "labkit.pipeline.explorer"
 _TPM = "labkit.tensor_parallel.mappings"
+_ZB = "labkit.pipeline.zero_bubble"
 _EX = "labkit.grading.exercises"
 
 REFERENCES: dict[str, list[str]] = {
     "0.1": [f"{_EX}.nb00_distributed_primer:_gloo_reduce_scatter", "labkit.comm:reduce_scatter_tensor"],
     "0.2": [],  # collectives are refused by the case itself (send/recv only)
     "1.1": [f"{_SIM}:bubble_formula", f"{_SIM}:bubble_fraction", f"{_SIM}:simulate",
-            f"{_EX}.nb01_pipeline_bubble:_bubble"],
+            f"{_EX}.nb01_pipeline_bubble:_bubble", f"{_ZB}:bubble_time_formula", "labkit.plan.timing:step_time"],
     "1.2": [f"{_EX}.nb01_pipeline_bubble:_smallest"],
     "2.1": [f"{_SCHED}:gpipe_schedule", f"{_SCHED}:add_communication"],
     "2.3": [],  # the runtime scales the loss too, but inside PipelineSchedule; nothing to call directly
@@ -41,8 +42,10 @@ REFERENCES: dict[str, list[str]] = {
     "3.2": [f"{_SIM}:peak_in_flight", f"{_EXPLORER}:peak_in_flight_per_rank", f"{_SIM}:simulate",
             f"{_SCHED}:one_f_one_b_schedule"],
     "4.1": ["labkit.pipeline.stages:stage_layers", "labkit.pipeline.stages:gpt_stages_for_rank",
-            f"{_EX}.nb04_interleaved:_code_layers"],
-    "4.2": [f"{_SIM}:bubble_formula", f"{_SIM}:bubble_fraction", f"{_SIM}:simulate"],
+            f"{_EX}.nb04_interleaved:_code_layers", "labkit.plan.memory:rank_chunks",
+            "labkit.plan.memory:rank_layer_chunks", "labkit.plan.memory:rank_stages"],
+    "4.2": [f"{_SIM}:bubble_formula", f"{_SIM}:bubble_fraction", f"{_SIM}:simulate", f"{_ZB}:bubble_time_formula",
+            "labkit.plan.timing:step_time"],
     "4.3": [f"{_EXPLORER}:count_sends", f"{_SCHED}:interleaved_schedule", f"{_SCHED}:add_communication"],
     "5.1": ["labkit.checkpoint:checkpoint_sequential"],
     "5.2": [f"{_EX}.nb05_checkpointing:_cost", "labkit.checkpoint:memory_table"],
@@ -78,15 +81,22 @@ REFERENCES: dict[str, list[str]] = {
     "12.4": [],
     "13.1": ["labkit.pipeline.split_backward:backward_input", "labkit.pipeline.split_backward:backward_weight"],
     "13.2": ["labkit.pipeline.zero_bubble:zb_h1_schedule"],
-    "13.3": [f"{_SIM}:simulate", "labkit.pipeline.zero_bubble:zb_h1_schedule",
-             "labkit.pipeline.zero_bubble:zbv_schedule"],
+    "13.3": [f"{_SIM}:simulate", f"{_ZB}:zb_h1_schedule", f"{_ZB}:zbv_schedule", f"{_ZB}:bubble_time_formula",
+             f"{_ZB}:zbv_bubble_terms"],
     "14.1": ["labkit.moe.eplb:balanced_packing"],
     "14.2": ["labkit.moe.eplb:replicate_experts"],
     "14.3": ["labkit.moe.hierarchical:inter_node_rows"],
     "14.4": ["labkit.plan.params:decode_cost", "labkit.plan.params:expected_experts_touched"],
+    # a red team's: labkit functions that compute these answers without calling the ones above
+    "15.1": ["labkit.data_parallel.flat:padded_numel", "labkit.data_parallel.flat:flatten"],
+    "15.2": ["labkit.plan.memory:memory_per_rank", "labkit.plan.memory:most_loaded_rank",
+             "labkit.plan.memory:bytes_per_param", "labkit.plan.memory:_zero_shard"],
+    "15.3": ["labkit.data_parallel.zero2:expected_zero2", "labkit.data_parallel.fsdp:expected_fsdp",
+             "labkit.plan.comm:comm_per_rank"],
+    "15.4": ["labkit.data_parallel.fsdp:expected_fsdp", "labkit.plan.memory:zero3_split_gathered_peak"],
     "16.1": ["labkit.context_parallel.blockwise:merge_partials"],
     "16.2": ["labkit.context_parallel.sharding:chunk_placement", "labkit.context_parallel.sharding:sequence_positions",
-             "labkit.context_parallel.sharding:causal_work"],
+             "labkit.context_parallel.sharding:causal_work", "labkit.context_parallel.sharding:shard_sequence"],
 }
 
 

@@ -31,6 +31,8 @@ def _v(ex, answer, *cells):
     return check_cells(ex, answer, [(f"cell {i + 1}", src) for i, src in enumerate(cells)])
 
 
+_SETUP09 = next(c for c in _shipped("09") if "import route" in c or ", route," in c)
+
 ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "grader's expected-value code": ("8.6", "axis_bytes", [
         "from labkit.grading.exercises.nb08_3d_parallelism import _axis\naxis_bytes = _axis"],
@@ -318,6 +320,31 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "import ipywidgets\nipywidgets.IntSlider().comm.kernel.shell.ev('1')"], "`.kernel`"),
     "the kernel's machinery under another module's name": ("12.1", "n_combinations", [
         "import ipywidgets\nc = ipywidgets.comm.comm.create_comm"], "`ipywidgets.comm.comm` (reaches the kernel's"),
+    # a red team's: a shipped cell imports the reference; a def of its name nested in a function that never
+    # runs, and an alias of the container the answer reads, hid it (9.1-9.3 scored 9 of 9 with no answer code)
+    "a nested def of the reference's name clears nothing": ("9.1", "top_k_gate", [
+        _SETUP09, "def _decoy():\n    def route():\n        pass\nB = []\nA = B\nA.append(route)",
+        "def top_k_gate(logits, k, renormalize=False):\n    return B[0](logits, k, 'softmax', renormalize)[:2]"],
+        "`route`"),
+    "the reference kept before a top-level def of its name": ("9.1", "top_k_gate", [
+        _SETUP09, "B = [route]", "def route():\n    pass",
+        "def top_k_gate(logits, k, renormalize=False):\n    return B[0](logits, k, 'softmax', renormalize)[:2]"],
+        "`route`"),
+    # a red team's: labkit functions that compute the answer without calling a listed reference
+    "the planner's FSDP formula as 15.4's answer": ("15.4", "gathered_peak", [
+        "from labkit.data_parallel.fsdp import expected_fsdp\ndef gathered_peak(units, d, reshard):\n"
+        "    return expected_fsdp(units, d, reshard, bytes_per_element=1)['peak_gathered_bytes']"],
+        "import of `expected_fsdp`"),
+    "the planner's layer chunks as 4.1's answer": ("4.1", "layers_of_rank", [
+        "from labkit.plan.memory import rank_chunks\ndef layers_of_rank(n_layers, K, v, rank):\n"
+        "    return [i for c in rank_chunks(n_layers, K, v, rank) for i in c]"], "import of `rank_chunks`"),
+    "the zero-bubble formulas as 13.3's answer": ("13.3", "bubble_time", [
+        "from labkit.pipeline.zero_bubble import bubble_time_formula as f\ndef bubble_time(s, K, a, b, c):\n"
+        "    return f(s, K, a, b, c)"], "import of `bubble_time_formula`"),
+    "a function defined before the top-level def of the reference's name": ("9.2", "capacity_keep", [
+        _SETUP09, "def capacity_keep(indices, num_experts, capacity_factor):\n"
+        "    return compute_capacity(indices.shape[0], num_experts, indices.shape[1], capacity_factor, 0)",
+        "def compute_capacity():\n    pass"], "`compute_capacity`"),
 }
 
 
@@ -375,6 +402,10 @@ HONEST = [
                                   "w = torch.load('w.pt', weights_only=True)\na = np.load('a.npy')\n"
                                   "for P in ({'t': 1},):\n    print(P['t'], [P])\n"
                                   "with open('w.pt', 'rb') as np:\n    print([np])"]),
+    # the learner's own top-level def of a reference's name, after the shipped import and before any use, is theirs
+    ("9.1", "top_k_gate", [_SETUP09, "def route(logits, k):\n    return torch.topk(logits, k)",
+                           "def top_k_gate(logits, k, renormalize=False):\n    w, i = route(logits.softmax(-1), k)\n"
+                           "    return w, i"]),
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
@@ -650,3 +681,18 @@ def test_the_install_cell_build_writes_is_allowed_and_an_edited_one_is_not():
     edited = INSTALL_CELL + "\nimport subprocess"
     found = check_cells("1.1", "bubble_fraction", [("cell 1", edited), answer])
     assert {v.what for v in found} >= {"import of `subprocess`", "`get_ipython`"}, found
+
+
+def test_every_listed_reference_is_a_real_object():
+    """A misspelt entry would protect nothing: each ``module:qualname`` imports and resolves."""
+    import importlib
+
+    from labkit.grading.references import REFERENCES
+
+    labels = {lab for labs in REFERENCES.values() for lab in labs}
+    labels |= {lab for ex in all_exercises() for lab in ex.reference_names()}
+    for label in sorted(labels):
+        mod, _, qual = label.partition(":")
+        obj = importlib.import_module(mod)
+        for part in qual.split("."):
+            obj = getattr(obj, part)

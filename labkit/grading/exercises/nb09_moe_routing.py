@@ -172,7 +172,7 @@ def _params_case(spec: ModelSpec):
                 g = g.item()
             if not isinstance(g, (int, float)) or isinstance(g, bool):
                 raise CheckFailure(f"moe_param_count({spec.name}): {name} must be a number, got {type(g).__name__}")
-            if abs(g - w) > 1e-3 * w:
+            if not abs(g - w) <= 1e-3 * w:  # NaN fails too
                 raise CheckFailure(f"{spec.name}: {name} parameters: expected {w / 1e9:.3f}B (within 0.1%), "
                                    f"got {g / 1e9:.3f}B")
     return case

@@ -111,7 +111,7 @@ def _memory_case(psi, d, stages, what):
             except (TypeError, ValueError):
                 raise CheckFailure(f"{what}, stage {stage}: expected a number of bytes, got "
                                    f"{type(got).__name__}") from None
-            if abs(got - want) > 1e-9 * max(1.0, want):
+            if not abs(got - want) <= 1e-9 * max(1.0, want):  # NaN fails too
                 why = ""
                 for s in range(4):
                     if s != stage and abs(got - _zero_bytes(psi, d, s)) <= 1e-9 * want:
@@ -158,7 +158,7 @@ def _volume_case(psi, d, what):
             except (TypeError, ValueError):
                 raise CheckFailure(f"{what}, stage {stage}: expected a number of elements, got "
                                    f"{type(got).__name__}") from None
-            if abs(got - want) > 1e-9 * max(1.0, want):
+            if not abs(got - want) <= 1e-9 * max(1.0, want):  # NaN fails too
                 why = ""
                 if stage == 3 and abs(got - _volume(psi, d, 0)) <= 1e-9 * want:
                     why = (" (this is plain DP's volume: stage 3 gathers the parameters again for backward, "
