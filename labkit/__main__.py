@@ -51,6 +51,11 @@ def _doctor(rest: list[str]) -> int:
 
 def _named(cmd: str, names) -> "callable":
     def run(rest: list[str]) -> int:
+        if rest and rest[0] in ("-h", "--help"):
+            what = "train the GPT with one strategy" if cmd == "lab" else "a side-by-side speed comparison"
+            print(f"usage: python -m labkit {cmd} NAME [options]: {what}; NAME is one of {', '.join(names)}\n"
+                  f"python -m labkit {cmd} NAME --help lists the options of one")
+            return 0
         if not rest:
             print(f"error: {cmd} needs a NAME, one of {', '.join(names)} "
                   f"(python -m labkit {cmd} NAME --help)", file=sys.stderr)

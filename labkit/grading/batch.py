@@ -68,11 +68,15 @@ def gradebook_rows(entries: list[tuple[str, dict | None, str]]) -> tuple[list[st
             if "number" in t and t["number"] not in ids:
                 ids.append(t["number"])
     rows = []
+    # a submission that could not be graded scores 0 out of the assignment's points (one assignment: every
+    # graded row has the same maximum), so the spreadsheet's totals stay comparable
+    maxima = {sum(t["max_score"] for t in obj.get("tests", [])) for _, obj, _ in entries if obj}
+    common = f"{maxima.pop():g}" if len(maxima) == 1 else ""
     for name, obj, err in entries:
         scores = {t["number"]: t["score"] for t in (obj or {}).get("tests", []) if "number" in t}
         total = sum(t["max_score"] for t in (obj or {}).get("tests", []))
         rows.append([name] + [f"{scores[i]:g}" if i in scores else "" for i in ids]
-                    + ([f"{obj['score']:g}", f"{total:g}"] if obj else ["0", ""]) + [err])
+                    + ([f"{obj['score']:g}", f"{total:g}"] if obj else ["0", common]) + [err])
     return ["submission"] + [f"exercise {i}" for i in ids] + ["total", "max", "error"], rows
 
 

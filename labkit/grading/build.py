@@ -354,8 +354,13 @@ def notebooks_main(argv: list[str] | None = None) -> int:
         if dst.exists() and not a.force:
             kept.append(dst.name)
             continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dst)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+        except OSError as e:
+            print(f"error: cannot write {dst}: {e.strerror or e}" + (f" ({copied} copied before it)" if copied else ""),
+                  file=sys.stderr)
+            return 1 if copied else 2  # nothing copied: DEST itself cannot be written
         copied += 1
     print(f"copied {copied} notebooks into {a.dest}" + (" (learner versions and solutions/)" if a.solutions else ""))
     if kept:

@@ -116,17 +116,36 @@ def run_folder(parent: str | os.PathLike, prefix: str) -> Path:
 
 
 def bad_out(path: str | os.PathLike | None, flag: str = "--out") -> str | None:
-    """Why ``path`` cannot hold run folders (an existing non-folder, or under one), else None."""
+    """Why ``path`` cannot hold run folders (an existing non-folder, or under one; a place where no
+    folder or file can be made), else None. Checked before any rank starts: a run that trains and
+    then cannot write its files wastes the run. It tries: the folders it makes to find out are
+    removed again (root may write where the permission bits say no, and /proc refuses root)."""
     if path is None:
         return None
-    p = Path(path)
+    p = Path(path).absolute()
+    made = []
     for q in (p, *p.parents):
         if q.exists():
             if not q.is_dir():
                 return f"{flag} {path}: {q} exists and is not a folder"
             if not os.access(q, os.W_OK):
                 return f"{flag} {path}: folder {q} is not writable"
-            return None
+            break
+        made.append(q)
+    import tempfile
+    try:
+        for q in reversed(made):
+            q.mkdir()
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        return f"{flag} {path}: cannot write there ({e.strerror or e})"
+    finally:
+        for q in made:
+            try:
+                q.rmdir()
+            except OSError:
+                pass
     return None
 
 
@@ -159,7 +178,8 @@ def bad_seed(seed: int) -> str | None:
 
 def run_cli(main, *args, check_env: bool = True) -> int:
     """Run ``main(*args)`` the way a command line should end: its return code; Ctrl-C -> one line,
-    exit 130; SIGTERM -> one line, exit 143 (128 + signal); a failed rank (RankError) -> one
+    exit 130; SIGTERM or SIGHUP (a closed terminal) -> one line, exit 128 + signal (143, 129); a failed
+    rank (RankError) -> one
     ``error:`` line naming the rank, exit 1. Workers are stopped and temporary files removed
     by :func:`labkit.dist.launch` before the line is printed. After an interrupt the command is
     ending: further SIGINT/SIGTERM are ignored from then on (an impatient second Ctrl-C would
@@ -279,5 +299,5 @@ def _ignore_signals() -> None:
     import signal
     import threading
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)

@@ -17,7 +17,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from .errors import RankError, _describe_exit, _error_priority
-from .signals import _libc_prctl, _signals_deferred, stop_on_first_signal
+from .signals import STOP_SIGNALS, _libc_prctl, _signals_deferred, stop_on_first_signal
 
 
 def _rendezvous_folder() -> str:
@@ -79,9 +79,9 @@ def _start_folder_reaper(folder: str):
     Linux only (prctl PR_SET_PDEATHSIG delivers SIGUSR1 to the reaper when its parent dies);
     elsewhere returns None. The reaper runs in a session of its own, so that a ``killpg`` of this
     process's group (the grader's time limit, a shell's job control) stops the launch but not it.
-    The reaper blocks SIGUSR1, SIGINT and SIGTERM and waits: SIGUSR1
+    The reaper blocks SIGUSR1, SIGINT, SIGTERM and SIGHUP and waits: SIGUSR1
     (parent gone) removes the folder, retrying while the dying ranks still hold files in it;
-    SIGINT / SIGTERM (a Ctrl-C or kill to the whole group) are ignored: the parent cleans up then
+    SIGINT / SIGTERM / SIGHUP (a Ctrl-C or kill to the whole group) are ignored: the parent cleans up then
     and :func:`_stop_folder_reaper` SIGKILLs the reaper (which cannot block that, so no wait hangs).
     Returns the reaper's pid, or None.
     """
@@ -94,7 +94,7 @@ def _start_folder_reaper(folder: str):
     except (OSError, AttributeError):
         return None
     parent = os.getpid()
-    sigs = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
+    sigs = {signal.SIGUSR1, *STOP_SIGNALS}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # no signal is lost before sigwait
     try:
         pid = os.fork()
@@ -162,7 +162,7 @@ class _IsattyAs:
         return getattr(self._stream, name)
 
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_STOP_SIGNALS = set(STOP_SIGNALS)
 
 
 def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, start_method, parent_pid, err_fd,
@@ -176,6 +176,7 @@ def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, star
         # the parent handles Ctrl-C (it stops every worker); SIGTERM kills a worker at once
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a closed terminal: as SIGTERM
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by the parent across the fork
         if err_fd is not None:  # stderr goes through the parent, which keeps its last lines
             try:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import signal
 import threading
 
+# the signals that stop a labkit command: Ctrl-C, SIGTERM, and SIGHUP (the terminal closed), which acts as SIGTERM
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 
 class Terminated(BaseException):
     """Raised in the parent by SIGTERM while :func:`launch` (or a labkit command) runs, so that
@@ -40,12 +43,12 @@ class terminate_as_exception:
 
 class stop_on_first_signal:
     """Context manager (main thread only; elsewhere it does nothing): the FIRST SIGINT raises
-    KeyboardInterrupt and the first SIGTERM raises :class:`Terminated`; every later one is only
+    KeyboardInterrupt and the first SIGTERM or SIGHUP raises :class:`Terminated`; every later one is only
     recorded (``got``), so a second Ctrl-C 0.05 s after the first can never cut the clean-up
     short, wherever it lands (even between the raise and the ``finally`` that stops the workers).
     Installed only over Python's own handlers (default_int_handler, SIG_DFL, or an outer
     instance, which then stays in charge). On leaving, the previous handlers are back, unless
-    ``ignore_after`` and a signal came: then SIGINT and SIGTERM stay ignored (a command that is
+    ``ignore_after`` and a signal came: then SIGINT, SIGTERM and SIGHUP stay ignored (a command that is
     ending, :func:`labkit.labs.run_cli`)."""
 
     def __init__(self, ignore_after: bool = False):
@@ -68,7 +71,7 @@ class stop_on_first_signal:
         if threading.current_thread() is not threading.main_thread():
             return self
         ours = (signal.default_int_handler, signal.SIG_DFL, _raise_terminated)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             current = signal.getsignal(sig)
             if current in ours:
                 self._old[sig] = signal.signal(sig, self._handler)
@@ -81,16 +84,16 @@ class stop_on_first_signal:
 
 
 def _stopping_handler_installed() -> bool:
-    """True when SIGINT or SIGTERM is handled by a :class:`stop_on_first_signal` (main thread)."""
+    """True when a stop signal is handled by a :class:`stop_on_first_signal` (main thread)."""
     return any(isinstance(getattr(signal.getsignal(s), "__self__", None), stop_on_first_signal)
-               for s in (signal.SIGINT, signal.SIGTERM))
+               for s in STOP_SIGNALS)
 
 
 _HOLDING: list = []  # one list per open _signals_deferred under a stop_on_first_signal
 
 
 class _signals_deferred:
-    """While inside (main thread only): SIGINT and SIGTERM are recorded, not acted on; on leaving,
+    """While inside (main thread only): SIGINT, SIGTERM and SIGHUP are recorded, not acted on; on leaving,
     the previous handlers are back and the first recorded signal is acted on (KeyboardInterrupt,
     or :class:`Terminated`; under :class:`stop_on_first_signal`, its handler), unless an exception
     is already on its way out. A signal is delivered to whichever thread does not block it, and
@@ -105,7 +108,7 @@ class _signals_deferred:
             _HOLDING.append(self._got)
             self._held = True
         else:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 self._old[sig] = signal.signal(sig, lambda signum, frame: self._got.append(signum))
         return self
 

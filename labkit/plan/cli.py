@@ -237,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r.activations / GB:7.1f} = {r.total / GB:7.1f}{flag}")
             for line in comm:
                 print(line)
-            print(f"predicted step {T.total:.2f} s: compute {T.compute:.2f}, bubble {T.bubble:.2f}, TP {T.tp:.2f}, "
-                  f"PP {T.pp:.2f}, DP {T.dp:.2f}, EP {T.ep:.2f} (recompute {T.recompute:.2f} inside compute); "
+            opt = T.total - (T.compute + T.bubble + T.pp + T.dp + T.ep)  # the parts add up to the step
+            print(f"predicted step {T.total:.2f} s = compute {T.compute:.2f} (of it TP {T.tp:.2f}, recompute "
+                  f"{T.recompute:.2f}) + bubble {T.bubble:.2f} + PP {T.pp:.2f} + DP {T.dp:.2f} + EP {T.ep:.2f} + "
+                  f"optimizer {opt:.2f}; "
                   f"MFU {T.mfu * 100:.1f} %, HFU {T.hfu * 100:.1f} % (Korthikanti et al. 2022 eq. 7 / 8, "
                   f"GEMM efficiency {cluster.compute_efficiency:g})")
             return 0

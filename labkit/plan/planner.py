@@ -92,6 +92,12 @@ def evaluate(spec: ModelSpec, lay: Layout, cluster: Cluster) -> PlanEntry:
     return PlanEntry(lay, worst.total, worst, step_time(spec, lay, cluster), worst.total <= cluster.gpu_memory)
 
 
+def _more_gpus(n_gpus: int, zero: int) -> str:
+    """The rest of the advice when nothing fits: more GPUs; with them a higher ZeRO stage, below
+    stage 3 only (ZeRO shards over d, which the extra GPUs give)."""
+    return " or more GPUs" + (", with a higher ZeRO stage" if zero < 3 else "")
+
+
 def plan(spec: ModelSpec, n_gpus: int, cluster: Cluster, zero: int = 1, precision: str = "bf16", b: int = 1,
          ep: int | None = None, fused_attention: bool = False, fp32_grads: bool = False) -> list[PlanEntry]:
     """Feasible layouts of ``spec`` on ``n_gpus`` GPUs, fastest first (ties: smaller t p first).
@@ -113,8 +119,8 @@ def plan(spec: ModelSpec, n_gpus: int, cluster: Cluster, zero: int = 1, precisio
         best = min(entries, key=lambda e: e.memory)
         raise PlanError(f"{spec.name} fits no layout on {n_gpus} GPUs with {cluster.gpu_memory / GB:g} GB each: "
                         f"the smallest need is {math.ceil(best.memory / GB * 10) / 10:g} GB per GPU "
-                        f"({best.layout.describe()}); use GPUs with at least that much memory, more GPUs, "
-                        f"or a higher ZeRO stage", best.memory, best.layout)
+                        f"({best.layout.describe()}); use GPUs with at least that much memory"
+                        f"{_more_gpus(n_gpus, zero)}", best.memory, best.layout)
     fit.sort(key=lambda e: (e.time.total, e.layout.t * e.layout.p, e.memory))
     return fit
 

@@ -113,7 +113,7 @@ def test_batch_grading_writes_one_file_per_submission_and_a_gradebook(tmp_path, 
     assert table["alice.ipynb"] == ["2", "1", "3", "3", ""]
     assert table["bob.ipynb"] == ["0", "1", "1", "3", ""]
     assert table["dave.ipynb"] == ["0", "0", "0", "3", ""]
-    assert table["carol.ipynb"][:4] == ["", "", "0", ""] and "not a Jupyter notebook" in table["carol.ipynb"][4]
+    assert table["carol.ipynb"][:4] == ["", "", "0", "3"] and "not a Jupyter notebook" in table["carol.ipynb"][4]
 
 
 def test_batch_bad_options_are_one_error_line(tmp_path, env, monkeypatch, capsys):

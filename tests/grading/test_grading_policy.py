@@ -696,3 +696,4 @@ def test_every_listed_reference_is_a_real_object():
         obj = importlib.import_module(mod)
         for part in qual.split("."):
             obj = getattr(obj, part)
+

@@ -43,6 +43,10 @@ LAB = [
     (["lab", "pipeline", "--cost-model", "1e7,0,0"], "more than half the 60 s a rank waits for a peer"),
     (["lab", "pipeline", "--data", ""], "--data '': an empty path"),
     (["lab", "moe", "--data", " "], "--data ' ': an empty path"),
+    # a folder that cannot be made (even by root): refused before the run, not after it trained
+    (["lab", "3d", "--out", "/proc/labkit-out"], "--out /proc/labkit-out: cannot write there"),
+    (["lab", "pipeline", "--out", "/proc/labkit-out/a"], "--out /proc/labkit-out/a: cannot write there"),
+    (["notebooks", "/proc/labkit-notebooks"], "cannot write /proc/labkit-notebooks/"),
 ]
 PLAN = [
     (["--model", "gpt3-175b", "--gpus", "64", "--kv-heads", "0"], "--kv-heads must be an integer >= 1, got 0"),
@@ -155,3 +159,10 @@ def test_torchrun_variables_without_torchrun():
             r = _lab_with_env(env)
             assert r.returncode == 2 and r.stdout == "", (env, r)
             assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and message in r.stderr, (env, r)
+
+
+@pytest.mark.parametrize("cmd", ["lab", "bench"])
+def test_lab_and_bench_help_list_the_names(cmd, capsys):
+    assert cli([cmd, "--help"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "NAME is one of" in out and ("3d" in out if cmd == "lab" else "dp" in out), out

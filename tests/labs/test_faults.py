@@ -42,13 +42,15 @@ def _reaper_of(parent):
 
 
 def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path, monkeypatch):
-    """SIGTERM, Ctrl-C (twice), SIGKILL of the parent, and SIGKILL of the parent's whole process
+    """SIGTERM, Ctrl-C (twice), SIGHUP to the group (a closed terminal), SIGKILL of the parent, and
+    SIGKILL of the parent's whole process
     group (the grader's time limit): no process left, the folder removed. When the reaper is
     SIGKILLed together with its parent (a kill of every process of the user), the next launch
     removes the folder left behind."""
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    cases = {"SIGTERM": (signal.SIGTERM, False), "SIGINT": (signal.SIGINT, True), "SIGKILL": (signal.SIGKILL, False),
+    cases = {"SIGTERM": (signal.SIGTERM, False), "SIGINT": (signal.SIGINT, True), "SIGHUP": (signal.SIGHUP, True),
+             "SIGKILL": (signal.SIGKILL, False),
              "SIGKILL group": (signal.SIGKILL, True), "SIGKILL all": (signal.SIGKILL, True)}
     procs, reapers = {}, {}
     for name in cases:  # all at once: the test takes one run's time
@@ -93,9 +95,10 @@ def test_signals_stop_every_worker_and_remove_the_rendezvous_folder(tmp_path, mo
             if name.startswith("SIGKILL"):
                 assert p.returncode == -signal.SIGKILL  # nothing can run in a SIGKILLed parent; its ranks still die
                 continue
-            assert p.returncode == {"SIGTERM": 143, "SIGINT": 130}[name], (name, err)
+            assert p.returncode == {"SIGTERM": 143, "SIGINT": 130, "SIGHUP": 129}[name], (name, err)
             assert err.count("\n") == 1 and "Traceback" not in err, err
-            assert err.startswith("terminated (SIGTERM)" if name == "SIGTERM" else "interrupted (Ctrl-C)"), err
+            assert err.startswith({"SIGTERM": "terminated (SIGTERM)", "SIGHUP": "terminated (SIGHUP)",
+                                   "SIGINT": "interrupted (Ctrl-C)"}[name]), err
         assert time.monotonic() - t0 < 15
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "SIGKILL all"))
         launch(lambda ctx: 0, 1)

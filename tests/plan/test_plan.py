@@ -252,3 +252,21 @@ def test_in_flight_units_equal_labkit_schedules():
                 last = peak([a for a in s[K - 1] if a.stage == K * v - 1])
                 assert (first, last) == (plan_memory.stage_in_flight(lay, M, "first"),
                                          plan_memory.stage_in_flight(lay, M, "last")), (K, M, v, name)
+
+
+@pytest.mark.parametrize("layout", ["t=8,p=8,d=16,v=4", "t=16,p=4,d=16"])
+def test_the_printed_step_breakdown_adds_up(layout, capsys):
+    """A learner adds the parts: TP lies inside compute (said so), the optimizer step is a part."""
+    import re
+    assert labkit_main(["plan", "--model", "gpt3-175b", "--gpus", "1024", "--layout", layout]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("predicted step"))
+    total = float(re.search(r"predicted step ([\d.]+) s =", line).group(1))
+    head = line.split(";")[0].replace(re.search(r"\(of it [^)]*\)", line).group(0), "")
+    parts = [float(x) for x in re.findall(r"[a-zA-Z]+ ([\d.]+)", head.split("=", 1)[1])]
+    assert len(parts) == 6 and abs(sum(parts) - total) <= 0.011, line
+
+
+def test_no_higher_zero_stage_advice_at_zero_3(capsys):
+    assert labkit_main(["plan", "--model", "gpt3-175b", "--gpus", "8", "--zero", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "fits no layout" in err and "ZeRO stage" not in err.split(";")[-1], err
