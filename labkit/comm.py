@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .plan.comm import ring_bytes  # the ring formula's one home (the planner, torch-free, owns it)
+from .wire import ring_bytes  # the ring formula's one home (a leaf module; the planner uses it too)
 
 _ACTIVE: list["CommLog"] = []
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (old names warn)

@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..wire import ring_bytes
 from .memory import (
     _zero_shard,
     bytes_per_param,
@@ -77,25 +78,6 @@ from .memory import (
 from .spec import Cluster, Layout, ModelSpec
 
 __all__ = ["AxisComm", "comm_per_rank", "tp_comm", "axis_links", "ring_bytes"]
-
-
-def ring_bytes(kind: str, p: int, t: int) -> int:
-    """Bytes one rank sends for one collective of ``kind`` with a P-byte argument ``p`` over
-    ``t`` ranks under the ring algorithms (Patarasuk & Yuan 2009; Megatron-LM sec. 3):
-    all-reduce ``2 (t-1)/t P`` (a reduce-scatter then an all-gather), reduce-scatter of a P-byte
-    input ``(t-1)/t P``, all-gather of a P-byte shard ``(t-1) P``, all-to-all ``(t-1)/t P`` (its
-    own block stays), send P, recv 0, broadcast P (a chain). Integer division: exact whenever t
-    divides the payload. The one home of this formula: :mod:`labkit.comm` re-exports it for the runs' counted
-    bytes, and the planner needs no torch."""
-    if kind == "all_reduce":
-        return 2 * (t - 1) * p // t
-    if kind in ("reduce_scatter", "all_to_all"):
-        return (t - 1) * p // t
-    if kind == "all_gather":
-        return (t - 1) * p
-    if kind == "recv":
-        return 0
-    return p
 
 
 
