@@ -8,9 +8,9 @@ STAMP   := $(VENV)/.installed
 # 2 cores (measured on 2 cores, the whole suite side by side: -n 2 867 s wall and 1582 CPU-s, -n 3 955 s and
 # 1873 CPU-s: a third worker's kernels and ranks only add switching); the notebooks: -n 3 as fast or faster
 PYTEST  := OMP_NUM_THREADS=1 $(VPY) -m pytest
-NBVAL_SOLUTIONS := LABKIT_STRICT=1 $(PYTEST) -q -p no:cacheprovider --nbval --nbval-current-env \
+NBVAL_SOLUTIONS := LABKIT_STRICT=1 $(PYTEST) -q -p no:cacheprovider --nbval --nbval-current-env --nbval-kernel-startup-timeout 30 \
 	--nbval-sanitize-with .ci/nbval_sanitize.cfg -n 3 --dist loadscope solutions/
-NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-env -n 3 --dist loadscope notebooks/
+NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-kernel-startup-timeout 30 -n 3 --dist loadscope notebooks/
 
 # the Ctrl-C / SIGTERM tests run in a pytest process of their own: after the rest of the suite, a worker's signal
 # state (left by in-process runs of the commands) made them fail in the full run although each passes alone

@@ -1,6 +1,14 @@
 """Fixtures shared by the test files."""
+import signal
+
 import pytest
 import torch
+
+# A non-interactive shell starts a background job (`make test &`, a CI step run so) with SIGINT ignored, and
+# every process under it inherits that: the Ctrl-C tests would send Ctrl-C to ranks that cannot receive it.
+# The suite restores Python's own handler, which its subprocesses then start with as the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

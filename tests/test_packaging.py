@@ -108,3 +108,33 @@ def test_the_torch_free_check_fails_for_a_command_that_needs_torch():
     out = subprocess.run([sys.executable, "-c", _BLOCK_TORCH, "lab", "pipeline", "--steps", "1"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0, out.stdout[-500:]
+
+
+def test_a_notebook_kernel_that_does_not_answer_is_started_again_and_its_stderr_shown():
+    """The root conftest.py (nbval's phases): two silent starts are retried with what the kernel
+    wrote; a third is an error that says what the last one wrote."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("labkit_root_conftest", ROOT / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls = []
+
+    def start(fail: int):
+        def fake(*args, **kwargs):
+            calls.append(kwargs)
+            kwargs["stderr"].write(f"attempt {len(calls)} stuck".encode())
+            kwargs["stderr"].flush()
+            if len(calls) <= fail:
+                raise RuntimeError("Kernel didn't respond in 30 seconds")
+            return "km", "kc"
+        return fake
+
+    with pytest.warns(UserWarning) as seen:
+        assert mod._start_new_kernel(start(2))(kernel_name="k", cwd="/") == ("km", "kc")
+    assert [str(w.message).split(" (")[0] for w in seen] == ["kernel start 1 of 3 failed", "kernel start 2 of 3 failed"]
+    assert "it wrote: attempt 2 stuck" in str(seen[1].message) and calls[0]["cwd"] == "/"
+    calls.clear()
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="3 kernels did not answer; the last wrote: "
+                                                                       "attempt 3 stuck"):
+        mod._start_new_kernel(start(3))()

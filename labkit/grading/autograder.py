@@ -157,11 +157,14 @@ def build_bundle(assignment: str, out: Path, hidden: Path | None = None,
         _add(z, "requirements.txt", ("\n".join(RUNTIME_REQUIREMENTS) + "\n").encode())
         _add(z, CONFIG, (json.dumps(config, indent=2) + "\n").encode())
         for f in sorted(pkg.rglob("*")):
-            # not the notebooks: the submission's kernel could read the solutions
+            # not the solved notebooks: the submission's kernel could read them (the learner one is added below)
             rel = f.relative_to(pkg)
             if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc" \
                     and rel.parts[0] not in ("_notebooks", "_solutions"):
                 _add(z, "labkit/" + f.relative_to(pkg).as_posix(), f.read_bytes())
+        learner = pkg / "_notebooks" / f"{assignment}.ipynb"
+        if learner.is_file():  # the learner version as shipped (no secret): the source policy exempts its cells
+            _add(z, f"labkit/_notebooks/{assignment}.ipynb", learner.read_bytes())
         for f in sorted(hidden.glob("*.py")) if hidden is not None else []:
             _add(z, "hidden/" + f.name, f.read_bytes(), 0o600)
     os.replace(tmp, out)

@@ -491,12 +491,17 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         if not reason and stop:
             reason = f"not reached: {stop}"
         grade.exercises.append(_exercise_grade(ex, None, reason))
-    if assignment and exercises and all(points.get(ex.id) is None for ex in exercises):
+    if assignment and exercises:
         held = _notebook_names(nb, path)
-        grade.stopped = "; ".join(x for x in (grade.stopped, (
-            f"the submission does not hold assignment {assignment}: no cell defines "
-            f"{', '.join(answer_name(ex.id, cells) or ex.id for ex in exercises)}"
-            + (f" (it looks like {', '.join(held)})" if held and held != [assignment] else ""))) if x)
+        note = ""
+        if all(points.get(ex.id) is None for ex in exercises):
+            note = (f"the submission does not hold assignment {assignment}: no cell defines "
+                    f"{', '.join(answer_name(ex.id, cells) or ex.id for ex in exercises)}"
+                    + (f" (it looks like {', '.join(held)})" if held and held != [assignment] else ""))
+        elif held and assignment not in held:  # another notebook that happens to define (or import) a name
+            note = (f"the submission looks like {', '.join(held)}, not assignment {assignment}: it was graded on "
+                    f"{assignment}'s exercises; upload your {assignment} notebook")
+        grade.stopped = "; ".join(x for x in (grade.stopped, note) if x)
     return grade
 
 

@@ -35,6 +35,11 @@ line (:class:`Violation`).
    package, holds code this policy cannot read, so importing it is a violation; and no
    assignment to (or ``setattr``/``del`` of) an attribute of a module, or of a class the
    learner did not define (``torch.distributed.all_reduce = ...``, ``nn.Linear.forward = ...``).
+   **labkit only through the names the notebook gives** (an allow-list, :func:`_unprovided`):
+   a learner's cell may import or read through a module only the labkit functions, classes and
+   constants that the shipped learner notebook's own cells import, and those its text tells the
+   learner to call (:data:`PROVIDED`); any other part of the kit may compute an answer without
+   being listed as a reference.
    And labkit's reference for the exercise (or a labkit function from which it can be reached,
    :mod:`labkit.grading.reach`) may not be named in any of these cells at all: imported, read
    through a module, or read where a cell the kit ships imported it (the shipped learner
@@ -1195,6 +1200,73 @@ def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Viola
     return out
 
 
+# labkit names a notebook's text tells the learner to call, beyond those its cells import ("communicate
+# through labkit.comm.all_reduce": CommLog counts that call)
+PROVIDED = {"06": {"labkit.comm:all_reduce"}, "07": {"labkit.comm:all_reduce"}}
+
+
+@functools.lru_cache(maxsize=None)
+def _provided(major: str) -> tuple[frozenset, frozenset]:
+    """The labkit objects notebook ``major`` gives the learner: every labkit name its shipped cells
+    import or read through a module, and :data:`PROVIDED`; as labels ("module:name" as written and
+    where the object was defined) and as the ids of the objects themselves (a constant re-exported
+    under another module has no home to compare)."""
+    trees = [t for src in _shipped_for(major) if (t := _python(src)) is not None]
+    names = _Names(trees)
+    extra = PROVIDED.get(f"{int(major):02d}" if major.isdigit() else major, set())
+    dotted = {lab.replace(":", ".") for lab in extra}
+    for tree in trees:
+        for node in ast.walk(tree):
+            dotted.update(_labkit_uses(node, names))
+    labels = {lab for d in dotted if (lab := _labkit_label(d))}
+    labels |= {_home_label(lab) for lab in labels}
+    objects = {id(obj) for d in dotted if (obj := _resolve(d)) is not _MISSING}
+    return frozenset(labels - {""}), frozenset(objects)
+
+
+def _labkit_uses(node, names: "_Names") -> list[str]:
+    """The dotted labkit paths one node names: each name of a ``from labkit... import``, or an
+    attribute chain read through a name bound to labkit."""
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
+        return [f"{node.module}.{a.name}" for a in node.names]
+    if isinstance(node, ast.Attribute) or _const_getattr(node) is not None:
+        return [p for p in _paths(node, names) if p == "labkit" or p.startswith("labkit.")]
+    return []
+
+
+def _unprovided(exercise_id: str, parsed, names: "_Names") -> list[Violation]:
+    """The allow-list of labkit names: a learner's cell may use (import, or read through a module)
+    only the labkit functions, classes and constants the notebook's own cells import (and what its
+    text tells the learner to call, :data:`PROVIDED`), a module itself (every attribute read
+    through it is judged again), and ``labkit.grading.check`` (its own rule). Any other part of
+    the kit may compute an answer without being one of the exercise's listed references; the
+    learner writes that part with torch instead. An exercise of no notebook the kit ships (a
+    course's own) has no such list."""
+    major = str(exercise_id).split(".")[0]
+    if not _shipped_for(major):
+        return []
+    labels, objects = _provided(major)
+    out = []
+    for label, tree in parsed:
+        if label.startswith("__shipped__"):
+            continue
+        for node in ast.walk(tree):
+            for dotted in _labkit_uses(node, names):
+                if dotted == "labkit" or dotted.startswith("labkit.grading") or _is_module(dotted):
+                    continue
+                lab = _labkit_label(dotted)
+                if not lab or lab in labels or _home_label(lab) in labels:
+                    continue
+                obj = _resolve(dotted)
+                if obj is not _MISSING and id(obj) in objects:
+                    continue
+                mod, _, name = lab.partition(":")
+                out.append(Violation(label, getattr(node, "lineno", 1), f"`{name}` ({mod})",
+                                     f"not one of the labkit names notebook {major.zfill(2)} gives you (those its own "
+                                     f"cells import): another part of the kit may compute an exercise's answer; "
+                                     f"write it with torch and your own code"))
+    return out
+
 def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     """Violations of exercise ``exercise_id``'s rules in ``cells``: ``[(label, source), ...]``,
     the code cells up to (and including) the one where the exercise is graded, in order.
@@ -1213,6 +1285,8 @@ def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     names = _Names([t for _, t in parsed])
     classes = {n.name for _, t in parsed for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
     found: list[Violation] = _reference_anywhere(ex, marked, names)
+    seen = {(v.cell, v.line) for v in found}  # a reference is named once, as the reference
+    found += [v for v in _unprovided(ex, marked, names) if (v.cell, v.line) not in seen]
     scopes = _Scopes([t for _, t in parsed], names, classes)
     for label, tree in parsed:
         found += [Violation(label, line, what, why)
@@ -1246,7 +1320,8 @@ def describe(exercise_id: str) -> str:
             f"(exec, eval, compile, __code__, FunctionType, reload), reach the interpreter (sys.modules, gc, "
             f"ctypes), start processes (subprocess, os.system, os.fork), import labkit.grading (except check), "
             f"import a module other than torch, numpy, matplotlib, the standard numerics or labkit (a module "
-            f"written to disk included), or assign attributes of modules or classes it did not define")
+            f"written to disk included), use a labkit name the notebook's own cells do not import, or assign "
+            f"attributes of modules or classes it did not define")
 
 
 def check_history(exercise_id: str, answer) -> list[Violation]:

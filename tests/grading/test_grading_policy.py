@@ -341,6 +341,16 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "the zero-bubble formulas as 13.3's answer": ("13.3", "bubble_time", [
         "from labkit.pipeline.zero_bubble import bubble_time_formula as f\ndef bubble_time(s, K, a, b, c):\n"
         "    return f(s, K, a, b, c)"], "import of `bubble_time_formula`"),
+    # the allow-list: a labkit name the notebook does not give (none of these is a listed reference)
+    "a labkit function notebook 01 does not import": ("1.1", "bubble_fraction", [
+        "from labkit.pipeline.explorer import describe\ndef bubble_fraction(K, M):\n    return describe(K, M)"],
+        "`describe` (labkit.pipeline.explorer)"),
+    "an unlisted function read through a module": ("1.2", "smallest_microbatches", [
+        "import labkit.plan.flops as F\ndef smallest_microbatches(K, target):\n    return F.mfu(K, target)"],
+        "`mfu` (labkit.plan.flops)"),
+    "a function the package re-exports under a submodule's name": ("9.3", "moe_param_count", [
+        "from labkit.pipeline import simulate\ndef moe_param_count(spec):\n    return simulate(spec)"],
+        "`simulate` (labkit.pipeline)"),
     "a function defined before the top-level def of the reference's name": ("9.2", "capacity_keep", [
         _SETUP09, "def capacity_keep(indices, num_experts, capacity_factor):\n"
         "    return compute_capacity(indices.shape[0], num_experts, indices.shape[1], capacity_factor, 0)",
@@ -379,7 +389,8 @@ HONEST = [
     ("13.1", "split_linear_backward", [
         "from __future__ import annotations\nimport math, fractions, json, os, tempfile\nimport numpy as np\n"
         "import matplotlib.pyplot as plt\nfrom dataclasses import replace\nimport torch\nimport torch.autograd as A\n"
-        "from torch import autograd\nfrom labkit.pipeline import gpipe_schedule\nfrom labkit.grading import check",
+        "from torch import autograd\nfrom labkit.pipeline import one_f_one_b_schedule\n"
+        "from labkit.grading import check",
         "def split_linear_backward(layer, x, grad_out):\n    out = layer(x)\n"
         "    (gi,) = A.grad(out, x, grad_out, retain_graph=True)\n"
         "    gw, gb = autograd.grad(out, [layer.weight, layer.bias], grad_out)\n    return gi, gw, gb",
@@ -406,6 +417,16 @@ HONEST = [
     ("9.1", "top_k_gate", [_SETUP09, "def route(logits, k):\n    return torch.topk(logits, k)",
                            "def top_k_gate(logits, k, renormalize=False):\n    w, i = route(logits.softmax(-1), k)\n"
                            "    return w, i"]),
+    # the allow-list: what notebook 08 imports, as a module's attribute or from where it was defined; the
+    # collective notebook 06's text tells the learner to call
+    ("8.3", "model_state_bytes", ["import labkit.plan as P\nfrom labkit.plan import preset\n"
+                                  "from labkit.plan.planner import candidates",
+                                  "def model_state_bytes(spec, t, p, d, zero, precision):\n"
+                                  "    return len(P.spec.PRESETS) + len(P.PRESETS) * 0 + (preset is candidates)"]),
+    ("6.3", "ReduceFromRegion", ["import torch\nfrom labkit import comm",
+                                 "class ReduceFromRegion(torch.autograd.Function):\n    @staticmethod\n"
+                                 "    def forward(ctx, x, group):\n"
+                                 "        return comm.all_reduce(x.clone(), group=group)"]),
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
@@ -416,6 +437,20 @@ HONEST = [
 def test_honest_code_keeps_the_rules(i):
     ex, answer, cells = HONEST[i]
     assert _v(ex, answer, *cells) == []
+
+
+def test_a_learner_may_edit_every_cell_the_kit_ships():
+    """The allow-list is what the learner notebook's own cells import: each of its cells, edited (a
+    comment added, so no longer the kit's text), breaks no rule of any exercise of its notebook."""
+    from labkit.grading.assignments import grading_points as points_of
+
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = [src + "\n# edited" for src in _shipped(path.stem[:2])]
+        for ex in exercises_for_notebook(path.stem):
+            k = points_of(list(enumerate(cells)), [ex.id])[ex.id]
+            assert k is not None, (path.name, ex.id)
+            found = [str(v) for v in _v(ex.id, ANSWERS[ex.id], *cells[:k + 1]) if "gives you" in v.why]
+            assert found == [], (path.name, ex.id, found)
 
 
 def test_reading_source_is_refused_in_other_exercises():
@@ -482,6 +517,12 @@ def test_assignment_is_pinned_whatever_the_submission_holds(tmp_path):
                                                                                    "Exercise 2.3"}
     assert "does not hold assignment 02_gpipe" in obj["output"], obj["output"]
     assert "it looks like 01_pipeline_bubble" in obj["output"]
+    # solved 02 uploaded for assignment 01: a cell of 02 imports 1.1's name (bubble_fraction, for its
+    # plots), so 1.1 is judged and zeroed by the policy; the output says which notebook it looks like
+    proc, obj = _grade(tmp_path, _solution_cells("02_gpipe"), "01_pipeline_bubble", name="hw.ipynb",
+                       metadata="02_gpipe")
+    assert obj["score"] == 0
+    assert "the submission looks like 02_gpipe, not assignment 01_pipeline_bubble" in obj["output"], obj["output"]
 
 
 def test_grade_refuses_an_unknown_assignment(tmp_path):
