@@ -215,7 +215,8 @@ def run(root: Path) -> int:
             names = ", ".join(p.relative_to(root / "submission").as_posix() for p in found)
             why = f"{len(found)} notebooks were uploaded ({names}): upload exactly one, your {want}; nothing was graded"
         grade = NotebookGrade(want, assignment, why)
-        grade.exercises = [_exercise_grade(ex, None, f"not attempted: {why}")
+        # the reason once, at the top of the results; each exercise points there
+        grade.exercises = [_exercise_grade(ex, None, "not attempted: nothing was graded (see the message at the top)")
                            for ex in exercises_for_notebook(assignment)]
     print(format_table([grade]))  # instructor only (stdout_visibility: hidden)
     obj = results_json([grade], execution_time=time.monotonic() - t0)

@@ -307,14 +307,23 @@ def main(argv: list[str] | None = None) -> int:
             if problems:
                 print("run `python -m labkit build` and commit notebooks/", file=sys.stderr)
                 return 1
-            print(f"notebooks/ is up to date ({len(_solutions(root))} notebooks)")
+            print(f"{_shown(root / 'notebooks')}/ is up to date ({len(_solutions(root))} notebooks)")
             return 0
         for path in build_all(root):
-            print(f"wrote {path.relative_to(root)}")
+            print(f"wrote {_shown(path)}")
     except BuildError as e:
         print(f"build error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working folder when it lies inside it, else whole (``build`` run
+    outside the checkout works on the checkout above the installed package: say where)."""
+    try:
+        return path.relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
 
 
 def packaged_notebooks(kind: str = "notebooks") -> list[Path]:

@@ -76,7 +76,7 @@ def _parser():
     p.add_argument("--embd", type=int, default=64, help="hidden size H")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    add_shared_options(p)
+    add_shared_options(p, plots=True)
     return p
 
 
@@ -445,8 +445,9 @@ class PipelineLab(Lab):
         return Report({r.schedule: r.verdict for r in rows})
 
     def files(self, a, outcome, folder):
-        _save_plots(folder, self.rows, outcome.reference, a.world_size)
-        print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
+        if not a.no_plots:
+            _save_plots(folder, self.rows, outcome.reference, a.world_size)
+            print(f"plots: {folder / 'timelines.png'}, {folder / 'loss_curves.png'}")
         if a.trace:
             _write_traces(folder, self.rows)
 

@@ -136,7 +136,7 @@ def _parser():
     p.add_argument("--n-head", "--heads", dest="n_head", type=int, default=4, help="attention heads")
     p.add_argument("--n-embd", "--embd", dest="n_embd", type=int, default=64, help="hidden size H")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    add_shared_options(p, out=("--runs-dir", "--out"), out_dest="runs_dir")
+    add_shared_options(p, out=("--runs-dir", "--out"), out_dest="runs_dir", plots=True)
     return p
 
 
@@ -245,11 +245,14 @@ class TensorLab(Lab):
     def files(self, args, outcome, folder):
         curves = {"single device": outcome.reference.losses,
                   **{n: ranks[0].losses for n, ranks in outcome.results.items()}}
-        _plot(curves, folder / "loss_curves.png")
         rows = ["step," + ",".join(curves)] + [f"{i}," + ",".join(f"{c[i]:.7f}" for c in curves.values())
                                               for i in range(args.steps)]
         write_bytes_atomic(folder / "losses.csv", ("\n".join(rows) + "\n").encode())
-        print(f"plots: {folder / 'loss_curves.png'}, {folder / 'losses.csv'}")
+        if args.no_plots:
+            print(f"losses: {folder / 'losses.csv'}")
+        else:
+            _plot(curves, folder / "loss_curves.png")
+            print(f"plots: {folder / 'loss_curves.png'}, {folder / 'losses.csv'}")
 
 
 LAB = TensorLab()

@@ -126,6 +126,8 @@ def test_bundle_on_a_tree_laid_out_like_gradescope(tmp_path):
         run, obj = grade({"notes.txt": (None, "nothing")})
         assert obj["score"] == 0
         assert "no notebook (.ipynb) was uploaded: upload your 98_alpha.ipynb" in obj["output"]
+        assert [t["output"] for t in obj["tests"] if t["max_score"]] == \
+            ["not attempted: nothing was graded (see the message at the top)"] * 2  # the reason once, at the top
 
         run, obj = grade({"98_alpha.ipynb": ("97_beta", ["check('97.1', lambda x: x)"])})
         assert obj["score"] == 0

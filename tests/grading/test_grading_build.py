@@ -252,3 +252,15 @@ def test_no_widget_text_stored_in_solutions(solution):
             data = out.get("data", {})
             assert "application/vnd.jupyter.widget-view+json" not in data, f"{solution.name} cell {i}"
             assert "children=(" not in data.get("text/plain", ""), f"{solution.name} cell {i}"
+
+
+def test_build_run_outside_the_checkout_names_the_folder_it_works_on(tmp_path, monkeypatch, capsys):
+    """From another folder, build works on the checkout above the installed package: it says which."""
+    from labkit.grading.build import main as build_main
+
+    monkeypatch.chdir(tmp_path)
+    assert build_main(["--check"]) == 0
+    assert capsys.readouterr().out.startswith(f"{ROOT / 'notebooks'}/ is up to date")
+    monkeypatch.chdir(ROOT)
+    assert build_main(["--check"]) == 0
+    assert capsys.readouterr().out.startswith("notebooks/ is up to date")

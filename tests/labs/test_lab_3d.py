@@ -387,7 +387,9 @@ def test_lab_3d_moe_sp_and_full_recompute_equal_one_device_and_the_planner(extra
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--moe", "--experts", "3"], "n_routed_experts E=3 must be divisible by the EP size 2"),
+    (["--moe", "--experts", "3"], "n_routed_experts E=3 must be divisible by the EP size 2 (EP folded onto DP) "
+                                  "(n_routed_experts is --experts)"),
+    (["--heads", "3"], "n_embd=16 must be divisible by n_head=3 (n_embd is --embd, n_head is --heads)"),
     (["--moe", "--topk", "5"], "--topk must be between 1 and --experts=4, got 5"),
     (["--moe", "--tp", "1", "--pp", "1", "--dp", "2", "--cp", "2", "--zero", "3", "--hsdp", "2"],
      "--moe with --cp 2 is not combined with --hsdp 2"),

@@ -66,8 +66,8 @@ LAB_RUNS = [  # (options beyond the common ones, texts the output must hold)
      ("single device", "gpipe", "1f1b", "interleaved v=2",
       "OK: every run (gpipe, 1f1b, interleaved v=2) equals single-device training at every step",
       "AT THE SAME PARAMETERS", "[2, 1]")),  # [2, 1]: 1F1B peak in flight per stage, K=2, M=2
-    # --steps 1: the timeline comes from step 0 (no timed step, tokens/s nan), no crash
-    (["--steps", "1", "--layers", "2", "--schedule", "1f1b"], ("1f1b", "OK: every run (1f1b)", "timelines.png")),
+    # --steps 1: the timeline comes from step 0 (no timed step, tokens/s nan), no crash; --no-plots: no PNG
+    (["--steps", "1", "--layers", "2", "--schedule", "1f1b", "--no-plots"], ("1f1b", "OK: every run (1f1b)")),
 ]
 
 
@@ -82,7 +82,11 @@ def test_lab_runs_and_matches_single_device(extra, texts, tmp_path, capsys):
         assert text in out, text
     folder = next(tmp_path.iterdir())
     assert folder.name.startswith("pipeline-")
-    assert (folder / "timelines.png").stat().st_size > 0 and (folder / "loss_curves.png").stat().st_size > 0
+    if "--no-plots" in extra:
+        assert not list(folder.glob("*.png")) and "timelines.png" not in out
+    else:
+        assert "timelines.png" in out
+        assert (folder / "timelines.png").stat().st_size > 0 and (folder / "loss_curves.png").stat().st_size > 0
 
 
 def test_lab_rejects_bad_sizes_before_starting(capsys):

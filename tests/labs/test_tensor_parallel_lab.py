@@ -13,10 +13,11 @@ def test_tensor_lab_runs_and_matches_single_device(tmp_path, capsys):
     assert len(runs) == 1 and runs[0].stat().st_size > 0
     # a tolerance below fp32 roundoff must fail, with the FAIL line on stderr
     rc = lab.main(["--tp", "2", "--steps", "2", "--seq-len", "16", "--n-embd", "32", "--runs-dir", str(tmp_path),
-                   "--tolerance", "1e-12"])
+                   "--tolerance", "1e-12", "--no-plots"])
     out, err = capsys.readouterr()
     assert rc == 1 and "FAIL TP=2  step 0" in out and err.startswith("FAIL: TP=2 differ"), (out, err)
     assert len(list(tmp_path.glob("tensor-*"))) == 2  # two runs in the same second: two folders
+    assert len(list(tmp_path.glob("tensor-*/losses.csv"))) == 2 and len(list(tmp_path.glob("tensor-*/*.png"))) == 1
 
 
 @pytest.mark.parametrize("argv,message,exact", [
