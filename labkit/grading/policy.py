@@ -15,7 +15,9 @@ line (:class:`Violation`).
    ``sys.modules``, ``sys.path``, ``gc``, ``os.system``/``os.fork``/..., unpickling,
    ``torch.hub``, torch function and dispatch modes, global module hooks and ``torch.library``
    (code torch would run behind every call, which no answer's closure shows), IPython magics
-   and shell escapes; annotation strings evaluated as code: ``typing.get_type_hints``,
+   and shell escapes, ``matplotlib.use`` and ``pyplot.switch_backend`` (a backend name,
+   ``"module://name"``, imports a module; the graded kernel resolves its backend before the
+   first cell, so one put in ``rcParams`` later imports nothing); annotation strings evaluated as code: ``typing.get_type_hints``,
    ``inspect.get_annotations``, ``singledispatch``, ``eval_str=``; ``string.Formatter().get_field``;
    unpickling: ``weights_only``/``allow_pickle`` other than the literal safe value, torch's and
    numpy's loaders with more than the file positionally, ``*``/``**`` or as a value, ``torch.load``
@@ -147,6 +149,8 @@ LOADERS = {"load": 2, "read_array": 1, "NpzFile": 2}
 # (signals and sessions are not here: they produce no answer, and containing processes is the
 # operating system's job, see labkit.grading.session)
 _PROCESS = "starts another program or process, where labkit's reference could run unchecked"
+_BACKEND_IMPORT = ("imports the module a backend name gives (\"module://name\"); the kernel's backend is set, "
+                   "plots show as they are")
 MODULE_ATTRS = {
     "sys": {"modules": "reaches every imported module", "settrace": "traces every call",
             **{n: "changes where imports come from" for n in ("path", "meta_path", "path_hooks",
@@ -157,6 +161,8 @@ MODULE_ATTRS = {
               "package": "imports and runs code from an archive (and unpickles)"},
     "inspect": {n: "reaches callers' frames and their names" for n in (
         "currentframe", "stack", "trace", "getouterframes", "getinnerframes", "getargvalues", "getclosurevars")},
+    "matplotlib": {"use": _BACKEND_IMPORT},
+    "matplotlib.pyplot": {"switch_backend": _BACKEND_IMPORT},
     "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",
                                  "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv",
                                  "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",

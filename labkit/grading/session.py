@@ -89,8 +89,12 @@ MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 # before the first cell: no import from the working folder (IPython puts "" first on sys.path, so a module
 # the notebook writes there, e.g. a fractions.py, would shadow an allowed one; the source policy refuses
 # changing sys.path), then torch and the kit, so no cell's time limit pays for them
+# pyplot's backend resolved now: a backend named later in rcParams ("module://name", computed) is never
+# imported (matplotlib imports rcParams["backend"] when pyplot first needs a backend); the source policy
+# refuses matplotlib.use and pyplot.switch_backend, the two calls that would import one afterwards
 WARM_UP = ("import sys\nsys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
-           "import torch, labkit.grading.kernel")
+           "import torch, labkit.grading.kernel\n"
+           "import matplotlib.pyplot\nmatplotlib.pyplot.switch_backend('Agg')\ndel matplotlib")
 PRIVATE_HOME = "/tmp/labkit-home"  # the kernel's HOME, inside its private /tmp (jail mode)
 
 

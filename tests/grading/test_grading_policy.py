@@ -8,6 +8,7 @@ two notebooks in one file.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -341,6 +342,13 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "the zero-bubble formulas as 13.3's answer": ("13.3", "bubble_time", [
         "from labkit.pipeline.zero_bubble import bubble_time_formula as f\ndef bubble_time(s, K, a, b, c):\n"
         "    return f(s, K, a, b, c)"], "import of `bubble_time_formula`"),
+    # a backend name imports a module matplotlib finds on the path (one written to disk, or any package)
+    "matplotlib.use with a computed backend": ("1.1", "bubble_fraction", [
+        "import matplotlib\nmatplotlib.use('mod' + 'ule://mine')"], "`matplotlib.use`"),
+    "pyplot.switch_backend": ("1.1", "bubble_fraction", [
+        "import matplotlib.pyplot as plt\nplt.switch_backend('module://mine')"], "`plt.switch_backend`"),
+    "use imported by name": ("1.1", "bubble_fraction", ["from matplotlib import use as u\nu('module://mine')"],
+                             "import of `matplotlib.use`"),
     # the allow-list: a labkit name the notebook does not give (none of these is a listed reference)
     "a labkit function notebook 01 does not import": ("1.1", "bubble_fraction", [
         "from labkit.pipeline.explorer import describe\ndef bubble_fraction(K, M):\n    return describe(K, M)"],
@@ -738,3 +746,21 @@ def test_every_listed_reference_is_a_real_object():
         for part in qual.split("."):
             obj = getattr(obj, part)
 
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["kernel-warm-up", "without-it"])
+def test_a_backend_named_in_rcparams_after_the_warm_up_is_never_imported(warm, tmp_path):
+    """The graded kernel's warm-up resolves pyplot's backend: a "module://name" put in rcParams later
+    (a computed string the policy cannot read) imports nothing when a figure is made. Without the
+    warm-up (the control) matplotlib imports the named module."""
+    from labkit.grading.session import WARM_UP
+
+    code = (WARM_UP if warm else "import sys") + (
+        "\nimport matplotlib, matplotlib.pyplot as plt\nassert 'wave' not in sys.modules\n"
+        "matplotlib.rcParams['backend'] = 'mod' + 'ule://wave'\n"
+        "try:\n    plt.figure()\nexcept Exception:\n    pass\n"
+        "print('imported' if 'wave' in sys.modules else 'not imported')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=dict(os.environ, MPLBACKEND="Agg", MPLCONFIGDIR=str(tmp_path)))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-2:] == (["not", "imported"] if warm else ["imported"]), run.stdout
