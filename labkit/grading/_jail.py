@@ -17,6 +17,10 @@ Options, each one token ``--name=value``:
   ``mpl`` inside; COMMAND starts there.
 * ``--hide=PATH``: cover PATH with an empty read-only tmpfs (a folder) or /dev/null (a file),
   in this namespace only: the grader's exercise modules and reference list, hidden cases.
+* ``--hidepid=1``: mount a procfs of the namespace's own on /proc with ``hidepid=2``: COMMAND's
+  uid sees only its own processes (not the grader's command lines, which in a batch name the
+  other submissions, nor another kernel's). Root only: a non-root grader's user namespace may
+  not mount one.
 * ``--rlimit=NAME:N``: ``resource.RLIMIT_NAME`` soft and hard limit N (NPROC, FSIZE, AS).
 * ``--keep-user=1``: a non-root grader, inside ``unshare --user --map-root-user ...``: UID and GID
   stay what they are (its own, mapped to 0 here); instead every capability of the namespace
@@ -61,7 +65,7 @@ def _tops(needed):
     return {t: ps for t, ps in tops.items() if not any(t != u and t.startswith(u + "/") for u in tops)}
 
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_BIND, MS_MOVE, MS_REC = 1, 2, 4, 4096, 8192, 16384
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC = 1, 2, 4, 8, 4096, 8192, 16384
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
@@ -148,6 +152,8 @@ def main(argv):
         _private_tmp(int(size), opts.get("stage", [tempfile.gettempdir()])[0], needed)
     for path in opts.get("hide", []):
         _hide(os.path.realpath(path))
+    if opts.get("hidepid"):
+        _mount("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "proc", "hidepid=2")
     home = opts.get("home", [None])[0]
     if home:
         for d in (home, os.path.join(home, "ipython"), os.path.join(home, "mpl")):

@@ -334,6 +334,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     out_of_time = f"the submission's time budget of {time_budget:g} s ran out"
     points = grading_points(cells, list(wanted))
     grades: dict[str, ExerciseGrade] = _policy_grades(exercises, cells, points) if source_policy else {}
+    zeroed = [ex.id for ex in exercises if ex.id in grades]  # by the source policy (grades gets the runs' too)
     due: dict[int, list[str]] = {}
     for ex_id, k in points.items():
         if k is not None and ex_id not in grades:
@@ -491,6 +492,10 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         if not reason and stop:
             reason = f"not reached: {stop}"
         grade.exercises.append(_exercise_grade(ex, None, reason))
+    if zeroed:
+        grade.stopped = "; ".join(x for x in (grade.stopped, (
+            f"the source policy gave 0 points to {', '.join(zeroed)}: each exercise's message names the cell and "
+            f"line; change or remove those lines and submit again")) if x)
     if assignment and exercises:
         held = _notebook_names(nb, path)
         note = ""
@@ -520,16 +525,26 @@ def _policy_grades(exercises, cells, points) -> dict[str, ExerciseGrade]:
     out = {}
     for ex in exercises:
         k = points.get(ex.id)
-        upto = cells if k is None else cells[:k + 1]
-        found = check_cells(ex.id, answer_name(ex.id, cells), [(f"cell {i + 1}", src) for i, src in upto])
+        if k is None:  # never defined: "not attempted" says so (the cells are not judged for an answer they lack)
+            continue
+        found = check_cells(ex.id, answer_name(ex.id, cells), [(f"cell {i + 1}", src) for i, src in cells[:k + 1]])
         if found:
-            msg = (f"0 points: the code breaks the source policy of exercise {ex.id}: "
-                   + "; ".join(map(str, found[:5])) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+            msg = (f"0 points: the code breaks the source policy of exercise {ex.id}: " + _violations(found)
                    + f". Rule: {describe(ex.id)}")
             out[ex.id] = ExerciseGrade(ex, "failed", msg, [CaseGrade(c.name, c.hidden, "failed",
                                                                      "not run: the code breaks the source policy")
                                                            for c in ex.cases])
     return out
+
+
+def _violations(found, most: int = 5) -> str:
+    """The first ``most`` violations, each as "cell, line: construct", the reason once after the
+    violations that share it."""
+    shown, groups = found[:most], {}
+    for v in shown:
+        groups.setdefault(v.why, []).append(f"{v.cell}, line {v.line}: {v.what}")
+    text = "; ".join(f"{'; '.join(where)} ({why})" for why, where in groups.items())
+    return text + (f"; and {len(found) - most} more" if len(found) > most else "")
 
 
 def _hidden_files() -> list[Path]:
@@ -591,12 +606,12 @@ def results_json(grades: list[NotebookGrade], execution_time: float | None = Non
                 passed = c.status == "passed"
                 if passed:
                     output = "passed"
-                elif c.hidden and c.status == "failed":
+                elif c.hidden and c.status == "failed" and not c.message.startswith("not run"):
                     output = HIDDEN_OUTPUT
                 elif c.status == "not_attempted" and not c.message.startswith("not attempted"):
                     output = "not attempted (the stub still raises NotImplementedError)"
                 elif c.status in ("not_attempted", "not_reached"):
-                    output = c.message
+                    output = "not run: see the exercise's line above" if c.message == eg.message else c.message
                 else:
                     output = c.message or "failed"
                 tests.append({

@@ -17,7 +17,8 @@ line (:class:`Violation`).
    (code torch would run behind every call, which no answer's closure shows), IPython magics
    and shell escapes, ``matplotlib.use`` and ``pyplot.switch_backend`` (a backend name,
    ``"module://name"``, imports a module; the graded kernel resolves its backend before the
-   first cell, so one put in ``rcParams`` later imports nothing); annotation strings evaluated as code: ``typing.get_type_hints``,
+   first cell, so one put in ``rcParams`` later imports nothing); annotation strings evaluated
+   as code: ``typing.get_type_hints``,
    ``inspect.get_annotations``, ``singledispatch``, ``eval_str=``; ``string.Formatter().get_field``;
    unpickling: ``weights_only``/``allow_pickle`` other than the literal safe value, torch's and
    numpy's loaders with more than the file positionally, ``*``/``**`` or as a value, ``torch.load``
@@ -37,11 +38,18 @@ line (:class:`Violation`).
    package, holds code this policy cannot read, so importing it is a violation; and no
    assignment to (or ``setattr``/``del`` of) an attribute of a module, or of a class the
    learner did not define (``torch.distributed.all_reduce = ...``, ``nn.Linear.forward = ...``).
+   No class pattern (``case C(attr=...)`` reads attributes by names), ``string.Formatter``,
+   ``inspect.getattr_static`` or ``getattr`` with a computed name in a learner's cell, and no
+   private name of something imported read through an alias (``S = Cls; S._builder``).
    **labkit only through the names the notebook gives** (an allow-list, :func:`_unprovided`):
    a learner's cell may import or read through a module only the labkit functions, classes and
    constants that the shipped learner notebook's own cells import, and those its text tells the
    learner to call (:data:`PROVIDED`); any other part of the kit may compute an answer without
-   being listed as a reference.
+   being listed as a reference. A labkit type named only in annotations is allowed.
+   The kit's cells are exempt from the reference rule and the allow-list as written, with only
+   their numbers or comments changed (:func:`_skeleton`), and each of their import statements
+   is exempt where a learner's cell repeats it; a name local to a function (a parameter, an
+   assignment, a loop target) is not the import of the same name.
    And labkit's reference for the exercise (or a labkit function from which it can be reached,
    :mod:`labkit.grading.reach`) may not be named in any of these cells at all: imported, read
    through a module, or read where a cell the kit ships imported it (the shipped learner
@@ -108,6 +116,8 @@ FORBIDDEN_ATTRS = {
     "f_locals": "reaches a frame's names", "f_back": "reaches callers' frames",
     "gi_frame": "reaches a generator's frame", "tb_frame": "reaches a traceback's frame",
     "settrace": "traces every call", "setprofile": "traces every call", "getmembers": "reaches attributes by name",
+    "getattr_static": "reaches attributes by name", "getmembers_static": "reaches attributes by name",
+    "__match_args__": "makes a class pattern read attributes by name",
     "attrgetter": "looks attributes up by name", "methodcaller": "looks attributes up by name",
     "get_field": "looks attributes up by name", "_tensor_to_object": "unpickles (rebuilds objects by name)",
     "__self__": "reaches the module a builtin belongs to (len.__self__ is builtins)",
@@ -162,6 +172,8 @@ MODULE_ATTRS = {
     "inspect": {n: "reaches callers' frames and their names" for n in (
         "currentframe", "stack", "trace", "getouterframes", "getinnerframes", "getargvalues", "getclosurevars")},
     "matplotlib": {"use": _BACKEND_IMPORT},
+    "string": {"Formatter": "a Formatter hands your code the objects a format string looks up by name "
+                            "(\"{0.__globals__}\"), which the rules cannot see"},
     "matplotlib.pyplot": {"switch_backend": _BACKEND_IMPORT},
     "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",
                                  "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv",
@@ -437,9 +449,28 @@ class _Scopes:
 
 
 def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[str],
-                scopes: "_Scopes | None" = None) -> list[tuple[int, str, str]]:
-    """Rule 1 on one cell: (line, what, why) for each construct refused everywhere."""
+                scopes: "_Scopes | None" = None, learner: bool = True) -> list[tuple[int, str, str]]:
+    """Rule 1 on one cell: (line, what, why) for each construct refused everywhere. ``learner``:
+    the cell is not one the kit ships (a kit cell may look an attribute up by a computed name)."""
     out = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 1)
+        if isinstance(node, ast.MatchClass):
+            out.append((line, "a class pattern (`case C(...)`)", "reads attributes by names (its keywords, or the "
+                        "class's __match_args__) that the rules cannot check as attributes; use isinstance and "
+                        "written-out attributes"))
+        elif learner and isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in _ATTR_FUNCS and len(node.args) >= 2 \
+                and not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            out.append((line, f"`{node.func.id}` with a computed name", "the grader cannot see which attribute it "
+                        "reaches (a dunder such as __globals__ leads anywhere); write the attribute out"))
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and isinstance(node.value, ast.Name) and node.value.id in names.foreign \
+                and node.value.id not in classes and not names.module_of(node.value.id) \
+                and not any(o.split(".")[0] in ALLOWED_IMPORTS and _is_module(o)
+                            for o in names.origins.get(node.value.id, ())):
+            out.append((line, f"`{ast.unparse(node)}`", "a private name of code you did not write (reached "
+                        "through an alias, it is still the kit's or a library's internals)"))
     called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
     enclosing: dict[int, ast.AST] = {}       # id(node) -> the innermost def around it
     for fn in ast.walk(tree):
@@ -1133,6 +1164,51 @@ def _shipped_for(major: str) -> frozenset:
     return frozenset(out)
 
 
+def _skeleton(tree: ast.AST) -> str:
+    """The cell's code with every number (and True, False, None) blanked: a kit cell whose seed or
+    sizes a learner changed keeps the kit's code. Strings stay: in a kit cell they may be
+    attribute names (``getattr(row, part)`` over a tuple of field names)."""
+    import copy
+
+    t = copy.deepcopy(tree)
+    for n in ast.walk(t):
+        if isinstance(n, ast.Constant) and not isinstance(n.value, (str, bytes)):
+            n.value = ...
+    return ast.dump(t)
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_shapes(major: str) -> tuple[frozenset, frozenset]:
+    """(skeletons of the kit's cells, ``ast.dump`` of each import statement in them)."""
+    trees = [t for src in _shipped_for(major) if (t := _python(src)) is not None]
+    imports = {ast.dump(n) for t in trees for n in ast.walk(t) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return frozenset(map(_skeleton, trees)), frozenset(imports)
+
+
+def _kit_import(node, major: str) -> bool:
+    """Whether ``node`` is an import statement the kit's notebook has word for word."""
+    return isinstance(node, (ast.Import, ast.ImportFrom)) and ast.dump(node) in _shipped_shapes(major)[1]
+
+
+def _annotation_only(tree_list, name: str) -> bool:
+    """Whether every read of ``name`` in the learner's cells is inside an annotation (a type named
+    in a signature computes nothing)."""
+    inside, loads = set(), []
+    for tree in tree_list:
+        for node in ast.walk(tree):
+            anns = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                anns = [x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg]
+                        if x is not None and x.annotation is not None] + ([node.returns] if node.returns else [])
+            elif isinstance(node, ast.AnnAssign):
+                anns = [node.annotation]
+            inside |= {id(n) for ann in anns for n in ast.walk(ann)}
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id == name:
+                loads.append(node)
+    return all(id(n) in inside for n in loads)
+
+
 def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Violation]:
     """Principle 3 of issue 16 as written: labkit's reference for the exercise, or a labkit
     function from which it can be reached, named in ANY cell up to the grading point (an import,
@@ -1181,18 +1257,24 @@ def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Viola
         for s, stmt in enumerate(tree.body):
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and stmt.name in bound:
                 own_at.setdefault(stmt.name, (c, s))
+            shadowed = _shadowed_loads(stmt)
             for node in ast.walk(stmt):
-                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound \
+                        and id(node) not in shadowed:
                     used_at.setdefault(node.id, []).append((c, s))
     for name, at in own_at.items():
         if all(b < at for b in bound_at[name]) and all(u >= at for u in used_at.get(name, [])):
             bound.pop(name)
     out = []
+    major = str(exercise_id).split(".")[0]
     for label, tree in parsed:
         if label.startswith("__shipped__"):
             continue
+        shadowed = _shadowed_loads(tree)  # a local of that name is not the import
         for node in ast.walk(tree):
             line = getattr(node, "lineno", 1)
+            if _kit_import(node, major) or id(_root(node)) in shadowed:
+                continue  # the kit's own import statement (what it binds is judged where it is read)
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
                 for a in node.names:
                     lab = label_of(f"{node.module}.{a.name}")
@@ -1252,11 +1334,18 @@ def _unprovided(exercise_id: str, parsed, names: "_Names") -> list[Violation]:
     if not _shipped_for(major):
         return []
     labels, objects = _provided(major)
+    learner = [t for label, t in parsed if not label.startswith("__shipped__")]
     out = []
     for label, tree in parsed:
         if label.startswith("__shipped__"):
             continue
+        shadowed = _shadowed_loads(tree)
         for node in ast.walk(tree):
+            if _kit_import(node, major) or id(_root(node)) in shadowed:
+                continue
+            if isinstance(node, ast.ImportFrom) and all(_annotation_only(learner, a.asname or a.name)
+                                                        for a in node.names):
+                continue  # a type named in signatures only
             for dotted in _labkit_uses(node, names):
                 if dotted == "labkit" or dotted.startswith("labkit.grading") or _is_module(dotted):
                     continue
@@ -1268,9 +1357,9 @@ def _unprovided(exercise_id: str, parsed, names: "_Names") -> list[Violation]:
                     continue
                 mod, _, name = lab.partition(":")
                 out.append(Violation(label, getattr(node, "lineno", 1), f"`{name}` ({mod})",
-                                     f"not one of the labkit names notebook {major.zfill(2)} gives you (those its own "
-                                     f"cells import): another part of the kit may compute an exercise's answer; "
-                                     f"write it with torch and your own code"))
+                                     f"not one of the labkit names notebook {major.zfill(2)} gives you, those its own "
+                                     f"cells import: the grader accepts no other part of the kit, which could "
+                                     f"compute an answer; remove the line, or write that code with torch"))
     return out
 
 def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
@@ -1285,9 +1374,11 @@ def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     ex = str(exercise_id)
     allow = ALLOW.get(ex, set())
     shipped = _shipped_cells(ex)
-    marked = [("__shipped__" + label if str(src).strip() in shipped else label, t) for label, src in cells
-              if not _is_install_cell(str(src)) and (t := _python(str(src))) is not None]
+    shapes = _shipped_shapes(ex.split(".")[0])[0]
+    marked = [("__shipped__" + label if str(src).strip() in shipped or _skeleton(t) in shapes else label, t)
+              for label, src in cells if not _is_install_cell(str(src)) and (t := _python(str(src))) is not None]
     parsed = [(label.removeprefix("__shipped__"), t) for label, t in marked]
+    shipped_label = {id(t): label.startswith("__shipped__") for label, t in marked}
     names = _Names([t for _, t in parsed])
     classes = {n.name for _, t in parsed for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
     found: list[Violation] = _reference_anywhere(ex, marked, names)
@@ -1296,7 +1387,8 @@ def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     scopes = _Scopes([t for _, t in parsed], names, classes)
     for label, tree in parsed:
         found += [Violation(label, line, what, why)
-                  for line, what, why in _everywhere(tree, names, classes, allow, scopes)]
+                  for line, what, why in _everywhere(tree, names, classes, allow, scopes,
+                                                     learner=not shipped_label.get(id(tree)))]
     stmts = [(label, s) for label, t in parsed for s in t.body]
     found += [Violation(c, line, what, why) for c, line, what, why in _in_answer(ex, answer, stmts, names)]
     order = {label: i for i, (label, _) in enumerate(parsed)}
@@ -1321,8 +1413,8 @@ def describe(exercise_id: str) -> str:
         extra.append(".backward(), .grad or zero_grad (torch.autograd.grad only)")
     if str(exercise_id) == "9.3":
         extra.append("the ModelSpec's own counting methods (total_params, active_params, layer_params, ...)")
-    own = f" must not use {' or '.join(extra)};" if extra else ""
-    return (f"the code of exercise {exercise_id}{own} no cell may run code from strings or copies of code "
+    own = f"the code of exercise {exercise_id} must not use {' or '.join(extra)}; " if extra else ""
+    return (f"{own}no cell up to exercise {exercise_id}'s check may run code from strings or copies of code "
             f"(exec, eval, compile, __code__, FunctionType, reload), reach the interpreter (sys.modules, gc, "
             f"ctypes), start processes (subprocess, os.system, os.fork), import labkit.grading (except check), "
             f"import a module other than torch, numpy, matplotlib, the standard numerics or labkit (a module "

@@ -263,7 +263,8 @@ def isolation_note(user: KernelUser | None) -> str:
                 "folders. Run the grader as root (as autograder containers do) for full isolation.")
     if user is not None and user.jail:
         return ("isolation: each kernel runs as a uid of its own in its own session, mount and IPC namespaces "
-                "(private /tmp and /dev/shm; the grader's exercise code, reference list and hidden cases hidden), "
+                "(private /tmp and /dev/shm; the grader's exercise code, reference list and hidden cases hidden; "
+                "no other uid's process in its /proc), "
                 "with limits on processes, file size and memory; it cannot signal the grader or another "
                 "submission, read the grader's cases or write the results")
     if user is not None:
@@ -424,6 +425,8 @@ class KernelSession:
                        MPLCONFIGDIR=os.path.join(PRIVATE_HOME, "mpl"))
             options = [f"--copy={conn}:{conn_inside}", f"--tmp={self.user.limits.tmp_size}", f"--stage={self.dir}",
                        f"--home={PRIVATE_HOME}", *(f"--hide={p}" for p in secret_paths())]
+            if not self.user.userns:  # as root: other uids' processes (the grader's command line) out of sight
+                options.append("--hidepid=1")
             root = cgroup_v2_root() if not self.user.userns else None
             if root is not None:
                 try:

@@ -409,3 +409,30 @@ def test_as_non_root_hostile_submission_gets_its_honest_score_and_leaves_nothing
             assert "no user namespace" in proc.stdout, proc.stdout
     finally:
         user.close()
+
+
+@pytest.mark.skipif(not ROOT, reason="the jail's own procfs needs root")
+@pytest.mark.parametrize("hidepid", [True, False], ids=["kernel-jail", "without-hidepid"])
+def test_the_jailed_kernel_sees_no_process_of_another_uid(hidepid, tmp_path):
+    """As root the kernel's jail mounts a procfs of its own with hidepid=2: the kernel's uid lists
+    only its own processes, so it cannot read the grader's command line (in a batch it names the
+    other submissions) or another kernel's. Without the option (the control) it sees this test."""
+    from labkit.grading.session import KernelUser
+
+    lease = UidLease()
+    try:
+        user = KernelUser(f"uid {lease.uid}", lease.uid, lease.gid, True, jail=True)
+        probe = ("import os\nmine = []\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n"
+                 "        try:\n            mine.append((int(p), open(f'/proc/{p}/cmdline', 'rb').read()))\n"
+                 "        except OSError:\n            pass\nprint(sorted(pid for pid, _ in mine))")
+        argv, kw = user.command([sys.executable, "-S", "-c", probe], None, ["--hidepid=1"] if hidepid else [])
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=60, **kw)
+        assert run.returncode == 0, run.stderr
+        seen = json.loads(run.stdout)
+        assert (os.getpid() in seen) is not hidepid, seen
+        if hidepid:
+            assert len(seen) == 1, seen  # the probe itself
+    finally:
+        from labkit.grading.contain import kill_uid
+        kill_uid(lease.uid, 5)
+        lease.release()

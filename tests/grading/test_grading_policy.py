@@ -185,7 +185,7 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     # an if/while/try block, an exception's args; the answer's closure never saw it)
     "the reference imported in an earlier cell, used outside the answer": ("8.6", "axis_bytes", [
         "from labkit.plan.comm import comm_per_rank\nWIDTH = 4", "def axis_bytes(t, p, d):\n    return t * WIDTH",
-        "print(comm_per_rank(1))"], "import of `comm_per_rank`"),
+        "print(comm_per_rank(1))"], "cell 3, line 1: `comm_per_rank`"),  # the import is the kit's own statement
     "a global set inside a function that imports the reference": ("1.1", "bubble_fraction", [
         "def _fill():\n    global _f\n    from labkit.pipeline.simulate import bubble_formula as g\n"
         "    _f = g\n_fill()",
@@ -349,6 +349,31 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "import matplotlib.pyplot as plt\nplt.switch_backend('module://mine')"], "`plt.switch_backend`"),
     "use imported by name": ("1.1", "bubble_fraction", ["from matplotlib import use as u\nu('module://mine')"],
                              "import of `matplotlib.use`"),
+    # a fifth red team's: attribute names the rules never saw as attributes
+    "a class pattern reads __globals__ and the reference": ("1.1", "bubble_fraction", [
+        "from labkit.grading import check",
+        "def bubble_fraction(K, M):\n    match check:\n"
+        "        case object(__globals__={'__builtins__': {'__import__': imp}}):\n            pass\n"
+        "    match imp('labkit.pipeline.simulate', fromlist=['x']):\n"
+        "        case object(bubble_formula=f):\n            pass\n    return float(f(K, M))"],
+        "a class pattern"),
+    "a Formatter subclass catches what a format string looks up": ("1.1", "bubble_fraction", [
+        "import string\nfrom labkit.grading import check",
+        "class Grab(string.Formatter):\n    def format_field(self, value, spec):\n"
+        "        self.seen.append(value)\n        return ''",
+        "def bubble_fraction(K, M):\n    g = Grab()\n    g.seen = []\n"
+        "    g.format('{0.__globals__[__builtins__]}', check)\n    return 0.0"], "`string.Formatter`"),
+    "a built-up getattr name stored through a call": ("1.1", "bubble_fraction", [
+        "from labkit.grading import check\n_B = []\ndef store():\n    return _B",
+        "store().append(getattr(check, '__glo' + 'bals__'))",
+        "def bubble_fraction(K, M):\n    return float(store()[0]['x'](K, M))"], "`getattr` with a computed name"),
+    "getattr_static with a built-up name": ("1.1", "bubble_fraction", [
+        "import inspect\nfrom labkit.grading import check",
+        "def bubble_fraction(K, M):\n    return inspect.getattr_static(check, '__glo' + 'bals__')"],
+        "getattr_static"),
+    "a private attribute of a kit class through an alias": ("5.1", "segment_boundaries", [
+        "from labkit.pipeline import ScheduleGPipe", "S = ScheduleGPipe",
+        "def segment_boundaries(n, k):\n    return S._builder(n, k)"], "`S._builder`"),
     # the allow-list: a labkit name the notebook does not give (none of these is a listed reference)
     "a labkit function notebook 01 does not import": ("1.1", "bubble_fraction", [
         "from labkit.pipeline.explorer import describe\ndef bubble_fraction(K, M):\n    return describe(K, M)"],
@@ -435,6 +460,19 @@ HONEST = [
                                  "class ReduceFromRegion(torch.autograd.Function):\n    @staticmethod\n"
                                  "    def forward(ctx, x, group):\n"
                                  "        return comm.all_reduce(x.clone(), group=group)"]),
+    # a fifth red team's false positives: a local that shares an imported module's or reference's name
+    ("8.2", "rank_groups", ["from labkit import plan as P",
+                            "def rank_groups(rank, t, p, d):\n    P = [k * d * t for k in range(p)]\n    P.sort()\n"
+                            "    return {'pp': P}"]),
+    ("8.5", "choose_layout", [next(c for c in _shipped("08") if "import plan" in c or "plan," in c),
+                              "def choose_layout(n):\n    ok = [(1, 2)]\n    plan = min(ok)\n    t, p = plan\n"
+                              "    return t, p"]),
+    # a labkit type named only in a signature (the stub's docstring names it)
+    ("9.3", "moe_param_count", ["from labkit.plan.spec import ModelSpec",
+                                "def moe_param_count(spec: ModelSpec) -> int:\n    x: ModelSpec = spec\n    return 1"]),
+    # the kit's setup cell with a line added, its import statements unchanged
+    ("9.1", "top_k_gate", [_SETUP09 + "\nimport numpy as np",
+                           "def top_k_gate(logits, k, renormalize=False):\n    return torch.topk(logits, k)"]),
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
@@ -448,17 +486,30 @@ def test_honest_code_keeps_the_rules(i):
 
 
 def test_a_learner_may_edit_every_cell_the_kit_ships():
-    """The allow-list is what the learner notebook's own cells import: each of its cells, edited (a
-    comment added, so no longer the kit's text), breaks no rule of any exercise of its notebook."""
+    """The allow-list is what the learner notebook's own cells import, and a kit cell whose comments or
+    numbers (a seed, a size) the learner changed is still the kit's: each of its cells so edited breaks
+    no rule of any exercise of its notebook (a fifth red team: a changed seed zeroed 9.2)."""
+    import ast
+
     from labkit.grading.assignments import grading_points as points_of
+    from labkit.grading.policy import _is_install_cell
+
+    def bump(src: str) -> str:  # every integer literal one more (a seed, a size), written back from the tree
+        tree = ast.parse(src)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and type(node.value) is int:
+                node.value += 1
+        return ast.unparse(tree)
 
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        cells = [src + "\n# edited" for src in _shipped(path.stem[:2])]
-        for ex in exercises_for_notebook(path.stem):
-            k = points_of(list(enumerate(cells)), [ex.id])[ex.id]
-            assert k is not None, (path.name, ex.id)
-            found = [str(v) for v in _v(ex.id, ANSWERS[ex.id], *cells[:k + 1]) if "gives you" in v.why]
-            assert found == [], (path.name, ex.id, found)
+        for edit in ("comment", "literals"):
+            cells = [src if _is_install_cell(src) else src + "\n# edited" if edit == "comment" else bump(src)
+                     for src in _shipped(path.stem[:2])]  # an edited install cell is refused on purpose
+            for ex in exercises_for_notebook(path.stem):
+                k = points_of(list(enumerate(cells)), [ex.id])[ex.id]
+                assert k is not None, (path.name, ex.id)
+                found = [str(v) for v in _v(ex.id, ANSWERS[ex.id], *cells[:k + 1])]
+                assert found == [], (path.name, edit, ex.id, found)
 
 
 def test_reading_source_is_refused_in_other_exercises():
