@@ -353,7 +353,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     spare: list = []
 
     def launch():
-        s = KernelSession(str(path.parent.resolve()), user)
+        s = KernelSession(str(path.parent.resolve()), user, plots=any("matplotlib" in src for _, src in cells))
         s.launch()
         return s
 

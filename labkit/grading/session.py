@@ -89,12 +89,14 @@ MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 # before the first cell: no import from the working folder (IPython puts "" first on sys.path, so a module
 # the notebook writes there, e.g. a fractions.py, would shadow an allowed one; the source policy refuses
 # changing sys.path), then torch and the kit, so no cell's time limit pays for them
-# pyplot's backend resolved now: a backend named later in rcParams ("module://name", computed) is never
-# imported (matplotlib imports rcParams["backend"] when pyplot first needs a backend); the source policy
-# refuses matplotlib.use and pyplot.switch_backend, the two calls that would import one afterwards
 WARM_UP = ("import sys\nsys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
-           "import torch, labkit.grading.kernel\n"
-           "import matplotlib.pyplot\nmatplotlib.pyplot.switch_backend('Agg')\ndel matplotlib")
+           "import torch, labkit.grading.kernel")
+# for a submission that names matplotlib (none else can reach its rcParams: no computed import, no module
+# reached through another's attribute): pyplot's backend resolved now, so a backend named later in rcParams
+# ("module://name", computed) is never imported (matplotlib imports rcParams["backend"] when pyplot first
+# needs a backend); the source policy refuses matplotlib.use and pyplot.switch_backend, the two calls that
+# would import one afterwards. 0.4 s per kernel, so only where matplotlib is named
+PLOTS_WARM_UP = "\nimport matplotlib.pyplot\nmatplotlib.pyplot.switch_backend('Agg')\ndel matplotlib"
 PRIVATE_HOME = "/tmp/labkit-home"  # the kernel's HOME, inside its private /tmp (jail mode)
 
 
@@ -382,7 +384,7 @@ class KernelStartError(RuntimeError):
 class KernelSession:
     """One learner kernel (see the module docstring). ``cwd``: its working directory."""
 
-    def __init__(self, cwd: str, user: KernelUser | None = None):
+    def __init__(self, cwd: str, user: KernelUser | None = None, plots: bool = True):
         self.lease = self.cgroup = None
         if user is not None and not user.userns:  # a uid of its own: no other kernel, of any grader, has it
             self.lease = UidLease()
@@ -394,6 +396,7 @@ class KernelSession:
         self.kc = None
         self.info = None
         self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
+        self.plots = plots  # the submission names matplotlib: PLOTS_WARM_UP too
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -495,7 +498,8 @@ class KernelSession:
 
     def _warm_up(self, deadline: float, budget: bool) -> None:
         """Import torch and the kit before the first cell, so no cell's time limit pays for it."""
-        mid = self.kc.execute(WARM_UP, silent=True, store_history=False, allow_stdin=False)
+        mid = self.kc.execute(WARM_UP + (PLOTS_WARM_UP if self.plots else ""), silent=True, store_history=False,
+                              allow_stdin=False)
         while self.alive():
             left = deadline - time.monotonic()
             if left <= 0:

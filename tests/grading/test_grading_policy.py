@@ -804,9 +804,9 @@ def test_a_backend_named_in_rcparams_after_the_warm_up_is_never_imported(warm, t
     """The graded kernel's warm-up resolves pyplot's backend: a "module://name" put in rcParams later
     (a computed string the policy cannot read) imports nothing when a figure is made. Without the
     warm-up (the control) matplotlib imports the named module."""
-    from labkit.grading.session import WARM_UP
+    from labkit.grading.session import PLOTS_WARM_UP, WARM_UP
 
-    code = (WARM_UP if warm else "import sys") + (
+    code = (WARM_UP + PLOTS_WARM_UP if warm else "import sys") + (
         "\nimport matplotlib, matplotlib.pyplot as plt\nassert 'wave' not in sys.modules\n"
         "matplotlib.rcParams['backend'] = 'mod' + 'ule://wave'\n"
         "try:\n    plt.figure()\nexcept Exception:\n    pass\n"
