@@ -1190,6 +1190,10 @@ def _kit_import(node, major: str) -> bool:
     return isinstance(node, (ast.Import, ast.ImportFrom)) and ast.dump(node) in _shipped_shapes(major)[1]
 
 
+_TYPE_NODES = (ast.Name, ast.Attribute, ast.Subscript, ast.Tuple, ast.List, ast.Constant, ast.BinOp, ast.BitOr,
+               ast.Load, ast.expr_context)
+
+
 def _annotation_only(tree_list, name: str) -> bool:
     """Whether every read of ``name`` in the learner's cells is inside an annotation (a type named
     in a signature computes nothing)."""
@@ -1203,7 +1207,10 @@ def _annotation_only(tree_list, name: str) -> bool:
                         if x is not None and x.annotation is not None] + ([node.returns] if node.returns else [])
             elif isinstance(node, ast.AnnAssign):
                 anns = [node.annotation]
-            inside |= {id(n) for ann in anns for n in ast.walk(ann)}
+            # a type, not code: names, attributes, subscripts (list[T]), unions and literals only; an
+            # annotation is evaluated when the def runs, so one with a call in it counts as code
+            inside |= {id(n) for ann in anns if all(isinstance(n, _TYPE_NODES) for n in ast.walk(ann))
+                       for n in ast.walk(ann)}
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id == name:
                 loads.append(node)
     return all(id(n) in inside for n in loads)

@@ -374,6 +374,11 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "a private attribute of a kit class through an alias": ("5.1", "segment_boundaries", [
         "from labkit.pipeline import ScheduleGPipe", "S = ScheduleGPipe",
         "def segment_boundaries(n, k):\n    return S._builder(n, k)"], "`S._builder`"),
+    # an annotation runs when its def does: one with a call in it is code, not a type
+    "a non-provided class called inside an annotation": ("9.3", "moe_param_count", [
+        "from labkit.plan.spec import ModelSpec\nB = []",
+        "def moe_param_count(spec: B.append(ModelSpec) or int) -> int:\n    return B[0]"],
+        "`ModelSpec` (labkit.plan.spec)"),
     # the allow-list: a labkit name the notebook does not give (none of these is a listed reference)
     "a labkit function notebook 01 does not import": ("1.1", "bubble_fraction", [
         "from labkit.pipeline.explorer import describe\ndef bubble_fraction(K, M):\n    return describe(K, M)"],
