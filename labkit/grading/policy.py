@@ -47,7 +47,7 @@ line (:class:`Violation`).
    learner to call (:data:`PROVIDED`); any other part of the kit may compute an answer without
    being listed as a reference. A labkit type named only in annotations is allowed.
    The kit's cells are exempt from the reference rule and the allow-list as written, with only
-   their numbers or comments changed (:func:`_skeleton`), and each of their import statements
+   their literals or comments changed (:func:`_skeleton`), and each of their import statements
    is exempt where a learner's cell repeats it; a name local to a function (a parameter, an
    assignment, a loop target) is not the import of the same name.
    And labkit's reference for the exercise (or a labkit function from which it can be reached,
@@ -115,6 +115,10 @@ FORBIDDEN_ATTRS = {
     "_getframe": "reaches callers' frames", "f_globals": "reaches a frame's module",
     "f_locals": "reaches a frame's names", "f_back": "reaches callers' frames",
     "gi_frame": "reaches a generator's frame", "tb_frame": "reaches a traceback's frame",
+    "cr_frame": "reaches a coroutine's frame", "ag_frame": "reaches an async generator's frame",
+    "f_builtins": "reaches the interpreter's builtins", "f_code": "reaches a frame's code",
+    "gi_code": "reaches a generator's code", "cr_code": "reaches a coroutine's code",
+    "ag_code": "reaches an async generator's code", "tb_next": "walks a traceback's frames",
     "settrace": "traces every call", "setprofile": "traces every call", "getmembers": "reaches attributes by name",
     "getattr_static": "reaches attributes by name", "getmembers_static": "reaches attributes by name",
     "__match_args__": "makes a class pattern read attributes by name",
@@ -169,8 +173,12 @@ MODULE_ATTRS = {
     "torch": {"library": "replaces torch's operators by code of yours", "overrides": "makes torch run code of yours "
               "behind every call", "_C": "reaches torch's internals",
               "package": "imports and runs code from an archive (and unpickles)"},
-    "inspect": {n: "reaches callers' frames and their names" for n in (
-        "currentframe", "stack", "trace", "getouterframes", "getinnerframes", "getargvalues", "getclosurevars")},
+    "inspect": {**{n: "reaches callers' frames and their names" for n in (
+        "currentframe", "stack", "trace", "getouterframes", "getinnerframes", "getargvalues", "getclosurevars",
+        "getgeneratorlocals", "getcoroutinelocals", "getasyncgenlocals")},
+        # signature(f, eval_str=True), also passed as **{"eval_str": True}, evaluates annotation strings as code
+        **{n: "can evaluate annotation strings as code (eval_str)" for n in (
+            "signature", "Signature", "get_annotations", "getfullargspec")}},
     "matplotlib": {"use": _BACKEND_IMPORT},
     "string": {"Formatter": "a Formatter hands your code the objects a format string looks up by name "
                             "(\"{0.__globals__}\"), which the rules cannot see"},
@@ -464,13 +472,7 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
                 and not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
             out.append((line, f"`{node.func.id}` with a computed name", "the grader cannot see which attribute it "
                         "reaches (a dunder such as __globals__ leads anywhere); write the attribute out"))
-        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
-                and isinstance(node.value, ast.Name) and node.value.id in names.foreign \
-                and node.value.id not in classes and not names.module_of(node.value.id) \
-                and not any(o.split(".")[0] in ALLOWED_IMPORTS and _is_module(o)
-                            for o in names.origins.get(node.value.id, ())):
-            out.append((line, f"`{ast.unparse(node)}`", "a private name of code you did not write (reached "
-                        "through an alias, it is still the kit's or a library's internals)"))
+
     called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
     enclosing: dict[int, ast.AST] = {}       # id(node) -> the innermost def around it
     for fn in ast.walk(tree):
@@ -480,6 +482,13 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
                     enclosing[id(sub)] = fn     # inner defs come later in the walk and win
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 1)
+        if learner and isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__") and not _own_base(node, classes, scopes, enclosing) \
+                and not any(map(_is_module, _paths(node.value, names) or names.origins.get(
+                    getattr(node.value, "id", None), ()))):  # a module's: its own rule, its own words
+            out.append((line, f"`{ast.unparse(node)}`", "a private name of code you did not write (the kit's or a "
+                        "library's internals, whatever the name or expression it is reached through); use "
+                        "private names only of your own classes (self._x)"))
         if isinstance(node, ast.Name) and node.id in _ATTR_FUNCS and isinstance(node.ctx, ast.Load) \
                 and id(node) not in called and node.id not in classes and node.id not in names.origins:
             out.append((line, f"`{node.id}` used as a value", "hides which attribute it reaches from the grader; "
@@ -544,6 +553,24 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
                 what = ast.unparse(node.args[0]) if node.args else "?"
                 out.append((line, f"`{node.func.id}({what}, ...)`", "changes a module or a class you did not define"))
     return out + _module_values(tree, names)
+
+
+def _own_base(node: ast.Attribute, classes: set[str], scopes: "_Scopes | None", enclosing: dict) -> bool:
+    """Whether the attribute is read from the learner's own class or object: the class by name, the
+    first parameter of a method of it (self, cls), or super()."""
+    r = _root(node)
+    if isinstance(r, ast.Call) and isinstance(r.func, ast.Name) and r.func.id == "super":
+        return True
+    if not isinstance(r, ast.Name):
+        return False
+    if r.id in classes:
+        return True
+    fn = enclosing.get(id(node))
+    while fn is not None:
+        if scopes is not None and scopes.methods.get(id(fn)) == r.id:
+            return True
+        fn = enclosing.get(id(fn))
+    return False
 
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
@@ -1058,6 +1085,18 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
     refs = _reference_names(exercise_id)
     rules = EXERCISE_RULES.get(exercise_id, {})
     banned_modules = EXERCISE_MODULES.get(exercise_id, ())
+    from .reach import reaching
+
+    # a kit function or class from which the reference can be reached (a kit cell's MoELayer whose router
+    # the answer drives): judged in the answer's closure too, whatever cell made the object
+    launder = reaching(tuple(refs.values())) if refs else {}
+
+    def laundered(dotted: str) -> str:
+        lab = _labkit_label(dotted)
+        for node in (lab, _home_label(lab) if lab else ""):
+            if node and node in launder:
+                return _launder_why(node, launder[node])
+        return ""
     allow = ALLOW.get(exercise_id, set())
     fixed = _fixed(stmts, names)
     by_name: dict[str, list] = {}
@@ -1115,12 +1154,19 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
                     last = origin.rsplit(".", 1)[-1]
                     if origin.startswith("labkit.") and last in refs:
                         out.append((cell, n.lineno, f"`{n.id}`", _ref_why(refs[last])))
+                    elif origin.startswith("labkit.") and (why := laundered(origin)):
+                        out.append((cell, n.lineno, f"`{n.id}`", why))
                     elif origin and last in rules:
                         out.append((cell, n.lineno, f"`{n.id}`", rules[last]))
                     elif origin and origin.split(".")[0] in banned_modules:
                         out.append((cell, n.lineno, f"`{n.id}` (from `{origin.split('.')[0]}`)", _SIDE_WHY))
                     elif origin and last in _SOURCE and last not in allow:
                         out.append((cell, n.lineno, f"`{n.id}`", "reads source text; write the computation yourself"))
+        for sub in ast.walk(stmt):
+            if isinstance(sub, ast.Attribute):
+                why = next(filter(None, (laundered(p) for p in _paths(sub, names) if p.startswith("labkit."))), "")
+                if why:
+                    out.append((cell, sub.lineno, f"`{ast.unparse(sub)}`", why))
         for line, attr, base in _attrs(stmt):
             if attr in refs:
                 out.append((cell, line, f"`.{attr}`", _ref_why(refs[attr])))
@@ -1165,14 +1211,20 @@ def _shipped_for(major: str) -> frozenset:
 
 
 def _skeleton(tree: ast.AST) -> str:
-    """The cell's code with every number (and True, False, None) blanked: a kit cell whose seed or
-    sizes a learner changed keeps the kit's code. Strings stay: in a kit cell they may be
-    attribute names (``getattr(row, part)`` over a tuple of field names)."""
+    """The cell's code with every literal blanked: a kit cell whose seed, sizes or labels a learner
+    changed keeps the kit's code. Kept: an attribute name given to getattr and its kind, and every
+    string of a cell that looks an attribute up by a computed name (``getattr(row, part)`` over a
+    tuple of field names: there a string is a name)."""
     import copy
 
     t = copy.deepcopy(tree)
+    calls = [n for n in ast.walk(t) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id in _ATTR_FUNCS and len(n.args) >= 2]
+    keep_strings = any(not isinstance(c.args[1], ast.Constant) for c in calls)
+    names = {id(c.args[1]) for c in calls}
     for n in ast.walk(t):
-        if isinstance(n, ast.Constant) and not isinstance(n.value, (str, bytes)):
+        if isinstance(n, ast.Constant) and id(n) not in names and not (
+                keep_strings and isinstance(n.value, (str, bytes))):
             n.value = ...
     return ast.dump(t)
 
@@ -1369,6 +1421,42 @@ def _unprovided(exercise_id: str, parsed, names: "_Names") -> list[Violation]:
                                      f"compute an answer; remove the line, or write that code with torch"))
     return out
 
+@functools.lru_cache(maxsize=None)
+def _kit_reads(major: str) -> frozenset:
+    """Names the kit's cells of notebook ``major`` read (call or use) but do not get from an import."""
+    trees = [t for src in _shipped_for(major) if (t := _python(src)) is not None]
+    reads = {n.id for t in trees for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return frozenset(reads - set(_Names(trees).origins))
+
+
+def _kit_hooks(exercise_id: str, parsed) -> list[Violation]:
+    """A learner's top-level function or class (or a name bound to one) that a kit cell calls by
+    name, other than an exercise's answer: the kit cell would run it with the kit's objects (a
+    ``def sum`` that catches what a kit cell sums), handing them to the learner's code."""
+    from .assignments import ANSWERS
+
+    major = str(exercise_id).split(".")[0]
+    if not _shipped_for(major):
+        return []
+    reads = _kit_reads(major) - {name for ex, name in ANSWERS.items() if ex.split(".")[0] == major}
+    out, own = [], set()
+    for label, tree in parsed:
+        if label.startswith("__shipped__"):
+            continue
+        for stmt in tree.body:
+            bound = []
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(stmt.name)
+                bound = [stmt.name]
+            elif isinstance(stmt, ast.Assign) and (isinstance(stmt.value, ast.Lambda) or (
+                    isinstance(stmt.value, ast.Name) and stmt.value.id in own)):
+                bound = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+            out += [Violation(label, stmt.lineno, f"`{name}`", f"a cell of the notebook calls `{name}`: yours would "
+                              f"run inside the kit's code with its objects; give your function another name")
+                    for name in bound if name in reads]
+    return out
+
+
 def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     """Violations of exercise ``exercise_id``'s rules in ``cells``: ``[(label, source), ...]``,
     the code cells up to (and including) the one where the exercise is graded, in order.
@@ -1391,6 +1479,7 @@ def check_cells(exercise_id: str, answer: str, cells) -> list[Violation]:
     found: list[Violation] = _reference_anywhere(ex, marked, names)
     seen = {(v.cell, v.line) for v in found}  # a reference is named once, as the reference
     found += [v for v in _unprovided(ex, marked, names) if (v.cell, v.line) not in seen]
+    found += _kit_hooks(ex, marked)
     scopes = _Scopes([t for _, t in parsed], names, classes)
     for label, tree in parsed:
         found += [Violation(label, line, what, why)

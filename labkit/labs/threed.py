@@ -213,10 +213,13 @@ def _bad_args(a, world) -> str | None:
         check_layout(cfg, world // a.cp, a.tp, a.pp, a.dp, v, a.microbatches, a.batch, a.schedule,
                      sequence_parallel=a.sp, recompute=a.recompute, seq_len=a.seq, zero=a.zero, hsdp=a.hsdp,
                      n_experts=a.experts if a.moe else None, cp=a.cp)
+    except ValueError as e:
+        return _with_flags(str(e))
+    try:  # its names are per TP rank (n_head = --heads / t): no option to name
         check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq,
                         hsdp=a.hsdp, load_balance=not a.cp_no_load_balance, recompute=a.recompute)
     except ValueError as e:
-        return _with_flags(str(e))
+        return str(e)
     from ..parallel.gpt import planner_spec
     from ..plan.spec import Layout
     # the planner's bytes; GPipe keeps the most activations of any schedule (all M in flight)

@@ -374,6 +374,36 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "a private attribute of a kit class through an alias": ("5.1", "segment_boundaries", [
         "from labkit.pipeline import ScheduleGPipe", "S = ScheduleGPipe",
         "def segment_boundaries(n, k):\n    return S._builder(n, k)"], "`S._builder`"),
+    # a sixth red team's: frames, evaluated annotation strings, private names past a subscript, kit objects
+    "inspect.signature with eval_str passed as **": ("1.1", "bubble_fraction", [
+        "import inspect",
+        "def probe(x: \"__import__('labkit.pipeline.simulate', fromlist=['x']).bubble_formula\"):\n    pass\n"
+        "opts = {'eval_str': True}\nformula = inspect.signature(probe, **opts).parameters['x'].annotation",
+        "def bubble_fraction(K, M):\n    return float(formula(K, M))"], "`inspect.signature`"),
+    "a coroutine's frame's builtins": ("1.1", "bubble_fraction", [
+        "async def idle():\n    return None\nco = idle()\nB = co.cr_frame.f_builtins\nco.close()",
+        "def bubble_fraction(K, M):\n    return 0.0"], "`.cr_frame`"),
+    "a signal handler's frame's builtins": ("1.1", "bubble_fraction", [
+        "import signal\nseen = []\ndef grab(signum, frame):\n    seen.append(frame.f_builtins)",
+        "def bubble_fraction(K, M):\n    return 0.0"], "`.f_builtins`"),
+    "a forward reference evaluated through a private method": ("1.1", "bubble_fraction", [
+        "import typing\nref = typing.List[\"__import__('labkit.pipeline.simulate').x\"].__args__[0]\n"
+        "formula = ref._evaluate({}, {}, frozenset())",
+        "def bubble_fraction(K, M):\n    return float(formula(K, M))"], "_evaluate`"),
+    "the router of a MoELayer a kit cell made": ("9.1", "top_k_gate", [
+        *_shipped("09")[1:3],
+        "def top_k_gate(logits, k, renormalize=False):\n    out = layer.router(logits)\n"
+        "    return out.weights, out.indices",
+        "check('9.1', top_k_gate)"], "`MoELayer`"),
+    "a builtin a kit cell calls, redefined to catch its objects": ("9.1", "top_k_gate", [
+        *_shipped("09")[1:2],
+        "captured = []\ndef sum(values, start=0):\n    captured.append(values)\n    return 0",
+        *_shipped("09")[2:3],
+        "def top_k_gate(logits, k, renormalize=False):\n    return captured[0]",
+        "check('9.1', top_k_gate)"], "`sum`"),
+    "a generator's locals": ("1.1", "bubble_fraction", [
+        "import inspect\ng = (x for x in [1])\nL = inspect.getgeneratorlocals(g)",
+        "def bubble_fraction(K, M):\n    return 0.0"], "`inspect.getgeneratorlocals`"),
     # an annotation runs when its def does: one with a call in it is code, not a type
     "a non-provided class called inside an annotation": ("9.3", "moe_param_count", [
         "from labkit.plan.spec import ModelSpec\nB = []",
@@ -506,9 +536,21 @@ def test_a_learner_may_edit_every_cell_the_kit_ships():
                 node.value += 1
         return ast.unparse(tree)
 
+    def relabel(src: str) -> str:  # every string changed, but in a cell that looks attributes up by computed names
+        tree = ast.parse(src)
+        if any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "getattr" and len(n.args) >= 2
+               and not isinstance(n.args[1], ast.Constant) for n in ast.walk(tree)):
+            return src
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and type(node.value) is str and not (
+                    node.value.startswith("Exercise") or node.value[:3] in {f"{i}." for i in range(17)}):
+                node.value += " (mine)"
+        return ast.unparse(tree)
+
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        for edit in ("comment", "literals"):
+        for edit in ("comment", "literals", "labels"):
             cells = [src if _is_install_cell(src) else src + "\n# edited" if edit == "comment" else bump(src)
+                     if edit == "literals" else relabel(src)
                      for src in _shipped(path.stem[:2])]  # an edited install cell is refused on purpose
             for ex in exercises_for_notebook(path.stem):
                 k = points_of(list(enumerate(cells)), [ex.id])[ex.id]
