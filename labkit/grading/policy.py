@@ -184,6 +184,7 @@ MODULE_ATTRS = {
                             "(\"{0.__globals__}\"), which the rules cannot see"},
     "matplotlib.pyplot": {"switch_backend": _BACKEND_IMPORT},
     "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",
+                                 "putenv", "unsetenv",
                                  "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv",
                                  "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
                                  "register_at_fork")},
@@ -456,13 +457,30 @@ class _Scopes:
         return bool(top) and all(top)
 
 
+_ENVIRON = ("os.environ", "os.environb", "posix.environ")
+_ENV_READS = ("get", "keys", "items", "values", "copy")
+
+
 def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[str],
                 scopes: "_Scopes | None" = None, learner: bool = True) -> list[tuple[int, str, str]]:
     """Rule 1 on one cell: (line, what, why) for each construct refused everywhere. ``learner``:
     the cell is not one the kit ships (a kit cell may look an attribute up by a computed name)."""
     out = []
+    parent = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 1)
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) and any(
+                p in _ENVIRON for p in (_paths(node, names) if isinstance(node, ast.Attribute)
+                                        else names.origins.get(node.id, ()))):
+            up = parent.get(id(node))
+            read = (isinstance(up, ast.Subscript) and up.value is node and isinstance(up.ctx, ast.Load)) or (
+                isinstance(up, ast.Attribute) and up.attr in _ENV_READS
+                and isinstance(parent.get(id(up)), ast.Call)) or (
+                isinstance(up, ast.Compare) and node in up.comparators)
+            if not read:
+                out.append((line, f"`{ast.unparse(node)}` {'assigned or passed on' if up is not None else ''}".strip(),
+                            "the environment may only be read (os.environ[...], .get): a changed PATH, LD_PRELOAD or "
+                            "PYTHONPATH makes the programs a library starts (latex, a compiler) run code of yours"))
         if isinstance(node, ast.MatchClass):
             out.append((line, "a class pattern (`case C(...)`)", "reads attributes by names (its keywords, or the "
                         "class's __match_args__) that the rules cannot check as attributes; use isinstance and "

@@ -404,6 +404,14 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "a generator's locals": ("1.1", "bubble_fraction", [
         "import inspect\ng = (x for x in [1])\nL = inspect.getgeneratorlocals(g)",
         "def bubble_fraction(K, M):\n    return 0.0"], "`inspect.getgeneratorlocals`"),
+    # the environment a library's child process runs with (latex for usetex, a compiler, python workers)
+    "PATH changed through os.environ": ("1.1", "bubble_fraction", [
+        "import os\nos.environ['PATH'] = '/tmp/mine:' + os.environ['PATH']"], "`os.environ`"),
+    "os.environ.update": ("1.1", "bubble_fraction", ["import os\nos.environ.update(LD_PRELOAD='/tmp/x.so')"],
+                          "`os.environ`"),
+    "environ imported and aliased": ("1.1", "bubble_fraction", [
+        "from os import environ as E\nenv = E\nenv['PYTHONPATH'] = '/tmp'"], "`E`"),
+    "os.putenv": ("1.1", "bubble_fraction", ["import os\nos.putenv('PATH', '/tmp')"], "`os.putenv`"),
     # an annotation runs when its def does: one with a call in it is code, not a type
     "a non-provided class called inside an annotation": ("9.3", "moe_param_count", [
         "from labkit.plan.spec import ModelSpec\nB = []",
@@ -508,6 +516,9 @@ HONEST = [
     # the kit's setup cell with a line added, its import statements unchanged
     ("9.1", "top_k_gate", [_SETUP09 + "\nimport numpy as np",
                            "def top_k_gate(logits, k, renormalize=False):\n    return torch.topk(logits, k)"]),
+    # the environment read
+    ("1.2", "smallest_microbatches", ["import os\nhome = os.environ['HOME']\nx = os.environ.get('X', '1')\n"
+                                      "y = 'Y' in os.environ\nfrom os import environ\nz = environ.get('Z')"]),
     # reading labkit's source is the point of 12.3
     ("12.3", "gate_lines", ["import inspect\nfrom labkit.moe.router import route",
                             "def gate_lines():\n    return {'a': (route, inspect.getsource(route).splitlines()[0])}"]),
