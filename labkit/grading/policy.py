@@ -116,6 +116,7 @@ FORBIDDEN_ATTRS = {
     "f_locals": "reaches a frame's names", "f_back": "reaches callers' frames",
     "gi_frame": "reaches a generator's frame", "tb_frame": "reaches a traceback's frame",
     "cr_frame": "reaches a coroutine's frame", "ag_frame": "reaches an async generator's frame",
+    "chmod": "makes a file executable: a program of yours that a library could start",
     "f_builtins": "reaches the interpreter's builtins", "f_code": "reaches a frame's code",
     "gi_code": "reaches a generator's code", "cr_code": "reaches a coroutine's code",
     "ag_code": "reaches an async generator's code", "tb_next": "walks a traceback's frames",
@@ -170,7 +171,8 @@ MODULE_ATTRS = {
             **{n: "changes where imports come from" for n in ("path", "meta_path", "path_hooks",
                                                               "path_importer_cache")},
             "setprofile": "traces every call", "_getframe": "reaches callers' frames"},
-    "torch": {"library": "replaces torch's operators by code of yours", "overrides": "makes torch run code of yours "
+    "torch": {"compile": "runs a compiler as a process, one its options may name (cpp.cxx: a script of yours)",
+              "library": "replaces torch's operators by code of yours", "overrides": "makes torch run code of yours "
               "behind every call", "_C": "reaches torch's internals",
               "package": "imports and runs code from an archive (and unpickles)"},
     "inspect": {**{n: "reaches callers' frames and their names" for n in (
@@ -184,7 +186,7 @@ MODULE_ATTRS = {
                             "(\"{0.__globals__}\"), which the rules cannot see"},
     "matplotlib.pyplot": {"switch_backend": _BACKEND_IMPORT},
     "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",
-                                 "putenv", "unsetenv",
+                                 "putenv", "unsetenv", "chmod", "fchmod", "lchmod",
                                  "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv",
                                  "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
                                  "register_at_fork")},
@@ -481,6 +483,15 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
                 out.append((line, f"`{ast.unparse(node)}` {'assigned or passed on' if up is not None else ''}".strip(),
                             "the environment may only be read (os.environ[...], .get): a changed PATH, LD_PRELOAD or "
                             "PYTHONPATH makes the programs a library starts (latex, a compiler) run code of yours"))
+        if isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                value = stmt.value if isinstance(stmt, (ast.Assign, ast.AnnAssign)) else None
+                if isinstance(stmt, (ast.Import, ast.ImportFrom)) or (
+                        isinstance(value, (ast.Name, ast.Attribute)) and isinstance(_root(value), ast.Name)
+                        and _root(value).id in names.foreign):
+                    out.append((stmt.lineno, f"`{ast.unparse(stmt).splitlines()[0]}` in the body of class "
+                                f"{node.name}", "binds a module or something imported as a class attribute, where "
+                                "the rules on names do not follow it (C.m.x); import at the top of a cell"))
         if isinstance(node, ast.MatchClass):
             out.append((line, "a class pattern (`case C(...)`)", "reads attributes by names (its keywords, or the "
                         "class's __match_args__) that the rules cannot check as attributes; use isinstance and "
@@ -576,7 +587,7 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
 def _own_base(node: ast.Attribute, classes: set[str], scopes: "_Scopes | None", enclosing: dict) -> bool:
     """Whether the attribute is read from the learner's own class or object: the class by name, the
     first parameter of a method of it (self, cls), or super()."""
-    r = _root(node)
+    r = node.value  # directly: C._x, self._x, super()._x (not C.m._x: m may be anything)
     if isinstance(r, ast.Call) and isinstance(r.func, ast.Name) and r.func.id == "super":
         return True
     if not isinstance(r, ast.Name):

@@ -404,6 +404,21 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
     "a generator's locals": ("1.1", "bubble_fraction", [
         "import inspect\ng = (x for x in [1])\nL = inspect.getgeneratorlocals(g)",
         "def bubble_fraction(K, M):\n    return 0.0"], "`inspect.getgeneratorlocals`"),
+    # a seventh red team's: a module bound as a class attribute, a compiler torch.compile starts
+    "a kit module imported in a class body": ("1.1", "bubble_fraction", [
+        "class C:\n    import labkit.labs.threed as T",
+        "def bubble_fraction(K, M):\n    return C.T._bubble_formula((K, M))"], "in the body of class C"),
+    "sys imported in a class body, builtins' eval through it": ("1.1", "bubble_fraction", [
+        "class C:\n    import sys as s",
+        "def bubble_fraction(K, M):\n    return C.s.modules['builtins'].eval('K / M', {'K': K, 'M': M})"],
+        "in the body of class C"),
+    "an imported class aliased in a class body, its private name read": ("5.1", "segment_boundaries", [
+        "from labkit.pipeline import ScheduleGPipe\nclass C:\n    S = ScheduleGPipe",
+        "def segment_boundaries(n, k):\n    return C.S._builder(n, k)"], "`C.S._builder`"),
+    "torch.compile naming a compiler of the learner's": ("1.1", "bubble_fraction", [
+        "import torch\ntorch.compile(lambda x: x + 1, options={'cpp.cxx': ('/tmp/cc.sh',)})"], "`torch.compile`"),
+    "a script made executable": ("1.1", "bubble_fraction", [
+        "import os\nopen('/tmp/cc.sh', 'w').write('#!/bin/sh')\nos.chmod('/tmp/cc.sh', 0o755)"], "`os.chmod`"),
     # the environment a library's child process runs with (latex for usetex, a compiler, python workers)
     "PATH changed through os.environ": ("1.1", "bubble_fraction", [
         "import os\nos.environ['PATH'] = '/tmp/mine:' + os.environ['PATH']"], "`os.environ`"),
