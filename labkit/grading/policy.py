@@ -95,6 +95,8 @@ FORBIDDEN_NAMES = {
     "FunctionType": "builds a function from a code object", "CodeType": "builds code objects",
     "LambdaType": "builds a function from a code object",
     "globals": "reaches names by computed strings", "vars": "reaches names by computed strings",
+    "locals": "reaches names by computed strings (at the top of a cell, every global and the builtins)",
+    "help": "imports the module a string names (pydoc)",
     "get_ipython": "runs magics and shell commands", "__builtins__": "reaches the interpreter's builtins",
     "breakpoint": "stops in a debugger",
     **{n: "evaluates annotation strings as code" for n in (
@@ -117,6 +119,7 @@ FORBIDDEN_ATTRS = {
     "gi_frame": "reaches a generator's frame", "tb_frame": "reaches a traceback's frame",
     "cr_frame": "reaches a coroutine's frame", "ag_frame": "reaches an async generator's frame",
     "chmod": "makes a file executable: a program of yours that a library could start",
+    "collect_env": "runs shell commands", "CompilationUnit": "compiles code from a string",
     "f_builtins": "reaches the interpreter's builtins", "f_code": "reaches a frame's code",
     "gi_code": "reaches a generator's code", "cr_code": "reaches a coroutine's code",
     "ag_code": "reaches an async generator's code", "tb_next": "walks a traceback's frames",
@@ -168,6 +171,8 @@ _BACKEND_IMPORT = ("imports the module a backend name gives (\"module://name\");
                    "plots show as they are")
 MODULE_ATTRS = {
     "sys": {"modules": "reaches every imported module", "settrace": "traces every call",
+            "addaudithook": "hands a hook of yours the interpreter's events and their objects (sys.path, code)",
+            "call_tracing": "traces every call",
             **{n: "changes where imports come from" for n in ("path", "meta_path", "path_hooks",
                                                               "path_importer_cache")},
             "setprofile": "traces every call", "_getframe": "reaches callers' frames"},
@@ -186,7 +191,7 @@ MODULE_ATTRS = {
                             "(\"{0.__globals__}\"), which the rules cannot see"},
     "matplotlib.pyplot": {"switch_backend": _BACKEND_IMPORT},
     "os": {n: _PROCESS for n in ("system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv",
-                                 "putenv", "unsetenv", "chmod", "fchmod", "lchmod",
+                                 "putenv", "unsetenv", "chmod", "fchmod", "lchmod", "open", "symlink", "link",
                                  "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv",
                                  "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
                                  "register_at_fork")},
@@ -492,6 +497,10 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
                     out.append((stmt.lineno, f"`{ast.unparse(stmt).splitlines()[0]}` in the body of class "
                                 f"{node.name}", "binds a module or something imported as a class attribute, where "
                                 "the rules on names do not follow it (C.m.x); import at the top of a cell"))
+        if isinstance(node, (ast.Global, ast.Nonlocal)) and any(n in names.origins for n in node.names):
+            out.append((line, f"`{ast.unparse(node)}`", "a function that rebinds an imported name hides which object "
+                        "the name holds where it is read (a loop over it, then an import in the function); use "
+                        "another name"))
         if isinstance(node, ast.MatchClass):
             out.append((line, "a class pattern (`case C(...)`)", "reads attributes by names (its keywords, or the "
                         "class's __match_args__) that the rules cannot check as attributes; use isinstance and "
@@ -545,7 +554,7 @@ def _everywhere(tree: ast.Module, names: _Names, classes: set[str], allow: set[s
         rebound = (node.id if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) else
                    node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else
                    node.arg if isinstance(node, ast.arg) else
-                   node.asname if isinstance(node, ast.alias) else None)
+                   (node.asname or node.name.split(".")[0]) if isinstance(node, ast.alias) else None)
         if rebound in _ATTR_FUNCS:
             out.append((line, f"rebinding `{rebound}`", "the rules read getattr and friends by name (a getattr of "
                         "your own, or one deleted again, would hide what is looked up); use another name"))

@@ -419,6 +419,28 @@ ATTACKS = {  # name: (exercise, answer name, cells, what the violation names)
         "import torch\ntorch.compile(lambda x: x + 1, options={'cpp.cxx': ('/tmp/cc.sh',)})"], "`torch.compile`"),
     "a script made executable": ("1.1", "bubble_fraction", [
         "import os\nopen('/tmp/cc.sh', 'w').write('#!/bin/sh')\nos.chmod('/tmp/cc.sh', 0o755)"], "`os.chmod`"),
+    # an eighth (static) red team's
+    "locals() at the top level reaches the builtins": ("1.1", "bubble_fraction", [
+        "locals()['__builtins__'].exec('x = 1')"], "`locals`"),
+    "a dead import of getattr lifts the getattr-as-a-value rule": ("1.1", "bubble_fraction", [
+        "from labkit.grading import check\nif 0:\n    from math import getattr\nimport functools\n"
+        "G = functools.reduce(getattr, ['__glo' + 'bals__'], check)"], "rebinding `getattr`"),
+    "a loop target rebound to a kit module by a function's global import": ("1.1", "bubble_fraction", [
+        "box = []\ndef put(v):\n    box.append(v)\ndef g():\n    global S\n    import labkit.pipeline as S\n"
+        "for S in [0]:\n    g()\n    put(S.bubble_formula)",
+        "def bubble_fraction(K, M):\n    return float(box[0](K, M))"], "`global S`"),
+    "torch's collect_env runs a shell": ("1.1", "bubble_fraction", [
+        "import torch\ntorch.utils.collect_env.run('id')"], "collect_env"),
+    "an audit hook gets sys.path": ("1.1", "bubble_fraction", [
+        "import sys\ndef h(ev, a):\n    pass\nsys.addaudithook(h)"], "`sys.addaudithook`"),
+    "os.open with an executable mode": ("1.1", "bubble_fraction", [
+        "import os\nfd = os.open('/tmp/x.sh', os.O_CREAT | os.O_WRONLY, 0o755)"], "`os.open`"),
+    "a symlink to a shell": ("1.1", "bubble_fraction", ["import os\nos.symlink('/bin/sh', '/tmp/ffmpeg')"],
+                             "`os.symlink`"),
+    "help imports the module a string names": ("1.1", "bubble_fraction", ["help('antigravity')"], "`help`"),
+    "torch.jit compiles a string": ("1.1", "bubble_fraction", [
+        "import torch\ncu = torch.jit.CompilationUnit('def f(x: int) -> int:\\n    return x\\n')"],
+        "CompilationUnit"),
     # the environment a library's child process runs with (latex for usetex, a compiler, python workers)
     "PATH changed through os.environ": ("1.1", "bubble_fraction", [
         "import os\nos.environ['PATH'] = '/tmp/mine:' + os.environ['PATH']"], "`os.environ`"),
