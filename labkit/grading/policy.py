@@ -1130,11 +1130,8 @@ def _in_answer(exercise_id: str, answer: str, stmts, names: _Names) -> list[tupl
     launder = reaching(tuple(refs.values())) if refs else {}
 
     def laundered(dotted: str) -> str:
-        lab = _labkit_label(dotted)
-        for node in (lab, _home_label(lab) if lab else ""):
-            if node and node in launder:
-                return _launder_why(node, launder[node])
-        return ""
+        node = _kit_node(dotted, launder)
+        return _launder_why(node, launder[node]) if node else ""
     allow = ALLOW.get(exercise_id, set())
     fixed = _fixed(stmts, names)
     by_name: dict[str, list] = {}
@@ -1270,7 +1267,7 @@ def _skeleton(tree: ast.AST) -> str:
 @functools.lru_cache(maxsize=None)
 def _shipped_shapes(major: str) -> tuple[frozenset, frozenset]:
     """(skeletons of the kit's cells, ``ast.dump`` of each import statement in them)."""
-    trees = [t for src in _shipped_for(major) if (t := _python(src)) is not None]
+    trees = _shipped_trees(major)
     imports = {ast.dump(n) for t in trees for n in ast.walk(t) if isinstance(n, (ast.Import, ast.ImportFrom))}
     return frozenset(map(_skeleton, trees)), frozenset(imports)
 
@@ -1306,6 +1303,22 @@ def _annotation_only(tree_list, name: str) -> bool:
     return all(id(n) in inside for n in loads)
 
 
+@functools.lru_cache(maxsize=None)
+def _shipped_trees(major: str) -> tuple:
+    """The parsed code cells of the learner notebook the kit ships for notebook ``major`` (read only)."""
+    return tuple(t for src in _shipped_for(major) if (t := _python(src)) is not None)
+
+
+def _kit_node(dotted: str, *tables) -> str:
+    """The kit's "module:name" for the dotted path, as written or where its object was defined (a
+    name a package exports lazily), that one of ``tables`` holds; "" when none does."""
+    lab = _labkit_label(dotted)
+    for node in (lab, _home_label(lab) if lab else ""):
+        if node and any(node in t for t in tables):
+            return node
+    return ""
+
+
 def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Violation]:
     """Principle 3 of issue 16 as written: labkit's reference for the exercise, or a labkit
     function from which it can be reached, named in ANY cell up to the grading point (an import,
@@ -1321,11 +1334,7 @@ def _reference_anywhere(exercise_id: str, parsed, names: "_Names") -> list[Viola
     launder = reaching(tuple(refs.values()))
 
     def label_of(origin: str) -> str:
-        node = _labkit_label(origin)
-        if node in labels or node in launder:
-            return node
-        home = _home_label(node)    # a name a package exports lazily (PEP 562): where the object was defined
-        return home if home in labels or home in launder else ""
+        return _kit_node(origin, labels, launder)
 
     def why(node: str) -> str:
         return _ref_why(node) if node in labels else _launder_why(node, launder[node])
@@ -1396,7 +1405,7 @@ def _provided(major: str) -> tuple[frozenset, frozenset]:
     import or read through a module, and :data:`PROVIDED`; as labels ("module:name" as written and
     where the object was defined) and as the ids of the objects themselves (a constant re-exported
     under another module has no home to compare)."""
-    trees = [t for src in _shipped_for(major) if (t := _python(src)) is not None]
+    trees = _shipped_trees(major)
     names = _Names(trees)
     extra = PROVIDED.get(f"{int(major):02d}" if major.isdigit() else major, set())
     dotted = {lab.replace(":", ".") for lab in extra}
@@ -1447,7 +1456,7 @@ def _unprovided(exercise_id: str, parsed, names: "_Names") -> list[Violation]:
                 if dotted == "labkit" or dotted.startswith("labkit.grading") or _is_module(dotted):
                     continue
                 lab = _labkit_label(dotted)
-                if not lab or lab in labels or _home_label(lab) in labels:
+                if not lab or _kit_node(dotted, labels):
                     continue
                 obj = _resolve(dotted)
                 if obj is not _MISSING and id(obj) in objects:
@@ -1462,7 +1471,7 @@ def _unprovided(exercise_id: str, parsed, names: "_Names") -> list[Violation]:
 @functools.lru_cache(maxsize=None)
 def _kit_reads(major: str) -> frozenset:
     """Names the kit's cells of notebook ``major`` read (call or use) but do not get from an import."""
-    trees = [t for src in _shipped_for(major) if (t := _python(src)) is not None]
+    trees = _shipped_trees(major)
     reads = {n.id for t in trees for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return frozenset(reads - set(_Names(trees).origins))
 
