@@ -15,6 +15,13 @@ Options, each one token ``--name=value``:
   made in ``--stage=DIR`` (outside the new mounts; the grader removes it).
 * ``--home=DIR``: make DIR (in the new /tmp) owned by UID, mode 0700, with ``ipython`` and
   ``mpl`` inside; COMMAND starts there.
+* ``--root=DIR``: give COMMAND a file system of its own (an allow-list): a tmpfs mounted on DIR
+  holds the system's folders (:data:`SYSTEM`: ``/usr``, ``/etc``, ``/dev``, ...) and each PATH
+  bound at its own place, and nothing else; the process then ``chroot``s into it. So the kernel
+  sees Python, the environment and the kit, but no other file of the checkout (its git
+  history, the solutions), of the grader (hidden cases, results, submissions) or of any home.
+* ``--bind=SRC:DST``: with ``--root``, bind SRC at DST in the new root after every PATH (the
+  grader's copy of the kit, :mod:`labkit.grading.withhold`, over the kit's folder).
 * ``--hide=PATH``: cover PATH with an empty read-only tmpfs (a folder) or /dev/null (a file),
   in this namespace only: the grader's exercise modules and reference list, hidden cases.
 * ``--hidepid=1``: mount a procfs of the namespace's own on /proc with ``hidepid=2``: COMMAND's
@@ -43,6 +50,8 @@ import sys
 import tempfile
 
 PRIVATE = ("/dev/shm", "/var/tmp", "/tmp")  # /tmp last: the staging folder may sit in it
+# what a new root (--root) holds of the system: programs, libraries, configuration, devices
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/dev", "/sys")
 
 
 def _blocked(path: str) -> bool:
@@ -119,6 +128,37 @@ def _private_tmp(size: int, stage_dir: str, needed) -> None:
         _mount(stage, top, MS_MOVE)
 
 
+def _new_root(root: str, needed, binds, proc: bool) -> None:
+    """Build the new root on ``root`` (see ``--root``) and chroot into it. ``proc``: bind the
+    system's /proc too (else the caller mounts a procfs of its own there)."""
+    _tmpfs(root, "size=8m,mode=0755")
+
+    def place(src: str, dst: str) -> None:
+        inside = root + dst
+        if os.path.isdir(src):
+            os.makedirs(inside, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(inside), exist_ok=True)
+            open(inside, "a").close()
+        _mount(src, inside, MS_BIND | MS_REC)
+
+    for top in SYSTEM + (("/proc",) if proc else ()):
+        if os.path.islink(top):
+            os.symlink(os.readlink(top), root + top)
+        elif os.path.isdir(top):
+            place(top, top)
+    os.makedirs(root + "/proc", exist_ok=True)
+    for top in PRIVATE:
+        os.makedirs(root + top, exist_ok=True)
+        os.chmod(root + top, 0o1777)
+    for p in needed:
+        place(p, p)
+    for src, dst in binds:
+        place(src, dst)
+    os.chroot(root)
+    os.chdir("/")
+
+
 def _hide(path: str) -> None:
     if os.path.isdir(path):
         _tmpfs(path, "size=4k,mode=0555", MS_RDONLY)
@@ -147,9 +187,15 @@ def main(argv):
             copies.append((dst, f.read()))
     needed = sorted({os.path.realpath(p) for p in paths if os.path.isdir(p)})
     needed = [p for p in needed if not any(p != q and p.startswith(q + "/") for q in needed)]
-    _cover_blocked(needed)
+    stage = opts.get("stage", [tempfile.gettempdir()])[0]
+    if opts.get("root"):
+        binds = [tuple(b.split(":", 1)) for b in opts.get("bind", [])]
+        _new_root(opts["root"][0], needed, binds, proc=not opts.get("hidepid"))
+        stage = tempfile.mkdtemp(prefix="stage-", dir="/")  # on the new root's own tmpfs
+    else:
+        _cover_blocked(needed)
     for size in opts.get("tmp", []):
-        _private_tmp(int(size), opts.get("stage", [tempfile.gettempdir()])[0], needed)
+        _private_tmp(int(size), stage, needed)
     for path in opts.get("hide", []):
         _hide(os.path.realpath(path))
     if opts.get("hidepid"):

@@ -50,6 +50,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -223,7 +224,8 @@ def _limit(cell_timeout: float, deadline: float) -> float:
     return max(1.0, min(cell_timeout, deadline - time.monotonic()))
 
 
-def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, deadline: float) -> None:
+def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, deadline: float,
+                 release=lambda k: None) -> None:
     """The instructor's secret cases (hidden-case files), after every visible result is fixed:
     a fresh kernel replays the cells that ran (``replay``: positions, in order) and, at each
     exercise's grading point, the secret cases run against the pinned answer. Merged into
@@ -253,6 +255,7 @@ def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, dead
                     if code and session.execute(code, _limit(cell_timeout, deadline))[0] != "ok":
                         continue
                     second[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline, secret=True)
+                release(k)
     except Exception:  # noqa: BLE001 - a kernel that would not start: its cases count as failed
         pass
     finally:
@@ -260,6 +263,18 @@ def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, dead
             session.kill()
     for ex_id in todo:
         results[ex_id] = _merge(wanted[ex_id], results[ex_id], second.get(ex_id))
+
+
+def _kernel_kit(user, names):
+    """The grader's copy of the kit for this submission's kernels (:mod:`labkit.grading.withhold`),
+    or None where kernels do not get a file system of their own. As root, the references of
+    the exercises of ``names`` are withheld until graded; a non-root grader's kernel runs as its
+    own user, who could read them, so its copy only leaves the grader's files out."""
+    if user is None or not user.jail or not user.newroot:
+        return None
+    from .withhold import build_kit
+
+    return build_kit([] if user.userns else names, tempfile.mkdtemp(prefix="labkit-kit-"))
 
 
 def _registered(session) -> dict:
@@ -351,9 +366,18 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     stop = ""
 
     spare: list = []
+    kit = _kernel_kit(user, names)  # the kit the kernel imports: the assignment's references withheld
+
+    def release(k: int) -> None:
+        """Every reference whose exercises have all been graded (grading point <= k) becomes loadable."""
+        if kit is not None:
+            kit.release_after(ex_id for ex_id, p in points.items() if p is None or p <= k)
+
+    release(-1)
 
     def launch():
-        s = KernelSession(str(path.parent.resolve()), user, plots=any("matplotlib" in src for _, src in cells))
+        s = KernelSession(str(path.parent.resolve()), user, plots=any("matplotlib" in src for _, src in cells),
+                          kit=kit.path if kit is not None else None)
         s.launch()
         return s
 
@@ -429,6 +453,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                                                                                         ex_id, en, ev))
                 if stop:
                     break
+                release(k)
                 if session.alive():
                     k += 1
                     continue
@@ -460,14 +485,28 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                     break
             if stop:
                 break
+            release(k)
             k += 1
+        # every visible result is fixed: only now do the instructor's secret inputs reach a (fresh) kernel,
+        # with every reference withheld again until its exercise's secret cases have run
+        if kit is not None:
+            kit.withhold()
+            release(-1)
+        if session is not None:
+            session.kill()
+            session = None
+        for s in spare:
+            s.kill()
+        spare.clear()
+        _secret_pass(wanted, results, due, cells, sorted(set(ran) | set(raised)), launch, cell_timeout, deadline,
+                     release)
     finally:
         if session is not None:
             session.kill()
         for s in spare:
             s.kill()
-    # every visible result is fixed: only now do the instructor's secret inputs reach a (fresh) kernel
-    _secret_pass(wanted, results, due, cells, sorted(set(ran) | set(raised)), launch, cell_timeout, deadline)
+        if kit is not None:
+            shutil.rmtree(os.path.dirname(kit.path), ignore_errors=True)
     if not hints:
         from .runner import format_line
 

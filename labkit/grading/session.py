@@ -109,10 +109,16 @@ class KernelUser:
     jail: bool = False  # run through _jail.py (private mount and IPC namespaces)
     limits: Limits = Limits()
     userns: bool = False  # a non-root grader: its own uid, in a user namespace of its own (no uid change)
+    newroot: bool = False  # jail mode: a file system of its own (_jail.py --root), the kit's folder alone of the kit's checkout
 
-    def command(self, cmd: list[str], cwd: str | None = None, options=()) -> tuple[list[str], dict]:
+    def command(self, cmd: list[str], cwd: str | None = None, options=(), kit: str | None = None,
+                stage: str | None = None) -> tuple[list[str], dict]:
         """``cmd`` as this user: (argv, extra Popen keywords). ``options``: more
-        :mod:`labkit.grading._jail` options (jail mode only)."""
+        :mod:`labkit.grading._jail` options (jail mode only). With :attr:`newroot`, ``stage``
+        (a folder of the grader's, for the new root's mount point) gives ``cmd`` a file system
+        of its own in which the kit's folder is ``kit`` (the grader's copy,
+        :mod:`labkit.grading.withhold`; default the installed kit's folder) and nothing else of
+        the folder that holds it."""
         if not self.jail:
             limits = self.limits
 
@@ -126,12 +132,25 @@ class KernelUser:
             return cmd, dict(user=self.uid, group=self.gid, extra_groups=[], preexec_fn=preexec)
         import labkit
 
+        kit_dir = os.path.dirname(os.path.abspath(labkit.__file__))
         needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                  os.path.dirname(os.path.realpath(sys.executable)),
-                  os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))}
+                  os.path.dirname(os.path.realpath(sys.executable))}
         needed |= {p for p in sys.path if p and os.path.isdir(p)}
         if cwd:
             needed.add(cwd)
+        if self.newroot and stage:
+            # a folder that holds the kit (the checkout, the grader's working folder on sys.path) is not
+            # bound, unless it is Python's own (a kit installed in site-packages): the kit's folder alone is
+            real_kit = os.path.realpath(kit_dir)
+            own = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+            needed = {p for p in needed if not (real_kit.startswith(os.path.realpath(p).rstrip("/") + "/")
+                                                and os.path.realpath(p) not in own
+                                                and os.path.basename(p) not in ("site-packages", "dist-packages"))}
+            root = os.path.join(stage, "root")
+            os.makedirs(root, exist_ok=True)
+            options = [f"--root={root}", f"--bind={kit or kit_dir}:{os.path.realpath(kit_dir)}", *options]
+        else:
+            needed.add(os.path.dirname(kit_dir))
         jail = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail.py")
         rl = [f"--rlimit={k}:{v}" for k, v in self.limits.rlimits().items()
               if not (self.userns and k == "NPROC")]  # NPROC counts every process of the uid: the grader's too
@@ -154,7 +173,8 @@ def kernel_user(limits: Limits | None = None) -> KernelUser | None:
         _USER_CACHE.append(_find_kernel_user())
     user = _USER_CACHE[0]
     if user is not None and limits is not None:
-        user = KernelUser(user.name, user.uid, user.gid, user.dedicated, user.jail, limits, user.userns)
+        user = KernelUser(user.name, user.uid, user.gid, user.dedicated, user.jail, limits, user.userns,
+                          user.newroot)
     return user
 
 
@@ -169,6 +189,7 @@ def _find_kernel_user() -> KernelUser | None:
             user.jail = True  # private /tmp, /dev/shm and IPC; the grader's files hidden
             ok, why = _probe(user)
             if ok:
+                _try_new_root(user)
                 return user
         user.jail = False
         ok, why2 = _probe(user)
@@ -192,14 +213,32 @@ def _find_namespace_user() -> KernelUser | None:
     user = KernelUser("this user, in namespaces of its own", os.getuid(), os.getgid(), False, True, Limits(), True)
     ok, why = _probe(user)
     if ok:
+        _try_new_root(user)
         return user
     _UNUSABLE[:] = [f"no user namespace ({why})"]
     return None
 
 
-def _probe(user: KernelUser) -> tuple[bool, str]:
+_NO_NEW_ROOT: list[str] = []  # why kernels do not get a file system of their own
+
+
+def _try_new_root(user: KernelUser) -> None:
+    """Give ``user`` a file system of its own (:attr:`KernelUser.newroot`) if a probe runs there."""
+    stage = tempfile.mkdtemp(prefix="labkit-probe-")
+    os.chmod(stage, 0o755)
+    try:
+        user.newroot = True
+        ok, why = _probe(user, stage)
+        if not ok:
+            user.newroot = False
+            _NO_NEW_ROOT[:] = [why]
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _probe(user: KernelUser, stage: str | None = None) -> tuple[bool, str]:
     """Can ``user`` run this environment's Python and import the kit?"""
-    argv, kw = user.command([sys.executable, "-c", "import ipykernel, labkit.grading.kernel"])
+    argv, kw = user.command([sys.executable, "-c", "import ipykernel, labkit.grading.kernel"], stage=stage)
     try:
         probe = subprocess.run(argv, cwd="/", stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                timeout=120, **kw)
@@ -384,11 +423,12 @@ class KernelStartError(RuntimeError):
 class KernelSession:
     """One learner kernel (see the module docstring). ``cwd``: its working directory."""
 
-    def __init__(self, cwd: str, user: KernelUser | None = None, plots: bool = True):
+    def __init__(self, cwd: str, user: KernelUser | None = None, plots: bool = True, kit: str | None = None):
         self.lease = self.cgroup = None
         if user is not None and not user.userns:  # a uid of its own: no other kernel, of any grader, has it
             self.lease = UidLease()
-            user = KernelUser(f"uid {self.lease.uid}", self.lease.uid, self.lease.gid, True, user.jail, user.limits)
+            user = KernelUser(f"uid {self.lease.uid}", self.lease.uid, self.lease.gid, True, user.jail, user.limits,
+                              newroot=user.newroot)
         self.user = user
         self.dir = tempfile.mkdtemp(prefix="labkit-kernel-")
         self.cwd = self.dir if user is not None else cwd
@@ -397,6 +437,7 @@ class KernelSession:
         self.info = None
         self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
         self.plots = plots  # the submission names matplotlib: PLOTS_WARM_UP too
+        self.kit = kit  # the kit's folder the kernel imports (the grader's copy; jail mode with newroot only)
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -439,7 +480,7 @@ class KernelSession:
                     self.cgroup = None  # no delegation here: the uid alone contains the kernel
             argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside,
                     "--HistoryManager.enabled=False"]
-            argv, kw = self.user.command(argv, None, options)
+            argv, kw = self.user.command(argv, None, options, kit=self.kit, stage=self.dir)
             self.cwd = "/"
         elif self.user is not None:
             for sub in ("tmp", "ipython", "mpl"):
@@ -650,7 +691,7 @@ class KernelSession:
                 "    except OSError:\n        pass\n")
         options = [f"--tmp={2 ** 20}", f"--stage={self.dir}", *(f"--hide={p}" for p in secret_paths())]
         argv, kw = self.user.command([sys.executable, "-S", "-c", code, *map(str, paths)], None,
-                                     options if self.user.jail else ())
+                                     options if self.user.jail else (), kit=self.kit, stage=self.dir)
         try:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/", **kw)
         except Exception:  # noqa: BLE001

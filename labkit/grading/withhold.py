@@ -1,0 +1,306 @@
+"""The kit a graded kernel imports: labkit with the assignment's references withheld.
+
+The source policy (:mod:`labkit.grading.policy`) refuses code that names labkit's reference for
+an exercise. It judges source text, so it is a list of refused constructs, and each red team
+found one more way to reach a function by a name the policy could not read. This module removes
+the prize instead: the grader builds a copy of the installed kit in which the body of every
+reference of the pinned assignment's exercises (:data:`labkit.grading.references.REFERENCES`)
+is replaced by a ``raise``, and the graded kernel sees only that copy
+(:mod:`labkit.grading._jail`'s ``--root``: a file system of its own in which the kit's folder
+is the copy and nothing else of the checkout, its git history or the solutions exists). However
+the learner's code reaches ``bubble_fraction`` while notebook 01 is graded, it gets::
+
+    RuntimeError: labkit's bubble_fraction (labkit.pipeline.simulate) is withheld while exercise 1.1 is graded ...
+
+What is not withheld, and stays guarded by the source policy alone: a reference that the
+notebook's own cells or the grader's kernel-side helpers (:mod:`labkit.grading.kernelside`)
+use, directly or through a kit function that reaches it (:mod:`labkit.grading.reach`), e.g.
+09's ``route`` under the ``MoELayer`` a kit cell builds. :func:`withheld` lists, per assignment,
+what is withheld and what is kept and why. The copy also leaves out what the kernel never
+needs and must not read: ``labkit/grading/exercises`` (cases, expected-value code),
+``references.py``, ``labkit/grading/hidden`` and the solved notebooks.
+
+Sources: issue 16, principles 2 and 3 (the kernel cannot read the grader; the reference is not
+the learner's to call).
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import re
+import shutil
+import textwrap
+
+__all__ = ["withheld", "build_kit", "WithheldKit", "LEFT_OUT"]
+
+# relative to the kit's folder: never in the kernel's copy
+LEFT_OUT = ("grading/exercises", "grading/references.py", "grading/hidden", "_solutions")
+
+
+def _kit_dir() -> str:
+    import labkit
+
+    return os.path.dirname(os.path.abspath(labkit.__file__))
+
+
+def _major(notebook: str) -> str:
+    return str(int(notebook.split("_")[0])) if notebook[:2].isdigit() else notebook
+
+
+@functools.lru_cache(maxsize=None)
+def _kernelside_labels(major: str) -> frozenset:
+    """The labkit "module:name" nodes the grader's kernel-side helpers of notebook ``major`` import."""
+    folder = os.path.join(_kit_dir(), "grading", "kernelside")
+    out = set()
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if not (name.startswith("nb") and name[2:4].isdigit() and str(int(name[2:4])) == major):
+            continue
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:  # relative to labkit.grading.kernelside
+                    base = ["labkit", "grading", "kernelside"][:3 - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                if mod.startswith("labkit") and not mod.startswith("labkit.grading"):
+                    out |= {f"{mod}:{a.name}" for a in node.names}
+    return frozenset(out)
+
+
+def _loads_by_cell(major: str) -> list[set[str]]:
+    """For each code cell of the shipped learner notebook ``major``, in order: the labkit
+    "module:name" nodes it uses (reads a name a cell imported from labkit, or an attribute of a
+    labkit module; an import alone uses nothing: a withheld function may be imported)."""
+    from .policy import _Names, _home_label, _labkit_label, _labkit_uses, _python
+
+    cells = _shipped_sources(major)
+    trees = [t for s in cells if (t := _python(s)) is not None]
+    names = _Names(trees)
+    out = []
+    for src in cells:
+        used: set[str] = set()
+        for node in ast.walk(_python(src) or ast.Module(body=[], type_ignores=[])):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                dotted = [o for o in names.origins.get(node.id, ()) if o.startswith("labkit")]
+            elif isinstance(node, ast.Attribute):
+                dotted = _labkit_uses(node, names)
+            else:
+                continue
+            for d in dotted:
+                if lab := _labkit_label(d):
+                    used |= {lab, _home_label(lab)}
+        out.append(used)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_sources(major: str) -> tuple[str, ...]:
+    import glob
+    import json
+
+    folder = os.path.join(_kit_dir(), "_notebooks")
+    for path in sorted(glob.glob(os.path.join(folder, f"{int(major):02d}_*.ipynb"))) if major.isdigit() else ():
+        with open(path, encoding="utf-8") as f:
+            nb = json.load(f)
+        return tuple("".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code")
+    return ()
+
+
+@functools.lru_cache(maxsize=None)
+def withheld(notebook: str) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """What the graded kernel of assignment ``notebook`` ("01_pipeline_bubble") does without, and
+    until when.
+
+    Returns ``(withheld, kept)``. ``withheld`` is {"module:qualname": exercise ids}: a reference
+    of those exercises (:data:`~labkit.grading.references.REFERENCES`), withheld until the grader
+    has graded every one of them (:func:`release`). ``kept`` is {"module:qualname": why} for the
+    assignment's references that stay available from the start: a cell of the shipped notebook
+    before the last of those exercises uses something that reaches it (:mod:`labkit.grading.reach`;
+    e.g. 09 builds a ``MoELayer``, which runs ``route``, before 9.1), or the grader's kernel-side
+    helpers use it. Those are guarded by the source policy only. References in
+    ``labkit.grading`` are not listed: their modules are not in the kernel's copy at all."""
+    from .policy import _home_label
+    from .reach import callers_of
+    from .references import REFERENCES
+    from .registry import exercises_for_notebook
+
+    major = _major(notebook)
+    loads = _loads_by_cell(major)
+    cells = _shipped_sources(major)
+    helper_uses = set(_kernelside_labels(major))
+    helper_uses |= {_home_label(lab) for lab in helper_uses}
+    ids: dict[str, list[str]] = {}
+    for ex in exercises_for_notebook(notebook):
+        for label in REFERENCES.get(ex.id, ()):
+            mod, _, qual = label.partition(":")
+            if mod.startswith("labkit.") and not mod.startswith("labkit.grading"):
+                ids.setdefault(f"{mod}:{qual.split('.')[0]}", []).append(ex.id)
+    out: dict[str, tuple[str, ...]] = {}
+    kept: dict[str, str] = {}
+    for label, exs in ids.items():
+        last = max((i for i, src in enumerate(cells) for e in exs
+                    if re.search(r"""\bcheck\(\s*["']""" + re.escape(e) + "[\"']", src)), default=len(cells))
+        reachers = callers_of(label) | {label}
+        before = set().union(*loads[:last]) if last else set()
+        if reachers & before:
+            kept[label] = f"a cell before exercise {exs[-1]} uses {sorted(reachers & before)[0]}, which reaches it"
+        elif reachers & helper_uses:
+            kept[label] = f"the grader's kernel-side code uses {sorted(reachers & helper_uses)[0]}"
+        else:
+            out[label] = tuple(exs)
+    return out, kept
+
+
+def _message(qual: str, mod: str, ids) -> str:
+    return (f"labkit's {qual} ({mod}) is withheld until exercise {', '.join(ids)} is graded: it is the reference "
+            f"implementation the exercise asks you to write")
+
+
+def _forward(fn) -> str:
+    """The argument list that passes ``fn``'s parameters on unchanged: ``a, b, *args, c=c, **kw``."""
+    a = fn.args
+    parts = [x.arg for x in a.posonlyargs + a.args]
+    if a.vararg:
+        parts.append(f"*{a.vararg.arg}")
+    parts += [f"{x.arg}={x.arg}" for x in a.kwonlyargs]
+    if a.kwarg:
+        parts.append(f"**{a.kwarg.arg}")
+    return ", ".join(parts)
+
+
+def _replace_body(lines, fn, call: str, edits) -> None:
+    """Replace ``fn``'s body (its docstring too: it may state the formula) by ``return call``."""
+    indent = " " * (fn.body[0].col_offset if fn.body[0].lineno != fn.lineno else fn.col_offset + 4)
+    first = fn.body[0].lineno
+    if first == fn.lineno:  # def f(x): return x   (the body on the def's line)
+        head = lines[fn.lineno - 1][:fn.body[0].col_offset].rstrip()
+        edits.append((fn.lineno, fn.body[-1].end_lineno, [f"{head}\n", f"{indent}return {call}\n"]))
+    else:
+        edits.append((first, fn.body[-1].end_lineno, [f"{indent}return {call}\n"]))
+
+
+HELPER = "_labkit_withheld"
+
+
+def _strip(source: str, labels: dict[str, tuple[str, ...]], mod: str) -> tuple[str, dict[str, str]]:
+    """(``source`` with each withheld function's or class's code taken out, {label: the code taken out}).
+
+    A withheld function keeps its decorators and signature; its body becomes a call of
+    :func:`labkit._withheld.load`, which raises until the grader releases it. A withheld class
+    keeps its bases, decorators, class attributes and method signatures; each method's body
+    becomes such a call (the method by its position in the class). The code taken out is the
+    function without decorators, or the class with each method renamed ``labkit_m<i>`` and
+    undecorated (so that the loader finds the ``i``-th method as a plain function)."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    edits = []
+    taken = {}
+    for node in tree.body:
+        label = f"{mod}:{getattr(node, 'name', '')}"
+        if label not in labels:
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            taken[label] = "".join(lines[node.lineno - 1:node.end_lineno])
+            _replace_body(lines, node, f"{HELPER}({label!r})({_forward(node)})", edits)
+        elif isinstance(node, ast.ClassDef):
+            methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            real = ast.parse(textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno]))).body[0]
+            real.decorator_list = []
+            k = 0
+            for n in real.body:
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n.name, n.decorator_list, k = f"labkit_m{k}", [], k + 1
+            taken[label] = ast.unparse(real) + "\n"
+            for i, fn in enumerate(methods):
+                _replace_body(lines, fn, f"{HELPER}({label!r}, {i})({_forward(fn)})", edits)
+    for first, last, new in sorted(edits, reverse=True):
+        lines[first - 1:last] = new
+    out = "".join(lines)
+    if taken:
+        out += f"\n\nfrom labkit._withheld import load as {HELPER}  # noqa: E402 (the grader's copy)\n"
+    ast.parse(out)  # a rewrite that broke the module is a bug here, never the learner's
+    return out, taken
+
+
+def build_kit(notebooks, dest: str) -> "WithheldKit":
+    """Write the kernel's copy of the installed kit under ``dest`` (``dest/labkit``): the kit
+    without :data:`LEFT_OUT` and ``__pycache__``, the references :func:`withheld` lists for
+    ``notebooks`` taken out (each into ``labkit/_withheld/<label>.src``, mode 0600: the
+    grader's, until :meth:`WithheldKit.release`), byte-compiled, every other file readable
+    by every user and writable by none. Root only (the kernel's uid must not read the 0600
+    files)."""
+    import py_compile
+
+    src = _kit_dir()
+    kit = os.path.join(dest, "labkit")
+    skip = {os.path.join(src, p) for p in LEFT_OUT}
+
+    def ignore(folder, names):
+        return [n for n in names if os.path.join(folder, n) in skip]
+
+    shutil.copytree(src, kit, ignore=ignore, symlinks=False)  # mtimes kept: the byte code stays valid
+    plan: dict[str, dict[str, tuple[str, ...]]] = {}
+    for nb in notebooks:
+        for label, ids in withheld(nb)[0].items():
+            plan.setdefault(label.partition(":")[0], {})[label] = ids
+    store = os.path.join(kit, "_withheld")
+    files: dict[str, str] = {}
+    for mod, labels in plan.items():
+        rel = mod.split(".")[1:]
+        path = os.path.join(kit, *rel) + ".py"
+        if not os.path.isfile(path):
+            path = os.path.join(kit, *rel, "__init__.py")
+        with open(path, encoding="utf-8") as f:
+            text, taken = _strip(f.read(), labels, mod)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        stem = os.path.splitext(os.path.basename(path))[0]
+        cache = os.path.join(os.path.dirname(path), "__pycache__")
+        for n in os.listdir(cache) if os.path.isdir(cache) else ():
+            if n.split(".")[0] == stem:  # the original's byte code holds the reference
+                os.remove(os.path.join(cache, n))
+        py_compile.compile(path, dfile=os.path.join(src, os.path.relpath(path, kit)), doraise=True)
+        for label, code in taken.items():
+            files[label] = os.path.join(store, label.replace(":", "--") + ".src")
+            header = f"# {_message(label.partition(':')[2], mod, labels[label])}\n"
+            with open(files[label], "w", encoding="utf-8") as f:
+                f.write(header + code)
+    for folder, dirs, names in os.walk(kit):
+        os.chmod(folder, 0o755)
+        for n in names:
+            os.chmod(os.path.join(folder, n), 0o644)
+    kit_obj = WithheldKit(kit, files, {lab: ids for labels in plan.values() for lab, ids in labels.items()})
+    kit_obj.withhold()
+    os.chmod(dest, 0o755)
+    return kit_obj
+
+
+class WithheldKit:
+    """The kernel's copy of the kit (:func:`build_kit`): ``path`` (its ``labkit`` folder),
+    ``files`` {label: the file holding that reference's code}, ``exercises`` {label: the
+    exercise ids it is withheld for}."""
+
+    def __init__(self, path: str, files: dict[str, str], exercises: dict[str, tuple[str, ...]]):
+        self.path, self.files, self.exercises = path, files, exercises
+        self.released: set[str] = set()
+
+    def withhold(self) -> None:
+        """Every reference unreadable by the kernel's uid again (mode 0600, the grader's)."""
+        for f in self.files.values():
+            os.chmod(f, 0o600)
+        self.released.clear()
+
+    def release_after(self, graded) -> list[str]:
+        """Release every reference all of whose exercises are in ``graded`` (ids whose grading
+        point has passed): mode 0644, so that the kernel's next call loads it. Returns the labels
+        released now."""
+        graded = set(graded)
+        now = [lab for lab, ids in self.exercises.items()
+               if lab not in self.released and lab in self.files and set(ids) <= graded]
+        for lab in now:
+            os.chmod(self.files[lab], 0o644)
+            self.released.add(lab)
+        return now
