@@ -8,8 +8,8 @@ exercise and made it readable. Until then every call raises :class:`RuntimeError
 installed kit holds no such files and never calls this.
 """
 from __future__ import annotations
-
 import __future__
+
 import os
 import sys
 

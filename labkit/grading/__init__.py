@@ -77,6 +77,18 @@ written by someone trying to game it:
   cases that cannot show its bug. In the results each exercise has one test carrying its points
   ("Exercise 2.3 (title)", score all or 0), followed by one test per case worth 0 points
   (passed/failed with its message; hidden cases ``after_published``, without details).
+* **The reference is not in the kernel** (:mod:`labkit.grading.withhold`; as root): the kernel
+  imports the grader's copy of the kit, where each reference of the assignment's exercises is
+  a stub that raises "withheld" until the grader has graded its exercises, however it is
+  reached; its code waits in a file only the grader may read (0600), made readable once the
+  grading point has passed (kit cells after it run as usual) and unreadable again for the
+  secret pass. A reference a shipped cell uses before its exercise, or the grader's
+  kernel-side helpers use, is kept (:func:`~labkit.grading.withhold.withheld` lists them and
+  why): the source policy alone guards those.
+* **A file system of its own** (``_jail.py --root``): the kernel sees ``/usr``, ``/etc``,
+  ``/dev``, ``/sys``, Python, its environment and the kit's folder (the grader's copy, without
+  the exercise code, reference list, hidden cases and solutions), nothing else of the checkout
+  (git history, solutions), of the grader or of any home folder.
 * **Isolation and containment** (:mod:`labkit.grading.contain`, :mod:`labkit.grading._jail`):
   as root, each kernel runs under a uid of its own (locked, so no other kernel of any grader
   has it), in its own session and in private mount and IPC namespaces: fresh size-limited

@@ -149,8 +149,9 @@ def _new_root(root: str, needed, binds, proc: bool) -> None:
             place(top, top)
     os.makedirs(root + "/proc", exist_ok=True)
     for top in PRIVATE:
-        os.makedirs(root + top, exist_ok=True)
-        os.chmod(root + top, 0o1777)
+        if not os.path.exists(root + top):  # /dev/shm came with /dev (--tmp covers each)
+            os.makedirs(root + top)
+            os.chmod(root + top, 0o1777)
     for p in needed:
         place(p, p)
     for src, dst in binds:

@@ -109,7 +109,7 @@ class KernelUser:
     jail: bool = False  # run through _jail.py (private mount and IPC namespaces)
     limits: Limits = Limits()
     userns: bool = False  # a non-root grader: its own uid, in a user namespace of its own (no uid change)
-    newroot: bool = False  # jail mode: a file system of its own (_jail.py --root), the kit's folder alone of the kit's checkout
+    newroot: bool = False  # jail mode: a file system of its own (_jail.py --root): of the checkout, the kit alone
 
     def command(self, cmd: list[str], cwd: str | None = None, options=(), kit: str | None = None,
                 stage: str | None = None) -> tuple[list[str], dict]:
@@ -302,12 +302,21 @@ def isolation_note(user: KernelUser | None) -> str:
                 "covered, limits on file size and memory; it can still signal the grader and its other processes, "
                 "read their environment and files through /proc, and write wherever this user may outside those "
                 "folders. Run the grader as root (as autograder containers do) for full isolation.")
+    if user is not None and user.jail and user.newroot:
+        return ("isolation: each kernel runs as a uid of its own in its own session, mount and IPC namespaces, "
+                "in a file system of its own (Python and the kit; no other file of the checkout, no solution, "
+                "hidden case or file of the grader's; private /tmp and /dev/shm; no other uid's process in its "
+                "/proc), with the assignment's labkit references withheld until their exercises are graded, and "
+                "limits on processes, file size and memory; it cannot signal the grader or another submission, "
+                "read the grader's cases or write the results")
     if user is not None and user.jail:
         return ("isolation: each kernel runs as a uid of its own in its own session, mount and IPC namespaces "
                 "(private /tmp and /dev/shm; the grader's exercise code, reference list and hidden cases hidden; "
                 "no other uid's process in its /proc), "
                 "with limits on processes, file size and memory; it cannot signal the grader or another "
-                "submission, read the grader's cases or write the results")
+                "submission, read the grader's cases or write the results"
+                + (f"; no file system of its own ({_NO_NEW_ROOT[0]}): the rest of the checkout is readable"
+                   if _NO_NEW_ROOT else ""))
     if user is not None:
         return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits, but "
                 + "; ".join(_UNUSABLE) + ": no private /tmp, and the grader's exercise code is readable by it "

@@ -74,7 +74,7 @@ def _loads_by_cell(major: str) -> list[set[str]]:
     """For each code cell of the shipped learner notebook ``major``, in order: the labkit
     "module:name" nodes it uses (reads a name a cell imported from labkit, or an attribute of a
     labkit module; an import alone uses nothing: a withheld function may be imported)."""
-    from .policy import _Names, _home_label, _labkit_label, _labkit_uses, _python
+    from .policy import _home_label, _labkit_label, _labkit_uses, _Names, _python
 
     cells = _shipped_sources(major)
     trees = [t for s in cells if (t := _python(s)) is not None]
@@ -242,6 +242,9 @@ def build_kit(notebooks, dest: str) -> "WithheldKit":
         return [n for n in names if os.path.join(folder, n) in skip]
 
     shutil.copytree(src, kit, ignore=ignore, symlinks=False)  # mtimes kept: the byte code stays valid
+    for left in LEFT_OUT:  # an empty folder where a folder was (as the jail's empty mounts left it)
+        if os.path.isdir(os.path.join(src, left)) and not os.path.islink(os.path.join(src, left)):
+            os.makedirs(os.path.join(kit, left), exist_ok=True)
     plan: dict[str, dict[str, tuple[str, ...]]] = {}
     for nb in notebooks:
         for label, ids in withheld(nb)[0].items():
@@ -268,7 +271,7 @@ def build_kit(notebooks, dest: str) -> "WithheldKit":
             header = f"# {_message(label.partition(':')[2], mod, labels[label])}\n"
             with open(files[label], "w", encoding="utf-8") as f:
                 f.write(header + code)
-    for folder, dirs, names in os.walk(kit):
+    for folder, _dirs, names in os.walk(kit):
         os.chmod(folder, 0o755)
         for n in names:
             os.chmod(os.path.join(folder, n), 0o644)

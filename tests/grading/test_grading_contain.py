@@ -315,7 +315,8 @@ def test_as_root_hostile_submission_gets_its_honest_score_and_leaves_nothing(tmp
     # the grader's cases, expected-value code, reference list and hidden cases are out of reach
     seen = proc.stdout.split("SEEN ")[1].split("\n")[0]
     assert "('exercises/nb08_3d_parallelism.py', 'FileNotFoundError')" in seen, seen
-    assert "('references.py', 0)" in seen, seen  # covered by an empty file
+    # not in the kernel's copy of the kit (a file system of its own), or covered by an empty file (without one)
+    assert re.search(r"\('references.py', (0|'FileNotFoundError')\)", seen), seen
     assert "('hidden', False)" in seen and "('import', 'ImportError')" in seen, seen
     assert "('grader.py', 0)" not in seen  # the rest of the kit is there
     # no solved notebook, no other submission of the grading, no variable of the grader's environment
@@ -404,7 +405,8 @@ def test_as_non_root_hostile_submission_gets_its_honest_score_and_leaves_nothing
             # grader's cases and reference list covered (still readable through /proc/<grader>: documented)
             assert _left_files() == [] and _segments() == []
             assert "('exercises/nb08_3d_parallelism.py', 'FileNotFoundError')" in seen, seen
-            assert "('references.py', 0)" in seen and "('import', 'ImportError')" in seen, seen
+            assert re.search(r"\('references.py', (0|'FileNotFoundError')\)", seen), seen  # absent, or covered
+            assert "('import', 'ImportError')" in seen, seen
         else:  # no user namespaces here: the note says what is left open
             assert "no user namespace" in proc.stdout, proc.stdout
     finally:
