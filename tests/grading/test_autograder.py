@@ -114,6 +114,8 @@ def test_bundle_on_a_tree_laid_out_like_gradescope(tmp_path):
         assert run.returncode == 0, run.stderr
         assert obj["score"] == 3 and all(t["status"] == "passed" for t in obj["tests"]), obj
         assert "isolation" in run.stdout  # instructor detail: isolation, in stdout only
+        if os.geteuid() == 0 and shutil.which("unshare"):  # the kit installed in the venv, alone in the kernel's files
+            assert "a file system of its own" in run.stdout, run.stdout
         hidden_case = next(t for t in obj["tests"] if t["name"] == "Exercise 98.1 (triple) - hidden case: x=5")
         assert hidden_case["visibility"] == "after_published"
 
