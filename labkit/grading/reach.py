@@ -20,7 +20,7 @@ import ast
 import functools
 import os
 
-__all__ = ["reaching", "callers_of"]
+__all__ = ["reaching", "callers_of", "callees_in_module"]
 
 
 def _module_files() -> dict[str, str]:
@@ -156,3 +156,24 @@ def reaching(labels: tuple[str, ...]) -> dict[str, str]:
         for c in callers_of(label):
             out.setdefault(c, label)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def callees_in_module(label: str) -> frozenset:
+    """Every ``"module:name"`` of ``label``'s own module that ``label`` reaches (directly or through
+    others of that module), ``label`` excluded: the helpers a reference's body hands its work to
+    (``zb_h1_schedule`` -> ``_zb_h1_order``)."""
+    mod = label.partition(":")[0]
+    start = mod + ":" + label.partition(":")[2].split(".")[0]
+    forward: dict[str, set] = {}
+    for target, sources in _callers().items():
+        for src in sources:
+            forward.setdefault(src, set()).add(target)
+    seen, todo = set(), [start]
+    while todo:
+        for c in forward.get(todo.pop(), ()):
+            if c not in seen and c.partition(":")[0] == mod:
+                seen.add(c)
+                todo.append(c)
+    seen.discard(start)
+    return frozenset(seen)

@@ -123,8 +123,7 @@ def withheld(notebook: str) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]
     helpers use it. Those are guarded by the source policy only. References in
     ``labkit.grading`` are not listed: their modules are not in the kernel's copy at all."""
     from .policy import _home_label
-    from .reach import callers_of
-    from .references import REFERENCES
+    from .reach import callees_in_module, callers_of
     from .registry import exercises_for_notebook
 
     major = _major(notebook)
@@ -134,24 +133,48 @@ def withheld(notebook: str) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]
     helper_uses |= {_home_label(lab) for lab in helper_uses}
     ids: dict[str, list[str]] = {}
     for ex in exercises_for_notebook(notebook):
-        for label in REFERENCES.get(ex.id, ()):
+        # the table's references and the exercise module's own, and each one's helpers in its module
+        # (a reference that hands its work to ``_zb_h1_order`` would be withheld in name only)
+        for label in ex.reference_names():
             mod, _, qual = label.partition(":")
-            if mod.startswith("labkit.") and not mod.startswith("labkit.grading"):
-                ids.setdefault(f"{mod}:{qual.split('.')[0]}", []).append(ex.id)
+            if not mod.startswith("labkit.") or mod.startswith("labkit.grading"):
+                continue
+            top = f"{mod}:{qual.split('.')[0]}"
+            for node in (top, *sorted(callees_in_module(top))):
+                if node == top or _is_function(node):
+                    if ex.id not in ids.setdefault(node, []):
+                        ids[node].append(ex.id)
     out: dict[str, tuple[str, ...]] = {}
     kept: dict[str, str] = {}
+    def position(ex_id: str) -> int:  # the shipped notebook's grading point of the exercise
+        return max((i for i, src in enumerate(cells)
+                    if re.search(r"""\bcheck\(\s*["']""" + re.escape(ex_id) + "[\"']", src)), default=len(cells))
+
     for label, exs in ids.items():
-        last = max((i for i, src in enumerate(cells) for e in exs
-                    if re.search(r"""\bcheck\(\s*["']""" + re.escape(e) + "[\"']", src)), default=len(cells))
         reachers = callers_of(label) | {label}
-        before = set().union(*loads[:last]) if last else set()
-        if reachers & before:
-            kept[label] = f"a cell before exercise {exs[-1]} uses {sorted(reachers & before)[0]}, which reaches it"
-        elif reachers & helper_uses:
+        first_use = next((i for i, used in enumerate(loads) if used & reachers), len(cells) + 1)
+        # withheld for the exercises graded before any cell uses it (released once they are all graded)
+        protected = tuple(e for e in exs if position(e) <= first_use)
+        if reachers & helper_uses:
             kept[label] = f"the grader's kernel-side code uses {sorted(reachers & helper_uses)[0]}"
+        elif not protected:
+            used = sorted(reachers & loads[first_use])[0]
+            kept[label] = f"cell {first_use + 1}, before exercise {exs[0]}, uses {used}, which reaches it"
         else:
-            out[label] = tuple(exs)
+            out[label] = protected
     return out, kept
+
+
+def _is_function(label: str) -> bool:
+    """Whether the kit's ``label`` ("module:name") is a plain function (a helper worth withholding)."""
+    import importlib
+    import inspect
+
+    mod, _, name = label.partition(":")
+    try:
+        return inspect.isfunction(getattr(importlib.import_module(mod), name))
+    except (ImportError, AttributeError):
+        return False
 
 
 def _message(qual: str, mod: str, ids) -> str:

@@ -180,6 +180,51 @@ def test_a_reference_a_kit_cell_needs_before_its_exercise_is_kept_and_said_so():
     assert "labkit.pipeline.simulate:bubble_formula" in held and not kept
 
 
+def test_a_references_helpers_and_the_exercise_modules_own_references_are_withheld_too():
+    """A reference that hands its work to a helper of its module would be withheld in name only
+    (a red team answered 13.2 with ``zero_bubble._zb_h1_order``); an exercise module's own
+    ``references=[...]`` count like the table's (15.1's ``shard_flat``). Each stays withheld for
+    the exercises graded before a shipped cell uses it."""
+    held, _ = withheld("13_zero_bubble")
+    assert "13.2" in held["labkit.pipeline.zero_bubble:_zb_h1_order"]
+    assert "13.1" in held["labkit.pipeline.split_backward:_classify"]
+    held, _ = withheld("15_sharded_data_parallel")
+    assert "15.1" in held["labkit.data_parallel.flat:shard_flat"]
+
+
+_HELPER_13_2 = ("from labkit.pipeline import zero_bubble as _zb\n\ndef zb_h1_order(K, M):\n"
+                "    return {r: getattr(_zb, '_zb_h1_' + 'order')(K, M, r) for r in range(K)}\n")
+
+
+@pytest.mark.skipif(not ROOT, reason="withholding needs the kernel under a uid of its own")
+@pytest.mark.parametrize("helpers", [True, False], ids=["helpers-withheld", "control-reference-alone"])
+def test_a_references_private_helper_reached_past_the_policy_earns_nothing(helpers, tmp_path, monkeypatch):
+    """Control: with the reference alone withheld, the helper answers 13.2."""
+    from labkit.grading import grader, reach
+    from labkit.grading.session import kernel_user
+
+    if not (kernel_user() and kernel_user().newroot):
+        pytest.skip("no file system of the kernel's own here")
+    withheld.cache_clear()
+    if not helpers:
+        monkeypatch.setattr(reach, "callees_in_module", lambda label: frozenset())
+        monkeypatch.setattr(grader, "_kernel_kit", lambda user, names: build_kit(names, tempfile.mkdtemp()))
+    sol = json.loads((KIT_ROOT / "solutions" / "13_zero_bubble.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in sol["cells"] if c["cell_type"] == "code"]
+    k = next(i for i, s in enumerate(cells) if s.lstrip().startswith("# Exercise 13.2"))
+    cells[k] = _HELPER_13_2
+    write_notebook(tmp_path / "sub.ipynb", cells[:k + 2], "13_zero_bubble")  # up to 13.2's check
+    grade = grader.grade_notebook(tmp_path / "sub.ipynb", assignment="13_zero_bubble", source_policy=False)
+    by = {eg.exercise.id: eg for eg in grade.exercises}
+    assert by["13.1"].status == "passed", by["13.1"].message
+    withheld.cache_clear()
+    if helpers:
+        assert by["13.2"].status == "failed" and "_zb_h1_order" in by["13.2"].message and "withheld" in \
+            by["13.2"].message, by["13.2"].message
+    else:
+        assert by["13.2"].status == "passed", by["13.2"].message
+
+
 def _dynamic_reference_notebook(path: Path) -> None:
     """Solved 01 with 1.1 answered by labkit's reference, reached by names the source cannot show."""
     sol = json.loads((KIT_ROOT / "solutions" / "01_pipeline_bubble.ipynb").read_text())
