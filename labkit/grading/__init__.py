@@ -88,7 +88,11 @@ written by someone trying to game it:
 * **A file system of its own** (``_jail.py --root``): the kernel sees ``/usr``, ``/etc``,
   ``/dev``, ``/sys``, Python, its environment and the kit's folder (the grader's copy, without
   the exercise code, reference list, hidden cases and solutions), nothing else of the checkout
-  (git history, solutions), of the grader or of any home folder.
+  (git history, solutions), of the grader or of any home folder. It also runs in a network
+  namespace of its own (its loopback only): its Jupyter channels are Unix sockets in a folder of
+  its uid, signed with a key, and the relay of 0.2 and 7.3 is a Unix socket there too, so no
+  other process of the machine (another kernel of a batch) can reach its channels or its ranks'
+  stores, nor can it reach anything listening on the machine.
 * **Isolation and containment** (:mod:`labkit.grading.contain`, :mod:`labkit.grading._jail`):
   as root, each kernel runs under a uid of its own (locked, so no other kernel of any grader
   has it), in its own session and in private mount and IPC namespaces: fresh size-limited
@@ -122,7 +126,8 @@ written by someone trying to game it:
   process limit, no cgroup; without user namespaces its /tmp files stay and the grader's
   files are readable. Verdicts judged in the grader hold only as far as that user's
   processes cannot reach into the grader's; as root, under a uid of its own, the kernel
-  cannot. The relay listens on 127.0.0.1 and admits only ranks that hold the case's random
+  cannot. The relay (a Unix socket in the jailed kernel's own folder; else TCP on
+  127.0.0.1) admits only ranks that hold the case's random
   token, sent to the kernel alone.
 * **Robustness and bounds**: a cell that raises costs only the exercises that depend on it; a
   cell that kills or exits the kernel, or runs past ``--cell-timeout`` (SIGINT, then SIGKILL),

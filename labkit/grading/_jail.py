@@ -20,6 +20,9 @@ Options, each one token ``--name=value``:
   bound at its own place, and nothing else; the process then ``chroot``s into it. So the kernel
   sees Python, the environment and the kit, but no other file of the checkout (its git
   history, the solutions), of the grader (hidden cases, results, submissions) or of any home.
+* ``--loopback=1``: COMMAND runs in a network namespace of its own (``unshare --net``): bring
+  its loopback up. Its 127.0.0.1 is its own: no other kernel's port (a torch store, a Jupyter
+  channel) and none of the grader's can be reached.
 * ``--bind=SRC:DST``: with ``--root``, bind SRC at DST in the new root after every PATH (the
   grader's copy of the kit, :mod:`labkit.grading.withhold`, over the kit's folder).
 * ``--hide=PATH``: cover PATH with an empty read-only tmpfs (a folder) or /dev/null (a file),
@@ -160,6 +163,17 @@ def _new_root(root: str, needed, binds, proc: bool) -> None:
     os.chdir("/")
 
 
+def _loopback_up() -> None:
+    """``ip link set lo up`` with two ioctls (SIOCGIFFLAGS, SIOCSIFFLAGS; IFF_UP = 1)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH14s", fcntl.ioctl(s, 0x8913, struct.pack("16sH14s", b"lo", 0, b"")))[1]
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", flags | 1, b""))
+
+
 def _hide(path: str) -> None:
     if os.path.isdir(path):
         _tmpfs(path, "size=4k,mode=0555", MS_RDONLY)
@@ -189,6 +203,8 @@ def main(argv):
     needed = sorted({os.path.realpath(p) for p in paths if os.path.isdir(p)})
     needed = [p for p in needed if not any(p != q and p.startswith(q + "/") for q in needed)]
     stage = opts.get("stage", [tempfile.gettempdir()])[0]
+    if opts.get("loopback"):
+        _loopback_up()
     if opts.get("root"):
         binds = [tuple(b.split(":", 1)) for b in opts.get("bind", [])]
         _new_root(opts["root"][0], needed, binds, proc=not opts.get("hidepid"))

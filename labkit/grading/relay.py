@@ -13,7 +13,8 @@ algorithm must send. A real collective called through an alias finds no process 
 
 Two halves:
 
-* :class:`Relay` (grader side): a TCP server on 127.0.0.1 with one thread per rank; a rank
+* :class:`Relay` (grader side): a server (a Unix socket in the kernel's folder, :data:`SOCKET_DIR`,
+  when the grader jails the kernel in a network of its own; else TCP on 127.0.0.1) with one thread per rank; a rank
   proves it belongs to this case with the relay's random token. Messages are
   :mod:`labkit.grading.wire` data (never pickle), size-limited before decoding.
 * :func:`run_ranks` (kernel side): forks ``world_size`` ranks that each connect to the relay
@@ -98,6 +99,12 @@ def _read(sock: socket.socket) -> Any:
     return None if data is None else wire.loads(data, MAX_FRAME)
 
 
+# where the relay listens when set: a folder of the kernel's own (the grader's jail gives each kernel its own
+# network namespace, whose 127.0.0.1 is not the grader's; a Unix socket in the kernel's socket folder, which the
+# jail binds into the kernel's file system, is reachable by that kernel alone). None: TCP on 127.0.0.1.
+SOCKET_DIR: str | None = None
+
+
 class Relay:
     """Grader side: delivers the messages of ``world_size`` ranks and logs them (see the module).
 
@@ -135,11 +142,22 @@ class Relay:
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._bytes = 0
-        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._path = None
+        if SOCKET_DIR:
+            self._path = os.path.join(SOCKET_DIR, f"relay-{secrets.token_hex(8)}")
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.bind(self._path)
+            os.chmod(self._path, 0o666)  # the folder admits the kernel's uid alone
+            self._sock.listen(4 * world_size + 4)
+        else:
+            self._sock = socket.create_server(("127.0.0.1", 0))
         self._sock.settimeout(0.2)
 
     def address(self) -> list:
-        """``[host, port, token]``: what a rank needs to join (it travels to the kernel as data)."""
+        """``[host, port, token]`` (``["unix", path, token]`` with :data:`SOCKET_DIR`): what a rank
+        needs to join (it travels to the kernel as data)."""
+        if self._path:
+            return ["unix", self._path, self.token]
         return ["127.0.0.1", self._sock.getsockname()[1], self.token]
 
     def __enter__(self) -> "Relay":
@@ -164,6 +182,11 @@ class Relay:
         for s in [self._sock, *self._conns]:
             try:
                 s.close()
+            except OSError:
+                pass
+        if self._path:
+            try:
+                os.unlink(self._path)
             except OSError:
                 pass
         for t in self._threads:
@@ -372,7 +395,11 @@ class _Client:
     def __init__(self, address, rank: int):
         host, port, token = address
         self.rank = rank
-        self.sock = socket.create_connection((str(host), int(port)))
+        if host == "unix":
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(str(port))
+        else:
+            self.sock = socket.create_connection((str(host), int(port)))
         _write(self.sock, {"token": token, "rank": rank})
         if _read(self.sock) != {"ok": True}:
             raise RuntimeError(f"rank {rank} could not join the grader's relay")

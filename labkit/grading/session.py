@@ -148,18 +148,20 @@ class KernelUser:
                                                 and os.path.basename(p) not in ("site-packages", "dist-packages"))}
             root = os.path.join(stage, "root")
             os.makedirs(root, exist_ok=True)
-            options = [f"--root={root}", f"--bind={kit or kit_dir}:{os.path.realpath(kit_dir)}", *options]
+            options = [f"--root={root}", f"--bind={kit or kit_dir}:{os.path.realpath(kit_dir)}", "--loopback=1",
+                       *options]
         else:
             needed.add(os.path.dirname(kit_dir))
         jail = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail.py")
         rl = [f"--rlimit={k}:{v}" for k, v in self.limits.rlimits().items()
               if not (self.userns and k == "NPROC")]  # NPROC counts every process of the uid: the grader's too
+        net = ["--net"] if self.newroot and stage else []  # a loopback of its own (the jail brings it up)
         if self.userns:
-            return (["unshare", "--user", "--map-root-user", "--mount", "--ipc", "--propagation", "private", "--",
+            return (["unshare", "--user", "--map-root-user", "--mount", "--ipc", *net, "--propagation", "private", "--",
                      sys.executable, "-S", "-I", jail, "0", "0", "--keep-user=1", *rl, *options, *sorted(needed), "--",
                      *cmd], {})
-        return (["unshare", "--mount", "--ipc", "--propagation", "private", "--", sys.executable, "-S", "-I", jail,
-                 str(self.uid), str(self.gid), *rl, *options, *sorted(needed), "--", *cmd], {})
+        return (["unshare", "--mount", "--ipc", *net, "--propagation", "private", "--", sys.executable, "-S", "-I",
+                 jail, str(self.uid), str(self.gid), *rl, *options, *sorted(needed), "--", *cmd], {})
 
 
 _USER_CACHE: list = []
@@ -447,6 +449,7 @@ class KernelSession:
         self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
         self.plots = plots  # the submission names matplotlib: PLOTS_WARM_UP too
         self.kit = kit  # the kit's folder the kernel imports (the grader's copy; jail mode with newroot only)
+        self.sockets = None  # jail mode: the folder of the kernel's Unix sockets (its channels, the relay's)
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -461,7 +464,19 @@ class KernelSession:
         from jupyter_client.connect import write_connection_file
 
         conn = os.path.join(self.dir, "kernel.json")
-        _, self.info = write_connection_file(conn, ip="127.0.0.1")
+        private = self.user is not None and self.user.jail
+        sockets = os.path.join(self.dir, "zmq")
+        key = uuid.uuid4().hex.encode()  # every message signed: without a key anyone who reaches a socket runs code
+        if private:
+            # Unix sockets in a folder of this kernel's uid, in no other kernel's file system: on TCP any
+            # process of the machine could subscribe to its IOPub channel (which needs no key) and read
+            # the code and outputs of another submission graded beside it
+            os.makedirs(sockets, mode=0o700)
+            os.chown(sockets, self.user.uid, self.user.gid)
+            self.sockets = sockets
+            _, self.info = write_connection_file(conn, ip=os.path.join(sockets, "k"), transport="ipc", key=key)
+        else:
+            _, self.info = write_connection_file(conn, ip="127.0.0.1", key=key)
         env = kernel_environment()
         env[GRADING_ENV] = "1"
         env[MARK_ENV] = self.mark
@@ -470,7 +485,6 @@ class KernelSession:
         # (8x on a loaded 2-core machine), and a batch grades several kernels at once
         env.setdefault("OMP_NUM_THREADS", "1")
         kw = {}
-        private = self.user is not None and self.user.jail
         if private:
             conn_inside = os.path.join(PRIVATE_HOME, "kernel.json")
             env.update(HOME=PRIVATE_HOME, TMPDIR="/tmp", USER=self.user.name.replace(" ", "-"),
@@ -489,7 +503,7 @@ class KernelSession:
                     self.cgroup = None  # no delegation here: the uid alone contains the kernel
             argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside,
                     "--HistoryManager.enabled=False"]
-            argv, kw = self.user.command(argv, None, options, kit=self.kit, stage=self.dir)
+            argv, kw = self.user.command(argv, sockets, options, kit=self.kit, stage=self.dir)
             self.cwd = "/"
         elif self.user is not None:
             for sub in ("tmp", "ipython", "mpl"):

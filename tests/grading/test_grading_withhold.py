@@ -309,3 +309,57 @@ def test_the_kernel_sees_the_kit_but_no_other_file_of_the_checkout(newroot, open
     finally:
         kill_uid(lease.uid, 5)
         lease.release()
+
+
+def _tcp_listeners(uid: int) -> int:
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        n += sum(1 for r in rows if r.split()[3] == "0A" and int(r.split()[7]) == uid)
+    return n
+
+
+@pytest.mark.skipif(not ROOT, reason="a uid per kernel needs root")
+@pytest.mark.parametrize("own", [True, False], ids=["own-network-and-sockets", "control-shared-tcp"])
+def test_no_other_process_can_reach_the_kernel_nor_the_kernel_them(own, monkeypatch):
+    """A jailed kernel's channels are Unix sockets in a folder of its own, signed with a key, and it
+    runs in a network namespace of its own: no other process of the machine (another submission's
+    kernel in a batch) can subscribe to its IOPub channel (which needs no key) and read its cells,
+    or reach a torch store of its ranks; and it cannot reach the machine's 127.0.0.1 (a listener
+    there stays silent). Control: the shared network with TCP channels, as before: 5 listening
+    ports, and the listener is reached."""
+    import dataclasses
+    import socket
+
+    import jupyter_client.connect as connect
+
+    from labkit.grading.session import KernelSession, kernel_user
+
+    user = kernel_user()
+    if not (user and user.jail and user.newroot):
+        pytest.skip("no network namespace here")
+    if not own:
+        user = dataclasses.replace(user, newroot=False)
+        real = connect.write_connection_file
+        monkeypatch.setattr(connect, "write_connection_file",
+                            lambda fname, **kw: real(fname, **{**kw, "ip": "127.0.0.1", "transport": "tcp"}))
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    s = KernelSession("/", user, plots=False)
+    try:
+        s.start()
+        probe = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=3).close()\n"
+                 f"except OSError:\n    pass\nelse:\n    raise RuntimeError('reached')")
+        status, ename, _ = s.execute(probe, 60)
+        assert s.info["key"]  # messages are signed
+        n = _tcp_listeners(s.user.uid)  # in this (the machine's) network
+        if own:
+            assert s.info["transport"] == "ipc" and n == 0 and status == "ok", (s.info, n, ename)
+        else:
+            assert s.info["transport"] == "tcp" and n >= 5 and ename == "RuntimeError", (n, ename)
+    finally:
+        s.kill()
+        listener.close()
