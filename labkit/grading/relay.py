@@ -146,8 +146,13 @@ class Relay:
         if SOCKET_DIR:
             self._path = os.path.join(SOCKET_DIR, f"relay-{secrets.token_hex(8)}")
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock.bind(self._path)
-            os.chmod(self._path, 0o666)  # the folder admits the kernel's uid alone
+            # made 0666 as it is created (the folder admits the kernel's uid alone): never a chmod by name
+            # afterwards, which would follow a link the kernel (who owns the folder) put in its place
+            mask = os.umask(0o111)
+            try:
+                self._sock.bind(self._path)
+            finally:
+                os.umask(mask)
             self._sock.listen(4 * world_size + 4)
         else:
             self._sock = socket.create_server(("127.0.0.1", 0))

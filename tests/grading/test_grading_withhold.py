@@ -363,3 +363,27 @@ def test_no_other_process_can_reach_the_kernel_nor_the_kernel_them(own, monkeypa
     finally:
         s.kill()
         listener.close()
+
+
+def test_the_relay_socket_is_made_open_to_its_folder_without_a_chmod_by_name(open_dir, monkeypatch):
+    """The relay's Unix socket lies in the kernel's folder, which the kernel owns: a chmod by name
+    after bind() would follow a link the kernel swapped in (the grader is root). It is created
+    0666 instead. Control: the mode is what a chmod-free bind gives under the grader's umask."""
+    import stat
+
+    from labkit.grading import relay
+
+    def no_chmod(*a, **k):
+        raise AssertionError("chmod by name in the kernel's folder")
+
+    monkeypatch.setattr(relay.os, "chmod", no_chmod)
+    monkeypatch.setattr(relay, "SOCKET_DIR", str(open_dir))
+    old = os.umask(0o077)
+    try:
+        with relay.Relay(2) as r:
+            kind, path, _ = r.address()
+            assert kind == "unix" and stat.S_IMODE(os.stat(path).st_mode) == 0o666
+            assert stat.S_ISSOCK(os.stat(path).st_mode)
+        assert not os.path.exists(path)
+    finally:
+        os.umask(old)
