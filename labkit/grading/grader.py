@@ -411,23 +411,24 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     # submission holds none of the exercises, is a kernel started)
     end = 1 + max((k for k in points.values() if k is not None), default=-1)
     restarts = 0
-    try:
-        session = start() if end else None
-    except KernelStartTimeout as e:
-        if not e.budget:
-            raise
-        session, end, stop = None, 0, f"{out_of_time} while the kernel started"
-    from .session import secret_files
-
-    hidden = [str(f) for f in _hidden_files()]
-    for f in session.hidden_files_readable(hidden + [f for f in secret_files() if f not in hidden]) if end else ():
-        what = "the hidden case file" if f in hidden else "the grader's file"
-        print(f"warning: the submission's kernel can read {what} {f}; make it readable by root only "
-              f"(chmod o-r, and its folder o-x)", file=sys.stderr)
     ran: list[int] = []  # positions in ``cells`` that ran without an error (replayed in a fresh kernel)
     raised: list[int] = []  # positions of cells that raised (replayed for the secret cases only)
     results: dict = {}  # exercise id -> CheckResult of its visible (not secret) cases
+    session = None
     try:
+        try:
+            session = start() if end else None
+        except KernelStartTimeout as e:
+            if not e.budget:
+                raise
+            session, end, stop = None, 0, f"{out_of_time} while the kernel started"
+        from .session import secret_files
+
+        hidden = [str(f) for f in _hidden_files()]
+        for f in session.hidden_files_readable(hidden + [f for f in secret_files() if f not in hidden]) if end else ():
+            what = "the hidden case file" if f in hidden else "the grader's file"
+            print(f"warning: the submission's kernel can read {what} {f}; make it readable by root only "
+                  f"(chmod o-r, and its folder o-x)", file=sys.stderr)
         k = 0
         while k < end:
             idx, src = cells[k]

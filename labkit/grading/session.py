@@ -450,6 +450,7 @@ class KernelSession:
         self.plots = plots  # the submission names matplotlib: PLOTS_WARM_UP too
         self.kit = kit  # the kit's folder the kernel imports (the grader's copy; jail mode with newroot only)
         self.sockets = None  # jail mode: the folder of the kernel's Unix sockets (its channels, the relay's)
+        self.sockets_mounted = False  # as root that folder is a tmpfs of 1 MiB and 64 files (its uid may write it)
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -474,6 +475,11 @@ class KernelSession:
             os.makedirs(sockets, mode=0o700)
             os.chown(sockets, self.user.uid, self.user.gid)
             self.sockets = sockets
+            if not self.user.userns:  # else on the machine's disk, which the kernel could fill
+                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=1m,nr_inodes=64,mode=0700,uid={self.user.uid},"
+                                f"gid={self.user.gid}", "labkit-sockets", sockets], check=True,
+                               stdin=subprocess.DEVNULL, capture_output=True)
+                self.sockets_mounted = True
             _, self.info = write_connection_file(conn, ip=os.path.join(sockets, "k"), transport="ipc", key=key)
         else:
             _, self.info = write_connection_file(conn, ip="127.0.0.1", key=key)
@@ -689,6 +695,9 @@ class KernelSession:
             except Exception:  # noqa: BLE001
                 pass
             self.kc = None
+        if self.sockets_mounted:
+            subprocess.run(["umount", "--lazy", self.sockets], stdin=subprocess.DEVNULL, capture_output=True)
+            self.sockets_mounted = False
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _end_containment(self) -> None:

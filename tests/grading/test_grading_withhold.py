@@ -387,3 +387,34 @@ def test_the_relay_socket_is_made_open_to_its_folder_without_a_chmod_by_name(ope
         assert not os.path.exists(path)
     finally:
         os.umask(old)
+
+
+@pytest.mark.skipif(not ROOT, reason="a uid per kernel needs root")
+@pytest.mark.parametrize("small", [True, False], ids=["tmpfs", "control-on-disk"])
+def test_the_kernels_socket_folder_cannot_fill_the_machines_disk(small, monkeypatch):
+    """The socket folder is the one place of the machine's file system the kernel may write: as
+    root it is a tmpfs of 1 MiB and 64 files (a red team filled the disk through it in a batch,
+    and the other submissions' ranks failed with "No space left on device"). Control: the folder
+    on disk takes 4 MiB."""
+    from labkit.grading import session as session_mod
+    from labkit.grading.session import KernelSession, kernel_user
+
+    user = kernel_user()
+    if not (user and user.jail and not user.userns):
+        pytest.skip("no root jail here")
+    if not small:
+        real = session_mod.subprocess.run
+        monkeypatch.setattr(session_mod.subprocess, "run",
+                            lambda argv, *a, **k: None if argv[0] == "mount" else real(argv, *a, **k))
+    s = KernelSession("/", user, plots=False)
+    try:
+        s.start()
+        fill = ("import json, os\nd = os.path.dirname(json.load(open(os.path.expanduser('~/kernel.json')))['ip'])\n"
+                "n = 0\ntry:\n    for i in range(4):\n        with open(os.path.join(d, f'f{i}'), 'wb') as f:\n"
+                "            f.write(b'x' * (1 << 20))\n        n += 1\nexcept OSError:\n    pass\n"
+                "if n == 4:\n    raise RuntimeError('filled')")
+        status, ename, _ = s.execute(fill, 60)
+        assert (status == "ok") is small and (ename == "RuntimeError") is not small, (status, ename)
+    finally:
+        s.kill()
+    assert not os.path.exists(s.dir)
