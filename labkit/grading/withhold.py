@@ -1,24 +1,30 @@
-"""The kit a graded kernel imports: labkit with the assignment's references withheld.
+"""The kit a graded kernel imports: labkit with the assignment's references withheld until graded.
 
 The source policy (:mod:`labkit.grading.policy`) refuses code that names labkit's reference for
 an exercise. It judges source text, so it is a list of refused constructs, and each red team
 found one more way to reach a function by a name the policy could not read. This module removes
-the prize instead: the grader builds a copy of the installed kit in which the body of every
-reference of the pinned assignment's exercises (:data:`labkit.grading.references.REFERENCES`)
-is replaced by a ``raise``, and the graded kernel sees only that copy
-(:mod:`labkit.grading._jail`'s ``--root``: a file system of its own in which the kit's folder
-is the copy and nothing else of the checkout, its git history or the solutions exists). However
-the learner's code reaches ``bubble_fraction`` while notebook 01 is graded, it gets::
+the prize instead. For each submission the grader (as root) builds a copy of the installed kit
+(:func:`build_kit`) in which each reference of the pinned assignment's exercises (the table in
+:mod:`labkit.grading.references`, the exercise module's own ``references=``, and the helpers
+of its module that a reference hands its work to) is a stub with the same signature whose body
+calls :func:`labkit._withheld.load`. Its code lies in the copy's ``_withheld`` folder, mode 0600
+and the grader's, until :meth:`WithheldKit.release_after` makes it readable, once the grading
+point of every exercise it is withheld for has passed; a kit cell after that runs as usual.
+The graded kernel sees only that copy (:mod:`labkit.grading._jail`'s ``--root``: a file system
+of its own in which the kit's folder is the copy and nothing else of the checkout, its git
+history or the solutions exists). However the learner's code reaches ``bubble_formula`` before
+1.1 is graded, it gets::
 
-    RuntimeError: labkit's bubble_fraction (labkit.pipeline.simulate) is withheld while exercise 1.1 is graded ...
+    RuntimeError: labkit's bubble_formula (labkit.pipeline.simulate) is withheld while this assignment is graded ...
 
-What is not withheld, and stays guarded by the source policy alone: a reference that the
-notebook's own cells or the grader's kernel-side helpers (:mod:`labkit.grading.kernelside`)
-use, directly or through a kit function that reaches it (:mod:`labkit.grading.reach`), e.g.
-09's ``route`` under the ``MoELayer`` a kit cell builds. :func:`withheld` lists, per assignment,
-what is withheld and what is kept and why. The copy also leaves out what the kernel never
-needs and must not read: ``labkit/grading/exercises`` (cases, expected-value code),
-``references.py``, ``labkit/grading/hidden`` and the solved notebooks.
+Not withheld, so guarded by the source policy alone: a reference that a cell of the shipped
+notebook uses before its exercise, or that the grader's kernel-side helpers
+(:mod:`labkit.grading.kernelside`) use, directly or through a kit function that reaches it
+(:mod:`labkit.grading.reach`), e.g. 09's ``route`` under the ``MoELayer`` a kit cell builds
+before 9.1. :func:`withheld` lists, per assignment, what is withheld and what is kept and why.
+The copy also leaves out what the kernel never needs and must not read:
+``labkit/grading/exercises`` (cases, expected-value code), ``references.py``,
+``labkit/grading/hidden`` and the solved notebooks.
 
 Sources: issue 16, principles 2 and 3 (the kernel cannot read the grader; the reference is not
 the learner's to call).
