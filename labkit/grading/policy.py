@@ -1225,7 +1225,9 @@ def _shipped_cells(exercise_id: str) -> frozenset:
 
 
 @functools.lru_cache(maxsize=None)
-def _shipped_for(major: str) -> frozenset:
+def _shipped_sources(major: str) -> tuple[str, ...]:
+    """The code cells of the learner notebook the kit ships for notebook ``major``
+    (``labkit/_notebooks``), in order, as written."""
     import glob
     import json
     import os
@@ -1233,16 +1235,22 @@ def _shipped_for(major: str) -> frozenset:
     import labkit
 
     folder = os.path.join(os.path.dirname(os.path.abspath(labkit.__file__)), "_notebooks")
-    out = set()
+    out: list[str] = []
     if major.isdigit():
-        for path in glob.glob(os.path.join(folder, f"{int(major):02d}_*.ipynb")):
+        for path in sorted(glob.glob(os.path.join(folder, f"{int(major):02d}_*.ipynb"))):
             try:
                 with open(path, encoding="utf-8") as f:
                     nb = json.load(f)
             except (OSError, ValueError):
                 continue
-            out |= {"".join(c.get("source", "")).strip() for c in nb.get("cells", []) if c.get("cell_type") == "code"}
-    return frozenset(out)
+            out += ["".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code"]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_for(major: str) -> frozenset:
+    """:func:`_shipped_sources`, normalised, as a set."""
+    return frozenset(src.strip() for src in _shipped_sources(major))
 
 
 def _skeleton(tree: ast.AST) -> str:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import ast
 import functools
 import os
-import re
 import shutil
 import textwrap
 
@@ -57,6 +56,8 @@ def _major(notebook: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _kernelside_labels(major: str) -> frozenset:
     """The labkit "module:name" nodes the grader's kernel-side helpers of notebook ``major`` import."""
+    from .reach import _absolute
+
     folder = os.path.join(_kit_dir(), "grading", "kernelside")
     out = set()
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
@@ -64,13 +65,10 @@ def _kernelside_labels(major: str) -> frozenset:
             continue
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             tree = ast.parse(f.read())
+        here = f"labkit.grading.kernelside.{name[:-3]}"
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                if node.level:  # relative to labkit.grading.kernelside
-                    base = ["labkit", "grading", "kernelside"][:3 - node.level + 1]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
+                mod = _absolute(here, False, node.level, node.module)
                 if mod.startswith("labkit") and not mod.startswith("labkit.grading"):
                     out |= {f"{mod}:{a.name}" for a in node.names}
     return frozenset(out)
@@ -80,7 +78,7 @@ def _loads_by_cell(major: str) -> list[set[str]]:
     """For each code cell of the shipped learner notebook ``major``, in order: the labkit
     "module:name" nodes it uses (reads a name a cell imported from labkit, or an attribute of a
     labkit module; an import alone uses nothing: a withheld function may be imported)."""
-    from .policy import _home_label, _labkit_label, _labkit_uses, _Names, _python
+    from .policy import _home_label, _labkit_label, _labkit_uses, _Names, _python, _shipped_sources
 
     cells = _shipped_sources(major)
     trees = [t for s in cells if (t := _python(s)) is not None]
@@ -103,42 +101,36 @@ def _loads_by_cell(major: str) -> list[set[str]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _shipped_sources(major: str) -> tuple[str, ...]:
-    import glob
-    import json
-
-    folder = os.path.join(_kit_dir(), "_notebooks")
-    for path in sorted(glob.glob(os.path.join(folder, f"{int(major):02d}_*.ipynb"))) if major.isdigit() else ():
-        with open(path, encoding="utf-8") as f:
-            nb = json.load(f)
-        return tuple("".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code")
-    return ()
-
-
-@functools.lru_cache(maxsize=None)
 def withheld(notebook: str) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
     """What the graded kernel of assignment ``notebook`` ("01_pipeline_bubble") does without, and
     until when.
 
     Returns ``(withheld, kept)``. ``withheld`` is {"module:qualname": exercise ids}: a reference
-    of those exercises (:data:`~labkit.grading.references.REFERENCES`), withheld until the grader
-    has graded every one of them (:func:`release`). ``kept`` is {"module:qualname": why} for the
-    assignment's references that stay available from the start: a cell of the shipped notebook
-    before the last of those exercises uses something that reaches it (:mod:`labkit.grading.reach`;
-    e.g. 09 builds a ``MoELayer``, which runs ``route``, before 9.1), or the grader's kernel-side
-    helpers use it. Those are guarded by the source policy only. References in
-    ``labkit.grading`` are not listed: their modules are not in the kernel's copy at all."""
-    from .policy import _home_label
+    of those exercises (``Exercise.reference_names()``: the table in
+    :mod:`labkit.grading.references` and the exercise module's own) or a function of its module
+    it reaches, withheld for the exercises the shipped notebook grades before any of its cells
+    uses it, until all of them are graded (:meth:`WithheldKit.release_after`). ``kept`` is
+    {"module:qualname": why} for the assignment's references that stay available from the
+    start: a shipped cell before their first exercise uses something that reaches them
+    (:mod:`labkit.grading.reach`; e.g. 09 builds a ``MoELayer``, which runs ``route``, before
+    9.1), or the grader's kernel-side helpers use them. Those are guarded by the source policy
+    only. References in ``labkit.grading`` are not listed: their modules are not in the
+    kernel's copy at all."""
+    from .assignments import grading_points
+    from .policy import _home_label, _shipped_sources
     from .reach import callees_in_module, callers_of
     from .registry import exercises_for_notebook
 
     major = _major(notebook)
     loads = _loads_by_cell(major)
     cells = _shipped_sources(major)
+    exercises = exercises_for_notebook(notebook)
+    position = {ex_id: len(cells) if k is None else k  # the shipped notebook's grading points
+                for ex_id, k in grading_points(list(enumerate(cells)), [ex.id for ex in exercises]).items()}
     helper_uses = set(_kernelside_labels(major))
     helper_uses |= {_home_label(lab) for lab in helper_uses}
     ids: dict[str, list[str]] = {}
-    for ex in exercises_for_notebook(notebook):
+    for ex in exercises:
         # the table's references and the exercise module's own, and each one's helpers in its module
         # (a reference that hands its work to ``_zb_h1_order`` would be withheld in name only)
         for label in ex.reference_names():
@@ -152,15 +144,11 @@ def withheld(notebook: str) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]
                         ids[node].append(ex.id)
     out: dict[str, tuple[str, ...]] = {}
     kept: dict[str, str] = {}
-    def position(ex_id: str) -> int:  # the shipped notebook's grading point of the exercise
-        return max((i for i, src in enumerate(cells)
-                    if re.search(r"""\bcheck\(\s*["']""" + re.escape(ex_id) + "[\"']", src)), default=len(cells))
-
     for label, exs in ids.items():
         reachers = callers_of(label) | {label}
         first_use = next((i for i, used in enumerate(loads) if used & reachers), len(cells) + 1)
         # withheld for the exercises graded before any cell uses it (released once they are all graded)
-        protected = tuple(e for e in exs if position(e) <= first_use)
+        protected = tuple(e for e in exs if position[e] <= first_use)
         if reachers & helper_uses:
             kept[label] = f"the grader's kernel-side code uses {sorted(reachers & helper_uses)[0]}"
         elif not protected:
