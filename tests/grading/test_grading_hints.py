@@ -494,6 +494,18 @@ def test_every_exercise_records_the_review_of_its_hints(ex):
         f"got {ex.hint_review!r}")
 
 
+def test_no_stored_notebook_output_shows_a_hint():
+    """nbval compares stored outputs as text: a hint printed by a failing check in a stored output would
+    tie the notebooks to the hint's wording (and show it before the exercise is tried). The solution and
+    learner notebooks store only passing checks, so rewording a hint never changes an output."""
+    texts = [t for ex in all_exercises() for _, t in hints_of(ex)]
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            out = json.dumps(cell.get("outputs", []))
+            assert "Hint:" not in out and "Second hint:" not in out, f"{path.name} cell {cell.get('id')}"
+            assert not any(json.dumps(t)[1:60] in out for t in texts), f"{path.name} cell {cell.get('id')}"
+
+
 def test_the_second_hint_follows_a_repeated_failure(capsys):
     from labkit.grading import runner
 

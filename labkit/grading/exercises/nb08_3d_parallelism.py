@@ -322,10 +322,11 @@ ex86 = exercise(
     hint=("Section 2 (the table of what each axis communicates): for each axis, how many collectives or sends does "
           "one GPU take part in per step, and how many bytes does each send from this GPU in a ring (notebook 00, "
           "section 5)?"))
-ex86.hint2 = ("Check each axis on its own with small numbers: does your count cover both directions of the pass, only "
-              "this stage's layers, and every microbatch? Is the payload in values or in bytes?")
-ex86.hint_review = ("leads: points at the section 2 table and asks the counting questions per axis; no count per axis "
-                    "is given; reviewed 2026-12-06")
+ex86.hint2 = ("Check each axis on its own with small numbers: take M = 1 and one layer on this stage, then double one "
+              "of them. Does each axis's count grow as the 'how often' column of section 2 says? Is the payload in "
+              "values or in bytes?")
+ex86.hint_review = ("leads: points at the section 2 table and the ring's cost and suggests a scaling check; no count "
+                    "per axis is given; reviewed 2026-12-06")
 
 
 def _axis(s, b, h, L, t, p, d, M, n_params, e):
