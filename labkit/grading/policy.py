@@ -301,22 +301,12 @@ class Violation:
 
 def _is_install_cell(src: str) -> bool:
     """True for the exact first cell ``build`` writes into every learner notebook (it installs labkit
-    with one ``%pip`` line where labkit is missing): the kit's own text, not the learner's, so its
-    magic and import are allowed; any edit to it makes it an ordinary cell again."""
-    from .install import INSTALL_CELL
+    with one ``%pip`` line where labkit is missing, from the course's repository when one is set):
+    the kit's own text, not the learner's, so its magic and import are allowed; any edit to it makes
+    it an ordinary cell again."""
+    from .install import is_install_cell
 
-    def norm(text: str) -> str:
-        try:
-            from IPython.core.inputtransformer2 import TransformerManager
-
-            text = TransformerManager().transform_cell(text)
-        except Exception:  # noqa: BLE001 - no IPython here: plain Python
-            pass
-        return text.strip()
-
-    if "find_spec" not in src:  # the install cell's test, which IPython's transforms never write: no IPython import
-        return False
-    return src.strip() == INSTALL_CELL.strip() or norm(src) == norm(INSTALL_CELL)
+    return is_install_cell(src)
 
 
 def _python(src: str) -> ast.Module | None:
