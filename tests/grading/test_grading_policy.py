@@ -876,6 +876,14 @@ def test_the_install_cell_build_writes_is_allowed_and_an_edited_one_is_not():
     edited = INSTALL_CELL + "\nimport subprocess"
     found = check_cells("1.1", "bubble_fraction", [("cell 1", edited), answer])
     assert {v.what for v in found} >= {"import of `subprocess`", "`get_ipython`"}, found
+    # the cell for a course's repository (build --repository URL) is the kit's too; a URL that would
+    # break out of the cell's string is not a cell build writes
+    from labkit.grading.install import install_cell
+
+    course = install_cell("https://git.example.org/course/labkit")
+    assert check_cells("1.1", "bubble_fraction", [("cell 1", course), answer]) == []
+    forged = course.replace("https://git.example.org/course/labkit", 'x"); import subprocess; ("')
+    assert check_cells("1.1", "bubble_fraction", [("cell 1", forged), answer]) != []
 
 
 def test_every_listed_reference_is_a_real_object():
