@@ -128,6 +128,19 @@ def _parser():
     p.add_argument("--heads", type=int, default=4, help="attention heads, divisible by t")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     add_shared_options(p, plots=True)
+    # the one rule (labkit.cliparse.Parser.needs): an option that changes nothing in this layout is refused
+    p.needs("--chunks", lambda a: lookup(a.schedule).chunks is None,
+            "--schedule interleaved (gpipe, 1f1b, zb-h1 run 1 chunk per rank, zbv and dualpipev 2; got --schedule "
+            "{schedule})", "--schedule interleaved")
+    p.needs("--cp-attention", lambda a: a.cp > 1, "--cp > 1 (got --cp {cp})", "--cp")
+    p.needs("--cp-no-load-balance", lambda a: a.cp > 1, "--cp > 1 (it chooses how --cp splits each sequence; "
+            "got --cp {cp})", "--cp")
+    p.needs("--hsdp", lambda a: a.zero == 3, "--zero 3 (HSDP shards the parameters; got --zero {zero})", "--zero 3")
+    p.needs("--sp", lambda a: a.tp > 1, "--tp > 1 (SP splits the sequence inside a TP group; got --tp {tp})", "--tp")
+    p.needs("--experts", lambda a: a.moe, "--moe", "--moe")
+    p.needs("--topk", lambda a: a.moe, "--moe", "--moe")
+    p.needs("--bucket-cap-mb", lambda a: a.zero in (0, 2) and (a.dp is None or a.dp * a.cp > 1),
+            "DDP buckets: --zero 0 or 2 with --dp * --cp > 1 (got --zero {zero}, --dp {dp}, --cp {cp})", "--dp")
     return p
 
 
@@ -183,25 +196,21 @@ def _loss(model, x, y):
 
 def _bad_args(a, world) -> str | None:
     """The first rule the options break, as one message naming the values; None if all are fine."""
-    if a.chunks is not None and lookup(a.schedule).chunks is not None:
-        return (f"--chunks {a.chunks} applies to --schedule interleaved only (gpipe, 1f1b, zb-h1 run 1 chunk per rank, "
-                f"zbv and dualpipev 2); got --schedule {a.schedule}")
     for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--cp", a.cp), ("--chunks", _v(a)),
                         ("--microbatches", a.microbatches), ("--steps", a.steps), ("--batch", a.batch),
-                        ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
+                        ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads),
+                        *((("--experts", a.experts),) if a.moe else ())):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
     bad = (bad_lr(a.lr) or bad_number("--tolerance", a.tolerance)
            or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
     if bad:
         return bad
-    if a.cp_no_load_balance and a.cp == 1:
-        return "--cp-no-load-balance chooses how --cp C > 1 splits each sequence; got --cp 1"
     if a.cp_no_load_balance and a.cp > 1 and a.seq % (2 * a.cp):
         return (f"--seq {a.seq} must be divisible by 2 * --cp = {2 * a.cp} (the planner's CP formulas count 2 cp "
                 f"chunks; the bytes are the same for the contiguous split)")
     if a.moe and not 1 <= a.topk <= a.experts:
-        return f"--topk must be between 1 and --experts={a.experts}, got {a.topk}"
+        return f"--topk {a.topk} must be between 1 and --experts {a.experts} (each token goes to k distinct experts)"
     if a.moe and a.cp > 1 and a.hsdp > 1:
         return (f"--moe with --cp {a.cp} is not combined with --hsdp {a.hsdp} here: use --zero 3 without --hsdp, "
                 f"or --cp 1")
@@ -215,6 +224,19 @@ def _bad_args(a, world) -> str | None:
                      n_experts=a.experts if a.moe else None, cp=a.cp)
     except ValueError as e:
         return _with_flags(str(e))
+    info = lookup(a.schedule)
+    if v > 1 and a.pp == 1:
+        return (f"--schedule {a.schedule} runs {v} model chunks per rank"
+                f"{' in a V over the p ranks' if info.v_shaped else ''}: it needs --pp > 1, got --pp 1")
+    rounds = max(1, a.microbatches // a.pp)
+    if v > 1 and a.microbatches % rounds:
+        return (f"--schedule {a.schedule} with {v} chunks per rank on --pp {a.pp} runs the microbatches in rounds = "
+                f"max(1, M // p) = {rounds} equal rounds (torch's ScheduleInterleaved1F1B rule, which the "
+                f"lab's communication count follows), which must divide --microbatches {a.microbatches}; "
+                f"e.g. --microbatches {rounds * a.pp} or {(rounds + 1) * a.pp}")
+    if a.cp > 1 and a.cp_attention == "ulysses" and (a.heads // a.tp) % a.cp:
+        return (f"--cp-attention ulysses splits each TP rank's heads over the --cp {a.cp} ranks: --heads {a.heads} / "
+                f"--tp {a.tp} = {a.heads // a.tp} heads per TP rank must be divisible by --cp {a.cp}")
     try:  # its names are per TP rank (n_head = --heads / t): no option to name
         check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq,
                         hsdp=a.hsdp, load_balance=not a.cp_no_load_balance, recompute=a.recompute)
