@@ -700,7 +700,7 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
     rows = []
     labels = {"tp": f"TP (t={a.tp})", "cp": f"CP (cp={a.cp})", "pp": f"PP (p={a.pp})",
               "dp": f"DP (d={a.dp})" if a.cp == 1 else f"DP (d*cp={a.dp * a.cp})", "ep": f"EP (={a.dp}, on DP)",
-              "embedding": "embedding"}
+              "embedding": "embedding", "loss": "loss"}
     kinds = sorted({(ax, k) for r in ranks for ax in r.expected for k in r.expected[ax]},
                    key=lambda x: (list(labels).index(x[0]), x[1]))
     head = f"{'axis':<12}{'collective':<16}{'count/step':>11}{'(formula)':>10}{'MiB/step':>10}{'(formula)':>10}  ranks"
@@ -872,7 +872,9 @@ class ThreeDLab(Lab):
               "all-gather of n/d (ZeRO-2: per bucket), ZeRO-3 per FSDP unit an all-gather of n/d before each "
               "microbatch's forward and backward (zero-bubble: before each I or W that finds it resharded, counted "
               "along the schedule's actions) and one reduce-scatter of n (HSDP: over d/R ranks, then an "
-              "all-reduce of the shard across the R replicas); b = B/(d*M)."
+              "all-reduce of the shard across the R replicas); loss: on the last stage, the step's valid-target "
+              "count before backward and the reported loss after it, 2 all-reduces of 8 B over the d*cp ranks; "
+              "b = B/(d*M)."
               + (" CP per block and microbatch: ring (cp-1) sends of K and V forward, (cp-1)+cp backward (K, V, "
               "then their gradients); allgather 2 all-gathers of K, V forward, "
               "2 reduce-scatters backward; ulysses 4 all-to-alls (q, k, v, output) each way; DP over the d*cp "
