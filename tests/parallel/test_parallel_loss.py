@@ -175,3 +175,48 @@ def test_per_shard_mean_is_caught(name, empty_shard):
           f"gradient error {grad_err[0]:.3g}")
     assert not _ok(grad_err[0]), grad_err
     assert (grad_err[0] != grad_err[0]) == empty_shard
+
+
+# ----------------------------------------------------------------------------- the torch-native path
+def _torch_worker(ctx, t, p, d, zero, bug):
+    """labkit.parallel.torch_native on uneven -100 masks: per step the largest |gradient - one
+    device's| and, after each SGD step, |parameter - one device's|; the reported losses."""
+    import torch.nn.functional as F
+
+    from labkit.parallel.torch_native import TorchNativeGPT, build_mesh
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=S, bias=False, vocab_size=32)
+    ref = GPT(cfg, seed=0)
+    model = TorchNativeGPT(ref, build_mesh(t, p, d, zero), "1f1b", 2, 1, zero=zero)
+    if bug == "per_shard_mean":
+        model.schedule._loss_fn = lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    opt = model.make_optimizer("sgd", 0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    named = dict(ref.named_parameters())
+    out = []
+    for x, y in batches(d, 2, 1):
+        x, y = x % cfg.vocab_size, y.where(y < 0, y % cfg.vocab_size)
+        model.zero_grad()
+        loss = model.train_step(x, y)
+        ref_opt.zero_grad()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ge = max(float((gr - named[n].grad).abs().max()) for n, gr in model.full_tensors("grad"))
+        opt.step()
+        ref_opt.step()
+        pe = max(float((q - named[n]).abs().max()) for n, q in model.full_tensors("param"))
+        out.append((ge, pe, None if loss is None else abs(loss - ref_loss.item())))
+    return out
+
+
+@pytest.mark.parametrize("t,p,d,zero", [(1, 2, 2, 3), (2, 1, 2, 0)], ids=["pp2 dp2 FSDP2", "tp2 dp2 DDP mesh"])
+def test_torch_native_uneven_ignored_targets_equal_one_device(t, p, d, zero):
+    res = launch(_torch_worker, t * p * d, t, p, d, zero, None, timeout=120)
+    ge = max(e[0] for r in res for e in r)
+    pe = max(e[1] for r in res for e in r)
+    le = max(e[2] for r in res for e in r if e[2] is not None)
+    print(f"torch-native t{t} p{p} d{d}: largest gradient error {ge:.2e}, parameters {pe:.2e}, loss {le:.2e}")
+    assert ge <= 1e-5 and pe <= 1e-5 and le <= 1e-5, (ge, pe, le)
+    bad = launch(_torch_worker, t * p * d, t, p, d, zero, "per_shard_mean", timeout=120)
+    ge_bad = max(e[0] for r in bad for e in r)
+    print(f"torch-native t{t} p{p} d{d}, injected per-shard mean: largest gradient error {ge_bad}")
+    assert not ge_bad <= 1e-5
