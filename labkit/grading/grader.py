@@ -858,6 +858,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="batch: a CSV with one row per submission, one column per exercise and the total")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="batch: submissions graded at a time (default: the cores)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # a submission whose file name starts with "-" (-2+3.ipynb) is a path, not an option
+    argv = [os.path.join(".", x) if x.startswith("-") and x.endswith(".ipynb") and os.path.isfile(x) else x
+            for x in argv]
     a = p.parse_args(argv)
     limits = Limits(processes=a.max_processes, file_size=a.max_file_size * 2 ** 20,
                     address_space=a.max_memory * 2 ** 20, memory=a.max_memory * 2 ** 20, tmp_size=a.tmp_size * 2 ** 20)
