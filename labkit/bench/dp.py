@@ -229,6 +229,9 @@ def parse_args(argv):
     p.add_argument("--dp3", type=int, default=2, help="3D comparison: d")
     p.add_argument("--microbatches", type=int, default=4, help="3D comparison: M per DP rank")
     p.add_argument("--iters3d", type=int, default=5, help="timed steps of each side in the 3D comparison (0: skip it)")
+    for opt in ("--tp", "--pp", "--dp3", "--microbatches"):   # the one rule: labkit.cliparse.Parser.needs
+        p.needs(opt, lambda a: a.iters3d > 0, "the 3D comparison (got --iters3d {iters3d}, which skips it)",
+                "--iters3d > 0")
     return p.parse_args(argv)
 
 
