@@ -172,6 +172,9 @@ class Exercise:
     points: float = 1.0
     hint: str = ""
     hint2: str = ""  # a more specific second hint, shown after repeated failed checks (runner.check)
+    # the verdict of a person-like review of hint and hint2 against the solution ("leads: ...; reviewed
+    # <date>"); never shown to the learner (tests/grading/test_grading_hints.py checks every exercise has one)
+    hint_review: str = ""
     cases: list[Case] = field(default_factory=list)
     references: list[str] = field(default_factory=list)  # "module:qualname" the learner must not call
 

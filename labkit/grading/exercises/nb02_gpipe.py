@@ -137,11 +137,13 @@ def expect_same_grads(got: dict, what: str) -> None:
 # ----------------------------------------------------------------------------- 2.1
 ex21 = exercise(
     "2.1", title="the GPipe action list", notebook="02_gpipe", points=3,
-    hint="Section 2: GPipe runs all forwards, then all backwards. On each rank, what must arrive before a "
-         "forward can run and what must leave after it, and the same for a backward? Which ranks have no "
-         "neighbour on one side?")
-ex21.hint2 = ("Write K=2, M=1 by hand, rank 0 and rank 1; the validator's message names the first action that "
-              "cannot run. The backwards may run in microbatch order or in reverse order: both are GPipe.")
+    hint=("Section 2: GPipe runs all forwards, then all backwards. On each rank, what must arrive before a forward "
+          "can run and what must leave after it, and the same for a backward? Which ranks have no neighbour on one "
+          "side?"))
+ex21.hint2 = ("Write K=2, M=1 by hand, rank 0 and rank 1; the validator's message names the first action that cannot "
+              "run. The backwards may run in microbatch order or in reverse order: both are GPipe.")
+ex21.hint_review = ("leads: asks what each compute action needs before and after it; the order itself is the "
+                    "notebook's numbered prompt, the hint adds only questions and the validator; reviewed 2026-12-06")
 
 
 def _gpipe_shape(sched: dict, K: int, M: int, what: str) -> None:
@@ -192,10 +194,13 @@ def _(gpipe_actions):
 # ----------------------------------------------------------------------------- 2.2
 ex22 = exercise(
     "2.2", title="peak microbatches in flight per stage", notebook="02_gpipe", points=2,
-    hint="Section 5: a microbatch is in flight on a stage from its forward until its backward. Walk the lists "
-         "and keep a running count per stage: what is the largest value each count reaches?")
-ex22.hint2 = ("Only compute actions change the count; sends and receives move data but hold nothing new. The "
-              "answer has one number per stage (Action.stage), which is not always one per rank.")
+    hint=("Section 5: a microbatch is in flight on a stage from its forward until its backward. As you read one "
+          "rank's actions in order, how does the number in flight on a stage change at each action, and which moment "
+          "does the exercise ask about?"))
+ex22.hint2 = ("Do sends and receives hold a microbatch? And how many entries must the result have when one rank holds "
+              "several stages (see Action.stage)?")
+ex22.hint_review = ("leads: restates the definition of in flight and asks how each action changes it; counting and "
+                    "keeping the peak are the learner's; reviewed 2026-12-06")
 
 _HAND_1F1B = {0: "F0@s0 SEND_F0@s0 F1@s0 SEND_F1@s0 RECV_B0@s0 B0@s0 F2@s0 SEND_F2@s0 RECV_B1@s0 B1@s0 "
                  "RECV_B2@s0 B2@s0",
@@ -221,8 +226,8 @@ def _count_case(make, n_stages: int, label: str):
 ex22.case("a hand-written K=2, M=3 schedule")(
     _count_case(lambda: {r: parse_actions(t) for r, t in _HAND_1F1B.items()}, 2, "hand-written 1F1B, K=2, M=3"))
 ex22.case("interleaved K=2, M=4, v=2 (two stages per rank, 4 stages)",
-          hint="Count per STAGE, not per rank: with interleaving a rank holds several stages, so the list has "
-               "one entry per stage (Action.stage). How many stages does this schedule have?")(
+          hint=("With interleaving a rank holds several stages: is your result indexed by rank or by stage? How many "
+                "stages does this schedule have?"))(
     _count_case(lambda: interleaved_schedule(2, 4, 2), 4, "interleaved K=2, M=4, v=2"))
 
 
@@ -244,12 +249,13 @@ ex22.case("GPipe K=1, M=5", hidden=True)(_count_case(lambda: gpipe_schedule(1, 5
 # ----------------------------------------------------------------------------- 2.3
 ex23 = exercise(
     "2.3", title="accumulate M microbatch gradients", notebook="02_gpipe", points=2,
-    hint="The full batch's loss is the MEAN over its samples, and each microbatch's loss is a mean over fewer: "
-         "how must a microbatch's loss be weighted so that the M backwards, which add up in .grad, give the "
-         "full batch's gradient? Do not zero .grad inside the loop.")
-ex23.hint2 = ("Check two things: that the loop makes M microbatches of equal size (print their shapes), and "
-              "that the gradients you add up are weighted so that their sum is the batch's mean, not M times "
-              "it.")
+    hint=("The full batch's loss is the MEAN over its samples, and each microbatch's loss is a mean over fewer: how "
+          "must a microbatch's contribution be weighted so that the M backwards, which accumulate in .grad, give the "
+          "full batch's gradient? Do not zero .grad inside the loop."))
+ex23.hint2 = ("Check two things: that the loop makes M microbatches of equal size (print their shapes), and that the "
+              "gradients you accumulate are weighted so that they make the batch's mean, not M times it.")
+ex23.hint_review = ("leads: asks how a microbatch's contribution must be weighted; names the invariant (M times too "
+                    "large) without the operation; reviewed 2026-12-06")
 
 
 def _microbatched(M: int):
@@ -332,9 +338,9 @@ def _accumulate_case(M: int, steps: int, seed: int):
 
 ex23.case("M=4: every parameter gradient equals M microbatches' (loss / M each)")(_accumulate_case(4, 1, 0))
 ex23.case("M=4, 3 plain SGD steps: parameters equal training on M microbatches",
-          hint="Plain SGD (not Adam, which divides by the gradient's size) shows a gradient that is a constant "
-               "factor off: by what factor does your microbatch loss differ from its share of the batch's "
-               "loss?")(_accumulate_case(4, 3, 1))
+          hint=("Plain SGD (not Adam, which divides by the gradient's size) shows a gradient that is a "
+                "constant factor off: by what factor does your microbatch loss differ from its share of the "
+                "batch's loss?"))(_accumulate_case(4, 3, 1))
 ex23.case("M=1 is the full batch")(_accumulate_case(1, 1, 2))
 ex23.case("M=8 (one sequence per microbatch), 2 SGD steps", hidden=True)(_accumulate_case(8, 2, 3))
 ex23.case("M=2, 3 SGD steps", hidden=True)(_accumulate_case(2, 3, 4))
