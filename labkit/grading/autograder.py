@@ -118,8 +118,15 @@ def _problem(assignment: str, out: Path, hidden: Path | None, cell_timeout: floa
         bad = hidden_cases_problem(hidden, f"--hidden-cases {hidden}")
         if bad:
             return bad
+        saved = os.environ.get(HIDDEN_ENV)
         os.environ[HIDDEN_ENV] = str(hidden.resolve())
-        bad = load_hidden_problem(str(hidden))
+        try:
+            bad = load_hidden_problem(str(hidden))
+        finally:   # only for this check: the bundle carries the folder, the caller's environment stays its own
+            if saved is None:
+                os.environ.pop(HIDDEN_ENV, None)
+            else:
+                os.environ[HIDDEN_ENV] = saved
         if bad:
             return bad
     else:
