@@ -103,6 +103,12 @@ CASES = [
      "--gpus-per-node 3 must divide --ep 4"),
     ("moe eplb groups", ["lab", "moe", "--eplb", "--expert-groups", "3"], {}, None,
      "--expert-groups 3 must divide --experts 8"),
+    ("moe eplb capacity", ["lab", "moe", "--eplb", "--capacity-factor", "2"], {}, None,
+     "--capacity-factor 2.0 has no effect without the standard lab (--eplb routes without a capacity limit): "
+     "leave --eplb out, or leave --capacity-factor out"),
+    ("moe eplb aux-coeff", ["lab", "moe", "--eplb", "--aux-coeff", "0.1"], {}, None, "--aux-coeff 0.1 has no effect"),
+    ("moe eplb compare-mode", ["lab", "moe", "--eplb", "--compare-mode", "aux"], {}, None,
+     "--compare-mode aux has no effect without the standard lab"),
     ("moe ep1 experts 0", ["lab", "moe", "--ep", "1", "--experts", "0"], {}, None, "--experts must be >= 1, got 0"),
     # bench
     ("bench dp pp", ["bench", "dp", "--iters3d", "0", "--pp", "2"], {}, None,
