@@ -312,6 +312,39 @@ def load_all(reload_hidden: bool = False) -> dict[str, Exercise]:
     return _REGISTRY
 
 
+def hidden_cases_problem(folder: Path | str, label: str) -> str | None:
+    """Why ``folder`` cannot be a folder of hidden cases (missing, a file, no ``.py`` case file),
+    as one message starting with ``label`` (``"--hidden-cases X"``, ``"LABKIT_HIDDEN_CASES=X"``);
+    None when it can. The one check of ``grade`` (the variable) and ``autograder --hidden-cases``."""
+    folder = Path(folder)
+    if not folder.exists():
+        return f"{label}: no such folder"
+    if not folder.is_dir():
+        return f"{label} is not a folder (a file): give the folder that holds the hidden-case .py files"
+    if not any(p.is_file() for p in folder.glob("*.py")):
+        return f"{label}: the folder holds no .py case files"
+    return None
+
+
+def load_hidden_problem(label: str) -> str | None:
+    """:func:`load_all` with the hidden cases run again; the message when one of them does not
+    load (a syntax error, a case that raises), naming the file, else None."""
+    try:
+        load_all(reload_hidden=True)
+    except Exception as e:  # noqa: BLE001 - an instructor's case file: one line, not its traceback
+        where = ""
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename not in (__file__,) and "importlib" not in tb.tb_frame.f_code.co_filename:
+                where = f" ({tb.tb_frame.f_code.co_filename}, line {tb.tb_lineno})"
+            tb = tb.tb_next
+        if isinstance(e, SyntaxError):
+            where = f" ({e.filename}, line {e.lineno})"
+            e = SyntaxError(e.msg)
+        return f"the hidden cases in {label} do not load: {type(e).__name__}: {e}{where}"
+    return None
+
+
 def _run_hidden_file(path: Path) -> None:
     global _ADDING_HIDDEN
     name = f"labkit_hidden_cases_{abs(hash(str(path.resolve())))}"
