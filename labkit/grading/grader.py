@@ -845,6 +845,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tmp-size", type=int, default=d.tmp_size // 2 ** 20,
                    help=f"MiB of each private /tmp, /var/tmp, /dev/shm (root only; default {d.tmp_size // 2 ** 20})")
     p.add_argument("--no-hints", action="store_true", help="leave hints out of the graded messages")
+    p.add_argument("--allow-partial-isolation", action="store_true",
+                   help="as root: grade even when the self-check at start finds that kernels cannot get full "
+                        "isolation (a uid of their own, private namespaces, a file system of their own); without "
+                        "it the grader stops before grading with the cause and the fix (exit 2)")
     p.add_argument("--no-source-policy", action="store_true",
                    help="do not zero exercises whose code breaks the source policy (labkit/grading/policy.py); "
                         "containment and the grader's judgement still hold")
@@ -899,6 +903,12 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
+    if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
+        from .session import isolation_problem
+        problem = isolation_problem(limits)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     if a.assignment is None:
         print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)

@@ -127,6 +127,10 @@ def _parser():
     p.add_argument("--embd", type=int, default=32, help="hidden size H")
     p.add_argument("--heads", type=int, default=4, help="attention heads, divisible by t")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--impl", default="labkit", choices=("labkit", "torch", "both"),
+                   help="labkit: labkit's own layers, pipeline runtime and DDP/ZeRO; torch: PyTorch's own APIs "
+                        "(DeviceMesh, parallelize_module, FSDP2, torch.distributed.pipelining; labkit.parallel."
+                        "torch_native); both: the two side by side, with the step-time ratio")
     add_shared_options(p, plots=True)
     # the one rule (labkit.cliparse.Parser.needs): an option that changes nothing in this layout is refused
     p.needs("--chunks", lambda a: lookup(a.schedule).chunks is None,
@@ -700,7 +704,7 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
     rows = []
     labels = {"tp": f"TP (t={a.tp})", "cp": f"CP (cp={a.cp})", "pp": f"PP (p={a.pp})",
               "dp": f"DP (d={a.dp})" if a.cp == 1 else f"DP (d*cp={a.dp * a.cp})", "ep": f"EP (={a.dp}, on DP)",
-              "embedding": "embedding"}
+              "embedding": "embedding", "loss": "loss"}
     kinds = sorted({(ax, k) for r in ranks for ax in r.expected for k in r.expected[ax]},
                    key=lambda x: (list(labels).index(x[0]), x[1]))
     head = f"{'axis':<12}{'collective':<16}{'count/step':>11}{'(formula)':>10}{'MiB/step':>10}{'(formula)':>10}  ranks"
@@ -829,7 +833,11 @@ class ThreeDLab(Lab):
         return None
 
     def check(self, a):
-        return _bad_args(a, a.tp * a.pp * a.dp * a.cp)
+        bad = _bad_args(a, a.tp * a.pp * a.dp * a.cp)
+        if bad is None and a.impl != "labkit":
+            from .threed_torch import torch_bad_args
+            bad = torch_bad_args(a)
+        return bad
 
     def load_corpus(self, a):
         from ..data import Corpus
@@ -841,12 +849,40 @@ class ThreeDLab(Lab):
         self.t_start = time.perf_counter()
 
     def runs(self, a, corpus):
-        return [Launch(_run_name(a), a.tp * a.pp * a.dp * a.cp, _worker, (a, corpus))]
+        from .threed_torch import torch_run_name, torch_worker
+        world = a.tp * a.pp * a.dp * a.cp
+        out = [Launch(_run_name(a), world, _worker, (a, corpus))] if a.impl != "torch" else []
+        if a.impl != "labkit":
+            out.append(Launch(torch_run_name(a), world, torch_worker, (a, corpus)))
+        return out
 
     def reference(self, a, corpus):
         return _reference(a, corpus)
 
     def report(self, a, outcome):
+        from .threed_torch import side_by_side, torch_run_name
+        self.result = None
+        if a.impl == "torch":
+            th = outcome.results[torch_run_name(a)]
+            print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}) with PyTorch's own APIs on t={a.tp} "
+                  f"x p={a.pp} x d={a.dp} = {len(th)} ranks, {a.schedule}{f' v={_v(a)}' if _v(a) > 1 else ''}, "
+                  f"M={a.microbatches}, {_torch_dp_name(a)}{', SP' if a.sp else ''}, {a.steps} Adam steps of "
+                  f"B={a.batch} x S={a.seq} tokens")
+            print("\nCommunication per step (the busiest rank per row; payload bytes, labkit.comm's convention):")
+            print("\n".join(side_by_side(a, None, th)))
+            print(f"lab time: {time.perf_counter() - self.t_start:.1f} s")
+            return Report({torch_run_name(a): th[0].verdict}, [])
+        rep = self._report_labkit(a, outcome)
+        if a.impl == "both":
+            th = outcome.results[torch_run_name(a)]
+            print(f"\nlabkit next to PyTorch's own APIs ({_torch_dp_name(a)}; DeviceMesh (pp, dp, tp), "
+                  f"parallelize_module, torch.distributed.pipelining), the same layout, weights and batches; "
+                  f"last step, busiest rank per row:")
+            print("\n".join(side_by_side(a, self.result.ranks, th)))
+            rep.verdicts[torch_run_name(a)] = th[0].verdict
+        return rep
+
+    def _report_labkit(self, a, outcome):
         out = _summarise(a, outcome.results[_run_name(a)], outcome.reference)
         self.result = out
         v = _v(a)
@@ -872,7 +908,9 @@ class ThreeDLab(Lab):
               "all-gather of n/d (ZeRO-2: per bucket), ZeRO-3 per FSDP unit an all-gather of n/d before each "
               "microbatch's forward and backward (zero-bubble: before each I or W that finds it resharded, counted "
               "along the schedule's actions) and one reduce-scatter of n (HSDP: over d/R ranks, then an "
-              "all-reduce of the shard across the R replicas); b = B/(d*M)."
+              "all-reduce of the shard across the R replicas); loss: on the last stage, the step's valid-target "
+              "count before backward and the reported loss after it, 2 all-reduces of 8 B over the d*cp ranks; "
+              "b = B/(d*M)."
               + (" CP per block and microbatch: ring (cp-1) sends of K and V forward, (cp-1)+cp backward (K, V, "
               "then their gradients); allgather 2 all-gathers of K, V forward, "
               "2 reduce-scatters backward; ulysses 4 all-to-alls (q, k, v, output) each way; DP over the d*cp "
@@ -913,11 +951,30 @@ class ThreeDLab(Lab):
 
     def files(self, a, outcome, folder):
         out = self.result
+        if out is None:       # --impl torch: its losses next to the single device's
+            from .threed_torch import torch_run_name
+            th = outcome.results[torch_run_name(a)]
+            single = outcome.reference.losses
+            last = [r for r in th if r.last and r.tp_rank == 0]
+            par = [sum(r.losses[i] for r in last) / len(last) for i in range(a.steps)]
+            rows = ["step,single,torch"] + [f"{i},{single[i]:.7f},{par[i]:.7f}" for i in range(a.steps)]
+            write_bytes_atomic(folder / "losses.csv", ("\n".join(rows) + "\n").encode())
+            print(f"losses: {folder / 'losses.csv'}")
+            return
         rows = ["step,single,3d"] + [f"{i},{out.single.losses[i]:.7f},{out.losses[i]:.7f}" for i in range(a.steps)]
         write_bytes_atomic(folder / "losses.csv", ("\n".join(rows) + "\n").encode())
         if not a.no_plots:
             _plots(a, out, folder)
             print(f"plots: {folder / 'loss_curves.png'}, {folder / 'rank_grid.png'}")
+
+
+def _torch_dp_name(a) -> str:
+    """What --zero means with --impl torch: FSDP2's reshard_after_forward True / False, or DDP."""
+    if a.dp == 1:
+        return "no DP"
+    if a.zero == 0:
+        return "DDP: FSDP2 on a replicate-only mesh"
+    return (f"FSDP2 fully_shard, reshard_after_forward={a.zero == 3}" + (f", HSDP R={a.hsdp}" if a.hsdp > 1 else ""))
 
 
 LAB = ThreeDLab()
