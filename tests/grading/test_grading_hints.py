@@ -163,7 +163,7 @@ WORDS = {  # a solution's call/operator/constant -> how a hint says it in words 
     "sum": r"\bsum(?:s|med|ming)?\b|\badd(?:s|ed|ing)?\b[^.;:?]{0,30}\bup\b",
     "mean": r"\bmean\b|\baverag",
     "max": r"\bmax(?:imum)?\b|\blargest\b|\bhighest\b|\bheaviest\b|\bbusiest\b",
-    "min": r"\bmin(?:imum)?\b|\bsmallest\b|\bleast\b|\bclamp",
+    "min": r"\bmin(?:imum)?\b|\bsmallest\b|\bleast\b|\blowest\b|\bfewest\b|\bclamp",
     "chunk": r"\bchunks?\b|\bequal pieces\b|\bcut into\b",
     "stack": r"\bstack",
     "cat": r"\bconcatenat|\bend to end\b",
