@@ -91,11 +91,14 @@ exercises with the full ``exercise(...)`` form. Case names must be unique within
 (a later case with the same name replaces the earlier one).
 
 A case may carry its own hint, shown instead of the exercise's hint when that case is the first
-to fail: ``@ex.case("rejects M=0 with ValueError", hint="Check M >= 1 before computing.")``.
+to fail: ``@ex.case("M=0 is refused", hint="What is a bubble for zero microbatches?")``.
 ``ex.hint2``, a second and more specific hint, follows the first from the second failed ``check``
 of the same exercise in a session (:func:`labkit.grading.runner.check`). Hints lead (the concept,
-the notebook section, the invariant that fails, a question); they never contain the answer's
-formula or code (``tests/grading/test_grading_hints.py`` checks every hint against the solution notebooks).
+the notebook section, the invariant that fails, a question); they never give the answer, in code,
+as a formula or in words: no API the solution calls, and at most one of its steps named
+(``tests/grading/test_grading_hints.py`` compares every hint with the solution notebooks in tokens).
+``ex.hint_review = "leads: <what the hints ask or name>; reviewed <date>"`` records that a person
+read the hints against the solution; every exercise needs one.
 
 Points: an exercise's ``points`` are all-or-nothing: the grader awards them only when every
 case of the exercise (public and hidden) passes; a case carries no share of its own (a wrong
