@@ -23,6 +23,8 @@ SCRIPTS = [ROOT / "examples" / "slurm" / "lab3d.sbatch"]
 # link targets another issue writes (the grading contract, issue "grade-core"): allowed while missing,
 # and the test fails once one exists, so that it is taken off this list
 PENDING = {"docs/grading.md"}
+# notebooks another issue adds (issue "torch": notebook 17), listed in docs/learners.md ahead of it; the same rule
+PENDING_NOTEBOOKS = {"17_from_labkit_to_torch"}
 
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
@@ -215,7 +217,8 @@ def test_relative_links_anchors_and_file_paths_exist(page):
 def test_pending_link_targets_are_still_missing():
     """Once another issue's page lands, take it off PENDING so that its links are checked."""
     landed = [p for p in PENDING if (ROOT / p).exists()]
-    assert not landed, f"{landed} exist now: remove them from PENDING in tests/test_docs.py"
+    landed += [n for n in PENDING_NOTEBOOKS if (ROOT / "solutions" / f"{n}.ipynb").exists()]
+    assert not landed, f"{landed} exist now: remove them from PENDING or PENDING_NOTEBOOKS in tests/test_docs.py"
 
 
 def _option_tables():
@@ -272,6 +275,7 @@ def test_the_notebook_table_matches_the_notebooks():
     "comes after" every earlier notebook its introduction names."""
     rows = [r for r in _text(ROOT / "docs" / "learners.md").splitlines() if re.match(r"^\| \d\d \|", r)]
     cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    cells = [c for c in cells if c[1] not in PENDING_NOTEBOOKS]
     sols = sorted((ROOT / "solutions").glob("*.ipynb"))
     assert [c[1] for c in cells] == [p.stem for p in sols], "the table lists solutions/ in order"
     for (num, name, _topic, exercises, runs_in, after), path in zip(cells, sols):
