@@ -232,6 +232,16 @@ def _bad_args(a, world) -> str | None:
     if a.moe and a.cp > 1 and a.hsdp > 1:
         return (f"--moe with --cp {a.cp} is not combined with --hsdp {a.hsdp} here: use --zero 3 without --hsdp, "
                 f"or --cp 1")
+    info, v = lookup(a.schedule), _v(a)
+    if v > 1 and a.pp == 1:
+        return (f"--schedule {a.schedule} runs {v} model chunks per rank"
+                f"{' in a V over the p ranks' if info.v_shaped else ''}: it needs --pp > 1, got --pp 1")
+    rounds = max(1, a.microbatches // a.pp)
+    if v > 1 and a.microbatches % rounds:
+        return (f"--schedule {a.schedule} with {v} chunks per rank on --pp {a.pp} runs the microbatches in rounds = "
+                f"max(1, M // p) = {rounds} equal rounds (torch's ScheduleInterleaved1F1B rule, which the "
+                f"lab's communication count follows), which must divide --microbatches {a.microbatches}; "
+                f"e.g. --microbatches {rounds * a.pp} or {(rounds + 1) * a.pp}")
     try:
         cfg = _config(a)
         from ..parallel import check_layout
@@ -242,16 +252,9 @@ def _bad_args(a, world) -> str | None:
                      n_experts=a.experts if a.moe else None, cp=a.cp)
     except ValueError as e:
         return _with_flags(str(e))
-    info = lookup(a.schedule)
-    if v > 1 and a.pp == 1:
-        return (f"--schedule {a.schedule} runs {v} model chunks per rank"
-                f"{' in a V over the p ranks' if info.v_shaped else ''}: it needs --pp > 1, got --pp 1")
-    rounds = max(1, a.microbatches // a.pp)
-    if v > 1 and a.microbatches % rounds:
-        return (f"--schedule {a.schedule} with {v} chunks per rank on --pp {a.pp} runs the microbatches in rounds = "
-                f"max(1, M // p) = {rounds} equal rounds (torch's ScheduleInterleaved1F1B rule, which the "
-                f"lab's communication count follows), which must divide --microbatches {a.microbatches}; "
-                f"e.g. --microbatches {rounds * a.pp} or {(rounds + 1) * a.pp}")
+    if a.cp > 1 and a.seq % (2 * a.cp):
+        return (f"--seq {a.seq} must be divisible by 2 * --cp = {2 * a.cp} (each sequence splits into 2 cp chunks, "
+                f"two per CP rank: r and 2cp-1-r, which balances the causal attention work)")
     if a.cp > 1 and a.cp_attention == "ulysses" and (a.heads // a.tp) % a.cp:
         return (f"--cp-attention ulysses splits each TP rank's heads over the --cp {a.cp} ranks: --heads {a.heads} / "
                 f"--tp {a.tp} = {a.heads // a.tp} heads per TP rank must be divisible by --cp {a.cp}")

@@ -230,8 +230,8 @@ def _count_case(make, n_stages: int, label: str):
 ex22.case("a hand-written K=2, M=3 schedule")(
     _count_case(lambda: {r: parse_actions(t) for r, t in _HAND_1F1B.items()}, 2, "hand-written 1F1B, K=2, M=3"))
 ex22.case("interleaved K=2, M=4, v=2 (two stages per rank, 4 stages)",
-          hint=("With interleaving a rank holds several stages: is your result indexed by rank or by stage? How many "
-                "stages does this schedule have?"))(
+          hint=("Count per STAGE, not per rank: with interleaving a rank holds several stages. How many stages does "
+                "this schedule have, and how many entries has your result?"))(
     _count_case(lambda: interleaved_schedule(2, 4, 2), 4, "interleaved K=2, M=4, v=2"))
 
 
