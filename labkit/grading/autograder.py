@@ -302,7 +302,16 @@ def _run_main(argv: list[str]) -> int:
 
     p = Parser(prog="python -m labkit.grading.autograder")
     p.add_argument("--root", type=Path, default=Path(os.environ.get(ROOT_ENV, "/autograder")))
-    return run(p.parse_args(argv).root)
+    root = p.parse_args(argv).root
+    config = root / "source" / CONFIG
+    try:   # the bundle's own file: a root (or LABKIT_AUTOGRADER_ROOT) without it is one line, not a traceback
+        json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        print(f"error: {config} cannot be read ({why}): --root (or {ROOT_ENV}) must be the folder the autograder "
+              f"bundle was unpacked into (source/ holds {CONFIG})", file=sys.stderr)
+        return 2
+    return run(root)
 
 
 if __name__ == "__main__":
