@@ -242,6 +242,9 @@ EXERCISE_MODULES = {"0.2": ("os", "tempfile", "io", "pathlib", "shutil", "socket
 ALLOWED_IMPORTS = frozenset({
     "__future__", "torch", "torch.nn", "torch.nn.functional", "torch.nn.init", "torch.distributed",
     "torch.autograd", "torch.utils.checkpoint", "torch.func", "torch.optim", "torch.testing",
+    # notebook 17: PyTorch's own parallelism APIs
+    "torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp", "torch.distributed.pipelining",
     "numpy", "matplotlib", "matplotlib.pyplot", "matplotlib.patches", "matplotlib.colors", "matplotlib.ticker",
     "ipywidgets", "IPython.display",
     "math", "cmath", "fractions", "decimal", "statistics", "random", "numbers", "itertools", "functools",

@@ -591,7 +591,7 @@ def test_a_learner_may_edit_every_cell_the_kit_ships():
             return src
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and type(node.value) is str and not (
-                    node.value.startswith("Exercise") or node.value[:3] in {f"{i}." for i in range(17)}):
+                    node.value.startswith("Exercise") or node.value[:3] in {f"{i}." for i in range(18)}):
                 node.value += " (mine)"
         return ast.unparse(tree)
 
