@@ -338,6 +338,7 @@ LAYERS = {0: {"grid", "launch", "dist", "comm", "data", "model", "cliparse", "wi
           2: {"parallel", "plan"}}
 
 
+@lru_cache(maxsize=None)
 def _import_graph(top_level_only: bool = False) -> dict[str, set[str]]:
     """labkit module -> the labkit modules it imports: anywhere in its code (lazy imports too), or only
     its top-level statements (what runs when it is imported). ``from pkg import sub`` imports ``sub``."""
