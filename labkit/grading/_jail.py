@@ -100,22 +100,21 @@ def _under(p: str, top: str) -> bool:
     return p == top or p.startswith(top.rstrip("/") + "/")
 
 
-def _cover_blocked(needed, stage_dir: str) -> None:
+def _cover_blocked(needed) -> None:
+    """Cover each folder others cannot enter with an empty tmpfs and bind the needed paths
+    inside it back in place. Each needed path is held by an ``O_PATH`` descriptor while its
+    folder is covered and bound from ``/proc/self/fd/N``: no staging folder, which could sit in
+    the very folder being covered (a TMPDIR of mode 700)."""
     for top, paths in _tops(needed).items():
-        stage = tempfile.mkdtemp(prefix="labkit-jail-", dir=stage_dir)
-        held = []
-        for i, p in enumerate(paths):
-            dst = os.path.join(stage, str(i))
-            os.makedirs(dst)
-            _mount(p, dst, MS_BIND | MS_REC)
-            held.append((dst, p))
-        _tmpfs(top, "mode=0755")
-        for dst, p in held:
-            os.makedirs(p, exist_ok=True)
-            _mount(dst, p, MS_MOVE)
-        for dst, _ in held:
-            os.rmdir(dst)
-        os.rmdir(stage)
+        held = [(os.open(p, os.O_PATH | os.O_DIRECTORY), p) for p in paths]
+        try:
+            _tmpfs(top, "mode=0755")
+            for fd, p in held:
+                os.makedirs(p, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", p, MS_BIND | MS_REC)
+        finally:
+            for fd, _ in held:
+                os.close(fd)
 
 
 def _private_tmp(size: int, stage_dir: str, needed) -> None:
@@ -228,10 +227,12 @@ def main(argv):
         _new_root(opts["root"][0], needed, binds, proc=not opts.get("hidepid"))
         stage = tempfile.mkdtemp(prefix="stage-", dir="/")  # on the new root's own tmpfs
         kept += [dst for _src, dst in binds]  # the grader's copy of the kit, over a folder that may be in /tmp
-    else:
-        _cover_blocked(needed, stage)
     for size in opts.get("tmp", []):
         _private_tmp(int(size), stage, kept)
+    if not opts.get("root"):
+        # after the private temporary folders: a folder of mode 700 in /tmp (the grader's TMPDIR) is then
+        # already replaced by an open one in the new tmpfs, and the staging folder was still reachable
+        _cover_blocked(needed)
     for path in opts.get("hide", []):
         _hide(os.path.realpath(path))
     if opts.get("hidepid"):

@@ -79,13 +79,14 @@ class BuildError(ValueError):
 
 
 def find_root(start: Path | None = None) -> Path:
-    """The repository root: ``start`` (default: cwd) or a parent holding ``solutions/``,
-    else the folder above the installed ``labkit`` package."""
+    """The repository root: ``start`` (default: cwd) or the nearest parent holding ``solutions/``;
+    ``start`` itself when none does (``build`` then refuses: it works on the checkout you stand in,
+    never on the one an editable install points at, whose notebooks it would rewrite unasked)."""
     here = (start or Path.cwd()).resolve()
     for p in (here, *here.parents):
         if (p / "solutions").is_dir():
             return p
-    return Path(__file__).resolve().parents[2]
+    return here
 
 
 def _exercise_header(source: str):
@@ -330,9 +331,24 @@ def build_all(root: Path) -> list[Path]:
         target = out_dir / sol.name
         text = build_text(sol, repository)
         if not target.exists() or target.read_text(encoding="utf-8") != text:
-            target.write_text(text, encoding="utf-8")
+            _write_whole(target, text.encode("utf-8"))
         written.append(target)
     return written
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` all or nothing (a temporary file beside it, renamed over it): a
+    Ctrl-C or a full disk leaves the old file or none, never half a notebook."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def stale_notebooks(root: Path) -> list[str]:
@@ -416,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     root = a.root.resolve() if a.root else find_root()
     if not (root / "solutions").is_dir():
-        print(f"error: found no solutions/ folder in {root} or above {Path.cwd()}: `build` runs in a checkout of the "
-              f"repository (the learner notebooks of an installed labkit: python -m labkit notebooks)", file=sys.stderr)
+        print(f"error: found no solutions/ folder in {root}{'' if a.root else ' or above it'}: `build` works on the "
+              f"checkout you stand in (or --root DIR) and on no other; the learner notebooks of an installed labkit: "
+              f"python -m labkit notebooks", file=sys.stderr)
         return 2
     try:
         if a.repository is not None:
@@ -464,12 +481,34 @@ def packaged_notebooks(kind: str = "notebooks") -> list[Path]:
     return sorted(folder.glob("*.ipynb"))
 
 
+def _bad_destination(dest: Path, jobs, force: bool) -> str | None:
+    """Why the copy ``jobs`` ``[(src, dst)]`` cannot all be written under ``dest``, or None: a folder
+    on the way that is a file (``DEST/solutions`` a file), a notebook's place taken by a folder
+    (or, with ``force``, by something that is not a file), a folder that cannot be made or
+    written in (tried: what is made to find out is removed again)."""
+    from ..labs import bad_out
+
+    folders = sorted({dst.parent for _, dst in jobs})
+    for folder in folders:
+        for q in (folder, *folder.parents):
+            if q.exists() or q.is_symlink():
+                if not q.is_dir():
+                    return f"{q} exists and is a file, not a folder: the notebooks go into {folder}/"
+                break
+    for _, dst in jobs:
+        if dst.is_dir() or (force and dst.exists() and not dst.is_file()):
+            return f"{dst} exists and is not a file: it cannot be replaced by the notebook {dst.name}"
+    for folder in folders:
+        why = bad_out(folder, "DEST")
+        if why:
+            return f"cannot write {folder}/: {why.split(': ', 1)[1]}"
+    return None
+
+
 def notebooks_main(argv: list[str] | None = None) -> int:
     """``python -m labkit notebooks [DEST] [--solutions] [--force]``: copy the learner notebooks
     (and, when asked, the solutions into DEST/solutions) out of the installed labkit. A file
     already in DEST is kept (it may hold a learner's work) unless ``--force``."""
-    import shutil
-
     p = Parser(prog="python -m labkit notebooks",
                description="Copy the learner notebooks shipped with labkit into a folder "
                            "(Colab, JupyterHub, a laptop).")
@@ -483,6 +522,10 @@ def notebooks_main(argv: list[str] | None = None) -> int:
     jobs = [(f, a.dest / f.name) for f in packaged_notebooks("notebooks")]
     if a.solutions:
         jobs += [(f, a.dest / "solutions" / f.name) for f in packaged_notebooks("solutions")]
+    bad = _bad_destination(a.dest, jobs, a.force)
+    if bad:   # checked before anything is copied: a half copy is worse than none
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     if not jobs:
         print("error: this labkit was installed without its notebooks (labkit/_notebooks is empty); "
               "install it from a wheel (pip wheel . in a checkout) or from a checkout (pip install .)", file=sys.stderr)
@@ -494,7 +537,7 @@ def notebooks_main(argv: list[str] | None = None) -> int:
             continue
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+            _write_whole(dst, src.read_bytes())
         except OSError as e:
             print(f"error: cannot write {dst}: {e.strerror or e}" + (f" ({copied} copied before it)" if copied else ""),
                   file=sys.stderr)

@@ -764,6 +764,23 @@ def _seconds(text: str) -> float | None:
     return value if math.isfinite(value) and value > 0 else None
 
 
+def _hidden_env_problem() -> str | None:
+    """``LABKIT_HIDDEN_CASES``: each folder it names checked as ``autograder --hidden-cases`` checks
+    its folder (:func:`labkit.grading.registry.hidden_cases_problem`), then the cases loaded; the
+    first problem as one message, or None."""
+    from .registry import hidden_cases_problem, load_hidden_problem
+
+    value = os.environ.get(HIDDEN_ENV)
+    if value is None:
+        return None
+    for folder in value.split(os.pathsep):
+        if folder:
+            bad = hidden_cases_problem(folder, f"{HIDDEN_ENV}={folder}")
+            if bad:
+                return bad
+    return load_hidden_problem(f"{HIDDEN_ENV}={value}") if value.strip(os.pathsep) else None
+
+
 def _input_problem(paths: list[Path], results: Path | None) -> str:
     """What is wrong with the command's inputs ("" when nothing): checked before anything runs."""
     for x in paths:
@@ -858,7 +875,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="batch: a CSV with one row per submission, one column per exercise and the total")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="batch: submissions graded at a time (default: the cores)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # a submission whose file name starts with "-" (-2+3.ipynb) is a path, not an option
+    argv = [os.path.join(".", x) if x.startswith("-") and x.endswith(".ipynb") and os.path.isfile(x) else x
+            for x in argv]
     a = p.parse_args(argv)
+    bad = _hidden_env_problem()   # before anything loads the exercises (and with them the hidden cases)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     limits = Limits(processes=a.max_processes, file_size=a.max_file_size * 2 ** 20,
                     address_space=a.max_memory * 2 ** 20, memory=a.max_memory * 2 ** 20, tmp_size=a.tmp_size * 2 ** 20)
     cell_timeout = _seconds(a.cell_timeout)

@@ -481,6 +481,29 @@ class KernelStartError(RuntimeError):
     """The kernel process exited before it answered: no code of the submission had run in it."""
 
 
+def _open_tmp() -> str | None:
+    """A temporary folder every uid can pass through (each folder on its path ``o+x``), for a kernel's
+    own folder (its sockets): TMPDIR when it is one, else the first of /tmp, /var/tmp, /dev/shm
+    that is. A TMPDIR of mode 700 (or inside such a folder) would keep the kernel's uid from its
+    own sockets. None: the default temporary folder."""
+    def open_path(p: str) -> bool:
+        p = os.path.realpath(p)
+        while True:
+            try:
+                if not os.stat(p).st_mode & 0o001:
+                    return False
+            except OSError:
+                return False
+            if p == "/":
+                return True
+            p = os.path.dirname(p)
+
+    for p in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(p) and open_path(p):
+            return p
+    return None
+
+
 class KernelSession:
     """One learner kernel (see the module docstring). ``cwd``: its working directory."""
 
@@ -491,7 +514,7 @@ class KernelSession:
             user = KernelUser(f"uid {self.lease.uid}", self.lease.uid, self.lease.gid, True, user.jail, user.limits,
                               newroot=user.newroot)
         self.user = user
-        self.dir = tempfile.mkdtemp(prefix="labkit-kernel-")
+        self.dir = tempfile.mkdtemp(prefix="labkit-kernel-", dir=_open_tmp() if user is not None else None)
         self.cwd = self.dir if user is not None else cwd
         self.proc = None
         self.kc = None

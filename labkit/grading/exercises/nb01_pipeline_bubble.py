@@ -95,8 +95,8 @@ def _(smallest_microbatches):
 
 
 @ex12.case("K=3, target 0.3 (the bound M >= 14/3 is not a whole number)",
-           hint=("The bound you solved for is not a whole number here: which whole number next to it keeps the bubble "
-                 "within the target?"))
+           hint=("The bound you solved for is not a whole number here; rounding it one way leaves the bubble above "
+                 "the target. Which way is safe?"))
 def _(smallest_microbatches):
     K, target = 3, 0.3
     got = smallest_microbatches(K, target)
