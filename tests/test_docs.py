@@ -406,3 +406,12 @@ def test_the_layers_architecture_md_describes_hold():
     control = {"labkit.pipeline.runtime": {"labkit.parallel.gpt"}, "labkit.parallel.gpt": {"labkit.pipeline.runtime"}}
     assert upward(control) == ["labkit.pipeline.runtime imports labkit.parallel.gpt"]
     assert _cycle(control) == ["labkit.parallel.gpt", "labkit.pipeline.runtime", "labkit.parallel.gpt"]
+
+
+def test_every_python_block_of_the_docs_compiles():
+    """The case file and exercise examples are Python a reader can paste: they parse."""
+    blocks = [(page.name, m.group(1)) for page in PAGES for m in re.finditer(r"^```python\n(.*?)^```", _text(page),
+                                                                           re.S | re.M)]
+    assert len(blocks) >= 3, blocks
+    for name, code in blocks:
+        compile(code, name, "exec")
