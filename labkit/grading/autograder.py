@@ -257,6 +257,9 @@ def run(root: Path) -> int:
         grade.exercises = [_exercise_grade(ex, None, "not attempted: nothing was graded (see the message at the top)")
                            for ex in exercises_for_notebook(assignment)]
     print(format_table([grade]))  # instructor only (stdout_visibility: hidden)
+    from .grader import _print_integrity
+
+    _print_integrity([grade] if len(found) == 1 else [], assignment)  # instructor only too; never a score
     obj = results_json([grade], execution_time=time.monotonic() - t0)
     validate_results(obj)
     (root / "results").mkdir(parents=True, exist_ok=True)
