@@ -14,7 +14,7 @@ from typing import Any
 
 from .runner import CheckResult, evaluate
 
-__all__ = ["assert_check_fails", "assert_check_passes", "assert_public_case_fails"]
+__all__ = ["assert_check_fails", "assert_check_passes", "assert_public_case_fails", "with_ints_as"]
 
 
 def assert_check_fails(exercise_id: str, wrong_answer: Any, contains: str | None = None,
@@ -56,3 +56,27 @@ def assert_public_case_fails(exercise_id: str, wrong_answer: Any, case: str, con
     if hint is not None:
         assert hint in res.message.split(" Hint: ", 1)[1], f"{hint!r} not in the hint of: {res.message}"
     return res
+
+
+def with_ints_as(kind: str, fn: Any) -> Any:
+    """``fn`` whose results carry their Python ints (not bools), in lists, tuples and dict values at any
+    depth, as ``kind``: "numpy" (``numpy.int64``) or "tensor" (0-d int64 tensors). An exercise that asks
+    for an int must accept either (issue 36)."""
+    import numpy as np
+    import torch
+
+    make = {"numpy": np.int64, "tensor": lambda v: torch.tensor(v, dtype=torch.int64)}[kind]
+
+    def convert(x):
+        if isinstance(x, int) and not isinstance(x, bool):
+            return make(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(convert(v) for v in x)
+        if isinstance(x, dict):
+            return {k: convert(v) for k, v in x.items()}
+        return x
+
+    def wrapped(*args, **kwargs):
+        return convert(fn(*args, **kwargs))
+
+    return wrapped

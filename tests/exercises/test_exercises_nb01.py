@@ -24,3 +24,12 @@ def test_floor_fails_a_public_case_with_the_bubble_it_leaves():
                              contains="expected 5, got 4; with M=4 the bubble is 0.3333 > 0.3",
                              hint="rounding it one way leaves the bubble above the target")
     assert len([c for c in get_exercise("1.2").cases if c.hidden]) >= 2
+
+
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: a NumPy int or a 0-d int tensor is an int; a float is named as a float."""
+    from labkit.grading.testing import with_ints_as
+    for kind in ("numpy", "tensor"):
+        assert_check_passes("1.2", with_ints_as(kind, smallest_ceil))
+    assert_public_case_fails("1.2", lambda K, t: float(smallest_ceil(K, t)), "returns an int",
+                             contains="expected an int, got float 57")

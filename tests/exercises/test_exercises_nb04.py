@@ -44,6 +44,15 @@ def test_megatron_multiple_of_k_rule_fails_on_what_torch_runs():
     assert_check_fails("4.2", old_rule, contains="torch's ScheduleInterleaved1F1B runs K=4, M=6")
 
 
+def test_rounds_rule_applied_to_v1_is_named():
+    """Issue 36: the rounds check applied for v = 1 too passed every case (the v = 1 case used M = 6)."""
+    def rounds_always(K, M, v):
+        if M % max(1, M // K):
+            raise ValueError("the rounds max(1, M // K) must divide M")
+        return (K - 1) / (v * M + K - 1)
+    assert_public_case_fails("4.2", rounds_always, "K=4, M=9, v=1", contains="with v = 1 there is one chunk per rank")
+
+
 # a plausible wrong answer fails with a message that names the mistake
 # test id: (exercise, answer, assert_check_fails's keywords)
 WRONG = {

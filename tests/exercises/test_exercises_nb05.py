@@ -145,3 +145,11 @@ def test_restoring_the_rng_without_fork_fails_a_public_case():
                                       "must not be rewound by the recomputation): expected tensor([",
                              hint="still leave the training stream where it was")
     assert any(c.hidden and "RNG stream" in c.name for c in get_exercise("5.3").cases)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+@pytest.mark.parametrize("ex, answer", [("5.1", segment_boundaries), ("5.2", best_segment_count)])
+def test_integers_of_any_kind_are_accepted(ex, answer, kind):
+    """Issue 36: a NumPy int or a 0-d int tensor is an int."""
+    from labkit.grading.testing import with_ints_as
+    assert_check_passes(ex, with_ints_as(kind, answer))

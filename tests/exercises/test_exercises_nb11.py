@@ -68,3 +68,11 @@ WRONG = {
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: split sizes and byte counts as NumPy ints or 0-d int tensors are ints."""
+    from labkit.grading.testing import with_ints_as
+    for kind in ("numpy", "tensor"):
+        assert_check_passes("11.1", with_ints_as(kind, dispatch_splits))
+        assert_check_passes("11.2", with_ints_as(kind, a2a_bytes))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numbers
 
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, as_int, exercise, expect_close, expect_equal, expect_raises, type_name
 
 
 def _bubble(K: int, M: int) -> float:
@@ -108,9 +108,9 @@ def _(smallest_microbatches):
            hint="A number of microbatches is a whole number: return an int, not a float.")
 def _(smallest_microbatches):
     got = smallest_microbatches(4, 0.05)
-    if not isinstance(got, int) or isinstance(got, bool):
-        raise CheckFailure(f"smallest_microbatches(K=4, target=0.05): expected an int, got {type(got).__name__}")
-    expect_equal(got, _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)")
+    if as_int(got) is None:
+        raise CheckFailure(f"smallest_microbatches(K=4, target=0.05): expected an int, got {type_name(got)}")
+    expect_equal(as_int(got), _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)")
 
 
 @ex12.case("K=5, target 0.15", hidden=True)

@@ -93,9 +93,21 @@ ex42.case("K=2, M=6, v=3", hidden=True)(_bubble_case(2, 6, 3))
 ex42.case("K=1, M=3, v=2", hidden=True)(_bubble_case(1, 3, 2))
 
 
+@ex42.case("K=4, M=9, v=1")
+def _(interleaved_bubble):
+    what = "interleaved_bubble(K=4, M=9, v=1)"
+    try:
+        got = interleaved_bubble(4, 9, 1)
+    except ValueError as e:
+        raise CheckFailure(f"{what} raised ValueError ({e}): with v = 1 there is one chunk per rank, plain 1F1B, "
+                           f"which runs any M; the rounds rule is about v >= 2 chunks") from None
+    expect_close(float(got), 3 / 12, what)
+
+
 @ex42.case("v=1 allows any M", hidden=True)
 def _(interleaved_bubble):
     expect_close(float(interleaved_bubble(4, 6, 1)), 3 / 9, "interleaved_bubble(K=4, M=6, v=1)")
+    expect_close(float(interleaved_bubble(3, 7, 1)), 2 / 9, "interleaved_bubble(K=3, M=7, v=1)")
 
 
 # ----------------------------------------------------------------------------- 4.3

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..kernelside.nb05_checkpointing import _ckpt_outputs, _net, _run  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, as_int, exercise, expect_close, expect_equal, expect_raises, type_name
 
 NOTEBOOK = "05_checkpointing"
 
@@ -37,8 +37,10 @@ def _check_bounds(got, n: int, k: int) -> None:
     got = list(got)
     if len(got) != k + 1:
         raise CheckFailure(f"{what}: expected k+1 = {k + 1} boundaries (k segments), got {len(got)}: {got}")
-    if any(isinstance(b, bool) or not isinstance(b, int) for b in got):
-        raise CheckFailure(f"{what}: boundaries must be ints, got {got}")
+    bad = [b for b in got if as_int(b) is None]
+    if bad:
+        raise CheckFailure(f"{what}: boundaries must be ints, got {type_name(bad[0])} among them")
+    got = [as_int(b) for b in got]
     if got[0] != 0 or got[-1] != n:
         raise CheckFailure(f"{what}: the boundaries must start at 0 and end at n={n}, got {got}")
     sizes = [b - a for a, b in zip(got[:-1], got[1:])]
@@ -96,8 +98,9 @@ def _best_case(n: int, a: int, s: int):
     def case(best_segment_count):
         what = f"best_segment_count(n={n}, input_bytes={a}, layer_bytes={s})"
         got = best_segment_count(n, a, s)
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise CheckFailure(f"{what}: expected an int k, got {_shown(got)}")
+        if as_int(got) is None:
+            raise CheckFailure(f"{what}: expected an int k, got {type_name(got)}")
+        got = as_int(got)
         if not 1 <= got <= n:
             raise CheckFailure(f"{what}: k must be between 1 and n={n}, got {got}")
         best = min(range(1, n + 1), key=lambda k: (_cost(n, k, a, s), k))

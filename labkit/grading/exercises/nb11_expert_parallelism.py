@@ -17,7 +17,7 @@ from ...comm import CommLog
 from ...dist import launch
 from ...moe.expert_parallel import ExpertParallelMoE, all_to_all_uneven
 from ...moe.experts import MoEConfig, MoELayer
-from ..registry import CheckFailure, _shown, exercise, expect_equal
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_equal, type_name
 
 
 def _true_splits(indices_per_rank, experts_per_rank):
@@ -43,9 +43,10 @@ def _as_int_list(x, what: str, P: int) -> list:
         x = x.tolist()
     if not isinstance(x, (list, tuple)) or len(x) != P:
         raise CheckFailure(f"{what}: expected a list of {P} ints (one per rank), got {_shown(x)}")
-    if any(not isinstance(v, int) or isinstance(v, bool) for v in x):
-        raise CheckFailure(f"{what}: expected Python ints, got {_shown(x)}")
-    return list(x)
+    bad = [v for v in x if as_int(v) is None]
+    if bad:
+        raise CheckFailure(f"{what}: expected ints, got {type_name(bad[0])} among them")
+    return [as_int(v) for v in x]
 
 
 def _get_splits(dispatch_splits, indices_per_rank, experts_per_rank):
@@ -156,7 +157,12 @@ def _bytes_case(T, cfg_kw, P=4, seed=5):
                                    f"{_shown(got)}")
             measured = dict(zip(("counts", "dispatch", "combine"), res[p]["bytes"]))
             for key in ("counts", "dispatch", "combine"):
-                expect_equal(int(got[key]), measured[key],
+                value = got[key]
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                if as_int(value) is None:
+                    raise CheckFailure(f"rank {p} of {P}: {key} bytes must be a whole number, got {type_name(value)}")
+                expect_equal(as_int(value), measured[key],
                              f"rank {p} of {P} (sends {send}, receives {recv}; E={cfg.n_routed_experts}, "
                              f"H={cfg.n_embd}): {key} bytes (measured by CommLog)")
     return case
