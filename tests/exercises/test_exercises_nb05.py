@@ -76,6 +76,30 @@ class CheckpointNoRng(torch.autograd.Function):
         return None, x.grad
 
 
+class CheckpointSavedAfter(torch.autograd.Function):
+    """Wrong: saves the RNG state after the forward drew its masks (issue 36: one line with no restore)."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            y = run(x)
+        ctx.rng = torch.get_rng_state()
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        with torch.random.fork_rng():
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                x = x.detach().requires_grad_(True)
+                y = ctx.run(x)
+        torch.autograd.backward(y, grad_y)
+        return None, x.grad
+
+
 class CheckpointNoFork(torch.autograd.Function):
     """Wrong (caught by a public case since issue 13): restores the RNG state without fork_rng,
     rewinding the training stream."""
@@ -128,6 +152,8 @@ def test_solution_passes(ex, answer):
     ("5.1", boundaries_range_step, "expected k+1 = 5 boundaries (k segments), got 6"),
     ("5.2", best_sqrt, "k=10 has a peak of 90 bytes, but k=25 has 57"),
     ("5.3", CheckpointNoRng, 'failed case "dropout p=0.5: the recomputation draws the same masks": dropout p=0.5: dL/dx'),  # noqa: E501
+    ("5.3", CheckpointNoRng, "the recomputation drew new dropout masks: the RNG state was not set back"),
+    ("5.3", CheckpointSavedAfter, "the RNG state was saved after the forward had already drawn its masks"),
     ("5.3", CheckpointNoGrad, "the recomputation ran with gradients disabled"),
 ])
 def test_wrong_answer_fails_with_a_useful_message(ex, answer, contains):

@@ -136,6 +136,79 @@ ex53.hint2 = ("torch.random has a context manager that restores the RNG state wh
               "grad; then backpropagate grad_y. backward returns one gradient per input of forward.")
 
 
+class _NoRestore(torch.autograd.Function):
+    """5.3's mistake: the recomputation draws from whatever the RNG state is in backward."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            y = ctx.run(x)
+        torch.autograd.backward(y, grad_y)
+        return None, x.grad
+
+
+class _SavedAfter(torch.autograd.Function):
+    """5.3's mistake: the RNG state saved after the forward computation drew its masks, and restored."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            y = run(x)
+        ctx.rng = torch.get_rng_state()
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        with torch.random.fork_rng():
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                x = x.detach().requires_grad_(True)
+                y = ctx.run(x)
+        torch.autograd.backward(y, grad_y)
+        return None, x.grad
+
+
+_RNG_MISTAKES = ((_NoRestore, "the recomputation drew new dropout masks: the RNG state was not set back to the one "
+                              "the forward used"),
+                 (_SavedAfter, "the recomputation drew other masks than the forward: the RNG state was saved after "
+                               "the forward had already drawn its masks"))
+
+
+def _rng_mistake(answer, p, seed, segments, x, G, got_dx) -> str:
+    """Name the RNG mistake whose gradients the answer's are (issue 36: both gave one line). With one
+    segment the two give the same numbers (nothing draws between forward and backward), so the answer is
+    asked once more with two segments, where they differ."""
+    def matches(segs, dx):
+        found = []
+        for cls, text in _RNG_MISTAKES:
+            def ckpt(net, x, cls=cls):
+                for _ in range(segs):
+                    x = cls.apply(net, x)
+                return x
+            ref = _run(_net(seed, p), x, G, seed + 2, ckpt)
+            if torch.allclose(dx, ref[1], rtol=1e-5, atol=1e-6):
+                found.append(text)
+        return found
+
+    found = matches(segments, got_dx)
+    if len(found) > 1:
+        again = answer.run(_ckpt_outputs, p, seed, 2, x, G)
+        found = [t for t in matches(2, again[1]) if t in found] if isinstance(again[1], torch.Tensor) else []
+    return found[0] if len(found) == 1 else ""
+
+
 def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, label: str):
     net = _net(seed, p)
     g = torch.Generator().manual_seed(seed + 1)
@@ -151,6 +224,11 @@ def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, lab
     expect_close(got[0], ref[0], f"{label}: output y")
     if got[1] is None:
         raise CheckFailure(f"{label}: x.grad is None: backward returned no gradient for the input x")
+    if p > 0 and isinstance(got[1], torch.Tensor) and got[1].shape == ref[1].shape and not torch.allclose(
+            got[1], ref[1], rtol=1e-5, atol=1e-6):
+        why = _rng_mistake(answer, p, seed, segments, x, G, got[1])
+        if why:
+            raise CheckFailure(f"{label}: dL/dx differs from backprop without checkpointing ({why})")
     expect_close(got[1], ref[1], f"{label}: dL/dx (vs backprop without checkpointing)")
     for name, gref in ref[2].items():
         if got[2][name] is None:
