@@ -132,6 +132,7 @@ __all__ = [
     "explain_index_errors",
     "as_int",
     "type_name",
+    "expect_named",
     "DEFAULT_TIMEOUT",
 ]
 
@@ -471,6 +472,30 @@ def type_name(x: Any) -> str:
     if _is_number(x):
         return f"{type(x).__name__} {_short(x)}"
     return _shown(x)
+
+
+def expect_named(got: Any, expected: Any, what: str, mistakes, rtol: float = 1e-9, atol: float = 1e-12) -> None:
+    """``got`` must be ``expected`` (numbers: within ``rtol``/``atol``; anything else: equal). When it is
+    not, and it equals the value of a known mistake, the failure says which: ``mistakes`` is a list of
+    ``(value, "what this mistake did")``, the first match named as "what: expected X, got Y (mistake)";
+    otherwise as :func:`expect_close` / :func:`expect_equal` would say it."""
+    def same(a, b):
+        if isinstance(b, (int, float)) and not isinstance(b, bool) and isinstance(a, numbers.Real) \
+                and not isinstance(a, bool):
+            return math.isclose(float(a), float(b), rel_tol=rtol, abs_tol=atol)
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001
+            return False
+
+    if same(got, expected):
+        return
+    for value, text in mistakes:
+        if not same(value, expected) and same(got, value):
+            raise CheckFailure(f"{what}: expected {_shown(expected)}, got {_shown(got)} ({text})")
+    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        _compare(got, expected, what, exact=False, rtol=rtol, atol=atol)
+    _compare(got, expected, what, exact=True, rtol=0.0, atol=0.0)
 
 
 def expect_true(cond: Any, message: str) -> None:

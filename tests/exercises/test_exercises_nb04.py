@@ -80,3 +80,15 @@ WRONG = {
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+def test_new_learner_mistakes_are_named():
+    """Issue 36's learner round: layers dealt round robin, sends counted per rank or past the last stage."""
+    assert_public_case_fails("4.1", lambda r, L, K, v: list(range(r, L, K)), "16 layers, K=4, v=2, rank 0",
+                             contains="layers dealt out one at a time, round robin")
+    assert_public_case_fails("4.3", lambda K, M, v: 0 if K == 1 else 2 * M * (K * v - 1) * K, "K=4, M=8",
+                             contains="counted once per rank")
+    assert_public_case_fails("4.3", lambda K, M, v: 0 if K == 1 else 2 * M * K * v, "K=4, M=8",
+                             contains="is there a boundary after the last stage?")
+    assert_public_case_fails("4.3", lambda K, M, v: 0 if K == 1 else 2 * (K * v - 1), "K=4, M=8",
+                             contains="one microbatch: all M cross every boundary")

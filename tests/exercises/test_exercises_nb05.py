@@ -150,8 +150,8 @@ def test_solution_passes(ex, answer):
 @pytest.mark.parametrize("ex, answer, contains", [
     ("5.1", boundaries_remainder_last, "got sizes [2, 2, 2, 4] from boundaries [0, 2, 4, 6, 10]"),
     ("5.1", boundaries_range_step, "expected k+1 = 5 boundaries (k segments), got 6"),
-    ("5.2", best_sqrt, "k=10 has a peak of 90 bytes, but k=25 has 57"),
-    ("5.3", CheckpointNoRng, 'failed case "dropout p=0.5: the recomputation draws the same masks": dropout p=0.5: dL/dx'),  # noqa: E501
+    ("5.2", best_sqrt, "k=10 (sqrt(n)) has a peak of 90 bytes, but k=25 has 57"),
+    ("5.3", CheckpointNoRng, 'case "dropout p=0.5: the recomputation draws the same masks"\n  dropout p=0.5: dL/dx'),
     ("5.3", CheckpointNoRng, "the recomputation drew new dropout masks: the RNG state was not set back"),
     ("5.3", CheckpointSavedAfter, "the RNG state was saved after the forward had already drawn its masks"),
     ("5.3", CheckpointNoGrad, "the recomputation ran with gradients disabled"),
@@ -179,3 +179,12 @@ def test_integers_of_any_kind_are_accepted(ex, answer, kind):
     """Issue 36: a NumPy int or a 0-d int tensor is an int."""
     from labkit.grading.testing import with_ints_as
     assert_check_passes(ex, with_ints_as(kind, answer))
+
+
+def test_new_segment_count_mistakes_are_named():
+    """Issue 36's learner round: sqrt(n) whatever the sizes, and the smooth optimum rounded."""
+    import math
+    assert_public_case_fails("5.2", lambda n, a, s: max(1, round(math.sqrt(n))), "n=100",
+                             contains="sqrt(n) is the best k only when a layer saves as much as a segment's input")
+    assert_public_case_fails("5.2", lambda n, a, s: max(1, min(n, round(math.sqrt(n * s / a)))), "n=100",
+                             contains="the smooth optimum sqrt(n s / a) rounded")

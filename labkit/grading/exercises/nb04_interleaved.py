@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...pipeline import interleaved_schedule, simulate, stage_rank
 from ...pipeline.stages import stage_layers
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_named, expect_raises
 from .nb02_gpipe import run_pipeline
 
 # ----------------------------------------------------------------------------- 4.1
@@ -42,6 +42,9 @@ def _layers_case(n_layers: int, K: int, v: int, ranks=None):
                 raise CheckFailure(f"{what}: expected {want}, got {got}: that is the contiguous split of "
                                    f"plain 1F1B; with v chunks rank r holds stages r, r+K, ... (stage s on "
                                    f"rank s % K)")
+            if isinstance(got, list) and sorted(got) == list(range(r, n_layers, K)):
+                raise CheckFailure(f"{what}: expected {want}, got {got}: layers dealt out one at a time, round robin; "
+                                   f"a stage is a block of consecutive layers")
             expect_equal(sorted(got) if isinstance(got, list) else got, want, what)
     return case
 
@@ -123,8 +126,14 @@ def _sends_case(K: int, M: int, v: int):
     def case(p2p_sends):
         from ...pipeline.explorer import count_sends  # here: explorer imports pyplot (seconds per grader process)
 
-        expect_equal(p2p_sends(K, M, v), count_sends(interleaved_schedule(K, M, v)),
-                     f"p2p_sends(K={K}, M={M}, v={v}) vs the SEND actions in the schedule")
+        want = count_sends(interleaved_schedule(K, M, v))
+        expect_named(p2p_sends(K, M, v), want, f"p2p_sends(K={K}, M={M}, v={v}) vs the SEND actions in the schedule",
+                     [(want * K, "counted once per rank: each send is made by one rank"),
+                      (2 * M * K * v, "K v crossings per microbatch and direction: is there a boundary after the "
+                                      "last stage?"),
+                      (M * (K * v - 1), "forward only: the gradients cross every boundary back"),
+                      (2 * (K * v - 1), "one microbatch: all M cross every boundary")] if K > 1 else
+                     [(2 * M * (K * v - 1), "stages on the same rank do not send to each other")])
     return case
 
 

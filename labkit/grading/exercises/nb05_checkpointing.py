@@ -15,7 +15,15 @@ import math
 import torch
 
 from ..kernelside.nb05_checkpointing import _ckpt_outputs, _net, _run  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, as_int, exercise, expect_close, expect_equal, expect_raises, type_name
+from ..registry import (
+    CheckFailure,
+    as_int,
+    exercise,
+    expect_close,
+    expect_equal,
+    expect_raises,
+    type_name,
+)
 
 NOTEBOOK = "05_checkpointing"
 
@@ -104,6 +112,15 @@ def _best_case(n: int, a: int, s: int):
         if not 1 <= got <= n:
             raise CheckFailure(f"{what}: k must be between 1 and n={n}, got {got}")
         best = min(range(1, n + 1), key=lambda k: (_cost(n, k, a, s), k))
+        if _cost(n, got, a, s) != _cost(n, best, a, s) and got == max(1, round(math.sqrt(n))) and a != s:
+            raise CheckFailure(f"{what}: k={got} (sqrt(n)) has a peak of {_cost(n, got, a, s)} bytes, but k={best} "
+                               f"has {_cost(n, best, a, s)}: sqrt(n) is the best k only when a layer saves as much "
+                               f"as a segment's input")
+        smooth = math.sqrt(n * s / a)
+        if _cost(n, got, a, s) != _cost(n, best, a, s) and got in (math.floor(smooth), math.ceil(smooth)):
+            raise CheckFailure(f"{what}: k={got} (the smooth optimum sqrt(n s / a) rounded) has a peak of "
+                               f"{_cost(n, got, a, s)} bytes, but k={best} has {_cost(n, best, a, s)}: ceil(n/k) "
+                               f"moves in steps, so the whole k around it must be compared")
         if _cost(n, got, a, s) != _cost(n, best, a, s):
             raise CheckFailure(f"{what}: k={got} has a peak of {_cost(n, got, a, s)} bytes, but k={best} has "
                                f"{_cost(n, best, a, s)}")
