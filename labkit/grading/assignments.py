@@ -21,7 +21,7 @@ __all__ = ["ANSWERS", "answer_name", "grading_points", "defines", "register_code
 ANSWERS: dict[str, str] = {
     "0.1": "reduce_scatter_by_hand", "0.2": "ring_all_reduce",
     "1.1": "bubble_fraction", "1.2": "smallest_microbatches",
-    "2.1": "gpipe_actions", "2.2": "count_in_flight", "2.3": "accumulate_microbatches",
+    "2.1": "gpipe_actions", "2.2": "count_in_flight", "2.3": "accumulate_microbatches", "2.4": "microbatch_losses",
     "3.1": "one_f_one_b_order", "3.2": "in_flight_1f1b",
     "4.1": "layers_of_rank", "4.2": "interleaved_bubble", "4.3": "p2p_sends",
     "5.1": "segment_boundaries", "5.2": "best_segment_count", "5.3": "MyCheckpoint",

@@ -764,6 +764,23 @@ def _seconds(text: str) -> float | None:
     return value if math.isfinite(value) and value > 0 else None
 
 
+def _hidden_env_problem() -> str | None:
+    """``LABKIT_HIDDEN_CASES``: each folder it names checked as ``autograder --hidden-cases`` checks
+    its folder (:func:`labkit.grading.registry.hidden_cases_problem`), then the cases loaded; the
+    first problem as one message, or None."""
+    from .registry import hidden_cases_problem, load_hidden_problem
+
+    value = os.environ.get(HIDDEN_ENV)
+    if value is None:
+        return None
+    for folder in value.split(os.pathsep):
+        if folder:
+            bad = hidden_cases_problem(folder, f"{HIDDEN_ENV}={folder}")
+            if bad:
+                return bad
+    return load_hidden_problem(f"{HIDDEN_ENV}={value}") if value.strip(os.pathsep) else None
+
+
 def _input_problem(paths: list[Path], results: Path | None) -> str:
     """What is wrong with the command's inputs ("" when nothing): checked before anything runs."""
     for x in paths:
@@ -845,6 +862,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tmp-size", type=int, default=d.tmp_size // 2 ** 20,
                    help=f"MiB of each private /tmp, /var/tmp, /dev/shm (root only; default {d.tmp_size // 2 ** 20})")
     p.add_argument("--no-hints", action="store_true", help="leave hints out of the graded messages")
+    p.add_argument("--allow-partial-isolation", action="store_true",
+                   help="as root: grade even when the self-check at start finds that kernels cannot get full "
+                        "isolation (a uid of their own, private namespaces, a file system of their own); without "
+                        "it the grader stops before grading with the cause and the fix (exit 2)")
     p.add_argument("--no-source-policy", action="store_true",
                    help="do not zero exercises whose code breaks the source policy (labkit/grading/policy.py); "
                         "containment and the grader's judgement still hold")
@@ -854,7 +875,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="batch: a CSV with one row per submission, one column per exercise and the total")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="batch: submissions graded at a time (default: the cores)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # a submission whose file name starts with "-" (-2+3.ipynb) is a path, not an option
+    argv = [os.path.join(".", x) if x.startswith("-") and x.endswith(".ipynb") and os.path.isfile(x) else x
+            for x in argv]
     a = p.parse_args(argv)
+    bad = _hidden_env_problem()   # before anything loads the exercises (and with them the hidden cases)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     limits = Limits(processes=a.max_processes, file_size=a.max_file_size * 2 ** 20,
                     address_space=a.max_memory * 2 ** 20, memory=a.max_memory * 2 ** 20, tmp_size=a.tmp_size * 2 ** 20)
     cell_timeout = _seconds(a.cell_timeout)
@@ -899,6 +928,12 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
+    if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
+        from .session import isolation_problem
+        problem = isolation_problem(limits)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     if a.assignment is None:
         print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)

@@ -37,6 +37,9 @@ REFERENCES: dict[str, list[str]] = {
     "1.2": [f"{_EX}.nb01_pipeline_bubble:_smallest"],
     "2.1": [f"{_SCHED}:gpipe_schedule", f"{_SCHED}:add_communication"],
     "2.3": [],  # the runtime scales the loss too, but inside PipelineSchedule; nothing to call directly
+    # the step loss with ignored targets; StepTokenCount (ParallelGPT's) computes it too
+    "2.4": ["labkit.parallel.loss:microbatch_losses", "labkit.parallel.loss:loss_scale",
+            "labkit.parallel.loss:StepTokenCount"],
     "2.2": [f"{_SIM}:peak_in_flight", f"{_EXPLORER}:peak_in_flight_per_rank", f"{_SIM}:simulate"],
     "3.1": [f"{_SCHED}:one_f_one_b_schedule", f"{_SCHED}:interleaved_schedule", f"{_SCHED}:_interleaved_order"],
     "3.2": [f"{_SIM}:peak_in_flight", f"{_EXPLORER}:peak_in_flight_per_rank", f"{_SIM}:simulate",

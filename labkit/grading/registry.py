@@ -91,11 +91,14 @@ exercises with the full ``exercise(...)`` form. Case names must be unique within
 (a later case with the same name replaces the earlier one).
 
 A case may carry its own hint, shown instead of the exercise's hint when that case is the first
-to fail: ``@ex.case("rejects M=0 with ValueError", hint="Check M >= 1 before computing.")``.
+to fail: ``@ex.case("M=0 is refused", hint="What is a bubble for zero microbatches?")``.
 ``ex.hint2``, a second and more specific hint, follows the first from the second failed ``check``
 of the same exercise in a session (:func:`labkit.grading.runner.check`). Hints lead (the concept,
-the notebook section, the invariant that fails, a question); they never contain the answer's
-formula or code (``tests/grading/test_grading_hints.py`` checks every hint against the solution notebooks).
+the notebook section, the invariant that fails, a question); they never give the answer, in code,
+as a formula or in words: no API the solution calls, and at most one of its steps named
+(``tests/grading/test_grading_hints.py`` compares every hint with the solution notebooks in tokens).
+``ex.hint_review = "leads: <what the hints ask or name>; reviewed <date>"`` records that a person
+read the hints against the solution; every exercise needs one.
 
 Points: an exercise's ``points`` are all-or-nothing: the grader awards them only when every
 case of the exercise (public and hidden) passes; a case carries no share of its own (a wrong
@@ -175,6 +178,9 @@ class Exercise:
     points: float = 1.0
     hint: str = ""
     hint2: str = ""  # a more specific second hint, shown after repeated failed checks (runner.check)
+    # the verdict of a person-like review of hint and hint2 against the solution ("leads: ...; reviewed
+    # <date>"); never shown to the learner (tests/grading/test_grading_hints.py checks every exercise has one)
+    hint_review: str = ""
     cases: list[Case] = field(default_factory=list)
     references: list[str] = field(default_factory=list)  # "module:qualname" the learner must not call
 
@@ -310,6 +316,39 @@ def load_all(reload_hidden: bool = False) -> dict[str, Exercise]:
                 continue
             _run_hidden_file(path)
     return _REGISTRY
+
+
+def hidden_cases_problem(folder: Path | str, label: str) -> str | None:
+    """Why ``folder`` cannot be a folder of hidden cases (missing, a file, no ``.py`` case file),
+    as one message starting with ``label`` (``"--hidden-cases X"``, ``"LABKIT_HIDDEN_CASES=X"``);
+    None when it can. The one check of ``grade`` (the variable) and ``autograder --hidden-cases``."""
+    folder = Path(folder)
+    if not folder.exists():
+        return f"{label}: no such folder"
+    if not folder.is_dir():
+        return f"{label} is not a folder (a file): give the folder that holds the hidden-case .py files"
+    if not any(p.is_file() for p in folder.glob("*.py")):
+        return f"{label}: the folder holds no .py case files"
+    return None
+
+
+def load_hidden_problem(label: str) -> str | None:
+    """:func:`load_all` with the hidden cases run again; the message when one of them does not
+    load (a syntax error, a case that raises), naming the file, else None."""
+    try:
+        load_all(reload_hidden=True)
+    except Exception as e:  # noqa: BLE001 - an instructor's case file: one line, not its traceback
+        where = ""
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename not in (__file__,) and "importlib" not in tb.tb_frame.f_code.co_filename:
+                where = f" ({tb.tb_frame.f_code.co_filename}, line {tb.tb_lineno})"
+            tb = tb.tb_next
+        if isinstance(e, SyntaxError):
+            where = f" ({e.filename}, line {e.lineno})"
+            e = SyntaxError(e.msg)
+        return f"the hidden cases in {label} do not load: {type(e).__name__}: {e}{where}"
+    return None
 
 
 def _run_hidden_file(path: Path) -> None:

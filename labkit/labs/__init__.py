@@ -176,7 +176,7 @@ def bad_seed(seed: int) -> str | None:
     return None
 
 
-def run_cli(main, *args, check_env: bool = True) -> int:
+def run_cli(main, *args, check_env: bool = True, stopped: str = "stopped; no rank is left running") -> int:
     """Run ``main(*args)`` the way a command line should end: its return code; Ctrl-C -> one line,
     exit 130; SIGTERM or SIGHUP (a closed terminal) -> one line, exit 128 + signal (143, 129); a failed
     rank (RankError) -> one
@@ -184,7 +184,9 @@ def run_cli(main, *args, check_env: bool = True) -> int:
     by :func:`labkit.dist.launch` before the line is printed. After an interrupt the command is
     ending: further SIGINT/SIGTERM are ignored from then on (an impatient second Ctrl-C would
     otherwise print a traceback from Python's exit handlers). ``check_env``: first refuse
-    inconsistent torchrun variables (:func:`labkit.dist.torchrun_env_problem`) with one line, exit 2."""
+    inconsistent torchrun variables (:func:`labkit.dist.torchrun_env_problem`) with one line, exit 2.
+    ``stopped``: what the interrupted command stopped, in its own words (a lab's ranks; the grader's
+    kernels, ...), after "interrupted (Ctrl-C): " or "terminated (SIGTERM): "."""
     import signal
 
     from ..launch import RankError, Terminated, stop_on_first_signal, torchrun_env_problem
@@ -197,11 +199,11 @@ def run_cli(main, *args, check_env: bool = True) -> int:
             return main(*args) or 0
         except KeyboardInterrupt:
             _ignore_signals()
-            print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
+            print(f"interrupted (Ctrl-C): {stopped}", file=sys.stderr)
             return 130
         except Terminated as e:
             _ignore_signals()
-            print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
+            print(f"terminated ({signal.Signals(e.signum).name}): {stopped}", file=sys.stderr)
             return 128 + e.signum
         except RankError as e:
             if is_main_rank():

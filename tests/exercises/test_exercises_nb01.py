@@ -1,6 +1,7 @@
 """Exercise 1.2: rounding the bound on M down (floor/int) fails a PUBLIC case with the bubble it
 leaves, and a hint to round up; hidden cases keep other K and targets."""
 import math
+
 import pytest
 
 from labkit.grading.registry import get_exercise

@@ -58,7 +58,7 @@ def unclamped_warmup(K, M):
 def test_unclamped_warmup_fails_a_public_case_with_m_below_k():
     assert_public_case_fails("3.1", unclamped_warmup, "fewer microbatches than stages (K=4, M=2)",
                              contains="the validator says: rank 0, action 4 (RECV_B-1@s0): microbatch -1 outside 0..1",
-                             hint="the warm-up cannot be longer than the microbatches there are")
+                             hint="does every rank's plan use only microbatches 0..M-1?")
     assert any(c.hidden and c.name.startswith("M < K") for c in get_exercise("3.1").cases)
 
 
@@ -81,7 +81,8 @@ WRONG = {
          {"contains": "in_flight_1f1b(K=4, M=2): expected [2, 2, 2, 1], got [4, 3, 2, 1] (more than M on some stages"}),
     "in_flight_gpipe_answer_fails_against_measurement":
         ("3.2", lambda K, M: [M] * K,
-         {"contains": "vs the peak measured by the runtime: expected [4, 3, 2, 1], got [8, 8, 8, 8] (every microbatch in flight at once"}),
+         {"contains": "vs the peak measured by the runtime: expected [4, 3, 2, 1], got [8, 8, 8, 8] (every "
+                      "microbatch in flight at once"}),
 }
 
 

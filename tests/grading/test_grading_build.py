@@ -340,3 +340,47 @@ def test_build_run_outside_the_checkout_names_the_folder_it_works_on(tmp_path, m
     monkeypatch.chdir(ROOT)
     assert build_main(["--check"]) == 0
     assert capsys.readouterr().out.startswith("notebooks/ is up to date")
+
+
+def test_the_course_repository_is_the_instructors_one_setting(tmp_path):
+    """[tool.labkit] repository (or build --repository URL, which records it) goes into every learner
+    notebook's first cell and pyproject's [project.urls]; with none set the first cell names no
+    repository and says how to install labkit; build --check catches a setting the files do not follow."""
+    from labkit.grading.build import configured_repository
+    from labkit.grading.install import install_cell, is_install_cell
+
+    _synthetic(tmp_path)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "labkit"\n\n[tool.labkit]\nrepository = ""\n\n'
+                                             '[tool.ruff]\nline-length = 120\n')
+    build = [sys.executable, "-m", "labkit", "build", "--root", str(tmp_path)]
+    first = lambda: nbformat.read(str(tmp_path / "notebooks" / "03_synthetic.ipynb"), 4).cells[0].source  # noqa: E731
+    assert subprocess.run(build, capture_output=True, text=True).returncode == 0
+    assert first() == INSTALL_CELL and "github" not in first() and "Ask your instructor" in first()
+    assert "[project.urls]" not in (tmp_path / "pyproject.toml").read_text()
+
+    url = "https://git.example.org/course/labkit"
+    p = subprocess.run(build + ["--repository", url], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert configured_repository(tmp_path) == url
+    assert first() == install_cell(url) and f'"git+{url}"' in first() and is_install_cell(first())
+    toml = (tmp_path / "pyproject.toml").read_text()
+    assert f'Repository = "{url}"' in toml and toml.index("[project.urls]") < toml.index("[tool.labkit]")
+    assert subprocess.run(build + ["--check"], capture_output=True, text=True).returncode == 0
+
+    # the setting changed by hand: --check names the notebook and the project URLs
+    (tmp_path / "pyproject.toml").write_text(toml.replace(f'repository = "{url}"', 'repository = "https://x.org/a/b"'))
+    p = subprocess.run(build + ["--check"], capture_output=True, text=True)
+    assert p.returncode == 1 and "03_synthetic.ipynb is stale" in p.stderr and "[project.urls]" in p.stderr
+
+    # cleared: no URL anywhere, the cell tells the learner how to install
+    assert subprocess.run(build + ["--repository", ""], capture_output=True, text=True).returncode == 0
+    assert first() == INSTALL_CELL and "[project.urls]" not in (tmp_path / "pyproject.toml").read_text()
+    assert subprocess.run(build + ["--check"], capture_output=True, text=True).returncode == 0
+
+    # a value that could break out of the cell's string is refused in one line, nothing written
+    before = (tmp_path / "pyproject.toml").read_text()
+    for bad in ('https://x.org/a"); import os; ("', "git@github.com:a/b.git", "https://x.org/a b"):
+        p = subprocess.run(build + ["--repository", bad], capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and "not an http(s) URL" in p.stderr, p.stderr
+        assert not is_install_cell(install_cell("https://x.org/a").replace("https://x.org/a", bad))
+    assert (tmp_path / "pyproject.toml").read_text() == before

@@ -220,7 +220,7 @@ def _bad_input(tmp_path, case):
 @pytest.mark.parametrize("case,words", [
     ("binary", "is not a Jupyter notebook"), ("empty-json", "is not a Jupyter notebook"),
     ("missing-notebook", "no such notebook"), ("results-is-folder", "is a folder"),
-    ("results-folder-missing", "does not exist"), ("hidden-missing", "LABKIT_HIDDEN_CASES names"),
+    ("results-folder-missing", "does not exist"), ("hidden-missing", "LABKIT_HIDDEN_CASES="),
     ("timeout=-5", "--cell-timeout must be a positive"), ("timeout=0", "--cell-timeout must be a positive"),
     ("timeout=nan", "--cell-timeout must be a positive"), ("timeout=inf", "--cell-timeout must be a positive"),
     ("--time-budget=0", "--time-budget must be a positive"), ("--max-memory=5", "--max-memory must be at least 1024"),

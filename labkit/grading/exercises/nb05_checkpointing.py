@@ -30,12 +30,13 @@ NOTEBOOK = "05_checkpointing"
 # ----------------------------------------------------------------------------- 5.1
 ex51 = exercise(
     "5.1", title="segment boundaries", notebook=NOTEBOOK, points=2,
-    hint="Section 2: k segments of n layers, as even as possible: each has the floor or the ceiling of n/k "
-         "layers. The boundaries start at 0, end at n and grow. Can you write boundary j from j, n and k "
-         "alone, as an integer?")
-ex51.hint2 = ("Try n=10, k=4: segments of 3, 3, 2, 2 layers (in some order) are balanced; 4, 2, 2, 2 are not. "
-              "Which rounding of the exact fractional boundary spreads the remainder over the segments? Raise "
+    hint=("Section 2: the boundaries start at 0, end at n and grow, and every segment has one of the lengths the "
+          "docstring allows. Can you compute boundary j directly from j, n and k, as an integer?"))
+ex51.hint2 = ("Try n=10, k=4: which segment lengths are allowed, and where would the boundaries fall if a segment "
+              "could hold a fraction of a layer? Which integer next to each keeps every segment balanced? Raise "
               "ValueError for a k outside 1..n.")
+ex51.hint_review = ("leads: asks for a closed form and points at the fractional boundary; the rounding is the "
+                    "learner's choice; reviewed 2026-12-06")
 
 
 def _check_bounds(got, n: int, k: int) -> None:
@@ -91,11 +92,12 @@ def _(segment_boundaries):
 # ----------------------------------------------------------------------------- 5.2
 ex52 = exercise(
     "5.2", title="the segment count with the smallest peak", notebook=NOTEBOOK, points=2,
-    hint="Section 2: with k segments the peak holds the k segment inputs plus the activations of the one "
-         "segment being recomputed. Compute that peak for every allowed k and keep the smallest: is the best k "
-         "always near the square root of n?")
-ex52.hint2 = ("The segments are as even as in 5.1, so the largest holds n/k layers rounded UP, not n/k. Any k "
-              "with the smallest peak is accepted.")
+    hint=("Section 2: the peak with k segments is the formula above the exercise. The square-root rule is only "
+          "approximate: can you be sure of the best k without looking at every allowed one?"))
+ex52.hint2 = ("The segments are as even as in 5.1: how long is the longest one when k does not divide n? Any k with "
+              "the lowest peak is accepted.")
+ex52.hint_review = ("leads: questions the square-root shortcut and the length of the longest segment; the search is "
+                    "the learner's; reviewed 2026-12-06")
 
 
 def _cost(n, k, a, s):
@@ -145,12 +147,13 @@ def _(best_segment_count):
 # ----------------------------------------------------------------------------- 5.3
 ex53 = exercise(
     "5.3", title="a checkpoint that restores the RNG", notebook=NOTEBOOK, points=4,
-    hint="Section 3 (the dropout pitfall): the recomputation in backward must draw the same dropout masks as "
-         "the forward did. What must forward save besides x, and how can backward recompute with it without "
-         "disturbing the random numbers the rest of training draws?")
-ex53.hint2 = ("torch.random has a context manager that restores the RNG state when it ends: inside it, set the "
-              "saved state and recompute, with gradients enabled, from a detached copy of x that requires "
-              "grad; then backpropagate grad_y. backward returns one gradient per input of forward.")
+    hint=("Section 3 (the dropout pitfall): the recomputation must draw the same dropout masks as the forward did. "
+          "What does forward have to remember so that backward can reproduce its random numbers?"))
+ex53.hint2 = ("Two invariants to check: the recomputation must build a graph that reaches x (autograd is off inside "
+              "forward; what about backward?), and after backward the training's random stream must continue where "
+              "the forward left it. Which of the two does your backward break?")
+ex53.hint_review = ("leads: names the pitfall and the two invariants (graph to x, untouched random stream); no API "
+                    "and no sequence of calls; reviewed 2026-12-06")
 
 
 class _NoRestore(torch.autograd.Function):
@@ -268,9 +271,8 @@ ex53.case("no dropout: output and every gradient equal plain backprop")(
 ex53.case("dropout p=0.5: the recomputation draws the same masks")(
     _ckpt_case(0.5, 1, label="dropout p=0.5"))
 ex53.case("the RNG stream after backward is the one without checkpointing",
-          hint="Setting the saved state rewinds the global RNG: every later random draw (the next dropout "
-               "masks) would repeat old numbers. How can backward use the old state and still leave the "
-               "training stream where it was?")(
+          hint=("Restoring an old state rewinds the global random stream: every later draw would repeat old numbers. "
+                "How can backward use the old state and still leave the training stream where it was?"))(
     _ckpt_case(0.5, 3, segments=2, check_stream=True, label="RNG stream"))
 ex53.case("three checkpointed segments in a row, dropout", hidden=True)(
     _ckpt_case(0.3, 2, segments=3, label="3 segments, dropout p=0.3"))

@@ -23,11 +23,11 @@ NOTEBOOK = "07_attention_embedding_loss"
 # ----------------------------------------------------------------------------- 7.1
 ex71 = exercise(
     "7.1", title="which heads each rank owns", notebook=NOTEBOOK, points=2,
-    hint="Section 1: the heads are cut into t contiguous blocks of equal size, block r on rank r. What is the "
-         "first head of block r, and how many heads does a block have? Reject a t that does not divide n_head "
-         "and a rank outside the group.")
-ex71.hint2 = ("Try n_head=8, t=4: rank 1 owns two heads; which ones? Then write it for any rank from the block "
-              "size.")
+    hint=("Section 1: the heads form t contiguous blocks of the same size, block r on rank r. Where does block r "
+          "start, and how long is it? Reject a t that does not divide n_head and a rank outside the group."))
+ex71.hint2 = "Try n_head=8, t=4: which heads does rank 1 own? Check your answer on ranks 0 and 3 too."
+ex71.hint_review = ("leads: asks where block r starts and how long it is; the range is the learner's; reviewed "
+                    "2026-12-06")
 
 
 def _heads(n_head, t, rank):
@@ -70,11 +70,12 @@ def _(heads_of_rank):
 # ----------------------------------------------------------------------------- 7.2
 ex72 = exercise(
     "7.2", title="the vocab-parallel embedding mask", notebook=NOTEBOOK, points=3,
-    hint="Section 2: this rank holds one block of V/t rows of the table, starting at vocab_start. An id inside "
-         "the block is looked up at its row within the block; an id outside must give a zero row, with no "
-         "value and no gradient. Which ids are outside, and how do you look them up without an index error?")
-ex72.hint2 = ("Look up with the outside ids replaced by any valid local row, then zero the result's rows for "
-              "those ids with an operation that keeps the rest differentiable (masked_fill).")
+    hint=("Section 2: each rank holds one block of rows of the table. Which ids does this rank own, at which row of "
+          "its shard does an owned id sit, and what must it contribute for an id it does not own?"))
+ex72.hint2 = ("Two invariants: no lookup may index beyond the shard, and an id another rank owns must give no value "
+              "and no gradient here. Which of the two does your function break?")
+ex72.hint_review = ("leads: asks which ids are owned and what the others contribute; states the two invariants, names "
+                    "no operation; reviewed 2026-12-06")
 
 
 def _emb_data(V: int, D: int, shape: tuple, seed: int):
@@ -172,12 +173,12 @@ ex72.case("V=32, t=8, ids [2, 3, 4]", hidden=True)(_emb_sum_case(32, 5, 8, (2, 3
 # ----------------------------------------------------------------------------- 7.3
 ex73 = exercise(
     "7.3", title="vocab-parallel cross-entropy", notebook=NOTEBOOK, points=4,
-    hint="Section 3: the loss needs three numbers per token that no rank has alone: the global maximum of the "
-         "logits (for stability), the target's logit (only its owner has it) and the sum of exponentials. "
-         "Which reduction (MAX or SUM) gives each, and what does each rank contribute?")
-ex73.hint2 = ("Subtract the global maximum on every rank before exponentiating; the ranks that do not own the "
-              "target contribute 0 to its logit. all_reduce works in place: reduce fresh tensors. Then write "
-              "the cross-entropy from these three numbers.")
+    hint=("Section 3: write the cross-entropy of one token from its full row of logits. Which of the quantities in it "
+          "need values from every rank, and how do the ranks' contributions combine into each?"))
+ex73.hint2 = ("Stability and ownership: the stabilising shift must be the same on every rank, and only one rank holds "
+              "the target's logit. What do the other ranks contribute to it? labkit's collectives work in place.")
+ex73.hint_review = ("leads: asks which quantities need every rank and how they combine; names no reduction operation "
+                    "or sequence; reviewed 2026-12-06")
 
 
 def _ce_data(N: int, V: int, seed: int, offset: float, scale: float, target_block=None, t=1):

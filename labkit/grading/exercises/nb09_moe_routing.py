@@ -38,12 +38,12 @@ def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- 9.1
 ex91 = exercise(
     "9.1", title="top-k gate", notebook="09_moe_routing", points=3,
-    hint="Section 2: GShard and Switch take the softmax over ALL experts, then keep the k largest "
-         "probabilities; renormalising is an option, not the default. Are your weights the full softmax's "
-         "probabilities, and do they keep their gradient?")
-ex91.hint2 = ("torch has one call that returns the k largest values and their indices along a dimension: apply "
-              "it to the probabilities, not the logits, and divide by the sum over the k only when renormalize "
-              "is true.")
+    hint=("Section 2: over which experts are the gate's probabilities taken, and which of them become the weights? Is "
+          "renormalising the default?"))
+ex91.hint2 = ("Check two invariants: without renormalising, your weights equal the probabilities the gate computes "
+              "over all experts for the chosen ones, and they carry a gradient back to the logits.")
+ex91.hint_review = ("leads: asks over which experts the probabilities are taken and states the invariants; no API, no "
+                    "sequence; reviewed 2026-12-06")
 
 
 def _gate_case(logits: torch.Tensor, k: int, renormalize: bool, what: str, check_grad: bool = False):
@@ -96,11 +96,13 @@ ex91.case("k = E (every expert)", hidden=True)(
 # ----------------------------------------------------------------------------- 9.2
 ex92 = exercise(
     "9.2", title="capacity and dropped tokens", notebook="09_moe_routing", points=3,
-    hint="Section 3: capacity is counted in slots (a token routed to k experts fills k slots). How many slots "
-         "would each expert get if the routing were perfectly even, and what does the capacity factor do to "
-         "that? Then the slots are kept first come, first served.")
-ex92.hint2 = ("Slots come token by token, and within a token in the order of its k choices; count per expert "
-              "and keep a slot while its expert is below capacity. C is an int: round up, never down.")
+    hint=("Section 3: capacity is counted in slots (a token routed to k experts fills k slots). How many slots would "
+          "each expert get under perfectly even routing, and what does the capacity factor do to that? C is a whole "
+          "number of slots: which way must a fraction go?"))
+ex92.hint2 = ("Which slots come first in labkit's position order (section 3), and when is a slot dropped? Check that "
+              "a token's second choice can be kept while its first is dropped.")
+ex92.hint_review = ("leads: asks for the even share, the factor and the direction of rounding; the keep rule is asked "
+                    "about, not written out; reviewed 2026-12-06")
 
 
 def _cap_case(indices: torch.Tensor, E: int, cf: float, what: str):
@@ -146,11 +148,12 @@ ex92.case("C rounds up (T=7, E=3, k=1, cf=1.0 -> C=3)", hidden=True)(
 # ----------------------------------------------------------------------------- 9.3
 ex93 = exercise(
     "9.3", title="Mixtral's parameters: total and active", notebook="09_moe_routing", points=3,
-    hint="Section 4: count one layer part by part: attention (with grouped-query attention K and V are smaller "
-         "than Q and O), the router, the norms and the experts; then the embedding, the output head and the "
-         "final norm. Which part does a token use only k of?")
-ex93.hint2 = ("A SwiGLU expert has three weight matrices between H and the expert width. Total counts all E "
-              "experts of every layer, active only the k a token is routed to; everything else counts in both.")
+    hint=("Section 4: list every weight matrix and vector of one layer and of the model beyond the layers (the "
+          "section names them all). Which of them does a token use only some of?"))
+ex93.hint2 = ("Parameter counts are integers: would your total change if you forgot the router or the final norm? It "
+              "must. Which sizes does grouped-query attention shrink?")
+ex93.hint_review = ("leads: asks for the list of parts and which a token uses partly; the sizes are the section's; "
+                    "reviewed 2026-12-06")
 
 # Mixtral 8x22B (Mistral AI, 2024 HF config): published as 141B total, 39B active.
 _MOE = {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "bias": False, "dropout": 0.0}

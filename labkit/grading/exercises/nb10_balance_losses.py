@@ -89,11 +89,12 @@ def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool =
 # ----------------------------------------------------------------------------- 10.1
 ex101 = exercise(
     "10.1", title="Switch auxiliary loss", notebook="10_balance_losses", points=3,
-    hint="Section 2 (Switch, eq. 4-6): per expert, the loss multiplies the fraction of slots routed to it "
-         "(counted, no gradient) by its mean router probability (differentiable), sums over the experts and "
-         "scales. Which of the two carries the gradient, and what scale makes a uniform routing give alpha?")
-ex101.hint2 = ("Count the slots per expert from indices, as a fraction of all slots; average the softmax of "
-               "the logits over the tokens; the scale is alpha times the number of experts.")
+    hint=("Section 2 (Switch, eq. 4-6): of the two factors per expert, which one is counted from the choices and "
+          "which comes from the router? Which of them must carry the gradient?"))
+ex101.hint2 = ("Check the invariant the section states for uniform routing: what value must your loss take then, and "
+               "does yours? Are the logits turned into probabilities first?")
+ex101.hint_review = ("leads: asks which factor is counted and which is differentiable, and checks the uniform-routing "
+                     "value; reviewed 2026-12-06")
 
 _L0 = torch.zeros(4, 4)
 _I0 = torch.tensor([[0], [1], [2], [3]])
@@ -113,11 +114,12 @@ ex101.case("T=64, E=16, k=4", hidden=True)(
 # ----------------------------------------------------------------------------- 10.2
 ex102 = exercise(
     "10.2", title="device-level balance loss", notebook="10_balance_losses", points=3,
-    hint="Section 3 (DeepSeek-V2 eq. 15-17): the same f times P as Switch, but per device: group the experts "
-         "by the device that holds them. Which of f and P is averaged over a device's experts, and which is "
-         "summed?")
-ex102.hint2 = ("Here f_j is normalised so that a uniform routing gives 1 per expert (it is not a fraction); "
-               "devices hold consecutive blocks of experts, the same number each.")
+    hint=("Section 3 (DeepSeek-V2 eq. 15-17): the expert-level quantities are grouped by the device that holds each "
+          "expert. Do f' and P' combine a device's experts in the same way?"))
+ex102.hint2 = ("Check the normalisation: under uniform routing, what is f_j here (not a fraction), what are f' and P' "
+               "of a device, and what is the loss? The section states all four.")
+ex102.hint_review = ("leads: asks how each device-level quantity combines its experts and checks the uniform values; "
+                     "reviewed 2026-12-06")
 
 ex102.case("uniform routing gives alpha2")(
     _loss_case(device_balance_loss, torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), (2, 0.05),
@@ -139,11 +141,12 @@ ex102.case("T=48, E=16, k=3, D=4", hidden=True)(
 # ----------------------------------------------------------------------------- 10.3
 ex103 = exercise(
     "10.3", title="aux-loss-free bias update", notebook="10_balance_losses", points=2,
-    hint="Section 4: the bias is a feedback controller. An expert that got more than the average load must "
-         "become less attractive next step, one below the average more attractive, by a fixed step gamma. What "
-         "does an expert exactly at the mean get?")
-ex103.hint2 = ("The step uses only the direction of each expert's deviation from the mean load (torch.sign), "
-               "not its size: which direction must move an overloaded expert's bias down?")
+    hint=("Section 4: the bias is a feedback controller with a fixed step gamma. Which experts must become less "
+          "attractive, which more, and what happens to one exactly at the mean load?"))
+ex103.hint2 = ("Does the size of an expert's imbalance change its step? Check an overloaded expert: does its bias "
+               "move so that it is chosen less often?")
+ex103.hint_review = ("leads: asks which experts move which way and whether the size matters; no function named; "
+                     "reviewed 2026-12-06")
 
 
 def _bias_case(bias, loads, gamma, what):

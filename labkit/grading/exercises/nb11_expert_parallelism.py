@@ -88,11 +88,13 @@ def _a2a_worker(ctx, indices_per_rank, experts_per_rank, splits, H):
 
 ex111 = exercise(
     "11.1", title="all-to-all split sizes", notebook="11_expert_parallelism", points=3,
-    hint="Section 1: a slot goes to the rank that holds its expert, and each rank holds a block of "
-         "experts_per_rank consecutive experts. A rank's input splits say what it sends to each rank; its "
-         "output splits what it receives from each: whose input splits hold those numbers?")
-ex111.hint2 = ("Build the P x P table of slots sent from rank p to rank q first: a rank's input splits are its "
-               "row, its output splits are its column.")
+    hint=("Section 1: a slot goes to the rank that holds its expert. Which rank holds expert e? A rank's input splits "
+          "count what it sends to each rank, its output splits what it receives from each: whose input splits hold "
+          "the numbers of its output splits?"))
+ex111.hint2 = ("Check the invariant on your result: for every pair of ranks, what p receives from s must equal what s "
+               "sends to p. Does it hold?")
+ex111.hint_review = ("leads: asks which rank holds an expert and states the send/receive invariant; the table is the "
+                     "learner's; reviewed 2026-12-06")
 
 ex111.case("P=2 ranks, 2 experts each, 3 tokens, k=1")(
     _splits_case([torch.tensor([[0], [3], [1]]), torch.tensor([[2], [2], [0]])], 2, "P=2, E=4, k=1"))
@@ -120,12 +122,12 @@ def _(dispatch_splits):
 # ----------------------------------------------------------------------------- 11.2
 ex112 = exercise(
     "11.2", title="bytes of the three all-to-alls", notebook="11_expert_parallelism", points=3,
-    hint="Section 3: three all-to-alls leave this rank in forward: the per-expert counts, the dispatched rows "
-         "and the combined rows going back. How many values does each send, and how many bytes per value (the "
-         "counts are int64)?")
-ex112.hint2 = ("The dispatch sends the rows given by this rank's input splits; the combine sends back the rows "
-               "it received, given by its output splits; a row is hidden values. Rows a rank sends to itself "
-               "count too.")
+    hint=("Section 3: what does this rank's input tensor hold in each of the three forward all-to-alls, and how many "
+          "bytes is one of its elements? Rows a rank sends to itself count too."))
+ex112.hint2 = ("For each of them ask: which of the split lists describes the rows this rank sends (not the ones it "
+               "receives), and how many values is one row?")
+ex112.hint_review = ("leads: asks what each all-to-all's input holds and which split list describes it; no product is "
+                     "given; reviewed 2026-12-06")
 
 _EP_CFG = dict(n_embd=8, n_routed_experts=8, n_activated_experts=2, moe_ffn_dim=8, capacity_factor=1.0)
 

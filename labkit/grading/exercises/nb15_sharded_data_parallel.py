@@ -38,12 +38,12 @@ NB = "15_sharded_data_parallel"
 ex151 = exercise(
     "15.1", title="shard a flat parameter, with padding", notebook=NB, points=2,
     references=["labkit.data_parallel.flat:shard_flat", "labkit.data_parallel.flat:unshard_flat"],
-    hint="Section 1: a reduce-scatter and an all-gather over d ranks need d pieces of the SAME size, and "
-         "rank r's piece must be the elements r would own in the concatenation. What size makes n elements "
-         "fit, and where do the extra zeros go so that concatenating the shards gives the parameter back?")
-ex151.hint2 = ("Check the invariant on a small case, n = 10 and d = 4: are all four of your pieces the same "
-               "length, and does laying them end to end give back the 10 elements in order, with only zeros "
-               "after them?")
+    hint=("Section 1: the collectives need d shards of the same length, and laying them in rank order must give back "
+          "the parameter followed only by padding. How long must a shard be for n elements to fit?"))
+ex151.hint2 = ("Check on n = 10 and d = 4: are all four shards the same length, is that length as short as possible, "
+               "and does rank order give back the 10 elements first?")
+ex151.hint_review = ("leads: states the invariant of section 1 and asks for the shard length; no operation named; "
+                     "reviewed 2026-12-06")
 
 
 def _shard_case(n, d, what):
@@ -91,12 +91,14 @@ fresh_case(ex151, "n = 3 over d = 8 (most shards all padding)",
 # ----------------------------------------------------------------------------- 15.2
 ex152 = exercise(
     "15.2", title="model-state memory of one GPU per ZeRO stage", notebook=NB, points=2,
-    hint="Section 2: mixed-precision Adam keeps three kinds of state per parameter: bf16 weights, bf16 "
-         "gradients and K bytes of fp32 optimizer state. Which of them does each stage split over the d ranks, "
-         "and which stay whole on every GPU?")
-ex152.hint2 = ("Make a table with one row per kind of state (weights, gradients, optimizer state) and one column "
-               "per stage: in which cells is the state divided over the d ranks? Is the fp32 copy of the weights "
-               "part of the optimizer state or of the weights?")
+    hint=("Section 2: mixed-precision Adam keeps three kinds of state per parameter: bf16 weights, bf16 gradients and "
+          "K bytes of fp32 optimizer state. Which of them does each stage split over the d ranks, and which stay "
+          "whole on every GPU?"))
+ex152.hint2 = ("Make a table with one row per kind of state and one column per stage: in which cells is the state "
+               "divided over the d ranks? Is the fp32 copy of the weights part of the optimizer state or of the "
+               "weights?")
+ex152.hint_review = ("leads: asks which state each stage splits and suggests a table; the conditions are the "
+                     "learner's; reviewed 2026-12-06")
 
 
 def _zero_bytes(psi, d, stage, p=2, g=2, k=12):
@@ -138,12 +140,13 @@ fresh_case(ex152, "175B parameters, d = 1024", lambda r: (r.randint(1, 1000) * 1
 # ----------------------------------------------------------------------------- 15.3
 ex153 = exercise(
     "15.3", title="communication volume per ZeRO stage", notebook=NB, points=2,
-    hint="Section 4: count the collectives of one step and what each sends per rank in a ring. A ring "
-         "all-reduce is a reduce-scatter followed by an all-gather; what does stage 3 gather that the others "
-         "do not?")
+    hint=("Section 4: count the collectives of one step and what each sends per rank in a ring. A ring all-reduce is "
+          "a reduce-scatter followed by an all-gather; what does stage 3 gather that the others do not?"))
 ex153.hint2 = ("Count, for one step of each stage, the collectives that move the whole model: which are "
                "reduce-scatters, which all-gathers, and which all-reduces? Then ask how much one ring collective of "
                "that size sends per rank, compared with another.")
+ex153.hint_review = ("leads: asks for the collectives of each stage and their ring cost; the section's own statement "
+                     "of all-reduce is repeated, no count given; reviewed 2026-12-06")
 
 
 def _volume(psi, d, stage):
@@ -183,11 +186,13 @@ fresh_case(ex153, "Psi = 7.5e9, d = 64", lambda r: (r.randint(1, 1000) * 1e7, r.
 ex154 = exercise(
     "15.4", title="FSDP's peak of gathered parameters", notebook=NB, points=2,
     references=["labkit.plan.memory:zero3_gathered_peak"],
-    hint="Section 3: look at the measured timeline. While one unit computes, which other unit's parameters "
-         "are already gathered, and how long is each unit's gathered buffer on d ranks?")
-ex154.hint2 = ("Read the timeline in section 3 at its busiest moment: how many units' buffers exist at the same "
-               "time, how long is each buffer once padded, and what does keeping the gathered parameters until "
-               "backward change about when they are freed?")
+    hint=("Section 3: look at the measured timeline. While one unit computes, which other unit's parameters are "
+          "already gathered, and how long is each unit's gathered buffer on d ranks?"))
+ex154.hint2 = ("Read the timeline in section 3 at its busiest moment: how many units' buffers exist at the same time, "
+               "how long is each buffer once padded, and what does keeping the gathered parameters until backward "
+               "change about when they are freed?")
+ex154.hint_review = ("leads: asks what is gathered at the same time and how long each buffer is; no expression given; "
+                     "reviewed 2026-12-06")
 
 
 _WRAPPED = (" (the last unit was paired with the first: units run in order and nothing is prefetched after the "
@@ -257,11 +262,12 @@ fresh_case(ex154, "one unit", lambda r: ([r.randint(1, 5000) for _ in range(r.ra
 ex155 = exercise(
     "15.5", title="unshard a flat parameter, dropping the padding", notebook=NB, points=2,
     references=["labkit.data_parallel.flat:unshard_flat"],
-    hint="Section 1: an all-gather hands every rank the d shards, shard r from rank r. In which order do "
-         "they have to be laid end to end to give the padded buffer back, and where in that buffer are the "
-         "zeros that 15.1 added?")
-ex155.hint2 = ("Try your function with n = 8 and d = 4, where there is no padding at all: does it still return "
-               "all 8 elements? And with n = 10: are the two zeros gone and is the order 1..10?")
+    hint=("Section 1: an all-gather gives every rank the d shards, shard r from rank r. Which order gives the padded "
+          "buffer back, and where in it is the padding that 15.1 added?"))
+ex155.hint2 = ("Try your function with n = 8 and d = 4, where there is no padding at all: does it still return all 8 "
+               "elements? And with n = 10, is the padding gone and the order 1..10?")
+ex155.hint_review = ("leads: asks for the order and where the padding sits, with checks; no operation named; reviewed "
+                     "2026-12-06")
 
 
 def _unshard_case(n, d, what, values=None):
