@@ -161,8 +161,11 @@ def plan_table(sequence_parallel: bool = False) -> list[tuple[str, str, str]]:
     for name, style in tp_plan(sequence_parallel).items():
         name = name.replace("blocks.0", "blocks.i")
         kind = type(style).__name__
-        out = getattr(style, "output_layouts", None) or getattr(style, "desired_input_layouts", None)
-        rows.append((name, kind, str(out[0] if isinstance(out, tuple) else out)))
+        if kind == "SequenceParallel":
+            out = style.sequence_sharding
+        else:
+            out = getattr(style, "output_layouts", None) or getattr(style, "desired_input_layouts", None)
+        rows.append((name, kind, repr(out[0] if isinstance(out, tuple) else out)))
     return rows
 
 
