@@ -10,6 +10,8 @@ learner version of each notebook:
 * clears every output and execution count, drops execution-timing metadata;
 * tags exercise cells ``raises-exception`` so nbval and the grader accept the stub's exception
   (tag other cells that *use* an exercise's answer ``raises-exception`` in the solution);
+* leaves out the cells tagged ``solution-only`` (:data:`SOLUTION_ONLY_TAG`): results and summaries that
+  state an exercise's answer, which the learner must not see before the exercise is graded (issue 36);
 * records ``metadata.labkit.notebook`` (the solution's stem) so the grader still knows the
   notebook when a learner renames the file;
 * starts with the install cell (:func:`labkit.grading.install.install_cell`), which installs
@@ -60,11 +62,12 @@ __all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "exe
            "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "install_cell", "configured_repository",
            "set_repository", "project_urls_problem",
            "BuildError", "find_root", "PLOTTING_MODULES", "plot_code_fingerprint", "uses_plotting_code",
-           "WIDGET_NOTE"]
+           "WIDGET_NOTE", "SOLUTION_ONLY_TAG"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 EXERCISE_RE = re.compile(r"^\s*#\s*Exercise\s+(\d+(?:\.\d+)*)\s*:\s*(.+?)\s*$")
 EXCEPTION_TAG = "raises-exception"
+SOLUTION_ONLY_TAG = "solution-only"  # a cell kept in solutions/ only (it states an exercise's answer)
 _DROP_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
 
 
@@ -127,6 +130,7 @@ def learner_version(nb: nbformat.NotebookNode, name: str, repository: str | None
     """The learner notebook for solution notebook ``nb`` (stem ``name``); ``nb`` is unchanged. Its
     first cell installs labkit from ``repository`` (none: it says how to install labkit)."""
     nb = copy.deepcopy(nb)
+    nb.cells = [c for c in nb.cells if SOLUTION_ONLY_TAG not in c.metadata.get("tags", [])]
     for i, cell in enumerate(nb.cells, 1):
         for key in _DROP_CELL_METADATA:
             cell.metadata.pop(key, None)
@@ -318,21 +322,40 @@ def _solutions(root: Path) -> list[Path]:
     return sorted((root / "solutions").glob("*.ipynb"))
 
 
+PACKAGED = ("labkit", "_notebooks")  # the learner notebooks a wheel or `pip install` of a checkout ships
+
+
+def _targets(root: Path) -> list[Path]:
+    """Where ``build`` writes the learner notebooks: ``notebooks/`` (what a learner of a checkout opens and
+    edits) and, in a checkout of labkit, ``labkit/_notebooks/`` (the package data ``pip install`` ships:
+    built from solutions/, never the working tree's edited copies; issue 36)."""
+    folders = [root / "notebooks"]
+    if (root / PACKAGED[0] / "__init__.py").is_file():
+        folders.append(root.joinpath(*PACKAGED))
+    return folders
+
+
 def build_all(root: Path) -> list[Path]:
-    """Write ``notebooks/NAME.ipynb`` for every ``solutions/NAME.ipynb`` (first cell for the
-    :func:`configured_repository`) and ``pyproject.toml``'s ``[project.urls]``; return the
-    written notebook paths."""
+    """Write ``notebooks/NAME.ipynb`` (and ``labkit/_notebooks/NAME.ipynb`` in a checkout) for every
+    ``solutions/NAME.ipynb`` (first cell for the :func:`configured_repository`) and ``pyproject.toml``'s
+    ``[project.urls]``; return the written notebook paths."""
     repository = configured_repository(root)
     _write_project_urls(root, repository)
-    out_dir = root / "notebooks"
-    out_dir.mkdir(exist_ok=True)
     written = []
-    for sol in _solutions(root):
-        target = out_dir / sol.name
-        text = build_text(sol, repository)
-        if not target.exists() or target.read_text(encoding="utf-8") != text:
-            _write_whole(target, text.encode("utf-8"))
-        written.append(target)
+    for out_dir in _targets(root):
+        if out_dir.is_symlink():  # an older checkout linked the package data to notebooks/
+            out_dir.unlink()
+        out_dir.mkdir(exist_ok=True)
+        for sol in _solutions(root):
+            target = out_dir / sol.name
+            text = build_text(sol, repository)
+            if not target.exists() or target.read_text(encoding="utf-8") != text:
+                _write_whole(target, text.encode("utf-8"))
+            written.append(target)
+        if out_dir != root / "notebooks":
+            for extra in sorted(out_dir.glob("*.ipynb")):
+                if extra.name not in {s.name for s in _solutions(root)}:
+                    extra.unlink()  # the package ships exactly the built notebooks
     return written
 
 
@@ -352,24 +375,30 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 
 def stale_notebooks(root: Path) -> list[str]:
-    """Descriptions of each ``notebooks/`` file that differs from what ``build`` would write."""
+    """Descriptions of each ``notebooks/`` (and ``labkit/_notebooks/``) file that differs from what ``build``
+    would write."""
     repository = configured_repository(root)
     problems = [p for p in [project_urls_problem(root, repository)] if p]
     sols = _solutions(root)
-    for sol in sols:
-        target = root / "notebooks" / sol.name
-        if not target.exists():
-            problems.append(f"notebooks/{sol.name} is missing")
-        elif target.read_text(encoding="utf-8") != build_text(sol, repository):
-            problems.append(f"notebooks/{sol.name} is stale (differs from solutions/{sol.name})")
+    for out_dir in _targets(root):
+        shown = out_dir.relative_to(root).as_posix()
+        if out_dir.is_symlink():
+            problems.append(f"{shown} is a link to {os.readlink(out_dir)}: it must hold the notebooks as built")
+            continue
+        for sol in sols:
+            target = out_dir / sol.name
+            if not target.exists():
+                problems.append(f"{shown}/{sol.name} is missing")
+            elif target.read_text(encoding="utf-8") != build_text(sol, repository):
+                problems.append(f"{shown}/{sol.name} is stale (differs from solutions/{sol.name})")
+        names = {s.name for s in sols}
+        for extra in sorted(out_dir.glob("*.ipynb")):
+            if extra.name not in names:
+                problems.append(f"{shown}/{extra.name} has no solutions/{extra.name}")
     for sol in sols:
         stale = _stale_figures(sol)
         if stale:
             problems.append(stale)
-    names = {s.name for s in sols}
-    for extra in sorted((root / "notebooks").glob("*.ipynb")):
-        if extra.name not in names:
-            problems.append(f"notebooks/{extra.name} has no solutions/{extra.name}")
     return problems
 
 
@@ -451,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in problems:
                 print(line, file=sys.stderr)
             if problems:
-                print("run `python -m labkit build` and commit notebooks/", file=sys.stderr)
+                print("run `python -m labkit build` and commit notebooks/ and labkit/_notebooks/", file=sys.stderr)
                 return 1
             print(f"{_shown(root / 'notebooks')}/ is up to date ({len(_solutions(root))} notebooks)")
             return 0
@@ -475,8 +504,8 @@ def _shown(path: Path) -> Path:
 def packaged_notebooks(kind: str = "notebooks") -> list[Path]:
     """The notebooks shipped with labkit: ``kind`` "notebooks" (learner versions) or "solutions".
 
-    They are package data (``labkit/_notebooks`` and ``labkit/_solutions``, which link to the
-    repository's ``notebooks/`` and ``solutions/``), so an installed wheel has them too."""
+    They are package data (``labkit/_notebooks``, written by ``build`` from the solutions, and
+    ``labkit/_solutions``, which links to the repository's ``solutions/``), so an installed wheel has them too."""
     folder = Path(__file__).resolve().parents[1] / ("_notebooks" if kind == "notebooks" else "_solutions")
     return sorted(folder.glob("*.ipynb"))
 
@@ -516,6 +545,7 @@ def notebooks_main(argv: list[str] | None = None) -> int:
     p.add_argument("--solutions", action="store_true", help="also copy the complete notebooks into DEST/solutions")
     p.add_argument("--force", action="store_true", help="replace notebooks already in DEST")
     a = p.parse_args(argv)
+    a.dest = a.dest.expanduser()  # '~/nb' quoted in a shell (or from a notebook's !cell) is the home folder's nb
     if a.dest.exists() and not a.dest.is_dir():
         print(f"error: {a.dest} exists and is not a folder", file=sys.stderr)
         return 2
@@ -546,5 +576,22 @@ def notebooks_main(argv: list[str] | None = None) -> int:
     print(f"copied {copied} notebooks into {a.dest}" + (" (learner versions and solutions/)" if a.solutions else ""))
     if kept:
         print(f"kept {len(kept)} already there (your work; --force replaces them): {', '.join(kept)}")
-    print(f"open them with: jupyter lab {a.dest}")
+    print(_open_with(a.dest))
     return 0
+
+
+def _open_with(dest: Path) -> str:
+    """How to open ``dest``: with Jupyter where this environment has it, else how to get it (issue 36: a venv
+    with only torch and labkit was told to run `jupyter lab`, which it does not have)."""
+    import importlib.util
+    import shlex
+    import shutil
+
+    where = shlex.quote(str(dest))
+    if importlib.util.find_spec("jupyterlab") is not None or shutil.which("jupyter-lab"):
+        return f"open them with: jupyter lab {where}"
+    if importlib.util.find_spec("notebook") is not None or shutil.which("jupyter-notebook"):
+        return f"open them with: jupyter notebook {where}"
+    return (f"this Python has no Jupyter to open them: install it with `{shlex.quote(sys.executable)} -m pip install "
+            f"'labkit[lab]'` (or `pip install jupyterlab`), then run: jupyter lab {where}; on Colab or a "
+            f"JupyterHub, upload or open the folder there instead")

@@ -833,6 +833,19 @@ def _submission_options(parser, args) -> list[str]:
     return out
 
 
+def _print_integrity(grades, assignment: str | None) -> None:
+    """The integrity report of the graded notebooks (:mod:`labkit.grading.integrity`) on stdout,
+    the instructor-only output (Gradescope: ``stdout_visibility`` hidden); never part of a score,
+    and a failure here costs no grade."""
+    try:
+        from .integrity import for_submissions, format_report
+
+        paths = [g.path for g in grades if g.graded]
+        print(format_report(for_submissions(paths, assignment)))
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: no integrity report: {type(e).__name__}: {e}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m labkit grade``; bad input ends with one ``error:`` line (exit 2) before any
     kernel starts. Exit status 0 when every notebook was graded (whatever its score), 1 when one
@@ -870,7 +883,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="do not zero exercises whose code breaks the source policy (labkit/grading/policy.py); "
                         "containment and the grader's judgement still hold")
     p.add_argument("--results-dir", type=Path, default=None,
-                   help="batch: one results file per submission in this folder")
+                   help="batch: one results file per submission in this folder, and the integrity report "
+                        "(integrity.csv, integrity.html: similarity to the kit's reference and between "
+                        "submissions, dynamic code; for the instructor, never a score)")
     p.add_argument("--gradebook", type=Path, default=None,
                    help="batch: a CSV with one row per submission, one column per exercise and the total")
     p.add_argument("-j", "--jobs", type=int, default=None,
@@ -946,6 +961,7 @@ def main(argv: list[str] | None = None) -> int:
     grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits,
                          hints=not a.no_hints, source_policy=not a.no_source_policy)
     print(format_table(grades))
+    _print_integrity(grades, a.assignment)
     if a.results:
         obj = results_json(grades, execution_time=time.monotonic() - t0)
         validate_results(obj)

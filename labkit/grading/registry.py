@@ -133,6 +133,9 @@ __all__ = [
     "expect_true",
     "expect_raises",
     "explain_index_errors",
+    "as_int",
+    "type_name",
+    "expect_named",
     "DEFAULT_TIMEOUT",
 ]
 
@@ -324,8 +327,8 @@ def hidden_cases_problem(folder: Path | str, label: str) -> str | None:
         return f"{label}: no such folder"
     if not folder.is_dir():
         return f"{label} is not a folder (a file): give the folder that holds the hidden-case .py files"
-    if not any(p.is_file() for p in folder.glob("*.py")):
-        return f"{label}: the folder holds no .py case files"
+    if not any(p.is_file() and not p.name.startswith("_") for p in folder.glob("*.py")):
+        return f"{label}: the folder holds no .py case files (files named _*.py are helpers, not run)"
     return None
 
 
@@ -458,6 +461,80 @@ def _shown(x: Any) -> str:
     if kind in ("str", "bytes"):
         return f"a {kind} of length {len(x)}"
     return f"a {kind} of {len(x)} {'keys' if kind == 'dict' else 'items'}"
+
+
+def as_int(x: Any) -> int | None:
+    """``x`` as a Python ``int`` when it is an integer of any kind: a Python int, a NumPy integer
+    scalar or 0-d integer array, a 0-d integer tensor; ``None`` for anything else (a bool, a float,
+    even a whole one, a tensor with more than one element). Exercises that ask for an int accept
+    what this accepts (issue 36: the right pairs built from NumPy ints were refused)."""
+    if isinstance(x, bool) or type(x).__name__ == "bool_":
+        return None
+    if isinstance(x, numbers.Integral):  # int and NumPy integer scalars
+        return int(x)
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            if x.dim() == 0 and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool:
+                return int(x.item())
+            return None
+    except ImportError:  # pragma: no cover
+        pass
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0 and getattr(x, "dtype", None) is not None \
+            and x.dtype.kind in "iu":
+        return int(x.item())
+    return None
+
+
+def type_name(x: Any) -> str:
+    """The kind of ``x`` in a few words for a message that says a value has the wrong type:
+    "float 2.5", "bool", "a float32 tensor of shape (3,)", "NumPy float64 2.5", "str"; never the
+    value of a text (see :func:`_shown`)."""
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            dt = str(x.dtype).replace("torch.", "")
+            return f"a 0-d {dt} tensor ({_short(x)})" if x.dim() == 0 else f"a {dt} tensor of shape {tuple(x.shape)}"
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(x, bool) or type(x).__name__ == "bool_":
+        return f"bool {bool(x)}"
+    if type(x).__module__ == "numpy":
+        if getattr(x, "ndim", None) == 0:
+            return f"NumPy {x.dtype} {_short(x)}"
+        if hasattr(x, "shape"):
+            return f"a NumPy {x.dtype} array of shape {tuple(x.shape)}"
+    if isinstance(x, float):
+        return f"float {_num(x)}"
+    if _is_number(x):
+        return f"{type(x).__name__} {_short(x)}"
+    return _shown(x)
+
+
+def expect_named(got: Any, expected: Any, what: str, mistakes, rtol: float = 1e-9, atol: float = 1e-12) -> None:
+    """``got`` must be ``expected`` (numbers: within ``rtol``/``atol``; anything else: equal). When it is
+    not, and it equals the value of a known mistake, the failure says which: ``mistakes`` is a list of
+    ``(value, "what this mistake did")``, the first match named as "what: expected X, got Y (mistake)";
+    otherwise as :func:`expect_close` / :func:`expect_equal` would say it."""
+    def same(a, b):
+        if isinstance(b, (int, float)) and not isinstance(b, bool) and isinstance(a, numbers.Real) \
+                and not isinstance(a, bool):
+            return math.isclose(float(a), float(b), rel_tol=rtol, abs_tol=atol)
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001
+            return False
+
+    if same(got, expected):
+        return
+    for value, text in mistakes:
+        if not same(value, expected) and same(got, value):
+            raise CheckFailure(f"{what}: expected {_shown(expected)}, got {_shown(got)} ({text})")
+    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        _compare(got, expected, what, exact=False, rtol=rtol, atol=atol)
+    _compare(got, expected, what, exact=True, rtol=0.0, atol=0.0)
 
 
 def expect_true(cond: Any, message: str) -> None:

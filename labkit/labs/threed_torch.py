@@ -53,10 +53,6 @@ def torch_bad_args(a) -> str | None:
     as one line; None if the layout runs."""
     from ..parallel.torch_native import check_torch_layout
     from .threed import _config, _v
-    if getattr(a, "ignore_frac", 0):
-        return (f"--impl {a.impl} with --ignore-frac {a.ignore_frac}: torch's pipelining averages each "
-                f"microbatch's loss over its own targets, so unevenly ignored targets would weigh microbatches "
-                f"unequally; use --impl labkit")
     try:
         check_torch_layout(_config(a), a.tp, a.pp, a.dp, _v(a), a.microbatches, a.batch, a.schedule, zero=a.zero,
                            hsdp=a.hsdp, sequence_parallel=a.sp, seq_len=a.seq, cp=a.cp, recompute=a.recompute,
@@ -114,7 +110,8 @@ def torch_worker(ctx, a, corpus) -> TorchRankResult:
                            comm, wire, seconds, peak, check.result(), timed)
 
 
-_LABELS = {"tp": "TP", "cp": "CP", "pp": "PP", "dp": "DP", "ep": "EP", "embedding": "embedding", "other": "other"}
+_LABELS = {"tp": "TP", "cp": "CP", "pp": "PP", "dp": "DP", "ep": "EP", "embedding": "embedding", "loss": "loss",
+           "other": "other"}
 
 
 def _mib(b) -> float:

@@ -527,5 +527,5 @@ def test_the_second_hint_follows_a_repeated_failure(capsys):
     lines = [check("1.1", wrong).message for _ in range(SECOND_HINT_AFTER)]
     capsys.readouterr()
     assert "Second hint" not in lines[0] and f"Hint: {ex.hint}" in lines[0]
-    assert lines[-1].endswith(f"Hint: {ex.hint} Second hint: {ex.hint2}"), lines[-1]
+    assert lines[-1].endswith(f"Hint: {ex.hint}\n  Second hint: {ex.hint2}"), lines[-1]
     runner._FAILED_CHECKS.pop("1.1", None)

@@ -332,7 +332,7 @@ def _accumulate_case(M: int, steps: int, seed: int):
             if not torch.allclose(g, w, rtol=1e-5, atol=1e-6) and _scale_hint(g, w, M):
                 raise CheckFailure(f"{what}: the accumulated gradient of {name} differs from the expected one"
                                    + _scale_hint(g, w, M))
-            expect_close(g, w, f"{what}: the accumulated gradient of {name} vs M={M} microbatches' (loss / M each)")
+            expect_close(g, w, f"{what}: the accumulated gradient of {name} vs the full batch's gradient")
         if steps > 1:
             for name, w in want_p.items():
                 expect_close(got_p[name], w, f"{what}: parameter {name} after {steps} plain SGD steps "
@@ -340,7 +340,7 @@ def _accumulate_case(M: int, steps: int, seed: int):
     return case
 
 
-ex23.case("M=4: every parameter gradient equals M microbatches' (loss / M each)")(_accumulate_case(4, 1, 0))
+ex23.case("M=4: every parameter gradient equals the full batch's")(_accumulate_case(4, 1, 0))
 ex23.case("M=4, 3 plain SGD steps: parameters equal training on M microbatches",
           hint=("Plain SGD (not Adam, which divides by the gradient's size) shows a gradient that is a "
                 "constant factor off: by what factor does your microbatch loss differ from its share of the "

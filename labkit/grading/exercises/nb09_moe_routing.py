@@ -20,7 +20,7 @@ from ...moe.router import capacity_mask, compute_capacity, route
 from ...plan.params import count_parameters
 from ...plan.spec import ModelSpec, preset
 from ..kernelside.nb09_moe_routing import _gate_with_grad  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal
+from ..registry import CheckFailure, as_int, exercise, expect_close, expect_equal, type_name
 
 
 def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
@@ -114,9 +114,10 @@ def _cap_case(indices: torch.Tensor, E: int, cf: float, what: str):
         C, keep = got
         want_C = compute_capacity(T, E, k, cf)
         if isinstance(C, torch.Tensor) and C.numel() == 1:
-            C = C.item()
-        if not isinstance(C, int) or isinstance(C, bool):
-            raise CheckFailure(f"{what}: C must be an int (a number of slots), got {_shown(C)}")
+            C = C.reshape(())
+        if as_int(C) is None:
+            raise CheckFailure(f"{what}: C must be an int (a number of slots), got {type_name(C)}")
+        C = as_int(C)
         expect_equal(C, want_C, f"{what}: capacity C = ceil({k}*{T}/{E}*{cf})")
         _tensor(keep, f"{what}: keep", (T, k), "bool")
         want = capacity_mask(indices, torch.zeros(T, k), E, want_C, policy="position")
@@ -163,21 +164,55 @@ _TOY = ModelSpec(name="a toy MoE", vocab_size=32000, hidden=1024, n_layer=8, n_h
                  moe_ffn=4096, n_routed_experts=4, n_activated_experts=1, **_MOE)
 
 
+def _count(g):
+    """A parameter count as an exact int: ints of any kind, and floats that hold a whole number."""
+    if isinstance(g, torch.Tensor) and g.dim() == 0 and g.is_floating_point():
+        g = g.item()
+    if isinstance(g, float) and g.is_integer():
+        return int(g)
+    return as_int(g)
+
+
+def _param_mistakes(spec: ModelSpec) -> dict:
+    """What a count is short by (or over by) for each named mistake: part -> (parameters, which counts)."""
+    H, L, E = spec.hidden, spec.n_layer, spec.n_routed_experts
+    return {
+        "the router (an H x E gate in every layer)": L * E * H,
+        "the final norm (one RMSNorm of H after the last layer)": spec.norm_params(),
+        "the two norms of every layer": 2 * L * spec.norm_params(),
+        "one norm per layer (each layer has two, before attention and before the FFN)": L * spec.norm_params(),
+        "the input embedding or the output head (V x H each; this model does not tie them)": spec.vocab_size * H,
+        "the input embedding and the output head": 2 * spec.vocab_size * H,
+    }
+
+
 def _params_case(spec: ModelSpec):
     def case(moe_param_count):
         got = moe_param_count(spec)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
             raise CheckFailure(f"moe_param_count({spec.name}): expected a pair (total, active), "
-                               f"got {type(got).__name__}")
+                               f"got {type_name(got)}")
         want = count_parameters(spec)
         for name, g, w in (("total", got[0], want.total), ("active", got[1], want.active)):
-            if isinstance(g, torch.Tensor):
-                g = g.item()
-            if not isinstance(g, (int, float)) or isinstance(g, bool):
-                raise CheckFailure(f"moe_param_count({spec.name}): {name} must be a number, got {type(g).__name__}")
-            if not abs(g - w) <= 1e-3 * w:  # NaN fails too
-                raise CheckFailure(f"{spec.name}: {name} parameters: expected {w / 1e9:.3f}B (within 0.1%), "
-                                   f"got {g / 1e9:.3f}B")
+            n = _count(g)
+            if n is None:
+                raise CheckFailure(f"moe_param_count({spec.name}): {name} must be a whole number of parameters, "
+                                   f"got {type_name(g)}")
+            if n == w:
+                continue
+            why = ""
+            for part, size in _param_mistakes(spec).items():
+                if n == w - size:
+                    why = f" (short by exactly {size:,}, what this leaves out: {part})"
+                    break
+                if n == w + size and "embedding" not in part:
+                    why = f" (over by exactly {size:,}, what this counts twice: {part})"
+                    break
+            if not why and abs(n - w) <= 1e-3 * w:
+                why = (f" (off by {n - w:+,}: parameter counts are exact integers; which small part is "
+                       f"{'missing' if n < w else 'extra'}?)")
+            raise CheckFailure(f"{spec.name}: {name} parameters: expected {w:,} ({w / 1e9:.3f}B), "
+                               f"got {n:,} ({n / 1e9:.3f}B){why}")
     return case
 
 

@@ -33,13 +33,50 @@ def _scalar(x, what: str) -> torch.Tensor:
     return x.reshape(())
 
 
-def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True):
-    """Compare value and d loss / d logits with labkit's ``reference(logits, indices, *extra)``."""
+def _device_factors(E: int, k: int, D: int) -> list:
+    """10.2's mistakes that scale the whole loss, with the factor each gives (DeepSeek-V2 eq. 15-17)."""
+    return [(k, "f was counted per token, not per one of the T k routed slots (k forgotten)"),
+            (E / D, "f'_d summed over the device's experts instead of averaged"),
+            (D, "an extra factor D: f'_d already carries the scale that makes a uniform routing give 1"),
+            (1 / E, "f left a fraction of the slots: in eq. 16 it is scaled so that a uniform routing gives 1 per "
+                    "expert"),
+            (D / E, "P'_d averaged over the device's experts instead of summed")]
+
+
+_DEVICE_PROBE = (12, 12, 2, 3)  # T, E, k, D: every factor above differs (k=2, E/D=4, D=3, 1/E, D/E)
+
+
+def _named_factor(answer, got: float, want: float, factors, probe=None) -> str:
+    """The mistake whose factor ``got / want`` is, when exactly one matches; when several match (the case's
+    shapes make two factors equal) the answer is asked once more on ``probe`` (T, E, k, D), where they differ."""
+    if not want or not got:
+        return ""
+    ratio = got / want
+    found = [text for f, text in factors if abs(ratio - f) <= 1e-4 * abs(f)]
+    if len(found) > 1 and probe is not None:
+        T, E, k, D = probe
+        logits, indices = _routing(T, E, k, 120)
+        again, _ = answer.run(_loss_with_grad, logits, indices, (D, 1.0))
+        ref = float(device_balance_loss(logits, indices, D, 1.0, from_logits=True))
+        if isinstance(again, torch.Tensor) and again.numel() == 1 and ref:
+            r2 = float(again.reshape(())) / ref
+            found = [text for f, text in _device_factors(E, k, D) if text in found and abs(r2 - f) <= 1e-4 * abs(f)]
+    return f" ({found[0]})" if len(found) == 1 else ""
+
+
+def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True, factors=None):
+    """Compare value and d loss / d logits with labkit's ``reference(logits, indices, *extra)``;
+    ``factors`` (a list of (factor, mistake)) names a value that is that factor times the right one."""
     def case(answer):
         got, got_grad = answer.run(_loss_with_grad, logits, indices, tuple(extra))
         got = _scalar(got, what)
         ref_x = logits.clone().requires_grad_(True)
         want = reference(ref_x, indices, *extra, from_logits=True)
+        if factors is not None and not torch.isclose(got.detach().double(), want.detach().double(),
+                                                     rtol=1e-5, atol=1e-6):
+            why = _named_factor(answer, float(got), float(want), factors, _DEVICE_PROBE)
+            if why:
+                raise CheckFailure(f"{what}: value: expected {float(want):.6g}, got {float(got):.6g}{why}")
         expect_close(got.detach(), want.detach(), f"{what}: value")
         if grad:
             if not got.requires_grad or got_grad is None:
@@ -86,9 +123,13 @@ ex102.hint_review = ("leads: asks how each device-level quantity combines its ex
 
 ex102.case("uniform routing gives alpha2")(
     _loss_case(device_balance_loss, torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), (2, 0.05),
-               "device_balance_loss(uniform, D=2, alpha2=0.05)"))
+               "device_balance_loss(uniform, D=2, alpha2=0.05)", factors=_device_factors(4, 2, 2)))
 ex102.case("T=16, E=8, k=2, D=4")(
-    _loss_case(device_balance_loss, *_routing(16, 8, 2, 111), (4, 1.0), "device_balance_loss(T=16, E=8, k=2, D=4)"))
+    _loss_case(device_balance_loss, *_routing(16, 8, 2, 111), (4, 1.0), "device_balance_loss(T=16, E=8, k=2, D=4)",
+               factors=_device_factors(8, 2, 4)))
+ex102.case("T=12, E=12, k=2, D=3")(
+    _loss_case(device_balance_loss, *_routing(12, 12, 2, 115), (3, 1.0), "device_balance_loss(T=12, E=12, k=2, D=3)",
+               factors=_device_factors(12, 2, 3)))
 ex102.case("D=1: one device is always balanced")(
     _loss_case(device_balance_loss, *_routing(8, 4, 2, 112), (1, 1.0), "device_balance_loss(T=8, E=4, k=2, D=1)"))
 ex102.case("D=E equals the expert-level loss", hidden=True)(

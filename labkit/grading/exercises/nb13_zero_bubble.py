@@ -118,12 +118,12 @@ def _zb_case(K: int, M: int):
                 hint = (" (more than ZB-H1's: are some W passes held back to fill the drain, and the others run early?)"
                         if got > want else "")
                 raise CheckFailure(f"{what}: simulated bubble time {got} per rank with T_F={f}, T_I={i}, T_W={w}; "
-                                   f"ZB-H1's is (K-1)(T_F+T_I-T_W) = {want}{hint}")
+                                   f"ZB-H1's is {want}{hint}")
     return case
 
 
-ex132.case("K=2, M=4: valid, 1F1B's memory, bubble (K-1)(T_F+T_I-T_W)")(_zb_case(2, 4))
-ex132.case("K=4, M=8: valid, 1F1B's memory, bubble (K-1)(T_F+T_I-T_W)")(_zb_case(4, 8))
+ex132.case("K=2, M=4: valid, peak memory and bubble simulated")(_zb_case(2, 4))
+ex132.case("K=4, M=8: valid, peak memory and bubble simulated")(_zb_case(4, 8))
 
 
 @ex132.case("K=4, M=8 on 4 real ranks: gradients equal single device", timeout=60)

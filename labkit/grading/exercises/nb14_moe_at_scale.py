@@ -22,7 +22,7 @@ from ...moe.eplb import balanced_packing, replicate_experts
 from ...moe.hierarchical import inter_node_rows
 from ...plan.params import count_parameters
 from ...plan.spec import preset
-from ..registry import CheckFailure, _shown, exercise, expect_close
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_close, type_name
 
 # ----------------------------------------------------------------------------- 14.1
 ex141 = exercise(
@@ -38,10 +38,12 @@ ex141.hint_review = ("leads: asks which nodes are candidates and gives a hand ex
 def _as_ints(x, n, what):
     if isinstance(x, torch.Tensor):
         x = x.tolist()
-    if not isinstance(x, (list, tuple)) or len(x) != n or any(not isinstance(v, int) or isinstance(v, bool)
-                                                               for v in x):
+    if not isinstance(x, (list, tuple)) or len(x) != n:
         raise CheckFailure(f"{what}: expected a list of {n} ints, got {_shown(x)}")
-    return list(x)
+    bad = [v for v in x if as_int(v) is None]
+    if bad:
+        raise CheckFailure(f"{what}: expected a list of {n} ints, got {type_name(bad[0])} among them")
+    return [as_int(v) for v in x]
 
 
 def _packing_case(loads, n_nodes, what):
