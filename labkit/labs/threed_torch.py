@@ -175,11 +175,6 @@ def _expected_torch(a, pp_rank, planner: dict) -> dict:
 
     def plan(ax, kind):
         return planner.get(ax, {}).get(kind, (0, 0))
-    if "loss" in planner:
-        for kind in planner["loss"]:
-            out[("loss", kind)] = ((0, 0), "labkit all-reduces the step's count of targets (its loss is the mean "
-                                           "over the global batch's unignored targets); torch's schedule averages "
-                                           "each microbatch's mean loss")
     if d > 1 and a.zero == 0:
         out[("dp", "all_reduce")] = ((units, plan("dp", "all_reduce")[1]),
                                      "one all-reduce per FSDP unit (FSDP2 over the replicate-only mesh); the "
