@@ -12,6 +12,9 @@ The one place that builds a model on a :class:`labkit.grid.ProcessGrid` from the
 * :mod:`.expert_slicing`: expert slicing with tensor-parallel non-expert layers (DeepSpeed-MoE);
 * :mod:`.torch_native`: the same dense 3D GPT with PyTorch's own APIs only (DeviceMesh, parallelize_module,
   FSDP2, torch.distributed.pipelining; ``lab 3d --impl torch|both``, notebook 17), imported on demand.
+* :mod:`.loss`: the loss of a step with ignored targets, the mean over every valid target of the
+  step on every axis (the count, one all-reduce before the backward; what each microbatch hands
+  the runtime), used by :class:`ParallelGPT`, :class:`ParallelMoEGPT` and the torch-native GPT.
 """
 from .gpt import SCHEDULES, ParallelGPT, check_layout, layout
 from .moe import ParallelMoEGPT
