@@ -203,7 +203,7 @@ def _write_bundle(tmp: Path, pkg: Path, assignment: str, config: dict, hidden: P
                     and rel.parts[0] not in ("_notebooks", "_solutions"):
                 _add(z, "labkit/" + f.relative_to(pkg).as_posix(), f.read_bytes())
         learner = pkg / "_notebooks" / f"{assignment}.ipynb"
-        if learner.is_file():  # the learner version as shipped (no secret): the source policy exempts its cells
+        if learner.is_file():  # the learner version as shipped (no secret): the grader reads its grading points
             _add(z, f"labkit/_notebooks/{assignment}.ipynb", learner.read_bytes())
         for f in sorted(hidden.glob("*.py")) if hidden is not None else []:
             _add(z, "hidden/" + f.name, f.read_bytes(), 0o600)
