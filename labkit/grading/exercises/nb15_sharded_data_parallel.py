@@ -168,6 +168,12 @@ def _volume_case(psi, d, what):
                 if stage == 3 and abs(got - _volume(psi, d, 0)) <= 1e-9 * want:
                     why = (" (this is plain DP's volume: stage 3 gathers the parameters again for backward, "
                            "because forward freed them)")
+                elif stage in (1, 2) and abs(got - _volume(psi, d, 3)) <= 1e-9 * want:
+                    why = (f" (that is stage 3's volume: stage {stage} keeps whole parameters on every rank, so it "
+                           f"never gathers them)")
+                elif stage in (1, 2) and abs(got - want / 2) <= 1e-9 * want:
+                    why = (" (half: a reduce-scatter of the gradients alone; the updated parameter shards must also "
+                           "reach every rank)")
                 elif abs(got - want * d / (d - 1)) <= 1e-9 * want * d:
                     why = " (each rank sends (d-1)/d of the data in a ring collective, not all of it)"
                 raise CheckFailure(f"{what}, stage {stage}: expected {want:.6g} elements sent per GPU, got "
