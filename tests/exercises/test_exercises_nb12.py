@@ -158,3 +158,12 @@ def test_integers_of_any_kind_are_accepted():
 ])
 def test_group_learner_round_mistakes_are_named(wrong, contains):
     assert_public_case_fails("12.2", wrong, "8 tokens, E=16", contains=contains)
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (lambda E, k, m: math.comb(E, k) ** m, "E=16, k=2, m=4", "each of the m pieces chosen on its own"),
+    (lambda E, k, m: math.perm(m * E, m * k), "E=16, k=2, m=1", "ordered choices: a set of experts has no order"),
+    (lambda E, k, m: math.comb(m * E, k), "E=16, k=2, m=4", "only k small experts chosen"),
+])
+def test_combination_learner_round_mistakes_are_named(wrong, case, contains):
+    assert_public_case_fails("12.1", wrong, case, contains=contains)

@@ -23,7 +23,7 @@ import torch
 from ...moe.experts import MoELayer
 from ...moe.router import route
 from ..kernelside.nb12_deepseek_moe import _gate_lines, _v3_fields  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, _shown, as_int, exercise, expect_equal
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_equal, expect_named
 from . import kernel_side
 
 # ----------------------------------------------------------------------------- 12.1
@@ -43,7 +43,11 @@ def _comb_case(E, k, m):
         if isinstance(got, float) and got.is_integer():
             got = int(got)
         got = as_int(got) if as_int(got) is not None else got
-        expect_equal(got, math.comb(m * E, m * k), f"n_combinations(E={E}, k={k}, m={m})")
+        expect_named(got, math.comb(m * E, m * k), f"n_combinations(E={E}, k={k}, m={m})", [
+            (math.perm(m * E, m * k), "ordered choices: a set of experts has no order"),
+            (math.comb(E, k) ** m, "each of the m pieces chosen on its own, as if from its own coarse expert"),
+            (math.comb(E, k) * m, "m times the coarse count"),
+            (math.comb(m * E, k), "only k small experts chosen: how many does a token activate after the cut?")])
     return case
 
 

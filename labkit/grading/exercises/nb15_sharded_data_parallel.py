@@ -70,8 +70,12 @@ def _shard_case(n, d, what):
             if not torch.equal(g.reshape(-1).float(), w):
                 pad = padded_numel(n, d) - n
                 front = torch.cat([torch.zeros(pad), flat])
+                strided = torch.cat([flat, torch.zeros(pad)]).view(-1, d).t()
                 why = ""
-                if pad and torch.equal(torch.cat([s.reshape(-1).float() for s in got]), front):
+                if all(torch.equal(s.reshape(-1).float(), strided[q]) for q, s in enumerate(got)):
+                    why = (" (every d-th element: rank r's shard must be one contiguous piece of the buffer, so that "
+                           "the all-gather lays the pieces end to end)")
+                if not why and pad and torch.equal(torch.cat([s.reshape(-1).float() for s in got]), front):
                     why = (" (the zeros went in front: then rank 0's shard no longer starts at the first "
                            "element, and dropping the padding after the all-gather cuts off real values)")
                 raise CheckFailure(f"{what}: shard of rank {r} is {g.reshape(-1).tolist()}, expected "
