@@ -187,8 +187,9 @@ class Head(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        return lm_loss(logits, targets, ignore_index)
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+             reduction: str = "mean") -> torch.Tensor:
+        return lm_loss(logits, targets, ignore_index, reduction)
 
 
 def init_weights(module: nn.Module) -> None:
@@ -295,10 +296,14 @@ class GPT(nn.Module):
         return logits if targets is None else self.head.loss(logits, targets, ignore_index)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+            reduction: str = "mean") -> torch.Tensor:
     """Mean next-token cross-entropy: logits [B, S, V], targets [B, S] -> 0-d tensor (nats);
-    targets equal to ``ignore_index`` are left out (``F.cross_entropy``'s rule)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
+    targets equal to ``ignore_index`` are left out (``F.cross_entropy``'s rule: NaN when every
+    target is ignored). ``reduction="sum"``: the sum over the valid targets (0 when none), what a
+    piece of a parallel step needs (:mod:`labkit.parallel.loss`)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
+                           reduction=reduction)
 
 
 def count_parameters(model: nn.Module) -> int:

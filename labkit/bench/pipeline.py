@@ -158,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--schedule", dest="kinds", nargs="*", default=list(KINDS), choices=KINDS + ZERO_BUBBLE,
                    type=schedule_name, help="schedules to time (aliases: zbh1 = zb-h1, zb-v = zbv)")
     p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
+    p.needs("--chunks", lambda a: "interleaved" in a.kinds, "--schedule interleaved (got --schedule "
+            "{kinds})", "--schedule interleaved")   # the one rule: labkit.cliparse.Parser.needs
     a = p.parse_args(argv)
     bad = _bad_args(a)
     if bad:

@@ -11,8 +11,11 @@ Options, each one token ``--name=value``:
 * ``--copy=SRC:DST``: read SRC now (as root) and write it at DST (owned by UID, mode 0600)
   once the private folders are in place (the kernel's connection file).
 * ``--tmp=BYTES``: give the namespace fresh tmpfs mounts of that size on /tmp, /var/tmp and
-  /dev/shm (mode 1777); a PATH under one of them is bound back into it. Staging folders are
-  made in ``--stage=DIR`` (outside the new mounts; the grader removes it).
+  /dev/shm (mode 1777); a PATH (or a ``--bind`` destination) under one of them is bound back
+  into it, so a grader installed under /tmp, /var/tmp or /dev/shm still gives its kernel Python
+  and the kit.
+* ``--stage=DIR`` (required): a folder of the grader's (outside the new mounts; the grader
+  removes it) where staging folders are made; nothing is ever made in the shared TMPDIR.
 * ``--home=DIR``: make DIR (in the new /tmp) owned by UID, mode 0700, with ``ipython`` and
   ``mpl`` inside; COMMAND starts there.
 * ``--root=DIR``: give COMMAND a file system of its own (an allow-list): a tmpfs mounted on DIR
@@ -52,7 +55,7 @@ import resource
 import sys
 import tempfile
 
-PRIVATE = ("/dev/shm", "/var/tmp", "/tmp")  # /tmp last: the staging folder may sit in it
+PRIVATE = ("/dev/shm", "/var/tmp", "/tmp")  # the one holding the staging folder is covered last
 # what a new root (--root) holds of the system: programs, libraries, configuration, devices
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/dev", "/sys")
 
@@ -98,37 +101,46 @@ def _under(p: str, top: str) -> bool:
 
 
 def _cover_blocked(needed) -> None:
+    """Cover each folder others cannot enter with an empty tmpfs and bind the needed paths
+    inside it back in place. Each needed path is held by an ``O_PATH`` descriptor while its
+    folder is covered and bound from ``/proc/self/fd/N``: no staging folder, which could sit in
+    the very folder being covered (a TMPDIR of mode 700)."""
     for top, paths in _tops(needed).items():
-        stage = tempfile.mkdtemp(prefix="labkit-jail-")
-        held = []
-        for i, p in enumerate(paths):
-            dst = os.path.join(stage, str(i))
-            os.makedirs(dst)
-            _mount(p, dst, MS_BIND | MS_REC)
-            held.append((dst, p))
-        _tmpfs(top, "mode=0755")
-        for dst, p in held:
-            os.makedirs(p, exist_ok=True)
-            _mount(dst, p, MS_MOVE)
-        for dst, _ in held:
-            os.rmdir(dst)
-        os.rmdir(stage)
+        held = [(os.open(p, os.O_PATH | os.O_DIRECTORY), p) for p in paths]
+        try:
+            _tmpfs(top, "mode=0755")
+            for fd, p in held:
+                os.makedirs(p, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", p, MS_BIND | MS_REC)
+        finally:
+            for fd, _ in held:
+                os.close(fd)
 
 
 def _private_tmp(size: int, stage_dir: str, needed) -> None:
     """Fresh tmpfs on each of :data:`PRIVATE`: mounted at a staging folder, the needed paths
     under it bound inside, then moved onto the folder it replaces."""
-    for top in PRIVATE:
+    real = os.path.realpath(stage_dir)
+    # the folder that holds the staging folder goes last: once covered, the staging folder is out of reach
+    for top in sorted(PRIVATE, key=lambda t: _under(real, os.path.realpath(t))):
         if not os.path.isdir(top) or os.path.islink(top):
             continue
         stage = tempfile.mkdtemp(prefix="tmp-", dir=stage_dir)
         _tmpfs(stage, f"size={size},mode=1777", MS_NOSUID | MS_NODEV)
-        for p in needed:
-            if _under(p, top) and p != top:
+        for p in sorted(needed, key=len):  # a folder before what is bound inside it (the kit over its folder)
+            if _under(p, top) and p != top and os.path.exists(p):
                 dst = os.path.join(stage, os.path.relpath(p, top))
-                os.makedirs(dst, exist_ok=True)
+                if os.path.isdir(p):
+                    os.makedirs(dst, exist_ok=True)
+                else:
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    open(dst, "a").close()
                 _mount(p, dst, MS_BIND | MS_REC)
         _mount(stage, top, MS_MOVE)
+        try:
+            os.rmdir(stage)  # the mount point left behind (the tmpfs now sits on ``top``)
+        except OSError:
+            pass  # the staging folder was in ``top`` itself: hidden now, and the grader removes it
 
 
 def _new_root(root: str, needed, binds, proc: bool) -> None:
@@ -202,17 +214,25 @@ def main(argv):
             copies.append((dst, f.read()))
     needed = sorted({os.path.realpath(p) for p in paths if os.path.isdir(p)})
     needed = [p for p in needed if not any(p != q and p.startswith(q + "/") for q in needed)]
-    stage = opts.get("stage", [tempfile.gettempdir()])[0]
+    # staging folders go in the grader's own folder for this kernel (``--stage``, which it removes), never in
+    # the shared TMPDIR, which the kernel's uid may be unable to enter and where nothing may be left behind
+    stage = opts.get("stage", [None])[0]
+    if stage is None:
+        raise SystemExit("labkit jail: --stage=DIR is required (a folder of the grader's, removed by it)")
+    kept = list(needed)  # what the private temporary folders must show again: the PATHs and the binds
     if opts.get("loopback"):
         _loopback_up()
     if opts.get("root"):
         binds = [tuple(b.split(":", 1)) for b in opts.get("bind", [])]
         _new_root(opts["root"][0], needed, binds, proc=not opts.get("hidepid"))
         stage = tempfile.mkdtemp(prefix="stage-", dir="/")  # on the new root's own tmpfs
-    else:
-        _cover_blocked(needed)
+        kept += [dst for _src, dst in binds]  # the grader's copy of the kit, over a folder that may be in /tmp
     for size in opts.get("tmp", []):
-        _private_tmp(int(size), stage, needed)
+        _private_tmp(int(size), stage, kept)
+    if not opts.get("root"):
+        # after the private temporary folders: a folder of mode 700 in /tmp (the grader's TMPDIR) is then
+        # already replaced by an open one in the new tmpfs, and the staging folder was still reachable
+        _cover_blocked(needed)
     for path in opts.get("hide", []):
         _hide(os.path.realpath(path))
     if opts.get("hidepid"):

@@ -7,22 +7,38 @@ grader and read the exercises and the kit's call graph (about 5 s of CPU that ev
 would otherwise pay again); it runs no learner code before it forks. As each one finishes, one summary line is printed
 (``[3/6] alice.ipynb: 12/14 points (21 s)``). The gradebook is a CSV with one row per
 submission: its file, one column per exercise (the exercise ids of the graded notebook(s), in
-order; empty where a submission has no such exercise) and the total. A submission that could
-not be graded (the grader failed, or wrote no results) gets a row with ``error`` set, and the
-command then exits 1.
+order; empty where a submission has no such exercise), the total, the maximum and ``error``.
+A submission that could not be graded (not a notebook, the grader failed, or wrote no
+results) gets a row with ``error`` set, and the command then exits 1; a graded submission that
+scored 0 gets its reason there too (:func:`zero_reason`: not attempted, another notebook,
+timed out, raised, the kernel died, wrong answers). Every text cell is neutralised against
+spreadsheet formulas (:func:`inert`, OWASP's CSV-injection guidance: a cell starting with
+``=``, ``+``, ``-``, ``@``, tab or carriage return gets a leading ``'``), whatever the
+submissions are called, and each results file gets a safe name (:func:`safe_name`). A
+submission's path is handed to its grader after ``--``, so ``-2+3.ipynb`` is graded like any
+other file.
+
+With ``--results-dir``, the batch also writes the integrity report there (``integrity.csv`` and
+``integrity.html``, :mod:`labkit.grading.integrity`): for the instructor, never a score.
+
+Ctrl-C or SIGTERM (or SIGHUP) stops the batch: the graders still running are told to stop (each
+kills its kernel and removes its folders), the gradebook is written with the rows of the
+submissions that finished and a ``stopped: ...`` row for each of the others, one line on stderr
+says what was stopped, and the command exits 130 (Ctrl-C) or 128 + the signal.
 """
 from __future__ import annotations
 
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["grade_batch", "input_problem", "gradebook_rows"]
+__all__ = ["grade_batch", "input_problem", "gradebook_rows", "safe_name", "inert", "zero_reason"]
 
 
 def _cores() -> int:
@@ -47,14 +63,73 @@ def input_problem(results_dir: Path | None, gradebook: Path | None, jobs: int | 
     return ""
 
 
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_name(stem: str) -> str:
+    """A file name for a submission's results whatever the submission is called: letters, digits,
+    ``.``, ``_`` and ``-`` only (every other run of characters becomes ``_``), never starting with
+    ``-`` or ``.`` (no option, no hidden file), at most 100 characters, never empty."""
+    name = _SAFE.sub("_", stem).lstrip("-.")[:100]
+    return name or "submission"
+
+
 def _result_names(paths: list[Path]) -> list[str]:
-    """One results-file name per submission: its stem, made unique with -2, -3, ..."""
-    names, seen = [], {}
+    """One results-file name per submission: :func:`safe_name` of its stem, made unique with
+    -2, -3, ... (case-insensitively, for file systems that fold case)."""
+    names, seen = [], set()
     for p in paths:
-        stem = p.stem
-        seen[stem] = seen.get(stem, 0) + 1
-        names.append(stem if seen[stem] == 1 else f"{stem}-{seen[stem]}")
+        base = name = safe_name(p.stem)
+        n = 1
+        while name.lower() in seen:
+            n += 1
+            name = f"{base}-{n}"
+        seen.add(name.lower())
+        names.append(name)
     return names
+
+
+# a text cell a spreadsheet would read as a formula (OWASP, CSV injection): it starts with one of these
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def inert(text: str) -> str:
+    """``text`` as a gradebook cell no spreadsheet evaluates: a leading ``=``, ``+``, ``-``, ``@``,
+    tab or carriage return (OWASP's CSV-injection guidance) gets a ``'`` in front, which the
+    spreadsheet shows as text; line breaks become spaces. Numbers are written by the gradebook
+    itself and never pass through here."""
+    text = str(text).replace("\r\n", " ").replace("\n", " ")
+    return "'" + text if text.startswith(FORMULA_START) else text
+
+
+def zero_reason(obj: dict) -> str:
+    """Why a graded submission scored 0, in one line for the gradebook's ``error`` column:
+    ``not attempted`` (the learner notebook as shipped, or no answer defined), ``another
+    notebook`` (it does not hold the assignment), ``timed out``, ``raised`` (a cell or the answer
+    raised), ``the kernel died``, else ``wrong answers`` with the first exercise's message."""
+    stopped = ""
+    for line in str(obj.get("output", "")).splitlines()[1:]:
+        m = re.match(r"^.*?: [\d.]+ / [\d.]+ \((.*)\)$", line)
+        if m:
+            stopped = m.group(1)
+    messages = [t.get("output", "") for t in obj.get("tests", []) if "number" in t and t.get("score", 0) == 0]
+    first = messages[0] if messages else ""
+    every = " ".join([stopped, *messages])
+    if "does not hold assignment" in stopped or ", not assignment " in stopped:
+        kind, why = "another notebook", stopped
+    elif "as shipped" in first:
+        kind, why = "not attempted", "the learner notebook as shipped (every stub untouched)"
+    elif "time budget" in every or "time limit" in every or "ran until" in every:
+        kind, why = "timed out", stopped or first
+    elif "killed the kernel" in every or "kernel died" in every:
+        kind, why = "the kernel died", stopped or first
+    elif " raised " in every:
+        kind, why = "raised", next((m for m in messages if " raised " in m), stopped)
+    elif messages and all(m.startswith("not attempted") for m in messages):
+        kind, why = "not attempted", first.removeprefix("not attempted: ")
+    else:
+        kind, why = "wrong answers", first
+    return f"{kind}: {why}" if why else kind
 
 
 def gradebook_rows(entries: list[tuple[str, dict | None, str]]) -> tuple[list[str], list[list[str]]]:
@@ -75,9 +150,11 @@ def gradebook_rows(entries: list[tuple[str, dict | None, str]]) -> tuple[list[st
     for name, obj, err in entries:
         scores = {t["number"]: t["score"] for t in (obj or {}).get("tests", []) if "number" in t}
         total = sum(t["max_score"] for t in (obj or {}).get("tests", []))
-        rows.append([name] + [f"{scores[i]:g}" if i in scores else "" for i in ids]
-                    + ([f"{obj['score']:g}", f"{total:g}"] if obj else ["0", common]) + [err])
-    return ["submission"] + [f"exercise {i}" for i in ids] + ["total", "max", "error"], rows
+        if not err and obj is not None and obj.get("score", 0) == 0:
+            err = zero_reason(obj)  # every zero says why
+        rows.append([inert(name)] + [f"{scores[i]:g}" if i in scores else "" for i in ids]
+                    + ([f"{obj['score']:g}", f"{total:g}"] if obj else ["0", common]) + [inert(err)])
+    return ["submission"] + [f"exercise {inert(i)}" for i in ids] + ["total", "max", "error"], rows
 
 
 def _warm_up(options) -> None:
@@ -162,6 +239,31 @@ class _Grader:
         return self.returncode
 
 
+def _integrity(paths, results_dir: Path, options) -> None:
+    """``integrity.csv`` and ``integrity.html`` in ``results_dir`` (:mod:`labkit.grading.integrity`):
+    for the instructor, never part of a score; a failure here is a warning, never a lost grade."""
+    from .integrity import for_submissions, write_report
+
+    assignment = options[options.index("--assignment") + 1] if "--assignment" in options else None
+    try:
+        rows = for_submissions(paths, assignment, [str(p) for p in paths])
+        csv_path, html_path = write_report(rows, results_dir)
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: the integrity report could not be written: {type(e).__name__}: {e}", file=sys.stderr)
+        return
+    flagged = sum(r.flagged for r in rows)
+    print(f"integrity report (instructor only, no effect on scores): {csv_path} and {html_path}; "
+          f"{flagged} of {len(rows)} answers flagged")
+
+
+def _write_gradebook(path: Path, entries) -> None:
+    header, rows = gradebook_rows(entries)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
 def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: int | None,
                 options: list[str] = ()) -> int:
     """Grade each of ``paths`` in its own grader process, ``jobs`` at a time; returns the exit status
@@ -185,36 +287,47 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
     todo = list(range(len(paths)))
     running: dict[int, tuple[_Grader, float, object]] = {}
     done: dict[int, tuple[dict | None, str]] = {}
+    stopped_by = ""  # "Ctrl-C" or "SIGTERM" when the batch was stopped
+    from ..launch import Terminated
+
+    def finish(i: int, proc: _Grader, t0: float, log) -> None:
+        log.seek(0)
+        text = log.read()
+        log.close()
+        obj, err = None, ""
+        try:
+            obj = json.loads(outs[i].read_text())
+        except (OSError, ValueError):
+            err = "no results were written"
+        if proc.returncode != 0:
+            last = [l for l in text.splitlines() if l.startswith("error:")] or text.strip().splitlines()[-1:]
+            err = (last[-1].removeprefix("error: ") if last else f"the grader exited {proc.returncode}")
+            if "is not a Jupyter notebook" in err or "no such notebook" in err:
+                err = f"no notebook: {err}"
+        done[i] = (obj, err)
+        head = f"[{len(done)}/{len(paths)}] {paths[i].name}: "
+        if obj is not None:
+            total = sum(t["max_score"] for t in obj["tests"])
+            head += f"{obj['score']:g}/{total:g} points"
+        print(head + (f"{'; ' if obj else ''}NOT GRADED: {err}" if err else "")
+              + f" ({time.monotonic() - t0:.0f} s)", flush=True)
+
     try:
         while todo or running:
             while todo and len(running) < jobs:
                 i = todo.pop(0)
                 log = tempfile.TemporaryFile(mode="w+")
-                proc = _Grader([*options, str(paths[i]), "--results", str(outs[i])], log)
+                # the path after "--": a submission named like an option (-2+3.ipynb) is a path like any other
+                proc = _Grader([*options, "--results", str(outs[i]), "--", str(paths[i])], log)
                 running[i] = (proc, time.monotonic(), log)
             time.sleep(0.2)
             for i, (proc, t0, log) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 del running[i]
-                log.seek(0)
-                text = log.read()
-                log.close()
-                obj, err = None, ""
-                try:
-                    obj = json.loads(outs[i].read_text())
-                except (OSError, ValueError):
-                    err = "no results were written"
-                if proc.returncode != 0:
-                    last = [l for l in text.splitlines() if l.startswith("error:")] or text.strip().splitlines()[-1:]
-                    err = (last[-1].removeprefix("error: ") if last else f"the grader exited {proc.returncode}")
-                done[i] = (obj, err)
-                head = f"[{len(done)}/{len(paths)}] {paths[i].name}: "
-                if obj is not None:
-                    total = sum(t["max_score"] for t in obj["tests"])
-                    head += f"{obj['score']:g}/{total:g} points"
-                print(head + (f"{'; ' if obj else ''}NOT GRADED: {err}" if err else "")
-                      + f" ({time.monotonic() - t0:.0f} s)", flush=True)
+                finish(i, proc, t0, log)
+    except (KeyboardInterrupt, Terminated) as e:
+        stopped_by = "Ctrl-C" if isinstance(e, KeyboardInterrupt) else signal.Signals(e.signum).name
     finally:
         for proc, _, _log in running.values():  # Ctrl-C or SIGTERM: each grader cleans up its kernel
             proc.terminate()
@@ -227,16 +340,28 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
             log.close()
         if tmp is not None:
             tmp.cleanup()
+    if stopped_by:
+        cut = [i for i in sorted(running)]
+        for i in cut:
+            done[i] = (None, f"stopped: the batch was stopped by {stopped_by} while this submission was graded")
+        for i in todo:
+            done[i] = (None, f"stopped: the batch was stopped by {stopped_by} before this submission was graded")
+        finished = len(paths) - len(cut) - len(todo)
+        print(f"stopped by {stopped_by}: {finished} of {len(paths)} submissions were graded; "
+              f"{len(cut)} stopped while being graded ({', '.join(paths[i].name for i in cut) or 'none'}) and "
+              f"{len(todo)} not started; their kernels were killed", file=sys.stderr, flush=True)
+        if gradebook is not None:
+            rows = [(str(paths[i]), *done[i]) for i in range(len(paths)) if i not in cut and i not in todo]
+            _write_gradebook(gradebook, rows + [(str(paths[i]), *done[i]) for i in cut + todo])
+            print(f"wrote {gradebook} ({finished} graded, {len(cut) + len(todo)} marked stopped)", file=sys.stderr)
+        return 130 if stopped_by == "Ctrl-C" else 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
     failed = [paths[i].name for i in sorted(done) if done[i][1]]
     if gradebook is not None:
-        header, rows = gradebook_rows([(str(paths[i]), *done[i]) for i in range(len(paths))])
-        with open(gradebook, "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(header)
-            w.writerows(rows)
-        print(f"wrote {gradebook} ({len(rows)} submissions)")
+        _write_gradebook(gradebook, [(str(paths[i]), *done[i]) for i in range(len(paths))])
+        print(f"wrote {gradebook} ({len(paths)} submissions)")
     if tmp is None:
         print(f"results: one file per submission in {results_dir}")
+        _integrity(paths, results_dir, options)
     if failed:
         print(f"error: {len(failed)} of {len(paths)} submissions could not be graded: {', '.join(failed)}",
               file=sys.stderr)

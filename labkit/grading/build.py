@@ -10,12 +10,18 @@ learner version of each notebook:
 * clears every output and execution count, drops execution-timing metadata;
 * tags exercise cells ``raises-exception`` so nbval and the grader accept the stub's exception
   (tag other cells that *use* an exercise's answer ``raises-exception`` in the solution);
+* leaves out the cells tagged ``solution-only`` (:data:`SOLUTION_ONLY_TAG`): results and summaries that
+  state an exercise's answer, which the learner must not see before the exercise is graded (issue 36);
 * records ``metadata.labkit.notebook`` (the solution's stem) so the grader still knows the
   notebook when a learner renames the file;
-* starts with :data:`INSTALL_CELL`, which installs labkit with one ``%pip`` line when the
-  kernel's Python lacks it (Colab, a JupyterHub image with torch) and does nothing where labkit
-  is installed (the repository's venv, the grader's kernel). ``LABKIT_PIP_SOURCE`` replaces
-  the source it installs from.
+* starts with the install cell (:func:`labkit.grading.install.install_cell`), which installs
+  labkit with one ``%pip`` line when the kernel's Python lacks it (Colab, a JupyterHub image with
+  torch) and does nothing where labkit is installed (the repository's venv, the grader's kernel).
+  It installs from the course's repository, the instructor's one setting ``[tool.labkit]
+  repository`` in ``pyproject.toml`` (``build --repository URL`` records it there; ``""``
+  clears it); with none set it tells the learner how to install labkit instead.
+  ``LABKIT_PIP_SOURCE`` replaces the source at run time. ``build`` also writes the setting into
+  ``pyproject.toml``'s ``[project.urls]`` (no such table without one).
 
 Output is deterministic (nbformat's stable JSON, the solution's cell ids).
 
@@ -33,6 +39,7 @@ Usage::
     python -m labkit build                     # write notebooks/*.ipynb
     python -m labkit build --check             # exit 1 naming each notebook that is stale
     python -m labkit build --execute [NAME...] # re-run solutions (in place, nbclient), then build
+    python -m labkit build --repository URL    # set where hosted learners install labkit from, then build
 
 NAME is a notebook stem or its number prefix ("01" or "01_pipeline_bubble").
 """
@@ -49,17 +56,18 @@ from pathlib import Path
 import nbformat
 
 from ..cliparse import Parser
-from .install import INSTALL_CELL, INSTALL_CELL_ID, REPOSITORY_URL
+from .install import INSTALL_CELL, INSTALL_CELL_ID, install_cell, repository_problem
 
 __all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "reference_problems", "execute_notebook",
-           "main",
-           "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "REPOSITORY_URL",
+           "main", "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "install_cell", "configured_repository",
+           "set_repository", "project_urls_problem",
            "BuildError", "find_root", "PLOTTING_MODULES", "plot_code_fingerprint", "uses_plotting_code",
-           "WIDGET_NOTE"]
+           "WIDGET_NOTE", "SOLUTION_ONLY_TAG"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 EXERCISE_RE = re.compile(r"^\s*#\s*Exercise\s+(\d+(?:\.\d+)*)\s*:\s*(.+?)\s*$")
 EXCEPTION_TAG = "raises-exception"
+SOLUTION_ONLY_TAG = "solution-only"  # a cell kept in solutions/ only (it states an exercise's answer)
 _DROP_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
 
 
@@ -74,13 +82,14 @@ class BuildError(ValueError):
 
 
 def find_root(start: Path | None = None) -> Path:
-    """The repository root: ``start`` (default: cwd) or a parent holding ``solutions/``,
-    else the folder above the installed ``labkit`` package."""
+    """The repository root: ``start`` (default: cwd) or the nearest parent holding ``solutions/``;
+    ``start`` itself when none does (``build`` then refuses: it works on the checkout you stand in,
+    never on the one an editable install points at, whose notebooks it would rewrite unasked)."""
     here = (start or Path.cwd()).resolve()
     for p in (here, *here.parents):
         if (p / "solutions").is_dir():
             return p
-    return Path(__file__).resolve().parents[2]
+    return here
 
 
 def _exercise_header(source: str):
@@ -117,9 +126,11 @@ def _stub_source(source: str, where: str) -> str:
     return "\n".join(out)
 
 
-def learner_version(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
-    """The learner notebook for solution notebook ``nb`` (stem ``name``); ``nb`` is unchanged."""
+def learner_version(nb: nbformat.NotebookNode, name: str, repository: str | None = None) -> nbformat.NotebookNode:
+    """The learner notebook for solution notebook ``nb`` (stem ``name``); ``nb`` is unchanged. Its
+    first cell installs labkit from ``repository`` (none: it says how to install labkit)."""
     nb = copy.deepcopy(nb)
+    nb.cells = [c for c in nb.cells if SOLUTION_ONLY_TAG not in c.metadata.get("tags", [])]
     for i, cell in enumerate(nb.cells, 1):
         for key in _DROP_CELL_METADATA:
             cell.metadata.pop(key, None)
@@ -139,16 +150,16 @@ def learner_version(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookNo
             raise BuildError(f"{where}: solution regions are only allowed in code cells")
     nb.metadata["labkit"] = {"notebook": name}
     nb.metadata.pop("widgets", None)
-    install = nbformat.v4.new_code_cell(INSTALL_CELL)
+    install = nbformat.v4.new_code_cell(install_cell(repository))
     install.id = INSTALL_CELL_ID
     nb.cells.insert(0, install)
     return nb
 
 
-def build_text(solution_path: Path) -> str:
-    """The exact text ``build`` writes for ``solution_path``."""
+def build_text(solution_path: Path, repository: str | None = None) -> str:
+    """The exact text ``build`` writes for ``solution_path`` (first cell for ``repository``)."""
     nb = nbformat.read(str(solution_path), as_version=4)
-    learner = learner_version(nb, solution_path.stem)
+    learner = learner_version(nb, solution_path.stem, repository)
     nbformat.validate(learner)
     return nbformat.writes(learner) + "\n"
 
@@ -199,42 +210,195 @@ def _stale_figures(sol: Path) -> str | None:
             f"`python -m labkit build --execute {sol.stem.split('_')[0]}`")
 
 
+# ---- the course's repository: [tool.labkit] repository in pyproject.toml ---------------------------------------
+_TOOL_HEADER = "[tool.labkit]"
+_URLS_HEADER = "[project.urls]"
+
+
+def _tables(text: str) -> list[tuple[str, int, int]]:
+    """(header, start, end) of each ``[table]`` of a TOML text: from its header line to the next."""
+    heads = [(m.group(1).strip(), m.start()) for m in re.finditer(r"^(\[[^\[\]\n]+\])[ \t]*(?:#.*)?$", text, re.M)]
+    return [(h, start, heads[i + 1][1] if i + 1 < len(heads) else len(text)) for i, (h, start) in enumerate(heads)]
+
+
+def _table(text: str, header: str) -> tuple[int, int] | None:
+    for h, start, end in _tables(text):
+        if h == header:
+            return start, end
+    return None
+
+
+def configured_repository(root: Path) -> str | None:
+    """The course's repository, ``[tool.labkit] repository`` in ``root/pyproject.toml`` (None when
+    unset, empty, or there is no pyproject.toml). BuildError for a value that is not an https URL
+    of a git repository (:func:`labkit.grading.install.repository_problem`)."""
+    path = root / "pyproject.toml"
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    span = _table(text, _TOOL_HEADER)
+    if span is None:
+        return None
+    m = re.search(r'^repository\s*=\s*(?:"([^"\n]*)"|\'([^\'\n]*)\')\s*(?:#.*)?$', text[span[0]:span[1]], re.M)
+    url = (m.group(1) if m.group(1) is not None else m.group(2)) if m else ""
+    if not url:
+        return None
+    problem = repository_problem(url)
+    if problem:
+        raise BuildError(f"pyproject.toml, [tool.labkit]: {problem}")
+    return url
+
+
+def _project_urls(repository: str | None) -> str:
+    if not repository:
+        return ""
+    home = repository.split("@")[0].removesuffix(".git") if "@" in repository.split("//", 1)[-1] else \
+        repository.removesuffix(".git")
+    return (f"{_URLS_HEADER}\n# written by `python -m labkit build` from [tool.labkit] repository\n"
+            f'Homepage = "{home}"\nRepository = "{home}"\n\n')
+
+
+def _with_project_urls(text: str, repository: str | None) -> str:
+    span = _table(text, _URLS_HEADER)
+    if span is not None:
+        text = text[:span[0]] + text[span[1]:]
+    block = _project_urls(repository)
+    if block:
+        after = _table(text, "[project]")
+        nxt = [s for h, s, _ in _tables(text) if after and s >= after[1]]
+        at = nxt[0] if nxt else len(text)
+        text = text[:at] + block + text[at:]
+    return text
+
+
+def project_urls_problem(root: Path, repository: str | None) -> str:
+    """What is stale in ``root/pyproject.toml``'s ``[project.urls]`` ("" when it matches ``repository``)."""
+    path = root / "pyproject.toml"
+    if not path.is_file():
+        return ""
+    text = path.read_text(encoding="utf-8")
+    if _with_project_urls(text, repository) != text:
+        want = f"name {repository}" if repository else "be absent ([tool.labkit] repository is not set)"
+        return f"pyproject.toml: [project.urls] should {want}"
+    return ""
+
+
+def _write_project_urls(root: Path, repository: str | None) -> None:
+    path = root / "pyproject.toml"
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        new = _with_project_urls(text, repository)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+
+
+def set_repository(root: Path, repository: str) -> None:
+    """Record ``repository`` ("" clears it) as ``[tool.labkit] repository`` in ``root/pyproject.toml``
+    (the table is added when missing). BuildError for a URL that
+    :func:`labkit.grading.install.repository_problem` refuses or a missing pyproject.toml."""
+    if repository:
+        problem = repository_problem(repository)
+        if problem:
+            raise BuildError(problem)
+    path = root / "pyproject.toml"
+    if not path.is_file():
+        raise BuildError(f"--repository: no pyproject.toml in {root} to record it in")
+    text = path.read_text(encoding="utf-8")
+    line = f'repository = "{repository}"'
+    span = _table(text, _TOOL_HEADER)
+    if span is None:
+        text = text.rstrip("\n") + f"\n\n{_TOOL_HEADER}\n{line}\n"
+    else:
+        body = text[span[0]:span[1]]
+        new, n = re.subn(r"^repository\s*=.*$", line, body, count=1, flags=re.M)
+        if not n:
+            head, _, rest = body.partition("\n")
+            new = f"{head}\n{line}\n{rest}"
+        text = text[:span[0]] + new + text[span[1]:]
+    path.write_text(text, encoding="utf-8")
+
+
 def _solutions(root: Path) -> list[Path]:
     return sorted((root / "solutions").glob("*.ipynb"))
 
 
+PACKAGED = ("labkit", "_notebooks")  # the learner notebooks a wheel or `pip install` of a checkout ships
+
+
+def _targets(root: Path) -> list[Path]:
+    """Where ``build`` writes the learner notebooks: ``notebooks/`` (what a learner of a checkout opens and
+    edits) and, in a checkout of labkit, ``labkit/_notebooks/`` (the package data ``pip install`` ships:
+    built from solutions/, never the working tree's edited copies; issue 36)."""
+    folders = [root / "notebooks"]
+    if (root / PACKAGED[0] / "__init__.py").is_file():
+        folders.append(root.joinpath(*PACKAGED))
+    return folders
+
+
 def build_all(root: Path) -> list[Path]:
-    """Write ``notebooks/NAME.ipynb`` for every ``solutions/NAME.ipynb``; return the written paths."""
-    out_dir = root / "notebooks"
-    out_dir.mkdir(exist_ok=True)
+    """Write ``notebooks/NAME.ipynb`` (and ``labkit/_notebooks/NAME.ipynb`` in a checkout) for every
+    ``solutions/NAME.ipynb`` (first cell for the :func:`configured_repository`) and ``pyproject.toml``'s
+    ``[project.urls]``; return the written notebook paths."""
+    repository = configured_repository(root)
+    _write_project_urls(root, repository)
     written = []
-    for sol in _solutions(root):
-        target = out_dir / sol.name
-        text = build_text(sol)
-        if not target.exists() or target.read_text(encoding="utf-8") != text:
-            target.write_text(text, encoding="utf-8")
-        written.append(target)
+    for out_dir in _targets(root):
+        if out_dir.is_symlink():  # an older checkout linked the package data to notebooks/
+            out_dir.unlink()
+        out_dir.mkdir(exist_ok=True)
+        for sol in _solutions(root):
+            target = out_dir / sol.name
+            text = build_text(sol, repository)
+            if not target.exists() or target.read_text(encoding="utf-8") != text:
+                _write_whole(target, text.encode("utf-8"))
+            written.append(target)
+        if out_dir != root / "notebooks":
+            for extra in sorted(out_dir.glob("*.ipynb")):
+                if extra.name not in {s.name for s in _solutions(root)}:
+                    extra.unlink()  # the package ships exactly the built notebooks
     return written
 
 
+def _write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` all or nothing (a temporary file beside it, renamed over it): a
+    Ctrl-C or a full disk leaves the old file or none, never half a notebook."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def stale_notebooks(root: Path) -> list[str]:
-    """Descriptions of each ``notebooks/`` file that differs from what ``build`` would write."""
-    problems = []
+    """Descriptions of each ``notebooks/`` (and ``labkit/_notebooks/``) file that differs from what ``build``
+    would write."""
+    repository = configured_repository(root)
+    problems = [p for p in [project_urls_problem(root, repository)] if p]
     sols = _solutions(root)
-    for sol in sols:
-        target = root / "notebooks" / sol.name
-        if not target.exists():
-            problems.append(f"notebooks/{sol.name} is missing")
-        elif target.read_text(encoding="utf-8") != build_text(sol):
-            problems.append(f"notebooks/{sol.name} is stale (differs from solutions/{sol.name})")
+    for out_dir in _targets(root):
+        shown = out_dir.relative_to(root).as_posix()
+        if out_dir.is_symlink():
+            problems.append(f"{shown} is a link to {os.readlink(out_dir)}: it must hold the notebooks as built")
+            continue
+        for sol in sols:
+            target = out_dir / sol.name
+            if not target.exists():
+                problems.append(f"{shown}/{sol.name} is missing")
+            elif target.read_text(encoding="utf-8") != build_text(sol, repository):
+                problems.append(f"{shown}/{sol.name} is stale (differs from solutions/{sol.name})")
+        names = {s.name for s in sols}
+        for extra in sorted(out_dir.glob("*.ipynb")):
+            if extra.name not in names:
+                problems.append(f"{shown}/{extra.name} has no solutions/{extra.name}")
     for sol in sols:
         stale = _stale_figures(sol)
         if stale:
             problems.append(stale)
-    names = {s.name for s in sols}
-    for extra in sorted((root / "notebooks").glob("*.ipynb")):
-        if extra.name not in names:
-            problems.append(f"notebooks/{extra.name} has no solutions/{extra.name}")
     return problems
 
 
@@ -309,13 +473,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--execute", nargs="*", metavar="NAME", default=None,
                    help="execute these solution notebooks (all when none named) in place first")
     p.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
+    p.add_argument("--repository", metavar="URL", default=None,
+                   help="record URL (an https git repository; \"\" clears it) as [tool.labkit] repository in "
+                        "pyproject.toml: the learner notebooks' first cell installs labkit from git+URL on Colab "
+                        "or JupyterHub, and [project.urls] names it (unset: the cell says how to install labkit)")
     a = p.parse_args(argv)
     root = a.root.resolve() if a.root else find_root()
     if not (root / "solutions").is_dir():
-        print(f"error: found no solutions/ folder in {root} or above {Path.cwd()}: `build` runs in a checkout of the "
-              f"repository (the learner notebooks of an installed labkit: python -m labkit notebooks)", file=sys.stderr)
+        print(f"error: found no solutions/ folder in {root}{'' if a.root else ' or above it'}: `build` works on the "
+              f"checkout you stand in (or --root DIR) and on no other; the learner notebooks of an installed labkit: "
+              f"python -m labkit notebooks", file=sys.stderr)
         return 2
     try:
+        if a.repository is not None:
+            if a.check:
+                raise BuildError("--repository changes pyproject.toml and the notebooks: run it without --check")
+            set_repository(root, a.repository.strip())
+            print(f"pyproject.toml: [tool.labkit] repository = {a.repository.strip()!r}")
         if a.execute is not None:
             for path in _select(root, a.execute):
                 print(f"executing solutions/{path.name}", flush=True)
@@ -325,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             for line in problems:
                 print(line, file=sys.stderr)
             if problems:
-                print("run `python -m labkit build` and commit notebooks/ (a cell that needs a reference: move it "
-                      "after its exercise)", file=sys.stderr)
+                print("run `python -m labkit build` and commit notebooks/ and labkit/_notebooks/ (a cell that needs a "
+                      "reference before its exercise: move it after the exercise)", file=sys.stderr)
                 return 1
             print(f"{_shown(root / 'notebooks')}/ is up to date ({len(_solutions(root))} notebooks)")
             return 0
@@ -350,18 +524,40 @@ def _shown(path: Path) -> Path:
 def packaged_notebooks(kind: str = "notebooks") -> list[Path]:
     """The notebooks shipped with labkit: ``kind`` "notebooks" (learner versions) or "solutions".
 
-    They are package data (``labkit/_notebooks`` and ``labkit/_solutions``, which link to the
-    repository's ``notebooks/`` and ``solutions/``), so an installed wheel has them too."""
+    They are package data (``labkit/_notebooks``, written by ``build`` from the solutions, and
+    ``labkit/_solutions``, which links to the repository's ``solutions/``), so an installed wheel has them too."""
     folder = Path(__file__).resolve().parents[1] / ("_notebooks" if kind == "notebooks" else "_solutions")
     return sorted(folder.glob("*.ipynb"))
+
+
+def _bad_destination(dest: Path, jobs, force: bool) -> str | None:
+    """Why the copy ``jobs`` ``[(src, dst)]`` cannot all be written under ``dest``, or None: a folder
+    on the way that is a file (``DEST/solutions`` a file), a notebook's place taken by a folder
+    (or, with ``force``, by something that is not a file), a folder that cannot be made or
+    written in (tried: what is made to find out is removed again)."""
+    from ..labs import bad_out
+
+    folders = sorted({dst.parent for _, dst in jobs})
+    for folder in folders:
+        for q in (folder, *folder.parents):
+            if q.exists() or q.is_symlink():
+                if not q.is_dir():
+                    return f"{q} exists and is a file, not a folder: the notebooks go into {folder}/"
+                break
+    for _, dst in jobs:
+        if dst.is_dir() or (force and dst.exists() and not dst.is_file()):
+            return f"{dst} exists and is not a file: it cannot be replaced by the notebook {dst.name}"
+    for folder in folders:
+        why = bad_out(folder, "DEST")
+        if why:
+            return f"cannot write {folder}/: {why.split(': ', 1)[1]}"
+    return None
 
 
 def notebooks_main(argv: list[str] | None = None) -> int:
     """``python -m labkit notebooks [DEST] [--solutions] [--force]``: copy the learner notebooks
     (and, when asked, the solutions into DEST/solutions) out of the installed labkit. A file
     already in DEST is kept (it may hold a learner's work) unless ``--force``."""
-    import shutil
-
     p = Parser(prog="python -m labkit notebooks",
                description="Copy the learner notebooks shipped with labkit into a folder "
                            "(Colab, JupyterHub, a laptop).")
@@ -369,15 +565,20 @@ def notebooks_main(argv: list[str] | None = None) -> int:
     p.add_argument("--solutions", action="store_true", help="also copy the complete notebooks into DEST/solutions")
     p.add_argument("--force", action="store_true", help="replace notebooks already in DEST")
     a = p.parse_args(argv)
+    a.dest = a.dest.expanduser()  # '~/nb' quoted in a shell (or from a notebook's !cell) is the home folder's nb
     if a.dest.exists() and not a.dest.is_dir():
         print(f"error: {a.dest} exists and is not a folder", file=sys.stderr)
         return 2
     jobs = [(f, a.dest / f.name) for f in packaged_notebooks("notebooks")]
     if a.solutions:
         jobs += [(f, a.dest / "solutions" / f.name) for f in packaged_notebooks("solutions")]
+    bad = _bad_destination(a.dest, jobs, a.force)
+    if bad:   # checked before anything is copied: a half copy is worse than none
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     if not jobs:
         print("error: this labkit was installed without its notebooks (labkit/_notebooks is empty); "
-              f"install it from a wheel or a checkout of {REPOSITORY_URL}", file=sys.stderr)
+              "install it from a wheel (pip wheel . in a checkout) or from a checkout (pip install .)", file=sys.stderr)
         return 1
     copied, kept = 0, []
     for src, dst in jobs:
@@ -386,7 +587,7 @@ def notebooks_main(argv: list[str] | None = None) -> int:
             continue
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+            _write_whole(dst, src.read_bytes())
         except OSError as e:
             print(f"error: cannot write {dst}: {e.strerror or e}" + (f" ({copied} copied before it)" if copied else ""),
                   file=sys.stderr)
@@ -395,5 +596,22 @@ def notebooks_main(argv: list[str] | None = None) -> int:
     print(f"copied {copied} notebooks into {a.dest}" + (" (learner versions and solutions/)" if a.solutions else ""))
     if kept:
         print(f"kept {len(kept)} already there (your work; --force replaces them): {', '.join(kept)}")
-    print(f"open them with: jupyter lab {a.dest}")
+    print(_open_with(a.dest))
     return 0
+
+
+def _open_with(dest: Path) -> str:
+    """How to open ``dest``: with Jupyter where this environment has it, else how to get it (issue 36: a venv
+    with only torch and labkit was told to run `jupyter lab`, which it does not have)."""
+    import importlib.util
+    import shlex
+    import shutil
+
+    where = shlex.quote(str(dest))
+    if importlib.util.find_spec("jupyterlab") is not None or shutil.which("jupyter-lab"):
+        return f"open them with: jupyter lab {where}"
+    if importlib.util.find_spec("notebook") is not None or shutil.which("jupyter-notebook"):
+        return f"open them with: jupyter notebook {where}"
+    return (f"this Python has no Jupyter to open them: install it with `{shlex.quote(sys.executable)} -m pip install "
+            f"'labkit[lab]'` (or `pip install jupyterlab`), then run: jupyter lab {where}; on Colab or a "
+            f"JupyterHub, upload or open the folder there instead")

@@ -728,6 +728,23 @@ def _seconds(text: str) -> float | None:
     return value if math.isfinite(value) and value > 0 else None
 
 
+def _hidden_env_problem() -> str | None:
+    """``LABKIT_HIDDEN_CASES``: each folder it names checked as ``autograder --hidden-cases`` checks
+    its folder (:func:`labkit.grading.registry.hidden_cases_problem`), then the cases loaded; the
+    first problem as one message, or None."""
+    from .registry import hidden_cases_problem, load_hidden_problem
+
+    value = os.environ.get(HIDDEN_ENV)
+    if value is None:
+        return None
+    for folder in value.split(os.pathsep):
+        if folder:
+            bad = hidden_cases_problem(folder, f"{HIDDEN_ENV}={folder}")
+            if bad:
+                return bad
+    return load_hidden_problem(f"{HIDDEN_ENV}={value}") if value.strip(os.pathsep) else None
+
+
 def _input_problem(paths: list[Path], results: Path | None) -> str:
     """What is wrong with the command's inputs ("" when nothing): checked before anything runs."""
     for x in paths:
@@ -780,6 +797,19 @@ def _submission_options(parser, args) -> list[str]:
     return out
 
 
+def _print_integrity(grades, assignment: str | None) -> None:
+    """The integrity report of the graded notebooks (:mod:`labkit.grading.integrity`) on stdout,
+    the instructor-only output (Gradescope: ``stdout_visibility`` hidden); never part of a score,
+    and a failure here costs no grade."""
+    try:
+        from .integrity import for_submissions, format_report
+
+        paths = [g.path for g in grades if g.graded]
+        print(format_report(for_submissions(paths, assignment)))
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: no integrity report: {type(e).__name__}: {e}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m labkit grade``; bad input ends with one ``error:`` line (exit 2) before any
     kernel starts. Exit status 0 when every notebook was graded (whatever its score), 1 when one
@@ -809,16 +839,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tmp-size", type=int, default=d.tmp_size // 2 ** 20,
                    help=f"MiB of each private /tmp, /var/tmp, /dev/shm (root only; default {d.tmp_size // 2 ** 20})")
     p.add_argument("--no-hints", action="store_true", help="leave hints out of the graded messages")
+    p.add_argument("--allow-partial-isolation", action="store_true",
+                   help="as root: grade even when the self-check at start finds that kernels cannot get full "
+                        "isolation (a uid of their own, private namespaces, a file system of their own); without "
+                        "it the grader stops before grading with the cause and the fix (exit 2)")
     p.add_argument("--no-source-policy", action="store_true",
                    help="no effect, kept for old scripts: there is no source policy any more (how code is written "
                         "never costs points)")
     p.add_argument("--results-dir", type=Path, default=None,
-                   help="batch: one results file per submission in this folder")
+                   help="batch: one results file per submission in this folder, and the integrity report "
+                        "(integrity.csv, integrity.html: similarity to the kit's reference and between "
+                        "submissions, dynamic code; for the instructor, never a score)")
     p.add_argument("--gradebook", type=Path, default=None,
                    help="batch: a CSV with one row per submission, one column per exercise and the total")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="batch: submissions graded at a time (default: the cores)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # a submission whose file name starts with "-" (-2+3.ipynb) is a path, not an option
+    argv = [os.path.join(".", x) if x.startswith("-") and x.endswith(".ipynb") and os.path.isfile(x) else x
+            for x in argv]
     a = p.parse_args(argv)
+    bad = _hidden_env_problem()   # before anything loads the exercises (and with them the hidden cases)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     limits = Limits(processes=a.max_processes, file_size=a.max_file_size * 2 ** 20,
                     address_space=a.max_memory * 2 ** 20, memory=a.max_memory * 2 ** 20, tmp_size=a.tmp_size * 2 ** 20)
     cell_timeout = _seconds(a.cell_timeout)
@@ -863,6 +907,12 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
+    if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
+        from .session import isolation_problem
+        problem = isolation_problem(limits)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     if a.assignment is None:
         print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
@@ -875,6 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits,
                          hints=not a.no_hints, source_policy=not a.no_source_policy)
     print(format_table(grades))
+    _print_integrity(grades, a.assignment)
     if a.results:
         obj = results_json(grades, execution_time=time.monotonic() - t0)
         validate_results(obj)

@@ -1,4 +1,4 @@
-"""Running an exercise's cases against an answer, and the one line ``check`` prints.
+"""Running an exercise's cases against an answer, and the verdict ``check`` prints.
 
 Each case runs in a forked child process (fork keeps functions defined in a notebook usable):
 
@@ -37,7 +37,7 @@ __all__ = ["CaseResult", "CheckResult", "run_case", "evaluate", "format_line", "
 STRICT_ENV = "LABKIT_STRICT"  # "1": check() raises when an exercise is not passed
 SECOND_HINT_AFTER = 2  # failed check() calls of one exercise before its second hint (Exercise.hint2) shows
 _FAILED_CHECKS: dict[str, int] = {}  # exercise id -> failed check() calls in this process
-MAX_MESSAGE = 400  # characters of a case message shown on the one line
+MAX_MESSAGE = 400  # characters of a case message shown in the verdict
 
 
 @dataclass
@@ -304,9 +304,20 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
 
 
 def format_line(ex: Exercise, res: CheckResult, failures: int = 1, hints: bool = True) -> str:
-    """The one deterministic line ``check`` prints for ``res``; from the ``SECOND_HINT_AFTER``-th
-    failure of the exercise (``failures``) the exercise's second hint follows the first;
-    ``hints=False`` leaves out the hints (a graded run that holds hints back: ``grade --no-hints``)."""
+    """The deterministic text ``check`` prints for ``res``: one line when the exercise passed or is not
+    attempted; for a failure the verdict, the case, what was checked, the expected/got and each hint
+    on lines of their own (issue 36: a failure was one unbroken 6-line paragraph)::
+
+        Exercise 1.1 (bubble fraction): failed
+          case "K=4, M=8"
+          bubble_fraction(K=4, M=8):
+          expected 0.272727, got 0.25; got is 0.9167 x expected.
+          Hint: ...
+          Second hint: ...
+
+    From the ``SECOND_HINT_AFTER``-th failure of the exercise (``failures``) the exercise's second hint
+    follows the first; ``hints=False`` leaves out the hints (a graded run that holds hints back:
+    ``grade --no-hints``)."""
     if not ex.cases:
         return f"{ex.label}: no cases are registered for this exercise."
     if res.status == "passed":
@@ -316,18 +327,22 @@ def format_line(ex: Exercise, res: CheckResult, failures: int = 1, hints: bool =
     first = next(r for r in res.cases if r.status == "failed")
     case = next((c for c in ex.cases if c.name == first.name), None)
     text = case.hint if case is not None and case.hint is not None else ex.hint
-    hint = f" Hint: {text}" if text and hints else ""
+    hint = [f"  Hint: {text}"] if text and hints else []
     second = getattr(ex, "hint2", "")
     if second and hints and failures >= SECOND_HINT_AFTER:
-        hint += f" Second hint: {second}"
+        hint.append(f"  Second hint: {second}")
     if first.hidden:
         counts = f"{res.passed} of {res.total} cases passed"
         what = f"a hidden case failed ({counts}; its details are not shown)."
         if "time limit" in first.message:
             what = f"a hidden case failed ({counts}): {first.message}."
-        return f"{ex.label}: failed: {what}{hint}"
+        return "\n".join([f"{ex.label}: failed", f"  {what}"] + hint)
     msg = first.message.rstrip(".")
-    return f"{ex.label}: failed case \"{first.name}\": {msg}.{hint}"
+    body = [f"  {msg}."]
+    cut = msg.find(": expected ")
+    if cut > 0:
+        body = [f"  {msg[:cut]}:", f"  {msg[cut + 2:]}."]
+    return "\n".join([f"{ex.label}: failed", f"  case \"{first.name}\""] + body + hint)
 
 
 class CheckNotPassed(AssertionError):
@@ -335,11 +350,11 @@ class CheckNotPassed(AssertionError):
 
 
 def check(exercise_id: str, answer: Any) -> CheckResult:
-    """Check ``answer`` against exercise ``exercise_id`` and print ONE line.
+    """Check ``answer`` against exercise ``exercise_id`` and print its verdict (:func:`format_line`).
 
-    The line says "passed, n/n cases"; or "failed case "<name>": <what: expected X, got Y>.
-    Hint: ..." for the first failing public case ("a hidden case failed" for a hidden one);
-    or "not attempted" while the answer is still the stub (raises NotImplementedError).
+    One line says "passed, n/n cases" or "not attempted" while the answer is still the stub (raises
+    NotImplementedError); a failure says "failed", then on lines of their own the first failing public
+    case, what it checked, "expected X, got Y" and the hints ("a hidden case failed" for a hidden one).
 
     Never raises for a wrong answer, so later cells still run, unless env
     ``LABKIT_STRICT=1``: then anything but "passed" raises :class:`CheckNotPassed` (CI runs

@@ -57,7 +57,8 @@ from .kernel import GRADING_ENV
 from .proxy import CaseTimeout, KernelFailure, request_kernel
 from .registry import HIDDEN_ENV
 
-__all__ = ["KernelUser", "kernel_user", "KernelSession", "KernelStartTimeout", "KernelStartError", "isolation_note",
+__all__ = ["KernelUser", "kernel_user", "isolation_problem",
+           "KernelSession", "KernelStartTimeout", "KernelStartError", "isolation_note",
            "INTERRUPT_GRACE"]
 
 INTERRUPT_GRACE = 2.0  # seconds a kernel gets to stop after SIGINT before it is killed
@@ -197,7 +198,7 @@ def _find_kernel_user() -> KernelUser | None:
         if ok:
             _UNUSABLE[:] = [f"no private namespaces ({why})"]
             return user
-        _UNUSABLE[:] = [f"a fresh uid cannot run {sys.executable} with labkit ({why2})"]
+        _UNUSABLE[:] = [f"a fresh uid cannot run {sys.executable} with labkit (in a jail: {why}; without: {why2})"]
         return None
     finally:
         kill_uid(lease.uid, 5)
@@ -225,27 +226,49 @@ _NO_NEW_ROOT: list[str] = []  # why kernels do not get a file system of their ow
 
 def _try_new_root(user: KernelUser) -> None:
     """Give ``user`` a file system of its own (:attr:`KernelUser.newroot`) if a probe runs there."""
+    user.newroot = True
+    ok, why = _probe(user)
+    if not ok:
+        user.newroot = False
+        _NO_NEW_ROOT[:] = [why]
+
+
+PROBE = ("import os, sys, ipykernel, labkit.grading.kernel\n"
+         "print('labkit-probe', os.getuid(), os.geteuid(), os.path.dirname(labkit.__file__))")
+
+
+def _probe(user: KernelUser) -> tuple[bool, str]:
+    """The self-check: can ``user`` start this environment's Python and import ipykernel and the
+    kit, in the jail a kernel gets (the same :mod:`labkit.grading._jail` options: private
+    temporary folders, home, hidden secrets, its own /proc and root), and does it run as a
+    uid other than root when the grader is root? (ok, why not). Leaves nothing behind: its
+    staging folder is removed."""
     stage = tempfile.mkdtemp(prefix="labkit-probe-")
     os.chmod(stage, 0o755)
     try:
-        user.newroot = True
-        ok, why = _probe(user, stage)
-        if not ok:
-            user.newroot = False
-            _NO_NEW_ROOT[:] = [why]
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
-def _probe(user: KernelUser, stage: str | None = None) -> tuple[bool, str]:
-    """Can ``user`` run this environment's Python and import the kit?"""
-    argv, kw = user.command([sys.executable, "-c", "import ipykernel, labkit.grading.kernel"], stage=stage)
-    try:
+        options = []
+        if user.jail:
+            options = [f"--tmp={2 ** 20}", f"--stage={stage}", f"--home={PRIVATE_HOME}",
+                       *(f"--hide={p}" for p in secret_paths())]
+            if not user.userns:
+                options.append("--hidepid=1")
+        argv, kw = user.command([sys.executable, *_no_user_site(), "-c", PROBE], options=options,
+                                stage=stage if user.newroot else None)
+        env = {**kernel_environment(), "HOME": PRIVATE_HOME if user.jail else stage, "TMPDIR": "/tmp"}
         probe = subprocess.run(argv, cwd="/", stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                               timeout=120, **kw)
-        return probe.returncode == 0, _first_line(probe.stderr)
+                               timeout=120, env=env, **kw)
+        if probe.returncode != 0:
+            return False, _first_line(probe.stderr)
+        line = next((l.split() for l in probe.stdout.splitlines() if l.startswith("labkit-probe ")), None)
+        if line is None or len(line) < 3:
+            return False, "the probe printed nothing"
+        if os.geteuid() == 0 and "0" in line[1:3]:
+            return False, "the probe ran as root"
+        return True, ""
     except (OSError, subprocess.SubprocessError) as e:
         return False, f"{type(e).__name__}: {e}"
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 _UNUSABLE: list[str] = []  # why running as root did not give an unprivileged kernel
@@ -288,6 +311,33 @@ def secret_files() -> list[str]:
         elif os.path.isfile(p):
             out.append(p)
     return out
+
+
+def isolation_problem(limits: Limits | None = None) -> str:
+    """The self-check a grader runs before grading ("" when it passed): as root, a kernel must run
+    as a uid of its own in a jail with a file system of its own (:func:`kernel_user` proved,
+    with a probe in exactly that jail, that this uid starts Python and imports the kit), else
+    this returns one line naming the cause and the fix, and the grader stops (exit 2) rather
+    than run a submission as root or claim isolation it lacks. A non-root grader is never
+    refused: :func:`isolation_note` says what its partial isolation leaves open."""
+    if os.geteuid() != 0:
+        return ""
+    user = kernel_user(limits)
+    if user is not None and user.jail and user.newroot and not user.userns:
+        return ""
+    import labkit
+
+    where = ", ".join(dict.fromkeys([sys.prefix, os.path.dirname(os.path.abspath(labkit.__file__))]))
+    if user is None:
+        cause = "; ".join(_UNUSABLE) or "no unprivileged uid could run the kernel"
+    elif not user.jail:
+        cause = "; ".join(_UNUSABLE) or "no private namespaces"
+    else:
+        cause = f"no file system of its own for the kernel ({'; '.join(_NO_NEW_ROOT) or 'the probe failed'})"
+    return (f"cannot isolate the submissions' kernels: {cause}. Fix: run the grader as root where "
+            f"`unshare --mount --ipc --net` works (a container needs CAP_SYS_ADMIN) and make Python and the kit "
+            f"({where}) readable by other users (chmod o+rX on them and their folders); or pass "
+            f"--allow-partial-isolation to grade with the weaker isolation the output then describes")
 
 
 def isolation_note(user: KernelUser | None) -> str:
@@ -430,6 +480,29 @@ class KernelStartError(RuntimeError):
     """The kernel process exited before it answered: no code of the submission had run in it."""
 
 
+def _open_tmp() -> str | None:
+    """A temporary folder every uid can pass through (each folder on its path ``o+x``), for a kernel's
+    own folder (its sockets): TMPDIR when it is one, else the first of /tmp, /var/tmp, /dev/shm
+    that is. A TMPDIR of mode 700 (or inside such a folder) would keep the kernel's uid from its
+    own sockets. None: the default temporary folder."""
+    def open_path(p: str) -> bool:
+        p = os.path.realpath(p)
+        while True:
+            try:
+                if not os.stat(p).st_mode & 0o001:
+                    return False
+            except OSError:
+                return False
+            if p == "/":
+                return True
+            p = os.path.dirname(p)
+
+    for p in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(p) and open_path(p):
+            return p
+    return None
+
+
 class KernelSession:
     """One learner kernel (see the module docstring). ``cwd``: its working directory."""
 
@@ -440,7 +513,7 @@ class KernelSession:
             user = KernelUser(f"uid {self.lease.uid}", self.lease.uid, self.lease.gid, True, user.jail, user.limits,
                               newroot=user.newroot)
         self.user = user
-        self.dir = tempfile.mkdtemp(prefix="labkit-kernel-")
+        self.dir = tempfile.mkdtemp(prefix="labkit-kernel-", dir=_open_tmp() if user is not None else None)
         self.cwd = self.dir if user is not None else cwd
         self.proc = None
         self.kc = None

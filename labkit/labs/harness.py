@@ -240,9 +240,11 @@ def prepare(lab: Lab, argv: Sequence[str]):
     """Parse ``argv`` and apply the lab's rules: ``(options, corpus, None)``, or ``(None, None,
     exit code)`` after one ``error:`` line. Nothing has started yet."""
     from ..dist import in_torchrun
-    a = lab.parser().parse_args(list(argv))
+    p = lab.parser()
+    p.defer_needs = True    # the one rule for options without effect, once resolve has set the sizes left open
+    a = p.parse_args(list(argv))
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
-    bad = lab.resolve(a, world) or lab.check(a)
+    bad = lab.resolve(a, world) or p.unneeded(a) or lab.check(a)
     if bad:
         return None, None, error(bad)
     try:  # a bad --data path: a clear message before any process starts

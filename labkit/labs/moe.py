@@ -43,7 +43,6 @@ from .moe_common import (
     build_parser,
     configs,
     global_name,
-    ignored_without_eplb,
     model_expert_offset,
     resolve,
     train_single,
@@ -213,7 +212,7 @@ class MoELab(Lab):
         resolve(a, world)
 
     def check(self, a):  # every size error before any process starts
-        bad = bad_args(a) or ignored_without_eplb(a)
+        bad = bad_args(a)
         if bad is None and a.eplb:
             bad = ("--eplb starts its own ranks: run it with python -m labkit lab moe --eplb" if in_torchrun()
                    else "--eplb is the EPLB lab: run it with python -m labkit lab moe --eplb")
@@ -236,24 +235,10 @@ class MoELab(Lab):
         ref, self.ref_hist = _reference_run(a, a.compare_mode, a.steps, corpus)
         return ref
 
-    def report(self, a, outcome):
+    @staticmethod
+    def _a2a_table(a, ep_hist, n_moe) -> None:
+        """The all-to-all bytes per MoE layer of step 0, per rank, next to the formula (EP > 1)."""
         H, E, k = a.n_embd, a.experts, a.top_k
-        name = f"EP={a.ep} ({a.compare_mode})"
-        ranks = outcome.results[name]
-        ep_hist = [r.history for r in ranks]
-        t_ep = outcome.seconds
-        ref = self.ref_hist
-
-        # 1. EP == single device: the verdict (every step, at the same parameters); the curve gap is shown only
-        ep_loss = [sum(h.loss[s] for h in ep_hist) / a.ep for s in range(a.steps)]
-        gap = max(abs(x - y) for x, y in zip(ep_loss, ref.loss))
-        print(f"MoE GPT: {a.n_layer} layers (MoE every {a.moe_every}), H={H}, E={E}, k={k}, "
-              f"capacity factor {a.capacity_factor}, batch {a.batch}x{a.seq} tokens, balance={a.compare_mode}")
-        print(f"EP={a.ep} vs single device, {a.steps} AdamW steps (EP run {t_ep:.1f} s): largest gap between the "
-              f"two separate trainings' loss curves {gap:.2e} (shown, not judged; the verdict is at the end)")
-
-        # 2. all-to-all bytes, step 0, next to the formula
-        n_moe = len(ep_hist[0].loads[0])
         print(f"\nall-to-all bytes per MoE layer, forward of step 0 (sent by each rank; fp32, H={H}):")
         head = (f"{'rank':>4}  {'layer':>5}  {'counts':>6} {'(E*8)':>6}  {'dispatch':>8} {'(N_p*H*4)':>9}  "
                 f"{'combine':>7}  {'N_p':>5}")
@@ -272,6 +257,29 @@ class MoELab(Lab):
               f"(of\nk*T_p = {k * (a.batch // a.ep) * a.seq}) go to their experts' ranks, N_p*H*4 bytes. combine: "
               f"the expert outputs go back, i.e. the rows\nthis rank's experts processed (differs per rank; the "
               f"totals over ranks equal dispatch's).")
+
+    def report(self, a, outcome):
+        H, E, k = a.n_embd, a.experts, a.top_k
+        name = f"EP={a.ep} ({a.compare_mode})"
+        ranks = outcome.results[name]
+        ep_hist = [r.history for r in ranks]
+        t_ep = outcome.seconds
+        ref = self.ref_hist
+
+        # 1. EP == single device: the verdict (every step, at the same parameters); the curve gap is shown only
+        ep_loss = [sum(h.loss[s] for h in ep_hist) / a.ep for s in range(a.steps)]
+        gap = max(abs(x - y) for x, y in zip(ep_loss, ref.loss))
+        print(f"MoE GPT: {a.n_layer} layers (MoE every {a.moe_every}), H={H}, E={E}, k={k}, "
+              f"capacity factor {a.capacity_factor}, batch {a.batch}x{a.seq} tokens, balance={a.compare_mode}")
+        print(f"EP={a.ep} vs single device, {a.steps} AdamW steps (EP run {t_ep:.1f} s): largest gap between the "
+              f"two separate trainings' loss curves {gap:.2e} (shown, not judged; the verdict is at the end)")
+
+        # 2. all-to-all bytes, step 0, next to the formula
+        n_moe = len(ep_hist[0].loads[0])
+        if a.ep == 1:   # every expert on the one rank: no all-to-all is sent
+            print(f"\nall-to-all bytes: none (--ep 1: all E={E} experts on the one rank, tokens never leave it)")
+        else:
+            self._a2a_table(a, ep_hist, n_moe)
 
         # 3. balancing runs
         runs = self.balance_runs = {mode: _reference_run(a, mode, a.balance_steps, outcome.corpus)[1]

@@ -62,12 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--eplb: expert groups for EPLB's hierarchical policy (unset: the number of nodes)")
     p.add_argument("--device-coeff", type=float, default=None,
                    help=f"--eplb: device-level balance loss alpha2 (unset: {DEVICE_COEFF})")
+    for name in EPLB_OPTIONS:   # the one rule for options without effect (labkit.cliparse.Parser.needs)
+        p.needs("--" + name.replace("_", "-"), lambda a: a.eplb, "--eplb", "--eplb")
+    for opt, why in (("--capacity-factor", "--eplb routes without a capacity limit"),
+                     ("--aux-coeff", "--eplb trains no aux-loss run"),
+                     ("--compare-mode", "--eplb compares with the unbalanced model")):
+        p.needs(opt, lambda a: not a.eplb, f"the standard lab ({why})", "no --eplb")
     return p
 
 
 def wants_eplb(argv) -> bool:
     """True when ``argv`` (the moe lab's arguments) asks for ``--eplb`` (or an abbreviation of it)."""
-    a, _ = build_parser().parse_known_args(list(argv))
+    p = build_parser()
+    p.defer_needs = True   # only a look: the lab's parse applies the rules
+    a, _ = p.parse_known_args(list(argv))
     return a.eplb
 
 
@@ -129,15 +137,6 @@ def bad_args(a) -> str | None:
     return bad_memory(spec, Layout(d=a.ep, ep=a.ep, b=a.batch // a.ep, M=1, precision="fp32"),
                       f"--experts {a.experts} --n-embd {a.n_embd} --n-layer {a.n_layer} --seq {a.seq} "
                       f"--batch {a.batch} (P={a.ep})")
-
-
-def ignored_without_eplb(a) -> str | None:
-    """The message for an --eplb option given without --eplb (it would be silently ignored), or None."""
-    for name in EPLB_OPTIONS:
-        if not a.eplb and getattr(a, name) is not None:
-            flag = "--" + name.replace("_", "-")
-            return f"{flag} {getattr(a, name)} is an --eplb option: add --eplb, or leave {flag} out"
-    return None
 
 
 def bad_eplb_args(a) -> str | None:

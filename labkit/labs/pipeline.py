@@ -77,7 +77,14 @@ def _parser():
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     add_shared_options(p, plots=True)
+    p.needs("--chunks", lambda a: "interleaved" in _expanded(a.schedule),
+            "--schedule interleaved (or all; got --schedule {schedule})", "--schedule interleaved")
     return p
+
+
+def _expanded(schedules) -> list[str]:
+    """The schedules a --schedule list runs (the groups all and zero-bubble expanded)."""
+    return [s for name in schedules for s in GROUPS.get(name, (name,))]
 
 
 def _bad_args(a, K) -> str | None:

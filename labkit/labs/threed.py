@@ -4,6 +4,7 @@
                             [--chunks v] [--microbatches M] [--zero [STAGE]] [--hsdp R] [--tied] [--sp]
                             [--recompute none|selective|full] [--steps N] [--data PATH]
                             [--cp C --cp-attention ring|allgather|ulysses] [--cp-no-load-balance]
+                            [--ignore-frac F]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
 
 Megatron-LM's recipe (Narayanan et al. 2021, sec. 3.3): N = t * p * d devices; TP inside a node
@@ -48,6 +49,14 @@ With ``--moe`` each CP rank routes its S/C tokens over its EP (= DP) group: the 
 the balance losses' gathers of the router logits and indices over CP, the DP row the local
 experts' CP sum, and the experts' activations come from the rows each rank's EP peers of its CP
 rank sent it (not with ``--hsdp``).
+
+Ignored targets (``--ignore-frac F``, :func:`padded_documents`): each sequence of a batch is a
+document of random length padded with -100 targets (about F of the step's targets, between 0 and
+2F per sequence), so the DP ranks, the CP ranks' chunks and the microbatches hold different
+numbers of valid targets, some none. The loss is the mean over the step's valid targets on every
+layout (:mod:`labkit.parallel.loss`: their count is one more all-reduce of 8 bytes, the table's
+"loss" row), and the verdict compares every gradient with one device's on those batches. The
+default, 0, keeps every target.
 """
 from __future__ import annotations
 
@@ -127,7 +136,27 @@ def _parser():
     p.add_argument("--embd", type=int, default=32, help="hidden size H")
     p.add_argument("--heads", type=int, default=4, help="attention heads, divisible by t")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--ignore-frac", type=float, default=0.0, metavar="F",
+                   help="share of the targets set to -100, as variable-length documents padded to --seq (0 <= F "
+                        "< 1): the shards of a step then hold different numbers of valid targets, some none")
+    p.add_argument("--impl", default="labkit", choices=("labkit", "torch", "both"),
+                   help="labkit: labkit's own layers, pipeline runtime and DDP/ZeRO; torch: PyTorch's own APIs "
+                        "(DeviceMesh, parallelize_module, FSDP2, torch.distributed.pipelining; labkit.parallel."
+                        "torch_native); both: the two side by side, with the step-time ratio")
     add_shared_options(p, plots=True)
+    # the one rule (labkit.cliparse.Parser.needs): an option that changes nothing in this layout is refused
+    p.needs("--chunks", lambda a: lookup(a.schedule).chunks is None,
+            "--schedule interleaved (gpipe, 1f1b, zb-h1 run 1 chunk per rank, zbv and dualpipev 2; got --schedule "
+            "{schedule})", "--schedule interleaved")
+    p.needs("--cp-attention", lambda a: a.cp > 1, "--cp > 1 (got --cp {cp})", "--cp")
+    p.needs("--cp-no-load-balance", lambda a: a.cp > 1, "--cp > 1 (it chooses how --cp splits each sequence; "
+            "got --cp {cp})", "--cp")
+    p.needs("--hsdp", lambda a: a.zero == 3, "--zero 3 (HSDP shards the parameters; got --zero {zero})", "--zero 3")
+    p.needs("--sp", lambda a: a.tp > 1, "--tp > 1 (SP splits the sequence inside a TP group; got --tp {tp})", "--tp")
+    p.needs("--experts", lambda a: a.moe, "--moe", "--moe")
+    p.needs("--topk", lambda a: a.moe, "--moe", "--moe")
+    p.needs("--bucket-cap-mb", lambda a: a.zero in (0, 2) and (a.dp is None or a.dp * a.cp > 1),
+            "DDP buckets: --zero 0 or 2 with --dp * --cp > 1 (got --zero {zero}, --dp {dp}, --cp {cp})", "--dp")
     return p
 
 
@@ -183,28 +212,36 @@ def _loss(model, x, y):
 
 def _bad_args(a, world) -> str | None:
     """The first rule the options break, as one message naming the values; None if all are fine."""
-    if a.chunks is not None and lookup(a.schedule).chunks is not None:
-        return (f"--chunks {a.chunks} applies to --schedule interleaved only (gpipe, 1f1b, zb-h1 run 1 chunk per rank, "
-                f"zbv and dualpipev 2); got --schedule {a.schedule}")
     for flag, value in (("--tp", a.tp), ("--pp", a.pp), ("--dp", a.dp), ("--cp", a.cp), ("--chunks", _v(a)),
                         ("--microbatches", a.microbatches), ("--steps", a.steps), ("--batch", a.batch),
-                        ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads)):
+                        ("--seq", a.seq), ("--layers", a.layers), ("--embd", a.embd), ("--heads", a.heads),
+                        *((("--experts", a.experts),) if a.moe else ())):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
+    if not 0.0 <= a.ignore_frac < 1.0:     # NaN fails too
+        return f"--ignore-frac must be a share of the targets, 0 <= F < 1, got {a.ignore_frac}"
     bad = (bad_lr(a.lr) or bad_number("--tolerance", a.tolerance)
            or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
     if bad:
         return bad
-    if a.cp_no_load_balance and a.cp == 1:
-        return "--cp-no-load-balance chooses how --cp C > 1 splits each sequence; got --cp 1"
     if a.cp_no_load_balance and a.cp > 1 and a.seq % (2 * a.cp):
         return (f"--seq {a.seq} must be divisible by 2 * --cp = {2 * a.cp} (the planner's CP formulas count 2 cp "
                 f"chunks; the bytes are the same for the contiguous split)")
     if a.moe and not 1 <= a.topk <= a.experts:
-        return f"--topk must be between 1 and --experts={a.experts}, got {a.topk}"
+        return f"--topk {a.topk} must be between 1 and --experts {a.experts} (each token goes to k distinct experts)"
     if a.moe and a.cp > 1 and a.hsdp > 1:
         return (f"--moe with --cp {a.cp} is not combined with --hsdp {a.hsdp} here: use --zero 3 without --hsdp, "
                 f"or --cp 1")
+    info, v = lookup(a.schedule), _v(a)
+    if v > 1 and a.pp == 1:
+        return (f"--schedule {a.schedule} runs {v} model chunks per rank"
+                f"{' in a V over the p ranks' if info.v_shaped else ''}: it needs --pp > 1, got --pp 1")
+    rounds = max(1, a.microbatches // a.pp)
+    if v > 1 and a.microbatches % rounds:
+        return (f"--schedule {a.schedule} with {v} chunks per rank on --pp {a.pp} runs the microbatches in rounds = "
+                f"max(1, M // p) = {rounds} equal rounds (torch's ScheduleInterleaved1F1B rule, which the "
+                f"lab's communication count follows), which must divide --microbatches {a.microbatches}; "
+                f"e.g. --microbatches {rounds * a.pp} or {(rounds + 1) * a.pp}")
     try:
         cfg = _config(a)
         from ..parallel import check_layout
@@ -215,6 +252,12 @@ def _bad_args(a, world) -> str | None:
                      n_experts=a.experts if a.moe else None, cp=a.cp)
     except ValueError as e:
         return _with_flags(str(e))
+    if a.cp > 1 and a.seq % (2 * a.cp):
+        return (f"--seq {a.seq} must be divisible by 2 * --cp = {2 * a.cp} (each sequence splits into 2 cp chunks, "
+                f"two per CP rank: r and 2cp-1-r, which balances the causal attention work)")
+    if a.cp > 1 and a.cp_attention == "ulysses" and (a.heads // a.tp) % a.cp:
+        return (f"--cp-attention ulysses splits each TP rank's heads over the --cp {a.cp} ranks: --heads {a.heads} / "
+                f"--tp {a.tp} = {a.heads // a.tp} heads per TP rank must be divisible by --cp {a.cp}")
     try:  # its names are per TP rank (n_head = --heads / t): no option to name
         check_cp_layout(cfg, a.tp, a.cp, a.cp_attention, sequence_parallel=a.sp, zero=a.zero, seq_len=a.seq,
                         hsdp=a.hsdp, load_balance=not a.cp_no_load_balance, recompute=a.recompute)
@@ -295,7 +338,24 @@ class Result3D:
 
 
 def _batch(a, corpus, step):
-    return corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
+    x, y = corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
+    return x, padded_documents(y, getattr(a, "ignore_frac", 0.0), seed=a.seed * 1_000_003 + step)
+
+
+def padded_documents(y, frac: float, seed: int = 0, ignore_index: int = -100):
+    """Targets ``y`` [B, S] as B documents of random length padded to S: sequence i keeps its first
+    S - n_i targets and the last n_i become ``ignore_index``, n_i = floor(min(1, 2 F u_i) S) with
+    u_i uniform in [0, 1) from ``seed`` (about F of the targets for F <= 1/2; some sequences keep
+    all, some none). The first target of the last sequence always stays, so the step has one valid
+    target at least (one device's mean is then defined). ``frac`` 0: ``y`` unchanged."""
+    if frac <= 0:
+        return y
+    B, S = y.shape
+    u = torch.rand(B, generator=torch.Generator().manual_seed(seed))
+    n = ((2 * frac * u).clamp(max=1.0) * S).floor().long()
+    n[-1] = n[-1].clamp(max=S - 1)
+    padded = torch.arange(S).unsqueeze(0) >= (S - n).unsqueeze(1)
+    return y.masked_fill(padded, ignore_index)
 
 
 def _Meter(exclude, gathered):
@@ -678,7 +738,7 @@ def _axis_table(a, out) -> tuple[list[str], bool]:
     rows = []
     labels = {"tp": f"TP (t={a.tp})", "cp": f"CP (cp={a.cp})", "pp": f"PP (p={a.pp})",
               "dp": f"DP (d={a.dp})" if a.cp == 1 else f"DP (d*cp={a.dp * a.cp})", "ep": f"EP (={a.dp}, on DP)",
-              "embedding": "embedding"}
+              "embedding": "embedding", "loss": "loss"}
     kinds = sorted({(ax, k) for r in ranks for ax in r.expected for k in r.expected[ax]},
                    key=lambda x: (list(labels).index(x[0]), x[1]))
     head = f"{'axis':<12}{'collective':<16}{'count/step':>11}{'(formula)':>10}{'MiB/step':>10}{'(formula)':>10}  ranks"
@@ -807,7 +867,11 @@ class ThreeDLab(Lab):
         return None
 
     def check(self, a):
-        return _bad_args(a, a.tp * a.pp * a.dp * a.cp)
+        bad = _bad_args(a, a.tp * a.pp * a.dp * a.cp)
+        if bad is None and a.impl != "labkit":
+            from .threed_torch import torch_bad_args
+            bad = torch_bad_args(a)
+        return bad
 
     def load_corpus(self, a):
         from ..data import Corpus
@@ -819,12 +883,51 @@ class ThreeDLab(Lab):
         self.t_start = time.perf_counter()
 
     def runs(self, a, corpus):
-        return [Launch(_run_name(a), a.tp * a.pp * a.dp * a.cp, _worker, (a, corpus))]
+        from .threed_torch import torch_run_name, torch_worker
+        world = a.tp * a.pp * a.dp * a.cp
+        out = [Launch(_run_name(a), world, _worker, (a, corpus))] if a.impl != "torch" else []
+        if a.impl != "labkit":
+            out.append(Launch(torch_run_name(a), world, torch_worker, (a, corpus)))
+        return out
 
     def reference(self, a, corpus):
         return _reference(a, corpus)
 
     def report(self, a, outcome):
+        from .threed_torch import side_by_side, torch_run_name
+        self.result = None
+        if a.impl == "torch":
+            th = outcome.results[torch_run_name(a)]
+            print(f"\n3D-parallel GPT (L={a.layers}, H={a.embd}, heads={a.heads}) with PyTorch's own APIs on t={a.tp} "
+                  f"x p={a.pp} x d={a.dp} = {len(th)} ranks, {a.schedule}{f' v={_v(a)}' if _v(a) > 1 else ''}, "
+                  f"M={a.microbatches}, {_torch_dp_name(a)}{', SP' if a.sp else ''}, {a.steps} Adam steps of "
+                  f"B={a.batch} x S={a.seq} tokens")
+            print("\nCommunication per step (the busiest rank per row; payload bytes, labkit.comm's convention):")
+            print("\n".join(side_by_side(a, None, th)))
+            self._torch_planner(a, th)
+            print(f"lab time: {time.perf_counter() - self.t_start:.1f} s")
+            return Report({torch_run_name(a): th[0].verdict}, [])
+        rep = self._report_labkit(a, outcome)
+        if a.impl == "both":
+            th = outcome.results[torch_run_name(a)]
+            print(f"\nlabkit next to PyTorch's own APIs ({_torch_dp_name(a)}; DeviceMesh (pp, dp, tp), "
+                  f"parallelize_module, torch.distributed.pipelining), the same layout, weights and batches; "
+                  f"last step, busiest rank per row:")
+            print("\n".join(side_by_side(a, self.result.ranks, th)))
+            self._torch_planner(a, th)
+            rep.verdicts[torch_run_name(a)] = th[0].verdict
+        return rep
+
+    def _torch_planner(self, a, th):
+        """The torch-native run's counts next to the planner's, line by line, each equal or explained."""
+        from .threed_torch import planner_lines
+        pred = _planner(a) if a.steps > 1 else None
+        if pred is not None:
+            print("\nThe torch-native run next to the planner (labkit's formulas), per step, on each pipeline "
+                  "rank's d0 t0 rank:")
+            print("\n".join(planner_lines(a, th, pred[1], pred[0])))
+
+    def _report_labkit(self, a, outcome):
         out = _summarise(a, outcome.results[_run_name(a)], outcome.reference)
         self.result = out
         v = _v(a)
@@ -836,7 +939,10 @@ class ThreeDLab(Lab):
               f"{f', HSDP R={a.hsdp}' if a.hsdp > 1 else ''}"
               f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}"
               f"{f', MoE E={a.experts} top-{a.topk} EP={a.dp}' if a.moe else ''}, "
-              f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
+              f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens"
+              + (f", about {a.ignore_frac:.0%} of the targets ignored (padded documents: the shards hold "
+                 f"different numbers of valid targets; the loss is the mean over the step's valid ones)"
+                 if a.ignore_frac else ""))
         rows, counts_ok = _axis_table(a, out)
         if a.moe or (_planner(a) is None and (a.sp or a.recompute != "none")):
             counts_ok = True       # ParallelGPT.expected_comm models neither; the planner not these schedules
@@ -850,7 +956,9 @@ class ThreeDLab(Lab):
               "all-gather of n/d (ZeRO-2: per bucket), ZeRO-3 per FSDP unit an all-gather of n/d before each "
               "microbatch's forward and backward (zero-bubble: before each I or W that finds it resharded, counted "
               "along the schedule's actions) and one reduce-scatter of n (HSDP: over d/R ranks, then an "
-              "all-reduce of the shard across the R replicas); b = B/(d*M)."
+              "all-reduce of the shard across the R replicas); loss: on the last stage, the step's valid-target "
+              "count before backward and the reported loss after it, 2 all-reduces of 8 B over the d*cp ranks; "
+              "b = B/(d*M)."
               + (" CP per block and microbatch: ring (cp-1) sends of K and V forward, (cp-1)+cp backward (K, V, "
               "then their gradients); allgather 2 all-gathers of K, V forward, "
               "2 reduce-scatters backward; ulysses 4 all-to-alls (q, k, v, output) each way; DP over the d*cp "
@@ -891,11 +999,30 @@ class ThreeDLab(Lab):
 
     def files(self, a, outcome, folder):
         out = self.result
+        if out is None:       # --impl torch: its losses next to the single device's
+            from .threed_torch import torch_run_name
+            th = outcome.results[torch_run_name(a)]
+            single = outcome.reference.losses
+            last = [r for r in th if r.last and r.tp_rank == 0]
+            par = [sum(r.losses[i] for r in last) / len(last) for i in range(a.steps)]
+            rows = ["step,single,torch"] + [f"{i},{single[i]:.7f},{par[i]:.7f}" for i in range(a.steps)]
+            write_bytes_atomic(folder / "losses.csv", ("\n".join(rows) + "\n").encode())
+            print(f"losses: {folder / 'losses.csv'}")
+            return
         rows = ["step,single,3d"] + [f"{i},{out.single.losses[i]:.7f},{out.losses[i]:.7f}" for i in range(a.steps)]
         write_bytes_atomic(folder / "losses.csv", ("\n".join(rows) + "\n").encode())
         if not a.no_plots:
             _plots(a, out, folder)
             print(f"plots: {folder / 'loss_curves.png'}, {folder / 'rank_grid.png'}")
+
+
+def _torch_dp_name(a) -> str:
+    """What --zero means with --impl torch: FSDP2's reshard_after_forward True / False, or DDP."""
+    if a.dp == 1:
+        return "no DP"
+    if a.zero == 0:
+        return "DDP: FSDP2 on a replicate-only mesh"
+    return (f"FSDP2 fully_shard, reshard_after_forward={a.zero == 3}" + (f", HSDP R={a.hsdp}" if a.hsdp > 1 else ""))
 
 
 LAB = ThreeDLab()

@@ -82,15 +82,42 @@ def torchrun_where(rank: int | None = None) -> str:
 
 
 _TORCHRUN_GUARD = None
+# temporary files being written now (labkit.labs.write_bytes_atomic): removed by the stop watcher before it ends
+# the process, which runs no finally block
+PENDING_FILES: set = set()
+_STARTED = False   # this rank has begun to join its process group: a signal after it stops a rank at work
+GUARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _stop_line(signum: int, sender: int, agent: int) -> str | None:
+    """The one line a rank under torchrun prints when ``signum`` (from process ``sender``) stops it;
+    None when another rank of this node prints it for all of them. At work (after start-up): a line
+    true for this rank. During start-up, when torchrun's agent (``agent``) sent it, it sent it to
+    every worker of this node at once: local rank 0 prints one line for the node and the others
+    stay silent (a Ctrl-C while 8 ranks import torch is one line, not 8 tracebacks)."""
+    what = ("interrupted (Ctrl-C, SIGINT)" if signum == signal.SIGINT
+            else f"terminated ({signal.Signals(signum).name})")
+    if _STARTED:
+        return f"{what}: {torchrun_where()} stopped"
+    if sender == agent:
+        if os.environ.get("LOCAL_RANK") != "0":
+            return None
+        node = os.environ.get("GROUP_RANK")
+        n = os.environ.get("LOCAL_WORLD_SIZE")
+        return (f"{what} during start-up: the {f'{n} ' if n else ''}ranks of "
+                f"{f'node {node}' if node is not None else 'this node'} stopped before any work")
+    return f"{what} during start-up: {torchrun_where()} stopped before any work"
 
 
 def _guard_torchrun_rank() -> None:
-    """Under torchrun, once per process: die with the agent (PR_SET_PDEATHSIG: a node whose torchrun
-    is SIGKILLed takes its workers with it, instead of leaving them training), and stop within
-    moments on SIGTERM wherever the main thread is blocked (a C++ wait in init_process_group or a
-    gloo receive runs no Python signal handler). SIGTERM is blocked in every thread and taken by
-    a watcher thread (``sigwait``), which prints one line that is true for this rank and ends the
-    process with ``os._exit(143)``: no exit-time barrier waits for peers that are gone."""
+    """Under torchrun, once per process (from ``import labkit`` on, so that start-up is covered too):
+    die with the agent (PR_SET_PDEATHSIG: a node whose torchrun is SIGKILLed takes its workers with
+    it, instead of leaving them training), and stop within moments on SIGTERM, SIGINT (torchrun
+    passes a Ctrl-C on to its workers as SIGINT) or SIGHUP wherever the main thread is (a C++ wait
+    in init_process_group or a gloo receive runs no Python signal handler; ``import torch`` would
+    end in a KeyboardInterrupt traceback). The signals are blocked in every thread and taken by a
+    watcher thread (``sigwaitinfo``), which prints one line (:func:`_stop_line`) and ends the
+    process with ``os._exit(128 + signal)``: no exit-time barrier waits for peers that are gone."""
     global _TORCHRUN_GUARD
     if _TORCHRUN_GUARD is not None or threading.current_thread() is not threading.main_thread():
         return
@@ -106,16 +133,30 @@ def _guard_torchrun_rank() -> None:
             and not _stopping_handler_installed():
         _TORCHRUN_GUARD = False  # someone else handles SIGTERM
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit it
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(GUARDED))  # threads started later inherit it
 
     def watch():
-        signal.sigwait({signal.SIGTERM})
+        info = signal.sigwaitinfo(set(GUARDED))
         try:
-            os.write(2, f"terminated (SIGTERM): {torchrun_where()} stopped\n".encode())
+            for path in list(PENDING_FILES):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            line = _stop_line(info.si_signo, info.si_pid, agent)
+            if line:
+                os.write(2, (line + "\n").encode())
         finally:
-            os._exit(128 + signal.SIGTERM)
-    _TORCHRUN_GUARD = threading.Thread(target=watch, daemon=True, name="labkit-sigterm")
+            os._exit(128 + info.si_signo)
+    _TORCHRUN_GUARD = threading.Thread(target=watch, daemon=True, name="labkit-stop")
     _TORCHRUN_GUARD.start()
+
+
+def guard_at_import() -> None:
+    """``import labkit`` under torchrun's agent (its variables, TORCHELASTIC_RUN_ID among them, are
+    set): :func:`_guard_torchrun_rank` from the first moment, before torch is imported."""
+    if in_torchrun() and "TORCHELASTIC_RUN_ID" in os.environ:
+        _guard_torchrun_rank()
 
 
 def run_torchrun_rank(fn, world_size: int, args: tuple, backend: str, timeout: float, make_context) -> list:
@@ -137,6 +178,8 @@ def run_torchrun_rank(fn, world_size: int, args: tuple, backend: str, timeout: f
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    global _STARTED
+    _STARTED = True
     try:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout))

@@ -19,6 +19,17 @@ padding): padded tokens count in neither f nor P.
 Loads are normalised so that PERFECTLY UNIFORM routing gives ``f_i = 1/E`` (Switch form,
 multiplied by E in the loss) or ``f_i = 1`` (DeepSeek form, which puts E/k inside f); either
 way every balance loss below equals its coefficient alpha under uniform routing.
+
+Normalization, and why it is not the LM loss's: each balance loss is normalised as its paper
+does, over the T tokens its router saw in one token group (Switch and GShard: the tokens of a
+group/batch, eqs. 4-6 and 3; ST-MoE's z-loss: the mean over those tokens; DeepSeek-V2's
+expert, device and communication losses: over the T tokens of the group; DeepSeek-V3's
+sequence-wise loss: per sequence, then the mean over sequences). A token whose TARGET is ignored
+(-100) is still routed and still counts here: the router never sees targets, and only ``mask``
+(padding) removes a token. So the valid-target normalization of the LM loss
+(:mod:`labkit.parallel.loss`: the sum over the step's valid targets divided by their number) does
+not apply to them; a parallel step averages each group's balance loss over the d M groups
+(``MoEConfig.token_groups``), exactly as the single-device model does.
 """
 from __future__ import annotations
 
@@ -100,7 +111,8 @@ def switch_aux_loss(scores: torch.Tensor, indices: torch.Tensor, alpha: float = 
     (f_i = P_i = 1/E) gives exactly ``alpha``. The gradient flows through P only.
     ``scores`` [T, E]: logits z (``from_logits=True``) or the probabilities p
     (``from_logits=False``); ``indices`` [T, k]; ``mask`` [T] (1 = real token, 0 = padding):
-    f and P are averaged over real tokens only. Returns a 0-d tensor. Raises ValueError for a
+    f and P are averaged over real tokens only (normalization: per token group, Switch's;
+    ignored targets do not change it). Returns a 0-d tensor. Raises ValueError for a
     bad shape, a mask that keeps no token, or ``from_logits=False`` with values outside [0, 1].
     """
     p = _affinities(scores, from_logits)
@@ -116,7 +128,8 @@ def z_loss(logits: torch.Tensor, coeff: float = 1e-3, mask: torch.Tensor | None 
     real), computed with logsumexp (stable for large logits). ``logits`` [T, E] are the router
     logits z, whatever their values (there is no probability form: softmax is shift-invariant,
     so probabilities have lost what the z-loss penalises). Uniform zero logits give
-    ``coeff * (log E)^2``. Returns a 0-d tensor."""
+    ``coeff * (log E)^2``. Normalization: the mean over the group's routed tokens (ST-MoE's),
+    ignored targets included. Returns a 0-d tensor."""
     _check_2d(logits, "logits")
     T = logits.shape[0]
     m = _mask(mask, T, logits.device, logits.dtype)
@@ -134,8 +147,8 @@ def expert_balance_loss(scores: torch.Tensor, indices: torch.Tensor, alpha1: flo
 
     N' = E routed experts, K' = k routed per token, s the affinities (softmax in V2; with
     ``from_logits=True`` computed here with ``score_func``, else ``scores`` are s). T counts
-    real tokens only (``mask``). Equals ``switch_aux_loss`` with alpha = alpha1 for softmax;
-    uniform routing gives alpha1.
+    real tokens only (``mask``; ignored targets count: normalization per token group, as in the
+    paper). Equals ``switch_aux_loss`` with alpha = alpha1 for softmax; uniform routing gives alpha1.
     """
     s = _affinities(scores, from_logits, score_func)
     T, E = s.shape
@@ -160,8 +173,8 @@ def device_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_devices: 
         f'_i = (1 / |E_i|) * sum_{j in E_i} f_j        (mean of the expert-level f of eq. 13)
         P'_i = sum_{j in E_i} P_j                       (sum of the expert-level P of eq. 14)
 
-    ``scores``/``from_logits``/``mask`` as in :func:`expert_balance_loss`.
-    Uniform routing: f'_i = 1, P'_i = 1/D, loss = alpha2.
+    ``scores``/``from_logits``/``mask`` as in :func:`expert_balance_loss` (normalization per
+    token group, V2's). Uniform routing: f'_i = 1, P'_i = 1/D, loss = alpha2.
     """
     s = _affinities(scores, from_logits, score_func)
     T, E = s.shape
@@ -183,7 +196,8 @@ def comm_balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_devices: in
 
     M = ``max_devices`` each token may be sent to (device-limited routing). A token counts
     once per device however many of its k experts live there. ``scores``/``from_logits``/
-    ``mask`` as in :func:`expert_balance_loss` (T counts real tokens). Uniform routing with
+    ``mask`` as in :func:`expert_balance_loss` (T counts real tokens; normalization per token
+    group, V2's). Uniform routing with
     every token reaching M devices: f''_i = 1, P''_i = 1/D, loss = alpha3.
     """
     s = _affinities(scores, from_logits, score_func)
@@ -211,7 +225,8 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seq_len: 
     ``scores`` [B*T, E] in sequence-major order (logits with ``from_logits=True``, affinities s
     otherwise), ``indices`` [B*T, K_r] the experts actually selected (with the bias, as in V3's
     code). ``mask`` [B*T]: T of each sequence counts its real tokens only, and sequences with no
-    real token are left out of the mean. Uniform routing gives alpha.
+    real token are left out of the mean (normalization per sequence, V3's; ignored targets do not
+    change it). Uniform routing gives alpha.
     """
     s = _affinities(scores, from_logits, score_func)
     N, E = s.shape

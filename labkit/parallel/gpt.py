@@ -52,9 +52,15 @@ group; Megatron-Core reduces expert gradients over its DP x CP expert group); no
 dropping and no HSDP with it (ValueError).
 
 Global batch B: DP rank r takes rows ``r*B/d .. (r+1)*B/d - 1`` and the pipeline splits them into
-M microbatches of ``b = B/(d*M)`` sequences; the loss is scaled by 1/M once (in the pipeline
-runtime) and averaged over d once (in DDP or ZeRO), so the gradient is that of the global-batch
-mean, as on one device.
+M microbatches of ``b = B/(d*M)`` sequences. The loss is the mean over every valid target of the
+step (targets of -100 left out, as ``F.cross_entropy`` on one device), whatever the shards hold
+(:mod:`labkit.parallel.loss`): before the first backward the last stage's ranks count the N valid
+targets of the step, one all-reduce of an 8-byte count over the d cp ranks (the ``"loss"`` axis of
+:meth:`ParallelGPT.comm_by_axis`); each microbatch hands the runtime the sum of its valid token
+losses times M (d cp) / N, the runtime divides it by M once and DDP or ZeRO averages over the d cp
+ranks once, so the gradient is that of the global token mean, as on one device (also when the
+shards hold different numbers of valid targets, or none). The MoE balance losses keep their own
+per-group normalization (:mod:`labkit.moe.losses`).
 
 Tied embeddings (``GPTConfig.share_embeddings_and_output_weights``): with p = 1 the stage holds
 one matrix (under ZeRO-3 one FSDP unit with the embedding and the head); with p > 1 the first and
@@ -67,7 +73,8 @@ What the planner reads (helper functions returning data, no printing):
 * :meth:`ParallelGPT.memory` -> ``{"params", "grads", "optimizer"}``: bytes held on this rank
   (parameters, their ``.grad``, per-element optimizer state);
 * :meth:`ParallelGPT.comm_by_axis` (records of a :class:`labkit.comm.CommLog`) ->
-  ``{axis: {kind: (count, bytes)}}`` for axes ``"tp"``, ``"pp"``, ``"dp"``, ``"embedding"``;
+  ``{axis: {kind: (count, bytes)}}`` for axes ``"tp"``, ``"pp"``, ``"dp"``, ``"embedding"``, ``"loss"``
+  (the valid-target count and the reported loss, 8 bytes each, on the last stage's ranks);
 * :meth:`ParallelGPT.wire_by_axis` -> ``{axis: bytes sent under the ring algorithms}``;
 * :meth:`ParallelGPT.expected_comm` -> the same dict from the formulas, for one training step
   after the first (the first also sends the pipeline's shape messages);
@@ -75,6 +82,7 @@ What the planner reads (helper functions returning data, no printing):
 """
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import replace
 from functools import partial
@@ -107,6 +115,7 @@ from ..plan.memory import rank_stages, zero3_split_gathers, zero3_stage_units
 from ..plan.spec import Layout, ModelSpec
 from ..tensor_parallel import allreduce_layernorm_grads, allreduce_sequence_parallel_grads, gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
+from .loss import StepTokenCount
 from .moe_pipeline import moe_block_rule, split_moe_gpt
 
 __all__ = ["SCHEDULES", "check_layout", "check_cp_layout", "ParallelGPT", "layout"]
@@ -268,6 +277,12 @@ def _allreduce_grads(params, group) -> None:
         offset += gr.numel()
 
 
+def _piece_loss(head, tokens, output, target):
+    """The loss one microbatch hands the pipeline runtime: the sum of its valid token losses times
+    M (d cp) / N (:class:`labkit.parallel.loss.StepTokenCount`; 0 when the step has none)."""
+    return tokens.piece_loss(head.loss(output, target, reduction="sum"))
+
+
 def _cp_core(attention, group, positions, stats, q, k, v):
     """The attention core of one layer under CP: this rank's local heads, its S/cp queries
     (``stats``: a list the attention appends its work and compute time to, or None)."""
@@ -344,9 +359,11 @@ class ParallelGPT:
     data parallelism (DDP; or ZeRO-1 in the optimizer) -> a pipeline stage of the schedule.
 
     :meth:`train_step` ``(x [B, S], y [B, S])`` runs forward and backward of the global batch
-    (every rank passes the same batch; each takes its DP slice) and returns this DP rank's mean
-    loss on the last pipeline stage, else None. Raises ValueError (before communication) as
-    :func:`check_layout`.
+    (every rank passes the same batch; each takes its DP slice; targets of -100 are left out) and
+    returns the step's loss, the mean over its valid targets (the number one device reports: one
+    all-reduce of 8 bytes over the d cp ranks after the step), on the last pipeline stage, else
+    None. A step without any valid target returns 0.0 with zero token-loss gradients and a
+    RuntimeWarning (never NaN). Raises ValueError (before communication) as :func:`check_layout`.
     """
 
     def __init__(self, reference: nn.Module, grid, schedule: str = "1f1b", n_microbatches: int = 1, v: int = 1,
@@ -447,7 +464,10 @@ class ParallelGPT:
         stages = [PipelineStage(sm, s, n, device, group=grid.pp_group)                     # pipeline stage
                   for sm, s in zip(submods, self.stage_ids)]
         heads = [m.head for m in self.modules if m.head is not None]
-        loss_fn = heads[0].loss if heads else lm_loss     # the last stage's head (vocab-parallel under TP)
+        # the step's valid targets N, counted before the first backward (labkit.parallel.loss): each
+        # microbatch hands the runtime its SUM of valid token losses times M (d cp) / N
+        self.tokens = StepTokenCount(n_microbatches, self.dp_cp)
+        loss_fn = partial(_piece_loss, heads[0], self.tokens) if heads else lm_loss   # vocab-parallel under TP
         one_per_rank = info.chunks == 1
         self.schedule = info.runtime_class(stages[0] if one_per_rank else stages, n_microbatches, loss_fn)
         self.optimizer = None
@@ -520,14 +540,22 @@ class ParallelGPT:
     def train_step(self, x: torch.Tensor, y: torch.Tensor):
         """Forward and backward of the global batch; gradients averaged over DP (DDP), left
         local for ZeRO-1's reduce-scatter, or reduce-scattered into the DP shards (ZeRO-2/3) in each
-        stage's last backward of the step; tied embedding gradients summed over the embedding group."""
+        stage's last backward of the step; tied embedding gradients summed over the embedding group.
+        The loss is the token mean over the step's valid targets (class docstring; ``self.tokens.n``
+        holds their number N after the call)."""
         B, d = x.shape[0], self.grid.dp
         if B % (d * self.M):
             raise ValueError(f"global batch B={B} must be divisible by d*M = {d}*{self.M}")
         dev = self.grid.ctx.device
         x, y = self.grid.shard(x, "dp"), self.grid.shard(y, "dp")    # this DP rank's B/d sequences
-        if self.cp > 1:                       # this CP rank's tokens; the loss is their mean
+        if self.cp > 1:                       # this CP rank's tokens
             x, y = self._context_parallel(x, y)
+        if self.has_last_stage:               # N: one all-reduce of this rank's count over the d cp ranks
+            self.tokens.count(y, self.dp_cp_group if self.dp_cp > 1 else None)
+            if self.tokens.n == 0:
+                warnings.warn("ParallelGPT.train_step: no valid target in this step (every target is "
+                              f"ignore_index={self.tokens.ignore_index}): the loss is 0 and the gradients of the "
+                              "token loss are zero", RuntimeWarning, stacklevel=2)
         losses: list = []
         self.schedule.step(x.to(dev), target=y.to(dev), losses=losses)
         for w in self.ddp:
@@ -549,8 +577,11 @@ class ParallelGPT:
         for w in self.sharded:
             if w is not None and hasattr(w, "finish_grad_sync"):
                 w.finish_grad_sync()          # ZeRO-2/3: open syncs and deferred buckets/units reduce-scattered
-        if losses:
-            return float(sum(float(v) for v in losses) / len(losses))
+        if losses:   # the step's token mean, the number one device reports: one more all-reduce of 8 bytes
+            mine = torch.tensor(sum(float(v) for v in losses) / (self.M * self.dp_cp), dtype=torch.float64)
+            if self.dp_cp > 1:
+                comm.all_reduce(mine, self.dp_cp_group)
+            return float(mine)
         return None
 
     def _context_parallel(self, x: torch.Tensor, y: torch.Tensor):
@@ -695,6 +726,8 @@ class ParallelGPT:
         ranks = set(rec.ranks or ())
         g = self.grid
         tp_r, dp_r = set(g.ranks("tp")), set(self.dp_cp_ranks)
+        if rec.kind == "all_reduce" and rec.shape == () and ranks == dp_r and len(dp_r) > 1:
+            return "loss"    # the step's valid-target count and the reported loss (0-d, labkit.parallel.loss)
         if self.cp > 1 and ranks == set(g.ranks("cp")) and rec.kind != "all_reduce" and len(rec.shape) > 1:
             return "cp"      # attention's K/V traffic: [.., s, ..] blocks (DDP's all-reduce and ZeRO's flat 1-D
             #                  buffers are DP's, over the same ranks when d = 1)

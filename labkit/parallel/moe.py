@@ -20,14 +20,18 @@ that one rank routes together here. No pipeline (p = 1).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
+from .. import comm
 from ..data_parallel import DistributedDataParallel
 from ..moe.expert_parallel import expert_param_names
 from ..tensor_parallel import gpt_plan, parallelize
 from ..tensor_parallel.mappings import all_gather_along_dim
 from .gpt import check_layout
+from .loss import StepTokenCount
 from .moe_pipeline import moe_block_rule, split_moe_gpt
 
 __all__ = ["ParallelMoEGPT"]
@@ -39,8 +43,12 @@ class ParallelMoEGPT:
     rule (:func:`labkit.tensor_parallel.parallelize`), like :class:`labkit.parallel.ParallelGPT`'s stages.
 
     ``train_step(x [B, S], y [B, S])``: this DP rank's slice in M microbatches (gradient
-    accumulation under ``no_sync`` but the last); the loss of a microbatch is its LM loss plus the
-    MoE balance losses, scaled by 1/M. Returns this DP rank's mean loss. Raises ValueError
+    accumulation under ``no_sync`` but the last); the loss of a microbatch is its LM loss (the sum
+    of its valid token losses times M d / N, N the step's valid targets counted over DP before the
+    first backward: :mod:`labkit.parallel.loss`) plus the MoE balance losses (per token group,
+    :mod:`labkit.moe.losses`), scaled by 1/M. Returns the step's token loss (the number one device
+    reports; 0.0 with a RuntimeWarning when no target is valid) plus this DP rank's balance losses
+    averaged over its M microbatches. Raises ValueError
     (no communication) for p != 1, E not divisible by d, or the rules of
     :func:`labkit.parallel.check_layout`.
     """
@@ -68,6 +76,7 @@ class ParallelMoEGPT:
         self.ddp = DistributedDataParallel(self.model, grid.dp_group, bucket_cap_mb, expert_params=self.experts) \
             if grid.dp > 1 else None
         self.loss_fn = self.model.head.loss
+        self.tokens = StepTokenCount(n_microbatches, grid.dp)
         self.optimizer = None
 
     def make_optimizer(self, name: str = "sgd", lr: float = 0.1, **kw):
@@ -87,15 +96,24 @@ class ParallelMoEGPT:
         xs = self.grid.shard(x, "dp").to(dev).chunk(M)             # this DP rank's B/d sequences
         ys = self.grid.shard(y, "dp").to(dev).chunk(M)
         run = self.ddp if self.ddp is not None else self.model
+        # the step's valid targets N: one all-reduce of 8 bytes before the first backward (labkit.parallel.loss)
+        self.tokens.count(torch.cat(ys), self.grid.dp_group if d > 1 else None)
+        if self.tokens.n == 0:
+            warnings.warn("ParallelMoEGPT.train_step: no valid target in this step (every target is -100): the "
+                          "token loss is 0 and its gradients are zero", RuntimeWarning, stacklevel=2)
         total = 0.0
         for m in range(M):
             sync = m == M - 1 or self.ddp is None
             with (torch.enable_grad() if sync else self.ddp.no_sync()):
-                loss = self.loss_fn(run(xs[m]), ys[m])     # the balance losses ride on the activations
+                # the sum of the valid token losses times M d / N; the balance losses ride on the activations
+                loss = self.tokens.piece_loss(self.loss_fn(run(xs[m]), ys[m], reduction="sum"))
                 (loss / M).backward()
             total += float(loss)
+        mine = torch.tensor(total / (M * d), dtype=torch.float64)     # the step's token mean: 8 more bytes
+        if d > 1:
+            comm.all_reduce(mine, self.grid.dp_group)
         aux, self.model.aux_values[:] = sum(self.model.aux_values), []   # of this step's M forwards
-        return (total + aux) / M
+        return float(mine) + aux / M
 
     @torch.no_grad()
     def gather_full(self, what: str = "grad") -> dict:

@@ -50,6 +50,10 @@ Per microbatch (N = s b tokens, h hidden, e bytes per activation element):
   logits' gradient ``cp N E e``.
 * EP: each MoE layer sends its k routed copies of the tokens to the experts' ranks and back
   (2 all-to-alls forward, 2 backward).
+* loss (:mod:`labkit.parallel.loss`): the ranks of the last stage count the step's valid targets
+  before the first backward, one all-reduce of a 0-d int64 (8 bytes) over the d cp ranks, and
+  report the step's loss after it, one all-reduce of a 0-d float64 (8 bytes): the loss is the mean
+  over every valid target of the step on every layout, equal to one device's.
 
 Links: ranks are ordered TP innermost, then CP, then DP, then PP (Megatron-Core): a group of size n and
 stride k stays inside a node of g GPUs when ``n k <= g``. Put the chatty axis (TP) on the
@@ -200,8 +204,10 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
                   act_bytes: int | None = None, regather_in_backward: bool = True,
                   dp_buckets: int | None = None, actions=None) -> dict:
     """Communication of one training step on a rank of pipeline rank ``pp_rank``:
-    ``{"tp", "cp", "pp", "dp", "ep", "embedding"}`` -> :class:`AxisComm` ("embedding": the all-reduce
-    of a tied embedding's gradient between the first and the last pipeline rank).
+    ``{"tp", "cp", "pp", "dp", "ep", "embedding", "loss"}`` -> :class:`AxisComm` ("embedding": the
+    all-reduce of a tied embedding's gradient between the first and the last pipeline rank; "loss":
+    on the last stage's ranks the valid-target count before backward and the reported loss, two
+    all-reduces of 8 bytes over the d cp ranks).
 
     ``act_bytes``: bytes per activation element (default: the layout's precision, 2 for bf16,
     4 for fp32). ``dp_buckets``: how many all-reduces this rank's ZeRO-0 gradient reduction
@@ -224,6 +230,9 @@ def comm_per_rank(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None, 
     out = {k: AxisComm(k, n, links[k]) for k, n in (("tp", t), ("cp", lay.cp), ("pp", p), ("dp", lay.d * lay.cp),
                                                       ("ep", lay.ep))}
     out["embedding"] = AxisComm("embedding", 2 if p > 1 else 1, links["pp"])
+    out["loss"] = AxisComm("loss", lay.d * lay.cp, links["dp"])
+    if holds_last(lay, pp_rank):     # N counted before backward, the step's loss reported after it
+        out["loss"].add("all_reduce", 2, 8)
     cnt = rank_param_counts(spec, lay, r)
     L_r = cnt["layers"]
     ids = [i for ch in rank_layer_chunks(spec, lay, r) for i in ch]

@@ -96,7 +96,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  label_smoothing: float = 0.0, ignore_index: int = -100, group=None,
-                                 reduction: str = "mean") -> torch.Tensor:
+                                 reduction: str = "mean", vocab_size: int | None = None) -> torch.Tensor:
     """Cross-entropy of logits split by vocabulary across the TP group.
 
     Args:
@@ -110,11 +110,16 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         reduction: "mean" (default, like F.cross_entropy: sum over non-ignored tokens divided
             by their number; NaN if every token is ignored), "sum", or "none" (per-token
             loss ``[*]``, 0 at ignored tokens).
+        vocab_size: the full vocabulary V (optional): when given, the logits' last dimension
+            must be this rank's shard V/t, so that logits already gathered over TP (``[*, V]``,
+            which would add log t to every loss) are refused. The head of a labkit GPT
+            (:class:`labkit.tensor_parallel.model.ParallelHead`) always passes it.
 
     Returns the loss (nats), identical on every rank. Communication: 3 all-reduces
     (MAX of N, SUM of N, SUM of N elements; with label smoothing the last carries 2N).
     Raises ValueError, before any communication, for targets outside ``[0, V)`` other
-    than ``ignore_index``, for shapes that do not match, or a bad eps/reduction.
+    than ``ignore_index``, for shapes that do not match, for logits whose last dimension is not
+    ``vocab_size / t`` (with ``vocab_size``), or a bad eps/reduction.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -123,7 +128,14 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if vocab_parallel_logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(vocab_parallel_logits.shape)} and target {tuple(target.shape)} "
                          f"must agree in all but the last (vocabulary) dimension")
-    V = vocab_parallel_logits.shape[-1] * tp_size(group)
+    t = tp_size(group)
+    if vocab_size is not None and vocab_parallel_logits.shape[-1] * t != vocab_size:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(vocab_parallel_logits.shape)} (target "
+                         f"{tuple(target.shape)}) must end in this "
+                         f"rank's vocabulary shard V/t = {vocab_size}/{t} = {vocab_size / t:g}, got "
+                         f"{vocab_parallel_logits.shape[-1]} (logits already gathered over the t={t} TP ranks "
+                         f"would add log t to the loss)")
+    V = vocab_parallel_logits.shape[-1] * t
     valid = target != ignore_index
     bad = valid & ((target < 0) | (target >= V))
     if bool(bad.any()):

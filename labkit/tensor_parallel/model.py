@@ -170,14 +170,17 @@ class ParallelHead(nn.Module):
         sp = bool(sequence_parallel) and tp_size(group) > 1
         self.ln_f = copy.deepcopy(ref.ln_f)
         self.lm_head = ColumnParallelLinear.from_full(ref.lm_head, group, gather_output=False, sequence_parallel=sp)
+        self.vocab_size = ref.lm_head.weight.shape[0]     # V: the loss refuses logits that are not V/t wide
         if sp:
             mark_sequence_parallel(*self.ln_f.parameters())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))      # [B, S, V/t]: this rank's vocabulary block
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, ignore_index=ignore_index, group=self.group)
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+             reduction: str = "mean") -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, ignore_index=ignore_index, group=self.group,
+                                            reduction=reduction, vocab_size=self.vocab_size)
 
 
 def gpt_plan(sequence_parallel: bool = False, recompute: str = "none") -> dict:

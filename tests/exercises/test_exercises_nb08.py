@@ -36,6 +36,21 @@ def groups_dp_stride_wrong(rank, t, p, d):
     return g
 
 
+def groups_pp_stride_t(rank, t, p, d):
+    """Wrong: the PP group's ranks t apart (one TP block), not t d (issue 36: one line with the DP stride)."""
+    g = rank_groups(rank, t, p, d)
+    tp, pp, dp = rank_coords(rank, t, p, d)
+    g["pp"] = [dp * t + tp + k * t for k in range(p)]
+    return g
+
+
+def groups_without_self(rank, t, p, d):
+    """Wrong: the TP group lists the other ranks only."""
+    g = rank_groups(rank, t, p, d)
+    g["tp"] = [x for x in g["tp"] if x != rank]
+    return g
+
+
 BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
 
 
@@ -154,7 +169,11 @@ def test_solutions_pass(ex, answer):
 
 @pytest.mark.parametrize("ex,wrong,contains", [
     ("8.1", coords_pp_inner, "a grid ordered TP innermost, then PP, DP outermost"),
-    ("8.2", groups_dp_stride_wrong, "['dp']"),
+    ("8.2", groups_dp_stride_wrong, "['dp']: expected [0, 2], got [0, 1] (these ranks differ from rank 0 in tp: a DP "
+                                    "group's ranks share every coordinate but dp)"),
+    ("8.2", groups_pp_stride_t, "['pp']: expected [0, 4], got [0, 2] (these ranks differ from rank 0 in dp: a PP "
+                                "group's ranks share every coordinate but pp)"),
+    ("8.2", groups_without_self, "rank 0 itself is not in its own group"),
     ("8.3", states_adam_fp16_moments, "['optimizer']"),
     ("8.3", states_zero_all, "['params']"),
     ("8.4", act_p_always, "M=2"),

@@ -75,6 +75,24 @@ def params_eight_models(spec):
     return spec.n_routed_experts * one, spec.n_activated_experts * one
 
 
+def params_no_router(spec):
+    """Wrong: the router forgotten (issue 36: passed every case within 0.1 %)."""
+    total, active = moe_param_count(spec)
+    lost = spec.n_layer * spec.n_routed_experts * spec.hidden
+    return total - lost, active - lost
+
+
+def params_no_final_norm(spec):
+    """Wrong: the final norm forgotten (issue 36)."""
+    total, active = moe_param_count(spec)
+    return total - spec.hidden, active - spec.hidden
+
+
+def params_one_norm_per_layer(spec):
+    total, active = moe_param_count(spec)
+    return total - spec.n_layer * spec.hidden, active - spec.n_layer * spec.hidden
+
+
 def params_no_embeddings(spec):
     """Wrong: forgets the embedding and the output head."""
     total, active = moe_param_count(spec)
@@ -84,6 +102,16 @@ def params_no_embeddings(spec):
 def test_solutions_pass():
     for ex, answer in (("9.1", top_k_gate), ("9.2", capacity_keep), ("9.3", moe_param_count)):
         assert_check_passes(ex, answer)
+
+
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: a count or a capacity returned as a NumPy int or a 0-d tensor is an int."""
+    import numpy as np
+    assert_check_passes("9.3", lambda spec: tuple(np.int64(x) for x in moe_param_count(spec)))
+    assert_check_passes("9.3", lambda spec: tuple(torch.tensor(x) for x in moe_param_count(spec)))
+    for make in (np.int64, torch.tensor):
+        assert_check_passes("9.2", lambda idx, E, cf, make=make: (lambda C, keep: (make(C), keep))(
+            *capacity_keep(idx, E, cf)))
 
 
 # a plausible wrong answer fails with a message that names the mistake
@@ -98,9 +126,17 @@ WRONG = {
     "capacity_choice_major_order": ("9.2", capacity_choice_major,
                                     {"contains": "expected keep="}),
     "params_eight_whole_models": ("9.3", params_eight_models,
-                                  {"contains": "total parameters: expected 46.703B"}),
+                                  {"contains": "total parameters: expected 46,702,792,704 (46.703B)"}),
     "params_without_embeddings": ("9.3", params_no_embeddings,
-                                  {"contains": "expected 46.703B (within 0.1%), got 46.441B"}),
+                                  {"contains": "(46.703B), got 46,440,648,704 (46.441B) (short by exactly 262,144,000, "
+                                               "what this leaves out: the input embedding and the output head)"}),
+    "params_without_router": ("9.3", params_no_router,
+                              {"contains": "the router (an H x E gate in every layer)"}),
+    "params_without_final_norm": ("9.3", params_no_final_norm,
+                                  {"contains": "the final norm (one RMSNorm of H after the last layer)"}),
+    "params_one_norm_per_layer": ("9.3", params_one_norm_per_layer, {"contains": "one norm per layer"}),
+    "params_as_float_approximation": ("9.3", lambda spec: tuple(round(x, -6) for x in moe_param_count(spec)),
+                                      {"contains": "parameter counts are exact integers"}),
 }
 
 

@@ -142,3 +142,9 @@ WRONG = {
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: a count of subsets as a NumPy int is an int."""
+    import numpy as np
+    assert_check_passes("12.1", lambda E, k, m: (lambda v: np.int64(v) if v < 2 ** 62 else v)(n_combinations(E, k, m)))

@@ -172,3 +172,11 @@ def test_bytes_wrong_answers_fail():
 def test_decode_wrong_answers_fail():
     assert_check_fails("14.4", decode_bound_total, contains="bytes read per token")
     assert_check_fails("14.4", decode_bound_gigabytes, contains="bytes read per token")
+
+
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: node numbers and replica counts as NumPy ints or 0-d int tensors are ints."""
+    from labkit.grading.testing import with_ints_as
+    for kind in ("numpy", "tensor"):
+        assert_check_passes("14.1", with_ints_as(kind, pack_groups))
+        assert_check_passes("14.2", with_ints_as(kind, replica_counts))

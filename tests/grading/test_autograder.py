@@ -58,7 +58,7 @@ def test_bundle_layout_and_bad_input(tmp_path, capsys):
     assert modes["setup.sh"] & 0o111 and modes["run_autograder"] & 0o111
     assert config == {"assignment": "01_pipeline_bubble", "cell_timeout": 120, "hints": False}
     for args, msg in ((["99_nope"], "error: assignment '99_nope' has no exercises; choose one of"),
-                      (["01_pipeline_bubble", "--hidden-cases", tmp_path / "none"], "is not a folder"),
+                      (["01_pipeline_bubble", "--hidden-cases", tmp_path / "none"], "no such folder"),
                       (["01_pipeline_bubble", "--cell-timeout", "0"], "--cell-timeout must be a positive"),
                       (["01_pipeline_bubble", "--out", tmp_path / "no" / "ag.zip"], "in an existing folder")):
         assert autograder_main([str(a) for a in args]) == 2  # in-process: each CLI run would import torch again

@@ -112,7 +112,8 @@ def test_batch_grading_writes_one_file_per_submission_and_a_gradebook(tmp_path, 
     table = {os.path.basename(r[0]): r[1:] for r in rows[1:]}
     assert table["alice.ipynb"] == ["2", "1", "3", "3", ""]
     assert table["bob.ipynb"] == ["0", "1", "1", "3", ""]
-    assert table["dave.ipynb"] == ["0", "0", "0", "3", ""]
+    assert table["dave.ipynb"][:4] == ["0", "0", "0", "3"]  # every zero gives its reason
+    assert table["dave.ipynb"][4].startswith("another notebook: the submission does not hold assignment 98_alpha")
     assert table["carol.ipynb"][:4] == ["", "", "0", "3"] and "not a Jupyter notebook" in table["carol.ipynb"][4]
 
 

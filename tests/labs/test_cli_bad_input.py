@@ -35,9 +35,9 @@ LAB = [
     (["lab"], "lab needs a NAME, one of pipeline, tensor, moe, 3d"),
     (["bench"], "bench needs a NAME, one of pipeline, tensor, moe, dp"),
     (["lab", "moe", "--eplb", "--device-coeff", "inf"], "--device-coeff must be a finite number > 0, got inf"),
-    (["lab", "moe", "--redundant-experts", "3"], "--redundant-experts 3 is an --eplb option: add --eplb"),
-    (["lab", "moe", "--gpus-per-node", "2"], "--gpus-per-node 2 is an --eplb option"),
-    (["lab", "3d", "--schedule", "gpipe", "--chunks", "3"], "--chunks 3 applies to --schedule interleaved only"),
+    (["lab", "moe", "--redundant-experts", "3"], "--redundant-experts 3 has no effect without --eplb: set --eplb"),
+    (["lab", "moe", "--gpus-per-node", "2"], "--gpus-per-node 2 has no effect without --eplb"),
+    (["lab", "3d", "--schedule", "gpipe", "--chunks", "3"], "--chunks 3 has no effect without --schedule interleaved"),
     (["lab", "pipeline", "--cost-model", "inf,0,0"], "--cost-model takes three numbers >= 0 in milliseconds, finite"),
     (["lab", "pipeline", "--cost-model", "-1,0,0"], "--cost-model takes three numbers >= 0 in milliseconds, finite"),
     (["lab", "pipeline", "--cost-model", "1e7,0,0"], "more than half the 60 s a rank waits for a peer"),
@@ -129,11 +129,15 @@ def test_data_folder_that_cannot_be_read(tmp_path, monkeypatch, capsys):
         return real_scandir(path)
     monkeypatch.setattr(os, "scandir", scandir)
     _one_error_line(cli(["lab", "pipeline", "--data", str(data)]), capsys,
-                    f"--data {data}: no readable text file: 2 file(s) or folder(s) could not be read (permission "
-                    f"denied)")
-    monkeypatch.setattr(os, "access", real_access)  # a.txt readable again: the lab would use it
+                    f"--data {data}: 2 file(s) or folder(s) in it cannot be read (permission denied")
+    monkeypatch.setattr(os, "access", real_access)  # a.txt readable again, sub/ still not: refused, not trained on
+    _one_error_line(cli(["lab", "pipeline", "--data", str(data)]), capsys,   # part of the folder without a word
+                    f"--data {data}: 1 file(s) or folder(s) in it cannot be read (permission denied")
+    monkeypatch.setattr(os, "scandir", real_scandir)
     from labkit.data import text_files
-    assert text_files(data) == [data / "a.txt"]
+    assert text_files(data) == [data / "a.txt", data / "sub" / "b.txt"]
+    (data / "gone.txt").symlink_to(tmp_path / "nowhere")   # a link to nothing is named too
+    _one_error_line(cli(["lab", "pipeline", "--data", str(data)]), capsys, f"e.g. {data / 'gone.txt'}")
 
 
 def _lab_with_env(env):

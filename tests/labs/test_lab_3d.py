@@ -110,13 +110,13 @@ def test_lab_3d_zero_flag_spellings():
     from labkit.labs.threed import parse_args
     assert parse_args([]).zero == 0 and parse_args(["--zero"]).zero == 1          # the bare flag: ZeRO-1
     assert parse_args(["--zero", "--tied"]).zero == 1 and parse_args(["--zero", "3"]).zero == 3
-    assert parse_args(["--zero", "2", "--hsdp", "1"]).hsdp == 1
+    assert parse_args(["--zero", "3", "--hsdp", "1"]).hsdp == 1
 
 
 @pytest.mark.parametrize("argv,msg", [
     (["--dp", "4", "--zero", "3", "--hsdp", "3"], "HSDP replicas R=3 must be an integer >= 1 that divides d=4"),
     (["--dp", "2", "--zero", "3", "--hsdp", "2"], "HSDP with R = d = 2 replicas leaves one rank per shard group"),
-    (["--dp", "4", "--hsdp", "2"], "HSDP (R=2 replicas) shards the parameters: it needs ZeRO-3, got ZeRO-0"),
+    (["--dp", "4", "--hsdp", "2"], "--hsdp 2 has no effect without --zero 3 (HSDP shards the parameters"),
     # a reentrant checkpoint differentiates the whole block inside I (it crashed DDP, and gave ZeRO-2 wrong
     # gradients with DualPipeV)
     (["--recompute", "full", "--schedule", "zb-h1"], "full recompute with ZB-H1: labkit's checkpoint"),
@@ -390,7 +390,9 @@ def test_lab_3d_moe_sp_and_full_recompute_equal_one_device_and_the_planner(extra
     (["--moe", "--experts", "3"], "n_routed_experts E=3 must be divisible by the EP size 2 (EP folded onto DP) "
                                   "(n_routed_experts is --experts)"),
     (["--heads", "3"], "n_embd=16 must be divisible by n_head=3 (n_embd is --embd, n_head is --heads)"),
-    (["--moe", "--topk", "5"], "--topk must be between 1 and --experts=4, got 5"),
+    (["--moe", "--topk", "5"], "--topk 5 must be between 1 and --experts 4"),
+    (["--moe", "--experts", "0"], "--experts must be >= 1, got 0"),
+    (["--moe", "--experts", "-4"], "--experts must be >= 1, got -4"),
     (["--moe", "--tp", "1", "--pp", "1", "--dp", "2", "--cp", "2", "--zero", "3", "--hsdp", "2"],
      "--moe with --cp 2 is not combined with --hsdp 2"),
 ])

@@ -15,16 +15,20 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.grading.build import INSTALL_CELL
+from labkit.grading.build import INSTALL_CELL, configured_repository, install_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_learner_notebook_starts_with_the_install_cell():
+    cell = install_cell(configured_repository(ROOT))  # the course's repository, or none
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         first = nbformat.read(str(path), as_version=4).cells[0]
-        assert first.cell_type == "code" and first.source == INSTALL_CELL, path.name
-    assert INSTALL_CELL.count("%pip") == 1
+        assert first.cell_type == "code" and first.source == cell, path.name
+    for source in (cell, INSTALL_CELL):
+        assert [line.strip().split()[0] for line in source.splitlines() if line.strip().startswith("%")] == ["%pip"]
+    # no repository this project does not own is named anywhere a learner installs from
+    assert "labkit-course" not in cell and "labkit-course" not in (ROOT / "pyproject.toml").read_text()
 
 
 def _run_cell(python, cwd, env):
@@ -69,6 +73,12 @@ def test_install_cell_installs_the_wheel_that_ships_the_notebooks(bare_venv):
     env.pop("PYTHONPATH", None)
     missing = subprocess.run([str(py), "-c", "import labkit"], capture_output=True, text=True, cwd=work, env=env)
     assert missing.returncode != 0  # as on Colab: no labkit yet
+    # without LABKIT_PIP_SOURCE, the cell of a course that set no repository says how to install labkit
+    env.pop("LABKIT_PIP_SOURCE")
+    p = _run_cell(py, work, env)
+    assert p.returncode != 0 and "ModuleNotFoundError" in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "Ask your instructor" in p.stdout + p.stderr and "make install" in p.stdout + p.stderr
+    env["LABKIT_PIP_SOURCE"] = str(wheel)
     p = _run_cell(py, work, env)
     assert p.returncode == 0, p.stdout + p.stderr
     where = subprocess.run([str(py), "-c", "import labkit; print(labkit.__file__)"], capture_output=True, text=True,

@@ -224,7 +224,7 @@ def test_lab_3d_cp_ring_with_selective_recompute_equals_one_device_and_the_plann
 
 def test_lab_3d_bad_cp_is_one_line(tmp_path, capsys):
     from labkit.labs.threed import main
-    for argv, msg in ((["--cp-no-load-balance"], "--cp-no-load-balance chooses how --cp C > 1 splits each sequence"),
+    for argv, msg in ((["--cp-no-load-balance"], "--cp-no-load-balance has no effect without --cp > 1"),
                       (["--cp", "2", "--seq", "6", "--cp-no-load-balance"], "--seq 6 must be divisible by 2 * --cp"),
                       (["--cp", "2", "--zero", "3", "--hsdp", "3", "--dp", "4"],
                        "HSDP replicas R=3 must be an integer >= 1 that divides d=4")):
@@ -233,8 +233,8 @@ def test_lab_3d_bad_cp_is_one_line(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
     assert main(["--cp", "2", "--cp-attention", "ulysses", "--heads", "2", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: Ulysses splits attention heads over the CP group: n_head=1 and n_kv_head=1 must both be "
-                   "divisible by cp=2"]
+    assert err == ["error: --cp-attention ulysses splits each TP rank's heads over the --cp 2 ranks: --heads 2 / "
+                   "--tp 2 = 1 heads per TP rank must be divisible by --cp 2"]
 
 
 def test_attention_work_formula():

@@ -32,6 +32,12 @@ def _errors(ctx):
             GPT(GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=8)), g)(
                 torch.zeros(1, 4, dtype=torch.long), torch.tensor([[1, 2, 256, 3]])),
         "embedding_ids": lambda: VocabParallelEmbedding(8, 4, group=g)(torch.tensor([1, 8])),
+        # logits already gathered over TP ([*, V] instead of [*, V/t]) would add log t to the loss
+        "gathered_logits": lambda: vocab_parallel_cross_entropy(torch.zeros(3, 16), torch.tensor([0, 5, -100]),
+                                                                group=g, vocab_size=16),
+        "gpt_gathered_logits": lambda: TensorParallelGPT.from_reference(
+            GPT(GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=8)), g).head.loss(
+                torch.zeros(1, 4, 256), torch.tensor([[1, 2, 255, 3]])),
     }
     out = {}
     for name, make in cases.items():
@@ -57,6 +63,8 @@ def test_errors_name_the_sizes_before_any_communication():
         "negative_target": ["[0, V=16)", "-1"],
         "gpt_target": ["[0, 256)", "256"],
         "embedding_ids": ["[0, 8)", "8"],
+        "gathered_logits": ["logits (3, 16)", "target (3,)", "V/t = 16/4 = 4", "got 16", "t=4"],
+        "gpt_gathered_logits": ["logits (1, 4, 256)", "target (1, 4)", "V/t = 256/4 = 64", "got 256", "t=4"],
     }
     # 4 heads over t=4 is valid: that case must NOT raise
     assert res.pop("heads")[0] == "no error"

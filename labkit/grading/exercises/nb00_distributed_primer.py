@@ -23,10 +23,12 @@ from . import kernel_side
 # ----------------------------------------------------------------------------- 0.1
 ex01 = exercise(
     "0.1", title="what each rank holds after reduce-scatter", notebook="00_distributed_primer", points=2,
-    hint="Section 4 (Collectives): after a reduce-scatter each rank holds one piece of the result, not all of "
-         "it. Which piece does rank i hold, and over which ranks is it summed?")
-ex01.hint2 = ("Picture the N inputs added up into one tensor of the same size, then cut into N equal pieces in "
-              "rank order: which piece ends on which rank?")
+    hint=("Section 4 (Collectives), the table of who holds what: after a reduce-scatter, does a rank hold all of the "
+          "reduced result or only part of it? Which part is rank i's, and which ranks' inputs contribute to it?"))
+ex01.hint2 = ("Compare your list with the table for N=2 ranks and c=1: which positions of which inputs end up in rank "
+              "0's output, and which in rank 1's?")
+ex01.hint_review = ("leads: asks which part of the reduced result each rank holds and checks it against the section 4 "
+                    "table; names no operation; reviewed 2026-12-06")
 
 
 def _rs_inputs(N: int, c: int, seed: int) -> list[torch.Tensor]:
@@ -66,12 +68,13 @@ ex01.case("N=1 rank", hidden=True, timeout=20)(_rs_case(1, 5, 3))
 # ----------------------------------------------------------------------------- 0.2
 ex02 = exercise(
     "0.2", title="ring all-reduce from send/recv", notebook="00_distributed_primer", points=4,
-    hint="Section 5: the ring runs two phases of N-1 steps. In every step a rank sends ONE chunk to its right "
-         "neighbour and receives one from its left. Which chunk has rank r finished after the first phase, and "
-         "what does the second phase do with it?")
-ex02.hint2 = ("Write out N=3 on paper: in each step of the first phase, which chunk does rank r send and which "
-              "does it add the received one to? In the second phase the received chunk replaces the local one "
-              "instead of being added.")
+    hint=("Section 5: the ring runs a reduce-scatter phase and then an all-gather phase, N-1 steps each, and every "
+          "step moves one chunk to the right neighbour. After the first phase, which chunk is complete on rank r?"))
+ex02.hint2 = ("Write out N=3 on paper, step by step: which chunk index does rank r send, which does it receive, and "
+              "must the received values be combined with what rank r holds or take its place? Is the answer the same "
+              "in both phases?")
+ex02.hint_review = ("leads: names the ring's two phases (the notebook's own description) and asks which chunk index "
+                    "moves and what happens to it; the learner derives the index arithmetic; reviewed 2026-12-06")
 
 CASE_TIMEOUT = 20.0  # seconds per case (up to 5 ranks plus a possible RING_TIMEOUT)
 
@@ -177,8 +180,8 @@ def _traffic_case(N: int, numel: int, seed: int):
 
 ex02.case("N=2 ranks, 6 elements", timeout=CASE_TIMEOUT)(_ring_case(2, 6, 10))
 ex02.case("each rank sends 2(N-1)/N of the tensor (N=4, 16 elements)", timeout=CASE_TIMEOUT,
-          hint="The ring's point is that each step moves one N-th of the tensor: does any step of yours send "
-               "more than one chunk, or the whole tensor?")(
+          hint=("The ring's point is that each step moves one N-th of the tensor: does any step of yours send more "
+                "than one chunk, or the whole tensor?"))(
     _traffic_case(4, 16, 70))
 ex02.case("each rank sends 2(N-1)/N of the tensor (N=3, 12 elements)", hidden=True,
           timeout=CASE_TIMEOUT)(_traffic_case(3, 12, 80))

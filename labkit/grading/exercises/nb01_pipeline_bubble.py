@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import numbers
 
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..registry import (
+    CheckFailure,
+    as_int,
+    exercise,
+    expect_close,
+    expect_equal,
+    expect_named,
+    expect_raises,
+    type_name,
+)
 
 
 def _bubble(K: int, M: int) -> float:
@@ -17,15 +26,26 @@ def _bubble(K: int, M: int) -> float:
 # ----------------------------------------------------------------------------- 1.1
 ex11 = exercise(
     "1.1", title="bubble fraction", notebook="01_pipeline_bubble", points=2,
-    hint="Section 2: draw the GPipe timeline for K=2, M=2 and count time slots: how many slots does the whole "
-         "step take, and in how many of them does one stage do nothing?")
-ex11.hint2 = ("Count for stage 0 alone the slots it works and the slots it waits; does the count change if you "
-              "pick another stage? The fraction is waiting slots over all slots.")
+    hint=("Section 2: draw the GPipe timeline for K=2, M=2 and count time slots: how many slots does the whole step "
+          "take, and in how many of them does one stage do nothing?"))
+ex11.hint2 = ("Count for stage 0 alone the slots it works and the slots it waits; does the count change if you pick "
+              "another stage? Which share of the step is the bubble?")
+ex11.hint_review = ("leads: asks the learner to count slots on the timeline; the ratio is theirs to write; reviewed "
+                    "2026-12-06")
+
+
+def _bubble_mistakes(K: int, M: int) -> list:
+    """1.1's named mistakes for K, M: what each returns."""
+    return [((K - 1) / M, "this is the idle time over the busy time only: the fraction is over every slot of "
+                          "the step"),
+            (K / (M + K), "K waiting slots counted where a stage waits K - 1"),
+            (100 * (K - 1) / (M + K - 1), "a percentage: the fraction is between 0 and 1"),
+            ((K - 1) / (M + K), "one slot too many in the step")]
 
 
 @ex11.case("K=4, M=8")
 def _(bubble_fraction):
-    expect_close(bubble_fraction(4, 8), 3 / 11, "bubble_fraction(K=4, M=8)")
+    expect_named(bubble_fraction(4, 8), 3 / 11, "bubble_fraction(K=4, M=8)", _bubble_mistakes(4, 8), rtol=1e-5)
 
 
 @ex11.case("K=1 (one stage has no bubble)")
@@ -39,8 +59,8 @@ def _(bubble_fraction):
 
 
 @ex11.case("rejects M=0 with ValueError",
-           hint="What is a bubble fraction for zero microbatches or zero stages? The docstring says which "
-                "error to raise and when: check the inputs before computing.")
+           hint=("What is a bubble fraction for zero microbatches or zero stages? The docstring says which error to "
+                 "raise and when: are the inputs checked before anything is computed?"))
 def _(bubble_fraction):
     expect_raises(ValueError, bubble_fraction, 4, 0, what="bubble_fraction(K=4, M=0)")
     expect_raises(ValueError, bubble_fraction, 0, 4, what="bubble_fraction(K=0, M=4)")
@@ -61,12 +81,13 @@ def _(bubble_fraction):
 # ----------------------------------------------------------------------------- 1.2
 ex12 = exercise(
     "1.2", title="smallest M for a target bubble", notebook="01_pipeline_bubble", points=2,
-    hint="The bubble shrinks as M grows (section 3): you need the FIRST M at which it is at most the target. "
-         "Is your M a whole number, at least 1, and is the bubble one microbatch earlier still above the "
-         "target?")
-ex12.hint2 = ("Either try M = 1, 2, 3, ... with your bubble_fraction, or solve the inequality for M. A solved "
-              "bound is rarely a whole number: which way must you round so that the bubble does not exceed the "
-              "target?")
+    hint=("Section 3: the bubble shrinks as M grows, so you need the FIRST M at which it meets the target. Is your M "
+          "a whole number, at least 1, and is the bubble one microbatch earlier still above the target?"))
+ex12.hint2 = ("Check your answer against the definition: at your M the bubble is within the target and one microbatch "
+              "fewer it is not. If you solved an inequality, is the bound a whole number, and which side of it is "
+              "safe?")
+ex12.hint_review = ("leads: states the invariant (first M meeting the target) and asks about integrality; leaves the "
+                    "search or the solved bound to the learner; reviewed 2026-12-06")
 
 
 def _smallest(K: int, target: float) -> int:
@@ -92,8 +113,8 @@ def _(smallest_microbatches):
 
 
 @ex12.case("K=3, target 0.3 (the bound M >= 14/3 is not a whole number)",
-           hint="The bound you solved for is not a whole number here; rounding it one way leaves the bubble "
-                "above the target. Which way is safe?")
+           hint=("The bound you solved for is not a whole number here; rounding it one way leaves the bubble above "
+                 "the target. Which way is safe?"))
 def _(smallest_microbatches):
     K, target = 3, 0.3
     got = smallest_microbatches(K, target)
@@ -104,13 +125,24 @@ def _(smallest_microbatches):
     expect_equal(got, want, f"smallest_microbatches(K={K}, target={target})")
 
 
+@ex12.case("K=5, target 0.3")
+def _(smallest_microbatches):
+    K, target = 5, 0.3
+    got = smallest_microbatches(K, target)
+    want = _smallest(K, target)
+    got = as_int(got) if as_int(got) is not None else got
+    expect_named(got, want, f"smallest_microbatches(K={K}, target={target})",
+                 [(want - 1, f"rounded to the nearest whole number: with M={want - 1} the bubble is "
+                             f"{_bubble(K, want - 1):.4g} > {target}")])
+
+
 @ex12.case("returns an int",
-           hint="A number of microbatches is a whole number: return an int, not a float.")
+           hint="A number of microbatches is a whole number: what type does your function return?")
 def _(smallest_microbatches):
     got = smallest_microbatches(4, 0.05)
-    if not isinstance(got, int) or isinstance(got, bool):
-        raise CheckFailure(f"smallest_microbatches(K=4, target=0.05): expected an int, got {type(got).__name__}")
-    expect_equal(got, _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)")
+    if as_int(got) is None:
+        raise CheckFailure(f"smallest_microbatches(K=4, target=0.05): expected an int, got {type_name(got)}")
+    expect_equal(as_int(got), _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)")
 
 
 @ex12.case("K=5, target 0.15", hidden=True)

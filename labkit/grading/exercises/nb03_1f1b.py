@@ -7,18 +7,19 @@ stage s holds at most ``min(M, K - s)`` microbatches in flight instead of M.
 from __future__ import annotations
 
 from ...pipeline import bubble_formula, one_f_one_b_schedule, peak_in_flight, simulate
-from ..registry import CheckFailure, exercise, expect_equal
+from ..registry import CheckFailure, exercise, expect_named
 from .nb02_gpipe import expect_same_grads, run_pipeline, validated
 
 # ----------------------------------------------------------------------------- 3.1
 ex31 = exercise(
     "3.1", title="the 1F1B action list", notebook="03_1f1b", points=3,
-    hint="Section 1: rank r can start its first backward once its first microbatch has gone through all later "
-         "stages and come back. How many forwards fit before that on rank r (the warm-up), and what if there "
-         "are fewer microbatches than that?")
-ex31.hint2 = ("After the warm-up each step is one forward then one backward, until no forwards are left; then "
-              "only backwards. Check with K=4, M=2 that no rank plans more warm-up forwards than there are "
-              "microbatches.")
+    hint=("Section 1: rank r can start its first backward once its first microbatch has gone through all later stages "
+          "and come back. How many forwards can rank r run before that, and what if there are fewer microbatches than "
+          "that?"))
+ex31.hint2 = ("Draw the K=4, M=2 timeline of section 1 and read rank 0's and rank 3's order off it: how many forwards "
+              "come before the first backward on each, and what follows the last forward?")
+ex31.hint_review = ("leads: asks for the warm-up length and points at the timeline to read the steady state from; "
+                    "reviewed 2026-12-06")
 
 
 def _order(one_f_one_b_order, K: int, M: int):
@@ -62,11 +63,11 @@ def _memory_and_bubble(K: int, M: int):
     return case
 
 
-ex31.case("K=2, M=4: valid, in flight min(M, K-s), bubble (K-1)/(M+K-1)")(_memory_and_bubble(2, 4))
-ex31.case("K=4, M=8: valid, in flight min(M, K-s), bubble (K-1)/(M+K-1)")(_memory_and_bubble(4, 8))
+ex31.case("K=2, M=4: valid, peak in flight and bubble simulated")(_memory_and_bubble(2, 4))
+ex31.case("K=4, M=8: valid, peak in flight and bubble simulated")(_memory_and_bubble(4, 8))
 ex31.case("fewer microbatches than stages (K=4, M=2)",
-          hint="With fewer microbatches than stages the warm-up cannot be longer than the microbatches there "
-               "are. How many forward-backward pairs are left after it?")(_memory_and_bubble(4, 2))
+          hint=("With M < K, does every rank's plan use only microbatches 0..M-1? Count the forwards of rank 0 in "
+                "your list."))(_memory_and_bubble(4, 2))
 
 
 @ex31.case("K=4, M=8 on 4 real ranks: gradients equal single device", timeout=40)
@@ -90,17 +91,31 @@ def _(one_f_one_b_order):
 # ----------------------------------------------------------------------------- 3.2
 ex32 = exercise(
     "3.2", title="1F1B microbatches in flight per stage", notebook="03_1f1b", points=2,
-    hint="Section 2: a stage holds a microbatch from its forward until its backward. How many forwards has "
-         "stage s run when its first backward arrives, and can that exceed the number of microbatches?")
-ex32.hint2 = ("Count on the 1F1B timeline of section 1 for K=4: stage 0 holds the most, the last stage the "
-              "least. By how much does the count change from one stage to the next?")
+    hint=("Section 2: a stage holds a microbatch from its forward until its backward. How many forwards has stage s "
+          "run when its first backward arrives, and can that exceed the number of microbatches?"))
+ex32.hint2 = ("Put your list next to the counts measured in section 2 for K=4, M=8, then try M=2: which stages are "
+              "limited by the microbatches there are?")
+ex32.hint_review = ("leads: asks how many forwards precede stage s's first backward and checks against the "
+                    "measurement; the expression is the learner's; reviewed 2026-12-06")
+
+
+def _in_flight_mistakes(K: int, M: int) -> list:
+    """3.2's named mistakes: what each returns for K, M."""
+    return [([K - s for s in range(K)], "more than M on some stages: a stage cannot hold more microbatches than "
+                                        "the step has"),
+            ([min(M, K - s - 1) for s in range(K)], "one fewer on every stage: the last stage still holds one"),
+            ([min(M, s + 1) for s in range(K)], "the stages in reverse order: which stage starts the most "
+                                                "forwards before its first backward?"),
+            ([min(M, K)] * K, "the same count on every stage: the warm-up is not the same length on every stage"),
+            ([M] * K, "every microbatch in flight at once: that is GPipe's memory, not 1F1B's")]
 
 
 def _formula_case(K: int, M: int):
     def case(in_flight_1f1b):
         got = in_flight_1f1b(K, M)
         want = peak_in_flight(one_f_one_b_schedule(K, M), K)
-        expect_equal(list(got) if isinstance(got, tuple) else got, want, f"in_flight_1f1b(K={K}, M={M})")
+        got = list(got) if isinstance(got, (tuple, range)) else got
+        expect_named(got, want, f"in_flight_1f1b(K={K}, M={M})", _in_flight_mistakes(K, M))
     return case
 
 
@@ -108,8 +123,8 @@ def _formula_case(K: int, M: int):
 def _(in_flight_1f1b):
     measured = run_pipeline(one_f_one_b_schedule(4, 8), 8, timeout=15)["peak"]
     got = in_flight_1f1b(4, 8)
-    expect_equal(list(got) if isinstance(got, tuple) else got, [measured[s] for s in range(4)],
-                 "in_flight_1f1b(K=4, M=8) vs the peak measured by the runtime")
+    expect_named(list(got) if isinstance(got, (tuple, range)) else got, [measured[s] for s in range(4)],
+                 "in_flight_1f1b(K=4, M=8) vs the peak measured by the runtime", _in_flight_mistakes(4, 8))
 
 
 ex32.case("K=4, M=2 (fewer microbatches than stages)")(_formula_case(4, 2))

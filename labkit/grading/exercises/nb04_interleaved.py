@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from ...pipeline import interleaved_schedule, simulate, stage_rank
 from ...pipeline.stages import stage_layers
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_named, expect_raises
 from .nb02_gpipe import run_pipeline
 
 # ----------------------------------------------------------------------------- 4.1
 ex41 = exercise(
     "4.1", title="which layers a rank holds", notebook="04_interleaved", points=2,
-    hint="Section 1 (the looped placement): the model is cut into K v equal stages of consecutive layers, and "
-         "stage s goes to rank s mod K. Which stages does rank r get, and which layers does each of them hold?")
-ex41.hint2 = ("Rank r's stages are stage r, the stage one full round of K later, and so on, v of them; list "
-              "the layers of each in order, counting layers from 0.")
+    hint=("Section 1 (the looped placement): which stages live on rank r? Write them out for K=2, v=2 before you "
+          "write any layer numbers."))
+ex41.hint2 = ("Once you know rank r's stages: if every stage has the same number of layers, which layers does stage s "
+              "hold? Check your list against the picture of section 1.")
+ex41.hint_review = ("leads: splits the task into two questions (which stages, which layers per stage) without the "
+                    "arithmetic of either; reviewed 2026-12-06")
 
 
 def _code_layers(rank: int, n_layers: int, K: int, v: int) -> list:
@@ -42,6 +44,9 @@ def _layers_case(n_layers: int, K: int, v: int, ranks=None):
                 raise CheckFailure(f"{what}: expected {want}, got {got}: that is the contiguous split of "
                                    f"plain 1F1B; with v chunks rank r holds stages r, r+K, ... (stage s on "
                                    f"rank s % K)")
+            if isinstance(got, list) and sorted(got) == list(range(r, n_layers, K)):
+                raise CheckFailure(f"{what}: expected {want}, got {got}: layers dealt out one at a time, round robin; "
+                                   f"a stage is a block of consecutive layers")
             expect_equal(sorted(got) if isinstance(got, list) else got, want, what)
     return case
 
@@ -56,13 +61,13 @@ ex41.case("6 layers, K=1, v=3", hidden=True)(_layers_case(6, 1, 3))
 # ----------------------------------------------------------------------------- 4.2
 ex42 = exercise(
     "4.2", title="the interleaved bubble", notebook="04_interleaved", points=2,
-    hint="Section 2: interleaving makes every stage v times smaller, so the ramp-up and ramp-down get v times "
-         "shorter while the useful work stays the same. Start from 1F1B's bubble fraction: which of its terms "
-         "shrinks?")
-ex42.hint2 = ("Write the bubble time and the useful time in units of one full stage's forward and backward; "
-              "the fraction is bubble over (bubble plus useful). When v >= 2, the M microbatches must be cut "
-              "into the equal rounds the notebook describes (how many rounds does torch make of M microbatches "
-              "on K ranks?): raise ValueError when they cannot be.")
+    hint=("Section 2: interleaving shrinks every stage by the factor v while the useful work stays the same. Start "
+          "from 1F1B's bubble fraction: which part of it does interleaving shrink?"))
+ex42.hint2 = ("Express the idle time and the busy time in units of one full stage's forward and backward. For the "
+              "ValueError: how does torch group M microbatches into rounds on K ranks (section 2), and when are the "
+              "rounds not all alike?")
+ex42.hint_review = ("leads: asks which term of 1F1B's bubble shrinks and how torch forms rounds; neither the fraction "
+                    "nor the divisibility test is stated; reviewed 2026-12-06")
 
 
 def _bubble_case(K: int, M: int, v: int):
@@ -83,9 +88,9 @@ def _(interleaved_bubble):
 
 
 ex42.case("K=4, M=6, v=2: one round of 6, as torch runs it",
-          hint="torch's ScheduleInterleaved1F1B runs K=4, M=6 (one round of 6 microbatches) and so does labkit: "
-               "a multiple of K is Megatron-LM's special case, not the rule. Which M can be cut into equal "
-               "rounds?")(_bubble_case(4, 6, 2))
+          hint=("torch's ScheduleInterleaved1F1B runs K=4, M=6 and so does labkit: M need not be a multiple of K "
+                "(that is Megatron-LM's special case). How does torch group these 6 microbatches, and is that "
+                "grouping uneven?"))(_bubble_case(4, 6, 2))
 
 
 ex42.case("K=4, M=4, v=4", hidden=True)(_bubble_case(4, 4, 4))
@@ -93,26 +98,46 @@ ex42.case("K=2, M=6, v=3", hidden=True)(_bubble_case(2, 6, 3))
 ex42.case("K=1, M=3, v=2", hidden=True)(_bubble_case(1, 3, 2))
 
 
+@ex42.case("K=4, M=9, v=1")
+def _(interleaved_bubble):
+    what = "interleaved_bubble(K=4, M=9, v=1)"
+    try:
+        got = interleaved_bubble(4, 9, 1)
+    except ValueError as e:
+        raise CheckFailure(f"{what} raised ValueError ({e}): with v = 1 there is one chunk per rank, plain 1F1B, "
+                           f"which runs any M; the rounds rule is about v >= 2 chunks") from None
+    expect_close(float(got), 3 / 12, what)
+
+
 @ex42.case("v=1 allows any M", hidden=True)
 def _(interleaved_bubble):
     expect_close(float(interleaved_bubble(4, 6, 1)), 3 / 9, "interleaved_bubble(K=4, M=6, v=1)")
+    expect_close(float(interleaved_bubble(3, 7, 1)), 2 / 9, "interleaved_bubble(K=3, M=7, v=1)")
 
 
 # ----------------------------------------------------------------------------- 4.3
 ex43 = exercise(
     "4.3", title="point-to-point sends per step", notebook="04_interleaved", points=2,
-    hint="Section 3: a microbatch crosses every boundary between two consecutive stages, once forward and once "
-         "backward. How many boundaries do K v stages have, and does any of them lie inside one rank?")
-ex43.hint2 = ("With K = 1 every stage is on the same rank, so nothing leaves it. With K > 1 consecutive stages "
-              "are always on different ranks (looped placement): count the crossings of all M microbatches.")
+    hint=("Section 3: a send is one crossing of a microbatch from a stage to the next stage on another rank, in one "
+          "direction. How many stage boundaries does a microbatch cross, and how many of them lie between ranks?"))
+ex43.hint2 = ("Test your count on the placement the notebook treats as special: what happens to the boundaries when "
+              "all stages sit on one rank?")
+ex43.hint_review = ("leads: defines a send as a crossing and asks how many boundaries and which lie between ranks; "
+                    "the special case is asked about, not answered; reviewed 2026-12-06")
 
 
 def _sends_case(K: int, M: int, v: int):
     def case(p2p_sends):
         from ...pipeline.explorer import count_sends  # here: explorer imports pyplot (seconds per grader process)
 
-        expect_equal(p2p_sends(K, M, v), count_sends(interleaved_schedule(K, M, v)),
-                     f"p2p_sends(K={K}, M={M}, v={v}) vs the SEND actions in the schedule")
+        want = count_sends(interleaved_schedule(K, M, v))
+        expect_named(p2p_sends(K, M, v), want, f"p2p_sends(K={K}, M={M}, v={v}) vs the SEND actions in the schedule",
+                     [(want * K, "counted once per rank: each send is made by one rank"),
+                      (2 * M * K * v, "K v crossings per microbatch and direction: is there a boundary after the "
+                                      "last stage?"),
+                      (M * (K * v - 1), "forward only: the gradients cross every boundary back"),
+                      (2 * (K * v - 1), "one microbatch: all M cross every boundary")] if K > 1 else
+                     [(2 * M * (K * v - 1), "stages on the same rank do not send to each other")])
     return case
 
 

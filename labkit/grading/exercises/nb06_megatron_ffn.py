@@ -28,15 +28,17 @@ def gelu(x):
 # ----------------------------------------------------------------------------- 6.1
 ex61 = exercise(
     "6.1", title="partial outputs of the column/row split MLP", notebook=NOTEBOOK, points=2,
-    hint="Section 1 (the column split): rank i holds a block of columns of A and the block of rows of B with "
-         "the same indices, so GeLU applies to its own block with no communication. What is one rank's partial "
-         "output, and what must the t partials add up to?")
-ex61.hint2 = ("Cut the FFN width F into t equal consecutive blocks (check that t divides F: only F is split, "
-              "not H) and compute each rank's product with the notebook's gelu.")
+    hint=("Section 1 (the column split): rank i holds a block of columns of A and the rows of B with the same "
+          "indices. Why can rank i apply GeLU without talking to the others, and what must the t partial outputs add "
+          "up to?"))
+ex61.hint2 = ("Check the invariant on t=2 against the unsplit MLP's output: does your list add up to it, and does "
+              "every rank's block of A line up with its block of B?")
+ex61.hint_review = ("leads: names the column/row pairing and the invariant the partials satisfy; the slicing is the "
+                    "learner's; reviewed 2026-12-06")
 
 
-_ONLY_F = (("Only the FFN width F (the columns of A, the rows of B) is split; the hidden size H is not. So "
-            "which of the two must t divide, and which need not?"))
+_ONLY_F = (("Only the FFN width F (the columns of A, the rows of B) is split; the hidden size H is not. So which of "
+            "the two must t divide, and which need not?"))
 
 
 def _mlp_data(N: int, H: int, F_: int, seed: int):
@@ -163,11 +165,13 @@ def _operator_case(which: str, t: int, N: int, H: int, F_: int, seed: int):
 
 ex62 = exercise(
     "6.2", title="the operator f", notebook=NOTEBOOK, points=3,
-    hint="Section 3: f sits where every rank needs the same input X. Does f need to communicate in forward? In "
-         "backward each rank holds only its own branch's share of dL/dX: what must happen so that every rank "
-         "ends with the whole gradient?")
-ex62.hint2 = ("backward returns one gradient per input of forward: one for x, and None for the group. labkit's "
+    hint=("Section 3: f sits where every rank needs the same input X. Does f need to communicate in forward? In "
+          "backward each rank holds only its own branch's share of dL/dX: what must happen so that every rank ends "
+          "with the whole gradient?"))
+ex62.hint2 = ("backward returns one gradient per input of forward: how many inputs does forward take? labkit's "
               "collectives work in place: which tensor should they work on?")
+ex62.hint_review = ("leads: asks which direction communicates and what each rank must end with (the section's "
+                    "conjugate table); the collective and the copy are the learner's; reviewed 2026-12-06")
 ex62.case("t=2 ranks: output and gradients equal one device", timeout=20)(_operator_case("f", 2, 4, 6, 8, 10))
 ex62.case("t=4 ranks: output and gradients equal one device", timeout=25)(_operator_case("f", 4, 3, 4, 16, 11))
 ex62.case("t=1 rank", hidden=True, timeout=20)(_operator_case("f", 1, 2, 4, 8, 12))
@@ -175,11 +179,12 @@ ex62.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_operator_case("f",
 
 ex63 = exercise(
     "6.3", title="the operator g", notebook=NOTEBOOK, points=3,
-    hint="Section 3: g is f's conjugate. In forward every rank holds a partial output that must be summed over "
-         "the group; in backward the gradient of the sum is already the same on every rank. Which direction "
-         "communicates?")
-ex63.hint2 = ("The all-reduce works in place: reduce a copy, not the tensor autograd gave you. backward "
-              "returns one gradient per input of forward (x and the group).")
+    hint=("Section 3: g is f's conjugate: what f does in one direction, g does in the other. Which direction of g "
+          "communicates, and what does the other direction pass on?"))
+ex63.hint2 = ("labkit's collective works in place: would changing the tensor autograd handed you be safe? And how "
+              "many gradients does backward return?")
+ex63.hint_review = ("leads: asks which direction communicates and warns about in-place work; names no collective; "
+                    "reviewed 2026-12-06")
 ex63.case("t=2 ranks: output and gradients equal one device", timeout=20)(_operator_case("g", 2, 4, 6, 8, 20))
 ex63.case("t=4 ranks: output and gradients equal one device", timeout=25)(_operator_case("g", 4, 3, 4, 16, 21))
 ex63.case("t=1 rank", hidden=True, timeout=20)(_operator_case("g", 1, 2, 4, 8, 22))
@@ -189,11 +194,13 @@ ex63.case("t=3 ranks, other sizes", hidden=True, timeout=25)(_operator_case("g",
 # ----------------------------------------------------------------------------- 6.4
 ex64 = exercise(
     "6.4", title="the row-parallel layer's bias", notebook=NOTEBOOK, points=2,
-    hint="Section 4 (RowParallelLinear): each rank computes a partial product, and g sums the t partials. The "
-         "bias belongs to the whole layer, once: where must it enter so that the output holds it exactly once "
-         "and every rank's bias gets its gradient?")
-ex64.hint2 = ("Compare your output on t=2 with the single device's: a difference of one bias means the bias "
-              "was summed more than once. Then check that dL/dbias is set on every rank, not only on one.")
+    hint=("Section 4 (RowParallelLinear): the bias belongs to the whole layer's output, once. Where in the "
+          "computation must it enter so that the output holds it exactly once and every rank's bias gets its "
+          "gradient?"))
+ex64.hint2 = ("Compare your output on t=2 with the single device's: a difference of one bias means it entered more "
+              "than once. Is dL/dbias then set on every rank?")
+ex64.hint_review = ("leads: states the invariant (bias exactly once) and asks where it must enter; the order of "
+                    "operations is the learner's; reviewed 2026-12-06")
 
 
 def _row_case(t: int, N: int, F_: int, H: int, seed: int):

@@ -23,11 +23,11 @@ NOTEBOOK = "07_attention_embedding_loss"
 # ----------------------------------------------------------------------------- 7.1
 ex71 = exercise(
     "7.1", title="which heads each rank owns", notebook=NOTEBOOK, points=2,
-    hint="Section 1: the heads are cut into t contiguous blocks of equal size, block r on rank r. What is the "
-         "first head of block r, and how many heads does a block have? Reject a t that does not divide n_head "
-         "and a rank outside the group.")
-ex71.hint2 = ("Try n_head=8, t=4: rank 1 owns two heads; which ones? Then write it for any rank from the block "
-              "size.")
+    hint=("Section 1: the heads form t contiguous blocks of the same size, block r on rank r. Where does block r "
+          "start, and how long is it? Reject a t that does not divide n_head and a rank outside the group."))
+ex71.hint2 = "Try n_head=8, t=4: which heads does rank 1 own? Check your answer on ranks 0 and 3 too."
+ex71.hint_review = ("leads: asks where block r starts and how long it is; the range is the learner's; reviewed "
+                    "2026-12-06")
 
 
 def _heads(n_head, t, rank):
@@ -70,11 +70,12 @@ def _(heads_of_rank):
 # ----------------------------------------------------------------------------- 7.2
 ex72 = exercise(
     "7.2", title="the vocab-parallel embedding mask", notebook=NOTEBOOK, points=3,
-    hint="Section 2: this rank holds one block of V/t rows of the table, starting at vocab_start. An id inside "
-         "the block is looked up at its row within the block; an id outside must give a zero row, with no "
-         "value and no gradient. Which ids are outside, and how do you look them up without an index error?")
-ex72.hint2 = ("Look up with the outside ids replaced by any valid local row, then zero the result's rows for "
-              "those ids with an operation that keeps the rest differentiable (masked_fill).")
+    hint=("Section 2: each rank holds one block of rows of the table. Which ids does this rank own, at which row of "
+          "its shard does an owned id sit, and what must it contribute for an id it does not own?"))
+ex72.hint2 = ("Two invariants: no lookup may index beyond the shard, and an id another rank owns must give no value "
+              "and no gradient here. Which of the two does your function break?")
+ex72.hint_review = ("leads: asks which ids are owned and what the others contribute; states the two invariants, names "
+                    "no operation; reviewed 2026-12-06")
 
 
 def _emb_data(V: int, D: int, shape: tuple, seed: int):
@@ -89,6 +90,24 @@ def _shards(W, t):
     return [(W[r * n:(r + 1) * n].clone(), r * n) for r in range(t)]
 
 
+def _name_unmasked(got, expected, ids, shard, start, what) -> None:
+    """Fail naming the mistake when the only wrong rows are those of ids below the block and they hold the
+    rows that a negative local index wraps around to (``shard[id - vocab_start]`` counts from the end)."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return
+    n = shard.shape[0]
+    below = ids < start
+    wrong = ~torch.isclose(got.detach().float(), expected, rtol=1e-5, atol=1e-6).all(-1)
+    if not wrong.any() or not below.any() or bool((wrong & ~below).any()):
+        return
+    local = (ids - start).clamp(min=-n)
+    wrapped = shard[local.masked_fill(~below, 0)]
+    if torch.allclose(got.detach().float()[below], wrapped[below], rtol=1e-5, atol=1e-6):
+        raise CheckFailure(f"{what}: the rows of ids below vocab_start={start} are not zero: they hold rows counted "
+                           f"from the end of the shard, where a negative local index lands; ids below the block "
+                           f"belong to an earlier rank's block and are outside too")
+
+
 def _emb_sum_case(V: int, D: int, t: int, shape: tuple, seed: int):
     def case(partial_embedding):
         W, ids = _emb_data(V, D, shape, seed)
@@ -99,6 +118,7 @@ def _emb_sum_case(V: int, D: int, t: int, shape: tuple, seed: int):
             got = _call_emb(partial_embedding, ids, shard, start, what)
             mine = (ids >= start) & (ids < start + V // t)
             expected = torch.where(mine.unsqueeze(-1), full, torch.zeros_like(full))
+            _name_unmasked(got, expected, ids, shard, start, what)
             expect_close(got, expected, f"{what} (rank {r} of t={t}; rows of ids it does not own must be 0)")
             total = total + got
         expect_close(total, full, f"sum over the t={t} ranks of partial_embedding (the all-reduce) vs F.embedding")
@@ -153,12 +173,12 @@ ex72.case("V=32, t=8, ids [2, 3, 4]", hidden=True)(_emb_sum_case(32, 5, 8, (2, 3
 # ----------------------------------------------------------------------------- 7.3
 ex73 = exercise(
     "7.3", title="vocab-parallel cross-entropy", notebook=NOTEBOOK, points=4,
-    hint="Section 3: the loss needs three numbers per token that no rank has alone: the global maximum of the "
-         "logits (for stability), the target's logit (only its owner has it) and the sum of exponentials. "
-         "Which reduction (MAX or SUM) gives each, and what does each rank contribute?")
-ex73.hint2 = ("Subtract the global maximum on every rank before exponentiating; the ranks that do not own the "
-              "target contribute 0 to its logit. all_reduce works in place: reduce fresh tensors. Then write "
-              "the cross-entropy from these three numbers.")
+    hint=("Section 3: write the cross-entropy of one token from its full row of logits. Which of the quantities in it "
+          "need values from every rank, and how do the ranks' contributions combine into each?"))
+ex73.hint2 = ("Stability and ownership: the stabilising shift must be the same on every rank, and only one rank holds "
+              "the target's logit. What do the other ranks contribute to it? labkit's collectives work in place.")
+ex73.hint_review = ("leads: asks which quantities need every rank and how they combine; names no reduction operation "
+                    "or sequence; reviewed 2026-12-06")
 
 
 def _ce_data(N: int, V: int, seed: int, offset: float, scale: float, target_block=None, t=1):
@@ -170,6 +190,23 @@ def _ce_data(N: int, V: int, seed: int, offset: float, scale: float, target_bloc
         n = V // t
         target = torch.randint(target_block * n, (target_block + 1) * n, (N,), generator=g)
     return logits, target
+
+
+def _why_not_finite(relay, r: int, logits, t: int) -> str:
+    """Why a rank's loss overflowed, from the grader's own log of its all-reduces: no rank max at all, or the
+    rank maxima reduced with an operation other than MAX (issue 36: a SUM of the maxima was told no max was
+    subtracted)."""
+    n = logits.shape[1] // t
+    local_max = logits[:, r * n:(r + 1) * n].max(-1).values
+    maxes = [it for it in relay.reduced if it.rank == r and tuple(it.tensor.shape) == tuple(local_max.shape)
+             and torch.allclose(it.tensor.double(), local_max.double())]
+    if maxes and all(it.op != "max" for it in maxes):
+        return (f"because each rank's max was all-reduced with {maxes[0].op.upper()}: that gives the {maxes[0].op} "
+                f"of the t maxima, not the largest logit, so exp of (logit - that) leaves the safe range; the "
+                f"global maximum needs another reduction")
+    if maxes:
+        return "although a global max was all-reduced: is it subtracted from the logits before exp, on every rank?"
+    return "which happens when no global max was subtracted before exp"
 
 
 def _ce_case(t: int, N: int, V: int, seed: int, offset: float = 0.0, scale: float = 2.0, target_block=None,
@@ -188,8 +225,8 @@ def _ce_case(t: int, N: int, V: int, seed: int, offset: float = 0.0, scale: floa
                                    f"loss per token, shape {tuple(expected.shape)} (no mean)")
             if not torch.isfinite(got).all():
                 raise CheckFailure(f"{desc}: rank {r} returned {got[~torch.isfinite(got)][:3].tolist()}: exp "
-                                   f"overflowed (or underflowed to 0) on logits this large, which happens when no "
-                                   f"global max was subtracted before exp")
+                                   f"overflowed (or underflowed to 0) on logits this large, "
+                                   + _why_not_finite(relay, r, logits, t))
             expect_close(got, expected, f"{desc}: per-token loss on rank {r} (vs F.cross_entropy on the full logits)",
                          rtol=1e-5, atol=1e-5)
             n = [item.tensor.numel() for item in relay.reduced if item.rank == r]  # the grader's own count

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ...plan.activations import korthikanti_layer_activation_bytes
 from ...plan.memory import BYTES
-from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_close, expect_equal, expect_raises
 
 NOTEBOOK = "08_3d_parallelism"
 
@@ -39,11 +39,12 @@ def _groups(rank, t, p, d):
 
 ex81 = exercise(
     "8.1", title="rank -> (tp, pp, dp) coordinates", notebook=NOTEBOOK, points=2,
-    hint="Section 1 (the grid): ranks are numbered TP innermost, then DP, then PP outermost, so neighbouring "
-         "ranks differ in tp. How many ranks does one step in dp skip, and one step in pp?")
-ex81.hint2 = ("Write the 8 ranks of t=2, p=2, d=2 as a table of (tp, pp, dp), counting tp fastest, then dp, "
-              "then pp. Return the tuple in the order (tp, pp, dp) and raise ValueError for a rank outside the "
-              "grid.")
+    hint=("Section 1 (the grid): ranks are numbered TP innermost, then DP, then PP outermost, so neighbouring ranks "
+          "differ in tp. How many ranks does one step in dp skip, and one step in pp?"))
+ex81.hint2 = ("Write the 8 ranks of t=2, p=2, d=2 as a table, tp changing fastest: in which rows does dp change, and "
+              "in which pp? Mind the return order (tp, pp, dp) and the ValueError for a rank outside the grid.")
+ex81.hint_review = ("leads: asks for the stride of each axis; the modular arithmetic is the learner's; reviewed "
+                    "2026-12-06")
 
 
 _AXES = ("tp", "pp", "dp")
@@ -118,10 +119,12 @@ ex81.case("t=1, p=3, d=2", hidden=True)(_coords_case(1, 3, 2))
 
 ex82 = exercise(
     "8.2", title="the groups a rank belongs to", notebook=NOTEBOOK, points=2,
-    hint="Section 1: a rank's TP group is the ranks that share its pp and dp and differ only in tp; likewise "
-         "for DP and PP. Which global ranks are those, in increasing order?")
-ex82.hint2 = ("Use your rank_coords (8.1): fix two coordinates, run the third over its range and turn each "
-              "coordinate triple back into a global rank.")
+    hint=("Section 1: a rank's group along one axis is the ranks that differ from it only in that axis's coordinate. "
+          "Which global ranks are those, in increasing order?"))
+ex82.hint2 = ("Which coordinates stay fixed within one group, and how do you get from a triple of coordinates back to "
+              "a global rank (the inverse of 8.1)?")
+ex82.hint_review = ("leads: defines the group and asks for the inverse of 8.1; no enumeration is spelled out; "
+                    "reviewed 2026-12-06")
 
 
 def _groups_case(t, p, d):
@@ -133,8 +136,40 @@ def _groups_case(t, p, d):
                                    f"'pp', got {_shown(got)}")
             want = _groups(r, t, p, d)
             for k in ("tp", "dp", "pp"):
-                expect_equal([int(x) for x in got[k]], want[k], f"rank_groups({r}, t={t}, p={p}, d={d})[{k!r}]")
+                what = f"rank_groups({r}, t={t}, p={p}, d={d})[{k!r}]"
+                members = got[k]
+                if not isinstance(members, (list, tuple, range)) or any(as_int(x) is None for x in members):
+                    raise CheckFailure(f"{what}: expected a list of ints (global ranks), got {_shown(members)}")
+                members = [as_int(x) for x in members]
+                if members != want[k]:
+                    why = _group_mistake(r, k, members, want[k], t, p, d)
+                    if why:
+                        raise CheckFailure(f"{what}: expected {want[k]}, got {members} ({why})")
+                expect_equal(members, want[k], what)
     return case
+
+
+def _group_mistake(rank, axis, got, want, t, p, d) -> str:
+    """Which coordinates the members of a wrong group differ in (issue 36: the two stride mistakes gave one
+    line): a group along ``axis`` keeps the other two coordinates of ``rank`` fixed."""
+    n = t * p * d
+    if any(not 0 <= g < n for g in got):
+        return f"ranks outside 0..{n - 1}"
+    if rank not in got:
+        return f"rank {rank} itself is not in its own group"
+    if sorted(got) == want:
+        return "the right ranks, not in increasing order"
+    names = ("tp", "pp", "dp")
+    mine = _coords(rank, t, p, d)
+    varied = sorted({names[i] for g in got for i, c in enumerate(_coords(g, t, p, d)) if c != mine[i]})
+    wrong = [v for v in varied if v != axis]
+    size = {"tp": t, "pp": p, "dp": d}[axis]
+    if wrong:
+        return (f"these ranks differ from rank {rank} in {' and '.join(wrong)}: a {axis.upper()} group's ranks "
+                f"share every coordinate but {axis}")
+    if len(got) != size:
+        return f"{len(got)} ranks: a {axis.upper()} group has one rank per value of {axis}, {size} of them"
+    return ""
 
 
 ex82.case("t=2, p=2, d=2")(_groups_case(2, 2, 2))
@@ -153,12 +188,12 @@ def _states(P, t, p, d, zero, precision):
 
 ex83 = exercise(
     "8.3", title="model states of one GPU", notebook=NOTEBOOK, points=2,
-    hint="Section 3: one GPU holds the share of the P parameters that TP and PP leave it, and per parameter it "
-         "stores weights, gradients and optimizer state (mixed precision keeps fp32 master weights and Adam's "
-         "two moments). Which of the three does each ZeRO stage divide over d?")
-ex83.hint2 = ("Count the bytes per parameter of each of the three states in bf16 and in fp32 (ZeRO paper sec. "
-              "3.1: mixed-precision Adam needs 16 bytes per parameter in all). Each ZeRO stage shards one more "
-              "of the three, optimizer state first.")
+    hint=("Section 3 (ZeRO sec. 3.1): one GPU holds the share of the P parameters that TP and PP leave it. Which of "
+          "the three kinds of state does each ZeRO stage divide over d?"))
+ex83.hint2 = ("Make a table: one row per kind of state with its bytes per parameter in each precision (what does "
+              "mixed precision keep in fp32?), one column per ZeRO stage.")
+ex83.hint_review = ("leads: asks which state each stage shards and suggests a table; the bytes come from the section; "
+                    "reviewed 2026-12-06")
 
 
 def _states_case(P, t, p, d, zero, precision):
@@ -182,12 +217,12 @@ ex83.case("one GPU, fp32", hidden=True)(_states_case(1.2e8, 1, 1, 1, 0, "fp32"))
 # ----------------------------------------------------------------------------- 8.4
 ex84 = exercise(
     "8.4", title="activations of the first pipeline stage", notebook=NOTEBOOK, points=2,
-    hint="Section 3 (Korthikanti et al. 2022, Table 2): take the bytes per layer and microbatch for the case "
-         "at hand (TP only, TP with SP, selective or full recompute), then ask how many layers the first stage "
-         "holds and how many microbatches it keeps alive under 1F1B.")
-ex84.hint2 = ("Selective recompute drops the attention-score term with and without SP; SP also divides the "
-              "terms that TP alone leaves whole; full recompute keeps only each layer's input. Check the case "
-              "with fewer microbatches than stages.")
+    hint=("Section 3 (Korthikanti et al. 2022, Table 2): which row of the table is the case at hand? Then: how many "
+          "layers does the first stage hold, and how many microbatches does it keep alive under 1F1B?"))
+ex84.hint2 = ("Check the case with fewer microbatches than stages, and check which terms sequence parallelism divides "
+              "by t that TP alone leaves whole.")
+ex84.hint_review = ("leads: asks which table row applies and how many layers and microbatches the first stage holds; "
+                    "the cases are the learner's to code; reviewed 2026-12-06")
 
 
 def _act(s, b, h, a, L, t, p, M, sp, rec):
@@ -215,11 +250,12 @@ ex84.case("SP + full", hidden=True)(_act_case(2048, 1, 8192, 64, 80, 8, 8, 32, T
 # ----------------------------------------------------------------------------- 8.5
 ex85 = exercise(
     "8.5", title="choose t, p, d with Megatron's rules", notebook=NOTEBOOK, points=3,
-    hint="Section 4 (Megatron's rules): keep only the layouts that are allowed at all: TP inside a node, the "
-         "memory fits, and the t p GPUs of one model copy tile all the GPUs. Among those, which does rule 2 "
-         "prefer, and for a tie which does TP-before-PP prefer?")
-ex85.hint2 = ("Print the table and cross out, one rule at a time, each (t, p) that breaks a rule; which is "
-              "first among the rest, sorted by model-parallel size? Nothing left: ValueError.")
+    hint=("Section 4 (Megatron's rules): which (t, p) in the table are allowed at all by rule 1, by the memory and by "
+          "the number of GPUs? Among the allowed ones, which does rule 2 prefer, and which wins a tie?"))
+ex85.hint2 = ("Cross out, one rule at a time, each (t, p) that breaks a rule, and compare what is left by "
+              "model-parallel size. What should happen when nothing is left?")
+ex85.hint_review = ("leads: turns the rules of section 4 into questions; the filter and the ordering are the "
+                    "learner's; reviewed 2026-12-06")
 
 
 def _choose(n, g, mem, table):
@@ -315,12 +351,14 @@ ex85.case("Llama-3 70B on 512 GPUs of 40 GB, 4 per node, full recompute",
 # ----------------------------------------------------------------------------- 8.6
 ex86 = exercise(
     "8.6", title="bytes each axis sends per step", notebook=NOTEBOOK, points=3,
-    hint="Section 2: per axis, count the collectives or sends one GPU takes part in per step and the payload "
-         "of each; a ring all-reduce sends only a fraction of the payload from each GPU (notebook 00, section "
-         "5). Which axis communicates per layer, which per microbatch, which once per step?")
-ex86.hint2 = ("TP: the f and g of attention and MLP, forward and backward, in each of this stage's layers, for "
-              "each microbatch. PP: one activation forward and one gradient backward per microbatch (a middle "
-              "stage). DP: one all-reduce of this GPU's gradients. Bytes are values times e.")
+    hint=("Section 2 (the table of what each axis communicates): for each axis, how many collectives or sends does "
+          "one GPU take part in per step, and how many bytes does each send from this GPU in a ring (notebook 00, "
+          "section 5)?"))
+ex86.hint2 = ("Check each axis on its own with small numbers: take M = 1 and one layer on this stage, then double one "
+              "of them. Does each axis's count grow as the 'how often' column of section 2 says? Is the payload in "
+              "values or in bytes?")
+ex86.hint_review = ("leads: points at the section 2 table and the ring's cost and suggests a scaling check; no count "
+                    "per axis is given; reviewed 2026-12-06")
 
 
 def _axis(s, b, h, L, t, p, d, M, n_params, e):

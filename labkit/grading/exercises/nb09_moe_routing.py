@@ -20,7 +20,7 @@ from ...moe.router import capacity_mask, compute_capacity, route
 from ...plan.params import count_parameters
 from ...plan.spec import ModelSpec, preset
 from ..kernelside.nb09_moe_routing import _gate_with_grad  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal
+from ..registry import CheckFailure, as_int, exercise, expect_close, expect_equal, type_name
 
 
 def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
@@ -38,12 +38,12 @@ def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- 9.1
 ex91 = exercise(
     "9.1", title="top-k gate", notebook="09_moe_routing", points=3,
-    hint="Section 2: GShard and Switch take the softmax over ALL experts, then keep the k largest "
-         "probabilities; renormalising is an option, not the default. Are your weights the full softmax's "
-         "probabilities, and do they keep their gradient?")
-ex91.hint2 = ("torch has one call that returns the k largest values and their indices along a dimension: apply "
-              "it to the probabilities, not the logits, and divide by the sum over the k only when renormalize "
-              "is true.")
+    hint=("Section 2: over which experts are the gate's probabilities taken, and which of them become the weights? Is "
+          "renormalising the default?"))
+ex91.hint2 = ("Check two invariants: without renormalising, your weights equal the probabilities the gate computes "
+              "over all experts for the chosen ones, and they carry a gradient back to the logits.")
+ex91.hint_review = ("leads: asks over which experts the probabilities are taken and states the invariants; no API, no "
+                    "sequence; reviewed 2026-12-06")
 
 
 def _gate_case(logits: torch.Tensor, k: int, renormalize: bool, what: str, check_grad: bool = False):
@@ -96,11 +96,13 @@ ex91.case("k = E (every expert)", hidden=True)(
 # ----------------------------------------------------------------------------- 9.2
 ex92 = exercise(
     "9.2", title="capacity and dropped tokens", notebook="09_moe_routing", points=3,
-    hint="Section 3: capacity is counted in slots (a token routed to k experts fills k slots). How many slots "
-         "would each expert get if the routing were perfectly even, and what does the capacity factor do to "
-         "that? Then the slots are kept first come, first served.")
-ex92.hint2 = ("Slots come token by token, and within a token in the order of its k choices; count per expert "
-              "and keep a slot while its expert is below capacity. C is an int: round up, never down.")
+    hint=("Section 3: capacity is counted in slots (a token routed to k experts fills k slots). How many slots would "
+          "each expert get under perfectly even routing, and what does the capacity factor do to that? C is a whole "
+          "number of slots: which way must a fraction go?"))
+ex92.hint2 = ("Which slots come first in labkit's position order (section 3), and when is a slot dropped? Check that "
+              "a token's second choice can be kept while its first is dropped.")
+ex92.hint_review = ("leads: asks for the even share, the factor and the direction of rounding; the keep rule is asked "
+                    "about, not written out; reviewed 2026-12-06")
 
 
 def _cap_case(indices: torch.Tensor, E: int, cf: float, what: str):
@@ -112,9 +114,10 @@ def _cap_case(indices: torch.Tensor, E: int, cf: float, what: str):
         C, keep = got
         want_C = compute_capacity(T, E, k, cf)
         if isinstance(C, torch.Tensor) and C.numel() == 1:
-            C = C.item()
-        if not isinstance(C, int) or isinstance(C, bool):
-            raise CheckFailure(f"{what}: C must be an int (a number of slots), got {_shown(C)}")
+            C = C.reshape(())
+        if as_int(C) is None:
+            raise CheckFailure(f"{what}: C must be an int (a number of slots), got {type_name(C)}")
+        C = as_int(C)
         expect_equal(C, want_C, f"{what}: capacity C = ceil({k}*{T}/{E}*{cf})")
         _tensor(keep, f"{what}: keep", (T, k), "bool")
         want = capacity_mask(indices, torch.zeros(T, k), E, want_C, policy="position")
@@ -150,11 +153,12 @@ ex92.case("C rounds up (T=7, E=3, k=1, cf=1.0 -> C=3)", hidden=True)(
 # part by part. An instructor sees such a call in the integrity report, never in the score.
 ex93 = exercise(
     "9.3", title="Mixtral's parameters: total and active", notebook="09_moe_routing", points=3,
-    hint="Section 4: count one layer part by part: attention (with grouped-query attention K and V are smaller "
-         "than Q and O), the router, the norms and the experts; then the embedding, the output head and the "
-         "final norm. Which part does a token use only k of?")
-ex93.hint2 = ("A SwiGLU expert has three weight matrices between H and the expert width. Total counts all E "
-              "experts of every layer, active only the k a token is routed to; everything else counts in both.")
+    hint=("Section 4: list every weight matrix and vector of one layer and of the model beyond the layers (the "
+          "section names them all). Which of them does a token use only some of?"))
+ex93.hint2 = ("Parameter counts are integers: would your total change if you forgot the router or the final norm? It "
+              "must. Which sizes does grouped-query attention shrink?")
+ex93.hint_review = ("leads: asks for the list of parts and which a token uses partly; the sizes are the section's; "
+                    "reviewed 2026-12-06")
 
 # Mixtral 8x22B (Mistral AI, 2024 HF config): published as 141B total, 39B active.
 _MOE = {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "bias": False, "dropout": 0.0}
@@ -165,21 +169,55 @@ _TOY = ModelSpec(name="a toy MoE", vocab_size=32000, hidden=1024, n_layer=8, n_h
                  moe_ffn=4096, n_routed_experts=4, n_activated_experts=1, **_MOE)
 
 
+def _count(g):
+    """A parameter count as an exact int: ints of any kind, and floats that hold a whole number."""
+    if isinstance(g, torch.Tensor) and g.dim() == 0 and g.is_floating_point():
+        g = g.item()
+    if isinstance(g, float) and g.is_integer():
+        return int(g)
+    return as_int(g)
+
+
+def _param_mistakes(spec: ModelSpec) -> dict:
+    """What a count is short by (or over by) for each named mistake: part -> (parameters, which counts)."""
+    H, L, E = spec.hidden, spec.n_layer, spec.n_routed_experts
+    return {
+        "the router (an H x E gate in every layer)": L * E * H,
+        "the final norm (one RMSNorm of H after the last layer)": spec.norm_params(),
+        "the two norms of every layer": 2 * L * spec.norm_params(),
+        "one norm per layer (each layer has two, before attention and before the FFN)": L * spec.norm_params(),
+        "the input embedding or the output head (V x H each; this model does not tie them)": spec.vocab_size * H,
+        "the input embedding and the output head": 2 * spec.vocab_size * H,
+    }
+
+
 def _params_case(spec: ModelSpec):
     def case(moe_param_count):
         got = moe_param_count(spec)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
             raise CheckFailure(f"moe_param_count({spec.name}): expected a pair (total, active), "
-                               f"got {type(got).__name__}")
+                               f"got {type_name(got)}")
         want = count_parameters(spec)
         for name, g, w in (("total", got[0], want.total), ("active", got[1], want.active)):
-            if isinstance(g, torch.Tensor):
-                g = g.item()
-            if not isinstance(g, (int, float)) or isinstance(g, bool):
-                raise CheckFailure(f"moe_param_count({spec.name}): {name} must be a number, got {type(g).__name__}")
-            if not abs(g - w) <= 1e-3 * w:  # NaN fails too
-                raise CheckFailure(f"{spec.name}: {name} parameters: expected {w / 1e9:.3f}B (within 0.1%), "
-                                   f"got {g / 1e9:.3f}B")
+            n = _count(g)
+            if n is None:
+                raise CheckFailure(f"moe_param_count({spec.name}): {name} must be a whole number of parameters, "
+                                   f"got {type_name(g)}")
+            if n == w:
+                continue
+            why = ""
+            for part, size in _param_mistakes(spec).items():
+                if n == w - size:
+                    why = f" (short by exactly {size:,}, what this leaves out: {part})"
+                    break
+                if n == w + size and "embedding" not in part:
+                    why = f" (over by exactly {size:,}, what this counts twice: {part})"
+                    break
+            if not why and abs(n - w) <= 1e-3 * w:
+                why = (f" (off by {n - w:+,}: parameter counts are exact integers; which small part is "
+                       f"{'missing' if n < w else 'extra'}?)")
+            raise CheckFailure(f"{spec.name}: {name} parameters: expected {w:,} ({w / 1e9:.3f}B), "
+                               f"got {n:,} ({n / 1e9:.3f}B){why}")
     return case
 
 

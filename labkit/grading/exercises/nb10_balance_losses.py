@@ -33,13 +33,50 @@ def _scalar(x, what: str) -> torch.Tensor:
     return x.reshape(())
 
 
-def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True):
-    """Compare value and d loss / d logits with labkit's ``reference(logits, indices, *extra)``."""
+def _device_factors(E: int, k: int, D: int) -> list:
+    """10.2's mistakes that scale the whole loss, with the factor each gives (DeepSeek-V2 eq. 15-17)."""
+    return [(k, "f was counted per token, not per one of the T k routed slots (k forgotten)"),
+            (E / D, "f'_d summed over the device's experts instead of averaged"),
+            (D, "an extra factor D: f'_d already carries the scale that makes a uniform routing give 1"),
+            (1 / E, "f left a fraction of the slots: in eq. 16 it is scaled so that a uniform routing gives 1 per "
+                    "expert"),
+            (D / E, "P'_d averaged over the device's experts instead of summed")]
+
+
+_DEVICE_PROBE = (12, 12, 2, 3)  # T, E, k, D: every factor above differs (k=2, E/D=4, D=3, 1/E, D/E)
+
+
+def _named_factor(answer, got: float, want: float, factors, probe=None) -> str:
+    """The mistake whose factor ``got / want`` is, when exactly one matches; when several match (the case's
+    shapes make two factors equal) the answer is asked once more on ``probe`` (T, E, k, D), where they differ."""
+    if not want or not got:
+        return ""
+    ratio = got / want
+    found = [text for f, text in factors if abs(ratio - f) <= 1e-4 * abs(f)]
+    if len(found) > 1 and probe is not None:
+        T, E, k, D = probe
+        logits, indices = _routing(T, E, k, 120)
+        again, _ = answer.run(_loss_with_grad, logits, indices, (D, 1.0))
+        ref = float(device_balance_loss(logits, indices, D, 1.0, from_logits=True))
+        if isinstance(again, torch.Tensor) and again.numel() == 1 and ref:
+            r2 = float(again.reshape(())) / ref
+            found = [text for f, text in _device_factors(E, k, D) if text in found and abs(r2 - f) <= 1e-4 * abs(f)]
+    return f" ({found[0]})" if len(found) == 1 else ""
+
+
+def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True, factors=None):
+    """Compare value and d loss / d logits with labkit's ``reference(logits, indices, *extra)``;
+    ``factors`` (a list of (factor, mistake)) names a value that is that factor times the right one."""
     def case(answer):
         got, got_grad = answer.run(_loss_with_grad, logits, indices, tuple(extra))
         got = _scalar(got, what)
         ref_x = logits.clone().requires_grad_(True)
         want = reference(ref_x, indices, *extra, from_logits=True)
+        if factors is not None and not torch.isclose(got.detach().double(), want.detach().double(),
+                                                     rtol=1e-5, atol=1e-6):
+            why = _named_factor(answer, float(got), float(want), factors, _DEVICE_PROBE)
+            if why:
+                raise CheckFailure(f"{what}: value: expected {float(want):.6g}, got {float(got):.6g}{why}")
         expect_close(got.detach(), want.detach(), f"{what}: value")
         if grad:
             if not got.requires_grad or got_grad is None:
@@ -52,11 +89,12 @@ def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool =
 # ----------------------------------------------------------------------------- 10.1
 ex101 = exercise(
     "10.1", title="Switch auxiliary loss", notebook="10_balance_losses", points=3,
-    hint="Section 2 (Switch, eq. 4-6): per expert, the loss multiplies the fraction of slots routed to it "
-         "(counted, no gradient) by its mean router probability (differentiable), sums over the experts and "
-         "scales. Which of the two carries the gradient, and what scale makes a uniform routing give alpha?")
-ex101.hint2 = ("Count the slots per expert from indices, as a fraction of all slots; average the softmax of "
-               "the logits over the tokens; the scale is alpha times the number of experts.")
+    hint=("Section 2 (Switch, eq. 4-6): of the two factors per expert, which one is counted from the choices and "
+          "which comes from the router? Which of them must carry the gradient?"))
+ex101.hint2 = ("Check the invariant the section states for uniform routing: what value must your loss take then, and "
+               "does yours? Are the logits turned into probabilities first?")
+ex101.hint_review = ("leads: asks which factor is counted and which is differentiable, and checks the uniform-routing "
+                     "value; reviewed 2026-12-06")
 
 _L0 = torch.zeros(4, 4)
 _I0 = torch.tensor([[0], [1], [2], [3]])
@@ -76,17 +114,22 @@ ex101.case("T=64, E=16, k=4", hidden=True)(
 # ----------------------------------------------------------------------------- 10.2
 ex102 = exercise(
     "10.2", title="device-level balance loss", notebook="10_balance_losses", points=3,
-    hint="Section 3 (DeepSeek-V2 eq. 15-17): the same f times P as Switch, but per device: group the experts "
-         "by the device that holds them. Which of f and P is averaged over a device's experts, and which is "
-         "summed?")
-ex102.hint2 = ("Here f_j is normalised so that a uniform routing gives 1 per expert (it is not a fraction); "
-               "devices hold consecutive blocks of experts, the same number each.")
+    hint=("Section 3 (DeepSeek-V2 eq. 15-17): the expert-level quantities are grouped by the device that holds each "
+          "expert. Do f' and P' combine a device's experts in the same way?"))
+ex102.hint2 = ("Check the normalisation: under uniform routing, what is f_j here (not a fraction), what are f' and P' "
+               "of a device, and what is the loss? The section states all four.")
+ex102.hint_review = ("leads: asks how each device-level quantity combines its experts and checks the uniform values; "
+                     "reviewed 2026-12-06")
 
 ex102.case("uniform routing gives alpha2")(
     _loss_case(device_balance_loss, torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), (2, 0.05),
-               "device_balance_loss(uniform, D=2, alpha2=0.05)"))
+               "device_balance_loss(uniform, D=2, alpha2=0.05)", factors=_device_factors(4, 2, 2)))
 ex102.case("T=16, E=8, k=2, D=4")(
-    _loss_case(device_balance_loss, *_routing(16, 8, 2, 111), (4, 1.0), "device_balance_loss(T=16, E=8, k=2, D=4)"))
+    _loss_case(device_balance_loss, *_routing(16, 8, 2, 111), (4, 1.0), "device_balance_loss(T=16, E=8, k=2, D=4)",
+               factors=_device_factors(8, 2, 4)))
+ex102.case("T=12, E=12, k=2, D=3")(
+    _loss_case(device_balance_loss, *_routing(12, 12, 2, 115), (3, 1.0), "device_balance_loss(T=12, E=12, k=2, D=3)",
+               factors=_device_factors(12, 2, 3)))
 ex102.case("D=1: one device is always balanced")(
     _loss_case(device_balance_loss, *_routing(8, 4, 2, 112), (1, 1.0), "device_balance_loss(T=8, E=4, k=2, D=1)"))
 ex102.case("D=E equals the expert-level loss", hidden=True)(
@@ -98,11 +141,12 @@ ex102.case("T=48, E=16, k=3, D=4", hidden=True)(
 # ----------------------------------------------------------------------------- 10.3
 ex103 = exercise(
     "10.3", title="aux-loss-free bias update", notebook="10_balance_losses", points=2,
-    hint="Section 4: the bias is a feedback controller. An expert that got more than the average load must "
-         "become less attractive next step, one below the average more attractive, by a fixed step gamma. What "
-         "does an expert exactly at the mean get?")
-ex103.hint2 = ("The step uses only the direction of each expert's deviation from the mean load (torch.sign), "
-               "not its size: which direction must move an overloaded expert's bias down?")
+    hint=("Section 4: the bias is a feedback controller with a fixed step gamma. Which experts must become less "
+          "attractive, which more, and what happens to one exactly at the mean load?"))
+ex103.hint2 = ("Does the size of an expert's imbalance change its step? Check an overloaded expert: does its bias "
+               "move so that it is chosen less often?")
+ex103.hint_review = ("leads: asks which experts move which way and whether the size matters; no function named; "
+                     "reviewed 2026-12-06")
 
 
 def _bias_case(bias, loads, gamma, what):

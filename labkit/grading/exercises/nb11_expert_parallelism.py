@@ -17,7 +17,7 @@ from ...comm import CommLog
 from ...dist import launch
 from ...moe.expert_parallel import ExpertParallelMoE, all_to_all_uneven
 from ...moe.experts import MoEConfig, MoELayer
-from ..registry import CheckFailure, _shown, exercise, expect_equal
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_equal, type_name
 
 
 def _true_splits(indices_per_rank, experts_per_rank):
@@ -43,9 +43,10 @@ def _as_int_list(x, what: str, P: int) -> list:
         x = x.tolist()
     if not isinstance(x, (list, tuple)) or len(x) != P:
         raise CheckFailure(f"{what}: expected a list of {P} ints (one per rank), got {_shown(x)}")
-    if any(not isinstance(v, int) or isinstance(v, bool) for v in x):
-        raise CheckFailure(f"{what}: expected Python ints, got {_shown(x)}")
-    return list(x)
+    bad = [v for v in x if as_int(v) is None]
+    if bad:
+        raise CheckFailure(f"{what}: expected ints, got {type_name(bad[0])} among them")
+    return [as_int(v) for v in x]
 
 
 def _get_splits(dispatch_splits, indices_per_rank, experts_per_rank):
@@ -87,11 +88,13 @@ def _a2a_worker(ctx, indices_per_rank, experts_per_rank, splits, H):
 
 ex111 = exercise(
     "11.1", title="all-to-all split sizes", notebook="11_expert_parallelism", points=3,
-    hint="Section 1: a slot goes to the rank that holds its expert, and each rank holds a block of "
-         "experts_per_rank consecutive experts. A rank's input splits say what it sends to each rank; its "
-         "output splits what it receives from each: whose input splits hold those numbers?")
-ex111.hint2 = ("Build the P x P table of slots sent from rank p to rank q first: a rank's input splits are its "
-               "row, its output splits are its column.")
+    hint=("Section 1: a slot goes to the rank that holds its expert. Which rank holds expert e? A rank's input splits "
+          "count what it sends to each rank, its output splits what it receives from each: whose input splits hold "
+          "the numbers of its output splits?"))
+ex111.hint2 = ("Check the invariant on your result: for every pair of ranks, what p receives from s must equal what s "
+               "sends to p. Does it hold?")
+ex111.hint_review = ("leads: asks which rank holds an expert and states the send/receive invariant; the table is the "
+                     "learner's; reviewed 2026-12-06")
 
 ex111.case("P=2 ranks, 2 experts each, 3 tokens, k=1")(
     _splits_case([torch.tensor([[0], [3], [1]]), torch.tensor([[2], [2], [0]])], 2, "P=2, E=4, k=1"))
@@ -119,12 +122,12 @@ def _(dispatch_splits):
 # ----------------------------------------------------------------------------- 11.2
 ex112 = exercise(
     "11.2", title="bytes of the three all-to-alls", notebook="11_expert_parallelism", points=3,
-    hint="Section 3: three all-to-alls leave this rank in forward: the per-expert counts, the dispatched rows "
-         "and the combined rows going back. How many values does each send, and how many bytes per value (the "
-         "counts are int64)?")
-ex112.hint2 = ("The dispatch sends the rows given by this rank's input splits; the combine sends back the rows "
-               "it received, given by its output splits; a row is hidden values. Rows a rank sends to itself "
-               "count too.")
+    hint=("Section 3: what does this rank's input tensor hold in each of the three forward all-to-alls, and how many "
+          "bytes is one of its elements? Rows a rank sends to itself count too."))
+ex112.hint2 = ("For each of them ask: which of the split lists describes the rows this rank sends (not the ones it "
+               "receives), and how many values is one row?")
+ex112.hint_review = ("leads: asks what each all-to-all's input holds and which split list describes it; no product is "
+                     "given; reviewed 2026-12-06")
 
 _EP_CFG = dict(n_embd=8, n_routed_experts=8, n_activated_experts=2, moe_ffn_dim=8, capacity_factor=1.0)
 
@@ -143,6 +146,42 @@ def _ep_bytes_worker(ctx, cfg, T, seed=5):
     return {"send": send, "bytes": [rec.nbytes for rec in log.of("all_to_all")]}
 
 
+def _bytes_mistake(a2a_bytes, key, got, measured, send, recv, cfg) -> str:
+    """The mistake behind a wrong byte count, when it is one of the known ones (issue 36: counts as one
+    int64 per rank and counts as int32 gave one line). When two explanations give the same number here
+    (8 P = 4 E), ``a2a_bytes`` is asked once more with twice the experts, where they differ."""
+    E, H, P = cfg.n_routed_experts, cfg.n_embd, len(send)
+    want = measured[key]
+    if got == want:
+        return ""
+    if key == "counts":
+        per_rank, int32 = got == 8 * P, got == 4 * E
+        if per_rank and int32:
+            again = a2a_bytes(list(send), list(recv), 2 * E, H)
+            again = as_int(again.get("counts")) if isinstance(again, dict) else None
+            per_rank, int32 = again == 8 * P, again == 8 * E
+        if int32 and not per_rank:
+            return "the counts were taken as 4-byte ints: the counts tensor is int64"
+        if per_rank and not int32:
+            return "one count per rank: the counts all-to-all carries one count per expert"
+        if got == 8 * E * P:
+            return "the counts of all P ranks: this rank sends one count per expert, once"
+        return ""
+    rows = sum(send) if key == "dispatch" else sum(recv)
+    other = sum(recv) if key == "dispatch" else sum(send)
+    if got == rows * H:
+        return "a number of values, not bytes: each value is elem_bytes bytes"
+    if got == rows * H * 2:
+        return "2 bytes per value: these activations are fp32 here"
+    if got == rows:
+        return "a number of rows: each row is hidden values of elem_bytes bytes"
+    if other != rows and got == other * H * 4:
+        return ("the rows this rank dispatched: the combine returns the rows its experts computed, which it "
+                "received" if key == "combine" else
+                "the rows this rank received: the dispatch sends the rows this rank's tokens route elsewhere")
+    return ""
+
+
 def _bytes_case(T, cfg_kw, P=4, seed=5):
     def case(a2a_bytes):
         cfg = MoEConfig(**cfg_kw)
@@ -156,7 +195,17 @@ def _bytes_case(T, cfg_kw, P=4, seed=5):
                                    f"{_shown(got)}")
             measured = dict(zip(("counts", "dispatch", "combine"), res[p]["bytes"]))
             for key in ("counts", "dispatch", "combine"):
-                expect_equal(int(got[key]), measured[key],
+                value = got[key]
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                if as_int(value) is None:
+                    raise CheckFailure(f"rank {p} of {P}: {key} bytes must be a whole number, got {type_name(value)}")
+                why = _bytes_mistake(a2a_bytes, key, as_int(value), measured, send, recv, cfg)
+                if why:
+                    raise CheckFailure(f"rank {p} of {P} (sends {send}, receives {recv}; E={cfg.n_routed_experts}, "
+                                       f"H={cfg.n_embd}): {key} bytes (measured by CommLog): expected "
+                                       f"{measured[key]}, got {as_int(value)} ({why})")
+                expect_equal(as_int(value), measured[key],
                              f"rank {p} of {P} (sends {send}, receives {recv}; E={cfg.n_routed_experts}, "
                              f"H={cfg.n_embd}): {key} bytes (measured by CommLog)")
     return case

@@ -23,17 +23,18 @@ import torch
 from ...moe.experts import MoELayer
 from ...moe.router import route
 from ..kernelside.nb12_deepseek_moe import _gate_lines, _v3_fields  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, _shown, exercise, expect_equal
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_equal
 from . import kernel_side
 
 # ----------------------------------------------------------------------------- 12.1
 ex121 = exercise(
     "12.1", title="fine-grained expert combinations", notebook="12_deepseek_moe", points=2,
-    hint="Section 1: fine-grained segmentation cuts each expert into m smaller ones and activates m times as "
-         "many, so the compute stays the same. How many experts are there then, how many are chosen, and how "
-         "many different sets of that size exist?")
-ex121.hint2 = ("It is a count of subsets (order does not matter); Python's math module counts them exactly, as "
-               "an int.")
+    hint=("Section 1: after fine-grained segmentation, how many experts are there in all, and how many does a token "
+          "use? Does the order in which a token picks them matter?"))
+ex121.hint2 = ("The answer must be exact for the paper's example (4,426,165,368), so floating point will not do: "
+               "which exact integer count is this?")
+ex121.hint_review = ("leads: asks for the two sizes and whether order matters; names neither the function nor its "
+                     "module; reviewed 2026-12-06")
 
 
 def _comb_case(E, k, m):
@@ -41,6 +42,7 @@ def _comb_case(E, k, m):
         got = n_combinations(E, k, m)
         if isinstance(got, float) and got.is_integer():
             got = int(got)
+        got = as_int(got) if as_int(got) is not None else got
         expect_equal(got, math.comb(m * E, m * k), f"n_combinations(E={E}, k={k}, m={m})")
     return case
 
@@ -54,11 +56,12 @@ ex121.case("E=4, k=1, m=2", hidden=True)(_comb_case(4, 1, 2))
 # ----------------------------------------------------------------------------- 12.2
 ex122 = exercise(
     "12.2", title="group-limited top-k", notebook="12_deepseek_moe", points=3,
-    hint="Section 3 (the DeepSeek-V3 gate): first score the groups (a group's score is the sum of its two best "
-         "expert scores), keep the topk_groups best groups, then choose the k best experts among the kept "
-         "groups only. How do you stop the other groups' experts from being chosen?")
-ex122.hint2 = ("View the scores as [T, groups, experts per group]; give the experts of the groups not kept a "
-               "score that can never win (minus infinity), then choose k over all E.")
+    hint=("Section 3 (the DeepSeek-V3 gate): the group score is defined in the docstring. Once you know which groups "
+          "stay allowed, how do you make sure no expert of another group can be chosen?"))
+ex122.hint2 = ("Check the example above the exercise: experts 7 and 15 have the second-highest score yet must not be "
+               "chosen. Does your selection exclude them, for every token separately?")
+ex122.hint_review = ("leads: asks how to exclude the other groups' experts and checks the notebook's example; no "
+                     "reshape, mask or fill value given; reviewed 2026-12-06")
 
 
 def _group_case(logits, k, G, topk_groups, what):
@@ -99,12 +102,12 @@ ex122.case("V3's shape scaled down: E=32, G=8, keep 4, k=8", hidden=True)(
 # ----------------------------------------------------------------------------- 12.3
 ex123 = exercise(
     "12.3", title="find each concept in labkit's gate", notebook="12_deepseek_moe", points=3,
-    hint="Section 4: read the source of route and of MoELayer.forward (the helper line_of finds a line by a "
-         "fragment) and find, for each concept, the ONE line that does that job. The bias changes which "
-         "experts are chosen, not the weights.")
-ex123.hint2 = ("For each concept ask what a line computes: scores from logits, a biased copy used only to "
-               "select, group scores, the group mask, the top-k, the weights taken from the UNBIASED scores, "
-               "and where the shared expert's output joins.")
+    hint=("Section 4: read the source of route and of MoELayer.forward (line_of finds a line by a fragment). For each "
+          "concept of the table, which line does that job and nothing else?"))
+ex123.hint2 = ("The bias changes which experts are chosen, not their weights: which line uses the biased scores, and "
+               "which the unbiased ones? Where does the shared expert's output join?")
+ex123.hint_review = ("leads: a reading exercise; asks which line does each job and distinguishes biased from unbiased "
+                     "scores; no line quoted; reviewed 2026-12-06")
 
 # concept -> (function that holds it, test of the line, what the line must do)
 CONCEPTS = {
@@ -171,12 +174,13 @@ ex123.case("every concept", hidden=True)(_concept_case(list(CONCEPTS)))
 # ----------------------------------------------------------------------------- 12.4
 ex124 = exercise(
     "12.4", title="DeepSeek-V3's gate in labkit's names", notebook="12_deepseek_moe", points=2,
-    hint="Section 5: take each number from the description of DeepSeek-V3's MoE layer (report sec. 2.1.2 and "
-         "4.2) and put it in the MoEConfig field of the same meaning; the sizes (hidden size, width of one "
-         "expert, activation) count too.")
-ex124.hint2 = ("Read the MoEConfig docstring for what each field means; the route scale is "
-               "routed_scaling_factor in the released config, and the groups are the nodes a token may be sent "
-               "to.")
+    hint=("Section 5: take each number from the description of DeepSeek-V3's MoE layer (report sec. 2.1.2 and 4.2) "
+          "and put it in the MoEConfig field of the same meaning; the sizes (hidden size, width of one expert, "
+          "activation) count too."))
+ex124.hint2 = ("Read the MoEConfig docstring for what each field means; the route scale is routed_scaling_factor in "
+               "the released config, and the groups are the nodes a token may be sent to.")
+ex124.hint_review = ("leads: a reading exercise; points at the docstring and the report's names; no value given; "
+                     "reviewed 2026-12-06")
 
 # field -> (DeepSeek-V3's value, what the field holds, where the report says it). A failure message names the
 # field and where to look, never the value (that would hand out the answer).

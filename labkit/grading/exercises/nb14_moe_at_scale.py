@@ -22,25 +22,28 @@ from ...moe.eplb import balanced_packing, replicate_experts
 from ...moe.hierarchical import inter_node_rows
 from ...plan.params import count_parameters
 from ...plan.spec import preset
-from ..registry import CheckFailure, _shown, exercise, expect_close
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_close, type_name
 
 # ----------------------------------------------------------------------------- 14.1
 ex141 = exercise(
     "14.1", title="balanced packing of expert groups onto nodes", notebook="14_moe_at_scale", points=3,
-    hint="Section 1 (EPLB step 1): a greedy balances well when it places the big groups while the nodes can "
-         "still even them out, and always puts the next group where it hurts least. Which order, which node, "
-         "and which nodes are still allowed?")
-ex141.hint2 = ("Every node must end with the same number of groups, so a full node is no longer a candidate; "
-               "ties go to the lower node.")
+    hint=("Section 1 (EPLB step 1): the docstring fixes the greedy's order and its choice. Which nodes are candidates "
+          "for the next group, and does your code respect that every node ends with the same number of groups?"))
+ex141.hint2 = ("Check a case by hand: groups of loads 4, 3, 2 and 1 on 2 nodes. Which node does each group go to, and "
+               "is a node still a candidate once it is full?")
+ex141.hint_review = ("leads: asks which nodes are candidates and gives a hand example; the greedy is the docstring's; "
+                     "reviewed 2026-12-06")
 
 
 def _as_ints(x, n, what):
     if isinstance(x, torch.Tensor):
         x = x.tolist()
-    if not isinstance(x, (list, tuple)) or len(x) != n or any(not isinstance(v, int) or isinstance(v, bool)
-                                                               for v in x):
+    if not isinstance(x, (list, tuple)) or len(x) != n:
         raise CheckFailure(f"{what}: expected a list of {n} ints, got {_shown(x)}")
-    return list(x)
+    bad = [v for v in x if as_int(v) is None]
+    if bad:
+        raise CheckFailure(f"{what}: expected a list of {n} ints, got {type_name(bad[0])} among them")
+    return [as_int(v) for v in x]
 
 
 def _packing_case(loads, n_nodes, what):
@@ -108,10 +111,12 @@ ex141.case("12 random groups onto 3 nodes", hidden=True)(
 # ----------------------------------------------------------------------------- 14.2
 ex142 = exercise(
     "14.2", title="replicas per expert", notebook="14_moe_at_scale", points=3,
-    hint="Section 2 (EPLB step 2): each extra copy should go where it lowers the busiest copy's load the most. "
-         "Which expert's copies are the busiest right now?")
-ex142.hint2 = ("Add the copies one at a time; before each, compare the experts by the load that each of their "
-               "current copies carries (not by total load, and not by the load after the new copy).")
+    hint=("Section 2 (EPLB step 2): another copy of an expert lightens each of its copies. Which expert should the "
+          "next copy go to, so that the copy carrying the most becomes lighter?"))
+ex142.hint2 = ("Compare experts by what each of their copies carries now: not by total load, and not by the load "
+               "after the new copy. Does the order in which you place copies matter?")
+ex142.hint_review = ("leads: asks which expert the next copy helps and by what to compare; no loop or arg-max written "
+                     "out; reviewed 2026-12-06")
 
 
 def _replica_case(load, R, what):
@@ -158,11 +163,12 @@ ex142.case("no extra copies", hidden=True)(_replica_case([3, 1, 2, 5], 4, "repli
 # ----------------------------------------------------------------------------- 14.3
 ex143 = exercise(
     "14.3", title="inter-node bytes, flat vs hierarchical", notebook="14_moe_at_scale", points=3,
-    hint="Section 3: flat, every slot whose expert is on another node sends one row across; hierarchical, a "
-         "token sends one row to each other node it needs, however many of its experts live there. Which node "
-         "holds expert e, and how many bytes is one row?")
-ex143.hint2 = ("Per token, turn its k experts into their nodes; the flat count takes every slot that is not on "
-               "my node, the hierarchical count the distinct nodes other than mine.")
+    hint=("Section 3: the flat dispatch crosses InfiniBand once per token-slot, the hierarchical one once per token "
+          "and remote node. For one token, how do you find the nodes its experts live on?"))
+ex143.hint2 = ("Check one token whose two experts sit on the same remote node, and one whose expert is on my_node: "
+               "how many rows does each send across in each scheme?")
+ex143.hint_review = ("leads: restates the two schemes of section 3 and asks how to find a token's nodes; no operation "
+                     "named; reviewed 2026-12-06")
 
 
 def _routing(T, k, E, seed):
@@ -198,11 +204,13 @@ ex143.case("32 tokens, k=8, 8 nodes, my node 5", hidden=True)(
 # ----------------------------------------------------------------------------- 14.4
 ex144 = exercise(
     "14.4", title="bytes read per token and the latency bound", notebook="14_moe_at_scale", points=3,
-    hint="Section 4 (DeepSpeed-MoE sec. 5.1): at batch size 1 decoding is memory-bound: each generated token "
-         "reads every weight it uses once. Which parameters does one token use in an MoE model, and how long "
-         "does reading those bytes take at the given bandwidth?")
-ex144.hint2 = ("labkit's count_parameters gives both the total and the active count (for a dense model they "
-               "are equal); the latency bound is in seconds.")
+    hint=("Section 4 (DeepSpeed-MoE sec. 5.1): at batch size 1 decoding is memory-bound: each generated token reads "
+          "every weight it uses once. Which parameters does one token use in an MoE model, and how long does reading "
+          "those bytes take at the given bandwidth?"))
+ex144.hint2 = ("For a dense model, which count do you expect, and does your function give it? Check the units: bytes "
+               "per second in, seconds out.")
+ex144.hint_review = ("leads: asks which parameters a token reads and checks units; the docstring already names the "
+                     "counter; reviewed 2026-12-06")
 
 
 def _decode_case(spec, bpp, bw, what):

@@ -11,11 +11,13 @@
   factor forgotten.
 * 15.4 FSDP's peak of gathered parameters: the largest sum of two neighbouring units' padded sizes
   (the current unit and the prefetched next one), all units without resharding. Named: one unit
-  only (no prefetch), sizes without padding, the two largest units anywhere.
+  only (no prefetch), sizes without padding, the two largest units anywhere, the last unit paired
+  with the first (a ring of units).
 * 15.5 (section 1, after 15.1) the inverse of 15.1: the d shards in rank order (what an all-gather
   returns) concatenated and the padding dropped. Named mistakes: padding kept, shards joined in the
   wrong order (reversed, or interleaved element by element), padding taken off the front, the
-  ``[:-pad]`` slice that empties the tensor when there is no padding.
+  ``[:-pad]`` slice that empties the tensor when there is no padding, padding told apart by value (every
+  zero dropped, or trailing zeros stripped: a parameter can hold zeros of its own).
 
 Ground truth: :mod:`labkit.data_parallel.flat`, :func:`labkit.plan.memory.zero3_gathered_peak`.
 """
@@ -28,7 +30,7 @@ from ...data_parallel.flat import shard_flat as _shard
 from ...data_parallel.flat import unshard_flat as _unshard
 from ...plan.memory import zero3_gathered_peak
 from ..fresh import fresh_case
-from ..registry import CheckFailure, exercise
+from ..registry import CheckFailure, as_int, exercise, type_name
 
 NB = "15_sharded_data_parallel"
 
@@ -36,12 +38,12 @@ NB = "15_sharded_data_parallel"
 ex151 = exercise(
     "15.1", title="shard a flat parameter, with padding", notebook=NB, points=2,
     references=["labkit.data_parallel.flat:shard_flat", "labkit.data_parallel.flat:unshard_flat"],
-    hint="Section 1: a reduce-scatter and an all-gather over d ranks need d pieces of the SAME size, and "
-         "rank r's piece must be the elements r would own in the concatenation. What size makes n elements "
-         "fit, and where do the extra zeros go so that concatenating the shards gives the parameter back?")
-ex151.hint2 = ("Check the invariant on a small case, n = 10 and d = 4: are all four of your pieces the same "
-               "length, and does laying them end to end give back the 10 elements in order, with only zeros "
-               "after them?")
+    hint=("Section 1: the collectives need d shards of the same length, and laying them in rank order must give back "
+          "the parameter followed only by padding. How long must a shard be for n elements to fit?"))
+ex151.hint2 = ("Check on n = 10 and d = 4: are all four shards the same length, is that length as short as possible, "
+               "and does rank order give back the 10 elements first?")
+ex151.hint_review = ("leads: states the invariant of section 1 and asks for the shard length; no operation named; "
+                     "reviewed 2026-12-06")
 
 
 def _shard_case(n, d, what):
@@ -89,12 +91,14 @@ fresh_case(ex151, "n = 3 over d = 8 (most shards all padding)",
 # ----------------------------------------------------------------------------- 15.2
 ex152 = exercise(
     "15.2", title="model-state memory of one GPU per ZeRO stage", notebook=NB, points=2,
-    hint="Section 2: mixed-precision Adam keeps three kinds of state per parameter: bf16 weights, bf16 "
-         "gradients and K bytes of fp32 optimizer state. Which of them does each stage split over the d ranks, "
-         "and which stay whole on every GPU?")
-ex152.hint2 = ("Make a table with one row per kind of state (weights, gradients, optimizer state) and one column "
-               "per stage: in which cells is the state divided over the d ranks? Is the fp32 copy of the weights "
-               "part of the optimizer state or of the weights?")
+    hint=("Section 2: mixed-precision Adam keeps three kinds of state per parameter: bf16 weights, bf16 gradients and "
+          "K bytes of fp32 optimizer state. Which of them does each stage split over the d ranks, and which stay "
+          "whole on every GPU?"))
+ex152.hint2 = ("Make a table with one row per kind of state and one column per stage: in which cells is the state "
+               "divided over the d ranks? Is the fp32 copy of the weights part of the optimizer state or of the "
+               "weights?")
+ex152.hint_review = ("leads: asks which state each stage splits and suggests a table; the conditions are the "
+                     "learner's; reviewed 2026-12-06")
 
 
 def _zero_bytes(psi, d, stage, p=2, g=2, k=12):
@@ -136,12 +140,13 @@ fresh_case(ex152, "175B parameters, d = 1024", lambda r: (r.randint(1, 1000) * 1
 # ----------------------------------------------------------------------------- 15.3
 ex153 = exercise(
     "15.3", title="communication volume per ZeRO stage", notebook=NB, points=2,
-    hint="Section 4: count the collectives of one step and what each sends per rank in a ring. A ring "
-         "all-reduce is a reduce-scatter followed by an all-gather; what does stage 3 gather that the others "
-         "do not?")
+    hint=("Section 4: count the collectives of one step and what each sends per rank in a ring. A ring all-reduce is "
+          "a reduce-scatter followed by an all-gather; what does stage 3 gather that the others do not?"))
 ex153.hint2 = ("Count, for one step of each stage, the collectives that move the whole model: which are "
                "reduce-scatters, which all-gathers, and which all-reduces? Then ask how much one ring collective of "
                "that size sends per rank, compared with another.")
+ex153.hint_review = ("leads: asks for the collectives of each stage and their ring cost; the section's own statement "
+                     "of all-reduce is repeated, no count given; reviewed 2026-12-06")
 
 
 def _volume(psi, d, stage):
@@ -181,30 +186,56 @@ fresh_case(ex153, "Psi = 7.5e9, d = 64", lambda r: (r.randint(1, 1000) * 1e7, r.
 ex154 = exercise(
     "15.4", title="FSDP's peak of gathered parameters", notebook=NB, points=2,
     references=["labkit.plan.memory:zero3_gathered_peak"],
-    hint="Section 3: look at the measured timeline. While one unit computes, which other unit's parameters "
-         "are already gathered, and how long is each unit's gathered buffer on d ranks?")
-ex154.hint2 = ("Read the timeline in section 3 at its busiest moment: how many units' buffers exist at the same "
-               "time, how long is each buffer once padded, and what does keeping the gathered parameters until "
-               "backward change about when they are freed?")
+    hint=("Section 3: look at the measured timeline. While one unit computes, which other unit's parameters are "
+          "already gathered, and how long is each unit's gathered buffer on d ranks?"))
+ex154.hint2 = ("Read the timeline in section 3 at its busiest moment: how many units' buffers exist at the same time, "
+               "how long is each buffer once padded, and what does keeping the gathered parameters until backward "
+               "change about when they are freed?")
+ex154.hint_review = ("leads: asks what is gathered at the same time and how long each buffer is; no expression given; "
+                     "reviewed 2026-12-06")
+
+
+_WRAPPED = (" (the last unit was paired with the first: units run in order and nothing is prefetched after the "
+            "last one; forward does not wrap around)")
+_LARGEST = " (the two largest units, but only units that run one after the other are gathered together)"
+
+
+def _wrap_or_largest(gathered_peak, got, wrapped, largest) -> str:
+    """Which of two mistakes gave ``got`` when the case's units cannot tell them apart (the first and the last
+    unit are also the two largest): ask the answer once more, on units where the two differ."""
+    if got == wrapped and got != largest:
+        return _WRAPPED
+    if got == largest and got != wrapped:
+        return _LARGEST
+    probe = [500, 10, 600, 12, 400]  # d = 2, no padding: right 612, wrapped 900, two largest 1100
+    again = gathered_peak(list(probe), 2, True)
+    again = as_int(again) if as_int(again) is not None else again
+    if again == 900:
+        return _WRAPPED
+    if again == 1100:
+        return _LARGEST
+    return ""
 
 
 def _peak_case(units, d, reshard, what):
     def case(gathered_peak):
         got = gathered_peak(list(units), d, reshard)
         want = zero3_gathered_peak(list(units), d, reshard)
-        try:
+        if isinstance(got, float) and got.is_integer():
             got = int(got)
-        except (TypeError, ValueError):
-            raise CheckFailure(f"{what}: expected a number of elements, got {type(got).__name__}") from None
+        if as_int(got) is None:
+            raise CheckFailure(f"{what}: expected a whole number of elements, got {type_name(got)}")
+        got = as_int(got)
         if got != want:
             pads = [padded_numel(n, d) for n in units]
+            wrapped = max((pads[i] + pads[(i + 1) % len(pads)] for i in range(len(pads))), default=0)
             why = ""
             if got == max(pads):
                 why = " (one unit only: the prefetched next unit is gathered while this one computes)"
             elif reshard and got == zero3_gathered_peak(list(units), 1, True):
                 why = " (the sizes were not padded: each unit's buffer is a multiple of d)"
-            elif got == sum(sorted(pads)[-2:]):
-                why = " (the two largest units, but only units that run one after the other are gathered together)"
+            elif got in (wrapped, sum(sorted(pads)[-2:])):
+                why = _wrap_or_largest(gathered_peak, got, wrapped, sum(sorted(pads)[-2:]))
             elif reshard and got == sum(pads):
                 why = " (every unit: with reshard_after_forward=True each unit is freed after its forward)"
             raise CheckFailure(f"{what}: expected {want} elements, got {got}{why}")
@@ -217,6 +248,8 @@ ex154.case("5 units, the largest two far apart, d = 2")(
     _peak_case([901, 10, 11, 12, 899], 2, True, "gathered_peak([901, 10, 11, 12, 899], d=2, reshard=True)"))
 ex154.case("units [10, 21, 5], d = 4, padding decides")(
     _peak_case([10, 21, 5], 4, True, "gathered_peak([10, 21, 5], d=4, reshard=True)"))
+ex154.case("5 units [500, 10, 600, 12, 400], d = 2")(
+    _peak_case([500, 10, 600, 12, 400], 2, True, "gathered_peak([500, 10, 600, 12, 400], d=2, reshard=True)"))
 ex154.case("not resharded: [100, 50, 75], d = 2")(
     _peak_case([100, 50, 75], 2, False, "gathered_peak([100, 50, 75], d=2, reshard=False)"))
 ex154.case("one unit", hidden=True)(_peak_case([77], 4, True, "gathered_peak([77], d=4, reshard=True)"))
@@ -229,16 +262,18 @@ fresh_case(ex154, "one unit", lambda r: ([r.randint(1, 5000) for _ in range(r.ra
 ex155 = exercise(
     "15.5", title="unshard a flat parameter, dropping the padding", notebook=NB, points=2,
     references=["labkit.data_parallel.flat:unshard_flat"],
-    hint="Section 1: an all-gather hands every rank the d shards, shard r from rank r. In which order do "
-         "they have to be laid end to end to give the padded buffer back, and where in that buffer are the "
-         "zeros that 15.1 added?")
-ex155.hint2 = ("Try your function with n = 8 and d = 4, where there is no padding at all: does it still return "
-               "all 8 elements? And with n = 10: are the two zeros gone and is the order 1..10?")
+    hint=("Section 1: an all-gather gives every rank the d shards, shard r from rank r. Which order gives the padded "
+          "buffer back, and where in it is the padding that 15.1 added?"))
+ex155.hint2 = ("Try your function with n = 8 and d = 4, where there is no padding at all: does it still return all 8 "
+               "elements? And with n = 10, is the padding gone and the order 1..10?")
+ex155.hint_review = ("leads: asks for the order and where the padding sits, with checks; no operation named; reviewed "
+                     "2026-12-06")
 
 
-def _unshard_case(n, d, what):
+def _unshard_case(n, d, what, values=None):
     def case(unshard_flat):
-        flat = torch.arange(1, n + 1, dtype=torch.float32)
+        flat = (torch.arange(1, n + 1, dtype=torch.float32) if values is None
+                else torch.tensor(values, dtype=torch.float32))
         shards = [_shard(flat, d, r) for r in range(d)]
         got = unshard_flat([s.clone() for s in shards], n)
         if not isinstance(got, torch.Tensor):
@@ -260,6 +295,12 @@ def _unshard_case(n, d, what):
         elif got.numel() == n and d > 1 and torch.equal(got, torch.stack(shards, 1).reshape(-1)[:n]):
             why = (" (the shards were interleaved element by element: each shard is a contiguous piece of "
                    "the buffer, so lay them end to end)")
+        elif got.numel() < n and torch.equal(got, flat[flat != 0]):
+            why = (" (the parameter's own zeros were dropped too: a real element can be 0, so the padding is "
+                   "told apart by position, not by value)")
+        elif got.numel() < n and torch.equal(got, flat[:int(flat.nonzero().max()) + 1] if flat.any() else flat[:0]):
+            why = (" (the zeros at the end of the parameter itself were stripped with the padding: a real element "
+                   "can be 0, so the padding is told apart by position, not by value)")
         elif got.numel() == n and torch.equal(got, padded[-n:]):
             why = (" (the first elements were dropped instead of the last: 15.1 put the zeros at the end, "
                    "so the padding is cut off the end)")
@@ -272,6 +313,10 @@ ex155.case("n = 10 from d = 4 shards (2 zeros of padding)")(
 ex155.case("n = 12 from d = 4 shards (no padding)")(
     _unshard_case(12, 4, "unshard_flat(4 shards of arange 1..12, n=12)"))
 ex155.case("n = 7 from d = 3 shards")(_unshard_case(7, 3, "unshard_flat(3 shards of arange 1..7, n=7)"))
+ex155.case("n = 6 from d = 4 shards, a parameter with zeros of its own")(
+    _unshard_case(6, 4, "unshard_flat(4 shards of [1, 0, 2, 0, 3, 0], n=6)", values=[1, 0, 2, 0, 3, 0]))
+ex155.case("n = 5 from d = 2 shards, all of it zeros", hidden=True)(
+    _unshard_case(5, 2, "unshard_flat(2 shards of 5 zeros, n=5)", values=[0] * 5))
 ex155.case("n = 3 from d = 8 shards (most shards all padding)", hidden=True)(
     _unshard_case(3, 8, "unshard_flat(8 shards of 3 elements, n=3)"))
 fresh_case(ex155, "n = 3 from d = 8 shards (most shards all padding)",

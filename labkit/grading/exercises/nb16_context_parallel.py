@@ -17,18 +17,19 @@ from __future__ import annotations
 import torch
 
 from ...context_parallel.blockwise import block_attention
-from ..registry import CheckFailure, _shown, exercise
+from ..registry import CheckFailure, as_int, exercise, type_name
 
 # ----------------------------------------------------------------------------- 16.1
 ex161 = exercise(
     "16.1", title="the log-sum-exp merge of two partial softmaxes", notebook="16_context_parallel", points=3,
-    hint="Section 2: each block's output is normalised by its own block's sum of exponentials. What share of "
-         "the total sum does each block hold, and how do you get it from the two log-sum-exps without "
-         "leaving the log domain?")
-ex161.hint2 = ("Write each block's output as its unnormalised sum divided by its own normaliser: what must the "
-               "merged result be divided by instead, and how do you get that quantity from the two log-sum-exps "
-               "without ever computing an exponential that can overflow? What should a block with no visible key "
-               "contribute?")
+    hint=("Section 2: each block's output is normalised by its own block's sum of exponentials. What share of the "
+          "total sum does each block hold, and how do you get it from the two log-sum-exps without leaving the log "
+          "domain?"))
+ex161.hint2 = ("Write each block's output as its unnormalised sum divided by its own normaliser: what must the merged "
+               "result be divided by instead, and how do you get that quantity from the two log-sum-exps without ever "
+               "computing an exponential that can overflow? What should a block with no visible key contribute?")
+ex161.hint_review = ("leads: asks for each block's share and how to stay in the log domain; no function and no "
+                     "weights given; reviewed 2026-12-06")
 
 
 def _partials(seed, B=2, h=3, Sq=5, Sk=(4, 6), d=4, scale=1.0, causal_block=None):
@@ -132,10 +133,12 @@ ex161.case("causal rows over both blocks", hidden=True)(
 # ----------------------------------------------------------------------------- 16.2
 ex162 = exercise(
     "16.2", title="the causal chunk placement", notebook="16_context_parallel", points=3,
-    hint="Section 4: under a causal mask a chunk's work grows with its position in the sequence. With two "
-         "chunks per rank, how can every rank get the same total, whatever cp is?")
-ex162.hint2 = ("Compute the causal work of each of the 2cp chunks for cp = 2 (it grows with the chunk's index). "
-               "Which pairs of chunks give every rank the same total?")
+    hint=("Section 4: under a causal mask a chunk's work grows with its position in the sequence. With two chunks per "
+          "rank, how can every rank get the same total, whatever cp is?"))
+ex162.hint2 = ("Compute the causal work of each of the 2cp chunks for cp = 2 (it grows with the chunk's index). Which "
+               "pairs of chunks give every rank the same total?")
+ex162.hint_review = ("leads: asks how to pair chunks for equal work and suggests the cp = 2 case; the pairing rule is "
+                     "the learner's; reviewed 2026-12-06")
 
 
 def _chunk_work(c: int, m: int) -> int:
@@ -146,13 +149,26 @@ def _chunk_work(c: int, m: int) -> int:
 def _placement_case(cp, what, m=4):
     def case(placement):
         got = placement(cp)
-        if isinstance(got, torch.Tensor):
+        if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
             got = got.tolist()
-        if not isinstance(got, (list, tuple)) or len(got) != cp or any(
-                not isinstance(r, (list, tuple)) or len(r) != 2 or any(
-                    isinstance(c, bool) or not isinstance(c, int) for c in r) for r in got):
-            raise CheckFailure(f"{what}: expected a list of {cp} pairs of chunk ids (two chunks per rank), "
-                               f"got {_shown(got)}")
+        want_shape = f"expected a list of {cp} pairs of chunk ids (two chunks per rank)"
+        if not isinstance(got, (list, tuple)):
+            raise CheckFailure(f"{what}: {want_shape}, got {type_name(got)}")
+        if len(got) != cp:
+            raise CheckFailure(f"{what}: {want_shape}, got {len(got)} items (one pair per rank: cp = {cp})")
+        pairs = []
+        for i, r in enumerate(got):
+            if isinstance(r, torch.Tensor) or type(r).__module__ == "numpy" and hasattr(r, "tolist"):
+                r = r.tolist() if getattr(r, "ndim", getattr(r, "dim", lambda: 0)) != 0 else r
+            if not isinstance(r, (list, tuple)) or len(r) != 2:
+                raise CheckFailure(f"{what}: {want_shape}; item {i} (rank {i}) is "
+                                   + (f"a {type(r).__name__} of {len(r)} chunk ids" if isinstance(r, (list, tuple))
+                                      else type_name(r)))
+            for c in r:
+                if as_int(c) is None:
+                    raise CheckFailure(f"{what}: chunk ids are ints; rank {i}'s pair holds {type_name(c)}")
+            pairs.append(tuple(as_int(c) for c in r))
+        got = pairs
         flat = sorted(c for r in got for c in r)
         if flat != list(range(2 * cp)):
             twice = sorted({c for c in flat if flat.count(c) > 1})
