@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(line, file=sys.stderr)
             if problems:
                 print("run `python -m labkit build` and commit notebooks/ and labkit/_notebooks/ (a cell that needs a "
-                      "reference: move it after its exercise)", file=sys.stderr)
+                      "reference before its exercise: move it after the exercise)", file=sys.stderr)
                 return 1
             print(f"{_shown(root / 'notebooks')}/ is up to date ({len(_solutions(root))} notebooks)")
             return 0

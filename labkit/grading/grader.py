@@ -14,9 +14,17 @@ The grader's contract (what an instructor can rely on; see also :mod:`labkit.gra
   kernel and all its processes are dead), and the kernel is not told where it is. Only the
   exercises of the graded notebook count, each at most its points: a check of another notebook's
   exercise is ignored; a repeated check re-grades the exercise and the last one counts.
-* **Isolation**: as root the kernel runs as the unprivileged user ``labkit-kernel`` in its own
-  session; as any other user the output says that isolation is partial
-  (:func:`~labkit.grading.session.isolation_note`).
+* **Isolation**: as root each kernel runs as a uid of its own, in namespaces and a file system of
+  its own; a self-check at start (:func:`~labkit.grading.session.isolation_problem`) proves that
+  this uid starts Python and imports the kit in exactly that jail, wherever the grader is
+  installed (/tmp, /var/tmp, /dev/shm, a path with spaces, any TMPDIR), and otherwise stops
+  before grading with one line naming the cause and the fix (exit 2; ``--allow-partial-isolation``
+  grades anyway and says what is missing). As any other user the output says that isolation
+  is partial (:func:`~labkit.grading.session.isolation_note`). Nothing is left in TMPDIR.
+* **Integrity** (:mod:`labkit.grading.integrity`): similarity of each answer to the kit's
+  reference and, in a batch, to the other submissions, and dynamic code worth reading, go to
+  the instructor (stdout, which Gradescope keeps hidden; ``integrity.csv``/``.html`` with
+  ``--results-dir``), never into a score.
 * **Robustness**: a cell that raises costs only the exercises that depend on it (execution
   goes on with the next cell). A cell that kills or exits the kernel, or runs past
   ``--cell-timeout`` (SIGINT, then SIGKILL), is recorded; a fresh kernel replays the cells that

@@ -97,6 +97,9 @@ REFERENCES: dict[str, list[str]] = {
              "labkit.plan.comm:comm_per_rank"],
     "15.4": ["labkit.data_parallel.fsdp:expected_fsdp", "labkit.plan.memory:zero3_split_gathered_peak"],
     "16.1": ["labkit.context_parallel.blockwise:merge_partials"],
+    "17.2": ["labkit.parallel.torch_native:plan_table"],
+    "17.3": ["labkit.grid:Mesh"],
+    "17.5": ["labkit.pipeline.schedules:one_f_one_b_schedule"],
     "16.2": ["labkit.context_parallel.sharding:chunk_placement", "labkit.context_parallel.sharding:sequence_positions",
              "labkit.context_parallel.sharding:causal_work", "labkit.context_parallel.sharding:shard_sequence"],
 }
@@ -113,6 +116,9 @@ NOTHING_TO_WITHHOLD: dict[str, str] = {
     "12.1": "a binomial coefficient: math.comb is knowledge, like numpy",
     "12.3": "the exercise asks where each concept lives in labkit's gate: reading the kit is the exercise",
     "12.4": "the exercise asks for labkit's own MoEConfig fields: using the kit's names is the exercise",
+    "17.1": "a table of which collective torch's DTensor redistribute issues: torch's own behaviour is knowledge, "
+            "and no kit function returns it",
+    "17.4": "torch.chunk's split of dim 0 (FSDP2's rule): torch is knowledge, like numpy",
 }
 
 

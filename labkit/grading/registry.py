@@ -516,7 +516,8 @@ def type_name(x: Any) -> str:
 def expect_named(got: Any, expected: Any, what: str, mistakes, rtol: float = 1e-9, atol: float = 1e-12) -> None:
     """``got`` must be ``expected`` (numbers: within ``rtol``/``atol``; anything else: equal). When it is
     not, and it equals the value of a known mistake, the failure says which: ``mistakes`` is a list of
-    ``(value, "what this mistake did")``, the first match named as "what: expected X, got Y (mistake)";
+    ``(value, "what this mistake did")``, a match named as "what: expected X, got Y (mistake)" (two that give
+    the same value here: "(one; or the other)");
     otherwise as :func:`expect_close` / :func:`expect_equal` would say it."""
     def same(a, b):
         if isinstance(b, (int, float)) and not isinstance(b, bool) and isinstance(a, numbers.Real) \
@@ -529,9 +530,9 @@ def expect_named(got: Any, expected: Any, what: str, mistakes, rtol: float = 1e-
 
     if same(got, expected):
         return
-    for value, text in mistakes:
-        if not same(value, expected) and same(got, value):
-            raise CheckFailure(f"{what}: expected {_shown(expected)}, got {_shown(got)} ({text})")
+    found = list(dict.fromkeys(text for value, text in mistakes if not same(value, expected) and same(got, value)))
+    if found:  # two mistakes that give the same value here are both named
+        raise CheckFailure(f"{what}: expected {_shown(expected)}, got {_shown(got)} ({'; or '.join(found[:2])})")
     if isinstance(expected, (int, float)) and not isinstance(expected, bool):
         _compare(got, expected, what, exact=False, rtol=rtol, atol=atol)
     _compare(got, expected, what, exact=True, rtol=0.0, atol=0.0)
@@ -641,7 +642,7 @@ def _scalar_factor(got, expected) -> str:
         whole = lambda v: abs(v - round(v)) < 1e-9 and abs(round(v)) >= 2  # noqa: E731
         if not (whole(c) or whole(1 / c)):
             return ""
-    return f"; got is {_num(round(c, 4))} x expected"
+    return f"; got is {c:.4g} x expected"
 
 
 def _tensor_factor(got, expected) -> str:

@@ -335,7 +335,8 @@ class TorchNativeGPT:
         with loss_parallel() if self.t > 1 else _null():
             self.schedule.step(*args, **kwargs)
         if losses:   # the step's token mean, the number one device reports
-            mine = torch.tensor(sum(float(_full(v.detach())) for v in losses) / (self.M * self.d), dtype=torch.float64)
+            mine = torch.tensor(sum(float(_full(v.detach())) for v in losses) / (self.M * self.d), dtype=torch.float64,
+                                device=dev)
             if self._count_group is not None:
                 import torch.distributed as dist
                 dist.all_reduce(mine, group=self._count_group)

@@ -232,3 +232,20 @@ def test_expected_values_agree_with_the_planner():
     assert c["tp"].wire == want["tp"] and c["pp"].wire == want["pp"] and c["dp"].wire == int(want["dp"])
     # 8.4 is the planner's first-stage count with the paper's 16-bit layer (no embedding / head, no LN stats)
     assert nb08._act(512, 2, 1024, 16, 16, 2, 4, 8, True, "selective") == 4 * 4 * 512 * 2 * 1024 * 34 / 2
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (lambda P, t, p, d, z, pr: model_state_bytes(P, t, 1, d, z, pr), "GPT-3 175B",
+     "not divided by p: a pipeline stage holds 1/p of the layers"),
+    (lambda P, t, p, d, z, pr: model_state_bytes(P, t, p, d, min(3, z + 1), pr), "GPT-3 175B", "that is ZeRO-1's"),
+    (lambda *a: dict(axis_bytes(*a), pp=axis_bytes(*a)["pp"] / 2), "GPT-3 middle stage",
+     "forward only: the gradients come back across the boundary"),
+    (lambda *a: dict(axis_bytes(*a), tp=axis_bytes(*a)["tp"] * a[5]), "GPT-3 middle stage",
+     "all L layers: this stage holds L/p of them"),
+    (lambda *a: dict(axis_bytes(*a), dp=axis_bytes(*a)["dp"] * a[6] / (a[6] - 1) if a[6] > 1 else 0.0),
+     "GPT-3 middle stage", "the whole gradient: a ring all-reduce sends"),
+])
+def test_learner_round_mistakes_are_named(wrong, case, contains):
+    """Issue 36's learner round: each new wrong answer of 8.3 and 8.6 is named."""
+    ex = "8.3" if "stage holds 1/p" in contains or "ZeRO-1" in contains else "8.6"
+    assert_public_case_fails(ex, wrong, case, contains=contains)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 
 
 def top_k_gate(logits, k, renormalize=False):
@@ -118,11 +118,12 @@ def test_integers_of_any_kind_are_accepted():
 # test id: (exercise, answer, assert_check_fails's keywords)
 WRONG = {
     "gate_softmax_over_top_k": ("9.1", gate_softmax_over_top_k,
-                                {"contains": "expected tensor([0.6095, 0.2242"}),
+                                {"contains": "each token's k weights sum to 1: that is the renormalised gate"}),
     "gate_detached": ("9.1", gate_detached,
                       {"contains": "no gradient back to the logits"}),
     "capacity_rounded_down": ("9.2", capacity_floor,
-                              {"contains": "capacity C = ceil(1*6/4*1.0): expected 2, got 1"}),
+                              {"contains": "capacity C: expected 2, got 1 (rounded down: a fraction of a slot still "
+                                           "needs a whole slot)"}),
     "capacity_choice_major_order": ("9.2", capacity_choice_major,
                                     {"contains": "expected keep="}),
     "params_eight_whole_models": ("9.3", params_eight_models,
@@ -143,3 +144,24 @@ WRONG = {
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+@pytest.mark.parametrize("wrong, contains", [
+    (lambda l, k, renormalize=False: l.topk(k, dim=-1), "these are the raw logits"),
+    (lambda l, k, renormalize=False: top_k_gate(l, k, not renormalize), "that is the renormalised gate"),
+    (lambda l, k, renormalize=False: l.softmax(dim=0).topk(k, dim=-1), "the softmax ran over the tokens, dim 0"),
+])
+def test_gate_learner_round_mistakes_are_named(wrong, contains):
+    assert_public_case_fails("9.1", wrong, "k=2 of E=4, not renormalised", contains=contains)
+
+
+def test_not_renormalised_when_asked_is_named():
+    assert_public_case_fails("9.1", lambda l, k, renormalize=False: top_k_gate(l, k), "k=2 of E=4, renormalize=True",
+                             contains="not renormalised: with renormalize=True")
+
+
+def test_capacity_without_k_is_named():
+    def no_k(idx, E, cf):
+        C, keep = capacity_keep(idx, E, cf)
+        return math.ceil(idx.shape[0] / E * cf), keep
+    assert_check_fails("9.2", no_k, contains="or k left out: each token takes k slots)")

@@ -127,3 +127,16 @@ WRONG = {
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+def test_learner_round_mistakes_are_named():
+    """Issue 36's learner round: 10.1 with k forgotten, 10.3 moving only the overloaded experts or using the median."""
+    from labkit.grading.testing import assert_public_case_fails
+    assert_public_case_fails("10.1", lambda l, i, alpha=0.01: switch_aux_loss(l, i, alpha) * i.shape[1],
+                             "T=16, E=8, k=2", contains="f was counted per token")
+    assert_public_case_fails("10.3", lambda b, loads, g: b - g * (loads.float() > loads.float().mean()).float(),
+                             "loads [10, 2, 4, 8]", contains="only the overloaded experts moved")
+    assert_public_case_fails("10.3", lambda b, loads, g: b - g * torch.sign(loads.float() - loads.float().median()),
+                             "loads [10, 2, 4, 8]", contains="compared with their median")
+    assert_public_case_fails("10.3", lambda b, loads, g: b + g * torch.sign(loads.float() - loads.float().mean()),
+                             "loads [10, 2, 4, 8]", contains="every step has the wrong direction")

@@ -195,3 +195,18 @@ def test_volume_mistakes_are_named(wrong, case, contains):
 ])
 def test_peak_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("15.4", wrong, case, contains=contains)
+
+
+def test_volume_learner_round_mistakes_are_named():
+    """Issue 36's learner round: stages 1-2 given stage 3's volume, or half of DP's."""
+    assert_public_case_fails("15.3", lambda psi, d, st: (3 if st >= 1 else 2) * (d - 1) / d * psi, "Psi = 1e9",
+                             contains="that is stage 3's volume: stage 1 keeps whole parameters")
+    assert_public_case_fails("15.3", lambda psi, d, st: (1 if st in (1, 2) else 3 if st == 3 else 2) * (d - 1) / d
+                             * psi, "Psi = 1e9", contains="half: a reduce-scatter of the gradients alone")
+
+
+def test_strided_shards_are_named():
+    """Issue 36's learner round: every d-th element per rank instead of a contiguous piece."""
+    assert_public_case_fails("15.1", lambda flat, d: list(torch.cat([flat, flat.new_zeros((-flat.numel()) % d)])
+                                                          .view(-1, d).t()),
+                             "n = 10 over d = 4", contains="every d-th element: rank r's shard must be one contiguous")

@@ -332,7 +332,7 @@ def test_nb01_bubble_with_m_plus_k_fails():
         return (K - 1) / (M + K)
 
     assert_check_fails("1.1", wrong, contains='failed\n  case "K=4, M=8"\n  bubble_fraction(K=4, M=8):\n  '
-                                              'expected 0.272727, got 0.25; got is 0.9167 x expected.\n  Hint:')
+                                              'expected 0.272727, got 0.25 (one slot too many in the step).\n  Hint:')
 
 
 def test_nb01_bubble_without_input_check_fails():

@@ -170,7 +170,7 @@ def _graded_01(passing: dict[str, int | None]) -> dict:
 
 
 def test_exercise_points_are_all_or_nothing_and_add_up_for_notebook_01():
-    assert [len(get_exercise(i).cases) for i in ("1.1", "1.2")] == [6, 7]
+    assert [len(get_exercise(i).cases) for i in ("1.1", "1.2")] == [6, 8]
     obj = _graded_01({"1.1": None, "1.2": None})
     by_name = {t["name"]: t for t in obj["tests"]}
     for ex_id in ("1.1", "1.2"):

@@ -259,3 +259,18 @@ def test_parallel_moe_gpt_uneven_ignored_targets_equal_one_device():
     assert all(_ok(e) for e in grad_err) and _ok(param_err) and all(_ok(e) for e in loss_err)
     grad_err, _, _ = errors("ParallelMoEGPT", launch(_moe_dp_worker, 2, "per_shard_mean"), layout=layout)
     assert not _ok(max(grad_err)), grad_err
+
+
+def test_the_planner_lists_the_count_on_the_last_stage_only():
+    from labkit.plan.comm import comm_per_rank
+    from labkit.plan.spec import Layout, ModelSpec
+    spec = ModelSpec.from_gpt_config(GPTConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=16, block_size=S,
+                                               vocab_size=64), seq_len=S, global_batch=B)
+    for lay, last in ((Layout(p=2, d=2, b=2, M=2, precision="fp32"), 1),
+                      (Layout(p=2, d=1, cp=2, b=4, M=2, precision="fp32"), 1),
+                      (Layout(p=2, d=2, v=2, b=1, M=4, schedule="interleaved", placement="v", precision="fp32"), 0)):
+        for r in range(2):
+            loss = comm_per_rank(spec, lay, pp_rank=r, act_bytes=4)["loss"]
+            assert loss.ops == ({"all_reduce": (2, 16)} if r == last else {}), (lay, r, loss.ops)
+            assert loss.group == lay.d * lay.cp
+    assert not comm_per_rank(spec, Layout(p=2, b=4, M=2, precision="fp32"), pp_rank=1)["loss"].ops   # d cp = 1

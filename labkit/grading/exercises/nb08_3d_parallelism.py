@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ...plan.activations import korthikanti_layer_activation_bytes
 from ...plan.memory import BYTES
-from ..registry import CheckFailure, _shown, as_int, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_close, expect_equal, expect_named, expect_raises
 
 NOTEBOOK = "08_3d_parallelism"
 
@@ -204,7 +204,14 @@ def _states_case(P, t, p, d, zero, precision):
             raise CheckFailure(f"{what}: expected a dict with keys 'params', 'grads', 'optimizer', got {_shown(got)}")
         want = _states(P, t, p, d, zero, precision)
         for k in want:
-            expect_close(float(got[k]), want[k], f"{what}[{k!r}] (bytes)", rtol=1e-9, atol=0)
+            value = float(got[k])
+            mistakes = [(want[k] * p, "not divided by p: a pipeline stage holds 1/p of the layers"),
+                        (want[k] * t, "not divided by t: a tensor-parallel rank holds 1/t of each layer"),
+                        (want[k] * t * p, "the whole model's: t and p each split it")]
+            for z in range(4):
+                if z != zero:
+                    mistakes.append((_states(P, t, p, d, z, precision)[k], f"that is ZeRO-{z}'s {k}"))
+            expect_named(value, want[k], f"{what}[{k!r}] (bytes)", mistakes)
     return case
 
 
@@ -373,8 +380,17 @@ def _axis_case(s, b, h, L, t, p, d, M, n_params, e):
         if not isinstance(got, dict) or set(got) != {"tp", "pp", "dp"}:
             raise CheckFailure(f"{what}: expected a dict with keys 'tp', 'pp', 'dp', got {_shown(got)}")
         want = _axis(s, b, h, L, t, p, d, M, n_params, e)
+        named = {"tp": [(want["tp"] * p, "all L layers: this stage holds L/p of them"),
+                        (want["tp"] / 2, "forward only: backward all-reduces as often"),
+                        (want["tp"] * t / (t - 1) if t > 1 else -1.0, "the whole payload per all-reduce: a ring sends "
+                                                                       "2 (t-1)/t of it")],
+                 "pp": [(want["pp"] / 2, "forward only: the gradients come back across the boundary in backward"),
+                        (want["pp"] / M, "one microbatch: all M cross the boundary")],
+                 "dp": [(want["dp"] * d / (d - 1) if d > 1 else -1.0, "the whole gradient: a ring all-reduce sends "
+                                                                      "2 (d-1)/d of it"),
+                        (want["dp"] * M, "an all-reduce per microbatch: the gradients are reduced once per step")]}
         for k in want:
-            expect_close(float(got[k]), want[k], f"{what}[{k!r}] (bytes)", rtol=1e-9, atol=0)
+            expect_named(float(got[k]), want[k], f"{what}[{k!r}] (bytes)", named[k])
     return case
 
 

@@ -12,6 +12,7 @@ The ground truth is labkit's own code: :func:`labkit.moe.router.route`,
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -20,7 +21,7 @@ from ...moe.router import capacity_mask, compute_capacity, route
 from ...plan.params import count_parameters
 from ...plan.spec import ModelSpec, preset
 from ..kernelside.nb09_moe_routing import _gate_with_grad  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, as_int, exercise, expect_close, expect_equal, type_name
+from ..registry import CheckFailure, as_int, exercise, expect_close, expect_equal, expect_named, type_name
 
 
 def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
@@ -63,7 +64,23 @@ def _gate_case(logits: torch.Tensor, k: int, renormalize: bool, what: str, check
         rw, ri, _ = route(ref_x, k, "softmax", renormalize=renormalize)
         # compare as sets of (expert, weight) per token: order inside a row does not matter
         order, rorder = i.long().argsort(-1), ri.argsort(-1)
+        if not torch.equal(i.long().sort(-1).values, ri.sort(-1).values) and T > 1 and torch.equal(
+                i.long().sort(-1).values, logits.softmax(0).topk(k, dim=-1).indices.sort(-1).values):
+            raise CheckFailure(f"{what}: chosen experts differ (the softmax ran over the tokens, dim 0: a token's "
+                               f"probabilities are over the experts)")
         expect_equal(i.long().gather(1, order), ri.gather(1, rorder), f"{what}: chosen experts (sorted per token)")
+        gw, want_w = w.detach().float().gather(1, order), rw.detach().gather(1, rorder)
+        if not torch.allclose(gw, want_w, rtol=1e-5, atol=1e-6):
+            probs = logits.softmax(-1).gather(1, ri.gather(1, rorder))
+            why = ""
+            if torch.allclose(gw, logits.gather(1, ri.gather(1, rorder)), rtol=1e-5, atol=1e-6):
+                why = "these are the raw logits: the gate's weights are probabilities"
+            elif not renormalize and k < E and torch.allclose(gw.sum(-1), torch.ones(T), atol=1e-5):
+                why = "each token's k weights sum to 1: that is the renormalised gate, asked for only when renormalize"
+            elif renormalize and k < E and torch.allclose(gw, probs, rtol=1e-5, atol=1e-6):
+                why = "not renormalised: with renormalize=True a token's k weights add up to 1"
+            if why:
+                raise CheckFailure(f"{what}: weights (matched to their experts) differ ({why})")
         expect_close(w.gather(1, order), rw.gather(1, rorder), f"{what}: weights (matched to their experts)")
         if check_grad:
             if not w.requires_grad or grad is None:
@@ -118,7 +135,11 @@ def _cap_case(indices: torch.Tensor, E: int, cf: float, what: str):
         if as_int(C) is None:
             raise CheckFailure(f"{what}: C must be an int (a number of slots), got {type_name(C)}")
         C = as_int(C)
-        expect_equal(C, want_C, f"{what}: capacity C = ceil({k}*{T}/{E}*{cf})")
+        expect_named(C, want_C, f"{what}: capacity C", [
+            (math.floor(k * T / E * cf), "rounded down: a fraction of a slot still needs a whole slot"),
+            (round(k * T / E * cf), "rounded down: a fraction of a slot still needs a whole slot"),
+            (math.ceil(T / E * cf), "k left out: each token takes k slots"),
+            (math.ceil(k * T / E), "the capacity factor left out")])
         _tensor(keep, f"{what}: keep", (T, k), "bool")
         want = capacity_mask(indices, torch.zeros(T, k), E, want_C, policy="position")
         if not torch.equal(keep, want):

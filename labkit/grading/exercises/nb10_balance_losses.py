@@ -15,7 +15,7 @@ import torch
 from ...moe.losses import device_balance_loss, switch_aux_loss
 from ...moe.router import update_expert_bias
 from ..kernelside.nb10_balance_losses import _bias_update, _loss_with_grad  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, exercise, expect_close
+from ..registry import CheckFailure, _shown, exercise, expect_close
 
 
 def _routing(T: int, E: int, k: int, seed: int, scale: float = 2.0):
@@ -64,7 +64,8 @@ def _named_factor(answer, got: float, want: float, factors, probe=None) -> str:
     return f" ({found[0]})" if len(found) == 1 else ""
 
 
-def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True, factors=None):
+def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True, factors=None,
+               probe=_DEVICE_PROBE):
     """Compare value and d loss / d logits with labkit's ``reference(logits, indices, *extra)``;
     ``factors`` (a list of (factor, mistake)) names a value that is that factor times the right one."""
     def case(answer):
@@ -74,7 +75,7 @@ def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool =
         want = reference(ref_x, indices, *extra, from_logits=True)
         if factors is not None and not torch.isclose(got.detach().double(), want.detach().double(),
                                                      rtol=1e-5, atol=1e-6):
-            why = _named_factor(answer, float(got), float(want), factors, _DEVICE_PROBE)
+            why = _named_factor(answer, float(got), float(want), factors, probe)
             if why:
                 raise CheckFailure(f"{what}: value: expected {float(want):.6g}, got {float(got):.6g}{why}")
         expect_close(got.detach(), want.detach(), f"{what}: value")
@@ -103,7 +104,10 @@ ex101.case("uniform routing gives alpha")(
 ex101.case("T=16, E=4, k=1 (Switch), value and gradient")(
     _loss_case(switch_aux_loss, *_routing(16, 4, 1, 101), (0.1,), "switch_aux_loss(T=16, E=4, k=1, alpha=0.1)"))
 ex101.case("T=16, E=8, k=2 (f normalised by T*k)")(
-    _loss_case(switch_aux_loss, *_routing(16, 8, 2, 102), (1.0,), "switch_aux_loss(T=16, E=8, k=2, alpha=1.0)"))
+    _loss_case(switch_aux_loss, *_routing(16, 8, 2, 102), (1.0,), "switch_aux_loss(T=16, E=8, k=2, alpha=1.0)",
+               factors=[(2, "f was counted per token, not per one of the T k routed slots (k forgotten)"),
+                        (1 / 8, "the scale E left out: a uniform routing must give alpha"),
+                        (0.5, "divided by k once too often")], probe=None))
 ex101.case("all tokens on one expert", hidden=True)(
     _loss_case(switch_aux_loss, torch.tensor([[5.0, 0, 0, 0]] * 6), torch.zeros(6, 1, dtype=torch.long), (0.01,),
                "switch_aux_loss(collapsed)"))
@@ -155,6 +159,20 @@ def _bias_case(bias, loads, gamma, what):
         if not isinstance(got, torch.Tensor):
             raise CheckFailure(f"{what}: expected the new bias tensor, got {type(got).__name__}")
         want = update_expert_bias(bias.clone(), loads, gamma)
+        if got.shape == want.shape and not torch.allclose(got.double(), want.double(), rtol=1e-6, atol=1e-9):
+            step = (got.double() - bias.double())
+            dev = loads.double() - loads.double().mean()
+            over, under = dev > 0, dev < 0
+            why = ""
+            if torch.allclose(step[over], -gamma * torch.ones(int(over.sum()), dtype=torch.float64)) and \
+                    under.any() and torch.allclose(step[under], torch.zeros(int(under.sum()), dtype=torch.float64)):
+                why = "only the overloaded experts moved: an underloaded one must become more attractive too"
+            elif torch.allclose(step, gamma * torch.sign(dev), rtol=1e-6, atol=1e-12):
+                why = "every step has the wrong direction: an overloaded expert became more attractive"
+            elif torch.allclose(step, -gamma * torch.sign(loads.double() - loads.double().median()), atol=1e-12):
+                why = "the loads compared with their median: the bias follows the deviation from the mean load"
+            if why:
+                raise CheckFailure(f"{what}: expected {_shown(want)}, got {_shown(got)} ({why})")
         expect_close(got, want, what, rtol=1e-6, atol=1e-9)
     return case
 

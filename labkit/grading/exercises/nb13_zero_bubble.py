@@ -179,6 +179,10 @@ def _confusion(name, K, f, i, w, got):
                 "T_I + T_W, while this function gets T_I, the input-gradient pass alone (DeepSeek-V3 issue #724)")
     if name == "1f1b" and got == (K - 1) * (f + i):
         return "1F1B's backward is the full backward T_B = T_I + T_W; the W pass is on the critical path there"
+    if K > 1 and got == Fraction(_WANT[name](K, f, i, w)) * K / (K - 1):
+        return "K idle stretches counted where a rank waits K - 1 (the first rank starts at once)"
+    if name == "zbv" and got == Fraction(_WANT["zb-h1"](K, f, i, w)) / 2:
+        return "half of ZB-H1's: ZB-V's bubble is not a fraction of ZB-H1's, it has its own (section 4)"
     return None
 
 

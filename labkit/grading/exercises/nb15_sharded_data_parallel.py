@@ -70,8 +70,12 @@ def _shard_case(n, d, what):
             if not torch.equal(g.reshape(-1).float(), w):
                 pad = padded_numel(n, d) - n
                 front = torch.cat([torch.zeros(pad), flat])
+                strided = torch.cat([flat, torch.zeros(pad)]).view(-1, d).t()
                 why = ""
-                if pad and torch.equal(torch.cat([s.reshape(-1).float() for s in got]), front):
+                if all(torch.equal(s.reshape(-1).float(), strided[q]) for q, s in enumerate(got)):
+                    why = (" (every d-th element: rank r's shard must be one contiguous piece of the buffer, so that "
+                           "the all-gather lays the pieces end to end)")
+                if not why and pad and torch.equal(torch.cat([s.reshape(-1).float() for s in got]), front):
                     why = (" (the zeros went in front: then rank 0's shard no longer starts at the first "
                            "element, and dropping the padding after the all-gather cuts off real values)")
                 raise CheckFailure(f"{what}: shard of rank {r} is {g.reshape(-1).tolist()}, expected "
@@ -168,6 +172,12 @@ def _volume_case(psi, d, what):
                 if stage == 3 and abs(got - _volume(psi, d, 0)) <= 1e-9 * want:
                     why = (" (this is plain DP's volume: stage 3 gathers the parameters again for backward, "
                            "because forward freed them)")
+                elif stage in (1, 2) and abs(got - _volume(psi, d, 3)) <= 1e-9 * want:
+                    why = (f" (that is stage 3's volume: stage {stage} keeps whole parameters on every rank, so it "
+                           f"never gathers them)")
+                elif stage in (1, 2) and abs(got - want / 2) <= 1e-9 * want:
+                    why = (" (half: a reduce-scatter of the gradients alone; the updated parameter shards must also "
+                           "reach every rank)")
                 elif abs(got - want * d / (d - 1)) <= 1e-9 * want * d:
                     why = " (each rank sends (d-1)/d of the data in a ring collective, not all of it)"
                 raise CheckFailure(f"{what}, stage {stage}: expected {want:.6g} elements sent per GPU, got "

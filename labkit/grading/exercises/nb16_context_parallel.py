@@ -63,6 +63,9 @@ def _wrong_merges(oa, la, ob, lb):
     za, zb = la.nan_to_num(neginf=0.0), lb.nan_to_num(neginf=0.0)
     z = torch.logaddexp(za, zb)
     out["-inf as 0"] = (torch.exp(za - z)[..., None] * oa + torch.exp(zb - z)[..., None] * ob, None)
+    out["unnormalised"] = (la.exp()[..., None] * oa + lb.exp()[..., None] * ob, None)
+    lse = torch.logaddexp(la, lb)
+    out["inverted"] = (torch.exp(lse - la)[..., None] * oa + torch.exp(lse - lb)[..., None] * ob, None)
     return out
 
 
@@ -100,7 +103,11 @@ def _merge_case(seed, what, **kw):
                            "lse weights": " (the weights were lse_a / (lse_a + lse_b): log-sum-exps are logarithms, "
                                           "a block's share of the total is not their ratio)",
                            "-inf as 0": " (lse_b = -inf was treated as 0: a block with no visible key must weigh "
-                                        "nothing)"}[name]
+                                        "nothing)",
+                           "unnormalised": " (each block's output weighted by its own sum of exponentials, with "
+                                           "nothing dividing by the total: the weights do not add up to 1)",
+                           "inverted": " (each block weighted by the total over its own sum: the inverse of its "
+                                       "share, so the weights add up to more than 1)"}[name]
             err = float((out - out_full).abs().max())
             raise CheckFailure(f"{what}: out differs from attention over all keys by up to {err:.3g}{why}")
         finite = torch.isfinite(lse_full)
