@@ -24,7 +24,7 @@ SCRIPTS = [ROOT / "examples" / "slurm" / "lab3d.sbatch"]
 # and the test fails once one exists, so that it is taken off this list
 PENDING = {"docs/grading.md"}
 # notebooks another issue adds (issue "torch": notebook 17), listed in docs/learners.md ahead of it; the same rule
-PENDING_NOTEBOOKS = {"17_from_labkit_to_torch"}
+PENDING_NOTEBOOKS: set = set()
 
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
@@ -330,3 +330,88 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
     msg = str(info.value)
     assert "#no-such-heading" in msg and "no docs/missing.md" in msg and "labkit/no_such_module.py" in msg
     assert _exercise_ids("8.1-8.3, 8.5") == ["8.1", "8.2", "8.3", "8.5"]
+
+
+# docs/architecture.md's layers: each labkit module's first package after ``labkit.`` (a top-level module is its own)
+LAYERS = {0: {"grid", "launch", "dist", "comm", "data", "model", "cliparse", "wire"},
+          1: {"pipeline", "tensor_parallel", "data_parallel", "context_parallel", "moe", "checkpoint"},
+          2: {"parallel", "plan"}}
+
+
+@lru_cache(maxsize=None)
+def _import_graph(top_level_only: bool = False) -> dict[str, set[str]]:
+    """labkit module -> the labkit modules it imports: anywhere in its code (lazy imports too), or only
+    its top-level statements (what runs when it is imported). ``from pkg import sub`` imports ``sub``."""
+    import ast
+
+    mods = {}
+    for f in (ROOT / "labkit").rglob("*.py"):
+        name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = f
+    graph = {}
+    for m, f in mods.items():
+        pkg = m if f.name == "__init__.py" else m.rsplit(".", 1)[0]
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        out = set()
+        for node in (tree.body if top_level_only else ast.walk(tree)):
+            if isinstance(node, ast.ImportFrom):
+                base = pkg
+                for _ in range(node.level - 1):
+                    base = base.rsplit(".", 1)[0]
+                mod = f"{base}.{node.module}" if node.level and node.module else base if node.level else node.module
+                subs = {f"{mod}.{a.name}" for a in node.names} & set(mods)
+                out |= subs | ({mod} & set(mods) if len(subs) < len(node.names) else set())
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name in mods}
+        graph[m] = out - {m, "labkit"}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (its modules in order), or []."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        state[m] = 2
+        stack.pop()
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return []
+
+
+def _layer(module: str) -> int:
+    part = module.split(".")[1] if "." in module else ""
+    return next((n for n, names in LAYERS.items() if part in names), 3)
+
+
+def test_the_layers_architecture_md_describes_hold():
+    """No module imports one of a higher layer (base < axes < composition < front ends), anywhere in
+    its code, and importing labkit runs into no import cycle; control graphs with either are caught."""
+    def upward(graph):
+        return [f"{a} imports {b}" for a in graph for b in sorted(graph[a]) if _layer(b) > _layer(a)]
+
+    assert upward(_import_graph()) == []
+    assert _cycle(_import_graph(top_level_only=True)) == []
+    control = {"labkit.pipeline.runtime": {"labkit.parallel.gpt"}, "labkit.parallel.gpt": {"labkit.pipeline.runtime"}}
+    assert upward(control) == ["labkit.pipeline.runtime imports labkit.parallel.gpt"]
+    assert _cycle(control) == ["labkit.parallel.gpt", "labkit.pipeline.runtime", "labkit.parallel.gpt"]
+
+
+def test_every_python_block_of_the_docs_compiles():
+    """The case file and exercise examples are Python a reader can paste: they parse."""
+    blocks = [(page.name, m.group(1)) for page in PAGES for m in re.finditer(r"^```python\n(.*?)^```", _text(page),
+                                                                           re.S | re.M)]
+    assert len(blocks) >= 3, blocks
+    for name, code in blocks:
+        compile(code, name, "exec")

@@ -38,6 +38,8 @@ ANSWERS: dict[str, str] = {
     "15.1": "shard_flat", "15.2": "zero_memory", "15.3": "comm_volume", "15.4": "gathered_peak",
     "15.5": "unshard_flat",
     "16.1": "merge_attention_partials", "16.2": "causal_chunk_placement",
+    "17.1": "redistribute_collective", "17.2": "block_plan", "17.3": "submesh_ranks", "17.4": "fsdp2_local_numel",
+    "17.5": "torch_1f1b_actions",
 }
 
 

@@ -203,7 +203,7 @@ def _write_bundle(tmp: Path, pkg: Path, assignment: str, config: dict, hidden: P
                     and rel.parts[0] not in ("_notebooks", "_solutions"):
                 _add(z, "labkit/" + f.relative_to(pkg).as_posix(), f.read_bytes())
         learner = pkg / "_notebooks" / f"{assignment}.ipynb"
-        if learner.is_file():  # the learner version as shipped (no secret): the source policy exempts its cells
+        if learner.is_file():  # the learner version as shipped (no secret): the grader reads its grading points
             _add(z, f"labkit/_notebooks/{assignment}.ipynb", learner.read_bytes())
         for f in sorted(hidden.glob("*.py")) if hidden is not None else []:
             _add(z, "hidden/" + f.name, f.read_bytes(), 0o600)
@@ -257,6 +257,9 @@ def run(root: Path) -> int:
         grade.exercises = [_exercise_grade(ex, None, "not attempted: nothing was graded (see the message at the top)")
                            for ex in exercises_for_notebook(assignment)]
     print(format_table([grade]))  # instructor only (stdout_visibility: hidden)
+    from .grader import _print_integrity
+
+    _print_integrity([grade] if len(found) == 1 else [], assignment)  # instructor only too; never a score
     obj = results_json([grade], execution_time=time.monotonic() - t0)
     validate_results(obj)
     (root / "results").mkdir(parents=True, exist_ok=True)
@@ -302,7 +305,16 @@ def _run_main(argv: list[str]) -> int:
 
     p = Parser(prog="python -m labkit.grading.autograder")
     p.add_argument("--root", type=Path, default=Path(os.environ.get(ROOT_ENV, "/autograder")))
-    return run(p.parse_args(argv).root)
+    root = p.parse_args(argv).root
+    config = root / "source" / CONFIG
+    try:   # the bundle's own file: a root (or LABKIT_AUTOGRADER_ROOT) without it is one line, not a traceback
+        json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        print(f"error: {config} cannot be read ({why}): --root (or {ROOT_ENV}) must be the folder the autograder "
+              f"bundle was unpacked into (source/ holds {CONFIG})", file=sys.stderr)
+        return 2
+    return run(root)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ submissions are called, and each results file gets a safe name (:func:`safe_name
 submission's path is handed to its grader after ``--``, so ``-2+3.ipynb`` is graded like any
 other file.
 
+With ``--results-dir``, the batch also writes the integrity report there (``integrity.csv`` and
+``integrity.html``, :mod:`labkit.grading.integrity`): for the instructor, never a score.
+
 Ctrl-C or SIGTERM (or SIGHUP) stops the batch: the graders still running are told to stop (each
 kills its kernel and removes its folders), the gradebook is written with the rows of the
 submissions that finished and a ``stopped: ...`` row for each of the others, one line on stderr
@@ -165,10 +168,9 @@ def _warm_up(options) -> None:
     import nbformat  # noqa: F401
 
     registry.all_exercises()
-    if "--no-source-policy" not in options:
-        from .reach import _callers
+    from .reach import _callers
 
-        _callers()
+    _callers()  # the kit's call graph, which each submission's withheld kit is built from
 
 
 class _Grader:
@@ -235,6 +237,23 @@ class _Grader:
                 raise subprocess.TimeoutExpired(["labkit", "grade"], timeout)
             time.sleep(0.05)
         return self.returncode
+
+
+def _integrity(paths, results_dir: Path, options) -> None:
+    """``integrity.csv`` and ``integrity.html`` in ``results_dir`` (:mod:`labkit.grading.integrity`):
+    for the instructor, never part of a score; a failure here is a warning, never a lost grade."""
+    from .integrity import for_submissions, write_report
+
+    assignment = options[options.index("--assignment") + 1] if "--assignment" in options else None
+    try:
+        rows = for_submissions(paths, assignment, [str(p) for p in paths])
+        csv_path, html_path = write_report(rows, results_dir)
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: the integrity report could not be written: {type(e).__name__}: {e}", file=sys.stderr)
+        return
+    flagged = sum(r.flagged for r in rows)
+    print(f"integrity report (instructor only, no effect on scores): {csv_path} and {html_path}; "
+          f"{flagged} of {len(rows)} answers flagged")
 
 
 def _write_gradebook(path: Path, entries) -> None:
@@ -342,6 +361,7 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
         print(f"wrote {gradebook} ({len(paths)} submissions)")
     if tmp is None:
         print(f"results: one file per submission in {results_dir}")
+        _integrity(paths, results_dir, options)
     if failed:
         print(f"error: {len(failed)} of {len(paths)} submissions could not be graded: {', '.join(failed)}",
               file=sys.stderr)

@@ -58,8 +58,8 @@ import nbformat
 from ..cliparse import Parser
 from .install import INSTALL_CELL, INSTALL_CELL_ID, install_cell, repository_problem
 
-__all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "execute_notebook", "main",
-           "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "install_cell", "configured_repository",
+__all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "reference_problems", "execute_notebook",
+           "main", "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "install_cell", "configured_repository",
            "set_repository", "project_urls_problem",
            "BuildError", "find_root", "PLOTTING_MODULES", "plot_code_fingerprint", "uses_plotting_code",
            "WIDGET_NOTE", "SOLUTION_ONLY_TAG"]
@@ -402,6 +402,23 @@ def stale_notebooks(root: Path) -> list[str]:
     return problems
 
 
+def reference_problems(root: Path) -> list[str]:
+    """Each shipped learner cell (as ``build`` would write it) or kernel-side helper that needs an
+    exercise's reference, or a kit function that reaches one, before the exercise is graded
+    (:func:`labkit.grading.withhold.problems`): the graded kernel does without them until then.
+    Imports the exercise modules (and torch)."""
+    import json
+
+    from .withhold import problems
+
+    out = []
+    for sol in _solutions(root):
+        nb = json.loads(build_text(sol))
+        cells = ["".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code"]
+        out += problems(sol.stem, cells)
+    return out
+
+
 def execute_notebook(path: Path, timeout: int = 600) -> None:
     """Execute ``path`` in place with nbclient (kernel ``python3`` of this environment), with
     ``LABKIT_STRICT=1`` so a failing check stops it; outputs are saved, timing is not. Widget
@@ -450,7 +467,9 @@ def _select(root: Path, names: list[str]) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m labkit build", description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="fail (exit 1) when notebooks/ is stale")
+    p.add_argument("--check", action="store_true",
+                   help="fail (exit 1) when notebooks/ is stale, or a shipped cell needs an exercise's reference "
+                        "before the exercise is graded")
     p.add_argument("--execute", nargs="*", metavar="NAME", default=None,
                    help="execute these solution notebooks (all when none named) in place first")
     p.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
@@ -476,11 +495,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"executing solutions/{path.name}", flush=True)
                 execute_notebook(path)
         if a.check:
-            problems = stale_notebooks(root)
+            problems = stale_notebooks(root) + reference_problems(root)
             for line in problems:
                 print(line, file=sys.stderr)
             if problems:
-                print("run `python -m labkit build` and commit notebooks/ and labkit/_notebooks/", file=sys.stderr)
+                print("run `python -m labkit build` and commit notebooks/ and labkit/_notebooks/ (a cell that needs a "
+                      "reference before its exercise: move it after the exercise)", file=sys.stderr)
                 return 1
             print(f"{_shown(root / 'notebooks')}/ is up to date ({len(_solutions(root))} notebooks)")
             return 0

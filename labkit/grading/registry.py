@@ -327,8 +327,8 @@ def hidden_cases_problem(folder: Path | str, label: str) -> str | None:
         return f"{label}: no such folder"
     if not folder.is_dir():
         return f"{label} is not a folder (a file): give the folder that holds the hidden-case .py files"
-    if not any(p.is_file() for p in folder.glob("*.py")):
-        return f"{label}: the folder holds no .py case files"
+    if not any(p.is_file() and not p.name.startswith("_") for p in folder.glob("*.py")):
+        return f"{label}: the folder holds no .py case files (files named _*.py are helpers, not run)"
     return None
 
 

@@ -148,6 +148,18 @@ def _child(case: Case, backend_factory, exercise_id: str, references, wfd: int, 
         os._exit(0)
 
 
+def _withheld_calls(exercise_id: str) -> tuple[str, ...]:
+    """What the graded kernel lacks while ``exercise_id`` is graded (:func:`labkit.grading.withhold.withheld_calls`):
+    an answer that calls one fails here as it would there, with a message saying so. () where that cannot be
+    computed (the graded kernel's own copy of the kit holds no exercise modules)."""
+    try:
+        from .withhold import withheld_calls
+
+        return withheld_calls(exercise_id)
+    except Exception:  # noqa: BLE001 - feedback only: never the reason a check cannot run
+        return ()
+
+
 def run_case(case: Case, answer: Any, exercise: Exercise | None = None, backend_factory=None) -> CaseResult:
     """Run ``case`` in a forked child, stopped after ``case.timeout`` s.
 
@@ -157,7 +169,7 @@ def run_case(case: Case, answer: Any, exercise: Exercise | None = None, backend_
     if backend_factory is None:
         backend_factory = lambda: LocalBackend(answer)  # noqa: E731
     ex_id = exercise.id if exercise is not None else ""
-    refs = exercise.reference_names() if exercise is not None else ()
+    refs = _withheld_calls(ex_id) if ex_id else ()
     # torch imports sympy lazily on the first ``backward(grad)`` / ``autograd.grad(..., grad)`` (about 1 s):
     # once here, inherited by every case's child, instead of once in each (as labkit.launch does for ranks)
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
@@ -333,20 +345,6 @@ def format_line(ex: Exercise, res: CheckResult, failures: int = 1, hints: bool =
     return "\n".join([f"{ex.label}: failed", f"  case \"{first.name}\""] + body + hint)
 
 
-def _policy(ex: Exercise, answer: Any) -> CheckResult | None:
-    """The grader's source policy (:mod:`labkit.grading.policy`) on the cells this kernel ran:
-    a failed result naming the first violation, or None when the code keeps the rules."""
-    from .policy import check_history, describe
-
-    found = check_history(ex.id, answer)
-    if not found:
-        return None
-    msg = (f"{ex.label}: failed: the grader gives 0 points for this code: {found[0]}"
-           + (f" (and {len(found) - 1} more)" if len(found) > 1 else "") + f". Rule: {describe(ex.id)}.")
-    cases = [CaseResult(c.name, c.hidden, "failed", "not run: the code breaks the source policy") for c in ex.cases]
-    return CheckResult(ex.id, "failed", 0, len(ex.cases), msg, cases)
-
-
 class CheckNotPassed(AssertionError):
     """Raised by ``check`` under ``LABKIT_STRICT=1`` when an exercise is not passed."""
 
@@ -377,15 +375,11 @@ def check(exercise_id: str, answer: Any) -> CheckResult:
         print(res.message, flush=True)
         return res
     ex = get_exercise(exercise_id)
-    broken = _policy(ex, answer)
-    if broken is None:
-        from .fresh import reproducible
+    from .fresh import reproducible
 
-        with reproducible():  # feedback: the same line every run (the grader draws fresh inputs)
-            res = evaluate(ex.id, answer, stop_at_first_failure=True)
-    else:
-        res = broken
-    if broken is None and res.status == "failed":  # a learner who failed this exercise before also gets its second hint
+    with reproducible():  # feedback: the same line every run (the grader draws fresh inputs)
+        res = evaluate(ex.id, answer, stop_at_first_failure=True)
+    if res.status == "failed":  # a learner who failed this exercise before also gets its second hint
         _FAILED_CHECKS[ex.id] = _FAILED_CHECKS.get(ex.id, 0) + 1
         res.message = format_line(ex, res, _FAILED_CHECKS[ex.id])
     print(res.message, flush=True)

@@ -54,8 +54,10 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     then renamed over ``path`` (``os.replace`` is atomic). A failed write (a full disk: ENOSPC)
     removes the temporary file and raises :class:`OutputError` naming ``path`` and the errno, so
     no truncated file is left."""
+    from ..launch.torchrun import PENDING_FILES  # a rank stopped by a signal under torchrun removes it
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    PENDING_FILES.add(str(tmp))
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -71,6 +73,14 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         except OSError:
             pass
         raise _output_error(path, e) from None
+    except BaseException:   # Ctrl-C, SIGTERM: no temporary file is left either
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        PENDING_FILES.discard(str(tmp))
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 100) -> None:

@@ -904,6 +904,7 @@ class ThreeDLab(Lab):
                   f"B={a.batch} x S={a.seq} tokens")
             print("\nCommunication per step (the busiest rank per row; payload bytes, labkit.comm's convention):")
             print("\n".join(side_by_side(a, None, th)))
+            self._torch_planner(a, th)
             print(f"lab time: {time.perf_counter() - self.t_start:.1f} s")
             return Report({torch_run_name(a): th[0].verdict}, [])
         rep = self._report_labkit(a, outcome)
@@ -913,8 +914,18 @@ class ThreeDLab(Lab):
                   f"parallelize_module, torch.distributed.pipelining), the same layout, weights and batches; "
                   f"last step, busiest rank per row:")
             print("\n".join(side_by_side(a, self.result.ranks, th)))
+            self._torch_planner(a, th)
             rep.verdicts[torch_run_name(a)] = th[0].verdict
         return rep
+
+    def _torch_planner(self, a, th):
+        """The torch-native run's counts next to the planner's, line by line, each equal or explained."""
+        from .threed_torch import planner_lines
+        pred = _planner(a) if a.steps > 1 else None
+        if pred is not None:
+            print("\nThe torch-native run next to the planner (labkit's formulas), per step, on each pipeline "
+                  "rank's d0 t0 rank:")
+            print("\n".join(planner_lines(a, th, pred[1], pred[0])))
 
     def _report_labkit(self, a, outcome):
         out = _summarise(a, outcome.results[_run_name(a)], outcome.reference)

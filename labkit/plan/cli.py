@@ -209,6 +209,13 @@ def _comm_lines(spec, lay, cluster) -> list[str]:
         ops = ", ".join(f"{n} x {kind}" for kind, (n, _) in sorted(ax.ops.items()))
         out.append(f"  {k:>2} (group {ax.group}, {ax.link}): {ops}; payload {ax.payload / GB:.2f} GB, "
                    f"wire {ax.wire / GB:.2f} GB")
+    from .memory import holds_last
+    last = next(r for r in range(lay.p) if holds_last(lay, r))
+    loss = comm_per_rank(spec, lay, cluster, last)["loss"]
+    if loss.ops:     # the last stage's: the step's valid-target count (before backward) and its reported loss
+        n, nbytes = loss.ops["all_reduce"]
+        out.append(f"  loss (group {loss.group}, {loss.link}, pipeline rank {last}): {n} x all_reduce of "
+                   f"{nbytes // n} B (the step's valid-target count before backward, its loss after)")
     return out
 
 

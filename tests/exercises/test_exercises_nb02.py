@@ -326,3 +326,11 @@ def test_labkit_s_microbatch_losses_is_the_step_token_mean():
         assert torch.allclose(got, step_losses(losses, valid), rtol=1e-12, atol=0)
         want = losses[valid].mean() if valid.any() else torch.tensor(0.0, dtype=torch.float64)
         assert torch.allclose(got.sum() / d, want, rtol=1e-12, atol=0)
+
+
+def test_step_loss_reference_is_withheld_from_the_graded_kernel():
+    from labkit.grading.withhold import withheld
+    held, kept = withheld("02_gpipe")
+    for name in ("microbatch_losses", "loss_scale", "StepTokenCount"):
+        assert held.get(f"labkit.parallel.loss:{name}") == ("2.4",), held
+        assert f"labkit.parallel.loss:{name}" not in kept

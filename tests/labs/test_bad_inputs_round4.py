@@ -145,6 +145,9 @@ CASES = [
                        ("syntax", "do not load: SyntaxError: invalid syntax"),
                        ("raises", "do not load: RuntimeError: case file broke"),
                        ("empty", "the folder holds no .py case files"))],
+    ("grade hidden only helpers", GRADE, {"LABKIT_HIDDEN_CASES": "TMP/cases-empty"},
+     lambda t: (_hidden(t, "empty"), (t / "cases-empty" / "_helpers.py").write_text("x = 1\n")),
+     "the folder holds no .py case files (files named _*.py are helpers, not run)"),
     ("grade hidden second missing", GRADE, {"LABKIT_HIDDEN_CASES": f"TMP/cases-empty{os.pathsep}TMP/cases-missing"},
      lambda t: (_hidden(t, "empty"), (t / "cases-empty" / "c.py").write_text("x = 1\n")),
      "cases-missing: no such folder"),
@@ -162,6 +165,22 @@ CASES = [
      lambda t: (t / "nb" / "01_pipeline_bubble.ipynb").mkdir(parents=True), "exists and is not a file"),
     ("build root elsewhere", ["build", "--root", "TMP"], {}, None, "found no solutions/ folder in"),
 ]
+
+
+@pytest.mark.parametrize("kind", ["missing", "not json"])
+def test_autograder_run_without_its_bundle_is_one_line(kind, tmp_path, monkeypatch, capsys):
+    """The Gradescope side (run_autograder): LABKIT_AUTOGRADER_ROOT or --root that does not hold the
+    unpacked bundle is one line naming the file, exit 2, not a traceback."""
+    from labkit.grading.autograder import _run_main
+    if kind == "not json":
+        (tmp_path / "source").mkdir()
+        (tmp_path / "source" / "labkit_assignment.json").write_text("{bad")
+    monkeypatch.setenv("LABKIT_AUTOGRADER_ROOT", str(tmp_path))
+    assert _run_main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'source' / 'labkit_assignment.json'} cannot be read") and \
+        err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ([] if kind == "missing" else ["source"])
 
 
 def _shm_of_this_process():

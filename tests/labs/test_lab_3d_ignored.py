@@ -57,3 +57,12 @@ def test_lab_3d_ignore_frac_errors(value, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "--ignore-frac must be a share of the targets, 0 <= F < 1" in err
     assert "Traceback" not in err and (value in err or math.isnan(float(value)))
+
+
+def test_lab_3d_ignored_targets_torch_native_equals_one_device(tmp_path, capsys):
+    """--impl both: torch's own APIs (labkit.parallel.torch_native) count the step's valid targets too."""
+    rc = main(["lab", "3d", "--impl", "both", "--tp", "1", "--pp", "2", "--dp", "2", "--ignore-frac", "0.4",
+               "--out", str(tmp_path), *SMALL])
+    out = capsys.readouterr().out
+    assert rc == 0 and "\nFAIL" not in out, out
+    assert "OK   torch t1 p2 d2 1f1b" in out, out

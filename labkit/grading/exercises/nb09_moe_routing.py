@@ -167,6 +167,11 @@ ex92.case("C rounds up (T=7, E=3, k=1, cf=1.0 -> C=3)", hidden=True)(
 
 
 # ----------------------------------------------------------------------------- 9.3
+# Other routes to the same value (issue 40): labkit's count_parameters (and every kit function that reaches
+# it) is withheld from the graded kernel until 9.3 is graded. ModelSpec's own total_params()/active_params()
+# also return the pair; they are ACCEPTED as knowledge, like a library that computes it: ModelSpec is the
+# input the answer is handed, the kit uses it everywhere, and a learner who reads it has read the count
+# part by part. An instructor sees such a call in the integrity report, never in the score.
 ex93 = exercise(
     "9.3", title="Mixtral's parameters: total and active", notebook="09_moe_routing", points=3,
     hint=("Section 4: list every weight matrix and vector of one layer and of the model beyond the layers (the "

@@ -1,0 +1,50 @@
+"""The honest corpus (issue 40): 47 correct submissions written as students write them, every one
+full marks, graded end to end (as root: a uid of its own per kernel, the jail) in one batch.
+
+Built by :mod:`honest_corpus` from the solved notebooks: magics (``%matplotlib inline``,
+``%timeit``, ``%config``, ``%env``, ``%load_ext autoreload``, ``%%time``, ``%%capture``),
+``!pip list``, ``func?``, ``help()``, ``dir``/``vars``, ``locals()``, ``getattr``, imports of the
+standard library and of installed packages (csv, logging, datetime, pathlib, timeit, traceback,
+pickle, tqdm, sympy, ``from numpy.random import default_rng``, ``import matplotlib.cm as cm``), a
+seeding helper with ``cudnn.deterministic``, torch's private attributes (``x._version``,
+``t._base``, ``lin._parameters``), a class of the learner's own used through its private names,
+saving one's own figures and CSVs, a cell that raises, a wrong attempt left above the right one,
+cells run out of order, and alternative correct answers (numpy, loops, closed forms, bisection,
+``divmod``, 0.2's ring with ``comm.send``/``comm.recv`` as the exercise text says). Each habit
+appears alone in one notebook, so a lost point names it; the last ones are grouped.
+
+With the static source policy (main f822c52's policy.py) 41 of these 47 lost points, 117 of 252
+(two whole notebooks: ``%matplotlib inline`` as the first cell); every point a policy refusal.
+This test uses the grader's default, and ``--no-source-policy`` only while that option exists.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+from honest_corpus import build
+from policyflag import NO_POLICY
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="graded as root, as autograder containers do (full isolation)")
+def test_every_honest_submission_gets_full_marks(tmp_path):
+    corpus = build(tmp_path / "corpus")
+    assert len(corpus) >= 40
+    habits = {p.name: h for p, _nb, h in corpus}
+    book = tmp_path / "grades.csv"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(c[0]) for c in corpus), "--results-dir",
+                        str(tmp_path / "results"), "--gradebook", str(book), "-j", "2", "--cell-timeout", "120",
+                        *NO_POLICY], capture_output=True, text=True, env=env, timeout=1800)
+    rows = list(csv.DictReader(book.open()))
+    assert len(rows) == len(corpus), p.stdout + p.stderr
+    lost = []
+    for row in rows:
+        name = os.path.basename(row["submission"])
+        if row["total"] != row["max"] or row["error"]:
+            lost.append(f"{name} ({', '.join(habits[name])}): {row['total']}/{row['max']} {row['error']}")
+    assert not lost, "honest submissions lost points:\n" + "\n".join(lost)
+    assert p.returncode == 0, p.stderr
