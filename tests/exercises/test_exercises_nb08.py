@@ -257,3 +257,7 @@ def test_float_coordinates_are_named_not_truncated():
                              "t=2, p=3, d=2", contains="coordinates are ints, got float 0.5")
     from labkit.grading.testing import with_ints_as
     assert_check_passes("8.1", with_ints_as("numpy", lambda r, t, p, d: list(rank_coords(r, t, p, d))))
+
+
+def test_float_degrees_of_a_layout_are_named():
+    assert_check_fails("8.5", lambda *a: tuple(x + 0.5 for x in choose_layout(*a)), contains="t, p and d are ints")

@@ -338,7 +338,9 @@ def _judge_choice(choose_layout, n, g, gb, table, what):
     got = choose_layout(n, g, mem, dict(table))
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         raise CheckFailure(f"{what}: expected a tuple (t, p, d), got {_shown(got)}")
-    got = tuple(int(x) for x in got)
+    if any(as_int(x) is None for x in got):  # int() would truncate a float to a right-looking degree
+        raise CheckFailure(f"{what}: t, p and d are ints, got {type_name(next(x for x in got if as_int(x) is None))}")
+    got = tuple(as_int(x) for x in got)
     if got == want:
         return
     t, p, d = got
