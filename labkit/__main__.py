@@ -28,7 +28,22 @@ def main(argv: list[str] | None = None) -> int:
     """The command line; Ctrl-C, SIGTERM and a failed rank end with one line (labs.run_cli)."""
     from .labs import run_cli
     args = sys.argv[1:] if argv is None else argv
-    return run_cli(_main, args, check_env=bool(args) and args[0] in ("lab", "bench", "doctor"))
+    cmd = args[0] if args else None
+    return run_cli(_main, args, check_env=cmd in ("lab", "bench", "doctor"),
+                   stopped=STOPPED.get(cmd, "stopped"))
+
+
+# what each command says it stopped when Ctrl-C, SIGTERM or SIGHUP ends it (labs.run_cli), in its own terms
+STOPPED = {
+    "lab": "stopped; no rank is left running",
+    "bench": "stopped; no rank is left running",
+    "doctor": "stopped; no rank is left running",
+    "grade": "grading stopped; no kernel is left running and no results file is half-written",
+    "autograder": "stopped; no half-written bundle is left",
+    "build": "build stopped; each notebook is either written whole or untouched",
+    "notebooks": "copy stopped; the notebooks copied so far are whole, the others not copied",
+    "plan": "stopped (plan writes no file)",
+}
 
 
 def _doctor(rest: list[str]) -> int:

@@ -33,7 +33,7 @@ class Parser(argparse.ArgumentParser):
     def needs(self, option: str, when, what: str, needed: str) -> None:
         """Declare that ``option`` has an effect only when ``when(namespace)`` is true; ``what`` says
         the condition for the message, formatted with the namespace (``"--cp > 1 (got --cp {cp})"``);
-        ``needed``: the option to set (``"--cp"``)."""
+        ``needed``: the option to set (``"--cp"``), or ``"no --opt"`` when it is ``--opt`` that must go."""
         self._needs.append((option, when, what, needed))
 
     def _get_values(self, action, arg_strings):  # argparse calls it for each option written, only
@@ -52,8 +52,8 @@ class Parser(argparse.ArgumentParser):
                 value = getattr(a, action.dest)
                 shown = option if isinstance(value, bool) or value is None else f"{option} {text(value)}"
                 values = {k: text(v) for k, v in vars(a).items()}
-                return (f"{shown} has no effect without {what.format(**values)}: set {needed}, "
-                        f"or leave {option} out")
+                fix = f"leave {needed[3:]} out" if needed.startswith("no ") else f"set {needed}"
+                return f"{shown} has no effect without {what.format(**values)}: {fix}, or leave {option} out"
         return None
 
     def parse_known_args(self, args=None, namespace=None):

@@ -55,14 +55,26 @@ def text_files(path: str | os.PathLike) -> list[Path]:
         for name in filenames:
             f = Path(dirpath) / name
             if f.suffix.lower() in TEXT_SUFFIXES and f.is_file():
-                (files if os.access(f, os.R_OK) else unreadable).append(f)
+                (files if os.access(f, os.R_OK) and _readable(f) else unreadable).append(f)
+            elif f.suffix.lower() in TEXT_SUFFIXES and f.is_symlink() and not f.exists():
+                unreadable.append(f)   # a link to nothing
     files.sort(key=lambda f: f.relative_to(p).as_posix())
-    if not files and unreadable:
-        raise PermissionError(f"--data {path!s}: no readable text file: {len(unreadable)} file(s) or folder(s) "
-                              f"could not be read (permission denied), e.g. {unreadable[0]}")
+    if unreadable:   # never train on part of what was asked for without a word
+        raise PermissionError(f"--data {path!s}: {len(unreadable)} file(s) or folder(s) in it cannot be read "
+                              f"(permission denied, or a link to nothing), e.g. {unreadable[0]}; make them "
+                              f"readable, or give a folder without them")
     if not files:
         raise FileNotFoundError(f"--data {path!s}: folder holds no text files ({sorted(TEXT_SUFFIXES)})")
     return files
+
+
+def _readable(f: Path) -> bool:
+    """True when ``f`` can be opened for reading (tried: root passes any ``os.access`` test)."""
+    try:
+        with open(f, "rb"):
+            return True
+    except OSError:
+        return False
 
 
 def looks_binary(data: bytes) -> bool:

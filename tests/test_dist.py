@@ -271,3 +271,30 @@ def test_ctrl_c_just_after_the_folder_is_made_leaves_no_folder(tmp_path, monkeyp
         launch(_rank_info, 2, 0, timeout=5)
     assert os.listdir(tmp_path) == []
     assert _children_alive() == []
+
+
+def _stub_body(ctx, x):
+    return _learner_stub(x)
+
+
+def _learner_stub(x):
+    raise NotImplementedError("Exercise 0.2: write ring_all_reduce")
+
+
+def test_a_rank_error_shows_the_learners_frames_and_message_in_ipython():
+    """Issue 36: a notebook showed 43 lines of launcher internals before the stub's message."""
+    import os
+
+    from labkit.dist import RankError, launch
+
+    with pytest.raises(RankError) as info:
+        launch(_stub_body, 2, 1, timeout=20)
+    shown = info.value._render_traceback_()  # what IPython prints instead of the traceback
+    text = "\n".join(shown)
+    assert len(shown) <= 12, text
+    assert shown[-2] == "NotImplementedError: Exercise 0.2: write ring_all_reduce", text
+    assert "in _learner_stub" in text and 'raise NotImplementedError("Exercise 0.2' in text, text
+    assert os.path.basename(__file__) in text  # the learner's frames: the caller's and the rank's
+    assert "labkit/launch" not in text and "multiprocessing" not in text, text
+    assert "rank 0" in shown[0] or "rank 1" in shown[0], text
+    assert "NotImplementedError" in info.value.remote_traceback  # the whole traceback is still there

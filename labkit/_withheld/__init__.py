@@ -30,8 +30,8 @@ def load(label: str, index: int | None = None):
                 source = f.read()
         except OSError:
             raise RuntimeError(f"labkit's {name} ({mod}) is withheld while this assignment is graded, until the "
-                               f"exercise that asks you to write it has been graded: it is the reference "
-                               f"implementation the checks compare with") from None
+                               f"exercise it belongs to has been graded: it is, or runs, the implementation "
+                               f"an exercise asks you to write") from None
         module = sys.modules[mod]
         g = module.__dict__
         stub = g.get(name)

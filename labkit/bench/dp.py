@@ -208,6 +208,10 @@ def _worker_3d(ctx, a):
             th_loss.append(float(sum(float(v.detach()) for v in losses) / len(losses)))
     ta, tb = _pairs(lk_step, th_step, a.iters3d, warmup=2)
     last = lk.has_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
+    if th_loss and d > 1:      # labkit reports the step's loss (over the d ranks): torch's DP ranks' mean
+        mean = torch.tensor(th_loss[0], dtype=torch.float64)
+        dist.all_reduce(mean, group=mesh["dp"].get_group())
+        th_loss[0] = float(mean) / d
     return (statistics.median(ta), statistics.median(tb), abs(lk_loss[0] - th_loss[0])) if last else None
 
 

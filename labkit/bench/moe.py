@@ -68,7 +68,30 @@ def _bad_args(a) -> str | None:
         return f"--top-k {a.top_k} must be in [1, --experts {min(a.experts)}] (each token picks k distinct experts)"
     if not (math.isfinite(a.capacity_factor) and a.capacity_factor > 0):
         return f"--capacity-factor must be a finite number > 0, got {a.capacity_factor}"
+    from ..labs import _gib, available_memory
+    limit = available_memory()
+    for T in a.tokens:
+        for E in a.experts:
+            need = memory_needed(T, E, a.hidden, a.top_k, a.capacity_factor)
+            if limit is not None and need > limit:
+                C = math.ceil(a.top_k * T / E * a.capacity_factor)
+                return (f"--tokens {T} --experts {E} --hidden {a.hidden}: one measurement needs about {_gib(need)} of "
+                        f"memory (the dense dispatch and combine tensors alone 2 T E C x 4 bytes = "
+                        f"{_gib(8 * T * E * C)}, C = {C}), more than the {_gib(limit)} available; use fewer tokens")
     return None
+
+
+def memory_needed(T: int, E: int, H: int, k: int, capacity_factor: float) -> int:
+    """Bytes :func:`bench_one` holds at its peak for (T, E) (fp32 values, int64 indices): the tokens
+    x [T, H], the router's logits [T, E] and choices [T, k]; the sort side's rows [kT, H], their
+    indices and its output; the dense side's dispatch and combine [T, E, C], expert input [E, C, H]
+    and output (both sides' results are alive together, for the comparison)."""
+    import math
+    C = math.ceil(k * T / E * capacity_factor)
+    routing = 4 * T * H + 4 * T * E + k * T * (4 + 8 + 1)
+    sort = 4 * k * T * H + 16 * k * T + 4 * T * H
+    dense = 2 * 4 * T * E * C + 4 * E * C * H + 4 * T * H
+    return routing + sort + dense
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,29 +21,34 @@ then ``python -m labkit build --execute NN`` and commit both folders.
 
 The grader's contract
 ---------------------
-``python -m labkit grade`` is built so that an instructor can trust the score of a submission
-written by someone trying to game it:
+The grade is earned by what the learner's functions return on the grader's inputs, and by nothing
+else: how the code is written (magics, shell lines, imports, reflection) costs nothing. The table
+of threat -> mechanism -> test, and what is not covered, is ``docs/grading.md``.
 
 * **Verdicts come from the grader's process, which never executes learner code.** Learner code
   runs in the notebook kernel (and the processes it starts). ``check`` there only registers the
   answer. Each case runs in (a fork of) the grader and has three parts: inputs chosen by the
-  case, a call made in the kernel (``answer(...)``, or ``answer.run(fn, ...)`` for a labkit
-  function that runs the learner's code there, e.g. on ranks), and a judgement made in the
+  case, a call made in the kernel (``answer(...)``, or ``answer.run(fn, ...)`` for a kernel-side
+  helper that runs the learner's code there, e.g. on ranks), and a judgement made in the
   grader on the DATA that comes back (:mod:`labkit.grading.wire`: JSON plus raw tensor bytes,
   size-limited and counted before anything is built, never pickle). Expected values, the code
   computing them, and hidden cases (loaded only by the grader; their inputs are sent only when
   used) never enter the kernel; what runs next to the learner's code lives in
-  :mod:`labkit.grading.kernelside` and is the learner's to replace, so it only carries data.
-  **No measurement made in the kernel decides a verdict**: where the point is how data moves
-  (0.2's ring from send/recv, 7.3's all-reduces) the ranks get no process group and every
-  send, receive and all-reduce is a message to a relay in the case's (the grader's) process
-  (:mod:`labkit.grading.relay`), which delivers it, computes the reductions and logs it; the
-  case judges the log against what the algorithm must send. 13.1 is judged on the returned
-  gradients, with ``.grad`` preset so that one written shows in them. What the data cannot
-  show is refused in the source (below): files, pipes, sockets, shared memory, stores and
-  process groups in 0.2's code (ranks that move data past the relay while sending what a
-  ring sends), ``.backward()``/``.grad``/``zero_grad`` in 13.1's (a ``.grad`` cleared before
-  a ``.backward()``). Not seen: covert channels the policy cannot name (timing, signals).
+  :mod:`labkit.grading.kernelside`, is the learner's to replace, carries data only and reaches
+  no reference. **No measurement made in the kernel decides a verdict**: where the point is how
+  data moves (0.2's ring from send/recv, 7.3's all-reduces) the ranks get no process group and
+  every send, receive and all-reduce is a message to a relay in the case's (the grader's)
+  process (:mod:`labkit.grading.relay`), which delivers it, computes the reductions and logs it;
+  the case judges the log against what the algorithm must send. 13.1 is judged on the returned
+  gradients and on what ``.grad`` holds after the call, with ``.grad`` preset.
+* **The reference is not in the kernel** (:mod:`labkit.grading.withhold`; as root): the kernel
+  imports the grader's copy of the kit, where each reference of the assignment's exercises,
+  and every kit function or class from which one can be reached (a call graph of the kit's
+  source, :mod:`labkit.grading.reach`, built with the copy), is a stub that raises "withheld"
+  until the grader has graded its exercises, however it is reached; its code waits in a file
+  only the grader may read (0600), made readable once the grading point has passed and
+  unreadable again for the secret pass. No shipped cell needs one before its exercise
+  (``python -m labkit build --check`` fails otherwise), so nothing is kept.
 * **The results file is written only by the grader**, atomically (new file, rename) after the
   kernel and everything it started are dead; the kernel is not told where it is.
 * **The assignment is pinned by the grader** (``--assignment NN_name``;
@@ -51,20 +56,6 @@ written by someone trying to game it:
   from the name the notebook defines for it, at its grading point (after its last ``check``
   cell, or after the cell defining it when the check was deleted), whatever the submission's
   metadata, file name or ``check`` calls say.
-* **The source is judged too** (:mod:`labkit.grading.policy`): an exercise whose code, or a
-  cell before its grading point, breaks its rules (labkit's reference for it, collectives in
-  a send/recv exercise and what the exercise rules out, code from strings or code objects,
-  reload, subprocess, ctypes, gc, sys.modules, sys.path, os.system/fork, torch.hub,
-  unpickling, torch function/dispatch modes, global module hooks, torch.library, imports of
-  labkit.grading other than ``check``, imports of any module not on
-  :data:`~labkit.grading.policy.ALLOWED_IMPORTS` or labkit's own installed modules (so a
-  module the notebook writes to disk is refused), labkit functions from which the reference
-  can be reached (:mod:`labkit.grading.reach`, a static call graph of the kit), ``getattr``
-  and friends used as values or naming a refused attribute, a module reached through another
-  module's attribute, assigning attributes of anything but what the code made) scores 0,
-  with cell and line. The graded kernel imports nothing
-  from its working folder and no user site-packages, so an allowed name cannot be shadowed.
-  The interactive ``check`` applies the same rule to the cells its kernel ran.
 * **Fresh inputs** (:mod:`labkit.grading.fresh`): hidden cases also draw inputs seeded from
   ``os.urandom`` in the grader's case process each run; expected values are computed there.
   Every exercise that takes inputs has such a case (those without inputs are listed in
@@ -77,14 +68,6 @@ written by someone trying to game it:
   cases that cannot show its bug. In the results each exercise has one test carrying its points
   ("Exercise 2.3 (title)", score all or 0), followed by one test per case worth 0 points
   (passed/failed with its message; hidden cases ``after_published``, without details).
-* **The reference is not in the kernel** (:mod:`labkit.grading.withhold`; as root): the kernel
-  imports the grader's copy of the kit, where each reference of the assignment's exercises is
-  a stub that raises "withheld" until the grader has graded its exercises, however it is
-  reached; its code waits in a file only the grader may read (0600), made readable once the
-  grading point has passed (kit cells after it run as usual) and unreadable again for the
-  secret pass. A reference a shipped cell uses before its exercise, or the grader's
-  kernel-side helpers use, is kept (:func:`~labkit.grading.withhold.withheld` lists them and
-  why): the source policy alone guards those.
 * **A file system of its own** (``_jail.py --root``): the kernel sees ``/usr``, ``/etc``,
   ``/dev``, ``/sys``, Python, its environment and the kit's folder (the grader's copy, without
   the exercise code, reference list, hidden cases and solutions), nothing else of the checkout
@@ -122,8 +105,8 @@ written by someone trying to game it:
   ``/proc/PID/root`` or ``/proc/PID/mem`` (where the system lets a user debug its own
   processes), the grader's files (hidden cases) and memory; it can write wherever that user
   may outside the private folders (its home, the results folder, the kit itself if writable:
-  then the policy's labkit module list and the grader's code are the kernel's to change); no
-  process limit, no cgroup; without user namespaces its /tmp files stay and the grader's
+  then the grader's code is the kernel's to change); nothing is withheld (the reference is
+  readable by that user); no process limit, no cgroup; without user namespaces its /tmp files stay and the grader's
   files are readable. Verdicts judged in the grader hold only as far as that user's
   processes cannot reach into the grader's; as root, under a uid of its own, the kernel
   cannot. The relay (a Unix socket in the jailed kernel's own folder; else TCP on
@@ -137,15 +120,14 @@ written by someone trying to game it:
   cells and every case's limit); each cell up to the last grading point runs once, in order
   (later cells cannot change a grade and do not run), and its own ``check`` calls (read from
   its source) are graded once after it, whatever serials the kernel reports.
-* **Reference implementations**: an answer that is labkit's own implementation of the
-  exercise, or calls it, gets 0 with a message naming the function
-  (:mod:`labkit.grading.references` lists them per exercise): in a grade the source policy
-  refuses the code that names it (no tripwire runs in the graded kernel: the learner could
-  disable it); the interactive ``check`` also catches the call at run time, as feedback. Code
-  retyped from labkit's source is not detected.
+* **What cannot be made absent** (the learner's own copy of the kit's source, shared code) is
+  for the instructor's integrity report, never the score.
 
 Interactive ``check`` in a notebook is feedback, not a grade: it runs the same cases in the
-notebook's own process (each call still makes the data round trip, so verdicts match).
+notebook's own process (each call still makes the data round trip, so verdicts match), judges
+only the function it is given, and says when the answer calls something the graded kernel will
+not have (:func:`labkit.grading.withhold.withheld_calls`: "your answer calls labkit's
+bubble_formula, which is not available when the notebook is graded ...: write it yourself").
 
 Instructors and authors: :mod:`labkit.grading.registry` (declaring exercises and cases, hidden
 case files), :mod:`labkit.grading.build` (``python -m labkit build``),

@@ -21,7 +21,7 @@ __all__ = ["ANSWERS", "answer_name", "grading_points", "defines", "register_code
 ANSWERS: dict[str, str] = {
     "0.1": "reduce_scatter_by_hand", "0.2": "ring_all_reduce",
     "1.1": "bubble_fraction", "1.2": "smallest_microbatches",
-    "2.1": "gpipe_actions", "2.2": "count_in_flight", "2.3": "accumulate_microbatches",
+    "2.1": "gpipe_actions", "2.2": "count_in_flight", "2.3": "accumulate_microbatches", "2.4": "microbatch_losses",
     "3.1": "one_f_one_b_order", "3.2": "in_flight_1f1b",
     "4.1": "layers_of_rank", "4.2": "interleaved_bubble", "4.3": "p2p_sends",
     "5.1": "segment_boundaries", "5.2": "best_segment_count", "5.3": "MyCheckpoint",
@@ -38,6 +38,8 @@ ANSWERS: dict[str, str] = {
     "15.1": "shard_flat", "15.2": "zero_memory", "15.3": "comm_volume", "15.4": "gathered_peak",
     "15.5": "unshard_flat",
     "16.1": "merge_attention_partials", "16.2": "causal_chunk_placement",
+    "17.1": "redistribute_collective", "17.2": "block_plan", "17.3": "submesh_ranks", "17.4": "fsdp2_local_numel",
+    "17.5": "torch_1f1b_actions",
 }
 
 

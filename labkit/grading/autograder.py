@@ -104,18 +104,33 @@ exec "$ROOT/venv/bin/python" -m labkit.grading.autograder --root "$ROOT"
 
 
 def _problem(assignment: str, out: Path, hidden: Path | None, cell_timeout: float) -> str:
-    from .registry import HIDDEN_ENV, IMPORT_ERRORS, all_exercises, exercises_for_notebook, load_all
+    from .registry import (
+        HIDDEN_ENV,
+        IMPORT_ERRORS,
+        all_exercises,
+        exercises_for_notebook,
+        hidden_cases_problem,
+        load_all,
+        load_hidden_problem,
+    )
 
     if hidden is not None:
-        if not hidden.is_dir():
-            return f"--hidden-cases {hidden} is not a folder"
-        if not list(hidden.glob("*.py")):
-            return f"--hidden-cases {hidden} holds no .py case files"
+        bad = hidden_cases_problem(hidden, f"--hidden-cases {hidden}")
+        if bad:
+            return bad
+        saved = os.environ.get(HIDDEN_ENV)
         os.environ[HIDDEN_ENV] = str(hidden.resolve())
-    try:
-        load_all(reload_hidden=hidden is not None)
-    except Exception as e:  # noqa: BLE001 - a hidden-case file that raises
-        return f"the hidden cases in {hidden} do not load: {type(e).__name__}: {e}"
+        try:
+            bad = load_hidden_problem(str(hidden))
+        finally:   # only for this check: the bundle carries the folder, the caller's environment stays its own
+            if saved is None:
+                os.environ.pop(HIDDEN_ENV, None)
+            else:
+                os.environ[HIDDEN_ENV] = saved
+        if bad:
+            return bad
+    else:
+        load_all()
     if IMPORT_ERRORS:
         m, e = sorted(IMPORT_ERRORS.items())[0]
         return f"exercise module {m} does not import ({e}): fix the kit before bundling it"
@@ -127,6 +142,12 @@ def _problem(assignment: str, out: Path, hidden: Path | None, cell_timeout: floa
     parent = out.parent if str(out.parent) else Path(".")
     if out.is_dir() or not parent.is_dir():
         return f"--out {out}: give a .zip path in an existing folder"
+    import tempfile
+    try:   # tried, not judged from the mode bits: root writes where they say no, and a read-only mount refuses root
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        return f"--out {out}: cannot write in its folder {parent} ({e.strerror or e})"
     return ""
 
 
@@ -155,6 +176,25 @@ def build_bundle(assignment: str, out: Path, hidden: Path | None = None,
     config = {"assignment": assignment, "cell_timeout": cell_timeout, "hints": bool(hints),
               "allow_partial_isolation": bool(allow_partial_isolation)}
     tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        _write_bundle(tmp, pkg, assignment, config, hidden)
+        os.replace(tmp, out)
+    except BaseException as e:   # a full disk, or Ctrl-C: no half-written bundle is left
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise BundleWriteError(f"cannot write {out}: {e.strerror or e}") from None
+        raise
+    return out
+
+
+class BundleWriteError(Exception):
+    """The bundle could not be written (after the checks: a full disk); the message names the file."""
+
+
+def _write_bundle(tmp: Path, pkg: Path, assignment: str, config: dict, hidden: Path | None) -> None:
     with zipfile.ZipFile(tmp, "w") as z:
         _add(z, "setup.sh", SETUP_SH.encode(), 0o755)
         _add(z, "run_autograder", RUN_AUTOGRADER.encode(), 0o755)
@@ -167,12 +207,10 @@ def build_bundle(assignment: str, out: Path, hidden: Path | None = None,
                     and rel.parts[0] not in ("_notebooks", "_solutions"):
                 _add(z, "labkit/" + f.relative_to(pkg).as_posix(), f.read_bytes())
         learner = pkg / "_notebooks" / f"{assignment}.ipynb"
-        if learner.is_file():  # the learner version as shipped (no secret): the source policy exempts its cells
+        if learner.is_file():  # the learner version as shipped (no secret): the grader reads its grading points
             _add(z, f"labkit/_notebooks/{assignment}.ipynb", learner.read_bytes())
         for f in sorted(hidden.glob("*.py")) if hidden is not None else []:
             _add(z, "hidden/" + f.name, f.read_bytes(), 0o600)
-    os.replace(tmp, out)
-    return out
 
 
 def _notebooks(folder: Path) -> list[Path]:
@@ -271,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BundleWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {out}: Gradescope autograder for {a.assignment} (cell timeout {t:g} s, hints "
           f"{'hidden' if a.no_hints else 'shown'}{', hidden cases bundled' if a.hidden_cases else ''}); upload it "
           f"as a zip autograder on Gradescope's default Ubuntu image")
@@ -282,7 +323,16 @@ def _run_main(argv: list[str]) -> int:
 
     p = Parser(prog="python -m labkit.grading.autograder")
     p.add_argument("--root", type=Path, default=Path(os.environ.get(ROOT_ENV, "/autograder")))
-    return run(p.parse_args(argv).root)
+    root = p.parse_args(argv).root
+    config = root / "source" / CONFIG
+    try:   # the bundle's own file: a root (or LABKIT_AUTOGRADER_ROOT) without it is one line, not a traceback
+        json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        print(f"error: {config} cannot be read ({why}): --root (or {ROOT_ENV}) must be the folder the autograder "
+              f"bundle was unpacked into (source/ holds {CONFIG})", file=sys.stderr)
+        return 2
+    return run(root)
 
 
 if __name__ == "__main__":

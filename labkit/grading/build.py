@@ -10,6 +10,8 @@ learner version of each notebook:
 * clears every output and execution count, drops execution-timing metadata;
 * tags exercise cells ``raises-exception`` so nbval and the grader accept the stub's exception
   (tag other cells that *use* an exercise's answer ``raises-exception`` in the solution);
+* leaves out the cells tagged ``solution-only`` (:data:`SOLUTION_ONLY_TAG`): results and summaries that
+  state an exercise's answer, which the learner must not see before the exercise is graded (issue 36);
 * records ``metadata.labkit.notebook`` (the solution's stem) so the grader still knows the
   notebook when a learner renames the file;
 * starts with the install cell (:func:`labkit.grading.install.install_cell`), which installs
@@ -56,15 +58,16 @@ import nbformat
 from ..cliparse import Parser
 from .install import INSTALL_CELL, INSTALL_CELL_ID, install_cell, repository_problem
 
-__all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "execute_notebook", "main",
-           "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "install_cell", "configured_repository",
+__all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "reference_problems", "execute_notebook",
+           "main", "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "install_cell", "configured_repository",
            "set_repository", "project_urls_problem",
            "BuildError", "find_root", "PLOTTING_MODULES", "plot_code_fingerprint", "uses_plotting_code",
-           "WIDGET_NOTE"]
+           "WIDGET_NOTE", "SOLUTION_ONLY_TAG"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 EXERCISE_RE = re.compile(r"^\s*#\s*Exercise\s+(\d+(?:\.\d+)*)\s*:\s*(.+?)\s*$")
 EXCEPTION_TAG = "raises-exception"
+SOLUTION_ONLY_TAG = "solution-only"  # a cell kept in solutions/ only (it states an exercise's answer)
 _DROP_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
 
 
@@ -79,13 +82,14 @@ class BuildError(ValueError):
 
 
 def find_root(start: Path | None = None) -> Path:
-    """The repository root: ``start`` (default: cwd) or a parent holding ``solutions/``,
-    else the folder above the installed ``labkit`` package."""
+    """The repository root: ``start`` (default: cwd) or the nearest parent holding ``solutions/``;
+    ``start`` itself when none does (``build`` then refuses: it works on the checkout you stand in,
+    never on the one an editable install points at, whose notebooks it would rewrite unasked)."""
     here = (start or Path.cwd()).resolve()
     for p in (here, *here.parents):
         if (p / "solutions").is_dir():
             return p
-    return Path(__file__).resolve().parents[2]
+    return here
 
 
 def _exercise_header(source: str):
@@ -126,6 +130,7 @@ def learner_version(nb: nbformat.NotebookNode, name: str, repository: str | None
     """The learner notebook for solution notebook ``nb`` (stem ``name``); ``nb`` is unchanged. Its
     first cell installs labkit from ``repository`` (none: it says how to install labkit)."""
     nb = copy.deepcopy(nb)
+    nb.cells = [c for c in nb.cells if SOLUTION_ONLY_TAG not in c.metadata.get("tags", [])]
     for i, cell in enumerate(nb.cells, 1):
         for key in _DROP_CELL_METADATA:
             cell.metadata.pop(key, None)
@@ -317,44 +322,101 @@ def _solutions(root: Path) -> list[Path]:
     return sorted((root / "solutions").glob("*.ipynb"))
 
 
+PACKAGED = ("labkit", "_notebooks")  # the learner notebooks a wheel or `pip install` of a checkout ships
+
+
+def _targets(root: Path) -> list[Path]:
+    """Where ``build`` writes the learner notebooks: ``notebooks/`` (what a learner of a checkout opens and
+    edits) and, in a checkout of labkit, ``labkit/_notebooks/`` (the package data ``pip install`` ships:
+    built from solutions/, never the working tree's edited copies; issue 36)."""
+    folders = [root / "notebooks"]
+    if (root / PACKAGED[0] / "__init__.py").is_file():
+        folders.append(root.joinpath(*PACKAGED))
+    return folders
+
+
 def build_all(root: Path) -> list[Path]:
-    """Write ``notebooks/NAME.ipynb`` for every ``solutions/NAME.ipynb`` (first cell for the
-    :func:`configured_repository`) and ``pyproject.toml``'s ``[project.urls]``; return the
-    written notebook paths."""
+    """Write ``notebooks/NAME.ipynb`` (and ``labkit/_notebooks/NAME.ipynb`` in a checkout) for every
+    ``solutions/NAME.ipynb`` (first cell for the :func:`configured_repository`) and ``pyproject.toml``'s
+    ``[project.urls]``; return the written notebook paths."""
     repository = configured_repository(root)
     _write_project_urls(root, repository)
-    out_dir = root / "notebooks"
-    out_dir.mkdir(exist_ok=True)
     written = []
-    for sol in _solutions(root):
-        target = out_dir / sol.name
-        text = build_text(sol, repository)
-        if not target.exists() or target.read_text(encoding="utf-8") != text:
-            target.write_text(text, encoding="utf-8")
-        written.append(target)
+    for out_dir in _targets(root):
+        if out_dir.is_symlink():  # an older checkout linked the package data to notebooks/
+            out_dir.unlink()
+        out_dir.mkdir(exist_ok=True)
+        for sol in _solutions(root):
+            target = out_dir / sol.name
+            text = build_text(sol, repository)
+            if not target.exists() or target.read_text(encoding="utf-8") != text:
+                _write_whole(target, text.encode("utf-8"))
+            written.append(target)
+        if out_dir != root / "notebooks":
+            for extra in sorted(out_dir.glob("*.ipynb")):
+                if extra.name not in {s.name for s in _solutions(root)}:
+                    extra.unlink()  # the package ships exactly the built notebooks
     return written
 
 
+def _write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` all or nothing (a temporary file beside it, renamed over it): a
+    Ctrl-C or a full disk leaves the old file or none, never half a notebook."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def stale_notebooks(root: Path) -> list[str]:
-    """Descriptions of each ``notebooks/`` file that differs from what ``build`` would write."""
+    """Descriptions of each ``notebooks/`` (and ``labkit/_notebooks/``) file that differs from what ``build``
+    would write."""
     repository = configured_repository(root)
     problems = [p for p in [project_urls_problem(root, repository)] if p]
     sols = _solutions(root)
-    for sol in sols:
-        target = root / "notebooks" / sol.name
-        if not target.exists():
-            problems.append(f"notebooks/{sol.name} is missing")
-        elif target.read_text(encoding="utf-8") != build_text(sol, repository):
-            problems.append(f"notebooks/{sol.name} is stale (differs from solutions/{sol.name})")
+    for out_dir in _targets(root):
+        shown = out_dir.relative_to(root).as_posix()
+        if out_dir.is_symlink():
+            problems.append(f"{shown} is a link to {os.readlink(out_dir)}: it must hold the notebooks as built")
+            continue
+        for sol in sols:
+            target = out_dir / sol.name
+            if not target.exists():
+                problems.append(f"{shown}/{sol.name} is missing")
+            elif target.read_text(encoding="utf-8") != build_text(sol, repository):
+                problems.append(f"{shown}/{sol.name} is stale (differs from solutions/{sol.name})")
+        names = {s.name for s in sols}
+        for extra in sorted(out_dir.glob("*.ipynb")):
+            if extra.name not in names:
+                problems.append(f"{shown}/{extra.name} has no solutions/{extra.name}")
     for sol in sols:
         stale = _stale_figures(sol)
         if stale:
             problems.append(stale)
-    names = {s.name for s in sols}
-    for extra in sorted((root / "notebooks").glob("*.ipynb")):
-        if extra.name not in names:
-            problems.append(f"notebooks/{extra.name} has no solutions/{extra.name}")
     return problems
+
+
+def reference_problems(root: Path) -> list[str]:
+    """Each shipped learner cell (as ``build`` would write it) or kernel-side helper that needs an
+    exercise's reference, or a kit function that reaches one, before the exercise is graded
+    (:func:`labkit.grading.withhold.problems`): the graded kernel does without them until then.
+    Imports the exercise modules (and torch)."""
+    import json
+
+    from .withhold import problems
+
+    out = []
+    for sol in _solutions(root):
+        nb = json.loads(build_text(sol))
+        cells = ["".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code"]
+        out += problems(sol.stem, cells)
+    return out
 
 
 def execute_notebook(path: Path, timeout: int = 600) -> None:
@@ -405,7 +467,9 @@ def _select(root: Path, names: list[str]) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m labkit build", description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="fail (exit 1) when notebooks/ is stale")
+    p.add_argument("--check", action="store_true",
+                   help="fail (exit 1) when notebooks/ is stale, or a shipped cell needs an exercise's reference "
+                        "before the exercise is graded")
     p.add_argument("--execute", nargs="*", metavar="NAME", default=None,
                    help="execute these solution notebooks (all when none named) in place first")
     p.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
@@ -416,8 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     root = a.root.resolve() if a.root else find_root()
     if not (root / "solutions").is_dir():
-        print(f"error: found no solutions/ folder in {root} or above {Path.cwd()}: `build` runs in a checkout of the "
-              f"repository (the learner notebooks of an installed labkit: python -m labkit notebooks)", file=sys.stderr)
+        print(f"error: found no solutions/ folder in {root}{'' if a.root else ' or above it'}: `build` works on the "
+              f"checkout you stand in (or --root DIR) and on no other; the learner notebooks of an installed labkit: "
+              f"python -m labkit notebooks", file=sys.stderr)
         return 2
     try:
         if a.repository is not None:
@@ -430,11 +495,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"executing solutions/{path.name}", flush=True)
                 execute_notebook(path)
         if a.check:
-            problems = stale_notebooks(root)
+            problems = stale_notebooks(root) + reference_problems(root)
             for line in problems:
                 print(line, file=sys.stderr)
             if problems:
-                print("run `python -m labkit build` and commit notebooks/", file=sys.stderr)
+                print("run `python -m labkit build` and commit notebooks/ and labkit/_notebooks/ (a cell that needs a "
+                      "reference before its exercise: move it after the exercise)", file=sys.stderr)
                 return 1
             print(f"{_shown(root / 'notebooks')}/ is up to date ({len(_solutions(root))} notebooks)")
             return 0
@@ -458,18 +524,40 @@ def _shown(path: Path) -> Path:
 def packaged_notebooks(kind: str = "notebooks") -> list[Path]:
     """The notebooks shipped with labkit: ``kind`` "notebooks" (learner versions) or "solutions".
 
-    They are package data (``labkit/_notebooks`` and ``labkit/_solutions``, which link to the
-    repository's ``notebooks/`` and ``solutions/``), so an installed wheel has them too."""
+    They are package data (``labkit/_notebooks``, written by ``build`` from the solutions, and
+    ``labkit/_solutions``, which links to the repository's ``solutions/``), so an installed wheel has them too."""
     folder = Path(__file__).resolve().parents[1] / ("_notebooks" if kind == "notebooks" else "_solutions")
     return sorted(folder.glob("*.ipynb"))
+
+
+def _bad_destination(dest: Path, jobs, force: bool) -> str | None:
+    """Why the copy ``jobs`` ``[(src, dst)]`` cannot all be written under ``dest``, or None: a folder
+    on the way that is a file (``DEST/solutions`` a file), a notebook's place taken by a folder
+    (or, with ``force``, by something that is not a file), a folder that cannot be made or
+    written in (tried: what is made to find out is removed again)."""
+    from ..labs import bad_out
+
+    folders = sorted({dst.parent for _, dst in jobs})
+    for folder in folders:
+        for q in (folder, *folder.parents):
+            if q.exists() or q.is_symlink():
+                if not q.is_dir():
+                    return f"{q} exists and is a file, not a folder: the notebooks go into {folder}/"
+                break
+    for _, dst in jobs:
+        if dst.is_dir() or (force and dst.exists() and not dst.is_file()):
+            return f"{dst} exists and is not a file: it cannot be replaced by the notebook {dst.name}"
+    for folder in folders:
+        why = bad_out(folder, "DEST")
+        if why:
+            return f"cannot write {folder}/: {why.split(': ', 1)[1]}"
+    return None
 
 
 def notebooks_main(argv: list[str] | None = None) -> int:
     """``python -m labkit notebooks [DEST] [--solutions] [--force]``: copy the learner notebooks
     (and, when asked, the solutions into DEST/solutions) out of the installed labkit. A file
     already in DEST is kept (it may hold a learner's work) unless ``--force``."""
-    import shutil
-
     p = Parser(prog="python -m labkit notebooks",
                description="Copy the learner notebooks shipped with labkit into a folder "
                            "(Colab, JupyterHub, a laptop).")
@@ -477,12 +565,17 @@ def notebooks_main(argv: list[str] | None = None) -> int:
     p.add_argument("--solutions", action="store_true", help="also copy the complete notebooks into DEST/solutions")
     p.add_argument("--force", action="store_true", help="replace notebooks already in DEST")
     a = p.parse_args(argv)
+    a.dest = a.dest.expanduser()  # '~/nb' quoted in a shell (or from a notebook's !cell) is the home folder's nb
     if a.dest.exists() and not a.dest.is_dir():
         print(f"error: {a.dest} exists and is not a folder", file=sys.stderr)
         return 2
     jobs = [(f, a.dest / f.name) for f in packaged_notebooks("notebooks")]
     if a.solutions:
         jobs += [(f, a.dest / "solutions" / f.name) for f in packaged_notebooks("solutions")]
+    bad = _bad_destination(a.dest, jobs, a.force)
+    if bad:   # checked before anything is copied: a half copy is worse than none
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     if not jobs:
         print("error: this labkit was installed without its notebooks (labkit/_notebooks is empty); "
               "install it from a wheel (pip wheel . in a checkout) or from a checkout (pip install .)", file=sys.stderr)
@@ -494,7 +587,7 @@ def notebooks_main(argv: list[str] | None = None) -> int:
             continue
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+            _write_whole(dst, src.read_bytes())
         except OSError as e:
             print(f"error: cannot write {dst}: {e.strerror or e}" + (f" ({copied} copied before it)" if copied else ""),
                   file=sys.stderr)
@@ -503,5 +596,22 @@ def notebooks_main(argv: list[str] | None = None) -> int:
     print(f"copied {copied} notebooks into {a.dest}" + (" (learner versions and solutions/)" if a.solutions else ""))
     if kept:
         print(f"kept {len(kept)} already there (your work; --force replaces them): {', '.join(kept)}")
-    print(f"open them with: jupyter lab {a.dest}")
+    print(_open_with(a.dest))
     return 0
+
+
+def _open_with(dest: Path) -> str:
+    """How to open ``dest``: with Jupyter where this environment has it, else how to get it (issue 36: a venv
+    with only torch and labkit was told to run `jupyter lab`, which it does not have)."""
+    import importlib.util
+    import shlex
+    import shutil
+
+    where = shlex.quote(str(dest))
+    if importlib.util.find_spec("jupyterlab") is not None or shutil.which("jupyter-lab"):
+        return f"open them with: jupyter lab {where}"
+    if importlib.util.find_spec("notebook") is not None or shutil.which("jupyter-notebook"):
+        return f"open them with: jupyter notebook {where}"
+    return (f"this Python has no Jupyter to open them: install it with `{shlex.quote(sys.executable)} -m pip install "
+            f"'labkit[lab]'` (or `pip install jupyterlab`), then run: jupyter lab {where}; on Colab or a "
+            f"JupyterHub, upload or open the folder there instead")

@@ -36,8 +36,9 @@ Which exercises count: those of ``--assignment NN_name`` (pinned by the grader; 
 (written by ``build``), else the file's stem when exercises are registered for it, else the
 notebook(s) of the exercise ids in the ``check("N.k", ...)`` calls of its code cells. Each
 exercise is graded once, at its grading point, from the name the notebook defines for it (the
-grader registers it itself, so a deleted ``check`` cell costs nothing), unless its code breaks
-the source policy (:mod:`labkit.grading.policy`: 0 points, with cell and line). An instructor's
+grader registers it itself, so a deleted ``check`` cell costs nothing); how its code is written
+costs nothing (magics, shell lines, imports run in the contained kernel, whose kit lacks the
+references until they are graded: :mod:`labkit.grading.withhold`). An instructor's
 hidden cases run after all of that, in a fresh kernel (:func:`_secret_pass`). An exercise never
 graded scores zero, with the reason ("not attempted: the notebook defines no ...", "...
 check(...) did not run: cell N raised NameError: ...", or "not reached: ..." when grading
@@ -337,14 +338,13 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     unedited, grades 0 ("not attempted") without a kernel. Each code cell up to the last grading point runs once,
     in order (the cells after it cannot change a grade, so they do not run); each exercise is
     graded once, from its pinned name at its grading point (whatever serials the kernel
-    reports), and zeroed when its code breaks the source policy (:mod:`labkit.grading.policy`).
+    reports).
     ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
     submission: no cell or case runs past it, and what it leaves no time for is "not reached".
     ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel (root only).
     ``hints=False`` leaves the hints out of the messages (graded runs; the interactive ``check``
-    keeps them). ``source_policy=False`` skips the source policy (``grade --no-source-policy``:
-    for a course that allows what it forbids, and for testing the grader's other defences, which
-    hold without it).
+    keeps them). ``source_policy`` has no effect (there is no source policy any more: issue 40);
+    it is accepted so that older callers keep working.
     """
     import time
 
@@ -362,11 +362,10 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     deadline = time.monotonic() + time_budget
     out_of_time = f"the submission's time budget of {time_budget:g} s ran out"
     points = grading_points(cells, list(wanted))
-    grades: dict[str, ExerciseGrade] = _policy_grades(exercises, cells, points) if source_policy else {}
-    zeroed = [ex.id for ex in exercises if ex.id in grades]  # by the source policy (grades gets the runs' too)
+    grades: dict[str, ExerciseGrade] = {}
     due: dict[int, list[str]] = {}
     for ex_id, k in points.items():
-        if k is not None and ex_id not in grades:
+        if k is not None:
             due.setdefault(k, []).append(ex_id)
     expected_errors = {i for i, c in enumerate(nb.cells)
                        if "raises-exception" in c.get("metadata", {}).get("tags", [])}
@@ -546,10 +545,6 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         if not reason and stop:
             reason = f"not reached: {stop}"
         grade.exercises.append(_exercise_grade(ex, None, reason))
-    if zeroed:
-        grade.stopped = "; ".join(x for x in (grade.stopped, (
-            f"the source policy gave 0 points to {', '.join(zeroed)}: each exercise's message names the cell and "
-            f"line; change or remove those lines and submit again")) if x)
     if assignment and exercises:
         held = _notebook_names(nb, path)
         note = ""
@@ -568,37 +563,6 @@ def _undefined(name: str, ex_id: str, ename: str, evalue: str) -> str:
     if ename == "NameError":
         return f"not attempted: {name!r} is not defined where exercise {ex_id} is graded"
     return f"not attempted: registering {name!r} for exercise {ex_id} raised {ename}: {_first(evalue)}"
-
-
-def _policy_grades(exercises, cells, points) -> dict[str, ExerciseGrade]:
-    """Exercises whose code (the cells up to their grading point) breaks the source policy:
-    failed, with every violation's cell and line; they are not run."""
-    from .assignments import answer_name
-    from .policy import check_cells, describe
-
-    out = {}
-    for ex in exercises:
-        k = points.get(ex.id)
-        if k is None:  # never defined: "not attempted" says so (the cells are not judged for an answer they lack)
-            continue
-        found = check_cells(ex.id, answer_name(ex.id, cells), [(f"cell {i + 1}", src) for i, src in cells[:k + 1]])
-        if found:
-            msg = (f"0 points: the code breaks the source policy of exercise {ex.id}: " + _violations(found)
-                   + f". Rule: {describe(ex.id)}")
-            out[ex.id] = ExerciseGrade(ex, "failed", msg, [CaseGrade(c.name, c.hidden, "failed",
-                                                                     "not run: the code breaks the source policy")
-                                                           for c in ex.cases])
-    return out
-
-
-def _violations(found, most: int = 5) -> str:
-    """The first ``most`` violations, each as "cell, line: construct", the reason once after the
-    violations that share it."""
-    shown, groups = found[:most], {}
-    for v in shown:
-        groups.setdefault(v.why, []).append(f"{v.cell}, line {v.line}: {v.what}")
-    text = "; ".join(f"{'; '.join(where)} ({why})" for why, where in groups.items())
-    return text + (f"; and {len(found) - most} more" if len(found) > most else "")
 
 
 def _hidden_files() -> list[Path]:
@@ -772,6 +736,23 @@ def _seconds(text: str) -> float | None:
     return value if math.isfinite(value) and value > 0 else None
 
 
+def _hidden_env_problem() -> str | None:
+    """``LABKIT_HIDDEN_CASES``: each folder it names checked as ``autograder --hidden-cases`` checks
+    its folder (:func:`labkit.grading.registry.hidden_cases_problem`), then the cases loaded; the
+    first problem as one message, or None."""
+    from .registry import hidden_cases_problem, load_hidden_problem
+
+    value = os.environ.get(HIDDEN_ENV)
+    if value is None:
+        return None
+    for folder in value.split(os.pathsep):
+        if folder:
+            bad = hidden_cases_problem(folder, f"{HIDDEN_ENV}={folder}")
+            if bad:
+                return bad
+    return load_hidden_problem(f"{HIDDEN_ENV}={value}") if value.strip(os.pathsep) else None
+
+
 def _input_problem(paths: list[Path], results: Path | None) -> str:
     """What is wrong with the command's inputs ("" when nothing): checked before anything runs."""
     for x in paths:
@@ -871,8 +852,8 @@ def main(argv: list[str] | None = None) -> int:
                         "isolation (a uid of their own, private namespaces, a file system of their own); without "
                         "it the grader stops before grading with the cause and the fix (exit 2)")
     p.add_argument("--no-source-policy", action="store_true",
-                   help="do not zero exercises whose code breaks the source policy (labkit/grading/policy.py); "
-                        "containment and the grader's judgement still hold")
+                   help="no effect, kept for old scripts: there is no source policy any more (how code is written "
+                        "never costs points)")
     p.add_argument("--results-dir", type=Path, default=None,
                    help="batch: one results file per submission in this folder, and the integrity report "
                         "(integrity.csv, integrity.html: similarity to the kit's reference and between "
@@ -886,6 +867,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = [os.path.join(".", x) if x.startswith("-") and x.endswith(".ipynb") and os.path.isfile(x) else x
             for x in argv]
     a = p.parse_args(argv)
+    bad = _hidden_env_problem()   # before anything loads the exercises (and with them the hidden cases)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     limits = Limits(processes=a.max_processes, file_size=a.max_file_size * 2 ** 20,
                     address_space=a.max_memory * 2 ** 20, memory=a.max_memory * 2 ** 20, tmp_size=a.tmp_size * 2 ** 20)
     cell_timeout = _seconds(a.cell_timeout)

@@ -1,7 +1,6 @@
 """The first cell of every learner notebook, apart from :mod:`labkit.grading.build` so that the
-kernel's source policy (:func:`labkit.grading.policy.check_cells`) can recognise it without
-importing nbformat (whose jsonschema import compiles rfc3987-syntax's grammars: seconds per kernel,
-python-jsonschema/jsonschema#1428).
+grader can recognise it without importing nbformat (whose jsonschema import compiles
+rfc3987-syntax's grammars: seconds per kernel, python-jsonschema/jsonschema#1428).
 
 Where a hosted learner (Colab, a JupyterHub without labkit) installs labkit from is the
 instructor's setting, ``[tool.labkit] repository`` in ``pyproject.toml`` (or

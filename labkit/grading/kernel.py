@@ -12,13 +12,15 @@ values never come here.
 Everything here can be replaced by code in the notebook; the grader does not rely on it for
 anything but the learner's outputs, which it judges itself.
 
-Reference implementations, in the interactive ``check`` only (feedback, not a grade): the
-request names the labkit functions that stand for the exercise
-(:mod:`labkit.grading.references`), and while the learner's code runs their code objects are
-swapped for a tripwire, so calling one (directly, through an alias, a partial, or inside a rank
-started with ``launch``) ends the call with "reference used" instead of a result. The grader's
-requests name none (a tripwire in the learner's process is the learner's to disable): there
-the source policy, checked by the grader on the notebook file, refuses the reference.
+What the graded kernel will lack, in the interactive ``check`` only (feedback, not a grade): the
+request names the labkit functions the graded kernel does without while the exercise is graded
+(:func:`labkit.grading.withhold.withheld_calls`: its references and every kit function that
+reaches one), and while the learner's code runs their code objects are swapped for a tripwire,
+so calling one (directly, through an alias, a partial, or inside a rank started with
+``launch``) ends the call with "your answer calls labkit's X, which is not available when the
+notebook is graded" instead of a result. The grader's requests name none (a tripwire in the
+learner's process is the learner's to disable): there the functions are simply absent
+(:mod:`labkit.grading.withhold`).
 """
 from __future__ import annotations
 

@@ -217,8 +217,8 @@ class KernelBackend:
             return False
 
     def call(self, req: dict):
-        # no reference list: a tripwire in the kernel would be the learner's to disable, so under
-        # the grader the source policy (labkit.grading.policy) alone refuses labkit's reference
+        # no reference list: a tripwire in the kernel would be the learner's to disable; under the
+        # grader the references are absent from the kernel's kit instead (labkit.grading.withhold)
         req = dict(req, case=self.token, references=[])
         timeout = float(req["timeout"])
         data = request_kernel(self._client(), req, timeout + self.MARGIN, self._alive)

@@ -1,9 +1,11 @@
 """Which of labkit's functions run an exercise's reference: a static call graph of the kit's source.
 
-The source policy (:mod:`labkit.grading.policy`) refuses labkit's reference for an exercise in
-the answer's code. A labkit function that calls the reference (``build_schedule("GPipe", K, M)``
-runs ``gpipe_schedule``; ``rebalance_experts`` runs ``balanced_packing``) would launder it, so
-the policy refuses every labkit name from which the reference can be reached too.
+The graded kernel does without each reference of the assignment's exercises until it is graded
+(:mod:`labkit.grading.withhold`). A labkit function that calls the reference
+(``build_schedule("GPipe", K, M)`` runs ``gpipe_schedule``; ``rebalance_experts`` runs
+``balanced_packing``) would hand it over, so every labkit function from which the reference can
+be reached is withheld too. This graph says which; it is built when the kernel's kit is built
+(and by ``python -m labkit build --check``), never at run time in a kernel.
 
 The graph is read from the installed kit's files (never imported or run), once per process.
 Its nodes are ``"module:name"`` for each top-level function, class (its methods folded in) and

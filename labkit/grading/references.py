@@ -1,10 +1,9 @@
 """Which of labkit's own functions each exercise asks the learner to write.
 
-An answer that is one of these, or calls one while a case runs it, is not accepted for that
-exercise: labkit's implementation is what the checks compare against, so using it proves
-nothing about the learner's understanding. The grader refuses code that names one (the
-source policy, :mod:`labkit.grading.policy`, on the notebook file); the interactive ``check``
-also catches a call at run time with a tripwire in the learner's process
+The graded kernel does without each of these, and without every kit function from which one
+can be reached, until its exercise is graded (:mod:`labkit.grading.withhold`): an answer that
+calls one earns nothing because it is not there. The interactive ``check`` says so before the
+learner submits: while the answer runs, those functions are tripwired in the learner's process
 (:mod:`labkit.grading.kernel`; feedback only, never part of a grade) and the case fails with
 :func:`reference_message`.
 
@@ -15,12 +14,12 @@ Functions that merely *use* an exercise's concept are not listed: a learner may 
 ``add_communication`` in 3.1 only because 3.1 asks for the compute order and the check adds
 the sends itself.
 
-What neither sees: an answer that copies labkit's source text. They guard against the honest
-shortcut, reported with a reason; they are not a plagiarism detector.
+What this does not see: an answer that copies labkit's source text (the kit is installed where
+the learner works); that is for the instructor's integrity report, never the score.
 """
 from __future__ import annotations
 
-__all__ = ["REFERENCES", "reference_message", "references_for"]
+__all__ = ["REFERENCES", "NOTHING_TO_WITHHOLD", "reference_message", "references_for"]
 
 _SCHED = "labkit.pipeline.schedules"
 _SIM = "labkit.pipeline.simulate"
@@ -37,6 +36,9 @@ REFERENCES: dict[str, list[str]] = {
     "1.2": [f"{_EX}.nb01_pipeline_bubble:_smallest"],
     "2.1": [f"{_SCHED}:gpipe_schedule", f"{_SCHED}:add_communication"],
     "2.3": [],  # the runtime scales the loss too, but inside PipelineSchedule; nothing to call directly
+    # the step loss with ignored targets; StepTokenCount (ParallelGPT's) computes it too
+    "2.4": ["labkit.parallel.loss:microbatch_losses", "labkit.parallel.loss:loss_scale",
+            "labkit.parallel.loss:StepTokenCount"],
     "2.2": [f"{_SIM}:peak_in_flight", f"{_EXPLORER}:peak_in_flight_per_rank", f"{_SIM}:simulate"],
     "3.1": [f"{_SCHED}:one_f_one_b_schedule", f"{_SCHED}:interleaved_schedule", f"{_SCHED}:_interleaved_order"],
     "3.2": [f"{_SIM}:peak_in_flight", f"{_EXPLORER}:peak_in_flight_per_rank", f"{_SIM}:simulate",
@@ -95,8 +97,28 @@ REFERENCES: dict[str, list[str]] = {
              "labkit.plan.comm:comm_per_rank"],
     "15.4": ["labkit.data_parallel.fsdp:expected_fsdp", "labkit.plan.memory:zero3_split_gathered_peak"],
     "16.1": ["labkit.context_parallel.blockwise:merge_partials"],
+    "17.2": ["labkit.parallel.torch_native:plan_table"],
+    "17.3": ["labkit.grid:Mesh"],
+    "17.5": ["labkit.pipeline.schedules:one_f_one_b_schedule"],
     "16.2": ["labkit.context_parallel.sharding:chunk_placement", "labkit.context_parallel.sharding:sequence_positions",
              "labkit.context_parallel.sharding:causal_work", "labkit.context_parallel.sharding:shard_sequence"],
+}
+
+
+# exercises whose answer no kit function hands over, and why (the evidence is data the grader judges, or the
+# exercise asks about the kit itself); tests/grading/test_grading_absent.py requires a reason for each
+NOTHING_TO_WITHHOLD: dict[str, str] = {
+    "0.2": "the ranks have no process group: every send/recv goes through the grader's relay, which judges the "
+           "messages step by step; labkit's collectives cannot run there",
+    "2.3": "the gradients returned are judged against one device's; labkit's runtime accumulates inside "
+           "PipelineSchedule, which takes a schedule, not the microbatch loop asked for",
+    "11.2": "a count of bytes from the sizes given (arithmetic on the three all-to-alls); no kit function returns it",
+    "12.1": "a binomial coefficient: math.comb is knowledge, like numpy",
+    "12.3": "the exercise asks where each concept lives in labkit's gate: reading the kit is the exercise",
+    "12.4": "the exercise asks for labkit's own MoEConfig fields: using the kit's names is the exercise",
+    "17.1": "a table of which collective torch's DTensor redistribute issues: torch's own behaviour is knowledge, "
+            "and no kit function returns it",
+    "17.4": "torch.chunk's split of dim 0 (FSDP2's rule): torch is knowledge, like numpy",
 }
 
 
@@ -112,9 +134,9 @@ def _name_of(label: str) -> tuple[str, str]:
 
 
 def reference_message(label: str) -> str:
-    """What a learner reads when the answer called labkit's reference ``label``."""
+    """What a learner's ``check`` says when the answer called ``label``, which the graded kernel lacks
+    while the exercise is graded (:func:`labkit.grading.withhold.withheld_calls`)."""
     qual, mod = _name_of(label)
     where = f" ({mod})" if mod else ""
-    return (f"the answer calls labkit's own {qual}{where}, the reference implementation this exercise asks you "
-            f"to write; the checks compare with it, so an answer that uses it proves nothing: write the "
-            f"computation yourself")
+    return (f"your answer calls labkit's {qual}{where}, which is not available when the notebook is graded (it is, "
+            f"or runs, an implementation an exercise asks you to write): write it yourself")

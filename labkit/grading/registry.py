@@ -91,11 +91,14 @@ exercises with the full ``exercise(...)`` form. Case names must be unique within
 (a later case with the same name replaces the earlier one).
 
 A case may carry its own hint, shown instead of the exercise's hint when that case is the first
-to fail: ``@ex.case("rejects M=0 with ValueError", hint="Check M >= 1 before computing.")``.
+to fail: ``@ex.case("M=0 is refused", hint="What is a bubble for zero microbatches?")``.
 ``ex.hint2``, a second and more specific hint, follows the first from the second failed ``check``
 of the same exercise in a session (:func:`labkit.grading.runner.check`). Hints lead (the concept,
-the notebook section, the invariant that fails, a question); they never contain the answer's
-formula or code (``tests/grading/test_grading_hints.py`` checks every hint against the solution notebooks).
+the notebook section, the invariant that fails, a question); they never give the answer, in code,
+as a formula or in words: no API the solution calls, and at most one of its steps named
+(``tests/grading/test_grading_hints.py`` compares every hint with the solution notebooks in tokens).
+``ex.hint_review = "leads: <what the hints ask or name>; reviewed <date>"`` records that a person
+read the hints against the solution; every exercise needs one.
 
 Points: an exercise's ``points`` are all-or-nothing: the grader awards them only when every
 case of the exercise (public and hidden) passes; a case carries no share of its own (a wrong
@@ -130,6 +133,9 @@ __all__ = [
     "expect_true",
     "expect_raises",
     "explain_index_errors",
+    "as_int",
+    "type_name",
+    "expect_named",
     "DEFAULT_TIMEOUT",
 ]
 
@@ -312,6 +318,39 @@ def load_all(reload_hidden: bool = False) -> dict[str, Exercise]:
     return _REGISTRY
 
 
+def hidden_cases_problem(folder: Path | str, label: str) -> str | None:
+    """Why ``folder`` cannot be a folder of hidden cases (missing, a file, no ``.py`` case file),
+    as one message starting with ``label`` (``"--hidden-cases X"``, ``"LABKIT_HIDDEN_CASES=X"``);
+    None when it can. The one check of ``grade`` (the variable) and ``autograder --hidden-cases``."""
+    folder = Path(folder)
+    if not folder.exists():
+        return f"{label}: no such folder"
+    if not folder.is_dir():
+        return f"{label} is not a folder (a file): give the folder that holds the hidden-case .py files"
+    if not any(p.is_file() and not p.name.startswith("_") for p in folder.glob("*.py")):
+        return f"{label}: the folder holds no .py case files (files named _*.py are helpers, not run)"
+    return None
+
+
+def load_hidden_problem(label: str) -> str | None:
+    """:func:`load_all` with the hidden cases run again; the message when one of them does not
+    load (a syntax error, a case that raises), naming the file, else None."""
+    try:
+        load_all(reload_hidden=True)
+    except Exception as e:  # noqa: BLE001 - an instructor's case file: one line, not its traceback
+        where = ""
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename not in (__file__,) and "importlib" not in tb.tb_frame.f_code.co_filename:
+                where = f" ({tb.tb_frame.f_code.co_filename}, line {tb.tb_lineno})"
+            tb = tb.tb_next
+        if isinstance(e, SyntaxError):
+            where = f" ({e.filename}, line {e.lineno})"
+            e = SyntaxError(e.msg)
+        return f"the hidden cases in {label} do not load: {type(e).__name__}: {e}{where}"
+    return None
+
+
 def _run_hidden_file(path: Path) -> None:
     global _ADDING_HIDDEN
     name = f"labkit_hidden_cases_{abs(hash(str(path.resolve())))}"
@@ -424,6 +463,81 @@ def _shown(x: Any) -> str:
     return f"a {kind} of {len(x)} {'keys' if kind == 'dict' else 'items'}"
 
 
+def as_int(x: Any) -> int | None:
+    """``x`` as a Python ``int`` when it is an integer of any kind: a Python int, a NumPy integer
+    scalar or 0-d integer array, a 0-d integer tensor; ``None`` for anything else (a bool, a float,
+    even a whole one, a tensor with more than one element). Exercises that ask for an int accept
+    what this accepts (issue 36: the right pairs built from NumPy ints were refused)."""
+    if isinstance(x, bool) or type(x).__name__ == "bool_":
+        return None
+    if isinstance(x, numbers.Integral):  # int and NumPy integer scalars
+        return int(x)
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            if x.dim() == 0 and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool:
+                return int(x.item())
+            return None
+    except ImportError:  # pragma: no cover
+        pass
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0 and getattr(x, "dtype", None) is not None \
+            and x.dtype.kind in "iu":
+        return int(x.item())
+    return None
+
+
+def type_name(x: Any) -> str:
+    """The kind of ``x`` in a few words for a message that says a value has the wrong type:
+    "float 2.5", "bool", "a float32 tensor of shape (3,)", "NumPy float64 2.5", "str"; never the
+    value of a text (see :func:`_shown`)."""
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            dt = str(x.dtype).replace("torch.", "")
+            return f"a 0-d {dt} tensor ({_short(x)})" if x.dim() == 0 else f"a {dt} tensor of shape {tuple(x.shape)}"
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(x, bool) or type(x).__name__ == "bool_":
+        return f"bool {bool(x)}"
+    if type(x).__module__ == "numpy":
+        if getattr(x, "ndim", None) == 0:
+            return f"NumPy {x.dtype} {_short(x)}"
+        if hasattr(x, "shape"):
+            return f"a NumPy {x.dtype} array of shape {tuple(x.shape)}"
+    if isinstance(x, float):
+        return f"float {_num(x)}"
+    if _is_number(x):
+        return f"{type(x).__name__} {_short(x)}"
+    return _shown(x)
+
+
+def expect_named(got: Any, expected: Any, what: str, mistakes, rtol: float = 1e-9, atol: float = 1e-12) -> None:
+    """``got`` must be ``expected`` (numbers: within ``rtol``/``atol``; anything else: equal). When it is
+    not, and it equals the value of a known mistake, the failure says which: ``mistakes`` is a list of
+    ``(value, "what this mistake did")``, a match named as "what: expected X, got Y (mistake)" (two that give
+    the same value here: "(one; or the other)");
+    otherwise as :func:`expect_close` / :func:`expect_equal` would say it."""
+    def same(a, b):
+        if isinstance(b, (int, float)) and not isinstance(b, bool) and isinstance(a, numbers.Real) \
+                and not isinstance(a, bool):
+            return math.isclose(float(a), float(b), rel_tol=rtol, abs_tol=atol)
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001
+            return False
+
+    if same(got, expected):
+        return
+    found = list(dict.fromkeys(text for value, text in mistakes if not same(value, expected) and same(got, value)))
+    if found:  # two mistakes that give the same value here are both named
+        raise CheckFailure(f"{what}: expected {_shown(expected)}, got {_shown(got)} ({'; or '.join(found[:2])})")
+    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        _compare(got, expected, what, exact=False, rtol=rtol, atol=atol)
+    _compare(got, expected, what, exact=True, rtol=0.0, atol=0.0)
+
+
 def expect_true(cond: Any, message: str) -> None:
     """Raise :class:`CheckFailure` with ``message`` unless ``cond`` is true."""
     if not cond:
@@ -528,7 +642,7 @@ def _scalar_factor(got, expected) -> str:
         whole = lambda v: abs(v - round(v)) < 1e-9 and abs(round(v)) >= 2  # noqa: E731
         if not (whole(c) or whole(1 / c)):
             return ""
-    return f"; got is {_num(round(c, 4))} x expected"
+    return f"; got is {c:.4g} x expected"
 
 
 def _tensor_factor(got, expected) -> str:

@@ -1,4 +1,4 @@
-"""Running an exercise's cases against an answer, and the one line ``check`` prints.
+"""Running an exercise's cases against an answer, and the verdict ``check`` prints.
 
 Each case runs in a forked child process (fork keeps functions defined in a notebook usable):
 
@@ -37,7 +37,7 @@ __all__ = ["CaseResult", "CheckResult", "run_case", "evaluate", "format_line", "
 STRICT_ENV = "LABKIT_STRICT"  # "1": check() raises when an exercise is not passed
 SECOND_HINT_AFTER = 2  # failed check() calls of one exercise before its second hint (Exercise.hint2) shows
 _FAILED_CHECKS: dict[str, int] = {}  # exercise id -> failed check() calls in this process
-MAX_MESSAGE = 400  # characters of a case message shown on the one line
+MAX_MESSAGE = 400  # characters of a case message shown in the verdict
 
 
 @dataclass
@@ -148,6 +148,18 @@ def _child(case: Case, backend_factory, exercise_id: str, references, wfd: int, 
         os._exit(0)
 
 
+def _withheld_calls(exercise_id: str) -> tuple[str, ...]:
+    """What the graded kernel lacks while ``exercise_id`` is graded (:func:`labkit.grading.withhold.withheld_calls`):
+    an answer that calls one fails here as it would there, with a message saying so. () where that cannot be
+    computed (the graded kernel's own copy of the kit holds no exercise modules)."""
+    try:
+        from .withhold import withheld_calls
+
+        return withheld_calls(exercise_id)
+    except Exception:  # noqa: BLE001 - feedback only: never the reason a check cannot run
+        return ()
+
+
 def run_case(case: Case, answer: Any, exercise: Exercise | None = None, backend_factory=None) -> CaseResult:
     """Run ``case`` in a forked child, stopped after ``case.timeout`` s.
 
@@ -157,7 +169,7 @@ def run_case(case: Case, answer: Any, exercise: Exercise | None = None, backend_
     if backend_factory is None:
         backend_factory = lambda: LocalBackend(answer)  # noqa: E731
     ex_id = exercise.id if exercise is not None else ""
-    refs = exercise.reference_names() if exercise is not None else ()
+    refs = _withheld_calls(ex_id) if ex_id else ()
     # torch imports sympy lazily on the first ``backward(grad)`` / ``autograd.grad(..., grad)`` (about 1 s):
     # once here, inherited by every case's child, instead of once in each (as labkit.launch does for ranks)
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
@@ -292,9 +304,20 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
 
 
 def format_line(ex: Exercise, res: CheckResult, failures: int = 1, hints: bool = True) -> str:
-    """The one deterministic line ``check`` prints for ``res``; from the ``SECOND_HINT_AFTER``-th
-    failure of the exercise (``failures``) the exercise's second hint follows the first;
-    ``hints=False`` leaves out the hints (a graded run that holds hints back: ``grade --no-hints``)."""
+    """The deterministic text ``check`` prints for ``res``: one line when the exercise passed or is not
+    attempted; for a failure the verdict, the case, what was checked, the expected/got and each hint
+    on lines of their own (issue 36: a failure was one unbroken 6-line paragraph)::
+
+        Exercise 1.1 (bubble fraction): failed
+          case "K=4, M=8"
+          bubble_fraction(K=4, M=8):
+          expected 0.272727, got 0.25; got is 0.9167 x expected.
+          Hint: ...
+          Second hint: ...
+
+    From the ``SECOND_HINT_AFTER``-th failure of the exercise (``failures``) the exercise's second hint
+    follows the first; ``hints=False`` leaves out the hints (a graded run that holds hints back:
+    ``grade --no-hints``)."""
     if not ex.cases:
         return f"{ex.label}: no cases are registered for this exercise."
     if res.status == "passed":
@@ -304,32 +327,22 @@ def format_line(ex: Exercise, res: CheckResult, failures: int = 1, hints: bool =
     first = next(r for r in res.cases if r.status == "failed")
     case = next((c for c in ex.cases if c.name == first.name), None)
     text = case.hint if case is not None and case.hint is not None else ex.hint
-    hint = f" Hint: {text}" if text and hints else ""
+    hint = [f"  Hint: {text}"] if text and hints else []
     second = getattr(ex, "hint2", "")
     if second and hints and failures >= SECOND_HINT_AFTER:
-        hint += f" Second hint: {second}"
+        hint.append(f"  Second hint: {second}")
     if first.hidden:
         counts = f"{res.passed} of {res.total} cases passed"
         what = f"a hidden case failed ({counts}; its details are not shown)."
         if "time limit" in first.message:
             what = f"a hidden case failed ({counts}): {first.message}."
-        return f"{ex.label}: failed: {what}{hint}"
+        return "\n".join([f"{ex.label}: failed", f"  {what}"] + hint)
     msg = first.message.rstrip(".")
-    return f"{ex.label}: failed case \"{first.name}\": {msg}.{hint}"
-
-
-def _policy(ex: Exercise, answer: Any) -> CheckResult | None:
-    """The grader's source policy (:mod:`labkit.grading.policy`) on the cells this kernel ran:
-    a failed result naming the first violation, or None when the code keeps the rules."""
-    from .policy import check_history, describe
-
-    found = check_history(ex.id, answer)
-    if not found:
-        return None
-    msg = (f"{ex.label}: failed: the grader gives 0 points for this code: {found[0]}"
-           + (f" (and {len(found) - 1} more)" if len(found) > 1 else "") + f". Rule: {describe(ex.id)}.")
-    cases = [CaseResult(c.name, c.hidden, "failed", "not run: the code breaks the source policy") for c in ex.cases]
-    return CheckResult(ex.id, "failed", 0, len(ex.cases), msg, cases)
+    body = [f"  {msg}."]
+    cut = msg.find(": expected ")
+    if cut > 0:
+        body = [f"  {msg[:cut]}:", f"  {msg[cut + 2:]}."]
+    return "\n".join([f"{ex.label}: failed", f"  case \"{first.name}\""] + body + hint)
 
 
 class CheckNotPassed(AssertionError):
@@ -337,11 +350,11 @@ class CheckNotPassed(AssertionError):
 
 
 def check(exercise_id: str, answer: Any) -> CheckResult:
-    """Check ``answer`` against exercise ``exercise_id`` and print ONE line.
+    """Check ``answer`` against exercise ``exercise_id`` and print its verdict (:func:`format_line`).
 
-    The line says "passed, n/n cases"; or "failed case "<name>": <what: expected X, got Y>.
-    Hint: ..." for the first failing public case ("a hidden case failed" for a hidden one);
-    or "not attempted" while the answer is still the stub (raises NotImplementedError).
+    One line says "passed, n/n cases" or "not attempted" while the answer is still the stub (raises
+    NotImplementedError); a failure says "failed", then on lines of their own the first failing public
+    case, what it checked, "expected X, got Y" and the hints ("a hidden case failed" for a hidden one).
 
     Never raises for a wrong answer, so later cells still run, unless env
     ``LABKIT_STRICT=1``: then anything but "passed" raises :class:`CheckNotPassed` (CI runs
@@ -362,15 +375,11 @@ def check(exercise_id: str, answer: Any) -> CheckResult:
         print(res.message, flush=True)
         return res
     ex = get_exercise(exercise_id)
-    broken = _policy(ex, answer)
-    if broken is None:
-        from .fresh import reproducible
+    from .fresh import reproducible
 
-        with reproducible():  # feedback: the same line every run (the grader draws fresh inputs)
-            res = evaluate(ex.id, answer, stop_at_first_failure=True)
-    else:
-        res = broken
-    if broken is None and res.status == "failed":  # a learner who failed this exercise before also gets its second hint
+    with reproducible():  # feedback: the same line every run (the grader draws fresh inputs)
+        res = evaluate(ex.id, answer, stop_at_first_failure=True)
+    if res.status == "failed":  # a learner who failed this exercise before also gets its second hint
         _FAILED_CHECKS[ex.id] = _FAILED_CHECKS.get(ex.id, 0) + 1
         res.message = format_line(ex, res, _FAILED_CHECKS[ex.id])
     print(res.message, flush=True)

@@ -88,15 +88,14 @@ MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 
 
 # before the first cell: no import from the working folder (IPython puts "" first on sys.path, so a module
-# the notebook writes there, e.g. a fractions.py, would shadow an allowed one; the source policy refuses
-# changing sys.path), then torch and the kit, so no cell's time limit pays for them
+# the notebook writes there, e.g. a fractions.py, would shadow the standard one the kit imports), then torch
+# and the kit, so no cell's time limit pays for them
 WARM_UP = ("import sys\nsys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
            "import torch, labkit.grading.kernel")
 # for a submission that names matplotlib (none else can reach its rcParams: no computed import, no module
 # reached through another's attribute): pyplot's backend resolved now, so a backend named later in rcParams
 # ("module://name", computed) is never imported (matplotlib imports rcParams["backend"] when pyplot first
-# needs a backend); the source policy refuses matplotlib.use and pyplot.switch_backend, the two calls that
-# would import one afterwards. 0.4 s per kernel, so only where matplotlib is named
+# needs a backend). 0.4 s per kernel, so only where matplotlib is named
 PLOTS_WARM_UP = "\nimport matplotlib.pyplot\nmatplotlib.pyplot.switch_backend('Agg')\ndel matplotlib"
 PRIVATE_HOME = "/tmp/labkit-home"  # the kernel's HOME, inside its private /tmp (jail mode)
 

@@ -1,33 +1,40 @@
-"""The kit a graded kernel imports: labkit with the assignment's references withheld until graded.
+"""The kit a graded kernel imports: labkit without the assignment's references until they are graded.
 
-The source policy (:mod:`labkit.grading.policy`) refuses code that names labkit's reference for
-an exercise. It judges source text, so it is a list of refused constructs, and each red team
-found one more way to reach a function by a name the policy could not read. This module removes
-the prize instead. For each submission the grader (as root) builds a copy of the installed kit
-(:func:`build_kit`) in which each reference of the pinned assignment's exercises (the table in
-:mod:`labkit.grading.references`, the exercise module's own ``references=``, and the helpers
-of its module that a reference hands its work to) is a stub with the same signature whose body
-calls :func:`labkit._withheld.load`. Its code lies in the copy's ``_withheld`` folder, mode 0600
-and the grader's, until :meth:`WithheldKit.release_after` makes it readable, once the grading
-point of every exercise it is withheld for has passed; a kit cell after that runs as usual.
-The graded kernel sees only that copy (:mod:`labkit.grading._jail`'s ``--root``: a file system
-of its own in which the kit's folder is the copy and nothing else of the checkout, its git
-history or the solutions exists). However the learner's code reaches ``bubble_formula`` before
-1.1 is graded, it gets::
+A grade is what the learner's functions return on the grader's inputs; a route to the answer
+that does not go through the learner's own reasoning is closed by making the answer ABSENT from
+the graded kernel, never by refusing constructs in the source. For each submission the grader
+(as root) builds a copy of the installed kit (:func:`build_kit`) in which, for every exercise of
+the pinned assignment,
+
+* each reference (:meth:`~labkit.grading.registry.Exercise.reference_names`: the table in
+  :mod:`labkit.grading.references` and the exercise module's own ``references=``), the helpers
+  of its module that only it uses, and
+* every kit function or class from which one of them can be reached (:mod:`labkit.grading.reach`,
+  a call graph read from the kit's source when the copy is built: ``build_schedule`` runs
+  ``gpipe_schedule``; a ``MoELayer`` a cell made runs ``route``)
+
+is a stub with the same signature whose body calls :func:`labkit._withheld.load`. Its code lies
+in the copy's ``_withheld`` folder, mode 0600 and the grader's, until
+:meth:`WithheldKit.release_after` makes it readable, once the grading point of every exercise it
+is withheld for has passed; a kit cell after that runs as usual. The graded kernel sees only
+that copy (:mod:`labkit.grading._jail`'s ``--root``). However the learner's code reaches
+``bubble_formula`` before 1.1 is graded (an import, a computed name, a frame, an object a cell
+made), it gets::
 
     RuntimeError: labkit's bubble_formula (labkit.pipeline.simulate) is withheld while this assignment is graded ...
 
-Not withheld, so guarded by the source policy alone: a reference that a cell of the shipped
-notebook uses before its exercise, or that the grader's kernel-side helpers
-(:mod:`labkit.grading.kernelside`) use, directly or through a kit function that reaches it
-(:mod:`labkit.grading.reach`), e.g. 09's ``route`` under the ``MoELayer`` a kit cell builds
-before 9.1. :func:`withheld` lists, per assignment, what is withheld and what is kept and why.
-The copy also leaves out what the kernel never needs and must not read:
-``labkit/grading/exercises`` (cases, expected-value code), ``references.py``,
-``labkit/grading/hidden`` and the solved notebooks.
+Nothing is kept: no shipped cell of the learner notebook uses, and no cell imports, a
+withheld name before its exercise is graded, and the grader's kernel-side helpers
+(:mod:`labkit.grading.kernelside`) use none at all. :func:`problems` lists what breaks that
+rule; ``python -m labkit build --check`` fails on it. The copy also leaves out what the kernel
+never needs and must not read: ``labkit/grading/exercises`` (cases, expected-value code),
+``references.py``, ``labkit/grading/hidden`` and the solved notebooks.
 
-Sources: issue 16, principles 2 and 3 (the kernel cannot read the grader; the reference is not
-the learner's to call).
+What is not closed this way: the learner's own copy of the kit's source (the kit is installed
+where the learner works, so it can be pasted); that goes to the instructor, never the score.
+
+Sources: issue 16 and 40, principles 2 and 3 (the kernel cannot read the grader; the reference is
+not the learner's to call).
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ import os
 import shutil
 import textwrap
 
-__all__ = ["withheld", "build_kit", "WithheldKit", "LEFT_OUT"]
+__all__ = ["withheld", "problems", "build_kit", "WithheldKit", "LEFT_OUT", "shipped_cells", "withheld_calls"]
 
 # relative to the kit's folder: never in the kernel's copy
 LEFT_OUT = ("grading/exercises", "grading/references.py", "grading/hidden", "_solutions")
@@ -54,8 +61,154 @@ def _major(notebook: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def shipped_cells(major: str, folder: str | None = None) -> tuple[str, ...]:
+    """The code cells of the learner notebook ``major`` ("2") in ``folder`` (default: the kit's
+    ``_notebooks``, the learner notebooks it ships), in order, as written."""
+    import glob
+    import json
+
+    folder = folder or os.path.join(_kit_dir(), "_notebooks")
+    out: list[str] = []
+    if major.isdigit():
+        for path in sorted(glob.glob(os.path.join(folder, f"{int(major):02d}_*.ipynb"))):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    nb = json.load(f)
+            except (OSError, ValueError):
+                continue
+            out += ["".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code"]
+    return tuple(out)
+
+
+def _python(src: str) -> ast.Module:
+    """A cell's Python (magics and shell lines blanked: IPython runs them, they name no labkit object)."""
+    lines = [("" if ln.lstrip().startswith(("%", "!")) else ln) for ln in src.splitlines()]
+    try:
+        return ast.parse("\n".join(lines))
+    except (SyntaxError, ValueError):
+        return ast.Module(body=[], type_ignores=[])
+
+
+def _label(dotted: str) -> str:
+    """"module:name" of a dotted path into the kit (the longest module prefix, then the next
+    name), or "" outside labkit."""
+    from .reach import _module_files
+
+    modules = set(_module_files()) | {"labkit"}
+    parts = dotted.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:i]) in modules:
+            return f"{'.'.join(parts[:i])}:{parts[i]}"
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _top_names(mod: str) -> dict[str, str]:
+    """{name: "def" | "module:name" it is imported from} for the top level of the kit's module ``mod``
+    (read from its file, never imported: ``build --check`` does not import torch)."""
+    from .reach import _absolute, _module_files
+
+    path = _module_files().get(mod)
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return {}
+    out: dict[str, str] = {}
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out[stmt.name] = "def"
+        elif isinstance(stmt, ast.ImportFrom):
+            src = _absolute(mod, path.endswith("__init__.py"), stmt.level, stmt.module)
+            for a in stmt.names:
+                out.setdefault(a.asname or a.name, f"{src}:{a.name}")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _home(label: str) -> str:
+    """"module:name" where the function or class the kit's ``label`` stands for is defined
+    (``labkit.pipeline:simulate`` -> ``labkit.pipeline.simulate:simulate``; a package's lazy
+    export is looked up in its submodules), or "" when it is none: read from the kit's source."""
+    from .reach import _module_files
+
+    for _ in range(8):
+        mod, _, name = label.partition(":")
+        where = _top_names(mod).get(name)
+        if where == "def":
+            return label
+        if where:
+            label = where
+            continue
+        subs = [m for m in _module_files() if m.rsplit(".", 1)[0] == mod and _top_names(m).get(name) == "def"]
+        return f"{subs[0]}:{name}" if len(subs) == 1 else ""
+    return ""
+
+
+def cell_names(cells) -> list[tuple[set[str], set[str]]]:
+    """For each cell source of ``cells``, in order: (the kit's "module:name" labels it USES, those it
+    USES or IMPORTS). A use is a read of a name a cell imported from labkit, of an attribute of a
+    labkit module, or of a name an earlier cell bound to something that used one (a function
+    that calls ``checkpoint``, a ``MoELayer`` a cell made); each label comes with its home
+    (:func:`_home`)."""
+    trees = [_python(src) for src in cells]
+    bound: dict[str, str] = {}   # name -> dotted path (across the notebook: cells share one namespace)
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "labkit":
+                        bound[a.asname or "labkit"] = a.name if a.asname else "labkit"
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labkit" and not node.level:
+                for a in node.names:
+                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+
+    def labels(dotted: str) -> set[str]:
+        lab = _label(dotted)
+        return {x for x in (lab, _home(lab) if lab else "") if x}
+
+    made: dict[str, set[str]] = {}   # a name a cell bound -> the labels its value used
+
+    def uses(stmt) -> set[str]:
+        used: set[str] = set()
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                if node.id in bound:
+                    used |= labels(bound[node.id])
+                used |= made.get(node.id, set())
+            elif isinstance(node, ast.Attribute):
+                chain, v = [node.attr], node.value
+                while isinstance(v, ast.Attribute):
+                    chain.append(v.attr)
+                    v = v.value
+                if isinstance(v, ast.Name) and v.id in bound:
+                    used |= labels(".".join([bound[v.id], *reversed(chain)]))
+        return used
+
+    out = []
+    for tree in trees:
+        used: set[str] = set()
+        imported: set[str] = set()
+        for stmt in tree.body:
+            if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").split(".")[0] == "labkit" and not stmt.level:
+                for a in stmt.names:
+                    imported |= labels(f"{stmt.module}.{a.name}")
+                continue
+            here = uses(stmt)
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                made[stmt.name] = made.get(stmt.name, set()) | here  # runs when called: a use where it is
+                continue
+            used |= here
+            for target in ast.walk(stmt):
+                if isinstance(target, ast.Name) and isinstance(target.ctx, ast.Store):
+                    made[target.id] = made.get(target.id, set()) | here
+        out.append((used, imported | used))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
 def _kernelside_labels(major: str) -> frozenset:
-    """The labkit "module:name" nodes the grader's kernel-side helpers of notebook ``major`` import."""
+    """The labkit "module:name" labels the grader's kernel-side helpers of notebook ``major`` import."""
     from .reach import _absolute
 
     folder = os.path.join(_kit_dir(), "grading", "kernelside")
@@ -70,109 +223,188 @@ def _kernelside_labels(major: str) -> frozenset:
             if isinstance(node, ast.ImportFrom):
                 mod = _absolute(here, False, node.level, node.module)
                 if mod.startswith("labkit") and not mod.startswith("labkit.grading"):
-                    out |= {f"{mod}:{a.name}" for a in node.names}
+                    for a in node.names:
+                        out |= {x for x in (f"{mod}:{a.name}", _home(f"{mod}:{a.name}")) if x}
     return frozenset(out)
 
 
-def _loads_by_cell(major: str) -> list[set[str]]:
-    """For each code cell of the shipped learner notebook ``major``, in order: the labkit
-    "module:name" nodes it uses (reads a name a cell imported from labkit, or an attribute of a
-    labkit module; an import alone uses nothing: a withheld function may be imported)."""
-    from .policy import _home_label, _labkit_label, _labkit_uses, _Names, _python, _shipped_sources
+_IMPORT_METHODS = ("__init__", "__post_init__", "__new__", "__init_subclass__", "__set_name__")
 
-    cells = _shipped_sources(major)
-    trees = [t for s in cells if (t := _python(s)) is not None]
-    names = _Names(trees)
-    out = []
-    for src in cells:
-        used: set[str] = set()
-        for node in ast.walk(_python(src) or ast.Module(body=[], type_ignores=[])):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-                dotted = [o for o in names.origins.get(node.id, ()) if o.startswith("labkit")]
-            elif isinstance(node, ast.Attribute):
-                dotted = _labkit_uses(node, names)
-            else:
-                continue
-            for d in dotted:
-                if lab := _labkit_label(d):
-                    used |= {lab, _home_label(lab)}
-        out.append(used)
+
+def _calls(mod: str, nodes) -> set[str]:
+    """The kit's functions and classes that ``nodes`` (statements of module ``mod``) CALL when they
+    run: ``f(...)`` or ``module.f(...)``; a function body, a lambda and an ``if __name__ ==
+    "__main__":`` block do not run, a class body and decorators do."""
+    from .reach import _module_files
+
+    names, modules = _top_names(mod), set(_module_files())
+    out: set[str] = set()
+
+    def resolve(func) -> str:
+        if isinstance(func, ast.Name) and func.id in names:
+            target = f"{mod}:{func.id}" if names[func.id] == "def" else names[func.id]
+            return _home(target) if ":" in target else ""
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in names:
+            where = names[func.value.id]
+            base = where.replace(":", ".") if where != "def" else ""
+            return _home(f"{base}:{func.attr}") if base in modules else ""
+        return ""
+
+    def visit(node) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in node.decorator_list + node.args.defaults + [d for d in node.args.kw_defaults if d]:
+                visit(sub)
+            return
+        if isinstance(node, ast.Lambda):
+            return
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Call) and (lab := resolve(node.func)):
+            out.add(lab)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    for node in nodes:
+        visit(node)
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def import_time() -> frozenset:
+    """The kit's functions and classes that run while a kit module is imported (``KINDS =
+    names(...)``, a table of ``ScheduleInfo(...)``), and those they call in turn: they are never
+    stubbed, or importing the kit would raise. Their route to a reference ends at the reference,
+    which is stubbed."""
+    from .reach import _module_files
+
+    trees = {}
+    for mod, path in _module_files().items():
+        try:
+            with open(path, encoding="utf-8") as f:
+                trees[mod] = ast.parse(f.read())
+        except (OSError, SyntaxError, ValueError):
+            continue
+    todo = [lab for mod, tree in trees.items() for lab in _calls(mod, tree.body)]
+    seen: set[str] = set()
+    while todo:
+        label = todo.pop()
+        if label in seen:
+            continue
+        seen.add(label)
+        mod, _, name = label.partition(":")
+        node = next((n for n in getattr(trees.get(mod), "body", ()) if getattr(n, "name", None) == name), None)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            todo += _calls(mod, node.body)
+        elif isinstance(node, ast.ClassDef):
+            runs = [n for n in node.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            runs += [b for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and n.name in _IMPORT_METHODS for b in n.body]
+            todo += _calls(mod, runs)
+    return frozenset(seen)
+
+
 @functools.lru_cache(maxsize=None)
-def withheld(notebook: str) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
-    """What the graded kernel of assignment ``notebook`` ("01_pipeline_bubble") does without, and
-    until when.
-
-    Returns ``(withheld, kept)``. ``withheld`` is {"module:qualname": exercise ids}: a reference
-    of those exercises (``Exercise.reference_names()``: the table in
-    :mod:`labkit.grading.references` and the exercise module's own) or a function of its module
-    it reaches, withheld for the exercises the shipped notebook grades before any of its cells
-    uses it, until all of them are graded (:meth:`WithheldKit.release_after`). ``kept`` is
-    {"module:qualname": why} for the assignment's references that stay available from the
-    start: a shipped cell before their first exercise uses something that reaches them
-    (:mod:`labkit.grading.reach`; e.g. 09 builds a ``MoELayer``, which runs ``route``, before
-    9.1), or the grader's kernel-side helpers use them. Those are guarded by the source policy
-    only. References in ``labkit.grading`` are not listed: their modules are not in the
-    kernel's copy at all."""
-    from .assignments import grading_points
-    from .policy import _home_label, _shipped_sources
-    from .reach import callees_in_module, callers_of
-    from .registry import exercises_for_notebook
-
-    major = _major(notebook)
-    loads = _loads_by_cell(major)
-    cells = _shipped_sources(major)
-    exercises = exercises_for_notebook(notebook)
-    position = {ex_id: len(cells) if k is None else k  # the shipped notebook's grading points
-                for ex_id, k in grading_points(list(enumerate(cells)), [ex.id for ex in exercises]).items()}
-    helper_uses = set(_kernelside_labels(major))
-    helper_uses |= {_home_label(lab) for lab in helper_uses}
-    ids: dict[str, list[str]] = {}
-    for ex in exercises:
-        # the table's references and the exercise module's own, and each one's helpers in its module
-        # (a reference that hands its work to ``_zb_h1_order`` would be withheld in name only)
-        for label in ex.reference_names():
-            mod, _, qual = label.partition(":")
-            if not mod.startswith("labkit.") or mod.startswith("labkit.grading"):
-                continue
-            top = f"{mod}:{qual.split('.')[0]}"
-            for node in (top, *sorted(callees_in_module(top))):
-                if node == top or _is_function(node):
-                    if ex.id not in ids.setdefault(node, []):
-                        ids[node].append(ex.id)
-    out: dict[str, tuple[str, ...]] = {}
-    kept: dict[str, str] = {}
-    for label, exs in ids.items():
-        reachers = callers_of(label) | {label}
-        first_use = next((i for i, used in enumerate(loads) if used & reachers), len(cells) + 1)
-        # withheld for the exercises graded before any cell uses it (released once they are all graded)
-        protected = tuple(e for e in exs if position[e] <= first_use)
-        if reachers & helper_uses:
-            kept[label] = f"the grader's kernel-side code uses {sorted(reachers & helper_uses)[0]}"
-        elif not protected:
-            used = sorted(reachers & loads[first_use])[0]
-            kept[label] = f"cell {first_use + 1}, before exercise {exs[0]}, uses {used}, which reaches it"
-        else:
-            out[label] = protected
-    return out, kept
-
-
-def _is_function(label: str) -> bool:
-    """Whether the kit's ``label`` ("module:name") is a plain function (a helper worth withholding)."""
-    import importlib
-    import inspect
+def _has_code(label: str) -> bool:
+    """Whether the kit's function or class ``label`` holds code to withhold (a class: a method of its
+    own; a dataclass of fields only holds none)."""
+    from .reach import _module_files
 
     mod, _, name = label.partition(":")
     try:
-        return inspect.isfunction(getattr(importlib.import_module(mod), name))
-    except (ImportError, AttributeError):
+        with open(_module_files()[mod], encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (KeyError, OSError, SyntaxError, ValueError):
         return False
+    node = next((n for n in tree.body if getattr(n, "name", None) == name), None)
+    if isinstance(node, ast.ClassDef):
+        return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+    return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+
+
+def _is_def(label: str) -> bool:
+    """Whether the kit's ``label`` ("module:name") is a function or class defined in its module."""
+    return _home(label) == label
+
+
+def _private_helpers(refs: set[str]) -> set[str]:
+    """The functions of the references' modules that only the references (or each other) call:
+    ``zb_h1_schedule`` hands its work to ``_zb_h1_order``, which nothing else calls. A helper
+    that other kit code shares stays (it does not reach the reference)."""
+    from .reach import _callers, callees_in_module
+
+    cand = {h for r in refs for h in callees_in_module(r) if _is_def(h) and h not in refs}
+    back = _callers()
+    while True:
+        drop = {h for h in cand if not set(back.get(h, ())) <= (refs | cand)}
+        if not drop:
+            return cand
+        cand -= drop
+
+
+@functools.lru_cache(maxsize=None)
+def withheld(notebook: str) -> dict[str, tuple[str, ...]]:
+    """What the graded kernel of assignment ``notebook`` ("01_pipeline_bubble") does without:
+    {"module:name": the exercise ids it is withheld for, until all of them are graded}.
+
+    For each exercise: its references in the kit (``Exercise.reference_names()``; those in
+    ``labkit.grading`` are not in the kernel's copy at all), the helpers only they call, and
+    every function, class or module-level name of the kit from which one of them can be reached
+    (:func:`labkit.grading.reach.callers_of`), but those the kit runs while it is imported
+    (:func:`import_time`: a stub there would break ``import labkit``; whatever reference they
+    reach is itself a stub). Computed from the kit's source, never by running it."""
+    from .reach import callers_of
+    from .registry import exercises_for_notebook
+
+    out: dict[str, list[str]] = {}
+    for ex in exercises_for_notebook(notebook):
+        refs = set()
+        for label in ex.reference_names():
+            mod, _, qual = label.partition(":")
+            if mod.startswith("labkit.") and not mod.startswith("labkit.grading"):
+                refs.add(f"{mod}:{qual.split('.')[0]}")
+        refs |= _private_helpers(refs)
+        for r in sorted(refs):
+            for node in (r, *sorted(callers_of(r))):
+                if node in import_time() or (_is_def(node) and not _has_code(node)):
+                    continue
+                if ex.id not in out.setdefault(node, []):
+                    out[node].append(ex.id)
+    return {label: tuple(ids) for label, ids in out.items()}
+
+
+def problems(notebook: str, cells=None) -> list[str]:
+    """Why the graded kernel of ``notebook`` could not do without its references: a shipped cell
+    that uses or imports a withheld name (:func:`withheld`) at or before the grading point of an
+    exercise it is withheld for, or a kernel-side helper that imports one. ``cells``: the learner
+    notebook's code cells (default: the shipped ones, :func:`shipped_cells`). Empty when none."""
+    from .assignments import grading_points
+    from .registry import exercises_for_notebook
+
+    major = _major(notebook)
+    cells = tuple(shipped_cells(major) if cells is None else cells)
+    held = withheld(notebook)
+    ids = [ex.id for ex in exercises_for_notebook(notebook)]
+    position = {e: len(cells) if k is None else k for e, k in grading_points(list(enumerate(cells)), ids).items()}
+    out = []
+    for k, (used, imported) in enumerate(cell_names(cells)):
+        for label in sorted(imported):
+            if _home(label) not in ("", label) and _home(label) in imported:
+                continue  # said once, where it is defined
+            early = [e for e in held.get(label, ()) if k <= position[e]]
+            if early:
+                how = "uses" if label in used else "imports"
+                out.append(f"{notebook}: code cell {k + 1} {how} {label}, which is (or reaches) the reference of "
+                           f"exercise {early[0]}, graded after code cell {position[early[0]] + 1}: move the cell "
+                           f"after the exercise or give it precomputed values")
+    for label in sorted(_kernelside_labels(major)):
+        if label in held:
+            out.append(f"{notebook}: the kernel-side helpers (labkit/grading/kernelside) import {label}, which is "
+                       f"(or reaches) the reference of exercise {held[label][0]}: compute it in the grader instead")
+    return out
 
 
 def _message(qual: str, mod: str, ids) -> str:
-    return (f"labkit's {qual} ({mod}) is withheld until exercise {', '.join(ids)} is graded: it is the reference "
+    return (f"labkit's {qual} ({mod}) is withheld until exercise {', '.join(ids)} is graded: it is, or runs, the "
             f"implementation the exercise asks you to write")
 
 
@@ -264,8 +496,10 @@ def build_kit(notebooks, dest: str) -> "WithheldKit":
             os.makedirs(os.path.join(kit, left), exist_ok=True)
     plan: dict[str, dict[str, tuple[str, ...]]] = {}
     for nb in notebooks:
-        for label, ids in withheld(nb)[0].items():
-            plan.setdefault(label.partition(":")[0], {})[label] = ids
+        for label, ids in withheld(nb).items():
+            if _is_def(label):  # a function or class of its module (re-exports and aliases hold the stub)
+                have = plan.setdefault(label.partition(":")[0], {}).get(label, ())
+                plan[label.partition(":")[0]][label] = tuple(dict.fromkeys(have + ids))
     store = os.path.join(kit, "_withheld")
     files: dict[str, str] = {}
     for mod, labels in plan.items():
@@ -324,3 +558,23 @@ class WithheldKit:
             os.chmod(self.files[lab], 0o644)
             self.released.add(lab)
         return now
+
+
+@functools.lru_cache(maxsize=None)
+def withheld_calls(exercise_id: str) -> tuple[str, ...]:
+    """The kit's functions and classes ("module:name") that the graded kernel still lacks when
+    exercise ``exercise_id`` is graded: those :func:`withheld` for an exercise of its notebook
+    graded at the same point or later (the shipped learner notebook's grading points). The
+    interactive ``check`` stops an answer that calls one, as the graded kernel would, and says
+    so (:func:`labkit.grading.references.reference_message`)."""
+    from .assignments import grading_points
+    from .registry import exercises_for_notebook, get_exercise
+
+    notebook = get_exercise(exercise_id).notebook
+    cells = shipped_cells(_major(notebook))
+    exercises = exercises_for_notebook(notebook)
+    pos = grading_points(list(enumerate(cells)), [ex.id for ex in exercises])
+    at = {e: len(cells) if k is None else k for e, k in pos.items()}
+    mine = at.get(str(exercise_id), len(cells))
+    return tuple(label for label, ids in withheld(notebook).items()
+                 if _is_def(label) and any(at.get(e, len(cells)) >= mine for e in ids))

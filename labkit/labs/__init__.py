@@ -54,8 +54,10 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     then renamed over ``path`` (``os.replace`` is atomic). A failed write (a full disk: ENOSPC)
     removes the temporary file and raises :class:`OutputError` naming ``path`` and the errno, so
     no truncated file is left."""
+    from ..launch.torchrun import PENDING_FILES  # a rank stopped by a signal under torchrun removes it
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    PENDING_FILES.add(str(tmp))
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -71,6 +73,14 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         except OSError:
             pass
         raise _output_error(path, e) from None
+    except BaseException:   # Ctrl-C, SIGTERM: no temporary file is left either
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        PENDING_FILES.discard(str(tmp))
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 100) -> None:
@@ -176,7 +186,7 @@ def bad_seed(seed: int) -> str | None:
     return None
 
 
-def run_cli(main, *args, check_env: bool = True) -> int:
+def run_cli(main, *args, check_env: bool = True, stopped: str = "stopped; no rank is left running") -> int:
     """Run ``main(*args)`` the way a command line should end: its return code; Ctrl-C -> one line,
     exit 130; SIGTERM or SIGHUP (a closed terminal) -> one line, exit 128 + signal (143, 129); a failed
     rank (RankError) -> one
@@ -184,7 +194,9 @@ def run_cli(main, *args, check_env: bool = True) -> int:
     by :func:`labkit.dist.launch` before the line is printed. After an interrupt the command is
     ending: further SIGINT/SIGTERM are ignored from then on (an impatient second Ctrl-C would
     otherwise print a traceback from Python's exit handlers). ``check_env``: first refuse
-    inconsistent torchrun variables (:func:`labkit.dist.torchrun_env_problem`) with one line, exit 2."""
+    inconsistent torchrun variables (:func:`labkit.dist.torchrun_env_problem`) with one line, exit 2.
+    ``stopped``: what the interrupted command stopped, in its own words (a lab's ranks; the grader's
+    kernels, ...), after "interrupted (Ctrl-C): " or "terminated (SIGTERM): "."""
     import signal
 
     from ..launch import RankError, Terminated, stop_on_first_signal, torchrun_env_problem
@@ -197,11 +209,11 @@ def run_cli(main, *args, check_env: bool = True) -> int:
             return main(*args) or 0
         except KeyboardInterrupt:
             _ignore_signals()
-            print("interrupted (Ctrl-C): stopped; no rank is left running", file=sys.stderr)
+            print(f"interrupted (Ctrl-C): {stopped}", file=sys.stderr)
             return 130
         except Terminated as e:
             _ignore_signals()
-            print(f"terminated ({signal.Signals(e.signum).name}): stopped; no rank is left running", file=sys.stderr)
+            print(f"terminated ({signal.Signals(e.signum).name}): {stopped}", file=sys.stderr)
             return 128 + e.signum
         except RankError as e:
             if is_main_rank():

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"--eplb: device-level balance loss alpha2 (unset: {DEVICE_COEFF})")
     for name in EPLB_OPTIONS:   # the one rule for options without effect (labkit.cliparse.Parser.needs)
         p.needs("--" + name.replace("_", "-"), lambda a: a.eplb, "--eplb", "--eplb")
+    for opt, why in (("--capacity-factor", "--eplb routes without a capacity limit"),
+                     ("--aux-coeff", "--eplb trains no aux-loss run"),
+                     ("--compare-mode", "--eplb compares with the unbalanced model")):
+        p.needs(opt, lambda a: not a.eplb, f"the standard lab ({why})", "no --eplb")
     return p
 
 

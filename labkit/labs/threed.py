@@ -4,6 +4,7 @@
                             [--chunks v] [--microbatches M] [--zero [STAGE]] [--hsdp R] [--tied] [--sp]
                             [--recompute none|selective|full] [--steps N] [--data PATH]
                             [--cp C --cp-attention ring|allgather|ulysses] [--cp-no-load-balance]
+                            [--ignore-frac F]
     torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
 
 Megatron-LM's recipe (Narayanan et al. 2021, sec. 3.3): N = t * p * d devices; TP inside a node
@@ -48,6 +49,14 @@ With ``--moe`` each CP rank routes its S/C tokens over its EP (= DP) group: the 
 the balance losses' gathers of the router logits and indices over CP, the DP row the local
 experts' CP sum, and the experts' activations come from the rows each rank's EP peers of its CP
 rank sent it (not with ``--hsdp``).
+
+Ignored targets (``--ignore-frac F``, :func:`padded_documents`): each sequence of a batch is a
+document of random length padded with -100 targets (about F of the step's targets, between 0 and
+2F per sequence), so the DP ranks, the CP ranks' chunks and the microbatches hold different
+numbers of valid targets, some none. The loss is the mean over the step's valid targets on every
+layout (:mod:`labkit.parallel.loss`: their count is one more all-reduce of 8 bytes, the table's
+"loss" row), and the verdict compares every gradient with one device's on those batches. The
+default, 0, keeps every target.
 """
 from __future__ import annotations
 
@@ -127,6 +136,9 @@ def _parser():
     p.add_argument("--embd", type=int, default=32, help="hidden size H")
     p.add_argument("--heads", type=int, default=4, help="attention heads, divisible by t")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--ignore-frac", type=float, default=0.0, metavar="F",
+                   help="share of the targets set to -100, as variable-length documents padded to --seq (0 <= F "
+                        "< 1): the shards of a step then hold different numbers of valid targets, some none")
     p.add_argument("--impl", default="labkit", choices=("labkit", "torch", "both"),
                    help="labkit: labkit's own layers, pipeline runtime and DDP/ZeRO; torch: PyTorch's own APIs "
                         "(DeviceMesh, parallelize_module, FSDP2, torch.distributed.pipelining; labkit.parallel."
@@ -206,6 +218,8 @@ def _bad_args(a, world) -> str | None:
                         *((("--experts", a.experts),) if a.moe else ())):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
+    if not 0.0 <= a.ignore_frac < 1.0:     # NaN fails too
+        return f"--ignore-frac must be a share of the targets, 0 <= F < 1, got {a.ignore_frac}"
     bad = (bad_lr(a.lr) or bad_number("--tolerance", a.tolerance)
            or bad_number("--bucket-cap-mb", a.bucket_cap_mb) or bad_seed(a.seed) or bad_out(a.out, "--out"))
     if bad:
@@ -218,6 +232,16 @@ def _bad_args(a, world) -> str | None:
     if a.moe and a.cp > 1 and a.hsdp > 1:
         return (f"--moe with --cp {a.cp} is not combined with --hsdp {a.hsdp} here: use --zero 3 without --hsdp, "
                 f"or --cp 1")
+    info, v = lookup(a.schedule), _v(a)
+    if v > 1 and a.pp == 1:
+        return (f"--schedule {a.schedule} runs {v} model chunks per rank"
+                f"{' in a V over the p ranks' if info.v_shaped else ''}: it needs --pp > 1, got --pp 1")
+    rounds = max(1, a.microbatches // a.pp)
+    if v > 1 and a.microbatches % rounds:
+        return (f"--schedule {a.schedule} with {v} chunks per rank on --pp {a.pp} runs the microbatches in rounds = "
+                f"max(1, M // p) = {rounds} equal rounds (torch's ScheduleInterleaved1F1B rule, which the "
+                f"lab's communication count follows), which must divide --microbatches {a.microbatches}; "
+                f"e.g. --microbatches {rounds * a.pp} or {(rounds + 1) * a.pp}")
     try:
         cfg = _config(a)
         from ..parallel import check_layout
@@ -228,16 +252,9 @@ def _bad_args(a, world) -> str | None:
                      n_experts=a.experts if a.moe else None, cp=a.cp)
     except ValueError as e:
         return _with_flags(str(e))
-    info = lookup(a.schedule)
-    if v > 1 and a.pp == 1:
-        return (f"--schedule {a.schedule} runs {v} model chunks per rank"
-                f"{' in a V over the p ranks' if info.v_shaped else ''}: it needs --pp > 1, got --pp 1")
-    rounds = max(1, a.microbatches // a.pp)
-    if v > 1 and a.microbatches % rounds:
-        return (f"--schedule {a.schedule} with {v} chunks per rank on --pp {a.pp} runs the microbatches in rounds = "
-                f"max(1, M // p) = {rounds} equal rounds (torch's ScheduleInterleaved1F1B rule, which the "
-                f"lab's communication count follows), which must divide --microbatches {a.microbatches}; "
-                f"e.g. --microbatches {rounds * a.pp} or {(rounds + 1) * a.pp}")
+    if a.cp > 1 and a.seq % (2 * a.cp):
+        return (f"--seq {a.seq} must be divisible by 2 * --cp = {2 * a.cp} (each sequence splits into 2 cp chunks, "
+                f"two per CP rank: r and 2cp-1-r, which balances the causal attention work)")
     if a.cp > 1 and a.cp_attention == "ulysses" and (a.heads // a.tp) % a.cp:
         return (f"--cp-attention ulysses splits each TP rank's heads over the --cp {a.cp} ranks: --heads {a.heads} / "
                 f"--tp {a.tp} = {a.heads // a.tp} heads per TP rank must be divisible by --cp {a.cp}")
@@ -321,7 +338,24 @@ class Result3D:
 
 
 def _batch(a, corpus, step):
-    return corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
+    x, y = corpus.get_batch("train", a.batch, a.seq, step=step, seed=a.seed)
+    return x, padded_documents(y, getattr(a, "ignore_frac", 0.0), seed=a.seed * 1_000_003 + step)
+
+
+def padded_documents(y, frac: float, seed: int = 0, ignore_index: int = -100):
+    """Targets ``y`` [B, S] as B documents of random length padded to S: sequence i keeps its first
+    S - n_i targets and the last n_i become ``ignore_index``, n_i = floor(min(1, 2 F u_i) S) with
+    u_i uniform in [0, 1) from ``seed`` (about F of the targets for F <= 1/2; some sequences keep
+    all, some none). The first target of the last sequence always stays, so the step has one valid
+    target at least (one device's mean is then defined). ``frac`` 0: ``y`` unchanged."""
+    if frac <= 0:
+        return y
+    B, S = y.shape
+    u = torch.rand(B, generator=torch.Generator().manual_seed(seed))
+    n = ((2 * frac * u).clamp(max=1.0) * S).floor().long()
+    n[-1] = n[-1].clamp(max=S - 1)
+    padded = torch.arange(S).unsqueeze(0) >= (S - n).unsqueeze(1)
+    return y.masked_fill(padded, ignore_index)
 
 
 def _Meter(exclude, gathered):
@@ -870,6 +904,7 @@ class ThreeDLab(Lab):
                   f"B={a.batch} x S={a.seq} tokens")
             print("\nCommunication per step (the busiest rank per row; payload bytes, labkit.comm's convention):")
             print("\n".join(side_by_side(a, None, th)))
+            self._torch_planner(a, th)
             print(f"lab time: {time.perf_counter() - self.t_start:.1f} s")
             return Report({torch_run_name(a): th[0].verdict}, [])
         rep = self._report_labkit(a, outcome)
@@ -879,8 +914,18 @@ class ThreeDLab(Lab):
                   f"parallelize_module, torch.distributed.pipelining), the same layout, weights and batches; "
                   f"last step, busiest rank per row:")
             print("\n".join(side_by_side(a, self.result.ranks, th)))
+            self._torch_planner(a, th)
             rep.verdicts[torch_run_name(a)] = th[0].verdict
         return rep
+
+    def _torch_planner(self, a, th):
+        """The torch-native run's counts next to the planner's, line by line, each equal or explained."""
+        from .threed_torch import planner_lines
+        pred = _planner(a) if a.steps > 1 else None
+        if pred is not None:
+            print("\nThe torch-native run next to the planner (labkit's formulas), per step, on each pipeline "
+                  "rank's d0 t0 rank:")
+            print("\n".join(planner_lines(a, th, pred[1], pred[0])))
 
     def _report_labkit(self, a, outcome):
         out = _summarise(a, outcome.results[_run_name(a)], outcome.reference)
@@ -894,7 +939,10 @@ class ThreeDLab(Lab):
               f"{f', HSDP R={a.hsdp}' if a.hsdp > 1 else ''}"
               f"{', SP' if a.sp else ''}{f', recompute {a.recompute}' if a.recompute != 'none' else ''}"
               f"{f', MoE E={a.experts} top-{a.topk} EP={a.dp}' if a.moe else ''}, "
-              f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens")
+              f"{a.steps} Adam steps of B={a.batch} x S={a.seq} tokens"
+              + (f", about {a.ignore_frac:.0%} of the targets ignored (padded documents: the shards hold "
+                 f"different numbers of valid targets; the loss is the mean over the step's valid ones)"
+                 if a.ignore_frac else ""))
         rows, counts_ok = _axis_table(a, out)
         if a.moe or (_planner(a) is None and (a.sp or a.recompute != "none")):
             counts_ok = True       # ParallelGPT.expected_comm models neither; the planner not these schedules

@@ -82,6 +82,9 @@ def torchrun_where(rank: int | None = None) -> str:
 
 
 _TORCHRUN_GUARD = None
+# temporary files being written now (labkit.labs.write_bytes_atomic): removed by the stop watcher before it ends
+# the process, which runs no finally block
+PENDING_FILES: set = set()
 _STARTED = False   # this rank has begun to join its process group: a signal after it stops a rank at work
 GUARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -100,9 +103,9 @@ def _stop_line(signum: int, sender: int, agent: int) -> str | None:
         if os.environ.get("LOCAL_RANK") != "0":
             return None
         node = os.environ.get("GROUP_RANK")
-        n = os.environ.get("LOCAL_WORLD_SIZE", "the")
-        return (f"{what} during start-up: the {n} ranks of {f'node {node}' if node is not None else 'this node'} "
-                f"stopped before any work")
+        n = os.environ.get("LOCAL_WORLD_SIZE")
+        return (f"{what} during start-up: the {f'{n} ' if n else ''}ranks of "
+                f"{f'node {node}' if node is not None else 'this node'} stopped before any work")
     return f"{what} during start-up: {torchrun_where()} stopped before any work"
 
 
@@ -135,6 +138,11 @@ def _guard_torchrun_rank() -> None:
     def watch():
         info = signal.sigwaitinfo(set(GUARDED))
         try:
+            for path in list(PENDING_FILES):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
             line = _stop_line(info.si_signo, info.si_pid, agent)
             if line:
                 os.write(2, (line + "\n").encode())

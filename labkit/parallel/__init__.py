@@ -9,7 +9,12 @@ The one place that builds a model on a :class:`labkit.grid.ProcessGrid` from the
   :func:`layout`; each stage: slice -> parallelize -> data-parallel wrapper -> pipeline stage;
 * :mod:`.moe`: :class:`ParallelMoEGPT` (attention TP over t, experts over EP = the DP group);
 * :mod:`.moe_pipeline`: the MoE GPT cut into pipeline stages (MoE x PP);
-* :mod:`.expert_slicing`: expert slicing with tensor-parallel non-expert layers (DeepSpeed-MoE).
+* :mod:`.expert_slicing`: expert slicing with tensor-parallel non-expert layers (DeepSpeed-MoE);
+* :mod:`.torch_native`: the same dense 3D GPT with PyTorch's own APIs only (DeviceMesh, parallelize_module,
+  FSDP2, torch.distributed.pipelining; ``lab 3d --impl torch|both``, notebook 17), imported on demand.
+* :mod:`.loss`: the loss of a step with ignored targets, the mean over every valid target of the
+  step on every axis (the count, one all-reduce before the backward; what each microbatch hands
+  the runtime), used by :class:`ParallelGPT`, :class:`ParallelMoEGPT` and the torch-native GPT.
 """
 from .gpt import SCHEDULES, ParallelGPT, check_layout, layout
 from .moe import ParallelMoEGPT

@@ -551,7 +551,7 @@ class ParallelGPT:
         if self.cp > 1:                       # this CP rank's tokens
             x, y = self._context_parallel(x, y)
         if self.has_last_stage:               # N: one all-reduce of this rank's count over the d cp ranks
-            self.tokens.count(y, self.dp_cp_group if self.dp_cp > 1 else None)
+            self.tokens.count(y.to(dev), self.dp_cp_group if self.dp_cp > 1 else None)   # NCCL: on the GPU
             if self.tokens.n == 0:
                 warnings.warn("ParallelGPT.train_step: no valid target in this step (every target is "
                               f"ignore_index={self.tokens.ignore_index}): the loss is 0 and the gradients of the "
@@ -578,7 +578,7 @@ class ParallelGPT:
             if w is not None and hasattr(w, "finish_grad_sync"):
                 w.finish_grad_sync()          # ZeRO-2/3: open syncs and deferred buckets/units reduce-scattered
         if losses:   # the step's token mean, the number one device reports: one more all-reduce of 8 bytes
-            mine = torch.tensor(sum(float(v) for v in losses) / (self.M * self.dp_cp), dtype=torch.float64)
+            mine = torch.tensor(sum(float(v) for v in losses) / (self.M * self.dp_cp), dtype=torch.float64, device=dev)
             if self.dp_cp > 1:
                 comm.all_reduce(mine, self.dp_cp_group)
             return float(mine)

@@ -4,18 +4,20 @@ One device computes ``F.cross_entropy(logits, targets, ignore_index=-100)`` over
 batch: the sum of the per-token losses of the N valid targets, divided by N. A parallel run cuts
 the step into pieces (the d DP ranks' rows, the cp CP ranks' sequence chunks, the M microbatches
 of the pipeline), and each piece differentiates its own loss; the pieces' gradients are then
-combined in fixed ways: the pipeline runtime divides each microbatch's loss by M
-(:mod:`labkit.pipeline.runtime`) and data parallelism averages the gradients over the D = d cp
-ranks that share a stage (DDP, ZeRO-1/2/3, HSDP: :mod:`labkit.data_parallel`). So piece (r, m)
-must hand the runtime::
+combined in fixed ways: the gradients of a rank's microbatches add up in ``.grad`` and data
+parallelism averages the gradients over the D = d cp ranks that share a stage (DDP, ZeRO-1/2/3,
+HSDP: :mod:`labkit.data_parallel`). So piece (r, m) must backpropagate::
 
-    loss[r, m] = sum of its valid per-token losses * M * D / N          (N counted over the whole step)
+    loss[r, m] = (sum of its valid per-token losses) * D / N          (N counted over the whole step)
 
-and ``sum_{r, m} loss[r, m] / (M D)`` is then the step's token mean, whatever the pieces hold.
-Taking each piece's own token mean (``loss[r, m] = mean``, "mean of means": what the pipeline's
-1/M and DDP's 1/D compute from per-microbatch means) is the token mean only when every piece holds
-the same number of valid targets; a piece with none gives 0/0. This is the bug of the 2024
-gradient-accumulation reports and of Megatron-LM issue #7452 (finding 9, context parallelism).
+and ``sum_{r, m} loss[r, m] / D`` is then the step's token mean, whatever the pieces hold
+(:func:`microbatch_losses`, notebook 02's exercise 2.4). labkit's pipeline runtime divides what
+its ``loss_fn`` returns by M (exercise 2.3's rule), so :class:`ParallelGPT
+<labkit.parallel.ParallelGPT>`'s loss function returns M times that (:meth:`StepTokenCount.piece_loss`).
+Taking each piece's own token mean divided by M ("mean of means": the 1/M rule of equal
+microbatches) is the token mean only when every piece holds the same number of valid targets; a
+piece with none gives 0/0. This is the bug of the 2024 gradient-accumulation reports and of
+Megatron-LM issue #7452 (finding 9, context parallelism).
 
 N must be known before the first backward: each rank counts the valid targets of its own rows
 and chunks (all its microbatches), and ONE all-reduce of that count over the D ranks of the
@@ -46,32 +48,33 @@ __all__ = ["microbatch_losses", "loss_scale", "StepTokenCount", "IGNORE_INDEX"]
 IGNORE_INDEX = -100
 
 
-def loss_scale(n_step: int, M: int, D: int) -> float:
-    """The factor each piece multiplies its SUM of valid token losses by: ``M D / N`` (0 when the
-    step has no valid target, N = 0). ``M``: microbatches per step the runtime divides by; ``D``:
-    the ranks data parallelism averages the gradients over (d, times cp with context parallelism)."""
-    return 0.0 if n_step == 0 else M * D / n_step
+def loss_scale(n_step: int, D: int) -> float:
+    """The factor each piece multiplies its SUM of valid token losses by before its backward:
+    ``D / N`` (0 when the step has no valid target, N = 0). ``D``: the ranks data parallelism
+    averages the gradients over (d, times cp with context parallelism)."""
+    return 0.0 if n_step == 0 else D / n_step
 
 
 def microbatch_losses(token_losses: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The loss each piece of a step hands the pipeline runtime, on one process (the reference of
-    notebook 02's exercise 2.4).
+    """The loss each microbatch of each DP rank backpropagates, on one process (the reference of
+    notebook 02's exercise 2.4): its gradients, accumulated over the M microbatches and then
+    averaged over the D ranks, are those of one device's token mean.
 
     Args:
         token_losses: ``[D, M, ...]`` float, the per-token losses of DP rank r's microbatch m
             (anything at ignored positions).
         valid: ``[D, M, ...]`` bool, True where the target is valid (not ``ignore_index``).
 
-    Returns ``[D, M]``: ``loss[r, m] = sum(token_losses[r, m][valid[r, m]]) * M D / N``, N the valid
+    Returns ``[D, M]``: ``loss[r, m] = sum(token_losses[r, m][valid[r, m]]) * D / N``, N the valid
     targets of the whole step, differentiable in ``token_losses``; all zeros when N = 0. Then
-    ``loss.sum() / (M D)`` (the runtime's 1/M, DP's average over D) is the step's token mean.
+    ``loss.sum() / D`` (DP's average over D) is the step's token mean.
     Raises ValueError when the shapes differ or have fewer than two dimensions."""
     if token_losses.shape != valid.shape or token_losses.dim() < 2:
         raise ValueError(f"token_losses {tuple(token_losses.shape)} and valid {tuple(valid.shape)} must both be "
                          f"[D, M, ...]")
     D, M = token_losses.shape[:2]
     sums = token_losses.masked_fill(~valid, 0.0).reshape(D, M, -1).sum(-1)
-    return sums * loss_scale(int(valid.sum()), M, D)
+    return sums * loss_scale(int(valid.sum()), D)
 
 
 class StepTokenCount:
@@ -81,8 +84,8 @@ class StepTokenCount:
     ``ignore_index`` where ignored), summed over ``group`` (the D ranks of the data-parallel x
     context-parallel group; None: this rank alone) in one all-reduce of a 0-d int64 (8 bytes,
     counted by :class:`labkit.comm.CommLog` and in the planner's ``"loss"`` axis). Sets ``n`` and
-    ``scale`` = :func:`loss_scale` ``(n, M, D)``. ``piece_loss(sum)``: a piece's loss from the sum of
-    its valid token losses."""
+    ``scale`` = M :func:`loss_scale` ``(n, D)``. ``piece_loss(sum)``: what a microbatch hands the
+    pipeline runtime (which divides it by M) from the sum of its valid token losses."""
 
     def __init__(self, M: int, D: int, ignore_index: int = IGNORE_INDEX):
         self.M, self.D, self.ignore_index = M, D, ignore_index
@@ -93,7 +96,7 @@ class StepTokenCount:
         if group is not None and self.D > 1:
             comm.all_reduce(n, group)
         self.n = int(n)
-        self.scale = loss_scale(self.n, self.M, self.D)
+        self.scale = self.M * loss_scale(self.n, self.D)
         return self.n
 
     def piece_loss(self, token_loss_sum: torch.Tensor) -> torch.Tensor:

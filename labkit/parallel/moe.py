@@ -109,7 +109,7 @@ class ParallelMoEGPT:
                 loss = self.tokens.piece_loss(self.loss_fn(run(xs[m]), ys[m], reduction="sum"))
                 (loss / M).backward()
             total += float(loss)
-        mine = torch.tensor(total / (M * d), dtype=torch.float64)     # the step's token mean: 8 more bytes
+        mine = torch.tensor(total / (M * d), dtype=torch.float64, device=dev)   # the step's token mean: 8 more bytes
         if d > 1:
             comm.all_reduce(mine, self.grid.dp_group)
         aux, self.model.aux_values[:] = sum(self.model.aux_values), []   # of this step's M forwards

@@ -25,9 +25,13 @@ them (``torchtitan/models/llama3/infra/parallelize.py``, ``pipeline.py``):
 5. **schedule**: ``torch.distributed.pipelining`` ``PipelineStage`` per stage over
    ``mesh["pp"]`` and ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``.
 
-Gradients: each microbatch's loss is the mean over its b S tokens; the schedule divides the
-gradients by M (``scale_grads``) and FSDP2 averages them over d, so they are the global batch
-mean's, as on one device and in labkit.
+Gradients: the loss is the mean over every valid target of the step (targets of -100 left out, as
+one device's ``F.cross_entropy``), as in labkit (:mod:`labkit.parallel.loss`): the last stage's
+ranks count the step's valid targets before the first backward (one all-reduce of 8 bytes over
+the d DP ranks, the "loss" axis), each microbatch's loss is the SUM of its valid token losses
+times M d / N, the schedule divides the gradients by M (``scale_grads``) and FSDP2 averages them
+over d, so they are the global token mean's whatever the shards hold. A step without a valid
+target gives zero gradients and a warning; the reported loss is the step's (8 more bytes).
 
 Refused (one line, :func:`check_torch_layout`): context parallelism (torch's ``context_parallel``
 shards ``F.scaled_dot_product_attention``, which has no sharding rule for the CPU kernel: it does
@@ -55,6 +59,7 @@ from ..comm import CommRecord, ring_wire_bytes
 from ..grid import Mesh
 from ..model import GPT
 from ..pipeline.stages import stage_layers
+from .loss import StepTokenCount
 
 __all__ = ["TORCH_SCHEDULES", "CP_REFUSAL", "check_torch_layout", "tp_plan", "plan_table", "build_mesh",
            "TorchNativeGPT", "TorchCommLog"]
@@ -156,8 +161,11 @@ def plan_table(sequence_parallel: bool = False) -> list[tuple[str, str, str]]:
     for name, style in tp_plan(sequence_parallel).items():
         name = name.replace("blocks.0", "blocks.i")
         kind = type(style).__name__
-        out = getattr(style, "output_layouts", None) or getattr(style, "desired_input_layouts", None)
-        rows.append((name, kind, str(out[0] if isinstance(out, tuple) else out)))
+        if kind == "SequenceParallel":
+            out = style.sequence_sharding
+        else:
+            out = getattr(style, "output_layouts", None) or getattr(style, "desired_input_layouts", None)
+        rows.append((name, kind, repr(out[0] if isinstance(out, tuple) else out)))
     return rows
 
 
@@ -198,7 +206,8 @@ class TorchNativeGPT:
 
     :meth:`train_step` ``(x [B, S], y [B, S])``: forward and backward of the global batch (every rank
     passes the same; each DP rank takes its B/d rows and splits them into M microbatches); returns
-    this DP rank's mean loss on the last pipeline stage, else None. Raises ValueError as
+    the step's loss (the mean over its valid targets, one device's number) on the last pipeline stage,
+    else None. Raises ValueError as
     :func:`check_torch_layout` (call it first: no communication).
     """
 
@@ -253,11 +262,29 @@ class TorchNativeGPT:
         self.schedule = cls(stages if schedule == "interleaved" else stages[0], n_microbatches, loss_fn=self._loss)
         self.optimizer = None
         self.last_loss_parallel = self.t > 1
+        self.tokens = StepTokenCount(n_microbatches, self.d)      # the step's valid targets N
+        self._count_group = self._dp_group() if self.d > 1 else None
+
+    def _dp_group(self):
+        """The process group of this rank's d DP ranks (HSDP's replicate x shard ranks flattened; every
+        rank creates every group, in the same order)."""
+        import torch.distributed as dist
+        if len(self.dp_dims) == 1:
+            return self.mesh["dp"].get_group()
+        full, mine = self.mesh.mesh, None
+        for pp in range(full.shape[0]):
+            for tt in range(full.shape[-1]):
+                ranks = [int(r) for r in full[pp, ..., tt].flatten().tolist()]
+                g = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine = g
+        return mine
 
     def _loss(self, logits, targets):
-        """Mean cross-entropy of one microbatch; logits ``[b, S, V]`` (under TP a DTensor sharded over
-        the vocabulary: ``loss_parallel`` computes it without gathering the logits)."""
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        """One microbatch's loss: the sum of its valid token losses times M d / N
+        (:class:`labkit.parallel.loss.StepTokenCount`); logits ``[b, S, V]`` (under TP a DTensor sharded
+        over the vocabulary: ``loss_parallel`` computes it without gathering the logits)."""
+        return self.tokens.piece_loss(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
 
     @property
     def has_last_stage(self) -> bool:
@@ -286,7 +313,8 @@ class TorchNativeGPT:
     def train_step(self, x: torch.Tensor, y: torch.Tensor):
         """Forward and backward of the global batch ``x, y [B, S]`` (this DP rank's B/d rows, M
         microbatches); gradients reduce-scattered (FSDP2) or all-reduced (DDP mesh) in the last
-        microbatch's backward. Returns this DP rank's mean loss on the last stage, else None."""
+        microbatch's backward. Returns the step's loss (the mean over its valid targets) on the last stage,
+        else None."""
         from torch.distributed.tensor.parallel import loss_parallel
         B = x.shape[0]
         if B % (self.d * self.M):
@@ -297,12 +325,22 @@ class TorchNativeGPT:
         x, y = x.to(dev), y.to(dev)
         losses: list = []
         first, last = 0 in self.stage_ids, self.has_last_stage
+        if last:      # N: one all-reduce of this DP rank's count before the first backward
+            self.tokens.count(y, self._count_group)
+            if self.tokens.n == 0:
+                warnings.warn("TorchNativeGPT.train_step: no valid target in this step (every target is -100): "
+                              "the loss is 0 and its gradients are zero", RuntimeWarning, stacklevel=2)
         args = (x,) if first else ()
         kwargs = {"target": y, "losses": losses} if last else {}
         with loss_parallel() if self.t > 1 else _null():
             self.schedule.step(*args, **kwargs)
-        if losses:
-            return float(sum(float(_full(v.detach())) for v in losses) / len(losses))
+        if losses:   # the step's token mean, the number one device reports
+            mine = torch.tensor(sum(float(_full(v.detach())) for v in losses) / (self.M * self.d), dtype=torch.float64,
+                                device=dev)
+            if self._count_group is not None:
+                import torch.distributed as dist
+                dist.all_reduce(mine, group=self._count_group)
+            return float(mine)
         return None
 
     # ---------------------------------------------------------------- inspection
@@ -352,6 +390,8 @@ class TorchNativeGPT:
         ax = self.axis_ranks()
         if rec.kind in ("send", "recv"):
             return "pp"
+        if rec.kind == "all_reduce" and tuple(rec.shape) == () and len(ranks) > 1 and ranks == ax["dp"]:
+            return "loss"     # the step's valid-target count and its reported loss (0-d)
         if self.t > 1 and ranks == ax["tp"]:
             return "tp"
         if ranks and (ranks == ax["dp"] or any(ranks == ax.get(n) for n in self.dp_dims)) and len(ranks) > 1:

@@ -64,7 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--fp32-grads", action="store_true",
                      help="Megatron-LM's convention: fp32 gradients, 18 bytes/param (6 + 12/d with ZeRO-1); "
                           "default labkit's bf16 gradients, 16 bytes/param")
-    p.add_argument("--top", type=int, default=8, help="how many layouts to list")
+    p.add_argument("--top", type=int, default=8, help="how many layouts to list (the search, without --layout)")
+    # the one rule (labkit.cliparse.Parser.needs): an option that changes nothing here is refused
+    p.needs("--recompute", lambda a: a.layout is not None, "--layout (the search tries all three)", "--layout")
+    p.needs("--no-sp", lambda a: a.layout is not None, "--layout (the search turns SP on with TP)", "--layout")
+    p.needs("--top", lambda a: a.layout is None, "the search, which --layout {layout} replaces",
+            "no --layout")
     return p
 
 
@@ -118,6 +123,9 @@ def _read_model_json(path: str) -> dict:
                          f"is not UTF-8)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--model {path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"--model {path}: JSON nested too deeply (a model file is one flat object of "
+                         f"ModelSpec fields)") from None
     if not isinstance(obj, dict):
         raise ValueError(f"--model {path}: must hold a JSON object of ModelSpec fields, got {type(obj).__name__}")
     known = {f.name for f in fields(ModelSpec)}
@@ -201,6 +209,13 @@ def _comm_lines(spec, lay, cluster) -> list[str]:
         ops = ", ".join(f"{n} x {kind}" for kind, (n, _) in sorted(ax.ops.items()))
         out.append(f"  {k:>2} (group {ax.group}, {ax.link}): {ops}; payload {ax.payload / GB:.2f} GB, "
                    f"wire {ax.wire / GB:.2f} GB")
+    from .memory import holds_last
+    last = next(r for r in range(lay.p) if holds_last(lay, r))
+    loss = comm_per_rank(spec, lay, cluster, last)["loss"]
+    if loss.ops:     # the last stage's: the step's valid-target count (before backward) and its reported loss
+        n, nbytes = loss.ops["all_reduce"]
+        out.append(f"  loss (group {loss.group}, {loss.link}, pipeline rank {last}): {n} x all_reduce of "
+                   f"{nbytes // n} B (the step's valid-target count before backward, its loss after)")
     return out
 
 
@@ -222,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         header = (f"{spec.name}: {spec.total_params() / 1e9:.1f}B parameters ({spec.active_params() / 1e9:.1f}B "
                   f"active), L={spec.n_layer} h={spec.hidden} a={spec.n_head} s={spec.seq_len} global batch "
                   f"{spec.global_batch}; {a.gpus} GPUs, {a.gpus_per_node} per node, {a.gpu_memory:g} GB each")
-        if a.layout:  # every error before the first line of output
+        if a.layout is not None:  # every error before the first line of output ("" is an empty layout, refused)
             lay = _parse_layout(a.layout, a, spec)
             ranks = memory_per_rank(spec, lay)
             T = step_time(spec, lay, cluster)

@@ -2,6 +2,8 @@
 leaves, and a hint to round up; hidden cases keep other K and targets."""
 import math
 
+import pytest
+
 from labkit.grading.registry import get_exercise
 from labkit.grading.testing import assert_check_passes, assert_public_case_fails
 
@@ -24,3 +26,36 @@ def test_floor_fails_a_public_case_with_the_bubble_it_leaves():
                              contains="expected 5, got 4; with M=4 the bubble is 0.3333 > 0.3",
                              hint="rounding it one way leaves the bubble above the target")
     assert len([c for c in get_exercise("1.2").cases if c.hidden]) >= 2
+
+
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: a NumPy int or a 0-d int tensor is an int; a float is named as a float."""
+    from labkit.grading.testing import with_ints_as
+    for kind in ("numpy", "tensor"):
+        assert_check_passes("1.2", with_ints_as(kind, smallest_ceil))
+    assert_public_case_fails("1.2", lambda K, t: float(smallest_ceil(K, t)), "returns an int",
+                             contains="expected an int, got float 57")
+
+
+def _checked(f):
+    def g(K, M):
+        if K < 1 or M < 1:
+            raise ValueError("K, M >= 1")
+        return f(K, M)
+    return g
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (_checked(lambda K, M: (K - 1) / M), "K=4, M=8", "the idle time over the busy time only"),
+    (_checked(lambda K, M: K / (M + K)), "K=4, M=8", "K waiting slots counted where a stage waits K - 1"),
+    (_checked(lambda K, M: 100 * (K - 1) / (M + K - 1)), "K=4, M=8", "a percentage"),
+])
+def test_bubble_mistakes_are_named(wrong, case, contains):
+    """Issue 36's learner round: each new wrong answer is named, not just a value."""
+    assert_public_case_fails("1.1", wrong, case, contains=contains)
+
+
+def test_rounding_to_the_nearest_is_named_by_a_public_case():
+    """Issue 36's learner round: round() instead of ceil passed every public case (a hidden one caught it)."""
+    assert_public_case_fails("1.2", lambda K, t: max(1, round((K - 1) * (1 - t) / t)), "K=5, target 0.3",
+                             contains="rounded to the nearest whole number: with M=9 the bubble is 0.3077 > 0.3")

@@ -209,11 +209,128 @@ WRONG_PUBLIC = {
                       "they are, but the batch loss is their MEAN"}),
     "zeroing_inside_the_loop_fails_with_the_difference":
         ("2.3", accumulate_zeroing, "M=4: every parameter gradient",
-         {"contains": "embedding.wte.weight vs M=4 microbatches' (loss / M each): tensors of shape (256, 16) differ "
-                      "in"}),
+         {"contains": "embedding.wte.weight vs the full batch's gradient: tensors of shape (256, 16) differ in"}),
 }
 
 
 @pytest.mark.parametrize("exercise,answer,case,kw", WRONG_PUBLIC.values(), ids=WRONG_PUBLIC)
 def test_wrong_answer_fails_public_case(exercise, answer, case, kw):
     assert_public_case_fails(exercise, answer, case, **kw)
+
+
+# ----------------------------------------------------------------------------- 2.4: ignored targets
+import torch  # noqa: E402
+
+
+def step_losses(token_losses, valid):
+    d = token_losses.shape[0]
+    n = valid.sum()
+    sums = token_losses.masked_fill(~valid, 0).sum((2, 3))
+    return sums * d / n if n else torch.zeros_like(sums)
+
+
+def mean_of_means(token_losses, valid):
+    """Wrong: each microbatch's token mean divided by M (exercise 2.3's rule on uneven pieces)."""
+    M = token_losses.shape[1]
+    return token_losses.masked_fill(~valid, 0).sum((2, 3)) / valid.sum((2, 3)) / M
+
+
+def mean_of_means_guarded(token_losses, valid):
+    """Wrong: the mean of means, with 0 instead of NaN for an empty piece."""
+    return mean_of_means(token_losses, valid).nan_to_num(0.0)
+
+
+def per_rank_count(token_losses, valid):
+    """Wrong: each rank divides by its own valid targets (the gradient-accumulation fix without DP)."""
+    return token_losses.masked_fill(~valid, 0).sum((2, 3)) / valid.sum((1, 2, 3)).unsqueeze(1)
+
+
+def divided_by_m(token_losses, valid):
+    """Wrong: the step's count, and then 1/M again."""
+    return step_losses(token_losses, valid) / token_losses.shape[1]
+
+
+def no_factor_d(token_losses, valid):
+    """Wrong: the step's count, forgetting that DP averages the d ranks' gradients."""
+    return step_losses(token_losses, valid) / token_losses.shape[0]
+
+
+def ignored_summed(token_losses, valid):
+    """Wrong: sums every position, ignored ones included."""
+    return token_losses.sum((2, 3)) * token_losses.shape[0] / valid.sum()
+
+
+def nan_when_empty(token_losses, valid):
+    """Wrong: right except that a step without any valid target gives 0/0."""
+    d = token_losses.shape[0]
+    return token_losses.masked_fill(~valid, 0).sum((2, 3)) * d / valid.sum()
+
+
+def test_step_loss_solution_passes():
+    assert_check_passes("2.4", step_losses)
+
+
+def test_labkit_s_reference_is_refused():
+    from labkit.grading.references import reference_message
+    from labkit.parallel.loss import microbatch_losses
+    assert_check_fails("2.4", microbatch_losses, contains=reference_message("labkit.parallel.loss:microbatch_losses"))
+
+
+@pytest.mark.parametrize("answer,case,contains", [
+    (mean_of_means, "d=2, M=3", "each microbatch's own token mean divided by M (the mean of means)"),
+    (mean_of_means_guarded, "d=2, M=3", "(the mean of means)"),
+    (per_rank_count, "d=2, M=3", "each rank divided by its own count of valid targets (a per-rank count)"),
+    (divided_by_m, "d=2, M=3", "M=3 times too small: divided by M on top of the step's count"),
+    (no_factor_d, "d=2, M=3", "d=2 times too small: the d ranks' gradients are AVERAGED"),
+    (ignored_summed, "d=2, M=3", "the ignored positions were added in"),
+], ids=["mean of means", "mean of means, 0 for empty", "per-rank count", "dividing by M", "no factor d",
+        "ignored summed"])
+def test_step_loss_wrong_answers_are_named(answer, case, contains):
+    assert_public_case_fails("2.4", answer, case, contains=contains)
+
+
+def test_step_loss_empty_shards_are_public_and_named():
+    names = [c.name for c in get_exercise("2.4").cases if not c.hidden]
+    assert any("no valid target" in n and "microbatch" in n for n in names)
+    assert any("no valid target" in n and "rank" in n for n in names)
+    # the mean of means that avoids NaN still fails on the uneven pieces; the per-rank count's NaN is named too
+    res = assert_check_fails("2.4", per_rank_count)
+    assert "a per-rank count" in res.message
+    res = assert_check_fails("2.4", nan_when_empty)          # passes the public cases, fails the hidden one
+    bad = [c for c in res.cases if c.status == "failed"]
+    assert len(bad) == 1 and bad[0].name.startswith("no valid target in the whole step"), res.message
+    case = next(c for c in get_exercise("2.4").cases if c.name == bad[0].name)
+    out = run_case(case, nan_when_empty)                     # what the instructor's report shows
+    assert "has no valid target: 0/0" in out.message, out.message
+
+
+def test_step_loss_cases_are_fresh_each_run():
+    fresh = next(c for c in get_exercise("2.4").cases if c.name.endswith("(fresh inputs)"))
+    assert fresh.hidden
+    assert run_case(fresh, step_losses).status == "passed"
+    assert run_case(fresh, per_rank_count).status == "failed"
+
+
+def test_step_loss_hints_do_not_give_the_answer():
+    ex = get_exercise("2.4")
+    for text in (ex.hint, ex.hint2):
+        assert "* d / N" not in text and "d / N" not in text and "sum(" not in text
+
+
+def test_labkit_s_microbatch_losses_is_the_step_token_mean():
+    from labkit.grading.exercises.nb02_gpipe import _step_inputs
+    from labkit.parallel.loss import microbatch_losses
+    for seed, d, M, empty in ((1, 2, 3, [(0, 1)]), (2, 3, 2, [(1, None)]), (3, 2, 2, [(0, None), (1, None)])):
+        losses, valid = _step_inputs(seed, d, M, 2, 8, empty)
+        got = microbatch_losses(losses, valid)
+        assert torch.allclose(got, step_losses(losses, valid), rtol=1e-12, atol=0)
+        want = losses[valid].mean() if valid.any() else torch.tensor(0.0, dtype=torch.float64)
+        assert torch.allclose(got.sum() / d, want, rtol=1e-12, atol=0)
+
+
+def test_step_loss_reference_is_withheld_from_the_graded_kernel():
+    from labkit.grading.withhold import withheld
+    held, kept = withheld("02_gpipe")
+    for name in ("microbatch_losses", "loss_scale", "StepTokenCount"):
+        assert held.get(f"labkit.parallel.loss:{name}") == ("2.4",), held
+        assert f"labkit.parallel.loss:{name}" not in kept

@@ -58,7 +58,7 @@ def unclamped_warmup(K, M):
 def test_unclamped_warmup_fails_a_public_case_with_m_below_k():
     assert_public_case_fails("3.1", unclamped_warmup, "fewer microbatches than stages (K=4, M=2)",
                              contains="the validator says: rank 0, action 4 (RECV_B-1@s0): microbatch -1 outside 0..1",
-                             hint="the warm-up cannot be longer than the microbatches there are")
+                             hint="does every rank's plan use only microbatches 0..M-1?")
     assert any(c.hidden and c.name.startswith("M < K") for c in get_exercise("3.1").cases)
 
 
@@ -78,13 +78,30 @@ WRONG = {
          {"contains": "backward before forward: F0@s1 has not run on this rank"}),
     "in_flight_without_min_fails_for_few_microbatches":
         ("3.2", lambda K, M: [K - s for s in range(K)],
-         {"contains": "in_flight_1f1b(K=4, M=2)[0]: expected 2, got 4"}),
+         {"contains": "in_flight_1f1b(K=4, M=2): expected [2, 2, 2, 1], got [4, 3, 2, 1] (more than M on some stages"}),
     "in_flight_gpipe_answer_fails_against_measurement":
         ("3.2", lambda K, M: [M] * K,
-         {"contains": "vs the peak measured by the runtime[0]: expected 4, got 8"}),
+         {"contains": "vs the peak measured by the runtime: expected [4, 3, 2, 1], got [8, 8, 8, 8] (every "
+                      "microbatch in flight at once"}),
 }
 
 
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (lambda K, M: [K - s for s in range(K)], "K=4, M=8: measured", None),
+    (lambda K, M: [min(M, K - s - 1) for s in range(K)], "K=4, M=8: measured", "one fewer on every stage"),
+    (lambda K, M: [min(M, s + 1) for s in range(K)], "K=4, M=8: measured", "the stages in reverse order"),
+    (lambda K, M: [min(M, K)] * K, "K=4, M=8: measured", "the same count on every stage"),
+    (lambda K, M: [M] * K, "K=4, M=8: measured", "every microbatch in flight at once: that is GPipe's memory"),
+])
+def test_in_flight_mistakes_are_named(wrong, case, contains):
+    """Issue 36's learner round: each wrong count says what it did (the first passes K=4, M=8 and is named on
+    the case with M < K)."""
+    if contains is None:
+        assert_public_case_fails("3.2", wrong, "K=4, M=2", contains="more than M on some stages")
+    else:
+        assert_public_case_fails("3.2", wrong, case, contains=contains)

@@ -44,6 +44,15 @@ def test_megatron_multiple_of_k_rule_fails_on_what_torch_runs():
     assert_check_fails("4.2", old_rule, contains="torch's ScheduleInterleaved1F1B runs K=4, M=6")
 
 
+def test_rounds_rule_applied_to_v1_is_named():
+    """Issue 36: the rounds check applied for v = 1 too passed every case (the v = 1 case used M = 6)."""
+    def rounds_always(K, M, v):
+        if M % max(1, M // K):
+            raise ValueError("the rounds max(1, M // K) must divide M")
+        return (K - 1) / (v * M + K - 1)
+    assert_public_case_fails("4.2", rounds_always, "K=4, M=9, v=1", contains="with v = 1 there is one chunk per rank")
+
+
 # a plausible wrong answer fails with a message that names the mistake
 # test id: (exercise, answer, assert_check_fails's keywords)
 WRONG = {
@@ -71,3 +80,15 @@ WRONG = {
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+def test_new_learner_mistakes_are_named():
+    """Issue 36's learner round: layers dealt round robin, sends counted per rank or past the last stage."""
+    assert_public_case_fails("4.1", lambda r, L, K, v: list(range(r, L, K)), "16 layers, K=4, v=2, rank 0",
+                             contains="layers dealt out one at a time, round robin")
+    assert_public_case_fails("4.3", lambda K, M, v: 0 if K == 1 else 2 * M * (K * v - 1) * K, "K=4, M=8",
+                             contains="counted once per rank")
+    assert_public_case_fails("4.3", lambda K, M, v: 0 if K == 1 else 2 * M * K * v, "K=4, M=8",
+                             contains="is there a boundary after the last stage?")
+    assert_public_case_fails("4.3", lambda K, M, v: 0 if K == 1 else 2 * (K * v - 1), "K=4, M=8",
+                             contains="one microbatch: all M cross every boundary")

@@ -76,6 +76,30 @@ class CheckpointNoRng(torch.autograd.Function):
         return None, x.grad
 
 
+class CheckpointSavedAfter(torch.autograd.Function):
+    """Wrong: saves the RNG state after the forward drew its masks (issue 36: one line with no restore)."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            y = run(x)
+        ctx.rng = torch.get_rng_state()
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        with torch.random.fork_rng():
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                x = x.detach().requires_grad_(True)
+                y = ctx.run(x)
+        torch.autograd.backward(y, grad_y)
+        return None, x.grad
+
+
 class CheckpointNoFork(torch.autograd.Function):
     """Wrong (caught by a public case since issue 13): restores the RNG state without fork_rng,
     rewinding the training stream."""
@@ -126,8 +150,10 @@ def test_solution_passes(ex, answer):
 @pytest.mark.parametrize("ex, answer, contains", [
     ("5.1", boundaries_remainder_last, "got sizes [2, 2, 2, 4] from boundaries [0, 2, 4, 6, 10]"),
     ("5.1", boundaries_range_step, "expected k+1 = 5 boundaries (k segments), got 6"),
-    ("5.2", best_sqrt, "k=10 has a peak of 90 bytes, but k=25 has 57"),
-    ("5.3", CheckpointNoRng, 'failed case "dropout p=0.5: the recomputation draws the same masks": dropout p=0.5: dL/dx'),  # noqa: E501
+    ("5.2", best_sqrt, "k=10 (sqrt(n)) has a peak of 90 bytes, but k=25 has 57"),
+    ("5.3", CheckpointNoRng, 'case "dropout p=0.5: the recomputation draws the same masks"\n  dropout p=0.5: dL/dx'),
+    ("5.3", CheckpointNoRng, "the recomputation drew new dropout masks: the RNG state was not set back"),
+    ("5.3", CheckpointSavedAfter, "the RNG state was saved after the forward had already drawn its masks"),
     ("5.3", CheckpointNoGrad, "the recomputation ran with gradients disabled"),
 ])
 def test_wrong_answer_fails_with_a_useful_message(ex, answer, contains):
@@ -145,3 +171,20 @@ def test_restoring_the_rng_without_fork_fails_a_public_case():
                                       "must not be rewound by the recomputation): expected tensor([",
                              hint="still leave the training stream where it was")
     assert any(c.hidden and "RNG stream" in c.name for c in get_exercise("5.3").cases)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+@pytest.mark.parametrize("ex, answer", [("5.1", segment_boundaries), ("5.2", best_segment_count)])
+def test_integers_of_any_kind_are_accepted(ex, answer, kind):
+    """Issue 36: a NumPy int or a 0-d int tensor is an int."""
+    from labkit.grading.testing import with_ints_as
+    assert_check_passes(ex, with_ints_as(kind, answer))
+
+
+def test_new_segment_count_mistakes_are_named():
+    """Issue 36's learner round: sqrt(n) whatever the sizes, and the smooth optimum rounded."""
+    import math
+    assert_public_case_fails("5.2", lambda n, a, s: max(1, round(math.sqrt(n))), "n=100",
+                             contains="sqrt(n) is the best k only when a layer saves as much as a segment's input")
+    assert_public_case_fails("5.2", lambda n, a, s: max(1, min(n, round(math.sqrt(n * s / a)))), "n=100",
+                             contains="the smooth optimum sqrt(n s / a) rounded")

@@ -91,8 +91,8 @@ def test_solution_passes(ex, answer):
     ("6.1", partials_rows_of_A, ["partial 0 expected", "do not sum"]),
     ("6.1", partials_interleaved, ["partial 0 expected", "i-th block of columns"]),
     ("6.2", CopyNoReduce, ["dL/dX on rank 0 is only the share of its own branch", "never summed"]),
-    ("6.2", ReduceFromRegion, ["forward output Z on rank 0"]),
-    ("6.3", ReduceBothWays, ["dL/dX on rank 0", "got is 2 x expected everywhere"]),
+    ("6.2", ReduceFromRegion, ["the sum of the ranks' partial outputs"]),
+    ("6.3", ReduceBothWays, ["the sum of the ranks' dL/dX shares", "g's backward must pass the gradient through"]),
     ("6.3", CopyToRegion, ["forward output Z on rank 0", "Hint"]),
 ])
 def test_wrong_answer_fails_with_a_useful_message(ex, answer, words):

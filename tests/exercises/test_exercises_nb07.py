@@ -173,3 +173,55 @@ def test_the_grader_counts_the_all_reduces_at_its_relay():
 def test_a_real_collective_through_an_alias_finds_no_process_group():
     res = assert_check_fails("7.3", ce_through_an_alias, contains="process group")
     assert res.passed == 0, res.cases  # t=1 too: these ranks never have a process group
+
+
+def embedding_negative_unmasked(ids, weight_shard, vocab_start):
+    """Wrong: subtracts vocab_start but masks only the ids past the block (F.embedding: IndexError)."""
+    n = weight_shard.shape[0]
+    local = ids - vocab_start
+    outside = local >= n
+    return F.embedding(local.masked_fill(outside, 0), weight_shard).masked_fill(outside[..., None], 0.0)
+
+
+def embedding_negative_wraps(ids, weight_shard, vocab_start):
+    """Wrong: the same with indexing, where row -k silently counts from the end."""
+    n = weight_shard.shape[0]
+    local = ids - vocab_start
+    outside = local >= n
+    return weight_shard[local.masked_fill(outside, 0)].masked_fill(outside[..., None], 0.0)
+
+
+def embedding_above_unmasked(ids, weight_shard, vocab_start):
+    """Wrong: masks only the ids below the block."""
+    local = ids - vocab_start
+    outside = local < 0
+    return weight_shard[local.masked_fill(outside, 0)].masked_fill(outside[..., None], 0.0)
+
+
+def test_unmasked_ids_below_or_above_the_block_are_named():
+    """Issue 36: negative local ids left unmasked were told to subtract vocab_start (they did)."""
+    res = assert_public_case_fails("7.2", embedding_negative_unmasked, "V=16, t=2",
+                                   contains="ids below vocab_start belong to an earlier rank's block")
+    assert "global id is not a row number" not in res.message
+    assert_public_case_fails("7.2", embedding_negative_wraps, "V=16, t=2",
+                             contains="the rows of ids below vocab_start=8 are not zero: they hold rows counted from "
+                                      "the end of the shard")
+    assert_public_case_fails("7.2", embedding_above_unmasked, "V=16, t=2",
+                             contains="ids at or past vocab_start + V/t belong to a later rank's block")
+
+
+def ce_sum_of_maxima(local_logits, target, group):
+    """Wrong: the rank maxima all-reduced with SUM (right for small logits: any common shift works)."""
+    m = local_logits.max(dim=-1).values
+    comm.all_reduce(m, group=group)
+    z = local_logits - m.unsqueeze(-1)
+    z_y = comm.all_reduce(_target_logit(z, target, group), group=group)
+    s = comm.all_reduce(z.exp().sum(-1), group=group)
+    return s.log() - z_y
+
+
+def test_max_reduced_with_sum_is_named():
+    """Issue 36: a SUM all-reduce of the maxima was told no max was subtracted."""
+    res = assert_public_case_fails("7.3", ce_sum_of_maxima, "t=2, large logits",
+                                   contains="each rank's max was all-reduced with SUM")
+    assert "no global max was subtracted" not in res.message

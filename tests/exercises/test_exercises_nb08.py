@@ -36,6 +36,21 @@ def groups_dp_stride_wrong(rank, t, p, d):
     return g
 
 
+def groups_pp_stride_t(rank, t, p, d):
+    """Wrong: the PP group's ranks t apart (one TP block), not t d (issue 36: one line with the DP stride)."""
+    g = rank_groups(rank, t, p, d)
+    tp, pp, dp = rank_coords(rank, t, p, d)
+    g["pp"] = [dp * t + tp + k * t for k in range(p)]
+    return g
+
+
+def groups_without_self(rank, t, p, d):
+    """Wrong: the TP group lists the other ranks only."""
+    g = rank_groups(rank, t, p, d)
+    g["tp"] = [x for x in g["tp"] if x != rank]
+    return g
+
+
 BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
 
 
@@ -154,7 +169,11 @@ def test_solutions_pass(ex, answer):
 
 @pytest.mark.parametrize("ex,wrong,contains", [
     ("8.1", coords_pp_inner, "a grid ordered TP innermost, then PP, DP outermost"),
-    ("8.2", groups_dp_stride_wrong, "['dp']"),
+    ("8.2", groups_dp_stride_wrong, "['dp']: expected [0, 2], got [0, 1] (these ranks differ from rank 0 in tp: a DP "
+                                    "group's ranks share every coordinate but dp)"),
+    ("8.2", groups_pp_stride_t, "['pp']: expected [0, 4], got [0, 2] (these ranks differ from rank 0 in dp: a PP "
+                                "group's ranks share every coordinate but pp)"),
+    ("8.2", groups_without_self, "rank 0 itself is not in its own group"),
     ("8.3", states_adam_fp16_moments, "['optimizer']"),
     ("8.3", states_zero_all, "['params']"),
     ("8.4", act_p_always, "M=2"),
@@ -213,3 +232,20 @@ def test_expected_values_agree_with_the_planner():
     assert c["tp"].wire == want["tp"] and c["pp"].wire == want["pp"] and c["dp"].wire == int(want["dp"])
     # 8.4 is the planner's first-stage count with the paper's 16-bit layer (no embedding / head, no LN stats)
     assert nb08._act(512, 2, 1024, 16, 16, 2, 4, 8, True, "selective") == 4 * 4 * 512 * 2 * 1024 * 34 / 2
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (lambda P, t, p, d, z, pr: model_state_bytes(P, t, 1, d, z, pr), "GPT-3 175B",
+     "not divided by p: a pipeline stage holds 1/p of the layers"),
+    (lambda P, t, p, d, z, pr: model_state_bytes(P, t, p, d, min(3, z + 1), pr), "GPT-3 175B", "that is ZeRO-1's"),
+    (lambda *a: dict(axis_bytes(*a), pp=axis_bytes(*a)["pp"] / 2), "GPT-3 middle stage",
+     "forward only: the gradients come back across the boundary"),
+    (lambda *a: dict(axis_bytes(*a), tp=axis_bytes(*a)["tp"] * a[5]), "GPT-3 middle stage",
+     "all L layers: this stage holds L/p of them"),
+    (lambda *a: dict(axis_bytes(*a), dp=axis_bytes(*a)["dp"] * a[6] / (a[6] - 1) if a[6] > 1 else 0.0),
+     "GPT-3 middle stage", "the whole gradient: a ring all-reduce sends"),
+])
+def test_learner_round_mistakes_are_named(wrong, case, contains):
+    """Issue 36's learner round: each new wrong answer of 8.3 and 8.6 is named."""
+    ex = "8.3" if "stage holds 1/p" in contains or "ZeRO-1" in contains else "8.6"
+    assert_public_case_fails(ex, wrong, case, contains=contains)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from labkit.grading.testing import assert_check_fails, assert_check_passes
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 
 
 def top_k_gate(logits, k, renormalize=False):
@@ -75,6 +75,24 @@ def params_eight_models(spec):
     return spec.n_routed_experts * one, spec.n_activated_experts * one
 
 
+def params_no_router(spec):
+    """Wrong: the router forgotten (issue 36: passed every case within 0.1 %)."""
+    total, active = moe_param_count(spec)
+    lost = spec.n_layer * spec.n_routed_experts * spec.hidden
+    return total - lost, active - lost
+
+
+def params_no_final_norm(spec):
+    """Wrong: the final norm forgotten (issue 36)."""
+    total, active = moe_param_count(spec)
+    return total - spec.hidden, active - spec.hidden
+
+
+def params_one_norm_per_layer(spec):
+    total, active = moe_param_count(spec)
+    return total - spec.n_layer * spec.hidden, active - spec.n_layer * spec.hidden
+
+
 def params_no_embeddings(spec):
     """Wrong: forgets the embedding and the output head."""
     total, active = moe_param_count(spec)
@@ -86,24 +104,64 @@ def test_solutions_pass():
         assert_check_passes(ex, answer)
 
 
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: a count or a capacity returned as a NumPy int or a 0-d tensor is an int."""
+    import numpy as np
+    assert_check_passes("9.3", lambda spec: tuple(np.int64(x) for x in moe_param_count(spec)))
+    assert_check_passes("9.3", lambda spec: tuple(torch.tensor(x) for x in moe_param_count(spec)))
+    for make in (np.int64, torch.tensor):
+        assert_check_passes("9.2", lambda idx, E, cf, make=make: (lambda C, keep: (make(C), keep))(
+            *capacity_keep(idx, E, cf)))
+
+
 # a plausible wrong answer fails with a message that names the mistake
 # test id: (exercise, answer, assert_check_fails's keywords)
 WRONG = {
     "gate_softmax_over_top_k": ("9.1", gate_softmax_over_top_k,
-                                {"contains": "expected tensor([0.6095, 0.2242"}),
+                                {"contains": "each token's k weights sum to 1: that is the renormalised gate"}),
     "gate_detached": ("9.1", gate_detached,
                       {"contains": "no gradient back to the logits"}),
     "capacity_rounded_down": ("9.2", capacity_floor,
-                              {"contains": "capacity C = ceil(1*6/4*1.0): expected 2, got 1"}),
+                              {"contains": "capacity C: expected 2, got 1 (rounded down: a fraction of a slot still "
+                                           "needs a whole slot)"}),
     "capacity_choice_major_order": ("9.2", capacity_choice_major,
                                     {"contains": "expected keep="}),
     "params_eight_whole_models": ("9.3", params_eight_models,
-                                  {"contains": "total parameters: expected 46.703B"}),
+                                  {"contains": "total parameters: expected 46,702,792,704 (46.703B)"}),
     "params_without_embeddings": ("9.3", params_no_embeddings,
-                                  {"contains": "expected 46.703B (within 0.1%), got 46.441B"}),
+                                  {"contains": "(46.703B), got 46,440,648,704 (46.441B) (short by exactly 262,144,000, "
+                                               "what this leaves out: the input embedding and the output head)"}),
+    "params_without_router": ("9.3", params_no_router,
+                              {"contains": "the router (an H x E gate in every layer)"}),
+    "params_without_final_norm": ("9.3", params_no_final_norm,
+                                  {"contains": "the final norm (one RMSNorm of H after the last layer)"}),
+    "params_one_norm_per_layer": ("9.3", params_one_norm_per_layer, {"contains": "one norm per layer"}),
+    "params_as_float_approximation": ("9.3", lambda spec: tuple(round(x, -6) for x in moe_param_count(spec)),
+                                      {"contains": "parameter counts are exact integers"}),
 }
 
 
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+@pytest.mark.parametrize("wrong, contains", [
+    (lambda l, k, renormalize=False: l.topk(k, dim=-1), "these are the raw logits"),
+    (lambda l, k, renormalize=False: top_k_gate(l, k, not renormalize), "that is the renormalised gate"),
+    (lambda l, k, renormalize=False: l.softmax(dim=0).topk(k, dim=-1), "the softmax ran over the tokens, dim 0"),
+])
+def test_gate_learner_round_mistakes_are_named(wrong, contains):
+    assert_public_case_fails("9.1", wrong, "k=2 of E=4, not renormalised", contains=contains)
+
+
+def test_not_renormalised_when_asked_is_named():
+    assert_public_case_fails("9.1", lambda l, k, renormalize=False: top_k_gate(l, k), "k=2 of E=4, renormalize=True",
+                             contains="not renormalised: with renormalize=True")
+
+
+def test_capacity_without_k_is_named():
+    def no_k(idx, E, cf):
+        C, keep = capacity_keep(idx, E, cf)
+        return math.ceil(idx.shape[0] / E * cf), keep
+    assert_check_fails("9.2", no_k, contains="or k left out: each token takes k slots)")

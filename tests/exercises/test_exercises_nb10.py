@@ -50,6 +50,25 @@ def device_loss_sum_f(logits, indices, n_devices, alpha2=0.05):
     return alpha2 * (f.view(n_devices, -1).sum(1) * P.view(n_devices, -1).sum(1)).sum()
 
 
+def device_loss_no_k(logits, indices, n_devices, alpha2=0.05):
+    """Wrong: f normalised by T, not T k (issue 36: the same line as two other mistakes)."""
+    return indices.shape[1] * device_balance_loss(logits, indices, n_devices, alpha2)
+
+
+def device_loss_extra_D(logits, indices, n_devices, alpha2=0.05):
+    return n_devices * device_balance_loss(logits, indices, n_devices, alpha2)
+
+
+def device_loss_f_fraction(logits, indices, n_devices, alpha2=0.05):
+    return device_balance_loss(logits, indices, n_devices, alpha2) / logits.shape[1]
+
+
+def device_loss_P_mean(logits, indices, n_devices, alpha2=0.05):
+    T, E = logits.shape
+    f, P = _f_P(logits, indices)
+    return alpha2 * ((f * E).view(n_devices, -1).mean(1) * P.view(n_devices, -1).mean(1)).sum()
+
+
 def device_loss_strided(logits, indices, n_devices, alpha2=0.05):
     """Wrong: device d holds experts d, d+D, d+2D, ... (strided, not consecutive)."""
     T, E = logits.shape
@@ -90,7 +109,12 @@ WRONG = {
     "aux_f_not_normalised_by_k": ("10.1", aux_f_not_per_slot,
                                   {"contains": "T=16, E=8, k=2"}),
     "device_loss_sum_of_f": ("10.2", device_loss_sum_f,
-                             {"contains": "expected 0.05, got 0.1"}),
+                             {"contains": "expected 0.05, got 0.1 (f'_d summed over the device's experts"}),
+    "device_loss_k_forgotten": ("10.2", device_loss_no_k, {"contains": "expected 0.05, got 0.1 (f was counted per "
+                                                                       "token, not per one of the T k routed slots"}),
+    "device_loss_extra_D": ("10.2", device_loss_extra_D, {"contains": "expected 0.05, got 0.1 (an extra factor D"}),
+    "device_loss_f_fraction": ("10.2", device_loss_f_fraction, {"contains": "f left a fraction of the slots"}),
+    "device_loss_P_mean": ("10.2", device_loss_P_mean, {"contains": "P'_d averaged over the device's experts"}),
     "device_loss_strided_experts": ("10.2", device_loss_strided,
                                     {"contains": "device_balance_loss(T=16, E=8, k=2, D=4): value"}),
     "bias_wrong_sign": ("10.3", bias_wrong_sign,
@@ -103,3 +127,16 @@ WRONG = {
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+def test_learner_round_mistakes_are_named():
+    """Issue 36's learner round: 10.1 with k forgotten, 10.3 moving only the overloaded experts or using the median."""
+    from labkit.grading.testing import assert_public_case_fails
+    assert_public_case_fails("10.1", lambda l, i, alpha=0.01: switch_aux_loss(l, i, alpha) * i.shape[1],
+                             "T=16, E=8, k=2", contains="f was counted per token")
+    assert_public_case_fails("10.3", lambda b, loads, g: b - g * (loads.float() > loads.float().mean()).float(),
+                             "loads [10, 2, 4, 8]", contains="only the overloaded experts moved")
+    assert_public_case_fails("10.3", lambda b, loads, g: b - g * torch.sign(loads.float() - loads.float().median()),
+                             "loads [10, 2, 4, 8]", contains="compared with their median")
+    assert_public_case_fails("10.3", lambda b, loads, g: b + g * torch.sign(loads.float() - loads.float().mean()),
+                             "loads [10, 2, 4, 8]", contains="every step has the wrong direction")

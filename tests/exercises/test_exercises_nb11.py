@@ -59,12 +59,29 @@ WRONG = {
                                      {"contains": "input_split_sizes (slots it SENDS to ranks 0..P-1)[0]: expected "
                                                   "2, got 1"}),
     "combine_bytes_of_the_dispatch": ("11.2", bytes_combine_same_as_dispatch,
-                                      {"contains": "combine bytes (measured by CommLog): expected"}),
+                                      {"contains": "(the rows this rank dispatched: the combine returns"}),
     "counts_as_int32": ("11.2", bytes_counts_int32,
-                        {"contains": "counts bytes (measured by CommLog): expected 64, got 32"}),
+                        {"contains": "counts bytes (measured by CommLog): expected 64, got 32 (the counts were taken "
+                                     "as 4-byte ints"}),
+    "counts_one_per_rank": ("11.2", lambda i, o, E, H, b=4: dict(a2a_bytes(i, o, E, H, b), counts=8 * len(i)),
+                            {"contains": "expected 64, got 32 (one count per rank"}),
+    "dispatch_in_values": ("11.2", lambda i, o, E, H, b=4: dict(a2a_bytes(i, o, E, H, b), dispatch=sum(i) * H),
+                           {"contains": "(a number of values, not bytes"}),
+    "dispatch_in_bf16": ("11.2", lambda i, o, E, H, b=4: dict(a2a_bytes(i, o, E, H, b), dispatch=sum(i) * H * 2),
+                         {"contains": "(2 bytes per value"}),
+    "counts_of_all_ranks": ("11.2", lambda i, o, E, H, b=4: dict(a2a_bytes(i, o, E, H, b), counts=8 * E * len(i)),
+                            {"contains": "(the counts of all P ranks"}),
 }
 
 
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: split sizes and byte counts as NumPy ints or 0-d int tensors are ints."""
+    from labkit.grading.testing import with_ints_as
+    for kind in ("numpy", "tensor"):
+        assert_check_passes("11.1", with_ints_as(kind, dispatch_splits))
+        assert_check_passes("11.2", with_ints_as(kind, a2a_bytes))

@@ -142,3 +142,28 @@ WRONG = {
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: a count of subsets as a NumPy int is an int."""
+    import numpy as np
+    assert_check_passes("12.1", lambda E, k, m: (lambda v: np.int64(v) if v < 2 ** 62 else v)(n_combinations(E, k, m)))
+
+
+@pytest.mark.parametrize("wrong, contains", [
+    (lambda s, k, n, tk: _select(s, k, n, tk, lambda g: g.sum(-1)), "groups ranked by the sum (or the mean)"),
+    (lambda s, k, n, tk: _select(s, k, n, tk, lambda g: g.mean(-1)), "groups ranked by the sum (or the mean)"),
+    (lambda s, k, n, tk: _select(s, k, n, min(n, tk + 1), lambda g: g.topk(2, dim=-1).values.sum(-1)),
+     "3 groups kept where topk_groups = 2"),
+])
+def test_group_learner_round_mistakes_are_named(wrong, contains):
+    assert_public_case_fails("12.2", wrong, "8 tokens, E=16", contains=contains)
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (lambda E, k, m: math.comb(E, k) ** m, "E=16, k=2, m=4", "each of the m pieces chosen on its own"),
+    (lambda E, k, m: math.perm(m * E, m * k), "E=16, k=2, m=1", "ordered choices: a set of experts has no order"),
+    (lambda E, k, m: math.comb(m * E, k), "E=16, k=2, m=4", "only k small experts chosen"),
+])
+def test_combination_learner_round_mistakes_are_named(wrong, case, contains):
+    assert_public_case_fails("12.1", wrong, case, contains=contains)

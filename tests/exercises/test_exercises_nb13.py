@@ -106,7 +106,7 @@ WRONG = {
                                           {"contains": ".grad was written"}),
     "zb_h1_without_delayed_w_fails_on_the_bubble":
         ("13.2", lambda K, M: zb_h1_order(K, M, delay=False),
-         {"contains": "ZB-H1's is (K-1)(T_F+T_I-T_W) = 1"}),
+         {"contains": "T_F=1, T_I=1, T_W=1; ZB-H1's is 1"}),
     "zb_h1_with_full_backward": ("13.2", lambda K, M: zb_h1_order(K, M, split=False),
                                  {"contains": "uses full backward B actions"}),
 }
@@ -115,3 +115,11 @@ WRONG = {
 @pytest.mark.parametrize("exercise,answer,kw", WRONG.values(), ids=WRONG)
 def test_wrong_answer_fails(exercise, answer, kw):
     assert_check_fails(exercise, answer, **kw)
+
+
+def test_bubble_time_learner_round_mistakes_are_named():
+    from labkit.grading.testing import assert_public_case_fails
+    assert_public_case_fails("13.3", lambda n, K, f, i, w: bubble_time(n, K, f, i, w) * K / max(1, K - 1),
+                             "1F1B and ZB-H1", contains="K idle stretches counted where a rank waits K - 1")
+    assert_public_case_fails("13.3", lambda n, K, f, i, w: bubble_time("zb-h1", K, f, i, w) / 2 if n == "zbv"
+                             else bubble_time(n, K, f, i, w), "ZB-V, K=4", contains="half of ZB-H1's")

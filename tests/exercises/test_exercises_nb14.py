@@ -165,10 +165,39 @@ def test_replicas_by_load_after_the_copy_fail_a_public_case():
 
 
 def test_bytes_wrong_answers_fail():
-    assert_check_fails("14.3", hierarchical_per_slot, contains="hierarchical inter-node bytes expected 192, got 256")
-    assert_check_fails("14.3", counting_my_own_node, contains="flat inter-node bytes expected 256, got 512")
+    assert_check_fails("14.3", hierarchical_per_slot,
+                       contains="hierarchical inter-node bytes: expected 192, got 256 (counted per routed slot")
+    assert_check_fails("14.3", counting_my_own_node,
+                       contains="flat inter-node bytes: expected 256, got 512 (every routed slot, the ones to this node")
 
 
 def test_decode_wrong_answers_fail():
     assert_check_fails("14.4", decode_bound_total, contains="bytes read per token")
     assert_check_fails("14.4", decode_bound_gigabytes, contains="bytes read per token")
+
+
+def test_integers_of_any_kind_are_accepted():
+    """Issue 36: node numbers and replica counts as NumPy ints or 0-d int tensors are ints."""
+    from labkit.grading.testing import with_ints_as
+    for kind in ("numpy", "tensor"):
+        assert_check_passes("14.1", with_ints_as(kind, pack_groups))
+        assert_check_passes("14.2", with_ints_as(kind, replica_counts))
+
+
+@pytest.mark.parametrize("ex, wrong, case, contains", [
+    ("14.1", lambda loads, n: [g // (len(loads) // n) for g in range(len(loads))], "6 groups onto 2 nodes",
+     "the loads were not looked at"),
+    ("14.2", lambda load, R: [1 + (R - len(load)) // len(load) + (1 if i < (R - len(load)) % len(load) else 0)
+                              for i in range(len(load))], "8 experts, 12 copies",
+     "the copies spread evenly over the experts"),
+    ("14.3", lambda *a: inter_node_bytes(*a)[::-1], "4 tokens, k=2", "the two numbers swapped"),
+    ("14.3", lambda i, e, m, h, b: tuple(v // b for v in inter_node_bytes(i, e, m, h, b)), "4 tokens, k=2",
+     "elements, not bytes"),
+    ("14.4", lambda spec, b, bw: (lambda n: (n / 1e9, n / bw))(count_parameters(spec).active * b), "Mixtral 8x7B",
+     "in GB: the number of bytes is asked"),
+    ("14.4", lambda spec, b, bw: (lambda n: (n, n / bw * 1e3))(count_parameters(spec).active * b), "Mixtral 8x7B",
+     "in milliseconds: seconds are asked"),
+])
+def test_learner_round_mistakes_are_named(ex, wrong, case, contains):
+    """Issue 36's learner round: each new wrong answer of notebook 14 is named."""
+    assert_public_case_fails(ex, wrong, case, contains=contains)

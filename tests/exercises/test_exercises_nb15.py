@@ -56,6 +56,19 @@ def unshard_minus_pad(shards, numel):
     return flat[:-(flat.numel() - numel)]
 
 
+def unshard_drop_zeros(shards, numel):
+    """Wrong: the padding told apart by value: every zero dropped (issue 36: passed every case)."""
+    flat = torch.cat(list(shards))
+    return flat[flat != 0]
+
+
+def unshard_strip_trailing_zeros(shards, numel):
+    """Wrong: trailing zeros stripped, the parameter's own last zeros with them (issue 36)."""
+    flat = torch.cat(list(shards))
+    nz = flat.nonzero()
+    return flat[:int(nz.max()) + 1] if nz.numel() else flat[:0]
+
+
 def zero_memory(psi, d, stage):
     p, g, k = 2 * psi, 2 * psi, 12 * psi
     return (p / d if stage >= 3 else p) + (g / d if stage >= 2 else g) + (k / d if stage >= 1 else k)
@@ -101,6 +114,24 @@ def peak_two_largest(units, d, reshard):
     return sum(sorted(-(-n // d) * d for n in units)[-2:])
 
 
+def peak_wrapped(units, d, reshard):
+    """Wrong: units as a ring, the last paired with the first (issue 36: told "the two largest units")."""
+    pads = [-(-n // d) * d for n in units]
+    if not reshard:
+        return sum(pads)
+    return max(pads[i] + pads[(i + 1) % len(pads)] for i in range(len(pads))) if len(pads) > 1 else pads[0]
+
+
+def peak_numpy(units, d, reshard):
+    import numpy as np
+    return np.int64(gathered_peak(units, d, reshard))
+
+
+def peak_float_off(units, d, reshard):
+    """Wrong: half an element too many; int() in the check used to truncate it to the right answer."""
+    return gathered_peak(units, d, reshard) + 0.5
+
+
 def peak_all(units, d, reshard):
     return sum(-(-n // d) * d for n in units)
 
@@ -110,6 +141,7 @@ def test_solutions_pass():
     assert_check_passes("15.2", zero_memory)
     assert_check_passes("15.3", comm_volume)
     assert_check_passes("15.4", gathered_peak)
+    assert_check_passes("15.4", peak_numpy)
     assert_check_passes("15.5", unshard_flat)
 
 
@@ -129,6 +161,9 @@ def test_shard_mistakes_are_named(wrong, case, contains):
     (unshard_interleaved, "n = 10 from d = 4", "interleaved"),
     (unshard_strip_front, "n = 10 from d = 4", "first elements were dropped"),
     (unshard_minus_pad, "n = 12 from d = 4", "minus zero"),
+    (unshard_drop_zeros, "n = 6 from d = 4 shards, a parameter with zeros", "own zeros were dropped"),
+    (unshard_strip_trailing_zeros, "n = 6 from d = 4 shards, a parameter with zeros",
+     "zeros at the end of the parameter"),
 ])
 def test_unshard_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("15.5", wrong, case, contains=contains)
@@ -155,6 +190,23 @@ def test_volume_mistakes_are_named(wrong, case, contains):
     (peak_unpadded, "4 units", "not padded"),
     (peak_two_largest, "4 units", "the two largest units"),
     (peak_all, "4 units", "every unit"),
+    (peak_wrapped, "4 units", "the last unit was paired with the first"),
+    (peak_float_off, "4 units", "expected a whole number of elements, got float 7362.5"),
 ])
 def test_peak_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("15.4", wrong, case, contains=contains)
+
+
+def test_volume_learner_round_mistakes_are_named():
+    """Issue 36's learner round: stages 1-2 given stage 3's volume, or half of DP's."""
+    assert_public_case_fails("15.3", lambda psi, d, st: (3 if st >= 1 else 2) * (d - 1) / d * psi, "Psi = 1e9",
+                             contains="that is stage 3's volume: stage 1 keeps whole parameters")
+    assert_public_case_fails("15.3", lambda psi, d, st: (1 if st in (1, 2) else 3 if st == 3 else 2) * (d - 1) / d
+                             * psi, "Psi = 1e9", contains="half: a reduce-scatter of the gradients alone")
+
+
+def test_strided_shards_are_named():
+    """Issue 36's learner round: every d-th element per rank instead of a contiguous piece."""
+    assert_public_case_fails("15.1", lambda flat, d: list(torch.cat([flat, flat.new_zeros((-flat.numel()) % d)])
+                                                          .view(-1, d).t()),
+                             "n = 10 over d = 4", contains="every d-th element: rank r's shard must be one contiguous")

@@ -91,3 +91,31 @@ def test_merge_mistakes_are_named(wrong, case, contains):
 ])
 def test_placement_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("16.2", wrong, case, contains=contains)
+
+
+def test_integers_of_any_kind_are_accepted_and_a_wrong_type_is_named():
+    """Issue 36: the right pairs built from NumPy ints were told "expected a list of 2 pairs, got a list of 2 items"."""
+    import numpy as np
+    assert_check_passes("16.2", lambda cp: [(np.int64(a), np.int64(b)) for a, b in causal_chunk_placement(cp)])
+    assert_check_passes("16.2", lambda cp: [(torch.tensor(a), torch.tensor(b)) for a, b in causal_chunk_placement(cp)])
+    assert_check_passes("16.2", lambda cp: np.array(causal_chunk_placement(cp)))
+    assert_check_passes("16.2", lambda cp: torch.tensor(causal_chunk_placement(cp)))
+    assert_public_case_fails("16.2", lambda cp: [(float(a), b) for a, b in causal_chunk_placement(cp)], "cp = 2",
+                             contains="chunk ids are ints; rank 0's pair holds float 0")
+    assert_public_case_fails("16.2", lambda cp: [a for a, b in causal_chunk_placement(cp)], "cp = 2",
+                             contains="item 0 (rank 0) is int 0")
+
+
+def merge_unnormalised(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    return lse_a.exp()[..., None] * out_a + lse_b.exp()[..., None] * out_b, lse
+
+
+def merge_inverted(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse - lse_a)[..., None] * out_a + torch.exp(lse - lse_b)[..., None] * out_b, lse
+
+
+def test_merge_learner_round_mistakes_are_named():
+    assert_public_case_fails("16.1", merge_unnormalised, "two blocks", contains="with nothing dividing by the total")
+    assert_public_case_fails("16.1", merge_inverted, "two blocks", contains="the inverse of its share")

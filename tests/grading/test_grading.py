@@ -71,18 +71,21 @@ def test_check_prints_one_line_passed(capsys):
 
 def test_check_failure_names_case_expected_got_and_hint(capsys):
     res = check("T.1", lambda x: x + 2)
-    line = capsys.readouterr().out
-    assert line.count("\n") == 1
-    assert line == ('Exercise T.1 (double): failed case "x=-1.5": f(-1.5): expected -3, got 0.5; got is -0.1667 x '
-                    'expected. Hint: Multiply by two.\n')
+    out = capsys.readouterr().out
+    # issue 36: the verdict, the case, what was checked, expected/got and the hint on lines of their own
+    assert out == ('Exercise T.1 (double): failed\n'
+                   '  case "x=-1.5"\n'
+                   '  f(-1.5):\n'
+                   '  expected -3, got 0.5; got is -0.1667 x expected.\n'
+                   '  Hint: Multiply by two.\n')
     assert res.status == "failed"
 
 
 def test_hidden_failure_reveals_nothing(capsys):
     res = check("T.1", lambda x: 2 * x if x < 100 else 0)
     line = capsys.readouterr().out
-    assert line == ("Exercise T.1 (double): failed: a hidden case failed (2 of 3 cases passed; its details "
-                    "are not shown). Hint: Multiply by two.\n")
+    assert line == ("Exercise T.1 (double): failed\n  a hidden case failed (2 of 3 cases passed; its details "
+                    "are not shown).\n  Hint: Multiply by two.\n")
     assert "SECRET" not in line and "2000" not in line and "secret" not in line
     assert res.status == "failed"
 
@@ -99,7 +102,7 @@ def test_stub_is_not_attempted_and_exceptions_are_reported(capsys):
 
 def test_strict_mode_raises(monkeypatch, capsys):
     monkeypatch.setenv("LABKIT_STRICT", "1")
-    with pytest.raises(CheckNotPassed, match="failed case"):
+    with pytest.raises(CheckNotPassed, match="failed"):
         check("T.1", lambda x: x)
     with pytest.raises(CheckNotPassed, match="not attempted"):
         check("T.1", lambda x: (_ for _ in ()).throw(NotImplementedError()))
@@ -328,8 +331,8 @@ def test_nb01_bubble_with_m_plus_k_fails():
             raise ValueError("K, M >= 1")
         return (K - 1) / (M + K)
 
-    assert_check_fails("1.1", wrong, contains='failed case "K=4, M=8": bubble_fraction(K=4, M=8): '
-                                              'expected 0.272727, got 0.25; got is 0.9167 x expected. Hint:')
+    assert_check_fails("1.1", wrong, contains='failed\n  case "K=4, M=8"\n  bubble_fraction(K=4, M=8):\n  '
+                                              'expected 0.272727, got 0.25 (one slot too many in the step).\n  Hint:')
 
 
 def test_nb01_bubble_without_input_check_fails():
@@ -379,8 +382,8 @@ def test_nb00_reduce_scatter_without_sum_fails():
 
 def test_nb00_ring_forgetting_last_step_fails():
     res = assert_check_fails("0.2", lambda ctx, t: _ring(ctx, t, gather_steps=lambda n: n - 2),
-                             contains='failed case "N=2 ranks, 6 elements": rank 0 of N=2, 6 elements '
-                                      '(compared with all_reduce): expected tensor(')
+                             contains='case "N=2 ranks, 6 elements"\n  rank 0 of N=2, 6 elements '
+                                      '(compared with all_reduce):\n  expected tensor(')
     assert "largest difference at index" in res.message
 
 

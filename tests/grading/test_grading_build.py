@@ -97,6 +97,34 @@ print("after")'''
     assert build_text(sol) == text  # deterministic
 
 
+def test_solution_only_cells_stay_out_of_the_learner_notebook(tmp_path):
+    """Issue 36: a result or summary that states an exercise's answer is kept in solutions/ only."""
+    sol = _synthetic(tmp_path)
+    nb = nbformat.read(str(sol), as_version=4)
+    result = nbformat.v4.new_markdown_cell("The answer is x + 1, the secret_summary_line.")
+    result.metadata["tags"] = ["solution-only"]
+    result.id = "cell-result"
+    nb.cells.append(result)
+    nbformat.write(nb, str(sol))
+    text = build_text(sol)
+    assert "secret_summary_line" not in text
+    assert [c.id for c in nbformat.reads(text, as_version=4).cells] == ["install-labkit", "cell-0", "cell-1", "cell-2"]
+
+
+def test_shipped_learner_notebooks_show_no_answer_of_notebooks_15_and_16():
+    """Issue 36: 15's Summary gave 4 + 12/d, 2 + 14/d, 16/d, its plot cell under 15.2's check held the formula and
+    15.3's heading 1.5x; 16.2's prompt and Summary gave chunks r and 2cp-1-r."""
+    def text(name):
+        nb = nbformat.read(str(ROOT / "notebooks" / f"{name}.ipynb"), as_version=4)
+        return "\n".join(c.source for c in nb.cells)
+
+    t15, t16 = text("15_sharded_data_parallel"), text("16_context_parallel")
+    for leak in ("12/d", "14/d", "16/d", "1.5x", "12 * psi / (d if", "two gathered units at once"):
+        assert leak not in t15, leak
+    for leak in ("2\\,\\mathrm{cp}-1-r", "2cp-1-r", "one chunk from the start and one from the end"):
+        assert leak not in t16, leak
+
+
 def test_build_then_check_round_trip_names_stale_notebooks(tmp_path):
     sol = _synthetic(tmp_path)
     build = [sys.executable, "-m", "labkit", "build", "--root", str(tmp_path)]
@@ -118,6 +146,54 @@ def test_build_then_check_round_trip_names_stale_notebooks(tmp_path):
     assert stale_notebooks(tmp_path) == ["notebooks/04_orphan.ipynb has no solutions/04_orphan.ipynb"]
 
 
+def test_the_package_ships_the_built_notebooks_not_the_edited_ones(tmp_path):
+    """Issue 36: `pip install` of a clone packaged the working tree's notebooks/ (a learner's edits); the
+    package data labkit/_notebooks is now written by build from solutions/, and --check covers it."""
+    sol = _synthetic(tmp_path)
+    (tmp_path / "labkit").mkdir()
+    (tmp_path / "labkit" / "__init__.py").write_text("")
+    (tmp_path / "labkit" / "_notebooks").symlink_to("../notebooks")  # how a checkout used to ship them
+    assert any("labkit/_notebooks is a link" in p for p in stale_notebooks(tmp_path))
+    build_all(tmp_path)
+    shipped = tmp_path / "labkit" / "_notebooks" / sol.name
+    assert not shipped.parent.is_symlink() and shipped.read_text() == build_text(sol)
+    assert stale_notebooks(tmp_path) == []
+    (tmp_path / "notebooks" / sol.name).write_text("my work in progress")  # the learner edits their copy
+    assert shipped.read_text() == build_text(sol)
+    shipped.write_text("edited")
+    assert stale_notebooks(tmp_path) == [
+        "notebooks/03_synthetic.ipynb is stale (differs from solutions/03_synthetic.ipynb)",
+        "labkit/_notebooks/03_synthetic.ipynb is stale (differs from solutions/03_synthetic.ipynb)"]
+    # the repository itself: a real folder, in the package data, equal to build's output
+    assert (ROOT / "labkit" / "_notebooks").is_dir() and not (ROOT / "labkit" / "_notebooks").is_symlink()
+    assert '"_notebooks/*.ipynb"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_notebooks_command_expands_home_and_says_how_to_get_jupyter(tmp_path, monkeypatch, capsys):
+    """Issue 36: `labkit notebooks '~/nb'` made a folder named ~; a venv without Jupyter was told `jupyter lab`."""
+    import importlib.util
+    import shutil
+
+    from labkit.grading.build import notebooks_main
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("jupyterlab", "notebook") else real(name, *a))
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    assert notebooks_main(["~/nb"]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "~").exists() and len(list((tmp_path / "home" / "nb").glob("*.ipynb"))) >= 15
+    assert f"into {tmp_path / 'home' / 'nb'}" in out
+    assert "no Jupyter" in out and "'labkit[lab]'" in out and "jupyter lab" in out, out
+    assert 'lab = ["jupyterlab' in (ROOT / "pyproject.toml").read_text()
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: "/usr/bin/" + name)
+    assert notebooks_main([str(tmp_path / "nb2")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"open them with: jupyter lab {tmp_path / 'nb2'}"
+
+
 @pytest.mark.parametrize("source, match", [
     ("x = 1\n### BEGIN SOLUTION\nx = 2\n### END SOLUTION", "must start with '# Exercise N.k"),
     ("# Exercise 1.1: t\n### BEGIN SOLUTION\nx = 2", "never closed"),
@@ -133,7 +209,7 @@ def test_malformed_regions_are_errors_naming_the_cell(source, match):
 
 
 def test_committed_notebooks_are_up_to_date():
-    assert stale_notebooks(ROOT) == [], "run `python -m labkit build` and commit notebooks/"
+    assert stale_notebooks(ROOT) == [], "run `python -m labkit build` and commit notebooks/ and labkit/_notebooks/"
 
 
 def _region_lines(nb) -> tuple[set, set]:

@@ -235,8 +235,7 @@ def _grade(tmp: Path, notebooks: dict, *extra: str, wrap=None):
         write_notebook(tmp / f"{name}.ipynb", [c.replace("@HIDDEN_DIR@", str(tmp / "cases")).replace("@OTHER@", other)
                                                for c in cells])
     results = tmp / "results.json"
-    # --no-source-policy: these attacks would be zeroed by the source policy first; here they run, to
-    # prove that containment and the grader's judgement hold on their own (an attack the policy misses)
+    # --no-source-policy: accepted and ignored (there is no source policy any more); kept as old scripts pass it
     cmd = [sys.executable, "-m", "labkit", "grade", *[str(tmp / f"{n}.ipynb") for n in notebooks],
            "--results", str(results), "--no-source-policy", *extra]
     # the grader's peak memory (and its children's) is read from a wrapper of its own

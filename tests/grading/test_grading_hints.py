@@ -1,8 +1,8 @@
 """Hints lead, they do not answer: no hint of any exercise (the exercise's first and second hint,
-every case's hint) contains the solution's code or formula.
+every case's hint) contains the solution's code or formula, or says the solution in words.
 
 The solution of exercise N.k is the region between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` of
-the cell ``# Exercise N.k: ...`` in ``solutions/NN_*.ipynb``. Two rules, both on normalized text
+the cell ``# Exercise N.k: ...`` in ``solutions/NN_*.ipynb``. Rules 1 and 2 read normalized text
 (whitespace, ``*`` and backticks removed, so ``P / (t * p)`` and ``P/(t p)`` read the same):
 
 1. no sub-expression of the solution (an operation, call, comparison, subscript... of at least
@@ -14,8 +14,10 @@ the cell ``# Exercise N.k: ...`` in ``solutions/NN_*.ipynb``. Two rules, both on
    assignment, ``//``, ``%`` or ``**``;
 4. no hint is the solution in words: compared with the solution in tokens (the APIs it calls, its
    operators, constants, strings and the names it binds, each as written or in words: "k largest" is
-   ``topk``), a hint names no API of the solution, and the hint with the second hint shown after it
-   names at most ``MAX_TOKENS`` of its steps (see ``solution_tokens``).
+   ``topk``), a hint names no API of the solution nor points at a library call in words ("torch has
+   one call that ..."), and the hint with the second hint shown after it names at most
+   ``MAX_TOKENS`` of its steps (see ``solution_tokens``). It covers every registered exercise, and
+   it catches the 13 hints of issue 36 that were the answer in words (``OLD_ANSWER_HINTS``).
 
 Every exercise module also records, per exercise, the verdict of a person-like review of its hints
 against its solution (``Exercise.hint_review``), checked here to exist and to say "leads".
@@ -149,8 +151,9 @@ def test_the_rules_let_a_leading_hint_through(hint):
 # or in words (``WORDS``: "k largest" is topk, "round up" is ceil, "minus infinity" is -inf). What the
 # learner already has is free: the names of the stub cell (parameters, given variables) and the
 # exercise's title. A hint that names an API of the solution (``masked_fill``, ``torch.sign``,
-# ``math``'s ``comb``) gives it away alone; otherwise it gives the answer when, together with the hint2
-# shown after it, it names ``MAX_TOKENS`` + 1 or more of the solution's steps.
+# ``math``'s ``comb``) or points at a library call in words (``LIBRARY_CALL``) gives it away alone;
+# otherwise it gives the answer when, together with the hint2 shown after it, it names
+# ``MAX_TOKENS`` + 1 or more of the solution's steps.
 MAX_TOKENS = 1
 
 WORDS = {  # a solution's call/operator/constant -> how a hint says it in words (lower-cased text)
@@ -160,7 +163,7 @@ WORDS = {  # a solution's call/operator/constant -> how a hint says it in words 
     "sum": r"\bsum(?:s|med|ming)?\b|\badd(?:s|ed|ing)?\b[^.;:?]{0,30}\bup\b",
     "mean": r"\bmean\b|\baverag",
     "max": r"\bmax(?:imum)?\b|\blargest\b|\bhighest\b|\bheaviest\b|\bbusiest\b",
-    "min": r"\bmin(?:imum)?\b|\bsmallest\b|\bleast\b|\bclamp",
+    "min": r"\bmin(?:imum)?\b|\bsmallest\b|\bleast\b|\blowest\b|\bfewest\b|\bclamp",
     "chunk": r"\bchunks?\b|\bequal pieces\b|\bcut into\b",
     "stack": r"\bstack",
     "cat": r"\bconcatenat|\bend to end\b",
@@ -198,6 +201,11 @@ WORDS = {  # a solution's call/operator/constant -> how a hint says it in words 
     "retain_graph": r"\bretain|\bkeep the graph\b",
     "new_zeros": r"\bzeros? (?:at|after)\b",
 }
+# a library call pointed at in words ("torch has one call that ...", "Python's math module", "a context
+# manager"): it gives an API away whatever the solution's names
+LIBRARY_CALL = re.compile(r"\b(?:torch|pytorch|python|numpy|labkit)(?:'s)?(?:\.\w+)* (?:has|offers|provides|gives you) "
+                          r"(?:one|a|an)\b|\bone (?:call|function|method) (?:of|in|from|that)\b|\bbuilt-?in (?:call|"
+                          r"function)\b|\b(?:python|torch)'s \w+ module\b|\bcontext manager\b", re.I)
 # called names that are plain words: named as written they count as one step, not as an API
 PLAIN = {"sum", "max", "min", "mean", "sign", "view", "set", "list", "range", "len", "int", "float", "exp",
          "log", "chunk", "stack", "gather", "scatter", "where", "clone", "detach", "backward", "append",
@@ -340,6 +348,7 @@ def token_leaks(ex, code: str, given: set[str]) -> dict[str, str]:
     bad = {}
     for where, text in exposures(ex):
         steps, apis = named_tokens(text, tokens, ex.title)
+        apis |= {f"library call: {m.group(0)!r}" for m in LIBRARY_CALL.finditer(text)}
         if apis or len(steps) > MAX_TOKENS:
             bad[where] = f"names the solution's {'APIs ' + str(sorted(apis)) + ', ' if apis else ''}" \
                          f"steps {sorted(steps)}"
@@ -457,6 +466,9 @@ def test_rule_4_catches_the_old_hints_that_were_the_answer_in_words(ex_id):
      "The inputs added up, then cut into N equal pieces.", None),
     ("return 0 if K == 1 else 2 * M * (K * v - 1)", "With K = 1 nothing leaves; once forward and once back.", None),
     ("C = math.ceil(k * T / E * f)\nkeep = [t for t in range(T)]", "Go token by token; round up C.", None),
+    ("weights, indices = logits.softmax(-1).topk(k)", "torch has one call that returns the k largest values.",
+     None),
+    ("with torch.random.fork_rng():\n    pass", "Recompute inside a context manager.", None),
 ])
 def test_rule_4_catches_an_api_or_two_steps(code, hint, leaked):
     from types import SimpleNamespace
@@ -515,5 +527,5 @@ def test_the_second_hint_follows_a_repeated_failure(capsys):
     lines = [check("1.1", wrong).message for _ in range(SECOND_HINT_AFTER)]
     capsys.readouterr()
     assert "Second hint" not in lines[0] and f"Hint: {ex.hint}" in lines[0]
-    assert lines[-1].endswith(f"Hint: {ex.hint} Second hint: {ex.hint2}"), lines[-1]
+    assert lines[-1].endswith(f"Hint: {ex.hint}\n  Second hint: {ex.hint2}"), lines[-1]
     runner._FAILED_CHECKS.pop("1.1", None)

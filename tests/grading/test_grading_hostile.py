@@ -104,7 +104,7 @@ ROBUST = [
 ]
 
 
-# every end-to-end grading here (but the source policy's, judged before a kernel starts) runs twice: as root (a
+# every end-to-end grading here (but the 13.1 batch) runs twice: as root (a
 # uid and a private /tmp per kernel, the grader's files covered) and as a non-root grader (a fresh uid, as an
 # instructor without root runs it): the verdicts must not depend on the isolation the grader could get
 USERS = ["root", pytest.param("non-root", marks=pytest.mark.skipif(
@@ -203,12 +203,9 @@ def test_attacks_score_zero_and_only_the_notebooks_exercises_count(graded):
     assert [t["score"] for t in attacks] == [0] * 7, attacks
     assert sum(t["max_score"] for t in attacks) == 3  # each exercise at most its points
     assert "attacks.ipynb: 0 / 3" in obj["output"]
-    # the grader reads the source: the cells before H.1's last check patch labkit.grading
-    assert "source policy" in attacks[0]["output"] and "import from `labkit.grading.runner`" in attacks[0]["output"]
-    h3 = [t for t in attacks if t["name"] == "Exercise H.3 (square)"][0]
-    # zeroed by the source policy (the earlier cells' patches come first in its list; the import of
-    # labkit's bubble_formula in its own cell is refused too: test_grading_policy's ATTACKS)
-    assert h3["score"] == 0 and "source policy" in h3["output"], h3
+    # nothing is refused for how it is written: H.1 is still the stub, whatever the kernel patched; H.3 is
+    # graded from `square` (the name its check passes), not from the lambda that called labkit's reference
+    assert "not attempted" in attacks[0]["output"] and "source policy" not in obj["output"], attacks[0]
 
 
 def test_the_kernel_never_sees_hidden_cases(graded):
@@ -245,11 +242,11 @@ def test_grader_says_how_the_kernel_is_isolated(graded):
         assert "each kernel runs as a uid of its own" in proc.stdout
 
 
-def test_labkit_reference_as_the_answer_is_refused():
+def test_labkit_reference_as_the_answer_is_told_it_will_not_be_there():
     res = evaluate("2.1", gpipe_schedule)
     assert res.status == "failed" and res.passed == 0
-    assert "labkit's own gpipe_schedule (labkit.pipeline.schedules)" in res.message
-    assert "the reference implementation this exercise asks you to write" in res.message
+    assert "your answer calls labkit's gpipe_schedule (labkit.pipeline.schedules)" in res.message
+    assert "not available when the notebook is graded" in res.message
 
     def wraps_it(K, M):  # calling it from inside an answer is caught too, even inside a try
         try:
@@ -336,8 +333,8 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
 
 # ----------------------------------------------------------------------------- claims the kernel used to make
 # Submissions of notebook 00 whose 0.2 games how the ring is measured, with helper modules the learner
-# writes to disk. The source policy refuses importing them (not on its allow-list); graded here with
-# --no-source-policy, to prove that the relay's judgement holds on its own. 0.1 is right: honest score 2 of 6 each.
+# writes to disk and imports (nothing refuses that): the relay's judgement holds on its own. 0.1 is right:
+# honest score 2 of 6 each. (--no-source-policy is passed as old scripts do: accepted, no effect.)
 RS = ("def reduce_scatter_by_hand(inputs):\n    return list(torch.stack(inputs).sum(dim=0).chunk(len(inputs)))\n"
       "check('0.1', reduce_scatter_by_hand)")
 HEAD = "import sys\nimport torch\nfrom labkit import comm\nfrom labkit.grading import check\nsys.path.insert(0, '.')"
@@ -356,10 +353,32 @@ CLAIMS = {
 }
 
 
+# the honest control in the same batch: the ring written with blocking comm.send/comm.recv as the exercise text
+# says (the old source policy gave it 0: "`send` is not one of the labkit names notebook 00 gives you"), after
+# a %timeit and a shell line; honest score 6 of 6
+SEND_RING = ("def ring_all_reduce(ctx, tensor):\n    n, r = ctx.world_size, ctx.rank\n"
+             "    chunks = list(torch.tensor_split(tensor, n))\n"
+             "    def step(send_i, recv_i, add):\n        incoming = torch.empty_like(chunks[recv_i])\n"
+             "        if r % 2 == 0:\n            comm.send(chunks[send_i], (r + 1) % n)\n"
+             "            comm.recv(incoming, (r - 1) % n)\n        else:\n"
+             "            comm.recv(incoming, (r - 1) % n)\n            comm.send(chunks[send_i], (r + 1) % n)\n"
+             "        if add:\n            chunks[recv_i] += incoming\n        else:\n"
+             "            chunks[recv_i].copy_(incoming)\n"
+             "    for s in range(n - 1):\n        step((r - s) % n, (r - s - 1) % n, True)\n"
+             "    for s in range(n - 1):\n        step((r + 1 - s) % n, (r - s) % n, False)\n"
+             "    return tensor\ncheck('0.2', ring_all_reduce)")
+HONEST = {"send": [HEAD, "%timeit -n 1 -r 1 sum(range(10))\n!echo hi", RS, SEND_RING]}
+
+
 @pytest.fixture(scope="module")
 def claims(user, tmp_path_factory):
-    return _grade_batch(user, _folder(user, tmp_path_factory, "claims"), CLAIMS, "00_distributed_primer",
-                        "--no-source-policy")
+    return _grade_batch(user, _folder(user, tmp_path_factory, "claims"), {**CLAIMS, **HONEST},
+                        "00_distributed_primer", "--no-source-policy")
+
+
+def test_a_send_recv_ring_as_the_exercise_text_says_earns_its_points(claims):
+    results, proc = claims
+    assert results["send"]["score"] == 6, (results["send"]["output"], proc.stdout[-3000:])
 
 
 def _grade_batch(user, tmp, notebooks: dict, assignment: str, *extra: str):
@@ -389,9 +408,10 @@ def test_a_ring_that_games_the_measurement_scores_its_honest_score(claims, name)
 
 # ----------------------------------------------------------------------------- 13.1, judged on returned gradients
 # Submissions of notebook 13 whose 13.1 attacks how its gradients are judged (returned values, with .grad
-# preset); 13.3 is right in each, graded before the attack's cells: honest score 13.3's points. With the
-# source policy each attack is zeroed with its line (with --no-source-policy all three score 13.1's points:
-# the returned gradients are right; the policy is what sees how they were made).
+# preset, and what .grad holds after the call returned too); 13.3 is right in each, graded before the attack's
+# cells: honest score 13.3's points. Nothing reads how the code is written: a .grad written shows in the data,
+# labkit's reference is absent from the graded kernel however it is reached (a module on disk, builtins' exec,
+# the kernel's shell), and a replaced kernel-side helper returns data that is judged like any answer.
 _NB13 = json.loads((Path(__file__).parents[2] / "solutions" / "13_zero_bubble.ipynb").read_text())["cells"]
 BUBBLE = next("".join(c["source"]) for c in _NB13 if "def bubble_time" in "".join(c["source"]))
 HEAD13 = ["import sys\nimport torch\nfrom labkit.grading import check", BUBBLE, 'check("13.3", bubble_time)']
@@ -421,9 +441,7 @@ SPLIT = {
                          "check('13.1', split_linear_backward)"],
 }
 # a third red team: labkit's reference kept where the answer reads it (a global box) by code outside the answer's
-# closure that never names it: builtins' exec through len.__self__, the kernel's shell evaluating a string; each
-# scored 13.1's points before (the other ways it found, a module handed to getattr with a computed name, a pickle
-# numpy loads, an annotation string typing evaluates, are judged by the same source policy: test_grading_policy)
+# closure that never names it: builtins' exec through len.__self__, the kernel's shell evaluating a string
 BOX = "class Box:\n    pass\nbox = Box()\n"
 BY_BOX = ("def split_linear_backward(layer, x, grad_out):\n    out = layer(x)\n"
           "    gi, _ = box.f(out, x, grad_out, [])\n"
@@ -438,15 +456,14 @@ SPLIT.update({
                        + "box.f = sh.ev(\"__import__('labkit.pipeline.split_backward', fromlist=['x'])"
                          ".backward_input\")", BY_BOX],
 })
-SPLIT_WHAT = {"cleared": "`.backward`", "reference": "import of `ref13`", "patched": "import of `fix13`",
-              "shell": "`IPython.core` (reaches the kernel's machinery",
-              "exec": "`.__self__`"}
+_ABSENT = "backward_input (labkit.pipeline.split_backward) is withheld"
+SPLIT_WHAT = {"cleared": "x.grad changed during the call", "reference": _ABSENT, "patched": "kernel-side code returned",
+              "shell": _ABSENT, "exec": _ABSENT}
 
 
 @pytest.fixture(scope="module")
 def split_attacks(tmp_path_factory):
-    # graded once, by this test's user: the source policy judges the notebook file in the grader before any kernel
-    # starts, so its verdict cannot depend on the kernel's isolation (which the other batches here run both ways)
+    # graded once, by this test's user (root: the reference is withheld only where the kernel has a uid of its own)
     return _grade_batch(None, tmp_path_factory.mktemp("split"), SPLIT, "13_zero_bubble")
 
 
@@ -458,4 +475,4 @@ def test_a_split_backward_that_games_its_judgement_scores_its_honest_score(split
     assert tests["Exercise 13.3"]["score"] == tests["Exercise 13.3"]["max_score"] > 0, obj["output"]
     assert obj["score"] == tests["Exercise 13.3"]["max_score"], (name, obj["output"], proc.stdout[-3000:])
     split = tests["Exercise 13.1"]
-    assert split["score"] == 0 and "source policy" in split["output"] and SPLIT_WHAT[name] in split["output"], split
+    assert split["score"] == 0 and SPLIT_WHAT[name] in split["output"], split

@@ -97,3 +97,16 @@ def test_index_errors_get_the_hint():
     with pytest.raises(RuntimeError, match="other"):  # other errors pass through
         with explain_index_errors("g", "hint"):
             raise RuntimeError("other")
+
+
+def test_case_names_do_not_state_an_answer():
+    """Issue 36: 3.1's case names gave 3.2's answer min(M, K-s), 13.2's gave 13.3's (K-1)(T_F+T_I-T_W), 2.3's
+    its own "(loss / M each)". A public case name is seen before the exercise is passed: no formula of the
+    notebook's exercises (the solutions' own expressions) may appear in one."""
+    from labkit.grading.registry import all_exercises
+
+    banned = ["min(M, K-s)", "min(M, K - s)", "(K-1)(T_F+T_I-T_W)", "(K-1)/(M+K-1)", "loss / M", "2cp-1-r",
+              "2 cp - 1 - r", "4 + 12/d", "2 + 14/d", "16/d", "1.5x"]
+    found = [(ex.id, c.name, b) for ex in all_exercises() for c in ex.cases if not c.hidden for b in banned
+             if b.replace(" ", "") in c.name.replace(" ", "")]
+    assert not found, found

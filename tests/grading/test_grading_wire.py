@@ -100,7 +100,7 @@ def test_the_proxy_carries_exceptions_by_name_and_catches_references():
 
 def test_the_grader_asks_the_kernel_for_no_tripwire(monkeypatch):
     # a tripwire in the learner's kernel is the learner's to disable: the grader's requests name no
-    # reference (the source policy refuses them), only the interactive check's local ones do
+    # reference (the references are absent from the graded kernel's kit), only the interactive check's local ones do
     from labkit.grading import proxy
 
     sent = []

@@ -129,11 +129,15 @@ def test_data_folder_that_cannot_be_read(tmp_path, monkeypatch, capsys):
         return real_scandir(path)
     monkeypatch.setattr(os, "scandir", scandir)
     _one_error_line(cli(["lab", "pipeline", "--data", str(data)]), capsys,
-                    f"--data {data}: no readable text file: 2 file(s) or folder(s) could not be read (permission "
-                    f"denied)")
-    monkeypatch.setattr(os, "access", real_access)  # a.txt readable again: the lab would use it
+                    f"--data {data}: 2 file(s) or folder(s) in it cannot be read (permission denied")
+    monkeypatch.setattr(os, "access", real_access)  # a.txt readable again, sub/ still not: refused, not trained on
+    _one_error_line(cli(["lab", "pipeline", "--data", str(data)]), capsys,   # part of the folder without a word
+                    f"--data {data}: 1 file(s) or folder(s) in it cannot be read (permission denied")
+    monkeypatch.setattr(os, "scandir", real_scandir)
     from labkit.data import text_files
-    assert text_files(data) == [data / "a.txt"]
+    assert text_files(data) == [data / "a.txt", data / "sub" / "b.txt"]
+    (data / "gone.txt").symlink_to(tmp_path / "nowhere")   # a link to nothing is named too
+    _one_error_line(cli(["lab", "pipeline", "--data", str(data)]), capsys, f"e.g. {data / 'gone.txt'}")
 
 
 def _lab_with_env(env):

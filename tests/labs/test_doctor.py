@@ -27,3 +27,15 @@ def test_doctor_run_fails_a_broken_lab(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert rc == 1
     assert "FAIL  3d" in out and "some labs FAILED" in out
+
+
+def test_doctor_3d_run_has_ignored_targets_and_catches_the_per_shard_mean(capsys, monkeypatch):
+    import labkit.parallel.gpt as gpt
+    plans = doctor._plans
+    assert any("--ignore-frac" in argv for name, _, argv in plans(None, "x") if name == "3d")
+    # injected bug: each microbatch's own token mean (invisible on batches where every target is valid)
+    monkeypatch.setattr(gpt, "_piece_loss", lambda head, tokens, output, target: head.loss(output, target))
+    monkeypatch.setattr(doctor, "_plans", lambda world, out: [p for p in plans(world, out) if p[0] == "3d"])
+    rc = doctor.run_all()
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL  3d" in out, out

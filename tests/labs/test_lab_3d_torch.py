@@ -15,6 +15,19 @@ def test_lab_3d_impl_both_ok(tmp_path, capsys):
     assert rc == 0, out
     assert "OK   t2 p2 d2 1f1b" in out and "OK   torch t2 p2 d2 1f1b" in out
     assert "labkit count" in out and "torch count" in out and "ratio labkit / torch = " in out
+    # every line of the torch run's counts and memory equals the planner's or is explained (FSDP2's M + 1
+    # gathers, SP's per-norm all-reduces and kept gathers, labkit's target-count all-reduce)
+    table = out.split("The torch-native run next to the planner")[1]
+    assert "explained [" in table and " =" in table and "not modeled" not in table, table
+
+
+def test_lab_3d_impl_torch_ddp_interleaved_agrees_with_the_planner(tmp_path, capsys):
+    rc = main(["lab", "3d", "--impl", "torch", "--tp", "2", "--pp", "2", "--dp", "2", "--zero", "0", "--schedule",
+               "interleaved", "--out", str(tmp_path), *SMALL[:7], "4", *SMALL[8:]])
+    out = capsys.readouterr().out
+    assert rc == 0 and "OK   torch t2 p2 d2 interleaved" in out, out
+    table = out.split("The torch-native run next to the planner")[1]
+    assert "not modeled" not in table and "pp   send" in table, table
 
 
 @pytest.mark.parametrize("bug", ["missing_unit", "no_microbatch_scaling"])

@@ -84,3 +84,34 @@ def test_ctrl_c_under_torchrun_ends_every_rank_with_one_line(tmp_path):
             except ProcessLookupError:
                 pass
             p.wait(10)
+
+
+def test_a_rank_stopped_by_a_signal_removes_the_file_it_was_writing(tmp_path):
+    """The stop watcher ends the rank with os._exit (no finally block runs): a temporary file that
+    labkit.labs.write_bytes_atomic was writing is removed first. A signal not from the agent (here,
+    from `kill`, not from the test that started it) during start-up names this rank alone."""
+    import subprocess
+    import sys
+    part = tmp_path / ".losses.csv.1.tmp"
+    code = textwrap.dedent(f"""
+        import os, time
+        import labkit
+        from labkit.launch.torchrun import PENDING_FILES
+        open({str(part)!r}, "w").close()
+        PENDING_FILES.add({str(part)!r})
+        open({str(tmp_path / 'ready')!r}, "w").close()
+        time.sleep(60)
+    """)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", TORCHELASTIC_RUN_ID="t", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=_port())
+    p = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        subprocess.run(["kill", "-TERM", str(p.pid)], check=True)   # from a process that is not its agent
+        err = p.communicate(timeout=20)[1]
+    finally:
+        p.kill()
+    assert p.returncode == 143 and not part.exists(), (p.returncode, err)
+    assert err == "terminated (SIGTERM) during start-up: rank 0 (local rank 0) stopped before any work\n", err

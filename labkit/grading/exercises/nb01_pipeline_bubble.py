@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import numbers
 
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..registry import (
+    CheckFailure,
+    as_int,
+    exercise,
+    expect_close,
+    expect_equal,
+    expect_named,
+    expect_raises,
+    type_name,
+)
 
 
 def _bubble(K: int, M: int) -> float:
@@ -25,9 +34,18 @@ ex11.hint_review = ("leads: asks the learner to count slots on the timeline; the
                     "2026-12-06")
 
 
+def _bubble_mistakes(K: int, M: int) -> list:
+    """1.1's named mistakes for K, M: what each returns."""
+    return [((K - 1) / M, "this is the idle time over the busy time only: the fraction is over every slot of "
+                          "the step"),
+            (K / (M + K), "K waiting slots counted where a stage waits K - 1"),
+            (100 * (K - 1) / (M + K - 1), "a percentage: the fraction is between 0 and 1"),
+            ((K - 1) / (M + K), "one slot too many in the step")]
+
+
 @ex11.case("K=4, M=8")
 def _(bubble_fraction):
-    expect_close(bubble_fraction(4, 8), 3 / 11, "bubble_fraction(K=4, M=8)")
+    expect_named(bubble_fraction(4, 8), 3 / 11, "bubble_fraction(K=4, M=8)", _bubble_mistakes(4, 8), rtol=1e-5)
 
 
 @ex11.case("K=1 (one stage has no bubble)")
@@ -95,8 +113,8 @@ def _(smallest_microbatches):
 
 
 @ex12.case("K=3, target 0.3 (the bound M >= 14/3 is not a whole number)",
-           hint=("The bound you solved for is not a whole number here: which whole number next to it keeps the bubble "
-                 "within the target?"))
+           hint=("The bound you solved for is not a whole number here; rounding it one way leaves the bubble above "
+                 "the target. Which way is safe?"))
 def _(smallest_microbatches):
     K, target = 3, 0.3
     got = smallest_microbatches(K, target)
@@ -107,13 +125,24 @@ def _(smallest_microbatches):
     expect_equal(got, want, f"smallest_microbatches(K={K}, target={target})")
 
 
+@ex12.case("K=5, target 0.3")
+def _(smallest_microbatches):
+    K, target = 5, 0.3
+    got = smallest_microbatches(K, target)
+    want = _smallest(K, target)
+    got = as_int(got) if as_int(got) is not None else got
+    expect_named(got, want, f"smallest_microbatches(K={K}, target={target})",
+                 [(want - 1, f"rounded to the nearest whole number: with M={want - 1} the bubble is "
+                             f"{_bubble(K, want - 1):.4g} > {target}")])
+
+
 @ex12.case("returns an int",
            hint="A number of microbatches is a whole number: what type does your function return?")
 def _(smallest_microbatches):
     got = smallest_microbatches(4, 0.05)
-    if not isinstance(got, int) or isinstance(got, bool):
-        raise CheckFailure(f"smallest_microbatches(K=4, target=0.05): expected an int, got {type(got).__name__}")
-    expect_equal(got, _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)")
+    if as_int(got) is None:
+        raise CheckFailure(f"smallest_microbatches(K=4, target=0.05): expected an int, got {type_name(got)}")
+    expect_equal(as_int(got), _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)")
 
 
 @ex12.case("K=5, target 0.15", hidden=True)

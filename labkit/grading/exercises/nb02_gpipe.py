@@ -7,7 +7,11 @@ parameter gradient with the single-device model. Exercise 2.3 (gradient accumula
 the 1/M scaling of each microbatch's loss with plain SGD, which shows a gradient M times too
 large where Adam, scale-invariant, would hide it; its model's loss has a term in its batch's
 mean activation (as BatchNorm's statistics), so the gradients themselves show whether the batch
-was cut into M microbatches.
+was cut into M microbatches. Exercise 2.4 (ignored targets) asks for the loss each microbatch of
+each DP rank backpropagates when the targets of -100 fall unevenly over the d x M pieces of a
+step: judged against the step's token mean (one device's ``F.cross_entropy``), with a piece and a
+whole rank that hold no valid target; the mean of microbatch means, the per-rank count, the extra
+division by M, the missing DP factor d and a sum over the ignored positions are each named.
 
 The helpers here (a tiny GPT on K ranks, the single-device reference) are shared with the
 exercises of notebooks 03 and 04.
@@ -35,7 +39,7 @@ from ...pipeline import (
 )
 from ...pipeline.stages import gpt_param_name, gpt_stages_for_rank
 from ..kernelside.nb02_gpipe import ACC_BATCH, ACC_CFG, ACC_LR, ACC_SEQ, _acc_batch, _accumulate_run, _sgd_run  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, exercise, expect_close, expect_equal
+from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal
 from . import kernel_side
 
 # A tiny GPT: 8 layers split over K*v stages (K=4, v=2 at most), 8 sequences of 16 tokens.
@@ -226,8 +230,8 @@ def _count_case(make, n_stages: int, label: str):
 ex22.case("a hand-written K=2, M=3 schedule")(
     _count_case(lambda: {r: parse_actions(t) for r, t in _HAND_1F1B.items()}, 2, "hand-written 1F1B, K=2, M=3"))
 ex22.case("interleaved K=2, M=4, v=2 (two stages per rank, 4 stages)",
-          hint=("With interleaving a rank holds several stages: is your result indexed by rank or by stage? How many "
-                "stages does this schedule have?"))(
+          hint=("Count per STAGE, not per rank: with interleaving a rank holds several stages. How many stages does "
+                "this schedule have, and how many entries has your result?"))(
     _count_case(lambda: interleaved_schedule(2, 4, 2), 4, "interleaved K=2, M=4, v=2"))
 
 
@@ -328,7 +332,7 @@ def _accumulate_case(M: int, steps: int, seed: int):
             if not torch.allclose(g, w, rtol=1e-5, atol=1e-6) and _scale_hint(g, w, M):
                 raise CheckFailure(f"{what}: the accumulated gradient of {name} differs from the expected one"
                                    + _scale_hint(g, w, M))
-            expect_close(g, w, f"{what}: the accumulated gradient of {name} vs M={M} microbatches' (loss / M each)")
+            expect_close(g, w, f"{what}: the accumulated gradient of {name} vs the full batch's gradient")
         if steps > 1:
             for name, w in want_p.items():
                 expect_close(got_p[name], w, f"{what}: parameter {name} after {steps} plain SGD steps "
@@ -336,7 +340,7 @@ def _accumulate_case(M: int, steps: int, seed: int):
     return case
 
 
-ex23.case("M=4: every parameter gradient equals M microbatches' (loss / M each)")(_accumulate_case(4, 1, 0))
+ex23.case("M=4: every parameter gradient equals the full batch's")(_accumulate_case(4, 1, 0))
 ex23.case("M=4, 3 plain SGD steps: parameters equal training on M microbatches",
           hint=("Plain SGD (not Adam, which divides by the gradient's size) shows a gradient that is a "
                 "constant factor off: by what factor does your microbatch loss differ from its share of the "
@@ -344,6 +348,135 @@ ex23.case("M=4, 3 plain SGD steps: parameters equal training on M microbatches",
 ex23.case("M=1 is the full batch")(_accumulate_case(1, 1, 2))
 ex23.case("M=8 (one sequence per microbatch), 2 SGD steps", hidden=True)(_accumulate_case(8, 2, 3))
 ex23.case("M=2, 3 SGD steps", hidden=True)(_accumulate_case(2, 3, 4))
+
+
+# ----------------------------------------------------------------------------- 2.4
+ex24 = exercise(
+    "2.4", title="the step loss with ignored targets", notebook="02_gpipe", points=2,
+    hint="Section 4b: one device divides the sum over ALL the step's valid targets by their number. Each "
+         "microbatch of each rank can only add its own share of that sum: which count must every share be "
+         "divided by, and what does DP's averaging over the d ranks do to what each rank backpropagates?")
+ex24.hint2 = ("Write one device's loss as a single fraction and split its numerator into the d x M pieces. Is "
+              "the denominator a property of a piece, of a rank, or of the step? Then follow one piece's gradient "
+              "through DP's averaging over the ranks: does it come out with the weight you wanted? What is a "
+              "piece with no valid target worth?")
+ex24.hint_review = ("leads: asks which count is the step's and what DP's averaging does to a piece; the factor, the "
+                    "masking and the empty case stay the learner's; reviewed 2026-12-06")
+
+_IGNORED = 7.0    # what token_losses holds where the target is ignored (any value: it must not count)
+
+
+def _step_inputs(seed: int, d: int, M: int, b: int, S: int, empty=()):
+    """Per-token losses [d, M, b, S] (float64, values like cross-entropies; _IGNORED + noise where
+    ignored) and the valid mask: each piece keeps its own random share of its targets; ``empty``:
+    (r, m) pieces with none, m None for the whole rank r."""
+    g = torch.Generator().manual_seed(seed)
+    losses = torch.rand(d, M, b, S, generator=g, dtype=torch.float64) * 5 + 0.2
+    share = torch.rand(d, M, 1, 1, generator=g, dtype=torch.float64) * 0.85 + 0.1
+    valid = torch.rand(d, M, b, S, generator=g, dtype=torch.float64) < share
+    for r, m in empty:
+        if m is None:
+            valid[r] = False
+        else:
+            valid[r, m] = False
+    losses = torch.where(valid, losses, _IGNORED + torch.rand(d, M, b, S, generator=g, dtype=torch.float64))
+    return losses, valid
+
+
+def _shares(losses, valid) -> dict:
+    """The right answer and the wrong ones a learner would write, [d, M] each (NaN where they divide 0 by 0)."""
+    d, M = losses.shape[:2]
+    sums = (losses * valid).sum((2, 3))
+    n_piece = valid.sum((2, 3)).double()
+    n_rank = n_piece.sum(1, keepdim=True).expand(d, M)
+    N = float(valid.sum())
+    nan = float("nan")
+    return {
+        "right": sums * d / N if N else torch.zeros(d, M, dtype=torch.float64),
+        "mean of means": sums / n_piece / M,
+        "per-rank count": sums / n_rank,
+        "divided by M": sums * d / N / M if N else torch.full((d, M), nan, dtype=torch.float64),
+        "no factor d": sums / N if N else torch.full((d, M), nan, dtype=torch.float64),
+        "ignored summed": losses.sum((2, 3)) * d / N if N else torch.full((d, M), nan, dtype=torch.float64),
+        "every position": sums * d / valid.numel(),
+    }
+
+
+def _why(name: str, d: int, M: int, n_piece, n_rank) -> str:
+    return {
+        "mean of means": f"each microbatch's own token mean divided by M (the mean of means): exercise 2.3's 1/M rule "
+                         f"holds for microbatches of equal weight, but these pieces hold {n_piece} valid targets, so "
+                         f"a target in a sparse piece counts for more than one device gives it",
+        "per-rank count": f"each rank divided by its own count of valid targets (a per-rank count): the d={d} ranks' "
+                          f"average then weighs every rank alike, but they hold {n_rank} valid targets",
+        "divided by M": f"M={M} times too small: divided by M on top of the step's count, which already covers "
+                        f"all M microbatches",
+        "no factor d": f"d={d} times too small: the d ranks' gradients are AVERAGED (divided by d) after the "
+                       f"backward, and nothing here makes up for it",
+        "ignored summed": "the ignored positions were added in: token_losses holds arbitrary values where valid is "
+                          "False, and they must not count",
+        "every position": "divided by every position, ignored ones included: one device counts only the valid "
+                          "targets",
+    }[name]
+
+
+def _step_loss_case(seed: int, d: int, M: int, b: int, S: int, empty=(), label: str = ""):
+    def case(microbatch_losses):
+        losses, valid = _step_inputs(seed, d, M, b, S, empty)
+        what = f"microbatch_losses(token_losses [{d}, {M}, {b}, {S}], valid){label}"
+        got = microbatch_losses(losses.clone(), valid.clone())
+        if isinstance(got, (list, tuple)):
+            try:
+                got = torch.as_tensor(got, dtype=torch.float64)
+            except (TypeError, ValueError, RuntimeError):
+                raise CheckFailure(f"{what}: expected a tensor of shape ({d}, {M}), got {_shown(got)}") from None
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (d, M):
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else _shown(got)
+            raise CheckFailure(f"{what}: expected a tensor of shape (d, M) = ({d}, {M}), one loss per rank and "
+                               f"microbatch, got {shape}")
+        got = got.detach().double()
+        shares = _shares(losses, valid)
+        n_piece = valid.sum((2, 3)).tolist()
+        n_rank = valid.sum((1, 2, 3)).tolist()
+
+        def same(a, w):
+            return torch.equal(torch.isfinite(a), torch.isfinite(w)) and torch.allclose(
+                a[torch.isfinite(a)], w[torch.isfinite(w)], rtol=1e-6, atol=1e-9)
+        if same(got, shares["right"]):
+            return
+        named = next((k for k, w in shares.items()
+                      if k != "right" and bool(torch.isfinite(w).any()) and same(got, w)), None)
+        bad = ~torch.isfinite(got)
+        if named is None and bool(bad.any()):
+            r, m = (int(i) for i in bad.nonzero()[0])
+            empty_here = n_piece[r][m] == 0
+            raise CheckFailure(f"{what}: the loss of rank {r}'s microbatch {m} is {float(got[r, m])}"
+                               + (" and that piece has no valid target: 0/0. A piece with nothing to learn from "
+                                  "must add nothing (and a step with no valid target at all must give zero "
+                                  "gradients, never NaN)" if empty_here else ""))
+        if named is not None:
+            nan_note = (" (and it gives NaN where a piece or a rank has no valid target: 0/0)"
+                        if bool(bad.any()) else "")
+            raise CheckFailure(f"{what}: {_why(named, d, M, n_piece, n_rank)}{nan_note}")
+        N = int(valid.sum())
+        step = float(got.sum() / d)
+        want = float((losses * valid).sum() / N) if N else 0.0
+        raise CheckFailure(f"{what}: the d={d} ranks' average of your accumulated losses is {step:.6g}, but one "
+                           f"device's loss (the mean over the step's {N} valid targets) is {want:.6g}; the pieces "
+                           f"differ from the expected ones by up to "
+                           f"{float((got - shares['right']).abs().max()):.3g}")
+    return case
+
+
+ex24.case("d=2, M=3: uneven valid targets")(_step_loss_case(241, 2, 3, 2, 8))
+ex24.case("d=3, M=2: one microbatch with no valid target")(
+    _step_loss_case(242, 3, 2, 2, 8, empty=[(0, 1)], label=" with rank 0's microbatch 1 empty"))
+ex24.case("d=2, M=4: one rank with no valid target")(
+    _step_loss_case(243, 2, 4, 2, 6, empty=[(1, None)], label=" with rank 1 empty"))
+ex24.case("d=1, M=1 is one device's mean")(_step_loss_case(244, 1, 1, 4, 8))
+ex24.case("d=4, M=2, pieces of one sequence", hidden=True)(_step_loss_case(245, 4, 2, 1, 16, empty=[(1, 0)]))
+ex24.case("no valid target in the whole step: zeros, never NaN", hidden=True)(
+    _step_loss_case(246, 2, 2, 2, 4, empty=[(0, None), (1, None)], label=" with every target ignored"))
 
 
 # ----------------------------------------------------------------------------- fresh inputs (labkit.grading.fresh)
@@ -365,5 +498,8 @@ def _draw_schedule(r):
 
 
 fresh_case(ex22, "random GPipe, 1F1B or interleaved schedule", _draw_schedule, _count_case)
+fresh_case(ex24, "random d, M and masks", lambda r: (r.randint(0, 10 ** 6), r.randint(2, 4), r.randint(2, 4),
+                                                   r.randint(1, 3), r.randint(2, 12),
+                                                   [(r.randrange(2), r.choice((None, 0, 1)))]), _step_loss_case)
 fresh_case(ex23, "random M, steps and weights", lambda r: (r.choice((2, 4, 8)), r.randint(1, 2), r.randint(5, 10 ** 6)),
            _accumulate_case)

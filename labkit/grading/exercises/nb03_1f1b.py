@@ -7,7 +7,7 @@ stage s holds at most ``min(M, K - s)`` microbatches in flight instead of M.
 from __future__ import annotations
 
 from ...pipeline import bubble_formula, one_f_one_b_schedule, peak_in_flight, simulate
-from ..registry import CheckFailure, exercise, expect_equal
+from ..registry import CheckFailure, exercise, expect_named
 from .nb02_gpipe import expect_same_grads, run_pipeline, validated
 
 # ----------------------------------------------------------------------------- 3.1
@@ -63,8 +63,8 @@ def _memory_and_bubble(K: int, M: int):
     return case
 
 
-ex31.case("K=2, M=4: valid, in flight min(M, K-s), bubble (K-1)/(M+K-1)")(_memory_and_bubble(2, 4))
-ex31.case("K=4, M=8: valid, in flight min(M, K-s), bubble (K-1)/(M+K-1)")(_memory_and_bubble(4, 8))
+ex31.case("K=2, M=4: valid, peak in flight and bubble simulated")(_memory_and_bubble(2, 4))
+ex31.case("K=4, M=8: valid, peak in flight and bubble simulated")(_memory_and_bubble(4, 8))
 ex31.case("fewer microbatches than stages (K=4, M=2)",
           hint=("With M < K, does every rank's plan use only microbatches 0..M-1? Count the forwards of rank 0 in "
                 "your list."))(_memory_and_bubble(4, 2))
@@ -99,11 +99,23 @@ ex32.hint_review = ("leads: asks how many forwards precede stage s's first backw
                     "measurement; the expression is the learner's; reviewed 2026-12-06")
 
 
+def _in_flight_mistakes(K: int, M: int) -> list:
+    """3.2's named mistakes: what each returns for K, M."""
+    return [([K - s for s in range(K)], "more than M on some stages: a stage cannot hold more microbatches than "
+                                        "the step has"),
+            ([min(M, K - s - 1) for s in range(K)], "one fewer on every stage: the last stage still holds one"),
+            ([min(M, s + 1) for s in range(K)], "the stages in reverse order: which stage starts the most "
+                                                "forwards before its first backward?"),
+            ([min(M, K)] * K, "the same count on every stage: the warm-up is not the same length on every stage"),
+            ([M] * K, "every microbatch in flight at once: that is GPipe's memory, not 1F1B's")]
+
+
 def _formula_case(K: int, M: int):
     def case(in_flight_1f1b):
         got = in_flight_1f1b(K, M)
         want = peak_in_flight(one_f_one_b_schedule(K, M), K)
-        expect_equal(list(got) if isinstance(got, tuple) else got, want, f"in_flight_1f1b(K={K}, M={M})")
+        got = list(got) if isinstance(got, (tuple, range)) else got
+        expect_named(got, want, f"in_flight_1f1b(K={K}, M={M})", _in_flight_mistakes(K, M))
     return case
 
 
@@ -111,8 +123,8 @@ def _formula_case(K: int, M: int):
 def _(in_flight_1f1b):
     measured = run_pipeline(one_f_one_b_schedule(4, 8), 8, timeout=15)["peak"]
     got = in_flight_1f1b(4, 8)
-    expect_equal(list(got) if isinstance(got, tuple) else got, [measured[s] for s in range(4)],
-                 "in_flight_1f1b(K=4, M=8) vs the peak measured by the runtime")
+    expect_named(list(got) if isinstance(got, (tuple, range)) else got, [measured[s] for s in range(4)],
+                 "in_flight_1f1b(K=4, M=8) vs the peak measured by the runtime", _in_flight_mistakes(4, 8))
 
 
 ex32.case("K=4, M=2 (fewer microbatches than stages)")(_formula_case(4, 2))

@@ -15,7 +15,15 @@ import math
 import torch
 
 from ..kernelside.nb05_checkpointing import _ckpt_outputs, _net, _run  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal, expect_raises
+from ..registry import (
+    CheckFailure,
+    as_int,
+    exercise,
+    expect_close,
+    expect_equal,
+    expect_raises,
+    type_name,
+)
 
 NOTEBOOK = "05_checkpointing"
 
@@ -38,8 +46,10 @@ def _check_bounds(got, n: int, k: int) -> None:
     got = list(got)
     if len(got) != k + 1:
         raise CheckFailure(f"{what}: expected k+1 = {k + 1} boundaries (k segments), got {len(got)}: {got}")
-    if any(isinstance(b, bool) or not isinstance(b, int) for b in got):
-        raise CheckFailure(f"{what}: boundaries must be ints, got {got}")
+    bad = [b for b in got if as_int(b) is None]
+    if bad:
+        raise CheckFailure(f"{what}: boundaries must be ints, got {type_name(bad[0])} among them")
+    got = [as_int(b) for b in got]
     if got[0] != 0 or got[-1] != n:
         raise CheckFailure(f"{what}: the boundaries must start at 0 and end at n={n}, got {got}")
     sizes = [b - a for a, b in zip(got[:-1], got[1:])]
@@ -98,11 +108,21 @@ def _best_case(n: int, a: int, s: int):
     def case(best_segment_count):
         what = f"best_segment_count(n={n}, input_bytes={a}, layer_bytes={s})"
         got = best_segment_count(n, a, s)
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise CheckFailure(f"{what}: expected an int k, got {_shown(got)}")
+        if as_int(got) is None:
+            raise CheckFailure(f"{what}: expected an int k, got {type_name(got)}")
+        got = as_int(got)
         if not 1 <= got <= n:
             raise CheckFailure(f"{what}: k must be between 1 and n={n}, got {got}")
         best = min(range(1, n + 1), key=lambda k: (_cost(n, k, a, s), k))
+        if _cost(n, got, a, s) != _cost(n, best, a, s) and got == max(1, round(math.sqrt(n))) and a != s:
+            raise CheckFailure(f"{what}: k={got} (sqrt(n)) has a peak of {_cost(n, got, a, s)} bytes, but k={best} "
+                               f"has {_cost(n, best, a, s)}: sqrt(n) is the best k only when a layer saves as much "
+                               f"as a segment's input")
+        smooth = math.sqrt(n * s / a)
+        if _cost(n, got, a, s) != _cost(n, best, a, s) and got in (math.floor(smooth), math.ceil(smooth)):
+            raise CheckFailure(f"{what}: k={got} (the smooth optimum sqrt(n s / a) rounded) has a peak of "
+                               f"{_cost(n, got, a, s)} bytes, but k={best} has {_cost(n, best, a, s)}: ceil(n/k) "
+                               f"moves in steps, so the whole k around it must be compared")
         if _cost(n, got, a, s) != _cost(n, best, a, s):
             raise CheckFailure(f"{what}: k={got} has a peak of {_cost(n, got, a, s)} bytes, but k={best} has "
                                f"{_cost(n, best, a, s)}")
@@ -136,6 +156,79 @@ ex53.hint_review = ("leads: names the pitfall and the two invariants (graph to x
                     "and no sequence of calls; reviewed 2026-12-06")
 
 
+class _NoRestore(torch.autograd.Function):
+    """5.3's mistake: the recomputation draws from whatever the RNG state is in backward."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            y = ctx.run(x)
+        torch.autograd.backward(y, grad_y)
+        return None, x.grad
+
+
+class _SavedAfter(torch.autograd.Function):
+    """5.3's mistake: the RNG state saved after the forward computation drew its masks, and restored."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            y = run(x)
+        ctx.rng = torch.get_rng_state()
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        with torch.random.fork_rng():
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                x = x.detach().requires_grad_(True)
+                y = ctx.run(x)
+        torch.autograd.backward(y, grad_y)
+        return None, x.grad
+
+
+_RNG_MISTAKES = ((_NoRestore, "the recomputation drew new dropout masks: the RNG state was not set back to the one "
+                              "the forward used"),
+                 (_SavedAfter, "the recomputation drew other masks than the forward: the RNG state was saved after "
+                               "the forward had already drawn its masks"))
+
+
+def _rng_mistake(answer, p, seed, segments, x, G, got_dx) -> str:
+    """Name the RNG mistake whose gradients the answer's are (issue 36: both gave one line). With one
+    segment the two give the same numbers (nothing draws between forward and backward), so the answer is
+    asked once more with two segments, where they differ."""
+    def matches(segs, dx):
+        found = []
+        for cls, text in _RNG_MISTAKES:
+            def ckpt(net, x, cls=cls):
+                for _ in range(segs):
+                    x = cls.apply(net, x)
+                return x
+            ref = _run(_net(seed, p), x, G, seed + 2, ckpt)
+            if torch.allclose(dx, ref[1], rtol=1e-5, atol=1e-6):
+                found.append(text)
+        return found
+
+    found = matches(segments, got_dx)
+    if len(found) > 1:
+        again = answer.run(_ckpt_outputs, p, seed, 2, x, G)
+        found = [t for t in matches(2, again[1]) if t in found] if isinstance(again[1], torch.Tensor) else []
+    return found[0] if len(found) == 1 else ""
+
+
 def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, label: str):
     net = _net(seed, p)
     g = torch.Generator().manual_seed(seed + 1)
@@ -151,6 +244,11 @@ def _compare(answer, p: float, seed: int, segments: int, check_stream: bool, lab
     expect_close(got[0], ref[0], f"{label}: output y")
     if got[1] is None:
         raise CheckFailure(f"{label}: x.grad is None: backward returned no gradient for the input x")
+    if p > 0 and isinstance(got[1], torch.Tensor) and got[1].shape == ref[1].shape and not torch.allclose(
+            got[1], ref[1], rtol=1e-5, atol=1e-6):
+        why = _rng_mistake(answer, p, seed, segments, x, G, got[1])
+        if why:
+            raise CheckFailure(f"{label}: dL/dx differs from backprop without checkpointing ({why})")
     expect_close(got[1], ref[1], f"{label}: dL/dx (vs backprop without checkpointing)")
     for name, gref in ref[2].items():
         if got[2][name] is None:

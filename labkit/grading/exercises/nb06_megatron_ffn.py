@@ -125,24 +125,37 @@ def _branch_share(N, H, F_, seed, r, t):
 
 
 def _operator_case(which: str, t: int, N: int, H: int, F_: int, seed: int):
-    """``which`` = "f": the learner's f with labkit's g; "g": labkit's f with the learner's g."""
+    """``which`` = "f": the learner's f, the partial outputs summed here (g's forward); "g": the
+    learner's g after an identity, the ranks' dL/dX shares summed here (f's backward). labkit's f
+    and g never run in the kernel: they are the references of 6.2 and 6.3."""
     def case(fn_class):
         res = fn_class.run(_operator_outputs, which, t, N, H, F_, seed)
         ref = _reference(N, H, F_, seed)
         w = F_ // t
         where = f"t={t}, X [{N}, {H}]"
+        if which == "f":
+            expect_close(sum(out["Z"] for out in res), ref["Z"], f"{where}: the sum of the ranks' partial outputs "
+                         f"(vs one device's Z)", rtol=1e-5, atol=1e-5)
         for r, out in enumerate(res):
-            expect_close(out["Z"], ref["Z"], f"{where}: forward output Z on rank {r} (vs one device)",
-                         rtol=1e-5, atol=1e-5)
+            if which == "g":
+                expect_close(out["Z"], ref["Z"], f"{where}: forward output Z on rank {r} (vs one device)",
+                             rtol=1e-5, atol=1e-5)
             if out["dX"] is None:
                 raise CheckFailure(f"{where}: dL/dX on rank {r} is None; backward of "
                                    f"{'f' if which == 'f' else 'g'} must return a gradient for x")
+            if which == "g":
+                continue  # each rank holds its branch's share: summed below
             if t > 1 and torch.allclose(out["dX"], _branch_share(N, H, F_, seed, r, t), rtol=1e-4, atol=1e-5) \
                     and not torch.allclose(out["dX"], ref["dX"], rtol=1e-5, atol=1e-5):
                 raise CheckFailure(f"{where}: dL/dX on rank {r} is only the share of its own branch (the gradient "
                                    f"through rank {r}'s columns of A); the {t} shares were never summed over the "
                                    "group in backward")
             expect_close(out["dX"], ref["dX"], f"{where}: dL/dX on rank {r} (vs one device)", rtol=1e-5, atol=1e-5)
+        if which == "g":
+            expect_close(sum(out["dX"] for out in res), ref["dX"], f"{where}: the sum of the ranks' dL/dX shares "
+                         f"(vs one device's dL/dX; g's backward must pass the gradient through unchanged)",
+                         rtol=1e-5, atol=1e-5)
+        for r, out in enumerate(res):
             expect_close(out["dA"], ref["dA"][:, r * w:(r + 1) * w],
                          f"{where}: dL/dA_{r} on rank {r} (vs the slice of one device's dL/dA)", rtol=1e-5, atol=1e-5)
             expect_close(out["dB"], ref["dB"][r * w:(r + 1) * w],

@@ -90,6 +90,24 @@ def _shards(W, t):
     return [(W[r * n:(r + 1) * n].clone(), r * n) for r in range(t)]
 
 
+def _name_unmasked(got, expected, ids, shard, start, what) -> None:
+    """Fail naming the mistake when the only wrong rows are those of ids below the block and they hold the
+    rows that a negative local index wraps around to (``shard[id - vocab_start]`` counts from the end)."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return
+    n = shard.shape[0]
+    below = ids < start
+    wrong = ~torch.isclose(got.detach().float(), expected, rtol=1e-5, atol=1e-6).all(-1)
+    if not wrong.any() or not below.any() or bool((wrong & ~below).any()):
+        return
+    local = (ids - start).clamp(min=-n)
+    wrapped = shard[local.masked_fill(~below, 0)]
+    if torch.allclose(got.detach().float()[below], wrapped[below], rtol=1e-5, atol=1e-6):
+        raise CheckFailure(f"{what}: the rows of ids below vocab_start={start} are not zero: they hold rows counted "
+                           f"from the end of the shard, where a negative local index lands; ids below the block "
+                           f"belong to an earlier rank's block and are outside too")
+
+
 def _emb_sum_case(V: int, D: int, t: int, shape: tuple, seed: int):
     def case(partial_embedding):
         W, ids = _emb_data(V, D, shape, seed)
@@ -100,6 +118,7 @@ def _emb_sum_case(V: int, D: int, t: int, shape: tuple, seed: int):
             got = _call_emb(partial_embedding, ids, shard, start, what)
             mine = (ids >= start) & (ids < start + V // t)
             expected = torch.where(mine.unsqueeze(-1), full, torch.zeros_like(full))
+            _name_unmasked(got, expected, ids, shard, start, what)
             expect_close(got, expected, f"{what} (rank {r} of t={t}; rows of ids it does not own must be 0)")
             total = total + got
         expect_close(total, full, f"sum over the t={t} ranks of partial_embedding (the all-reduce) vs F.embedding")
@@ -173,6 +192,23 @@ def _ce_data(N: int, V: int, seed: int, offset: float, scale: float, target_bloc
     return logits, target
 
 
+def _why_not_finite(relay, r: int, logits, t: int) -> str:
+    """Why a rank's loss overflowed, from the grader's own log of its all-reduces: no rank max at all, or the
+    rank maxima reduced with an operation other than MAX (issue 36: a SUM of the maxima was told no max was
+    subtracted)."""
+    n = logits.shape[1] // t
+    local_max = logits[:, r * n:(r + 1) * n].max(-1).values
+    maxes = [it for it in relay.reduced if it.rank == r and tuple(it.tensor.shape) == tuple(local_max.shape)
+             and torch.allclose(it.tensor.double(), local_max.double())]
+    if maxes and all(it.op != "max" for it in maxes):
+        return (f"because each rank's max was all-reduced with {maxes[0].op.upper()}: that gives the {maxes[0].op} "
+                f"of the t maxima, not the largest logit, so exp of (logit - that) leaves the safe range; the "
+                f"global maximum needs another reduction")
+    if maxes:
+        return "although a global max was all-reduced: is it subtracted from the logits before exp, on every rank?"
+    return "which happens when no global max was subtracted before exp"
+
+
 def _ce_case(t: int, N: int, V: int, seed: int, offset: float = 0.0, scale: float = 2.0, target_block=None,
              max_all_reduces: int | None = None):
     def case(vocab_parallel_ce):
@@ -189,8 +225,8 @@ def _ce_case(t: int, N: int, V: int, seed: int, offset: float = 0.0, scale: floa
                                    f"loss per token, shape {tuple(expected.shape)} (no mean)")
             if not torch.isfinite(got).all():
                 raise CheckFailure(f"{desc}: rank {r} returned {got[~torch.isfinite(got)][:3].tolist()}: exp "
-                                   f"overflowed (or underflowed to 0) on logits this large, which happens when no "
-                                   f"global max was subtracted before exp")
+                                   f"overflowed (or underflowed to 0) on logits this large, "
+                                   + _why_not_finite(relay, r, logits, t))
             expect_close(got, expected, f"{desc}: per-token loss on rank {r} (vs F.cross_entropy on the full logits)",
                          rtol=1e-5, atol=1e-5)
             n = [item.tensor.numel() for item in relay.reduced if item.rank == r]  # the grader's own count

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ...plan.activations import korthikanti_layer_activation_bytes
 from ...plan.memory import BYTES
-from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_close, expect_equal, expect_named, expect_raises
 
 NOTEBOOK = "08_3d_parallelism"
 
@@ -136,8 +136,40 @@ def _groups_case(t, p, d):
                                    f"'pp', got {_shown(got)}")
             want = _groups(r, t, p, d)
             for k in ("tp", "dp", "pp"):
-                expect_equal([int(x) for x in got[k]], want[k], f"rank_groups({r}, t={t}, p={p}, d={d})[{k!r}]")
+                what = f"rank_groups({r}, t={t}, p={p}, d={d})[{k!r}]"
+                members = got[k]
+                if not isinstance(members, (list, tuple, range)) or any(as_int(x) is None for x in members):
+                    raise CheckFailure(f"{what}: expected a list of ints (global ranks), got {_shown(members)}")
+                members = [as_int(x) for x in members]
+                if members != want[k]:
+                    why = _group_mistake(r, k, members, want[k], t, p, d)
+                    if why:
+                        raise CheckFailure(f"{what}: expected {want[k]}, got {members} ({why})")
+                expect_equal(members, want[k], what)
     return case
+
+
+def _group_mistake(rank, axis, got, want, t, p, d) -> str:
+    """Which coordinates the members of a wrong group differ in (issue 36: the two stride mistakes gave one
+    line): a group along ``axis`` keeps the other two coordinates of ``rank`` fixed."""
+    n = t * p * d
+    if any(not 0 <= g < n for g in got):
+        return f"ranks outside 0..{n - 1}"
+    if rank not in got:
+        return f"rank {rank} itself is not in its own group"
+    if sorted(got) == want:
+        return "the right ranks, not in increasing order"
+    names = ("tp", "pp", "dp")
+    mine = _coords(rank, t, p, d)
+    varied = sorted({names[i] for g in got for i, c in enumerate(_coords(g, t, p, d)) if c != mine[i]})
+    wrong = [v for v in varied if v != axis]
+    size = {"tp": t, "pp": p, "dp": d}[axis]
+    if wrong:
+        return (f"these ranks differ from rank {rank} in {' and '.join(wrong)}: a {axis.upper()} group's ranks "
+                f"share every coordinate but {axis}")
+    if len(got) != size:
+        return f"{len(got)} ranks: a {axis.upper()} group has one rank per value of {axis}, {size} of them"
+    return ""
 
 
 ex82.case("t=2, p=2, d=2")(_groups_case(2, 2, 2))
@@ -172,7 +204,14 @@ def _states_case(P, t, p, d, zero, precision):
             raise CheckFailure(f"{what}: expected a dict with keys 'params', 'grads', 'optimizer', got {_shown(got)}")
         want = _states(P, t, p, d, zero, precision)
         for k in want:
-            expect_close(float(got[k]), want[k], f"{what}[{k!r}] (bytes)", rtol=1e-9, atol=0)
+            value = float(got[k])
+            mistakes = [(want[k] * p, "not divided by p: a pipeline stage holds 1/p of the layers"),
+                        (want[k] * t, "not divided by t: a tensor-parallel rank holds 1/t of each layer"),
+                        (want[k] * t * p, "the whole model's: t and p each split it")]
+            for z in range(4):
+                if z != zero:
+                    mistakes.append((_states(P, t, p, d, z, precision)[k], f"that is ZeRO-{z}'s {k}"))
+            expect_named(value, want[k], f"{what}[{k!r}] (bytes)", mistakes)
     return case
 
 
@@ -341,8 +380,17 @@ def _axis_case(s, b, h, L, t, p, d, M, n_params, e):
         if not isinstance(got, dict) or set(got) != {"tp", "pp", "dp"}:
             raise CheckFailure(f"{what}: expected a dict with keys 'tp', 'pp', 'dp', got {_shown(got)}")
         want = _axis(s, b, h, L, t, p, d, M, n_params, e)
+        named = {"tp": [(want["tp"] * p, "all L layers: this stage holds L/p of them"),
+                        (want["tp"] / 2, "forward only: backward all-reduces as often"),
+                        (want["tp"] * t / (t - 1) if t > 1 else -1.0, "the whole payload per all-reduce: a ring sends "
+                                                                       "2 (t-1)/t of it")],
+                 "pp": [(want["pp"] / 2, "forward only: the gradients come back across the boundary in backward"),
+                        (want["pp"] / M, "one microbatch: all M cross the boundary")],
+                 "dp": [(want["dp"] * d / (d - 1) if d > 1 else -1.0, "the whole gradient: a ring all-reduce sends "
+                                                                      "2 (d-1)/d of it"),
+                        (want["dp"] * M, "an all-reduce per microbatch: the gradients are reduced once per step")]}
         for k in want:
-            expect_close(float(got[k]), want[k], f"{what}[{k!r}] (bytes)", rtol=1e-9, atol=0)
+            expect_named(float(got[k]), want[k], f"{what}[{k!r}] (bytes)", named[k])
     return case
 
 

@@ -12,6 +12,7 @@ The ground truth is labkit's own code: :func:`labkit.moe.router.route`,
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -20,7 +21,7 @@ from ...moe.router import capacity_mask, compute_capacity, route
 from ...plan.params import count_parameters
 from ...plan.spec import ModelSpec, preset
 from ..kernelside.nb09_moe_routing import _gate_with_grad  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal
+from ..registry import CheckFailure, as_int, exercise, expect_close, expect_equal, expect_named, type_name
 
 
 def _tensor(x, what: str, shape: tuple, dtype_kind: str) -> torch.Tensor:
@@ -63,7 +64,23 @@ def _gate_case(logits: torch.Tensor, k: int, renormalize: bool, what: str, check
         rw, ri, _ = route(ref_x, k, "softmax", renormalize=renormalize)
         # compare as sets of (expert, weight) per token: order inside a row does not matter
         order, rorder = i.long().argsort(-1), ri.argsort(-1)
+        if not torch.equal(i.long().sort(-1).values, ri.sort(-1).values) and T > 1 and torch.equal(
+                i.long().sort(-1).values, logits.softmax(0).topk(k, dim=-1).indices.sort(-1).values):
+            raise CheckFailure(f"{what}: chosen experts differ (the softmax ran over the tokens, dim 0: a token's "
+                               f"probabilities are over the experts)")
         expect_equal(i.long().gather(1, order), ri.gather(1, rorder), f"{what}: chosen experts (sorted per token)")
+        gw, want_w = w.detach().float().gather(1, order), rw.detach().gather(1, rorder)
+        if not torch.allclose(gw, want_w, rtol=1e-5, atol=1e-6):
+            probs = logits.softmax(-1).gather(1, ri.gather(1, rorder))
+            why = ""
+            if torch.allclose(gw, logits.gather(1, ri.gather(1, rorder)), rtol=1e-5, atol=1e-6):
+                why = "these are the raw logits: the gate's weights are probabilities"
+            elif not renormalize and k < E and torch.allclose(gw.sum(-1), torch.ones(T), atol=1e-5):
+                why = "each token's k weights sum to 1: that is the renormalised gate, asked for only when renormalize"
+            elif renormalize and k < E and torch.allclose(gw, probs, rtol=1e-5, atol=1e-6):
+                why = "not renormalised: with renormalize=True a token's k weights add up to 1"
+            if why:
+                raise CheckFailure(f"{what}: weights (matched to their experts) differ ({why})")
         expect_close(w.gather(1, order), rw.gather(1, rorder), f"{what}: weights (matched to their experts)")
         if check_grad:
             if not w.requires_grad or grad is None:
@@ -114,10 +131,15 @@ def _cap_case(indices: torch.Tensor, E: int, cf: float, what: str):
         C, keep = got
         want_C = compute_capacity(T, E, k, cf)
         if isinstance(C, torch.Tensor) and C.numel() == 1:
-            C = C.item()
-        if not isinstance(C, int) or isinstance(C, bool):
-            raise CheckFailure(f"{what}: C must be an int (a number of slots), got {_shown(C)}")
-        expect_equal(C, want_C, f"{what}: capacity C = ceil({k}*{T}/{E}*{cf})")
+            C = C.reshape(())
+        if as_int(C) is None:
+            raise CheckFailure(f"{what}: C must be an int (a number of slots), got {type_name(C)}")
+        C = as_int(C)
+        expect_named(C, want_C, f"{what}: capacity C", [
+            (math.floor(k * T / E * cf), "rounded down: a fraction of a slot still needs a whole slot"),
+            (round(k * T / E * cf), "rounded down: a fraction of a slot still needs a whole slot"),
+            (math.ceil(T / E * cf), "k left out: each token takes k slots"),
+            (math.ceil(k * T / E), "the capacity factor left out")])
         _tensor(keep, f"{what}: keep", (T, k), "bool")
         want = capacity_mask(indices, torch.zeros(T, k), E, want_C, policy="position")
         if not torch.equal(keep, want):
@@ -145,6 +167,11 @@ ex92.case("C rounds up (T=7, E=3, k=1, cf=1.0 -> C=3)", hidden=True)(
 
 
 # ----------------------------------------------------------------------------- 9.3
+# Other routes to the same value (issue 40): labkit's count_parameters (and every kit function that reaches
+# it) is withheld from the graded kernel until 9.3 is graded. ModelSpec's own total_params()/active_params()
+# also return the pair; they are ACCEPTED as knowledge, like a library that computes it: ModelSpec is the
+# input the answer is handed, the kit uses it everywhere, and a learner who reads it has read the count
+# part by part. An instructor sees such a call in the integrity report, never in the score.
 ex93 = exercise(
     "9.3", title="Mixtral's parameters: total and active", notebook="09_moe_routing", points=3,
     hint=("Section 4: list every weight matrix and vector of one layer and of the model beyond the layers (the "
@@ -163,21 +190,55 @@ _TOY = ModelSpec(name="a toy MoE", vocab_size=32000, hidden=1024, n_layer=8, n_h
                  moe_ffn=4096, n_routed_experts=4, n_activated_experts=1, **_MOE)
 
 
+def _count(g):
+    """A parameter count as an exact int: ints of any kind, and floats that hold a whole number."""
+    if isinstance(g, torch.Tensor) and g.dim() == 0 and g.is_floating_point():
+        g = g.item()
+    if isinstance(g, float) and g.is_integer():
+        return int(g)
+    return as_int(g)
+
+
+def _param_mistakes(spec: ModelSpec) -> dict:
+    """What a count is short by (or over by) for each named mistake: part -> (parameters, which counts)."""
+    H, L, E = spec.hidden, spec.n_layer, spec.n_routed_experts
+    return {
+        "the router (an H x E gate in every layer)": L * E * H,
+        "the final norm (one RMSNorm of H after the last layer)": spec.norm_params(),
+        "the two norms of every layer": 2 * L * spec.norm_params(),
+        "one norm per layer (each layer has two, before attention and before the FFN)": L * spec.norm_params(),
+        "the input embedding or the output head (V x H each; this model does not tie them)": spec.vocab_size * H,
+        "the input embedding and the output head": 2 * spec.vocab_size * H,
+    }
+
+
 def _params_case(spec: ModelSpec):
     def case(moe_param_count):
         got = moe_param_count(spec)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
             raise CheckFailure(f"moe_param_count({spec.name}): expected a pair (total, active), "
-                               f"got {type(got).__name__}")
+                               f"got {type_name(got)}")
         want = count_parameters(spec)
         for name, g, w in (("total", got[0], want.total), ("active", got[1], want.active)):
-            if isinstance(g, torch.Tensor):
-                g = g.item()
-            if not isinstance(g, (int, float)) or isinstance(g, bool):
-                raise CheckFailure(f"moe_param_count({spec.name}): {name} must be a number, got {type(g).__name__}")
-            if not abs(g - w) <= 1e-3 * w:  # NaN fails too
-                raise CheckFailure(f"{spec.name}: {name} parameters: expected {w / 1e9:.3f}B (within 0.1%), "
-                                   f"got {g / 1e9:.3f}B")
+            n = _count(g)
+            if n is None:
+                raise CheckFailure(f"moe_param_count({spec.name}): {name} must be a whole number of parameters, "
+                                   f"got {type_name(g)}")
+            if n == w:
+                continue
+            why = ""
+            for part, size in _param_mistakes(spec).items():
+                if n == w - size:
+                    why = f" (short by exactly {size:,}, what this leaves out: {part})"
+                    break
+                if n == w + size and "embedding" not in part:
+                    why = f" (over by exactly {size:,}, what this counts twice: {part})"
+                    break
+            if not why and abs(n - w) <= 1e-3 * w:
+                why = (f" (off by {n - w:+,}: parameter counts are exact integers; which small part is "
+                       f"{'missing' if n < w else 'extra'}?)")
+            raise CheckFailure(f"{spec.name}: {name} parameters: expected {w:,} ({w / 1e9:.3f}B), "
+                               f"got {n:,} ({n / 1e9:.3f}B){why}")
     return case
 
 

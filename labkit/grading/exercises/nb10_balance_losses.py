@@ -15,7 +15,7 @@ import torch
 from ...moe.losses import device_balance_loss, switch_aux_loss
 from ...moe.router import update_expert_bias
 from ..kernelside.nb10_balance_losses import _bias_update, _loss_with_grad  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, exercise, expect_close
+from ..registry import CheckFailure, _shown, exercise, expect_close
 
 
 def _routing(T: int, E: int, k: int, seed: int, scale: float = 2.0):
@@ -33,13 +33,51 @@ def _scalar(x, what: str) -> torch.Tensor:
     return x.reshape(())
 
 
-def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True):
-    """Compare value and d loss / d logits with labkit's ``reference(logits, indices, *extra)``."""
+def _device_factors(E: int, k: int, D: int) -> list:
+    """10.2's mistakes that scale the whole loss, with the factor each gives (DeepSeek-V2 eq. 15-17)."""
+    return [(k, "f was counted per token, not per one of the T k routed slots (k forgotten)"),
+            (E / D, "f'_d summed over the device's experts instead of averaged"),
+            (D, "an extra factor D: f'_d already carries the scale that makes a uniform routing give 1"),
+            (1 / E, "f left a fraction of the slots: in eq. 16 it is scaled so that a uniform routing gives 1 per "
+                    "expert"),
+            (D / E, "P'_d averaged over the device's experts instead of summed")]
+
+
+_DEVICE_PROBE = (12, 12, 2, 3)  # T, E, k, D: every factor above differs (k=2, E/D=4, D=3, 1/E, D/E)
+
+
+def _named_factor(answer, got: float, want: float, factors, probe=None) -> str:
+    """The mistake whose factor ``got / want`` is, when exactly one matches; when several match (the case's
+    shapes make two factors equal) the answer is asked once more on ``probe`` (T, E, k, D), where they differ."""
+    if not want or not got:
+        return ""
+    ratio = got / want
+    found = [text for f, text in factors if abs(ratio - f) <= 1e-4 * abs(f)]
+    if len(found) > 1 and probe is not None:
+        T, E, k, D = probe
+        logits, indices = _routing(T, E, k, 120)
+        again, _ = answer.run(_loss_with_grad, logits, indices, (D, 1.0))
+        ref = float(device_balance_loss(logits, indices, D, 1.0, from_logits=True))
+        if isinstance(again, torch.Tensor) and again.numel() == 1 and ref:
+            r2 = float(again.reshape(())) / ref
+            found = [text for f, text in _device_factors(E, k, D) if text in found and abs(r2 - f) <= 1e-4 * abs(f)]
+    return f" ({found[0]})" if len(found) == 1 else ""
+
+
+def _loss_case(reference, logits, indices, extra: tuple, what: str, grad: bool = True, factors=None,
+               probe=_DEVICE_PROBE):
+    """Compare value and d loss / d logits with labkit's ``reference(logits, indices, *extra)``;
+    ``factors`` (a list of (factor, mistake)) names a value that is that factor times the right one."""
     def case(answer):
         got, got_grad = answer.run(_loss_with_grad, logits, indices, tuple(extra))
         got = _scalar(got, what)
         ref_x = logits.clone().requires_grad_(True)
         want = reference(ref_x, indices, *extra, from_logits=True)
+        if factors is not None and not torch.isclose(got.detach().double(), want.detach().double(),
+                                                     rtol=1e-5, atol=1e-6):
+            why = _named_factor(answer, float(got), float(want), factors, probe)
+            if why:
+                raise CheckFailure(f"{what}: value: expected {float(want):.6g}, got {float(got):.6g}{why}")
         expect_close(got.detach(), want.detach(), f"{what}: value")
         if grad:
             if not got.requires_grad or got_grad is None:
@@ -66,7 +104,10 @@ ex101.case("uniform routing gives alpha")(
 ex101.case("T=16, E=4, k=1 (Switch), value and gradient")(
     _loss_case(switch_aux_loss, *_routing(16, 4, 1, 101), (0.1,), "switch_aux_loss(T=16, E=4, k=1, alpha=0.1)"))
 ex101.case("T=16, E=8, k=2 (f normalised by T*k)")(
-    _loss_case(switch_aux_loss, *_routing(16, 8, 2, 102), (1.0,), "switch_aux_loss(T=16, E=8, k=2, alpha=1.0)"))
+    _loss_case(switch_aux_loss, *_routing(16, 8, 2, 102), (1.0,), "switch_aux_loss(T=16, E=8, k=2, alpha=1.0)",
+               factors=[(2, "f was counted per token, not per one of the T k routed slots (k forgotten)"),
+                        (1 / 8, "the scale E left out: a uniform routing must give alpha"),
+                        (0.5, "divided by k once too often")], probe=None))
 ex101.case("all tokens on one expert", hidden=True)(
     _loss_case(switch_aux_loss, torch.tensor([[5.0, 0, 0, 0]] * 6), torch.zeros(6, 1, dtype=torch.long), (0.01,),
                "switch_aux_loss(collapsed)"))
@@ -86,9 +127,13 @@ ex102.hint_review = ("leads: asks how each device-level quantity combines its ex
 
 ex102.case("uniform routing gives alpha2")(
     _loss_case(device_balance_loss, torch.zeros(4, 4), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), (2, 0.05),
-               "device_balance_loss(uniform, D=2, alpha2=0.05)"))
+               "device_balance_loss(uniform, D=2, alpha2=0.05)", factors=_device_factors(4, 2, 2)))
 ex102.case("T=16, E=8, k=2, D=4")(
-    _loss_case(device_balance_loss, *_routing(16, 8, 2, 111), (4, 1.0), "device_balance_loss(T=16, E=8, k=2, D=4)"))
+    _loss_case(device_balance_loss, *_routing(16, 8, 2, 111), (4, 1.0), "device_balance_loss(T=16, E=8, k=2, D=4)",
+               factors=_device_factors(8, 2, 4)))
+ex102.case("T=12, E=12, k=2, D=3")(
+    _loss_case(device_balance_loss, *_routing(12, 12, 2, 115), (3, 1.0), "device_balance_loss(T=12, E=12, k=2, D=3)",
+               factors=_device_factors(12, 2, 3)))
 ex102.case("D=1: one device is always balanced")(
     _loss_case(device_balance_loss, *_routing(8, 4, 2, 112), (1, 1.0), "device_balance_loss(T=8, E=4, k=2, D=1)"))
 ex102.case("D=E equals the expert-level loss", hidden=True)(
@@ -114,6 +159,20 @@ def _bias_case(bias, loads, gamma, what):
         if not isinstance(got, torch.Tensor):
             raise CheckFailure(f"{what}: expected the new bias tensor, got {type(got).__name__}")
         want = update_expert_bias(bias.clone(), loads, gamma)
+        if got.shape == want.shape and not torch.allclose(got.double(), want.double(), rtol=1e-6, atol=1e-9):
+            step = (got.double() - bias.double())
+            dev = loads.double() - loads.double().mean()
+            over, under = dev > 0, dev < 0
+            why = ""
+            if torch.allclose(step[over], -gamma * torch.ones(int(over.sum()), dtype=torch.float64)) and \
+                    under.any() and torch.allclose(step[under], torch.zeros(int(under.sum()), dtype=torch.float64)):
+                why = "only the overloaded experts moved: an underloaded one must become more attractive too"
+            elif torch.allclose(step, gamma * torch.sign(dev), rtol=1e-6, atol=1e-12):
+                why = "every step has the wrong direction: an overloaded expert became more attractive"
+            elif torch.allclose(step, -gamma * torch.sign(loads.double() - loads.double().median()), atol=1e-12):
+                why = "the loads compared with their median: the bias follows the deviation from the mean load"
+            if why:
+                raise CheckFailure(f"{what}: expected {_shown(want)}, got {_shown(got)} ({why})")
         expect_close(got, want, what, rtol=1e-6, atol=1e-9)
     return case
 

@@ -23,7 +23,7 @@ import torch
 from ...moe.experts import MoELayer
 from ...moe.router import route
 from ..kernelside.nb12_deepseek_moe import _gate_lines, _v3_fields  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, _shown, exercise, expect_equal
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_equal, expect_named
 from . import kernel_side
 
 # ----------------------------------------------------------------------------- 12.1
@@ -42,7 +42,12 @@ def _comb_case(E, k, m):
         got = n_combinations(E, k, m)
         if isinstance(got, float) and got.is_integer():
             got = int(got)
-        expect_equal(got, math.comb(m * E, m * k), f"n_combinations(E={E}, k={k}, m={m})")
+        got = as_int(got) if as_int(got) is not None else got
+        expect_named(got, math.comb(m * E, m * k), f"n_combinations(E={E}, k={k}, m={m})", [
+            (math.perm(m * E, m * k), "ordered choices: a set of experts has no order"),
+            (math.comb(E, k) ** m, "each of the m pieces chosen on its own, as if from its own coarse expert"),
+            (math.comb(E, k) * m, "m times the coarse count"),
+            (math.comb(m * E, k), "only k small experts chosen: how many does a token activate after the cut?")])
     return case
 
 
@@ -63,6 +68,31 @@ ex122.hint_review = ("leads: asks how to exclude the other groups' experts and c
                      "reshape, mask or fill value given; reviewed 2026-12-06")
 
 
+def _limited(scores, k, G, keep, group_score):
+    T, E = scores.shape
+    grouped = scores.view(T, G, E // G)
+    best = group_score(grouped).topk(keep, dim=-1).indices
+    out = torch.ones(T, G, dtype=torch.bool).scatter(1, best, False)
+    return grouped.masked_fill(out[:, :, None], float("-inf")).view(T, E).topk(k, dim=-1).indices.sort(-1).values
+
+
+def _group_mistake(scores, got_s, k, G, keep) -> str:
+    """The group score or group count a wrong selection used, when it is one of the known mistakes."""
+    per = scores.shape[1] // G
+    variants = [(lambda g: g.max(-1).values, "groups ranked by their single best expert"),
+                (lambda g: g.sum(-1), f"groups ranked by the sum (or the mean) of all {per} of their experts")]
+    for score, text in variants:
+        if per > 1 and torch.equal(got_s, _limited(scores, k, G, keep, score)):
+            return text
+    top2 = lambda g: g.topk(min(2, per), dim=-1).values.sum(-1)  # noqa: E731
+    for other in (keep + 1, keep - 1):
+        if 1 <= other <= G and other != keep and torch.equal(got_s, _limited(scores, k, G, other, top2)):
+            return f"{other} groups kept where topk_groups = {keep}"
+    if torch.equal(got_s, scores.topk(k, dim=-1).indices.sort(-1).values):
+        return "the plain top-k over all experts: no group is excluded"
+    return ""
+
+
 def _group_case(logits, k, G, topk_groups, what):
     def case(group_limited_topk):
         T, E = logits.shape
@@ -77,9 +107,10 @@ def _group_case(logits, k, G, topk_groups, what):
         got_s, want_s = got.long().sort(-1).values, want.sort(-1).values
         for t in range(T):
             if not torch.equal(got_s[t], want_s[t]):
+                why = _group_mistake(scores, got_s, k, G, topk_groups)
                 raise CheckFailure(f"{what}: token {t} should use experts {want_s[t].tolist()}, got "
                                    f"{got_s[t].tolist()} (groups of {E // G}; scores "
-                                   f"{[round(v, 2) for v in scores[t].tolist()]})")
+                                   f"{[round(v, 2) for v in scores[t].tolist()]})" + (f"; {why}" if why else ""))
     return case
 
 

@@ -43,8 +43,11 @@ def _linear_case(n_in: int, n_out: int, batch: int, seed: int):
         # .grad already holds earlier microbatches' gradients (as in a pipeline): an answer that
         # writes .grad shows it in the values it returns, judged here
         held = tuple(torch.randn(t.shape, generator=g) for t in (x, layer.weight, layer.bias))
-        got = kernel_side(split_linear_backward, _split_run, layer.weight.detach(), layer.bias.detach(),
+        ran = kernel_side(split_linear_backward, _split_run, layer.weight.detach(), layer.bias.detach(),
                           x.detach(), grad_out, held)
+        if not (isinstance(ran, tuple) and len(ran) == 2):
+            raise CheckFailure(f"the check's kernel-side code returned {type(ran).__name__}, not (result, .grad)")
+        got, after = ran
         what = f"split_linear_backward(Linear({n_in}, {n_out}), x [{batch}, {n_in}], grad_out)"
         if not isinstance(got, (tuple, list)) or len(got) != 3:
             raise CheckFailure(f"{what}: expected a tuple (grad_input, grad_weight, grad_bias), got "
@@ -63,6 +66,13 @@ def _linear_case(n_in: int, n_out: int, batch: int, seed: int):
                 raise CheckFailure(f"{what}: {name} is this call's gradient plus what .grad held before it: "
                                    f".grad was written (it accumulates); return the gradients themselves")
             expect_close(a.detach(), b, f"{what}: {name} vs the full backward")
+        for name, a, h in zip(("x.grad", "weight.grad", "bias.grad"), after if isinstance(after, tuple) else (), held):
+            if not (isinstance(a, torch.Tensor) and a.shape == h.shape and torch.equal(a, h)):
+                raise CheckFailure(f"{what}: {name} changed during the call: a split backward computes the gradients "
+                                   f"with torch.autograd.grad and leaves .grad as it was (earlier microbatches' "
+                                   f"gradients live there); do not write, clear or accumulate into .grad")
+        if not (isinstance(after, tuple) and len(after) == 3):
+            raise CheckFailure(f"the check's kernel-side code returned {type(after).__name__}, not three .grad values")
     return case
 
 
@@ -72,6 +82,10 @@ ex131.case("Linear(1, 1), batch 1", hidden=True)(_linear_case(1, 1, 1, 2))
 ex131.case("Linear(32, 64), batch 7", hidden=True)(_linear_case(32, 64, 7, 3))
 
 # ----------------------------------------------------------------------------- 13.2
+# Other routes to the same value (issue 40): labkit's zb_h1_schedule and its helpers, and every kit function
+# that reaches them, are withheld from the graded kernel until 13.2 is graded. torch.distributed.pipelining's
+# own zero-bubble schedules (their private action lists) are ACCEPTED as knowledge, like numpy: a learner
+# who turns torch's internal actions into this kit's F/I/W list per rank has worked out the order.
 ex132 = exercise(
     "13.2", title="the ZB-H1 action list", notebook="13_zero_bubble", points=3,
     hint=("Section 2: ZB-H1 keeps 1F1B's sequence of forwards and input-gradient passes; only the W passes move. "
@@ -118,12 +132,12 @@ def _zb_case(K: int, M: int):
                 hint = (" (more than ZB-H1's: are some W passes held back to fill the drain, and the others run early?)"
                         if got > want else "")
                 raise CheckFailure(f"{what}: simulated bubble time {got} per rank with T_F={f}, T_I={i}, T_W={w}; "
-                                   f"ZB-H1's is (K-1)(T_F+T_I-T_W) = {want}{hint}")
+                                   f"ZB-H1's is {want}{hint}")
     return case
 
 
-ex132.case("K=2, M=4: valid, 1F1B's memory, bubble (K-1)(T_F+T_I-T_W)")(_zb_case(2, 4))
-ex132.case("K=4, M=8: valid, 1F1B's memory, bubble (K-1)(T_F+T_I-T_W)")(_zb_case(4, 8))
+ex132.case("K=2, M=4: valid, peak memory and bubble simulated")(_zb_case(2, 4))
+ex132.case("K=4, M=8: valid, peak memory and bubble simulated")(_zb_case(4, 8))
 
 
 @ex132.case("K=4, M=8 on 4 real ranks: gradients equal single device", timeout=60)
@@ -165,6 +179,10 @@ def _confusion(name, K, f, i, w, got):
                 "T_I + T_W, while this function gets T_I, the input-gradient pass alone (DeepSeek-V3 issue #724)")
     if name == "1f1b" and got == (K - 1) * (f + i):
         return "1F1B's backward is the full backward T_B = T_I + T_W; the W pass is on the critical path there"
+    if K > 1 and got == Fraction(_WANT[name](K, f, i, w)) * K / (K - 1):
+        return "K idle stretches counted where a rank waits K - 1 (the first rank starts at once)"
+    if name == "zbv" and got == Fraction(_WANT["zb-h1"](K, f, i, w)) / 2:
+        return "half of ZB-H1's: ZB-V's bubble is not a fraction of ZB-H1's, it has its own (section 4)"
     return None
 
 

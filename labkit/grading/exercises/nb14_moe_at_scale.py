@@ -22,7 +22,7 @@ from ...moe.eplb import balanced_packing, replicate_experts
 from ...moe.hierarchical import inter_node_rows
 from ...plan.params import count_parameters
 from ...plan.spec import preset
-from ..registry import CheckFailure, _shown, exercise, expect_close
+from ..registry import CheckFailure, _shown, as_int, exercise, expect_named, type_name
 
 # ----------------------------------------------------------------------------- 14.1
 ex141 = exercise(
@@ -38,10 +38,12 @@ ex141.hint_review = ("leads: asks which nodes are candidates and gives a hand ex
 def _as_ints(x, n, what):
     if isinstance(x, torch.Tensor):
         x = x.tolist()
-    if not isinstance(x, (list, tuple)) or len(x) != n or any(not isinstance(v, int) or isinstance(v, bool)
-                                                               for v in x):
+    if not isinstance(x, (list, tuple)) or len(x) != n:
         raise CheckFailure(f"{what}: expected a list of {n} ints, got {_shown(x)}")
-    return list(x)
+    bad = [v for v in x if as_int(v) is None]
+    if bad:
+        raise CheckFailure(f"{what}: expected a list of {n} ints, got {type_name(bad[0])} among them")
+    return [as_int(v) for v in x]
 
 
 def _packing_case(loads, n_nodes, what):
@@ -60,6 +62,8 @@ def _packing_case(loads, n_nodes, what):
         if max(node_load) > best + 1e-9:
             why = next((text for order, rule, text in _PACKING_MISTAKES
                         if got == _greedy_packing(loads, n_nodes, order, rule)), "")
+            if not why and got == [g // per for g in range(len(loads))]:
+                why = " (the groups placed in order, per consecutive groups on a node: the loads were not looked at)"
             raise CheckFailure(f"{what}: the heaviest node carries {max(node_load):g} (node loads {node_load}); "
                                f"the greedy packing gets it down to {best:g}{why}")
     return case
@@ -134,6 +138,8 @@ def _replica_case(load, R, what):
                        "carry AFTER one more copy: the copy must go where the busiest copy is now)")
             elif got == _greedy_counts(load, R, by_total=True):
                 why = " (each copy went by the expert's total load, which ignores the copies it already has)"
+            elif max(got) - min(got) <= 1 and len(set(got)) <= 2 and sorted(got, reverse=True) == got:
+                why = " (the copies spread evenly over the experts, whatever their load)"
             raise CheckFailure(f"{what}: with copies {got} the busiest copy serves {mine:g} tokens; "
                                f"copies {cnt[0].tolist()} get it down to {best:g}{why}")
     return case
@@ -182,11 +188,23 @@ def _bytes_case(indices, experts_per_node, my_node, H, nbytes, what):
         keep = torch.ones_like(indices, dtype=torch.bool)
         want = tuple(inter_node_rows(indices, keep, experts_per_node, my_node, h) * H * nbytes
                      for h in (False, True))
-        for name, g_, w in zip(("flat", "hierarchical"), got, want):
+        for j, (name, g_, w) in enumerate(zip(("flat", "hierarchical"), got, want)):
             if isinstance(g_, torch.Tensor):
                 g_ = g_.item()
             if g_ != w:
-                raise CheckFailure(f"{what}: {name} inter-node bytes expected {w}, got {g_}")
+                rows = w // (H * nbytes)
+                slots = int(indices.numel())
+                other = got[1 - j].item() if isinstance(got[1 - j], torch.Tensor) else got[1 - j]
+                swapped = [(want[1 - j], "the two numbers swapped: the pair is (flat, hierarchical)")] \
+                    if other == w else []
+                per_slot = [(want[0], "counted per routed slot, as the flat dispatch is: a token whose experts share "
+                                      "a remote node crosses to it once")] if j == 1 else []
+                expect_named(g_, w, f"{what}: {name} inter-node bytes", swapped + per_slot + [
+
+                    (rows * H, "elements, not bytes: each is bytes_per_element bytes"),
+                    (rows, "rows, not bytes: a row is hidden values"),
+                    (slots * H * nbytes, "every routed slot, the ones to this node's own experts too: those stay on "
+                                         "the node")])
     return case
 
 
@@ -217,8 +235,16 @@ def _decode_case(spec, bpp, bw, what):
         if not isinstance(got, (tuple, list)) or len(got) != 2:
             raise CheckFailure(f"{what}: expected a pair (bytes_read, latency_s), got {_shown(got)}")
         nbytes = count_parameters(spec).active * bpp
-        expect_close(float(got[0]), float(nbytes), f"{what}: bytes read per token", rtol=1e-6, atol=0)
-        expect_close(float(got[1]), nbytes / bw, f"{what}: latency bound in seconds", rtol=1e-6, atol=0)
+        total = count_parameters(spec).total * bpp
+        expect_named(float(got[0]), float(nbytes), f"{what}: bytes read per token", [
+            (nbytes / 1e9, "in GB: the number of bytes is asked"),
+            (nbytes * 8, "in bits: the number of bytes is asked"),
+            (float(total), "every expert's weights: a token reads only the k experts it is routed to"),
+            (float(count_parameters(spec).active), "parameters, not bytes: each weighs bytes_per_param")], rtol=1e-6)
+        expect_named(float(got[1]), nbytes / bw, f"{what}: latency bound in seconds", [
+            (nbytes / bw * 1e3, "in milliseconds: seconds are asked"),
+            (nbytes / bw * 1e6, "in microseconds: seconds are asked"),
+            (bw / nbytes, "the inverse: that is tokens per second")], rtol=1e-6)
     return case
 
 

@@ -11,11 +11,13 @@
   factor forgotten.
 * 15.4 FSDP's peak of gathered parameters: the largest sum of two neighbouring units' padded sizes
   (the current unit and the prefetched next one), all units without resharding. Named: one unit
-  only (no prefetch), sizes without padding, the two largest units anywhere.
+  only (no prefetch), sizes without padding, the two largest units anywhere, the last unit paired
+  with the first (a ring of units).
 * 15.5 (section 1, after 15.1) the inverse of 15.1: the d shards in rank order (what an all-gather
   returns) concatenated and the padding dropped. Named mistakes: padding kept, shards joined in the
   wrong order (reversed, or interleaved element by element), padding taken off the front, the
-  ``[:-pad]`` slice that empties the tensor when there is no padding.
+  ``[:-pad]`` slice that empties the tensor when there is no padding, padding told apart by value (every
+  zero dropped, or trailing zeros stripped: a parameter can hold zeros of its own).
 
 Ground truth: :mod:`labkit.data_parallel.flat`, :func:`labkit.plan.memory.zero3_gathered_peak`.
 """
@@ -28,7 +30,7 @@ from ...data_parallel.flat import shard_flat as _shard
 from ...data_parallel.flat import unshard_flat as _unshard
 from ...plan.memory import zero3_gathered_peak
 from ..fresh import fresh_case
-from ..registry import CheckFailure, exercise
+from ..registry import CheckFailure, as_int, exercise, type_name
 
 NB = "15_sharded_data_parallel"
 
@@ -68,8 +70,12 @@ def _shard_case(n, d, what):
             if not torch.equal(g.reshape(-1).float(), w):
                 pad = padded_numel(n, d) - n
                 front = torch.cat([torch.zeros(pad), flat])
+                strided = torch.cat([flat, torch.zeros(pad)]).view(-1, d).t()
                 why = ""
-                if pad and torch.equal(torch.cat([s.reshape(-1).float() for s in got]), front):
+                if all(torch.equal(s.reshape(-1).float(), strided[q]) for q, s in enumerate(got)):
+                    why = (" (every d-th element: rank r's shard must be one contiguous piece of the buffer, so that "
+                           "the all-gather lays the pieces end to end)")
+                if not why and pad and torch.equal(torch.cat([s.reshape(-1).float() for s in got]), front):
                     why = (" (the zeros went in front: then rank 0's shard no longer starts at the first "
                            "element, and dropping the padding after the all-gather cuts off real values)")
                 raise CheckFailure(f"{what}: shard of rank {r} is {g.reshape(-1).tolist()}, expected "
@@ -166,6 +172,12 @@ def _volume_case(psi, d, what):
                 if stage == 3 and abs(got - _volume(psi, d, 0)) <= 1e-9 * want:
                     why = (" (this is plain DP's volume: stage 3 gathers the parameters again for backward, "
                            "because forward freed them)")
+                elif stage in (1, 2) and abs(got - _volume(psi, d, 3)) <= 1e-9 * want:
+                    why = (f" (that is stage 3's volume: stage {stage} keeps whole parameters on every rank, so it "
+                           f"never gathers them)")
+                elif stage in (1, 2) and abs(got - want / 2) <= 1e-9 * want:
+                    why = (" (half: a reduce-scatter of the gradients alone; the updated parameter shards must also "
+                           "reach every rank)")
                 elif abs(got - want * d / (d - 1)) <= 1e-9 * want * d:
                     why = " (each rank sends (d-1)/d of the data in a ring collective, not all of it)"
                 raise CheckFailure(f"{what}, stage {stage}: expected {want:.6g} elements sent per GPU, got "
@@ -193,23 +205,47 @@ ex154.hint_review = ("leads: asks what is gathered at the same time and how long
                      "reviewed 2026-12-06")
 
 
+_WRAPPED = (" (the last unit was paired with the first: units run in order and nothing is prefetched after the "
+            "last one; forward does not wrap around)")
+_LARGEST = " (the two largest units, but only units that run one after the other are gathered together)"
+
+
+def _wrap_or_largest(gathered_peak, got, wrapped, largest) -> str:
+    """Which of two mistakes gave ``got`` when the case's units cannot tell them apart (the first and the last
+    unit are also the two largest): ask the answer once more, on units where the two differ."""
+    if got == wrapped and got != largest:
+        return _WRAPPED
+    if got == largest and got != wrapped:
+        return _LARGEST
+    probe = [500, 10, 600, 12, 400]  # d = 2, no padding: right 612, wrapped 900, two largest 1100
+    again = gathered_peak(list(probe), 2, True)
+    again = as_int(again) if as_int(again) is not None else again
+    if again == 900:
+        return _WRAPPED
+    if again == 1100:
+        return _LARGEST
+    return ""
+
+
 def _peak_case(units, d, reshard, what):
     def case(gathered_peak):
         got = gathered_peak(list(units), d, reshard)
         want = zero3_gathered_peak(list(units), d, reshard)
-        try:
+        if isinstance(got, float) and got.is_integer():
             got = int(got)
-        except (TypeError, ValueError):
-            raise CheckFailure(f"{what}: expected a number of elements, got {type(got).__name__}") from None
+        if as_int(got) is None:
+            raise CheckFailure(f"{what}: expected a whole number of elements, got {type_name(got)}")
+        got = as_int(got)
         if got != want:
             pads = [padded_numel(n, d) for n in units]
+            wrapped = max((pads[i] + pads[(i + 1) % len(pads)] for i in range(len(pads))), default=0)
             why = ""
             if got == max(pads):
                 why = " (one unit only: the prefetched next unit is gathered while this one computes)"
             elif reshard and got == zero3_gathered_peak(list(units), 1, True):
                 why = " (the sizes were not padded: each unit's buffer is a multiple of d)"
-            elif got == sum(sorted(pads)[-2:]):
-                why = " (the two largest units, but only units that run one after the other are gathered together)"
+            elif got in (wrapped, sum(sorted(pads)[-2:])):
+                why = _wrap_or_largest(gathered_peak, got, wrapped, sum(sorted(pads)[-2:]))
             elif reshard and got == sum(pads):
                 why = " (every unit: with reshard_after_forward=True each unit is freed after its forward)"
             raise CheckFailure(f"{what}: expected {want} elements, got {got}{why}")
@@ -222,6 +258,8 @@ ex154.case("5 units, the largest two far apart, d = 2")(
     _peak_case([901, 10, 11, 12, 899], 2, True, "gathered_peak([901, 10, 11, 12, 899], d=2, reshard=True)"))
 ex154.case("units [10, 21, 5], d = 4, padding decides")(
     _peak_case([10, 21, 5], 4, True, "gathered_peak([10, 21, 5], d=4, reshard=True)"))
+ex154.case("5 units [500, 10, 600, 12, 400], d = 2")(
+    _peak_case([500, 10, 600, 12, 400], 2, True, "gathered_peak([500, 10, 600, 12, 400], d=2, reshard=True)"))
 ex154.case("not resharded: [100, 50, 75], d = 2")(
     _peak_case([100, 50, 75], 2, False, "gathered_peak([100, 50, 75], d=2, reshard=False)"))
 ex154.case("one unit", hidden=True)(_peak_case([77], 4, True, "gathered_peak([77], d=4, reshard=True)"))
@@ -242,9 +280,10 @@ ex155.hint_review = ("leads: asks for the order and where the padding sits, with
                      "2026-12-06")
 
 
-def _unshard_case(n, d, what):
+def _unshard_case(n, d, what, values=None):
     def case(unshard_flat):
-        flat = torch.arange(1, n + 1, dtype=torch.float32)
+        flat = (torch.arange(1, n + 1, dtype=torch.float32) if values is None
+                else torch.tensor(values, dtype=torch.float32))
         shards = [_shard(flat, d, r) for r in range(d)]
         got = unshard_flat([s.clone() for s in shards], n)
         if not isinstance(got, torch.Tensor):
@@ -266,6 +305,12 @@ def _unshard_case(n, d, what):
         elif got.numel() == n and d > 1 and torch.equal(got, torch.stack(shards, 1).reshape(-1)[:n]):
             why = (" (the shards were interleaved element by element: each shard is a contiguous piece of "
                    "the buffer, so lay them end to end)")
+        elif got.numel() < n and torch.equal(got, flat[flat != 0]):
+            why = (" (the parameter's own zeros were dropped too: a real element can be 0, so the padding is "
+                   "told apart by position, not by value)")
+        elif got.numel() < n and torch.equal(got, flat[:int(flat.nonzero().max()) + 1] if flat.any() else flat[:0]):
+            why = (" (the zeros at the end of the parameter itself were stripped with the padding: a real element "
+                   "can be 0, so the padding is told apart by position, not by value)")
         elif got.numel() == n and torch.equal(got, padded[-n:]):
             why = (" (the first elements were dropped instead of the last: 15.1 put the zeros at the end, "
                    "so the padding is cut off the end)")
@@ -278,6 +323,10 @@ ex155.case("n = 10 from d = 4 shards (2 zeros of padding)")(
 ex155.case("n = 12 from d = 4 shards (no padding)")(
     _unshard_case(12, 4, "unshard_flat(4 shards of arange 1..12, n=12)"))
 ex155.case("n = 7 from d = 3 shards")(_unshard_case(7, 3, "unshard_flat(3 shards of arange 1..7, n=7)"))
+ex155.case("n = 6 from d = 4 shards, a parameter with zeros of its own")(
+    _unshard_case(6, 4, "unshard_flat(4 shards of [1, 0, 2, 0, 3, 0], n=6)", values=[1, 0, 2, 0, 3, 0]))
+ex155.case("n = 5 from d = 2 shards, all of it zeros", hidden=True)(
+    _unshard_case(5, 2, "unshard_flat(2 shards of 5 zeros, n=5)", values=[0] * 5))
 ex155.case("n = 3 from d = 8 shards (most shards all padding)", hidden=True)(
     _unshard_case(3, 8, "unshard_flat(8 shards of 3 elements, n=3)"))
 fresh_case(ex155, "n = 3 from d = 8 shards (most shards all padding)",

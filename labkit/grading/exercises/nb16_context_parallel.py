@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...context_parallel.blockwise import block_attention
-from ..registry import CheckFailure, _shown, exercise
+from ..registry import CheckFailure, as_int, exercise, type_name
 
 # ----------------------------------------------------------------------------- 16.1
 ex161 = exercise(
@@ -63,6 +63,9 @@ def _wrong_merges(oa, la, ob, lb):
     za, zb = la.nan_to_num(neginf=0.0), lb.nan_to_num(neginf=0.0)
     z = torch.logaddexp(za, zb)
     out["-inf as 0"] = (torch.exp(za - z)[..., None] * oa + torch.exp(zb - z)[..., None] * ob, None)
+    out["unnormalised"] = (la.exp()[..., None] * oa + lb.exp()[..., None] * ob, None)
+    lse = torch.logaddexp(la, lb)
+    out["inverted"] = (torch.exp(lse - la)[..., None] * oa + torch.exp(lse - lb)[..., None] * ob, None)
     return out
 
 
@@ -100,7 +103,11 @@ def _merge_case(seed, what, **kw):
                            "lse weights": " (the weights were lse_a / (lse_a + lse_b): log-sum-exps are logarithms, "
                                           "a block's share of the total is not their ratio)",
                            "-inf as 0": " (lse_b = -inf was treated as 0: a block with no visible key must weigh "
-                                        "nothing)"}[name]
+                                        "nothing)",
+                           "unnormalised": " (each block's output weighted by its own sum of exponentials, with "
+                                           "nothing dividing by the total: the weights do not add up to 1)",
+                           "inverted": " (each block weighted by the total over its own sum: the inverse of its "
+                                       "share, so the weights add up to more than 1)"}[name]
             err = float((out - out_full).abs().max())
             raise CheckFailure(f"{what}: out differs from attention over all keys by up to {err:.3g}{why}")
         finite = torch.isfinite(lse_full)
@@ -149,13 +156,26 @@ def _chunk_work(c: int, m: int) -> int:
 def _placement_case(cp, what, m=4):
     def case(placement):
         got = placement(cp)
-        if isinstance(got, torch.Tensor):
+        if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
             got = got.tolist()
-        if not isinstance(got, (list, tuple)) or len(got) != cp or any(
-                not isinstance(r, (list, tuple)) or len(r) != 2 or any(
-                    isinstance(c, bool) or not isinstance(c, int) for c in r) for r in got):
-            raise CheckFailure(f"{what}: expected a list of {cp} pairs of chunk ids (two chunks per rank), "
-                               f"got {_shown(got)}")
+        want_shape = f"expected a list of {cp} pairs of chunk ids (two chunks per rank)"
+        if not isinstance(got, (list, tuple)):
+            raise CheckFailure(f"{what}: {want_shape}, got {type_name(got)}")
+        if len(got) != cp:
+            raise CheckFailure(f"{what}: {want_shape}, got {len(got)} items (one pair per rank: cp = {cp})")
+        pairs = []
+        for i, r in enumerate(got):
+            if isinstance(r, torch.Tensor) or type(r).__module__ == "numpy" and hasattr(r, "tolist"):
+                r = r.tolist() if getattr(r, "ndim", getattr(r, "dim", lambda: 0)) != 0 else r
+            if not isinstance(r, (list, tuple)) or len(r) != 2:
+                raise CheckFailure(f"{what}: {want_shape}; item {i} (rank {i}) is "
+                                   + (f"a {type(r).__name__} of {len(r)} chunk ids" if isinstance(r, (list, tuple))
+                                      else type_name(r)))
+            for c in r:
+                if as_int(c) is None:
+                    raise CheckFailure(f"{what}: chunk ids are ints; rank {i}'s pair holds {type_name(c)}")
+            pairs.append(tuple(as_int(c) for c in r))
+        got = pairs
         flat = sorted(c for r in got for c in r)
         if flat != list(range(2 * cp)):
             twice = sorted({c for c in flat if flat.count(c) > 1})

@@ -17,9 +17,45 @@ _OFFSET_HINT = ("the shard holds rows vocab_start .. vocab_start + V/t - 1 of th
                 "0 .. V/t - 1: a global id is not a row number of the shard")
 
 
+_BELOW_HINT = ("ids below vocab_start belong to an earlier rank's block: after the offset is subtracted they are "
+               "negative local rows, which must be masked like the ids past the end of the block")
+_ABOVE_HINT = ("ids at or past vocab_start + V/t belong to a later rank's block: after the offset is subtracted they "
+               "are rows past the end of the shard, which must be masked like the ids below the block")
+
+
+def _index_error(fn, *args) -> bool:
+    """Whether ``fn(*args)`` raises the IndexError that :func:`explain_index_errors` explains."""
+    try:
+        with explain_index_errors("", ""):
+            fn(*args)
+    except CheckFailure:
+        return True
+    except Exception:  # noqa: BLE001 - another error is not the one being explained
+        return False
+    return False
+
+
+def _index_hint(partial_embedding, ids, shard, start) -> str:
+    """Which ids the lookup cannot index (issue 36: negative local ids left unmasked were told to subtract
+    vocab_start, which they did): the learner's function is called again on the ids inside the block, then
+    on those below it, then on those above it; the first set that raises names the mistake. Only the message
+    depends on it: the case has already failed."""
+    n = shard.shape[0]
+    flat = ids.reshape(-1)
+    for sel, hint in (((flat >= start) & (flat < start + n), _OFFSET_HINT), (flat < start, _BELOW_HINT),
+                      (flat >= start + n, _ABOVE_HINT)):
+        part = flat[sel]
+        if part.numel() and _index_error(partial_embedding, part.clone(), shard, start):
+            return hint
+    return _OFFSET_HINT
+
+
 def _call_emb(partial_embedding, ids, shard, start, what):
-    with explain_index_errors(what, _OFFSET_HINT):
-        got = partial_embedding(ids.clone(), shard, start)
+    try:
+        with explain_index_errors(what, "<hint>"):
+            got = partial_embedding(ids.clone(), shard, start)
+    except CheckFailure as e:
+        raise CheckFailure(str(e).replace("<hint>", _index_hint(partial_embedding, ids, shard, start))) from None
     if not isinstance(got, torch.Tensor):
         raise CheckFailure(f"{what}: expected a tensor, got {type(got).__name__}")
     return got

@@ -3,7 +3,8 @@ code (``answer.run(fn, ...)`` in the cases of :mod:`labkit.grading.exercises.nb1
 
 It lives outside ``labkit.grading.exercises`` because the graded kernel cannot read that
 package (:mod:`labkit.grading.session`); nothing here computes an expected value, and nothing
-it reports is trusted but the learner's returned gradients.
+it reports is more than data the grader judges: the learner's returned gradients and what
+``.grad`` holds after the call.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 def _split_run(split_linear_backward, weight, bias, x, grad_out, held):
     """Kernel side: the learner's split backward on a Linear with these parameters whose
     ``.grad`` (and x's) already hold ``held`` = (x, weight, bias) gradients, as after earlier
-    microbatches; its result, detached. The grader judges the returned values alone: an
-    answer that accumulated into ``.grad`` returns ``held`` plus the gradient."""
+    microbatches. Returns (its result, detached; what x's, the weight's and the bias's ``.grad``
+    hold after the call). The grader judges both: a split backward leaves ``.grad`` as it was
+    (an answer that accumulated into ``.grad``, or cleared it and ran ``.backward()``, shows it)."""
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0])
     with torch.no_grad():
         layer.weight.copy_(weight)
@@ -24,4 +26,5 @@ def _split_run(split_linear_backward, weight, bias, x, grad_out, held):
     got = split_linear_backward(layer, x, grad_out)
     if isinstance(got, (tuple, list)):
         got = type(got)(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in got)
-    return got
+    after = tuple(None if t.grad is None else t.grad.detach().clone() for t in (x, layer.weight, layer.bias))
+    return got, after
