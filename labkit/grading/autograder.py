@@ -42,7 +42,7 @@ TORCH_PIN = "torch==2.13.0"  # as in requirements.txt (tests/grading/test_autogr
 # labkit's runtime dependencies (pyproject.toml), torch pinned
 RUNTIME_REQUIREMENTS = [TORCH_PIN, "numpy>=1.22", "matplotlib>=3.6", "tqdm>=4.62", "nbformat>=5.1",
                         "nbclient>=0.6", "ipykernel>=6.0", "ipython>=8.0", "ipywidgets>=8.0", "jupyter_client>=7.0",
-                        "pyzmq>=23"]
+                        "pyzmq>=23", "copydetect==0.5.0"]
 # Gradescope's default limit for a whole run is 10 minutes; one cell gets at most this by default
 DEFAULT_BUNDLE_CELL_TIMEOUT = 120
 CONFIG = "labkit_assignment.json"
@@ -159,8 +159,11 @@ def _add(z: zipfile.ZipFile, name: str, data: bytes, mode: int = 0o644) -> None:
 
 
 def build_bundle(assignment: str, out: Path, hidden: Path | None = None,
-                 cell_timeout: float = DEFAULT_BUNDLE_CELL_TIMEOUT, hints: bool = True) -> Path:
+                 cell_timeout: float = DEFAULT_BUNDLE_CELL_TIMEOUT, hints: bool = True,
+                 allow_partial_isolation: bool = False) -> Path:
     """Write the Gradescope bundle for ``assignment`` (a notebook name) to ``out``; returns ``out``.
+    ``allow_partial_isolation``: the run side grades even where its self-check finds that kernels
+    cannot be fully isolated (else it stops before grading, exit 2).
 
     Raises ValueError naming the problem (unknown assignment, missing hidden-case folder, ...)."""
     import labkit
@@ -170,7 +173,8 @@ def build_bundle(assignment: str, out: Path, hidden: Path | None = None,
     if problem:
         raise ValueError(problem)
     pkg = Path(labkit.__file__).resolve().parent
-    config = {"assignment": assignment, "cell_timeout": cell_timeout, "hints": bool(hints)}
+    config = {"assignment": assignment, "cell_timeout": cell_timeout, "hints": bool(hints),
+              "allow_partial_isolation": bool(allow_partial_isolation)}
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         _write_bundle(tmp, pkg, assignment, config, hidden)
@@ -221,7 +225,9 @@ def run(root: Path) -> int:
     """Grade ``root/submission`` for the bundle in ``root/source``; write ``root/results/results.json``.
 
     Returns 0 when the results are the submission's grade (whatever its score), 1 when the
-    notebook could not be graded."""
+    notebook could not be graded, 2 when the self-check at start finds that kernels cannot be
+    isolated here (:func:`labkit.grading.session.isolation_problem`: one ``error:`` line with the
+    cause and the fix, before anything of the submission runs)."""
     from .grader import (
         NotebookGrade,
         _exercise_grade,
@@ -236,6 +242,13 @@ def run(root: Path) -> int:
     t0 = time.monotonic()
     source = root / "source"
     config = json.loads((source / CONFIG).read_text())
+    from .session import isolation_problem
+
+    problem = "" if config.get("allow_partial_isolation") else isolation_problem()
+    if problem:  # before anything of the submission runs
+        fix = "build the bundle with --allow-partial-isolation"
+        print(f"error: {problem.replace('pass --allow-partial-isolation', fix)}", file=sys.stderr)
+        return 2
     assignment = config["assignment"]
     hidden = source / "hidden"
     if hidden.is_dir() and list(hidden.glob("*.py")):
@@ -281,13 +294,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cell-timeout", default=str(DEFAULT_BUNDLE_CELL_TIMEOUT),
                    help="seconds one cell may run (keep the notebook under Gradescope's time limit)")
     p.add_argument("--no-hints", action="store_true", help="hold hints back in the graded results")
+    p.add_argument("--allow-partial-isolation", action="store_true",
+                   help="grade even where the run side's self-check finds that kernels cannot get full isolation "
+                        "(a uid of their own, private namespaces, a file system of their own); without it the run "
+                        "stops before grading with the cause and the fix (exit 2)")
     a = p.parse_args(argv)
     t = _seconds(a.cell_timeout)
     if t is None:
         print(f"error: --cell-timeout must be a positive number of seconds, got {a.cell_timeout!r}", file=sys.stderr)
         return 2
     try:
-        out = build_bundle(a.assignment, a.out, a.hidden_cases, t, hints=not a.no_hints)
+        out = build_bundle(a.assignment, a.out, a.hidden_cases, t, hints=not a.no_hints,
+                           allow_partial_isolation=a.allow_partial_isolation)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
