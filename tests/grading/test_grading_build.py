@@ -330,13 +330,15 @@ def test_no_widget_text_stored_in_solutions(solution):
             assert "children=(" not in data.get("text/plain", ""), f"{solution.name} cell {i}"
 
 
-def test_build_run_outside_the_checkout_names_the_folder_it_works_on(tmp_path, monkeypatch, capsys):
-    """From another folder, build works on the checkout above the installed package: it says which."""
+def test_build_run_outside_the_checkout_refuses_and_in_it_works(tmp_path, monkeypatch, capsys):
+    """From another folder, build works on no checkout (issue 37: an editable install must not rewrite
+    the checkout it points at): one line naming the folder, exit 2; in the checkout, it works."""
     from labkit.grading.build import main as build_main
 
     monkeypatch.chdir(tmp_path)
-    assert build_main(["--check"]) == 0
-    assert capsys.readouterr().out.startswith(f"{ROOT / 'notebooks'}/ is up to date")
+    assert build_main(["--check"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "--root" in err and err.count("\n") == 1, err
     monkeypatch.chdir(ROOT)
     assert build_main(["--check"]) == 0
     assert capsys.readouterr().out.startswith("notebooks/ is up to date")
