@@ -148,6 +148,18 @@ def coords_pp_wrong(rank, t, p, d):
     return tp, rank // t % p, dp
 
 
+def coords_pp_stride_tp(rank, t, p, d):
+    """Wrong (a malformed ordering): pp steps every t*p ranks, the rest right."""
+    tp, pp, dp = rank_coords(rank, t, p, d)
+    return tp, rank // (t * p), dp
+
+
+def coords_dp_stride_tp(rank, t, p, d):
+    """Wrong (two orders mixed): dp as in a TP, PP, DP grid, pp as in this notebook's."""
+    tp, pp, dp = rank_coords(rank, t, p, d)
+    return tp, pp, rank // (t * p) % d
+
+
 def axis_bytes(s, b, h, L, t, p, d, M, n_params, e):
     act = s * b * h * e
     return {"tp": 4 * (L // p) * M * 2 * (t - 1) / t * act, "pp": 2 * M * act, "dp": 2 * (d - 1) / d * n_params * e}
@@ -196,7 +208,12 @@ def test_wrong_answers_fail(ex, wrong, contains):
     ("8.1", coords_pp_inner, "t=2, p=3, d=2", "t=2, p=3, d=2: these are the coordinates of a grid ordered TP "
      "innermost, then PP, DP outermost, not the grid of this notebook"),
     ("8.1", coords_pp_wrong, "t=2, p=3, d=2", "rank_coords(2, t=2, p=3, d=2): coordinate pp (item 1 of (tp, pp, dp)): "
-     "expected 0, got 1"),
+     "expected 0, got 1; your pp changes every 2 ranks, as dp does on this grid: two axes stepping together is no "
+     "ordering of the axes"),
+    ("8.1", coords_pp_stride_tp, "t=2, p=3, d=2", "your pp changes every 6 ranks: no ordering of the axes gives pp "
+     "that stride"),
+    ("8.1", coords_dp_stride_tp, "t=2, p=3, d=2", "your dp changes every 6 ranks, as in a grid ordered TP, PP, DP "
+     "(innermost first), while your other coordinates follow another order; ranks 0 and 2 both get (0, 0, 0)"),
 ])
 def test_wrong_answers_fail_a_public_case_naming_the_mistake(ex, wrong, case, contains):
     assert_public_case_fails(ex, wrong, case, contains=contains)
