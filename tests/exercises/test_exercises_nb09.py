@@ -165,3 +165,19 @@ def test_capacity_without_k_is_named():
         C, keep = capacity_keep(idx, E, cf)
         return math.ceil(idx.shape[0] / E * cf), keep
     assert_check_fails("9.2", no_k, contains="or k left out: each token takes k slots)")
+
+
+def test_no_case_name_of_9_1_gives_its_expected_weights():
+    """Issue 36: 9.1's public case names printed the expected weights of row 0; no case name (public or hidden)
+    may hold a weight that a right gate returns on the cases' example logits."""
+    from labkit.grading.exercises.nb09_moe_routing import _EXAMPLE
+    from labkit.grading.registry import get_exercise
+
+    shown = set()
+    for k in (1, 2):
+        for renormalize in (False, True):
+            for w in top_k_gate(_EXAMPLE, k, renormalize)[0].flatten().tolist():
+                shown |= {f"{w:.{n}f}" for n in (2, 3, 4)} | {f"{w:.{n}g}" for n in (2, 3, 4)}
+    names = [c.name for c in get_exercise("9.1").cases]
+    leaks = [(n, s) for n in names for s in shown if "." in s and len(s) >= 4 and s in n]
+    assert not leaks, leaks
