@@ -93,3 +93,9 @@ def test_one_too_few_is_named_in_every_public_value_case():
         return max(1, smallest_ceil(K, t) - (1 if (K, t) == (8, 0.25) else 0))
     assert_public_case_fails("1.2", one_short, "K=8, target 0.25",
                              contains="expected 21, got 20 (one microbatch too few: with M=20 the bubble is")
+
+
+def test_one_slot_too_many_is_named():
+    """Issue 36's audit: every named mistake of 1.1 has a wrong answer that triggers it."""
+    assert_public_case_fails("1.1", _checked(lambda K, M: (K - 1) / (M + K)), "K=4, M=8",
+                             contains="one slot too many in the step")
