@@ -255,3 +255,28 @@ def packing_into_the_heaviest_node(loads, n_nodes):
 def test_sorting_by_negated_loads_mistakes_are_named(wrong, contains):
     """Issue 36: a greedy misled by its sort of the negated loads got a value and no mistake (or a wrong one)."""
     assert_public_case_fails("14.1", wrong, "6 groups onto 2 nodes", contains=contains)
+
+
+def _decode_with(read, latency):
+    def f(spec, bytes_per_param, bandwidth):
+        nbytes = count_parameters(spec).active * bytes_per_param
+        return read(spec, nbytes, bytes_per_param), latency(nbytes, bandwidth)
+    return f
+
+
+_RIGHT_READ, _RIGHT_LATENCY = (lambda spec, n, b: n), (lambda n, bw: n / bw)
+
+
+@pytest.mark.parametrize("ex, wrong, contains", [
+    ("14.2", all_extras_to_the_heaviest, "each copy went by the expert's total load, which ignores the copies"),
+    ("14.3", lambda i, e, m, h, b: tuple(v // (h * b) for v in inter_node_bytes(i, e, m, h, b)),
+     "rows, not bytes: a row is hidden values"),
+    ("14.4", _decode_with(lambda spec, n, b: n * 8, _RIGHT_LATENCY), "in bits: the number of bytes is asked"),
+    ("14.4", decode_bound_total, "every expert's weights: a token reads only the k experts it is routed to"),
+    ("14.4", _decode_with(lambda spec, n, b: n / b, _RIGHT_LATENCY), "parameters, not bytes: each weighs"),
+    ("14.4", _decode_with(_RIGHT_READ, lambda n, bw: n / bw * 1e6), "in microseconds: seconds are asked"),
+    ("14.4", _decode_with(_RIGHT_READ, lambda n, bw: bw / n), "the inverse: that is tokens per second"),
+])
+def test_every_named_mistake_is_triggered(ex, wrong, contains):
+    """Issue 36's audit: each named mistake of 14.2, 14.3 and 14.4 has a wrong answer whose line names it."""
+    assert_check_fails(ex, wrong, contains=contains)
