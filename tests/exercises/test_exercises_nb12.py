@@ -167,3 +167,12 @@ def test_group_learner_round_mistakes_are_named(wrong, contains):
 ])
 def test_combination_learner_round_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("12.1", wrong, case, contains=contains)
+
+
+@pytest.mark.parametrize("ex, wrong, contains", [
+    ("12.1", combinations_times_m, "m times the coarse count"),
+    ("12.2", group_by_max, "groups ranked by their single best expert"),
+])
+def test_every_named_mistake_is_triggered(ex, wrong, contains):
+    """Issue 36's audit: each named mistake of 12.1 and 12.2 has a wrong answer whose line names it."""
+    assert_check_fails(ex, wrong, contains=contains)

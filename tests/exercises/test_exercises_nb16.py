@@ -119,3 +119,16 @@ def merge_inverted(out_a, lse_a, out_b, lse_b):
 def test_merge_learner_round_mistakes_are_named():
     assert_public_case_fails("16.1", merge_unnormalised, "two blocks", contains="with nothing dividing by the total")
     assert_public_case_fails("16.1", merge_inverted, "two blocks", contains="the inverse of its share")
+
+
+def merge_lse_summed(out_a, lse_a, out_b, lse_b):
+    """Wrong: the outputs merged right, the log-sum-exps added (the log of a product of the sums)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
+    return out, lse_a + lse_b
+
+
+def test_lse_summed_is_named():
+    """Issue 36's audit: each named mistake of 16.1 has a wrong answer whose line names it."""
+    assert_public_case_fails("16.1", merge_lse_summed, "two blocks", contains="this is lse_a + lse_b, the log of a "
+                             "product of sums")
