@@ -319,3 +319,29 @@ def choose_smaller_t_first(n_gpus, gpus_per_node, gpu_memory, memory):
 def test_every_named_mistake_is_triggered(ex, wrong, contains):
     """Issue 36's audit: each named mistake of 8.3, 8.5 and 8.6 has a wrong answer whose line names it."""
     assert_check_fails(ex, wrong, contains=contains)
+
+
+def _choose_by(key, fits=lambda t, p, g, n, need, mem: t <= g and n % (t * p) == 0 and need <= mem,
+               d_of=lambda n, t, p: n // (t * p)):
+    def f(n_gpus, gpus_per_node, gpu_memory, memory):
+        ok = [(t, p) for (t, p), need in memory.items() if fits(t, p, gpus_per_node, n_gpus, need, gpu_memory)]
+        if not ok:
+            raise ValueError("no layout fits")
+        t, p = min(ok, key=key)
+        return t, p, d_of(n_gpus, t, p)
+    return f
+
+
+_SMALLEST_TP = lambda tp: (tp[0] * tp[1], -tp[0])  # noqa: E731
+
+
+@pytest.mark.parametrize("wrong, contains", [
+    (choose_ignores_memory, "GB: it does not fit"),
+    (_choose_by(_SMALLEST_TP, fits=lambda t, p, g, n, need, mem: n % (t * p) == 0 and need <= mem),
+     "GPUs per node breaks rule 1: TP stays inside a node"),
+    (_choose_by(_SMALLEST_TP, d_of=lambda n, t, p: n // t), "not the 12 GPUs there are"),
+    (_choose_by(lambda tp: (-tp[0] * tp[1], -tp[0])), "is larger than needed: rule 2"),
+])
+def test_every_rule_a_wrong_choice_breaks_is_named(wrong, contains):
+    """Issue 36's audit: each rule 8.5's line names has a wrong choice that breaks it."""
+    assert_check_fails("8.5", wrong, contains=contains)

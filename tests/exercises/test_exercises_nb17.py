@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from labkit.grading.testing import assert_check_passes, assert_public_case_fails
+from labkit.grading.testing import assert_check_fails, assert_check_passes, assert_public_case_fails
 
 
 def redistribute_collective(src, dst):
@@ -163,3 +163,12 @@ def test_fsdp_mistakes_are_named(wrong, case, contains):
 ])
 def test_schedule_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("17.5", wrong, case, contains=contains)
+
+
+def test_a_sub_mesh_of_the_wrong_size_is_named():
+    """Issue 36's audit: 17.3's line for a sub-mesh with the wrong number of ranks has a wrong answer: the
+    ranks along the LAST named dimension only, when two are asked for."""
+    def last_dim_only(shape, names, rank, dims):
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        return submesh_ranks(shape, names, rank, dims[-1:])
+    assert_check_fails("17.3", last_dim_only, contains="has as many as the named dimensions' sizes multiply to")

@@ -139,7 +139,6 @@ _PARTS = ("the bf16 weights", "the bf16 gradients", "the fp32 optimizer state")
 
 def _units_mistake(psi, d, stage, got):
     """" (...)" when ``got`` is stage ``stage``'s memory with some of its three parts in GB or GiB, else ""."""
-    want = _zero_bytes(psi, d, stage)
     parts = [_zero_bytes(psi, d, stage, p=2, g=0, k=0), _zero_bytes(psi, d, stage, p=0, g=2, k=0),
              _zero_bytes(psi, d, stage, p=0, g=0, k=12)]
     for unit, scale in (("GB", 1e9), ("GiB", 2 ** 30)):
