@@ -1,6 +1,4 @@
-"""The first cell of every learner notebook, apart from :mod:`labkit.grading.build` so that the
-grader can recognise it without importing nbformat (whose jsonschema import compiles
-rfc3987-syntax's grammars: seconds per kernel, python-jsonschema/jsonschema#1428).
+"""The first cell of every learner notebook (:mod:`labkit.grading.build` puts it first).
 
 Where a hosted learner (Colab, a JupyterHub without labkit) installs labkit from is the
 instructor's setting, ``[tool.labkit] repository`` in ``pyproject.toml`` (or
@@ -11,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["INSTALL_CELL", "INSTALL_CELL_ID", "install_cell", "is_install_cell", "repository_problem"]
+__all__ = ["INSTALL_CELL", "INSTALL_CELL_ID", "install_cell", "repository_problem"]
 
 INSTALL_CELL_ID = "install-labkit"
 
@@ -57,15 +55,3 @@ def install_cell(repository: str | None = None) -> str:
 
 
 INSTALL_CELL = install_cell(None)
-
-_WITH_URL_RE = re.compile(re.escape(_WITH_URL).replace(re.escape("{{"), r"\{").replace(re.escape("}}"), r"\}")
-                          .replace(re.escape("{url}"), "(?P<url>[^\"'{}\\\\\\s]+)"))
-
-
-def is_install_cell(src: str) -> bool:
-    """Whether ``src`` is, exactly, a first cell :func:`install_cell` writes (for no repository
-    or for any URL :func:`repository_problem` accepts)."""
-    if src.strip() == _WITHOUT_URL.strip():
-        return True
-    m = _WITH_URL_RE.fullmatch(src.strip())
-    return bool(m) and not repository_problem(m.group("url"))

@@ -59,3 +59,8 @@ def test_rounding_to_the_nearest_is_named_by_a_public_case():
     """Issue 36's learner round: round() instead of ceil passed every public case (a hidden one caught it)."""
     assert_public_case_fails("1.2", lambda K, t: max(1, round((K - 1) * (1 - t) / t)), "K=5, target 0.3",
                              contains="rounded to the nearest whole number: with M=9 the bubble is 0.3077 > 0.3")
+
+
+def test_the_idle_over_busy_bound_is_named():
+    assert_public_case_fails("1.2", lambda K, t: max(1, math.ceil(round((K - 1) / t, 9))), "K=4, target 0.10",
+                             contains="that M makes the idle time over the busy time")

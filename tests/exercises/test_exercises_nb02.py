@@ -330,7 +330,7 @@ def test_labkit_s_microbatch_losses_is_the_step_token_mean():
 
 def test_step_loss_reference_is_withheld_from_the_graded_kernel():
     from labkit.grading.withhold import withheld
-    held, kept = withheld("02_gpipe")
-    for name in ("microbatch_losses", "loss_scale", "StepTokenCount"):
-        assert held.get(f"labkit.parallel.loss:{name}") == ("2.4",), held
-        assert f"labkit.parallel.loss:{name}" not in kept
+    held = withheld("02_gpipe")
+    for name in ("labkit.parallel.loss:microbatch_losses", "labkit.parallel.loss:loss_scale",
+                 "labkit.parallel.loss:StepTokenCount", "labkit.parallel.gpt:ParallelGPT"):   # and what reaches them
+        assert "2.4" in held.get(name, ()), sorted(k for k in held if "parallel" in k)   # (ParallelGPT: 2.1's too)

@@ -225,3 +225,11 @@ def test_max_reduced_with_sum_is_named():
     res = assert_public_case_fails("7.3", ce_sum_of_maxima, "t=2, large logits",
                                    contains="each rank's max was all-reduced with SUM")
     assert "no global max was subtracted" not in res.message
+
+
+def test_head_ids_of_any_integer_kind_pass_and_floats_are_named():
+    """Issue 36: ints of any kind accepted; int() truncated 0.5 to a right-looking 0 (a wrong answer passed)."""
+    import numpy as np
+    assert_check_passes("7.1", lambda n, t, r: [np.int64(h) for h in heads_of_rank(n, t, r)])
+    assert_public_case_fails("7.1", lambda n, t, r: [h + 0.5 for h in heads_of_rank(n, t, r)], "h=4 heads, t=2",
+                             contains="head ids are ints, got float 0.5")

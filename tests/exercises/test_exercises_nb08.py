@@ -249,3 +249,15 @@ def test_learner_round_mistakes_are_named(wrong, case, contains):
     """Issue 36's learner round: each new wrong answer of 8.3 and 8.6 is named."""
     ex = "8.3" if "stage holds 1/p" in contains or "ZeRO-1" in contains else "8.6"
     assert_public_case_fails(ex, wrong, case, contains=contains)
+
+
+def test_float_coordinates_are_named_not_truncated():
+    """Issue 36's learner round: int() in the check truncated 1.5 to a right-looking 1 (a wrong answer passed)."""
+    assert_public_case_fails("8.1", lambda r, t, p, d: tuple(float(c) + 0.5 for c in rank_coords(r, t, p, d)),
+                             "t=2, p=3, d=2", contains="coordinates are ints, got float 0.5")
+    from labkit.grading.testing import with_ints_as
+    assert_check_passes("8.1", with_ints_as("numpy", lambda r, t, p, d: list(rank_coords(r, t, p, d))))
+
+
+def test_float_degrees_of_a_layout_are_named():
+    assert_check_fails("8.5", lambda *a: tuple(x + 0.5 for x in choose_layout(*a)), contains="t, p and d are ints")

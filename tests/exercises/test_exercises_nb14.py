@@ -168,7 +168,7 @@ def test_bytes_wrong_answers_fail():
     assert_check_fails("14.3", hierarchical_per_slot,
                        contains="hierarchical inter-node bytes: expected 192, got 256 (counted per routed slot")
     assert_check_fails("14.3", counting_my_own_node,
-                       contains="flat inter-node bytes: expected 256, got 512 (every routed slot, the ones to this node")
+                       contains="flat inter-node bytes: expected 256, got 512 (every routed slot, the ones to")
 
 
 def test_decode_wrong_answers_fail():

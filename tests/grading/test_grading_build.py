@@ -331,11 +331,15 @@ def test_no_widget_text_stored_in_solutions(solution):
 
 
 def test_build_run_outside_the_checkout_names_the_folder_it_works_on(tmp_path, monkeypatch, capsys):
-    """From another folder, build works on the checkout above the installed package: it says which."""
+    """From another folder, build refuses in one line naming it (it works on the checkout you stand in
+    and on no other); with --root it works on that checkout and says which."""
     from labkit.grading.build import main as build_main
 
     monkeypatch.chdir(tmp_path)
-    assert build_main(["--check"]) == 0
+    assert build_main(["--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: found no solutions/ folder in {tmp_path}") and err.count("\n") == 1, err
+    assert build_main(["--check", "--root", str(ROOT)]) == 0
     assert capsys.readouterr().out.startswith(f"{ROOT / 'notebooks'}/ is up to date")
     monkeypatch.chdir(ROOT)
     assert build_main(["--check"]) == 0
@@ -347,7 +351,7 @@ def test_the_course_repository_is_the_instructors_one_setting(tmp_path):
     notebook's first cell and pyproject's [project.urls]; with none set the first cell names no
     repository and says how to install labkit; build --check catches a setting the files do not follow."""
     from labkit.grading.build import configured_repository
-    from labkit.grading.install import install_cell, is_install_cell
+    from labkit.grading.install import install_cell
 
     _synthetic(tmp_path)
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "labkit"\n\n[tool.labkit]\nrepository = ""\n\n'
@@ -362,7 +366,7 @@ def test_the_course_repository_is_the_instructors_one_setting(tmp_path):
     p = subprocess.run(build + ["--repository", url], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert configured_repository(tmp_path) == url
-    assert first() == install_cell(url) and f'"git+{url}"' in first() and is_install_cell(first())
+    assert first() == install_cell(url) and f'"git+{url}"' in first()
     toml = (tmp_path / "pyproject.toml").read_text()
     assert f'Repository = "{url}"' in toml and toml.index("[project.urls]") < toml.index("[tool.labkit]")
     assert subprocess.run(build + ["--check"], capture_output=True, text=True).returncode == 0
@@ -382,5 +386,6 @@ def test_the_course_repository_is_the_instructors_one_setting(tmp_path):
     for bad in ('https://x.org/a"); import os; ("', "git@github.com:a/b.git", "https://x.org/a b"):
         p = subprocess.run(build + ["--repository", bad], capture_output=True, text=True)
         assert p.returncode == 2 and p.stderr.count("\n") == 1 and "not an http(s) URL" in p.stderr, p.stderr
-        assert not is_install_cell(install_cell("https://x.org/a").replace("https://x.org/a", bad))
+        with pytest.raises(ValueError, match="not an http"):
+            install_cell(bad)
     assert (tmp_path / "pyproject.toml").read_text() == before

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernelside.nb07_attention_embedding_loss import _OFFSET_HINT, _call_emb, _emb_grad, _run_ce  # noqa: F401 - run in the kernel
-from ..registry import CheckFailure, exercise, expect_close, expect_equal, expect_raises
+from ..registry import CheckFailure, as_int, exercise, expect_close, expect_equal, expect_raises, type_name
 from ..relay import Relay
 
 NOTEBOOK = "07_attention_embedding_loss"
@@ -42,7 +42,11 @@ def _heads_case(n_head: int, t: int):
             if not isinstance(got, (list, tuple, range)):
                 raise CheckFailure(f"heads_of_rank(n_head={n_head}, t={t}, rank={r}): expected a list of ints, "
                                    f"got {type(got).__name__}")
-            expect_equal([int(h) for h in got], _heads(n_head, t, r),
+            bad = [h for h in got if as_int(h) is None]
+            if bad:  # int() would truncate 0.5 to a right-looking 0
+                raise CheckFailure(f"heads_of_rank(n_head={n_head}, t={t}, rank={r}): head ids are ints, got "
+                                   f"{type_name(bad[0])}")
+            expect_equal([as_int(h) for h in got], _heads(n_head, t, r),
                          f"heads_of_rank(n_head={n_head}, t={t}, rank={r})")
     return case
 

@@ -19,7 +19,17 @@ from __future__ import annotations
 
 from ...plan.activations import korthikanti_layer_activation_bytes
 from ...plan.memory import BYTES
-from ..registry import CheckFailure, _shown, as_int, exercise, expect_close, expect_equal, expect_named, expect_raises
+from ..registry import (
+    CheckFailure,
+    _shown,
+    as_int,
+    exercise,
+    expect_close,
+    expect_equal,
+    expect_named,
+    expect_raises,
+    type_name,
+)
 
 NOTEBOOK = "08_3d_parallelism"
 
@@ -97,7 +107,11 @@ def _coords_case(t, p, d):
             if not isinstance(got, (tuple, list)) or len(got) != 3:
                 raise CheckFailure(f"rank_coords({r}, t={t}, p={p}, d={d}): expected a tuple (tp, pp, dp), "
                                    f"got {_shown(got)}")
-            got_all.append(tuple(int(x) for x in got))
+            bad = [x for x in got if as_int(x) is None]
+            if bad:  # int() would truncate 1.5 to a right-looking 1
+                raise CheckFailure(f"rank_coords({r}, t={t}, p={p}, d={d}): coordinates are ints, got "
+                                   f"{type_name(bad[0])}")
+            got_all.append(tuple(as_int(x) for x in got))
         if any(g != _coords(r, t, p, d) for r, g in enumerate(got_all)):
             raise CheckFailure(f"t={t}, p={p}, d={d}: {_explain_coords(got_all, t, p, d)}")
     return case
@@ -324,7 +338,9 @@ def _judge_choice(choose_layout, n, g, gb, table, what):
     got = choose_layout(n, g, mem, dict(table))
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         raise CheckFailure(f"{what}: expected a tuple (t, p, d), got {_shown(got)}")
-    got = tuple(int(x) for x in got)
+    if any(as_int(x) is None for x in got):  # int() would truncate a float to a right-looking degree
+        raise CheckFailure(f"{what}: t, p and d are ints, got {type_name(next(x for x in got if as_int(x) is None))}")
+    got = tuple(as_int(x) for x in got)
     if got == want:
         return
     t, p, d = got

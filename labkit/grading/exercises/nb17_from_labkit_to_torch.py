@@ -33,12 +33,15 @@ NB = "17_from_labkit_to_torch"
 # ----------------------------------------------------------------------------- 17.1
 ex171 = exercise(
     "17.1", title="the collective behind a redistribute", notebook=NB, points=2,
-    hint="Section 2: what does each rank hold under each placement: the whole tensor, a disjoint piece of it, "
-         "or an addend of it? Which collective turns one into the other, and when does a rank already have "
-         "what it must keep?")
-ex171.hint2 = ("Write the tensor as a sum (Partial) or a concatenation (Shard) of what the ranks hold. Summing "
-               "needs a reduction, concatenating needs a gather; a reduction whose result each rank needs only a "
-               "piece of is a reduce-scatter; cutting out one's own piece of a whole tensor needs nothing.")
+    hint="Section 1: what does each rank hold under each placement: the whole tensor, a disjoint piece of it, "
+         "or an addend of it? What must a rank receive from the others to end with what the target placement "
+         "asks of it, and when does it already have that?")
+ex171.hint2 = ("Take one pair at a time and write the whole tensor twice: from what the source's ranks hold, and "
+               "as what each rank must end with. Which of notebook 00's collectives (section 4) gets from the "
+               "first to the second, and of those that do, which leaves each rank no more than it keeps?")
+ex171.hint_review = ("leads: asks what each placement holds (whole, piece, addend), what a rank must receive and "
+                     "which of notebook 00's collectives does it with the least; which collective goes with which "
+                     "pair, and the pairs that need none, stay the learner's; reviewed 2026-12-06")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", None)
 _PLACEMENT = re.compile(r"^(Replicate\(\)|Partial\(\)|Shard\((-?\d+)\))$")
@@ -104,13 +107,17 @@ ex171.case("other dimensions", hidden=True)(
 # ----------------------------------------------------------------------------- 17.2
 ex172 = exercise(
     "17.2", title="the TP plan of a GPT block as a table", notebook=NB, points=3,
-    hint="Section 3: notebook 06's split, written with torch's styles. Which linears take the whole hidden "
-         "state and leave a slice of the features, which take a slice and leave a partial sum? With sequence "
+    hint="Section 2: notebook 06's split, written with torch's styles. For each linear of the block, what does "
+         "its input hold on every rank, and what must its output hold for the layer after it? With sequence "
          "parallelism, which modules see only S/t tokens and hold weights of their own?",
     references=["labkit.parallel.torch_native:tp_plan", "labkit.parallel.torch_native:plan_table"])
-ex172.hint2 = ("For each linear, ask what its input is on every rank (the whole x, or this rank's heads / FFN "
-               "columns) and what its output must be. A LayerNorm has no matrix to split: under SP it runs on the "
-               "rank's own tokens.")
+ex172.hint2 = ("Follow the hidden state through one block as notebook 06 drew f and g: after which linears is it "
+               "split across the ranks, after which is it a partial sum, and where must it be whole again? Which "
+               "of the block's modules have no matrix to split at all, and what do they see without SP and "
+               "with it?")
+ex172.hint_review = ("leads: asks what each linear's input and output hold on a rank (notebook 06's f and g) and "
+                     "what the modules without a matrix see with and without SP; which style goes on which module "
+                     "stays the learner's; reviewed 2026-12-06")
 
 STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input")
 _LINEARS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -175,11 +182,16 @@ ex172.case("both again, in the grader", hidden=True)(
 # ----------------------------------------------------------------------------- 17.3
 ex173 = exercise(
     "17.3", title="the ranks of a sub-mesh", notebook=NB, points=2,
-    hint="Section 4: init_device_mesh lays the ranks out row-major, like torch.arange(n).reshape(shape). Which "
-         "dimension varies fastest, and which coordinates stay fixed inside mesh[dims]?",
+    hint="Section 3: in which order does init_device_mesh number the ranks: which dimension varies fastest? "
+         "Where does `rank` sit in the mesh, and what do the ranks of mesh[dims] that hold it have in common "
+         "with it?",
     references=["labkit.grid:Mesh", "labkit.grid:ProcessGrid", "labkit.grid:make_grid"])
-ex173.hint2 = ("Write the rank's coordinates in the mesh (last dimension innermost). mesh[dims] keeps every "
-               "other coordinate and lets the named ones run over all their values.")
+ex173.hint2 = ("Do the (pp, dp, tp) = (2, 2, 2) mesh by hand: lay its 8 ranks out in init_device_mesh's "
+               "order, find rank 5, and read off the ranks of mesh['tp'] and of mesh['dp'] that hold it. What did "
+               "you keep fixed each time, and what did you let vary?")
+ex173.hint_review = ("leads: asks for the numbering order and where the rank sits, then a worked-by-hand mesh with "
+                     "the question of what stays fixed; the coordinates and the enumeration stay the learner's; "
+                     "reviewed 2026-12-06")
 
 
 def _submesh_ranks(shape, names, rank, dims):
@@ -237,10 +249,15 @@ ex173.case("(pp, dp, tp) = (4, 2, 4) and a 4-D mesh", hidden=True)(
 # ----------------------------------------------------------------------------- 17.4
 ex174 = exercise(
     "17.4", title="what one rank holds of an FSDP2 unit", notebook=NB, points=2,
-    hint="Section 5: FSDP2 does not flatten a unit into one buffer as notebook 15 did: each parameter becomes a "
-         "DTensor sharded along dim 0. How does torch.chunk split n rows over d ranks when d does not divide n?")
-ex174.hint2 = ("torch.chunk gives chunks of ceil(n/d) rows and the last ones what is left, possibly nothing. "
-               "Count the rows of this rank's chunk of each parameter, times the size of one row.")
+    hint="Section 4: FSDP2 does not flatten a unit into one buffer as notebook 15 did: each parameter is "
+         "sharded on its own along dim 0. When d does not divide a parameter's first dimension, which ranks "
+         "get more of it, which less, and can a rank get nothing?")
+ex174.hint2 = ("Section 4's demo shows how 16 splits over 3 ranks: what would 2 over 4 give, or 10 over 4? "
+               "Check your guess on a tensor in a cell of your own. And how many elements does one index along "
+               "dim 0 carry?")
+ex174.hint_review = ("leads: names the per-parameter dim-0 split and asks which ranks get more, less or nothing, "
+                     "then to try small splits; the share's size, its bounds and the element count stay the "
+                     "learner's; reviewed 2026-12-06")
 
 
 def _local_numel(shapes, d, rank):
@@ -286,12 +303,14 @@ ex174.case("a GPT-2 block over d = 6", hidden=True)(
 # ----------------------------------------------------------------------------- 17.5
 ex175 = exercise(
     "17.5", title="one rank's actions in torch's Schedule1F1B", notebook=NB, points=3,
-    hint="Section 6: notebook 03's 1F1B in torch's notation. How many forwards does rank r run before its first "
-         "backward, and in which order do forwards and backwards alternate after that?",
+    hint="Section 5: notebook 03's 1F1B in torch's notation. What must have happened on the later stages "
+         "before rank r's first backward can start, and how many forwards has rank r run by then?",
     references=["labkit.pipeline.schedules:one_f_one_b_schedule"])
-ex175.hint2 = ("Stage r (one per rank) first fills the pipeline with forwards until the first backward can "
-               "arrive from the last stage; then forwards and backwards take turns, then the backwards left. "
-               "Write each action as stage, F or B, microbatch.")
+ex175.hint2 = ("Exercise 3.1 wrote this order as Actions; only the notation differs. Draw p = 2, M = 4 by "
+               "hand: how many forwards does each rank run before its first backward, what follows each "
+               "backward while microbatches are left to start, and what is left at the end?")
+ex175.hint_review = ("leads: asks what must precede rank r's first backward and points at exercise 3.1 and a "
+                     "drawn timeline; the counts and the order stay the learner's; reviewed 2026-12-06")
 
 
 def _torch_1f1b(rank, p, M):
