@@ -421,14 +421,17 @@ def _forward(fn) -> str:
 
 
 def _replace_body(lines, fn, call: str, edits) -> None:
-    """Replace ``fn``'s body (its docstring too: it may state the formula) by ``return call``."""
-    indent = " " * (fn.body[0].col_offset if fn.body[0].lineno != fn.lineno else fn.col_offset + 4)
-    first = fn.body[0].lineno
+    """Replace ``fn``'s body (its docstring too: it may state the formula) by ``return call``, padded
+    with blank lines to the body's length, so that every line keeps its number (the source of a
+    released reference can then be put back in place: :meth:`WithheldKit.release_after`)."""
+    indent = " " * fn.body[0].col_offset
+    first, last = fn.body[0].lineno, fn.body[-1].end_lineno
     if first == fn.lineno:  # def f(x): return x   (the body on the def's line)
         head = lines[fn.lineno - 1][:fn.body[0].col_offset].rstrip()
-        edits.append((fn.lineno, fn.body[-1].end_lineno, [f"{head}\n", f"{indent}return {call}\n"]))
+        new = [f"{head} return {call}\n"]
     else:
-        edits.append((first, fn.body[-1].end_lineno, [f"{indent}return {call}\n"]))
+        new = [f"{indent}return {call}\n"]
+    edits.append((first, last, new + ["\n"] * (last - first + 1 - len(new))))
 
 
 HELPER = "_labkit_withheld"
@@ -502,13 +505,16 @@ def build_kit(notebooks, dest: str) -> "WithheldKit":
                 plan[label.partition(":")[0]][label] = tuple(dict.fromkeys(have + ids))
     store = os.path.join(kit, "_withheld")
     files: dict[str, str] = {}
+    sources: dict[str, tuple] = {}
     for mod, labels in plan.items():
         rel = mod.split(".")[1:]
         path = os.path.join(kit, *rel) + ".py"
         if not os.path.isfile(path):
             path = os.path.join(kit, *rel, "__init__.py")
         with open(path, encoding="utf-8") as f:
-            text, taken = _strip(f.read(), labels, mod)
+            original = f.read()
+        text, taken = _strip(original, labels, mod)
+        sources[path] = (original, text, {lab: span for lab, span in _spans(original, mod).items() if lab in taken})
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
         stem = os.path.splitext(os.path.basename(path))[0]
@@ -526,26 +532,60 @@ def build_kit(notebooks, dest: str) -> "WithheldKit":
         os.chmod(folder, 0o755)
         for n in names:
             os.chmod(os.path.join(folder, n), 0o644)
-    kit_obj = WithheldKit(kit, files, {lab: ids for labels in plan.values() for lab, ids in labels.items()})
+    kit_obj = WithheldKit(kit, files, {lab: ids for labels in plan.values() for lab, ids in labels.items()}, sources)
     kit_obj.withhold()
     os.chmod(dest, 0o755)
     return kit_obj
 
 
+def _spans(source: str, mod: str) -> dict[str, tuple[int, int]]:
+    """{"module:name": (first line, last line)} of each top-level function and class of ``source``."""
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            out[f"{mod}:{node.name}"] = (first, node.end_lineno)
+    return out
+
+
 class WithheldKit:
     """The kernel's copy of the kit (:func:`build_kit`): ``path`` (its ``labkit`` folder),
     ``files`` {label: the file holding that reference's code}, ``exercises`` {label: the
-    exercise ids it is withheld for}."""
+    exercise ids it is withheld for}, ``sources`` {module file: (its original text, the text with
+    the stubs, {label: its lines})}."""
 
-    def __init__(self, path: str, files: dict[str, str], exercises: dict[str, tuple[str, ...]]):
+    def __init__(self, path: str, files: dict[str, str], exercises: dict[str, tuple[str, ...]],
+                 sources: dict | None = None):
         self.path, self.files, self.exercises = path, files, exercises
+        self.sources = sources or {}
         self.released: set[str] = set()
 
     def withhold(self) -> None:
-        """Every reference unreadable by the kernel's uid again (mode 0600, the grader's)."""
+        """Every reference unreadable by the kernel's uid again (mode 0600, the grader's), and its
+        module's source the stub again."""
         for f in self.files.values():
             os.chmod(f, 0o600)
         self.released.clear()
+        self._write_sources()
+
+    def _write_sources(self) -> None:
+        """Each module's file as the kernel should read it now: the stubbed text with the lines of
+        every released reference put back (the stubs keep every line's number, so ``inspect.getsource``
+        of a released function, e.g. 12.3's reading of ``route``, shows its code)."""
+        for path, (original, stubbed, spans) in self.sources.items():
+            lines, real = stubbed.splitlines(keepends=True), original.splitlines(keepends=True)
+            for label, (first, last) in spans.items():
+                if label in self.released:
+                    lines[first - 1:last] = real[first - 1:last]
+            text = "".join(lines)
+            with open(path, encoding="utf-8") as f:
+                if f.read() == text:
+                    continue
+            tmp = f"{path}.labkit-tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
 
     def release_after(self, graded) -> list[str]:
         """Release every reference all of whose exercises are in ``graded`` (ids whose grading
@@ -557,6 +597,8 @@ class WithheldKit:
         for lab in now:
             os.chmod(self.files[lab], 0o644)
             self.released.add(lab)
+        if now:
+            self._write_sources()
         return now
 
 

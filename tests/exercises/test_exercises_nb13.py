@@ -123,3 +123,10 @@ def test_bubble_time_learner_round_mistakes_are_named():
                              "1F1B and ZB-H1", contains="K idle stretches counted where a rank waits K - 1")
     assert_public_case_fails("13.3", lambda n, K, f, i, w: bubble_time("zb-h1", K, f, i, w) / 2 if n == "zbv"
                              else bubble_time(n, K, f, i, w), "ZB-V, K=4", contains="half of ZB-H1's")
+
+
+def test_a_0d_tensor_is_a_number():
+    """Issue 36: integers of any kind, a 0-d tensor too."""
+    from labkit.grading.testing import assert_check_passes, with_ints_as
+    assert_check_passes("13.3", with_ints_as("tensor", bubble_time))
+    assert_check_passes("13.3", with_ints_as("numpy", bubble_time))

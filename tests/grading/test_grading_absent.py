@@ -225,3 +225,27 @@ def test_check_in_a_kernel_after_magics_and_a_send_ring_passes_the_solution(tmp_
     assert "hello from the shell" in text[2]
     assert "passed" in text[5].splitlines()[-1] and "ring all-reduce" in text[5], text[5]
     assert text[7].splitlines()[-1] == "passed", text[7]
+
+
+def test_a_released_references_source_is_back_in_its_module_file(tmp_path):
+    """12.3 reads ``route``'s source after 12.2 is graded: the stubs keep every line's number, and a
+    release puts the released lines back (a withheld one's stay a stub); withholding again for the
+    secret pass puts the stubs back."""
+    import inspect
+
+    from labkit.moe import router
+
+    kit = build_kit(["12_deepseek_moe"], str(tmp_path / "kit"))
+    path = _module_file(kit.path, "labkit.moe.router")
+    original = Path(inspect.getsourcefile(router)).read_text(encoding="utf-8")
+    stubbed = path.read_text(encoding="utf-8")
+    assert _stubbed(path, "route") and len(stubbed.splitlines()) >= len(original.splitlines())
+    kit.release_after({"12.2"})
+    text = path.read_text(encoding="utf-8")
+    assert not _stubbed(path, "route")
+    real = inspect.getsource(router.route)
+    assert real in text, "route's own lines are back, at their own line numbers"
+    assert text.splitlines()[:len(original.splitlines())].index(real.splitlines()[0]) == \
+        original.splitlines().index(real.splitlines()[0])
+    kit.withhold()
+    assert path.read_text(encoding="utf-8") == stubbed

@@ -331,11 +331,15 @@ def test_no_widget_text_stored_in_solutions(solution):
 
 
 def test_build_run_outside_the_checkout_names_the_folder_it_works_on(tmp_path, monkeypatch, capsys):
-    """From another folder, build works on the checkout above the installed package: it says which."""
+    """From another folder, build refuses in one line naming it (it works on the checkout you stand in
+    and on no other); with --root it works on that checkout and says which."""
     from labkit.grading.build import main as build_main
 
     monkeypatch.chdir(tmp_path)
-    assert build_main(["--check"]) == 0
+    assert build_main(["--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: found no solutions/ folder in {tmp_path}") and err.count("\n") == 1, err
+    assert build_main(["--check", "--root", str(ROOT)]) == 0
     assert capsys.readouterr().out.startswith(f"{ROOT / 'notebooks'}/ is up to date")
     monkeypatch.chdir(ROOT)
     assert build_main(["--check"]) == 0

@@ -32,12 +32,16 @@ def _as_fresh_uid(code: str, *args: str) -> subprocess.CompletedProcess:
     from labkit.grading.session import KernelUser
 
     lease = UidLease()
+    stage = ""
     try:
         user = KernelUser(f"uid {lease.uid}", lease.uid, lease.gid, True, jail=True)  # Python's folder reachable
-        argv, kw = user.command([sys.executable, "-S", "-c", code, *args])
+        stage = tempfile.mkdtemp(prefix="labkit-test-stage-")  # the jail's mount point: a folder of the grader's
+        os.chmod(stage, 0o755)
+        argv, kw = user.command([sys.executable, "-S", "-c", code, *args], None, [f"--stage={stage}"], stage=stage)
         return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/", **kw,
                               env={"PATH": os.environ.get("PATH", "/usr/bin"), "OMP_NUM_THREADS": "1"})
     finally:
+        shutil.rmtree(stage, ignore_errors=True)
         kill_uid(lease.uid, 5)
         lease.release()
 
