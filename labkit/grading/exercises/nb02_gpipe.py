@@ -356,12 +356,14 @@ ex24 = exercise(
     hint="Section 4b: one device divides the sum over ALL the step's valid targets by their number. Each "
          "microbatch of each rank can only add its own share of that sum: which count must every share be "
          "divided by, and what does DP's averaging over the d ranks do to what each rank backpropagates?")
-ex24.hint2 = ("Write one device's loss as a single fraction and split its numerator into the d x M pieces. Is "
-              "the denominator a property of a piece, of a rank, or of the step? Then follow one piece's gradient "
-              "through DP's averaging over the ranks: does it come out with the weight you wanted? What is a "
-              "piece with no valid target worth?")
-ex24.hint_review = ("leads: asks which count is the step's and what DP's averaging does to a piece; the factor, the "
-                    "masking and the empty case stay the learner's; reviewed 2026-12-06")
+ex24.hint2 = ("Pick one valid target in a sparse microbatch and one in a dense microbatch of another rank: with "
+              "what weight does each reach the gradient on one device, and with what weight under your pieces, "
+              "once each rank's M backwards have added up and DP has averaged the ranks? Make them agree. And "
+              "what should a piece with nothing to learn from contribute?")
+ex24.hint_review = ("leads: asks which count every share is divided by and what DP's averaging does to a piece, then "
+                    "to compare one target's weight with one device's (an invariant, not a sequence of steps); the "
+                    "denominator's scope, the factor, the masking and the empty case stay the learner's; reviewed "
+                    "2026-12-06")
 
 _IGNORED = 7.0    # what token_losses holds where the target is ignored (any value: it must not count)
 
