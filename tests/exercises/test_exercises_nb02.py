@@ -391,3 +391,17 @@ def test_step_loss_reference_is_withheld_from_the_graded_kernel():
     for name in ("labkit.parallel.loss:microbatch_losses", "labkit.parallel.loss:loss_scale",
                  "labkit.parallel.loss:StepTokenCount", "labkit.parallel.gpt:ParallelGPT"):   # and what reaches them
         assert "2.4" in held.get(name, ()), sorted(k for k in held if "parallel" in k)   # (ParallelGPT: 2.1's too)
+
+
+def test_notebook_02_exercises_read_in_order_and_hints_name_their_sections():
+    import json
+    import re
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parents[2] / "solutions" / "02_gpipe.ipynb").read_text())
+    order = [tuple(int(i) for i in m.groups()) for c in nb["cells"] if c["cell_type"] == "code"
+             for m in re.finditer(r'check\("(\d+)\.(\d+)"', "".join(c["source"]))]
+    assert order == sorted(order) and len(order) == len(set(order)) == 4, order
+    sections = {m.group(2): int(m.group(1)) for c in nb["cells"] if c["cell_type"] == "markdown"
+                for m in re.finditer(r"^## (\d+)\. (.*)$", "".join(c["source"]), re.M)}
+    ignored = next(n for title, n in sections.items() if title.startswith("Ignored targets"))
+    assert get_exercise("2.4").hint.startswith(f"Section {ignored}:"), (get_exercise("2.4").hint, sections)

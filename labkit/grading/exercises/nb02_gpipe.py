@@ -365,7 +365,7 @@ ex23.case("M=2, 3 SGD steps", hidden=True)(_accumulate_case(2, 3, 4))
 # ----------------------------------------------------------------------------- 2.4
 ex24 = exercise(
     "2.4", title="the step loss with ignored targets", notebook="02_gpipe", points=2,
-    hint="Section 4b: one device divides the sum over ALL the step's valid targets by their number. Each "
+    hint="Section 7: one device divides the sum over ALL the step's valid targets by their number. Each "
          "microbatch of each rank can only add its own share of that sum: which count must every share be "
          "divided by, and what does DP's averaging over the d ranks do to what each rank backpropagates?")
 ex24.hint2 = ("Pick one valid target in a sparse microbatch and one in a dense microbatch of another rank: with "
