@@ -2,6 +2,7 @@
 right sum, and now fails a PUBLIC case that counts what each rank sends, with the numbers. The
 ranks talk only through the grader's relay: a real collective finds no process group, and a sum
 moved by other means (files) or messages that are not what a ring sends fail on the relay's log."""
+import os
 import time
 
 import torch
@@ -77,10 +78,13 @@ def test_a_collective_through_an_alias_finds_no_process_group():
 
 def test_a_sum_moved_outside_send_recv_fails_on_what_the_relay_saw(tmp_path):
     def by_files(ctx, tensor):  # every rank writes its tensor to a file and sums the others' files
-        torch.save(tensor, tmp_path / f"{ctx.rank}.pt")
+        # written under another name, then renamed (atomic on one file system): a "*.pt" file another
+        # rank sees is always complete, whatever the load (a sleep before reading was a race)
+        part = tmp_path / f"{ctx.rank}.part"
+        torch.save(tensor, part)
+        os.replace(part, tmp_path / f"{ctx.rank}.pt")
         while len(list(tmp_path.glob("*.pt"))) < ctx.world_size:
             time.sleep(0.01)
-        time.sleep(0.05)
         return sum(torch.load(tmp_path / f"{k}.pt") for k in range(ctx.world_size))
 
     def by_files_once(ctx, tensor):

@@ -64,3 +64,38 @@ def test_rounding_to_the_nearest_is_named_by_a_public_case():
 def test_the_idle_over_busy_bound_is_named():
     assert_public_case_fails("1.2", lambda K, t: max(1, math.ceil(round((K - 1) / t, 9))), "K=4, target 0.10",
                              contains="that M makes the idle time over the busy time")
+
+
+def smallest_int_plus_one(K, target):
+    """Wrong: int(bound) + 1, one microbatch too many whenever the bound is a whole number."""
+    return int(round((K - 1) * (1 - target) / target, 9)) + 1 if K > 1 else 1
+
+
+def smallest_strictly_below(K, target):
+    """Wrong: searches for the first M whose bubble is strictly below the target (one too many when it is equal)."""
+    M = 1
+    while (K - 1) / (M + K - 1) >= target - 1e-12:
+        M += 1
+    return M
+
+
+@pytest.mark.parametrize("wrong", [smallest_int_plus_one, smallest_strictly_below])
+def test_a_bound_one_too_many_is_named(wrong):
+    """Issue 36: a bound one microbatch too many got "expected 27, got 28" and no mistake."""
+    assert_public_case_fails("1.2", wrong, "K=4, target 0.10",
+                             contains="expected 27, got 28 (one microbatch more than needed: with M=27 the bubble "
+                                      "is already 0.1 <= 0.1")
+
+
+def test_one_too_few_is_named_in_every_public_value_case():
+    """Issue 36: every public case of 1.2 with a value names a bound one too low, not just the values."""
+    def one_short(K, t):
+        return max(1, smallest_ceil(K, t) - (1 if (K, t) == (8, 0.25) else 0))
+    assert_public_case_fails("1.2", one_short, "K=8, target 0.25",
+                             contains="expected 21, got 20 (one microbatch too few: with M=20 the bubble is")
+
+
+def test_one_slot_too_many_is_named():
+    """Issue 36's audit: every named mistake of 1.1 has a wrong answer that triggers it."""
+    assert_public_case_fails("1.1", _checked(lambda K, M: (K - 1) / (M + K)), "K=4, M=8",
+                             contains="one slot too many in the step")

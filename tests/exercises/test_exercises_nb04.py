@@ -92,3 +92,13 @@ def test_new_learner_mistakes_are_named():
                              contains="is there a boundary after the last stage?")
     assert_public_case_fails("4.3", lambda K, M, v: 0 if K == 1 else 2 * (K * v - 1), "K=4, M=8",
                              contains="one microbatch: all M cross every boundary")
+
+
+@pytest.mark.parametrize("wrong, case, contains", [
+    (lambda K, M, v: 0 if K == 1 else M * (K * v - 1), "K=4, M=8",
+     "forward only: the gradients cross every boundary back"),
+    (lambda K, M, v: 2 * M * (K * v - 1), "K=1, M=4, v=3", "stages on the same rank do not send to each other"),
+])
+def test_every_named_sends_mistake_is_triggered(wrong, case, contains):
+    """Issue 36's audit: each named mistake of 4.3 has a wrong answer whose line names it."""
+    assert_public_case_fails("4.3", wrong, case, contains=contains)

@@ -148,6 +148,18 @@ def coords_pp_wrong(rank, t, p, d):
     return tp, rank // t % p, dp
 
 
+def coords_pp_stride_tp(rank, t, p, d):
+    """Wrong (a malformed ordering): pp steps every t*p ranks, the rest right."""
+    tp, pp, dp = rank_coords(rank, t, p, d)
+    return tp, rank // (t * p), dp
+
+
+def coords_dp_stride_tp(rank, t, p, d):
+    """Wrong (two orders mixed): dp as in a TP, PP, DP grid, pp as in this notebook's."""
+    tp, pp, dp = rank_coords(rank, t, p, d)
+    return tp, pp, rank // (t * p) % d
+
+
 def axis_bytes(s, b, h, L, t, p, d, M, n_params, e):
     act = s * b * h * e
     return {"tp": 4 * (L // p) * M * 2 * (t - 1) / t * act, "pp": 2 * M * act, "dp": 2 * (d - 1) / d * n_params * e}
@@ -196,7 +208,12 @@ def test_wrong_answers_fail(ex, wrong, contains):
     ("8.1", coords_pp_inner, "t=2, p=3, d=2", "t=2, p=3, d=2: these are the coordinates of a grid ordered TP "
      "innermost, then PP, DP outermost, not the grid of this notebook"),
     ("8.1", coords_pp_wrong, "t=2, p=3, d=2", "rank_coords(2, t=2, p=3, d=2): coordinate pp (item 1 of (tp, pp, dp)): "
-     "expected 0, got 1"),
+     "expected 0, got 1; your pp changes every 2 ranks, as dp does on this grid: two axes stepping together is no "
+     "ordering of the axes"),
+    ("8.1", coords_pp_stride_tp, "t=2, p=3, d=2", "your pp changes every 6 ranks: no ordering of the axes gives pp "
+     "that stride"),
+    ("8.1", coords_dp_stride_tp, "t=2, p=3, d=2", "your dp changes every 6 ranks, as in a grid ordered TP, PP, DP "
+     "(innermost first), while your other coordinates follow another order; ranks 0 and 2 both get (0, 0, 0)"),
 ])
 def test_wrong_answers_fail_a_public_case_naming_the_mistake(ex, wrong, case, contains):
     assert_public_case_fails(ex, wrong, case, contains=contains)
@@ -261,3 +278,44 @@ def test_float_coordinates_are_named_not_truncated():
 
 def test_float_degrees_of_a_layout_are_named():
     assert_check_fails("8.5", lambda *a: tuple(x + 0.5 for x in choose_layout(*a)), contains="t, p and d are ints")
+
+
+def _states_with(n_of):
+    def f(P, t, p, d, zero, precision):
+        pb, gb, ob = nb08.BYTES[precision]
+        n = n_of(P, t, p)
+        return {"params": pb * n / (d if zero >= 3 else 1), "grads": gb * n / (d if zero >= 2 else 1),
+                "optimizer": ob * n / (d if zero >= 1 else 1)}
+    return f
+
+
+def _axis_with(**change):
+    def f(s, b, h, L, t, p, d, M, n_params, e):
+        out = axis_bytes(s, b, h, L, t, p, d, M, n_params, e)
+        return {k: change[k](out[k], t, d, M) if k in change else v for k, v in out.items()}
+    return f
+
+
+def choose_smaller_t_first(n_gpus, gpus_per_node, gpu_memory, memory):
+    """Wrong: the smallest t*p, but among equal sizes the smaller t (PP before TP)."""
+    ok = [(t, p) for (t, p), need in memory.items() if t <= gpus_per_node and n_gpus % (t * p) == 0
+          and need <= gpu_memory]
+    if not ok:
+        raise ValueError("no layout fits")
+    t, p = min(ok, key=lambda tp: (tp[0] * tp[1], tp[0]))
+    return t, p, n_gpus // (t * p)
+
+
+@pytest.mark.parametrize("ex, wrong, contains", [
+    ("8.3", _states_with(lambda P, t, p: P / p), "not divided by t: a tensor-parallel rank holds 1/t"),
+    ("8.3", _states_with(lambda P, t, p: P), "the whole model's: t and p each split it"),
+    ("8.5", choose_smaller_t_first, "but a smaller t: for that size TP goes before PP"),
+    ("8.6", _axis_with(tp=lambda v, t, d, M: v / 2), "forward only: backward all-reduces as often"),
+    ("8.6", _axis_with(tp=lambda v, t, d, M: v * t / (t - 1) if t > 1 else v),
+     "the whole payload per all-reduce: a ring sends 2 (t-1)/t of it"),
+    ("8.6", _axis_with(pp=lambda v, t, d, M: v / M), "one microbatch: all M cross the boundary"),
+    ("8.6", _axis_with(dp=lambda v, t, d, M: v * M), "an all-reduce per microbatch: the gradients are reduced once"),
+])
+def test_every_named_mistake_is_triggered(ex, wrong, contains):
+    """Issue 36's audit: each named mistake of 8.3, 8.5 and 8.6 has a wrong answer whose line names it."""
+    assert_check_fails(ex, wrong, contains=contains)

@@ -164,4 +164,43 @@ def test_capacity_without_k_is_named():
     def no_k(idx, E, cf):
         C, keep = capacity_keep(idx, E, cf)
         return math.ceil(idx.shape[0] / E * cf), keep
-    assert_check_fails("9.2", no_k, contains="or k left out: each token takes k slots)")
+    assert_check_fails("9.2", no_k, contains="or k left out: each token takes k slots;")
+
+
+def test_no_case_name_of_9_1_gives_its_expected_weights():
+    """Issue 36: 9.1's public case names printed the expected weights of row 0; no case name (public or hidden)
+    may hold a weight that a right gate returns on the cases' example logits."""
+    from labkit.grading.exercises.nb09_moe_routing import _EXAMPLE
+    from labkit.grading.registry import get_exercise
+
+    shown = set()
+    for k in (1, 2):
+        for renormalize in (False, True):
+            for w in top_k_gate(_EXAMPLE, k, renormalize)[0].flatten().tolist():
+                shown |= {f"{w:.{n}f}" for n in (2, 3, 4)} | {f"{w:.{n}g}" for n in (2, 3, 4)}
+    names = [c.name for c in get_exercise("9.1").cases]
+    leaks = [(n, s) for n in names for s in shown if "." in s and len(s) >= 4 and s in n]
+    assert not leaks, leaks
+
+
+def capacity_without_factor(indices, num_experts, capacity_factor):
+    """Wrong: C = ceil(k T / E), the capacity factor left out."""
+    return capacity_keep(indices, num_experts, 1.0)
+
+
+def params_router_twice(spec):
+    """Wrong: the router counted twice (once with the attention, once with the experts)."""
+    total, active = moe_param_count(spec)
+    extra = spec.n_layer * spec.n_routed_experts * spec.hidden
+    return total + extra, active + extra
+
+
+@pytest.mark.parametrize("ex, wrong, contains", [
+    ("9.2", capacity_without_factor, "the capacity factor left out"),
+    ("9.3", params_router_twice, "over by exactly"),
+])
+def test_every_named_mistake_is_triggered(ex, wrong, contains):
+    """Issue 36's audit: each named mistake of 9.2 and 9.3 has a wrong answer whose line names it."""
+    res = assert_check_fails(ex, wrong, contains=contains)
+    if ex == "9.3":
+        assert "what this counts twice: the router" in " ".join(res.message.split()), res.message

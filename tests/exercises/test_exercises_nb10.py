@@ -140,3 +140,18 @@ def test_learner_round_mistakes_are_named():
                              "loads [10, 2, 4, 8]", contains="compared with their median")
     assert_public_case_fails("10.3", lambda b, loads, g: b + g * torch.sign(loads.float() - loads.float().mean()),
                              "loads [10, 2, 4, 8]", contains="every step has the wrong direction")
+
+
+def aux_f_divided_by_k_twice(logits, indices, alpha=0.01):
+    """Wrong: f divided by k once more (f sums to 1/k)."""
+    f, P = _f_P(logits, indices)
+    return alpha * logits.shape[1] * (f / indices.shape[1] * P).sum()
+
+
+@pytest.mark.parametrize("wrong, contains", [
+    (aux_without_E, "the scale E left out: a uniform routing must give alpha"),
+    (aux_f_divided_by_k_twice, "divided by k once too often"),
+])
+def test_every_named_aux_loss_mistake_is_triggered(wrong, contains):
+    """Issue 36's audit: each named mistake of 10.1 has a wrong answer whose line names it."""
+    assert_check_fails("10.1", wrong, contains=contains)

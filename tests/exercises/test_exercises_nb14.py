@@ -201,3 +201,82 @@ def test_integers_of_any_kind_are_accepted():
 def test_learner_round_mistakes_are_named(ex, wrong, case, contains):
     """Issue 36's learner round: each new wrong answer of notebook 14 is named."""
     assert_public_case_fails(ex, wrong, case, contains=contains)
+
+
+def _greedy_in(loads, n_nodes, groups):
+    per = len(loads) // n_nodes
+    node_load, count, node = [0.0] * n_nodes, [0] * n_nodes, [0] * len(loads)
+    for g in groups:
+        n = min((m for m in range(n_nodes) if count[m] < per), key=lambda m: node_load[m])
+        node[g], node_load[n], count[n] = n, node_load[n] + loads[g], count[n] + 1
+    return node
+
+
+def packing_by_ranks_of_negated_loads(loads, n_nodes):
+    """Wrong: sorts the negated loads, but visits the groups in the order of their ranks (argsort of argsort)."""
+    import torch
+    return _greedy_in(loads, n_nodes, torch.argsort(torch.argsort(-torch.tensor(loads))).tolist())
+
+
+def packing_in_sorted_positions(loads, n_nodes):
+    """Wrong: sorts the negated loads and returns the nodes in that sorted order, not per group."""
+    order = sorted(range(len(loads)), key=lambda i: -loads[i])
+    node = _greedy_in(loads, n_nodes, order)
+    return [node[g] for g in order]
+
+
+def packing_found_by_value(loads, n_nodes):
+    """Wrong: sorts the negated load values and finds each group by loads.index (equal loads collide)."""
+    per = len(loads) // n_nodes
+    node_load, count, node = [0.0] * n_nodes, [0] * n_nodes, [0] * len(loads)
+    for value in sorted(loads, key=lambda v: -v):
+        g = loads.index(value)
+        n = min((m for m in range(n_nodes) if count[m] < per), key=lambda m: node_load[m])
+        node[g], node_load[n], count[n] = n, node_load[n] + value, count[n] + 1
+    return node
+
+
+def packing_into_the_heaviest_node(loads, n_nodes):
+    """Wrong: heaviest group first, but into the MOST loaded node with room (the node loads negated)."""
+    per = len(loads) // n_nodes
+    node_load, count, node = [0.0] * n_nodes, [0] * n_nodes, [0] * len(loads)
+    for g in sorted(range(len(loads)), key=lambda i: -loads[i]):
+        n = min((m for m in range(n_nodes) if count[m] < per), key=lambda m: -node_load[m])
+        node[g], node_load[n], count[n] = n, node_load[n] + loads[g], count[n] + 1
+    return node
+
+
+@pytest.mark.parametrize("wrong, contains", [
+    (packing_by_ranks_of_negated_loads, "visited in the order of each group's place in the heaviest-first sort"),
+    (packing_in_sorted_positions, "the nodes come back in the heaviest-first order of the sorted loads"),
+    (packing_found_by_value, "each group was found by its load, so the first of them was placed again"),
+    (packing_into_the_heaviest_node, "also what choosing the most loaded node with room does"),
+])
+def test_sorting_by_negated_loads_mistakes_are_named(wrong, contains):
+    """Issue 36: a greedy misled by its sort of the negated loads got a value and no mistake (or a wrong one)."""
+    assert_public_case_fails("14.1", wrong, "6 groups onto 2 nodes", contains=contains)
+
+
+def _decode_with(read, latency):
+    def f(spec, bytes_per_param, bandwidth):
+        nbytes = count_parameters(spec).active * bytes_per_param
+        return read(spec, nbytes, bytes_per_param), latency(nbytes, bandwidth)
+    return f
+
+
+_RIGHT_READ, _RIGHT_LATENCY = (lambda spec, n, b: n), (lambda n, bw: n / bw)
+
+
+@pytest.mark.parametrize("ex, wrong, contains", [
+    ("14.2", all_extras_to_the_heaviest, "each copy went by the expert's total load, which ignores the copies"),
+    ("14.3", lambda i, e, m, h, b: tuple(v // (h * b) for v in inter_node_bytes(i, e, m, h, b)),
+     "rows, not bytes: a row is hidden values"),
+    ("14.4", _decode_with(lambda spec, n, b: n * 8, _RIGHT_LATENCY), "in bits: the number of bytes is asked"),
+    ("14.4", decode_bound_total, "every expert's weights: a token reads only the k experts it is routed to"),
+    ("14.4", _decode_with(lambda spec, n, b: n / b, _RIGHT_LATENCY), "parameters, not bytes: each weighs"),
+    ("14.4", _decode_with(_RIGHT_READ, lambda n, bw: n / bw * 1e6), "in microseconds: seconds are asked"),
+    ("14.4", _decode_with(_RIGHT_READ, lambda n, bw: bw / n), "the inverse: that is tokens per second"),
+])
+def test_every_named_mistake_is_triggered(ex, wrong, contains):
+    """Issue 36's audit: each named mistake of 14.2, 14.3 and 14.4 has a wrong answer whose line names it."""
+    assert_check_fails(ex, wrong, contains=contains)

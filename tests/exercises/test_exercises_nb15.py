@@ -210,3 +210,23 @@ def test_strided_shards_are_named():
     assert_public_case_fails("15.1", lambda flat, d: list(torch.cat([flat, flat.new_zeros((-flat.numel()) % d)])
                                                           .view(-1, d).t()),
                              "n = 10 over d = 4", contains="every d-th element: rank r's shard must be one contiguous")
+
+
+def zero_memory_optimizer_in_gb(psi, d, stage):
+    """Wrong: the weights and gradients in bytes, the optimizer state in GB."""
+    return ((2 / d if stage >= 3 else 2) * psi + (2 / d if stage >= 2 else 2) * psi
+            + (12 / d if stage >= 1 else 12) * psi / 1e9)
+
+
+def zero_memory_in_gib(psi, d, stage):
+    """Wrong: all of it in GiB."""
+    return zero_memory(psi, d, stage) / 2 ** 30
+
+
+@pytest.mark.parametrize("wrong, contains", [
+    (zero_memory_optimizer_in_gb, "the fp32 optimizer state counted in GB, the rest in bytes"),
+    (zero_memory_in_gib, "that is the memory in GiB: the number of bytes is asked"),
+])
+def test_memory_with_a_part_in_gigabytes_is_named(wrong, contains):
+    """Issue 36: 15.2 with one part in GB got its value and no mistake."""
+    assert_public_case_fails("15.2", wrong, "the ZeRO paper's Figure 1", contains=contains)

@@ -99,27 +99,40 @@ def _smallest(K: int, target: float) -> int:
 
 
 def _smallest_mistakes(K: int, target: float) -> list:
-    """1.2's named mistakes for K and target."""
-    return [(math.ceil(round((K - 1) / target, 9)), "that M makes the idle time over the busy time, (K-1)/M, reach "
+    """1.2's named mistakes for K and target: the idle-over-busy bound, and one microbatch too many or too few
+    (each with the bubble it gives, so the line names the mistake and not only the value; issue 36)."""
+    want = _smallest(K, target)
+    out = [(math.ceil(round((K - 1) / target, 9)), "that M makes the idle time over the busy time, (K-1)/M, reach "
                                                    "the target; the bubble fraction of 1.1 is over every slot of "
                                                    "the step")]
+    out.append((want + 1, f"one microbatch more than needed: with M={want} the bubble is already "
+                          f"{_bubble(K, want):.4g} <= {target}; when your bound is a whole number, does your "
+                          "rounding (or the float it rounds) step past it?"))
+    if want > 1:
+        out.append((want - 1, f"one microbatch too few: with M={want - 1} the bubble is {_bubble(K, want - 1):.4g} "
+                              f"> {target}"))
+    return out
+
+
+def _named_smallest(smallest_microbatches, K: int, target: float) -> None:
+    got = smallest_microbatches(K, target)
+    expect_named(as_int(got) if as_int(got) is not None else got, _smallest(K, target),
+                 f"smallest_microbatches(K={K}, target={target})", _smallest_mistakes(K, target))
 
 
 @ex12.case("K=4, target 0.10")
 def _(smallest_microbatches):
-    got = smallest_microbatches(4, 0.10)
-    expect_named(as_int(got) if as_int(got) is not None else got, _smallest(4, 0.10),
-                 "smallest_microbatches(K=4, target=0.10)", _smallest_mistakes(4, 0.10))
+    _named_smallest(smallest_microbatches, 4, 0.10)
 
 
 @ex12.case("K=8, target 0.25")
 def _(smallest_microbatches):
-    expect_equal(smallest_microbatches(8, 0.25), _smallest(8, 0.25), "smallest_microbatches(K=8, target=0.25)")
+    _named_smallest(smallest_microbatches, 8, 0.25)
 
 
 @ex12.case("K=1 needs one microbatch")
 def _(smallest_microbatches):
-    expect_equal(smallest_microbatches(1, 0.01), 1, "smallest_microbatches(K=1, target=0.01)")
+    _named_smallest(smallest_microbatches, 1, 0.01)
 
 
 @ex12.case("K=3, target 0.3 (the bound M >= 14/3 is not a whole number)",
@@ -132,7 +145,7 @@ def _(smallest_microbatches):
     if isinstance(got, numbers.Real) and not isinstance(got, bool) and got == want - 1:
         raise CheckFailure(f"smallest_microbatches(K={K}, target={target}): expected {want}, got {got}; with "
                            f"M={got} the bubble is {_bubble(K, int(got)):.4g} > {target} (rounded down?)")
-    expect_equal(got, want, f"smallest_microbatches(K={K}, target={target})")
+    expect_named(got, want, f"smallest_microbatches(K={K}, target={target})", _smallest_mistakes(K, target))
 
 
 @ex12.case("K=5, target 0.3")
@@ -152,7 +165,8 @@ def _(smallest_microbatches):
     got = smallest_microbatches(4, 0.05)
     if as_int(got) is None:
         raise CheckFailure(f"smallest_microbatches(K=4, target=0.05): expected an int, got {type_name(got)}")
-    expect_equal(as_int(got), _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)")
+    expect_named(as_int(got), _smallest(4, 0.05), "smallest_microbatches(K=4, target=0.05)",
+                 _smallest_mistakes(4, 0.05))
 
 
 @ex12.case("K=5, target 0.15", hidden=True)

@@ -96,7 +96,45 @@ def _explain_coords(got_all, t, p, d):
     r = next(r for r in range(n) if got_all[r] != want_all[r])
     axis = next(i for i in range(3) if got_all[r][i] != want_all[r][i])
     return (f"rank_coords({r}, t={t}, p={p}, d={d}): coordinate {_AXES[axis]} (item {axis} of (tp, pp, dp)): "
-            f"expected {want_all[r][axis]}, got {got_all[r][axis]}")
+            f"expected {want_all[r][axis]}, got {got_all[r][axis]}{_malformed_order(got_all, axis, t, p, d)}")
+
+
+def _malformed_order(got_all, axis, t, p, d):
+    """What a wrong coordinate does (issue 36): the rank stride at which it changes, when that is another axis's
+    stride on this grid or a stride of no grid order, and whether two ranks now share coordinates."""
+    size = {"tp": t, "pp": p, "dp": d}
+    right = {"tp": 1, "dp": t, "pp": t * d}
+    name, n = _AXES[axis], t * p * d
+    col = [g[axis] for g in got_all]
+    out = ""
+    import itertools
+
+    # the strides name's coordinate has in some ordering of the axes (1, or the sizes of the axes inside it)
+    orders = {}
+    for order in itertools.permutations(_AXES):
+        stride = 1
+        for a in order[:order.index(name)]:
+            stride *= size[a]
+        orders.setdefault(stride, order)
+    for stride in sorted({1, t, p, d, t * p, t * d, p * d, n}):
+        if stride != right[name] and all(c == (r // stride) % size[name] for r, c in enumerate(col)):
+            other = [a for a in ("tp", "dp", "pp") if a != name and right[a] == stride and size[a] > 1]
+            if other:
+                like = f", as {other[0]} does on this grid: two axes stepping together is no ordering of the axes"
+            elif stride in orders:
+                like = (f", as in a grid ordered {', '.join(orders[stride]).upper()} (innermost first), while your "
+                        "other coordinates follow another order")
+            else:
+                like = (f": no ordering of the axes gives {name} that stride (a step in an axis skips the ranks of "
+                        "the axes inside it: 1, or the product of their sizes)")
+            out = f"; your {name} changes every {stride} rank{'s' if stride > 1 else ''}{like}"
+            break
+    seen = {}
+    for r, g in enumerate(got_all):
+        if g in seen:
+            return out + f"; ranks {seen[g]} and {r} both get {g}: each rank needs its own place in the grid"
+        seen[g] = r
+    return out
 
 
 def _coords_case(t, p, d):

@@ -100,7 +100,8 @@ ex101.hint_review = ("leads: asks which factor is counted and which is different
 _L0 = torch.zeros(4, 4)
 _I0 = torch.tensor([[0], [1], [2], [3]])
 ex101.case("uniform routing gives alpha")(
-    _loss_case(switch_aux_loss, _L0, _I0, (0.01,), "switch_aux_loss(uniform, alpha=0.01)"))
+    _loss_case(switch_aux_loss, _L0, _I0, (0.01,), "switch_aux_loss(uniform, alpha=0.01)",
+               factors=[(1 / 4, "the scale E left out: a uniform routing must give alpha")], probe=None))
 ex101.case("T=16, E=4, k=1 (Switch), value and gradient")(
     _loss_case(switch_aux_loss, *_routing(16, 4, 1, 101), (0.1,), "switch_aux_loss(T=16, E=4, k=1, alpha=0.1)"))
 ex101.case("T=16, E=8, k=2 (f normalised by T*k)")(

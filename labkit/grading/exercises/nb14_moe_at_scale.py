@@ -54,14 +54,20 @@ def _packing_case(loads, n_nodes, what):
             raise CheckFailure(f"{what}: node ids must be in 0..{n_nodes - 1}, got {got}")
         counts = [got.count(n) for n in range(n_nodes)]
         if counts != [per] * n_nodes:
+            twice = ""
+            if len(set(loads)) < len(loads) and got == _placed_by_value(loads, n_nodes):
+                twice = (" (groups with equal loads: each group was found by its load, so the first of them was "
+                         "placed again and the others never)")
             raise CheckFailure(f"{what}: every node must hold {per} groups, got {counts} groups per node "
-                               f"(nodes {got})")
+                               f"(nodes {got}){twice}")
         node_load = [sum(l for l, n in zip(loads, got) if n == node) for node in range(n_nodes)]
         pack, _ = balanced_packing(torch.tensor([loads], dtype=torch.float64), n_nodes)
         best = max(sum(l for l, n in zip(loads, pack[0].tolist()) if n == node) for node in range(n_nodes))
         if max(node_load) > best + 1e-9:
-            why = next((text for order, rule, text in _PACKING_MISTAKES
-                        if got == _greedy_packing(loads, n_nodes, order, rule)), "")
+            # every named mistake that makes this packing (two can coincide on a small case: say both)
+            whys = [text[2:-1] for order, rule, text in _PACKING_MISTAKES
+                    if got == _greedy_packing(loads, n_nodes, order, rule)] + _sorting_mistakes(loads, n_nodes, got)
+            why = f" ({'; or '.join(whys)})" if whys else ""
             if not why and got == [g // per for g in range(len(loads))]:
                 why = " (the groups placed in order, per consecutive groups on a node: the loads were not looked at)"
             raise CheckFailure(f"{what}: the heaviest node carries {max(node_load):g} (node loads {node_load}); "
@@ -77,8 +83,47 @@ _PACKING_MISTAKES = [
                              "was left to even them out)"),
     ("heaviest", "in_turn", " (each group went to the next node in turn: the loads already on the nodes were "
                             "not looked at)"),
-    ("heaviest", "fill", " (the nodes were filled one after the other: a node's load was not looked at)"),
+    ("heaviest", "fill", " (the nodes were filled one after the other, which is also what choosing the most loaded "
+                         "node with room does: the node was not chosen by how it evens out the loads)"),
 ]
+
+
+def _greedy_over(loads, n_nodes, groups):
+    """The docstring's node choice (lightest node with room) over the groups in the order ``groups``."""
+    per = len(loads) // n_nodes
+    node_load, count, node = [0.0] * n_nodes, [0] * n_nodes, [0] * len(loads)
+    for g in groups:
+        n = min((m for m in range(n_nodes) if count[m] < per), key=lambda m: node_load[m])
+        node[g], node_load[n], count[n] = n, node_load[n] + loads[g], count[n] + 1
+    return node
+
+
+def _sorting_mistakes(loads, n_nodes, got):
+    """Why ``got`` is a right greedy misled by its sort of the (negated) loads: a list of 0 or 1 texts (issue 36)."""
+    order = sorted(range(len(loads)), key=lambda i: -loads[i])  # heaviest first, the groups' numbers
+    rank = [0] * len(loads)
+    for j, g in enumerate(order):
+        rank[g] = j
+    if rank != order and got == _greedy_over(loads, n_nodes, rank):
+        return ["the groups were visited in the order of each group's place in the heaviest-first sort: the "
+                "inverse of the sort, e.g. an argsort of the argsort of the negated loads; a sort's result lists "
+                "the group that comes first, second, ..."]
+    right = _greedy_over(loads, n_nodes, order)
+    if got != right and got == [right[g] for g in order]:
+        return ["the nodes come back in the heaviest-first order of the sorted loads: entry g of the result is "
+                "the node of group g, in the order the groups are given"]
+    return []
+
+
+def _placed_by_value(loads, n_nodes):
+    """The packing of a greedy that sorts the load values and finds each group by ``loads.index(value)``."""
+    per = len(loads) // n_nodes
+    node_load, count, node = [0.0] * n_nodes, [0] * n_nodes, [0] * len(loads)
+    for value in sorted(loads, key=lambda v: -v):
+        g = loads.index(value)
+        n = min((m for m in range(n_nodes) if count[m] < per), key=lambda m: node_load[m])
+        node[g], node_load[n], count[n] = n, node_load[n] + value, count[n] + 1
+    return node
 
 
 def _greedy_packing(loads, n_nodes, order, rule):

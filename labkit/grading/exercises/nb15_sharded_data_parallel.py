@@ -128,8 +128,30 @@ def _memory_case(psi, d, stages, what):
                         why = f" (that is stage {s}'s memory: stage {stage} shards {sharded})"
                 if not why and abs(got - _zero_bytes(psi, d, stage, k=8)) <= 1e-9 * want:
                     why = " (K = 8 counts only Adam's two fp32 moments; the fp32 master weights are part of it too)"
+                if not why:
+                    why = _units_mistake(psi, d, stage, got)
                 raise CheckFailure(f"{what}, stage {stage}: expected {want:.6g} bytes, got {got:.6g}{why}")
     return case
+
+
+_PARTS = ("the bf16 weights", "the bf16 gradients", "the fp32 optimizer state")
+
+
+def _units_mistake(psi, d, stage, got):
+    """" (...)" when ``got`` is stage ``stage``'s memory with some of its three parts in GB or GiB, else ""."""
+    want = _zero_bytes(psi, d, stage)
+    parts = [_zero_bytes(psi, d, stage, p=2, g=0, k=0), _zero_bytes(psi, d, stage, p=0, g=2, k=0),
+             _zero_bytes(psi, d, stage, p=0, g=0, k=12)]
+    for unit, scale in (("GB", 1e9), ("GiB", 2 ** 30)):
+        for mask in range(1, 8):
+            mixed = sum(v / scale if mask >> i & 1 else v for i, v in enumerate(parts))
+            if abs(got - mixed) <= 1e-9 * max(1e-12, abs(mixed)):
+                named = [name for i, name in enumerate(_PARTS) if mask >> i & 1]
+                if mask == 7:
+                    return f" (that is the memory in {unit}: the number of bytes is asked)"
+                return (f" ({' and '.join(named)} counted in {unit}, the rest in bytes: every part in bytes, "
+                        "before they are added)")
+    return ""
 
 
 ex152.case("the ZeRO paper's Figure 1: 7.5B parameters, d = 64")(
