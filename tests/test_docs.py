@@ -415,3 +415,31 @@ def test_every_python_block_of_the_docs_compiles():
     assert len(blocks) >= 3, blocks
     for name, code in blocks:
         compile(code, name, "exec")
+
+
+def test_what_docs_say_impl_torch_refuses_it_refuses():
+    """docs/labs.md lists what `lab 3d --impl torch` refuses; each listed option must be refused by the
+    rule that runs before any rank starts, and nothing it runs (--ignore-frac) may be listed."""
+    from labkit.labs.threed import _bad_args, parse_args
+    from labkit.labs.threed_torch import torch_bad_args
+    text = " ".join((ROOT / "docs" / "labs.md").read_text().split())
+    m = re.search(r"What the torch side does not have \(([^)]*)\) is refused", text)
+    assert m, "docs/labs.md no longer says what --impl torch refuses"
+    values = {"--tied": [], "--moe": [], "--recompute": ["full"], "--ignore-frac": ["0.3"]}
+    listed = re.findall(r"`(--[a-z-]+)`", m.group(1))
+    assert listed, m.group(1)
+    base = ["--impl", "torch", "--tp", "2", "--pp", "2", "--dp", "2", "--steps", "2"]
+    assert _bad_args(parse_args(base), 8) is None and torch_bad_args(parse_args(base)) is None
+    for flag in listed:
+        a = parse_args(base + [flag, *values[flag]])
+        assert (_bad_args(a, 8) or torch_bad_args(a)) is not None, f"docs/labs.md says {flag} is refused, it runs"
+    a = parse_args(base + ["--ignore-frac", "0.3"])
+    assert torch_bad_args(a) is None and "--ignore-frac" not in listed
+
+
+def test_lab_3d_help_gives_d_under_torchrun_as_the_code_computes_it():
+    from labkit.labs import threed
+    from labkit.labs.threed import _parser
+    help_text = " ".join(_parser().format_help().split())
+    assert "WORLD_SIZE / (t*p*cp)" in help_text and "WORLD_SIZE / (t*p))" not in help_text, help_text
+    assert "WORLD_SIZE / (t*p)\n" not in threed.__doc__

@@ -14,7 +14,7 @@ Options, each one token ``--name=value``:
   /dev/shm (mode 1777); a PATH (or a ``--bind`` destination) under one of them is bound back
   into it, so a grader installed under /tmp, /var/tmp or /dev/shm still gives its kernel Python
   and the kit.
-* ``--stage=DIR`` (required): a folder of the grader's (outside the new mounts; the grader
+* ``--stage=DIR`` (required with ``--tmp``): a folder of the grader's (outside the new mounts; the grader
   removes it) where staging folders are made; nothing is ever made in the shared TMPDIR.
 * ``--home=DIR``: make DIR (in the new /tmp) owned by UID, mode 0700, with ``ipython`` and
   ``mpl`` inside; COMMAND starts there.
@@ -217,8 +217,8 @@ def main(argv):
     # staging folders go in the grader's own folder for this kernel (``--stage``, which it removes), never in
     # the shared TMPDIR, which the kernel's uid may be unable to enter and where nothing may be left behind
     stage = opts.get("stage", [None])[0]
-    if stage is None:
-        raise SystemExit("labkit jail: --stage=DIR is required (a folder of the grader's, removed by it)")
+    if stage is None and opts.get("tmp") and not opts.get("root"):
+        raise SystemExit("labkit jail: --tmp needs --stage=DIR (a folder of the grader's, removed by it)")
     kept = list(needed)  # what the private temporary folders must show again: the PATHs and the binds
     if opts.get("loopback"):
         _loopback_up()

@@ -289,7 +289,12 @@ def _kernel_kit(user, names):
         return None
     from .withhold import build_kit
 
-    return build_kit([] if user.userns else names, tempfile.mkdtemp(prefix="labkit-kit-"))
+    folder = tempfile.mkdtemp(prefix="labkit-kit-")
+    try:
+        return build_kit([] if user.userns else names, folder)
+    except BaseException:  # a kit that could not be built leaves nothing in TMPDIR
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def _registered(session) -> dict:

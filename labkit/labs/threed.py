@@ -5,7 +5,7 @@
                             [--recompute none|selective|full] [--steps N] [--data PATH]
                             [--cp C --cp-attention ring|allgather|ulysses] [--cp-no-load-balance]
                             [--ignore-frac F]
-    torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p)
+    torchrun --nproc-per-node 8 -m labkit.labs.threed --tp 2 --pp 2      # d = WORLD_SIZE / (t*p*cp)
 
 Megatron-LM's recipe (Narayanan et al. 2021, sec. 3.3): N = t * p * d devices; TP inside a node
 (the all-reduces of every layer need the fastest links), PP across nodes (one activation per
@@ -95,7 +95,7 @@ def _parser():
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree t (ranks of a node)")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree p")
     p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel degree d (unset: 2; under torchrun WORLD_SIZE / (t*p))")
+                   help="data-parallel degree d (unset: 2; under torchrun WORLD_SIZE / (t*p*cp))")
     p.add_argument("--schedule", default="1f1b", choices=names(),
                    type=schedule_name,
                    help="pipeline schedule (zb-h1, zbv, dualpipev: zero-bubble, backward split into I and W; "

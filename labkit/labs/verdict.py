@@ -339,9 +339,13 @@ def report(results: dict, rtol: float | None = None, atol: float | None = None,
         elif bad is None:
             w = max(res.records, key=lambda r: max(r.grad_err, r.loss_err))
             err = max(w.grad_err, w.loss_err)
-            lines.append(f"OK   {name:<{width}}  {len(res.records)} steps; largest error {err:.2g}"
-                         f" of the tolerance (step {w.step}: gradient of {w.worst or '-'} off by {w.grad_diff:.1e}, "
-                         f"allowed {w.grad_bound:.1e})")
+            if err == 0 and w.grad_diff == 0:   # nothing to name as "largest": say it matched exactly
+                lines.append(f"OK   {name:<{width}}  {len(res.records)} steps; every loss and gradient equals the "
+                             f"single device's exactly (difference 0)")
+            else:
+                lines.append(f"OK   {name:<{width}}  {len(res.records)} steps; largest error {err:.2g} of the "
+                             f"tolerance (step {w.step}: gradient of {w.worst or '-'} off by {w.grad_diff:.1e}, "
+                             f"allowed {w.grad_bound:.1e})")
         else:
             ok = False
             if _diverged(res, reference_losses):

@@ -301,7 +301,64 @@ def test_step_loss_empty_shards_are_public_and_named():
     assert len(bad) == 1 and bad[0].name.startswith("no valid target in the whole step"), res.message
     case = next(c for c in get_exercise("2.4").cases if c.name == bad[0].name)
     out = run_case(case, nan_when_empty)                     # what the instructor's report shows
-    assert "has no valid target: 0/0" in out.message, out.message
+    assert "returned NaN when the step has no valid target" in out.message, out.message
+    assert "rank 0" not in out.message and "[2, 2, 2, 4]" not in out.message.split(")", 1)[1], out.message
+
+
+def test_step_loss_hidden_case_names_do_not_state_the_answer():
+    for c in get_exercise("2.4").cases:                      # Gradescope shows every case's name
+        if c.hidden:
+            assert "NaN" not in c.name and "zero" not in c.name.lower(), c.name
+
+
+def float_values(token_losses, valid):
+    """Wrong: the right numbers, rebuilt from Python floats (no graph)."""
+    d, M = token_losses.shape[:2]
+    N = int(valid.sum())
+    return torch.tensor([[float(token_losses[r, m][valid[r, m]].sum()) * d / N for m in range(M)]
+                         for r in range(d)], dtype=token_losses.dtype)
+
+
+def detached(token_losses, valid):
+    """Wrong: the right values, detached from the graph."""
+    return step_losses(token_losses, valid).detach()
+
+
+def as_list(token_losses, valid):
+    """Wrong: the right values as nested Python lists."""
+    return step_losses(token_losses, valid).tolist()
+
+
+def where_zero(token_losses, valid):
+    """Wrong: right values everywhere, but torch.where's untaken 0/0 branch puts NaN into the backward."""
+    d = token_losses.shape[0]
+    n = valid.sum()
+    sums = (token_losses * valid).sum((2, 3))
+    return torch.where(n > 0, sums * d / n, torch.zeros_like(sums))
+
+
+def detached_plus_own(token_losses, valid):
+    """Wrong: the right values, with a graph whose weight is 1 (a detached correction added)."""
+    sums = token_losses.masked_fill(~valid, 0).sum((2, 3))
+    return sums + (step_losses(token_losses, valid) - sums).detach()
+
+
+@pytest.mark.parametrize("answer,contains", [
+    (float_values, "your losses carry no gradient"),
+    (detached, "your losses carry no gradient"),
+    (as_list, "expected a tensor of shape [d, M] = [2, 3], got a list"),
+    (detached_plus_own, "the gradient that flows back is not theirs"),
+], ids=["float()", ".detach()", ".tolist()", "detached correction"])
+def test_step_loss_without_its_gradient_fails(answer, contains):
+    assert_public_case_fails("2.4", answer, "d=2, M=3", contains=contains)
+
+
+def test_step_loss_nan_gradient_on_an_empty_step_is_named():
+    res = assert_check_fails("2.4", where_zero)              # right values: only the hidden empty step fails
+    bad = [c for c in res.cases if c.status == "failed"]
+    assert len(bad) == 1 and bad[0].name.startswith("no valid target in the whole step"), res.message
+    out = run_case(next(c for c in get_exercise("2.4").cases if c.name == bad[0].name), where_zero)
+    assert "holds NaN or inf when the step has no valid target" in out.message, out.message
 
 
 def test_step_loss_cases_are_fresh_each_run():
@@ -334,3 +391,17 @@ def test_step_loss_reference_is_withheld_from_the_graded_kernel():
     for name in ("labkit.parallel.loss:microbatch_losses", "labkit.parallel.loss:loss_scale",
                  "labkit.parallel.loss:StepTokenCount", "labkit.parallel.gpt:ParallelGPT"):   # and what reaches them
         assert "2.4" in held.get(name, ()), sorted(k for k in held if "parallel" in k)   # (ParallelGPT: 2.1's too)
+
+
+def test_notebook_02_exercises_read_in_order_and_hints_name_their_sections():
+    import json
+    import re
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parents[2] / "solutions" / "02_gpipe.ipynb").read_text())
+    order = [tuple(int(i) for i in m.groups()) for c in nb["cells"] if c["cell_type"] == "code"
+             for m in re.finditer(r'check\("(\d+)\.(\d+)"', "".join(c["source"]))]
+    assert order == sorted(order) and len(order) == len(set(order)) == 4, order
+    sections = {m.group(2): int(m.group(1)) for c in nb["cells"] if c["cell_type"] == "markdown"
+                for m in re.finditer(r"^## (\d+)\. (.*)$", "".join(c["source"]), re.M)}
+    ignored = next(n for title, n in sections.items() if title.startswith("Ignored targets"))
+    assert get_exercise("2.4").hint.startswith(f"Section {ignored}:"), (get_exercise("2.4").hint, sections)

@@ -56,7 +56,8 @@ def test_bundle_layout_and_bad_input(tmp_path, capsys):
     notebooks = [n for n in names if "_solutions" in n or "_notebooks" in n]
     assert notebooks == ["labkit/_notebooks/01_pipeline_bubble.ipynb"], notebooks
     assert modes["setup.sh"] & 0o111 and modes["run_autograder"] & 0o111
-    assert config == {"assignment": "01_pipeline_bubble", "cell_timeout": 120, "hints": False}
+    assert config == {"assignment": "01_pipeline_bubble", "cell_timeout": 120, "hints": False,
+                      "allow_partial_isolation": False}
     for args, msg in ((["99_nope"], "error: assignment '99_nope' has no exercises; choose one of"),
                       (["01_pipeline_bubble", "--hidden-cases", tmp_path / "none"], "no such folder"),
                       (["01_pipeline_bubble", "--cell-timeout", "0"], "--cell-timeout must be a positive"),

@@ -195,6 +195,16 @@ def test_lockstep_rules_on_one_rank():
     assert ok and "AT THE SAME PARAMETERS" in text and "drift" in text and "rtol=1e-05" in text
 
 
+def test_an_exact_match_says_so_instead_of_a_largest_error_of_zero():
+    exact = [StepRecord(i, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, "") for i in range(2)]
+    ok, text = report({"ep=1": LockstepResult(1e-5, 1e-6, exact)})
+    line = text.splitlines()[-1]
+    assert ok and line.startswith("OK") and "exactly" in line, line
+    assert "largest error" not in line and "gradient of -" not in line and "allowed 0.0e+00" not in line, line
+    ok, text = report({"a": LockstepResult(1e-5, 1e-6, [StepRecord(0, 1.0, 1.0, 0.0, 0.1, 1e-8, 1e-6, "w")])})
+    assert ok and "largest error 0.1 of the tolerance" in text.splitlines()[-1] and "exactly" not in text
+
+
 def test_diverged_training_is_one_short_fail_line(capsys):
     """--lr too large: the verdict is FAIL, and says in one short line that training diverged on the
     single device too (not a list of every parameter); a NaN in the parallel run alone still says NaN."""

@@ -11,7 +11,10 @@ was cut into M microbatches. Exercise 2.4 (ignored targets) asks for the loss ea
 each DP rank backpropagates when the targets of -100 fall unevenly over the d x M pieces of a
 step: judged against the step's token mean (one device's ``F.cross_entropy``), with a piece and a
 whole rank that hold no valid target; the mean of microbatch means, the per-rank count, the extra
-division by M, the missing DP factor d and a sum over the ignored positions are each named.
+division by M, the missing DP factor d and a sum over the ignored positions are each named. Its
+token losses require grad in the kernel, which returns the values and the gradient each [r, m]
+sends back (data): losses that carry no gradient (floats, ``.detach()``, ``.tolist()``), a NaN
+gradient on an empty step and a gradient that is not the values' are each named too.
 
 The helpers here (a tiny GPT on K ranks, the single-device reference) are shared with the
 exercises of notebooks 03 and 04.
@@ -38,7 +41,16 @@ from ...pipeline import (
     validate_schedule,
 )
 from ...pipeline.stages import gpt_param_name, gpt_stages_for_rank
-from ..kernelside.nb02_gpipe import ACC_BATCH, ACC_CFG, ACC_LR, ACC_SEQ, _acc_batch, _accumulate_run, _sgd_run  # noqa: F401 - run in the kernel
+from ..kernelside.nb02_gpipe import (  # noqa: F401 - run in the kernel
+    ACC_BATCH,
+    ACC_CFG,
+    ACC_LR,
+    ACC_SEQ,
+    _acc_batch,
+    _accumulate_run,
+    _sgd_run,
+    _step_loss_run,
+)
 from ..registry import CheckFailure, _shown, exercise, expect_close, expect_equal
 from . import kernel_side
 
@@ -353,15 +365,17 @@ ex23.case("M=2, 3 SGD steps", hidden=True)(_accumulate_case(2, 3, 4))
 # ----------------------------------------------------------------------------- 2.4
 ex24 = exercise(
     "2.4", title="the step loss with ignored targets", notebook="02_gpipe", points=2,
-    hint="Section 4b: one device divides the sum over ALL the step's valid targets by their number. Each "
+    hint="Section 7: one device divides the sum over ALL the step's valid targets by their number. Each "
          "microbatch of each rank can only add its own share of that sum: which count must every share be "
          "divided by, and what does DP's averaging over the d ranks do to what each rank backpropagates?")
-ex24.hint2 = ("Write one device's loss as a single fraction and split its numerator into the d x M pieces. Is "
-              "the denominator a property of a piece, of a rank, or of the step? Then follow one piece's gradient "
-              "through DP's averaging over the ranks: does it come out with the weight you wanted? What is a "
-              "piece with no valid target worth?")
-ex24.hint_review = ("leads: asks which count is the step's and what DP's averaging does to a piece; the factor, the "
-                    "masking and the empty case stay the learner's; reviewed 2026-12-06")
+ex24.hint2 = ("Pick one valid target in a sparse microbatch and one in a dense microbatch of another rank: with "
+              "what weight does each reach the gradient on one device, and with what weight under your pieces, "
+              "once each rank's M backwards have added up and DP has averaged the ranks? Make them agree. And "
+              "what should a piece with nothing to learn from contribute?")
+ex24.hint_review = ("leads: asks which count every share is divided by and what DP's averaging does to a piece, then "
+                    "to compare one target's weight with one device's (an invariant, not a sequence of steps); the "
+                    "denominator's scope, the factor, the masking and the empty case stay the learner's; reviewed "
+                    "2026-12-06")
 
 _IGNORED = 7.0    # what token_losses holds where the target is ignored (any value: it must not count)
 
@@ -424,48 +438,100 @@ def _step_loss_case(seed: int, d: int, M: int, b: int, S: int, empty=(), label: 
     def case(microbatch_losses):
         losses, valid = _step_inputs(seed, d, M, b, S, empty)
         what = f"microbatch_losses(token_losses [{d}, {M}, {b}, {S}], valid){label}"
-        got = microbatch_losses(losses.clone(), valid.clone())
+        # run next to the learner's code on token_losses that require grad: what comes back is data,
+        # the values and, for each [r, m], the gradient its backward sends to token_losses
+        ran = kernel_side(microbatch_losses, _step_loss_run, losses.clone(), valid.clone())
+        if not (isinstance(ran, tuple) and len(ran) == 2):
+            raise CheckFailure(f"the check's kernel-side code returned {type(ran).__name__}, not (result, gradients)")
+        got, jac = ran
         if isinstance(got, (list, tuple)):
-            try:
-                got = torch.as_tensor(got, dtype=torch.float64)
-            except (TypeError, ValueError, RuntimeError):
-                raise CheckFailure(f"{what}: expected a tensor of shape ({d}, {M}), got {_shown(got)}") from None
+            raise CheckFailure(f"{what}: expected a tensor of shape [d, M] = [{d}, {M}], got a "
+                               f"{type(got).__name__}: the backward needs a tensor computed from token_losses")
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != (d, M):
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else _shown(got)
-            raise CheckFailure(f"{what}: expected a tensor of shape (d, M) = ({d}, {M}), one loss per rank and "
+            shape = f"shape {list(got.shape)}" if isinstance(got, torch.Tensor) else _shown(got)
+            raise CheckFailure(f"{what}: expected a tensor of shape [d, M] = [{d}, {M}], one loss per rank and "
                                f"microbatch, got {shape}")
         got = got.detach().double()
         shares = _shares(losses, valid)
         n_piece = valid.sum((2, 3)).tolist()
         n_rank = valid.sum((1, 2, 3)).tolist()
+        N = int(valid.sum())
 
         def same(a, w):
             return torch.equal(torch.isfinite(a), torch.isfinite(w)) and torch.allclose(
                 a[torch.isfinite(a)], w[torch.isfinite(w)], rtol=1e-6, atol=1e-9)
-        if same(got, shares["right"]):
-            return
-        named = next((k for k, w in shares.items()
-                      if k != "right" and bool(torch.isfinite(w).any()) and same(got, w)), None)
-        bad = ~torch.isfinite(got)
-        if named is None and bool(bad.any()):
-            r, m = (int(i) for i in bad.nonzero()[0])
-            empty_here = n_piece[r][m] == 0
-            raise CheckFailure(f"{what}: the loss of rank {r}'s microbatch {m} is {float(got[r, m])}"
-                               + (" and that piece has no valid target: 0/0. A piece with nothing to learn from "
-                                  "must add nothing (and a step with no valid target at all must give zero "
-                                  "gradients, never NaN)" if empty_here else ""))
-        if named is not None:
-            nan_note = (" (and it gives NaN where a piece or a rank has no valid target: 0/0)"
-                        if bool(bad.any()) else "")
-            raise CheckFailure(f"{what}: {_why(named, d, M, n_piece, n_rank)}{nan_note}")
-        N = int(valid.sum())
-        step = float(got.sum() / d)
-        want = float((losses * valid).sum() / N) if N else 0.0
-        raise CheckFailure(f"{what}: the d={d} ranks' average of your accumulated losses is {step:.6g}, but one "
-                           f"device's loss (the mean over the step's {N} valid targets) is {want:.6g}; the pieces "
-                           f"differ from the expected ones by up to "
-                           f"{float((got - shares['right']).abs().max()):.3g}")
+        if not same(got, shares["right"]):
+            _wrong_values(what, got, shares, same, d, M, N, n_piece, n_rank, losses, valid)
+        _judge_gradient(what, jac, valid, d, M, N)
     return case
+
+
+def _wrong_values(what, got, shares, same, d, M, N, n_piece, n_rank, losses, valid):
+    """Raise the CheckFailure that names why the values ``got`` [d, M] are not the expected ones."""
+    named = next((k for k, w in shares.items()
+                  if k != "right" and bool(torch.isfinite(w).any()) and same(got, w)), None)
+    bad = ~torch.isfinite(got)
+    if named is None and bool(bad.any()):
+        if N == 0:   # the whole step is empty: name NaN, not a piece (nor any input of a hidden case)
+            raise CheckFailure(f"{what}: returned NaN when the step has no valid target (0/0 with a count of 0). "
+                               f"A step with nothing to learn from must not put NaN into the gradients")
+        r, m = (int(i) for i in bad.nonzero()[0])
+        empty_here = n_piece[r][m] == 0
+        raise CheckFailure(f"{what}: the loss of rank {r}'s microbatch {m} is {float(got[r, m])}"
+                           + (" and that piece has no valid target: 0/0. A piece with nothing to learn from "
+                              "must add nothing (and a step with no valid target at all must not give NaN "
+                              "either)" if empty_here else ""))
+    if named is not None:
+        nan_note = (" (and it gives NaN where a piece or a rank has no valid target: 0/0)"
+                    if bool(bad.any()) else "")
+        raise CheckFailure(f"{what}: {_why(named, d, M, n_piece, n_rank)}{nan_note}")
+    step = float(got.sum() / d)
+    want = float((losses * valid).sum() / N) if N else 0.0
+    raise CheckFailure(f"{what}: the d={d} ranks' average of your accumulated losses is {step:.6g}, but one "
+                       f"device's loss (the mean over the step's {N} valid targets) is {want:.6g}; the pieces "
+                       f"differ from the expected ones by up to {float((got - shares['right']).abs().max()):.3g}")
+
+
+def _judge_gradient(what, jac, valid, d, M, N):
+    """The values are right: judge the gradient each [r, m] sends to token_losses ([d, M, d, M, b, S]
+    from the kernel side, or None when the returned tensor does not require grad)."""
+    no_grad = (f"{what}: your losses carry no gradient: the values are right, but nothing flows back from them "
+               f"to token_losses (which requires grad here), so the M backwards would leave .grad untouched. "
+               f"float(), .item(), .tolist(), .detach() or torch.tensor(...) of a value cuts the graph: "
+               f"compute the losses from token_losses with tensor operations")
+    if jac is None:
+        if N:
+            raise CheckFailure(no_grad)
+        return   # nothing to learn from: no gradient is the right gradient
+    if not isinstance(jac, torch.Tensor) or tuple(jac.shape) != (d, M, *valid.shape):
+        raise CheckFailure(f"the check's kernel-side code returned gradients of {_shown(jac)}, not [d, M, d, M, b, S]")
+    jac = jac.double()
+    if not bool(torch.isfinite(jac).all()):
+        raise CheckFailure(f"{what}: the values are right, but the gradient that flows back to token_losses holds "
+                           f"NaN or inf" + (" when the step has no valid target" if N == 0 else "")
+                           + ": a branch that is not taken (torch.where) or a value multiplied by 0 still "
+                             "passes its 0/0 or inf into the backward")
+    own = torch.zeros_like(jac, dtype=torch.bool)
+    for r in range(d):
+        for m in range(M):
+            own[r, m, r, m] = True
+    if N and not bool(jac.ne(0).any()):
+        raise CheckFailure(no_grad)
+    if bool(jac[~own].ne(0).any()):
+        r, m, r2, m2 = (int(i) for i in jac.ne(0).logical_and(~own).nonzero()[0][:4])
+        raise CheckFailure(f"{what}: the loss of rank {r}'s microbatch {m} sends gradient to the tokens of rank "
+                           f"{r2}'s microbatch {m2}: each microbatch's backward runs through its own tokens only")
+    mask = valid.unsqueeze(0).unsqueeze(0).expand_as(jac) & own
+    if bool(jac[own & ~mask].ne(0).any()):
+        raise CheckFailure(f"{what}: the values are right, but gradient flows into ignored positions of "
+                           f"token_losses: an ignored target must not reach the gradient at all")
+    want = d / N if N else 0.0
+    off = (jac[mask] - want).abs()
+    if off.numel() and float(off.max()) > 1e-9 + 1e-6 * want:
+        got_w = float(jac[mask][int(off.argmax())])
+        raise CheckFailure(f"{what}: the values are right, but the gradient that flows back is not theirs: a valid "
+                           f"target's loss gets weight {got_w:.6g} in the backward, where the values you return "
+                           f"weigh it differently; return losses whose graph is the computation of their values")
 
 
 ex24.case("d=2, M=3: uneven valid targets")(_step_loss_case(241, 2, 3, 2, 8))
@@ -475,7 +541,7 @@ ex24.case("d=2, M=4: one rank with no valid target")(
     _step_loss_case(243, 2, 4, 2, 6, empty=[(1, None)], label=" with rank 1 empty"))
 ex24.case("d=1, M=1 is one device's mean")(_step_loss_case(244, 1, 1, 4, 8))
 ex24.case("d=4, M=2, pieces of one sequence", hidden=True)(_step_loss_case(245, 4, 2, 1, 16, empty=[(1, 0)]))
-ex24.case("no valid target in the whole step: zeros, never NaN", hidden=True)(
+ex24.case("no valid target in the whole step", hidden=True)(
     _step_loss_case(246, 2, 2, 2, 4, empty=[(0, None), (1, None)], label=" with every target ignored"))
 
 

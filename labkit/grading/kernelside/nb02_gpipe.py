@@ -78,3 +78,24 @@ def _accumulate_run(accumulate_microbatches, M: int, steps: int, seed: int):
     calls: list = []
     grads, params = _sgd_run(lambda model, x, y: accumulate_microbatches(model, x, y, M), steps, seed, calls)
     return grads, params, calls
+
+
+def _step_loss_run(microbatch_losses, token_losses, valid):
+    """Kernel side of exercise 2.4: the learner's ``microbatch_losses`` on ``token_losses`` that require
+    grad, as data: ``(returned, jacobian)``. ``returned`` is what the function returned (a tensor
+    detached, anything else as it is); ``jacobian`` [d, M, *token_losses.shape] holds, for each
+    returned ``[r, m]``, the gradient that its backward sends to ``token_losses`` (zeros where
+    nothing flows), or None when the return is not a [d, M] tensor that requires grad."""
+    x = token_losses.clone().requires_grad_(True)
+    got = microbatch_losses(x, valid.clone())
+    d, M = token_losses.shape[:2]
+    if not isinstance(got, torch.Tensor):
+        return got, None
+    if tuple(got.shape) != (d, M) or not got.requires_grad:
+        return got.detach(), None
+    rows = []
+    for r in range(d):
+        for m in range(M):
+            (g,) = torch.autograd.grad(got[r, m], x, retain_graph=True, allow_unused=True)
+            rows.append(torch.zeros_like(x) if g is None else g.detach())
+    return got.detach(), torch.stack(rows).reshape(d, M, *x.shape)
