@@ -339,7 +339,7 @@ _SMALLEST_TP = lambda tp: (tp[0] * tp[1], -tp[0])  # noqa: E731
     (choose_ignores_memory, "GB: it does not fit"),
     (_choose_by(_SMALLEST_TP, fits=lambda t, p, g, n, need, mem: n % (t * p) == 0 and need <= mem),
      "GPUs per node breaks rule 1: TP stays inside a node"),
-    (_choose_by(_SMALLEST_TP, d_of=lambda n, t, p: n // t), "not the 12 GPUs there are"),
+    (_choose_by(_SMALLEST_TP, d_of=lambda n, t, p: n // t), "(t*p*d = 2048, not the 1024 GPUs there are)"),
     (_choose_by(lambda tp: (-tp[0] * tp[1], -tp[0])), "is larger than needed: rule 2"),
 ])
 def test_every_rule_a_wrong_choice_breaks_is_named(wrong, contains):
