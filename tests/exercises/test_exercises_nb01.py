@@ -99,3 +99,9 @@ def test_one_slot_too_many_is_named():
     """Issue 36's audit: every named mistake of 1.1 has a wrong answer that triggers it."""
     assert_public_case_fails("1.1", _checked(lambda K, M: (K - 1) / (M + K)), "K=4, M=8",
                              contains="one slot too many in the step")
+
+
+def test_no_check_of_the_inputs_fails_the_case_named_after_it():
+    """Issue 36's audit: 1.1's case named after the mistake (rejects M=0) has a wrong answer that triggers it."""
+    assert_public_case_fails("1.1", lambda K, M: (K - 1) / (M + K - 1), "rejects M=0 with ValueError",
+                             contains="expected ValueError")

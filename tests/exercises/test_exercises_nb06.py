@@ -171,3 +171,12 @@ def test_row_parallel_mistakes_are_named(wrong, contains):
 def test_row_parallel_right_answer_passes_the_public_cases():
     res = evaluate("6.4", row_parallel, stop_at_first_failure=True)
     assert all(c.status == "passed" for c in res.cases if not c.hidden), res.message
+
+
+def test_a_t_that_does_not_divide_F_must_raise():
+    """Issue 36's audit: the case named after the mistake (t=3 does not divide F=16) has a wrong answer that
+    triggers it: w = F // t silently drops the last columns."""
+    def no_check(X, A, B, t):
+        w = A.shape[1] // t
+        return [gelu(X @ A[:, i * w:(i + 1) * w]) @ B[i * w:(i + 1) * w, :] for i in range(t)]
+    assert_public_case_fails("6.1", no_check, "t=3 does not divide F=16", contains="expected ValueError")

@@ -176,3 +176,10 @@ def test_combination_learner_round_mistakes_are_named(wrong, case, contains):
 def test_every_named_mistake_is_triggered(ex, wrong, contains):
     """Issue 36's audit: each named mistake of 12.1 and 12.2 has a wrong answer whose line names it."""
     assert_check_fails(ex, wrong, contains=contains)
+
+
+def test_the_best_single_expert_fails_the_case_named_after_it():
+    """Issue 36's audit: 12.2's case named after the mistake (the best PAIR wins) is the one a group scored by
+    its single best expert fails first."""
+    assert_public_case_fails("12.2", group_by_max, "one token, 4 groups of 2, keep 1 group: the best PAIR wins",
+                             contains="groups ranked by their single best expert")
