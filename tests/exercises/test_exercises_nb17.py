@@ -148,6 +148,10 @@ def test_mesh_mistakes_are_named(wrong, case, contains):
     (lambda shapes, d, rank: -(-sum(math.prod(s) for s in shapes) // d), "d = 3", "notebook 15's ZeRO-3"),
     (lambda shapes, d, rank: sum(-(-s[0] // d) * math.prod(s[1:]) for s in shapes), "d = 3", "padded size"),
     (lambda shapes, d, rank: sum(s[0] // d * math.prod(s[1:]) for s in shapes), "d = 3", "rows left over"),
+    # a learner's sum(numel) // d (rounded down): the flat buffer too, named (it once read only "got 1093 elements")
+    (lambda shapes, d, rank: sum(math.prod(s) for s in shapes) // d, "d = 3", "notebook 15's ZeRO-3"),
+    # a count that is none of the named mistakes still says where to look
+    (lambda shapes, d, rank: 7, "shapes that d = 2 divides", "one parameter at a time"),
 ])
 def test_fsdp_mistakes_are_named(wrong, case, contains):
     assert_public_case_fails("17.4", wrong, case, contains=contains)

@@ -278,15 +278,17 @@ def _fsdp_case(shapes, d, what):
                 raise CheckFailure(f"{what}: expected an int (elements), got {_shown(got)}")
             want = _local_numel(shapes, d, rank)
             if got != want:
-                flat = -(-sum(math.prod(s) for s in shapes) // d)
+                n = sum(math.prod(s) for s in shapes)
+                flat = {-(-n // d), n // d}  # rounded up or down: either way one flat buffer
                 padded = sum(-(-s[0] // d) * math.prod(s[1:]) for s in shapes)
                 floor = sum(s[0] // d * math.prod(s[1:]) for s in shapes)
                 why = (" (one flat buffer split in d equal parts: that is notebook 15's ZeRO-3; FSDP2 shards each "
-                       "parameter on its own)" if got == flat else
+                       "parameter on its own)" if got in flat else
                        " (ceil(n/d) rows of every parameter: that is the padded size every rank sends in the "
                        "all-gather, not what the last ranks hold)" if got == padded else
                        " (n // d rows of each parameter: the rows left over must live on some rank)"
-                       if got == floor else "")
+                       if got == floor else
+                       " (compare one parameter at a time: for which of them does your count for this rank differ?)")
                 raise CheckFailure(f"{what}: rank {rank} of d={d}: got {got} elements{why}")
     return case
 
