@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from .sheet import FORMULA_START, inert  # noqa: F401 - batch.inert, as the gradebook's docs name it
+
 __all__ = ["grade_batch", "input_problem", "gradebook_rows", "safe_name", "inert", "zero_reason"]
 
 
@@ -87,19 +89,6 @@ def _result_names(paths: list[Path]) -> list[str]:
         seen.add(name.lower())
         names.append(name)
     return names
-
-
-# a text cell a spreadsheet would read as a formula (OWASP, CSV injection): it starts with one of these
-FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-
-
-def inert(text: str) -> str:
-    """``text`` as a gradebook cell no spreadsheet evaluates: a leading ``=``, ``+``, ``-``, ``@``,
-    tab or carriage return (OWASP's CSV-injection guidance) gets a ``'`` in front, which the
-    spreadsheet shows as text; line breaks become spaces. Numbers are written by the gradebook
-    itself and never pass through here."""
-    text = str(text).replace("\r\n", " ").replace("\n", " ")
-    return "'" + text if text.startswith(FORMULA_START) else text
 
 
 def zero_reason(obj: dict) -> str:

@@ -58,7 +58,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -68,20 +67,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cliparse import Parser
-from .registry import HIDDEN_ENV, Exercise, exercises_for_notebook, get_exercise
+from .registry import HIDDEN_ENV, Exercise, exercises_for_notebook
+from .which import _nbformat, _notebook_names  # noqa: F401 - grader._notebook_names is their home in the docs
 
 __all__ = ["grade_notebook", "grade_paths", "results_json", "validate_results", "format_table", "main",
            "ExerciseGrade", "CaseGrade", "NotebookGrade", "write_results"]
-
-def _nbformat():
-    """nbformat, imported without jsonschema's optional IRI format checker: ``rfc3987_syntax``
-    compiles about forty lark grammars when imported (some 2 s of CPU, a large share of grading
-    a small notebook), and the notebook schema uses no IRI format."""
-    sys.modules.setdefault("rfc3987_syntax", None)  # jsonschema then skips that checker (ImportError)
-    import nbformat
-
-    return nbformat
-
 
 DEFAULT_CELL_TIMEOUT = 300  # seconds one cell may run under the grader
 MAX_RESTARTS = 3  # fresh kernels after a cell killed one or ran past the limit
@@ -125,36 +115,6 @@ class NotebookGrade:
     exercises: list[ExerciseGrade] = field(default_factory=list)
     isolation: str = ""
     graded: bool = True  # False: the grader could not run the notebook (its exercises score zero)
-
-
-_CHECK_CALL = re.compile(r"""\bcheck\(\s*(?P<q>["'])(?P<id>[^"'\n]+)(?P=q)""")
-
-
-def _notebook_names(nb, path: Path) -> list[str]:
-    """The notebook(s) whose exercises ``nb`` is graded on.
-
-    ``metadata.labkit.notebook`` (written by ``build``); else the file's stem when exercises are
-    registered for it; else the notebooks of the exercise ids in ``check("N.k", ...)`` calls
-    found in the code cells' sources (a static scan: a renamed copy whose metadata was lost is
-    still graded on every exercise of its notebook, whatever ran). Empty when nothing matches.
-    """
-    name = nb.metadata.get("labkit", {}).get("notebook")
-    if name:
-        return [name]
-    if exercises_for_notebook(path.stem):
-        return [path.stem]
-    names: list[str] = []
-    for cell in nb.cells:
-        if cell.get("cell_type") != "code":
-            continue
-        for m in _CHECK_CALL.finditer(cell.get("source", "")):
-            try:
-                ex = get_exercise(m.group("id"))
-            except KeyError:
-                continue
-            if ex.notebook not in names:
-                names.append(ex.notebook)
-    return names
 
 
 def _first(text: str, limit: int = 200) -> str:

@@ -468,7 +468,7 @@ def _cells(row: Row) -> list[str]:
 
 def write_report(rows: list[Row], folder) -> tuple[Path, Path]:
     """``integrity.csv`` and ``integrity.html`` in ``folder``; their paths."""
-    from .batch import inert
+    from .sheet import inert
 
     folder = Path(folder)
     csv_path, html_path = folder / "integrity.csv", folder / "integrity.html"
@@ -518,9 +518,9 @@ def format_report(rows: list[Row]) -> str:
 def for_submissions(paths, assignment: str | None = None, names=None) -> list[Row]:
     """Rows for submission files ``paths`` (named ``names``, default their file names): each is
     read as ``assignment``, else as the notebook its metadata, file name or checks name
-    (:func:`labkit.grading.grader._notebook_names`); submissions of the same notebook are
+    (:func:`labkit.grading.which._notebook_names`); submissions of the same notebook are
     compared with each other. Sorted by suspicion. A file that is not a notebook is skipped."""
-    from .grader import _nbformat, _notebook_names
+    from .which import _nbformat, _notebook_names
 
     names = list(names) if names is not None else [Path(p).name for p in paths]
     groups: dict[str, list] = {}

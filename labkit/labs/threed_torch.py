@@ -52,7 +52,7 @@ def torch_bad_args(a) -> str | None:
     """The first rule ``--impl torch`` adds (:func:`labkit.parallel.torch_native.check_torch_layout`),
     as one line; None if the layout runs."""
     from ..parallel.torch_native import check_torch_layout
-    from .threed import _config, _v
+    from .threed_setup import _config, _v
     try:
         check_torch_layout(_config(a), a.tp, a.pp, a.dp, _v(a), a.microbatches, a.batch, a.schedule, zero=a.zero,
                            hsdp=a.hsdp, sequence_parallel=a.sp, seq_len=a.seq, cp=a.cp, recompute=a.recompute,
@@ -65,7 +65,7 @@ def torch_bad_args(a) -> str | None:
 def torch_worker(ctx, a, corpus) -> TorchRankResult:
     """One rank of the torch-native training (Adam, ``a.lr``), checked by the labs' Lockstep."""
     from ..parallel.torch_native import TorchCommLog, TorchNativeGPT, build_mesh
-    from .threed import _batch, _loss, _model, _v
+    from .threed_setup import _batch, _loss, _model, _v
     from .verdict import Piece
 
     torch.manual_seed(a.seed)
@@ -163,7 +163,7 @@ def _expected_torch(a, pp_rank, planner: dict) -> dict:
     ``pp_rank`` per step where it differs from the planner's (labkit's) formula (``planner``: that rank's
     ``{axis: {kind: (count, bytes)}}``), each with the reason; lines absent here should equal the planner."""
     from ..pipeline.stages import stage_layers
-    from .threed import _v
+    from .threed_setup import _v
     v, M, t, d = _v(a), a.microbatches, a.tp, a.dp
     n = a.pp * v
     stages = [s for s in range(n) if s % a.pp == pp_rank]
