@@ -173,12 +173,10 @@ def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, star
     status = "ok"
     try:
         _die_with_parent(parent_pid)
-        # the parent handles Ctrl-C and a closed terminal (both reach the whole group; it stops every worker
-        # and says why: a worker killed by the group's SIGHUP first was reported as a failed rank, exit 1);
-        # SIGTERM kills a worker at once; a worker whose parent died dies with it (PDEATHSIG above)
+        # the parent handles Ctrl-C (it stops every worker); SIGTERM kills a worker at once
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a closed terminal: as SIGTERM
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by the parent across the fork
         if err_fd is not None:  # stderr goes through the parent, which keeps its last lines
             try:
