@@ -880,12 +880,12 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
-        from .session import isolation_problem
-        problem = isolation_problem(limits)
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
+    from .session import isolation_problem, place_problem
+    # the self-check: /proc and what else the grader needs; the kernel's uid starts Python and the kit in its jail
+    problem = place_problem() or ("" if a.allow_partial_isolation else isolation_problem(limits))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if a.assignment is None:
         print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
