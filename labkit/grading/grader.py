@@ -832,7 +832,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = [os.path.join(".", x) if x.startswith("-") and x.endswith(".ipynb") and os.path.isfile(x) else x
             for x in argv]
     a = p.parse_args(argv)
-    bad = _hidden_env_problem()   # before anything loads the exercises (and with them the hidden cases)
+    from .session import isolation_problem, place_problem
+    # before anything loads the exercises (and with them the hidden cases, and torch): /proc and what else it needs
+    bad = place_problem() or _hidden_env_problem()
     if bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2
@@ -880,9 +882,8 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    from .session import isolation_problem, place_problem
-    # the self-check: /proc and what else the grader needs; the kernel's uid starts Python and the kit in its jail
-    problem = place_problem() or ("" if a.allow_partial_isolation else isolation_problem(limits))
+    if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
+        problem = isolation_problem(limits)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

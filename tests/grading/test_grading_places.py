@@ -9,6 +9,14 @@ install under /tmp graded 0 ("No module named 'labkit'": the private /tmp hid th
 kernel's uid cannot import the kit (the kit's folder mode 700), the self-check at start stops
 the grader before grading with one line naming the cause and the fix (exit 2).
 
+A plain chroot (the grader installed under its /var/tmp, entered with ``chroot`` as root): full
+marks and full isolation where its folder is a mount point and /proc is mounted; a refusal
+naming cause and fix without /proc or where its folder is a plain folder. A Docker-like
+container (root without CAP_SYS_ADMIN, Docker's default capability set, by ``setpriv``): a
+refusal, and with ``--allow-partial-isolation`` full marks from a kernel that is not root under
+an output that says what it lacks. Each case checks that nothing is left: TMPDIR, /tmp and
+/var/tmp, processes, mounts.
+
 The venv is tiny: ``python -m venv --without-pip`` plus a ``.pth`` naming this environment's
 site-packages for torch and the other dependencies (their own ``.pth`` files, this checkout's
 editable hook among them, are not read from there), so each place costs about a second to set up.
@@ -54,24 +62,23 @@ def _install(base: Path, editable: bool) -> Path:
     return py
 
 
-def _grade(py: Path, tmpdir: Path, *extra: str) -> subprocess.CompletedProcess:
+def _grade(py: Path, tmpdir: Path, *extra: str, folder: str = "solutions") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "COV"))}
     env.update(TMPDIR=str(tmpdir), OMP_NUM_THREADS="1")
-    nb = py.parents[2] / "solutions" / "01_pipeline_bubble.ipynb"
+    nb = py.parents[2] / folder / "01_pipeline_bubble.ipynb"
     return subprocess.run([str(py), "-m", "labkit", "grade", str(nb), "--assignment", "01_pipeline_bubble",
                            "--cell-timeout", "120", *NO_POLICY, *extra], capture_output=True, text=True, env=env,
                           cwd=str(py.parents[2]), timeout=400)
 
 
-PLACES = [  # (install folder, editable, TMPDIR mode)
+PLACES = [  # (install folder, editable, TMPDIR mode); an install under /var/tmp, not editable, with TMPDIR of
+    # mode 700 in /var/tmp: the chroot's case below
     ("/tmp/labkit place test {}", True, 0o755),
-    ("/var/tmp/labkit-place-test-{}", False, 0o700),
     ("/dev/shm/labkit place test {}", True, 0o700),
 ]
 
 
-@pytest.mark.parametrize("where, editable, mode", PLACES,
-                         ids=["tmp-space-editable", "vartmp-installed-tmpdir700", "devshm-space-tmpdir700"])
+@pytest.mark.parametrize("where, editable, mode", PLACES, ids=["tmp-space-editable", "devshm-space-tmpdir700"])
 def test_a_grader_installed_anywhere_gives_full_marks_with_full_isolation_and_leaves_nothing(where, editable, mode):
     base = Path(where.format(os.getpid()))
     tmpdir = base.parent / f"labkit-place-tmpdir-{os.getpid()}"
@@ -106,8 +113,10 @@ def test_a_kit_the_kernel_uid_cannot_read_stops_the_grader_before_grading(tmp_pa
         assert len(lines) == 1 and "cannot isolate" in lines[0] and "Fix:" in lines[0], proc.stderr
         assert "Traceback" not in proc.stderr and "points" not in proc.stdout  # stopped before grading
         assert sorted(os.listdir(tmpdir)) == [], "left in TMPDIR"
-        # control: the instructor may accept the weaker isolation, which the output then describes
-        proc = _grade(py, tmpdir, "--allow-partial-isolation")
+        # control: the instructor may accept the weaker isolation, which the output then describes (the
+        # learner notebook as shipped: graded without a kernel, so the control costs no kernel start)
+        proc = _grade(py, tmpdir, "--allow-partial-isolation", folder="notebooks")
+        assert proc.returncode == 0 and "total 0/4 points" in proc.stdout, proc.stdout + proc.stderr
         assert "isolation is partial" in proc.stdout and FULL not in proc.stdout, proc.stdout + proc.stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -116,10 +125,10 @@ def test_a_kit_the_kernel_uid_cannot_read_stops_the_grader_before_grading(tmp_pa
 # ---------------------------------------------------------------------------------------------- a plain chroot
 # One root folder, made once for the cases below: the host's /usr and /etc and this environment's Python
 # and site-packages bound read-only (so its /root is open: Python sits under /root/.pyenv here), the grader
-# installed (not editable) at /opt/labkit-grader-PID, and mode-1777 /tmp and /var/tmp. Each case enters it
-# from a mount namespace of its own (``unshare --mount``), so every mount made for it (the binds, /proc,
-# /dev, the folder bound on itself) ends with the case, whatever happens.
-INSIDE = f"/opt/labkit-grader-{os.getpid()}"
+# installed (not editable) under its /var/tmp in a path with a space, and mode-1777 /tmp and /var/tmp.
+# Each case enters it from a mount namespace of its own (``unshare --mount``), so every mount made for it
+# (the binds, /proc, /dev, the folder bound on itself) ends with the case, whatever happens.
+INSIDE = f"/var/tmp/labkit place {os.getpid()}"
 KERNEL_NOT_ROOT = "import os\nassert os.getuid() != 0 and os.geteuid() != 0, 'the kernel runs as root'\n"
 
 
@@ -174,7 +183,7 @@ def _in_chroot(root: Path, *extra: str, proc=True, mount_point=True, docker=Fals
                            capture_output=True, text=True, timeout=400, cwd="/")
     # nothing left: no file in TMPDIR or the root's /tmp and /var/tmp, no process, no mount
     assert os.listdir(tmpdir) == [] and os.listdir(root / "tmp") == [], "left in TMPDIR or /tmp"
-    assert os.listdir(root / "var" / "tmp") == ["td"], "left in /var/tmp"
+    assert sorted(os.listdir(root / "var" / "tmp")) == sorted(["td", os.path.basename(INSIDE)]), "left in /var/tmp"
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -220,3 +229,27 @@ def test_a_grader_in_a_docker_like_container_refuses_or_grades_with_an_honest_we
     assert proc.returncode == 0 and "total 4/4 points" in proc.stdout, proc.stdout + proc.stderr
     assert "isolation is partial: each kernel runs as a uid of its own" in proc.stdout, proc.stdout
     assert "references are NOT withheld" in proc.stdout and FULL not in proc.stdout, proc.stdout
+
+
+def test_the_bundles_run_side_refuses_as_the_grader_does(tmp_path, monkeypatch, capsys):
+    """``run_autograder`` checks the place (whatever the bundle allows) and then the isolation (unless the
+    bundle was built with --allow-partial-isolation), before anything of the submission runs; its fix names
+    the bundle's option. The checks themselves are proved in a chroot above."""
+    import json
+
+    from labkit.grading import autograder, session
+
+    (tmp_path / "source").mkdir()
+    (tmp_path / "submission").mkdir()
+    docker = ("cannot isolate the submissions' kernels: the grader runs as root without CAP_SYS_ADMIN. Fix: "
+              "--cap-add SYS_ADMIN; or pass --allow-partial-isolation to grade with the weaker isolation")
+    monkeypatch.setattr(session, "isolation_problem", lambda *a: docker)
+    for allow, place, words in ((False, "", "build the bundle with --allow-partial-isolation"),
+                                (True, "/proc is not mounted here. Fix: mount it", "/proc is not mounted")):
+        (tmp_path / "source" / autograder.CONFIG).write_text(json.dumps(
+            {"assignment": "01_pipeline_bubble", "allow_partial_isolation": allow}))
+        monkeypatch.setattr(session, "place_problem", lambda place=place: place)
+        assert autograder.run(tmp_path) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err
+        assert not (tmp_path / "results").exists()
