@@ -51,6 +51,7 @@ import hashlib
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -60,7 +61,7 @@ from .install import INSTALL_CELL, INSTALL_CELL_ID, install_cell, repository_pro
 
 __all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "reference_problems", "execute_notebook",
            "main", "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "install_cell", "configured_repository",
-           "set_repository", "project_urls_problem",
+           "set_repository", "project_urls_problem", "write_whole",
            "BuildError", "find_root", "PLOTTING_MODULES", "plot_code_fingerprint", "uses_plotting_code",
            "WIDGET_NOTE", "SOLUTION_ONLY_TAG"]
 
@@ -350,7 +351,7 @@ def build_all(root: Path) -> list[Path]:
             target = out_dir / sol.name
             text = build_text(sol, repository)
             if not target.exists() or target.read_text(encoding="utf-8") != text:
-                _write_whole(target, text.encode("utf-8"))
+                write_whole(target, text.encode("utf-8"))
             written.append(target)
         if out_dir != root / "notebooks":
             for extra in sorted(out_dir.glob("*.ipynb")):
@@ -359,12 +360,14 @@ def build_all(root: Path) -> list[Path]:
     return written
 
 
-def _write_whole(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` all or nothing (a temporary file beside it, renamed over it): a
-    Ctrl-C or a full disk leaves the old file or none, never half a notebook."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def write_whole(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` (file mode ``mode``) all or nothing (a new file beside it, renamed over
+    it): a Ctrl-C or a full disk leaves the old file or none, never half of it. OSError as the system says."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
     try:
-        tmp.write_bytes(data)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -587,7 +590,7 @@ def notebooks_main(argv: list[str] | None = None) -> int:
             continue
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            _write_whole(dst, src.read_bytes())
+            write_whole(dst, src.read_bytes())
         except OSError as e:
             print(f"error: cannot write {dst}: {e.strerror or e}" + (f" ({copied} copied before it)" if copied else ""),
                   file=sys.stderr)
