@@ -139,7 +139,7 @@ def _grade_in_kernel(ex: Exercise, session, deadline: float | None = None, secre
 
 def _merge(ex: Exercise, first, second):
     """One CheckResult of ``ex`` from the visible pass and the secret pass (None: it did not run)."""
-    from .runner import CaseResult, CheckResult, format_line
+    from .runner import CaseResult, result_of
 
     if second is None:
         second_cases = [CaseResult(c.name, c.hidden, "failed", "not run: the fresh kernel for the instructor's "
@@ -147,13 +147,7 @@ def _merge(ex: Exercise, first, second):
                         for c in ex.cases if c.secret]
     else:
         second_cases = list(second.cases)
-    cases = list(first.cases) + second_cases
-    passed = sum(c.status == "passed" for c in cases)
-    status = ("not_attempted" if any(c.status == "not_attempted" for c in cases) else
-              "passed" if passed == len(ex.cases) else "failed")
-    res = CheckResult(ex.id, status, passed, len(ex.cases), "", cases)
-    res.message = format_line(ex, res)
-    return res
+    return result_of(ex, list(first.cases) + second_cases, len(ex.cases))
 
 
 def _limit(cell_timeout: float, deadline: float) -> float:
