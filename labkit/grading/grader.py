@@ -309,8 +309,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     release(-1)
 
     def launch():
-        s = KernelSession(str(path.parent.resolve()), user, plots=any("matplotlib" in src for _, src in cells),
-                          kit=kit.path if kit is not None else None)
+        s = KernelSession(str(path.parent.resolve()), user, kit=kit.path if kit is not None else None)
         s.launch()
         return s
 

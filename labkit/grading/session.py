@@ -73,11 +73,6 @@ MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 # and the kit, so no cell's time limit pays for them
 WARM_UP = ("import sys\nsys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
            "import torch, labkit.grading.kernel")
-# for a submission that names matplotlib (none else can reach its rcParams: no computed import, no module
-# reached through another's attribute): pyplot's backend resolved now, so a backend named later in rcParams
-# ("module://name", computed) is never imported (matplotlib imports rcParams["backend"] when pyplot first
-# needs a backend). 0.4 s per kernel, so only where matplotlib is named
-PLOTS_WARM_UP = "\nimport matplotlib.pyplot\nmatplotlib.pyplot.switch_backend('Agg')\ndel matplotlib"
 PRIVATE_HOME = "/tmp/labkit-home"  # the kernel's HOME, inside its private /tmp (jail mode)
 
 
@@ -487,7 +482,7 @@ def _open_tmp() -> str | None:
 class KernelSession:
     """One learner kernel (see the module docstring). ``cwd``: its working directory."""
 
-    def __init__(self, cwd: str, user: KernelUser | None = None, plots: bool = True, kit: str | None = None):
+    def __init__(self, cwd: str, user: KernelUser | None = None, kit: str | None = None):
         self.lease = self.cgroup = None
         if user is not None and not user.userns:  # a uid of its own: no other kernel, of any grader, has it
             self.lease = UidLease()
@@ -500,7 +495,6 @@ class KernelSession:
         self.kc = None
         self.info = None
         self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
-        self.plots = plots  # the submission names matplotlib: PLOTS_WARM_UP too
         self.kit = kit  # the kit's folder the kernel imports (the grader's copy; jail mode with newroot only)
         self.sockets = None  # jail mode: the folder of the kernel's Unix sockets (its channels, the relay's)
         self.sockets_mounted = False  # as root that folder is a tmpfs of 1 MiB and 64 files (its uid may write it)
@@ -621,8 +615,7 @@ class KernelSession:
 
     def _warm_up(self, deadline: float, budget: bool) -> None:
         """Import torch and the kit before the first cell, so no cell's time limit pays for it."""
-        mid = self.kc.execute(WARM_UP + (PLOTS_WARM_UP if self.plots else ""), silent=True, store_history=False,
-                              allow_stdin=False)
+        mid = self.kc.execute(WARM_UP, silent=True, store_history=False, allow_stdin=False)
         while self.alive():
             left = deadline - time.monotonic()
             if left <= 0:
