@@ -7,7 +7,9 @@ submission could abuse (the threats and the tests that show each: ``docs/grading
   with :class:`~labkit.grading.contain.Limits`, started through :mod:`labkit.grading._jail` in
   private mount, IPC and network namespaces and a file system of its own (its HOME is
   :data:`PRIVATE_HOME` in a private /tmp; :func:`secret_paths` covered), in a cgroup of its own
-  under cgroup v2. :func:`isolation_problem` is the self-check at start; as any other user
+  under cgroup v2. Root without CAP_SYS_ADMIN (Docker's default): no namespaces; where the
+  installed kit is root-only, the kernel imports the grader's withheld copy
+  (:attr:`KernelUser.kit_private`). :func:`isolation_problem` is the self-check at start; as any other user
   isolation is partial and :func:`isolation_note` says what is left open.
 * **process tree**: a new session and a fresh ``LABKIT_KERNEL_MARK`` in its environment; at the
   end :meth:`KernelSession.kill` kills the group, the session, the marked processes and the
