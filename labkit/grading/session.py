@@ -169,11 +169,18 @@ def _find_kernel_user() -> KernelUser | None:
         user = KernelUser("a uid of its own", lease.uid, lease.gid, True)
         why = "unshare or mount is missing"
         if shutil.which("unshare") and shutil.which("mount"):
-            user.jail = True  # private /tmp, /dev/shm and IPC; the grader's files hidden
+            # private /tmp, /dev/shm and IPC, the grader's files hidden, and a file system of its own on the
+            # grader's copy of the kit (so the installed kit may be root-only, as the Gradescope bundle makes it)
+            user.jail = user.newroot = True
             ok, why = _probe(user)
             if ok:
-                _try_new_root(user)
                 return user
+            user.newroot = False
+            ok, why_jail = _probe(user)
+            if ok:
+                _NO_NEW_ROOT[:] = [why]
+                return user
+            why = why_jail
         user.jail = False
         ok, why2 = _probe(user)
         if not ok:  # the installed kit root-only: the kernel on the grader's copy, whose references are withheld
@@ -232,19 +239,21 @@ PROBE = ("import os, sys, ipykernel, labkit.grading.kernel\n"
 def _probe(user: KernelUser) -> tuple[bool, str]:
     """The self-check: can ``user`` start this environment's Python and import ipykernel and the
     kit, in the jail a kernel gets (the same :mod:`labkit.grading._jail` options: private
-    temporary folders, home, hidden secrets, its own /proc and root), and does it run as a
-    uid other than root when the grader is root? (ok, why not). Leaves nothing behind: its
-    staging folder is removed."""
+    temporary folders, home, hidden secrets, its own /proc and root, there on the grader's copy
+    of the kit, as a kernel gets it), and does it run as a uid other than root when the grader
+    is root? (ok, why not). Leaves nothing behind: its staging folder is removed."""
     stage = tempfile.mkdtemp(prefix="labkit-probe-", dir=_open_tmp() if user.kit_private else None)
     os.chmod(stage, 0o755)
     try:
-        options, extra, env_kit = [], [], {}
-        if user.kit_private:  # the grader's copy of the kit on PYTHONPATH; the installed kit must stay unreadable
-            import labkit
-
+        options, extra, env_kit, copy = [], [], {}, None
+        if user.kit_private or user.newroot:  # the grader's copy of the kit, as a kernel gets it
             from .withhold import build_kit
 
-            env_kit = {"PYTHONPATH": os.path.dirname(build_kit([], os.path.join(stage, "kit")).path)}
+            copy = build_kit([], os.path.join(stage, "kit")).path
+        if user.kit_private:  # the copy on PYTHONPATH; the installed kit must stay unreadable
+            import labkit
+
+            env_kit = {"PYTHONPATH": os.path.dirname(copy)}
             extra = [os.path.join(os.path.dirname(os.path.abspath(labkit.__file__)), "__init__.py")]
         if user.jail:
             options = [f"--tmp={2 ** 20}", f"--stage={stage}", f"--home={PRIVATE_HOME}",
@@ -252,7 +261,7 @@ def _probe(user: KernelUser) -> tuple[bool, str]:
             if not user.userns:
                 options.append("--hidepid=1")
         argv, kw = user.command([sys.executable, *_no_user_site(), "-c", PROBE, *extra], options=options,
-                                stage=stage if user.newroot else None)
+                                kit=copy, stage=stage if user.newroot else None)
         env = {**kernel_environment(), "HOME": PRIVATE_HOME if user.jail else stage, "TMPDIR": "/tmp", **env_kit}
         probe = subprocess.run(argv, cwd="/", stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                timeout=120, env=env, **kw)
