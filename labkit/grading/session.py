@@ -385,7 +385,6 @@ def isolation_problem(limits: Limits | None = None) -> str:
     import labkit
 
     kit = os.path.dirname(os.path.abspath(labkit.__file__))
-    where = ", ".join(dict.fromkeys([sys.prefix, kit]))
     partial = ("or pass --allow-partial-isolation to grade with the weaker isolation the output then describes "
                "(a uid of its own per kernel, no file system of its own; labkit's references are withheld only "
                f"where the installed kit's folder is readable by root only: chmod 700 {kit})")
@@ -405,8 +404,9 @@ def isolation_problem(limits: Limits | None = None) -> str:
     else:
         cause = f"no file system of its own for the kernel ({'; '.join(_NO_NEW_ROOT) or 'the probe failed'})"
     return (f"cannot isolate the submissions' kernels: {cause}. Fix: run the grader as root where "
-            f"`unshare --mount --ipc --net` works (a container needs CAP_SYS_ADMIN) and make Python and the kit "
-            f"({where}) readable by other users (chmod o+rX on them and their folders); {partial}")
+            f"`unshare --mount --ipc --net` works (a container needs CAP_SYS_ADMIN) and make Python and its "
+            f"packages ({sys.prefix}) readable by other users (chmod o+rX on them and their folders; the kit may stay "
+            f"root-only: a kernel imports the grader's copy); {partial}")
 
 
 def isolation_note(user: KernelUser | None) -> str:
