@@ -538,8 +538,10 @@ class KernelSession:
         # (8x on a loaded 2-core machine), and a batch grades several kernels at once
         env.setdefault("OMP_NUM_THREADS", "1")
         kw = {}
+        conn_inside = os.path.join(PRIVATE_HOME, "kernel.json")
+        argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside if private else conn,
+                "--HistoryManager.enabled=False"]
         if private:
-            conn_inside = os.path.join(PRIVATE_HOME, "kernel.json")
             env.update(HOME=PRIVATE_HOME, TMPDIR="/tmp", USER=self.user.name.replace(" ", "-"),
                        LOGNAME=self.user.name.replace(" ", "-"), IPYTHONDIR=os.path.join(PRIVATE_HOME, "ipython"),
                        MPLCONFIGDIR=os.path.join(PRIVATE_HOME, "mpl"))
@@ -554,27 +556,18 @@ class KernelSession:
                     options.insert(0, f"--cgroup={self.cgroup.path}")
                 except OSError:
                     self.cgroup = None  # no delegation here: the uid alone contains the kernel
-            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside,
-                    "--HistoryManager.enabled=False"]
             argv, kw = self.user.command(argv, sockets, options, kit=self.kit, stage=self.dir)
             self.cwd = "/"
-        elif self.user is not None:
+        else:  # IPython's startup files and matplotlib's rc of this kernel alone
             for sub in ("tmp", "ipython", "mpl"):
                 os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
-            for root, dirs, files in os.walk(self.dir):
-                for name in [root] + [os.path.join(root, n) for n in dirs + files]:
-                    os.chown(name, self.user.uid, self.user.gid)
-            env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
-                       LOGNAME=self.user.name, IPYTHONDIR=os.path.join(self.dir, "ipython"),
-                       MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-        if self.user is None:  # the grader's user: IPython's startup files and matplotlib's rc of this kernel alone
-            for sub in ("ipython", "mpl"):
-                os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
             env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-        if not private:
-            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn,
-                    "--HistoryManager.enabled=False"]
-            if self.user is not None:
+            if self.user is not None:  # a uid of its own without namespaces: its folder is its home
+                for root, dirs, files in os.walk(self.dir):
+                    for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+                        os.chown(name, self.user.uid, self.user.gid)
+                env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
+                           LOGNAME=self.user.name)
                 argv, kw = self.user.command(argv, self.cwd)
         _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
         kw.setdefault("preexec_fn", _pdeathsig)
