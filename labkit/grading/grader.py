@@ -768,7 +768,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = [os.path.join(".", x) if x.startswith("-") and x.endswith(".ipynb") and os.path.isfile(x) else x
             for x in argv]
     a = p.parse_args(argv)
-    bad = _hidden_env_problem()   # before anything loads the exercises (and with them the hidden cases)
+    from .session import isolation_problem, place_problem
+    # before anything loads the exercises (and with them the hidden cases, and torch): /proc and what else it needs
+    bad = place_problem() or _hidden_env_problem()
     if bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2
@@ -813,11 +815,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
     if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
-        from .session import isolation_problem
         problem = isolation_problem(limits)
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if a.assignment is None:
         print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)

@@ -25,8 +25,9 @@ import os
 __all__ = ["reaching", "callers_of", "callees_in_module"]
 
 
+@functools.lru_cache(maxsize=1)
 def _module_files() -> dict[str, str]:
-    """{"labkit.x.y": path} of the installed kit, ``labkit.grading`` left out."""
+    """{"labkit.x.y": path} of the installed kit, ``labkit.grading`` left out (walked once: callers only read it)."""
     import labkit
 
     top = os.path.dirname(os.path.abspath(labkit.__file__))
@@ -52,11 +53,18 @@ def _absolute(mod: str, is_package: bool, level: int, name: str | None) -> str:
     return ".".join(base + ([name] if name else []))
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: str) -> ast.Module:
+    """The parsed source of the kit's file ``path``, read once per process: working out what to withhold
+    asks for the same modules hundreds of times. Shared: callers only read it."""
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read())
+
+
 def _edges_of(mod: str, path: str, modules: set[str]) -> dict[str, set[str]]:
     """{node: referenced nodes} of one module."""
     try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
+        tree = _tree(path)
     except (OSError, SyntaxError, ValueError):
         return {}
     is_package = path.endswith("__init__.py")

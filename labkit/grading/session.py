@@ -38,7 +38,7 @@ from .kernel import GRADING_ENV
 from .proxy import CaseTimeout, KernelFailure, request_kernel
 from .registry import HIDDEN_ENV
 
-__all__ = ["KernelUser", "kernel_user", "isolation_problem",
+__all__ = ["KernelUser", "kernel_user", "isolation_problem", "place_problem",
            "KernelSession", "KernelStartTimeout", "KernelStartError", "isolation_note",
            "INTERRUPT_GRACE"]
 
@@ -289,13 +289,59 @@ def secret_files() -> list[str]:
     return out
 
 
+def place_problem() -> str:
+    """What this machine lacks for the grader to run and clean up at all ("" when nothing): a
+    mounted /proc (every process a submission starts is found, killed and reaped through it),
+    /dev/null and a temporary folder. One line with the cause and the fix; checked before the
+    isolation self-check and not waived by ``--allow-partial-isolation`` (without /proc nothing
+    the kernel starts could be found again)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return ("/proc is not mounted here (a chroot or container without it?): the grader finds, kills and reaps "
+                "every process a submission starts through /proc. Fix: mount it before grading "
+                "(mount -t proc proc /proc, or from outside a chroot: mount -t proc proc DIR/proc)")
+    if not os.path.exists("/dev/null"):
+        return ("/dev/null is missing here (a chroot without /dev?). Fix: mount /dev before grading "
+                "(from outside a chroot: mount --rbind /dev DIR/dev)")
+    try:
+        tempfile.gettempdir()
+    except (OSError, FileNotFoundError) as e:
+        return (f"no usable temporary folder ({e}). Fix: create /tmp (mode 1777) or set TMPDIR to a folder "
+                f"root may write")
+    return ""
+
+
+_CAP_SYS_ADMIN = 21
+
+
+def _capable(cap: int) -> bool:
+    """Whether this process's effective capabilities hold ``cap`` (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as f:
+            eff = next(int(l.split()[1], 16) for l in f if l.startswith("CapEff:"))
+        return bool(eff >> cap & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return True
+
+
+def _root_is_a_mount_point() -> bool:
+    """Whether ``/`` is a mount point (not so in a chroot made in a plain folder): only then can a
+    new mount namespace make its mounts private (``unshare --propagation private``)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(l.split()[4] == "/" for l in f if len(l.split()) > 4)
+    except OSError:
+        return True
+
+
 def isolation_problem(limits: Limits | None = None) -> str:
     """The self-check a grader runs before grading ("" when it passed): as root, a kernel must run
     as a uid of its own in a jail with a file system of its own (:func:`kernel_user` proved,
     with a probe in exactly that jail, that this uid starts Python and imports the kit), else
     this returns one line naming the cause and the fix, and the grader stops (exit 2) rather
     than run a submission as root or claim isolation it lacks. A non-root grader is never
-    refused: :func:`isolation_note` says what its partial isolation leaves open."""
+    refused: :func:`isolation_note` says what its partial isolation leaves open. Causes named:
+    no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
+    folder is not a mount point, Python or the kit unreadable by other uids."""
     if os.geteuid() != 0:
         return ""
     user = kernel_user(limits)
@@ -304,6 +350,18 @@ def isolation_problem(limits: Limits | None = None) -> str:
     import labkit
 
     where = ", ".join(dict.fromkeys([sys.prefix, os.path.dirname(os.path.abspath(labkit.__file__))]))
+    partial = ("or pass --allow-partial-isolation to grade with the weaker isolation the output then describes "
+               "(a uid of its own per kernel where Python and the kit are readable by other users, but no file "
+               "system of its own: labkit's references are not withheld)")
+    if not _capable(_CAP_SYS_ADMIN):
+        return ("cannot isolate the submissions' kernels: the grader runs as root without CAP_SYS_ADMIN (the default "
+                "of a Docker container), so it can make no private mount namespace for them. Fix: run the container "
+                "with --cap-add SYS_ADMIN and a seccomp profile that allows unshare and mount (e.g. --security-opt "
+                f"seccomp=unconfined); {partial}")
+    if not _root_is_a_mount_point():
+        return ("cannot isolate the submissions' kernels: / is not a mount point (a chroot made in a plain folder), "
+                "so the kernels' mounts could not be kept private to them. Fix: make the chroot's folder a mount "
+                f"point before entering it (mount --bind DIR DIR); {partial}")
     if user is None:
         cause = "; ".join(_UNUSABLE) or "no unprivileged uid could run the kernel"
     elif not user.jail:
@@ -312,8 +370,7 @@ def isolation_problem(limits: Limits | None = None) -> str:
         cause = f"no file system of its own for the kernel ({'; '.join(_NO_NEW_ROOT) or 'the probe failed'})"
     return (f"cannot isolate the submissions' kernels: {cause}. Fix: run the grader as root where "
             f"`unshare --mount --ipc --net` works (a container needs CAP_SYS_ADMIN) and make Python and the kit "
-            f"({where}) readable by other users (chmod o+rX on them and their folders); or pass "
-            f"--allow-partial-isolation to grade with the weaker isolation the output then describes")
+            f"({where}) readable by other users (chmod o+rX on them and their folders); {partial}")
 
 
 def isolation_note(user: KernelUser | None) -> str:
@@ -345,9 +402,11 @@ def isolation_note(user: KernelUser | None) -> str:
                 + (f"; no file system of its own ({_NO_NEW_ROOT[0]}): the rest of the checkout is readable"
                    if _NO_NEW_ROOT else ""))
     if user is not None:
-        return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits, but "
-                + "; ".join(_UNUSABLE) + ": no private /tmp, and the grader's exercise code is readable by it "
-                "unless its folder is readable by root only")
+        return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits (it "
+                "cannot signal the grader or write the results), but " + "; ".join(_UNUSABLE) + ": no file system "
+                "of its own, so the assignment's labkit references are NOT withheld (an answer that calls one earns "
+                "its points); it shares /tmp, the network and the view of /proc with the grader, and reads whatever "
+                "other users may read (a warning names each of the grader's files it can read)")
     why = f" ({'; '.join(_UNUSABLE)})" if _UNUSABLE else ""
     return (f"isolation is partial: the grader is not root{why}, so the submission's kernel runs as the same user; "
             "code in it could signal the grader, read files this user can read (hidden cases, the grader's "

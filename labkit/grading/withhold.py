@@ -106,12 +106,11 @@ def _label(dotted: str) -> str:
 def _top_names(mod: str) -> dict[str, str]:
     """{name: "def" | "module:name" it is imported from} for the top level of the kit's module ``mod``
     (read from its file, never imported: ``build --check`` does not import torch)."""
-    from .reach import _absolute, _module_files
+    from .reach import _absolute, _module_files, _tree
 
     path = _module_files().get(mod)
     try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
+        tree = _tree(path)
     except (OSError, TypeError, SyntaxError, ValueError):
         return {}
     out: dict[str, str] = {}
@@ -275,13 +274,12 @@ def import_time() -> frozenset:
     names(...)``, a table of ``ScheduleInfo(...)``), and those they call in turn: they are never
     stubbed, or importing the kit would raise. Their route to a reference ends at the reference,
     which is stubbed."""
-    from .reach import _module_files
+    from .reach import _module_files, _tree
 
     trees = {}
     for mod, path in _module_files().items():
         try:
-            with open(path, encoding="utf-8") as f:
-                trees[mod] = ast.parse(f.read())
+            trees[mod] = _tree(path)
         except (OSError, SyntaxError, ValueError):
             continue
     todo = [lab for mod, tree in trees.items() for lab in _calls(mod, tree.body)]
@@ -307,12 +305,11 @@ def import_time() -> frozenset:
 def _has_code(label: str) -> bool:
     """Whether the kit's function or class ``label`` holds code to withhold (a class: a method of its
     own; a dataclass of fields only holds none)."""
-    from .reach import _module_files
+    from .reach import _module_files, _tree
 
     mod, _, name = label.partition(":")
     try:
-        with open(_module_files()[mod], encoding="utf-8") as f:
-            tree = ast.parse(f.read())
+        tree = _tree(_module_files()[mod])
     except (KeyError, OSError, SyntaxError, ValueError):
         return False
     node = next((n for n in tree.body if getattr(n, "name", None) == name), None)
