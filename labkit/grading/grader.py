@@ -423,18 +423,14 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         if kit is not None:
             kit.withhold()
             release(-1)
-        if session is not None:
-            session.kill()
-            session = None
-        for s in spare:
+        for s in filter(None, [session, *spare]):  # every kernel of this submission
             s.kill()
+        session = None
         spare.clear()
         _secret_pass(wanted, results, due, cells, sorted(set(ran) | set(raised)), launch, cell_timeout, deadline,
                      release)
     finally:
-        if session is not None:
-            session.kill()
-        for s in spare:
+        for s in filter(None, [session, *spare]):  # every kernel of this submission
             s.kill()
         if kit is not None:
             shutil.rmtree(os.path.dirname(kit.path), ignore_errors=True)

@@ -462,11 +462,11 @@ def _processes(zombies: list | None = None) -> dict[int, tuple[int, int, int, in
     return out
 
 
-def _marked(mark: str) -> list[int]:
-    """Processes whose environment holds ``MARK_ENV=mark`` (those this user may read: all, as root)."""
+def _marked(mark: str, procs) -> list[int]:
+    """Those of ``procs`` whose environment holds ``MARK_ENV=mark`` (that this user may read: all, as root)."""
     needle = f"{MARK_ENV}={mark}".encode()
     out = []
-    for entry in _processes():
+    for entry in procs:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read()
@@ -477,8 +477,7 @@ def _marked(mark: str) -> list[int]:
     return out
 
 
-def _descendants(pid: int) -> list[int]:
-    procs = _processes()
+def _descendants(pid: int, procs) -> list[int]:
     children: dict[int, list[int]] = {}
     for p, (ppid, *_) in procs.items():
         children.setdefault(ppid, []).append(p)
@@ -752,11 +751,12 @@ class KernelSession:
             deadline = time.monotonic() + 10
             started = self._started
             while True:  # a fork bomb may need more than one sweep
-                victims = set(_descendants(pid)) | set(_marked(self.mark))
+                zombies: list = []
+                procs = _processes(zombies)
+                victims = set(_descendants(pid, procs)) | set(_marked(self.mark, procs))
                 if self.proc.poll() is None:
                     victims.add(pid)
-                zombies: list = []
-                for p, (ppid, sid, _uid, start) in _processes(zombies).items():
+                for p, (ppid, sid, _uid, start) in procs.items():
                     if p == me:
                         continue
                     if sid == pid or (ppid == me and start >= started and p != pid and p not in _KEEP):
