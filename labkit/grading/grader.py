@@ -255,16 +255,12 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
 
     ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
     submission holds (:mod:`labkit.grading.assignments`); None reads it from the submission
-    (metadata, file name, check calls). A notebook whose code is the shipped learner version's,
-    unedited, grades 0 ("not attempted") without a kernel. Each code cell up to the last grading point runs once,
-    in order (the cells after it cannot change a grade, so they do not run); each exercise is
-    graded once, from its pinned name at its grading point (whatever serials the kernel
-    reports).
-    ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
-    submission: no cell or case runs past it, and what it leaves no time for is "not reached".
-    ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel (root only).
-    ``hints=False`` leaves the hints out of the messages (graded runs; the interactive ``check``
-    keeps them).
+    (metadata, file name, check calls). The shipped learner version, unedited, grades 0 ("not
+    attempted") without a kernel. Each code cell up to the last grading point runs once, in order;
+    each exercise is graded once, from its pinned name at its grading point. ``time_budget``
+    (seconds, default :func:`default_time_budget`) bounds the whole submission: what it leaves no
+    time for is "not reached". ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel
+    (root only). ``hints=False`` leaves the hints out of the messages.
     """
     from .assignments import answer_name, grading_points, register_code
     from .session import KernelSession, KernelStartError, KernelStartTimeout, isolation_note, kernel_user
