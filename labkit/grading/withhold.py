@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import glob
 import os
 import shutil
 import textwrap
@@ -65,7 +66,6 @@ def _major(notebook: str) -> str:
 def shipped_cells(major: str, folder: str | None = None) -> tuple[str, ...]:
     """The code cells of the learner notebook ``major`` ("2") in ``folder`` (default: the kit's
     ``_notebooks``, the learner notebooks it ships), in order, as written."""
-    import glob
     import json
 
     folder = folder or os.path.join(_kit_dir(), "_notebooks")
@@ -525,11 +525,8 @@ def build_kit(notebooks, dest: str) -> "WithheldKit":
         sources[path] = (original, text, spans)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        stem = os.path.splitext(os.path.basename(path))[0]
-        cache = os.path.join(os.path.dirname(path), "__pycache__")
-        for n in os.listdir(cache) if os.path.isdir(cache) else ():
-            if n.split(".")[0] == stem:  # the original's byte code holds the reference
-                os.remove(os.path.join(cache, n))
+        for pyc in glob.glob(os.path.join(os.path.dirname(path), "__pycache__", os.path.basename(path)[:-3] + ".*")):
+            os.remove(pyc)  # the original's byte code holds the reference
         py_compile.compile(path, dfile=os.path.join(src, os.path.relpath(path, kit)), doraise=True)
         for label, code in taken.items():
             files[label] = os.path.join(store, label.replace(":", "--") + ".src")
