@@ -270,8 +270,6 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     ``hints=False`` leaves the hints out of the messages (graded runs; the interactive ``check``
     keeps them).
     """
-    import time
-
     from .assignments import answer_name, grading_points, register_code
     from .session import KernelSession, KernelStartError, KernelStartTimeout, isolation_note, kernel_user
 
@@ -429,18 +427,14 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         if kit is not None:
             kit.withhold()
             release(-1)
-        if session is not None:
-            session.kill()
-            session = None
-        for s in spare:
+        for s in filter(None, [session, *spare]):  # every kernel of this submission
             s.kill()
+        session = None
         spare.clear()
         _secret_pass(wanted, results, due, cells, sorted(set(ran) | set(raised)), launch, cell_timeout, deadline,
                      release)
     finally:
-        if session is not None:
-            session.kill()
-        for s in spare:
+        for s in filter(None, [session, *spare]):  # every kernel of this submission
             s.kill()
         if kit is not None:
             shutil.rmtree(os.path.dirname(kit.path), ignore_errors=True)
@@ -687,9 +681,6 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
         if str(language).lower() != "python":
             return (f"{x} declares the kernel {spec.get('name', '?')!r} (language {language}); the grader runs "
                     f"every notebook in its own Python kernel, so it cannot grade this one")
-    for folder in os.environ.get(HIDDEN_ENV, "").split(os.pathsep):
-        if folder and not Path(folder).is_dir():
-            return f"{HIDDEN_ENV} names {folder!r}, which is not a folder"
     if results is not None:
         if results.is_dir():
             return f"--results {results} is a folder; give the path of the JSON file to write"
@@ -737,8 +728,6 @@ def main(argv: list[str] | None = None) -> int:
     kernel starts. Exit status 0 when every notebook was graded (whatever its score), 1 when one
     could not be graded. ``--results-dir``/``--gradebook``/``-j``: batch grading
     (:mod:`labkit.grading.batch`), one kernel per submission, N at a time."""
-    import time
-
     p = Parser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
     p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
     p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")

@@ -433,14 +433,9 @@ class _Done:
         return self._then is None
 
 
-_OP_NAMES = {"SUM": "sum", "MAX": "max", "MIN": "min", "PRODUCT": "product"}
-
-
 def _op_name(op) -> str:
-    for name in ("SUM", "MAX", "MIN", "PRODUCT"):
-        if op == getattr(torch.distributed.ReduceOp, name):
-            return _OP_NAMES[name]
-    return str(op)
+    """"sum" for ``ReduceOp.SUM`` (one of :data:`REDUCE_OPS`), else the op as text (which the relay refuses)."""
+    return next((name for name in REDUCE_OPS if op == getattr(torch.distributed.ReduceOp, name.upper())), str(op))
 
 
 def _install(client: _Client, world_size: int, allowed: tuple, refuse: Callable[[str], BaseException]) -> None:

@@ -497,11 +497,11 @@ def _processes(zombies: list | None = None) -> dict[int, tuple[int, int, int, in
     return out
 
 
-def _marked(mark: str) -> list[int]:
-    """Processes whose environment holds ``MARK_ENV=mark`` (those this user may read: all, as root)."""
+def _marked(mark: str, procs) -> list[int]:
+    """Those of ``procs`` whose environment holds ``MARK_ENV=mark`` (that this user may read: all, as root)."""
     needle = f"{MARK_ENV}={mark}".encode()
     out = []
-    for entry in _processes():
+    for entry in procs:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read()
@@ -512,8 +512,7 @@ def _marked(mark: str) -> list[int]:
     return out
 
 
-def _descendants(pid: int) -> list[int]:
-    procs = _processes()
+def _descendants(pid: int, procs) -> list[int]:
     children: dict[int, list[int]] = {}
     for p, (ppid, *_) in procs.items():
         children.setdefault(ppid, []).append(p)
@@ -639,8 +638,10 @@ class KernelSession:
         # (8x on a loaded 2-core machine), and a batch grades several kernels at once
         env.setdefault("OMP_NUM_THREADS", "1")
         kw = {}
+        conn_inside = os.path.join(PRIVATE_HOME, "kernel.json")
+        argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside if private else conn,
+                "--HistoryManager.enabled=False"]
         if private:
-            conn_inside = os.path.join(PRIVATE_HOME, "kernel.json")
             env.update(HOME=PRIVATE_HOME, TMPDIR="/tmp", USER=self.user.name.replace(" ", "-"),
                        LOGNAME=self.user.name.replace(" ", "-"), IPYTHONDIR=os.path.join(PRIVATE_HOME, "ipython"),
                        MPLCONFIGDIR=os.path.join(PRIVATE_HOME, "mpl"))
@@ -655,30 +656,21 @@ class KernelSession:
                     options.insert(0, f"--cgroup={self.cgroup.path}")
                 except OSError:
                     self.cgroup = None  # no delegation here: the uid alone contains the kernel
-            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside,
-                    "--HistoryManager.enabled=False"]
             argv, kw = self.user.command(argv, sockets, options, kit=self.kit, stage=self.dir)
             self.cwd = "/"
-        elif self.user is not None:
+        else:  # IPython's startup files and matplotlib's rc of this kernel alone
             for sub in ("tmp", "ipython", "mpl"):
                 os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
-            for root, dirs, files in os.walk(self.dir):
-                for name in [root] + [os.path.join(root, n) for n in dirs + files]:
-                    os.chown(name, self.user.uid, self.user.gid)
-            env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
-                       LOGNAME=self.user.name, IPYTHONDIR=os.path.join(self.dir, "ipython"),
-                       MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-        if self.user is None:  # the grader's user: IPython's startup files and matplotlib's rc of this kernel alone
-            for sub in ("ipython", "mpl"):
-                os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
             env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-        if not private:
-            if self.kit and self.user is not None and self.user.kit_private:  # the grader's copy before the kit
-                env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(self.kit)]
-                                                    + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn,
-                    "--HistoryManager.enabled=False"]
-            if self.user is not None:
+            if self.user is not None:  # a uid of its own without namespaces: its folder is its home
+                for root, dirs, files in os.walk(self.dir):
+                    for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+                        os.chown(name, self.user.uid, self.user.gid)
+                env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
+                           LOGNAME=self.user.name)
+                if self.kit and self.user.kit_private:  # the grader's copy before the (root-only) kit
+                    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(self.kit)]
+                                                        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
                 argv, kw = self.user.command(argv, self.cwd)
         _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
         kw.setdefault("preexec_fn", _pdeathsig)
@@ -804,11 +796,12 @@ class KernelSession:
             deadline = time.monotonic() + 10
             started = self._started
             while True:  # a fork bomb may need more than one sweep
-                victims = set(_descendants(pid)) | set(_marked(self.mark))
+                zombies: list = []
+                procs = _processes(zombies)
+                victims = set(_descendants(pid, procs)) | set(_marked(self.mark, procs))
                 if self.proc.poll() is None:
                     victims.add(pid)
-                zombies: list = []
-                for p, (ppid, sid, _uid, start) in _processes(zombies).items():
+                for p, (ppid, sid, _uid, start) in procs.items():
                     if p == me:
                         continue
                     if sid == pid or (ppid == me and start >= started and p != pid and p not in _KEEP):
