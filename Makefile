@@ -17,7 +17,8 @@ NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-
 # state (left by in-process runs of the commands) made them fail in the full run although each passes alone
 SIGNAL_TESTS := tests/labs/test_faults.py::test_signals_stop_every_worker_and_remove_the_rendezvous_folder \
 	tests/labs/test_faults.py::test_cleanup_deadline_holds_while_the_cores_are_loaded \
-	tests/test_dist.py::test_ctrl_c_just_after_the_folder_is_made_leaves_no_folder
+	tests/test_dist.py::test_ctrl_c_just_after_the_folder_is_made_leaves_no_folder \
+	tests/test_dist.py::test_ctrl_c_as_a_rank_is_forked_leaves_no_rank
 
 .PHONY: lab test install build notebooks unit clean autograder
 

@@ -100,6 +100,26 @@ def ring_wire_bytes(rec: CommRecord) -> int:
     return ring_bytes(rec.kind, rec.nbytes, rec.group_size)
 
 
+def count_by_axis(records, axis_of) -> dict:
+    """``{axis: {kind: (count, bytes)}}`` of one rank's ``records`` (:class:`CommRecord`), each under
+    ``axis_of(record)``: the model's name for the group it ran on (tp, pp, dp, ep, ...)."""
+    out: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for r in records:
+        c = out[axis_of(r)][r.kind]
+        c[0] += 1
+        c[1] += r.nbytes
+    return {a: {k: tuple(v) for k, v in kinds.items()} for a, kinds in out.items()}
+
+
+def wire_bytes_by_axis(records, axis_of) -> dict:
+    """``{axis: bytes}`` one rank sends for ``records`` under the ring algorithms (:func:`ring_wire_bytes`:
+    an all-reduce of P bytes over d ranks sends 2(d-1)/d * P, a receive nothing), each under ``axis_of(record)``."""
+    out: dict = defaultdict(int)
+    for r in records:
+        out[axis_of(r)] += ring_wire_bytes(r)
+    return dict(out)
+
+
 def _group_size(group) -> int:
     return dist.get_world_size(group)
 

@@ -23,7 +23,7 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored():
-    """Every test leaves SIGINT and SIGTERM, and the signal mask, as it found them. A command that
+    """Every test leaves SIGINT, SIGTERM and SIGHUP, and the signal mask, as it found them. A command that
     ends after a signal ignores later ones (``stop_on_first_signal(ignore_after=True)``, right for a
     process about to exit); run in-process by a test, that would leave the test worker ignoring
     Ctrl-C, and every subprocess it starts later would inherit the ignored disposition (a blocked
@@ -32,7 +32,7 @@ def _signal_handlers_restored():
     import signal
     import threading
     import warnings
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     threads = {t.name for t in threading.enumerate()}
     yield

@@ -273,6 +273,27 @@ def test_ctrl_c_just_after_the_folder_is_made_leaves_no_folder(tmp_path, monkeyp
     assert _children_alive() == []
 
 
+def test_ctrl_c_as_a_rank_is_forked_leaves_no_rank(tmp_path, monkeypatch):
+    """A Ctrl-C landing the moment a rank was forked (before the launch has it in the list that its clean-up
+    kills): KeyboardInterrupt comes out, and no rank is left running (rank 0 waited for its peer until the
+    timeout), no folder."""
+    import multiprocessing.context
+    import signal
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = multiprocessing.context.ForkProcess.start
+
+    def started_then_interrupted(self):
+        real(self)
+        os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "start", started_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launch(_rank_info, 2, 0, timeout=30)
+    assert _children_alive() == []
+    assert os.listdir(tmp_path) == []
+
+
 def _stub_body(ctx, x):
     return _learner_stub(x)
 

@@ -242,9 +242,9 @@ def run(root: Path) -> int:
     t0 = time.monotonic()
     source = root / "source"
     config = json.loads((source / CONFIG).read_text())
-    from .session import isolation_problem
+    from .session import isolation_problem, place_problem
 
-    problem = "" if config.get("allow_partial_isolation") else isolation_problem()
+    problem = place_problem() or ("" if config.get("allow_partial_isolation") else isolation_problem())
     if problem:  # before anything of the submission runs
         fix = "build the bundle with --allow-partial-isolation"
         print(f"error: {problem.replace('pass --allow-partial-isolation', fix)}", file=sys.stderr)

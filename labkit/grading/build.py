@@ -1,47 +1,25 @@
 """``python -m labkit build``: write the learner notebooks ``notebooks/`` from ``solutions/``.
 
-The solution notebooks are the single source. In a solution code cell the exercise cell starts
-with a line ``# Exercise N.k: <one-line task>`` and the learner's part sits between the lines
-``### BEGIN SOLUTION`` and ``### END SOLUTION`` (indented like the code around them). The
-learner version of each notebook:
+The solution notebooks are the single source (the format and the options: ``docs/authoring.md``).
+The learner version of each notebook:
 
-* replaces each region (markers included) with ``raise NotImplementedError("Exercise N.k: <task>")``
-  at the region's indentation;
+* replaces each region between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (markers included)
+  with ``raise NotImplementedError("Exercise N.k: <task>")`` at the region's indentation, the
+  task from the cell's first line ``# Exercise N.k: <task>``;
 * clears every output and execution count, drops execution-timing metadata;
-* tags exercise cells ``raises-exception`` so nbval and the grader accept the stub's exception
-  (tag other cells that *use* an exercise's answer ``raises-exception`` in the solution);
+* tags exercise cells ``raises-exception`` so nbval and the grader accept the stub's exception;
 * leaves out the cells tagged ``solution-only`` (:data:`SOLUTION_ONLY_TAG`): results and summaries that
-  state an exercise's answer, which the learner must not see before the exercise is graded (issue 36);
+  state an exercise's answer, which the learner must not see before the exercise is graded;
 * records ``metadata.labkit.notebook`` (the solution's stem) so the grader still knows the
   notebook when a learner renames the file;
-* starts with the install cell (:func:`labkit.grading.install.install_cell`), which installs
-  labkit with one ``%pip`` line when the kernel's Python lacks it (Colab, a JupyterHub image with
-  torch) and does nothing where labkit is installed (the repository's venv, the grader's kernel).
-  It installs from the course's repository, the instructor's one setting ``[tool.labkit]
-  repository`` in ``pyproject.toml`` (``build --repository URL`` records it there; ``""``
-  clears it); with none set it tells the learner how to install labkit instead.
-  ``LABKIT_PIP_SOURCE`` replaces the source at run time. ``build`` also writes the setting into
-  ``pyproject.toml``'s ``[project.urls]`` (no such table without one).
+* starts with the install cell (:func:`labkit.grading.install.install_cell`), for the course's
+  repository, ``[tool.labkit] repository`` in ``pyproject.toml`` (``build --repository URL``
+  records it there and in ``[project.urls]``).
 
-Output is deterministic (nbformat's stable JSON, the solution's cell ids).
-
-Stored outputs of the solutions (``--execute``):
-
-* a notebook that imports one of labkit's plotting modules (:data:`PLOTTING_MODULES`) records a
-  fingerprint of their code in ``metadata.labkit.plot_code``; ``--check`` names the notebook when
-  the code has changed since (its stored figures are then stale: re-execute it). The fingerprint
-  ignores docstrings and comments, so only a change to what is drawn counts;
-* an interactive widget's stored output is replaced by one line saying that it appears in a live
-  kernel (a notebook viewer would otherwise show the widget's ``VBox(children=...)`` text).
-
-Usage::
-
-    python -m labkit build                     # write notebooks/*.ipynb
-    python -m labkit build --check             # exit 1 naming each notebook that is stale
-    python -m labkit build --execute [NAME...] # re-run solutions (in place, nbclient), then build
-    python -m labkit build --repository URL    # set where hosted learners install labkit from, then build
-
-NAME is a notebook stem or its number prefix ("01" or "01_pipeline_bubble").
+Output is deterministic (nbformat's stable JSON, the solution's cell ids). ``--execute`` re-runs
+solutions in place: a notebook that imports one of :data:`PLOTTING_MODULES` records a fingerprint
+of their code (docstrings and comments left out), so ``--check`` names it when its stored figures
+are stale; a widget's stored output becomes :data:`WIDGET_NOTE`.
 """
 from __future__ import annotations
 
@@ -51,6 +29,7 @@ import hashlib
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -60,7 +39,7 @@ from .install import INSTALL_CELL, INSTALL_CELL_ID, install_cell, repository_pro
 
 __all__ = ["learner_version", "build_text", "build_all", "stale_notebooks", "reference_problems", "execute_notebook",
            "main", "notebooks_main", "packaged_notebooks", "INSTALL_CELL", "install_cell", "configured_repository",
-           "set_repository", "project_urls_problem",
+           "set_repository", "project_urls_problem", "write_whole",
            "BuildError", "find_root", "PLOTTING_MODULES", "plot_code_fingerprint", "uses_plotting_code",
            "WIDGET_NOTE", "SOLUTION_ONLY_TAG"]
 
@@ -350,7 +329,7 @@ def build_all(root: Path) -> list[Path]:
             target = out_dir / sol.name
             text = build_text(sol, repository)
             if not target.exists() or target.read_text(encoding="utf-8") != text:
-                _write_whole(target, text.encode("utf-8"))
+                write_whole(target, text.encode("utf-8"))
             written.append(target)
         if out_dir != root / "notebooks":
             for extra in sorted(out_dir.glob("*.ipynb")):
@@ -359,12 +338,14 @@ def build_all(root: Path) -> list[Path]:
     return written
 
 
-def _write_whole(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` all or nothing (a temporary file beside it, renamed over it): a
-    Ctrl-C or a full disk leaves the old file or none, never half a notebook."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def write_whole(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` (file mode ``mode``) all or nothing (a new file beside it, renamed over
+    it): a Ctrl-C or a full disk leaves the old file or none, never half of it. OSError as the system says."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
     try:
-        tmp.write_bytes(data)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -587,7 +568,7 @@ def notebooks_main(argv: list[str] | None = None) -> int:
             continue
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            _write_whole(dst, src.read_bytes())
+            write_whole(dst, src.read_bytes())
         except OSError as e:
             print(f"error: cannot write {dst}: {e.strerror or e}" + (f" ({copied} copied before it)" if copied else ""),
                   file=sys.stderr)

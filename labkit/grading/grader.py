@@ -1,57 +1,19 @@
 """``python -m labkit grade PATH... [--results results.json]``: the autograder.
 
-The grader's contract (what an instructor can rely on; see also :mod:`labkit.grading`):
+The grader starts the learner's kernel (:class:`~labkit.grading.session.KernelSession`, contained
+and isolated as root, with a self-check at start: :func:`~labkit.grading.session.isolation_problem`),
+runs the notebook's code cells one by one and, at each exercise's grading point, grades the answer
+the notebook defines for it: each case runs here, its calls on the answer go to the kernel and
+come back as data (:mod:`labkit.grading.wire`), and the verdict is made here. Expected values and
+hidden cases never enter the kernel; the results file is written only here, atomically, after the
+kernel is dead. Which exercises count: ``--assignment NN_name``, else the notebook the submission
+names (:mod:`labkit.grading.which`). An instructor's hidden cases run after all of that, in a
+fresh kernel (:func:`_secret_pass`). Points are all or nothing per exercise; an exercise never
+graded scores zero with the reason. The integrity report (:mod:`labkit.grading.integrity`) goes
+to the instructor, never into a score.
 
-* **Verdicts are computed here, never in the submission.** The grader starts the learner's
-  kernel (:class:`~labkit.grading.session.KernelSession`) and sends it the notebook's code cells
-  one by one. ``check("N.k", answer)`` in the kernel only registers ``answer``. After each cell,
-  every newly registered exercise *of the graded notebook* is graded: each case runs in a fork of
-  this process, and each call it makes on its ``answer`` proxy is sent to the kernel, which runs
-  the learner's code on the inputs the case chose and sends back the result as data
-  (:mod:`labkit.grading.wire`, never pickle). Expected values, the code that computes them and
-  hidden cases (``LABKIT_HIDDEN_CASES``, loaded only here) never enter the kernel.
-* **The results file is written only here**, atomically (temporary file + rename, after the
-  kernel and all its processes are dead), and the kernel is not told where it is. Only the
-  exercises of the graded notebook count, each at most its points: a check of another notebook's
-  exercise is ignored; a repeated check re-grades the exercise and the last one counts.
-* **Isolation**: as root each kernel runs as a uid of its own, in namespaces and a file system of
-  its own; a self-check at start (:func:`~labkit.grading.session.isolation_problem`) proves that
-  this uid starts Python and imports the kit in exactly that jail, wherever the grader is
-  installed (/tmp, /var/tmp, /dev/shm, a path with spaces, any TMPDIR), and otherwise stops
-  before grading with one line naming the cause and the fix (exit 2; ``--allow-partial-isolation``
-  grades anyway and says what is missing). As any other user the output says that isolation
-  is partial (:func:`~labkit.grading.session.isolation_note`). Nothing is left in TMPDIR.
-* **Integrity** (:mod:`labkit.grading.integrity`): similarity of each answer to the kit's
-  reference and, in a batch, to the other submissions, and dynamic code worth reading, go to
-  the instructor (stdout, which Gradescope keeps hidden; ``integrity.csv``/``.html`` with
-  ``--results-dir``), never into a score.
-* **Robustness**: a cell that raises costs only the exercises that depend on it (execution
-  goes on with the next cell). A cell that kills or exits the kernel, or runs past
-  ``--cell-timeout`` (SIGINT, then SIGKILL), is recorded; a fresh kernel replays the cells that
-  had run (at most :data:`MAX_RESTARTS` times) and grading goes on after the bad cell. Output
-  floods are dropped; answers are time- and size-limited per case.
-
-Which exercises count: those of ``--assignment NN_name`` (pinned by the grader; see
-:mod:`labkit.grading.assignments`). Without it, the notebook is ``metadata.labkit.notebook``
-(written by ``build``), else the file's stem when exercises are registered for it, else the
-notebook(s) of the exercise ids in the ``check("N.k", ...)`` calls of its code cells. Each
-exercise is graded once, at its grading point, from the name the notebook defines for it (the
-grader registers it itself, so a deleted ``check`` cell costs nothing); how its code is written
-costs nothing (magics, shell lines, imports run in the contained kernel, whose kit lacks the
-references until they are graded: :mod:`labkit.grading.withhold`). An instructor's
-hidden cases run after all of that, in a fresh kernel (:func:`_secret_pass`). An exercise never
-graded scores zero, with the reason ("not attempted: the notebook defines no ...", "...
-check(...) did not run: cell N raised NameError: ...", or "not reached: ..." when grading
-stopped).
-
-Points are all-or-nothing per exercise: an exercise earns its ``points`` only when every one
-of its cases (public and hidden) passes, so a wrong answer that happens to pass the cases that
-cannot show its bug earns nothing. The results file follows the Gradescope autograder format:
-top-level ``score``, ``output`` and ``tests``. Each exercise gives one test named after it
-("Exercise 2.3 (title)", ``max_score`` its points, ``score`` all or 0, ``output`` the line
-``check`` prints), followed by one test per case ("Exercise 2.3 (title) - case: NAME",
-``max_score`` 0, ``status`` "passed" / "failed" and its message); ``visibility`` is ``visible``
-except for hidden cases (``after_published``, output without details).
+The contract (threat -> mechanism -> test): ``docs/grading.md``; the results format and the
+options: ``docs/instructors.md``.
 """
 from __future__ import annotations
 
@@ -177,7 +139,7 @@ def _grade_in_kernel(ex: Exercise, session, deadline: float | None = None, secre
 
 def _merge(ex: Exercise, first, second):
     """One CheckResult of ``ex`` from the visible pass and the secret pass (None: it did not run)."""
-    from .runner import CaseResult, CheckResult, format_line
+    from .runner import CaseResult, result_of
 
     if second is None:
         second_cases = [CaseResult(c.name, c.hidden, "failed", "not run: the fresh kernel for the instructor's "
@@ -185,13 +147,7 @@ def _merge(ex: Exercise, first, second):
                         for c in ex.cases if c.secret]
     else:
         second_cases = list(second.cases)
-    cases = list(first.cases) + second_cases
-    passed = sum(c.status == "passed" for c in cases)
-    status = ("not_attempted" if any(c.status == "not_attempted" for c in cases) else
-              "passed" if passed == len(ex.cases) else "failed")
-    res = CheckResult(ex.id, status, passed, len(ex.cases), "", cases)
-    res.message = format_line(ex, res)
-    return res
+    return result_of(ex, list(first.cases) + second_cases, len(ex.cases))
 
 
 def _limit(cell_timeout: float, deadline: float) -> float:
@@ -294,7 +250,7 @@ def _untouched(nb, names: list[str]) -> bool:
 
 def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                    assignment: str | None = None, time_budget: float | None = None,
-                   limits=None, hints: bool = True, source_policy: bool = True) -> NotebookGrade:
+                   limits=None, hints: bool = True) -> NotebookGrade:
     """Run notebook ``path`` in an isolated kernel and grade every exercise of its notebook.
 
     ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
@@ -308,8 +264,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     submission: no cell or case runs past it, and what it leaves no time for is "not reached".
     ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel (root only).
     ``hints=False`` leaves the hints out of the messages (graded runs; the interactive ``check``
-    keeps them). ``source_policy`` has no effect (there is no source policy any more: issue 40);
-    it is accepted so that older callers keep working.
+    keeps them).
     """
     import time
 
@@ -354,8 +309,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     release(-1)
 
     def launch():
-        s = KernelSession(str(path.parent.resolve()), user, plots=any("matplotlib" in src for _, src in cells),
-                          kit=kit.path if kit is not None else None)
+        s = KernelSession(str(path.parent.resolve()), user, kit=kit.path if kit is not None else None)
         s.launch()
         return s
 
@@ -539,14 +493,13 @@ def _hidden_files() -> list[Path]:
 
 
 def grade_paths(paths, cell_timeout: float = DEFAULT_CELL_TIMEOUT, assignment: str | None = None,
-                time_budget: float | None = None, limits=None, hints: bool = True,
-                source_policy: bool = True) -> list[NotebookGrade]:
+                time_budget: float | None = None, limits=None, hints: bool = True) -> list[NotebookGrade]:
     """:func:`grade_notebook` for each path; one that cannot be graded gets ``graded=False`` and zeros."""
     out = []
     for p in paths:
         try:
             out.append(grade_notebook(p, cell_timeout, assignment=assignment, time_budget=time_budget,
-                                      limits=limits, hints=hints, source_policy=source_policy))
+                                      limits=limits, hints=hints))
         except Exception as e:  # noqa: BLE001 - a broken submission or kernel still gets a grade
             g = NotebookGrade(str(p), Path(p).stem, f"the notebook could not be graded: {type(e).__name__}: "
                                                     f"{_first(str(e))}", graded=False)
@@ -618,19 +571,11 @@ def results_json(grades: list[NotebookGrade], execution_time: float | None = Non
 
 
 def write_results(path: Path, obj: dict) -> None:
-    """Write ``obj`` to ``path`` atomically: a new file in the same folder, then a rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".labkit-results-", suffix=".json", dir=str(path.parent.resolve()))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(obj, indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write ``obj`` as JSON to ``path`` atomically, readable by its owner only
+    (:func:`labkit.grading.build.write_whole`)."""
+    from .build import write_whole
+
+    write_whole(Path(path), (json.dumps(obj, indent=2) + "\n").encode("utf-8"), 0o600)
 
 
 def validate_results(obj: dict) -> None:
@@ -816,9 +761,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="as root: grade even when the self-check at start finds that kernels cannot get full "
                         "isolation (a uid of their own, private namespaces, a file system of their own); without "
                         "it the grader stops before grading with the cause and the fix (exit 2)")
-    p.add_argument("--no-source-policy", action="store_true",
-                   help="no effect, kept for old scripts: there is no source policy any more (how code is written "
-                        "never costs points)")
+    p.add_argument("--no-source-policy", action="store_true", help="no effect (kept for old scripts)")
     p.add_argument("--results-dir", type=Path, default=None,
                    help="batch: one results file per submission in this folder, and the integrity report "
                         "(integrity.csv, integrity.html: similarity to the kit's reference and between "
@@ -832,7 +775,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = [os.path.join(".", x) if x.startswith("-") and x.endswith(".ipynb") and os.path.isfile(x) else x
             for x in argv]
     a = p.parse_args(argv)
-    bad = _hidden_env_problem()   # before anything loads the exercises (and with them the hidden cases)
+    from .session import isolation_problem, place_problem
+    # before anything loads the exercises (and with them the hidden cases, and torch): /proc and what else it needs
+    bad = place_problem() or _hidden_env_problem()
     if bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2
@@ -867,11 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     from .registry import IMPORT_ERRORS, load_all
 
     load_all()
-    if not problem and a.assignment is not None and not exercises_for_notebook(a.assignment):
-        from .registry import all_exercises
-        known = sorted({ex.notebook for ex in all_exercises()})
-        problem = f"--assignment {a.assignment!r} has no exercises; choose one of {', '.join(known)}"
-    if not problem and batch:
+    if batch:
         from .batch import input_problem
         problem = input_problem(a.results_dir, a.gradebook, a.jobs)
     if problem:
@@ -881,11 +822,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
     if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
-        from .session import isolation_problem
         problem = isolation_problem(limits)
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if a.assignment is None:
         print("warning: no --assignment: each submission is graded on the notebook its metadata, file name or "
               "check calls name; pass --assignment NN_name so that the submission cannot choose", file=sys.stderr)
@@ -896,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     from .session import add_private_paths
     add_private_paths([*a.paths, *([a.results] if a.results else [])])   # out of every kernel's reach
     grades = grade_paths(a.paths, cell_timeout, assignment=a.assignment, time_budget=time_budget, limits=limits,
-                         hints=not a.no_hints, source_policy=not a.no_source_policy)
+                         hints=not a.no_hints)
     print(format_table(grades))
     _print_integrity(grades, a.assignment)
     if a.results:

@@ -1,34 +1,19 @@
 """The integrity report: what the instructor may want to read, never a score (issue 40, item 3).
 
-A learner has the kit installed, so pasting its source (or the solved notebook's answer) cannot
-be prevented; two learners can share code. The grade stays what the learner's functions return
-on the grader's inputs; this report shows the instructor, per submission and exercise:
-
-* **reference similarity**: how much of the answer's code (the definition the exercise is
-  graded from, and the notebook's own functions and classes it uses, transitively) matches the
-  kit's reference source for that exercise (:func:`labkit.grading.references.references_for`,
-  with the kit functions each one calls) or the answer in the kit's solved notebook. Winnowed
-  fingerprints of the token stream (as MOSS; Schleimer, Wilkerson and Aiken, SIGMOD 2003) from
-  ``copydetect``, with names, strings and layout filtered out, so renaming, reformatting and
-  reordering functions do not hide a copy. The learner notebook's starter code is excluded
-  (its fingerprints are boilerplate), so a stub's signature and docstring match nothing;
-* **pair similarity** (a batch): the same measure between two submissions' answers to one
-  exercise, naming the other submission;
-* **dynamic code worth reading**: ``exec``/``eval``/``compile``, ``__import__`` and
-  ``importlib``, code objects (``__code__``, ``types.CodeType``/``FunctionType``), a ``.py``
-  file written (``open(..., "w")``, ``%%writefile``) and imported, and the kit's internals by
-  private name (``labkit.x._name``, ``from labkit... import _name``).
-
-Each flag carries its cell and lines. Rows are sorted by suspicion (the highest similarity,
-then the number of dynamic-code flags). :func:`write_report` writes ``integrity.csv`` (text
-cells neutralised against spreadsheet formulas) and a readable ``integrity.html``;
-:func:`format_report` is the plain text a single grade prints to the instructor-only output.
-Nothing here runs the submission: it reads the notebook files in the grader only.
+Pasting the kit's source (or the solved notebook's answer) cannot be prevented, and two learners
+can share code: this shows it to the instructor, per submission and exercise (the columns and how
+to read them: ``docs/instructors.md``). Similarity is the share of the answer's code (the
+definition it is graded from and the notebook's functions it uses) covered by winnowed
+fingerprints of the token stream (as MOSS; Schleimer, Wilkerson and Aiken, SIGMOD 2003), from
+``copydetect``, with names, strings and layout filtered out and the learner notebook's starter
+code excluded; it is measured against the kit's references for the exercise
+(:func:`labkit.grading.references.references_for`, with the kit functions each calls) and the
+solved notebook's answer, and in a batch between submissions. Dynamic code worth reading
+(``exec``/``eval``/``compile``, ``__import__``, code objects, a ``.py`` written and imported, the
+kit's private names) is flagged with its cell and lines. Nothing here runs the submission.
 
 Thresholds (:data:`FLAG_REFERENCE`, :data:`FLAG_PAIR`) were chosen on the corpus in
-``tests/grading/integrity_corpus.py``: copies (renamed, reformatted, split into helpers,
-reordered) are flagged, honest rewrites (other styles, numpy for torch, loops for vectorised
-code) are not; the test reports precision and recall.
+``tests/grading/integrity_corpus.py``, whose test reports precision and recall.
 """
 from __future__ import annotations
 

@@ -1,26 +1,17 @@
 """The learner's side of a graded check: runs the learner's answer, sends back only data.
 
-Under ``python -m labkit grade`` the notebook kernel is untrusted. ``check("N.k", answer)``
-there only *registers* the answer (:func:`register`); the grader then runs each case in its
-own process and every call a case makes on its ``answer`` arrives here through :func:`serve`,
-with arguments the grader chose. The call runs in a forked *case server* (one per case, so
-state persists within a case as it did when a whole case ran in one child): the learner's
-function, or a labkit kernel-side function given the answer (``answer.run(fn, ...)`` in a
-case), is called, and the result goes back as :mod:`labkit.grading.wire` data. Expected
-values never come here.
+Under ``python -m labkit grade``, ``check("N.k", answer)`` in the kernel only registers the
+answer (:func:`register`); each call a case makes on its ``answer`` arrives through
+:func:`serve` and runs in a forked *case server* (one per case, so state persists within a
+case), which calls the learner's function, or a kernel-side function given it, and sends the
+result back as :mod:`labkit.grading.wire` data. Expected values never come here, and all of this
+can be replaced by code in the notebook: the grader judges the outputs itself.
 
-Everything here can be replaced by code in the notebook; the grader does not rely on it for
-anything but the learner's outputs, which it judges itself.
-
-What the graded kernel will lack, in the interactive ``check`` only (feedback, not a grade): the
-request names the labkit functions the graded kernel does without while the exercise is graded
-(:func:`labkit.grading.withhold.withheld_calls`: its references and every kit function that
-reaches one), and while the learner's code runs their code objects are swapped for a tripwire,
-so calling one (directly, through an alias, a partial, or inside a rank started with
-``launch``) ends the call with "your answer calls labkit's X, which is not available when the
-notebook is graded" instead of a result. The grader's requests name none (a tripwire in the
-learner's process is the learner's to disable): there the functions are simply absent
-(:mod:`labkit.grading.withhold`).
+In the interactive ``check`` only (feedback, never a grade), the request names what the graded
+kernel will lack (:func:`labkit.grading.withhold.withheld_calls`); while the answer runs their
+code objects are swapped for a tripwire, so a call by any route ends the case with "your answer
+calls labkit's X, which is not available when the notebook is graded". The grader's requests name
+none: there the functions are absent (:mod:`labkit.grading.withhold`).
 """
 from __future__ import annotations
 

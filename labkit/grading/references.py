@@ -1,21 +1,14 @@
 """Which of labkit's own functions each exercise asks the learner to write.
 
 The graded kernel does without each of these, and without every kit function from which one
-can be reached, until its exercise is graded (:mod:`labkit.grading.withhold`): an answer that
-calls one earns nothing because it is not there. The interactive ``check`` says so before the
-learner submits: while the answer runs, those functions are tripwired in the learner's process
-(:mod:`labkit.grading.kernel`; feedback only, never part of a grade) and the case fails with
-:func:`reference_message`.
+can be reached, until its exercise is graded (:mod:`labkit.grading.withhold`); the interactive
+``check`` says so with :func:`reference_message` (:mod:`labkit.grading.kernel`).
 
 The table lists, per exercise id, ``"module:qualname"`` of functions or classes (a class
-stands for every function defined in its body, e.g. an autograd Function's ``forward`` and
-``backward``). Exercise modules may add more with ``exercise(..., references=[fn, ...])``.
-Functions that merely *use* an exercise's concept are not listed: a learner may call
-``add_communication`` in 3.1 only because 3.1 asks for the compute order and the check adds
-the sends itself.
-
-What this does not see: an answer that copies labkit's source text (the kit is installed where
-the learner works); that is for the instructor's integrity report, never the score.
+stands for every function defined in its body). Exercise modules may add more with
+``exercise(..., references=[fn, ...])``. Functions that merely *use* an exercise's concept are
+not listed (3.1 may call ``add_communication``: the check adds the sends itself). An answer
+that copies labkit's source text is for the instructor's integrity report, never the score.
 """
 from __future__ import annotations
 

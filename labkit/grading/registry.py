@@ -55,55 +55,20 @@ Interactive ``check`` (a notebook, pytest) runs the same cases with the answer i
 process (every call still makes the data round trip), so its verdicts are the grader's.
 An exercise may list the labkit functions it asks the learner to write:
 ``exercise(..., references=[gpipe_schedule])`` (or ``"module:qualname"`` strings; the central
-table is :mod:`labkit.grading.references`); an answer that calls one fails with a reason.
+table is :mod:`labkit.grading.references`).
 
 A case passes when it returns; it fails when it raises :class:`CheckFailure` (the ``expect_*``
 helpers raise it with "what: expected X, got Y") or any other exception (reported with its type
 and first line). A case whose answer raises ``NotImplementedError`` (the learner stub) makes the
 exercise "not attempted". Each case runs in a forked child and is stopped after ``timeout``
-seconds (default :data:`DEFAULT_TIMEOUT`), including the time of the learner's calls.
+seconds (default :data:`DEFAULT_TIMEOUT`), including the time of the learner's calls. A case may
+carry its own ``hint=``, shown instead of the exercise's when it is the first to fail; ``ex.hint2``
+follows the first hint from the second failed ``check``. Points are all or nothing per exercise.
 
-Answers are best functions (or objects a function builds): ``check("1.2", smallest_microbatches)``.
-In the learner notebook the stub only raises when the function is called, so a ``check`` in a
-later cell still runs and prints "not attempted". A value computed at the top level of an exercise
-cell is never assigned in the learner notebook (the stub raises while the cell runs), so a later
-``check("N.k", value)`` would stop with NameError; ask for a function returning the value instead.
-Cells that use an exercise's answer (plots, tables) should be tagged ``raises-exception`` in the
-solution notebook, so the untouched learner notebook runs to the end under nbval.
-
-Hidden case files
------------------
-Instructors keep extra cases out of the learners' copy: set ``LABKIT_HIDDEN_CASES`` to a folder
-(several folders separated by ``os.pathsep``) when running the grader (the grader's process
-alone reads them; the kernel never gets the variable). Every ``*.py`` file there (sorted by
-name) is executed after the exercise modules, as is every ``labkit/grading/hidden/*.py`` shipped in the
-package. Such a file looks up an existing exercise by its id and adds cases::
-
-    from labkit.grading.registry import exercise, expect_close
-    ex = exercise("1.1")                       # id only: the exercise must already exist
-
-    @ex.case("K=16, M=64", hidden=True)
-    def _(answer):
-        expect_close(answer(16, 64), 15 / 79, "bubble_fraction(16, 64)")
-
-A case added this way is hidden unless it says ``hidden=False``; a file may also declare new
-exercises with the full ``exercise(...)`` form. Case names must be unique within an exercise
-(a later case with the same name replaces the earlier one).
-
-A case may carry its own hint, shown instead of the exercise's hint when that case is the first
-to fail: ``@ex.case("M=0 is refused", hint="What is a bubble for zero microbatches?")``.
-``ex.hint2``, a second and more specific hint, follows the first from the second failed ``check``
-of the same exercise in a session (:func:`labkit.grading.runner.check`). Hints lead (the concept,
-the notebook section, the invariant that fails, a question); they never give the answer, in code,
-as a formula or in words: no API the solution calls, and at most one of its steps named
-(``tests/grading/test_grading_hints.py`` compares every hint with the solution notebooks in tokens).
-``ex.hint_review = "leads: <what the hints ask or name>; reviewed <date>"`` records that a person
-read the hints against the solution; every exercise needs one.
-
-Points: an exercise's ``points`` are all-or-nothing: the grader awards them only when every
-case of the exercise (public and hidden) passes; a case carries no share of its own (a wrong
-answer must not earn points from cases that cannot show its bug). Each case is still listed in
-the results, passed or failed with its message.
+Writing exercises, hints and cases, step by step: ``docs/authoring.md``. Hidden case files
+(``LABKIT_HIDDEN_CASES``, read by :func:`load_all`): ``docs/instructors.md``; a file there looks up an
+exercise by id (``exercise("1.1")``) and adds cases, hidden unless ``hidden=False``; a case with
+the name of an earlier one replaces it.
 """
 from __future__ import annotations
 
@@ -695,15 +660,7 @@ def _how_tensors_differ(got, expected, exact: bool, rtol: float, atol: float) ->
 
     if n > 1:
         text += f"; around it: expected {window(e)}, got {window(g)}"
-    try:  # a wrong scale (loss not divided by M, bias added t times, ...) is worth naming
-        denom = float((ed * ed).sum())
-        if denom > 0 and torch.isfinite(gd).all():
-            ratio = float((gd * ed).sum()) / denom
-            if abs(ratio - 1) > 1e-3 and torch.allclose(gd, ratio * ed, rtol=1e-4, atol=1e-7):
-                text += f"; got is {_num(round(ratio, 4))} x expected everywhere"
-    except (RuntimeError, TypeError):
-        pass
-    return text
+    return text + _tensor_factor(got, expected)  # a wrong scale (loss not divided by M, ...) is worth naming
 
 
 @contextlib.contextmanager

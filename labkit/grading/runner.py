@@ -32,7 +32,7 @@ from .kernel import GRADING_ENV, register
 from .proxy import Answer, CaseTimeout, KernelFailure, LocalBackend, ReferenceImplementationUsed, set_deadline
 from .registry import Case, CheckFailure, Exercise, get_exercise
 
-__all__ = ["CaseResult", "CheckResult", "run_case", "evaluate", "format_line", "STRICT_ENV"]
+__all__ = ["CaseResult", "CheckResult", "run_case", "evaluate", "result_of", "format_line", "STRICT_ENV"]
 
 STRICT_ENV = "LABKIT_STRICT"  # "1": check() raises when an exercise is not passed
 SECOND_HINT_AFTER = 2  # failed check() calls of one exercise before its second hint (Exercise.hint2) shows
@@ -291,14 +291,16 @@ def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False,
             results += [CaseResult(c.name, c.hidden, "failed", "not run (an earlier case failed)")
                         for c in chosen[i + 1:]]
             break
-    passed = sum(r.status == "passed" for r in results)
-    if any(r.status == "not_attempted" for r in results):
-        status = "not_attempted"
-    elif passed == len(chosen):
-        status = "passed"
-    else:
-        status = "failed"
-    res = CheckResult(ex.id, status, passed, len(chosen), "", results)
+    return result_of(ex, results, len(chosen))
+
+
+def result_of(ex: Exercise, cases: list[CaseResult], total: int) -> CheckResult:
+    """The :class:`CheckResult` of ``ex`` from its case results (``total`` cases asked for): not
+    attempted when one found the stub, passed when all ``total`` passed, else failed."""
+    passed = sum(r.status == "passed" for r in cases)
+    status = ("not_attempted" if any(r.status == "not_attempted" for r in cases) else
+              "passed" if passed == total else "failed")
+    res = CheckResult(ex.id, status, passed, total, "", cases)
     res.message = format_line(ex, res)
     return res
 

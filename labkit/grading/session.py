@@ -1,43 +1,24 @@
 """The learner's kernel as the grader sees it: started, fed cells, asked for data, killed.
 
 The grader starts an IPython kernel itself (no nbclient) so it controls everything the
-submission could abuse:
+submission could abuse (the threats and the tests that show each: ``docs/grading.md``):
 
-* **user**: when the grader runs as root, each kernel runs under a uid of its own
-  (:class:`~labkit.grading.contain.UidLease`; no passwd entry needed) with the limits of
-  :class:`~labkit.grading.contain.Limits`, so it can neither signal the grader or another
-  submission nor write the results file. It starts through :mod:`labkit.grading._jail` in
-  private mount and IPC namespaces: fresh tmpfs on /tmp, /var/tmp and /dev/shm (its HOME is
-  :data:`PRIVATE_HOME` in there), Python and the kit reachable even when they sit in a folder
-  others cannot enter (e.g. ``/root/.pyenv``), and :func:`secret_paths` covered by empty
-  mounts; under cgroup v2 also in a cgroup of its own. Without ``unshare`` it starts directly
-  as that uid (a private HOME/TMPDIR folder, no private /tmp). As any other user, isolation is
-  partial (:func:`isolation_note` says what is left open): the kernel runs as that user, in
-  user, mount and IPC namespaces of its own when ``unshare --user`` works (``--keep-user`` of
-  :mod:`labkit.grading._jail`: private /tmp, /var/tmp, /dev/shm, the secrets covered, every
-  capability dropped), else as a plain process of that user.
-* **process tree**: the kernel starts a new session (its own process group) and carries a fresh
-  ``LABKIT_KERNEL_MARK`` in its environment (inherited by all it starts); at the end the
-  grader kills that group, every process of that session, every process carrying the mark
-  (a daemon that left the session) and every process orphaned to the grader (its subreaper)
-  since the kernel started, in any state (a leader in state Z whose threads run), reaping the
-  dead; as root then every process of the kernel's uid (and cgroup), and the files it owns in
-  the shared temporary folders (:mod:`labkit.grading.contain`), so nothing the submission
-  started outlives grading.
-* **output**: nobody subscribes to the kernel's IOPub channel, so a flood of output is dropped
-  by ZMQ instead of filling the grader's memory; only execute replies (status, error name and
-  value) come back, over a shell socket whose message size is capped.
-* **time**: each cell has a limit; past it the kernel gets SIGINT, and if it still does not
-  answer within :data:`INTERRUPT_GRACE` seconds, it is killed (the grader then starts a fresh
-  kernel and replays the cells that ran, see :mod:`labkit.grading.grader`).
-* **environment**: built from an allow-list (:data:`KERNEL_ENV`: ``PATH``, the locale, the
-  Python and thread settings), so no token or path of the grader's environment reaches it;
-  ``LABKIT_GRADING=1`` tells ``check`` to register answers instead of judging them. The kernel
-  is not told where the results go.
-* **files** (in the kernel's mount namespace, as root or with user namespaces): the grader's
-  exercise modules, reference list and hidden cases, the solved notebooks shipped with the kit
-  (``labkit/_solutions``) and every submission and results file of the grading or batch
-  (:data:`PRIVATE_ENV`) are covered (:func:`secret_paths`).
+* **user**: as root, a uid of its own per kernel (:class:`~labkit.grading.contain.UidLease`),
+  with :class:`~labkit.grading.contain.Limits`, started through :mod:`labkit.grading._jail` in
+  private mount, IPC and network namespaces and a file system of its own (its HOME is
+  :data:`PRIVATE_HOME` in a private /tmp; :func:`secret_paths` covered), in a cgroup of its own
+  under cgroup v2. :func:`isolation_problem` is the self-check at start; as any other user
+  isolation is partial and :func:`isolation_note` says what is left open.
+* **process tree**: a new session and a fresh ``LABKIT_KERNEL_MARK`` in its environment; at the
+  end :meth:`KernelSession.kill` kills the group, the session, the marked processes and the
+  orphans reparented to the grader (its subreaper), in any state, and reaps them; as root then
+  every process and file of its uid (:mod:`labkit.grading.contain`).
+* **output**: nobody subscribes to IOPub, so a flood is dropped by ZMQ; only execute replies
+  come back, over a shell socket whose message size is capped.
+* **time**: past a cell's limit the kernel gets SIGINT, then after :data:`INTERRUPT_GRACE`
+  seconds it is killed (the grader replays the cells that ran in a fresh kernel).
+* **environment**: an allow-list (:data:`KERNEL_ENV`); ``LABKIT_GRADING=1`` tells ``check`` to
+  register answers. The kernel is not told where the results go.
 """
 from __future__ import annotations
 
@@ -57,7 +38,7 @@ from .kernel import GRADING_ENV
 from .proxy import CaseTimeout, KernelFailure, request_kernel
 from .registry import HIDDEN_ENV
 
-__all__ = ["KernelUser", "kernel_user", "isolation_problem",
+__all__ = ["KernelUser", "kernel_user", "isolation_problem", "place_problem",
            "KernelSession", "KernelStartTimeout", "KernelStartError", "isolation_note",
            "INTERRUPT_GRACE"]
 
@@ -92,11 +73,6 @@ MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 # and the kit, so no cell's time limit pays for them
 WARM_UP = ("import sys\nsys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
            "import torch, labkit.grading.kernel")
-# for a submission that names matplotlib (none else can reach its rcParams: no computed import, no module
-# reached through another's attribute): pyplot's backend resolved now, so a backend named later in rcParams
-# ("module://name", computed) is never imported (matplotlib imports rcParams["backend"] when pyplot first
-# needs a backend). 0.4 s per kernel, so only where matplotlib is named
-PLOTS_WARM_UP = "\nimport matplotlib.pyplot\nmatplotlib.pyplot.switch_backend('Agg')\ndel matplotlib"
 PRIVATE_HOME = "/tmp/labkit-home"  # the kernel's HOME, inside its private /tmp (jail mode)
 
 
@@ -313,13 +289,59 @@ def secret_files() -> list[str]:
     return out
 
 
+def place_problem() -> str:
+    """What this machine lacks for the grader to run and clean up at all ("" when nothing): a
+    mounted /proc (every process a submission starts is found, killed and reaped through it),
+    /dev/null and a temporary folder. One line with the cause and the fix; checked before the
+    isolation self-check and not waived by ``--allow-partial-isolation`` (without /proc nothing
+    the kernel starts could be found again)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return ("/proc is not mounted here (a chroot or container without it?): the grader finds, kills and reaps "
+                "every process a submission starts through /proc. Fix: mount it before grading "
+                "(mount -t proc proc /proc, or from outside a chroot: mount -t proc proc DIR/proc)")
+    if not os.path.exists("/dev/null"):
+        return ("/dev/null is missing here (a chroot without /dev?). Fix: mount /dev before grading "
+                "(from outside a chroot: mount --rbind /dev DIR/dev)")
+    try:
+        tempfile.gettempdir()
+    except (OSError, FileNotFoundError) as e:
+        return (f"no usable temporary folder ({e}). Fix: create /tmp (mode 1777) or set TMPDIR to a folder "
+                f"root may write")
+    return ""
+
+
+_CAP_SYS_ADMIN = 21
+
+
+def _capable(cap: int) -> bool:
+    """Whether this process's effective capabilities hold ``cap`` (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as f:
+            eff = next(int(l.split()[1], 16) for l in f if l.startswith("CapEff:"))
+        return bool(eff >> cap & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return True
+
+
+def _root_is_a_mount_point() -> bool:
+    """Whether ``/`` is a mount point (not so in a chroot made in a plain folder): only then can a
+    new mount namespace make its mounts private (``unshare --propagation private``)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(l.split()[4] == "/" for l in f if len(l.split()) > 4)
+    except OSError:
+        return True
+
+
 def isolation_problem(limits: Limits | None = None) -> str:
     """The self-check a grader runs before grading ("" when it passed): as root, a kernel must run
     as a uid of its own in a jail with a file system of its own (:func:`kernel_user` proved,
     with a probe in exactly that jail, that this uid starts Python and imports the kit), else
     this returns one line naming the cause and the fix, and the grader stops (exit 2) rather
     than run a submission as root or claim isolation it lacks. A non-root grader is never
-    refused: :func:`isolation_note` says what its partial isolation leaves open."""
+    refused: :func:`isolation_note` says what its partial isolation leaves open. Causes named:
+    no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
+    folder is not a mount point, Python or the kit unreadable by other uids."""
     if os.geteuid() != 0:
         return ""
     user = kernel_user(limits)
@@ -328,6 +350,18 @@ def isolation_problem(limits: Limits | None = None) -> str:
     import labkit
 
     where = ", ".join(dict.fromkeys([sys.prefix, os.path.dirname(os.path.abspath(labkit.__file__))]))
+    partial = ("or pass --allow-partial-isolation to grade with the weaker isolation the output then describes "
+               "(a uid of its own per kernel where Python and the kit are readable by other users, but no file "
+               "system of its own: labkit's references are not withheld)")
+    if not _capable(_CAP_SYS_ADMIN):
+        return ("cannot isolate the submissions' kernels: the grader runs as root without CAP_SYS_ADMIN (the default "
+                "of a Docker container), so it can make no private mount namespace for them. Fix: run the container "
+                "with --cap-add SYS_ADMIN and a seccomp profile that allows unshare and mount (e.g. --security-opt "
+                f"seccomp=unconfined); {partial}")
+    if not _root_is_a_mount_point():
+        return ("cannot isolate the submissions' kernels: / is not a mount point (a chroot made in a plain folder), "
+                "so the kernels' mounts could not be kept private to them. Fix: make the chroot's folder a mount "
+                f"point before entering it (mount --bind DIR DIR); {partial}")
     if user is None:
         cause = "; ".join(_UNUSABLE) or "no unprivileged uid could run the kernel"
     elif not user.jail:
@@ -336,8 +370,7 @@ def isolation_problem(limits: Limits | None = None) -> str:
         cause = f"no file system of its own for the kernel ({'; '.join(_NO_NEW_ROOT) or 'the probe failed'})"
     return (f"cannot isolate the submissions' kernels: {cause}. Fix: run the grader as root where "
             f"`unshare --mount --ipc --net` works (a container needs CAP_SYS_ADMIN) and make Python and the kit "
-            f"({where}) readable by other users (chmod o+rX on them and their folders); or pass "
-            f"--allow-partial-isolation to grade with the weaker isolation the output then describes")
+            f"({where}) readable by other users (chmod o+rX on them and their folders); {partial}")
 
 
 def isolation_note(user: KernelUser | None) -> str:
@@ -369,9 +402,11 @@ def isolation_note(user: KernelUser | None) -> str:
                 + (f"; no file system of its own ({_NO_NEW_ROOT[0]}): the rest of the checkout is readable"
                    if _NO_NEW_ROOT else ""))
     if user is not None:
-        return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits, but "
-                + "; ".join(_UNUSABLE) + ": no private /tmp, and the grader's exercise code is readable by it "
-                "unless its folder is readable by root only")
+        return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits (it "
+                "cannot signal the grader or write the results), but " + "; ".join(_UNUSABLE) + ": no file system "
+                "of its own, so the assignment's labkit references are NOT withheld (an answer that calls one earns "
+                "its points); it shares /tmp, the network and the view of /proc with the grader, and reads whatever "
+                "other users may read (a warning names each of the grader's files it can read)")
     why = f" ({'; '.join(_UNUSABLE)})" if _UNUSABLE else ""
     return (f"isolation is partial: the grader is not root{why}, so the submission's kernel runs as the same user; "
             "code in it could signal the grader, read files this user can read (hidden cases, the grader's "
@@ -506,7 +541,7 @@ def _open_tmp() -> str | None:
 class KernelSession:
     """One learner kernel (see the module docstring). ``cwd``: its working directory."""
 
-    def __init__(self, cwd: str, user: KernelUser | None = None, plots: bool = True, kit: str | None = None):
+    def __init__(self, cwd: str, user: KernelUser | None = None, kit: str | None = None):
         self.lease = self.cgroup = None
         if user is not None and not user.userns:  # a uid of its own: no other kernel, of any grader, has it
             self.lease = UidLease()
@@ -519,7 +554,6 @@ class KernelSession:
         self.kc = None
         self.info = None
         self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
-        self.plots = plots  # the submission names matplotlib: PLOTS_WARM_UP too
         self.kit = kit  # the kit's folder the kernel imports (the grader's copy; jail mode with newroot only)
         self.sockets = None  # jail mode: the folder of the kernel's Unix sockets (its channels, the relay's)
         self.sockets_mounted = False  # as root that folder is a tmpfs of 1 MiB and 64 files (its uid may write it)
@@ -640,8 +674,7 @@ class KernelSession:
 
     def _warm_up(self, deadline: float, budget: bool) -> None:
         """Import torch and the kit before the first cell, so no cell's time limit pays for it."""
-        mid = self.kc.execute(WARM_UP + (PLOTS_WARM_UP if self.plots else ""), silent=True, store_history=False,
-                              allow_stdin=False)
+        mid = self.kc.execute(WARM_UP, silent=True, store_history=False, allow_stdin=False)
         while self.alive():
             left = deadline - time.monotonic()
             if left <= 0:

@@ -86,7 +86,7 @@ from . import (
     write_bytes_atomic,
 )
 from .harness import Lab, Launch, Reference, Report, add_shared_options, execute, lockstep, run, train_reference
-from .threed_setup import _batch, _config, _loss, _model, _moe_config, _v, padded_documents  # noqa: F401
+from .threed_setup import RankMeasures, _batch, _config, _loss, _model, _moe_config, _v, padded_documents  # noqa: F401
 
 TITLE = "Train the GPT with TP x PP x DP on one process grid and prove it equals one device."
 
@@ -256,22 +256,13 @@ def _with_flags(message: str) -> str:
 
 
 @dataclass
-class RankResult:
-    """One rank's measurements. ``memory``: peak bytes ``{"params", "grads", "optimizer"}``;
-    ``comm``: per step ``{axis: {kind: (count, bytes)}}`` counted by :class:`labkit.comm.CommLog`;
-    ``wire``: per step ``{axis: bytes sent}`` under the ring algorithms; ``expected``: the
-    formulas' counts of one step; ``seconds``: wall time of the timed steps (1..); ``overlap``:
+class RankResult(RankMeasures):
+    """One rank's measurements: what every rank reports (:class:`RankMeasures`; ``comm`` counted by
+    :class:`labkit.comm.CommLog`), and ``memory``: peak bytes ``{"params", "grads", "optimizer"}``;
+    ``expected``: the formulas' counts of one step; ``seconds``: wall time of the timed steps (1..); ``overlap``:
     per step, the share of the DP all-reduce hidden behind backward; ``timelines``: per step the
     pipeline's measured ``(action, start, end)`` (ranks d0 t0 only, else None); ``verdict``: rank
-    0's :class:`labkit.labs.verdict.LockstepResult` (None elsewhere); ``last``: holds the last stage."""
-    rank: int
-    tp_rank: int
-    dp_rank: int
-    pp_rank: int
-    last: bool
-    losses: list
-    comm: list
-    wire: list
+    0's :class:`labkit.labs.verdict.LockstepResult` (None elsewhere)."""
     expected: dict
     seconds: float
     overlap: list

@@ -1,13 +1,32 @@
 """What one ``lab 3d`` run trains, shared by labkit's implementation (:mod:`labkit.labs.threed`) and
 PyTorch's (:mod:`labkit.labs.threed_torch`): the single-device model and its loss, the batches (with
-``--ignore-frac``, padded documents) and the chunks per rank. Neither of those modules imports the other."""
+``--ignore-frac``, padded documents), the chunks per rank, and what every rank reports
+(:class:`RankMeasures`). Neither of those modules imports the other."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..pipeline.registry import lookup
 
-__all__ = ["padded_documents"]
+__all__ = ["RankMeasures", "padded_documents"]
+
+
+@dataclass
+class RankMeasures:
+    """What every rank of a ``lab 3d`` run reports, whichever implementation trained it: its place on the
+    grid (``rank``, ``tp_rank``, ``dp_rank``, ``pp_rank``; ``last``: it holds the last stage), ``losses``
+    (this DP rank's per step, on the last stage; else None), and per step ``comm``
+    (``{axis: {kind: (count, bytes)}}``) and ``wire`` (``{axis: bytes sent}`` under the ring algorithms)."""
+    rank: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    last: bool
+    losses: list
+    comm: list
+    wire: list
 
 
 def _v(a) -> int:

@@ -19,25 +19,17 @@ from dataclasses import dataclass
 import torch
 
 from ..labs.harness import lockstep
+from .threed_setup import RankMeasures
 
 __all__ = ["TorchRankResult", "torch_worker", "torch_bad_args", "side_by_side", "torch_run_name"]
 
 
 @dataclass
-class TorchRankResult:
-    """One rank of the torch-native run: coordinates, ``losses`` (this DP rank's, last stage; else
-    None), ``comm``/``wire`` per step (``{axis: {kind: (count, bytes)}}`` / ``{axis: bytes}``),
+class TorchRankResult(RankMeasures):
+    """One rank of the torch-native run: what every rank reports (:class:`RankMeasures`), and
     ``seconds`` (the timed steps: 1.. without the counting of the last step), ``timed``: how many,
     ``memory`` (peak ``{"params", "grads", "optimizer"}`` bytes),
     ``verdict`` (rank 0's LockstepResult, else None)."""
-    rank: int
-    tp_rank: int
-    dp_rank: int
-    pp_rank: int
-    last: bool
-    losses: list
-    comm: list
-    wire: list
     seconds: float
     memory: dict
     verdict: object

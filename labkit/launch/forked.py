@@ -173,10 +173,14 @@ def _worker(fn, args, rank, world_size, backend, store_path, timeout, conn, star
     status = "ok"
     try:
         _die_with_parent(parent_pid)
-        # the parent handles Ctrl-C (it stops every worker); SIGTERM kills a worker at once
+        # Ctrl-C and a closed terminal (SIGHUP) reach the whole process group: the parent acts on them (it
+        # stops every worker and says why, or, started under nohup, ignores SIGHUP and the launch runs on), so
+        # a rank never dies of them first, whichever process runs first (a rank killed by the group's SIGHUP
+        # was reported as a failed rank, exit 1). SIGTERM kills a worker at once (the parent's _kill_all sends
+        # it); a worker whose parent died dies with it (PDEATHSIG above)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a closed terminal: as SIGTERM
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by the parent across the fork
         if err_fd is not None:  # stderr goes through the parent, which keeps its last lines
             try:
@@ -331,32 +335,36 @@ def _launch_workers(mpctx, fn, world_size, args, backend, timeout, start_method,
             reaper = _start_folder_reaper(folder)
         store = os.path.join(folder, "store")
         for rank in range(world_size):
-            recv_end, send_end = mpctx.Pipe(duplex=False)
-            err_r, err_w = os.pipe() if start_method == "fork" else (None, None)
-            p = mpctx.Process(
-                target=_worker,
-                args=(fn, args, rank, world_size, backend, store, timeout, send_end, start_method,
-                      os.getpid(), err_w, make_context),
-                daemon=True,
-            )
-            # SIGINT/SIGTERM blocked across the fork: the child inherits the mask, so a signal that lands
-            # before it set its own handlers waits in the kernel instead of running this process's
-            # handler in the child (or being dropped by Python's after-fork code); _worker unblocks
-            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-            try:
-                p.start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-                if err_w is not None:
-                    os.close(err_w)
-                    err_fds[err_r] = rank
-            send_end.close()
-            procs.append(p)
-            conns[recv_end] = rank
+            # a rank started is a rank known to the clean-up below: a stop landing between the fork and
+            # ``procs.append`` would leave that rank running (in a notebook, until its timeout)
+            with _signals_deferred():
+                recv_end, send_end = mpctx.Pipe(duplex=False)
+                err_r, err_w = os.pipe() if start_method == "fork" else (None, None)
+                p = mpctx.Process(
+                    target=_worker,
+                    args=(fn, args, rank, world_size, backend, store, timeout, send_end, start_method,
+                          os.getpid(), err_w, make_context),
+                    daemon=True,
+                )
+                # the stop signals blocked across the fork: the child inherits the mask, so a signal that lands
+                # before it set its own handlers waits in the kernel instead of running this process's
+                # handler in the child (or being dropped by Python's after-fork code); _worker unblocks
+                old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+                try:
+                    p.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                    if err_w is not None:
+                        os.close(err_w)
+                        err_fds[err_r] = rank
+                send_end.close()
+                procs.append(p)
+                conns[recv_end] = rank
         if err_fds:
-            tails = _StderrTails(err_fds)
-            tails.start()
-            err_fds = {}
+            with _signals_deferred():  # the forwarder started and known together (the clean-up joins it)
+                forwarder = _StderrTails(err_fds)
+                forwarder.start()
+                tails, err_fds = forwarder, {}
 
         def died(rank, proc):
             proc.join(0.5)

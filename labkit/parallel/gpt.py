@@ -83,7 +83,6 @@ What the planner reads (helper functions returning data, no printing):
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 from dataclasses import replace
 from functools import partial
 
@@ -748,22 +747,12 @@ class ParallelGPT:
         return "other"
 
     def comm_by_axis(self, records) -> dict:
-        """``{axis: {kind: (count, bytes)}}`` of CommLog records (this rank's)."""
-        out: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-        for r in records:
-            c = out[self.axis_of(r)][r.kind]
-            c[0] += 1
-            c[1] += r.nbytes
-        return {a: {k: tuple(v) for k, v in kinds.items()} for a, kinds in out.items()}
+        """``{axis: {kind: (count, bytes)}}`` of CommLog records (this rank's; :func:`labkit.comm.count_by_axis`)."""
+        return comm.count_by_axis(records, self.axis_of)
 
     def wire_by_axis(self, records) -> dict:
-        """``{axis: bytes}`` this rank sends under the ring algorithms
-        (:func:`labkit.comm.ring_wire_bytes`: an all-reduce of P bytes over d ranks sends
-        2(d-1)/d * P, a receive nothing)."""
-        out: dict = defaultdict(int)
-        for r in records:
-            out[self.axis_of(r)] += comm.ring_wire_bytes(r)
-        return dict(out)
+        """``{axis: bytes}`` this rank sends under the ring algorithms (:func:`labkit.comm.wire_bytes_by_axis`)."""
+        return comm.wire_bytes_by_axis(records, self.axis_of)
 
     def expected_comm(self, batch: int, seq: int, bytes_per_element: int = 4) -> dict:
         """What the planner (:func:`labkit.plan.comm.comm_per_rank`, the one home of these

@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections import defaultdict
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..comm import CommRecord, ring_wire_bytes
+from ..comm import CommRecord, count_by_axis, wire_bytes_by_axis
 from ..grid import Mesh
 from ..model import GPT
 from ..pipeline.stages import stage_layers
@@ -399,20 +398,13 @@ class TorchNativeGPT:
         return "other"
 
     def comm_by_axis(self, records) -> dict:
-        """``{axis: {kind: (count, bytes)}}`` of :class:`TorchCommLog` records (this rank's)."""
-        out: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-        for r in records:
-            c = out[self.axis_of(r)][r.kind]
-            c[0] += 1
-            c[1] += r.nbytes
-        return {a: {k: tuple(v) for k, v in kinds.items()} for a, kinds in out.items()}
+        """``{axis: {kind: (count, bytes)}}`` of :class:`TorchCommLog` records (this rank's;
+        :func:`labkit.comm.count_by_axis`)."""
+        return count_by_axis(records, self.axis_of)
 
     def wire_by_axis(self, records) -> dict:
-        """``{axis: bytes}`` this rank sends under the ring algorithms (:func:`labkit.comm.ring_wire_bytes`)."""
-        out: dict = defaultdict(int)
-        for r in records:
-            out[self.axis_of(r)] += ring_wire_bytes(r)
-        return dict(out)
+        """``{axis: bytes}`` this rank sends under the ring algorithms (:func:`labkit.comm.wire_bytes_by_axis`)."""
+        return wire_bytes_by_axis(records, self.axis_of)
 
 
 def _group_ranks(submesh) -> list:

@@ -10,26 +10,9 @@ import textwrap
 import time
 
 from procs import live_processes
+from test_torchrun_faults import SCRIPT as AT_WORK  # at work: rank 0 blocked in a gloo receive (C++)
 from test_torchrun_faults import _labkit_lines, _port, _torchrun
 
-AT_WORK = textwrap.dedent("""
-    import os, sys, time
-    import labkit  # noqa: F401 - under torchrun: the stop guard
-    import torch
-    import torch.distributed as dist
-    from labkit.dist import launch
-    from labkit.labs import run_cli
-
-    def fn(ctx, ready):
-        open(os.path.join(ready, f"{ctx.rank}-{os.getpid()}"), "w").close()
-        x = torch.zeros(1)
-        if ctx.rank == 0:
-            dist.recv(x, src=ctx.world_size - 1)   # blocked in a gloo receive (C++): no Python handler runs
-        else:
-            time.sleep(120)
-
-    sys.exit(run_cli(lambda: launch(fn, int(os.environ["WORLD_SIZE"]), sys.argv[1], timeout=90)))
-""")
 # start-up: labkit imported (as `-m labkit...` does first), torch not yet; the rank waits where a slow import would
 STARTING = textwrap.dedent("""
     import os, sys, time
