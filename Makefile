@@ -9,9 +9,8 @@ STAMP   := $(VENV)/.installed
 # 1873 CPU-s: a third worker's kernels and ranks only add switching); the notebooks: -n 3 as fast or faster
 PYTEST  := OMP_NUM_THREADS=1 $(VPY) -m pytest
 NBVAL_SOLUTIONS := LABKIT_STRICT=1 $(PYTEST) -q -p no:cacheprovider --nbval --nbval-current-env --nbval-kernel-startup-timeout 30 \
-	--nbval-sanitize-with .ci/nbval_sanitize.cfg -n 3 --dist loadscope --no-loadscope-reorder solutions/
-NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-kernel-startup-timeout 30 \
-	-n 3 --dist loadscope --no-loadscope-reorder notebooks/
+	--nbval-sanitize-with .ci/nbval_sanitize.cfg -n 3 --dist loadscope solutions/
+NBVAL_NOTEBOOKS := $(PYTEST) -q -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-kernel-startup-timeout 30 -n 3 --dist loadscope notebooks/
 
 # the Ctrl-C / SIGTERM tests run in a pytest process of their own: after the rest of the suite, a worker's signal
 # state (left by in-process runs of the commands) made them fail in the full run although each passes alone
@@ -39,12 +38,12 @@ test: $(STAMP)
 	$(VPY) -m labkit build --check
 	$(NBVAL_SOLUTIONS)
 	$(NBVAL_NOTEBOOKS)
-	$(UNIT) $(SIGNAL_TESTS:%=--deselect %)
+	$(PYTEST) -q -n 2 tests/ $(SIGNAL_TESTS:%=--deselect %)
 	$(PYTEST) -q -p no:cacheprovider $(SIGNAL_TESTS)
 
 # run just one part
 unit: $(STAMP)
-	$(UNIT) $(SIGNAL_TESTS:%=--deselect %)
+	$(PYTEST) -q -n 2 tests/ $(SIGNAL_TESTS:%=--deselect %)
 	$(PYTEST) -q -p no:cacheprovider $(SIGNAL_TESTS)
 notebooks: $(STAMP)
 	$(NBVAL_SOLUTIONS)
