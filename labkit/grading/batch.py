@@ -2,12 +2,12 @@
 
 Each submission is graded by its own ``python -m labkit grade SUBMISSION --results DIR/NAME.json``
 process (its own kernel, its own isolation and clean-up, exactly as for one notebook), N at a
-time (default: the cores). Each is forked from this process once it has imported torch and the
-grader and read the exercises and the kit's call graph (about 5 s of CPU that every submission
-would otherwise pay again); it runs no learner code before it forks. As each one finishes, one summary line is printed
-(``[3/6] alice.ipynb: 12/14 points (21 s)``). The gradebook is a CSV with one row per
-submission: its file, one column per exercise (the exercise ids of the graded notebook(s), in
-order; empty where a submission has no such exercise), the total, the maximum and ``error``.
+time (default: the cores). Each is forked from this process once it has imported torch and the grader,
+read the exercises and planned each assignment's withheld kit (about 6 s of CPU each would otherwise pay
+again); it runs no learner code before it forks, and leaves the integrity report to this process. As each
+one finishes, one summary line is printed (``[3/6] alice.ipynb: 12/14 points (21 s)``). The gradebook is
+a CSV with one row per submission: its file, one column per exercise (the exercise ids of the graded
+notebook(s), in order; empty where a submission has no such exercise), the total, the maximum and ``error``.
 A submission that could not be graded (not a notebook, the grader failed, or wrote no
 results) gets a row with ``error`` set, and the command then exits 1; a graded submission that
 scored 0 gets its reason there too (:func:`zero_reason`: not attempted, another notebook,
@@ -146,20 +146,21 @@ def gradebook_rows(entries: list[tuple[str, dict | None, str]]) -> tuple[list[st
     return ["submission"] + [f"exercise {inert(i)}" for i in ids] + ["total", "max", "error"], rows
 
 
-def _warm_up(options) -> None:
-    """What every submission's grader does first, done once here so that the forked graders inherit it."""
+def _warm_up(paths, assignment: str | None) -> None:
+    """What every submission's grader does first (torch, the exercises, the plan of its assignment's
+    withheld kit: the kit's source parsed once), done once here so that the forked graders inherit it."""
     import torch  # noqa: F401
     import torch.fx.experimental.symbolic_shapes  # noqa: F401  (runner.run_case imports it before a case forks)
 
-    from . import registry
+    from . import registry, withhold
+    from .which import _nbformat, _notebook_names  # also sets up nbformat as each grader does
 
-    sys.modules.setdefault("rfc3987_syntax", None)  # as grader._nbformat: jsonschema skips that checker (2 s)
-    import nbformat  # noqa: F401
-
+    for p in paths:
+        try:
+            withhold.kit_plan([assignment] if assignment else _notebook_names(_nbformat().read(str(p), 4), p))
+        except Exception:  # noqa: BLE001 - its grader says what is wrong with it
+            continue
     registry.all_exercises()
-    from .reach import _callers
-
-    _callers()  # the kit's call graph, which each submission's withheld kit is built from
 
 
 class _Grader:
@@ -181,7 +182,9 @@ class _Grader:
                 os.dup2(log.fileno(), 1)
                 os.dup2(log.fileno(), 2)
                 from ..__main__ import main
+                from . import grader
 
+                grader._print_integrity = lambda *_: None  # the batch writes one integrity report for all
                 code = main(["grade", *argv])
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 1
@@ -228,12 +231,11 @@ class _Grader:
         return self.returncode
 
 
-def _integrity(paths, results_dir: Path, options) -> None:
+def _integrity(paths, results_dir: Path, assignment: str | None) -> None:
     """``integrity.csv`` and ``integrity.html`` in ``results_dir`` (:mod:`labkit.grading.integrity`):
     for the instructor, never part of a score; a failure here is a warning, never a lost grade."""
     from .integrity import for_submissions, write_report
 
-    assignment = options[options.index("--assignment") + 1] if "--assignment" in options else None
     try:
         rows = for_submissions(paths, assignment, [str(p) for p in paths])
         csv_path, html_path = write_report(rows, results_dir)
@@ -248,9 +250,7 @@ def _integrity(paths, results_dir: Path, options) -> None:
 def _write_gradebook(path: Path, entries) -> None:
     header, rows = gradebook_rows(entries)
     with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(rows)
+        csv.writer(f).writerows([header, *rows])
 
 
 def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: int | None,
@@ -272,7 +272,8 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
     outs = [results_dir / f"{n}.json" for n in _result_names(paths)]
     from .session import add_private_paths
     add_private_paths([*paths, results_dir])   # every submission's kernel: none of the batch's files
-    _warm_up(options)
+    assignment = options[options.index("--assignment") + 1] if "--assignment" in options else None
+    _warm_up(paths, assignment)
     todo = list(range(len(paths)))
     running: dict[int, tuple[_Grader, float, object]] = {}
     done: dict[int, tuple[dict | None, str]] = {}
@@ -296,8 +297,7 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
         done[i] = (obj, err)
         head = f"[{len(done)}/{len(paths)}] {paths[i].name}: "
         if obj is not None:
-            total = sum(t["max_score"] for t in obj["tests"])
-            head += f"{obj['score']:g}/{total:g} points"
+            head += f"{obj['score']:g}/{sum(t['max_score'] for t in obj['tests']):g} points"
         print(head + (f"{'; ' if obj else ''}NOT GRADED: {err}" if err else "")
               + f" ({time.monotonic() - t0:.0f} s)", flush=True)
 
@@ -330,7 +330,7 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
         if tmp is not None:
             tmp.cleanup()
     if stopped_by:
-        cut = [i for i in sorted(running)]
+        cut = sorted(running)
         for i in cut:
             done[i] = (None, f"stopped: the batch was stopped by {stopped_by} while this submission was graded")
         for i in todo:
@@ -350,7 +350,7 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
         print(f"wrote {gradebook} ({len(paths)} submissions)")
     if tmp is None:
         print(f"results: one file per submission in {results_dir}")
-        _integrity(paths, results_dir, options)
+        _integrity(paths, results_dir, assignment)
     if failed:
         print(f"error: {len(failed)} of {len(paths)} submissions could not be graded: {', '.join(failed)}",
               file=sys.stderr)

@@ -198,14 +198,18 @@ def _secret_pass(wanted, results, due, cells, replay, launch, cell_timeout, dead
 
 def _kernel_kit(user, names):
     """The grader's copy of the kit for this submission's kernels (:mod:`labkit.grading.withhold`),
-    or None where kernels do not get a file system of their own. As root, the references of
+    or None where kernels do not get a file system of their own, nor a private kit (root without
+    CAP_SYS_ADMIN, the installed kit root-only: the kernel imports this copy). As root, the references of
     the exercises of ``names`` are withheld until graded; a non-root grader's kernel runs as its
     own user, who could read them, so its copy only leaves the grader's files out."""
-    if user is None or not user.jail or not user.newroot:
+    if user is None or not (user.jail and user.newroot or user.kit_private):
         return None
+    from .session import kit_folder
     from .withhold import build_kit
 
-    folder = tempfile.mkdtemp(prefix="labkit-kit-")
+    folder = tempfile.mkdtemp(prefix="labkit-kit-", dir=kit_folder(user))
+    if user.kit_private:  # no jail binds it: the kernel's uid imports it from here
+        os.chmod(folder, 0o755)
     try:
         return build_kit([] if user.userns else names, folder)
     except BaseException:  # a kit that could not be built leaves nothing in TMPDIR

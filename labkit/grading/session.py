@@ -7,7 +7,9 @@ submission could abuse (the threats and the tests that show each: ``docs/grading
   with :class:`~labkit.grading.contain.Limits`, started through :mod:`labkit.grading._jail` in
   private mount, IPC and network namespaces and a file system of its own (its HOME is
   :data:`PRIVATE_HOME` in a private /tmp; :func:`secret_paths` covered), in a cgroup of its own
-  under cgroup v2. :func:`isolation_problem` is the self-check at start; as any other user
+  under cgroup v2. Root without CAP_SYS_ADMIN (Docker's default): no namespaces; where the
+  installed kit is root-only, the kernel imports the grader's withheld copy
+  (:attr:`KernelUser.kit_private`). :func:`isolation_problem` is the self-check at start; as any other user
   isolation is partial and :func:`isolation_note` says what is left open.
 * **process tree**: a new session and a fresh ``LABKIT_KERNEL_MARK`` in its environment; at the
   end :meth:`KernelSession.kill` kills the group, the session, the marked processes and the
@@ -38,7 +40,7 @@ from .kernel import GRADING_ENV
 from .proxy import CaseTimeout, KernelFailure, request_kernel
 from .registry import HIDDEN_ENV
 
-__all__ = ["KernelUser", "kernel_user", "isolation_problem", "place_problem",
+__all__ = ["KernelUser", "kernel_user", "isolation_problem", "place_problem", "kit_folder",
            "KernelSession", "KernelStartTimeout", "KernelStartError", "isolation_note",
            "INTERRUPT_GRACE"]
 
@@ -86,6 +88,9 @@ class KernelUser:
     limits: Limits = Limits()
     userns: bool = False  # a non-root grader: its own uid, in a user namespace of its own (no uid change)
     newroot: bool = False  # jail mode: a file system of its own (_jail.py --root): of the checkout, the kit alone
+    # no jail (root without CAP_SYS_ADMIN): the installed kit is readable by root only, and the kernel imports the
+    # grader's copy (labkit.grading.withhold) from PYTHONPATH, so the references stay withheld without namespaces
+    kit_private: bool = False
 
     def command(self, cmd: list[str], cwd: str | None = None, options=(), kit: str | None = None,
                 stage: str | None = None) -> tuple[list[str], dict]:
@@ -152,7 +157,7 @@ def kernel_user(limits: Limits | None = None) -> KernelUser | None:
     user = _USER_CACHE[0]
     if user is not None and limits is not None:
         user = KernelUser(user.name, user.uid, user.gid, user.dedicated, user.jail, limits, user.userns,
-                          user.newroot)
+                          user.newroot, user.kit_private)
     return user
 
 
@@ -171,6 +176,11 @@ def _find_kernel_user() -> KernelUser | None:
                 return user
         user.jail = False
         ok, why2 = _probe(user)
+        if not ok:  # the installed kit root-only: the kernel on the grader's copy, whose references are withheld
+            user.kit_private = True
+            ok, why3 = _probe(user)
+            why2 = why2 if ok or "readable" not in why3 else why3
+            user.kit_private = ok
         if ok:
             _UNUSABLE[:] = [f"no private namespaces ({why})"]
             return user
@@ -210,7 +220,13 @@ def _try_new_root(user: KernelUser) -> None:
 
 
 PROBE = ("import os, sys, ipykernel, labkit.grading.kernel\n"
-         "print('labkit-probe', os.getuid(), os.geteuid(), os.path.dirname(labkit.__file__))")
+         "print('labkit-probe', os.getuid(), os.geteuid(), os.path.dirname(labkit.__file__))\n"
+         "for f in sys.argv[1:]:\n"
+         "    try:\n"
+         "        open(f).close()\n"
+         "        print('labkit-probe-readable', f)\n"
+         "    except OSError:\n"
+         "        pass")
 
 
 def _probe(user: KernelUser) -> tuple[bool, str]:
@@ -219,18 +235,25 @@ def _probe(user: KernelUser) -> tuple[bool, str]:
     temporary folders, home, hidden secrets, its own /proc and root), and does it run as a
     uid other than root when the grader is root? (ok, why not). Leaves nothing behind: its
     staging folder is removed."""
-    stage = tempfile.mkdtemp(prefix="labkit-probe-")
+    stage = tempfile.mkdtemp(prefix="labkit-probe-", dir=_open_tmp() if user.kit_private else None)
     os.chmod(stage, 0o755)
     try:
-        options = []
+        options, extra, env_kit = [], [], {}
+        if user.kit_private:  # the grader's copy of the kit on PYTHONPATH; the installed kit must stay unreadable
+            import labkit
+
+            from .withhold import build_kit
+
+            env_kit = {"PYTHONPATH": os.path.dirname(build_kit([], os.path.join(stage, "kit")).path)}
+            extra = [os.path.join(os.path.dirname(os.path.abspath(labkit.__file__)), "__init__.py")]
         if user.jail:
             options = [f"--tmp={2 ** 20}", f"--stage={stage}", f"--home={PRIVATE_HOME}",
                        *(f"--hide={p}" for p in secret_paths())]
             if not user.userns:
                 options.append("--hidepid=1")
-        argv, kw = user.command([sys.executable, *_no_user_site(), "-c", PROBE], options=options,
+        argv, kw = user.command([sys.executable, *_no_user_site(), "-c", PROBE, *extra], options=options,
                                 stage=stage if user.newroot else None)
-        env = {**kernel_environment(), "HOME": PRIVATE_HOME if user.jail else stage, "TMPDIR": "/tmp"}
+        env = {**kernel_environment(), "HOME": PRIVATE_HOME if user.jail else stage, "TMPDIR": "/tmp", **env_kit}
         probe = subprocess.run(argv, cwd="/", stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                timeout=120, env=env, **kw)
         if probe.returncode != 0:
@@ -240,6 +263,9 @@ def _probe(user: KernelUser) -> tuple[bool, str]:
             return False, "the probe printed nothing"
         if os.geteuid() == 0 and "0" in line[1:3]:
             return False, "the probe ran as root"
+        readable = [l.split(None, 1)[1] for l in probe.stdout.splitlines() if l.startswith("labkit-probe-readable ")]
+        if readable:
+            return False, f"the kernel's uid can read the installed kit ({readable[0]})"
         return True, ""
     except (OSError, subprocess.SubprocessError) as e:
         return False, f"{type(e).__name__}: {e}"
@@ -349,10 +375,11 @@ def isolation_problem(limits: Limits | None = None) -> str:
         return ""
     import labkit
 
-    where = ", ".join(dict.fromkeys([sys.prefix, os.path.dirname(os.path.abspath(labkit.__file__))]))
+    kit = os.path.dirname(os.path.abspath(labkit.__file__))
+    where = ", ".join(dict.fromkeys([sys.prefix, kit]))
     partial = ("or pass --allow-partial-isolation to grade with the weaker isolation the output then describes "
-               "(a uid of its own per kernel where Python and the kit are readable by other users, but no file "
-               "system of its own: labkit's references are not withheld)")
+               "(a uid of its own per kernel, no file system of its own; labkit's references are withheld only "
+               f"where the installed kit's folder is readable by root only: chmod 700 {kit})")
     if not _capable(_CAP_SYS_ADMIN):
         return ("cannot isolate the submissions' kernels: the grader runs as root without CAP_SYS_ADMIN (the default "
                 "of a Docker container), so it can make no private mount namespace for them. Fix: run the container "
@@ -401,6 +428,14 @@ def isolation_note(user: KernelUser | None) -> str:
                 "submission, read the grader's cases or write the results"
                 + (f"; no file system of its own ({_NO_NEW_ROOT[0]}): the rest of the checkout is readable"
                    if _NO_NEW_ROOT else ""))
+    if user is not None and user.kit_private:
+        return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits (it "
+                "cannot signal the grader or write the results), but " + "; ".join(_UNUSABLE) + ": no file system "
+                "of its own. The installed kit is readable by root only and the kernel imports the grader's copy, "
+                "with the assignment's labkit references withheld until their exercises are graded and no exercise "
+                "code, reference list or hidden case; it shares /tmp, the network and the view of /proc with the "
+                "grader, and reads whatever other users may read (a warning names each of the grader's files it "
+                "can read)")
     if user is not None:
         return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits (it "
                 "cannot signal the grader or write the results), but " + "; ".join(_UNUSABLE) + ": no file system "
@@ -514,6 +549,13 @@ class KernelStartError(RuntimeError):
     """The kernel process exited before it answered: no code of the submission had run in it."""
 
 
+def kit_folder(user: KernelUser | None) -> str | None:
+    """Where the grader makes the kernel's copy of the kit (:mod:`labkit.grading.withhold`): a folder every uid
+    can pass through where the kernel imports it from PYTHONPATH (:attr:`KernelUser.kit_private`), else the
+    default temporary folder (the jail binds it)."""
+    return _open_tmp() if user is not None and user.kit_private else None
+
+
 def _open_tmp() -> str | None:
     """A temporary folder every uid can pass through (each folder on its path ``o+x``), for a kernel's
     own folder (its sockets): TMPDIR when it is one, else the first of /tmp, /var/tmp, /dev/shm
@@ -545,7 +587,7 @@ class KernelSession:
         if user is not None and not user.userns:  # a uid of its own: no other kernel, of any grader, has it
             self.lease = UidLease()
             user = KernelUser(f"uid {self.lease.uid}", self.lease.uid, self.lease.gid, True, user.jail, user.limits,
-                              newroot=user.newroot)
+                              newroot=user.newroot, kit_private=user.kit_private)
         self.user = user
         self.dir = tempfile.mkdtemp(prefix="labkit-kernel-", dir=_open_tmp() if user is not None else None)
         self.cwd = self.dir if user is not None else cwd
@@ -626,6 +668,9 @@ class KernelSession:
                         os.chown(name, self.user.uid, self.user.gid)
                 env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
                            LOGNAME=self.user.name)
+                if self.kit and self.user.kit_private:  # the grader's copy before the (root-only) kit
+                    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(self.kit)]
+                                                        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
                 argv, kw = self.user.command(argv, self.cwd)
         _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
         kw.setdefault("preexec_fn", _pdeathsig)

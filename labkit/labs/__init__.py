@@ -209,6 +209,7 @@ def run_cli(main, *args, check_env: bool = True, stopped: str = "stopped; no ran
             return main(*args) or 0
         except KeyboardInterrupt:
             _ignore_signals()
+            _keyboard_interrupt_handled()
             print(f"interrupted (Ctrl-C): {stopped}", file=sys.stderr)
             return 130
         except Terminated as e:
@@ -305,6 +306,24 @@ def bad_memory(spec, lay, sizes: str, limit: int | None = None) -> str | None:
             f"and activations {_gib(run)}; the full fp32 model each rank builds before keeping its part "
             f"{_gib(build)}; the single-device reference and the verdict's copies {_gib(checks)}); "
             f"use smaller sizes")
+
+
+def _keyboard_interrupt_handled() -> None:
+    """Tell CPython that the KeyboardInterrupt was handled. It remembers one that left code it ran through its
+    ``PyRun_*`` calls (torch runs some of its start-up so, through pybind11) even when a caller caught it, and
+    then ends ``python -m labkit`` by SIGINT instead of with the status returned: exit -2, not 130, after a
+    Ctrl-C about 3 s into ``lab 3d`` (torch registering its operators). A ``PyRun_*`` call that ends without
+    an error forgets it; elsewhere than CPython this does nothing."""
+    try:
+        import ctypes
+        run = ctypes.pythonapi.PyRun_String
+    except (ImportError, AttributeError):
+        return
+    run.restype, run.argtypes = ctypes.py_object, [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object]
+    try:
+        run(b"None", 258, {}, {})  # 258: Py_eval_input
+    except Exception:  # noqa: BLE001 - only a wish to exit with the status returned
+        pass
 
 
 def _ignore_signals() -> None:

@@ -151,6 +151,10 @@ def chroot_dir():
         cell = next(c for c in nb["cells"] if c.get("id") == "01-05")
         cell["source"] = KERNEL_NOT_ROOT + "".join(cell["source"])
         (py.parents[2] / "solved-not-root.ipynb").write_text(json.dumps(nb))
+        # and one whose 1.1 hands over labkit's reference (it earns nothing where the reference is withheld)
+        cell["source"] = ("from labkit.pipeline.simulate import bubble_formula\n"
+                          "def bubble_fraction(K, M):\n    return float(bubble_formula(K, M))\n")
+        (py.parents[2] / "calls-reference.ipynb").write_text(json.dumps(nb))
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -160,7 +164,8 @@ def _binds() -> list[str]:
     return ["/usr", "/etc", sys.base_prefix, sysconfig.get_paths()["purelib"]]
 
 
-def _in_chroot(root: Path, *extra: str, proc=True, mount_point=True, docker=False) -> subprocess.CompletedProcess:
+def _in_chroot(root: Path, *extra: str, proc=True, mount_point=True, docker=False,
+               notebooks=("solved-not-root.ipynb",)) -> subprocess.CompletedProcess:
     """Grade the solved notebook in ``root`` as root, entered with ``chroot``: /proc mounted or not, the
     folder a mount point or a plain folder, and ``docker``: without CAP_SYS_ADMIN (Docker's default set,
     Gradescope's container) by ``setpriv``. TMPDIR is a folder of mode 700 in its /var/tmp."""
@@ -176,7 +181,7 @@ def _in_chroot(root: Path, *extra: str, proc=True, mount_point=True, docker=Fals
     grade = [*(["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin", "--"] if docker else []),
              "env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "TMPDIR=/var/tmp/td",
              "OMP_NUM_THREADS=1", shutil.which("chroot"), str(root), f"{INSIDE}/.venv/bin/python", "-m", "labkit",
-             "grade", f"{INSIDE}/solved-not-root.ipynb", "--assignment", "01_pipeline_bubble", "--cell-timeout",
+             "grade", *(f"{INSIDE}/{nb}" for nb in notebooks), "--assignment", "01_pipeline_bubble", "--cell-timeout",
              "120", *NO_POLICY, *extra]
     script = " && ".join(mounts) + " && exec " + " ".join(map(shlex.quote, grade))
     proc_ = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script],
@@ -222,13 +227,29 @@ def test_a_grader_in_a_plain_chroot_gives_full_marks_with_full_isolation_or_refu
 def test_a_grader_in_a_docker_like_container_refuses_or_grades_with_an_honest_weaker_isolation(chroot_dir):
     # root without CAP_SYS_ADMIN (Docker's default capability set): no mount namespace for the kernels
     _refused(_in_chroot(chroot_dir, docker=True), "without CAP_SYS_ADMIN", "--cap-add SYS_ADMIN",
-             "--allow-partial-isolation")
-    # the instructor accepts the weaker isolation: full marks, a kernel that is not root (its answer cell
-    # asserts it), and an output that claims nothing it lacks
-    proc = _in_chroot(chroot_dir, "--allow-partial-isolation", docker=True)
-    assert proc.returncode == 0 and "total 4/4 points" in proc.stdout, proc.stdout + proc.stderr
-    assert "isolation is partial: each kernel runs as a uid of its own" in proc.stdout, proc.stdout
+             "--allow-partial-isolation", "chmod 700")
+    # the instructor accepts the weaker isolation; with the installed kit readable by every uid the kernel could
+    # import its references, and the output says so (the learner notebook as shipped: no kernel start)
+    proc = _in_chroot(chroot_dir, "--allow-partial-isolation", docker=True,
+                      notebooks=("notebooks/01_pipeline_bubble.ipynb",))
+    assert proc.returncode == 0 and "total 0/4 points" in proc.stdout, proc.stdout + proc.stderr
     assert "references are NOT withheld" in proc.stdout and FULL not in proc.stdout, proc.stdout
+    # with the installed kit root-only, the kernel imports the grader's copy: the solved notebook gets full
+    # marks from a kernel that is not root (its answer cell asserts it), an answer calling the reference
+    # earns nothing, and the output claims nothing it lacks
+    kit = next((chroot_dir / INSIDE.lstrip("/") / ".venv" / "lib").glob("python3*/site-packages/labkit"))
+    os.chmod(kit, 0o700)
+    try:
+        proc = _in_chroot(chroot_dir, "--allow-partial-isolation", docker=True,
+                          notebooks=("solved-not-root.ipynb", "calls-reference.ipynb"))
+    finally:
+        os.chmod(kit, 0o755)
+    out = proc.stdout + proc.stderr
+    assert "solved-not-root.ipynb (01_pipeline_bubble): 4/4 points" in proc.stdout, out
+    assert "calls-reference.ipynb (01_pipeline_bubble): 2/4 points" in proc.stdout and "withheld" in out, out
+    assert "isolation is partial: each kernel runs as a uid of its own" in proc.stdout, out
+    assert "readable by root only and the kernel imports the grader's copy" in proc.stdout, out
+    assert FULL not in proc.stdout and "NOT withheld" not in proc.stdout, out
 
 
 def test_the_bundles_run_side_refuses_as_the_grader_does(tmp_path, monkeypatch, capsys):

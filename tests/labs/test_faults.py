@@ -272,3 +272,24 @@ def test_cleanup_deadline_holds_while_the_cores_are_loaded(tmp_path):
             except ProcessLookupError:
                 pass
             p.wait(10)
+
+
+PYRUN = textwrap.dedent("""
+    import ctypes, signal, sys
+    from labkit.labs import run_cli
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal, whatever started the test
+    run = ctypes.pythonapi.PyRun_String  # how pybind11 runs Python code for torch's start-up
+    run.restype, run.argtypes = ctypes.py_object, [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object]
+    sys.exit(run_cli(lambda: run(b"import os, signal; os.kill(os.getpid(), signal.SIGINT)", 257, {}, {})))
+""")
+
+
+def test_ctrl_c_in_code_run_by_cpythons_pyrun_still_exits_130(tmp_path):
+    """A Ctrl-C landing in code that CPython ran through PyRun_* (torch's start-up, by pybind11; a Ctrl-C
+    about 3 s into ``lab 3d``): ``python -m`` ends with the one line and 130, not by SIGINT (exit -2: CPython
+    remembered the KeyboardInterrupt that left that code although run_cli caught it)."""
+    (tmp_path / "ctrl_c_in_pyrun.py").write_text(PYRUN)
+    p = subprocess.run([sys.executable, "-m", "ctrl_c_in_pyrun"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert (p.returncode, p.stderr) == (130, "interrupted (Ctrl-C): stopped; no rank is left running\n")
