@@ -307,7 +307,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     release(-1)
 
     def launch():
-        s = KernelSession(str(path.parent.resolve()), user, kit=kit.path if kit is not None else None)
+        s = KernelSession(user, kit=kit.path if kit is not None else None)
         s.launch()
         return s
 
