@@ -666,16 +666,17 @@ class KernelSession:
                     self.cgroup = None  # no delegation here: the uid alone contains the kernel
             argv, kw = self.user.command(argv, sockets, options, kit=self.kit, stage=self.dir)
             self.cwd = "/"
-        else:  # IPython's startup files and matplotlib's rc of this kernel alone
+        else:  # IPython's startup files, matplotlib's rc, HOME and TMPDIR of this kernel alone (removed by kill):
+            # what the notebook writes there is gone after grading, and a uid with no home still starts a kernel
             for sub in ("tmp", "ipython", "mpl", "work"):
                 os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
-            env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-            if self.user is not None:  # a uid of its own without namespaces: its folder is its home
+            env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"),
+                       HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"))
+            if self.user is not None:  # a uid of its own without namespaces
                 for root, dirs, files in os.walk(self.dir):
                     for name in [root] + [os.path.join(root, n) for n in dirs + files]:
                         os.chown(name, self.user.uid, self.user.gid)
-                env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
-                           LOGNAME=self.user.name)
+                env.update(USER=self.user.name, LOGNAME=self.user.name)
                 if self.kit and self.user.kit_private:  # the grader's copy before the (root-only) kit
                     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(self.kit)]
                                                         + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
