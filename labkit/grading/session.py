@@ -118,7 +118,8 @@ class KernelUser:
         kit_dir = os.path.dirname(os.path.abspath(labkit.__file__))
         needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                   os.path.dirname(os.path.realpath(sys.executable))}
-        needed |= {p for p in sys.path if p and os.path.isdir(p)}
+        here = os.path.realpath(os.getcwd())  # `python -m` puts the grader's working folder on sys.path: the kernel
+        needed |= {p for p in sys.path if p and os.path.isdir(p) and os.path.realpath(p) != here}  # needs none of it
         if cwd:
             needed.add(cwd)
         if self.newroot and stage:
@@ -599,7 +600,7 @@ class KernelSession:
         self.dir = tempfile.mkdtemp(prefix="labkit-kernel-", dir=_open_tmp() if user is not None else None)
         self.work = os.path.join(self.dir, "work")  # the working folder without a jail (the jail's: PRIVATE_WORK)
         self.cwd = self.work
-        self.proc = None
+        self.proc = self.stderr = None
         self.kc = None
         self.info = None
         self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
@@ -683,9 +684,12 @@ class KernelSession:
                 argv, kw = self.user.command(argv, self.cwd)
         _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
         kw.setdefault("preexec_fn", _pdeathsig)
+        # the kernel's stderr: an unlinked file of the grader's (bounded by the kernel's RLIMIT_FSIZE), read only
+        # to say why a kernel exited while starting (before any cell ran)
+        self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr, cwd=self.cwd, env=env,
             start_new_session=True, close_fds=True, **kw)
         _KEEP.add(self.proc.pid)
         self._started = _processes().get(self.proc.pid, (0, 0, 0, 2 ** 62))[3]  # clock ticks since boot
@@ -714,7 +718,8 @@ class KernelSession:
             except queue.Empty:
                 pass
             if not self.alive():
-                raise KernelStartError(f"the kernel exited while starting (exit code {self.proc.poll()})")
+                raise KernelStartError(f"the kernel exited while starting (exit code {self.proc.poll()})"
+                                       + self._start_error())
             if time.monotonic() > deadline:
                 raise KernelStartTimeout(budget)
 
@@ -791,6 +796,15 @@ class KernelSession:
             pass
 
     # ------------------------------------------------------------------ end
+    def _start_error(self) -> str:
+        """': LAST LINE' of what the kernel wrote to stderr before it exited while starting ('' if nothing)."""
+        try:
+            self.stderr.seek(max(0, os.fstat(self.stderr.fileno()).st_size - 4096))
+            last = _first_line(self.stderr.read().decode("utf-8", "replace"))
+        except (OSError, ValueError, AttributeError):
+            return ""
+        return "" if last == "no output" else f": {last}"
+
     def kill(self) -> None:
         """Kill the kernel and everything it started: its process group, its session, its
         descendants, every process whose environment carries this kernel's :data:`MARK_ENV`
@@ -851,6 +865,8 @@ class KernelSession:
             subprocess.run(["umount", "--lazy", self.sockets], stdin=subprocess.DEVNULL, capture_output=True)
             self.sockets_mounted = False
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.stderr is not None:
+            self.stderr.close()
 
     def _end_containment(self) -> None:
         """Every process of the kernel's uid (and cgroup) killed and reaped, zombies included;
