@@ -362,19 +362,27 @@ def _root_is_a_mount_point() -> bool:
         return True
 
 
-def isolation_problem(limits: Limits | None = None) -> str:
+def isolation_problem(limits: Limits | None = None, allow_partial: bool = False) -> str:
     """The self-check a grader runs before grading ("" when it passed): as root, a kernel must run
     as a uid of its own in a jail with a file system of its own (:func:`kernel_user` proved,
     with a probe in exactly that jail, that this uid starts Python and imports the kit), else
     this returns one line naming the cause and the fix, and the grader stops (exit 2) rather
-    than run a submission as root or claim isolation it lacks. A non-root grader is never
-    refused: :func:`isolation_note` says what its partial isolation leaves open. Causes named:
-    no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
+    than run a submission as root or claim isolation it lacks. ``allow_partial``
+    (``--allow-partial-isolation``) waives every cause but one: a kernel that would run as root.
+    A non-root grader is never refused: :func:`isolation_note` says what its partial isolation
+    leaves open. Causes named: no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
     folder is not a mount point, Python or the kit unreadable by other uids."""
     if os.geteuid() != 0:
         return ""
     user = kernel_user(limits)
     if user is not None and user.jail and user.newroot and not user.userns:
+        return ""
+    if user is None:  # never waived: a kernel as root could rewrite the grader and its results
+        return ("cannot isolate the submissions' kernels: they would run as root ("
+                + ("; ".join(_UNUSABLE) or "no unprivileged uid could run the kernel")
+                + "). Fix: make Python and the kit readable by other users (chmod o+rX on them and their folders, "
+                  "or install them outside /root)")
+    if allow_partial:
         return ""
     import labkit
 
