@@ -252,6 +252,35 @@ def _untouched(nb, names: list[str]) -> bool:
     return code == ref
 
 
+def _answer_cell_broke(ex_id: str, cells, k: int, cell_problems: dict[int, str]) -> str:
+    """Why exercise ``ex_id``'s answer is not defined at its grading point (code cell ``k``) when the
+    reason is an earlier cell: the last cell before ``k`` that defines the answer ran past the time
+    limit, raised or killed the kernel (its definition is lost, and a fresh kernel does not replay it);
+    "" when that is not so (the NameError is then the learner's own)."""
+    from .assignments import answer_name, defines
+
+    name = answer_name(ex_id, cells)
+    if not name:
+        return ""
+    for j in range(k - 1, -1, -1):
+        idx, src = cells[j]
+        if defines(src, name):
+            problem = cell_problems.get(idx)
+            return (f"not attempted: the cell that defines {name} (cell {idx + 1}) did not finish: {problem}"
+                    if problem else "")
+    return ""
+
+
+def _did_not_run(ex_id: str, cells, k: int, problem: str) -> str:
+    """Why exercise ``ex_id``, graded after code cell ``k`` of ``cells``, was not: that cell broke
+    (``problem``), and it is the exercise's ``check`` cell or the one that defines its answer."""
+    from .assignments import _check_pattern, answer_name
+
+    if _check_pattern(ex_id).search(cells[k][1]):
+        return f"not attempted: check(\"{ex_id}\", ...) did not run: {problem}"
+    return f"not attempted: the cell that defines {answer_name(ex_id, cells) or 'the answer'} did not finish: {problem}"
+
+
 def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                    assignment: str | None = None, time_budget: float | None = None,
                    limits=None, hints: bool = True) -> NotebookGrade:
@@ -259,19 +288,13 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
 
     ``assignment`` (e.g. "02_gpipe") pins the notebook whose exercises count, whatever the
     submission holds (:mod:`labkit.grading.assignments`); None reads it from the submission
-    (metadata, file name, check calls). A notebook whose code is the shipped learner version's,
-    unedited, grades 0 ("not attempted") without a kernel. Each code cell up to the last grading point runs once,
-    in order (the cells after it cannot change a grade, so they do not run); each exercise is
-    graded once, from its pinned name at its grading point (whatever serials the kernel
-    reports).
-    ``time_budget`` (seconds, default :func:`default_time_budget`) bounds the whole
-    submission: no cell or case runs past it, and what it leaves no time for is "not reached".
-    ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel (root only).
-    ``hints=False`` leaves the hints out of the messages (graded runs; the interactive ``check``
-    keeps them).
+    (metadata, file name, check calls). The shipped learner version, unedited, grades 0 ("not
+    attempted") without a kernel. Each code cell up to the last grading point runs once, in order;
+    each exercise is graded once, from its pinned name at its grading point. ``time_budget``
+    (seconds, default :func:`default_time_budget`) bounds the whole submission: what it leaves no
+    time for is "not reached". ``limits``: a :class:`~labkit.grading.contain.Limits` for the kernel
+    (root only). ``hints=False`` leaves the hints out of the messages.
     """
-    import time
-
     from .assignments import answer_name, grading_points, register_code
     from .session import KernelSession, KernelStartError, KernelStartTimeout, isolation_note, kernel_user
 
@@ -313,7 +336,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     release(-1)
 
     def launch():
-        s = KernelSession(str(path.parent.resolve()), user, kit=kit.path if kit is not None else None)
+        s = KernelSession(user, kit=kit.path if kit is not None else None)
         s.launch()
         return s
 
@@ -382,9 +405,13 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                     st, en, ev = session.execute(code, left) if code else ("ok", "", "")
                     if st == "ok" and (code or ex_id in _registered(session)):
                         results[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
+                    elif st == "error" and en == "NameError" and _answer_cell_broke(ex_id, cells, k, cell_problems):
+                        # the answer's own cell broke earlier (ran past the time limit, raised): say that
+                        grades[ex_id] = _exercise_grade(wanted[ex_id], None,
+                                                        _answer_cell_broke(ex_id, cells, k, cell_problems))
                     elif st == "error" and status == "error" and en == "NameError":  # the cell broke
-                        grades[ex_id] = _exercise_grade(wanted[ex_id], None, f"not attempted: check(\"{ex_id}\", "
-                                                                             f"...) did not run: {cell_problems[idx]}")
+                        grades[ex_id] = _exercise_grade(wanted[ex_id], None, _did_not_run(ex_id, cells, k,
+                                                                                          cell_problems[idx]))
                     elif st == "error":
                         grades[ex_id] = _exercise_grade(wanted[ex_id], None, _undefined(answer_name(ex_id, cells),
                                                                                         ex_id, en, ev))
@@ -429,18 +456,14 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
         if kit is not None:
             kit.withhold()
             release(-1)
-        if session is not None:
-            session.kill()
-            session = None
-        for s in spare:
+        for s in filter(None, [session, *spare]):  # every kernel of this submission
             s.kill()
+        session = None
         spare.clear()
         _secret_pass(wanted, results, due, cells, sorted(set(ran) | set(raised)), launch, cell_timeout, deadline,
                      release)
     finally:
-        if session is not None:
-            session.kill()
-        for s in spare:
+        for s in filter(None, [session, *spare]):  # every kernel of this submission
             s.kill()
         if kit is not None:
             shutil.rmtree(os.path.dirname(kit.path), ignore_errors=True)
@@ -464,7 +487,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
             reason = (f"not attempted: the notebook defines no {answer_name(ex.id, cells) or 'answer'!r} and has "
                       f"no check(\"{ex.id}\", ...)")
         elif cells[k][0] in cell_problems:
-            reason = f"not attempted: check(\"{ex.id}\", ...) did not run: {cell_problems[cells[k][0]]}"
+            reason = _did_not_run(ex.id, cells, k, cell_problems[cells[k][0]])
         if not reason and stop:
             reason = f"not reached: {stop}"
         grade.exercises.append(_exercise_grade(ex, None, reason))
@@ -687,9 +710,6 @@ def _input_problem(paths: list[Path], results: Path | None) -> str:
         if str(language).lower() != "python":
             return (f"{x} declares the kernel {spec.get('name', '?')!r} (language {language}); the grader runs "
                     f"every notebook in its own Python kernel, so it cannot grade this one")
-    for folder in os.environ.get(HIDDEN_ENV, "").split(os.pathsep):
-        if folder and not Path(folder).is_dir():
-            return f"{HIDDEN_ENV} names {folder!r}, which is not a folder"
     if results is not None:
         if results.is_dir():
             return f"--results {results} is a folder; give the path of the JSON file to write"
@@ -737,8 +757,6 @@ def main(argv: list[str] | None = None) -> int:
     kernel starts. Exit status 0 when every notebook was graded (whatever its score), 1 when one
     could not be graded. ``--results-dir``/``--gradebook``/``-j``: batch grading
     (:mod:`labkit.grading.batch`), one kernel per submission, N at a time."""
-    import time
-
     p = Parser(prog="python -m labkit grade", description="Run notebooks and grade their exercises.")
     p.add_argument("paths", nargs="+", type=Path, help="notebooks (.ipynb) to grade")
     p.add_argument("--results", type=Path, default=None, help="write Gradescope results JSON here")
@@ -825,8 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
-        problem = isolation_problem(limits)
+    problem = isolation_problem(limits, a.allow_partial_isolation)  # the self-check: the kernel's uid starts Python
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

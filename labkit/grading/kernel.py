@@ -225,15 +225,21 @@ class _Server:
                 os.close(fd)
             except OSError:
                 pass
-        for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
-            try:
-                target()
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_and_reap(self.pid)
+
+
+def kill_and_reap(pid: int) -> None:
+    """SIGKILL the process group ``pid`` (a case server or case process and every rank it forked)
+    and the process itself, then reap it; a process already gone is no error."""
+    for kill in (os.killpg, os.kill):
         try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
             pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def _server_main(req_r: int, rep_w: int) -> None:

@@ -22,12 +22,12 @@ import ast
 import functools
 import os
 
-__all__ = ["reaching", "callers_of", "callees_in_module"]
+__all__ = ["callers_of", "callees_in_module"]
 
 
 @functools.lru_cache(maxsize=1)
 def _module_files() -> dict[str, str]:
-    """{"labkit.x.y": path} of the installed kit, ``labkit.grading`` left out (walked once: callers only read it)."""
+    """{"labkit.x.y": path} of the installed kit, ``labkit.grading`` left out (listed once per process)."""
     import labkit
 
     top = os.path.dirname(os.path.abspath(labkit.__file__))
@@ -43,6 +43,17 @@ def _module_files() -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: str | None) -> ast.Module:
+    """The parsed source of the kit's file ``path``, read once per process (an empty module when
+    it cannot be read or parsed). The batch parses every file before it forks its graders."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return ast.parse(f.read())
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return ast.Module(body=[], type_ignores=[])
+
+
 def _absolute(mod: str, is_package: bool, level: int, name: str | None) -> str:
     """The absolute module of ``from {'.' * level}{name} import ...`` inside ``mod``."""
     if not level:
@@ -53,20 +64,9 @@ def _absolute(mod: str, is_package: bool, level: int, name: str | None) -> str:
     return ".".join(base + ([name] if name else []))
 
 
-@functools.lru_cache(maxsize=None)
-def _tree(path: str) -> ast.Module:
-    """The parsed source of the kit's file ``path``, read once per process: working out what to withhold
-    asks for the same modules hundreds of times. Shared: callers only read it."""
-    with open(path, encoding="utf-8") as f:
-        return ast.parse(f.read())
-
-
 def _edges_of(mod: str, path: str, modules: set[str]) -> dict[str, set[str]]:
     """{node: referenced nodes} of one module."""
-    try:
-        tree = _tree(path)
-    except (OSError, SyntaxError, ValueError):
-        return {}
+    tree = _tree(path)
     is_package = path.endswith("__init__.py")
     bound: dict[str, str] = {}      # name -> "module:name" (a labkit object) or "module" (a labkit module)
     own: set[str] = set()
@@ -156,16 +156,6 @@ def callers_of(label: str) -> set[str]:
                 todo.append(c)
     seen.discard(start)
     return seen
-
-
-@functools.lru_cache(maxsize=None)
-def reaching(labels: tuple[str, ...]) -> dict[str, str]:
-    """{"module:name": the reference label it reaches} for the references ``labels`` of one exercise."""
-    out: dict[str, str] = {}
-    for label in labels:
-        for c in callers_of(label):
-            out.setdefault(c, label)
-    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,31 +1,23 @@
 """The relay: the only way the ranks of a communication exercise talk, run by the GRADER.
 
-Two exercises are about *how* data moves, not only what comes out: 0.2's ring all-reduce must
-use send/recv only and send 2(N-1)/N of the tensor per rank (Patarasuk & Yuan 2009), and 7.3's
-vocab-parallel cross-entropy must use a few all-reduces of N values (Megatron-LM, Shoeybi et
-al. 2019, sec. 3). A count made next to the learner's code is a claim the learner controls,
-so these ranks get **no process group**: each rank is a plain process of the learner's kernel
-whose ``torch.distributed`` send / recv / all-reduce calls are messages to a :class:`Relay`
-that the case runs in its own process. The relay delivers every message, computes every
-all-reduce itself, and keeps the log (:attr:`Relay.sent`, :attr:`Relay.reduced`) that the
-case judges: sizes, counts and values of what each rank sent, checked against what the
-algorithm must send. A real collective called through an alias finds no process group.
+0.2's ring all-reduce must use send/recv only and send 2(N-1)/N of the tensor per rank
+(Patarasuk & Yuan 2009); 7.3's vocab-parallel cross-entropy must use a few all-reduces of N values
+(Megatron-LM, Shoeybi et al. 2019, sec. 3). A count made next to the learner's code is a claim the
+learner controls, so these ranks get **no process group**: their ``torch.distributed`` calls are
+messages to a :class:`Relay` in the case's own process, which delivers every message, computes
+every all-reduce itself and keeps the log the case judges (:attr:`Relay.sent`,
+:attr:`Relay.reduced`).
 
-Two halves:
+* :class:`Relay` (grader side): a Unix socket in the kernel's folder (:data:`SOCKET_DIR`, when
+  the kernel has a network of its own; else TCP on 127.0.0.1), one thread per rank; a rank proves
+  it belongs to this case with the relay's random token. Messages are :mod:`labkit.grading.wire`
+  data (never pickle), size-limited before decoding.
+* :func:`run_ranks` (kernel side): forks the ranks, which replace ``torch.distributed``'s send,
+  isend, recv, irecv, all_reduce, get_rank and get_world_size by relay calls (other collectives
+  raise, naming themselves). It runs in the learner's kernel: nothing it says is trusted.
 
-* :class:`Relay` (grader side): a server (a Unix socket in the kernel's folder, :data:`SOCKET_DIR`,
-  when the grader jails the kernel in a network of its own; else TCP on 127.0.0.1) with one thread per rank; a rank
-  proves it belongs to this case with the relay's random token. Messages are
-  :mod:`labkit.grading.wire` data (never pickle), size-limited before decoding.
-* :func:`run_ranks` (kernel side): forks ``world_size`` ranks that each connect to the relay
-  and replace ``torch.distributed``'s send, isend, recv, irecv, all_reduce, get_rank and
-  get_world_size by relay calls (other collectives raise, naming themselves). This half runs
-  in the learner's kernel and can be replaced there; nothing it says is trusted: what counts
-  is what reached the relay.
-
-What the relay cannot see: ranks that move data between themselves by other means (files,
-pipes, shared memory of the kernel's user). The cases therefore also require that the
-relay's messages alone carry what each rank's output needs.
+The relay cannot see ranks that move data by other means (files, pipes, shared memory), so the
+cases also require that the relay's messages alone carry what each rank's output needs.
 """
 from __future__ import annotations
 
@@ -433,14 +425,9 @@ class _Done:
         return self._then is None
 
 
-_OP_NAMES = {"SUM": "sum", "MAX": "max", "MIN": "min", "PRODUCT": "product"}
-
-
 def _op_name(op) -> str:
-    for name in ("SUM", "MAX", "MIN", "PRODUCT"):
-        if op == getattr(torch.distributed.ReduceOp, name):
-            return _OP_NAMES[name]
-    return str(op)
+    """"sum" for ``ReduceOp.SUM`` (one of :data:`REDUCE_OPS`), else the op as text (which the relay refuses)."""
+    return next((name for name in REDUCE_OPS if op == getattr(torch.distributed.ReduceOp, name.upper())), str(op))
 
 
 def _install(client: _Client, world_size: int, allowed: tuple, refuse: Callable[[str], BaseException]) -> None:

@@ -18,8 +18,6 @@ import dataclasses
 import json
 import os
 import re
-import select
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,7 +26,7 @@ from typing import Any
 import torch  # imported here, before any fork, so case children never pay for it
 
 from ..dist import RankError
-from .kernel import GRADING_ENV, register
+from .kernel import GRADING_ENV, _read_frame, _write_frame, kill_and_reap, register
 from .proxy import Answer, CaseTimeout, KernelFailure, LocalBackend, ReferenceImplementationUsed, set_deadline
 from .registry import Case, CheckFailure, Exercise, get_exercise
 
@@ -143,7 +141,7 @@ def _child(case: Case, backend_factory, exercise_id: str, references, wfd: int, 
     except BaseException as e:  # noqa: BLE001
         status, message = "failed", _one_line(f"grader error: {type(e).__name__}: {e}")
     try:
-        os.write(wfd, json.dumps([status, message]).encode())
+        _write_frame(wfd, json.dumps([status, message]).encode())
     finally:
         os._exit(0)
 
@@ -190,31 +188,15 @@ def run_case(case: Case, answer: Any, exercise: Exercise | None = None, backend_
     except OSError:
         pass
     deadline = time.monotonic() + case.timeout + 1.0  # the child stops its own calls at case.timeout
-    chunks, timed_out = [], False
-    poller = select.poll()  # not select.select: it fails for descriptors >= 1024
-    poller.register(rfd, select.POLLIN | select.POLLHUP)
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            if not poller.poll(max(1, int(left * 1000))):
-                continue
-            data = os.read(rfd, 65536)
-            if not data:
-                break
-            chunks.append(data)
+        data = _read_frame(rfd, deadline)
+    except TimeoutError:
+        return CaseResult(case.name, case.hidden, "failed", _time_limit_message(case.timeout))
     finally:
         os.close(rfd)
-        if timed_out:
-            _kill_group(pid)
-        else:
-            _reap(pid)
-    if timed_out:
-        return CaseResult(case.name, case.hidden, "failed", _time_limit_message(case.timeout))
+        kill_and_reap(pid)  # and every rank the case launched (its process group)
     try:
-        status, message = json.loads(b"".join(chunks).decode())
+        status, message = json.loads(data.decode())
     except Exception:
         status, message = "failed", "the case process died before reporting (crashed or was killed)"
     return CaseResult(case.name, case.hidden, status, message)
@@ -224,45 +206,18 @@ def _time_limit_message(timeout: float) -> str:
     return f"did not finish within the time limit of {_fmt_seconds(timeout)} (stopped)"
 
 
-def _kill_group(pid: int) -> None:
-    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-        try:
-            target()
-        except (ProcessLookupError, PermissionError):
-            pass
-    _reap(pid)
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
-    # ranks launched by the case (same process group) must not outlive it
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def evaluate(exercise_id: str, answer: Any, stop_at_first_failure: bool = False, backend_factory=None,
              go_on=None, deadline: float | None = None, only=None) -> CheckResult:
     """Run every case of ``exercise_id`` against ``answer``; return a :class:`CheckResult`.
 
-    Prints nothing and never raises for a wrong answer (KeyError for an unknown id).
-    With ``stop_at_first_failure`` the cases after the first failing public case are not run
-    (they count as failed); after a failing hidden case the rest still run, so the line can say
-    how many cases passed. Once a case finds the stub (NotImplementedError) the remaining cases
-    are not run and the exercise is "not attempted".
-
-    ``backend_factory(case)`` (the grader's) returns a function that, called in the case's
-    process, makes the backend that reaches the learner's code; by default the answer is
-    ``answer`` itself, in this process. ``go_on(result)`` (the grader's), called after a case
-    that failed, may return False to skip the remaining cases (e.g. the kernel stopped
-    answering); they then fail with that reason. ``deadline`` (the grader's time budget, a
-    ``time.monotonic()`` value): no case runs past it (each case's limit is cut to the time
-    left) and the cases it leaves no time for fail as "not run". ``only(case)``, when given,
-    selects the cases that run (the grader runs an instructor's secret cases in a separate pass).
+    Prints nothing and never raises for a wrong answer (KeyError for an unknown id). Once a case
+    finds the stub (NotImplementedError) the rest are not run ("not attempted"); with
+    ``stop_at_first_failure`` neither are those after the first failing public case. The grader's
+    arguments: ``backend_factory(case)`` returns what makes, in the case's process, the backend that
+    reaches the learner's kernel; ``go_on(result)`` after a failed case may return False to skip the
+    rest (the kernel stopped answering); ``deadline`` (``time.monotonic()``) cuts each case's limit
+    to the time left, and the cases it leaves no time for fail as "not run"; ``only(case)`` selects
+    the cases that run (the instructor's secret cases run in a pass of their own).
     """
     ex = get_exercise(exercise_id)
     results: list[CaseResult] = []
@@ -352,23 +307,13 @@ class CheckNotPassed(AssertionError):
 
 
 def check(exercise_id: str, answer: Any) -> CheckResult:
-    """Check ``answer`` against exercise ``exercise_id`` and print its verdict (:func:`format_line`).
-
-    One line says "passed, n/n cases" or "not attempted" while the answer is still the stub (raises
-    NotImplementedError); a failure says "failed", then on lines of their own the first failing public
-    case, what it checked, "expected X, got Y" and the hints ("a hidden case failed" for a hidden one).
-
-    Never raises for a wrong answer, so later cells still run, unless env
+    """Check ``answer`` against exercise ``exercise_id`` and print its verdict (:func:`format_line`);
+    the cases stop at the first failing public one. Returns a :class:`CheckResult` that displays
+    nothing in a notebook; never raises for a wrong answer (KeyError for an unknown id), unless
     ``LABKIT_STRICT=1``: then anything but "passed" raises :class:`CheckNotPassed` (CI runs
-    solutions/ this way). Returns a :class:`CheckResult` that displays nothing in a notebook.
-    The cases stop at the first failing public case. From the second failed ``check`` of the same
-    exercise in this process on, the line adds the exercise's second, more specific hint
-    (``Exercise.hint2``; still no answer). An unknown id raises KeyError.
-
-    In a kernel started by ``python -m labkit grade`` (env ``LABKIT_GRADING=1``) nothing is
-    judged here: the answer is only registered, and the grader runs the cases from its own
-    process, calling the answer for data (see :mod:`labkit.grading`). The line then says
-    "recorded for grading".
+    solutions/ this way). From the second failed ``check`` of an exercise in this process the line
+    adds its second hint. In a kernel started by ``python -m labkit grade`` (``LABKIT_GRADING=1``)
+    nothing is judged here: the answer is only registered, and the line says "recorded for grading".
     """
     if os.environ.get(GRADING_ENV) == "1":
         # the kernel may not know the exercise (hidden-case files declare some): register by id

@@ -70,12 +70,14 @@ def add_private_paths(paths) -> None:
 MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 
 
-# before the first cell: no import from the working folder (IPython puts "" first on sys.path, so a module
-# the notebook writes there, e.g. a fractions.py, would shadow the standard one the kit imports), then torch
-# and the kit, so no cell's time limit pays for them
-WARM_UP = ("import sys\nsys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
-           "import torch, labkit.grading.kernel")
+# before the first cell: torch and the kit, so no cell's time limit pays for them. sys.path is IPython's, as
+# in Jupyter: the working folder ('') after the standard library and before site-packages, so a module the
+# notebook writes there (%%writefile helpers.py) imports. That folder is the kernel's own and empty at start:
+# what a file written there later can shadow, it shadows for the notebook alone, whose results are judged in
+# the grader on data like any other code it runs (docs/grading.md)
+WARM_UP = "import torch, labkit.grading.kernel"
 PRIVATE_HOME = "/tmp/labkit-home"  # the kernel's HOME, inside its private /tmp (jail mode)
+PRIVATE_WORK = "/tmp/labkit-work"  # the kernel's working folder, inside its private /tmp (jail mode)
 
 
 @dataclass
@@ -116,7 +118,8 @@ class KernelUser:
         kit_dir = os.path.dirname(os.path.abspath(labkit.__file__))
         needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                   os.path.dirname(os.path.realpath(sys.executable))}
-        needed |= {p for p in sys.path if p and os.path.isdir(p)}
+        here = os.path.realpath(os.getcwd())  # `python -m` puts the grader's working folder on sys.path: the kernel
+        needed |= {p for p in sys.path if p and os.path.isdir(p) and os.path.realpath(p) != here}  # needs none of it
         if cwd:
             needed.add(cwd)
         if self.newroot and stage:
@@ -256,7 +259,7 @@ def _probe(user: KernelUser) -> tuple[bool, str]:
             env_kit = {"PYTHONPATH": os.path.dirname(copy)}
             extra = [os.path.join(os.path.dirname(os.path.abspath(labkit.__file__)), "__init__.py")]
         if user.jail:
-            options = [f"--tmp={2 ** 20}", f"--stage={stage}", f"--home={PRIVATE_HOME}",
+            options = [f"--tmp={2 ** 20}", f"--stage={stage}", f"--home={PRIVATE_HOME}", f"--workdir={PRIVATE_WORK}",
                        *(f"--hide={p}" for p in secret_paths())]
             if not user.userns:
                 options.append("--hidepid=1")
@@ -368,19 +371,27 @@ def _root_is_a_mount_point() -> bool:
         return True
 
 
-def isolation_problem(limits: Limits | None = None) -> str:
+def isolation_problem(limits: Limits | None = None, allow_partial: bool = False) -> str:
     """The self-check a grader runs before grading ("" when it passed): as root, a kernel must run
     as a uid of its own in a jail with a file system of its own (:func:`kernel_user` proved,
     with a probe in exactly that jail, that this uid starts Python and imports the kit), else
     this returns one line naming the cause and the fix, and the grader stops (exit 2) rather
-    than run a submission as root or claim isolation it lacks. A non-root grader is never
-    refused: :func:`isolation_note` says what its partial isolation leaves open. Causes named:
-    no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
-    folder is not a mount point, Python or the kit unreadable by other uids."""
+    than run a submission as root or claim isolation it lacks. ``allow_partial``
+    (``--allow-partial-isolation``) waives every cause but one: a kernel that would run as root.
+    A non-root grader is never refused: :func:`isolation_note` says what its partial isolation
+    leaves open. Causes named: no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
+    folder is not a mount point, Python or its packages unreadable by other uids."""
     if os.geteuid() != 0:
         return ""
     user = kernel_user(limits)
     if user is not None and user.jail and user.newroot and not user.userns:
+        return ""
+    if user is None:  # never waived: a kernel as root could rewrite the grader and its results
+        return ("cannot isolate the submissions' kernels: they would run as root ("
+                + ("; ".join(_UNUSABLE) or "no unprivileged uid could run the kernel")
+                + "). Fix: make Python and its packages readable by other users (chmod o+rX on them and their "
+                  "folders, or install them outside /root; the kit may stay root-only)")
+    if allow_partial:
         return ""
     import labkit
 
@@ -506,11 +517,11 @@ def _processes(zombies: list | None = None) -> dict[int, tuple[int, int, int, in
     return out
 
 
-def _marked(mark: str) -> list[int]:
-    """Processes whose environment holds ``MARK_ENV=mark`` (those this user may read: all, as root)."""
+def _marked(mark: str, procs) -> list[int]:
+    """Those of ``procs`` whose environment holds ``MARK_ENV=mark`` (that this user may read: all, as root)."""
     needle = f"{MARK_ENV}={mark}".encode()
     out = []
-    for entry in _processes():
+    for entry in procs:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read()
@@ -521,8 +532,7 @@ def _marked(mark: str) -> list[int]:
     return out
 
 
-def _descendants(pid: int) -> list[int]:
-    procs = _processes()
+def _descendants(pid: int, procs) -> list[int]:
     children: dict[int, list[int]] = {}
     for p, (ppid, *_) in procs.items():
         children.setdefault(ppid, []).append(p)
@@ -590,9 +600,14 @@ def _open_tmp() -> str | None:
 
 
 class KernelSession:
-    """One learner kernel (see the module docstring). ``cwd``: its working directory."""
+    """One learner kernel (see the module docstring). Its working folder, on its ``sys.path`` as in
+    Jupyter, is a fresh folder of its own that only its uid may write and that is gone after
+    grading: :data:`PRIVATE_WORK` in its private /tmp (jail mode), else :attr:`work` (a subfolder
+    of the grader's folder for this kernel, removed by :meth:`kill`). So a learner's own module
+    (``%%writefile helpers.py``, ``import helpers``), CSV or figure by a relative path works as in
+    their Jupyter, and nothing is written beside the submission."""
 
-    def __init__(self, cwd: str, user: KernelUser | None = None, kit: str | None = None):
+    def __init__(self, user: KernelUser | None = None, kit: str | None = None):
         self.lease = self.cgroup = None
         if user is not None and not user.userns:  # a uid of its own: no other kernel, of any grader, has it
             self.lease = UidLease()
@@ -600,8 +615,9 @@ class KernelSession:
                               newroot=user.newroot, kit_private=user.kit_private)
         self.user = user
         self.dir = tempfile.mkdtemp(prefix="labkit-kernel-", dir=_open_tmp() if user is not None else None)
-        self.cwd = self.dir if user is not None else cwd
-        self.proc = None
+        self.work = os.path.join(self.dir, "work")  # the working folder without a jail (the jail's: PRIVATE_WORK)
+        self.cwd = self.work
+        self.proc = self.stderr = None
         self.kc = None
         self.info = None
         self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
@@ -648,13 +664,15 @@ class KernelSession:
         # (8x on a loaded 2-core machine), and a batch grades several kernels at once
         env.setdefault("OMP_NUM_THREADS", "1")
         kw = {}
+        conn_inside = os.path.join(PRIVATE_HOME, "kernel.json")
+        argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside if private else conn,
+                "--HistoryManager.enabled=False"]
         if private:
-            conn_inside = os.path.join(PRIVATE_HOME, "kernel.json")
             env.update(HOME=PRIVATE_HOME, TMPDIR="/tmp", USER=self.user.name.replace(" ", "-"),
                        LOGNAME=self.user.name.replace(" ", "-"), IPYTHONDIR=os.path.join(PRIVATE_HOME, "ipython"),
                        MPLCONFIGDIR=os.path.join(PRIVATE_HOME, "mpl"))
             options = [f"--copy={conn}:{conn_inside}", f"--tmp={self.user.limits.tmp_size}", f"--stage={self.dir}",
-                       f"--home={PRIVATE_HOME}", *(f"--hide={p}" for p in secret_paths())]
+                       f"--home={PRIVATE_HOME}", f"--workdir={PRIVATE_WORK}", *(f"--hide={p}" for p in secret_paths())]
             if not self.user.userns:  # as root: other uids' processes (the grader's command line) out of sight
                 options.append("--hidepid=1")
             root = cgroup_v2_root() if not self.user.userns else None
@@ -664,36 +682,31 @@ class KernelSession:
                     options.insert(0, f"--cgroup={self.cgroup.path}")
                 except OSError:
                     self.cgroup = None  # no delegation here: the uid alone contains the kernel
-            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn_inside,
-                    "--HistoryManager.enabled=False"]
             argv, kw = self.user.command(argv, sockets, options, kit=self.kit, stage=self.dir)
             self.cwd = "/"
-        elif self.user is not None:
-            for sub in ("tmp", "ipython", "mpl"):
+        else:  # IPython's startup files, matplotlib's rc, HOME and TMPDIR of this kernel alone (removed by kill):
+            # what the notebook writes there is gone after grading, and a uid with no home still starts a kernel
+            for sub in ("tmp", "ipython", "mpl", "work"):
                 os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
-            for root, dirs, files in os.walk(self.dir):
-                for name in [root] + [os.path.join(root, n) for n in dirs + files]:
-                    os.chown(name, self.user.uid, self.user.gid)
-            env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
-                       LOGNAME=self.user.name, IPYTHONDIR=os.path.join(self.dir, "ipython"),
-                       MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-        if self.user is None:  # the grader's user: IPython's startup files and matplotlib's rc of this kernel alone
-            for sub in ("ipython", "mpl"):
-                os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
-            env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-        if not private:
-            if self.kit and self.user is not None and self.user.kit_private:  # the grader's copy before the kit
-                env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(self.kit)]
-                                                    + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-            argv = [sys.executable, *_no_user_site(), "-m", "ipykernel_launcher", "-f", conn,
-                    "--HistoryManager.enabled=False"]
-            if self.user is not None:
+            env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"),
+                       HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"))
+            if self.user is not None:  # a uid of its own without namespaces
+                for root, dirs, files in os.walk(self.dir):
+                    for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+                        os.chown(name, self.user.uid, self.user.gid)
+                env.update(USER=self.user.name, LOGNAME=self.user.name)
+                if self.kit and self.user.kit_private:  # the grader's copy before the (root-only) kit
+                    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(self.kit)]
+                                                        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
                 argv, kw = self.user.command(argv, self.cwd)
         _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
         kw.setdefault("preexec_fn", _pdeathsig)
+        # the kernel's stderr: an unlinked file of the grader's (bounded by the kernel's RLIMIT_FSIZE), read only
+        # to say why a kernel exited while starting (before any cell ran)
+        self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr, cwd=self.cwd, env=env,
             start_new_session=True, close_fds=True, **kw)
         _KEEP.add(self.proc.pid)
         self._started = _processes().get(self.proc.pid, (0, 0, 0, 2 ** 62))[3]  # clock ticks since boot
@@ -722,7 +735,8 @@ class KernelSession:
             except queue.Empty:
                 pass
             if not self.alive():
-                raise KernelStartError(f"the kernel exited while starting (exit code {self.proc.poll()})")
+                raise KernelStartError(f"the kernel exited while starting (exit code {self.proc.poll()})"
+                                       + self._start_error())
             if time.monotonic() > deadline:
                 raise KernelStartTimeout(budget)
 
@@ -799,6 +813,15 @@ class KernelSession:
             pass
 
     # ------------------------------------------------------------------ end
+    def _start_error(self) -> str:
+        """': LAST LINE' of what the kernel wrote to stderr before it exited while starting ('' if nothing)."""
+        try:
+            self.stderr.seek(max(0, os.fstat(self.stderr.fileno()).st_size - 4096))
+            last = _first_line(self.stderr.read().decode("utf-8", "replace"))
+        except (OSError, ValueError, AttributeError):
+            return ""
+        return "" if last == "no output" else f": {last}"
+
     def kill(self) -> None:
         """Kill the kernel and everything it started: its process group, its session, its
         descendants, every process whose environment carries this kernel's :data:`MARK_ENV`
@@ -813,11 +836,12 @@ class KernelSession:
             deadline = time.monotonic() + 10
             started = self._started
             while True:  # a fork bomb may need more than one sweep
-                victims = set(_descendants(pid)) | set(_marked(self.mark))
+                zombies: list = []
+                procs = _processes(zombies)
+                victims = set(_descendants(pid, procs)) | set(_marked(self.mark, procs))
                 if self.proc.poll() is None:
                     victims.add(pid)
-                zombies: list = []
-                for p, (ppid, sid, _uid, start) in _processes(zombies).items():
+                for p, (ppid, sid, _uid, start) in procs.items():
                     if p == me:
                         continue
                     if sid == pid or (ppid == me and start >= started and p != pid and p not in _KEEP):
@@ -858,6 +882,8 @@ class KernelSession:
             subprocess.run(["umount", "--lazy", self.sockets], stdin=subprocess.DEVNULL, capture_output=True)
             self.sockets_mounted = False
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.stderr is not None:
+            self.stderr.close()
 
     def _end_containment(self) -> None:
         """Every process of the kernel's uid (and cgroup) killed and reaped, zombies included;

@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import ast
 import functools
+import glob
 import os
 import shutil
 import textwrap
 
-__all__ = ["withheld", "problems", "build_kit", "WithheldKit", "LEFT_OUT", "shipped_cells", "withheld_calls"]
+__all__ = ["withheld", "problems", "build_kit", "kit_plan", "WithheldKit", "LEFT_OUT", "shipped_cells",
+           "withheld_calls"]
 
 # relative to the kit's folder: never in the kernel's copy
 LEFT_OUT = ("grading/exercises", "grading/references.py", "grading/hidden", "_solutions")
@@ -64,7 +66,6 @@ def _major(notebook: str) -> str:
 def shipped_cells(major: str, folder: str | None = None) -> tuple[str, ...]:
     """The code cells of the learner notebook ``major`` ("2") in ``folder`` (default: the kit's
     ``_notebooks``, the learner notebooks it ships), in order, as written."""
-    import glob
     import json
 
     folder = folder or os.path.join(_kit_dir(), "_notebooks")
@@ -81,10 +82,11 @@ def shipped_cells(major: str, folder: str | None = None) -> tuple[str, ...]:
 
 
 def _python(src: str) -> ast.Module:
-    """A cell's Python (magics and shell lines blanked: IPython runs them, they name no labkit object)."""
-    lines = [("" if ln.lstrip().startswith(("%", "!")) else ln) for ln in src.splitlines()]
+    """A cell's Python as IPython runs it (:func:`labkit.grading.assignments.cell_python`)."""
+    from .assignments import cell_python
+
     try:
-        return ast.parse("\n".join(lines))
+        return ast.parse(cell_python(src))
     except (SyntaxError, ValueError):
         return ast.Module(body=[], type_ignores=[])
 
@@ -109,12 +111,8 @@ def _top_names(mod: str) -> dict[str, str]:
     from .reach import _absolute, _module_files, _tree
 
     path = _module_files().get(mod)
-    try:
-        tree = _tree(path)
-    except (OSError, TypeError, SyntaxError, ValueError):
-        return {}
     out: dict[str, str] = {}
-    for stmt in tree.body:
+    for stmt in _tree(path).body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out[stmt.name] = "def"
         elif isinstance(stmt, ast.ImportFrom):
@@ -268,6 +266,14 @@ def _calls(mod: str, nodes) -> set[str]:
     return out
 
 
+def _node(label: str):
+    """The top-level statement of the kit's source that defines ``label`` ("module:name"), or None."""
+    from .reach import _module_files, _tree
+
+    mod, _, name = label.partition(":")
+    return next((n for n in _tree(_module_files().get(mod)).body if getattr(n, "name", None) == name), None)
+
+
 @functools.lru_cache(maxsize=1)
 def import_time() -> frozenset:
     """The kit's functions and classes that run while a kit module is imported (``KINDS =
@@ -276,21 +282,14 @@ def import_time() -> frozenset:
     which is stubbed."""
     from .reach import _module_files, _tree
 
-    trees = {}
-    for mod, path in _module_files().items():
-        try:
-            trees[mod] = _tree(path)
-        except (OSError, SyntaxError, ValueError):
-            continue
-    todo = [lab for mod, tree in trees.items() for lab in _calls(mod, tree.body)]
+    todo = [lab for mod, path in _module_files().items() for lab in _calls(mod, _tree(path).body)]
     seen: set[str] = set()
     while todo:
         label = todo.pop()
         if label in seen:
             continue
         seen.add(label)
-        mod, _, name = label.partition(":")
-        node = next((n for n in getattr(trees.get(mod), "body", ()) if getattr(n, "name", None) == name), None)
+        mod, node = label.partition(":")[0], _node(label)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             todo += _calls(mod, node.body)
         elif isinstance(node, ast.ClassDef):
@@ -305,14 +304,7 @@ def import_time() -> frozenset:
 def _has_code(label: str) -> bool:
     """Whether the kit's function or class ``label`` holds code to withhold (a class: a method of its
     own; a dataclass of fields only holds none)."""
-    from .reach import _module_files, _tree
-
-    mod, _, name = label.partition(":")
-    try:
-        tree = _tree(_module_files()[mod])
-    except (KeyError, OSError, SyntaxError, ValueError):
-        return False
-    node = next((n for n in tree.body if getattr(n, "name", None) == name), None)
+    node = _node(label)
     if isinstance(node, ast.ClassDef):
         return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
     return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -474,6 +466,34 @@ def _strip(source: str, labels: dict[str, tuple[str, ...]], mod: str) -> tuple[s
     return out, taken
 
 
+def kit_plan(notebooks) -> dict[str, dict[str, tuple[str, ...]]]:
+    """{module: {"module:name": exercise ids}}: the functions and classes :func:`build_kit` takes out
+    of each module of the kit for ``notebooks`` (re-exports and aliases hold the stub)."""
+    plan: dict[str, dict[str, tuple[str, ...]]] = {}
+    for nb in notebooks:
+        for label, ids in withheld(nb).items():
+            if _is_def(label):
+                have = plan.setdefault(label.partition(":")[0], {}).get(label, ())
+                plan[label.partition(":")[0]][label] = tuple(dict.fromkeys(have + ids))
+    for mod, labels in plan.items():
+        _stubbed(mod, tuple(labels.items()))  # cached: a batch plans its kits before it forks its graders
+    return plan
+
+
+@functools.lru_cache(maxsize=None)
+def _stubbed(mod: str, labels: tuple) -> tuple[str, str, dict[str, str], dict[str, tuple[int, int]]]:
+    """(the kit module ``mod``'s source, that source with ``labels`` ((label, exercise ids) pairs)
+    taken out (:func:`_strip`), {label: the code taken out}, {label: its first and last line})."""
+    from .reach import _module_files, _tree
+
+    with open(_module_files()[mod], encoding="utf-8") as f:
+        original = f.read()
+    text, taken = _strip(original, dict(labels), mod)
+    tops = [n for n in _tree(_module_files()[mod]).body if f"{mod}:{getattr(n, 'name', '')}" in taken]
+    return original, text, taken, {f"{mod}:{n.name}": (min([n.lineno] + [d.lineno for d in n.decorator_list]),
+                                                       n.end_lineno) for n in tops}
+
+
 def build_kit(notebooks, dest: str) -> "WithheldKit":
     """Write the kernel's copy of the installed kit under ``dest`` (``dest/labkit``): the kit
     without :data:`LEFT_OUT` and ``__pycache__``, the references :func:`withheld` lists for
@@ -482,6 +502,8 @@ def build_kit(notebooks, dest: str) -> "WithheldKit":
     by every user and writable by none. Root only (the kernel's uid must not read the 0600
     files)."""
     import py_compile
+
+    from .reach import _module_files
 
     src = _kit_dir()
     kit = os.path.join(dest, "labkit")
@@ -494,31 +516,18 @@ def build_kit(notebooks, dest: str) -> "WithheldKit":
     for left in LEFT_OUT:  # an empty folder where a folder was (as the jail's empty mounts left it)
         if os.path.isdir(os.path.join(src, left)) and not os.path.islink(os.path.join(src, left)):
             os.makedirs(os.path.join(kit, left), exist_ok=True)
-    plan: dict[str, dict[str, tuple[str, ...]]] = {}
-    for nb in notebooks:
-        for label, ids in withheld(nb).items():
-            if _is_def(label):  # a function or class of its module (re-exports and aliases hold the stub)
-                have = plan.setdefault(label.partition(":")[0], {}).get(label, ())
-                plan[label.partition(":")[0]][label] = tuple(dict.fromkeys(have + ids))
+    plan = kit_plan(notebooks)
     store = os.path.join(kit, "_withheld")
     files: dict[str, str] = {}
     sources: dict[str, tuple] = {}
     for mod, labels in plan.items():
-        rel = mod.split(".")[1:]
-        path = os.path.join(kit, *rel) + ".py"
-        if not os.path.isfile(path):
-            path = os.path.join(kit, *rel, "__init__.py")
-        with open(path, encoding="utf-8") as f:
-            original = f.read()
-        text, taken = _strip(original, labels, mod)
-        sources[path] = (original, text, {lab: span for lab, span in _spans(original, mod).items() if lab in taken})
+        original, text, taken, spans = _stubbed(mod, tuple(labels.items()))
+        path = os.path.join(kit, os.path.relpath(_module_files()[mod], src))
+        sources[path] = (original, text, spans)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        stem = os.path.splitext(os.path.basename(path))[0]
-        cache = os.path.join(os.path.dirname(path), "__pycache__")
-        for n in os.listdir(cache) if os.path.isdir(cache) else ():
-            if n.split(".")[0] == stem:  # the original's byte code holds the reference
-                os.remove(os.path.join(cache, n))
+        for pyc in glob.glob(os.path.join(os.path.dirname(path), "__pycache__", os.path.basename(path)[:-3] + ".*")):
+            os.remove(pyc)  # the original's byte code holds the reference
         py_compile.compile(path, dfile=os.path.join(src, os.path.relpath(path, kit)), doraise=True)
         for label, code in taken.items():
             files[label] = os.path.join(store, label.replace(":", "--") + ".src")
@@ -533,16 +542,6 @@ def build_kit(notebooks, dest: str) -> "WithheldKit":
     kit_obj.withhold()
     os.chmod(dest, 0o755)
     return kit_obj
-
-
-def _spans(source: str, mod: str) -> dict[str, tuple[int, int]]:
-    """{"module:name": (first line, last line)} of each top-level function and class of ``source``."""
-    out = {}
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            out[f"{mod}:{node.name}"] = (first, node.end_lineno)
-    return out
 
 
 class WithheldKit:

@@ -19,7 +19,10 @@ A learner need not read this module: :mod:`labkit.dist` (``launch``, ``DistConte
   torchrun agent (a lost node takes its workers with it), stops within moments on SIGTERM even
   while blocked in C++ (one line, exit 143), and a rank whose work raised prints one line naming
   itself by global rank and node and, when a peer is gone, that peer by global rank and node
-  (each rank's heartbeat in torchrun's store tells which), then exits 1.
+  (each rank's heartbeat in torchrun's store tells which), then exits 1. A rank stopped by a signal
+  records it in that store before it exits, so that a peer that loses it before its own signal comes
+  (the agent signals its workers one by one) waits for that signal, at most ``STOP_WAIT`` s, instead
+  of reporting a failure; a peer that dies without that record is still a failure naming it.
 """
 from __future__ import annotations
 

@@ -87,6 +87,65 @@ _TORCHRUN_GUARD = None
 PENDING_FILES: set = set()
 _STARTED = False   # this rank has begun to join its process group: a signal after it stops a rank at work
 GUARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# the most seconds a rank whose lost peers were all stopped by a signal waits for its own signal (torchrun's agent
+# sends it to its workers one by one) before it stops with the stop's line (:func:`_await_own_stop`); under the
+# agent's 30 s grace before SIGKILL, and the bound when the signal never comes (the peer was on another node)
+STOP_WAIT = 5.0
+_ENDING = threading.Lock()   # held by whichever thread ends the process: one line, never two
+
+
+def _store_prefix() -> str:
+    """``labkit/<run id>/<restart>/``: this run's keys in torchrun's store (:class:`_Heartbeat`)."""
+    env = os.environ
+    return f"labkit/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+
+
+def _connect_store(timeout: float = 2.0):
+    """A client of torchrun's store (MASTER_ADDR:MASTER_PORT); every call on it gives up after ``timeout`` s."""
+    import torch.distributed as dist
+
+    env = os.environ
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def _end(text: str, code: int, locked: bool = False) -> None:
+    """End this process: remove the temporary files being written, write ``text`` on stderr, ``os._exit(code)``.
+    Whichever thread comes first (the stop watcher, or the main thread with an error) is the only one that
+    writes: the other waits for ``_ENDING`` until the process is gone (``locked``: the caller holds it)."""
+    if not locked:
+        _ENDING.acquire()
+    try:
+        for path in list(PENDING_FILES):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if text:
+            os.write(2, text.encode(errors="replace"))
+    finally:
+        os._exit(code)
+
+
+def _what(signum: int) -> str:
+    return ("interrupted (Ctrl-C, SIGINT)" if signum == signal.SIGINT
+            else f"terminated ({signal.Signals(signum).name})")
+
+
+def _record_stop(signum: int) -> None:
+    """A rank at work that a signal stops: ``stopped/<rank>=<signal>`` in torchrun's store, before it exits,
+    so that a peer that loses its connection to it knows that it was stopped, not that it died. Bounded: the
+    heartbeat's spare client (or, before the heartbeat is up, a new one) gives up after 1-2 s."""
+    if not _STARTED:
+        return   # start-up: no peer is connected to this rank yet
+    try:
+        beat = _Heartbeat.INSTANCE
+        store = beat.stop_store if beat is not None else None
+        if store is None:
+            store = _connect_store(1.0)
+        store.set(_store_prefix() + f"stopped/{os.environ['RANK']}", str(int(signum)))
+    except Exception:  # noqa: BLE001 - no store: a peer will then report this rank as lost
+        pass
 
 
 def _stop_line(signum: int, sender: int, agent: int) -> str | None:
@@ -95,8 +154,7 @@ def _stop_line(signum: int, sender: int, agent: int) -> str | None:
     true for this rank. During start-up, when torchrun's agent (``agent``) sent it, it sent it to
     every worker of this node at once: local rank 0 prints one line for the node and the others
     stay silent (a Ctrl-C while 8 ranks import torch is one line, not 8 tracebacks)."""
-    what = ("interrupted (Ctrl-C, SIGINT)" if signum == signal.SIGINT
-            else f"terminated ({signal.Signals(signum).name})")
+    what = _what(signum)
     if _STARTED:
         return f"{what}: {torchrun_where()} stopped"
     if sender == agent:
@@ -117,7 +175,9 @@ def _guard_torchrun_rank() -> None:
     in init_process_group or a gloo receive runs no Python signal handler; ``import torch`` would
     end in a KeyboardInterrupt traceback). The signals are blocked in every thread and taken by a
     watcher thread (``sigwaitinfo``), which prints one line (:func:`_stop_line`) and ends the
-    process with ``os._exit(128 + signal)``: no exit-time barrier waits for peers that are gone."""
+    process with ``os._exit(128 + signal)``: no exit-time barrier waits for peers that are gone. At work,
+    it first records the stop in torchrun's store (:func:`_record_stop`), so that a peer that loses its
+    connection before its own signal comes waits for it instead of reporting a failure."""
     global _TORCHRUN_GUARD
     if _TORCHRUN_GUARD is not None or threading.current_thread() is not threading.main_thread():
         return
@@ -137,17 +197,13 @@ def _guard_torchrun_rank() -> None:
 
     def watch():
         info = signal.sigwaitinfo(set(GUARDED))
+        line = None
         try:
-            for path in list(PENDING_FILES):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+            _ENDING.acquire()   # the main thread, ending with an error line, does not write one too
+            _record_stop(info.si_signo)
             line = _stop_line(info.si_signo, info.si_pid, agent)
-            if line:
-                os.write(2, (line + "\n").encode())
         finally:
-            os._exit(128 + info.si_signo)
+            _end(line + "\n" if line else "", 128 + info.si_signo, locked=True)
     _TORCHRUN_GUARD = threading.Thread(target=watch, daemon=True, name="labkit-stop")
     _TORCHRUN_GUARD.start()
 
@@ -204,18 +260,20 @@ class _Heartbeat(threading.Thread):
     Keys (prefix ``labkit/<run id>/<restart>/``): ``who/<rank>`` = "node|local rank|host", set once;
     ``beat/<rank>``, a counter this thread adds 1 to every ``PERIOD`` s; ``done/<rank>``, set by a
     rank that ends on its own (an error line of its own, or a clean exit), which is therefore not
-    "gone". The thread is a daemon and never blocks the rank: every store call has a short timeout,
-    and a store that cannot be reached only means that no peer can be named."""
+    "gone"; ``stopped/<rank>`` = the signal's number, set by a rank that a signal stops (its stop
+    watcher, before it exits: :func:`_record_stop`) or that ends with such a stop
+    (:func:`_await_own_stop`). The thread is a daemon and never blocks the rank: every store call
+    has a short timeout, and a store that cannot be reached only means that no peer can be named."""
 
     PERIOD = 0.25
     INSTANCE = None
 
     def __init__(self):
         super().__init__(daemon=True, name="labkit-heartbeat")
-        env = os.environ
-        self.rank = int(env["RANK"])
-        self.prefix = f"labkit/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+        self.rank = int(os.environ["RANK"])
+        self.prefix = _store_prefix()
         self.store = None
+        self.stop_store = None   # a client of the stop watcher's own, connected before any signal comes
 
     @classmethod
     def start_once(cls) -> None:
@@ -223,20 +281,14 @@ class _Heartbeat(threading.Thread):
             cls.INSTANCE = cls()
             cls.INSTANCE.start()
 
-    def _connect(self):
-        import torch.distributed as dist
-
-        env = os.environ
-        return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=2), wait_for_workers=False)
-
     def run(self) -> None:
         try:
-            store = self._connect()
+            store = _connect_store()
             env = os.environ
             store.set(self.prefix + f"who/{self.rank}",
                       f"{env.get('GROUP_RANK', '')}|{env.get('LOCAL_RANK', '')}|{socket.gethostname()}")
             self.store = store
+            self.stop_store = _connect_store()
             while True:
                 store.add(self.prefix + f"beat/{self.rank}", 1)
                 time.sleep(self.PERIOD)
@@ -246,17 +298,18 @@ class _Heartbeat(threading.Thread):
     def mark_done(self) -> None:
         """This rank ends on its own: it is not a lost peer."""
         try:
-            store = self.store or self._connect()
+            store = self.store or _connect_store()
             store.set(self.prefix + f"done/{self.rank}", "1")
         except Exception:  # noqa: BLE001
             pass
 
-    def gone_peers(self, world_size: int, wait: float = 1.0) -> list[str] | None:
-        """The peers whose heartbeat stopped within ``wait`` s and that did not end on their own, as
-        "rank 2 (node 1, local rank 0, host h)"; None when the store cannot be reached (its host is
-        gone: node 0's agent, or rank 0)."""
+    def gone_peers(self, world_size: int, wait: float = 1.0, store=None) -> list[tuple[int, str]] | None:
+        """The peers whose heartbeat stopped within ``wait`` s and that did not end on their own (a
+        peer stopped by a signal is gone, whether or not it ended on its own), as (global rank,
+        "rank 2 (node 1, local rank 0, host h)"); None when the store cannot be reached (its host is
+        gone: node 0's agent, or rank 0). ``store``: a client to use (else a new one)."""
         try:
-            store = self._connect()
+            store = store or _connect_store()
             others = [r for r in range(world_size) if r != self.rank]
 
             def beats():
@@ -266,22 +319,72 @@ class _Heartbeat(threading.Thread):
             after = beats()
             gone = []
             for r in others:
-                if after[r] != before[r] or store.check([self.prefix + f"done/{r}"]):
+                if after[r] != before[r] or (store.check([self.prefix + f"done/{r}"])
+                                             and not store.check([self.prefix + f"stopped/{r}"])):
                     continue
                 node, local, host = (store.get(self.prefix + f"who/{r}").decode().split("|")
                                      if store.check([self.prefix + f"who/{r}"]) else ("?", "?", "?"))
-                gone.append(f"rank {r} (node {node}, local rank {local}, host {host})")
+                gone.append((r, f"rank {r} (node {node}, local rank {local}, host {host})"))
             return gone
         except Exception:  # noqa: BLE001
             return None
+
+
+def _stopped_peers(store, world_size: int) -> dict[int, int]:
+    """{global rank: signal} of the peers recorded in ``store`` as stopped by a signal (``stopped/<rank>``)."""
+    me, prefix, out = int(os.environ["RANK"]), _store_prefix(), {}
+    for r in range(world_size):
+        if r != me and store.check([prefix + f"stopped/{r}"]):
+            out[r] = int(store.get(prefix + f"stopped/{r}").decode())
+    return out
+
+
+def _stop_to_await(store, world_size: int, stopped: dict, gone) -> tuple[int, list[str]] | None:
+    """(signal, the stopped peers named) when this rank lost its connection because peers were stopped by
+    a signal, not because one died: every gone peer (``gone``, from :meth:`_Heartbeat.gone_peers`) is
+    recorded as stopped; or, where who is gone cannot be told (``gone`` None: no heartbeat yet, or the
+    store's host has gone since), a stop was recorded when the connection was lost (``stopped``). None
+    otherwise, or when no stop watcher takes this rank's own signal."""
+    if not isinstance(_TORCHRUN_GUARD, threading.Thread):
+        return None
+    if gone:
+        try:
+            stopped = {**stopped, **_stopped_peers(store, world_size)}   # a peer may have recorded it since
+        except Exception:  # noqa: BLE001
+            pass
+        if all(r in stopped for r, _ in gone):
+            return stopped[gone[0][0]], [text for _, text in gone]
+        return None
+    if gone is None and stopped:
+        return stopped[min(stopped)], [torchrun_where(r) for r in sorted(stopped)]
+    return None
+
+
+def _await_own_stop(store, signum: int, peers: list[str]) -> None:
+    """This rank lost its connection to peers that a signal stopped (torchrun's agent passes a Ctrl-C or
+    SIGTERM on to its workers one by one): it is no failure, and this rank's own signal is on its way.
+    Record that this rank ends with the stop (``stopped/<rank>``: a peer that loses it in turn knows), then
+    wait for the signal, which the stop watcher takes (one line, exit 128 + signal). The bound is the
+    program's: after ``STOP_WAIT`` s without it (the signal stopped another node's ranks only, or the agent
+    is slow), end with the stop's line naming the peers it reached, exit 128 + ``signum``; the agent's
+    SIGKILL after its grace and its death (PR_SET_PDEATHSIG) end the wait too. Never returns."""
+    try:
+        store.set(_store_prefix() + f"stopped/{os.environ['RANK']}", str(int(signum)))
+    except Exception:  # noqa: BLE001 - a peer that loses this rank will then report it as lost
+        pass
+    time.sleep(STOP_WAIT)   # signals are blocked in this thread: the watcher ends the process when its own comes
+    _end(f"{_what(signum)}: {torchrun_where()} stopped (the signal stopped its peer{'s' if len(peers) > 1 else ''} "
+         f"{', '.join(peers)}; none reached this rank within {STOP_WAIT:g} s)\n", 128 + int(signum))
 
 
 def _torchrun_rank_failed(e: BaseException) -> None:
     """Under torchrun, a rank whose work raised: ONE line on its stderr naming it by global rank and
     node (torchrun prints no RankError header, and a lost peer makes every survivor raise) and, when
     it lost a peer, which peers are gone (their heartbeat stopped: :class:`_Heartbeat`), then
-    ``os._exit(1)``: the exit-time barrier would wait for ranks that are gone. The full traceback
-    is printed only with LABKIT_TRACEBACK=1."""
+    ``os._exit(1)``: the exit-time barrier would wait for ranks that are gone. A rank that lost its
+    connection only to peers that a signal stopped (each recorded ``stopped/<rank>`` before it exited)
+    reports no failure: it waits, bounded, for its own signal (:func:`_await_own_stop`). The full
+    traceback is printed only with LABKIT_TRACEBACK=1."""
     first = (str(e).strip().splitlines() or [""])[0]
     kind = _error_priority((type(e).__name__, str(e), ""))
     why = {2: "lost its connection to a peer that stopped or died",
@@ -289,13 +392,26 @@ def _torchrun_rank_failed(e: BaseException) -> None:
     beat = _Heartbeat.INSTANCE
     if beat is not None:
         beat.mark_done()
-        if kind in (1, 2):
-            gone = beat.gone_peers(int(os.environ["WORLD_SIZE"]))
-            if gone is None:
-                why += (f" (gone: the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
-                        f"{os.environ.get('MASTER_PORT')}, i.e. node 0's agent or rank 0)")
-            elif gone:
-                why += f" (gone: {', '.join(gone)})"
+    if kind in (1, 2):
+        world_size = int(os.environ["WORLD_SIZE"])
+        try:
+            store = _connect_store()
+            stopped = _stopped_peers(store, world_size)   # a stopped peer recorded it before it exited
+        except Exception:  # noqa: BLE001
+            store, stopped = None, {}
+        gone = beat.gone_peers(world_size, store=store) if beat is not None and store is not None else None
+        stop = _stop_to_await(store, world_size, stopped, gone)
+        if stop is not None:
+            try:
+                sys.stdout.flush()
+            except Exception:  # noqa: BLE001
+                pass
+            _await_own_stop(store, *stop)
+        if beat is not None and gone is None:
+            why += (f" (gone: the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
+                    f"{os.environ.get('MASTER_PORT')}, i.e. node 0's agent or rank 0)")
+        elif gone:
+            why += f" (gone: {', '.join(text for _, text in gone)})"
     text = f"error: {torchrun_where()} {why}: {type(e).__name__}: {first[:300]}\n"
     if os.environ.get("LABKIT_TRACEBACK") == "1":
         text = traceback.format_exc() + text
@@ -303,8 +419,7 @@ def _torchrun_rank_failed(e: BaseException) -> None:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001
         pass
-    os.write(2, text.encode(errors="replace"))
-    os._exit(1)
+    _end(text, 1)
 
 
 def _shutdown_torchrun() -> None:

@@ -212,6 +212,8 @@ class Schedule(dict):
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         super().__init__({r: list(actions[r]) for r in actions})
         self.K, self.M, self.n_stages, self.placement = K, M, n_stages, placement
+        # rank_of as a table: the validator and the simulator ask it millions of times on a grid
+        self._ranks = tuple(stage_rank(s, K, placement) for s in range(n_stages))
 
     @classmethod
     def of(cls, schedule, n_microbatches: int | None = None, n_stages: int | None = None,
@@ -223,7 +225,7 @@ class Schedule(dict):
         if isinstance(schedule, Schedule) and n_microbatches in (None, schedule.M) \
                 and n_stages in (None, schedule.n_stages) and placement in (None, schedule.placement):
             return schedule
-        acts = {r: [Action(*a) for a in schedule[r]] for r in schedule}
+        acts = {r: [a if type(a) is Action else Action(*a) for a in schedule[r]] for r in schedule}
         K, M, S = infer_sizes(acts, n_microbatches, n_stages)
         return cls(acts, K, M, S, placement or infer_placement(acts, S))
 
@@ -239,6 +241,8 @@ class Schedule(dict):
 
     def rank_of(self, stage: int) -> int:
         """The rank that holds ``stage`` (:func:`stage_rank` with this placement)."""
+        if 0 <= stage < self.n_stages:
+            return self._ranks[stage]
         return stage_rank(stage, self.K, self.placement)
 
     def message(self, a: Action) -> Message | None:

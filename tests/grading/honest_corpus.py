@@ -3,10 +3,12 @@
 
 Each notebook is a solved notebook (``solutions/``) with a few ordinary habits added, or with an
 answer rewritten in another correct style; every one must score full marks. :func:`build` writes
-them (``metadata.labkit.notebook`` set, the habits listed in ``metadata.labkit.habits`` so that a
-lost point names its habit). Habits are grouped several per notebook to keep the corpus quick to
-grade; most sit on the fast notebooks 01 and 16, and the ones that belong to a notebook (0.2's
-ring with ``comm.send``/``comm.recv``, ``%timeit rank_coords(...)`` after 8.1) on theirs.
+them (``metadata.labkit.notebook`` set, and each habit with its cell in ``metadata.labkit.habits``,
+"cell 9: import csv", so that a lost point names its habit). Habits are grouped three per notebook
+on the solved 01, the cheapest notebook to grade (:func:`_plan` says how a failing habit is found
+among them); the alternative answers, and the habits that belong to a notebook (0.2's ring with
+``comm.send``/``comm.recv``, ``%timeit rank_coords(...)`` after 8.1), sit on theirs. Every
+notebook holds at least one habit that main f822c52's static source policy refused.
 """
 from __future__ import annotations
 
@@ -119,24 +121,24 @@ ALTERNATIVES = [
 ]
 
 GENERIC = list(CELLS)
-# notebooks: (base, [habit labels], [alternative labels]); each habit appears at least once
+HABITS = GENERIC + ["a wrong attempt left above the right one", "cells run out of order"]
+# notebooks: (base, [habit labels], [alternative labels])
 PLAN: list[tuple[str, list[str], list[str]]] = []
+# the one habit (an old-policy refusal, issue 40) each alternative answer carries along
+WITH_ALTERNATIVE = ["import csv", "%config", "import logging", "%%capture", "import pathlib", "import datetime",
+                    "own class private names", "%timeit", ""]
 
 
 def _plan() -> list[tuple[str, list[str], list[str]]]:
-    if PLAN:
-        return PLAN
-    rng = random.Random(40)
-    habits = GENERIC + ["a wrong attempt left above the right one", "cells run out of order"]
-    # every habit alone once on 01 or 16 (a lost point names one habit), then groups of three
-    for i, h in enumerate(habits):
-        PLAN.append(("01" if i % 2 == 0 else "16", [h], []))
-    for i in range(6):
-        PLAN.append(("16" if i % 2 else "01", rng.sample(habits, 3), []))
-    for label, base, _name, _src in ALTERNATIVES:
-        extra = [] if base in ("00", "08") else [rng.choice(GENERIC)]
-        PLAN.append((base, extra, [label]))
-    PLAN.append(("08", ["%timeit"], []))  # the issue's example: %timeit rank_coords(5, 2, 2, 4) after 8.1
+    """31 notebooks of three habits on the solved 01 (its grading is the cheapest), habit i with
+    i + 1 and i + 3 (mod 31): each habit is in three notebooks and no two notebooks share more than
+    one habit, so the habit whose notebooks all lose points is the one that costs them; then each
+    alternative answer on its own notebook, with one habit (0.2's ring alone; 8.1 with divmod and
+    ``%timeit rank_coords(5, 2, 2, 4)`` after 8.1, the issue's example)."""
+    if not PLAN:
+        n = len(HABITS)
+        PLAN.extend(("01", [HABITS[i], HABITS[(i + 1) % n], HABITS[(i + 3) % n]], []) for i in range(n))
+        PLAN.extend((base, [h] if h else [], [label]) for (label, base, _, _), h in zip(ALTERNATIVES, WITH_ALTERNATIVE))
     return PLAN
 
 
@@ -152,45 +154,51 @@ def _defining(nb, name: str) -> int:
     return next(i for i in _code(nb) if f"def {name}(" in nb.cells[i].source)
 
 
-def _apply(nb, base: str, habit: str, rng: random.Random) -> None:
+def _apply(nb, base: str, habit: str, rng: random.Random):
+    """Add ``habit`` to the notebook ``nb``; returns the cell that holds it."""
     answer, call = ANSWER[base], CALL[base]
     new = nbformat.v4.new_code_cell
     if habit == "%matplotlib inline":
-        nb.cells.insert(0, new("%matplotlib inline"))
+        where, cell = 0, new("%matplotlib inline")
     elif habit == "a wrong attempt left above the right one":
         body = f"def {answer}(*args, **kwargs):\n    # first try, wrong: kept for my notes\n    return None"
-        nb.cells.insert(_defining(nb, answer), new(body))
+        where, cell = _defining(nb, answer), new(body)
     elif habit == "cells run out of order":
         counts = list(range(1, len(_code(nb)) + 1))
         rng.shuffle(counts)
         for i, n in zip(_code(nb), counts):
             nb.cells[i].execution_count = n
-        nb.cells.insert(1, new("print(value_defined_later)  # ran after the cell below in my session\n"))
-        nb.cells.insert(2, new("value_defined_later = 1"))
+        nb.cells.insert(1, new("value_defined_later = 1"))
+        where, cell = 1, new("print(value_defined_later)  # ran after the cell below in my session\n")
     else:
-        src = CELLS[habit].format(call=call, answer=answer)
-        nb.cells.insert(_after_first_check(nb), new(src))
+        where, cell = _after_first_check(nb), new(CELLS[habit].format(call=call, answer=answer))
+    nb.cells.insert(where, cell)
+    return cell
 
 
 def build(folder: Path) -> list[tuple[Path, str, list[str]]]:
-    """Write the corpus into ``folder``; [(path, notebook, habits and alternatives)]."""
+    """Write the corpus into ``folder``; [(path, notebook, each habit and alternative with its cell:
+    "cell 5: %timeit", numbered as the grader numbers cells)]."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for n, (base, habits, alts) in enumerate(_plan()):
         nb = nbformat.read(str(CHECKOUT / "solutions" / f"{BASES[base]}.ipynb"), as_version=4)
         rng = random.Random(n)
+        labelled = []
         for label in alts:
             _, _, name, src = next(a for a in ALTERNATIVES if a[0] == label)
             nb.cells[_defining(nb, name)].source = src
-        for h in habits:
-            _apply(nb, base, h, rng)
+            labelled.append((nb.cells[_defining(nb, name)], label))
+        labelled += [(_apply(nb, base, h, rng), h) for h in habits]
         for c in nb.cells:  # the ids of inserted cells: unique, as Jupyter writes them
             c.setdefault("id", f"c{rng.getrandbits(32):08x}")
+        where = {c.id: i + 1 for i, c in enumerate(nb.cells)}
+        named = [f"cell {where[c.id]}: {label}" for c, label in labelled]
         nb.metadata.setdefault("labkit", {})
-        nb.metadata["labkit"].update(notebook=BASES[base], habits=habits + alts)
+        nb.metadata["labkit"].update(notebook=BASES[base], habits=named)
         path = folder / f"h{n:02d}_{BASES[base]}.ipynb"
         nbformat.validator.normalize(nb)
         nbformat.write(nb, str(path))
-        out.append((path, BASES[base], habits + alts))
+        out.append((path, BASES[base], named))
     return out

@@ -125,21 +125,30 @@ def test_shipped_learner_notebooks_show_no_answer_of_notebooks_15_and_16():
         assert leak not in t16, leak
 
 
-def test_build_then_check_round_trip_names_stale_notebooks(tmp_path):
+def _build_here(capsys, *argv) -> tuple[int, str]:
+    """``python -m labkit build ARGV`` in this process: (exit status, stderr). A fresh ``python -m labkit`` costs
+    seconds of imports; one test (below) keeps the real command line."""
+    from labkit.grading.build import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def test_build_then_check_round_trip_names_stale_notebooks(tmp_path, capsys):
     sol = _synthetic(tmp_path)
-    build = [sys.executable, "-m", "labkit", "build", "--root", str(tmp_path)]
-    out = subprocess.run(build + ["--check"], capture_output=True, text=True)
-    assert out.returncode == 1 and "notebooks/03_synthetic.ipynb is missing" in out.stderr
-    assert subprocess.run(build, capture_output=True, text=True).returncode == 0
-    out = subprocess.run(build + ["--check"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    build = lambda *argv: _build_here(capsys, "--root", tmp_path, *argv)  # noqa: E731
+    code, err = build("--check")
+    assert code == 1 and "notebooks/03_synthetic.ipynb is missing" in err
+    assert build()[0] == 0
+    assert build("--check") == (0, "")
     # a solution edit makes the learner notebook stale
     nb = nbformat.read(str(sol), as_version=4)
     nb.cells[0].source = "# Title, edited"
     nbformat.write(nb, str(sol))
-    out = subprocess.run(build + ["--check"], capture_output=True, text=True)
-    assert out.returncode == 1
-    assert "notebooks/03_synthetic.ipynb is stale (differs from solutions/03_synthetic.ipynb)" in out.stderr
+    code, err = build("--check")
+    assert code == 1
+    assert "notebooks/03_synthetic.ipynb is stale (differs from solutions/03_synthetic.ipynb)" in err
     build_all(tmp_path)
     assert stale_notebooks(tmp_path) == []
     (tmp_path / "notebooks" / "04_orphan.ipynb").write_text("{}")
@@ -346,7 +355,7 @@ def test_build_run_outside_the_checkout_names_the_folder_it_works_on(tmp_path, m
     assert capsys.readouterr().out.startswith("notebooks/ is up to date")
 
 
-def test_the_course_repository_is_the_instructors_one_setting(tmp_path):
+def test_the_course_repository_is_the_instructors_one_setting(tmp_path, capsys):
     """[tool.labkit] repository (or build --repository URL, which records it) goes into every learner
     notebook's first cell and pyproject's [project.urls]; with none set the first cell names no
     repository and says how to install labkit; build --check catches a setting the files do not follow."""
@@ -356,36 +365,37 @@ def test_the_course_repository_is_the_instructors_one_setting(tmp_path):
     _synthetic(tmp_path)
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "labkit"\n\n[tool.labkit]\nrepository = ""\n\n'
                                              '[tool.ruff]\nline-length = 120\n')
-    build = [sys.executable, "-m", "labkit", "build", "--root", str(tmp_path)]
+    build = lambda *argv: _build_here(capsys, "--root", tmp_path, *argv)  # noqa: E731
     first = lambda: nbformat.read(str(tmp_path / "notebooks" / "03_synthetic.ipynb"), 4).cells[0].source  # noqa: E731
-    assert subprocess.run(build, capture_output=True, text=True).returncode == 0
+    assert build() == (0, "")
     assert first() == INSTALL_CELL and "github" not in first() and "Ask your instructor" in first()
     assert "[project.urls]" not in (tmp_path / "pyproject.toml").read_text()
 
     url = "https://git.example.org/course/labkit"
-    p = subprocess.run(build + ["--repository", url], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "labkit", "build", "--root", str(tmp_path), "--repository", url],
+                       capture_output=True, text=True)  # the command itself, once
     assert p.returncode == 0, p.stderr
     assert configured_repository(tmp_path) == url
     assert first() == install_cell(url) and f'"git+{url}"' in first()
     toml = (tmp_path / "pyproject.toml").read_text()
     assert f'Repository = "{url}"' in toml and toml.index("[project.urls]") < toml.index("[tool.labkit]")
-    assert subprocess.run(build + ["--check"], capture_output=True, text=True).returncode == 0
+    assert build("--check") == (0, "")
 
     # the setting changed by hand: --check names the notebook and the project URLs
     (tmp_path / "pyproject.toml").write_text(toml.replace(f'repository = "{url}"', 'repository = "https://x.org/a/b"'))
-    p = subprocess.run(build + ["--check"], capture_output=True, text=True)
-    assert p.returncode == 1 and "03_synthetic.ipynb is stale" in p.stderr and "[project.urls]" in p.stderr
+    code, err = build("--check")
+    assert code == 1 and "03_synthetic.ipynb is stale" in err and "[project.urls]" in err
 
     # cleared: no URL anywhere, the cell tells the learner how to install
-    assert subprocess.run(build + ["--repository", ""], capture_output=True, text=True).returncode == 0
+    assert build("--repository", "") == (0, "")
     assert first() == INSTALL_CELL and "[project.urls]" not in (tmp_path / "pyproject.toml").read_text()
-    assert subprocess.run(build + ["--check"], capture_output=True, text=True).returncode == 0
+    assert build("--check") == (0, "")
 
     # a value that could break out of the cell's string is refused in one line, nothing written
     before = (tmp_path / "pyproject.toml").read_text()
     for bad in ('https://x.org/a"); import os; ("', "git@github.com:a/b.git", "https://x.org/a b"):
-        p = subprocess.run(build + ["--repository", bad], capture_output=True, text=True)
-        assert p.returncode == 2 and p.stderr.count("\n") == 1 and "not an http(s) URL" in p.stderr, p.stderr
+        code, err = build("--repository", bad)
+        assert code == 2 and err.count("\n") == 1 and "not an http(s) URL" in err, err
         with pytest.raises(ValueError, match="not an http"):
             install_cell(bad)
     assert (tmp_path / "pyproject.toml").read_text() == before

@@ -33,7 +33,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from policyflag import NO_POLICY
 
 ROOT = os.geteuid() == 0
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -68,7 +67,7 @@ def _grade(py: Path, tmpdir: Path, *extra: str, folder: str = "solutions") -> su
     env.update(TMPDIR=str(tmpdir), OMP_NUM_THREADS="1")
     nb = py.parents[2] / folder / "01_pipeline_bubble.ipynb"
     return subprocess.run([str(py), "-m", "labkit", "grade", str(nb), "--assignment", "01_pipeline_bubble",
-                           "--cell-timeout", "120", *NO_POLICY, *extra], capture_output=True, text=True, env=env,
+                           "--cell-timeout", "120", *extra], capture_output=True, text=True, env=env,
                           cwd=str(py.parents[2]), timeout=400)
 
 
@@ -109,18 +108,26 @@ def test_packages_the_kernel_uid_cannot_read_stop_the_grader_before_grading(tmp_
         py = _install(base, True)
         # the kernel's uid cannot enter the venv's site-packages (ipykernel, torch). A kit of mode 700 alone stops
         # nothing: every kernel imports the grader's copy (the bundle's setup.sh makes the installed kit root-only)
-        os.chmod(next((base / ".venv" / "lib").glob("python3*/site-packages")), 0o700)
+        site = next((base / ".venv" / "lib").glob("python3*/site-packages"))
+        os.chmod(site, 0o700)
         proc = _grade(py, tmpdir)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
         assert len(lines) == 1 and "cannot isolate" in lines[0] and "Fix:" in lines[0], proc.stderr
         assert "Traceback" not in proc.stderr and "points" not in proc.stdout  # stopped before grading
         assert sorted(os.listdir(tmpdir)) == [], "left in TMPDIR"
-        # control: the instructor may accept the weaker isolation, which the output then describes (the
-        # learner notebook as shipped: graded without a kernel, so the control costs no kernel start)
+        # --allow-partial-isolation waives no kernel as root: the same one line, nothing graded
         proc = _grade(py, tmpdir, "--allow-partial-isolation", folder="notebooks")
+        lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+        assert proc.returncode == 2 and len(lines) == 1 and "would run as root" in lines[0], proc.stdout + proc.stderr
+        assert "points" not in proc.stdout and sorted(os.listdir(tmpdir)) == [], proc.stdout
+        # control: the packages readable again, the same grader isolates fully although the kit stays root-only
+        # (the learner notebook as shipped: graded without a kernel, so the control costs no kernel start)
+        os.chmod(site, 0o755)
+        os.chmod(base / "labkit", 0o700)
+        proc = _grade(py, tmpdir, folder="notebooks")
         assert proc.returncode == 0 and "total 0/4 points" in proc.stdout, proc.stdout + proc.stderr
-        assert "isolation is partial" in proc.stdout and FULL not in proc.stdout, proc.stdout + proc.stderr
+        assert FULL in proc.stdout, proc.stdout + proc.stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -181,7 +188,7 @@ def _in_chroot(root: Path, *extra: str, proc=True, mount_point=True, docker=Fals
              "env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "TMPDIR=/var/tmp/td",
              "OMP_NUM_THREADS=1", shutil.which("chroot"), str(root), f"{INSIDE}/.venv/bin/python", "-m", "labkit",
              "grade", *(f"{INSIDE}/{nb}" for nb in notebooks), "--assignment", "01_pipeline_bubble", "--cell-timeout",
-             "120", *NO_POLICY, *extra]
+             "120", *extra]
     script = " && ".join(mounts) + " && exec " + " ".join(map(shlex.quote, grade))
     proc_ = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script],
                            capture_output=True, text=True, timeout=400, cwd="/")
@@ -251,7 +258,8 @@ def test_the_bundles_run_side_refuses_as_the_grader_does(tmp_path, monkeypatch, 
     (tmp_path / "submission").mkdir()
     docker = ("cannot isolate the submissions' kernels: the grader runs as root without CAP_SYS_ADMIN. Fix: "
               "--cap-add SYS_ADMIN; or pass --allow-partial-isolation to grade with the weaker isolation")
-    monkeypatch.setattr(session, "isolation_problem", lambda *a: docker)
+    monkeypatch.setattr(session, "isolation_problem",
+                        lambda limits=None, allow_partial=False: "" if allow_partial else docker)
     monkeypatch.setattr(session, "kernel_user", lambda *a: None)  # what the self-check probed: its note below
     monkeypatch.setattr(session, "isolation_note", lambda user: "isolation is partial: WHAT-IT-GIVES")
     rebuild = ("without CAP_SYS_ADMIN. Fix: rebuild the bundle with --allow-partial-isolation (python -m labkit "
@@ -259,7 +267,9 @@ def test_the_bundles_run_side_refuses_as_the_grader_does(tmp_path, monkeypatch, 
                "here it then grades with this weaker isolation: WHAT-IT-GIVES. For full isolation instead, on a "
                "machine whose container you configure: --cap-add SYS_ADMIN")
     for allow, place, words in ((False, "", rebuild),
-                                (True, "/proc is not mounted here. Fix: mount it", "/proc is not mounted")):
+                                (True, "/proc is not mounted here. Fix: mount it", "/proc is not mounted"),
+                                (False, "/proc is not mounted here. Fix: mount it", "/proc is not mounted here. Fix: "
+                                                                                    "mount it")):
         (tmp_path / "source" / autograder.CONFIG).write_text(json.dumps(
             {"assignment": "01_pipeline_bubble", "allow_partial_isolation": allow}))
         monkeypatch.setattr(session, "place_problem", lambda place=place: place)

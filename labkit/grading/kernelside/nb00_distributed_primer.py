@@ -1,10 +1,8 @@
-"""Kernel side of notebook 00_distributed_primer's exercises: the code that runs next to the learner's
-code (``answer.run(fn, ...)`` in the cases of :mod:`labkit.grading.exercises.nb00_distributed_primer`).
+"""Kernel side of notebook 00_distributed_primer's exercises, whose cases are in
+:mod:`labkit.grading.exercises.nb00_distributed_primer` (what runs here and why: :mod:`labkit.grading.kernelside`).
 
-It lives outside ``labkit.grading.exercises`` because the graded kernel cannot read that
-package (:mod:`labkit.grading.session`); nothing here computes an expected value, and nothing
-here is trusted: the ring's ranks have no process group, so their send/recv reach the
-grader's :class:`~labkit.grading.relay.Relay`, whose log the case judges.
+The ring's ranks have no process group: their send/recv reach the grader's
+:class:`~labkit.grading.relay.Relay`, whose log the case judges.
 """
 from __future__ import annotations
 

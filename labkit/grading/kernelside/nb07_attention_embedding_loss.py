@@ -1,9 +1,7 @@
-"""Kernel side of notebook 07_attention_embedding_loss's exercises: the code that runs next to the learner's
-code (``answer.run(fn, ...)`` in the cases of :mod:`labkit.grading.exercises.nb07_attention_embedding_loss`).
+"""Kernel side of notebook 07_attention_embedding_loss's exercises, whose cases are in
+:mod:`labkit.grading.exercises.nb07_attention_embedding_loss` (what runs here: :mod:`labkit.grading.kernelside`).
 
-It lives outside ``labkit.grading.exercises`` because the graded kernel cannot read that
-package (:mod:`labkit.grading.session`); nothing here computes an expected value. 7.3's ranks
-have no process group: their all-reduces reach the grader's
+7.3's ranks have no process group: their all-reduces reach the grader's
 :class:`~labkit.grading.relay.Relay`, which counts them.
 """
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Kernel side of notebook 09_moe_routing's exercises: the code that runs next to the learner's
-code (``answer.run(fn, ...)`` in the cases of :mod:`labkit.grading.exercises.nb09_moe_routing`).
-
-It lives outside ``labkit.grading.exercises`` because the graded kernel cannot read that
-package (:mod:`labkit.grading.session`); nothing here computes an expected value.
+"""Kernel side of notebook 09_moe_routing's exercises, whose cases are in
+:mod:`labkit.grading.exercises.nb09_moe_routing` (what runs here and why: :mod:`labkit.grading.kernelside`).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Kernel side of notebook 13_zero_bubble's exercises: the code that runs next to the learner's
-code (``answer.run(fn, ...)`` in the cases of :mod:`labkit.grading.exercises.nb13_zero_bubble`).
+"""Kernel side of notebook 13_zero_bubble's exercises, whose cases are in
+:mod:`labkit.grading.exercises.nb13_zero_bubble` (what runs here and why: :mod:`labkit.grading.kernelside`).
 
-It lives outside ``labkit.grading.exercises`` because the graded kernel cannot read that
-package (:mod:`labkit.grading.session`); nothing here computes an expected value, and nothing
-it reports is more than data the grader judges: the learner's returned gradients and what
-``.grad`` holds after the call.
+What it reports is data the grader judges: the learner's returned gradients and what ``.grad``
+holds after the call.
 """
 from __future__ import annotations
 
