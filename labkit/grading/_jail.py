@@ -17,7 +17,9 @@ Options, each one token ``--name=value``:
 * ``--stage=DIR`` (required with ``--tmp``): a folder of the grader's (outside the new mounts; the grader
   removes it) where staging folders are made; nothing is ever made in the shared TMPDIR.
 * ``--home=DIR``: make DIR (in the new /tmp) owned by UID, mode 0700, with ``ipython`` and
-  ``mpl`` inside; COMMAND starts there.
+  ``mpl`` inside; COMMAND starts there (unless ``--workdir``).
+* ``--workdir=DIR``: make DIR (in the new /tmp) owned by UID, mode 0700; COMMAND starts there (the
+  kernel's working folder: the learner's own files, gone with the namespace).
 * ``--root=DIR``: give COMMAND a file system of its own (an allow-list): a tmpfs mounted on DIR
   holds the system's folders (:data:`SYSTEM`: ``/usr``, ``/etc``, ``/dev``, ...) and each PATH
   bound at its own place, and nothing else; the process then ``chroot``s into it. So the kernel
@@ -242,6 +244,10 @@ def main(argv):
         for d in (home, os.path.join(home, "ipython"), os.path.join(home, "mpl")):
             os.makedirs(d, mode=0o700, exist_ok=True)
             os.chown(d, uid, gid)
+    workdir = opts.get("workdir", [None])[0]
+    if workdir:
+        os.makedirs(workdir, mode=0o700, exist_ok=True)
+        os.chown(workdir, uid, gid)
     for dst, data in copies:
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.write(fd, data)
@@ -262,8 +268,8 @@ def main(argv):
         os.setgid(gid)
         os.setuid(uid)
     libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: die with the grader
-    if home:
-        os.chdir(home)
+    if workdir or home:
+        os.chdir(workdir or home)
     os.execv(cmd[0], cmd)
 
 

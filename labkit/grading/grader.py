@@ -252,6 +252,16 @@ def _untouched(nb, names: list[str]) -> bool:
     return code == ref
 
 
+def _did_not_run(ex_id: str, cells, k: int, problem: str) -> str:
+    """Why exercise ``ex_id``, graded after code cell ``k`` of ``cells``, was not: that cell broke
+    (``problem``), and it is the exercise's ``check`` cell or the one that defines its answer."""
+    from .assignments import _check_pattern, answer_name
+
+    if _check_pattern(ex_id).search(cells[k][1]):
+        return f"not attempted: check(\"{ex_id}\", ...) did not run: {problem}"
+    return f"not attempted: the cell that defines {answer_name(ex_id, cells) or 'the answer'} did not finish: {problem}"
+
+
 def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                    assignment: str | None = None, time_budget: float | None = None,
                    limits=None, hints: bool = True) -> NotebookGrade:
@@ -307,7 +317,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     release(-1)
 
     def launch():
-        s = KernelSession(str(path.parent.resolve()), user, kit=kit.path if kit is not None else None)
+        s = KernelSession(user, kit=kit.path if kit is not None else None)
         s.launch()
         return s
 
@@ -377,8 +387,8 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                     if st == "ok" and (code or ex_id in _registered(session)):
                         results[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
                     elif st == "error" and status == "error" and en == "NameError":  # the cell broke
-                        grades[ex_id] = _exercise_grade(wanted[ex_id], None, f"not attempted: check(\"{ex_id}\", "
-                                                                             f"...) did not run: {cell_problems[idx]}")
+                        grades[ex_id] = _exercise_grade(wanted[ex_id], None, _did_not_run(ex_id, cells, k,
+                                                                                          cell_problems[idx]))
                     elif st == "error":
                         grades[ex_id] = _exercise_grade(wanted[ex_id], None, _undefined(answer_name(ex_id, cells),
                                                                                         ex_id, en, ev))
@@ -454,7 +464,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
             reason = (f"not attempted: the notebook defines no {answer_name(ex.id, cells) or 'answer'!r} and has "
                       f"no check(\"{ex.id}\", ...)")
         elif cells[k][0] in cell_problems:
-            reason = f"not attempted: check(\"{ex.id}\", ...) did not run: {cell_problems[cells[k][0]]}"
+            reason = _did_not_run(ex.id, cells, k, cell_problems[cells[k][0]])
         if not reason and stop:
             reason = f"not reached: {stop}"
         grade.exercises.append(_exercise_grade(ex, None, reason))

@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .assignments import cell_python
+
 __all__ = ["Flag", "Row", "analyse", "analyse_batch", "for_submissions", "write_report", "format_report",
            "FLAG_REFERENCE", "FLAG_PAIR", "similarity"]
 
@@ -73,16 +75,6 @@ class Row:
 
 
 # ---------------------------------------------------------------- code of a notebook
-def _python(src: str) -> str:
-    """A cell's source as Python (magics and ``!`` lines turned into calls, line numbers kept)."""
-    try:
-        from IPython.core.inputtransformer2 import TransformerManager
-
-        return TransformerManager().transform_cell(src)
-    except Exception:  # noqa: BLE001 - IPython missing or a cell it cannot transform: the raw text
-        return src
-
-
 @dataclass
 class _Def:
     name: str
@@ -99,7 +91,7 @@ def _definitions(cells) -> dict[str, _Def]:
     of each name wins (as when the notebook runs top to bottom)."""
     out: dict[str, _Def] = {}
     for idx, src in cells:
-        code = _python(src)
+        code = cell_python(src)
         try:
             tree = ast.parse(code)
         except (SyntaxError, ValueError):
@@ -162,7 +154,7 @@ def _boilerplate(starter: list[str]) -> set:
     hashes: set = set()
     for src in starter:
         try:
-            hashes |= set(_fingerprint(_python(src)).hashes)
+            hashes |= set(_fingerprint(cell_python(src)).hashes)
         except Exception:  # noqa: BLE001
             continue
     return hashes
@@ -259,7 +251,7 @@ def _dynamic(cells, starter: set[str]) -> list[Flag]:
             continue
         for m in re.finditer(r"^%%writefile\s+(?:-a\s+)?(\S+\.py)\b", src, re.M):
             wrote_py.append((idx + 1, src[: m.start()].count("\n") + 1, Path(m.group(1)).stem))
-        code = _python(src)
+        code = cell_python(src)
         try:
             tree = ast.parse(code)
         except (SyntaxError, ValueError):
@@ -300,7 +292,7 @@ def _dynamic(cells, starter: set[str]) -> list[Flag]:
         imported = {}
         for idx, src in cells:
             try:
-                tree = ast.parse(_python(src))
+                tree = ast.parse(cell_python(src))
             except (SyntaxError, ValueError):
                 continue
             for node in ast.walk(tree):

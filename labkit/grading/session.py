@@ -70,12 +70,14 @@ def add_private_paths(paths) -> None:
 MAX_MESSAGE = 64 * 2 ** 20  # bytes of one message from the kernel
 
 
-# before the first cell: no import from the working folder (IPython puts "" first on sys.path, so a module
-# the notebook writes there, e.g. a fractions.py, would shadow the standard one the kit imports), then torch
-# and the kit, so no cell's time limit pays for them
-WARM_UP = ("import sys\nsys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
-           "import torch, labkit.grading.kernel")
+# before the first cell: torch and the kit, so no cell's time limit pays for them. sys.path is IPython's, as
+# in Jupyter: the working folder ('') after the standard library and before site-packages, so a module the
+# notebook writes there (%%writefile helpers.py) imports. That folder is the kernel's own and empty at start:
+# what a file written there later can shadow, it shadows for the notebook alone, whose results are judged in
+# the grader on data like any other code it runs (docs/grading.md)
+WARM_UP = "import torch, labkit.grading.kernel"
 PRIVATE_HOME = "/tmp/labkit-home"  # the kernel's HOME, inside its private /tmp (jail mode)
+PRIVATE_WORK = "/tmp/labkit-work"  # the kernel's working folder, inside its private /tmp (jail mode)
 
 
 @dataclass
@@ -247,7 +249,7 @@ def _probe(user: KernelUser) -> tuple[bool, str]:
             env_kit = {"PYTHONPATH": os.path.dirname(build_kit([], os.path.join(stage, "kit")).path)}
             extra = [os.path.join(os.path.dirname(os.path.abspath(labkit.__file__)), "__init__.py")]
         if user.jail:
-            options = [f"--tmp={2 ** 20}", f"--stage={stage}", f"--home={PRIVATE_HOME}",
+            options = [f"--tmp={2 ** 20}", f"--stage={stage}", f"--home={PRIVATE_HOME}", f"--workdir={PRIVATE_WORK}",
                        *(f"--hide={p}" for p in secret_paths())]
             if not user.userns:
                 options.append("--hidepid=1")
@@ -580,9 +582,14 @@ def _open_tmp() -> str | None:
 
 
 class KernelSession:
-    """One learner kernel (see the module docstring). ``cwd``: its working directory."""
+    """One learner kernel (see the module docstring). Its working folder, on its ``sys.path`` as in
+    Jupyter, is a fresh folder of its own that only its uid may write and that is gone after
+    grading: :data:`PRIVATE_WORK` in its private /tmp (jail mode), else :attr:`work` (a subfolder
+    of the grader's folder for this kernel, removed by :meth:`kill`). So a learner's own module
+    (``%%writefile helpers.py``, ``import helpers``), CSV or figure by a relative path works as in
+    their Jupyter, and nothing is written beside the submission."""
 
-    def __init__(self, cwd: str, user: KernelUser | None = None, kit: str | None = None):
+    def __init__(self, user: KernelUser | None = None, kit: str | None = None):
         self.lease = self.cgroup = None
         if user is not None and not user.userns:  # a uid of its own: no other kernel, of any grader, has it
             self.lease = UidLease()
@@ -590,7 +597,8 @@ class KernelSession:
                               newroot=user.newroot, kit_private=user.kit_private)
         self.user = user
         self.dir = tempfile.mkdtemp(prefix="labkit-kernel-", dir=_open_tmp() if user is not None else None)
-        self.cwd = self.dir if user is not None else cwd
+        self.work = os.path.join(self.dir, "work")  # the working folder without a jail (the jail's: PRIVATE_WORK)
+        self.cwd = self.work
         self.proc = None
         self.kc = None
         self.info = None
@@ -646,7 +654,7 @@ class KernelSession:
                        LOGNAME=self.user.name.replace(" ", "-"), IPYTHONDIR=os.path.join(PRIVATE_HOME, "ipython"),
                        MPLCONFIGDIR=os.path.join(PRIVATE_HOME, "mpl"))
             options = [f"--copy={conn}:{conn_inside}", f"--tmp={self.user.limits.tmp_size}", f"--stage={self.dir}",
-                       f"--home={PRIVATE_HOME}", *(f"--hide={p}" for p in secret_paths())]
+                       f"--home={PRIVATE_HOME}", f"--workdir={PRIVATE_WORK}", *(f"--hide={p}" for p in secret_paths())]
             if not self.user.userns:  # as root: other uids' processes (the grader's command line) out of sight
                 options.append("--hidepid=1")
             root = cgroup_v2_root() if not self.user.userns else None
@@ -658,16 +666,17 @@ class KernelSession:
                     self.cgroup = None  # no delegation here: the uid alone contains the kernel
             argv, kw = self.user.command(argv, sockets, options, kit=self.kit, stage=self.dir)
             self.cwd = "/"
-        else:  # IPython's startup files and matplotlib's rc of this kernel alone
-            for sub in ("tmp", "ipython", "mpl"):
+        else:  # IPython's startup files, matplotlib's rc, HOME and TMPDIR of this kernel alone (removed by kill):
+            # what the notebook writes there is gone after grading, and a uid with no home still starts a kernel
+            for sub in ("tmp", "ipython", "mpl", "work"):
                 os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
-            env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"))
-            if self.user is not None:  # a uid of its own without namespaces: its folder is its home
+            env.update(IPYTHONDIR=os.path.join(self.dir, "ipython"), MPLCONFIGDIR=os.path.join(self.dir, "mpl"),
+                       HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"))
+            if self.user is not None:  # a uid of its own without namespaces
                 for root, dirs, files in os.walk(self.dir):
                     for name in [root] + [os.path.join(root, n) for n in dirs + files]:
                         os.chown(name, self.user.uid, self.user.gid)
-                env.update(HOME=self.dir, TMPDIR=os.path.join(self.dir, "tmp"), USER=self.user.name,
-                           LOGNAME=self.user.name)
+                env.update(USER=self.user.name, LOGNAME=self.user.name)
                 if self.kit and self.user.kit_private:  # the grader's copy before the (root-only) kit
                     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(self.kit)]
                                                         + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

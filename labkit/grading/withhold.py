@@ -82,10 +82,11 @@ def shipped_cells(major: str, folder: str | None = None) -> tuple[str, ...]:
 
 
 def _python(src: str) -> ast.Module:
-    """A cell's Python (magics and shell lines blanked: IPython runs them, they name no labkit object)."""
-    lines = [("" if ln.lstrip().startswith(("%", "!")) else ln) for ln in src.splitlines()]
+    """A cell's Python as IPython runs it (:func:`labkit.grading.assignments.cell_python`)."""
+    from .assignments import cell_python
+
     try:
-        return ast.parse("\n".join(lines))
+        return ast.parse(cell_python(src))
     except (SyntaxError, ValueError):
         return ast.Module(body=[], type_ignores=[])
 

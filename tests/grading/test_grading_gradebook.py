@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from policyflag import NO_POLICY
 from tinyassign import CASES, _nb
 
 from labkit.grading.batch import FORMULA_START, _result_names, gradebook_rows, inert, safe_name
@@ -58,7 +57,7 @@ def test_every_text_cell_is_inert_and_every_results_name_safe():
 
 
 def _batch(args, env, cwd, **kw):
-    return subprocess.Popen([sys.executable, "-m", "labkit", "grade", *map(str, args), *NO_POLICY],
+    return subprocess.Popen([sys.executable, "-m", "labkit", "grade", *map(str, args)],
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, **kw)
 

@@ -19,7 +19,7 @@ that costs points comes first there, alone or with the one alternative answer th
 With the static source policy (main f822c52's policy.py, its grader's ``_policy_grades`` run on
 these notebooks, measured) every one of the 40 loses points, 101 of 178 (three whole notebooks: those
 with ``%matplotlib inline`` as the first cell); every point a policy refusal.
-This test uses the grader's default, and ``--no-source-policy`` only while that option exists.
+This test uses the grader's default options.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import sys
 
 import pytest
 from honest_corpus import build
-from policyflag import NO_POLICY
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="graded as root, as autograder containers do (full isolation)")
@@ -42,7 +41,7 @@ def test_every_honest_submission_gets_full_marks(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # no --results-dir: the integrity report (tested on its own corpus) would add ~10 s of CPU here
     p = subprocess.run([sys.executable, "-m", "labkit", "grade", *(str(c[0]) for c in corpus), "--gradebook",
-                        str(book), "-j", "2", "--cell-timeout", "120", *NO_POLICY],
+                        str(book), "-j", "2", "--cell-timeout", "120"],
                        capture_output=True, text=True, env=env, timeout=1800)
     rows = list(csv.DictReader(book.open()))
     assert len(rows) == len(corpus), p.stdout + p.stderr

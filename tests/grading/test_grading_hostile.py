@@ -307,16 +307,18 @@ def test_kernel_kill_ends_a_daemon_that_left_the_session_without_root_isolation(
     # grader, so only the kernel's environment mark finds it
     from labkit.grading.session import KernelSession
 
-    s = KernelSession(os.getcwd(), None)
+    s = KernelSession(None)
     os.environ["LABKIT_TEST_MARK"] = MARK
     try:
         s.start()
     finally:
         del os.environ["LABKIT_TEST_MARK"]
     try:
-        # nothing this kernel imports can come from its working folder or the user's site-packages, nor its
-        # IPython startup files and matplotlib rc from a folder an earlier kernel of this user could write
-        own = ("import os, sys\nassert '' not in sys.path and '.' not in sys.path, sys.path\n"
+        # its working folder is its own, on sys.path as in Jupyter (a module the notebook writes imports);
+        # nothing comes from the user's site-packages, nor its IPython startup files and matplotlib rc from a
+        # folder an earlier kernel of this user could write
+        own = (f"import os, sys\nassert os.getcwd() == {s.work!r} and '' in sys.path, sys.path\n"
+               "open('mine.py', 'w').write('X = 1')\nimport mine\nassert mine.X == 1\n"
                f"assert sys.flags.no_user_site\nassert os.environ['IPYTHONDIR'] == {s.dir + '/ipython'!r}\n"
                f"assert os.environ['MPLCONFIGDIR'] == {s.dir + '/mpl'!r}")
         assert s.execute(own, 20)[:2] == ("ok", ""), s.execute(own, 20)

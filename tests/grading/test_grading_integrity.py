@@ -14,7 +14,6 @@ from pathlib import Path
 import nbformat
 import pytest
 from integrity_corpus import HONEST, copies
-from policyflag import NO_POLICY
 
 from labkit.grading import integrity
 from labkit.grading.assignments import answer_name, defines
@@ -122,7 +121,7 @@ def test_grade_results_dir_writes_the_report_and_a_single_grade_prints_it(tmp_pa
     b = submission(subs, "honest", "01_pipeline_bubble", {"1.1": HONEST[1][3]})
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "labkit", "grade", a, b, "--assignment", "01_pipeline_bubble",
-                        "--results-dir", tmp_path / "results", "-j", "2", *NO_POLICY], capture_output=True, text=True,
+                        "--results-dir", tmp_path / "results", "-j", "2"], capture_output=True, text=True,
                        env=env, timeout=600, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     table = list(csv.reader((tmp_path / "results" / "integrity.csv").open()))
@@ -135,6 +134,6 @@ def test_grade_results_dir_writes_the_report_and_a_single_grade_prints_it(tmp_pa
     for obj in results.values():  # the report is the instructor's: nothing of it in what a student sees
         assert "integrity" not in json.dumps(obj) and "similar" not in json.dumps(obj)
     # one grade: the same report in the instructor-only output (stdout; Gradescope keeps it hidden)
-    p = subprocess.run([sys.executable, "-m", "labkit", "grade", a, "--assignment", "01_pipeline_bubble", *NO_POLICY],
+    p = subprocess.run([sys.executable, "-m", "labkit", "grade", a, "--assignment", "01_pipeline_bubble"],
                        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert "integrity (instructor only" in p.stdout and "bubble_formula" in p.stdout, p.stdout

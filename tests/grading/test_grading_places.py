@@ -32,7 +32,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from policyflag import NO_POLICY
 
 ROOT = os.geteuid() == 0
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -67,7 +66,7 @@ def _grade(py: Path, tmpdir: Path, *extra: str, folder: str = "solutions") -> su
     env.update(TMPDIR=str(tmpdir), OMP_NUM_THREADS="1")
     nb = py.parents[2] / folder / "01_pipeline_bubble.ipynb"
     return subprocess.run([str(py), "-m", "labkit", "grade", str(nb), "--assignment", "01_pipeline_bubble",
-                           "--cell-timeout", "120", *NO_POLICY, *extra], capture_output=True, text=True, env=env,
+                           "--cell-timeout", "120", *extra], capture_output=True, text=True, env=env,
                           cwd=str(py.parents[2]), timeout=400)
 
 
@@ -182,7 +181,7 @@ def _in_chroot(root: Path, *extra: str, proc=True, mount_point=True, docker=Fals
              "env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "TMPDIR=/var/tmp/td",
              "OMP_NUM_THREADS=1", shutil.which("chroot"), str(root), f"{INSIDE}/.venv/bin/python", "-m", "labkit",
              "grade", *(f"{INSIDE}/{nb}" for nb in notebooks), "--assignment", "01_pipeline_bubble", "--cell-timeout",
-             "120", *NO_POLICY, *extra]
+             "120", *extra]
     script = " && ".join(mounts) + " && exec " + " ".join(map(shlex.quote, grade))
     proc_ = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script],
                            capture_output=True, text=True, timeout=400, cwd="/")

@@ -358,7 +358,7 @@ def test_no_other_process_can_reach_the_kernel_nor_the_kernel_them(own, monkeypa
                             lambda fname, **kw: real(fname, **{**kw, "ip": "127.0.0.1", "transport": "tcp"}))
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    s = KernelSession("/", user)
+    s = KernelSession(user)
     try:
         s.start()
         probe = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=3).close()\n"
@@ -416,7 +416,7 @@ def test_the_kernels_socket_folder_cannot_fill_the_machines_disk(small, monkeypa
         real = session_mod.subprocess.run
         monkeypatch.setattr(session_mod.subprocess, "run",
                             lambda argv, *a, **k: None if argv[0] == "mount" else real(argv, *a, **k))
-    s = KernelSession("/", user)
+    s = KernelSession(user)
     try:
         s.start()
         fill = ("import json, os\nd = os.path.dirname(json.load(open(os.path.expanduser('~/kernel.json')))['ip'])\n"
