@@ -3,13 +3,5 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _references_imported():
-    """A case's child tripwires the exercise's withheld references, importing their modules (the explorer
-    brings matplotlib: ~0.3 s in every case's child). Imported once here, the children inherit them; the
-    verdicts are the same."""
-    from labkit.grading.assignments import ANSWERS
-    from labkit.grading.kernel import _Tripwires
-    from labkit.grading.runner import _withheld_calls
-
-    for exercise_id in ANSWERS:
-        _Tripwires(_withheld_calls(exercise_id))  # resolves the names (imports), swaps nothing
+def _references_imported(references_imported):
+    """tests/conftest.py's ``references_imported`` for every test here."""

@@ -18,18 +18,7 @@ ANSWERS = {
 IDS = sorted(PINNED, key=lambda i: tuple(map(int, i.split("."))))  # the course's exercises (tests add others)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _references_imported():
-    """Each case runs in a child forked from this process, which tripwires the exercise's withheld references
-    (importing their modules: the explorer brings matplotlib, ~0.3 s in every case's child). Imported here
-    once, the children inherit them; the verdicts are the same."""
-    from labkit.grading.kernel import _Tripwires
-    from labkit.grading.runner import _withheld_calls
-
-    for exercise_id in IDS:
-        _Tripwires(_withheld_calls(exercise_id))  # resolves the names (imports), swaps nothing
-
-
+@pytest.mark.usefixtures("references_imported")
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_a_nan_answer_passes_no_case(exercise_id):
     for what, answer in ANSWERS.items():
