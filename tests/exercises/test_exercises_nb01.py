@@ -159,3 +159,12 @@ def test_exact_answers_pass_1_2():
 
     for answer in (from_float, from_decimal, closed_form_exact):
         assert_check_passes("1.2", answer)
+
+
+def test_a_bound_with_no_floor_at_one_is_named_at_k_1():
+    """A ceil of the bound with nothing keeping M >= 1 returns 0 for K=1; the line blamed the idle-over-busy
+    formula. It names M=0 (no schedule) and asks about K=1, without the fix, and not the formula."""
+    res = assert_public_case_fails("1.2", lambda K, t: math.ceil(round((K - 1) * (1 - t) / t, 9)),
+                                   "K=1 needs one microbatch",
+                                   contains="expected 1, got 0 (M=0 microbatches is no schedule")
+    assert "idle time over the busy time" not in res.message and "max(" not in res.message, res.message

@@ -345,7 +345,8 @@ def test_nb01_smallest_m_wrong_answers_fail():
     assert_check_fails("1.2", lambda K, t: math.ceil((K - 1) / t), contains="expected 21, got 24")
     # closed form without the M >= 1 floor gives 0 for one stage
     assert_check_fails("1.2", lambda K, t: math.ceil((K - 1) / t - (K - 1)),
-                       contains="smallest_microbatches(K=1, target=0.01): expected 1, got 0")
+                       contains="smallest_microbatches(K=1, target=0.01): expected 1, got 0 (M=0 microbatches is "
+                                "no schedule")
 
 
 # ----------------------------------------------------------------------------- wrong answers, notebook 00

@@ -102,9 +102,14 @@ def _smallest_mistakes(K: int, target: float) -> list:
     """1.2's named mistakes for K and target: the idle-over-busy bound, and one microbatch too many or too few
     (each with the bubble it gives, so the line names the mistake and not only the value; issue 36)."""
     want = _smallest(K, target)
-    out = [(math.ceil(round((K - 1) / target, 9)), "that M makes the idle time over the busy time, (K-1)/M, reach "
-                                                   "the target; the bubble fraction of 1.1 is over every slot of "
-                                                   "the step")]
+    # M=0 first: with K=1 every bound is 0 (the idle-over-busy one too), and the mistake is that 0 microbatches
+    # is no schedule, not the formula
+    out = [(0, "M=0 microbatches is no schedule: a step trains on at least one microbatch. What does your bound "
+               "give when K=1, where there is no bubble to shrink?")]
+    idle_busy = math.ceil(round((K - 1) / target, 9))
+    if idle_busy >= 1:
+        out.append((idle_busy, "that M makes the idle time over the busy time, (K-1)/M, reach the target; the "
+                               "bubble fraction of 1.1 is over every slot of the step"))
     out.append((want + 1, f"one microbatch more than needed: with M={want} the bubble is already "
                           f"{_bubble(K, want):.4g} <= {target}; when your bound is a whole number, does your "
                           "rounding (or the float it rounds) step past it?"))
