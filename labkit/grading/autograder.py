@@ -244,7 +244,7 @@ def run(root: Path) -> int:
     config = json.loads((source / CONFIG).read_text())
     from .session import isolation_problem, place_problem
 
-    problem = place_problem() or ("" if config.get("allow_partial_isolation") else isolation_problem())
+    problem = place_problem() or isolation_problem(allow_partial=bool(config.get("allow_partial_isolation")))
     if problem:  # before anything of the submission runs
         fix = "build the bundle with --allow-partial-isolation"
         print(f"error: {problem.replace('pass --allow-partial-isolation', fix)}", file=sys.stderr)

@@ -820,8 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
-        problem = isolation_problem(limits)
+    problem = isolation_problem(limits, a.allow_partial_isolation)  # the self-check: the kernel's uid starts Python
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -118,7 +118,8 @@ class KernelUser:
         kit_dir = os.path.dirname(os.path.abspath(labkit.__file__))
         needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                   os.path.dirname(os.path.realpath(sys.executable))}
-        needed |= {p for p in sys.path if p and os.path.isdir(p)}
+        here = os.path.realpath(os.getcwd())  # `python -m` puts the grader's working folder on sys.path: the kernel
+        needed |= {p for p in sys.path if p and os.path.isdir(p) and os.path.realpath(p) != here}  # needs none of it
         if cwd:
             needed.add(cwd)
         if self.newroot and stage:
@@ -361,19 +362,27 @@ def _root_is_a_mount_point() -> bool:
         return True
 
 
-def isolation_problem(limits: Limits | None = None) -> str:
+def isolation_problem(limits: Limits | None = None, allow_partial: bool = False) -> str:
     """The self-check a grader runs before grading ("" when it passed): as root, a kernel must run
     as a uid of its own in a jail with a file system of its own (:func:`kernel_user` proved,
     with a probe in exactly that jail, that this uid starts Python and imports the kit), else
     this returns one line naming the cause and the fix, and the grader stops (exit 2) rather
-    than run a submission as root or claim isolation it lacks. A non-root grader is never
-    refused: :func:`isolation_note` says what its partial isolation leaves open. Causes named:
-    no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
+    than run a submission as root or claim isolation it lacks. ``allow_partial``
+    (``--allow-partial-isolation``) waives every cause but one: a kernel that would run as root.
+    A non-root grader is never refused: :func:`isolation_note` says what its partial isolation
+    leaves open. Causes named: no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
     folder is not a mount point, Python or the kit unreadable by other uids."""
     if os.geteuid() != 0:
         return ""
     user = kernel_user(limits)
     if user is not None and user.jail and user.newroot and not user.userns:
+        return ""
+    if user is None:  # never waived: a kernel as root could rewrite the grader and its results
+        return ("cannot isolate the submissions' kernels: they would run as root ("
+                + ("; ".join(_UNUSABLE) or "no unprivileged uid could run the kernel")
+                + "). Fix: make Python and the kit readable by other users (chmod o+rX on them and their folders, "
+                  "or install them outside /root)")
+    if allow_partial:
         return ""
     import labkit
 
@@ -599,7 +608,7 @@ class KernelSession:
         self.dir = tempfile.mkdtemp(prefix="labkit-kernel-", dir=_open_tmp() if user is not None else None)
         self.work = os.path.join(self.dir, "work")  # the working folder without a jail (the jail's: PRIVATE_WORK)
         self.cwd = self.work
-        self.proc = None
+        self.proc = self.stderr = None
         self.kc = None
         self.info = None
         self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
@@ -683,9 +692,12 @@ class KernelSession:
                 argv, kw = self.user.command(argv, self.cwd)
         _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
         kw.setdefault("preexec_fn", _pdeathsig)
+        # the kernel's stderr: an unlinked file of the grader's (bounded by the kernel's RLIMIT_FSIZE), read only
+        # to say why a kernel exited while starting (before any cell ran)
+        self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr, cwd=self.cwd, env=env,
             start_new_session=True, close_fds=True, **kw)
         _KEEP.add(self.proc.pid)
         self._started = _processes().get(self.proc.pid, (0, 0, 0, 2 ** 62))[3]  # clock ticks since boot
@@ -714,7 +726,8 @@ class KernelSession:
             except queue.Empty:
                 pass
             if not self.alive():
-                raise KernelStartError(f"the kernel exited while starting (exit code {self.proc.poll()})")
+                raise KernelStartError(f"the kernel exited while starting (exit code {self.proc.poll()})"
+                                       + self._start_error())
             if time.monotonic() > deadline:
                 raise KernelStartTimeout(budget)
 
@@ -791,6 +804,15 @@ class KernelSession:
             pass
 
     # ------------------------------------------------------------------ end
+    def _start_error(self) -> str:
+        """': LAST LINE' of what the kernel wrote to stderr before it exited while starting ('' if nothing)."""
+        try:
+            self.stderr.seek(max(0, os.fstat(self.stderr.fileno()).st_size - 4096))
+            last = _first_line(self.stderr.read().decode("utf-8", "replace"))
+        except (OSError, ValueError, AttributeError):
+            return ""
+        return "" if last == "no output" else f": {last}"
+
     def kill(self) -> None:
         """Kill the kernel and everything it started: its process group, its session, its
         descendants, every process whose environment carries this kernel's :data:`MARK_ENV`
@@ -851,6 +873,8 @@ class KernelSession:
             subprocess.run(["umount", "--lazy", self.sockets], stdin=subprocess.DEVNULL, capture_output=True)
             self.sockets_mounted = False
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.stderr is not None:
+            self.stderr.close()
 
     def _end_containment(self) -> None:
         """Every process of the kernel's uid (and cgroup) killed and reaped, zombies included;

@@ -112,11 +112,17 @@ def test_a_kit_the_kernel_uid_cannot_read_stops_the_grader_before_grading(tmp_pa
         assert len(lines) == 1 and "cannot isolate" in lines[0] and "Fix:" in lines[0], proc.stderr
         assert "Traceback" not in proc.stderr and "points" not in proc.stdout  # stopped before grading
         assert sorted(os.listdir(tmpdir)) == [], "left in TMPDIR"
-        # control: the instructor may accept the weaker isolation, which the output then describes (the
-        # learner notebook as shipped: graded without a kernel, so the control costs no kernel start)
+        # --allow-partial-isolation waives no kernel as root: the same one line, nothing graded
         proc = _grade(py, tmpdir, "--allow-partial-isolation", folder="notebooks")
+        lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+        assert proc.returncode == 2 and len(lines) == 1 and "would run as root" in lines[0], proc.stdout + proc.stderr
+        assert "points" not in proc.stdout and sorted(os.listdir(tmpdir)) == [], proc.stdout
+        # control: the kit readable again, the same grader isolates fully (the learner notebook as shipped:
+        # graded without a kernel, so the control costs no kernel start)
+        os.chmod(base / "labkit", 0o755)
+        proc = _grade(py, tmpdir, folder="notebooks")
         assert proc.returncode == 0 and "total 0/4 points" in proc.stdout, proc.stdout + proc.stderr
-        assert "isolation is partial" in proc.stdout and FULL not in proc.stdout, proc.stdout + proc.stderr
+        assert FULL in proc.stdout, proc.stdout + proc.stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -263,7 +269,8 @@ def test_the_bundles_run_side_refuses_as_the_grader_does(tmp_path, monkeypatch, 
     (tmp_path / "submission").mkdir()
     docker = ("cannot isolate the submissions' kernels: the grader runs as root without CAP_SYS_ADMIN. Fix: "
               "--cap-add SYS_ADMIN; or pass --allow-partial-isolation to grade with the weaker isolation")
-    monkeypatch.setattr(session, "isolation_problem", lambda *a: docker)
+    monkeypatch.setattr(session, "isolation_problem",
+                        lambda limits=None, allow_partial=False: "" if allow_partial else docker)
     for allow, place, words in ((False, "", "build the bundle with --allow-partial-isolation"),
                                 (True, "/proc is not mounted here. Fix: mount it", "/proc is not mounted")):
         (tmp_path / "source" / autograder.CONFIG).write_text(json.dumps(
