@@ -606,7 +606,8 @@ def write_report(rows: list[Row], folder) -> tuple[Path, Path]:
         "<h1>Integrity report</h1><p>For the instructor: it never changes a score. Similarity is the share of an "
         "answer's code (winnowed fingerprints, names and layout ignored, the starter code excluded) found in the "
         f"kit's reference source or solved notebook, or in another submission; rows from {FLAG_REFERENCE:.0%} "
-        f"(reference) or {FLAG_PAIR:.0%} (pair), and rows with dynamic code, are highlighted. Sorted by "
+        f"(reference) or {FLAG_PAIR:.0%} (pair), and rows with dynamic code or that name the exercise's reference, "
+        "are highlighted. Sorted by "
         "suspicion.</p><table><tr><th>submission</th><th>exercise</th><th>suspicion</th><th>reference</th>"
         "<th>pair</th><th>flags (cell, lines)</th></tr>" + "".join(body) + "</table></body></html>\n",
         encoding="utf-8")
