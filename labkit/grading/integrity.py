@@ -385,6 +385,10 @@ def _kit_bindings(cells) -> dict[str, str]:
                 path = dotted(stmt.value)
                 if path:
                     bound[stmt.targets[0].id] = path
+                else:  # the learner's own value under that name from here on
+                    bound.pop(stmt.targets[0].id, None)
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound.pop(stmt.name, None)  # the learner's own function, even if a kit name came first
     return bound
 
 
@@ -413,20 +417,25 @@ def _named_references(defs: list[_Def], bound: dict[str, str], targets: dict[str
             tree = ast.parse(d.text)
         except (SyntaxError, ValueError):
             continue
+        # names the answer binds itself (arguments, assignments) are its own, not the kit's
+        own = {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+               for a in n.posonlyargs + n.args + n.kwonlyargs + [x for x in (n.vararg, n.kwarg) if x]}
+        own |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
         for node in ast.walk(tree):
             paths = []
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labkit" and not node.level:
                 paths = [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 paths = [a.name for a in node.names]
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound \
+                    and node.id not in own:
                 paths = [bound[node.id]]
             elif isinstance(node, ast.Attribute):
                 chain, v = [node.attr], node.value
                 while isinstance(v, ast.Attribute):
                     chain.append(v.attr)
                     v = v.value
-                if isinstance(v, ast.Name) and v.id in bound:
+                if isinstance(v, ast.Name) and v.id in bound and v.id not in own:
                     paths = [".".join([bound[v.id], *reversed(chain)])]
             for path in paths:
                 t = hit(path)
@@ -468,6 +477,7 @@ def _lines_of(defs: list[_Def], ranges) -> list[tuple[int, tuple[int, int]]]:
 class _Answer:
     defs: list[_Def]
     text: str
+    upto: int = 0  # the code cells up to the exercise's grading point: cells[:upto] ran before it is graded
 
 
 def _answers(path, notebook: str) -> dict[str, _Answer]:
@@ -484,7 +494,7 @@ def _answers(path, notebook: str) -> dict[str, _Answer]:
             continue
         defs = _closure(_definitions(cells[: k + 1]), name)
         if defs:
-            out[ex_id] = _Answer(defs, "\n\n".join(d.text for d in defs))
+            out[ex_id] = _Answer(defs, "\n\n".join(d.text for d in defs), k + 1)
     return out
 
 
@@ -513,7 +523,6 @@ def analyse_batch(submissions, notebook: str) -> list[Row]:
             answers[name] = {}
             cells = []
         dynamic = _dynamic(cells, starter_set)
-        bound = _kit_bindings(cells)
         for ex in exercises_for_notebook(notebook):
             row = Row(name, ex.id)
             ans = answers[name].get(ex.id)
@@ -521,7 +530,8 @@ def analyse_batch(submissions, notebook: str) -> list[Row]:
             if ans is not None:
                 if ex.id not in targets_cache:
                     targets_cache[ex.id] = _targets(notebook, ex)
-                row.flags += _named_references(ans.defs, bound, targets_cache[ex.id])
+                # the names as they stand when the exercise is graded (a later cell may rebind one)
+                row.flags += _named_references(ans.defs, _kit_bindings(cells[: ans.upto]), targets_cache[ex.id])
                 if ex.id not in refs_cache:
                     refs = _reference_sources(ex.id)
                     solved = _solved_answer(notebook, ex.id)

@@ -190,3 +190,15 @@ CALLS = [
      "import labkit\n\ndef causal_chunk_placement(cp):\n"
      "    return labkit.context_parallel.sharding.chunk_placement(cp)\n"),
 ]
+
+# honest answers that share a name with a kit reference the notebook imported: not a use of the kit
+HONEST_NAMESAKES = [
+    ("01_pipeline_bubble", "1.1", "an argument named like the kit's simulate",
+     "from labkit.pipeline import simulate\n\ndef bubble_fraction(K, M, simulate=None):\n"
+     "    if K < 1 or M < 1:\n        raise ValueError(f'K={K}, M={M}')\n"
+     "    simulate = [t < K - 1 for t in range(M + K - 1)]\n    return sum(simulate) / len(simulate)\n"),
+    ("01_pipeline_bubble", "1.1", "an own function named like the kit's bubble_formula",
+     "from labkit.pipeline.simulate import bubble_formula\n\ndef bubble_formula(K, M):\n"
+     "    return (K - 1) / (M + K - 1)\n\ndef bubble_fraction(K, M):\n    if K < 1 or M < 1:\n"
+     "        raise ValueError(f'K={K}, M={M}')\n    return bubble_formula(K, M)\n"),
+]
