@@ -312,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     except BundleWriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if a.hidden_cases is not None:
+        from .registry import hidden_case_notebooks
+        for_what = hidden_case_notebooks(a.hidden_cases)
+        if a.assignment not in for_what:
+            print(f"warning: none of the hidden cases in {a.hidden_cases} is for {a.assignment} (they are for "
+                  f"{', '.join(sorted(for_what)) or 'no exercise'}): the bundle grades with the built-in cases only",
+                  file=sys.stderr)
     print(f"wrote {out}: Gradescope autograder for {a.assignment} (cell timeout {t:g} s, hints "
           f"{'hidden' if a.no_hints else 'shown'}{', hidden cases bundled' if a.hidden_cases else ''}); upload it "
           f"as a zip autograder on Gradescope's default Ubuntu image")

@@ -316,9 +316,25 @@ def load_hidden_problem(label: str) -> str | None:
     return None
 
 
+def _hidden_module(path: Path) -> str:
+    return f"labkit_hidden_cases_{abs(hash(str(Path(path).resolve())))}"
+
+
+def hidden_case_notebooks(folder: Path | str) -> dict[str, int]:
+    """{notebook: number of cases} that the hidden-case files in ``folder`` added to the registry (after
+    :func:`load_all` ran them), e.g. to warn when none is for the assignment being bundled."""
+    modules = {_hidden_module(p) for p in Path(folder).glob("*.py") if not p.name.startswith("_")}
+    out: dict[str, int] = {}
+    for ex in _REGISTRY.values():
+        n = sum(getattr(c.fn, "__module__", None) in modules for c in ex.cases)
+        if n:
+            out[ex.notebook] = out.get(ex.notebook, 0) + n
+    return out
+
+
 def _run_hidden_file(path: Path) -> None:
     global _ADDING_HIDDEN
-    name = f"labkit_hidden_cases_{abs(hash(str(path.resolve())))}"
+    name = _hidden_module(path)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # cases defined there stay picklable/inspectable

@@ -141,3 +141,24 @@ def test_bundle_on_a_tree_laid_out_like_gradescope(tmp_path):
         assert "2 notebooks were uploaded (a.ipynb, b.ipynb): upload exactly one" in obj["output"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+ONLY_01 = '''
+from labkit.grading.registry import exercise, expect_equal
+
+ex = exercise("1.1")
+@ex.case("K=3, M=6 (hidden)")
+def _(f): expect_equal(f(3, 6), 0.25, "f(3, 6)")
+'''
+
+
+def test_hidden_cases_none_of_which_is_for_the_assignment_get_one_warning_line(tmp_path):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "nb01.py").write_text(ONLY_01)
+    env = dict(os.environ, LABKIT_HIDDEN_CASES="")
+    p = _cli("03_1f1b", "--out", tmp_path / "ag.zip", "--hidden-cases", tmp_path / "cases", env=env)
+    assert p.returncode == 0, p.stderr
+    warned = [line for line in p.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "03_1f1b" in warned[0] and "01_pipeline_bubble" in warned[0], p.stderr
+    p = _cli("01_pipeline_bubble", "--out", tmp_path / "ag.zip", "--hidden-cases", tmp_path / "cases", env=env)
+    assert p.returncode == 0 and "warning" not in p.stderr, p.stderr
