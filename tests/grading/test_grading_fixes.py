@@ -116,7 +116,7 @@ def test_float_answer_to_1_2_fails_a_public_case(capsys):
     line = capsys.readouterr().out
     assert res.status == "failed"
     assert line.startswith('Exercise 1.2 (smallest M for a target bubble): failed\n  case "returns an int"\n'
-                           '  smallest_microbatches(K=4, target=0.05):\n  expected an int, got float 57.\n'
+                           '  smallest_microbatches(K=4, target=0.0625):\n  expected an int, got float 45.\n'
                            '  Hint: A number of microbatches is a whole number')
     assert not next(c for c in get_exercise("1.2").cases if c.name == "returns an int").hidden
 
