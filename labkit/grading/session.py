@@ -210,23 +210,18 @@ def _find_namespace_user() -> KernelUser | None:
         return None
     user = KernelUser("this user, in namespaces of its own", os.getuid(), os.getgid(), False, True, Limits(), True)
     ok, why = _probe(user)
-    if ok:
-        _try_new_root(user)
-        return user
-    _UNUSABLE[:] = [f"no user namespace ({why})"]
-    return None
-
-
-_NO_NEW_ROOT: list[str] = []  # why kernels do not get a file system of their own
-
-
-def _try_new_root(user: KernelUser) -> None:
-    """Give ``user`` a file system of its own (:attr:`KernelUser.newroot`) if a probe runs there."""
-    user.newroot = True
+    if not ok:
+        _UNUSABLE[:] = [f"no user namespace ({why})"]
+        return None
+    user.newroot = True  # a file system of its own, if a probe runs there
     ok, why = _probe(user)
     if not ok:
         user.newroot = False
         _NO_NEW_ROOT[:] = [why]
+    return user
+
+
+_NO_NEW_ROOT: list[str] = []  # why kernels do not get a file system of their own
 
 
 PROBE = ("import os, sys, ipykernel, labkit.grading.kernel\n"
@@ -259,10 +254,7 @@ def _probe(user: KernelUser) -> tuple[bool, str]:
             env_kit = {"PYTHONPATH": os.path.dirname(copy)}
             extra = [os.path.join(os.path.dirname(os.path.abspath(labkit.__file__)), "__init__.py")]
         if user.jail:
-            options = [f"--tmp={2 ** 20}", f"--stage={stage}", f"--home={PRIVATE_HOME}", f"--workdir={PRIVATE_WORK}",
-                       *(f"--hide={p}" for p in secret_paths())]
-            if not user.userns:
-                options.append("--hidepid=1")
+            options = _jail_options(user, stage, 2 ** 20)
         argv, kw = user.command([sys.executable, *_no_user_site(), "-c", PROBE, *extra], options=options,
                                 kit=copy, stage=stage if user.newroot else None)
         env = {**kernel_environment(), "HOME": PRIVATE_HOME if user.jail else stage, "TMPDIR": "/tmp", **env_kit}
@@ -286,6 +278,14 @@ def _probe(user: KernelUser) -> tuple[bool, str]:
 
 
 _UNUSABLE: list[str] = []  # why running as root did not give an unprivileged kernel
+
+
+def _jail_options(user: KernelUser, stage: str, tmp: int) -> list[str]:
+    """A kernel's :mod:`labkit.grading._jail` options: private temporary folders of ``tmp`` bytes, its home
+    and working folder, :func:`secret_paths` hidden and, as root, other uids' processes (the grader's
+    command line) out of sight."""
+    return [f"--tmp={tmp}", f"--stage={stage}", f"--home={PRIVATE_HOME}", f"--workdir={PRIVATE_WORK}",
+            *(f"--hide={p}" for p in secret_paths()), *([] if user.userns else ["--hidepid=1"])]
 
 
 def _first_line(text: str) -> str:
@@ -408,9 +408,7 @@ def isolation_problem(limits: Limits | None = None, allow_partial: bool = False)
         return ("cannot isolate the submissions' kernels: / is not a mount point (a chroot made in a plain folder), "
                 "so the kernels' mounts could not be kept private to them. Fix: make the chroot's folder a mount "
                 f"point before entering it (mount --bind DIR DIR); {partial}")
-    if user is None:
-        cause = "; ".join(_UNUSABLE) or "no unprivileged uid could run the kernel"
-    elif not user.jail:
+    if not user.jail:
         cause = "; ".join(_UNUSABLE) or "no private namespaces"
     else:
         cause = f"no file system of its own for the kernel ({'; '.join(_NO_NEW_ROOT) or 'the probe failed'})"
@@ -448,20 +446,15 @@ def isolation_note(user: KernelUser | None) -> str:
                 "submission, read the grader's cases or write the results"
                 + (f"; no file system of its own ({_NO_NEW_ROOT[0]}): the rest of the checkout is readable"
                    if _NO_NEW_ROOT else ""))
-    if user is not None and user.kit_private:
+    if user is not None:  # a uid of its own without namespaces
+        kit = (". The installed kit is readable by root only and the kernel imports the grader's copy, with the "
+               "assignment's labkit references withheld until their exercises are graded and no exercise code, "
+               "reference list or hidden case" if user.kit_private else ", so the assignment's labkit references are "
+               "NOT withheld (an answer that calls one earns its points)")
         return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits (it "
                 "cannot signal the grader or write the results), but " + "; ".join(_UNUSABLE) + ": no file system "
-                "of its own. The installed kit is readable by root only and the kernel imports the grader's copy, "
-                "with the assignment's labkit references withheld until their exercises are graded and no exercise "
-                "code, reference list or hidden case; it shares /tmp, the network and the view of /proc with the "
-                "grader, and reads whatever other users may read (a warning names each of the grader's files it "
-                "can read)")
-    if user is not None:
-        return ("isolation is partial: each kernel runs as a uid of its own in its own session, with limits (it "
-                "cannot signal the grader or write the results), but " + "; ".join(_UNUSABLE) + ": no file system "
-                "of its own, so the assignment's labkit references are NOT withheld (an answer that calls one earns "
-                "its points); it shares /tmp, the network and the view of /proc with the grader, and reads whatever "
-                "other users may read (a warning names each of the grader's files it can read)")
+                f"of its own{kit}; it shares /tmp, the network and the view of /proc with the grader, and reads "
+                "whatever other users may read (a warning names each of the grader's files it can read)")
     why = f" ({'; '.join(_UNUSABLE)})" if _UNUSABLE else ""
     return (f"isolation is partial: the grader is not root{why}, so the submission's kernel runs as the same user; "
             "code in it could signal the grader, read files this user can read (hidden cases, the grader's "
@@ -483,13 +476,26 @@ def _no_user_site() -> list[str]:
     return ["-s"]
 
 
-def _pdeathsig():
-    """In the kernel (after it changed user): die with the grader."""
+def _prctl(option: int, arg: int) -> None:
+    """prctl(2) where libc has it."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
     except Exception:  # noqa: BLE001
+        pass
+
+
+def _pdeathsig():
+    """In the kernel (after it changed user): die with the grader (PR_SET_PDEATHSIG)."""
+    _prctl(1, signal.SIGKILL)
+
+
+def _signal(send, pid: int, sig: int) -> None:
+    """``send(pid, sig)`` (os.kill or os.killpg), where the process (group) is gone or not ours: nothing."""
+    try:
+        send(pid, sig)
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -542,17 +548,6 @@ def _descendants(pid: int, procs) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
-
-
-def _become_subreaper() -> None:
-    """Orphans of the kernel's processes (double forks, setsid) become this process's children,
-    so :meth:`KernelSession.kill` still finds them (Linux PR_SET_CHILD_SUBREAPER)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(36, 1)
-    except Exception:  # noqa: BLE001
-        pass
 
 
 class KernelStartTimeout(RuntimeError):
@@ -671,10 +666,7 @@ class KernelSession:
             env.update(HOME=PRIVATE_HOME, TMPDIR="/tmp", USER=self.user.name.replace(" ", "-"),
                        LOGNAME=self.user.name.replace(" ", "-"), IPYTHONDIR=os.path.join(PRIVATE_HOME, "ipython"),
                        MPLCONFIGDIR=os.path.join(PRIVATE_HOME, "mpl"))
-            options = [f"--copy={conn}:{conn_inside}", f"--tmp={self.user.limits.tmp_size}", f"--stage={self.dir}",
-                       f"--home={PRIVATE_HOME}", f"--workdir={PRIVATE_WORK}", *(f"--hide={p}" for p in secret_paths())]
-            if not self.user.userns:  # as root: other uids' processes (the grader's command line) out of sight
-                options.append("--hidepid=1")
+            options = [f"--copy={conn}:{conn_inside}", *_jail_options(self.user, self.dir, self.user.limits.tmp_size)]
             root = cgroup_v2_root() if not self.user.userns else None
             if root is not None:
                 try:
@@ -699,7 +691,8 @@ class KernelSession:
                     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(self.kit)]
                                                         + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
                 argv, kw = self.user.command(argv, self.cwd)
-        _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
+        # PR_SET_CHILD_SUBREAPER: orphans of the kernel's processes (double forks, setsid) come here, whoever runs
+        _prctl(36, 1)  # the grader, so kill() still finds them
         kw.setdefault("preexec_fn", _pdeathsig)
         # the kernel's stderr: an unlinked file of the grader's (bounded by the kernel's RLIMIT_FSIZE), read only
         # to say why a kernel exited while starting (before any cell ran)
@@ -807,10 +800,7 @@ class KernelSession:
         return reply if isinstance(reply, dict) else None
 
     def interrupt(self) -> None:
-        try:
-            os.kill(self.proc.pid, signal.SIGINT)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _signal(os.kill, self.proc.pid, signal.SIGINT)
 
     # ------------------------------------------------------------------ end
     def _start_error(self) -> str:
@@ -852,15 +842,9 @@ class KernelSession:
                             os.waitpid(z, os.WNOHANG)
                         except ChildProcessError:
                             pass
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                _signal(os.killpg, pid, signal.SIGKILL)
                 for p in victims:
-                    try:
-                        os.kill(p, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+                    _signal(os.kill, p, signal.SIGKILL)
                 victims.discard(os.getpid())
                 if not victims or time.monotonic() > deadline:
                     break
