@@ -356,16 +356,6 @@ def _kit_bindings(cells) -> dict[str, str]:
     """{name: dotted path into labkit} the submission's cells bind: imports and from-imports (anywhere,
     aliases included), and top-level aliases (``f = simulate.bubble_formula``), in cell order."""
     bound: dict[str, str] = {}
-
-    def dotted(node) -> str:
-        chain = []
-        while isinstance(node, ast.Attribute):
-            chain.append(node.attr)
-            node = node.value
-        if isinstance(node, ast.Name) and node.id in bound:
-            return ".".join([bound[node.id], *reversed(chain)])
-        return ""
-
     for _idx, src in cells:
         try:
             tree = ast.parse(cell_python(src))
@@ -382,7 +372,7 @@ def _kit_bindings(cells) -> dict[str, str]:
                     bound[a.asname or a.name] = f"{node.module}.{a.name}"
         for stmt in tree.body:
             if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-                path = dotted(stmt.value)
+                path = _dotted(stmt.value, bound)
                 if path:
                     bound[stmt.targets[0].id] = path
                 else:  # the learner's own value under that name from here on
@@ -390,6 +380,18 @@ def _kit_bindings(cells) -> dict[str, str]:
             elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 bound.pop(stmt.name, None)  # the learner's own function, even if a kit name came first
     return bound
+
+
+def _dotted(node, bound: dict[str, str], own=()) -> str:
+    """The labkit path that ``node`` (a name, or an attribute chain on one) stands for where its root is a
+    name of ``bound`` ({name: dotted path}) not in ``own``; else ""."""
+    chain = []
+    while isinstance(node, ast.Attribute):
+        chain.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in bound and node.id not in own:
+        return ".".join([bound[node.id], *reversed(chain)])
+    return ""
 
 
 def _named_references(defs: list[_Def], bound: dict[str, str], targets: dict[str, _Target]) -> list[Flag]:
@@ -403,12 +405,11 @@ def _named_references(defs: list[_Def], bound: dict[str, str], targets: dict[str
     def hit(path: str) -> _Target | None:
         if not path.startswith("labkit") or path in modules:  # a module (``sim`` of ``sim.f``) names nothing
             return None
-        for key in (path, _label(path)):
+        lab = _label(path)
+        for key in (path, lab, _home(lab) if lab else ""):
             if key and key in targets:
                 return targets[key]
-        lab = _label(path)
-        home = _home(lab) if lab else ""
-        return targets.get(home) if home else None
+        return None
 
     flags: list[Flag] = []
     seen: set[tuple] = set()
@@ -427,16 +428,8 @@ def _named_references(defs: list[_Def], bound: dict[str, str], targets: dict[str
                 paths = [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 paths = [a.name for a in node.names]
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound \
-                    and node.id not in own:
-                paths = [bound[node.id]]
-            elif isinstance(node, ast.Attribute):
-                chain, v = [node.attr], node.value
-                while isinstance(v, ast.Attribute):
-                    chain.append(v.attr)
-                    v = v.value
-                if isinstance(v, ast.Name) and v.id in bound and v.id not in own:
-                    paths = [".".join([bound[v.id], *reversed(chain)])]
+            elif isinstance(node, ast.Attribute) or isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                paths = [_dotted(node, bound, own)]
             for path in paths:
                 t = hit(path)
                 if t is None:
