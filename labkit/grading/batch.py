@@ -1,28 +1,15 @@
 """Batch grading: ``python -m labkit grade submissions/*.ipynb --results-dir DIR --gradebook grades.csv -j N``.
 
 Each submission is graded by its own ``python -m labkit grade SUBMISSION --results DIR/NAME.json``
-process (its own kernel, its own isolation and clean-up, exactly as for one notebook), N at a
-time (default: the cores). Each is forked from this process once it has imported torch and the grader,
-read the exercises and planned each assignment's withheld kit (about 6 s of CPU each would otherwise pay
-again); it runs no learner code before it forks, and leaves the integrity report to this process. As each
-one finishes, one summary line is printed (``[3/6] alice.ipynb: 12/14 points (21 s)``; ``sec1/alice.ipynb``
-when another submission is also called alice.ipynb). The gradebook is a CSV with one row per submission:
-its file, one column per exercise (those of the assignment, known before the first grade: the header is
-the same whatever was graded), the total, the maximum and ``error``. An exercise of the submission's
-assignment that earned nothing is 0, whatever the reason, and ``error`` says why; a cell is blank only
-for an exercise of another assignment (:func:`gradebook_rows`).
-A submission that could not be graded (not a notebook, the grader failed, or wrote no
-results) gets a row with ``error`` set, and the command then exits 1; a graded submission that
-scored 0 gets its reason there too (:func:`zero_reason`: not attempted, another notebook,
-timed out, raised, the kernel died, wrong answers). Every text cell is neutralised against
-spreadsheet formulas (:func:`inert`, OWASP's CSV-injection guidance: a cell starting with
-``=``, ``+``, ``-``, ``@``, tab or carriage return gets a leading ``'``), whatever the
-submissions are called, and each results file gets a safe name (:func:`safe_name`). A
-submission's path is handed to its grader after ``--``, so ``-2+3.ipynb`` is graded like any
-other file.
-
-With ``--results-dir``, the batch also writes the integrity report there (``integrity.csv`` and
-``integrity.html``, :mod:`labkit.grading.integrity`): for the instructor, never a score.
+process (its own kernel, isolation and clean-up, as for one notebook), N at a time (default: the
+cores), forked from this process once it has imported torch and the grader, read the exercises and
+planned each assignment's withheld kit (about 6 s of CPU each would otherwise pay again); it runs no
+learner code before it forks. One line is printed as each finishes (:func:`display_names`). The
+gradebook (:func:`gradebook_rows`), its ``error`` column (:func:`zero_reason`; the command exits 1
+when a submission could not be graded), its inert cells (:func:`inert`) and the results files'
+names (:func:`safe_name`) are described in ``docs/instructors.md``. A submission's path is handed
+to its grader after ``--``, so ``-2+3.ipynb`` is graded like any other file. With
+``--results-dir`` this process writes the integrity report there (:mod:`labkit.grading.integrity`).
 
 Ctrl-C or SIGTERM (or SIGHUP) stops the batch: the graders still running are told to stop (each
 kills its kernel and removes its folders), the gradebook is written with the rows of the
@@ -134,13 +121,10 @@ def gradebook_rows(entries: list[tuple[str, dict | None, str]],
     those detected in the submissions: :func:`batch_assignments`), so that the header is the same whatever
     was graded (a batch stopped before its first grade too); the assignments of the results are added.
 
-    The rule: every exercise of a submission's assignment holds a number, 0 when it earned nothing for
-    whatever reason (a wrong answer, not attempted, a kernel that died, not a notebook, the batch stopped),
-    with the reason in ``error``; the maximum is the assignment's. A blank would read as "no grade yet" in
-    a learning-management system's import (left out of averages: a failed submission would look better),
-    while a spreadsheet sums 0 and blank alike. A cell is blank only for an exercise that is not the
-    submission's assignment's (a batch of several notebooks; a submission that could not be read there
-    has no assignment, and no maximum)."""
+    The rule (why: ``docs/instructors.md``): every exercise of a submission's assignment holds a number,
+    0 when it earned nothing for whatever reason, with the reason in ``error``; the maximum is the
+    assignment's. A cell is blank only for an exercise of another assignment (a submission that could
+    not be read has no assignment, and no maximum)."""
     groups = [list(g) for g in (assignments or []) if g]
     for _, obj, _ in entries:
         g = [(t["number"], t["max_score"]) for t in (obj or {}).get("tests", []) if "number" in t]
@@ -205,16 +189,14 @@ def _warm_up(paths, assignment: str | None) -> list[list[str]]:
 
     names: list[list[str]] = []
     for p in paths:
+        got = []
         try:
             got = [assignment] if assignment else _notebook_names(_nbformat().read(str(p), 4), p)
-        except Exception:  # noqa: BLE001 - its grader says what is wrong with it
-            got = []
-        names.append(got)
-        try:
             if got:
                 withhold.kit_plan(got)
         except Exception:  # noqa: BLE001 - its grader says what is wrong with it
-            continue
+            pass
+        names.append(got)
     registry.all_exercises()
     return names
 
@@ -389,10 +371,9 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
             tmp.cleanup()
     if stopped_by:
         cut = sorted(running)
-        for i in cut:
-            done[i] = (None, f"stopped: the batch was stopped by {stopped_by} while this submission was graded")
-        for i in todo:
-            done[i] = (None, f"stopped: the batch was stopped by {stopped_by} before this submission was graded")
+        for i in cut + todo:
+            when = "while" if i in running else "before"
+            done[i] = (None, f"stopped: the batch was stopped by {stopped_by} {when} this submission was graded")
         finished = len(paths) - len(cut) - len(todo)
         print(f"stopped by {stopped_by}: {finished} of {len(paths)} submissions were graded; "
               f"{len(cut)} stopped while being graded ({', '.join(shown[i] for i in cut) or 'none'}) and "
