@@ -3,24 +3,15 @@
 The grader starts an IPython kernel itself (no nbclient) so it controls everything the
 submission could abuse (the threats and the tests that show each: ``docs/grading.md``):
 
-* **user**: as root, a uid of its own per kernel (:class:`~labkit.grading.contain.UidLease`),
-  with :class:`~labkit.grading.contain.Limits`, started through :mod:`labkit.grading._jail` in
-  private mount, IPC and network namespaces and a file system of its own (its HOME is
-  :data:`PRIVATE_HOME` in a private /tmp; :func:`secret_paths` covered), in a cgroup of its own
-  under cgroup v2. Root without CAP_SYS_ADMIN (Docker's default): no namespaces; where the
-  installed kit is root-only, the kernel imports the grader's withheld copy
-  (:attr:`KernelUser.kit_private`). :func:`isolation_problem` is the self-check at start; as any other user
-  isolation is partial and :func:`isolation_note` says what is left open.
-* **process tree**: a new session and a fresh ``LABKIT_KERNEL_MARK`` in its environment; at the
-  end :meth:`KernelSession.kill` kills the group, the session, the marked processes and the
-  orphans reparented to the grader (its subreaper), in any state, and reaps them; as root then
-  every process and file of its uid (:mod:`labkit.grading.contain`).
-* **output**: nobody subscribes to IOPub, so a flood is dropped by ZMQ; only execute replies
-  come back, over a shell socket whose message size is capped.
-* **time**: past a cell's limit the kernel gets SIGINT, then after :data:`INTERRUPT_GRACE`
-  seconds it is killed (the grader replays the cells that ran in a fresh kernel).
-* **environment**: an allow-list (:data:`KERNEL_ENV`); ``LABKIT_GRADING=1`` tells ``check`` to
-  register answers. The kernel is not told where the results go.
+* **user**: as root, a uid of its own per kernel (:class:`~labkit.grading.contain.UidLease`) with
+  :class:`~labkit.grading.contain.Limits`, through :mod:`labkit.grading._jail` in private mount, IPC
+  and network namespaces, a file system of its own and a cgroup of its own; :func:`isolation_problem`
+  is the self-check at start and :func:`isolation_note` says what a weaker tier leaves open.
+* **process tree**: a new session and a fresh :data:`MARK_ENV`; :meth:`KernelSession.kill` kills and
+  reaps all of it (and, as root, every process and file of its uid).
+* **output**: nobody subscribes to IOPub; only execute replies come back, their size capped.
+* **time**: past a cell's limit SIGINT, then after :data:`INTERRUPT_GRACE` seconds the kernel is killed.
+* **environment**: an allow-list (:data:`KERNEL_ENV`); the kernel is not told where the results go.
 """
 from __future__ import annotations
 
@@ -372,15 +363,12 @@ def _root_is_a_mount_point() -> bool:
 
 
 def isolation_problem(limits: Limits | None = None, allow_partial: bool = False) -> str:
-    """The self-check a grader runs before grading ("" when it passed): as root, a kernel must run
-    as a uid of its own in a jail with a file system of its own (:func:`kernel_user` proved,
-    with a probe in exactly that jail, that this uid starts Python and imports the kit), else
-    this returns one line naming the cause and the fix, and the grader stops (exit 2) rather
-    than run a submission as root or claim isolation it lacks. ``allow_partial``
-    (``--allow-partial-isolation``) waives every cause but one: a kernel that would run as root.
-    A non-root grader is never refused: :func:`isolation_note` says what its partial isolation
-    leaves open. Causes named: no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
-    folder is not a mount point, Python or its packages unreadable by other uids."""
+    """The self-check a grader runs before grading ("" when it passed; the tiers: ``docs/grading.md``): as
+    root, a kernel must run as a uid of its own in a jail with a file system of its own, as
+    :func:`kernel_user`'s probe in exactly that jail proved; else one line naming the cause (no
+    CAP_SYS_ADMIN, a chroot whose folder is not a mount point, Python unreadable by other uids) and
+    the fix, and the grader stops (exit 2). ``allow_partial`` (``--allow-partial-isolation``) waives
+    every cause but a kernel that would run as root. A non-root grader is never refused."""
     if os.geteuid() != 0:
         return ""
     user = kernel_user(limits)
@@ -408,10 +396,8 @@ def isolation_problem(limits: Limits | None = None, allow_partial: bool = False)
         return ("cannot isolate the submissions' kernels: / is not a mount point (a chroot made in a plain folder), "
                 "so the kernels' mounts could not be kept private to them. Fix: make the chroot's folder a mount "
                 f"point before entering it (mount --bind DIR DIR); {partial}")
-    if not user.jail:
-        cause = "; ".join(_UNUSABLE) or "no private namespaces"
-    else:
-        cause = f"no file system of its own for the kernel ({'; '.join(_NO_NEW_ROOT) or 'the probe failed'})"
+    cause = (f"no file system of its own for the kernel ({'; '.join(_NO_NEW_ROOT) or 'the probe failed'})"
+             if user.jail else "; ".join(_UNUSABLE) or "no private namespaces")
     return (f"cannot isolate the submissions' kernels: {cause}. Fix: run the grader as root where "
             f"`unshare --mount --ipc --net` works (a container needs CAP_SYS_ADMIN) and make Python and its "
             f"packages ({sys.prefix}) readable by other users (chmod o+rX on them and their folders; the kit may stay "
@@ -431,21 +417,17 @@ def isolation_note(user: KernelUser | None) -> str:
                 "covered, limits on file size and memory; it can still signal the grader and its other processes, "
                 "read their environment and files through /proc, and write wherever this user may outside those "
                 "folders. Run the grader as root (as autograder containers do) for full isolation.")
-    if user is not None and user.jail and user.newroot:
-        return ("isolation: each kernel runs as a uid of its own in its own session, mount and IPC namespaces, "
-                "in a file system of its own (Python and the kit; no other file of the checkout, no solution, "
-                "hidden case or file of the grader's; private /tmp and /dev/shm; no other uid's process in its "
-                "/proc), with the assignment's labkit references withheld until their exercises are graded, and "
-                "limits on processes, file size and memory; it cannot signal the grader or another submission, "
-                "read the grader's cases or write the results")
     if user is not None and user.jail:
-        return ("isolation: each kernel runs as a uid of its own in its own session, mount and IPC namespaces "
-                "(private /tmp and /dev/shm; the grader's exercise code, reference list and hidden cases hidden; "
-                "no other uid's process in its /proc), "
-                "with limits on processes, file size and memory; it cannot signal the grader or another "
-                "submission, read the grader's cases or write the results"
-                + (f"; no file system of its own ({_NO_NEW_ROOT[0]}): the rest of the checkout is readable"
-                   if _NO_NEW_ROOT else ""))
+        where = (", in a file system of its own (Python and the kit; no other file of the checkout, no solution, "
+                 "hidden case or file of the grader's; private /tmp and /dev/shm; no other uid's process in its "
+                 "/proc), with the assignment's labkit references withheld until their exercises are graded, and"
+                 if user.newroot else " (private /tmp and /dev/shm; the grader's exercise code, reference list and "
+                 "hidden cases hidden; no other uid's process in its /proc), with")
+        no_root = (f"; no file system of its own ({_NO_NEW_ROOT[0]}): the rest of the checkout is readable"
+                   if _NO_NEW_ROOT and not user.newroot else "")
+        return (f"isolation: each kernel runs as a uid of its own in its own session, mount and IPC namespaces{where} "
+                "limits on processes, file size and memory; it cannot signal the grader or another submission, "
+                f"read the grader's cases or write the results{no_root}")
     if user is not None:  # a uid of its own without namespaces
         kit = (". The installed kit is readable by root only and the kernel imports the grader's copy, with the "
                "assignment's labkit references withheld until their exercises are graded and no exercise code, "
