@@ -21,12 +21,8 @@ then ``python -m labkit build --execute NN`` and commit both folders.
 
 The grade is earned by what the learner's functions return on the grader's inputs, and by nothing
 else. The contract (threat -> mechanism -> the test that shows it, and what is not covered) has
-one home: ``docs/grading.md``. In short: ``check`` in the graded kernel only registers the
-answer; each case runs in the grader, calls the answer in the kernel and judges the data that
-comes back (:mod:`labkit.grading.wire`); the kernel's kit lacks the assignment's references until
-they are graded (:mod:`labkit.grading.withhold`); the kernel is contained and isolated
-(:mod:`labkit.grading.contain`, :mod:`labkit.grading._jail`); what cannot be made absent goes to
-the instructor's integrity report (:mod:`labkit.grading.integrity`), never into the score.
+one home: ``docs/grading.md`` (:mod:`labkit.grading.wire`, :mod:`labkit.grading.withhold`,
+:mod:`labkit.grading._jail`, :mod:`labkit.grading.integrity`).
 
 Interactive ``check`` in a notebook is feedback, not a grade: it runs the same cases in the
 notebook's own process (each call still makes the data round trip, so verdicts match), judges

@@ -1,40 +1,25 @@
 """The kit a graded kernel imports: labkit without the assignment's references until they are graded.
 
-A grade is what the learner's functions return on the grader's inputs; a route to the answer
-that does not go through the learner's own reasoning is closed by making the answer ABSENT from
-the graded kernel, never by refusing constructs in the source. For each submission the grader
-(as root) builds a copy of the installed kit (:func:`build_kit`) in which, for every exercise of
-the pinned assignment,
-
-* each reference (:meth:`~labkit.grading.registry.Exercise.reference_names`: the table in
-  :mod:`labkit.grading.references` and the exercise module's own ``references=``), the helpers
-  of its module that only it uses, and
-* every kit function or class from which one of them can be reached (:mod:`labkit.grading.reach`,
-  a call graph read from the kit's source when the copy is built: ``build_schedule`` runs
-  ``gpipe_schedule``; a ``MoELayer`` a cell made runs ``route``)
-
-is a stub with the same signature whose body calls :func:`labkit._withheld.load`. Its code lies
-in the copy's ``_withheld`` folder, mode 0600 and the grader's, until
-:meth:`WithheldKit.release_after` makes it readable, once the grading point of every exercise it
-is withheld for has passed; a kit cell after that runs as usual. The graded kernel sees only
-that copy (:mod:`labkit.grading._jail`'s ``--root``). However the learner's code reaches
-``bubble_formula`` before 1.1 is graded (an import, a computed name, a frame, an object a cell
-made), it gets::
+The answer is made ABSENT from the graded kernel, never refused in the source (the threats, and
+the tests that show each: ``docs/grading.md``). For each submission the grader (as root) builds a
+copy of the installed kit (:func:`build_kit`) in which, for every exercise of the pinned
+assignment, each reference (:meth:`~labkit.grading.registry.Exercise.reference_names`), the
+helpers of its module that only it uses, and every kit function or class from which one of them
+can be reached (:mod:`labkit.grading.reach`: ``build_schedule`` runs ``gpipe_schedule``) is a
+stub with the same signature whose body calls :func:`labkit._withheld.load`. Its code lies in
+the copy's ``_withheld`` folder, mode 0600 and the grader's, until
+:meth:`WithheldKit.release_after` makes it readable once every exercise it is withheld for has
+been graded. However the learner's code reaches ``bubble_formula`` before 1.1 is graded, it gets::
 
     RuntimeError: labkit's bubble_formula (labkit.pipeline.simulate) is withheld while this assignment is graded ...
 
-Nothing is kept: no shipped cell of the learner notebook uses, and no cell imports, a
-withheld name before its exercise is graded, and the grader's kernel-side helpers
-(:mod:`labkit.grading.kernelside`) use none at all. :func:`problems` lists what breaks that
-rule; ``python -m labkit build --check`` fails on it. The copy also leaves out what the kernel
-never needs and must not read: ``labkit/grading/exercises`` (cases, expected-value code),
-``references.py``, ``labkit/grading/hidden`` and the solved notebooks.
+No shipped cell of the learner notebook and no kernel-side helper (:mod:`labkit.grading.kernelside`)
+may need a withheld name before its exercise is graded: :func:`problems` lists what breaks that
+rule (``python -m labkit build --check`` fails on it). The copy also leaves out
+``labkit/grading/exercises``, ``references.py``, ``labkit/grading/hidden`` and the solved notebooks.
+The learner's own copy of the kit's source is not closed this way: that goes to the instructor.
 
-What is not closed this way: the learner's own copy of the kit's source (the kit is installed
-where the learner works, so it can be pasted); that goes to the instructor, never the score.
-
-Sources: issue 16 and 40, principles 2 and 3 (the kernel cannot read the grader; the reference is
-not the learner's to call).
+Sources: issue 16 and 40, principles 2 and 3.
 """
 from __future__ import annotations
 
