@@ -194,9 +194,8 @@ def _reference_sources(ex_id: str) -> list[tuple[str, str]]:
             target = getattr(module, n, None)
             # its helpers: the kit functions it calls that the same module defines (its own building
             # blocks, e.g. add_communication for gpipe_schedule), not the kit's general machinery
-            if (inspect.isfunction(target) or inspect.isclass(target)) and \
-                    getattr(target, "__module__", "") == getattr(module, "__name__", None) and \
-                    not inspect.isclass(target) and len(inspect.getsource(target)) < 4000:
+            if inspect.isfunction(target) and target.__module__ == getattr(module, "__name__", None) and \
+                    len(inspect.getsource(target)) < 4000:
                 add(target, f"{label}+{target.__module__}:{target.__qualname__}")
 
     for label in references_for(ex_id):
@@ -283,13 +282,12 @@ def _dynamic(cells, starter: set[str]) -> list[Flag]:
                 name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
                 if name in _DYNAMIC_CALLS and not (name == "compile" and isinstance(fn, ast.Attribute)):
                     flags.append(Flag("dynamic", f"calls {_DYNAMIC_CALLS[name]}", where[0], where[1]))
-                if name == "open" and any(isinstance(a, ast.Constant) and isinstance(a.value, str) and
-                                          a.value.endswith(".py") for a in node.args) and any(
+                py = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                      and a.value.endswith(".py")]
+                if name == "open" and py and any(
                         isinstance(a, ast.Constant) and isinstance(a.value, str) and set(a.value) & set("wa")
                         for a in list(node.args[1:]) + [k.value for k in node.keywords if k.arg == "mode"]):
-                    path = next(a.value for a in node.args if isinstance(a, ast.Constant) and
-                                isinstance(a.value, str) and a.value.endswith(".py"))
-                    wrote_py.append((where[0], where[1][0], Path(path).stem))
+                    wrote_py.append((where[0], where[1][0], Path(py[0]).stem))
             elif isinstance(node, ast.Attribute):
                 if node.attr in ("__code__", "__globals__", "__closure__", "f_globals", "f_locals", "f_back"):
                     flags.append(Flag("dynamic", f"reaches {node.attr}", where[0], where[1]))
