@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Limits", "UidLease", "Cgroup", "cgroup_v2_root", "uid_processes", "kill_uid", "remove_files_of",
-           "UID_BASE", "UID_COUNT", "SHARED_TMP"]
+__all__ = ["Limits", "UidLease", "Cgroup", "cgroup_v2_root", "uid_processes", "kill_uid", "kill_quietly", "reap",
+           "remove_files_of", "UID_BASE", "UID_COUNT", "SHARED_TMP"]
 
 UID_BASE = 1_900_000_000  # fresh uids come from [UID_BASE, UID_BASE + UID_COUNT)
 UID_COUNT = 1_000_000
@@ -146,6 +146,22 @@ def uid_processes(uid: int) -> list[tuple[int, str, int]]:
     return out
 
 
+def kill_quietly(pid: int, sig: int = signal.SIGKILL, send=os.kill) -> None:
+    """``send(pid, sig)`` (:func:`os.kill` or :func:`os.killpg`); nothing where it is gone or not ours."""
+    try:
+        send(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def reap(pid: int) -> None:
+    """Reap ``pid`` if it is a dead child of this process (nothing otherwise)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
 def kill_uid(uid: int, timeout: float = 10.0) -> list[int]:
     """SIGKILL every process of ``uid`` and reap those that are this process's children, until
     none is left (or ``timeout`` s passed); returns the pids still there (empty on success).
@@ -160,16 +176,10 @@ def kill_uid(uid: int, timeout: float = 10.0) -> list[int]:
         for pid, _state, _ppid in procs:
             if pid == me:
                 continue
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            kill_quietly(pid)
         for pid, _state, ppid in uid_processes(uid):
             if ppid == me:
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+                reap(pid)
         left = [p for p, _, _ in uid_processes(uid) if p != me]
         if not left or time.monotonic() > deadline:
             return left
@@ -257,15 +267,9 @@ class Cgroup:
                 (self.path / "cgroup.kill").write_text("1")
             except OSError:
                 for pid in self.pids():
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+                    kill_quietly(pid)
             for pid in self.pids():  # this process's children among them: reaped
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+                reap(pid)
             try:
                 populated = "populated 1" in (self.path / "cgroup.events").read_text()
             except OSError:

@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .contain import Cgroup, Limits, UidLease, cgroup_v2_root, kill_uid, remove_files_of
+from .contain import Cgroup, Limits, UidLease, cgroup_v2_root, kill_quietly, kill_uid, reap, remove_files_of
 from .kernel import GRADING_ENV
 from .proxy import CaseTimeout, KernelFailure, request_kernel
 from .registry import HIDDEN_ENV
@@ -473,14 +473,6 @@ def _pdeathsig():
     _prctl(1, signal.SIGKILL)
 
 
-def _signal(send, pid: int, sig: int) -> None:
-    """``send(pid, sig)`` (os.kill or os.killpg), where the process (group) is gone or not ours: nothing."""
-    try:
-        send(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 _KEEP: set[int] = set()  # kernels of this grader that are alive (a spare must survive another's kill)
 
 
@@ -782,7 +774,7 @@ class KernelSession:
         return reply if isinstance(reply, dict) else None
 
     def interrupt(self) -> None:
-        _signal(os.kill, self.proc.pid, signal.SIGINT)
+        kill_quietly(self.proc.pid, signal.SIGINT)
 
     # ------------------------------------------------------------------ end
     def _start_error(self) -> str:
@@ -820,13 +812,10 @@ class KernelSession:
                         victims.add(p)
                 for z, ppid in zombies:  # dead children of ours (orphans reparented here): reaped
                     if ppid == me and z != pid and z not in _KEEP:
-                        try:
-                            os.waitpid(z, os.WNOHANG)
-                        except ChildProcessError:
-                            pass
-                _signal(os.killpg, pid, signal.SIGKILL)
+                        reap(z)
+                kill_quietly(pid, send=os.killpg)
                 for p in victims:
-                    _signal(os.kill, p, signal.SIGKILL)
+                    kill_quietly(p)
                 victims.discard(os.getpid())
                 if not victims or time.monotonic() > deadline:
                     break
