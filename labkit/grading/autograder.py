@@ -5,19 +5,12 @@ the bundle into ``/autograder/source``, runs ``setup.sh`` there once, as root, o
 image, and for each submission copies the upload to ``/autograder/submission``, runs
 ``/autograder/run_autograder`` (as root) and reads ``/autograder/results/results.json``.
 
-The bundle holds, at its root:
-
-* ``setup.sh``: installs ``python3-venv`` when Python has no ``ensurepip``; makes a venv in
-  ``$ROOT/venv`` with the CPU torch wheel pinned as in ``requirements.txt`` (the default wheel
-  on PyPI brings CUDA: ``LABKIT_PIP_ARGS`` defaults to PyTorch's CPU index plus PyPI); copies
-  labkit's source from the bundle into the venv; creates the unprivileged kernel user
-  ``labkit-kernel``; makes the installed kit and the bundle's source (``hidden/`` included)
-  readable by root only: every kernel imports the grader's copy of the kit, references withheld
-  until graded, also where it gets no file system of its own (``--allow-partial-isolation``).
-* ``run_autograder``: makes ``submission_metadata.json`` (the learner's name, earlier results)
-  readable by root only, then runs :func:`run` with the venv's Python.
-* ``labkit/`` (the kit's source), ``requirements.txt``, ``hidden/*.py`` (``--hidden-cases``)
-  and ``labkit_assignment.json`` (the assignment, cell timeout and whether hints are shown).
+The bundle holds ``setup.sh`` (:data:`SETUP_SH`: a venv with the CPU torch wheel and the kit, the
+kernel user, the installed kit and the bundle's source made root-only; what it does and why:
+``docs/instructors.md``), ``run_autograder`` (``submission_metadata.json`` made root-only, then
+:func:`run` with the venv's Python), ``labkit/`` (the kit's source), ``requirements.txt``,
+``hidden/*.py`` (``--hidden-cases``) and ``labkit_assignment.json`` (the assignment, cell timeout,
+whether hints are shown and partial isolation allowed).
 
 ``$ROOT`` is ``/autograder`` unless ``LABKIT_AUTOGRADER_ROOT`` says otherwise (tests run the
 bundle in a temporary tree). ``LABKIT_PIP_ARGS`` replaces the pip source/index options (e.g.
@@ -342,12 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = build_bundle(a.assignment, a.out, a.hidden_cases, t, hints=not a.no_hints,
                            allow_partial_isolation=a.allow_partial_isolation)
-    except ValueError as e:
+    except (ValueError, BundleWriteError) as e:  # bad input: 2; the bundle could not be written: 1
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BundleWriteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 1 if isinstance(e, BundleWriteError) else 2
     if a.hidden_cases is not None:
         from .registry import hidden_case_notebooks
         for_what = hidden_case_notebooks(a.hidden_cases)
