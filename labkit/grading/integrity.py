@@ -353,24 +353,15 @@ def _targets(notebook: str, ex) -> dict[str, _Target]:
 def _kit_bindings(cells) -> dict[str, str]:
     """{name: dotted path into labkit} the submission's cells bind: imports and from-imports (anywhere,
     aliases included), and top-level aliases (``f = simulate.bubble_formula``), in cell order."""
+    from .withhold import _python, bind_kit_imports, dotted_path
+
     bound: dict[str, str] = {}
     for _idx, src in cells:
-        try:
-            tree = ast.parse(cell_python(src))
-        except (SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name.split(".")[0] == "labkit":
-                        bound[a.asname or "labkit"] = a.name if a.asname else "labkit"
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labkit" \
-                    and not node.level:
-                for a in node.names:
-                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+        tree = _python(src)
+        bind_kit_imports(tree, bound)
         for stmt in tree.body:
             if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-                path = _dotted(stmt.value, bound)
+                path = dotted_path(stmt.value, bound)
                 if path:
                     bound[stmt.targets[0].id] = path
                 else:  # the learner's own value under that name from here on
@@ -380,23 +371,11 @@ def _kit_bindings(cells) -> dict[str, str]:
     return bound
 
 
-def _dotted(node, bound: dict[str, str], own=()) -> str:
-    """The labkit path that ``node`` (a name, or an attribute chain on one) stands for where its root is a
-    name of ``bound`` ({name: dotted path}) not in ``own``; else ""."""
-    chain = []
-    while isinstance(node, ast.Attribute):
-        chain.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name) and node.id in bound and node.id not in own:
-        return ".".join([bound[node.id], *reversed(chain)])
-    return ""
-
-
 def _named_references(defs: list[_Def], bound: dict[str, str], targets: dict[str, _Target]) -> list[Flag]:
     """A flag (cell, lines) for each place the answer's code (``defs``) names one of ``targets``:
     a from-import of it, a name bound to it, an attribute of a kit module that is it."""
     from .reach import _module_files
-    from .withhold import _home, _label
+    from .withhold import _home, _label, dotted_path
 
     modules = set(_module_files()) | {"labkit"}
 
@@ -427,7 +406,7 @@ def _named_references(defs: list[_Def], bound: dict[str, str], targets: dict[str
             elif isinstance(node, ast.Import):
                 paths = [a.name for a in node.names]
             elif isinstance(node, ast.Attribute) or isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-                paths = [_dotted(node, bound, own)]
+                paths = [dotted_path(node, bound, own)]
             for path in paths:
                 t = hit(path)
                 if t is None:

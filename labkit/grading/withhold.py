@@ -76,6 +76,31 @@ def _python(src: str) -> ast.Module:
         return ast.Module(body=[], type_ignores=[])
 
 
+def bind_kit_imports(tree: ast.AST, bound: dict[str, str]) -> None:
+    """Add to ``bound`` ({name: dotted path into labkit}) the names ``tree``'s imports and
+    from-imports of labkit bind, aliases included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "labkit":
+                    bound[a.asname or "labkit"] = a.name if a.asname else "labkit"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labkit" and not node.level:
+            for a in node.names:
+                bound[a.asname or a.name] = f"{node.module}.{a.name}"
+
+
+def dotted_path(node, bound: dict[str, str], own=()) -> str:
+    """The labkit path that ``node`` (a name, or an attribute chain on one) stands for where its root is a
+    name of ``bound`` ({name: dotted path}) not in ``own``; else ""."""
+    chain = []
+    while isinstance(node, ast.Attribute):
+        chain.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in bound and node.id not in own:
+        return ".".join([bound[node.id], *reversed(chain)])
+    return ""
+
+
 def _label(dotted: str) -> str:
     """"module:name" of a dotted path into the kit (the longest module prefix, then the next
     name), or "" outside labkit."""
@@ -136,14 +161,7 @@ def cell_names(cells) -> list[tuple[set[str], set[str]]]:
     trees = [_python(src) for src in cells]
     bound: dict[str, str] = {}   # name -> dotted path (across the notebook: cells share one namespace)
     for tree in trees:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name.split(".")[0] == "labkit":
-                        bound[a.asname or "labkit"] = a.name if a.asname else "labkit"
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labkit" and not node.level:
-                for a in node.names:
-                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+        bind_kit_imports(tree, bound)
 
     def labels(dotted: str) -> set[str]:
         lab = _label(dotted)
@@ -158,13 +176,8 @@ def cell_names(cells) -> list[tuple[set[str], set[str]]]:
                 if node.id in bound:
                     used |= labels(bound[node.id])
                 used |= made.get(node.id, set())
-            elif isinstance(node, ast.Attribute):
-                chain, v = [node.attr], node.value
-                while isinstance(v, ast.Attribute):
-                    chain.append(v.attr)
-                    v = v.value
-                if isinstance(v, ast.Name) and v.id in bound:
-                    used |= labels(".".join([bound[v.id], *reversed(chain)]))
+            elif isinstance(node, ast.Attribute) and (path := dotted_path(node, bound)):
+                used |= labels(path)
         return used
 
     out = []
