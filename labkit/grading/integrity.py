@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .assignments import cell_python
+from .withhold import _home, _label, _python, bind_kit_imports, dotted_path, withheld
 
 __all__ = ["Flag", "Row", "analyse", "analyse_batch", "for_submissions", "write_report", "format_report",
            "FLAG_REFERENCE", "FLAG_PAIR", "similarity"]
@@ -258,11 +259,7 @@ def _dynamic(cells, starter: set[str]) -> list[Flag]:
             continue
         for m in re.finditer(r"^%%writefile\s+(?:-a\s+)?(\S+\.py)\b", src, re.M):
             wrote_py.append((idx + 1, src[: m.start()].count("\n") + 1, Path(m.group(1)).stem))
-        code = cell_python(src)
-        try:
-            tree = ast.parse(code)
-        except (SyntaxError, ValueError):
-            continue
+        tree = _python(src)
         labkit_names = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -297,11 +294,7 @@ def _dynamic(cells, starter: set[str]) -> list[Flag]:
     if wrote_py:
         imported = {}
         for idx, src in cells:
-            try:
-                tree = ast.parse(cell_python(src))
-            except (SyntaxError, ValueError):
-                continue
-            for node in ast.walk(tree):
+            for node in ast.walk(_python(src)):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 for mod in mods:
@@ -330,8 +323,6 @@ def _targets(notebook: str, ex) -> dict[str, _Target]:
     """{dotted path or "module:name": why} of what an answer to ``ex`` must not name: its references
     (:meth:`~labkit.grading.registry.Exercise.reference_names`) and every kit function the withholding
     plan lists for it (:func:`labkit.grading.withhold.withheld`: those from which a reference is reached)."""
-    from .withhold import _home, withheld
-
     out: dict[str, _Target] = {}
     for label in ex.reference_names():
         mod, _, qual = label.partition(":")
@@ -353,8 +344,6 @@ def _targets(notebook: str, ex) -> dict[str, _Target]:
 def _kit_bindings(cells) -> dict[str, str]:
     """{name: dotted path into labkit} the submission's cells bind: imports and from-imports (anywhere,
     aliases included), and top-level aliases (``f = simulate.bubble_formula``), in cell order."""
-    from .withhold import _python, bind_kit_imports, dotted_path
-
     bound: dict[str, str] = {}
     for _idx, src in cells:
         tree = _python(src)
@@ -375,7 +364,6 @@ def _named_references(defs: list[_Def], bound: dict[str, str], targets: dict[str
     """A flag (cell, lines) for each place the answer's code (``defs``) names one of ``targets``:
     a from-import of it, a name bound to it, an attribute of a kit module that is it."""
     from .reach import _module_files
-    from .withhold import _home, _label, dotted_path
 
     modules = set(_module_files()) | {"labkit"}
 
