@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from .contain import kill_quietly
 from .sheet import FORMULA_START, inert  # noqa: F401 - batch.inert, as the gradebook's docs name it
 
 __all__ = ["grade_batch", "input_problem", "gradebook_rows", "batch_assignments", "display_names", "safe_name", "inert",
@@ -249,10 +250,7 @@ class _Grader:
 
     def _signal(self, sig) -> None:
         if self.returncode is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+            kill_quietly(self.pid, sig)
 
     def terminate(self) -> None:
         self._signal(signal.SIGTERM)

@@ -405,10 +405,10 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                     st, en, ev = session.execute(code, left) if code else ("ok", "", "")
                     if st == "ok" and (code or ex_id in _registered(session)):
                         results[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
-                    elif st == "error" and en == "NameError" and _answer_cell_broke(ex_id, cells, k, cell_problems):
+                    elif st == "error" and en == "NameError" and (
+                            broke := _answer_cell_broke(ex_id, cells, k, cell_problems)):
                         # the answer's own cell broke earlier (ran past the time limit, raised): say that
-                        grades[ex_id] = _exercise_grade(wanted[ex_id], None,
-                                                        _answer_cell_broke(ex_id, cells, k, cell_problems))
+                        grades[ex_id] = _exercise_grade(wanted[ex_id], None, broke)
                     elif st == "error" and status == "error" and en == "NameError":  # the cell broke
                         grades[ex_id] = _exercise_grade(wanted[ex_id], None, _did_not_run(ex_id, cells, k,
                                                                                           cell_problems[idx]))
