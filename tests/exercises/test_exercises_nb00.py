@@ -109,3 +109,75 @@ def test_a_message_that_is_no_partial_sum_fails():
 
     assert_public_case_fails("0.2", doubled, "N=2 ranks", contains="message 1 (rank 0 to rank 1): its 6 values are "
                              "not a piece of the ranks' tensors summed over some ranks")
+
+
+def ring_blocking_send_first(ctx, tensor):
+    """Wrong: every rank calls a blocking send before its recv in both phases. The right indices and
+    sum, but on gloo dist.send waits for the matching recv, so no rank ever receives: a deadlock."""
+    n, r = ctx.world_size, ctx.rank
+    chunks = list(torch.tensor_split(tensor, n))
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        comm.send(chunks[(r - s) % n], (r + 1) % n)
+        comm.recv(incoming, (r - 1) % n)
+        chunks[(r - s - 1) % n] += incoming
+    for s in range(n - 1):
+        comm.send(chunks[(r + 1 - s) % n], (r + 1) % n)
+        comm.recv(chunks[(r - s) % n], (r - 1) % n)
+    return tensor
+
+
+def test_every_rank_sending_first_with_blocking_sends_is_a_deadlock_named_as_such():
+    t0 = time.monotonic()
+    res = assert_public_case_fails(
+        "0.2", ring_blocking_send_first, "N=2 ranks",
+        contains="deadlock: every rank still running is blocked in a send (rank 0 to rank 1, rank 1 to rank 0) "
+                 "and none is receiving")
+    assert res.passed == 0, res.message
+    assert time.monotonic() - t0 < 60  # a state the relay sees, not a timeout per case
+
+
+def ring_by_parity(ctx, tensor):
+    """Right: blocking send/recv, even ranks send first and odd ranks receive first."""
+    n, r = ctx.world_size, ctx.rank
+    chunks = list(torch.tensor_split(tensor, n))
+
+    def exchange(out, into):
+        if r % 2 == 0:
+            comm.send(out, (r + 1) % n)
+            comm.recv(into, (r - 1) % n)
+        else:
+            tmp = torch.empty_like(into)
+            comm.recv(tmp, (r - 1) % n)
+            comm.send(out, (r + 1) % n)
+            into.copy_(tmp)
+
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        exchange(chunks[(r - s) % n].clone(), incoming)
+        chunks[(r - s - 1) % n] += incoming
+    for s in range(n - 1):
+        exchange(chunks[(r + 1 - s) % n].clone(), chunks[(r - s) % n])
+    return tensor
+
+
+def ring_irecv_first(ctx, tensor):
+    """Right: post the irecv, then a blocking send, then wait (a sendrecv)."""
+    n, r = ctx.world_size, ctx.rank
+    chunks = list(torch.tensor_split(tensor, n))
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        req = comm.irecv(incoming, (r - 1) % n)
+        comm.send(chunks[(r - s) % n], (r + 1) % n)
+        req.wait()
+        chunks[(r - s - 1) % n] += incoming
+    for s in range(n - 1):
+        req = comm.irecv(chunks[(r - s) % n], (r - 1) % n)
+        comm.send(chunks[(r + 1 - s) % n], (r + 1) % n)
+        req.wait()
+    return tensor
+
+
+def test_rings_that_do_not_deadlock_on_gloo_pass():
+    assert_check_passes("0.2", ring_by_parity)
+    assert_check_passes("0.2", ring_irecv_first)
