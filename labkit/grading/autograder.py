@@ -11,8 +11,11 @@ The bundle holds, at its root:
   ``$ROOT/venv`` with the CPU torch wheel pinned as in ``requirements.txt`` (the default wheel
   on PyPI brings CUDA: ``LABKIT_PIP_ARGS`` defaults to PyTorch's CPU index plus PyPI); copies
   labkit's source from the bundle into the venv; creates the unprivileged kernel user
-  ``labkit-kernel``; makes ``hidden/`` readable by root only.
-* ``run_autograder``: runs :func:`run` with the venv's Python.
+  ``labkit-kernel``; makes the installed kit and the bundle's source (``hidden/`` included)
+  readable by root only: every kernel imports the grader's copy of the kit, references withheld
+  until graded, also where it gets no file system of its own (``--allow-partial-isolation``).
+* ``run_autograder``: makes ``submission_metadata.json`` (the learner's name, earlier results)
+  readable by root only, then runs :func:`run` with the venv's Python.
 * ``labkit/`` (the kit's source), ``requirements.txt``, ``hidden/*.py`` (``--hidden-cases``)
   and ``labkit_assignment.json`` (the assignment, cell timeout and whether hints are shown).
 
@@ -76,15 +79,20 @@ fi
 rm -rf "$SITE/labkit"
 cp -r "$SRC/labkit" "$SITE/labkit"
 chmod -R a+rX "$ROOT/venv"
+# the installed kit: root only. Every kernel imports the grader's copy, whose references are withheld until
+# graded: bound into a file system of its own where the container allows namespaces, else (a container without
+# CAP_SYS_ADMIN, a bundle built with --allow-partial-isolation) from PYTHONPATH, so this folder must stay shut
+chown -R root:root "$SITE/labkit"
+chmod 700 "$SITE/labkit"
 (cd / && "$VPY" -c "import torch, labkit.grading.grader as g
 print('labkit autograder: torch', torch.__version__, 'labkit', g.__file__)")
 # the unprivileged user the submission's kernel runs as
 id labkit-kernel >/dev/null 2>&1 || useradd --system --no-create-home --home-dir /nonexistent \
     --shell /usr/sbin/nologin --user-group labkit-kernel
-# hidden cases: root only
+# hidden cases, and the whole bundle (the kit's full source, references included): root only
 mkdir -p "$SRC/hidden"
-chown -R root:root "$SRC/hidden"
-chmod 700 "$SRC/hidden"
+chown -R root:root "$SRC"
+chmod 700 "$SRC" "$SRC/hidden"
 find "$SRC/hidden" -type f -exec chmod 600 {} +
 """
 
@@ -98,6 +106,8 @@ if [ ! -x "$ROOT/venv/bin/python" ]; then
     echo "error: $ROOT/venv/bin/python is missing: setup.sh did not finish" >&2
     exit 1
 fi
+# the learner's name and e-mail, and their earlier submissions' results (hidden cases' outputs among them): root only
+chmod 600 "$ROOT/submission_metadata.json" 2>/dev/null
 cd "$ROOT"  # not a folder with another labkit in it: the venv's copy is graded with
 exec "$ROOT/venv/bin/python" -m labkit.grading.autograder --root "$ROOT"
 """
@@ -221,6 +231,28 @@ def _notebooks(folder: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 
+def _rebuild(problem: str, config: dict, source: Path) -> str:
+    """The self-check's refusal (:func:`~labkit.grading.session.isolation_problem`) with the fix an
+    instructor can apply on Gradescope, whose container is not theirs to change: the command that
+    rebuilds this bundle with ``--allow-partial-isolation``, and what grading here then gives and
+    lacks, in the words of the isolation note for the kernel user the self-check just probed."""
+    from .session import isolation_note, kernel_user
+
+    cmd = ["python -m labkit autograder", config["assignment"], "--allow-partial-isolation"]
+    if list((source / "hidden").glob("*.py")):
+        cmd.append("--hidden-cases YOUR_CASES_FOLDER")
+    if float(config.get("cell_timeout", DEFAULT_BUNDLE_CELL_TIMEOUT)) != DEFAULT_BUNDLE_CELL_TIMEOUT:
+        cmd.append(f"--cell-timeout {config['cell_timeout']:g}")
+    if not config.get("hints", True):
+        cmd.append("--no-hints")
+    then = isolation_note(kernel_user()).removeprefix("isolation is partial: ")  # probed: no new probe
+    cause, _, fix = problem.partition(" Fix: ")
+    full = fix.partition("; or pass --allow-partial-isolation")[0]
+    return (f"{cause} Fix: rebuild the bundle with --allow-partial-isolation ({' '.join(cmd)} --out autograder.zip), "
+            f"upload it and regrade; here it then grades with this weaker isolation: {then}. For full isolation "
+            f"instead, on a machine whose container you configure: {full}")
+
+
 def run(root: Path) -> int:
     """Grade ``root/submission`` for the bundle in ``root/source``; write ``root/results/results.json``.
 
@@ -244,10 +276,14 @@ def run(root: Path) -> int:
     config = json.loads((source / CONFIG).read_text())
     from .session import isolation_problem, place_problem
 
-    problem = place_problem() or ("" if config.get("allow_partial_isolation") else isolation_problem())
+    allow = bool(config.get("allow_partial_isolation"))
+    problem = place_problem()
+    if not problem:
+        problem = isolation_problem(allow_partial=allow)
+        if problem and not allow and not isolation_problem(allow_partial=True):  # the flag waives it (probed once)
+            problem = _rebuild(problem, config, source)
     if problem:  # before anything of the submission runs
-        fix = "build the bundle with --allow-partial-isolation"
-        print(f"error: {problem.replace('pass --allow-partial-isolation', fix)}", file=sys.stderr)
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     assignment = config["assignment"]
     hidden = source / "hidden"
@@ -312,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     except BundleWriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if a.hidden_cases is not None:
+        from .registry import hidden_case_notebooks
+        for_what = hidden_case_notebooks(a.hidden_cases)
+        if a.assignment not in for_what:
+            print(f"warning: none of the hidden cases in {a.hidden_cases} is for {a.assignment} (they are for "
+                  f"{', '.join(sorted(for_what)) or 'no exercise'}): the bundle grades with the built-in cases only",
+                  file=sys.stderr)
     print(f"wrote {out}: Gradescope autograder for {a.assignment} (cell timeout {t:g} s, hints "
           f"{'hidden' if a.no_hints else 'shown'}{', hidden cases bundled' if a.hidden_cases else ''}); upload it "
           f"as a zip autograder on Gradescope's default Ubuntu image")

@@ -5,9 +5,12 @@ process (its own kernel, its own isolation and clean-up, exactly as for one note
 time (default: the cores). Each is forked from this process once it has imported torch and the grader,
 read the exercises and planned each assignment's withheld kit (about 6 s of CPU each would otherwise pay
 again); it runs no learner code before it forks, and leaves the integrity report to this process. As each
-one finishes, one summary line is printed (``[3/6] alice.ipynb: 12/14 points (21 s)``). The gradebook is
-a CSV with one row per submission: its file, one column per exercise (the exercise ids of the graded
-notebook(s), in order; empty where a submission has no such exercise), the total, the maximum and ``error``.
+one finishes, one summary line is printed (``[3/6] alice.ipynb: 12/14 points (21 s)``; ``sec1/alice.ipynb``
+when another submission is also called alice.ipynb). The gradebook is a CSV with one row per submission:
+its file, one column per exercise (those of the assignment, known before the first grade: the header is
+the same whatever was graded), the total, the maximum and ``error``. An exercise of the submission's
+assignment that earned nothing is 0, whatever the reason, and ``error`` says why; a cell is blank only
+for an exercise of another assignment (:func:`gradebook_rows`).
 A submission that could not be graded (not a notebook, the grader failed, or wrote no
 results) gets a row with ``error`` set, and the command then exits 1; a graded submission that
 scored 0 gets its reason there too (:func:`zero_reason`: not attempted, another notebook,
@@ -40,7 +43,8 @@ from pathlib import Path
 
 from .sheet import FORMULA_START, inert  # noqa: F401 - batch.inert, as the gradebook's docs name it
 
-__all__ = ["grade_batch", "input_problem", "gradebook_rows", "safe_name", "inert", "zero_reason"]
+__all__ = ["grade_batch", "input_problem", "gradebook_rows", "batch_assignments", "display_names", "safe_name", "inert",
+           "zero_reason"]
 
 
 def _cores() -> int:
@@ -121,46 +125,98 @@ def zero_reason(obj: dict) -> str:
     return f"{kind}: {why}" if why else kind
 
 
-def gradebook_rows(entries: list[tuple[str, dict | None, str]]) -> tuple[list[str], list[list[str]]]:
+def gradebook_rows(entries: list[tuple[str, dict | None, str]],
+                   assignments: list[list[tuple[str, float]]] | None = None) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the gradebook from ``(submission, results object or None, error)``.
 
-    Columns: ``submission``, one per exercise id (the tests carrying a Gradescope ``number``),
-    ``total``, ``max``, ``error``."""
-    ids: list[str] = []
+    Columns: ``submission``, one per exercise id, ``total``, ``max``, ``error``. ``assignments``: what the
+    batch grades, each assignment as its ``[(exercise id, points), ...]`` in order (the pinned one, else
+    those detected in the submissions: :func:`batch_assignments`), so that the header is the same whatever
+    was graded (a batch stopped before its first grade too); the assignments of the results are added.
+
+    The rule: every exercise of a submission's assignment holds a number, 0 when it earned nothing for
+    whatever reason (a wrong answer, not attempted, a kernel that died, not a notebook, the batch stopped),
+    with the reason in ``error``; the maximum is the assignment's. A blank would read as "no grade yet" in
+    a learning-management system's import (left out of averages: a failed submission would look better),
+    while a spreadsheet sums 0 and blank alike. A cell is blank only for an exercise that is not the
+    submission's assignment's (a batch of several notebooks; a submission that could not be read there
+    has no assignment, and no maximum)."""
+    groups = [list(g) for g in (assignments or []) if g]
     for _, obj, _ in entries:
-        for t in (obj or {}).get("tests", []):
-            if "number" in t and t["number"] not in ids:
-                ids.append(t["number"])
+        g = [(t["number"], t["max_score"]) for t in (obj or {}).get("tests", []) if "number" in t]
+        if g and not any({i for i, _ in g} == {i for i, _ in h} for h in groups):
+            groups.append(g)
+    ids: list[str] = []
+    for g in groups:
+        ids += [i for i, _ in g if i not in ids]
+    only = groups[0] if len(groups) == 1 else None  # one assignment: a submission not graded is 0 out of it
     rows = []
-    # a submission that could not be graded scores 0 out of the assignment's points (one assignment: every
-    # graded row has the same maximum), so the spreadsheet's totals stay comparable
-    maxima = {sum(t["max_score"] for t in obj.get("tests", [])) for _, obj, _ in entries if obj}
-    common = f"{maxima.pop():g}" if len(maxima) == 1 else ""
     for name, obj, err in entries:
-        scores = {t["number"]: t["score"] for t in (obj or {}).get("tests", []) if "number" in t}
-        total = sum(t["max_score"] for t in (obj or {}).get("tests", []))
+        if obj is not None:
+            scores = {t["number"]: f"{t['score']:g}" for t in obj.get("tests", []) if "number" in t}
+            total, top = f"{obj['score']:g}", f"{sum(t['max_score'] for t in obj.get('tests', [])):g}"
+        elif only is not None:
+            scores, total, top = {i: "0" for i, _ in only}, "0", f"{sum(p for _, p in only):g}"
+        else:
+            scores, total, top = {}, "0", ""
         if not err and obj is not None and obj.get("score", 0) == 0:
             err = zero_reason(obj)  # every zero says why
-        rows.append([inert(name)] + [f"{scores[i]:g}" if i in scores else "" for i in ids]
-                    + ([f"{obj['score']:g}", f"{total:g}"] if obj else ["0", common]) + [inert(err)])
+        rows.append([inert(name)] + [scores.get(i, "") for i in ids] + [total, top, inert(err)])
     return ["submission"] + [f"exercise {inert(i)}" for i in ids] + ["total", "max", "error"], rows
 
 
-def _warm_up(paths, assignment: str | None) -> None:
+def batch_assignments(names_per_submission: list[list[str]]) -> list[list[tuple[str, float]]]:
+    """The assignments a batch grades, each as ``[(exercise id, points), ...]`` (registry order), from the
+    notebook names each submission is graded on (the pinned assignment, or what each holds), first seen first."""
+    from .registry import exercises_for_notebook
+
+    out: list[list[tuple[str, float]]] = []
+    for names in names_per_submission:
+        g = [(ex.id, ex.points) for name in names for ex in exercises_for_notebook(name)]
+        if g and g not in out:
+            out.append(g)
+    return out
+
+
+def display_names(paths: list[Path]) -> list[str]:
+    """How the batch names each submission in its lines: the file name, with as many of its folders as
+    tell it apart from the others (``sec1/alice.ipynb`` and ``sec2/alice.ipynb``)."""
+    parts = [Path(os.path.abspath(p)).parts for p in paths]
+    depth = [1] * len(paths)
+    while True:
+        shown = [os.path.join(*q[-d:]) for q, d in zip(parts, depth)]
+        clash = {n for n in shown if shown.count(n) > 1}
+        grow = [k for k, n in enumerate(shown) if n in clash and depth[k] < len(parts[k])]
+        if not grow:
+            return [str(p) if n in clash else n for p, n in zip(paths, shown)]
+        for k in grow:
+            depth[k] += 1
+
+
+def _warm_up(paths, assignment: str | None) -> list[list[str]]:
     """What every submission's grader does first (torch, the exercises, the plan of its assignment's
-    withheld kit: the kit's source parsed once), done once here so that the forked graders inherit it."""
+    withheld kit: the kit's source parsed once), done once here so that the forked graders inherit it.
+    Returns the notebook names each submission is graded on ([] for one that cannot be read)."""
     import torch  # noqa: F401
     import torch.fx.experimental.symbolic_shapes  # noqa: F401  (runner.run_case imports it before a case forks)
 
     from . import registry, withhold
     from .which import _nbformat, _notebook_names  # also sets up nbformat as each grader does
 
+    names: list[list[str]] = []
     for p in paths:
         try:
-            withhold.kit_plan([assignment] if assignment else _notebook_names(_nbformat().read(str(p), 4), p))
+            got = [assignment] if assignment else _notebook_names(_nbformat().read(str(p), 4), p)
+        except Exception:  # noqa: BLE001 - its grader says what is wrong with it
+            got = []
+        names.append(got)
+        try:
+            if got:
+                withhold.kit_plan(got)
         except Exception:  # noqa: BLE001 - its grader says what is wrong with it
             continue
     registry.all_exercises()
+    return names
 
 
 class _Grader:
@@ -247,8 +303,8 @@ def _integrity(paths, results_dir: Path, assignment: str | None) -> None:
           f"{flagged} of {len(rows)} answers flagged")
 
 
-def _write_gradebook(path: Path, entries) -> None:
-    header, rows = gradebook_rows(entries)
+def _write_gradebook(path: Path, entries, assignments=None) -> None:
+    header, rows = gradebook_rows(entries, assignments)
     with open(path, "w", newline="", encoding="utf-8") as f:
         csv.writer(f).writerows([header, *rows])
 
@@ -273,7 +329,8 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
     from .session import add_private_paths
     add_private_paths([*paths, results_dir])   # every submission's kernel: none of the batch's files
     assignment = options[options.index("--assignment") + 1] if "--assignment" in options else None
-    _warm_up(paths, assignment)
+    assignments = batch_assignments(_warm_up(paths, assignment))  # the gradebook's columns, known now
+    shown = display_names(paths)
     todo = list(range(len(paths)))
     running: dict[int, tuple[_Grader, float, object]] = {}
     done: dict[int, tuple[dict | None, str]] = {}
@@ -295,7 +352,7 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
             if "is not a Jupyter notebook" in err or "no such notebook" in err:
                 err = f"no notebook: {err}"
         done[i] = (obj, err)
-        head = f"[{len(done)}/{len(paths)}] {paths[i].name}: "
+        head = f"[{len(done)}/{len(paths)}] {shown[i]}: "
         if obj is not None:
             head += f"{obj['score']:g}/{sum(t['max_score'] for t in obj['tests']):g} points"
         print(head + (f"{'; ' if obj else ''}NOT GRADED: {err}" if err else "")
@@ -304,11 +361,12 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
     try:
         while todo or running:
             while todo and len(running) < jobs:
-                i = todo.pop(0)
+                i = todo[0]  # still to do until it runs: a Ctrl-C now leaves it marked "not started"
                 log = tempfile.TemporaryFile(mode="w+")
                 # the path after "--": a submission named like an option (-2+3.ipynb) is a path like any other
                 proc = _Grader([*options, "--results", str(outs[i]), "--", str(paths[i])], log)
                 running[i] = (proc, time.monotonic(), log)
+                todo.pop(0)
             time.sleep(0.2)
             for i, (proc, t0, log) in list(running.items()):
                 if proc.poll() is None:
@@ -337,16 +395,16 @@ def grade_batch(paths, results_dir: Path | None, gradebook: Path | None, jobs: i
             done[i] = (None, f"stopped: the batch was stopped by {stopped_by} before this submission was graded")
         finished = len(paths) - len(cut) - len(todo)
         print(f"stopped by {stopped_by}: {finished} of {len(paths)} submissions were graded; "
-              f"{len(cut)} stopped while being graded ({', '.join(paths[i].name for i in cut) or 'none'}) and "
+              f"{len(cut)} stopped while being graded ({', '.join(shown[i] for i in cut) or 'none'}) and "
               f"{len(todo)} not started; their kernels were killed", file=sys.stderr, flush=True)
         if gradebook is not None:
             rows = [(str(paths[i]), *done[i]) for i in range(len(paths)) if i not in cut and i not in todo]
-            _write_gradebook(gradebook, rows + [(str(paths[i]), *done[i]) for i in cut + todo])
+            _write_gradebook(gradebook, rows + [(str(paths[i]), *done[i]) for i in cut + todo], assignments)
             print(f"wrote {gradebook} ({finished} graded, {len(cut) + len(todo)} marked stopped)", file=sys.stderr)
         return 130 if stopped_by == "Ctrl-C" else 128 + int(getattr(signal, stopped_by, signal.SIGTERM))
-    failed = [paths[i].name for i in sorted(done) if done[i][1]]
+    failed = [shown[i] for i in sorted(done) if done[i][1]]
     if gradebook is not None:
-        _write_gradebook(gradebook, [(str(paths[i]), *done[i]) for i in range(len(paths))])
+        _write_gradebook(gradebook, [(str(paths[i]), *done[i]) for i in range(len(paths))], assignments)
         print(f"wrote {gradebook} ({len(paths)} submissions)")
     if tmp is None:
         print(f"results: one file per submission in {results_dir}")

@@ -252,6 +252,25 @@ def _untouched(nb, names: list[str]) -> bool:
     return code == ref
 
 
+def _answer_cell_broke(ex_id: str, cells, k: int, cell_problems: dict[int, str]) -> str:
+    """Why exercise ``ex_id``'s answer is not defined at its grading point (code cell ``k``) when the
+    reason is an earlier cell: the last cell before ``k`` that defines the answer ran past the time
+    limit, raised or killed the kernel (its definition is lost, and a fresh kernel does not replay it);
+    "" when that is not so (the NameError is then the learner's own)."""
+    from .assignments import answer_name, defines
+
+    name = answer_name(ex_id, cells)
+    if not name:
+        return ""
+    for j in range(k - 1, -1, -1):
+        idx, src = cells[j]
+        if defines(src, name):
+            problem = cell_problems.get(idx)
+            return (f"not attempted: the cell that defines {name} (cell {idx + 1}) did not finish: {problem}"
+                    if problem else "")
+    return ""
+
+
 def _did_not_run(ex_id: str, cells, k: int, problem: str) -> str:
     """Why exercise ``ex_id``, graded after code cell ``k`` of ``cells``, was not: that cell broke
     (``problem``), and it is the exercise's ``check`` cell or the one that defines its answer."""
@@ -386,6 +405,10 @@ def grade_notebook(path: str | Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
                     st, en, ev = session.execute(code, left) if code else ("ok", "", "")
                     if st == "ok" and (code or ex_id in _registered(session)):
                         results[ex_id] = _grade_in_kernel(wanted[ex_id], session, deadline)
+                    elif st == "error" and en == "NameError" and _answer_cell_broke(ex_id, cells, k, cell_problems):
+                        # the answer's own cell broke earlier (ran past the time limit, raised): say that
+                        grades[ex_id] = _exercise_grade(wanted[ex_id], None,
+                                                        _answer_cell_broke(ex_id, cells, k, cell_problems))
                     elif st == "error" and status == "error" and en == "NameError":  # the cell broke
                         grades[ex_id] = _exercise_grade(wanted[ex_id], None, _did_not_run(ex_id, cells, k,
                                                                                           cell_problems[idx]))
@@ -820,8 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     for module, err in sorted(IMPORT_ERRORS.items()):
         print(f"warning: exercise module {module} failed to import, its exercises are not graded: {err}",
               file=sys.stderr)
-    if not a.allow_partial_isolation:  # the self-check: the kernel's uid starts Python and imports the kit in its jail
-        problem = isolation_problem(limits)
+    problem = isolation_problem(limits, a.allow_partial_isolation)  # the self-check: the kernel's uid starts Python
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

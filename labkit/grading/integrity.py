@@ -10,7 +10,13 @@ code excluded; it is measured against the kit's references for the exercise
 (:func:`labkit.grading.references.references_for`, with the kit functions each calls) and the
 solved notebook's answer, and in a batch between submissions. Dynamic code worth reading
 (``exec``/``eval``/``compile``, ``__import__``, code objects, a ``.py`` written and imported, the
-kit's private names) is flagged with its cell and lines. Nothing here runs the submission.
+kit's private names) is flagged with its cell and lines. So is an answer whose code names the
+exercise's reference, or a kit function the withholding plan lists for it
+(:func:`labkit.grading.withhold.withheld`), by import, from-import, alias or attribute
+(``from labkit.pipeline.simulate import bubble_formula`` in 1.1): where the references are not
+withheld (the uid-only tier) that call earns the points, and a short answer that calls it looks
+like nothing in the similarity columns; it ranks with a full copy. Nothing here runs the
+submission.
 
 Thresholds (:data:`FLAG_REFERENCE`, :data:`FLAG_PAIR`) were chosen on the corpus in
 ``tests/grading/integrity_corpus.py``, whose test reports precision and recall.
@@ -41,7 +47,7 @@ MIN_CHARS = 40  # answers shorter than this (filtered) are not compared: every s
 
 @dataclass
 class Flag:
-    """One thing to read: ``kind`` (reference, pair, dynamic), what was found, where (cell 1-based
+    """One thing to read: ``kind`` (reference, pair, dynamic, names reference), what was found, where (cell 1-based
     as the notebook shows it, lines within the cell), and a score in [0, 1] for similarity flags."""
     kind: str
     what: str
@@ -66,12 +72,14 @@ class Row:
 
     @property
     def suspicion(self) -> float:
-        return max(self.reference, self.pair) + 0.01 * sum(f.kind == "dynamic" for f in self.flags)
+        # an answer that names the exercise's reference ranks with a full copy: it is one, by name
+        calls = 1.0 if any(f.kind == "names reference" for f in self.flags) else 0.0
+        return max(self.reference, self.pair, calls) + 0.01 * sum(f.kind == "dynamic" for f in self.flags)
 
     @property
     def flagged(self) -> bool:
         return self.reference >= FLAG_REFERENCE or self.pair >= FLAG_PAIR or any(
-            f.kind == "dynamic" for f in self.flags)
+            f.kind in ("dynamic", "names reference") for f in self.flags)
 
 
 # ---------------------------------------------------------------- code of a notebook
@@ -313,6 +321,137 @@ def _rooted_in(node: ast.Attribute, names: set[str]) -> bool:
     return isinstance(node, ast.Name) and node.id in names
 
 
+# ---------------------------------------------------------------- the reference named
+@dataclass(frozen=True)
+class _Target:
+    label: str  # "module:name"
+    why: str  # "a reference of 1.1" or "withheld for 1.1: it runs a reference"
+
+
+def _targets(notebook: str, ex) -> dict[str, _Target]:
+    """{dotted path or "module:name": why} of what an answer to ``ex`` must not name: its references
+    (:meth:`~labkit.grading.registry.Exercise.reference_names`) and every kit function the withholding
+    plan lists for it (:func:`labkit.grading.withhold.withheld`: those from which a reference is reached)."""
+    from .withhold import _home, withheld
+
+    out: dict[str, _Target] = {}
+    for label in ex.reference_names():
+        mod, _, qual = label.partition(":")
+        top = f"{mod}:{qual.split('.')[0]}"
+        t = _Target(top, f"a reference of {ex.id}")
+        for key in {top, f"{mod}.{qual.split('.')[0]}", _home(top) if mod.startswith("labkit.") and
+                    not mod.startswith("labkit.grading") else ""} - {""}:
+            out[key] = t
+    try:
+        plan = withheld(notebook)
+    except Exception:  # noqa: BLE001 - no plan (a kit without sources): the references alone
+        plan = {}
+    for label, ids in plan.items():
+        if ex.id in ids and label not in out:
+            out[label] = _Target(label, f"which reaches a reference of {ex.id} (withheld while it is graded)")
+    return out
+
+
+def _kit_bindings(cells) -> dict[str, str]:
+    """{name: dotted path into labkit} the submission's cells bind: imports and from-imports (anywhere,
+    aliases included), and top-level aliases (``f = simulate.bubble_formula``), in cell order."""
+    bound: dict[str, str] = {}
+
+    def dotted(node) -> str:
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in bound:
+            return ".".join([bound[node.id], *reversed(chain)])
+        return ""
+
+    for _idx, src in cells:
+        try:
+            tree = ast.parse(cell_python(src))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "labkit":
+                        bound[a.asname or "labkit"] = a.name if a.asname else "labkit"
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labkit" \
+                    and not node.level:
+                for a in node.names:
+                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+        for stmt in tree.body:
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+                path = dotted(stmt.value)
+                if path:
+                    bound[stmt.targets[0].id] = path
+                else:  # the learner's own value under that name from here on
+                    bound.pop(stmt.targets[0].id, None)
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound.pop(stmt.name, None)  # the learner's own function, even if a kit name came first
+    return bound
+
+
+def _named_references(defs: list[_Def], bound: dict[str, str], targets: dict[str, _Target]) -> list[Flag]:
+    """A flag (cell, lines) for each place the answer's code (``defs``) names one of ``targets``:
+    a from-import of it, a name bound to it, an attribute of a kit module that is it."""
+    from .reach import _module_files
+    from .withhold import _home, _label
+
+    modules = set(_module_files()) | {"labkit"}
+
+    def hit(path: str) -> _Target | None:
+        if not path.startswith("labkit") or path in modules:  # a module (``sim`` of ``sim.f``) names nothing
+            return None
+        for key in (path, _label(path)):
+            if key and key in targets:
+                return targets[key]
+        lab = _label(path)
+        home = _home(lab) if lab else ""
+        return targets.get(home) if home else None
+
+    flags: list[Flag] = []
+    seen: set[tuple] = set()
+    for d in defs:
+        try:
+            tree = ast.parse(d.text)
+        except (SyntaxError, ValueError):
+            continue
+        # names the answer binds itself (arguments, assignments) are its own, not the kit's
+        own = {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+               for a in n.posonlyargs + n.args + n.kwonlyargs + [x for x in (n.vararg, n.kwarg) if x]}
+        own |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for node in ast.walk(tree):
+            paths = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labkit" and not node.level:
+                paths = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                paths = [a.name for a in node.names]
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound \
+                    and node.id not in own:
+                paths = [bound[node.id]]
+            elif isinstance(node, ast.Attribute):
+                chain, v = [node.attr], node.value
+                while isinstance(v, ast.Attribute):
+                    chain.append(v.attr)
+                    v = v.value
+                if isinstance(v, ast.Name) and v.id in bound and v.id not in own:
+                    paths = [".".join([bound[v.id], *reversed(chain)])]
+            for path in paths:
+                t = hit(path)
+                if t is None:
+                    continue
+                a = d.start + node.lineno - 1
+                b = d.start + (node.end_lineno or node.lineno) - 1
+                if (d.cell, a, t.label) in seen:
+                    continue
+                seen.add((d.cell, a, t.label))
+                mod, _, name = t.label.partition(":")
+                flags.append(Flag("names reference", f"names labkit's {name} ({mod}), {t.why}", d.cell, (a, b),
+                                  1.0))
+    return flags
+
+
 # ---------------------------------------------------------------- the analysis
 def _lines_of(defs: list[_Def], ranges) -> list[tuple[int, tuple[int, int]]]:
     """Character ranges of the joined answer text -> (cell, (first line, last line)) per definition."""
@@ -338,6 +477,7 @@ def _lines_of(defs: list[_Def], ranges) -> list[tuple[int, tuple[int, int]]]:
 class _Answer:
     defs: list[_Def]
     text: str
+    upto: int = 0  # the code cells up to the exercise's grading point: cells[:upto] ran before it is graded
 
 
 def _answers(path, notebook: str) -> dict[str, _Answer]:
@@ -354,7 +494,7 @@ def _answers(path, notebook: str) -> dict[str, _Answer]:
             continue
         defs = _closure(_definitions(cells[: k + 1]), name)
         if defs:
-            out[ex_id] = _Answer(defs, "\n\n".join(d.text for d in defs))
+            out[ex_id] = _Answer(defs, "\n\n".join(d.text for d in defs), k + 1)
     return out
 
 
@@ -374,6 +514,7 @@ def analyse_batch(submissions, notebook: str) -> list[Row]:
     answers: dict[str, dict[str, _Answer]] = {}
     rows: list[Row] = []
     refs_cache: dict[str, list[tuple[str, str]]] = {}
+    targets_cache: dict[str, dict[str, _Target]] = {}
     for name, path in submissions:
         try:
             answers[name] = _answers(path, notebook)
@@ -387,6 +528,10 @@ def analyse_batch(submissions, notebook: str) -> list[Row]:
             ans = answers[name].get(ex.id)
             best: list = []
             if ans is not None:
+                if ex.id not in targets_cache:
+                    targets_cache[ex.id] = _targets(notebook, ex)
+                # the names as they stand when the exercise is graded (a later cell may rebind one)
+                row.flags += _named_references(ans.defs, _kit_bindings(cells[: ans.upto]), targets_cache[ex.id])
                 if ex.id not in refs_cache:
                     refs = _reference_sources(ex.id)
                     solved = _solved_answer(notebook, ex.id)
@@ -471,7 +616,8 @@ def write_report(rows: list[Row], folder) -> tuple[Path, Path]:
         "<h1>Integrity report</h1><p>For the instructor: it never changes a score. Similarity is the share of an "
         "answer's code (winnowed fingerprints, names and layout ignored, the starter code excluded) found in the "
         f"kit's reference source or solved notebook, or in another submission; rows from {FLAG_REFERENCE:.0%} "
-        f"(reference) or {FLAG_PAIR:.0%} (pair), and rows with dynamic code, are highlighted. Sorted by "
+        f"(reference) or {FLAG_PAIR:.0%} (pair), and rows with dynamic code or that name the exercise's reference, "
+        "are highlighted. Sorted by "
         "suspicion.</p><table><tr><th>submission</th><th>exercise</th><th>suspicion</th><th>reference</th>"
         "<th>pair</th><th>flags (cell, lines)</th></tr>" + "".join(body) + "</table></body></html>\n",
         encoding="utf-8")

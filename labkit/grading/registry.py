@@ -316,9 +316,25 @@ def load_hidden_problem(label: str) -> str | None:
     return None
 
 
+def _hidden_module(path: Path) -> str:
+    return f"labkit_hidden_cases_{abs(hash(str(Path(path).resolve())))}"
+
+
+def hidden_case_notebooks(folder: Path | str) -> dict[str, int]:
+    """{notebook: number of cases} that the hidden-case files in ``folder`` added to the registry (after
+    :func:`load_all` ran them), e.g. to warn when none is for the assignment being bundled."""
+    modules = {_hidden_module(p) for p in Path(folder).glob("*.py") if not p.name.startswith("_")}
+    out: dict[str, int] = {}
+    for ex in _REGISTRY.values():
+        n = sum(getattr(c.fn, "__module__", None) in modules for c in ex.cases)
+        if n:
+            out[ex.notebook] = out.get(ex.notebook, 0) + n
+    return out
+
+
 def _run_hidden_file(path: Path) -> None:
     global _ADDING_HIDDEN
-    name = f"labkit_hidden_cases_{abs(hash(str(path.resolve())))}"
+    name = _hidden_module(path)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # cases defined there stay picklable/inspectable
@@ -516,7 +532,7 @@ def expect_equal(got: Any, expected: Any, what: str = "result") -> None:
     numbers; tensors of up to 6 elements by their values; larger tensors of the same shape by how
     they differ: "tensors of shape S differ in n of N elements; largest difference d at index
     [i, j]: expected a, got b; around it: expected [...], got [...]" and, when ``got`` is a constant
-    multiple c of ``expected``, "; got is c x expected everywhere".
+    multiple c of ``expected``, "; got c x the expected values, everywhere".
     """
     _compare(got, expected, what, exact=True, rtol=0.0, atol=0.0)
 
@@ -592,7 +608,7 @@ def _compare(got, expected, what, exact, rtol, atol) -> None:
 
 
 def _scalar_factor(got, expected) -> str:
-    """'; got is c x expected' for two numbers, as for tensors (a loss not divided by M, a bias counted t
+    """'; got c x the expected value' for two numbers, as for tensors (a loss not divided by M, a bias counted t
     times): always for floats; for two ints only when c or 1/c is a whole number (else it says nothing)."""
     real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731
     if not (real(got) and real(expected)) or expected == 0 or got == 0:
@@ -607,11 +623,12 @@ def _scalar_factor(got, expected) -> str:
         whole = lambda v: abs(v - round(v)) < 1e-9 and abs(round(v)) >= 2  # noqa: E731
         if not (whole(c) or whole(1 / c)):
             return ""
-    return f"; got is {c:.4g} x expected"
+    return f"; got {c:.4g} x the expected value"
 
 
 def _tensor_factor(got, expected) -> str:
-    """'; got is c x expected everywhere' when the (small) tensor ``got`` is a constant multiple of ``expected``."""
+    """'; got c x the expected values, everywhere' when the (small) tensor ``got`` is a constant multiple of
+    ``expected``."""
     import torch
 
     try:
@@ -620,7 +637,7 @@ def _tensor_factor(got, expected) -> str:
         if denom > 0 and torch.isfinite(gd).all():
             ratio = float((gd * ed).sum()) / denom
             if abs(ratio - 1) > 1e-3 and torch.allclose(gd, ratio * ed, rtol=1e-4, atol=1e-7):
-                return f"; got is {_num(round(ratio, 4))} x expected everywhere"
+                return f"; got {_num(round(ratio, 4))} x the expected values, everywhere"
     except (RuntimeError, TypeError):
         pass
     return ""

@@ -268,7 +268,7 @@ def format_line(ex: Exercise, res: CheckResult, failures: int = 1, hints: bool =
         Exercise 1.1 (bubble fraction): failed
           case "K=4, M=8"
           bubble_fraction(K=4, M=8):
-          expected 0.272727, got 0.25; got is 0.9167 x expected.
+          expected 0.272727, got 0.25; got 0.9167 x the expected value.
           Hint: ...
           Second hint: ...
 

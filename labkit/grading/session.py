@@ -118,7 +118,8 @@ class KernelUser:
         kit_dir = os.path.dirname(os.path.abspath(labkit.__file__))
         needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                   os.path.dirname(os.path.realpath(sys.executable))}
-        needed |= {p for p in sys.path if p and os.path.isdir(p)}
+        here = os.path.realpath(os.getcwd())  # `python -m` puts the grader's working folder on sys.path: the kernel
+        needed |= {p for p in sys.path if p and os.path.isdir(p) and os.path.realpath(p) != here}  # needs none of it
         if cwd:
             needed.add(cwd)
         if self.newroot and stage:
@@ -171,11 +172,18 @@ def _find_kernel_user() -> KernelUser | None:
         user = KernelUser("a uid of its own", lease.uid, lease.gid, True)
         why = "unshare or mount is missing"
         if shutil.which("unshare") and shutil.which("mount"):
-            user.jail = True  # private /tmp, /dev/shm and IPC; the grader's files hidden
+            # private /tmp, /dev/shm and IPC, the grader's files hidden, and a file system of its own on the
+            # grader's copy of the kit (so the installed kit may be root-only, as the Gradescope bundle makes it)
+            user.jail = user.newroot = True
             ok, why = _probe(user)
             if ok:
-                _try_new_root(user)
                 return user
+            user.newroot = False
+            ok, why_jail = _probe(user)
+            if ok:
+                _NO_NEW_ROOT[:] = [why]
+                return user
+            why = why_jail
         user.jail = False
         ok, why2 = _probe(user)
         if not ok:  # the installed kit root-only: the kernel on the grader's copy, whose references are withheld
@@ -234,19 +242,21 @@ PROBE = ("import os, sys, ipykernel, labkit.grading.kernel\n"
 def _probe(user: KernelUser) -> tuple[bool, str]:
     """The self-check: can ``user`` start this environment's Python and import ipykernel and the
     kit, in the jail a kernel gets (the same :mod:`labkit.grading._jail` options: private
-    temporary folders, home, hidden secrets, its own /proc and root), and does it run as a
-    uid other than root when the grader is root? (ok, why not). Leaves nothing behind: its
-    staging folder is removed."""
+    temporary folders, home, hidden secrets, its own /proc and root, there on the grader's copy
+    of the kit, as a kernel gets it), and does it run as a uid other than root when the grader
+    is root? (ok, why not). Leaves nothing behind: its staging folder is removed."""
     stage = tempfile.mkdtemp(prefix="labkit-probe-", dir=_open_tmp() if user.kit_private else None)
     os.chmod(stage, 0o755)
     try:
-        options, extra, env_kit = [], [], {}
-        if user.kit_private:  # the grader's copy of the kit on PYTHONPATH; the installed kit must stay unreadable
-            import labkit
-
+        options, extra, env_kit, copy = [], [], {}, None
+        if user.kit_private or user.newroot:  # the grader's copy of the kit, as a kernel gets it
             from .withhold import build_kit
 
-            env_kit = {"PYTHONPATH": os.path.dirname(build_kit([], os.path.join(stage, "kit")).path)}
+            copy = build_kit([], os.path.join(stage, "kit")).path
+        if user.kit_private:  # the copy on PYTHONPATH; the installed kit must stay unreadable
+            import labkit
+
+            env_kit = {"PYTHONPATH": os.path.dirname(copy)}
             extra = [os.path.join(os.path.dirname(os.path.abspath(labkit.__file__)), "__init__.py")]
         if user.jail:
             options = [f"--tmp={2 ** 20}", f"--stage={stage}", f"--home={PRIVATE_HOME}", f"--workdir={PRIVATE_WORK}",
@@ -254,7 +264,7 @@ def _probe(user: KernelUser) -> tuple[bool, str]:
             if not user.userns:
                 options.append("--hidepid=1")
         argv, kw = user.command([sys.executable, *_no_user_site(), "-c", PROBE, *extra], options=options,
-                                stage=stage if user.newroot else None)
+                                kit=copy, stage=stage if user.newroot else None)
         env = {**kernel_environment(), "HOME": PRIVATE_HOME if user.jail else stage, "TMPDIR": "/tmp", **env_kit}
         probe = subprocess.run(argv, cwd="/", stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                timeout=120, env=env, **kw)
@@ -361,24 +371,31 @@ def _root_is_a_mount_point() -> bool:
         return True
 
 
-def isolation_problem(limits: Limits | None = None) -> str:
+def isolation_problem(limits: Limits | None = None, allow_partial: bool = False) -> str:
     """The self-check a grader runs before grading ("" when it passed): as root, a kernel must run
     as a uid of its own in a jail with a file system of its own (:func:`kernel_user` proved,
     with a probe in exactly that jail, that this uid starts Python and imports the kit), else
     this returns one line naming the cause and the fix, and the grader stops (exit 2) rather
-    than run a submission as root or claim isolation it lacks. A non-root grader is never
-    refused: :func:`isolation_note` says what its partial isolation leaves open. Causes named:
-    no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
-    folder is not a mount point, Python or the kit unreadable by other uids."""
+    than run a submission as root or claim isolation it lacks. ``allow_partial``
+    (``--allow-partial-isolation``) waives every cause but one: a kernel that would run as root.
+    A non-root grader is never refused: :func:`isolation_note` says what its partial isolation
+    leaves open. Causes named: no CAP_SYS_ADMIN (a Docker container's default set, e.g. Gradescope's), a chroot whose
+    folder is not a mount point, Python or its packages unreadable by other uids."""
     if os.geteuid() != 0:
         return ""
     user = kernel_user(limits)
     if user is not None and user.jail and user.newroot and not user.userns:
         return ""
+    if user is None:  # never waived: a kernel as root could rewrite the grader and its results
+        return ("cannot isolate the submissions' kernels: they would run as root ("
+                + ("; ".join(_UNUSABLE) or "no unprivileged uid could run the kernel")
+                + "). Fix: make Python and its packages readable by other users (chmod o+rX on them and their "
+                  "folders, or install them outside /root; the kit may stay root-only)")
+    if allow_partial:
+        return ""
     import labkit
 
     kit = os.path.dirname(os.path.abspath(labkit.__file__))
-    where = ", ".join(dict.fromkeys([sys.prefix, kit]))
     partial = ("or pass --allow-partial-isolation to grade with the weaker isolation the output then describes "
                "(a uid of its own per kernel, no file system of its own; labkit's references are withheld only "
                f"where the installed kit's folder is readable by root only: chmod 700 {kit})")
@@ -398,8 +415,9 @@ def isolation_problem(limits: Limits | None = None) -> str:
     else:
         cause = f"no file system of its own for the kernel ({'; '.join(_NO_NEW_ROOT) or 'the probe failed'})"
     return (f"cannot isolate the submissions' kernels: {cause}. Fix: run the grader as root where "
-            f"`unshare --mount --ipc --net` works (a container needs CAP_SYS_ADMIN) and make Python and the kit "
-            f"({where}) readable by other users (chmod o+rX on them and their folders); {partial}")
+            f"`unshare --mount --ipc --net` works (a container needs CAP_SYS_ADMIN) and make Python and its "
+            f"packages ({sys.prefix}) readable by other users (chmod o+rX on them and their folders; the kit may stay "
+            f"root-only: a kernel imports the grader's copy); {partial}")
 
 
 def isolation_note(user: KernelUser | None) -> str:
@@ -599,7 +617,7 @@ class KernelSession:
         self.dir = tempfile.mkdtemp(prefix="labkit-kernel-", dir=_open_tmp() if user is not None else None)
         self.work = os.path.join(self.dir, "work")  # the working folder without a jail (the jail's: PRIVATE_WORK)
         self.cwd = self.work
-        self.proc = None
+        self.proc = self.stderr = None
         self.kc = None
         self.info = None
         self.mark = uuid.uuid4().hex  # MARK_ENV in the kernel's environment: found again at kill()
@@ -683,9 +701,12 @@ class KernelSession:
                 argv, kw = self.user.command(argv, self.cwd)
         _become_subreaper()  # orphans of the kernel's processes come here, whoever runs the grader
         kw.setdefault("preexec_fn", _pdeathsig)
+        # the kernel's stderr: an unlinked file of the grader's (bounded by the kernel's RLIMIT_FSIZE), read only
+        # to say why a kernel exited while starting (before any cell ran)
+        self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.cwd, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr, cwd=self.cwd, env=env,
             start_new_session=True, close_fds=True, **kw)
         _KEEP.add(self.proc.pid)
         self._started = _processes().get(self.proc.pid, (0, 0, 0, 2 ** 62))[3]  # clock ticks since boot
@@ -714,7 +735,8 @@ class KernelSession:
             except queue.Empty:
                 pass
             if not self.alive():
-                raise KernelStartError(f"the kernel exited while starting (exit code {self.proc.poll()})")
+                raise KernelStartError(f"the kernel exited while starting (exit code {self.proc.poll()})"
+                                       + self._start_error())
             if time.monotonic() > deadline:
                 raise KernelStartTimeout(budget)
 
@@ -791,6 +813,15 @@ class KernelSession:
             pass
 
     # ------------------------------------------------------------------ end
+    def _start_error(self) -> str:
+        """': LAST LINE' of what the kernel wrote to stderr before it exited while starting ('' if nothing)."""
+        try:
+            self.stderr.seek(max(0, os.fstat(self.stderr.fileno()).st_size - 4096))
+            last = _first_line(self.stderr.read().decode("utf-8", "replace"))
+        except (OSError, ValueError, AttributeError):
+            return ""
+        return "" if last == "no output" else f": {last}"
+
     def kill(self) -> None:
         """Kill the kernel and everything it started: its process group, its session, its
         descendants, every process whose environment carries this kernel's :data:`MARK_ENV`
@@ -851,6 +882,8 @@ class KernelSession:
             subprocess.run(["umount", "--lazy", self.sockets], stdin=subprocess.DEVNULL, capture_output=True)
             self.sockets_mounted = False
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.stderr is not None:
+            self.stderr.close()
 
     def _end_containment(self) -> None:
         """Every process of the kernel's uid (and cgroup) killed and reaped, zombies included;

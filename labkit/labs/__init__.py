@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import sys
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -196,7 +197,9 @@ def run_cli(main, *args, check_env: bool = True, stopped: str = "stopped; no ran
     otherwise print a traceback from Python's exit handlers). ``check_env``: first refuse
     inconsistent torchrun variables (:func:`labkit.dist.torchrun_env_problem`) with one line, exit 2.
     ``stopped``: what the interrupted command stopped, in its own words (a lab's ranks; the grader's
-    kernels, ...), after "interrupted (Ctrl-C): " or "terminated (SIGTERM): "."""
+    kernels, ...), after "interrupted (Ctrl-C): " or "terminated (SIGTERM): ". When the reader of
+    stdout or stderr goes away (``| head``), further output is dropped, the command finishes its work
+    and files, and ends silently with 141 (128 + SIGPIPE, as a tool ended by SIGPIPE) instead of 0."""
     import signal
 
     from ..launch import RankError, Terminated, stop_on_first_signal, torchrun_env_problem
@@ -204,9 +207,10 @@ def run_cli(main, *args, check_env: bool = True, stopped: str = "stopped; no ran
     if problem:
         print(f"error: {problem}", file=sys.stderr)  # every process prints it: the variables are not to be trusted
         return 2
-    with stop_on_first_signal(ignore_after=True):  # the one line is printed while later signals are ignored
+    with stop_on_first_signal(ignore_after=True), _reader_may_leave() as gone:  # later signals ignored
         try:
-            return main(*args) or 0
+            code = main(*args) or 0
+            return 128 + signal.SIGPIPE if code == 0 and gone() else code
         except KeyboardInterrupt:
             _ignore_signals()
             _keyboard_interrupt_handled()
@@ -223,6 +227,66 @@ def run_cli(main, *args, check_env: bool = True, stopped: str = "stopped; no ran
         except OutputError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+
+
+class _DropWhenReaderGone:
+    """``sys.stdout``/``sys.stderr`` while a command runs: writes go to the real stream until its reader goes
+    away (``| head`` that has read its lines: EPIPE, BrokenPipeError); from then on they are dropped and the
+    command goes on to finish its work and write its files. The stream's file descriptor is pointed at
+    /dev/null at once (the standard library's advice on SIGPIPE, "Note on SIGPIPE" in the ``signal`` docs),
+    so the data still buffered and the flush at exit raise nothing either."""
+
+    def __init__(self, stream):
+        self.stream, self.gone = stream, False
+
+    def _closed(self) -> None:
+        self.gone = True
+        try:
+            fd = self.stream.fileno()
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def write(self, s):
+        if not self.gone:
+            try:
+                return self.stream.write(s)
+            except BrokenPipeError:
+                self._closed()
+        return len(s)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def flush(self):
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._closed()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, buffer, ...: the real stream's
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def _reader_may_leave():
+    """Run the command with :class:`_DropWhenReaderGone` as ``sys.stdout`` and ``sys.stderr`` (for every
+    command: ``python -m labkit ... | head`` never shows a traceback and loses no file); yields a function
+    telling whether a reader went away. Forked ranks inherit the wrappers and drop their output the same way."""
+    saved = sys.stdout, sys.stderr
+    out, err = (_DropWhenReaderGone(s) if s is not None else None for s in saved)
+    sys.stdout, sys.stderr = out, err
+    try:
+        yield lambda: bool((out and out.gone) or (err and err.gone))
+    finally:
+        for w in (out, err):
+            if w is not None:
+                w.flush()
+        sys.stdout, sys.stderr = saved
 
 
 def schedule_name(text: str) -> str:

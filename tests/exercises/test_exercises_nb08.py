@@ -103,6 +103,12 @@ def act_selective_needs_sp(s, b, h, a, L, t, p, M, sequence_parallel, recompute)
     return first_stage_activation_bytes(s, b, h, a, L, t, p, M, sequence_parallel, rec)
 
 
+def act_full_ignores_sp(s, b, h, a, L, t, p, M, sequence_parallel, recompute):
+    """Wrong: with full recompute the stored layer input is left whole under sequence parallelism."""
+    sp = sequence_parallel and recompute != "full"
+    return first_stage_activation_bytes(s, b, h, a, L, t, p, M, sp, recompute)
+
+
 def choose_layout(n_gpus, gpus_per_node, gpu_memory, memory):
     ok = [(t, p) for (t, p), need in memory.items() if t <= gpus_per_node and n_gpus % (t * p) == 0
           and need <= gpu_memory]
@@ -201,6 +207,7 @@ def test_wrong_answers_fail(ex, wrong, contains):
 @pytest.mark.parametrize("ex, wrong, case, contains", [
     ("8.4", act_selective_needs_sp, "t=8, TP only (no SP), selective recompute", "sequence_parallel=False, "
      "recompute='selective')"),
+    ("8.4", act_full_ignores_sp, "t=8, SP + full recompute", "sequence_parallel=True, recompute='full') (bytes)"),
     ("8.5", choose_without_divisibility, "a table that also lists",
      "expected (4, 3, 1), got (4, 2, 1) (t*p=8 does not divide 12 GPUs"),
     ("8.1", coords_reordered, "t=2, p=3, d=2", "t=2, p=3, d=2: these are the right coordinates in the wrong order "

@@ -166,3 +166,39 @@ HONEST = [
      "            elif a.kind == 'B':\n                live -= 1\n            best = max(best, live)\n"
      "        peak[rank] = best\n    return peak\n"),
 ]
+
+
+# answers that hand the exercise to the kit by name (issue 40 item 3: shown, never scored); each must be flagged
+# ("names reference"), and no HONEST answer may be (several import the kit's Action, which is no reference)
+CALLS = [
+    ("01_pipeline_bubble", "1.1", "from-import of the reference in the answer",
+     "def bubble_fraction(K, M):\n    from labkit.pipeline.simulate import bubble_formula\n"
+     "    return float(bubble_formula(K, M))\n"),
+    ("01_pipeline_bubble", "1.1", "module alias, attribute",
+     "import labkit.pipeline.simulate as sim\n\ndef bubble_fraction(K, M):\n"
+     "    return float(sim.bubble_formula(K, M))\n"),
+    ("01_pipeline_bubble", "1.1", "top-level alias of a re-export",
+     "from labkit import pipeline\nf = pipeline.bubble_fraction\n\ndef bubble_fraction(K, M):\n"
+     "    return f(K, M)\n"),
+    ("01_pipeline_bubble", "1.1", "a kit function that runs the reference",
+     "from labkit.pipeline.plot import bubble_fraction as bf\n\ndef bubble_fraction(K, M):\n"
+     "    return bf(K, M)\n"),
+    ("02_gpipe", "2.1", "the reference under another name",
+     "from labkit.pipeline.schedules import gpipe_schedule as g\n\ndef gpipe_actions(K, M):\n"
+     "    return g(K, M).actions\n"),
+    ("16_context_parallel", "16.2", "the reference by attribute",
+     "import labkit\n\ndef causal_chunk_placement(cp):\n"
+     "    return labkit.context_parallel.sharding.chunk_placement(cp)\n"),
+]
+
+# honest answers that share a name with a kit reference the notebook imported: not a use of the kit
+HONEST_NAMESAKES = [
+    ("01_pipeline_bubble", "1.1", "an argument named like the kit's simulate",
+     "from labkit.pipeline import simulate\n\ndef bubble_fraction(K, M, simulate=None):\n"
+     "    if K < 1 or M < 1:\n        raise ValueError(f'K={K}, M={M}')\n"
+     "    simulate = [t < K - 1 for t in range(M + K - 1)]\n    return sum(simulate) / len(simulate)\n"),
+    ("01_pipeline_bubble", "1.1", "an own function named like the kit's bubble_formula",
+     "from labkit.pipeline.simulate import bubble_formula\n\ndef bubble_formula(K, M):\n"
+     "    return (K - 1) / (M + K - 1)\n\ndef bubble_fraction(K, M):\n    if K < 1 or M < 1:\n"
+     "        raise ValueError(f'K={K}, M={M}')\n    return bubble_formula(K, M)\n"),
+]

@@ -115,7 +115,8 @@ def test_batch_grading_writes_one_file_per_submission_and_a_gradebook(tmp_path, 
     assert table["bob.ipynb"] == ["0", "1", "1", "3", ""]
     assert table["dave.ipynb"][:4] == ["0", "0", "0", "3"]  # every zero gives its reason
     assert table["dave.ipynb"][4].startswith("another notebook: the submission does not hold assignment 98_alpha")
-    assert table["carol.ipynb"][:4] == ["", "", "0", "3"] and "not a Jupyter notebook" in table["carol.ipynb"][4]
+    # not a notebook: 0 for each exercise of the assignment, like every other zero, with the reason in error
+    assert table["carol.ipynb"][:4] == ["0", "0", "0", "3"] and "not a Jupyter notebook" in table["carol.ipynb"][4]
 
 
 def test_batch_bad_options_are_one_error_line(tmp_path, env, monkeypatch, capsys):

@@ -116,7 +116,7 @@ def test_float_answer_to_1_2_fails_a_public_case(capsys):
     line = capsys.readouterr().out
     assert res.status == "failed"
     assert line.startswith('Exercise 1.2 (smallest M for a target bubble): failed\n  case "returns an int"\n'
-                           '  smallest_microbatches(K=4, target=0.05):\n  expected an int, got float 57.\n'
+                           '  smallest_microbatches(K=4, target=0.0625):\n  expected an int, got float 45.\n'
                            '  Hint: A number of microbatches is a whole number')
     assert not next(c for c in get_exercise("1.2").cases if c.name == "returns an int").hidden
 
@@ -292,3 +292,18 @@ def test_a_kernel_that_dies_while_starting_is_replaced_once(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="exited while starting"):
         grade_notebook(path, cell_timeout=60)
     assert len(launched) == 2, launched
+
+
+def test_answer_whose_cell_ran_past_the_time_limit_says_so(tmp_path):
+    # the cell defines a right bubble_fraction, then never ends: the fresh kernel that goes on does not
+    # have the name, and the exercise's line names the cell that ran past the limit, not the NameError
+    nb = _code_nb("from labkit.grading import check",
+                  "def bubble_fraction(K, M):\n    return (K - 1) / (M + K - 1)\n\nwhile True:\n    pass",
+                  'check("1.1", bubble_fraction)')
+    path = tmp_path / "sub.ipynb"
+    nbformat.write(nb, str(path))
+    g = grade_notebook(path, cell_timeout=3, assignment="01_pipeline_bubble")
+    one = next(eg for eg in g.exercises if eg.exercise.id == "1.1")
+    assert one.status == "not_attempted" and one.score == 0
+    assert "cell 2 ran past the time limit of 3 s" in one.message, one.message
+    assert "bubble_fraction" in one.message and "NameError" not in one.message, one.message

@@ -134,3 +134,90 @@ def test_a_sigtermed_batch_writes_what_it_finished_says_what_it_stopped_and_leav
     assert "before this submission was graded" in table["b_slow2.ipynb"][-1]
     assert _leftovers(env) == [], "left in TMPDIR"
     assert json.loads((tmp_path / "results" / "a_quick.json").read_text())["score"] == 3
+
+
+# ----------------------------------------------------------------------------- one rule, one header, names told apart
+
+ONE = [("98.1", 2.0), ("98.2", 1.0)]  # 98_alpha: its exercises and points (one assignment)
+
+
+def _graded(s1, s2):
+    return {"score": s1 + s2, "output": "Total", "tests": [
+        {"number": "98.1", "score": s1, "max_score": 2, "output": "x", "name": "n"},
+        {"number": "98.2", "score": s2, "max_score": 1, "output": "x", "name": "n"}]}
+
+
+def test_every_exercise_of_the_assignment_holds_a_number_and_error_says_why():
+    # a graded row, a row whose kernel died (its grader wrote zeros), a non-notebook, a stopped one: the
+    # same shape; a blank would read as "no grade yet" in an LMS import, and a spreadsheet sums it as 0
+    header, rows = gradebook_rows([("a.ipynb", _graded(2, 1), ""),
+                                   ("died.ipynb", _graded(0, 0), "the kernel died"),
+                                   ("nonb.ipynb", None, "no notebook: nonb.ipynb is not a Jupyter notebook"),
+                                   ("stop.ipynb", None, "stopped: the batch was stopped by Ctrl-C")], [ONE])
+    assert header == ["submission", "exercise 98.1", "exercise 98.2", "total", "max", "error"]
+    table = {r[0]: r[1:] for r in rows}
+    assert table["a.ipynb"][:4] == ["2", "1", "3", "3"]
+    for name in ("died.ipynb", "nonb.ipynb", "stop.ipynb"):
+        assert table[name][:4] == ["0", "0", "0", "3"], (name, table[name])
+        assert table[name][4], name
+
+
+def test_the_header_is_the_same_whatever_was_graded():
+    full = gradebook_rows([("a.ipynb", _graded(2, 1), "")], [ONE])[0]
+    assert gradebook_rows([("a.ipynb", None, "stopped: before this submission was graded")], [ONE])[0] == full
+    assert gradebook_rows([("a.ipynb", _graded(2, 1), "")])[0] == full  # from the results when not told
+
+
+class _FakeGrader:
+    """A grader that writes a full-marks results file at once (``interrupt``: Ctrl-C as the first one is polled)."""
+    interrupt = False
+
+    def __init__(self, argv, log):
+        out = Path(argv[argv.index("--results") + 1])
+        out.write_text(json.dumps({"score": 4, "output": "", "tests": [
+            {"number": "1.1", "score": 2, "max_score": 2, "output": "", "name": "n"},
+            {"number": "1.2", "score": 2, "max_score": 2, "output": "", "name": "n"}]}))
+        self.returncode = 0
+
+    def poll(self):
+        if _FakeGrader.interrupt:
+            raise KeyboardInterrupt
+        return 0
+
+    def terminate(self):
+        pass
+
+    kill = terminate
+
+    def wait(self, timeout=None):
+        return 0
+
+
+def _two_alices(tmp_path) -> list[Path]:
+    paths = []
+    for folder in ("sec1", "sec2"):
+        (tmp_path / folder).mkdir()
+        paths.append(_nb(tmp_path / folder / "alice.ipynb", "01_pipeline_bubble", ["x = 1"]))
+    return paths
+
+
+def test_a_batch_stopped_before_any_grade_has_the_assignments_columns(tmp_path, monkeypatch, capsys):
+    from labkit.grading import batch
+    monkeypatch.setattr(batch, "_Grader", _FakeGrader)
+    monkeypatch.setattr(_FakeGrader, "interrupt", True)
+    book = tmp_path / "grades.csv"
+    code = batch.grade_batch(_two_alices(tmp_path), tmp_path / "results", book, 1,
+                             ["--assignment", "01_pipeline_bubble"])
+    assert code == 130
+    rows = list(csv.reader(book.open()))
+    assert rows[0] == ["submission", "exercise 1.1", "exercise 1.2", "total", "max", "error"], rows
+    assert all(r[1:5] == ["0", "0", "0", "4"] and r[5].startswith("stopped:") for r in rows[1:]), rows
+
+
+def test_batch_lines_tell_two_files_of_the_same_name_apart(tmp_path, monkeypatch, capsys):
+    from labkit.grading import batch
+    monkeypatch.setattr(batch, "_Grader", _FakeGrader)
+    assert batch.grade_batch(_two_alices(tmp_path), None, None, 1, ["--assignment", "01_pipeline_bubble"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 2 and {line.split(": ")[0].split("] ")[1] for line in lines} == \
+        {os.path.join("sec1", "alice.ipynb"), os.path.join("sec2", "alice.ipynb")}, lines

@@ -9,14 +9,16 @@
   as in Jupyter (the notebook's folder first on ``sys.path``, writable). The graded kernel had
   no writable working folder of its own on ``sys.path``, so the import failed.
 
-One grader run of the solved notebook 01 holding both: full marks, and each habit's cell is named
-when a point is lost.
+One grader run of the solved notebook 01 holding both, started in the submission's folder with
+TMPDIR inside it: full marks, and each habit's cell is named when a point is lost.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -58,17 +60,27 @@ def _habits(folder: Path) -> Path:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="graded as root, as autograder containers do (full isolation)")
-def test_magics_beside_an_answer_and_files_of_ones_own_cost_no_point(tmp_path):
-    path = _habits(tmp_path)
-    p = subprocess.run([sys.executable, "-m", "labkit", "grade", str(path), "--assignment", "01_pipeline_bubble",
-                        "--cell-timeout", "120"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    out = p.stdout + p.stderr
-    assert "each kernel runs as a uid of its own" in p.stdout, out  # full isolation, as in a real grading
-    rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.split()[:1] in (["1.1"], ["1.2"])}
-    assert "2/2" in rows.get("1.1", ""), "1.1's answer cell under %%time, no check cell: not found or lost\n" + out
-    assert "2/2" in rows.get("1.2", ""), ("1.2's answer cell with %timeit, !echo, func? and no check cell, a module "
-                                          "written by %%writefile and imported, a CSV and a figure saved by "
-                                          "relative paths: lost points\n" + out)
-    assert "total 4/4 points" in p.stdout and p.returncode == 0, out
-    assert sorted(os.listdir(tmp_path)) == ["habits.ipynb"], "the kernel's files were left beside the submission"
+def test_magics_beside_an_answer_and_files_of_ones_own_cost_no_point():
+    # the grader started in the submission's folder, with its TMPDIR inside it, both open to every uid (as
+    # `cd /tmp` would be): `python -m` puts the working folder on the grader's sys.path; once bound into the
+    # kernel's root it hid the kernel's sockets and every kernel exited while starting
+    tmp_path = Path(tempfile.mkdtemp(prefix="labkit-habits-", dir="/tmp"))
+    try:
+        os.chmod(tmp_path, 0o755)
+        path = _habits(tmp_path)
+        (tmp_path / "tmp").mkdir(mode=0o755)
+        p = subprocess.run([sys.executable, "-m", "labkit", "grade", str(path), "--assignment", "01_pipeline_bubble",
+                            "--cell-timeout", "120"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path / "tmp")))
+        out = p.stdout + p.stderr
+        assert "each kernel runs as a uid of its own" in p.stdout, out  # full isolation, as in a real grading
+        rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.split()[:1] in (["1.1"], ["1.2"])}
+        assert "2/2" in rows.get("1.1", ""), "1.1's answer cell under %%time, no check cell: not found or lost\n" + out
+        assert "2/2" in rows.get("1.2", ""), ("1.2's answer cell with %timeit, !echo, func? and no check cell, a "
+                                              "module written by %%writefile and imported, a CSV and a figure saved "
+                                              "by relative paths: lost points\n" + out)
+        assert "total 4/4 points" in p.stdout and p.returncode == 0, out
+        assert sorted(os.listdir(tmp_path)) == ["habits.ipynb", "tmp"], "the kernel's files were left beside it"
+        assert not os.listdir(tmp_path / "tmp"), "the grader left files in TMPDIR"
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)

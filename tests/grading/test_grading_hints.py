@@ -147,6 +147,26 @@ def test_the_rules_let_a_leading_hint_through(hint):
     assert leaks(hint, exprs) == [], leaks(hint, exprs)
 
 
+# a hint that is an order ("Do not zero .grad inside the loop.") states the step to take; a hint asks about the
+# invariant instead ("what does .grad hold after two backward calls?")
+ORDER = re.compile(r"(?:^|[.?!:;]\s+)(?:do not|don't|never|always|you must|make sure)\b", re.I)
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.id)
+def test_no_hint_is_an_order(ex):
+    bad = {where: text for where, text in hints_of(ex) if ORDER.search(text)}
+    assert not bad, f"exercise {ex.id}: hints that give an order, not a question: {bad}"
+
+
+@pytest.mark.parametrize("hint, order", [
+    ("... give the full batch's gradient? Do not zero .grad inside the loop.", True),  # 2.3's old hint
+    ("Never call backward twice.", True),
+    ("Which side of it is safe? Experts 7 and 15 must not be chosen.", False),
+    ("what must the microbatch loop have left there when it ends?", False)])
+def test_the_order_rule_can_fail(hint, order):
+    assert bool(ORDER.search(hint)) is order
+
+
 # ----------------------------------------------------------------------------- rule 4: tokens
 # The rules above see code and formulas, not prose: "torch has one call that returns the k largest
 # values ... apply it to the probabilities ... divide by the sum over the k" passes them and is the

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from integrity_corpus import HONEST, copies
+from integrity_corpus import CALLS, HONEST, HONEST_NAMESAKES, copies
 
 from labkit.grading import integrity
 from labkit.grading.assignments import answer_name, defines
@@ -70,6 +70,37 @@ def test_copies_are_flagged_and_honest_answers_are_not(tmp_path):
     # measured: precision 1.00, recall 0.89; the one copy missed is 1.1 split into two one-line helpers,
     # too short (a line each) for fingerprints to tell from an honest answer
     assert precision == 1.0 and recall >= 0.85, report
+
+
+def test_an_answer_that_names_the_reference_is_flagged_and_honest_answers_are_not(tmp_path):
+    # 1.1 returning bubble_formula(K, M) is short: no similarity column sees it, and in the uid-only tier
+    # (references not withheld) it earns the points. It is flagged by name, with cell and lines, and ranks high.
+    tp = fp = fn = tn = 0
+    lines = []
+    for notebook, ex_id, label, code in CALLS:
+        row = _score(tmp_path, notebook, ex_id, code)
+        named = [f for f in row.flags if f.kind == "names reference"]
+        tp, fn = tp + bool(named), fn + (not named)
+        lines.append(f"call   {ex_id:5} {'FLAGGED' if named else 'missed '} {label}: "
+                     + "; ".join(f"{f.where()}: {f.what}" for f in named))
+        if named:
+            assert row.flagged and row.suspicion >= 1.0, row
+            assert all(f.cell >= 1 and 1 <= f.lines[0] <= f.lines[1] for f in named), named
+    for notebook, ex_id, label, code in HONEST + HONEST_NAMESAKES:
+        row = _score(tmp_path, notebook, ex_id, code)
+        named = [f for f in row.flags if f.kind == "names reference"]
+        fp, tn = fp + bool(named), tn + (not named)
+        lines.append(f"honest {ex_id:5} {'FLAGGED' if named else 'clear  '} {label}")
+    precision, recall = tp / max(1, tp + fp), tp / max(1, tp + fn)
+    report = "\n".join(lines + [f"precision {precision:.2f} recall {recall:.2f} ({tp} of {tp + fn} calls flagged, "
+                                f"{fp} of {fp + tn} honest answers flagged)"])
+    print(report)
+    assert precision == 1.0 and recall == 1.0, report
+    # the case: the from-import and the call are named, with their lines in the answer's cell
+    row = _score(tmp_path, *CALLS[0][:2], CALLS[0][3])
+    named = [f for f in row.flags if f.kind == "names reference"]
+    assert {f.lines for f in named} == {(2, 2), (3, 3)} and "bubble_formula" in named[0].what, named
+    assert "bubble_formula" in integrity.format_report([row]), integrity.format_report([row])
 
 
 def test_the_untouched_learner_notebook_matches_nothing(tmp_path):

@@ -22,14 +22,14 @@ def test_same_shape_tensors_say_where_and_how_much_they_differ():
     assert msg.startswith("out: tensors of shape (4, 8) differ in 1 of 32 elements; largest difference 0.5 at "
                           "index [2, 3]: expected 19, got 19.5; around it: expected [..., 18, 19, 20, 21, ...], "
                           "got [..., 18, 19.5, 20, 21, ...]"), msg
-    assert "expected tensor of shape" not in msg and "x expected everywhere" not in msg
+    assert "expected tensor of shape" not in msg and "x the expected values" not in msg
     assert _message(expect_equal, got, expected, "out") == msg  # exact comparison: same words
 
 
 def test_a_constant_factor_is_named():
     expected = torch.linspace(-1, 1, 12).reshape(3, 4)
     msg = _message(expect_close, 4 * expected, expected, "grad")
-    assert "differ in 12 of 12 elements" in msg and msg.endswith("; got is 4 x expected everywhere"), msg
+    assert "differ in 12 of 12 elements" in msg and msg.endswith("; got 4 x the expected values, everywhere"), msg
 
 
 def test_nan_counts_as_a_difference():
@@ -42,20 +42,21 @@ def test_nan_counts_as_a_difference():
 
 def test_scalars_are_numbers():
     assert _message(expect_close, torch.tensor(1.105), 1.0, "loss") == \
-        "loss: expected 1, got 1.105; got is 1.105 x expected"
+        "loss: expected 1, got 1.105; got 1.105 x the expected value"
     assert _message(expect_close, torch.tensor(1.105), torch.tensor(1.0), "loss") == \
-        "loss: expected 1, got 1.105; got is 1.105 x expected"
+        "loss: expected 1, got 1.105; got 1.105 x the expected value"
     assert _message(expect_equal, torch.tensor(3), torch.tensor(4), "n") == "n: expected 4, got 3"
-    assert _message(expect_equal, np.float64(0.25), 0.5, "p") == "p: expected 0.5, got 0.25; got is 0.5 x expected"
+    assert _message(expect_equal, np.float64(0.25), 0.5, "p") == \
+        "p: expected 0.5, got 0.25; got 0.5 x the expected value"
     assert "shape=()" not in _message(expect_close, torch.tensor([1.105]).reshape(()), 2.0, "x")
 
 
 @pytest.mark.parametrize("got, expected, factor", [
-    (0.04, 0.01, "; got is 4 x expected"),            # a loss not divided by M = 4
-    (torch.tensor(0.5), 1.0, "; got is 0.5 x expected"),
-    (-2.0, 2.0, "; got is -1 x expected"),            # a sign
-    (24, 48, "; got is 0.5 x expected"),              # ints: a whole factor is named
-    (96, 48, "; got is 2 x expected"),
+    (0.04, 0.01, "; got 4 x the expected value"),            # a loss not divided by M = 4
+    (torch.tensor(0.5), 1.0, "; got 0.5 x the expected value"),
+    (-2.0, 2.0, "; got -1 x the expected value"),            # a sign
+    (24, 48, "; got 0.5 x the expected value"),              # ints: a whole factor is named
+    (96, 48, "; got 2 x the expected value"),
     (3, 4, ""),                                       # ints: 0.75 says nothing
     (0.0, 1.0, ""), (1.0, 0.0, ""),                   # no factor to a zero
 ])
@@ -64,7 +65,7 @@ def test_scalars_name_a_constant_factor(got, expected, factor):
     if factor:
         assert msg.endswith(factor), msg
     else:
-        assert "x expected" not in msg, msg
+        assert "x the expected" not in msg, msg
 
 
 def test_small_tensors_show_their_values():
@@ -75,8 +76,8 @@ def test_small_tensors_show_their_values():
 
 def test_small_tensors_name_a_constant_factor():
     msg = _message(expect_close, torch.tensor([2.0, -4.0, 6.0]), torch.tensor([1.0, -2.0, 3.0]), "grad")
-    assert msg.endswith("; got is 2 x expected everywhere"), msg
-    assert "x expected" not in _message(expect_close, torch.tensor([2.0, 2.0]), torch.tensor([1.0, 3.0]), "v")
+    assert msg.endswith("; got 2 x the expected values, everywhere"), msg
+    assert "x the expected" not in _message(expect_close, torch.tensor([2.0, 2.0]), torch.tensor([1.0, 3.0]), "v")
 
 
 def test_shape_and_dtype_mismatches_are_unchanged():

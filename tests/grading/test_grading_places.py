@@ -6,16 +6,17 @@ copied into site-packages), with ``TMPDIR`` a fresh folder of mode 755 or 700. E
 solved notebook 01 as root: full marks, full isolation (a uid of its own, a file system of its
 own), and nothing left in ``TMPDIR``. Today's bug, for the control: before the fix every such
 install under /tmp graded 0 ("No module named 'labkit'": the private /tmp hid the kit). When the
-kernel's uid cannot import the kit (the kit's folder mode 700), the self-check at start stops
-the grader before grading with one line naming the cause and the fix (exit 2).
+kernel's uid cannot start Python with its packages (the venv's site-packages mode 700), the
+self-check at start stops the grader before grading with one line naming the cause and the fix
+(exit 2).
 
 A plain chroot (the grader installed under its /var/tmp, entered with ``chroot`` as root): full
 marks and full isolation where its folder is a mount point and /proc is mounted; a refusal
 naming cause and fix without /proc or where its folder is a plain folder. A Docker-like
 container (root without CAP_SYS_ADMIN, Docker's default capability set, by ``setpriv``): a
-refusal, and with ``--allow-partial-isolation`` full marks from a kernel that is not root under
-an output that says what it lacks. Each case checks that nothing is left: TMPDIR, /tmp and
-/var/tmp, processes, mounts.
+refusal, and with ``--allow-partial-isolation`` and a kit every uid may read an output that says
+the references are not withheld (the root-only kit, graded: ``test_autograder.py``). Each case
+checks that nothing is left: TMPDIR, /tmp and /var/tmp, processes, mounts.
 
 The venv is tiny: ``python -m venv --without-pip`` plus a ``.pth`` naming this environment's
 site-packages for torch and the other dependencies (their own ``.pth`` files, this checkout's
@@ -99,24 +100,34 @@ def test_a_grader_installed_anywhere_gives_full_marks_with_full_isolation_and_le
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def test_a_kit_the_kernel_uid_cannot_read_stops_the_grader_before_grading(tmp_path):
+def test_packages_the_kernel_uid_cannot_read_stop_the_grader_before_grading(tmp_path):
     base = Path(f"/tmp/labkit-place-refused-{os.getpid()}")
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
     try:
         py = _install(base, True)
-        os.chmod(base / "labkit", 0o700)  # the kernel's uid cannot enter the kit's folder
+        # the kernel's uid cannot enter the venv's site-packages (ipykernel, torch). A kit of mode 700 alone stops
+        # nothing: every kernel imports the grader's copy (the bundle's setup.sh makes the installed kit root-only)
+        site = next((base / ".venv" / "lib").glob("python3*/site-packages"))
+        os.chmod(site, 0o700)
         proc = _grade(py, tmpdir)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
         assert len(lines) == 1 and "cannot isolate" in lines[0] and "Fix:" in lines[0], proc.stderr
         assert "Traceback" not in proc.stderr and "points" not in proc.stdout  # stopped before grading
         assert sorted(os.listdir(tmpdir)) == [], "left in TMPDIR"
-        # control: the instructor may accept the weaker isolation, which the output then describes (the
-        # learner notebook as shipped: graded without a kernel, so the control costs no kernel start)
+        # --allow-partial-isolation waives no kernel as root: the same one line, nothing graded
         proc = _grade(py, tmpdir, "--allow-partial-isolation", folder="notebooks")
+        lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+        assert proc.returncode == 2 and len(lines) == 1 and "would run as root" in lines[0], proc.stdout + proc.stderr
+        assert "points" not in proc.stdout and sorted(os.listdir(tmpdir)) == [], proc.stdout
+        # control: the packages readable again, the same grader isolates fully although the kit stays root-only
+        # (the learner notebook as shipped: graded without a kernel, so the control costs no kernel start)
+        os.chmod(site, 0o755)
+        os.chmod(base / "labkit", 0o700)
+        proc = _grade(py, tmpdir, folder="notebooks")
         assert proc.returncode == 0 and "total 0/4 points" in proc.stdout, proc.stdout + proc.stderr
-        assert "isolation is partial" in proc.stdout and FULL not in proc.stdout, proc.stdout + proc.stderr
+        assert FULL in proc.stdout, proc.stdout + proc.stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -150,10 +161,6 @@ def chroot_dir():
         cell = next(c for c in nb["cells"] if c.get("id") == "01-05")
         cell["source"] = KERNEL_NOT_ROOT + "".join(cell["source"])
         (py.parents[2] / "solved-not-root.ipynb").write_text(json.dumps(nb))
-        # and one whose 1.1 hands over labkit's reference (it earns nothing where the reference is withheld)
-        cell["source"] = ("from labkit.pipeline.simulate import bubble_formula\n"
-                          "def bubble_fraction(K, M):\n    return float(bubble_formula(K, M))\n")
-        (py.parents[2] / "calls-reference.ipynb").write_text(json.dumps(nb))
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -233,22 +240,10 @@ def test_a_grader_in_a_docker_like_container_refuses_or_grades_with_an_honest_we
                       notebooks=("notebooks/01_pipeline_bubble.ipynb",))
     assert proc.returncode == 0 and "total 0/4 points" in proc.stdout, proc.stdout + proc.stderr
     assert "references are NOT withheld" in proc.stdout and FULL not in proc.stdout, proc.stdout
-    # with the installed kit root-only, the kernel imports the grader's copy: the solved notebook gets full
-    # marks from a kernel that is not root (its answer cell asserts it), an answer calling the reference
-    # earns nothing, and the output claims nothing it lacks
-    kit = next((chroot_dir / INSIDE.lstrip("/") / ".venv" / "lib").glob("python3*/site-packages/labkit"))
-    os.chmod(kit, 0o700)
-    try:
-        proc = _in_chroot(chroot_dir, "--allow-partial-isolation", docker=True,
-                          notebooks=("solved-not-root.ipynb", "calls-reference.ipynb"))
-    finally:
-        os.chmod(kit, 0o755)
-    out = proc.stdout + proc.stderr
-    assert "solved-not-root.ipynb (01_pipeline_bubble): 4/4 points" in proc.stdout, out
-    assert "calls-reference.ipynb (01_pipeline_bubble): 2/4 points" in proc.stdout and "withheld" in out, out
-    assert "isolation is partial: each kernel runs as a uid of its own" in proc.stdout, out
-    assert "readable by root only and the kernel imports the grader's copy" in proc.stdout, out
-    assert FULL not in proc.stdout and "NOT withheld" not in proc.stdout, out
+    # with the installed kit root-only (as the Gradescope bundle's setup.sh makes it) the kernel imports the
+    # grader's copy: full marks for the solved notebook from a kernel that is not root, nothing for an answer that
+    # reaches the reference, an output that claims nothing it lacks (test_autograder.py, the bundle in a tree
+    # laid out like Gradescope's, run as here without CAP_SYS_ADMIN)
 
 
 def test_the_bundles_run_side_refuses_as_the_grader_does(tmp_path, monkeypatch, capsys):
@@ -263,9 +258,18 @@ def test_the_bundles_run_side_refuses_as_the_grader_does(tmp_path, monkeypatch, 
     (tmp_path / "submission").mkdir()
     docker = ("cannot isolate the submissions' kernels: the grader runs as root without CAP_SYS_ADMIN. Fix: "
               "--cap-add SYS_ADMIN; or pass --allow-partial-isolation to grade with the weaker isolation")
-    monkeypatch.setattr(session, "isolation_problem", lambda *a: docker)
-    for allow, place, words in ((False, "", "build the bundle with --allow-partial-isolation"),
-                                (True, "/proc is not mounted here. Fix: mount it", "/proc is not mounted")):
+    monkeypatch.setattr(session, "isolation_problem",
+                        lambda limits=None, allow_partial=False: "" if allow_partial else docker)
+    monkeypatch.setattr(session, "kernel_user", lambda *a: None)  # what the self-check probed: its note below
+    monkeypatch.setattr(session, "isolation_note", lambda user: "isolation is partial: WHAT-IT-GIVES")
+    rebuild = ("without CAP_SYS_ADMIN. Fix: rebuild the bundle with --allow-partial-isolation (python -m labkit "
+               "autograder 01_pipeline_bubble --allow-partial-isolation --out autograder.zip), upload it and regrade; "
+               "here it then grades with this weaker isolation: WHAT-IT-GIVES. For full isolation instead, on a "
+               "machine whose container you configure: --cap-add SYS_ADMIN")
+    for allow, place, words in ((False, "", rebuild),
+                                (True, "/proc is not mounted here. Fix: mount it", "/proc is not mounted"),
+                                (False, "/proc is not mounted here. Fix: mount it", "/proc is not mounted here. Fix: "
+                                                                                    "mount it")):
         (tmp_path / "source" / autograder.CONFIG).write_text(json.dumps(
             {"assignment": "01_pipeline_bubble", "allow_partial_isolation": allow}))
         monkeypatch.setattr(session, "place_problem", lambda place=place: place)

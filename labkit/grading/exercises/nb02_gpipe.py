@@ -267,11 +267,14 @@ ex23 = exercise(
     "2.3", title="accumulate M microbatch gradients", notebook="02_gpipe", points=2,
     hint=("The full batch's loss is the MEAN over its samples, and each microbatch's loss is a mean over fewer: how "
           "must a microbatch's contribution be weighted so that the M backwards, which accumulate in .grad, give the "
-          "full batch's gradient? Do not zero .grad inside the loop."))
+          "full batch's gradient? And what does .grad hold after two backward calls in a row: what must the "
+          "microbatch loop have left there when it ends?"))
 ex23.hint2 = ("Check two things: that the loop makes M microbatches of equal size (print their shapes), and that the "
               "gradients you accumulate are weighted so that they make the batch's mean, not M times it.")
-ex23.hint_review = ("leads: asks how a microbatch's contribution must be weighted; names the invariant (M times too "
-                    "large) without the operation; reviewed 2026-12-06")
+ex23.hint_review = ("leads: asks how a microbatch's contribution must be weighted, and what .grad holds after two "
+                    "backward calls and must hold after the loop (the invariant, not an instruction on .grad); "
+                    "names M times too large without the operation; "
+                    "reviewed 2026-12-06")
 
 
 def _microbatched(M: int):
