@@ -16,6 +16,18 @@ every all-reduce itself and keeps the log the case judges (:attr:`Relay.sent`,
   isend, recv, irecv, all_reduce, get_rank and get_world_size by relay calls (other collectives
   raise, naming themselves). It runs in the learner's kernel: nothing it says is trusted.
 
+Point-to-point calls keep the semantics of gloo, the backend the notebooks run on: a blocking
+``send`` returns only once the receiver has posted the matching ``recv`` (gloo's
+``transport/tcp/pair.cc`` writes a message only after the receiver's "recv posted" notice; a
+2-rank ``dist.send`` before ``dist.recv`` on both ranks ends in "Timed out waiting ... for send
+operation to complete" even for one element), ``isend``/``irecv`` post at once and their
+``wait()`` blocks until the match (torch.distributed documents ``send``/``recv`` as synchronous,
+``isend``/``irecv`` as returning a request to wait on). Messages between one pair of ranks match
+in order: the k-th send from a to b is the k-th receive b posts from a. So a ring in which every
+rank sends first deadlocks here as on gloo; the relay sees that as a state (every rank joined and
+either blocked in it with nothing that can arrive, or gone) and releases every waiting rank at
+once with an error describing who waits for whom (also in :attr:`Relay.problems`).
+
 The relay cannot see ranks that move data by other means (files, pipes, shared memory), so the
 cases also require that the relay's messages alone carry what each rank's output needs.
 """
@@ -30,7 +42,6 @@ import struct
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -101,11 +112,11 @@ class Relay:
     """Grader side: delivers the messages of ``world_size`` ranks and logs them (see the module).
 
     Use as a context manager; pass :meth:`address` to the kernel side (:func:`run_ranks`).
-    ``timeout``: seconds during which every rank waits in the relay with nothing to deliver (a
-    deadlock) before each waiting rank gets an error naming what it waited for. The clock runs
-    only while all ``world_size`` ranks have joined and each is either blocked here or gone: a
-    rank still starting or computing (slow on a loaded machine) stops it, so only a real
-    deadlock is reported; the case's own deadline bounds everything else. ``max_messages``: sends
+    A deadlock is a state, declared as soon as it holds: all ``world_size`` ranks have joined and
+    each is either blocked here with nothing that can arrive or gone. A rank still starting or
+    computing (slow on a loaded machine) is neither, so only a real deadlock is reported; the
+    case's own deadline bounds everything else. Each waiting rank then gets an error describing
+    the deadlock (who waits for whom), which is also the first of :attr:`problems`. ``max_messages``: sends
     plus all-reduce calls in all before the relay refuses more (a runaway loop); it also keeps at most :data:`MAX_TOTAL`
     bytes of tensors and accepts at most ``4 * world_size + 4`` connections (a hostile kernel
     cannot make this process build unbounded memory or threads). After the ``with`` block :attr:`sent`
@@ -114,22 +125,26 @@ class Relay:
     mismatched shapes) are what the case judges.
     """
 
-    def __init__(self, world_size: int, timeout: float = 8.0, max_messages: int = 512):
+    def __init__(self, world_size: int, max_messages: int = 512):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-        self.world_size, self.timeout, self.max_messages = world_size, float(timeout), max_messages
+        self.world_size, self.max_messages = world_size, max_messages
         self.token = secrets.token_hex(16)
         self.sent: list[Message] = []
         self.reduced: list[Reduction] = []
         self.problems: list[str] = []
         self._cond = threading.Condition()
-        self._mail: dict[tuple[int, int], deque] = {}
+        self._mail: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # (src, dst) -> k -> message k
+        self._sends: dict[tuple[int, int], int] = {}  # (src, dst) -> sends posted
+        self._recvs: dict[tuple[int, int], int] = {}  # (src, dst) -> receives posted (by dst)
+        self._open: set[tuple] = set()  # (rank, "send"|"recv", peer, k): posted by isend/irecv, not waited on
         self._calls = [0] * world_size       # all-reduces issued per rank
         self._rounds: dict[int, dict] = {}   # index -> {rank: Reduction}, "result"
         self._ranks: set[int] = set()
         self._gone: set[int] = set()  # ranks whose connection closed
         self._blocked: dict[int, Callable[[], bool]] = {}  # rank -> what its wait needs (while it waits)
-        self._stuck: set[int] = set()  # ranks released by a declared deadlock (each gets the timeout error)
+        self._waiting_for: dict[int, tuple] = {}  # rank -> (kind, peer, its wait in words) while it waits
+        self._deadlock: str | None = None  # the deadlock, in words, once declared
         self._conns: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -253,9 +268,12 @@ class Relay:
                     return self._refuse(f"rank {rank} sent more than {MAX_TOTAL // 2 ** 20} MiB in all")
                 self._bytes += size
         if op == "send":
-            return self._send(rank, req.get("dst"), req.get("tensor"))
+            return self._send(rank, req.get("dst"), req.get("tensor"), req.get("wait") is not False)
         if op == "recv":
-            return self._recv(rank, req.get("src"), req.get("shape"), req.get("dtype"))
+            return self._recv(rank, req.get("src"), req.get("shape"), req.get("dtype"), req.get("wait") is not False)
+        if op in ("wait", "test"):
+            return self._complete(rank, req.get("kind"), req.get("peer"), req.get("index"), req.get("shape"),
+                                  req.get("dtype"), op == "wait")
         if op == "all_reduce":
             return self._all_reduce(rank, req.get("reduce"), req.get("tensor"))
         return self._refuse(f"rank {rank} asked the relay for {str(op)[:40]!r}")
@@ -264,35 +282,73 @@ class Relay:
         self.problems.append(why)
         return {"error": why}
 
-    def _send(self, rank: int, dst: Any, tensor: Any) -> dict:
+    def _send(self, rank: int, dst: Any, tensor: Any, wait: bool) -> dict:
+        """Post rank's next message to ``dst``; a blocking send (``wait``) then waits for the match."""
         if type(dst) is not int or not 0 <= dst < self.world_size or dst == rank:
             return self._refuse(f"rank {rank} sent to rank {dst!r} (ranks are 0..{self.world_size - 1}, not itself)")
         if not isinstance(tensor, torch.Tensor):
             return self._refuse(f"rank {rank} sent a {type(tensor).__name__}, not a tensor")
         msg = Message(rank, dst, tensor.detach().cpu().clone())
         with self._cond:
+            k = self._sends.get((rank, dst), 0)
+            self._sends[(rank, dst)] = k + 1
             self.sent.append(msg)
-            self._mail.setdefault((rank, dst), deque()).append(msg.tensor)
+            self._mail.setdefault((rank, dst), {})[k] = msg.tensor
             self._cond.notify_all()
-        return {"ok": True}
+            if not wait:
+                self._open.add((rank, "send", dst, k))
+                return {"ok": k}
+        return self._complete(rank, "send", dst, k, None, None, True, blocking=True)
 
-    def _recv(self, rank: int, src: Any, shape: Any, dtype: Any) -> dict:
+    def _recv(self, rank: int, src: Any, shape: Any, dtype: Any, wait: bool) -> dict:
+        """Post rank's next receive from ``src``; a blocking recv (``wait``) then waits for the message."""
         if type(src) is not int or not 0 <= src < self.world_size or src == rank:
             return self._refuse(f"rank {rank} received from rank {src!r} (ranks are 0..{self.world_size - 1}, "
                                 f"not itself)")
-        box = self._mail.setdefault((src, rank), deque())
         with self._cond:
-            deadlock = self._wait(rank, lambda: bool(box) or src in self._gone)
-            if not box:
-                if src in self._gone and not deadlock:
-                    return {"error": f"rank {rank} waited to receive from rank {src}, whose connection closed "
-                                     f"without sending it anything more"}
-                return {"error": f"rank {rank} timed out receiving from rank {src}, which sent it nothing more "
-                                 f"within {self.timeout:g} s"}
-            got = box.popleft()
+            k = self._recvs.get((src, rank), 0)
+            self._recvs[(src, rank)] = k + 1
+            self._cond.notify_all()
+            if not wait:
+                self._open.add((rank, "recv", src, k))
+                return {"ok": k}
+        return self._complete(rank, "recv", src, k, shape, dtype, True, blocking=True)
+
+    def _complete(self, rank: int, kind: Any, peer: Any, k: Any, shape: Any, dtype: Any, wait: bool,
+                  blocking: bool = False) -> dict:
+        """Wait for (``wait``) or test the ``k``-th send of ``rank`` to ``peer`` / receive from ``peer``:
+        a send is complete once ``peer`` has posted its ``k``-th receive from ``rank``, a receive once
+        ``peer`` has posted its ``k``-th send to ``rank`` (whose values it returns)."""
+        key = (rank, kind, peer, k)
+        with self._cond:
+            if not blocking:
+                if key not in self._open:
+                    return self._refuse(f"rank {rank} waited on a request the relay never gave it ({str(key)[:80]})")
+            if kind == "send":
+                def ready():
+                    return self._recvs.get((rank, peer), 0) > k
+                how = "a blocking send" if blocking else "the wait() of an isend"
+                doing = (f"in {how} to rank {peer} (message {k + 1} from rank {rank} to rank {peer}), which "
+                         f"has not posted the matching recv")
+            else:
+                box = self._mail.setdefault((peer, rank), {})
+
+                def ready():
+                    return k in box
+                how = "a recv" if blocking else "the wait() of an irecv"
+                doing = (f"in {how} from rank {peer} (message {k + 1} from rank {peer} to rank {rank}), which "
+                         f"rank {peer} has not sent")
+            if not wait:
+                return {"ok": ready()}
+            if not self._wait(rank, ready, (kind, peer, doing)):
+                return {"error": self._deadlock_error(rank)}
+            self._open.discard(key)
+            if kind == "send":
+                return {"ok": True}
+            got = box.pop(k)
         if list(got.shape) != list(shape or ()) or str(got.dtype).replace("torch.", "") != dtype:
             return self._refuse(f"rank {rank} received into a {dtype} tensor of shape {list(shape or ())} the "
-                                f"message rank {src} sent as {str(got.dtype).replace('torch.', '')} of shape "
+                                f"message rank {peer} sent as {str(got.dtype).replace('torch.', '')} of shape "
                                 f"{list(got.shape)} (a send and its receive must match)")
         return {"ok": got}
 
@@ -307,12 +363,14 @@ class Relay:
             round_ = self._rounds.setdefault(index, {})
             round_[rank] = item
             self._cond.notify_all()
-            deadlock = self._wait(rank, lambda: len(round_) >= self.world_size + ("result" in round_)
-                                  or bool(self._gone - set(round_)))
-            if deadlock or self._closed or len(round_) < self.world_size + ("result" in round_):
+
+            def ready():
+                return len(round_) >= self.world_size + ("result" in round_)
+            def doing():
                 missing = sorted(set(range(self.world_size)) - set(round_))
-                return {"error": f"rank {rank} timed out ({self.timeout:g} s) in its all-reduce number {index + 1} "
-                                 f"waiting for rank(s) {missing}, which never made that many all-reduces"}
+                return f"in its all-reduce number {index + 1}, which rank(s) {missing} never made"
+            if not self._wait(rank, ready, ("all_reduce", None, doing)):
+                return {"error": self._deadlock_error(rank)}
             if "result" not in round_:
                 round_["result"] = self._reduce(index, [round_[r] for r in range(self.world_size)])
             result = round_["result"]
@@ -320,38 +378,50 @@ class Relay:
             return {"error": result}
         return {"ok": result}
 
-    def _wait(self, rank: int, ready: Callable[[], bool]) -> bool:
-        """Block (holding ``self._cond``) until ``ready()``, the relay closes, or every rank has been
-        waiting here with nothing to deliver for ``timeout`` seconds in a row (see the class); True
-        for the last: then every rank waiting is released together, each with its timeout error
-        (not with the "connection closed" of a peer that got its own error first)."""
-        self._blocked[rank] = ready
+    def _wait(self, rank: int, ready: Callable[[], bool], doing: tuple) -> bool:
+        """Block (holding ``self._cond``) until ``ready()``: True; False when the relay closes or a
+        deadlock is declared (see the class), which releases every waiting rank at once. ``doing``:
+        (kind, peer, what it waits for in words, or a function giving them) for the description."""
+        self._blocked[rank], self._waiting_for[rank] = ready, doing
         try:
-            stuck_since = None
-            while not ready() and not self._closed:
-                if rank in self._stuck:
-                    self._stuck.discard(rank)
-                    return True
-                now = time.monotonic()
+            while not ready():
+                if self._closed or self._deadlock is not None:
+                    return False
                 if self._deadlocked():
-                    stuck_since = now if stuck_since is None else stuck_since
-                    if now - stuck_since >= self.timeout:
-                        self._stuck |= set(self._blocked) - {rank}
-                        self._cond.notify_all()
-                        return True
-                else:
-                    stuck_since = None
-                self._cond.wait(0.05 if stuck_since is None else min(0.05, self.timeout - (now - stuck_since)))
-            return False
+                    self._deadlock = self._describe_deadlock()
+                    self.problems.insert(0, self._deadlock)
+                    self._cond.notify_all()
+                    return False
+                self._cond.wait(0.2)
+            return True
         finally:
-            del self._blocked[rank]
-            self._stuck.discard(rank)
+            del self._blocked[rank], self._waiting_for[rank]
 
     def _deadlocked(self) -> bool:
-        """Every rank joined and is gone or blocked in the relay, and no blocked wait can go on."""
+        """Every rank joined and is gone or blocked in the relay, and no blocked wait can go on
+        (a blocked rank makes no request, so nothing can change: an exact test, no clock)."""
         return (len(self._ranks) == self.world_size
                 and all(r in self._blocked or r in self._gone for r in range(self.world_size))
                 and not any(ready() for ready in self._blocked.values()))
+
+    def _describe_deadlock(self) -> str:
+        waits = dict(sorted(self._waiting_for.items()))
+        if all(kind == "send" for kind, _, _ in waits.values()):
+            pairs = ", ".join(f"rank {r} to rank {peer}" for r, (_, peer, _) in waits.items())
+            return (f"deadlock: every rank still running is blocked in a send ({pairs}) and none is receiving. "
+                    f"A send completes only once its receiver has posted the matching recv (dist.send is "
+                    f"synchronous on gloo, the backend here), so while every rank waits in a send, nobody ever "
+                    f"receives")
+        said = "; ".join(f"rank {r} waits {w() if callable(w) else w}" for r, (_, _, w) in waits.items())
+        gone = sorted(self._gone)
+        if gone:
+            said += f"; rank(s) {gone} ended"
+        return f"deadlock: no rank can go on: {said}"
+
+    def _deadlock_error(self, rank: int) -> str:
+        if self._deadlock is None:
+            return f"rank {rank}: the relay closed while it waited"
+        return f"rank {rank} was stopped by a {self._deadlock}"
 
     def _reduce(self, index: int, items: list[Reduction]):
         first = items[0]
@@ -410,19 +480,37 @@ class _Client:
 
 
 class _Done:
-    """A finished request (what isend returns: the relay has the message already)."""
-
-    def __init__(self, then: Callable[[], Any] | None = None):
-        self._then = then
+    """A finished request (what an async all_reduce returns: the relay answered it already)."""
 
     def wait(self, *a, **k) -> bool:
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
         return True
 
     def is_completed(self) -> bool:
-        return self._then is None
+        return True
+
+
+class _Request:
+    """What isend/irecv return: a send or receive the relay has posted; ``wait()`` blocks until it
+    matches (the receiver posts its recv / the sender its send), ``is_completed()`` asks without
+    blocking. ``into``: the tensor an irecv fills."""
+
+    def __init__(self, client: "_Client", kind: str, peer: int, index: int, into: torch.Tensor | None = None):
+        self._client, self._into, self._done = client, into, False
+        self._req = {"kind": kind, "peer": peer, "index": index}
+        if into is not None:
+            self._req.update(shape=list(into.shape), dtype=str(into.dtype).replace("torch.", ""))
+
+    def wait(self, *a, **k) -> bool:
+        if not self._done:
+            got = self._client.call({"op": "wait", **self._req})
+            self._done = True
+            if self._into is not None:
+                with torch.no_grad():
+                    self._into.copy_(got)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._client.call({"op": "test", **self._req}))
 
 
 def _op_name(op) -> str:
@@ -437,6 +525,7 @@ def _install(client: _Client, world_size: int, allowed: tuple, refuse: Callable[
 
     def send(tensor, dst=None, group=None, tag=0, group_dst=None):
         client.call({"op": "send", "dst": dst if group_dst is None else group_dst, "tensor": tensor.detach()})
+        # returns once the receiver has posted the matching recv (gloo's dist.send: see the module)
 
     def recv(tensor, src=None, group=None, tag=0, group_src=None):
         src = src if group_src is None else group_src
@@ -447,11 +536,14 @@ def _install(client: _Client, world_size: int, allowed: tuple, refuse: Callable[
         return src
 
     def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-        send(tensor, dst, group, tag, group_dst)
-        return _Done()
+        dst = dst if group_dst is None else group_dst
+        k = client.call({"op": "send", "dst": dst, "tensor": tensor.detach(), "wait": False})
+        return _Request(client, "send", dst, k)
 
     def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-        return _Done(lambda: recv(tensor, src, group, tag, group_src))
+        src = src if group_src is None else group_src
+        k = client.call({"op": "recv", "src": src, "wait": False})
+        return _Request(client, "recv", src, k, into=tensor)
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         got = client.call({"op": "all_reduce", "reduce": _op_name(op), "tensor": tensor.detach()})
@@ -504,7 +596,7 @@ def _rank_main(body, rank, world_size, address, allowed, refuse, wfd, args) -> N
 def _waiting(error: tuple) -> bool:
     """A rank's error that only says it waited for a peer (the peer's own error is the cause)."""
     kind, message = error[0], error[1]
-    return kind == "ProcessDied" or "timed out" in message or "connection closed" in message
+    return kind == "ProcessDied" or any(s in message for s in ("deadlock", "timed out", "connection closed"))
 
 
 def _refused(name: str) -> BaseException:

@@ -109,3 +109,125 @@ def test_a_message_that_is_no_partial_sum_fails():
 
     assert_public_case_fails("0.2", doubled, "N=2 ranks", contains="message 1 (rank 0 to rank 1): its 6 values are "
                              "not a piece of the ranks' tensors summed over some ranks")
+
+
+def ring_blocking_send_first(ctx, tensor):
+    """Wrong: every rank calls a blocking send before its recv in both phases. The right indices and
+    sum, but on gloo dist.send waits for the matching recv, so no rank ever receives: a deadlock."""
+    n, r = ctx.world_size, ctx.rank
+    chunks = list(torch.tensor_split(tensor, n))
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        comm.send(chunks[(r - s) % n], (r + 1) % n)
+        comm.recv(incoming, (r - 1) % n)
+        chunks[(r - s - 1) % n] += incoming
+    for s in range(n - 1):
+        comm.send(chunks[(r + 1 - s) % n], (r + 1) % n)
+        comm.recv(chunks[(r - s) % n], (r - 1) % n)
+    return tensor
+
+
+def test_every_rank_sending_first_with_blocking_sends_is_a_deadlock_named_as_such():
+    t0 = time.monotonic()
+    res = assert_public_case_fails(
+        "0.2", ring_blocking_send_first, "N=2 ranks",
+        contains="deadlock: every rank still running is blocked in a send (rank 0 to rank 1, rank 1 to rank 0) "
+                 "and none is receiving")
+    assert res.passed == 0, res.message
+    assert time.monotonic() - t0 < 60  # a state the relay sees, not a timeout per case
+
+
+def ring_by_parity(ctx, tensor):
+    """Right: blocking send/recv, even ranks send first and odd ranks receive first."""
+    n, r = ctx.world_size, ctx.rank
+    chunks = list(torch.tensor_split(tensor, n))
+
+    def exchange(out, into):
+        if r % 2 == 0:
+            comm.send(out, (r + 1) % n)
+            comm.recv(into, (r - 1) % n)
+        else:
+            tmp = torch.empty_like(into)
+            comm.recv(tmp, (r - 1) % n)
+            comm.send(out, (r + 1) % n)
+            into.copy_(tmp)
+
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        exchange(chunks[(r - s) % n].clone(), incoming)
+        chunks[(r - s - 1) % n] += incoming
+    for s in range(n - 1):
+        exchange(chunks[(r + 1 - s) % n].clone(), chunks[(r - s) % n])
+    return tensor
+
+
+def ring_irecv_first(ctx, tensor):
+    """Right: post the irecv, then a blocking send, then wait (a sendrecv)."""
+    n, r = ctx.world_size, ctx.rank
+    chunks = list(torch.tensor_split(tensor, n))
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        req = comm.irecv(incoming, (r - 1) % n)
+        comm.send(chunks[(r - s) % n], (r + 1) % n)
+        req.wait()
+        chunks[(r - s - 1) % n] += incoming
+    for s in range(n - 1):
+        req = comm.irecv(chunks[(r - s) % n], (r - 1) % n)
+        comm.send(chunks[(r + 1 - s) % n], (r + 1) % n)
+        req.wait()
+    return tensor
+
+
+def test_rings_that_do_not_deadlock_on_gloo_pass():
+    assert_check_passes("0.2", ring_by_parity)
+    assert_check_passes("0.2", ring_irecv_first)
+
+
+def _ring_with(rs_send, rs_recv, ag_send, ag_recv, add_in_gather=False, gather=True):
+    def ring(ctx, tensor):
+        n, r = ctx.world_size, ctx.rank
+        chunks = list(torch.tensor_split(tensor, n))
+        for s in range(n - 1):
+            incoming = torch.empty_like(chunks[rs_recv(r, s, n)])
+            req = comm.isend(chunks[rs_send(r, s, n)].clone(), (r + 1) % n)
+            comm.recv(incoming, (r - 1) % n)
+            req.wait()
+            chunks[rs_recv(r, s, n)] += incoming
+        for s in range(n - 1 if gather else 0):
+            incoming = torch.empty_like(chunks[ag_recv(r, s, n)])
+            req = comm.isend(chunks[ag_send(r, s, n)].clone(), (r + 1) % n)
+            comm.recv(incoming, (r - 1) % n)
+            req.wait()
+            if add_in_gather:
+                chunks[ag_recv(r, s, n)] += incoming
+            else:
+                chunks[ag_recv(r, s, n)].copy_(incoming)
+        return tensor
+    return ring
+
+
+RS_SEND, RS_RECV = (lambda r, s, n: (r - s) % n), (lambda r, s, n: (r - s - 1) % n)
+AG_SEND, AG_RECV = (lambda r, s, n: (r + 1 - s) % n), (lambda r, s, n: (r - s) % n)
+
+
+def test_the_ring_helper_is_right_as_written():
+    assert_check_passes("0.2", _ring_with(RS_SEND, RS_RECV, AG_SEND, AG_RECV))
+
+
+def test_an_off_by_one_chunk_index_names_the_chunk_invariant_that_fails():
+    off = _ring_with(lambda r, s, n: (r - s - 1) % n, RS_RECV, AG_SEND, AG_RECV)  # reduce-scatter sends one too far
+    assert_public_case_fails("0.2", off, "N=2 ranks", contains="rank 0's chunk 0 is not a sum of the ranks' chunk 0 "
+                             "(nor of any other single chunk): parts of different chunks were added together")
+    off = _ring_with(RS_SEND, RS_RECV, lambda r, s, n: (r - s) % n, AG_RECV)  # the all-gather sends one too few
+    assert_public_case_fails("0.2", off, "N=2 ranks", contains="rank 0's chunk 0 ends holding values of chunk 1")
+
+
+def test_a_missing_all_gather_is_named():
+    half = _ring_with(RS_SEND, RS_RECV, AG_SEND, AG_RECV, gather=False)
+    res = assert_public_case_fails("0.2", half, "N=2 ranks", contains="ends with the complete sum in one chunk only")
+    assert "the all-gather phase, which passes each complete chunk round the ring, is missing" in res.message
+
+
+def test_adding_in_the_all_gather_names_a_value_counted_twice():
+    added = _ring_with(RS_SEND, RS_RECV, AG_SEND, AG_RECV, add_in_gather=True)
+    assert_public_case_fails("0.2", added, "N=2 ranks", contains="twice (a value counted twice)")

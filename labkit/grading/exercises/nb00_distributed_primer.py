@@ -76,7 +76,7 @@ ex02.hint2 = ("Write out N=3 on paper, step by step: which chunk index does rank
 ex02.hint_review = ("leads: names the ring's two phases (the notebook's own description) and asks which chunk index "
                     "moves and what happens to it; the learner derives the index arithmetic; reviewed 2026-12-06")
 
-CASE_TIMEOUT = 20.0  # seconds per case (up to 5 ranks plus a possible RING_TIMEOUT)
+CASE_TIMEOUT = 20.0  # seconds per case (up to 5 ranks, within RING_TIMEOUT)
 
 
 def _ring_inputs(N: int, numel: int, seed: int) -> list[torch.Tensor]:
@@ -92,8 +92,13 @@ def _ring_results(answer, N: int, numel: int, seed: int):
     """Run the learner's ring with every send/recv going through this process's relay: each
     rank's output, the messages the relay delivered, the inputs and the sum."""
     inputs = _ring_inputs(N, numel, seed)
-    with Relay(N, timeout=RING_TIMEOUT) as relay:
-        outputs = kernel_side(answer, _run_ring, inputs, relay.address())
+    with Relay(N) as relay:
+        try:
+            outputs = kernel_side(answer, _run_ring, inputs, relay.address())
+        except Exception:
+            if relay.problems:  # the relay's own account (a deadlock, a mismatched message) is the cause
+                raise CheckFailure(relay.problems[0]) from None
+            raise
     if relay.problems:
         raise CheckFailure(relay.problems[0])
     reference = torch.stack(inputs).double().sum(0).float()  # what all_reduce gives every rank
@@ -147,9 +152,87 @@ def _judge_messages(sent, inputs: list[torch.Tensor], what: str) -> None:
                                f"but nothing that rank {r} received by send/recv carried them")
 
 
+def _ranks_in(mask: int, N: int) -> list[int]:
+    return [k for k in range(N) if mask >> k & 1]
+
+
+def _diagnose(outputs, sent, inputs: list[torch.Tensor], reference: torch.Tensor, what: str) -> None:
+    """When some rank's output is wrong, name the ring's invariant that failed (the first found):
+    in the reduce-scatter phase the chunk a rank sends at step s (1..N-1) is summed over s ranks;
+    at the end every chunk of every rank counts each rank's tensor exactly once. Raises CheckFailure,
+    or returns (then the values are compared)."""
+    import itertools
+
+    N, n = len(inputs), inputs[0].numel()
+    if any(not isinstance(o, torch.Tensor) or o.shape != reference.shape for o in outputs):
+        return
+    if all(torch.allclose(o, reference, rtol=1e-5, atol=1e-5) for o in outputs):
+        return
+    for r in range(N):
+        mine = [m for m in sent if m.src == r][:N - 1]
+        for s, m in enumerate(mine):
+            found = _sources(m, inputs) if m.tensor.numel() else None
+            if found is None:
+                continue
+            ranks = _ranks_in(found[0], N)
+            if len(ranks) != s + 1:
+                raise CheckFailure(
+                    f"{what}: in the reduce-scatter phase, the chunk rank {r} sends at step {s + 1} should be summed "
+                    f"over {s + 1} rank(s)' tensors (each step adds one more rank's part), but it holds the sum over "
+                    f"rank(s) {ranks}: is it the chunk rank {r} added the received values into at the step before?")
+    stacked = torch.stack(inputs).double()
+    spans = [(j, int(c[0]), int(c[-1]) + 1) for j, c in enumerate(torch.tensor_split(torch.arange(n), N)) if len(c)]
+    coeffs = list(itertools.product(range(3), repeat=N))
+    for r in range(N):
+        def match(got, a, b):
+            return next((c for c in coeffs if torch.allclose(torch.tensor(c).double() @ stacked[:, a:b], got,
+                                                             rtol=1e-5, atol=1e-5)), None)
+        counted = {}
+        for j, a, b in spans:
+            got = outputs[r][a:b].double()
+            counted[j] = match(got, a, b)
+            if counted[j] is None or not any(counted[j]):
+                for i, a2, b2 in spans:
+                    if i != j and b2 - a2 == b - a and any(c := match(got, a2, b2) or (0,)):
+                        raise CheckFailure(
+                            f"{what}: rank {r}'s chunk {j} ends holding values of chunk {i} (summed over rank(s) "
+                            f"{[k for k in range(N) if c[k]]}): some step sent, or received into, another chunk than "
+                            f"the one the ring moves at that step. Which chunk index does rank r send at step s, "
+                            f"and which does it receive into?")
+                if counted[j] is None:
+                    raise CheckFailure(
+                        f"{what}: rank {r}'s chunk {j} is not a sum of the ranks' chunk {j} (nor of any other single "
+                        f"chunk): parts of different chunks were added together, so some step received into another "
+                        f"chunk than the one its neighbour sent. Which chunk index does rank r send at step s, and "
+                        f"which does it receive into?")
+        if any(c is None for c in counted.values()):
+            continue
+        for j, c in counted.items():
+            twice = [k for k in range(N) if c[k] > 1]
+            if twice:
+                raise CheckFailure(
+                    f"{what}: rank {r}'s chunk {j} counts the tensor(s) of rank(s) {twice} twice (a value counted "
+                    f"twice): once a chunk holds the complete sum, what must happen to it when it arrives again?")
+        complete = [j for j, c in counted.items() if all(x == 1 for x in c)]
+        partial = [(j, c) for j, c in counted.items() if j not in complete]
+        if partial:
+            j, c = partial[0]
+            have = [k for k in range(N) if c[k]]
+            if len(complete) == 1 and N > 1:
+                raise CheckFailure(
+                    f"{what}: rank {r} ends with the complete sum in one chunk only (chunk {complete[0]}); its "
+                    f"chunk {j} holds the sum over rank(s) {have} only. That is where the reduce-scatter phase "
+                    f"leaves a rank: the all-gather phase, which passes each complete chunk round the ring, is "
+                    f"missing or does not reach chunk {j}")
+            raise CheckFailure(
+                f"{what}: rank {r}'s chunk {j} holds the sum over rank(s) {have} only, without rank(s) "
+                f"{[k for k in range(N) if not c[k]]}: which ring step should have carried their part into it?")
+
+
 def _ring_case(N: int, numel: int, seed: int):
     def case(ring_all_reduce):
         outputs, sent, inputs, reference = _ring_results(ring_all_reduce, N, numel, seed)
+        _diagnose(outputs, sent, inputs, reference, f"N={N}, {numel} elements")
         for r in range(N):
             expect_close(outputs[r], reference,
                          f"rank {r} of N={N}, {numel} elements (compared with all_reduce)", rtol=1e-5, atol=1e-5)

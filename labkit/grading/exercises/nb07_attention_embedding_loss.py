@@ -217,7 +217,7 @@ def _ce_case(t: int, N: int, V: int, seed: int, offset: float = 0.0, scale: floa
              max_all_reduces: int | None = None):
     def case(vocab_parallel_ce):
         logits, target = _ce_data(N, V, seed, offset, scale, target_block, t)
-        with Relay(t, timeout=8) as relay:
+        with Relay(t) as relay:
             res = vocab_parallel_ce.run(_run_ce, t, logits, target, relay.address())
         if relay.problems:
             raise CheckFailure(relay.problems[0])
