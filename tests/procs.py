@@ -1,5 +1,7 @@
-"""Helpers shared by the fault tests: which processes are still alive (read from /proc)."""
+"""Helpers shared by the fault tests: which processes are still alive (read from /proc), and the
+clean-up that kills what a test started."""
 import os
+import signal
 
 
 def live_processes(*, ppid: int | None = None, pgid: int | None = None) -> list[int]:
@@ -17,3 +19,13 @@ def live_processes(*, ppid: int | None = None, pgid: int | None = None) -> list[
         if state != "Z" and ((ppid is not None and int(parent) == ppid) or (pgid is not None and int(group) == pgid)):
             out.append(int(pid))
     return out
+
+
+def kill_groups(procs) -> None:
+    """SIGKILL each ``subprocess.Popen`` in ``procs`` with its process group, and reap it (a test's clean-up)."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(10)

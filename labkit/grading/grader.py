@@ -744,8 +744,11 @@ def _print_integrity(grades, assignment: str | None) -> None:
     the instructor-only output (Gradescope: ``stdout_visibility`` hidden); never part of a score,
     and a failure here costs no grade."""
     try:
+        from . import integrity
         from .integrity import for_submissions, format_report
 
+        if not integrity.PER_GRADER:
+            return
         paths = [g.path for g in grades if g.graded]
         print(format_report(for_submissions(paths, assignment)))
     except Exception as e:  # noqa: BLE001

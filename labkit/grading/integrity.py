@@ -95,6 +95,10 @@ class _Def:
     function: bool = True  # a def or class (a helper), not a value the notebook assigned
 
 
+# False in a batch's forked graders: the batch writes one report for all of them (labkit.grading.batch)
+PER_GRADER = True
+
+
 def _definitions(cells) -> dict[str, _Def]:
     """Top-level functions, classes and assignments of ``cells`` ([(index, source)]); the last one
     of each name wins (as when the notebook runs top to bottom)."""

@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 
-from procs import live_processes
+from procs import kill_groups, live_processes
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -122,9 +122,4 @@ def test_sigterm_killed_rank_and_lost_node_under_torchrun(tmp_path):
         assert procs["node"][1].returncode == -signal.SIGKILL
     finally:
         for ps in procs.values():
-            for p in ps:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(10)
+            kill_groups(ps)

@@ -17,7 +17,7 @@ import textwrap
 import time
 from datetime import timedelta
 
-from procs import live_processes
+from procs import kill_groups, live_processes
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -72,12 +72,7 @@ def test_a_rank_whose_peer_was_stopped_first_waits_for_its_own_signal(tmp_path):
         err0 = procs[0].communicate(timeout=30)[1]
         err1 = procs[1].communicate(timeout=30)[1]
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(10)
+        kill_groups(procs)
     assert (procs[2].returncode, err2) == (130, "interrupted (Ctrl-C, SIGINT): rank 2 (node 0, local rank 2) "
                                                 "stopped\n"), err2
     assert (procs[0].returncode, err0) == (130, "interrupted (Ctrl-C, SIGINT): rank 0 (node 0, local rank 0) "
